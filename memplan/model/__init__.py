@@ -1,0 +1,1 @@
+"""Model sources and parameter inventories (no torch on the analytic path)."""

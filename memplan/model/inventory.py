@@ -1,0 +1,148 @@
+"""ParamInventory: every parameter tensor of a model, not just a count.
+
+Sharding is per tensor (FSDP2 pads each parameter's dim 0 to the shard count, ZeroRedundancyOptimizer assigns
+whole tensors, ZeRO-3 keeps tensors below a threshold whole, gather buffers are sized by the largest block), so
+the accounting needs the list of tensors, the block that owns each one (the unit FSDP would wrap: a decoder
+layer, or the root for embeddings / final norm / head) and which names alias the same storage (tied weights,
+counted once).
+
+This module is pure Python: it imports neither torch nor transformers.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from functools import cached_property
+from math import prod
+
+from memplan.units import dtype_bytes
+
+ROOT_BLOCK = ""  # owner of parameters outside every wrapped block (embeddings, final norm, head)
+
+CATEGORIES = ("embedding", "attention", "mlp", "experts", "router", "norm", "head", "other")
+
+_ROUTER_RE = re.compile(r"(\.gate\.weight$|shared_expert_gate\.)")
+
+
+def classify(name: str) -> str:
+    """Category of a parameter from its fully qualified name (shared by every builder)."""
+    last = name.rsplit(".", 2)
+    leaf = ".".join(last[-2:]) if len(last) >= 2 else name
+    low = name.lower()
+    if "embed_tokens" in low or "embed_in" in low or leaf.startswith(("wte.", "wpe.", "word_embeddings.")) or \
+            ".embeddings." in low or low.startswith("embeddings."):
+        return "embedding"
+    if low.startswith(("lm_head.", "embed_out.", "output.")):
+        return "head"
+    parts = low.split(".")
+    module = parts[-2] if len(parts) >= 2 else ""
+    if "norm" in module or module.startswith("ln") or module.endswith("_ln"):
+        return "norm"
+    if _ROUTER_RE.search(low):
+        return "router"
+    if ".experts." in low:
+        return "experts"
+    if "mlp" in low or "feed_forward" in low or ".ffn" in low or "shared_expert" in low:
+        return "mlp"
+    if "attn" in low or "attention" in low:
+        return "attention"
+    return "other"
+
+
+@dataclass(frozen=True, slots=True)
+class ParamTensor:
+    """One parameter tensor."""
+
+    name: str  #: fully qualified name of its first occurrence (module order)
+    shape: tuple[int, ...]
+    dtype: str  #: stored dtype (config torch_dtype or the checkpoint's header); training dtypes come from the recipe
+    block: str  #: owning block, ROOT_BLOCK for the root
+    category: str  #: one of CATEGORIES
+    tied_names: tuple[str, ...] = ()  #: other names that alias this same storage
+
+    @property
+    def numel(self) -> int:
+        return prod(self.shape) if self.shape else 1
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * dtype_bytes(self.dtype)
+
+    @property
+    def module(self) -> str:
+        """Path of the module that holds this parameter (what DeepSpeed ZeRO-3 gathers by hooks)."""
+        return self.name.rpartition(".")[0]
+
+
+@dataclass(frozen=True)
+class BlockInfo:
+    name: str
+    num_tensors: int
+    numel: int
+
+
+@dataclass(frozen=True)
+class ParamInventory:
+    """Every parameter tensor of one model, in module order, tied weights once."""
+
+    model_name: str
+    source: str  #: where the model came from ("preset gpt2", "config /x/config.json", ...)
+    builder: str  #: "analytic" (from the config, no torch) or "meta" (instantiated on the meta device)
+    family: str  #: model_type or the module's class
+    tensors: tuple[ParamTensor, ...]
+    notes: tuple[str, ...] = ()
+    #: Model dimensions the activation and buffer terms need (hidden size, layers, vocab, ...), when known.
+    dims: dict = field(default_factory=dict, compare=False)
+
+    @cached_property
+    def num_params(self) -> int:
+        return sum(t.numel for t in self.tensors)
+
+    @cached_property
+    def blocks(self) -> tuple[BlockInfo, ...]:
+        """Wrapped blocks in order of first appearance; the root block first."""
+        order: dict[str, list[int]] = {ROOT_BLOCK: [0, 0]}
+        for t in self.tensors:
+            entry = order.setdefault(t.block, [0, 0])
+            entry[0] += 1
+            entry[1] += t.numel
+        return tuple(BlockInfo(name, n, numel) for name, (n, numel) in order.items())
+
+    @property
+    def layer_blocks(self) -> tuple[BlockInfo, ...]:
+        return tuple(b for b in self.blocks if b.name != ROOT_BLOCK)
+
+    @cached_property
+    def largest_block(self) -> BlockInfo:
+        return max(self.blocks, key=lambda b: b.numel)
+
+    @cached_property
+    def largest_layer_block(self) -> BlockInfo | None:
+        layers = self.layer_blocks
+        return max(layers, key=lambda b: b.numel) if layers else None
+
+    @cached_property
+    def largest_tensor(self) -> ParamTensor:
+        return max(self.tensors, key=lambda t: t.numel)
+
+    @cached_property
+    def numel_by_category(self) -> dict[str, int]:
+        out = {c: 0 for c in CATEGORIES}
+        for t in self.tensors:
+            out[t.category] += t.numel
+        return {c: n for c, n in out.items() if n}
+
+    @cached_property
+    def bytes_by_dtype(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for t in self.tensors:
+            out[t.dtype] = out.get(t.dtype, 0) + t.nbytes
+        return out
+
+    @property
+    def tied(self) -> tuple[tuple[str, tuple[str, ...]], ...]:
+        return tuple((t.name, t.tied_names) for t in self.tensors if t.tied_names)
+
+    def block_tensors(self, block: str) -> tuple[ParamTensor, ...]:
+        return tuple(t for t in self.tensors if t.block == block)

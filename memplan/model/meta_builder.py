@@ -1,0 +1,133 @@
+"""General ParamInventory builder: instantiate the real module on the meta device (no memory, exact shapes).
+
+Works for any architecture transformers knows (never ``trust_remote_code``) and for a user's factory
+``pkg.module:callable``. Imports torch and transformers, so it is only used when the analytic builder does not
+know the family, or when asked for (``--builder meta``) and in the tests that compare the two.
+
+Owning block of a parameter = its nearest ancestor module whose class is listed in the model's
+``_no_split_modules`` (transformers' declaration of the unit that must stay whole: exactly the decoder layer
+that FSDP's transformer auto-wrap policy and DeepSpeed's module hooks treat as one), else the children of the
+largest ``nn.ModuleList`` (the layer stack of a plain PyTorch module), else the root.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Mapping
+from typing import Any
+
+from memplan.errors import ConfigError, ModelSourceError
+from memplan.model.families import config_dtype, model_dims
+from memplan.model.inventory import ROOT_BLOCK, ParamInventory, ParamTensor, classify
+
+
+def _block_names(model: Any) -> set[str]:
+    import torch.nn as nn
+
+    no_split = set(getattr(model, "_no_split_modules", None) or [])
+    if no_split:
+        names = {n for n, m in model.named_modules() if type(m).__name__ in no_split}
+        if names:
+            return names
+    lists = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.ModuleList)]
+    if not lists:
+        return set()
+    best_name, best = max(lists, key=lambda nm: sum(p.numel() for p in nm[1].parameters()))
+    return {f"{best_name}.{i}" if best_name else str(i) for i in range(len(best))}
+
+
+def inventory_from_module(model: Any, *, model_name: str, source: str, family: str, dtype: str | None = None,
+                          dims: Mapping[str, int] | None = None, notes: tuple[str, ...] = ()) -> ParamInventory:
+    """Walk ``named_parameters(remove_duplicate=False)``: first occurrence owns the tensor, later ones are ties."""
+    blocks = _block_names(model)
+    seen: dict[int, int] = {}
+    tensors: list[dict[str, Any]] = []
+    for name, p in model.named_parameters(remove_duplicate=False):
+        key = id(p)
+        if key in seen:
+            tensors[seen[key]]["tied_names"] += (name,)
+            continue
+        owner, parts = ROOT_BLOCK, name.split(".")
+        for i in range(len(parts) - 1, 0, -1):
+            prefix = ".".join(parts[:i])
+            if prefix in blocks:
+                owner = prefix
+                break
+        seen[key] = len(tensors)
+        tensors.append({"name": name, "shape": tuple(int(s) for s in p.shape),
+                        "dtype": dtype or str(p.dtype).removeprefix("torch."), "block": owner,
+                        "category": classify(name), "tied_names": ()})
+    return ParamInventory(model_name=model_name, source=source, builder="meta", family=family,
+                          tensors=tuple(ParamTensor(**t) for t in tensors), notes=notes, dims=dict(dims or {}))
+
+
+def build_meta_from_config(config: Mapping[str, Any], model_name: str, source: str) -> ParamInventory:
+    """Instantiate the transformers model for a config.json dict on the meta device."""
+    try:
+        import torch
+        import transformers
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoModel
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise ModelSourceError(f"building {model_name} needs torch and transformers ({exc})") from exc
+    model_type = config.get("model_type")
+    if not model_type:
+        raise ConfigError(f"config for {model_name} has no 'model_type'")
+    fields = {k: v for k, v in config.items() if k not in ("model_type", "auto_map", "quantization_config")}
+    try:
+        cfg = AutoConfig.for_model(model_type, **fields)
+    except ValueError as exc:
+        raise ConfigError(f"transformers {transformers.__version__} does not know model_type {model_type!r} "
+                          "(memplan never runs remote code)") from exc
+    except Exception as exc:
+        raise ConfigError(f"config for {model_name} is not valid for {model_type}: {exc}") from exc
+    classes = []
+    for arch in config.get("architectures") or []:
+        cls = getattr(transformers, arch, None)
+        if cls is not None:
+            classes.append(cls.from_config if hasattr(cls, "from_config") else cls._from_config)
+    classes += [AutoModelForCausalLM.from_config, AutoModel.from_config]
+    last: Exception | None = None
+    for make in classes:
+        try:
+            with torch.device("meta"):
+                model = make(cfg)
+            break
+        except Exception as exc:  # try the next class
+            last = exc
+    else:
+        raise ConfigError(f"transformers could not build {model_type} from this config: {last}")
+    return inventory_from_module(model, model_name=model_name, source=source, family=model_type,
+                                 dtype=config_dtype(config), dims=model_dims(config))
+
+
+def build_meta_from_factory(spec: str) -> ParamInventory:
+    """``pkg.module:callable`` returning an nn.Module, called under ``torch.device("meta")``."""
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise ModelSourceError(f"factory {spec!r} must look like pkg.module:callable")
+    try:
+        import torch
+    except ImportError as exc:  # pragma: no cover
+        raise ModelSourceError(f"factory {spec!r} needs torch ({exc})") from exc
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:
+        raise ModelSourceError(f"factory {spec!r}: cannot import {module_name!r}: {type(exc).__name__}: {exc}") from exc
+    fn: Any = module
+    for part in attr.split("."):
+        fn = getattr(fn, part, None)
+        if fn is None:
+            raise ModelSourceError(f"factory {spec!r}: {module_name!r} has no attribute {attr!r}")
+    if not callable(fn):
+        raise ModelSourceError(f"factory {spec!r}: {attr!r} is not callable")
+    try:
+        with torch.device("meta"):
+            model = fn()
+    except Exception as exc:
+        raise ModelSourceError(f"factory {spec!r} raised {type(exc).__name__}: {exc}") from exc
+    if not isinstance(model, torch.nn.Module):
+        raise ModelSourceError(f"factory {spec!r} returned {type(model).__name__}, not a torch.nn.Module")
+    cfg = getattr(model, "config", None)
+    dims = model_dims(cfg.to_dict()) if hasattr(cfg, "to_dict") else {}
+    return inventory_from_module(model, model_name=spec, source=f"factory {spec}", family=type(model).__name__,
+                                 dims=dims)

@@ -1,0 +1,315 @@
+"""Model sources, resolved in one place.
+
+A model argument is, in this order of precedence:
+1. a preset name (``memplan presets``), e.g. ``llama-7b``;
+2. a path to a config.json file;
+3. a model directory holding config.json, and possibly safetensors files (headers read, weights never loaded;
+   ``model.safetensors.index.json`` shards included);
+4. a Hugging Face repo id (``org/name``) found in the local HF cache — offline only, never the network;
+5. a Python factory ``pkg.module:callable`` returning an ``nn.Module`` (built on the meta device).
+
+Nothing here imports torch; only the factory and the meta builder do, lazily.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+import struct
+from dataclasses import dataclass, field, replace
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from memplan.errors import ConfigError, ModelSourceError
+from memplan.model import families
+from memplan.model.inventory import ParamInventory, ParamTensor
+from memplan.units import SAFETENSORS_DTYPES
+
+#: Short names that resolve to a preset file of another name.
+PRESET_ALIASES = {"llama-7b": "llama-2-7b", "llama-13b": "llama-2-13b", "llama-70b": "llama-2-70b",
+                  "llama-3.1-8b": "llama-3-8b", "llama-3.1-70b": "llama-3-70b", "llama-405b": "llama-3.1-405b"}
+
+#: safetensors' own parser refuses headers above 100,000,000 bytes (safetensors/src/tensor.rs, MAX_HEADER_SIZE).
+MAX_SAFETENSORS_HEADER_BYTES = 100_000_000
+#: A config.json is a few kilobytes; anything this large is not one.
+MAX_CONFIG_BYTES = 16 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class CheckpointTensor:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    file: str
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    name: str
+    kind: str  #: preset | config | directory | hf-cache | factory
+    description: str  #: human-readable origin, shown in output
+    config: dict[str, Any] | None = None
+    path: Path | None = None
+    checkpoint: tuple[CheckpointTensor, ...] = ()
+    factory: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _presets_dir() -> Path:
+    return Path(str(resources.files("memplan") / "presets"))
+
+
+def preset_names() -> list[str]:
+    return sorted(p.stem for p in (_presets_dir() / "models").glob("*.json"))
+
+
+def gpu_presets() -> dict[str, dict[str, Any]]:
+    out = {}
+    for p in sorted((_presets_dir() / "gpus").glob("*.json")):
+        out[p.stem] = json.loads(p.read_text())
+    return out
+
+
+def read_config(path: Path) -> dict[str, Any]:
+    """Read and check a config.json: exists, not empty, a JSON object with a model_type."""
+    try:
+        size = path.stat().st_size
+    except OSError as exc:
+        raise ModelSourceError(f"cannot read {path}: {exc.strerror or exc}") from exc
+    if size == 0:
+        raise ConfigError(f"{path} is empty")
+    if size > MAX_CONFIG_BYTES:
+        raise ConfigError(f"{path} is {size} bytes, too large for a config.json")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path} is not UTF-8 text") from exc
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path} is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path} must hold a JSON object, not {type(data).__name__}")
+    if "model_type" not in data:
+        raise ConfigError(f"{path} has no 'model_type' field (required to know the architecture)")
+    return data
+
+
+def read_safetensors_header(path: Path) -> list[CheckpointTensor]:
+    """Tensor names, shapes and dtypes from a .safetensors header; the weights are never read.
+
+    Format: 8-byte little-endian header length N, then N bytes of JSON. N is checked against the file size and
+    a hard cap before anything is read.
+    """
+    try:
+        size = path.stat().st_size
+        with path.open("rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise ConfigError(f"{path} is too short to be a safetensors file ({size} bytes)")
+            (n,) = struct.unpack("<Q", head)
+            if n > MAX_SAFETENSORS_HEADER_BYTES:
+                raise ConfigError(f"{path}: safetensors header length {n} exceeds the "
+                                  f"{MAX_SAFETENSORS_HEADER_BYTES}-byte limit; refusing to read it")
+            if n > size - 8:
+                raise ConfigError(f"{path}: safetensors header length {n} is larger than the file ({size} bytes)")
+            raw = f.read(n)
+    except OSError as exc:
+        raise ModelSourceError(f"cannot read {path}: {exc.strerror or exc}") from exc
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"{path}: safetensors header is not valid JSON") from exc
+    if not isinstance(header, dict):
+        raise ConfigError(f"{path}: safetensors header is not a JSON object")
+    out = []
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        if not isinstance(info, dict) or "shape" not in info or "dtype" not in info:
+            raise ConfigError(f"{path}: safetensors entry {name!r} lacks shape/dtype")
+        dtype = SAFETENSORS_DTYPES.get(info["dtype"])
+        if dtype is None:
+            raise ConfigError(f"{path}: tensor {name!r} has unknown dtype {info['dtype']!r}")
+        shape = info["shape"]
+        if not isinstance(shape, list) or not all(isinstance(s, int) and s >= 0 for s in shape):
+            raise ConfigError(f"{path}: tensor {name!r} has an invalid shape {shape!r}")
+        out.append(CheckpointTensor(name, tuple(shape), dtype, path.name))
+    return out
+
+
+def _read_checkpoint(directory: Path) -> tuple[CheckpointTensor, ...]:
+    index = directory / "model.safetensors.index.json"
+    files: list[Path]
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = sorted({directory / f for f in weight_map.values()})
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
+            raise ConfigError(f"{index} is not a valid safetensors index (needs a 'weight_map' object)") from exc
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise ModelSourceError(f"{index} names shards that are missing: {', '.join(missing[:3])}")
+    else:
+        files = sorted(directory.glob("*.safetensors"))
+    tensors: list[CheckpointTensor] = []
+    for f in files:
+        tensors.extend(read_safetensors_header(f))
+    return tuple(tensors)
+
+
+def _hf_cache_dirs() -> list[Path]:
+    dirs = []
+    for var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
+        if os.environ.get(var):
+            dirs.append(Path(os.environ[var]))
+    home = os.environ.get("HF_HOME")
+    dirs.append(Path(home) / "hub" if home else Path.home() / ".cache" / "huggingface" / "hub")
+    return dirs
+
+
+def _find_in_hf_cache(repo_id: str) -> Path | None:
+    """The snapshot directory of ``repo_id`` in the local cache (refs/main first, else the newest)."""
+    folder = "models--" + repo_id.replace("/", "--")
+    for cache in _hf_cache_dirs():
+        repo = cache / folder
+        snaps = repo / "snapshots"
+        if not snaps.is_dir():
+            continue
+        ref = repo / "refs" / "main"
+        if ref.is_file():
+            snap = snaps / ref.read_text().strip()
+            if (snap / "config.json").is_file():
+                return snap
+        candidates = sorted((p for p in snaps.iterdir() if (p / "config.json").is_file()),
+                            key=lambda p: p.stat().st_mtime, reverse=True)
+        if candidates:
+            return candidates[0]
+    return None
+
+
+def _from_directory(directory: Path, name: str, kind: str, description: str) -> ModelSource:
+    cfg_path = directory / "config.json"
+    if not cfg_path.is_file():
+        raise ModelSourceError(f"{directory} has no config.json")
+    return ModelSource(name=name, kind=kind, description=description, config=read_config(cfg_path),
+                       path=directory, checkpoint=_read_checkpoint(directory))
+
+
+def resolve(model: str) -> ModelSource:
+    """Turn a model argument into a ModelSource, or raise a one-line ModelSourceError."""
+    if not model or not model.strip():
+        raise ModelSourceError("model name is empty")
+    key = model.strip()
+    presets = preset_names()
+    canonical = PRESET_ALIASES.get(key.lower(), key.lower())
+    if canonical in presets:
+        path = _presets_dir() / "models" / f"{canonical}.json"
+        label = canonical if canonical == key else f"{canonical} (alias {key})"
+        return ModelSource(name=canonical, kind="preset", description=f"preset {label}", config=read_config(path),
+                           path=path)
+    path = Path(key).expanduser()
+    if path.is_file():
+        if path.suffix == ".safetensors":
+            return _from_directory(path.parent, path.parent.name, "directory", f"directory {path.parent}")
+        return ModelSource(name=path.parent.name if path.name == "config.json" else path.stem, kind="config",
+                           description=f"config {path}", config=read_config(path), path=path)
+    if path.is_dir():
+        return _from_directory(path, path.resolve().name, "directory", f"directory {path}")
+    if ":" in key and not key.startswith((".", "/")):
+        return ModelSource(name=key, kind="factory", description=f"factory {key}", factory=key)
+    if key.count("/") == 1 and not key.startswith((".", "/")) and not key.endswith(".json"):
+        snap = _find_in_hf_cache(key)
+        if snap is not None:
+            return _from_directory(snap, key, "hf-cache", f"hf cache {key} ({snap})")
+        raise ModelSourceError(f"{key!r} is not a preset, a path, or a repo in the local Hugging Face cache "
+                               "(memplan never downloads; put its config.json in a directory and pass the path)")
+    if key.endswith(".json") or os.sep in key:
+        raise ModelSourceError(f"no such file or directory: {key}")
+    close = difflib.get_close_matches(key.lower(), presets + list(PRESET_ALIASES), n=3, cutoff=0.5)
+    hint = f"; did you mean {', '.join(close)}?" if close else "; see `memplan presets`"
+    raise ModelSourceError(f"unknown preset {key!r}{hint}")
+
+
+def build_inventory(source: ModelSource, builder: str = "auto") -> ParamInventory:
+    """Inventory for a source: analytic when the family is known (no torch), else the meta-device builder.
+
+    ``builder`` is ``auto`` | ``analytic`` | ``meta``.
+    """
+    if builder not in ("auto", "analytic", "meta"):
+        raise ConfigError(f"unknown builder {builder!r}; use auto, analytic or meta")
+    notes: list[str] = []
+    if source.kind == "factory":
+        if builder == "analytic":
+            raise ConfigError("a factory module can only be built on the meta device (--builder meta)")
+        from memplan.model.meta_builder import build_meta_from_factory
+
+        return build_meta_from_factory(source.factory or "")
+    config = source.config or {}
+    if builder == "analytic" or (builder == "auto" and families.supports(config)):
+        inv = families.build_analytic(config, source.name, source.description)
+    else:
+        if builder == "auto":
+            notes.append(f"model_type {config.get('model_type')!r} has no analytic builder; "
+                         "built on the meta device with transformers")
+        from memplan.model.meta_builder import build_meta_from_config
+
+        inv = build_meta_from_config(config, source.name, source.description)
+    if source.checkpoint:
+        inv = _apply_checkpoint(inv, source.checkpoint, notes)
+    return replace(inv, notes=tuple(notes) + inv.notes) if notes else inv
+
+
+def _apply_checkpoint(inv: ParamInventory, ckpt: tuple[CheckpointTensor, ...], notes: list[str]) -> ParamInventory:
+    """Take stored dtypes from the checkpoint headers; report tensors present on one side only.
+
+    Checkpoint names may lack the model's top prefix (GPT-2's ``h.0...`` for ``transformer.h.0...``) or use an
+    older name, so they are matched by exact name first, then by suffix with the same shape.
+    """
+    by_name = {t.name: t for t in ckpt}
+    by_suffix: dict[str, CheckpointTensor] = {}
+    for t in ckpt:
+        parts = t.name.split(".")
+        for i in range(1, len(parts)):
+            by_suffix.setdefault(".".join(parts[i:]), t)
+    matched: set[str] = set()
+    tensors: list[ParamTensor] = []
+    unmatched_model = 0
+    for t in inv.tensors:
+        hit = None
+        for name in (t.name, *t.tied_names):
+            hit = by_name.get(name)
+            if hit is None:
+                parts = name.split(".")
+                for i in range(1, len(parts)):
+                    cand = by_suffix.get(".".join(parts[i:])) or by_name.get(".".join(parts[i:]))
+                    if cand is not None and cand.shape == t.shape:
+                        hit = cand
+                        break
+            if hit is not None:
+                break
+        if hit is None:
+            unmatched_model += 1
+            tensors.append(t)
+            continue
+        matched.add(hit.name)
+        if hit.shape != t.shape:
+            notes.append(f"checkpoint shape {hit.shape} of {hit.name} differs from the model's {t.shape}")
+        tensors.append(replace(t, dtype=hit.dtype))
+    extra = [t for t in ckpt if t.name not in matched]
+    extra_params = sum(_numel(t.shape) for t in extra)
+    dtypes = sorted({t.dtype for t in ckpt})
+    notes.append(f"checkpoint: {len(ckpt)} tensors in safetensors headers, stored as {', '.join(dtypes)}")
+    if extra:
+        notes.append(f"checkpoint has {len(extra)} tensors ({extra_params:,} elements) the model does not use, "
+                     f"e.g. {extra[0].name}")
+    if unmatched_model:
+        notes.append(f"{unmatched_model} model parameters not found in the checkpoint (dtype from config)")
+    return replace(inv, tensors=tuple(tensors))
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n

@@ -23,7 +23,10 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=N
 def _console(stderr: bool = False):
     from rich.console import Console
 
-    return Console(stderr=stderr, highlight=False, soft_wrap=False)
+    console = Console(stderr=stderr, highlight=False, soft_wrap=False)
+    if not console.is_terminal:
+        console.width = max(console.width, 110)  # pipes and CI logs: do not squeeze the tables to 80 columns
+    return console
 
 
 def _emit_json(obj: Any) -> None:
@@ -100,6 +103,142 @@ def inspect(
         c.print(f"tied: {t['name']} = {', '.join(t['aliases'])} (counted once)")
     for n in rep["notes"]:
         c.print(f"note: {n}")
+
+
+def _size_option(value: Optional[str], name: str) -> Optional[int]:
+    if value is None:
+        return None
+    from memplan.units import parse_size
+
+    try:
+        return parse_size(value)[0]
+    except MemplanError as exc:
+        raise MemplanError(f"{name}: {exc}") from None
+
+
+@app.command()
+def estimate(
+    model: str = typer.Argument(..., help="Preset name, config.json, model directory, cached repo id, or pkg.mod:fn."),
+    gpus: int = typer.Option(1, "--gpus", help="Total GPUs (data-parallel ranks)."),
+    gpus_per_node: Optional[int] = typer.Option(None, "--gpus-per-node", help="GPUs per node [default: min(gpus, 8)]."),
+    stage: Optional[int] = typer.Option(None, "--stage", help="DeepSpeed ZeRO stage 0-3 (shorthand for --strategy)."),
+    strategy: Optional[str] = typer.Option(None, "--strategy", help="ddp, zero0-3, zero-optimizer, fsdp-full, "
+                                           "fsdp-grad-op, fsdp-no-shard, hsdp [default: ddp]."),
+    micro_batch: Optional[int] = typer.Option(None, "--micro-batch", help="Micro-batch per GPU [default: 1]."),
+    seq_len: Optional[int] = typer.Option(None, "--seq-len", help="Sequence length [default: 2048]."),
+    grad_accum: Optional[int] = typer.Option(None, "--grad-accum", help="Gradient accumulation steps [default: 1]."),
+    precision: Optional[str] = typer.Option(None, "--precision", help="deepspeed-bf16, deepspeed-fp16, torch-amp, "
+                                            "fsdp-bf16, pure-bf16, fp32 [default: the strategy's framework's]."),
+    optimizer: Optional[str] = typer.Option(None, "--optimizer", help="adamw, adam, sgd, adafactor, adam8bit."),
+    optimizer_impl: Optional[str] = typer.Option(None, "--optimizer-impl", help="foreach, fused, single-tensor "
+                                                 "[default: fused for DeepSpeed, foreach for torch; cpu: single-tensor]."),
+    recompute: str = typer.Option("none", "--recompute", help="none | selective | full."),
+    attention: str = typer.Option("flash", "--attention", help="flash | sdpa | eager."),
+    gpu: Optional[str] = typer.Option(None, "--gpu", help="GPU preset (memplan presets) for the fit verdict."),
+    gpu_memory: Optional[str] = typer.Option(None, "--gpu-memory", help="GPU memory, e.g. 80GB (10^9) or 80GiB (2^30)."),
+    device: str = typer.Option("cuda", "--device", help="cuda, or cpu (the gloo harness: no CUDA/NCCL overheads)."),
+    deepspeed: Optional[str] = typer.Option(None, "--deepspeed", help="The job's ds_config.json."),
+    reduce_bucket_size: Optional[int] = typer.Option(None, help="DeepSpeed reduce_bucket_size (elements)."),
+    allgather_bucket_size: Optional[int] = typer.Option(None, help="DeepSpeed allgather_bucket_size (elements)."),
+    overlap_comm: Optional[bool] = typer.Option(None, "--overlap-comm/--no-overlap-comm", help="DeepSpeed overlap_comm."),
+    contiguous_gradients: Optional[bool] = typer.Option(None, "--contiguous-gradients/--no-contiguous-gradients"),
+    prefetch_bucket_size: Optional[int] = typer.Option(None, help="stage3_prefetch_bucket_size (elements)."),
+    param_persistence_threshold: Optional[int] = typer.Option(None, help="stage3_param_persistence_threshold."),
+    max_live_parameters: Optional[int] = typer.Option(None, help="stage3_max_live_parameters (elements)."),
+    max_reuse_distance: Optional[int] = typer.Option(None, help="stage3_max_reuse_distance (elements)."),
+    hpz_partition_size: Optional[int] = typer.Option(None, help="ZeRO++ hpZ zero_hpz_partition_size."),
+    offload_optimizer: Optional[bool] = typer.Option(None, "--offload-optimizer/--no-offload-optimizer"),
+    offload_param: Optional[bool] = typer.Option(None, "--offload-param/--no-offload-param"),
+    reshard_after_forward: Optional[str] = typer.Option(None, help="FSDP2: true, false, or a group size (int)."),
+    hsdp_shard_size: Optional[int] = typer.Option(None, help="HSDP shard group size [default: gpus per node]."),
+    fsdp_version: int = typer.Option(2, help="FSDP version: 2 (fully_shard) or 1 (FlatParameter)."),
+    cpu_offload: bool = typer.Option(False, "--cpu-offload", help="FSDP CPUOffloadPolicy."),
+    bucket_cap_mb: Optional[int] = typer.Option(None, help="DDP bucket_cap_mb [default: 25]."),
+    gradient_as_bucket_view: bool = typer.Option(False, "--gradient-as-bucket-view", help="DDP gradient_as_bucket_view."),
+    cuda_context: Optional[str] = typer.Option(None, help="CUDA context size [default: 512MiB]."),
+    nccl_per_communicator: Optional[str] = typer.Option(None, help="NCCL buffers per communicator [default: 1GiB]."),
+    fragmentation_percent: Optional[int] = typer.Option(None, help="Allocator fragmentation, % of peak [default: 5]."),
+    builder: str = typer.Option("auto", help="Inventory builder: auto | analytic | meta."),
+    as_json: bool = typer.Option(False, "--json", help="Print the schema-v1 JSON object on stdout."),
+) -> None:
+    """Per-GPU peak bytes of a training job, by category and phase, with overheads and the fit verdict.
+
+    Exit code 1 when a GPU size is given and the job does not fit.
+    """
+    from memplan import accounting, options
+    from memplan.model import sources
+    from memplan.report import plan_report
+
+    inv = sources.build_inventory(sources.resolve(model), builder=builder)
+    resolved = options.resolve(
+        inv, gpus=gpus, gpus_per_node=gpus_per_node, stage=stage, strategy=strategy, precision=precision,
+        optimizer=optimizer, optimizer_impl=optimizer_impl, micro_batch=micro_batch, seq_len=seq_len,
+        grad_accum=grad_accum, recompute=recompute, attention=attention, gpu=gpu, gpu_memory_size=gpu_memory,
+        device=device, deepspeed=deepspeed,
+        ds_overrides=dict(reduce_bucket_size=reduce_bucket_size, allgather_bucket_size=allgather_bucket_size,
+                          overlap_comm=overlap_comm, contiguous_gradients=contiguous_gradients,
+                          prefetch_bucket_size=prefetch_bucket_size,
+                          param_persistence_threshold=param_persistence_threshold,
+                          max_live_parameters=max_live_parameters, max_reuse_distance=max_reuse_distance,
+                          hpz_partition_size=hpz_partition_size, offload_optimizer=offload_optimizer,
+                          offload_param=offload_param),
+        torch_overrides=dict(reshard_after_forward=options.parse_reshard(reshard_after_forward),
+                             hsdp_shard_size=hsdp_shard_size, fsdp_version=fsdp_version, cpu_offload=cpu_offload,
+                             bucket_cap_mb=bucket_cap_mb, gradient_as_bucket_view=gradient_as_bucket_view),
+        overhead_overrides=dict(cuda_context_bytes=_size_option(cuda_context, "--cuda-context"),
+                                nccl_bytes_per_communicator=_size_option(nccl_per_communicator,
+                                                                         "--nccl-per-communicator"),
+                                fragmentation_percent=fragmentation_percent))
+    plan = accounting.estimate(inv, resolved.settings)
+    rep = plan_report(plan, resolved.sources, resolved.notes)
+    if as_json:
+        _emit_json(rep)
+    else:
+        _render_plan(rep)
+    if plan.fits is False:
+        raise typer.Exit(1)
+
+
+_CATEGORY_LABELS = (("weights_bytes", "weights"), ("master_weights_bytes", "master weights"),
+                    ("grads_bytes", "gradients"), ("optimizer_states_bytes", "optimizer states"),
+                    ("activations_bytes", "activations"), ("buffers_bytes", "buffers"))
+
+
+def _render_plan(rep: dict) -> None:
+    c = _console()
+    m, st, cl, pg = rep["model"], rep["strategy"], rep["cluster"], rep["per_gpu"]
+    c.print(f"[bold]{m['name']}[/bold] ({m['num_params']:,} params) · {st['name']} ({st['framework']}) · "
+            f"{cl['gpus']} GPU(s), {cl['gpus_per_node']}/node · shard group {st['shard_group']} · "
+            f"{st['precision']} · {st['optimizer']}")
+    c.print(f"micro-batch {st['micro_batch']} × seq {st['seq_len']}, grad-accum {st['grad_accum']}, "
+            f"recompute {st['recompute']}, attention {st['attention']}, device {cl['device']}")
+    phases = rep["phases"]
+    cols = [("per GPU (GiB = 2^30 B)", "left")] + [(p["name"] + (" ◀ peak" if p["name"] == pg["peak_phase"] else ""),
+                                                    "right") for p in phases]
+    rows = [[label] + [fmt_bytes(p[key]) for p in phases] for key, label in _CATEGORY_LABELS]
+    rows.append(["[bold]total allocated[/bold]"] + [f"[bold]{fmt_bytes(p['total_bytes'])}[/bold]" for p in phases])
+    c.print(_table("Bytes per GPU by phase (worst rank); buffers = buckets, gathered params, step scratch",
+                   cols, rows))
+    od = rep["overhead_detail"]
+    over = ", ".join(f"{k.removesuffix('_bytes').replace('_', ' ')} {fmt_bytes(v)}" for k, v in od.items()) or "none"
+    c.print(f"peak allocated: [bold]{fmt_bytes(pg['peak_bytes'])}[/bold] ({pg['peak_bytes']:,} B) in "
+            f"{pg['peak_phase']}   overheads: {fmt_bytes(pg['overhead_bytes'])} ({over})")
+    c.print(f"required per GPU: [bold]{fmt_bytes(pg['required_bytes'])}[/bold]")
+    if rep["host_bytes_per_node"]:
+        c.print(f"host RAM per node for offloaded states: {fmt_bytes(rep['host_bytes_per_node'])}")
+    if rep["fits"] is None:
+        c.print("fit: no GPU given (use --gpu NAME or --gpu-memory SIZE)")
+    elif rep["fits"]:
+        c.print(f"[green]FITS[/green] on {fmt_bytes(cl['gpu_memory_bytes'])}: headroom "
+                f"{fmt_bytes(rep['headroom_bytes'])}")
+    else:
+        c.print(f"[red]DOES NOT FIT[/red] on {fmt_bytes(cl['gpu_memory_bytes'])}: short by "
+                f"{fmt_bytes(-rep['headroom_bytes'])}")
+    a = rep["assumptions"]
+    shown = {k: v for k, v in a.items() if k not in ("setting_sources",)}
+    c.print("assumptions: " + "; ".join(f"{k}={v}" for k, v in shown.items()), soft_wrap=True)
+    for n in rep["notes"]:
+        c.print(f"note: {n}", soft_wrap=True)
 
 
 def _version_callback(value: bool) -> None:

@@ -27,3 +27,46 @@ def inspect_report(inv: ParamInventory) -> dict[str, Any]:
         "dims": inv.dims,
         "notes": list(inv.notes),
     }
+
+
+def plan_report(plan: Any, sources: dict[str, str] | None = None, notes: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The schema-v1 JSON object of an estimate (DESIGN.md, Contracts)."""
+    from dataclasses import asdict
+
+    s, inv, peak = plan.settings, plan.inventory, plan.peak
+    st = s.strategy
+    strategy: dict[str, Any] = {"name": st.name, "framework": st.framework, "description": st.description,
+                                "zero_stage": st.zero_stage, "shard_group": plan.shard_group,
+                                "precision": s.recipe.name, "optimizer": s.optimizer.name,
+                                "micro_batch": s.micro_batch, "seq_len": s.seq_len, "grad_accum": s.grad_accum,
+                                "recompute": s.recompute, "attention": s.attention}
+    if st.framework == "deepspeed":
+        strategy["deepspeed"] = asdict(s.ds)
+    else:
+        strategy["torch"] = asdict(s.torch)
+    per_gpu = {k: getattr(peak, k) for k in ("weights_bytes", "master_weights_bytes", "grads_bytes",
+                                              "optimizer_states_bytes", "activations_bytes", "buffers_bytes")}
+    per_gpu.update(overhead_bytes=plan.overhead_bytes, peak_bytes=plan.peak_bytes, peak_phase=peak.name,
+                   required_bytes=plan.required_bytes)
+    assumptions = dict(plan.assumptions)
+    assumptions.update(recipe=s.recipe.description, optimizer=s.optimizer.description,
+                       overheads=asdict(s.overheads) if s.cluster.device == "cuda" else "none (device cpu)",
+                       device=s.cluster.device, builder=inv.builder)
+    if sources:
+        assumptions["setting_sources"] = sources
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "model": {"name": inv.model_name, "source": inv.source, "num_params": inv.num_params, "family": inv.family},
+        "strategy": strategy,
+        "cluster": {"gpus": s.cluster.gpus, "gpus_per_node": s.cluster.gpus_per_node,
+                    "gpu_memory_bytes": s.cluster.gpu_memory_bytes, "device": s.cluster.device},
+        "per_gpu": per_gpu,
+        "phases": [{"name": p.name, **{k: getattr(p, k) for k in per_gpu if k.endswith("_bytes")
+                                       and hasattr(p, k)}, "total_bytes": p.total_bytes} for p in plan.phases],
+        "overhead_detail": plan.overhead_detail,
+        "host_bytes_per_node": plan.host_bytes_per_node,
+        "fits": plan.fits,
+        "headroom_bytes": plan.headroom_bytes,
+        "assumptions": assumptions,
+        "notes": list(inv.notes) + list(notes),
+    }

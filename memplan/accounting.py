@@ -1,0 +1,347 @@
+"""Accounting: inventory + settings -> Plan. Pure integer arithmetic; no torch, no printing.
+
+Per rank, per phase (forward, loss, backward start/end, optimizer step), the bytes of every category:
+weights, master weights, gradients, optimizer states, activations, buffers. The reported peak is the maximum
+over phases, with the phase named. Overheads (CUDA context, NCCL, fragmentation) are separate and only enter
+the fit verdict. Every framework default used is in ``assumptions``.
+
+Layout-dependent sizes (shard numel per rank, gathered block sizes) are computed once per
+(inventory, layout, shard count) and cached, which is what lets the planner evaluate many configurations.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from memplan import activations as act
+from memplan import layouts
+from memplan.errors import SettingsError
+from memplan.model.inventory import ParamInventory
+from memplan.precision import OPTIMIZER_IMPLS, Optimizer, Recipe
+from memplan.strategies import Strategy
+from memplan.units import GiB, MiB
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeepSpeedKnobs:
+    """DeepSpeed ZeRO knobs with DeepSpeed's own defaults (deepspeed/runtime/zero/config.py, 0.19)."""
+
+    reduce_bucket_size: int = 500_000_000  #: elements; ipg bucket(s) of this many grads
+    allgather_bucket_size: int = 500_000_000  #: elements; ZeRO-1/2 all-gather chunking (in place here)
+    overlap_comm: bool | None = None  #: None -> DeepSpeed's default: True for stage 3, False otherwise
+    contiguous_gradients: bool = True
+    prefetch_bucket_size: int = 50_000_000  #: stage3_prefetch_bucket_size, elements
+    param_persistence_threshold: int = 100_000  #: stage3_param_persistence_threshold, elements
+    max_live_parameters: int = 1_000_000_000  #: stage3_max_live_parameters, elements
+    max_reuse_distance: int = 1_000_000_000  #: stage3_max_reuse_distance, elements
+    sub_group_size: int = 1_000_000_000
+    hpz_partition_size: int = 1  #: zero_hpz_partition_size (ZeRO++ secondary partition within a node)
+    offload_optimizer: bool = False  #: offload_optimizer.device == "cpu"
+    offload_param: bool = False  #: offload_param.device == "cpu" (stage 3 only)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TorchKnobs:
+    bucket_cap_mb: int = 25  #: DDP default (torch/nn/parallel/distributed.py)
+    gradient_as_bucket_view: bool = False  #: DDP default
+    reshard_after_forward: bool | int | None = None  #: FSDP2; None -> the strategy's default
+    hsdp_shard_size: int | None = None  #: HSDP shard group size; None -> gpus per node
+    fsdp_version: int = 2
+    cpu_offload: bool = False  #: FSDP CPUOffloadPolicy: sharded params, grads and states on the host
+
+
+@dataclass(frozen=True, kw_only=True)
+class Overheads:
+    """Terms outside the allocator's count, added for the fit verdict only (device cuda)."""
+
+    #: CUDA context + kernels loaded lazily: typically 0.3-0.6 GiB on A100/H100 with CUDA 12 lazy loading.
+    cuda_context_bytes: int = 512 * MiB
+    #: NCCL buffers per communicator: 0.5-1.6 GB observed on A100/H100 (NCCL issues #864, #964).
+    nccl_bytes_per_communicator: int = 1 * GiB
+    #: Caching-allocator fragmentation (reserved - allocated) as a fraction of the allocated peak.
+    fragmentation_percent: int = 5
+
+
+@dataclass(frozen=True, kw_only=True)
+class Cluster:
+    gpus: int = 1
+    gpus_per_node: int = 8
+    gpu_memory_bytes: int | None = None
+    device: str = "cuda"  #: cuda | cpu (the gloo harness: no CUDA context, NCCL or allocator rounding)
+
+    def __post_init__(self) -> None:
+        if self.gpus < 1:
+            raise SettingsError(f"--gpus must be at least 1, got {self.gpus}")
+        if self.gpus_per_node < 1:
+            raise SettingsError(f"--gpus-per-node must be at least 1, got {self.gpus_per_node}")
+        if self.gpus > self.gpus_per_node and self.gpus % self.gpus_per_node:
+            raise SettingsError(f"gpus({self.gpus}) is not a multiple of gpus_per_node({self.gpus_per_node})")
+        if self.device not in ("cuda", "cpu"):
+            raise SettingsError(f"--device must be cuda or cpu, got {self.device!r}")
+
+    @property
+    def ranks_per_node(self) -> int:
+        return min(self.gpus, self.gpus_per_node)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Settings:
+    strategy: Strategy
+    recipe: Recipe
+    optimizer: Optimizer
+    cluster: Cluster
+    optimizer_impl: str | None = None  #: foreach | fused | single-tensor; None -> the framework's default
+    micro_batch: int = 1
+    seq_len: int = 2048
+    grad_accum: int = 1
+    recompute: str = "none"
+    attention: str = "flash"
+    ds: DeepSpeedKnobs = field(default_factory=DeepSpeedKnobs)
+    torch: TorchKnobs = field(default_factory=TorchKnobs)
+    overheads: Overheads = field(default_factory=Overheads)
+
+    def __post_init__(self) -> None:
+        for name in ("micro_batch", "seq_len", "grad_accum"):
+            if getattr(self, name) < 1:
+                raise SettingsError(f"{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        if self.optimizer_impl is not None and self.optimizer_impl not in OPTIMIZER_IMPLS:
+            raise SettingsError(f"unknown optimizer implementation {self.optimizer_impl!r}; "
+                                f"valid: {', '.join(OPTIMIZER_IMPLS)}")
+
+
+CATEGORY_KEYS = ("weights_bytes", "master_weights_bytes", "grads_bytes", "optimizer_states_bytes",
+                 "activations_bytes", "buffers_bytes")
+
+
+@dataclass(frozen=True)
+class Phase:
+    name: str
+    weights_bytes: int
+    master_weights_bytes: int
+    grads_bytes: int
+    optimizer_states_bytes: int
+    activations_bytes: int
+    buffers_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(getattr(self, k) for k in CATEGORY_KEYS)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The per-GPU prediction for one configuration (worst rank)."""
+
+    settings: Settings
+    inventory: ParamInventory
+    phases: tuple[Phase, ...]
+    peak: Phase
+    overhead_bytes: int
+    overhead_detail: dict[str, int]
+    host_bytes_per_node: int
+    shard_group: int
+    assumptions: dict[str, Any]
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.peak.total_bytes
+
+    @property
+    def required_bytes(self) -> int:
+        return self.peak_bytes + self.overhead_bytes
+
+    @property
+    def fits(self) -> bool | None:
+        mem = self.settings.cluster.gpu_memory_bytes
+        return None if mem is None else self.required_bytes <= mem
+
+    @property
+    def headroom_bytes(self) -> int | None:
+        mem = self.settings.cluster.gpu_memory_bytes
+        return None if mem is None else mem - self.required_bytes
+
+
+def shard_group_size(s: Settings) -> int:
+    """Ranks a sharded tensor is split over (HSDP: within a node, or --hsdp-shard-size)."""
+    c = s.cluster
+    if not (s.strategy.shard_optimizer or s.strategy.shard_params or s.strategy.shard_grads):
+        return 1
+    if s.strategy.shard_within_node:
+        size = s.torch.hsdp_shard_size or c.ranks_per_node
+        if size < 1 or c.gpus % size:
+            raise SettingsError(f"gpus({c.gpus}) is not a multiple of the HSDP shard size({size})")
+        return size
+    return c.gpus
+
+
+def _optimizer_impl(s: Settings) -> str:
+    if s.optimizer_impl:
+        return s.optimizer_impl
+    if s.cluster.device == "cpu":
+        return "single-tensor"  # torch.optim's default off CUDA (_default_to_fused_or_foreach)
+    # DeepSpeed builds FusedAdam on CUDA; torch.optim defaults to foreach on CUDA.
+    return "fused" if s.strategy.framework == "deepspeed" else "foreach"
+
+
+def estimate(inv: ParamInventory, s: Settings) -> Plan:
+    """The Plan for one configuration."""
+    st, rc, opt, c = s.strategy, s.recipe, s.optimizer, s.cluster
+    n = shard_group_size(s)
+    lay = layouts.layout_sizes(inv, st.layout, n, s.ds.param_persistence_threshold)
+    psi = inv.num_params
+    ds_offload_opt = st.framework == "deepspeed" and s.ds.offload_optimizer
+    ds_offload_param = st.zero_stage == 3 and s.ds.offload_param
+    fsdp_offload = st.framework.startswith("fsdp") and s.torch.cpu_offload
+    a: dict[str, Any] = {"shard_group": n, "layout": st.layout}
+
+    # ---- model states (per rank, between steps) ----
+    shard_numel = lay.shard_numel  # elements of parameters this rank stores
+    opt_numel = lay.optimizer_numel  # elements this rank's optimizer updates (worst rank)
+    if st.framework == "deepspeed" and st.shard_params:
+        weights = rc.param_bytes * (shard_numel + lay.persistent_numel)
+        if s.ds.hpz_partition_size > 1:
+            if n % s.ds.hpz_partition_size:
+                raise SettingsError(f"shard group({n}) is not a multiple of zero_hpz_partition_size"
+                                    f"({s.ds.hpz_partition_size})")
+            weights += rc.param_bytes * layouts.layout_sizes(
+                inv, st.layout, s.ds.hpz_partition_size, s.ds.param_persistence_threshold).shard_numel
+        if ds_offload_param:
+            weights = rc.param_bytes * lay.persistent_numel
+    else:
+        weights = rc.param_bytes * shard_numel
+    master = rc.master_bytes * opt_numel
+    states = layouts.optimizer_state_bytes(inv, opt, rc, lay, st.shard_optimizer)
+    host = 0
+    if ds_offload_opt or fsdp_offload:
+        host += master + states
+        master = states = 0
+    if fsdp_offload:
+        host += weights
+        weights = 0
+
+    # ---- gradients ----
+    # grads_end: alive at the end of backward, per rank; grads_persist: kept between steps.
+    if st.full_grads_in_backward:
+        grads_end = rc.grad_bytes * (psi if not st.shard_params else shard_numel)
+    else:
+        # sharded grads: DeepSpeed keeps its partition in the grad dtype, FSDP in the reduce dtype
+        grads_end = (rc.grad_bytes if st.framework == "deepspeed" else rc.reduced_grad_bytes) * opt_numel
+    grads_persist = 0
+    if st.fp32_grad_accumulation:
+        grads_persist = rc.reduced_grad_bytes * opt_numel  # BF16_Optimizer's fp32_groups_gradients_flat
+    elif st.persistent_grads:
+        grads_persist = rc.grad_bytes * opt_numel  # ZeRO-3 grad_partitions_flat_buffer (accumulation dtype)
+        grads_end = grads_persist
+    if s.grad_accum > 1:
+        grads_persist = max(grads_persist, grads_end)  # grads live across micro-steps
+    if fsdp_offload:
+        host += grads_end
+        grads_end = grads_persist = 0
+
+    # ---- buffers ----
+    buf_persist = 0
+    buf_bwd = 0
+    overlap = s.ds.overlap_comm if s.ds.overlap_comm is not None else st.zero_stage == 3
+    if st.ddp_buckets and not s.torch.gradient_as_bucket_view:
+        # DDP's Reducer allocates a flat bucket tensor for every bucket at construction, covering all grads.
+        buf_persist += rc.grad_bytes * psi
+    if st.ds_ipg_buckets and s.ds.contiguous_gradients:
+        ipg = (2 if overlap and st.zero_stage != 3 else 1) * s.ds.reduce_bucket_size * rc.grad_bytes
+        if st.zero_stage == 3:
+            buf_persist += ipg  # stage3.py allocates the ipg bucket buffer at init
+        else:
+            buf_bwd += ipg  # stage_1_and_2.py setup_buckets(): allocated per backward
+    a["overlap_comm"] = overlap
+
+    gather_fwd = gather_bwd = gather_turn = 0
+    if st.shard_params and not ds_offload_param or (ds_offload_param and st.shard_params):
+        g = layouts.gather_sizes(inv, st.layout, n)
+        cb = rc.compute_bytes if st.framework.startswith("fsdp") else rc.param_bytes
+        if st.framework == "deepspeed":
+            # ZeRO-3 gathers module by module, prefetching up to stage3_prefetch_bucket_size elements, and keeps
+            # params that will be reused within stage3_max_reuse_distance, all bounded by stage3_max_live_parameters
+            # (partitioned_param_coordinator.py). At the forward/backward turnaround the last layers are reused at
+            # once, so min(max_reuse_distance, sharded params) stay gathered.
+            working = g.largest_block + min(s.ds.prefetch_bucket_size, g.largest_block)
+            live = min(s.ds.max_live_parameters, max(working, min(s.ds.max_reuse_distance, g.total_sharded)))
+            gather_fwd = cb * min(working, s.ds.max_live_parameters)
+            gather_turn = cb * max(live, min(working, s.ds.max_live_parameters))
+            gather_bwd = gather_fwd + rc.grad_bytes * g.largest_block  # the module's full grads before reduce
+        else:
+            # FSDP: the current block and the prefetched next one unsharded; the root stays unsharded.
+            raf = s.torch.reshard_after_forward
+            raf = st.reshard_after_forward if raf is None else raf
+            root = cb * g.root
+            gather_fwd = root + cb * 2 * g.largest_block
+            if raf is False:
+                kept = cb * g.total_blocks  # every block stays unsharded until its backward
+            elif raf is True or raf == n:
+                kept = 0
+            else:
+                if raf < 1 or n % raf:
+                    raise SettingsError(f"reshard_after_forward={raf} must divide the shard group({n})")
+                kept = cb * layouts.ceil_sum(g.block_numels, raf)
+            gather_turn = gather_fwd + kept
+            # backward: current + prefetched block, the block's unsharded grads (grad dtype) and the
+            # reduce-scatter input in reduce dtype (FSDP2 casts before reduce-scatter).
+            gather_bwd = root + cb * 2 * g.largest_block + (rc.grad_bytes + rc.reduced_grad_bytes) * g.largest_block
+            a["reshard_after_forward"] = raf
+        a["largest_gathered_block_numel"] = g.largest_block
+
+    # torch-amp: autocast's bf16 copies of the fp32 weights are saved for backward by every matmul.
+    amp_copies = rc.compute_bytes * lay.matmul_numel if rc.autocast_weight_copies else 0
+
+    # ---- activations ----
+    gated = inv.family not in ("gpt2", "gpt_neox", "falcon")
+    prof = act.analytic_profile(inv.dims, micro_batch=s.micro_batch, seq_len=s.seq_len,
+                                compute_bytes=rc.compute_bytes, residual_bytes=rc.residual_bytes,
+                                attention=s.attention, recompute=s.recompute, gated_mlp=gated)
+    acts_fwd = prof.saved_bytes(s.recompute)
+    a["activations"] = prof.source
+
+    # ---- optimizer step transients ----
+    impl = _optimizer_impl(s)
+    scratch = 0
+    if not (ds_offload_opt or fsdp_offload):
+        state_dtype_numel = lay.optimizer_numel if impl == "foreach" else (
+            2 * lay.largest_optimizer_tensor if impl == "single-tensor" else 0)
+        scratch = rc.state_bytes * state_dtype_numel
+    # DeepSpeed (and ZeRO-1/2 here): the bf16 grads are copied into an fp32 partition for the step
+    # (single_partition_of_fp32_groups[i].grad), after which the bf16 grads are freed.
+    step_grads = grads_end
+    if rc.master_bytes and not st.fp32_grad_accumulation and not ds_offload_opt:
+        step_grads = rc.reduced_grad_bytes * opt_numel + grads_persist
+    a["optimizer_impl"] = impl
+
+    base = dict(weights_bytes=weights, master_weights_bytes=master, optimizer_states_bytes=states)
+    phases = (
+        Phase("forward", **base, grads_bytes=grads_persist, activations_bytes=acts_fwd + prof.loss_forward_bytes,
+              buffers_bytes=buf_persist + gather_turn + amp_copies),
+        Phase("backward-start", **base, grads_bytes=grads_persist,
+              activations_bytes=acts_fwd + prof.loss_forward_bytes + prof.loss_backward_bytes
+              + prof.recompute_transient_bytes(s.recompute),
+              buffers_bytes=buf_persist + buf_bwd + max(gather_turn, gather_bwd) + amp_copies),
+        Phase("backward-end", **base, grads_bytes=max(grads_end, grads_persist),
+              activations_bytes=prof.embedding_bytes, buffers_bytes=buf_persist + buf_bwd + gather_bwd),
+        Phase("optimizer-step", **base, grads_bytes=step_grads, activations_bytes=0,
+              buffers_bytes=buf_persist + scratch),
+    )
+    peak = max(phases, key=lambda p: p.total_bytes)
+
+    detail: dict[str, int] = {}
+    if c.device == "cuda":
+        o = s.overheads
+        comms = 1 + (1 if st.shard_within_node else 0) + (1 if s.ds.hpz_partition_size > 1 else 0)
+        detail = {"cuda_context_bytes": o.cuda_context_bytes,
+                  "nccl_bytes": comms * o.nccl_bytes_per_communicator if c.gpus > 1 else 0,
+                  "fragmentation_bytes": peak.total_bytes * o.fragmentation_percent // 100}
+        a["nccl_communicators"] = comms if c.gpus > 1 else 0
+    return Plan(settings=s, inventory=inv, phases=phases, peak=peak, overhead_bytes=sum(detail.values()),
+                overhead_detail=detail, host_bytes_per_node=host * c.ranks_per_node, shard_group=n,
+                assumptions=a)
+
+
+def with_gpus(s: Settings, gpus: int) -> Settings:
+    return replace(s, cluster=replace(s.cluster, gpus=gpus))
+

@@ -1,0 +1,138 @@
+"""Read a job's DeepSpeed config (ds_config.json) into memplan settings.
+
+"auto" values are resolved as the Hugging Face Trainer resolves them (transformers/integrations/deepspeed.py,
+HfTrainerDeepSpeedConfig.trainer_config_finalize): reduce_bucket_size = hidden_size^2,
+stage3_prefetch_bucket_size = 0.9 * hidden_size^2, stage3_param_persistence_threshold = 10 * hidden_size;
+batch sizes and gradient accumulation from the command line. Unknown keys are listed and ignored; invalid
+values are errors.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from memplan.errors import ConfigError
+
+KNOWN_TOP = {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "optimizer",
+             "scheduler", "bf16", "fp16", "zero_optimization", "gradient_clipping", "steps_per_print",
+             "wall_clock_breakdown", "zero_allow_untested_optimizer", "activation_checkpointing", "prescale_gradients",
+             "communication_data_type", "comms_logger", "flops_profiler", "tensorboard", "wandb", "csv_monitor",
+             "data_types", "seq_parallel_communication_data_type", "torch_autocast", "amp", "zero_force_ds_cpu_optimizer"}
+#: zero_optimization key -> memplan DeepSpeedKnobs field.
+ZERO_KEYS = {"reduce_bucket_size": "reduce_bucket_size", "allgather_bucket_size": "allgather_bucket_size",
+             "overlap_comm": "overlap_comm", "contiguous_gradients": "contiguous_gradients",
+             "stage3_prefetch_bucket_size": "prefetch_bucket_size", "prefetch_bucket_size": "prefetch_bucket_size",
+             "stage3_param_persistence_threshold": "param_persistence_threshold",
+             "param_persistence_threshold": "param_persistence_threshold",
+             "stage3_max_live_parameters": "max_live_parameters", "max_live_parameters": "max_live_parameters",
+             "stage3_max_reuse_distance": "max_reuse_distance", "max_reuse_distance": "max_reuse_distance",
+             "sub_group_size": "sub_group_size", "zero_hpz_partition_size": "hpz_partition_size"}
+ZERO_IGNORED = {"stage", "offload_optimizer", "offload_param", "allgather_partitions", "reduce_scatter",
+                "round_robin_gradients", "stage3_gather_16bit_weights_on_model_save", "gather_16bit_weights_on_model_save",
+                "elastic_checkpoint", "ignore_unused_parameters", "load_from_fp32_weights", "zero_quantized_weights",
+                "zero_quantized_gradients", "memory_efficient_linear", "cpu_offload", "mics_shard_size",
+                "stage3_module_granularity_threshold", "use_multi_rank_bucket_allreduce", "log_trace_cache_warnings"}
+BOOL_KEYS = {"overlap_comm", "contiguous_gradients"}
+
+
+@dataclass(frozen=True)
+class DsConfig:
+    path: str
+    stage: int | None
+    knobs: dict[str, Any]  #: DeepSpeedKnobs field -> value (only what the file sets)
+    recipe: str | None
+    optimizer: str | None
+    micro_batch: int | str | None  #: "auto" kept as the string until resolved
+    grad_accum: int | str | None
+    unknown_keys: tuple[str, ...]
+
+
+def _int(value: Any, key: str, path: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 or int(value) != value:
+        raise ConfigError(f"{path}: {key} must be a non-negative integer or \"auto\", got {value!r}")
+    return int(value)
+
+
+def load(path: str) -> DsConfig:
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"cannot read DeepSpeed config {path}: {exc.strerror or exc}") from exc
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path} is not valid JSON: {exc.msg} at line {exc.lineno}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path} must hold a JSON object")
+    unknown = [k for k in data if k not in KNOWN_TOP]
+    zero = data.get("zero_optimization") or {}
+    if not isinstance(zero, dict):
+        raise ConfigError(f"{path}: zero_optimization must be an object")
+    stage = zero.get("stage")
+    if stage is not None and (isinstance(stage, bool) or stage not in (0, 1, 2, 3)):
+        raise ConfigError(f"{path}: zero_optimization.stage must be 0, 1, 2 or 3, got {stage!r}")
+    knobs: dict[str, Any] = {}
+    for key, value in zero.items():
+        if key in ZERO_KEYS:
+            if value == "auto":
+                knobs[ZERO_KEYS[key]] = "auto"
+            elif key in BOOL_KEYS:
+                if not isinstance(value, bool):
+                    raise ConfigError(f"{path}: zero_optimization.{key} must be true or false, got {value!r}")
+                knobs[ZERO_KEYS[key]] = value
+            else:
+                knobs[ZERO_KEYS[key]] = _int(value, f"zero_optimization.{key}", path)
+        elif key not in ZERO_IGNORED:
+            unknown.append(f"zero_optimization.{key}")
+    for key, field_name in (("offload_optimizer", "offload_optimizer"), ("offload_param", "offload_param")):
+        sub = zero.get(key)
+        if sub is None:
+            continue
+        if not isinstance(sub, dict):
+            raise ConfigError(f"{path}: zero_optimization.{key} must be an object")
+        device = sub.get("device", "none")
+        if device not in ("cpu", "nvme", "none"):
+            raise ConfigError(f"{path}: zero_optimization.{key}.device must be cpu, nvme or none, got {device!r}")
+        knobs[field_name] = device != "none"
+    recipe = None
+    if (data.get("bf16") or {}).get("enabled") is True:
+        recipe = "deepspeed-bf16"
+    elif (data.get("fp16") or {}).get("enabled") is True:
+        recipe = "deepspeed-fp16"
+    elif "bf16" in data or "fp16" in data:
+        recipe = "fp32"
+    optimizer = None
+    if isinstance(data.get("optimizer"), dict):
+        kind = str(data["optimizer"].get("type", "")).lower()
+        optimizer = {"adamw": "adamw", "adam": "adam", "sgd": "sgd", "onebitadam": "adam", "lamb": "adam",
+                     "fusedadam": "adam", "cpuadam": "adam"}.get(kind)
+        if optimizer is None:
+            unknown.append(f"optimizer.type={data['optimizer'].get('type')}")
+    mb = data.get("train_micro_batch_size_per_gpu")
+    ga = data.get("gradient_accumulation_steps")
+    if mb not in (None, "auto"):
+        mb = _int(mb, "train_micro_batch_size_per_gpu", path)
+    if ga not in (None, "auto"):
+        ga = _int(ga, "gradient_accumulation_steps", path)
+    return DsConfig(path=str(path), stage=stage, knobs=knobs, recipe=recipe, optimizer=optimizer,
+                    micro_batch=mb, grad_accum=ga, unknown_keys=tuple(unknown))
+
+
+def resolve_auto(knobs: dict[str, Any], hidden_size: int | None) -> dict[str, Any]:
+    """Replace "auto" bucket values as the HF Trainer does; needs the model's hidden size."""
+    out = dict(knobs)
+    rules = {"reduce_bucket_size": lambda h: h * h, "prefetch_bucket_size": lambda h: int(0.9 * h * h),
+             "param_persistence_threshold": lambda h: 10 * h}
+    for key, value in knobs.items():
+        if value != "auto":
+            continue
+        if key not in rules:
+            raise ConfigError(f"\"auto\" is not resolvable for {key}; give a number")
+        if not hidden_size:
+            raise ConfigError(f"\"auto\" {key} needs the model's hidden size, which this model does not declare")
+        out[key] = rules[key](hidden_size)
+    return out

@@ -1,0 +1,150 @@
+"""Turn user options (CLI or library callers) into Settings: names resolved, defaults applied, conflicts said.
+
+Precedence: command line > --deepspeed file > memplan defaults. ``sources`` records which one won for every
+setting the file could set, so the output can say it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+from memplan import dsconfig
+from memplan.accounting import Cluster, DeepSpeedKnobs, Overheads, Settings, TorchKnobs
+from memplan.errors import SettingsError
+from memplan.model.inventory import ParamInventory
+from memplan.precision import get_optimizer, get_recipe
+from memplan.strategies import DEFAULT_RECIPE, STAGE_TO_STRATEGY, get_strategy
+from memplan.units import parse_size
+
+
+@dataclass(frozen=True)
+class Resolved:
+    settings: Settings
+    sources: dict[str, str]  #: setting -> "command line" | "<ds_config path>" | "default"
+    notes: tuple[str, ...]
+
+
+def gpu_memory(gpu: str | None, gpu_memory: str | None) -> tuple[int | None, str | None]:
+    """Usable bytes from a GPU preset or an explicit size ("80GB" = 80e9, "80GiB" = 80 * 2^30)."""
+    from memplan.model.sources import gpu_presets
+
+    if gpu and gpu_memory:
+        raise SettingsError("give --gpu or --gpu-memory, not both")
+    if gpu:
+        presets = gpu_presets()
+        key = gpu.lower()
+        if key not in presets:
+            raise SettingsError(f"unknown GPU {gpu!r}; valid: {', '.join(presets)}")
+        return presets[key]["usable_bytes"], f"{key}: {presets[key]['name']}, {presets[key]['usable_bytes']} bytes"
+    if gpu_memory:
+        n, how = parse_size(gpu_memory)
+        return n, how
+    return None, None
+
+
+def parse_reshard(value: str | None) -> bool | int | None:
+    if value is None:
+        return None
+    v = value.strip().lower()
+    if v in ("true", "yes", "1"):
+        return True
+    if v in ("false", "no", "0"):
+        return False
+    try:
+        n = int(v)
+    except ValueError:
+        raise SettingsError(f"--reshard-after-forward must be true, false or a group size, got {value!r}") from None
+    if n < 1:
+        raise SettingsError(f"--reshard-after-forward group size must be positive, got {n}")
+    return n
+
+
+def resolve(inv: ParamInventory, *, gpus: int = 1, gpus_per_node: int | None = None, stage: int | None = None,
+            strategy: str | None = None, precision: str | None = None, optimizer: str | None = None,
+            optimizer_impl: str | None = None, micro_batch: int | None = None, seq_len: int | None = None,
+            grad_accum: int | None = None, recompute: str = "none", attention: str = "flash",
+            gpu: str | None = None, gpu_memory_size: str | None = None, device: str = "cuda",
+            deepspeed: str | None = None, ds_overrides: dict[str, Any] | None = None,
+            torch_overrides: dict[str, Any] | None = None,
+            overhead_overrides: dict[str, Any] | None = None) -> Resolved:
+    sources: dict[str, str] = {}
+    notes: list[str] = []
+    ds_file = dsconfig.load(deepspeed) if deepspeed else None
+    if ds_file and ds_file.unknown_keys:
+        notes.append(f"{deepspeed}: ignored keys not modelled: {', '.join(ds_file.unknown_keys)}")
+
+    if stage is not None and strategy is not None:
+        raise SettingsError("give --stage or --strategy, not both")
+    if stage is not None and stage not in STAGE_TO_STRATEGY:
+        raise SettingsError(f"--stage must be 0, 1, 2 or 3, got {stage}")
+
+    def pick(name: str, cli: Any, from_file: Any, default: Any) -> Any:
+        if cli is not None:
+            if from_file is not None and from_file != cli:
+                notes.append(f"{name}: command line {cli!r} overrides {deepspeed} {from_file!r}")
+            sources[name] = "command line"
+            return cli
+        if from_file is not None:
+            sources[name] = str(deepspeed)
+            return from_file
+        sources[name] = "default"
+        return default
+
+    cli_strategy = STAGE_TO_STRATEGY[stage] if stage is not None else strategy
+    file_strategy = STAGE_TO_STRATEGY.get(ds_file.stage) if ds_file and ds_file.stage is not None else None
+    strat = get_strategy(pick("strategy", cli_strategy, file_strategy, "zero3" if ds_file else "ddp"))
+    recipe = get_recipe(pick("precision", precision, ds_file.recipe if ds_file else None,
+                             DEFAULT_RECIPE[strat.framework]))
+    opt = get_optimizer(pick("optimizer", optimizer, ds_file.optimizer if ds_file else None, "adamw"))
+    file_mb = ds_file.micro_batch if ds_file and ds_file.micro_batch != "auto" else None
+    file_ga = ds_file.grad_accum if ds_file and ds_file.grad_accum != "auto" else None
+    mb = pick("micro_batch", micro_batch, file_mb, 1)
+    ga = pick("grad_accum", grad_accum, file_ga, 1)
+    seq = seq_len if seq_len is not None else 2048
+    sources["seq_len"] = "command line" if seq_len is not None else "default"
+
+    knob_values: dict[str, Any] = {}
+    file_knobs = dsconfig.resolve_auto(ds_file.knobs, inv.dims.get("hidden_size")) if ds_file else {}
+    ds_fields = {f.name for f in fields(DeepSpeedKnobs)}
+    for name in ds_fields:
+        cli_v = (ds_overrides or {}).get(name)
+        value = pick(name, cli_v, file_knobs.get(name), None)
+        if value is not None:
+            knob_values[name] = value
+    for key, value in knob_values.items():
+        if isinstance(value, int) and not isinstance(value, bool) and value < 0:
+            raise SettingsError(f"{key.replace('_', '-')} must not be negative, got {value}")
+    ds = DeepSpeedKnobs(**knob_values)
+    if ds.offload_param and strat.zero_stage != 3:
+        raise SettingsError("parameter offload (offload_param) needs ZeRO stage 3")
+    if ds.hpz_partition_size < 1:
+        raise SettingsError(f"zero_hpz_partition_size must be at least 1, got {ds.hpz_partition_size}")
+    tk = TorchKnobs(**{k: v for k, v in (torch_overrides or {}).items() if v is not None})
+    if tk.bucket_cap_mb <= 0:
+        raise SettingsError(f"--bucket-cap-mb must be positive, got {tk.bucket_cap_mb}")
+    if tk.fsdp_version not in (1, 2):
+        raise SettingsError(f"--fsdp-version must be 1 or 2, got {tk.fsdp_version}")
+    if tk.fsdp_version == 1 and strat.framework == "fsdp2" and strat.shard_params:
+        from dataclasses import replace
+
+        from memplan.strategies import FLAT_PER_BLOCK
+
+        strat = replace(strat, framework="fsdp1", layout=FLAT_PER_BLOCK)
+    ov = Overheads(**{k: v for k, v in (overhead_overrides or {}).items() if v is not None})
+    for k in ("cuda_context_bytes", "nccl_bytes_per_communicator", "fragmentation_percent"):
+        if getattr(ov, k) < 0:
+            raise SettingsError(f"{k.replace('_', '-')} must not be negative, got {getattr(ov, k)}")
+
+    mem, how = gpu_memory(gpu, gpu_memory_size)
+    if how:
+        notes.append(f"GPU memory: {how}")
+    cluster = Cluster(gpus=gpus, gpus_per_node=gpus_per_node if gpus_per_node is not None else min(gpus, 8) or 1,
+                      gpu_memory_bytes=mem, device=device)
+    settings = Settings(strategy=strat, recipe=recipe, optimizer=opt, cluster=cluster, optimizer_impl=optimizer_impl,
+                        micro_batch=mb, seq_len=seq, grad_accum=ga, recompute=recompute, attention=attention,
+                        ds=ds, torch=tk, overheads=ov)
+    max_pos = inv.dims.get("max_positions")
+    if max_pos and seq > max_pos:
+        notes.append(f"warning: seq-len {seq} exceeds the model's max_position_embeddings {max_pos}")
+    return Resolved(settings=settings, sources=sources, notes=tuple(notes))

@@ -1,0 +1,120 @@
+"""Precision recipes and optimizers, named after what the frameworks really allocate.
+
+A recipe fixes the bytes per element of every copy of the model a rank holds; an optimizer fixes the state
+bytes per parameter and the scratch its step allocates. Pure data and small pure functions; no torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from memplan.errors import SettingsError
+
+
+@dataclass(frozen=True, kw_only=True)
+class Recipe:
+    name: str
+    #: Bytes of the parameters a rank stores between steps (DeepSpeed: its bf16 copy; FSDP2: the fp32 shard).
+    param_bytes: int
+    #: Bytes of the fp32 master copy an optimizer wrapper keeps beside them (DeepSpeed bf16/fp16), else 0.
+    master_bytes: int
+    #: Bytes of a gradient as backward produces it (the .grad of a parameter, or the unsharded grad).
+    grad_bytes: int
+    #: Bytes of a gradient as reduced and stored for the step (FSDP2 reduce_dtype; DeepSpeed's fp32 partition).
+    reduced_grad_bytes: int
+    #: Bytes of the weights the matmuls read (autocast copies / MixedPrecisionPolicy.param_dtype).
+    compute_bytes: int
+    #: Bytes of an optimizer state element (fp32 except in pure half precision).
+    state_bytes: int
+    #: Bytes of the residual stream between blocks (fp32 under autocast, else the compute dtype).
+    residual_bytes: int
+    #: True when autocast makes bf16 copies of fp32 weights in forward and saves them for backward.
+    autocast_weight_copies: bool
+    description: str
+
+
+RECIPES: dict[str, Recipe] = {r.name: r for r in (
+    Recipe(name="deepspeed-bf16", param_bytes=2, master_bytes=4, grad_bytes=2, reduced_grad_bytes=4,
+           compute_bytes=2, state_bytes=4, residual_bytes=2, autocast_weight_copies=False,
+           description="DeepSpeed bf16: bf16 params and grads, fp32 master partition, fp32 Adam states, "
+                       "grads converted to an fp32 partition for the step"),
+    Recipe(name="deepspeed-fp16", param_bytes=2, master_bytes=4, grad_bytes=2, reduced_grad_bytes=4,
+           compute_bytes=2, state_bytes=4, residual_bytes=2, autocast_weight_copies=False,
+           description="DeepSpeed fp16 with dynamic loss scaling: as deepspeed-bf16, fp16 instead of bf16"),
+    Recipe(name="torch-amp", param_bytes=4, master_bytes=0, grad_bytes=4, reduced_grad_bytes=4,
+           compute_bytes=2, state_bytes=4, residual_bytes=4, autocast_weight_copies=True,
+           description="torch.autocast(bf16): fp32 params, grads and states; bf16 casts of weights saved for "
+                       "backward; fp32 residual stream"),
+    Recipe(name="fsdp-bf16", param_bytes=4, master_bytes=0, grad_bytes=2, reduced_grad_bytes=4,
+           compute_bytes=2, state_bytes=4, residual_bytes=2, autocast_weight_copies=False,
+           description="FSDP MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32): fp32 shards, bf16 "
+                       "unsharded params and grads, fp32 reduce-scatter and sharded grads"),
+    Recipe(name="pure-bf16", param_bytes=2, master_bytes=0, grad_bytes=2, reduced_grad_bytes=2,
+           compute_bytes=2, state_bytes=2, residual_bytes=2, autocast_weight_copies=False,
+           description="model.to(bfloat16): everything in bf16, optimizer states in bf16 too"),
+    Recipe(name="fp32", param_bytes=4, master_bytes=0, grad_bytes=4, reduced_grad_bytes=4,
+           compute_bytes=4, state_bytes=4, residual_bytes=4, autocast_weight_copies=False,
+           description="full fp32 training"),
+)}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Optimizer:
+    name: str
+    #: State tensors per parameter element (Adam: exp_avg and exp_avg_sq).
+    states_per_param: int
+    #: If set, states are stored in this many bytes per element instead of the recipe's state_bytes.
+    state_bytes_override: int | None = None
+    #: Adafactor: second moment factored into row and column vectors for matrices.
+    factored: bool = False
+    #: bitsandbytes 8-bit: per-block absmax (fp32 per `quant_block` elements, per state) for large tensors.
+    quant_block: int = 0
+    #: bitsandbytes keeps tensors with fewer elements than this in 32-bit states (min_8bit_size=4096).
+    min_8bit_numel: int = 0
+    description: str = ""
+
+
+OPTIMIZERS: dict[str, Optimizer] = {o.name: o for o in (
+    Optimizer(name="adamw", states_per_param=2, description="AdamW: exp_avg + exp_avg_sq"),
+    Optimizer(name="adam", states_per_param=2, description="Adam: exp_avg + exp_avg_sq"),
+    Optimizer(name="sgd", states_per_param=1, description="SGD with momentum: momentum_buffer"),
+    Optimizer(name="adafactor", states_per_param=1, factored=True,
+              description="Adafactor (no first moment): row + column factors for matrices, full for vectors"),
+    Optimizer(name="adam8bit", states_per_param=2, state_bytes_override=1, quant_block=2048, min_8bit_numel=4096,
+              description="bitsandbytes AdamW8bit: uint8 states + fp32 absmax per 2048-element block"),
+)}
+
+#: How an optimizer's step allocates scratch (torch.optim's implementations and DeepSpeed's kernels).
+#: foreach (torch default on CUDA): _multi_tensor_adam's `torch._foreach_sqrt(exp_avg_sqs)` allocates one
+#:   state-sized temporary for every tensor the rank updates -> 1 x state bytes of its partition.
+#: fused (torch fused=True, DeepSpeed FusedAdam on CUDA): one kernel, no temporaries -> 0.
+#: single-tensor (torch default on CPU): per tensor, `exp_avg_sq.sqrt() / bias_correction2_sqrt` holds two
+#:   temporaries of the largest tensor -> 2 x its state bytes.
+OPTIMIZER_IMPLS = ("foreach", "fused", "single-tensor")
+
+
+def get_recipe(name: str) -> Recipe:
+    try:
+        return RECIPES[name]
+    except KeyError:
+        raise SettingsError(f"unknown precision recipe {name!r}; valid: {', '.join(RECIPES)}") from None
+
+
+def get_optimizer(name: str) -> Optimizer:
+    try:
+        return OPTIMIZERS[name.lower()]
+    except KeyError:
+        raise SettingsError(f"unknown optimizer {name!r}; valid: {', '.join(OPTIMIZERS)}") from None
+
+
+def state_bytes_for(opt: Optimizer, recipe: Recipe, shape: tuple[int, ...], numel: int) -> int:
+    """Optimizer-state bytes for one tensor (or one shard of ``numel`` elements with this full ``shape``)."""
+    if opt.factored and len(shape) >= 2:
+        # Adafactor: exp_avg_sq_row [rows] + exp_avg_sq_col [cols] per matrix (transformers' Adafactor, fp32).
+        rows, cols = shape[-2], shape[-1]
+        lead = numel // (rows * cols) if rows * cols else 0
+        return recipe.state_bytes * lead * (rows + cols)
+    if opt.state_bytes_override is not None and numel >= opt.min_8bit_numel:
+        blocks = -(-numel // opt.quant_block)
+        return opt.states_per_param * (numel * opt.state_bytes_override + 4 * blocks)
+    return opt.states_per_param * numel * recipe.state_bytes

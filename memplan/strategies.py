@@ -1,0 +1,105 @@
+"""The strategy table: what each strategy shards, over which group, how it lays tensors out, what it buffers.
+
+Strategies are data. The accounting engine reads these fields and never branches on a strategy's name, so
+adding a strategy means adding a row here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from memplan.errors import SettingsError
+
+# Parameter layouts (how a shard's size follows from the tensors):
+#: DeepSpeed ZeRO-1/2: every param group flattened, padded to a multiple of 2 * dp_size
+#: (stage_1_and_2.py: flatten_dense_tensors_aligned(..., nccl_start_alignment_factor * dp_size), factor 2).
+FLAT_ALIGNED = "flat-aligned"
+#: DeepSpeed ZeRO-3: each parameter split alone, ceil(numel / dp_size) per rank (partition_parameters.py,
+#: _padding_size); tensors with numel <= stage3_param_persistence_threshold stay gathered.
+PER_PARAM_NUMEL = "per-param-numel"
+#: FSDP2 fully_shard: each parameter chunked on dim 0, padded to ceil(dim0 / shard) rows per rank
+#: (torch/distributed/fsdp/_fully_shard/_fsdp_param.py, padded sharded size).
+PER_PARAM_DIM0 = "per-param-dim0"
+#: FSDP1: one FlatParameter per wrapped block, padded to a multiple of the shard count (_flat_param.py).
+FLAT_PER_BLOCK = "flat-per-block"
+#: torch ZeroRedundancyOptimizer: whole parameters assigned greedily, largest first, to the least loaded rank
+#: (torch/distributed/optim/zero_redundancy_optimizer.py, _partition_parameters); the worst rank is predicted.
+GREEDY_WHOLE = "greedy-whole"
+REPLICATED = "replicated"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Strategy:
+    name: str
+    framework: str  #: deepspeed | torch-ddp | fsdp2 | fsdp1 (chooses the default recipe and optimizer impl)
+    description: str
+    shard_optimizer: bool  #: optimizer states and master weights split across the shard group
+    shard_grads: bool  #: reduced gradients kept only for the rank's shard
+    shard_params: bool  #: parameters split; gathered block by block for compute
+    layout: str  #: how shards are sized (see the constants above)
+    #: Reduced grads stay allocated between steps (ZeRO-3's grad_partitions_flat_buffer; DeepSpeed stage 0's
+    #: fp32 accumulation buffer).
+    persistent_grads: bool = False
+    #: Full-size grads exist at the end of backward before any sharding (DDP, ZeRO-1, ZeRO-0).
+    full_grads_in_backward: bool = True
+    #: Grads are kept in an fp32 buffer for the whole model (BF16_Optimizer, ZeRO stage 0).
+    fp32_grad_accumulation: bool = False
+    #: DDP reducer buckets: one flat buffer per bucket covering every gradient, allocated at construction.
+    ddp_buckets: bool = False
+    #: DeepSpeed's ipg reduce buckets (reduce_bucket_size elements, doubled with overlap_comm).
+    ds_ipg_buckets: bool = False
+    #: ZeRO stage (DeepSpeed only), for ds_config and display; None for others.
+    zero_stage: int | None = None
+    #: Parameters are sharded within a node and replicated across nodes (HSDP).
+    shard_within_node: bool = False
+    #: FSDP reshard_after_forward: True (reshard), False (keep unsharded until backward).
+    reshard_after_forward: bool = True
+
+
+STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
+    Strategy(name="ddp", framework="torch-ddp", layout=REPLICATED, shard_optimizer=False, shard_grads=False,
+             shard_params=False, ddp_buckets=True,
+             description="PyTorch DistributedDataParallel (what Horovod does too): everything replicated"),
+    Strategy(name="zero0", framework="deepspeed", layout=FLAT_ALIGNED, shard_optimizer=False, shard_grads=False,
+             shard_params=False, zero_stage=0, fp32_grad_accumulation=True, persistent_grads=True,
+             description="DeepSpeed stage 0: data parallel with its BF16_Optimizer (fp32 master, grads, states)"),
+    Strategy(name="zero1", framework="deepspeed", layout=FLAT_ALIGNED, shard_optimizer=True, shard_grads=False,
+             shard_params=False, zero_stage=1,
+             description="DeepSpeed ZeRO-1: optimizer states and fp32 master partitioned"),
+    Strategy(name="zero2", framework="deepspeed", layout=FLAT_ALIGNED, shard_optimizer=True, shard_grads=True,
+             shard_params=False, zero_stage=2, full_grads_in_backward=False, ds_ipg_buckets=True,
+             description="DeepSpeed ZeRO-2: + gradients partitioned (reduced bucket by bucket in backward)"),
+    Strategy(name="zero3", framework="deepspeed", layout=PER_PARAM_NUMEL, shard_optimizer=True, shard_grads=True,
+             shard_params=True, zero_stage=3, full_grads_in_backward=False, ds_ipg_buckets=True,
+             persistent_grads=True,
+             description="DeepSpeed ZeRO-3: + parameters partitioned, gathered module by module"),
+    Strategy(name="zero-optimizer", framework="torch-ddp", layout=GREEDY_WHOLE, shard_optimizer=True,
+             shard_grads=False, shard_params=False, ddp_buckets=True,
+             description="DDP + torch ZeroRedundancyOptimizer: optimizer states of whole params, greedily"),
+    Strategy(name="fsdp-full", framework="fsdp2", layout=PER_PARAM_DIM0, shard_optimizer=True, shard_grads=True,
+             shard_params=True, full_grads_in_backward=False,
+             description="FSDP FULL_SHARD (FSDP2 fully_shard, reshard_after_forward=True)"),
+    Strategy(name="fsdp-grad-op", framework="fsdp2", layout=PER_PARAM_DIM0, shard_optimizer=True,
+             shard_grads=True, shard_params=True, full_grads_in_backward=False, reshard_after_forward=False,
+             description="FSDP SHARD_GRAD_OP (reshard_after_forward=False: params stay gathered until backward)"),
+    Strategy(name="fsdp-no-shard", framework="fsdp2", layout=REPLICATED, shard_optimizer=False, shard_grads=False,
+             shard_params=False, full_grads_in_backward=True,
+             description="FSDP NO_SHARD: replicated like DDP, under FSDP's mixed precision"),
+    Strategy(name="hsdp", framework="fsdp2", layout=PER_PARAM_DIM0, shard_optimizer=True, shard_grads=True,
+             shard_params=True, full_grads_in_backward=False, shard_within_node=True,
+             description="HYBRID_SHARD / HSDP: full shard within a node (2-D mesh), replicated across nodes"),
+)}
+
+#: DeepSpeed's --stage shorthand.
+STAGE_TO_STRATEGY = {0: "zero0", 1: "zero1", 2: "zero2", 3: "zero3"}
+
+#: Default recipe per framework (DESIGN.md: DeepSpeed -> deepspeed-bf16, FSDP -> fsdp-bf16, DDP -> torch-amp).
+DEFAULT_RECIPE = {"deepspeed": "deepspeed-bf16", "fsdp2": "fsdp-bf16", "fsdp1": "fsdp-bf16",
+                  "torch-ddp": "torch-amp"}
+
+
+def get_strategy(name: str) -> Strategy:
+    try:
+        return STRATEGIES[name]
+    except KeyError:
+        raise SettingsError(f"unknown strategy {name!r}; valid: {', '.join(STRATEGIES)}") from None

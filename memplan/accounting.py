@@ -225,8 +225,13 @@ def estimate(inv: ParamInventory, s: Settings) -> Plan:
     if st.full_grads_in_backward:
         grads_end = rc.grad_bytes * (psi if not st.shard_params else shard_numel)
     else:
-        # sharded grads: DeepSpeed keeps its partition in the grad dtype, FSDP in the reduce dtype
-        grads_end = (rc.grad_bytes if st.framework == "deepspeed" else rc.reduced_grad_bytes) * opt_numel
+        # sharded grads: DeepSpeed ZeRO-2 keeps the real (unpadded) elements of the rank's partition in the grad
+        # dtype (stage_1_and_2.py grads_in_partition: sum of numel of params_in_partition; rank 0 is full);
+        # FSDP keeps padded shards in the reduce dtype.
+        if st.framework == "deepspeed":
+            grads_end = rc.grad_bytes * min(opt_numel, psi)
+        else:
+            grads_end = rc.reduced_grad_bytes * opt_numel
     grads_persist = 0
     if st.fp32_grad_accumulation:
         grads_persist = rc.reduced_grad_bytes * opt_numel  # BF16_Optimizer's fp32_groups_gradients_flat

@@ -1,0 +1,131 @@
+"""The command line as a user runs it: exit codes, one-line errors, JSON contract, help, README coverage."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run(*args, env=None):
+    return subprocess.run([sys.executable, "-m", "memplan", *args], capture_output=True, text=True, cwd=ROOT,
+                          env={**os.environ, **(env or {})}, timeout=120)
+
+
+def test_estimate_json_schema_v1():
+    r = run("estimate", "llama-7b", "--gpus", "8", "--stage", "3", "--json")
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert d["schema_version"] == 1
+    assert d["model"] == {"name": "llama-2-7b", "source": "preset llama-2-7b (alias llama-7b)",
+                          "num_params": 6738415616, "family": "llama"}
+    assert d["strategy"]["name"] == "zero3" and d["cluster"]["gpus"] == 8
+    pg = d["per_gpu"]
+    for k in ("weights_bytes", "master_weights_bytes", "grads_bytes", "optimizer_states_bytes",
+              "activations_bytes", "buffers_bytes", "overhead_bytes", "peak_bytes"):
+        assert isinstance(pg[k], int) and pg[k] >= 0
+    assert pg["peak_bytes"] == sum(pg[k] for k in ("weights_bytes", "master_weights_bytes", "grads_bytes",
+                                                   "optimizer_states_bytes", "activations_bytes", "buffers_bytes"))
+    assert pg["master_weights_bytes"] == 4 * 6738415616 // 8
+    assert pg["optimizer_states_bytes"] == 8 * 6738415616 // 8
+    assert d["fits"] is None and d["headroom_bytes"] is None
+    assert "activations" in d["assumptions"]
+
+
+def test_estimate_does_not_import_torch():
+    code = ("import sys; from memplan.cli import main\n"
+            "try:\n    main(['estimate', 'llama-7b', '--gpus', '8', '--stage', '3', '--json'])\n"
+            "except SystemExit: pass\n"
+            "assert 'torch' not in sys.modules and 'transformers' not in sys.modules, 'heavy import'\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+
+
+def test_fit_verdict_exit_codes():
+    fits = run("estimate", "llama-7b", "--gpus", "8", "--stage", "3", "--gpu", "h100-80g", "--json")
+    assert fits.returncode == 0 and json.loads(fits.stdout)["fits"] is True
+    nofit = run("estimate", "llama-2-70b", "--gpus", "8", "--strategy", "ddp", "--gpu-memory", "80GB")
+    assert nofit.returncode == 1
+    assert "DOES NOT FIT" in nofit.stdout
+
+
+def test_gb_vs_gib():
+    a = json.loads(run("estimate", "gpt2", "--gpu-memory", "80GB", "--json").stdout)
+    b = json.loads(run("estimate", "gpt2", "--gpu-memory", "80GiB", "--json").stdout)
+    assert a["cluster"]["gpu_memory_bytes"] == 80 * 10**9
+    assert b["cluster"]["gpu_memory_bytes"] == 80 * 2**30
+    assert any("decimal" in n for n in a["notes"]) and any("binary" in n for n in b["notes"])
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["estimate", "lama-7b"], "unknown preset 'lama-7b'"),
+    (["estimate", "gpt2", "--stage", "5"], "--stage must be 0, 1, 2 or 3"),
+    (["estimate", "gpt2", "--strategy", "zero9"], "unknown strategy 'zero9'; valid:"),
+    (["estimate", "gpt2", "--precision", "fp8"], "unknown precision recipe"),
+    (["estimate", "gpt2", "--optimizer", "lion"], "unknown optimizer 'lion'; valid:"),
+    (["estimate", "gpt2", "--gpu", "tpu-v5"], "unknown GPU 'tpu-v5'; valid:"),
+    (["estimate", "gpt2", "--gpus", "12", "--gpus-per-node", "8"], "gpus(12) is not a multiple of gpus_per_node(8)"),
+    (["estimate", "gpt2", "--gpus", "-1"], "--gpus must be at least 1"),
+    (["estimate", "gpt2", "--micro-batch", "0"], "micro-batch must be at least 1"),
+    (["estimate", "gpt2", "--seq-len", "0"], "seq-len must be at least 1"),
+    (["estimate", "gpt2", "--gpu-memory", "-80GB"], "memory size"),
+    (["estimate", "gpt2", "--gpu-memory", "80XB"], "unknown unit"),
+    (["estimate", "gpt2", "--strategy", "hsdp", "--gpus", "16", "--gpus-per-node", "8", "--hsdp-shard-size", "3"],
+     "HSDP shard size(3)"),
+    (["estimate", "gpt2", "--stage", "2", "--offload-param"], "needs ZeRO stage 3"),
+    (["inspect", "/nonexistent/config.json"], "no such file"),
+])
+def test_bad_input_one_line_exit_2(args, needle):
+    r = run(*args)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert needle in r.stderr
+    assert "Traceback" not in r.stderr
+    assert r.stdout == ""
+
+
+def test_deepspeed_file(tmp_path):
+    cfg = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": 4, "bf16": {"enabled": True},
+           "zero_optimization": {"stage": 2, "reduce_bucket_size": "auto", "overlap_comm": True,
+                                 "offload_optimizer": {"device": "cpu"}, "mystery_knob": 1},
+           "optimizer": {"type": "AdamW"}}
+    p = tmp_path / "ds.json"
+    p.write_text(json.dumps(cfg))
+    r = run("estimate", "llama-7b", "--gpus", "8", "--deepspeed", str(p), "--micro-batch", "2", "--json")
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert d["strategy"]["name"] == "zero2" and d["strategy"]["grad_accum"] == 4
+    assert d["strategy"]["deepspeed"]["reduce_bucket_size"] == 4096 * 4096  # "auto" = hidden_size^2 (HF Trainer)
+    assert d["strategy"]["deepspeed"]["offload_optimizer"] is True and d["per_gpu"]["optimizer_states_bytes"] == 0
+    assert d["assumptions"]["setting_sources"]["strategy"] == str(p)
+    assert any("mystery_knob" in n for n in d["notes"])
+    over = run("estimate", "llama-7b", "--gpus", "8", "--deepspeed", str(p), "--stage", "3", "--json")
+    assert json.loads(over.stdout)["strategy"]["name"] == "zero3"
+    assert any("overrides" in n for n in json.loads(over.stdout)["notes"])
+    p.write_text(json.dumps({"zero_optimization": {"stage": 7}}))
+    bad = run("estimate", "llama-7b", "--deepspeed", str(p))
+    assert bad.returncode == 2 and "stage must be 0, 1, 2 or 3" in bad.stderr
+
+
+def test_inspect_and_presets_json():
+    d = json.loads(run("inspect", "llama-7b", "--json").stdout)
+    assert d["model"]["num_params"] == 6738415616 and d["num_blocks"] == 32
+    assert d["largest_block"]["num_params"] == 202383360
+    p = json.loads(run("presets", "--json").stdout)
+    names = {m["name"] for m in p["models"]}
+    assert {"gpt2", "gpt2-xl", "llama-2-7b", "llama-2-13b", "llama-2-70b", "llama-3-8b", "llama-3-70b",
+            "llama-3.1-405b", "mistral-7b", "mixtral-8x7b", "qwen2.5-7b", "qwen2.5-72b", "deepseek-v3"} <= names
+    gpus = {g["id"] for g in p["gpus"]}
+    assert {"a100-40g", "a100-80g", "h100-80g", "h200-141g", "b200-180g", "l40s-48g", "rtx4090-24g", "v100-32g",
+            "mi300x-192g"} <= gpus
+    assert all(g["source"] and g["usable_bytes"] > 0 for g in p["gpus"])
+
+
+@pytest.mark.parametrize("command", ["estimate", "inspect", "presets"])
+def test_every_command_has_help_and_is_in_readme(command):
+    r = run(command, "--help")
+    assert r.returncode == 0 and "Usage" in r.stdout
+    assert f"memplan {command}" in (ROOT / "README.md").read_text()

@@ -126,7 +126,8 @@ class Phase:
 
     @property
     def total_bytes(self) -> int:
-        return sum(getattr(self, k) for k in CATEGORY_KEYS)
+        return (self.weights_bytes + self.master_weights_bytes + self.grads_bytes + self.optimizer_states_bytes
+                + self.activations_bytes + self.buffers_bytes)
 
 
 @dataclass(frozen=True)
@@ -299,9 +300,8 @@ def estimate(inv: ParamInventory, s: Settings) -> Plan:
 
     # ---- activations ----
     gated = inv.family not in ("gpt2", "gpt_neox", "falcon")
-    prof = act.analytic_profile(inv.dims, micro_batch=s.micro_batch, seq_len=s.seq_len,
-                                compute_bytes=rc.compute_bytes, residual_bytes=rc.residual_bytes,
-                                attention=s.attention, recompute=s.recompute, gated_mlp=gated)
+    prof = act.cached_profile(tuple(sorted(inv.dims.items())), s.micro_batch, s.seq_len, rc.compute_bytes,
+                              rc.residual_bytes, s.attention, s.recompute, gated)
     acts_fwd = prof.saved_bytes(s.recompute)
     a["activations"] = prof.source
 
@@ -332,7 +332,8 @@ def estimate(inv: ParamInventory, s: Settings) -> Plan:
         Phase("optimizer-step", **base, grads_bytes=step_grads, activations_bytes=0,
               buffers_bytes=buf_persist + scratch),
     )
-    peak = max(phases, key=lambda p: p.total_bytes)
+    totals = [p.total_bytes for p in phases]
+    peak = phases[totals.index(max(totals))]
 
     detail: dict[str, int] = {}
     if c.device == "cuda":

@@ -23,6 +23,7 @@ log-softmax kept by cross-entropy: vocab * (compute + 4 + 4) bytes; in backward 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 from memplan.errors import SettingsError
 
@@ -88,3 +89,12 @@ def analytic_profile(dims: dict, *, micro_batch: int, seq_len: int, compute_byte
         embedding_bytes=tokens * h * residual_bytes,
         source="analytic (Korthikanti et al. 2022, generalised to GQA / gated MLP)",
     )
+
+
+@lru_cache(maxsize=4096)
+def cached_profile(dims: tuple, micro_batch: int, seq_len: int, compute_bytes: int, residual_bytes: int,
+                   attention: str, recompute: str, gated_mlp: bool) -> ActivationProfile:
+    """analytic_profile memoised on hashable arguments (the planner evaluates many configurations)."""
+    return analytic_profile(dict(dims), micro_batch=micro_batch, seq_len=seq_len, compute_bytes=compute_bytes,
+                            residual_bytes=residual_bytes, attention=attention, recompute=recompute,
+                            gated_mlp=gated_mlp)

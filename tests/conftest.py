@@ -1,4 +1,9 @@
 import pytest
+from hypothesis import settings
+
+# Deterministic property tests: the same examples on every run, so CI cannot flake on a rare draw.
+settings.register_profile("memplan", derandomize=True, deadline=None)
+settings.load_profile("memplan")
 
 from memplan.model import sources
 

@@ -62,7 +62,8 @@ def test_stage_ordering(blocks, gpus):
     inv = inv_from(blocks)
     s3, s2, s1 = (states(est(inv, f"zero{k}", gpus)) for k in (3, 2, 1))
     ddp_like = states(est(inv, "zero1", 1))
-    assert s3 <= s2 <= s1 <= ddp_like
+    flat_padding = 2 * 2 * (2 * gpus) + 16  # ZeRO-1/2 flat buffers padded to 2 * dp_size (see above)
+    assert s3 <= s2 <= s1 <= ddp_like + flat_padding
 
 
 @given(hs.lists(shapes, min_size=1, max_size=4), hs.sampled_from(["zero1", "zero2", "zero3"]))

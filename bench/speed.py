@@ -1,0 +1,94 @@
+"""Speed benchmarks (scripts, not timed tests). Writes nothing; prints a markdown table to paste in docs/.
+
+    python bench/speed.py [--repeat 5]
+
+1. Whole-process cold wall time (median of N fresh processes) of:
+   - memplan inspect llama-7b / memplan estimate llama-7b --gpus 8 --stage 3
+   - counting parameters by instantiating transformers' LlamaForCausalLM on the meta device (import included)
+   - DeepSpeed's estimate_zero3_model_states_mem_needs_all_cold, when deepspeed is installed
+2. In-process configuration evaluations per second of accounting.estimate (llama-7b, varied settings).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+META_COUNT = (
+    "import json, torch, transformers\n"
+    "cfg = transformers.AutoConfig.for_model(**{k: v for k, v in json.load(open('presets/models/llama-2-7b.json'))"
+    ".items()})\n"
+    "with torch.device('meta'):\n    m = transformers.AutoModelForCausalLM.from_config(cfg)\n"
+    "print(sum(p.numel() for p in m.parameters()))\n")
+DS_COLD = (
+    "from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs_all_cold\n"
+    "estimate_zero3_model_states_mem_needs_all_cold(total_params=6738415616, largest_layer_params=202383360, "
+    "num_gpus_per_node=8, num_nodes=1)\n")
+
+
+def wall(cmd: list[str], repeat: int) -> float:
+    times = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+        times.append(time.perf_counter() - t)
+        if r.returncode not in (0, 1):
+            raise SystemExit(f"{' '.join(cmd)} failed: {r.stderr[-500:]}")
+    return statistics.median(times)
+
+
+def evals_per_second(seconds: float = 3.0) -> float:
+    sys.path.insert(0, str(ROOT))
+    from memplan import accounting as A
+    from memplan.model import sources
+    from memplan.precision import get_optimizer, get_recipe
+    from memplan.strategies import DEFAULT_RECIPE, STRATEGIES
+
+    inv = sources.build_inventory(sources.resolve("llama-7b"))
+    configs = []
+    for name, st in STRATEGIES.items():
+        for gpus in (8, 16, 64):
+            for mb in (1, 2, 4, 8):
+                configs.append(A.Settings(strategy=st, recipe=get_recipe(DEFAULT_RECIPE[st.framework]),
+                                          optimizer=get_optimizer("adamw"),
+                                          cluster=A.Cluster(gpus=gpus, gpus_per_node=8), micro_batch=mb))
+    for s in configs:  # warm caches (layouts per shard count), as the planner would
+        A.estimate(inv, s)
+    n, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        for s in configs:
+            A.estimate(inv, s)
+        n += len(configs)
+    return n / (time.perf_counter() - t0)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--repeat", type=int, default=5)
+    args = ap.parse_args()
+    py = sys.executable
+    rows = [("memplan inspect llama-7b", wall([py, "-m", "memplan", "inspect", "llama-7b"], args.repeat)),
+            ("memplan estimate llama-7b --gpus 8 --stage 3",
+             wall([py, "-m", "memplan", "estimate", "llama-7b", "--gpus", "8", "--stage", "3"], args.repeat)),
+            ("count by meta-device instantiation (torch + transformers import)",
+             wall([py, "-c", META_COUNT], args.repeat))]
+    try:
+        import deepspeed  # noqa: F401
+        rows.append(("DeepSpeed estimate_zero3_model_states_mem_needs_all_cold", wall([py, "-c", DS_COLD],
+                                                                                     args.repeat)))
+    except ImportError:
+        rows.append(("DeepSpeed estimator", float("nan")))
+    print(f"| command (whole process, median of {args.repeat}) | wall time |\n|---|---:|")
+    for name, secs in rows:
+        print(f"| {name} | {secs:.3f} s |")
+    print(f"\nin-process accounting.estimate evaluations per second: {evals_per_second():,.0f}")
+
+
+if __name__ == "__main__":
+    main()

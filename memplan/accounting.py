@@ -180,6 +180,11 @@ def _optimizer_impl(s: Settings) -> str:
     if s.optimizer_impl:
         return s.optimizer_impl
     if s.cluster.device == "cpu":
+        if s.strategy.framework == "deepspeed":
+            # DeepSpeed on CPU (DS_BUILD_OPS=0): real runs of ZeRO-1/2 on this kind of machine peak at
+            # 2 + 20/N bytes per parameter in the step (../shared/reference/anchors.md), i.e. one fp32
+            # partition-sized temporary beyond the fp32 grads: the foreach scratch.
+            return "foreach"
         return "single-tensor"  # torch.optim's default off CUDA (_default_to_fused_or_foreach)
     # DeepSpeed builds FusedAdam on CUDA; torch.optim defaults to foreach on CUDA.
     return "fused" if s.strategy.framework == "deepspeed" else "foreach"

@@ -141,3 +141,19 @@ def test_bad_cluster(kw, match):
 def test_bad_sizes():
     with pytest.raises(SettingsError, match="micro-batch"):
         settings("ddp", 1, micro_batch=0)
+
+
+# Real DeepSpeed 0.19.8 on CPU (gloo), 8 bias-free 1024x1024 Linear layers, bf16, AdamW, small buckets:
+# bytes per parameter at the start of the step (../shared/reference/anchors.md, measured at the allocator).
+DS_START_OF_STEP = {(1, 1): 14, (1, 2): 8, (1, 4): 5, (2, 1): 14, (2, 4): 5, (3, 1): 16, (3, 4): 4}
+
+
+@pytest.mark.parametrize("stage,n", sorted(DS_START_OF_STEP))
+def test_model_states_match_real_deepspeed_start_of_step(stage, n):
+    inv = make_inv({f"layers.{i}": [(1024, 1024)] for i in range(8)})
+    s = settings(f"zero{stage}", n, ds={"reduce_bucket_size": 100_000, "allgather_bucket_size": 100_000,
+                                         "prefetch_bucket_size": 10_000, "max_live_parameters": 100_000,
+                                         "param_persistence_threshold": 0, "overlap_comm": False})
+    fwd = A.estimate(inv, s).phases[0]
+    states = fwd.weights_bytes + fwd.master_weights_bytes + fwd.grads_bytes + fwd.optimizer_states_bytes
+    assert states == DS_START_OF_STEP[(stage, n)] * inv.num_params

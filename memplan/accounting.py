@@ -304,7 +304,7 @@ def estimate(inv: ParamInventory, s: Settings) -> Plan:
     amp_copies = rc.compute_bytes * lay.matmul_numel if rc.autocast_weight_copies else 0
 
     # ---- activations ----
-    gated = inv.family not in ("gpt2", "gpt_neox", "falcon")
+    gated = bool(inv.dims.get("gated_mlp", 1))
     prof = act.cached_profile(tuple(sorted(inv.dims.items())), s.micro_batch, s.seq_len, rc.compute_bytes,
                               rc.residual_bytes, s.attention, s.recompute, gated)
     acts_fwd = prof.saved_bytes(s.recompute)

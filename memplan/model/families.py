@@ -381,6 +381,10 @@ def config_dtype(config: Mapping[str, Any]) -> str:
         raise ConfigError(f"config dtype {raw!r} is not a known dtype") from exc
 
 
+#: Families whose MLP is fc -> activation -> projection (no gate).
+PLAIN_MLP_FAMILIES = frozenset({"gpt2", "gpt_neox", "falcon", "gpt_bigcode", "gptj", "opt", "bloom", "phi"})
+
+
 def model_dims(config: Mapping[str, Any]) -> dict[str, int]:
     """Dimensions the activation / buffer terms need, under the names of most families."""
     keys = {"hidden_size": ("hidden_size", "n_embd", "d_model"),
@@ -396,6 +400,8 @@ def model_dims(config: Mapping[str, Any]) -> dict[str, int]:
             if isinstance(v, int) and not isinstance(v, bool):
                 dims[dim] = v
                 break
+    # Two-matrix GELU MLPs (fc -> act -> proj) save fewer activations than gated (SwiGLU/GeGLU) ones.
+    dims["gated_mlp"] = 0 if config.get("model_type") in PLAIN_MLP_FAMILIES else 1
     kv = config.get("num_key_value_heads")
     if isinstance(kv, int):
         dims["num_kv_heads"] = kv

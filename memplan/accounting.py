@@ -142,6 +142,8 @@ class Plan:
     overhead_detail: dict[str, int]
     host_bytes_per_node: int
     shard_group: int
+    #: bytes held between steps (model states, grads kept across steps, buffers allocated at setup)
+    between_steps_bytes: int
     assumptions: dict[str, Any]
 
     @property
@@ -180,12 +182,11 @@ def _optimizer_impl(s: Settings) -> str:
     if s.optimizer_impl:
         return s.optimizer_impl
     if s.cluster.device == "cpu":
-        if s.strategy.framework == "deepspeed":
-            # DeepSpeed on CPU (DS_BUILD_OPS=0): real runs of ZeRO-1/2 on this kind of machine peak at
-            # 2 + 20/N bytes per parameter in the step (../shared/reference/anchors.md), i.e. one fp32
-            # partition-sized temporary beyond the fp32 grads: the foreach scratch.
-            return "foreach"
-        return "single-tensor"  # torch.optim's default off CUDA (_default_to_fused_or_foreach)
+        # torch.optim's default off CUDA (_default_to_fused_or_foreach -> single tensor). DeepSpeed on CPU
+        # (DS_BUILD_OPS=0) steps a torch optimizer on its flat fp32 partition, so the two temporaries of
+        # `exp_avg_sq.sqrt() / bias_correction2_sqrt` are partition-sized: measured by the harness
+        # (docs/accuracy.md), 2 x 4 bytes x partition at the ZeRO-2 step peak.
+        return "single-tensor"
     # DeepSpeed builds FusedAdam on CUDA; torch.optim defaults to foreach on CUDA.
     return "fused" if s.strategy.framework == "deepspeed" else "foreach"
 
@@ -350,7 +351,7 @@ def estimate(inv: ParamInventory, s: Settings) -> Plan:
         a["nccl_communicators"] = comms if c.gpus > 1 else 0
     return Plan(settings=s, inventory=inv, phases=phases, peak=peak, overhead_bytes=sum(detail.values()),
                 overhead_detail=detail, host_bytes_per_node=host * c.ranks_per_node, shard_group=n,
-                assumptions=a)
+                between_steps_bytes=weights + master + states + grads_persist + buf_persist, assumptions=a)
 
 
 def with_gpus(s: Settings, gpus: int) -> Settings:

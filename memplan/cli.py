@@ -241,6 +241,113 @@ def _render_plan(rep: dict) -> None:
         c.print(f"note: {n}", soft_wrap=True)
 
 
+@app.command()
+def validate(
+    model: str = typer.Argument(..., help="Preset name, config.json or model directory."),
+    gpus: int = typer.Option(2, "--gpus", help="Ranks to run on this host (spawned)."),
+    gpus_per_node: Optional[int] = typer.Option(None, "--gpus-per-node", help="Ranks per node [default: gpus]."),
+    stage: Optional[int] = typer.Option(None, "--stage", help="DeepSpeed ZeRO stage 0-3."),
+    strategy: Optional[str] = typer.Option(None, "--strategy", help="ddp, zero0-3, zero-optimizer, fsdp-full, "
+                                           "fsdp-grad-op, fsdp-no-shard, hsdp [default: ddp]."),
+    micro_batch: Optional[int] = typer.Option(None, "--micro-batch", help="Micro-batch per rank [default: 1]."),
+    seq_len: int = typer.Option(128, "--seq-len", help="Sequence length."),
+    grad_accum: Optional[int] = typer.Option(None, "--grad-accum", help="Gradient accumulation steps."),
+    precision: Optional[str] = typer.Option(None, "--precision", help="Precision recipe [default: the framework's]."),
+    optimizer: Optional[str] = typer.Option(None, "--optimizer", help="adamw, adam, sgd."),
+    optimizer_impl: Optional[str] = typer.Option(None, "--optimizer-impl", help="foreach, fused, single-tensor."),
+    recompute: str = typer.Option("none", "--recompute", help="none | full."),
+    deepspeed: Optional[str] = typer.Option(None, "--deepspeed", help="The job's ds_config.json."),
+    reduce_bucket_size: Optional[int] = typer.Option(None, help="DeepSpeed reduce_bucket_size (elements)."),
+    allgather_bucket_size: Optional[int] = typer.Option(None, help="DeepSpeed allgather_bucket_size (elements)."),
+    overlap_comm: Optional[bool] = typer.Option(None, "--overlap-comm/--no-overlap-comm"),
+    prefetch_bucket_size: Optional[int] = typer.Option(None, help="stage3_prefetch_bucket_size (elements)."),
+    param_persistence_threshold: Optional[int] = typer.Option(None, help="stage3_param_persistence_threshold."),
+    max_live_parameters: Optional[int] = typer.Option(None, help="stage3_max_live_parameters (elements)."),
+    max_reuse_distance: Optional[int] = typer.Option(None, help="stage3_max_reuse_distance (elements)."),
+    hpz_partition_size: Optional[int] = typer.Option(None, help="ZeRO++ zero_hpz_partition_size."),
+    reshard_after_forward: Optional[str] = typer.Option(None, help="FSDP2: true, false, or a group size."),
+    hsdp_shard_size: Optional[int] = typer.Option(None, help="HSDP shard group size."),
+    bucket_cap_mb: Optional[int] = typer.Option(None, help="DDP bucket_cap_mb."),
+    gradient_as_bucket_view: bool = typer.Option(False, "--gradient-as-bucket-view"),
+    layers: Optional[int] = typer.Option(None, "--layers", help="Scale the model down to this many blocks."),
+    hidden: Optional[int] = typer.Option(None, "--hidden", help="Scale the hidden size down (head_dim kept)."),
+    vocab: Optional[int] = typer.Option(None, "--vocab", help="Scale the vocabulary down."),
+    warmup_steps: int = typer.Option(2, "--warmup-steps", help="Steps before measuring (states get allocated)."),
+    steps: int = typer.Option(1, "--steps", help="Measured steps."),
+    device: Optional[str] = typer.Option(None, "--device", help="cuda (NCCL) or cpu (gloo) [default: cuda if present]."),
+    timeout: float = typer.Option(600.0, "--timeout", help="Seconds before a hung run is stopped."),
+    tolerance: float = typer.Option(0.03, "--tolerance", help="Allowed |relative error| on the peak."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON on stdout."),
+) -> None:
+    """Run the job for real (torch.distributed, real DeepSpeed / FSDP2 / DDP), measure every rank, compare.
+
+    Exit code 3 when the peak error exceeds --tolerance.
+    """
+    from memplan import options
+    from memplan.harness.validate import validate as run_validate, validation_report
+
+    err = _console(stderr=True)
+    v = run_validate(
+        model, layers=layers, hidden=hidden, vocab=vocab, warmup_steps=warmup_steps, measured_steps=steps,
+        timeout_s=timeout, tolerance=tolerance, device=device,
+        progress=lambda line: err.print(f"[dim]{line}[/dim]"),
+        gpus=gpus, gpus_per_node=gpus_per_node if gpus_per_node is not None else gpus, stage=stage,
+        strategy=strategy, precision=precision, optimizer=optimizer, optimizer_impl=optimizer_impl,
+        micro_batch=micro_batch, seq_len=seq_len, grad_accum=grad_accum, recompute=recompute, deepspeed=deepspeed,
+        ds_overrides=dict(reduce_bucket_size=reduce_bucket_size, allgather_bucket_size=allgather_bucket_size,
+                          overlap_comm=overlap_comm, prefetch_bucket_size=prefetch_bucket_size,
+                          param_persistence_threshold=param_persistence_threshold,
+                          max_live_parameters=max_live_parameters, max_reuse_distance=max_reuse_distance,
+                          hpz_partition_size=hpz_partition_size),
+        torch_overrides=dict(reshard_after_forward=options.parse_reshard(reshard_after_forward),
+                             hsdp_shard_size=hsdp_shard_size, bucket_cap_mb=bucket_cap_mb,
+                             gradient_as_bucket_view=gradient_as_bucket_view))
+    rep = validation_report(v)
+    if as_json:
+        _emit_json(rep)
+    else:
+        _render_validation(rep)
+    if not v.comparison.within_tolerance:
+        raise typer.Exit(3)
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:+.2f}%"
+
+
+def _render_validation(rep: dict) -> None:
+    c = _console()
+    val, run, pred = rep["validation"], rep["run"], rep["prediction"]
+    m, st = pred["model"], pred["strategy"]
+    c.print(f"[bold]{m['name']}[/bold] ({m['num_params']:,} params run; {rep['scaled_from_params']:,} in the "
+            f"original) · {st['name']} · {pred['cluster']['gpus']} rank(s) · {st['precision']} · {run['device']} "
+            f"· {run['initialisation']}")
+    for ch in rep["config_changes"]:
+        c.print(f"scaled: {ch}")
+    rows = []
+    for r in val["ranks"]:
+        mark = " ◀ worst" if r["rank"] == val["worst_rank"] else ""
+        rows.append([f"{r['rank']}{mark}", fmt_bytes(r["start_bytes"]), fmt_bytes(r["peak_bytes"]), r["peak_phase"],
+                     _pct(r["peak_error"])])
+    c.print(_table("Measured per rank (allocator; GiB = 2^30 B)", [("rank", "left"), ("start of step", "right"),
+                                                                   ("peak", "right"), ("phase", "left"),
+                                                                   ("prediction error", "right")], rows))
+    pk, ss = val["peak"], val["start_of_step"]
+    cat_rows = [[k.removesuffix("_bytes").replace("_", " "), f"{v['predicted']:,}", f"{v['measured']:,}",
+                 "exact" if v["predicted"] == v["measured"] else f"{v['predicted'] - v['measured']:+,}"]
+                for k, v in val["categories_at_start"].items()]
+    cat_rows.append(["start of step (all)", f"{ss['predicted_bytes']:,}", f"{ss['measured_bytes']:,}",
+                     _pct(ss["error"])])
+    cat_rows.append([f"peak (predicted {pk['predicted_phase']}, measured {pk['measured_phase']})",
+                     f"{pk['predicted_bytes']:,}", f"{pk['measured_bytes']:,}", _pct(pk["error"])])
+    c.print(_table("Predicted vs measured (worst rank, bytes)", [("", "left"), ("predicted", "right"),
+                                                                ("measured", "right"), ("error", "right")], cat_rows))
+    verdict = "[green]WITHIN[/green]" if val["within_tolerance"] else "[red]OUTSIDE[/red]"
+    c.print(f"{verdict} tolerance ±{100 * val['tolerance']:g}% on the peak; rank spread "
+            f"{100 * pk['rank_spread']:.2f}%; {run['wall_s']} s; " +
+            ", ".join(f"{k} {v}" for k, v in run["versions"].items()))
+
+
 def _version_callback(value: bool) -> None:
     if value:
         sys.stdout.write(f"memplan {__version__}\n")

@@ -1,0 +1,72 @@
+"""Predicted vs measured, per rank: the start of the step, the model-state categories and the step's peak."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from memplan.accounting import Plan
+
+#: categories measured exactly at the start of a step (storages reachable from the model and the optimizer)
+EXACT_CATEGORIES = ("weights_bytes", "master_weights_bytes", "optimizer_states_bytes")
+
+
+@dataclass(frozen=True)
+class Comparison:
+    rows: tuple[dict[str, Any], ...]  #: one per rank: measured figures and errors
+    worst_rank: int
+    predicted_peak_bytes: int
+    measured_peak_bytes: int  #: worst rank, worst measured step
+    peak_error: float  #: (predicted - measured) / measured
+    predicted_start_bytes: int
+    measured_start_bytes: int
+    start_error: float
+    predicted_peak_phase: str
+    measured_peak_phase: str
+    categories: dict[str, dict[str, int]]  #: name -> {"predicted", "measured"} (worst rank)
+    spread: float  #: (max - min) / max of the ranks' peaks
+    tolerance: float
+
+    @property
+    def within_tolerance(self) -> bool:
+        return abs(self.peak_error) <= self.tolerance
+
+
+def _err(pred: int, meas: int) -> float:
+    return (pred - meas) / meas if meas else (0.0 if pred == 0 else float("inf"))
+
+
+def compare(plan: Plan, ranks: tuple[dict[str, Any], ...], tolerance: float) -> Comparison:
+    pred_peak, pred_start = plan.peak_bytes, plan.between_steps_bytes
+    start_phase = plan.phases[0]
+    rows = []
+    for r in ranks:
+        worst = max(r["steps"], key=lambda m: m["peak_bytes"])
+        attr = r["start_attribution"][-1] if r["start_attribution"] else {}
+        rows.append({"rank": r["rank"], "peak_bytes": worst["peak_bytes"], "peak_phase": worst["peak_phase"],
+                     "start_bytes": max(m["start_bytes"] for m in r["steps"]),
+                     "peak_error": _err(pred_peak, worst["peak_bytes"]), "phase_peaks": worst["phase_peaks"],
+                     **{k: attr.get(k, 0) for k in EXACT_CATEGORIES}})
+    worst_row = max(rows, key=lambda x: x["peak_bytes"])
+    peaks = [x["peak_bytes"] for x in rows]
+    cats = {k: {"predicted": getattr(start_phase, k), "measured": worst_row[k]} for k in EXACT_CATEGORIES}
+    measured_start = max(x["start_bytes"] for x in rows)
+    phase_names = {"forward": "forward", "backward-start": "backward", "backward-end": "backward",
+                   "optimizer-step": "optimizer-step"}
+    return Comparison(rows=tuple(rows), worst_rank=worst_row["rank"], predicted_peak_bytes=pred_peak,
+                      measured_peak_bytes=worst_row["peak_bytes"], peak_error=_err(pred_peak, worst_row["peak_bytes"]),
+                      predicted_start_bytes=pred_start, measured_start_bytes=measured_start,
+                      start_error=_err(pred_start, measured_start),
+                      predicted_peak_phase=phase_names.get(plan.peak.name, plan.peak.name),
+                      measured_peak_phase=worst_row["peak_phase"], categories=cats,
+                      spread=(max(peaks) - min(peaks)) / max(peaks) if max(peaks) else 0.0, tolerance=tolerance)
+
+
+def comparison_report(c: Comparison) -> dict[str, Any]:
+    return {"tolerance": c.tolerance, "within_tolerance": c.within_tolerance, "worst_rank": c.worst_rank,
+            "peak": {"predicted_bytes": c.predicted_peak_bytes, "measured_bytes": c.measured_peak_bytes,
+                     "error": c.peak_error, "predicted_phase": c.predicted_peak_phase,
+                     "measured_phase": c.measured_peak_phase, "rank_spread": c.spread},
+            "start_of_step": {"predicted_bytes": c.predicted_start_bytes, "measured_bytes": c.measured_start_bytes,
+                              "error": c.start_error},
+            "categories_at_start": c.categories, "ranks": list(c.rows)}

@@ -1,0 +1,148 @@
+"""Measurement inside one rank: the allocator's running total from the profiler, and tensor attribution.
+
+CPU (gloo): ``torch.profiler.profile(activities=[CPU], profile_memory=True)`` is started before the model is
+built; every ``[memory]`` event of the exported trace carries the CPU allocator's running "Total Allocated"
+(c10 ProfiledCPUMemoryReporter). Its maximum between the ``memplan:step`` markers is the step's peak, the CPU
+counterpart of ``torch.cuda.max_memory_allocated``. The reporter only counts allocations made on threads the
+profiler follows (the training thread and the autograd engine it drives); temporaries gloo allocates on its own
+worker threads are not in the figure, which is documented in docs/accuracy.md.
+
+GPU (NCCL): ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats`` at the start of the step.
+
+Attribution at the start of a step walks the tensors reachable from the model and the optimizer and counts each
+storage once (storages, not tensors: DeepSpeed's params are views of flat buffers, FSDP2's are DTensor shards).
+Whatever the allocator holds beyond them is reported as "other" (buckets, flat buffers, caches).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+STEP_PREFIX = "memplan:step"
+PHASE_PREFIX = "memplan:"
+PHASES = ("forward", "backward", "optimizer-step")
+
+
+@dataclass
+class StepMeasure:
+    step: int
+    start_bytes: int  #: allocator total when the step began
+    peak_bytes: int  #: allocator maximum inside the step
+    peak_phase: str  #: forward | backward | optimizer-step | between (zero_grad, bookkeeping)
+    phase_peaks: dict[str, int] = field(default_factory=dict)
+
+
+def _storage_key(t: Any) -> tuple[int, int] | None:
+    try:
+        st = t.untyped_storage()
+    except Exception:
+        return None
+    if st.nbytes() == 0 or t.device.type == "meta":
+        return None
+    return (st.data_ptr(), st.nbytes())
+
+
+def local_tensor(t: Any) -> Any:
+    """The local shard of a DTensor, DeepSpeed's ds_tensor partition, or the tensor itself."""
+    if hasattr(t, "ds_tensor") and t.ds_tensor is not None:
+        return t.ds_tensor
+    to_local = getattr(t, "to_local", None)
+    if to_local is not None and type(t).__name__ == "DTensor":
+        return to_local()
+    return t
+
+
+def attribute(model: Any, optimizer: Any) -> dict[str, int]:
+    """Bytes of unique storages by category: weights, grads, master weights, optimizer states."""
+    seen: set[tuple[int, int]] = set()
+    out = {"weights_bytes": 0, "grads_bytes": 0, "master_weights_bytes": 0, "optimizer_states_bytes": 0}
+
+    def add(category: str, t: Any) -> None:
+        if t is None:
+            return
+        t = local_tensor(t)
+        key = _storage_key(t)
+        if key is None or key in seen:
+            return
+        seen.add(key)
+        out[category] += key[1]
+
+    params = list(model.parameters())
+    for p in params:
+        add("weights_bytes", p)
+    for p in params:
+        add("grads_bytes", getattr(p, "grad", None))
+    inner = optimizer
+    for attr in ("optimizer", "optim"):  # DeepSpeed wrappers and ZeroRedundancyOptimizer hold the torch optimizer
+        while hasattr(inner, attr) and inner is not getattr(inner, attr):
+            inner = getattr(inner, attr)
+    for group in getattr(inner, "param_groups", []):
+        for p in group["params"]:
+            add("master_weights_bytes", p)
+            add("grads_bytes", getattr(p, "grad", None))
+    for state in getattr(inner, "state", {}).values():
+        for v in state.values() if isinstance(state, dict) else ():
+            if hasattr(v, "untyped_storage") and v.dim() > 0:
+                add("optimizer_states_bytes", v)
+    return out
+
+
+def live_totals(events: list[dict[str, Any]]) -> list[tuple[float, int]]:
+    """(time, bytes live) after every CPU allocator event, rebuilt from the events' addresses.
+
+    The reporter's own "Total Allocated" never goes down for a block freed on a thread the profiler does not
+    follow (a gloo worker dropping the last reference), so it drifts upward from run to run. Rebuilt from
+    addresses, a block is dropped when its free is seen, or when the allocator hands its address out again
+    (which proves it was freed). Blocks freed untracked and never reused still count; docs/accuracy.md says so.
+    """
+    live: dict[int, int] = {}
+    total = 0
+    out: list[tuple[float, int]] = []
+    mem = sorted((float(e["ts"]), int(e["args"].get("Ev Idx", 0)), e["args"]) for e in events
+                 if e.get("name") == "[memory]" and int(e["args"].get("Device Type", 0)) == 0)
+    for ts, _, args in mem:
+        addr, nbytes = int(args.get("Addr", 0)), int(args["Bytes"])
+        if nbytes > 0:
+            total += nbytes - live.get(addr, 0)
+            live[addr] = nbytes
+        elif addr in live:
+            total -= live.pop(addr)
+        out.append((ts, total))
+    return out
+
+
+def steps_from_trace(path: str) -> list[StepMeasure]:
+    """Per measured step: start, peak and phase of the peak, from an exported chrome trace."""
+    with open(path) as fh:
+        events = json.load(fh)["traceEvents"]
+    mem = live_totals(events)
+    marks = [(e["name"][len(PHASE_PREFIX):], float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0)))
+             for e in events if e.get("ph") == "X" and str(e.get("name", "")).startswith(PHASE_PREFIX)]
+    steps = sorted((int(n[len("step"):]), a, b) for n, a, b in marks if n.startswith("step"))
+    phases = [(n, a, b) for n, a, b in marks if n in PHASES]
+    out: list[StepMeasure] = []
+    for idx, (step, a, b) in enumerate(steps):
+        before = [v for ts, v in mem if ts < a]
+        start = before[-1] if before else 0
+        inside = [(ts, v) for ts, v in mem if a <= ts <= b]
+        peak_ts, peak = max(inside, key=lambda tv: tv[1]) if inside else (a, start)
+        if peak < start:
+            peak_ts, peak = a, start
+        phase = "between"
+        per_phase: dict[str, int] = {}
+        for name, pa, pb in phases:
+            if a <= pa and pb <= b:
+                vals = [v for ts, v in inside if pa <= ts <= pb]
+                if vals:
+                    per_phase[name] = max(per_phase.get(name, 0), max(vals))
+                if pa <= peak_ts <= pb:
+                    phase = name
+        out.append(StepMeasure(step=step, start_bytes=start, peak_bytes=peak, peak_phase=phase,
+                               phase_peaks=per_phase))
+    return out
+
+
+def as_dict(m: StepMeasure) -> dict[str, Any]:
+    return asdict(m)

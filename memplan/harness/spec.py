@@ -1,0 +1,169 @@
+"""What a validation run does, as plain data: the (scaled) model config and the framework settings.
+
+Built from the same Settings the estimate uses, so the prediction and the run describe one job. No torch here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from memplan.accounting import Settings
+from memplan.errors import SettingsError
+
+#: config keys by meaning, across transformers families (first present wins)
+_LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers")
+_HIDDEN_KEYS = ("hidden_size", "n_embd", "d_model")
+_HEAD_KEYS = ("num_attention_heads", "n_head")
+_INTER_KEYS = ("intermediate_size", "n_inner", "ffn_dim", "moe_intermediate_size", "shared_expert_intermediate_size")
+
+
+def _first(config: dict[str, Any], keys: tuple[str, ...]) -> str | None:
+    return next((k for k in keys if config.get(k) is not None), None)
+
+
+def scale_config(config: dict[str, Any], *, layers: int | None = None, hidden: int | None = None,
+                 vocab: int | None = None) -> tuple[dict[str, Any], list[str]]:
+    """A smaller config of the same architecture: fewer blocks, a narrower hidden size (head_dim kept when
+    possible, MLP widths scaled by the same ratio), optionally a smaller vocabulary. Returns (config, changes)."""
+    cfg = dict(config)
+    changes: list[str] = []
+    if layers is not None:
+        key = _first(cfg, _LAYER_KEYS)
+        if key is None:
+            raise SettingsError("this config has no layer count to scale")
+        if layers < 1:
+            raise SettingsError(f"--layers must be at least 1, got {layers}")
+        if layers != cfg[key]:
+            changes.append(f"{key} {cfg[key]} -> {layers}")
+            cfg[key] = layers
+            for k in ("first_k_dense_replace",):
+                if k in cfg:
+                    cfg[k] = min(cfg[k], layers)
+            for k in ("layer_types",):
+                if isinstance(cfg.get(k), list):
+                    cfg[k] = cfg[k][:layers]
+    if hidden is not None:
+        hkey = _first(cfg, _HIDDEN_KEYS)
+        nkey = _first(cfg, _HEAD_KEYS)
+        if hkey is None or nkey is None:
+            raise SettingsError("this config has no hidden size / head count to scale")
+        old_h, heads = int(cfg[hkey]), int(cfg[nkey])
+        head_dim = int(cfg.get("head_dim") or old_h // heads)
+        if hidden < 1 or hidden % head_dim and hidden % 2:
+            raise SettingsError(f"--hidden {hidden} must be a positive multiple of head_dim {head_dim} (or even)")
+        new_heads = max(1, hidden // head_dim) if hidden % head_dim == 0 else max(1, hidden // 64)
+        if hidden % new_heads:
+            raise SettingsError(f"--hidden {hidden} is not divisible into attention heads")
+        kv = cfg.get("num_key_value_heads")
+        if kv:
+            group = max(1, heads // int(kv))
+            new_kv = max(1, new_heads // group)
+            while new_heads % new_kv:
+                new_kv -= 1
+            cfg["num_key_value_heads"] = new_kv
+        ratio_num, ratio_den = hidden, old_h
+        for k in _INTER_KEYS:
+            if cfg.get(k):
+                cfg[k] = max(1, int(cfg[k]) * ratio_num // ratio_den)
+        changes.append(f"{hkey} {old_h} -> {hidden}, {nkey} {heads} -> {new_heads}"
+                       + (f", num_key_value_heads {kv} -> {cfg['num_key_value_heads']}" if kv else ""))
+        cfg[hkey], cfg[nkey] = hidden, new_heads
+        if "head_dim" in cfg and cfg["head_dim"]:
+            cfg["head_dim"] = hidden // new_heads
+    if vocab is not None:
+        vkey = "vocab_size"
+        if vocab < 2:
+            raise SettingsError(f"--vocab must be at least 2, got {vocab}")
+        changes.append(f"vocab_size {cfg.get(vkey)} -> {vocab}")
+        cfg[vkey] = vocab
+        for k in ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id"):
+            v = cfg.get(k)
+            if isinstance(v, int) and v >= vocab:
+                cfg[k] = vocab - 1
+            elif isinstance(v, list):
+                cfg[k] = [min(x, vocab - 1) for x in v]
+    return cfg, changes
+
+
+def ds_config(s: Settings) -> dict[str, Any]:
+    """The ds_config a DeepSpeed run of these settings uses (DeepSpeed's key names)."""
+    st, ds = s.strategy, s.ds
+    zero: dict[str, Any] = {
+        "stage": st.zero_stage or 0,
+        "reduce_bucket_size": ds.reduce_bucket_size,
+        "allgather_bucket_size": ds.allgather_bucket_size,
+        "contiguous_gradients": ds.contiguous_gradients,
+        "sub_group_size": ds.sub_group_size,
+    }
+    if ds.overlap_comm is not None:
+        zero["overlap_comm"] = ds.overlap_comm
+    if st.zero_stage == 3:
+        zero.update({"stage3_prefetch_bucket_size": ds.prefetch_bucket_size,
+                     "stage3_param_persistence_threshold": ds.param_persistence_threshold,
+                     "stage3_max_live_parameters": ds.max_live_parameters,
+                     "stage3_max_reuse_distance": ds.max_reuse_distance})
+        if ds.hpz_partition_size > 1:
+            zero["zero_hpz_partition_size"] = ds.hpz_partition_size
+    if ds.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu"}
+    if ds.offload_param:
+        zero["offload_param"] = {"device": "cpu"}
+    return {
+        "train_micro_batch_size_per_gpu": s.micro_batch,
+        "gradient_accumulation_steps": s.grad_accum,
+        "train_batch_size": s.micro_batch * s.grad_accum * s.cluster.gpus,
+        "bf16": {"enabled": s.recipe.name == "deepspeed-bf16"},
+        "fp16": {"enabled": s.recipe.name == "deepspeed-fp16"},
+        "zero_optimization": zero,
+        "zero_allow_untested_optimizer": True,
+        "zero_force_ds_cpu_optimizer": False,
+        "steps_per_print": 1_000_000,
+        "wall_clock_breakdown": False,
+    }
+
+
+#: what each framework runs in the harness
+_HARNESS_RECIPES = {"deepspeed": ("deepspeed-bf16",), "torch-ddp": ("torch-amp", "fp32", "pure-bf16"),
+                    "fsdp2": ("fsdp-bf16", "fp32")}
+
+
+def build_spec(config: dict[str, Any], s: Settings, *, warmup_steps: int = 2, measured_steps: int = 1,
+               attn_implementation: str = "sdpa") -> dict[str, Any]:
+    """The rank's instructions for this job. Raises SettingsError for what the harness cannot run."""
+    st, c = s.strategy, s.cluster
+    fw = st.framework
+    if fw not in _HARNESS_RECIPES:
+        raise SettingsError(f"the harness does not run {st.name} ({fw}) yet; it runs DeepSpeed ZeRO 0-3, DDP, "
+                            "DDP + ZeroRedundancyOptimizer and FSDP2 (fsdp-full, fsdp-grad-op, fsdp-no-shard, hsdp)")
+    if s.recipe.name not in _HARNESS_RECIPES[fw]:
+        raise SettingsError(f"the harness runs {st.name} with precision {', '.join(_HARNESS_RECIPES[fw])}, "
+                            f"not {s.recipe.name}")
+    if s.optimizer.name not in ("adamw", "adam", "sgd"):
+        raise SettingsError(f"the harness runs adamw, adam and sgd, not {s.optimizer.name}")
+    if c.device == "cpu" and (s.ds.offload_optimizer or s.ds.offload_param or s.torch.cpu_offload):
+        raise SettingsError("offload cannot be measured on CPU: device and host memory are one allocator there "
+                            "(run validate on a GPU machine)")
+    if s.recompute == "selective":
+        raise SettingsError("the harness runs --recompute none or full (transformers has no selective recompute)")
+    if warmup_steps < 1 or measured_steps < 1:
+        raise SettingsError("warm-up and measured steps must be at least 1")
+    from memplan.accounting import shard_group_size
+
+    n = shard_group_size(s)
+    raf = s.torch.reshard_after_forward
+    raf = st.reshard_after_forward if raf is None else raf
+    if fw == "fsdp2" and not st.shard_params:
+        n = 1  # NO_SHARD: a (world, 1) mesh, replicate only
+    spec: dict[str, Any] = {
+        "config": config, "framework": fw, "strategy": st.name, "recipe": s.recipe.name,
+        "optimizer": s.optimizer.name, "optimizer_impl": s.optimizer_impl,
+        "micro_batch": s.micro_batch, "seq_len": s.seq_len, "grad_accum": s.grad_accum, "recompute": s.recompute,
+        "attn_implementation": attn_implementation, "device": c.device, "gpus_per_node": c.ranks_per_node,
+        "warmup_steps": warmup_steps, "measured_steps": measured_steps, "seed": 0,
+        "bucket_cap_mb": s.torch.bucket_cap_mb, "gradient_as_bucket_view": s.torch.gradient_as_bucket_view,
+        "zero_optimizer": st.name == "zero-optimizer",
+        "shard_size": n, "reshard_after_forward": raf if not isinstance(raf, bool) or st.shard_params else False,
+    }
+    if fw == "deepspeed":
+        spec["ds_config"] = ds_config(s)
+    return spec

@@ -1,0 +1,84 @@
+"""`memplan validate`: predict, run the job for real on N ranks, measure, compare."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+from memplan import accounting, options
+from memplan.errors import SettingsError
+from memplan.harness import compare as cmp
+from memplan.harness import launch as ln
+from memplan.harness import spec as hs
+from memplan.model import sources
+
+
+@dataclass(frozen=True)
+class Validation:
+    plan: accounting.Plan
+    resolved: options.Resolved
+    comparison: cmp.Comparison
+    config_changes: tuple[str, ...]
+    original_params: int
+    spec: dict[str, Any]
+    versions: dict[str, str]
+    wall_s: float
+
+
+def default_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def validate(model: str, *, layers: int | None = None, hidden: int | None = None, vocab: int | None = None,
+             warmup_steps: int = 2, measured_steps: int = 1, timeout_s: float = 600.0, tolerance: float = 0.03,
+             device: str | None = None, progress: Callable[[str], None] | None = None,
+             **resolve_kwargs: Any) -> Validation:
+    src = sources.resolve(model)
+    if src.config is None:
+        raise SettingsError("validate needs a model with a config.json (preset, config file or model directory); "
+                            "factory modules are not run by the harness")
+    original = sources.build_inventory(src)
+    config, changes = hs.scale_config(src.config, layers=layers, hidden=hidden, vocab=vocab)
+    scaled = replace(src, config=config, checkpoint=(), description=src.description + (
+        f" scaled ({'; '.join(changes)})" if changes else ""))
+    inv = sources.build_inventory(scaled)
+    if tolerance <= 0:
+        raise SettingsError(f"--tolerance must be positive, got {tolerance}")
+    if timeout_s <= 0:
+        raise SettingsError(f"--timeout must be positive, got {timeout_s}")
+    device = device or default_device()
+    if device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise SettingsError("--device cuda: no CUDA device here")
+        if torch.cuda.device_count() < resolve_kwargs.get("gpus", 1):
+            raise SettingsError(f"--gpus {resolve_kwargs.get('gpus')} but this host has "
+                                f"{torch.cuda.device_count()} GPU(s); run the rank entry point under torchrun")
+    resolved = options.resolve(inv, device=device, **resolve_kwargs)
+    plan = accounting.estimate(inv, resolved.settings)
+    spec = hs.build_spec(config, resolved.settings, warmup_steps=warmup_steps, measured_steps=measured_steps)
+    run = ln.launch(spec, resolved.settings.cluster.gpus, timeout_s=timeout_s, progress=progress)
+    comparison = cmp.compare(plan, run.ranks, tolerance)
+    return Validation(plan=plan, resolved=resolved, comparison=comparison, config_changes=tuple(changes),
+                      original_params=original.num_params, spec=spec, versions=run.ranks[0].get("versions", {}),
+                      wall_s=run.wall_s)
+
+
+def validation_report(v: Validation) -> dict[str, Any]:
+    from memplan.report import plan_report
+
+    rep = {"schema_version": 1, "validation": cmp.comparison_report(v.comparison),
+           "scaled_from_params": v.original_params, "config_changes": list(v.config_changes),
+           "run": {"framework": v.spec["framework"], "device": v.spec["device"],
+                   "warmup_steps": v.spec["warmup_steps"], "measured_steps": v.spec["measured_steps"],
+                   "versions": v.versions, "wall_s": round(v.wall_s, 1),
+                   "initialisation": ("FSDP2 on the meta device, sharded, then to_empty"
+                                      if v.spec["framework"] == "fsdp2" else "materialised model")},
+           "prediction": plan_report(v.plan, v.resolved.sources, v.resolved.notes)}
+    if "ds_config" in v.spec:
+        rep["run"]["ds_config"] = v.spec["ds_config"]
+    return rep

@@ -100,6 +100,8 @@ class Settings:
     ds: DeepSpeedKnobs = field(default_factory=DeepSpeedKnobs)
     torch: TorchKnobs = field(default_factory=TorchKnobs)
     overheads: Overheads = field(default_factory=Overheads)
+    #: the traced activation profile (activations.TracedProfile); None -> the analytic profile
+    activation_profile: Any = None
 
     def __post_init__(self) -> None:
         for name in ("micro_batch", "seq_len", "grad_accum"):
@@ -301,15 +303,23 @@ def estimate(inv: ParamInventory, s: Settings) -> Plan:
             a["reshard_after_forward"] = raf
         a["largest_gathered_block_numel"] = g.largest_block
 
-    # torch-amp: autocast's bf16 copies of the fp32 weights are saved for backward by every matmul.
-    amp_copies = rc.compute_bytes * lay.matmul_numel if rc.autocast_weight_copies else 0
-
     # ---- activations ----
-    gated = bool(inv.dims.get("gated_mlp", 1))
-    prof = act.cached_profile(tuple(sorted(inv.dims.items())), s.micro_batch, s.seq_len, rc.compute_bytes,
-                              rc.residual_bytes, s.attention, s.recompute, gated)
-    acts_fwd = prof.saved_bytes(s.recompute)
+    prof = s.activation_profile
+    if prof is not None:
+        if prof.micro_batch != s.micro_batch:
+            prof = replace(prof, micro_batch=s.micro_batch)
+    else:
+        gated = bool(inv.dims.get("gated_mlp", 1))
+        prof = act.cached_profile(tuple(sorted(inv.dims.items())), s.micro_batch, s.seq_len, rc.compute_bytes,
+                                  rc.residual_bytes, s.attention, s.recompute, gated)
+    acts_fwd = prof.forward_bytes(s.recompute)
+    acts_bwd = prof.backward_bytes(s.recompute)
     a["activations"] = prof.source
+    # torch-amp: autocast's bf16 copies of the fp32 weights are saved for backward by every matmul (the traced
+    # profile measures them; the analytic one does not).
+    amp_copies = 0
+    if rc.autocast_weight_copies and not prof.includes_autocast_copies:
+        amp_copies = rc.compute_bytes * lay.matmul_numel
 
     # ---- optimizer step transients ----
     impl = _optimizer_impl(s)
@@ -327,11 +337,9 @@ def estimate(inv: ParamInventory, s: Settings) -> Plan:
 
     base = dict(weights_bytes=weights, master_weights_bytes=master, optimizer_states_bytes=states)
     phases = (
-        Phase("forward", **base, grads_bytes=grads_persist, activations_bytes=acts_fwd + prof.loss_forward_bytes,
+        Phase("forward", **base, grads_bytes=grads_persist, activations_bytes=acts_fwd,
               buffers_bytes=buf_persist + gather_turn + amp_copies),
-        Phase("backward-start", **base, grads_bytes=grads_persist,
-              activations_bytes=acts_fwd + prof.loss_forward_bytes + prof.loss_backward_bytes
-              + prof.recompute_transient_bytes(s.recompute),
+        Phase("backward-start", **base, grads_bytes=grads_persist, activations_bytes=acts_bwd,
               buffers_bytes=buf_persist + buf_bwd + max(gather_turn, gather_bwd) + amp_copies),
         Phase("backward-end", **base, grads_bytes=max(grads_end, grads_persist),
               activations_bytes=prof.embedding_bytes, buffers_bytes=buf_persist + buf_bwd + gather_bwd),

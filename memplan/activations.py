@@ -1,6 +1,10 @@
-"""Activation bytes per rank: the analytic profile used until the traced profile (issue 4) replaces it.
+"""Activation bytes per rank for one micro-batch: the traced profile (default) or the analytic cross-check.
 
-The profile counts the tensors autograd saves for backward, per transformer block and per token, following
+Traced (``memplan.tracing``): transformers' real modeling code run under FakeTensorMode at the real size, the
+live bytes of the step followed op by op, the attention kernel substituted; cached on disk, and shipped with the
+package for the presets' default settings, so an estimate on a preset does not import torch.
+
+Analytic (``--activations analytic``, and the fallback when a model cannot be traced): the profile counts the tensors autograd saves for backward, per transformer block and per token, following
 Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models", Section 4.1 and
 Table 2), generalised to grouped-query attention, gated (SwiGLU) MLPs and the attention kernel in use:
 
@@ -22,13 +26,19 @@ log-softmax kept by cross-entropy: vocab * (compute + 4 + 4) bytes; in backward 
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 from dataclasses import dataclass
 from functools import lru_cache
+from pathlib import Path
 
 from memplan.errors import SettingsError
 
 RECOMPUTE = ("none", "selective", "full")
 ATTENTION = ("flash", "sdpa", "eager")
+ACTIVATION_SOURCES = ("traced", "analytic")
+PROFILE_VERSION = 1  #: bump when the traced profile's format or method changes (memplan.tracing)
 
 
 @dataclass(frozen=True)
@@ -42,6 +52,18 @@ class ActivationProfile:
     loss_backward_bytes: int  #: gradient of the logits (fp32) and its compute-dtype cast, in the head backward
     embedding_bytes: int  #: embedding output kept for the first block
     source: str  #: "analytic (Korthikanti et al. 2022, generalised)" or the traced profile's description
+
+    def forward_bytes(self, recompute: str) -> int:
+        """Activations at the forward peak (end of forward, with the loss's transients)."""
+        return self.saved_bytes(recompute) + self.loss_forward_bytes
+
+    def backward_bytes(self, recompute: str) -> int:
+        """Activations at the backward peak (loss backward, or the block being recomputed)."""
+        return (self.saved_bytes(recompute) + self.loss_forward_bytes + self.loss_backward_bytes
+                + self.recompute_transient_bytes(recompute))
+
+    #: autocast's bf16 weight copies are not in this profile (the engine adds them)
+    includes_autocast_copies = False
 
     def saved_bytes(self, recompute: str) -> int:
         """Activations alive at the end of forward."""
@@ -98,3 +120,90 @@ def cached_profile(dims: tuple, micro_batch: int, seq_len: int, compute_bytes: i
     return analytic_profile(dict(dims), micro_batch=micro_batch, seq_len=seq_len, compute_bytes=compute_bytes,
                             residual_bytes=residual_bytes, attention=attention, recompute=recompute,
                             gated_mlp=gated_mlp)
+
+
+@dataclass(frozen=True)
+class TracedProfile:
+    """A traced profile (see memplan.tracing.trace_profile) evaluated at one micro-batch."""
+
+    data: dict  #: the traced profile: lines c0 + c1*b
+    micro_batch: int
+    origin: str  #: "shipped", "cache" or "traced now"
+
+    includes_autocast_copies = True  #: autocast's weight copies are traced (saved for backward)
+
+    def _at(self, line: list[int]) -> int:
+        return line[0] + line[1] * self.micro_batch
+
+    def _extra_layers(self) -> int:
+        d = self.data
+        return (d["num_layers"] - d["traced_layers"]) * self._at(d["per_layer"])
+
+    def forward_bytes(self, recompute: str) -> int:
+        return max(self._at(x) for x in self.data["forward_peak"]) + self._extra_layers()
+
+    def backward_bytes(self, recompute: str) -> int:
+        return max(self._at(x) for x in self.data["backward_peak"]) + self._extra_layers()
+
+    def saved_bytes(self, recompute: str) -> int:
+        return self._at(self.data["live_after_forward"]) + self._extra_layers()
+
+    @property
+    def embedding_bytes(self) -> int:
+        return 0
+
+    @property
+    def source(self) -> str:
+        d = self.data
+        return (f"traced ({self.origin}; transformers {d['transformers']}, {d['traced_layers']} of "
+                f"{d['num_layers']} blocks traced, attention {d['attention']}, seq {d['seq_len']})")
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("MEMPLAN_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "memplan")
+    return Path(base) / "activations"
+
+
+def shipped_dir() -> Path:
+    return Path(__file__).resolve().parent / "presets" / "activations"
+
+
+def profile_key(config: dict, *, seq_len: int, recipe: str, attention: str, recompute: str) -> str:
+    """Cache key: the config, the sequence length, the traced dtype recipe, attention and recompute."""
+    from memplan.tracing_keys import trace_recipe
+
+    blob = json.dumps({"config": {k: v for k, v in config.items() if not k.startswith("_")}, "seq": seq_len,
+                       "recipe": trace_recipe(recipe), "attention": "flash" if attention == "sdpa" else attention,
+                       "recompute": recompute, "v": PROFILE_VERSION}, sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:24]
+
+
+def load_or_trace(config: dict, *, seq_len: int, micro_batch: int, recipe: str, attention: str, recompute: str,
+                  allow_trace: bool = True) -> TracedProfile | None:
+    """The traced profile from the shipped set, the disk cache, or a new trace (imports torch); None when
+    ``allow_trace`` is False and nothing is cached."""
+    key = profile_key(config, seq_len=seq_len, recipe=recipe, attention=attention, recompute=recompute)
+    for where, origin in ((shipped_dir(), "shipped"), (cache_dir(), "cache")):
+        path = where / f"{key}.json"
+        if path.is_file():
+            try:
+                return TracedProfile(json.loads(path.read_text()), micro_batch, origin)
+            except (OSError, ValueError):
+                pass
+    if not allow_trace:
+        return None
+    from memplan.tracing import trace_profile
+    from memplan.tracing_keys import trace_recipe
+
+    data = trace_profile(config, seq_len=seq_len, recipe=trace_recipe(recipe),
+                         attention="flash" if attention == "sdpa" else attention, recompute=recompute)
+    try:
+        d = cache_dir()
+        d.mkdir(parents=True, exist_ok=True)
+        tmp = d / f".{key}.{os.getpid()}.tmp"
+        tmp.write_text(json.dumps(data))
+        os.replace(tmp, d / f"{key}.json")  # atomic: never a half-written profile
+    except OSError:
+        pass  # a read-only home: trace again next time
+    return TracedProfile(data, micro_batch, "traced now")

@@ -159,6 +159,8 @@ def estimate(
     nccl_per_communicator: Optional[str] = typer.Option(None, help="NCCL buffers per communicator [default: 1GiB]."),
     fragmentation_percent: Optional[int] = typer.Option(None, help="Allocator fragmentation, % of peak [default: 5]."),
     builder: str = typer.Option("auto", help="Inventory builder: auto | analytic | meta."),
+    activations: str = typer.Option("auto", "--activations", help="auto (traced, analytic if the model cannot be "
+                                    "traced) | traced | analytic."),
     as_json: bool = typer.Option(False, "--json", help="Print the schema-v1 JSON object on stdout."),
 ) -> None:
     """Per-GPU peak bytes of a training job, by category and phase, with overheads and the fit verdict.
@@ -169,9 +171,10 @@ def estimate(
     from memplan.model import sources
     from memplan.report import plan_report
 
-    inv = sources.build_inventory(sources.resolve(model), builder=builder)
+    src = sources.resolve(model)
+    inv = sources.build_inventory(src, builder=builder)
     resolved = options.resolve(
-        inv, gpus=gpus, gpus_per_node=gpus_per_node, stage=stage, strategy=strategy, precision=precision,
+        inv, config=src.config, activations=activations, gpus=gpus, gpus_per_node=gpus_per_node, stage=stage, strategy=strategy, precision=precision,
         optimizer=optimizer, optimizer_impl=optimizer_impl, micro_batch=micro_batch, seq_len=seq_len,
         grad_accum=grad_accum, recompute=recompute, attention=attention, gpu=gpu, gpu_memory_size=gpu_memory,
         device=device, deepspeed=deepspeed,

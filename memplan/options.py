@@ -6,7 +6,7 @@ setting the file could set, so the output can say it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from memplan import dsconfig
@@ -60,6 +60,41 @@ def parse_reshard(value: str | None) -> bool | int | None:
     return n
 
 
+def activation_profile(config: dict[str, Any] | None, s: Settings, mode: str, notes: list[str]) -> Any:
+    """The traced profile for these settings (shipped, cached or traced now), or None for the analytic one.
+
+    ``auto`` traces and falls back to analytic with a note when the model cannot be traced (data-dependent MoE
+    routing, a module transformers does not know); ``traced`` makes that an error; ``analytic`` never traces.
+    Selective recompute (Korthikanti et al. 2022) recomputes the attention core only, which is what the
+    flash kernels keep anyway: it is traced with flash attention and no recompute.
+    """
+    from memplan import activations as act
+
+    if mode not in ("auto",) + act.ACTIVATION_SOURCES:
+        raise SettingsError(f"--activations must be auto, traced or analytic, got {mode!r}")
+    if s.attention not in act.ATTENTION:
+        raise SettingsError(f"unknown attention {s.attention!r}; valid: {', '.join(act.ATTENTION)}")
+    if s.recompute not in act.RECOMPUTE:
+        raise SettingsError(f"unknown recompute {s.recompute!r}; valid: {', '.join(act.RECOMPUTE)}")
+    if mode == "analytic":
+        return None
+    if config is None:
+        if mode == "traced":
+            raise SettingsError("--activations traced needs a model config (preset, config.json or directory)")
+        notes.append("activations: analytic (no config.json to trace)")
+        return None
+    attention = "flash" if s.attention != "eager" or s.recompute == "selective" else "eager"
+    recompute = "full" if s.recompute == "full" else "none"
+    try:
+        return act.load_or_trace(config, seq_len=s.seq_len, micro_batch=s.micro_batch, recipe=s.recipe.name,
+                                 attention=attention, recompute=recompute)
+    except SettingsError as exc:
+        if mode == "traced":
+            raise
+        notes.append(f"activations: analytic, because {exc}")
+        return None
+
+
 def resolve(inv: ParamInventory, *, gpus: int = 1, gpus_per_node: int | None = None, stage: int | None = None,
             strategy: str | None = None, precision: str | None = None, optimizer: str | None = None,
             optimizer_impl: str | None = None, micro_batch: int | None = None, seq_len: int | None = None,
@@ -67,7 +102,8 @@ def resolve(inv: ParamInventory, *, gpus: int = 1, gpus_per_node: int | None = N
             gpu: str | None = None, gpu_memory_size: str | None = None, device: str = "cuda",
             deepspeed: str | None = None, ds_overrides: dict[str, Any] | None = None,
             torch_overrides: dict[str, Any] | None = None,
-            overhead_overrides: dict[str, Any] | None = None) -> Resolved:
+            overhead_overrides: dict[str, Any] | None = None, config: dict[str, Any] | None = None,
+            activations: str = "auto") -> Resolved:
     sources: dict[str, str] = {}
     notes: list[str] = []
     ds_file = dsconfig.load(deepspeed) if deepspeed else None
@@ -126,8 +162,6 @@ def resolve(inv: ParamInventory, *, gpus: int = 1, gpus_per_node: int | None = N
     if tk.fsdp_version not in (1, 2):
         raise SettingsError(f"--fsdp-version must be 1 or 2, got {tk.fsdp_version}")
     if tk.fsdp_version == 1 and strat.framework == "fsdp2" and strat.shard_params:
-        from dataclasses import replace
-
         from memplan.strategies import FLAT_PER_BLOCK
 
         strat = replace(strat, framework="fsdp1", layout=FLAT_PER_BLOCK)
@@ -144,6 +178,7 @@ def resolve(inv: ParamInventory, *, gpus: int = 1, gpus_per_node: int | None = N
     settings = Settings(strategy=strat, recipe=recipe, optimizer=opt, cluster=cluster, optimizer_impl=optimizer_impl,
                         micro_batch=mb, seq_len=seq, grad_accum=ga, recompute=recompute, attention=attention,
                         ds=ds, torch=tk, overheads=ov)
+    settings = replace(settings, activation_profile=activation_profile(config, settings, activations, notes))
     max_pos = inv.dims.get("max_positions")
     if max_pos and seq > max_pos:
         notes.append(f"warning: seq-len {seq} exceeds the model's max_position_embeddings {max_pos}")

@@ -72,12 +72,19 @@ def attribute(model: Any, optimizer: Any) -> dict[str, int]:
     params = list(model.parameters())
     for p in params:
         add("weights_bytes", p)
+        if hasattr(p, "ds_tensor"):  # ZeRO-3: the partition above, and the whole tensor of a persistent param
+            add("weights_bytes", p.data)
     for p in params:
         add("grads_bytes", getattr(p, "grad", None))
     inner = optimizer
     for attr in ("optimizer", "optim"):  # DeepSpeed wrappers and ZeroRedundancyOptimizer hold the torch optimizer
         while hasattr(inner, attr) and inner is not getattr(inner, attr):
             inner = getattr(inner, attr)
+    # DeepSpeed's fp32 partitions; ZeRO-3 empties the torch optimizer's param groups between sub-group steps
+    # (stage3.py _optimizer_step), so read them from the wrapper (stage3 / stage_1_and_2 / bf16_optimizer).
+    for attr in ("fp32_partitioned_groups_flat", "single_partition_of_fp32_groups", "fp32_groups_flat_partition"):
+        for t in getattr(optimizer, attr, None) or ():
+            add("master_weights_bytes", t)
     for group in getattr(inner, "param_groups", []):
         for p in group["params"]:
             add("master_weights_bytes", p)

@@ -301,6 +301,7 @@ def _versions(framework: str) -> dict[str, str]:
 
 
 def _spawn_entry(rank: int, world: int, port: int, spec: dict[str, Any], out: str) -> None:
+    os.dup2(2, 1)  # frameworks print to stdout; keep the parent's stdout for --json
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     os.environ["RANK"] = str(rank)

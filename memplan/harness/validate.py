@@ -58,7 +58,7 @@ def validate(model: str, *, layers: int | None = None, hidden: int | None = None
         if torch.cuda.device_count() < resolve_kwargs.get("gpus", 1):
             raise SettingsError(f"--gpus {resolve_kwargs.get('gpus')} but this host has "
                                 f"{torch.cuda.device_count()} GPU(s); run the rank entry point under torchrun")
-    resolved = options.resolve(inv, device=device, **resolve_kwargs)
+    resolved = options.resolve(inv, device=device, config=config, **resolve_kwargs)
     plan = accounting.estimate(inv, resolved.settings)
     spec = hs.build_spec(config, resolved.settings, warmup_steps=warmup_steps, measured_steps=measured_steps)
     run = ln.launch(spec, resolved.settings.cluster.gpus, timeout_s=timeout_s, progress=progress)

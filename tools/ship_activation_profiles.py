@@ -1,0 +1,53 @@
+"""Trace the activation profiles shipped with memplan (presets x default settings), so that
+`memplan estimate <preset>` with default sequence length never imports torch.
+
+Run: python tools/ship_activation_profiles.py  (writes memplan/presets/activations/<key>.json)
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from memplan import activations as act  # noqa: E402
+from memplan.errors import MemplanError  # noqa: E402
+from memplan.model import sources  # noqa: E402
+from memplan.tracing import trace_profile  # noqa: E402
+from memplan.tracing_keys import trace_recipe  # noqa: E402
+
+SEQ = (2048,)
+RECIPES = ("deepspeed-bf16", "torch-amp")
+RECOMPUTE = ("none", "full")
+
+
+def main() -> None:
+    out = act.shipped_dir()
+    out.mkdir(parents=True, exist_ok=True)
+    for name in sources.preset_names():
+        config = sources.resolve(name).config
+        for seq in SEQ:
+            for recipe in RECIPES:
+                for rc in RECOMPUTE:
+                    key = act.profile_key(config, seq_len=seq, recipe=recipe, attention="flash", recompute=rc)
+                    path = out / f"{key}.json"
+                    if path.exists():
+                        continue
+                    t = time.perf_counter()
+                    try:
+                        data = trace_profile(config, seq_len=seq, recipe=trace_recipe(recipe), attention="flash",
+                                             recompute=rc)
+                    except MemplanError as exc:
+                        print(f"{name} {recipe} {rc}: not traced: {exc}")
+                        continue
+                    data["model"] = name
+                    path.write_text(json.dumps(data, indent=1) + "\n")
+                    print(f"{name} seq {seq} {recipe} recompute {rc}: {time.perf_counter() - t:.1f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -268,7 +268,7 @@ def estimate(inv: ParamInventory, s: Settings) -> Plan:
             buf_bwd += ipg  # stage_1_and_2.py setup_buckets(): allocated per backward
     a["overlap_comm"] = overlap
 
-    gather_fwd = gather_bwd = gather_turn = 0
+    gather_fwd = gather_bwd = gather_turn = gather_loss = 0
     if st.shard_params and not ds_offload_param or (ds_offload_param and st.shard_params):
         g = layouts.gather_sizes(inv, st.layout, n)
         cb = rc.compute_bytes if st.framework.startswith("fsdp") else rc.param_bytes
@@ -282,6 +282,7 @@ def estimate(inv: ParamInventory, s: Settings) -> Plan:
             gather_fwd = cb * min(working, s.ds.max_live_parameters)
             gather_turn = cb * max(live, min(working, s.ds.max_live_parameters))
             gather_bwd = gather_fwd + rc.grad_bytes * g.largest_block  # the module's full grads before reduce
+            gather_loss = gather_turn
         else:
             # FSDP: the current block and the prefetched next one unsharded; the root stays unsharded.
             raf = s.torch.reshard_after_forward
@@ -297,6 +298,9 @@ def estimate(inv: ParamInventory, s: Settings) -> Plan:
                     raise SettingsError(f"reshard_after_forward={raf} must divide the shard group({n})")
                 kept = cb * layouts.ceil_sum(g.block_numels, raf)
             gather_turn = gather_fwd + kept
+            # at the loss backward (measured with FSDP2 on gloo, docs/accuracy.md): the root and the last block
+            # are unsharded, the next block's all-gather not issued yet
+            gather_loss = root + cb * g.largest_block + kept
             # backward: current + prefetched block, the block's unsharded grads (grad dtype) and the
             # reduce-scatter input in reduce dtype (FSDP2 casts before reduce-scatter).
             gather_bwd = root + cb * 2 * g.largest_block + (rc.grad_bytes + rc.reduced_grad_bytes) * g.largest_block
@@ -339,7 +343,12 @@ def estimate(inv: ParamInventory, s: Settings) -> Plan:
     phases = (
         Phase("forward", **base, grads_bytes=grads_persist, activations_bytes=acts_fwd,
               buffers_bytes=buf_persist + gather_turn + amp_copies),
+        # the loss backward: every activation alive, plus the loss's backward transients
         Phase("backward-start", **base, grads_bytes=grads_persist, activations_bytes=acts_bwd,
+              buffers_bytes=buf_persist + buf_bwd + gather_loss + amp_copies),
+        # the first block's backward: its activations still alive, the loss freed; gathered blocks, the
+        # block's unsharded grads and reduce buffers
+        Phase("backward", **base, grads_bytes=grads_persist, activations_bytes=prof.saved_bytes(s.recompute),
               buffers_bytes=buf_persist + buf_bwd + max(gather_turn, gather_bwd) + amp_copies),
         Phase("backward-end", **base, grads_bytes=max(grads_end, grads_persist),
               activations_bytes=prof.embedding_bytes, buffers_bytes=buf_persist + buf_bwd + gather_bwd),

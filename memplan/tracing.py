@@ -154,7 +154,16 @@ def _one_step(config: dict[str, Any], batch: int, seq: int, recipe: str, attenti
     dtype, autocast = _RECIPE_TRACE[recipe]
     cfg = _config_for(config)
     impl = "eager" if attention == "eager" else "sdpa"
+    import logging
+
+    import transformers
+
     real_sdpa = F.scaled_dot_product_attention
+    # fake-tensor kernels that refuse an input log a traceback before raising; the raise is what we report
+    fake_log = logging.getLogger("torch._subclasses.fake_tensor")
+    fake_level, tf_level = fake_log.level, transformers.logging.get_verbosity()
+    fake_log.setLevel(logging.CRITICAL)
+    transformers.logging.set_verbosity_error()
     # packed-sequence detection reads values (.item()), which fake tensors do not have: one unpacked sequence
     real_packed = getattr(mu, "find_packed_sequence_indices", None)
     try:
@@ -199,6 +208,8 @@ def _one_step(config: dict[str, Any], batch: int, seq: int, recipe: str, attenti
                 live.tick()
                 del loss
     finally:
+        fake_log.setLevel(fake_level)
+        transformers.logging.set_verbosity(tf_level)
         F.scaled_dot_product_attention = real_sdpa
         if real_packed is not None:
             mu.find_packed_sequence_indices = real_packed

@@ -51,7 +51,7 @@ def compare(plan: Plan, ranks: tuple[dict[str, Any], ...], tolerance: float) -> 
     peaks = [x["peak_bytes"] for x in rows]
     cats = {k: {"predicted": getattr(start_phase, k), "measured": worst_row[k]} for k in EXACT_CATEGORIES}
     measured_start = max(x["start_bytes"] for x in rows)
-    phase_names = {"forward": "forward", "backward-start": "backward", "backward-end": "backward",
+    phase_names = {"forward": "forward", "backward-start": "backward", "backward-end": "backward", "backward": "backward",
                    "optimizer-step": "optimizer-step"}
     return Comparison(rows=tuple(rows), worst_rank=worst_row["rank"], predicted_peak_bytes=pred_peak,
                       measured_peak_bytes=worst_row["peak_bytes"], peak_error=_err(pred_peak, worst_row["peak_bytes"]),

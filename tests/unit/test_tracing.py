@@ -1,0 +1,70 @@
+"""Traced activation profiles: linear in the micro-batch, linear in the sequence with flash attention,
+quadratic with eager attention, recompute, the disk cache, and the engine's use of them."""
+
+from __future__ import annotations
+
+import pytest
+
+from memplan import activations as act
+from memplan.harness.spec import scale_config
+from memplan.model import sources
+from memplan.tracing import trace_profile
+
+
+def tiny(name: str = "llama-7b") -> dict:
+    return scale_config(sources.resolve(name).config, layers=3, hidden=256, vocab=1024)[0]
+
+
+def per_layer(cfg: dict, seq: int, attention: str, b: int = 1) -> int:
+    p = trace_profile(cfg, seq_len=seq, recipe="deepspeed-bf16", attention=attention, recompute="none")
+    return p["per_layer"][0] + b * p["per_layer"][1]
+
+
+def test_linear_in_micro_batch_at_a_third_point():
+    from memplan.tracing import _one_step
+
+    cfg = tiny()
+    p = trace_profile(cfg, seq_len=64, recipe="deepspeed-bf16", attention="flash", recompute="none")
+    direct = _one_step(scale_config(cfg, layers=2)[0], 3, 64, "deepspeed-bf16", "flash", "none")
+    c0, c1 = p["live_after_forward"]
+    assert c0 + 3 * c1 == direct["live"]
+
+
+def test_flash_is_linear_in_sequence_and_eager_adds_the_quadratic_term():
+    cfg = tiny()
+    assert per_layer(cfg, 256, "flash") == 2 * per_layer(cfg, 128, "flash")
+    heads = cfg["num_attention_heads"]
+    # eager keeps the fp32 softmax output (4 B) and its bf16 cast read by the second matmul (2 B): 6 * heads * s^2
+    quad = per_layer(cfg, 256, "eager") - 2 * per_layer(cfg, 128, "eager")
+    assert quad == 6 * heads * (256 ** 2 - 2 * 128 ** 2)
+
+
+def test_full_recompute_keeps_block_inputs_only():
+    cfg = tiny()
+    p = trace_profile(cfg, seq_len=128, recipe="deepspeed-bf16", attention="flash", recompute="full")
+    assert p["per_layer"] == [0, 128 * cfg["hidden_size"] * 2]  # one bf16 hidden state per token per block
+
+
+def test_profile_cache_round_trip(tmp_path, monkeypatch):
+    monkeypatch.setenv("MEMPLAN_CACHE_DIR", str(tmp_path))
+    cfg = tiny()
+    first = act.load_or_trace(cfg, seq_len=64, micro_batch=2, recipe="fsdp-bf16", attention="flash", recompute="none")
+    again = act.load_or_trace(cfg, seq_len=64, micro_batch=2, recipe="pure-bf16", attention="sdpa", recompute="none")
+    assert first.origin == "traced now" and again.origin == "cache"  # bf16 recipes and sdpa/flash share a trace
+    assert first.forward_bytes("none") == again.forward_bytes("none") > 0
+    assert act.load_or_trace(cfg, seq_len=80, micro_batch=1, recipe="fp32", attention="flash", recompute="none",
+                             allow_trace=False) is None
+
+
+def test_shipped_profiles_cover_the_default_estimate():
+    for recipe in ("deepspeed-bf16", "torch-amp"):
+        p = act.load_or_trace(sources.resolve("llama-7b").config, seq_len=2048, micro_batch=1, recipe=recipe,
+                              attention="flash", recompute="none", allow_trace=False)
+        assert p is not None and p.origin == "shipped"
+
+
+@pytest.mark.parametrize("name", ["gpt2", "qwen2.5-7b", "mistral-7b"])
+def test_other_families_trace(name):
+    cfg = scale_config(sources.resolve(name).config, layers=3, hidden=256, vocab=1024)[0]
+    p = trace_profile(cfg, seq_len=64, recipe="torch-amp", attention="flash", recompute="none")
+    assert p["per_layer"][1] > 0 and p["backward_peak"]

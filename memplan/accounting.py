@@ -268,7 +268,7 @@ def estimate(inv: ParamInventory, s: Settings) -> Plan:
             buf_bwd += ipg  # stage_1_and_2.py setup_buckets(): allocated per backward
     a["overlap_comm"] = overlap
 
-    gather_fwd = gather_bwd = gather_turn = gather_loss = 0
+    gather_fwd = gather_bwd = gather_turn = gather_loss = gather_end = 0
     if st.shard_params and not ds_offload_param or (ds_offload_param and st.shard_params):
         g = layouts.gather_sizes(inv, st.layout, n)
         cb = rc.compute_bytes if st.framework.startswith("fsdp") else rc.param_bytes
@@ -304,6 +304,9 @@ def estimate(inv: ParamInventory, s: Settings) -> Plan:
             # backward: current + prefetched block, the block's unsharded grads (grad dtype) and the
             # reduce-scatter input in reduce dtype (FSDP2 casts before reduce-scatter).
             gather_bwd = root + cb * 2 * g.largest_block + (rc.grad_bytes + rc.reduced_grad_bytes) * g.largest_block
+            # the root group is reduced last (embeddings): foreach_reduce (_fsdp_collectives.py) copies its
+            # unsharded grads into a reduce-dtype reduce-scatter input before freeing them
+            gather_end = root + (rc.grad_bytes + rc.reduced_grad_bytes) * g.root
             a["reshard_after_forward"] = raf
         a["largest_gathered_block_numel"] = g.largest_block
 
@@ -351,7 +354,8 @@ def estimate(inv: ParamInventory, s: Settings) -> Plan:
         Phase("backward", **base, grads_bytes=grads_persist, activations_bytes=prof.saved_bytes(s.recompute),
               buffers_bytes=buf_persist + buf_bwd + max(gather_turn, gather_bwd) + amp_copies),
         Phase("backward-end", **base, grads_bytes=max(grads_end, grads_persist),
-              activations_bytes=prof.embedding_bytes, buffers_bytes=buf_persist + buf_bwd + gather_bwd),
+              activations_bytes=prof.embedding_bytes,
+              buffers_bytes=buf_persist + buf_bwd + max(gather_bwd, gather_end)),
         Phase("optimizer-step", **base, grads_bytes=step_grads, activations_bytes=0,
               buffers_bytes=buf_persist + scratch),
     )

@@ -141,7 +141,8 @@ def steps_from_trace(path: str) -> list[StepMeasure]:
         per_phase: dict[str, int] = {}
         for name, pa, pb in phases:
             if a <= pa and pb <= b:
-                vals = [v for ts, v in inside if pa <= ts <= pb]
+                entering = [v for ts, v in mem if ts < pa]
+                vals = ([entering[-1]] if entering else []) + [v for ts, v in inside if pa <= ts <= pb]
                 if vals:
                     per_phase[name] = max(per_phase.get(name, 0), max(vals))
                 if pa <= peak_ts <= pb:

@@ -365,7 +365,10 @@ def _root(version: Optional[bool] = typer.Option(None, "--version", callback=_ve
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point: run the typer app with one error boundary."""
-    import click
+    try:  # typer >= 0.26 vendors click as typer._click; its exceptions are not click's
+        from typer._click import exceptions as click_exc
+    except ImportError:  # pragma: no cover - older typer on upstream click
+        from click import exceptions as click_exc
 
     command = typer.main.get_command(app)
     try:
@@ -373,13 +376,13 @@ def main(argv: list[str] | None = None) -> None:
     except MemplanError as exc:
         sys.stderr.write(f"Error: {exc}\n")
         sys.exit(exc.exit_code)
-    except click.exceptions.UsageError as exc:
+    except click_exc.UsageError as exc:
         exc.show()
         sys.exit(2)
-    except click.exceptions.Abort:
+    except click_exc.Abort:
         sys.stderr.write("Aborted.\n")
         sys.exit(1)
-    except click.exceptions.Exit as exc:
+    except click_exc.Exit as exc:
         sys.exit(exc.exit_code)
     except KeyboardInterrupt:
         sys.stderr.write("Interrupted.\n")

@@ -78,6 +78,14 @@ def test_gb_vs_gib():
      "HSDP shard size(3)"),
     (["estimate", "gpt2", "--stage", "2", "--offload-param"], "needs ZeRO stage 3"),
     (["inspect", "/nonexistent/config.json"], "no such file"),
+    (["estimate", "gpt2", "--no-such-flag"], "No such option"),
+    (["estimate", "gpt2", "--activations", "guess"], "--activations must be auto, traced or analytic"),
+    (["validate", "gpt2", "--device", "cpu", "--layers", "0"], "--layers must be at least 1"),
+    (["validate", "gpt2", "--device", "cpu", "--vocab", "1"], "--vocab must be at least 2"),
+    (["validate", "gpt2", "--device", "cpu", "--tolerance", "0"], "--tolerance must be positive"),
+    (["validate", "gpt2", "--device", "cpu", "--steps", "0"], "steps must be at least 1"),
+    (["validate", "gpt2", "--device", "cpu", "--recompute", "selective"], "--recompute none or full"),
+    (["validate", "gpt2", "--device", "cpu", "--optimizer", "adafactor"], "runs adamw, adam and sgd"),
 ])
 def test_bad_input_one_line_exit_2(args, needle):
     r = run(*args)

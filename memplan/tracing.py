@@ -133,15 +133,6 @@ def _flash_sdpa():
     return sdpa
 
 
-def _config_for(config: dict[str, Any]) -> Any:
-    from transformers import AutoConfig
-
-    fields = {k: v for k, v in config.items() if k not in ("model_type", "auto_map", "quantization_config")}
-    cfg = AutoConfig.for_model(config["model_type"], **fields)
-    cfg.use_cache = False
-    return cfg
-
-
 def _one_step(config: dict[str, Any], batch: int, seq: int, recipe: str, attention: str,
               recompute: str) -> dict[str, Any]:
     """Trace one micro-step of ``batch`` sequences of ``seq`` tokens: the live-bytes timeline, op by op."""
@@ -151,8 +142,10 @@ def _one_step(config: dict[str, Any], batch: int, seq: int, recipe: str, attenti
     from torch._subclasses.fake_tensor import FakeTensorMode
     from transformers import AutoModelForCausalLM
 
+    from memplan.model.meta_builder import hf_config
+
     dtype, autocast = _RECIPE_TRACE[recipe]
-    cfg = _config_for(config)
+    cfg = hf_config(config)
     impl = "eager" if attention == "eager" else "sdpa"
     import logging
 

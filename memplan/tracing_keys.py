@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-#: recipe -> the recipe whose trace it shares (same compute dtype, residual dtype and autocast behaviour)
-_SAME_TRACE = {"deepspeed-bf16": "bf16", "fsdp-bf16": "bf16", "pure-bf16": "bf16", "deepspeed-fp16": "fp16",
-               "torch-amp": "torch-amp", "fp32": "fp32"}
+#: recipe -> the recipe whose trace it shares: the bf16 recipes compute and keep the residual stream in bf16
+#: alike (FSDP's MixedPrecisionPolicy casts the unsharded params and the inputs; DeepSpeed and pure bf16 hold bf16)
+_TRACED_AS = {"deepspeed-bf16": "deepspeed-bf16", "fsdp-bf16": "deepspeed-bf16", "pure-bf16": "deepspeed-bf16",
+              "deepspeed-fp16": "deepspeed-fp16", "torch-amp": "torch-amp", "fp32": "fp32"}
 
 
 def trace_recipe(recipe: str) -> str:
-    return {"bf16": "deepspeed-bf16", "fp16": "deepspeed-fp16"}.get(_SAME_TRACE.get(recipe, recipe),
-                                                                   _SAME_TRACE.get(recipe, recipe))
+    return _TRACED_AS.get(recipe, recipe)

@@ -16,6 +16,7 @@ Whatever the allocator holds beyond them is reported as "other" (buckets, flat b
 
 from __future__ import annotations
 
+import bisect
 import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -125,14 +126,15 @@ def steps_from_trace(path: str) -> list[StepMeasure]:
     with open(path) as fh:
         events = json.load(fh)["traceEvents"]
     mem = live_totals(events)
+    times = [ts for ts, _ in mem]
     marks = [(e["name"][len(PHASE_PREFIX):], float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0)))
              for e in events if e.get("ph") == "X" and str(e.get("name", "")).startswith(PHASE_PREFIX)]
     steps = sorted((int(n[len("step"):]), a, b) for n, a, b in marks if n.startswith("step"))
     phases = [(n, a, b) for n, a, b in marks if n in PHASES]
     out: list[StepMeasure] = []
     for idx, (step, a, b) in enumerate(steps):
-        before = [v for ts, v in mem if ts < a]
-        start = before[-1] if before else 0
+        i = bisect.bisect_left(times, a)
+        start = mem[i - 1][1] if i else 0
         inside = [(ts, v) for ts, v in mem if a <= ts <= b]
         peak_ts, peak = max(inside, key=lambda tv: tv[1]) if inside else (a, start)
         if peak < start:
@@ -141,8 +143,8 @@ def steps_from_trace(path: str) -> list[StepMeasure]:
         per_phase: dict[str, int] = {}
         for name, pa, pb in phases:
             if a <= pa and pb <= b:
-                entering = [v for ts, v in mem if ts < pa]
-                vals = ([entering[-1]] if entering else []) + [v for ts, v in inside if pa <= ts <= pb]
+                j = bisect.bisect_left(times, pa)
+                vals = ([mem[j - 1][1]] if j else []) + [v for ts, v in inside if pa <= ts <= pb]
                 if vals:
                     per_phase[name] = max(per_phase.get(name, 0), max(vals))
                 if pa <= peak_ts <= pb:

@@ -26,26 +26,17 @@ def _status(out: str, rank: int, text: str) -> None:
         fh.write(f"{time.time():.3f} {text}\n")
 
 
-def _build_config(config: dict[str, Any]) -> Any:
-    from transformers import AutoConfig
-
-    fields = {k: v for k, v in config.items() if k not in ("model_type", "auto_map", "quantization_config")}
-    cfg = AutoConfig.for_model(config["model_type"], **fields)
-    cfg.use_cache = False
-    return cfg
-
-
 def _build_model(spec: dict[str, Any], on_meta: bool) -> Any:
+    import contextlib
+
     import torch
     from transformers import AutoModelForCausalLM
 
-    cfg = _build_config(spec["config"])
+    from memplan.model.meta_builder import hf_config
+
+    cfg = hf_config(spec["config"])
     torch.manual_seed(spec.get("seed", 0))
-    if on_meta:
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(cfg, attn_implementation=spec["attn_implementation"],
-                                                     dtype=torch.float32)
-    else:
+    with torch.device("meta") if on_meta else contextlib.nullcontext():
         model = AutoModelForCausalLM.from_config(cfg, attn_implementation=spec["attn_implementation"],
                                                  dtype=torch.float32)
     if spec["recompute"] == "full":

@@ -9,6 +9,7 @@ from typing import Any
 
 from memplan.accounting import Settings
 from memplan.errors import SettingsError
+from memplan.strategies import GREEDY_WHOLE
 
 #: config keys by meaning, across transformers families (first present wins)
 _LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers")
@@ -161,7 +162,7 @@ def build_spec(config: dict[str, Any], s: Settings, *, warmup_steps: int = 2, me
         "attn_implementation": attn_implementation, "device": c.device, "gpus_per_node": c.ranks_per_node,
         "warmup_steps": warmup_steps, "measured_steps": measured_steps, "seed": 0,
         "bucket_cap_mb": s.torch.bucket_cap_mb, "gradient_as_bucket_view": s.torch.gradient_as_bucket_view,
-        "zero_optimizer": st.name == "zero-optimizer",
+        "zero_optimizer": st.layout == GREEDY_WHOLE,  # whole params per rank: ZeroRedundancyOptimizer
         "shard_size": n, "reshard_after_forward": raf if not isinstance(raf, bool) or st.shard_params else False,
     }
     if fw == "deepspeed":

@@ -61,14 +61,11 @@ def inventory_from_module(model: Any, *, model_name: str, source: str, family: s
                           tensors=tuple(ParamTensor(**t) for t in tensors), notes=notes, dims=dict(dims or {}))
 
 
-def build_meta_from_config(config: Mapping[str, Any], model_name: str, source: str) -> ParamInventory:
-    """Instantiate the transformers model for a config.json dict on the meta device."""
-    try:
-        import torch
-        import transformers
-        from transformers import AutoConfig, AutoModelForCausalLM, AutoModel
-    except ImportError as exc:  # pragma: no cover - depends on the environment
-        raise ModelSourceError(f"building {model_name} needs torch and transformers ({exc})") from exc
+def hf_config(config: Mapping[str, Any], model_name: str = "model") -> Any:
+    """The transformers config object for a config.json dict (never remote code); use_cache off (training)."""
+    import transformers
+    from transformers import AutoConfig
+
     model_type = config.get("model_type")
     if not model_type:
         raise ConfigError(f"config for {model_name} has no 'model_type'")
@@ -80,6 +77,19 @@ def build_meta_from_config(config: Mapping[str, Any], model_name: str, source: s
                           "(memplan never runs remote code)") from exc
     except Exception as exc:
         raise ConfigError(f"config for {model_name} is not valid for {model_type}: {exc}") from exc
+    cfg.use_cache = False
+    return cfg
+
+
+def build_meta_from_config(config: Mapping[str, Any], model_name: str, source: str) -> ParamInventory:
+    """Instantiate the transformers model for a config.json dict on the meta device."""
+    try:
+        import torch
+        import transformers
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoModel
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise ModelSourceError(f"building {model_name} needs torch and transformers ({exc})") from exc
+    cfg = hf_config(config, model_name)
     classes = []
     for arch in config.get("architectures") or []:
         cls = getattr(transformers, arch, None)
@@ -95,8 +105,8 @@ def build_meta_from_config(config: Mapping[str, Any], model_name: str, source: s
         except Exception as exc:  # try the next class
             last = exc
     else:
-        raise ConfigError(f"transformers could not build {model_type} from this config: {last}")
-    return inventory_from_module(model, model_name=model_name, source=source, family=model_type,
+        raise ConfigError(f"transformers could not build {config.get('model_type')} from this config: {last}")
+    return inventory_from_module(model, model_name=model_name, source=source, family=str(config["model_type"]),
                                  dtype=config_dtype(config), dims=model_dims(config))
 
 

@@ -32,11 +32,18 @@ DS_COLD = (
     "num_gpus_per_node=8, num_nodes=1)\n")
 
 
-def wall(cmd: list[str], repeat: int) -> float:
+def wall(cmd: list[str], repeat: int, fresh_cache: bool = False) -> float:
+    """Median wall time; ``fresh_cache``: every run starts with an empty activation-profile cache."""
+    import os
+    import tempfile
+
     times = []
     for _ in range(repeat):
+        env = dict(os.environ)
+        if fresh_cache:
+            env["MEMPLAN_CACHE_DIR"] = tempfile.mkdtemp(prefix="memplan-bench-")
         t = time.perf_counter()
-        r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+        r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
         times.append(time.perf_counter() - t)
         if r.returncode not in (0, 1):
             raise SystemExit(f"{' '.join(cmd)} failed: {r.stderr[-500:]}")
@@ -76,6 +83,13 @@ def main() -> None:
     rows = [("memplan inspect llama-7b", wall([py, "-m", "memplan", "inspect", "llama-7b"], args.repeat)),
             ("memplan estimate llama-7b --gpus 8 --stage 3",
              wall([py, "-m", "memplan", "estimate", "llama-7b", "--gpus", "8", "--stage", "3"], args.repeat)),
+            ("memplan estimate llama-7b --gpus 8 --stage 3 --seq-len 3000, empty profile cache (traces: "
+             "torch + transformers import included)",
+             wall([py, "-m", "memplan", "estimate", "llama-7b", "--gpus", "8", "--stage", "3", "--seq-len", "3000"],
+                  args.repeat, fresh_cache=True)),
+            ("memplan estimate llama-7b --gpus 8 --stage 3 --activations analytic (no profile read)",
+             wall([py, "-m", "memplan", "estimate", "llama-7b", "--gpus", "8", "--stage", "3", "--activations",
+                   "analytic"], args.repeat)),
             ("count by meta-device instantiation (torch + transformers import)",
              wall([py, "-c", META_COUNT], args.repeat))]
     try:

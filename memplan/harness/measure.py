@@ -3,9 +3,16 @@
 CPU (gloo): ``torch.profiler.profile(activities=[CPU], profile_memory=True)`` is started before the model is
 built; every ``[memory]`` event of the exported trace carries the CPU allocator's running "Total Allocated"
 (c10 ProfiledCPUMemoryReporter). Its maximum between the ``memplan:step`` markers is the step's peak, the CPU
-counterpart of ``torch.cuda.max_memory_allocated``. The reporter only counts allocations made on threads the
-profiler follows (the training thread and the autograd engine it drives); temporaries gloo allocates on its own
-worker threads are not in the figure, which is documented in docs/accuracy.md.
+counterpart of ``torch.cuda.max_memory_allocated``.
+
+The reporter only books a block while memory profiling is on for the calling thread (a thread-local check), so
+a block freed on a gloo worker thread (the last reference dropped by a finished collective) was never taken off
+the total, and the error drifted run to run by up to 6%. :func:`follow_all_threads` sets c10's
+``FLAGS_caffe2_report_cpu_memory_usage``, under which the reporter books every allocation and free of every
+thread in one global, mutex-guarded total (c10/core/CPUAllocator.cpp, ProfiledCPUMemoryReporter::New/Delete);
+the events, still emitted only on the profiled threads, then carry that global figure. Where the flag cannot be
+set (a torch build without the exported symbol), the total is rebuilt from the events' addresses instead
+(:func:`live_totals` with ``global_totals=False``).
 
 GPU (NCCL): ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats`` at the start of the step.
 
@@ -97,19 +104,40 @@ def attribute(model: Any, optimizer: Any) -> dict[str, int]:
     return out
 
 
-def live_totals(events: list[dict[str, Any]]) -> list[tuple[float, int]]:
-    """(time, bytes live) after every CPU allocator event, rebuilt from the events' addresses.
+def follow_all_threads() -> bool:
+    """Make the CPU allocator's reporter book allocations and frees of every thread (see the module docstring).
 
-    The reporter's own "Total Allocated" never goes down for a block freed on a thread the profiler does not
-    follow (a gloo worker dropping the last reference), so it drifts upward from run to run. Rebuilt from
-    addresses, a block is dropped when its free is seen, or when the allocator hands its address out again
-    (which proves it was freed). Blocks freed untracked and never reused still count; docs/accuracy.md says so.
+    True when the flag was set. Call it just before the profiler starts: blocks allocated earlier are unknown to
+    the reporter and their frees are ignored, so the total starts from zero there, like the profiler's.
     """
+    import ctypes
+    import os
+
+    import torch
+
+    try:
+        lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libc10.so"))
+        ctypes.c_bool.in_dll(lib, "FLAGS_caffe2_report_cpu_memory_usage").value = True
+    except (OSError, ValueError):
+        return False
+    return True
+
+
+def live_totals(events: list[dict[str, Any]], global_totals: bool = True) -> list[tuple[float, int]]:
+    """(time, bytes live) after every CPU allocator event.
+
+    With ``global_totals`` (the reporter books every thread, :func:`follow_all_threads`), each event's
+    "Total Allocated" is the figure. Without it, the reporter's total never goes down for a block freed on a
+    thread the profiler does not follow, so the total is rebuilt from the events' addresses: a block is dropped
+    when its free is seen, or when the allocator hands its address out again (which proves it was freed).
+    """
+    mem = sorted((float(e["ts"]), int(e["args"].get("Ev Idx", 0)), e["args"]) for e in events
+                 if e.get("name") == "[memory]" and int(e["args"].get("Device Type", 0)) == 0)
+    if global_totals:
+        return [(ts, int(args["Total Allocated"])) for ts, _, args in mem]
     live: dict[int, int] = {}
     total = 0
     out: list[tuple[float, int]] = []
-    mem = sorted((float(e["ts"]), int(e["args"].get("Ev Idx", 0)), e["args"]) for e in events
-                 if e.get("name") == "[memory]" and int(e["args"].get("Device Type", 0)) == 0)
     for ts, _, args in mem:
         addr, nbytes = int(args.get("Addr", 0)), int(args["Bytes"])
         if nbytes > 0:
@@ -121,11 +149,11 @@ def live_totals(events: list[dict[str, Any]]) -> list[tuple[float, int]]:
     return out
 
 
-def steps_from_trace(path: str) -> list[StepMeasure]:
+def steps_from_trace(path: str, global_totals: bool = True) -> list[StepMeasure]:
     """Per measured step: start, peak and phase of the peak, from an exported chrome trace."""
     with open(path) as fh:
         events = json.load(fh)["traceEvents"]
-    mem = live_totals(events)
+    mem = live_totals(events, global_totals)
     times = [ts for ts, _ in mem]
     marks = [(e["name"][len(PHASE_PREFIX):], float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0)))
              for e in events if e.get("ph") == "X" and str(e.get("name", "")).startswith(PHASE_PREFIX)]

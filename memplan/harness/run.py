@@ -198,10 +198,12 @@ def _run(rank: int, world: int, spec: dict[str, Any], out: str) -> None:
     import transformers  # noqa: F401
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    from memplan.harness.measure import as_dict, attribute, steps_from_trace
+    from memplan.harness.measure import as_dict, attribute, follow_all_threads, steps_from_trace
 
     prof = None
+    global_totals = False
     if not on_gpu:
+        global_totals = follow_all_threads()
         prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
         prof.__enter__()
     _status(out, rank, "initialising process group")
@@ -259,7 +261,7 @@ def _run(rank: int, world: int, spec: dict[str, Any], out: str) -> None:
         os.close(fd)
         try:
             prof.export_chrome_trace(trace)
-            measured = [as_dict(m) for m in steps_from_trace(trace) if m.step > spec["warmup_steps"]]
+            measured = [as_dict(m) for m in steps_from_trace(trace, global_totals) if m.step > spec["warmup_steps"]]
         finally:
             keep = os.environ.get("MEMPLAN_TRACE_DIR")  # debugging: keep each rank's chrome trace
             if keep:
@@ -270,7 +272,7 @@ def _run(rank: int, world: int, spec: dict[str, Any], out: str) -> None:
     else:
         measured = gpu_steps
     result = {"rank": rank, "world": world, "device": str(device), "backend": backend,
-              "steps": measured, "start_attribution": attributions,
+              "steps": measured, "start_attribution": attributions, "all_threads_counted": global_totals or on_gpu,
               "versions": _versions(spec["framework"])}
     with open(os.path.join(out, f"rank{rank}.json"), "w") as fh:
         json.dump(result, fh)

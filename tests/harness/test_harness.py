@@ -30,7 +30,9 @@ def test_live_totals_drop_blocks_freed_on_untracked_threads():
     # a block freed on a thread the profiler does not follow is never reported freed; its address coming back
     # from the allocator proves it was freed
     events = [_mem(1, 0xA, 100, 100), _mem(2, 0xB, 50, 150), _mem(3, 0xA, 80, 230), _mem(4, 0xB, -50, 180)]
-    assert [v for _, v in live_totals(events)] == [100, 150, 130, 80]
+    assert [v for _, v in live_totals(events, global_totals=False)] == [100, 150, 130, 80]
+    # with every thread booked by the reporter (follow_all_threads), its own running total is the figure
+    assert [v for _, v in live_totals(events)] == [100, 150, 230, 180]
 
 
 def test_steps_from_trace_finds_peak_and_phase(tmp_path):

@@ -6,7 +6,8 @@
    - memplan inspect llama-7b / memplan estimate llama-7b --gpus 8 --stage 3
    - counting parameters by instantiating transformers' LlamaForCausalLM on the meta device (import included)
    - DeepSpeed's estimate_zero3_model_states_mem_needs_all_cold, when deepspeed is installed
-2. In-process configuration evaluations per second of accounting.estimate (llama-7b, varied settings).
+2. In-process configuration evaluations per second: accounting.estimate (a full Plan each) and the batched
+   evaluator accounting.required_bytes (the planner's path: exact peak and required bytes per configuration).
 """
 
 from __future__ import annotations
@@ -75,6 +76,29 @@ def evals_per_second(seconds: float = 3.0) -> float:
     return n / (time.perf_counter() - t0)
 
 
+def batched_evals_per_second(seconds: float = 3.0) -> float:
+    """The planner's path: accounting.required_bytes over micro-batches 1-64 for each strategy x GPU count
+    (traced activation profile of the preset, as `memplan plan` uses). Each evaluation is one configuration's
+    exact peak and required bytes (tests/unit/test_planner.py checks they equal estimate())."""
+    sys.path.insert(0, str(ROOT))
+    from memplan import accounting as A
+    from memplan import options
+    from memplan.model import sources
+    from memplan.strategies import STRATEGIES
+
+    src = sources.resolve("llama-7b")
+    inv = sources.build_inventory(src)
+    mbs = list(range(1, 65))
+    configs = [options.resolve(inv, gpus=gpus, strategy=name, gpu="h100-80g", config=src.config).settings
+               for name in STRATEGIES for gpus in (8, 16, 64)]
+    n, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        for s in configs:
+            A.required_bytes(inv, s, mbs)
+        n += len(configs) * len(mbs)
+    return n / (time.perf_counter() - t0)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeat", type=int, default=5)
@@ -90,6 +114,8 @@ def main() -> None:
             ("memplan estimate llama-7b --gpus 8 --stage 3 --activations analytic (no profile read)",
              wall([py, "-m", "memplan", "estimate", "llama-7b", "--gpus", "8", "--stage", "3", "--activations",
                    "analytic"], args.repeat)),
+            ("memplan plan llama-70b --gpu h100-80g (244 configurations)",
+             wall([py, "-m", "memplan", "plan", "llama-70b", "--gpu", "h100-80g"], args.repeat)),
             ("count by meta-device instantiation (torch + transformers import)",
              wall([py, "-c", META_COUNT], args.repeat))]
     try:
@@ -101,7 +127,9 @@ def main() -> None:
     print(f"| command (whole process, median of {args.repeat}) | wall time |\n|---|---:|")
     for name, secs in rows:
         print(f"| {name} | {secs:.3f} s |")
-    print(f"\nin-process accounting.estimate evaluations per second: {evals_per_second():,.0f}")
+    print(f"\nin-process accounting.estimate evaluations per second (a full Plan each): {evals_per_second():,.0f}")
+    print(f"in-process batched evaluator (accounting.required_bytes, the planner's path) evaluations per second: "
+          f"{batched_evals_per_second():,.0f}")
 
 
 if __name__ == "__main__":

@@ -193,8 +193,8 @@ def _optimizer_impl(s: Settings) -> str:
     return "fused" if s.strategy.framework == "deepspeed" else "foreach"
 
 
-def estimate(inv: ParamInventory, s: Settings) -> Plan:
-    """The Plan for one configuration."""
+def _fixed(inv: ParamInventory, s: Settings) -> _Fixed:
+    """Everything in a Plan that does not depend on the micro-batch: model states, grads, buffers, overheads."""
     st, rc, opt, c = s.strategy, s.recipe, s.optimizer, s.cluster
     n = shard_group_size(s)
     lay = layouts.layout_sizes(inv, st.layout, n, s.ds.param_persistence_threshold)
@@ -310,24 +310,6 @@ def estimate(inv: ParamInventory, s: Settings) -> Plan:
             a["reshard_after_forward"] = raf
         a["largest_gathered_block_numel"] = g.largest_block
 
-    # ---- activations ----
-    prof = s.activation_profile
-    if prof is not None:
-        if prof.micro_batch != s.micro_batch:
-            prof = replace(prof, micro_batch=s.micro_batch)
-    else:
-        gated = bool(inv.dims.get("gated_mlp", 1))
-        prof = act.cached_profile(tuple(sorted(inv.dims.items())), s.micro_batch, s.seq_len, rc.compute_bytes,
-                                  rc.residual_bytes, s.attention, s.recompute, gated)
-    acts_fwd = prof.forward_bytes(s.recompute)
-    acts_bwd = prof.backward_bytes(s.recompute)
-    a["activations"] = prof.source
-    # torch-amp: autocast's bf16 copies of the fp32 weights are saved for backward by every matmul (the traced
-    # profile measures them; the analytic one does not).
-    amp_copies = 0
-    if rc.autocast_weight_copies and not prof.includes_autocast_copies:
-        amp_copies = rc.compute_bytes * lay.matmul_numel
-
     # ---- optimizer step transients ----
     impl = _optimizer_impl(s)
     scratch = 0
@@ -342,37 +324,105 @@ def estimate(inv: ParamInventory, s: Settings) -> Plan:
         step_grads = rc.reduced_grad_bytes * opt_numel + grads_persist
     a["optimizer_impl"] = impl
 
-    base = dict(weights_bytes=weights, master_weights_bytes=master, optimizer_states_bytes=states)
-    phases = (
-        Phase("forward", **base, grads_bytes=grads_persist, activations_bytes=acts_fwd,
-              buffers_bytes=buf_persist + gather_turn + amp_copies),
-        # the loss backward: every activation alive, plus the loss's backward transients
-        Phase("backward-start", **base, grads_bytes=grads_persist, activations_bytes=acts_bwd,
-              buffers_bytes=buf_persist + buf_bwd + gather_loss + amp_copies),
-        # the first block's backward: its activations still alive, the loss freed; gathered blocks, the
-        # block's unsharded grads and reduce buffers
-        Phase("backward", **base, grads_bytes=grads_persist, activations_bytes=prof.saved_bytes(s.recompute),
-              buffers_bytes=buf_persist + buf_bwd + max(gather_turn, gather_bwd) + amp_copies),
-        Phase("backward-end", **base, grads_bytes=max(grads_end, grads_persist),
-              activations_bytes=prof.embedding_bytes,
-              buffers_bytes=buf_persist + buf_bwd + max(gather_bwd, gather_end)),
-        Phase("optimizer-step", **base, grads_bytes=step_grads, activations_bytes=0,
-              buffers_bytes=buf_persist + scratch),
-    )
-    totals = [p.total_bytes for p in phases]
-    peak = phases[totals.index(max(totals))]
+    # ---- activations: the profile for one micro-batch; the terms follow the micro-batch exactly ----
+    prof = s.activation_profile
+    if prof is None:
+        gated = bool(inv.dims.get("gated_mlp", 1))
+        prof = act.cached_profile(tuple(sorted(inv.dims.items())), 1, s.seq_len, rc.compute_bytes,
+                                  rc.residual_bytes, s.attention, s.recompute, gated)
+    a["activations"] = prof.source
+    # torch-amp: autocast's bf16 copies of the fp32 weights are saved for backward by every matmul (the traced
+    # profile measures them; the analytic one does not).
+    amp_copies = 0
+    if rc.autocast_weight_copies and not prof.includes_autocast_copies:
+        amp_copies = rc.compute_bytes * lay.matmul_numel
 
-    detail: dict[str, int] = {}
+    # Per phase, everything but activations:
+    #   forward:        the end of forward, loss included
+    #   backward-start: the loss backward; every activation alive, plus the loss's backward transients
+    #   backward:       the first block's backward: its activations still alive, the loss freed; gathered blocks,
+    #                   the block's unsharded grads and reduce buffers
+    #   backward-end:   every gradient produced, the root's reduce
+    #   optimizer-step: the step's scratch
+    grads = (grads_persist, grads_persist, grads_persist, max(grads_end, grads_persist), step_grads)
+    buffers = (buf_persist + gather_turn + amp_copies,
+               buf_persist + buf_bwd + gather_loss + amp_copies,
+               buf_persist + buf_bwd + max(gather_turn, gather_bwd) + amp_copies,
+               buf_persist + buf_bwd + max(gather_bwd, gather_end),
+               buf_persist + scratch)
+    states_total = weights + master + states
+    comms = 0
     if c.device == "cuda":
-        o = s.overheads
-        comms = 1 + (1 if st.shard_within_node else 0) + (1 if s.ds.hpz_partition_size > 1 else 0)
-        detail = {"cuda_context_bytes": o.cuda_context_bytes,
-                  "nccl_bytes": comms * o.nccl_bytes_per_communicator if c.gpus > 1 else 0,
-                  "fragmentation_bytes": peak.total_bytes * o.fragmentation_percent // 100}
-        a["nccl_communicators"] = comms if c.gpus > 1 else 0
+        comms = (1 + (1 if st.shard_within_node else 0) + (1 if s.ds.hpz_partition_size > 1 else 0)) \
+            if c.gpus > 1 else 0
+        a["nccl_communicators"] = comms
+    return _Fixed(weights, master, states, grads, buffers,
+                  tuple(states_total + g + b for g, b in zip(grads, buffers)), prof, host * c.ranks_per_node, n,
+                  weights + master + states + grads_persist + buf_persist, comms, a)
+
+
+class _Fixed:
+    """The micro-batch-independent part of a Plan (see _fixed)."""
+
+    __slots__ = ("weights", "master", "states", "grads", "buffers", "non_activation", "profile", "host_per_node",
+                 "shard_group", "between", "comms", "assumptions")
+
+    def __init__(self, weights: int, master: int, states: int, grads: tuple[int, ...], buffers: tuple[int, ...],
+                 non_activation: tuple[int, ...], profile: Any, host_per_node: int, shard_group: int, between: int,
+                 comms: int, assumptions: dict[str, Any]) -> None:
+        self.weights, self.master, self.states, self.grads, self.buffers = weights, master, states, grads, buffers
+        self.non_activation, self.profile, self.host_per_node = non_activation, profile, host_per_node
+        self.shard_group, self.between, self.comms, self.assumptions = shard_group, between, comms, assumptions
+
+
+PHASE_NAMES = ("forward", "backward-start", "backward", "backward-end", "optimizer-step")
+
+
+def _activations(f: _Fixed, recompute: str, micro_batch: int) -> tuple[int, int, int, int, int]:
+    fwd, bwd, saved, emb = f.profile.terms(recompute, micro_batch)
+    return (fwd, bwd, saved, emb, 0)
+
+
+def _overheads(s: Settings, f: _Fixed, peak: int) -> dict[str, int]:
+    if s.cluster.device != "cuda":
+        return {}
+    o = s.overheads
+    return {"cuda_context_bytes": o.cuda_context_bytes, "nccl_bytes": f.comms * o.nccl_bytes_per_communicator,
+            "fragmentation_bytes": peak * o.fragmentation_percent // 100}
+
+
+def estimate(inv: ParamInventory, s: Settings) -> Plan:
+    """The Plan for one configuration."""
+    f = _fixed(inv, s)
+    acts = _activations(f, s.recompute, s.micro_batch)
+    phases = tuple(Phase(name, weights_bytes=f.weights, master_weights_bytes=f.master, grads_bytes=g,
+                         optimizer_states_bytes=f.states, activations_bytes=x, buffers_bytes=b)
+                   for name, g, x, b in zip(PHASE_NAMES, f.grads, acts, f.buffers))
+    totals = [base + x for base, x in zip(f.non_activation, acts)]
+    peak = phases[totals.index(max(totals))]
+    detail = _overheads(s, f, peak.total_bytes)
     return Plan(settings=s, inventory=inv, phases=phases, peak=peak, overhead_bytes=sum(detail.values()),
-                overhead_detail=detail, host_bytes_per_node=host * c.ranks_per_node, shard_group=n,
-                between_steps_bytes=weights + master + states + grads_persist + buf_persist, assumptions=a)
+                overhead_detail=detail, host_bytes_per_node=f.host_per_node, shard_group=f.shard_group,
+                between_steps_bytes=f.between, assumptions=dict(f.assumptions))
+
+
+def required_bytes(inv: ParamInventory, s: Settings, micro_batches: Any) -> list[tuple[int, int]]:
+    """(peak_bytes, required_bytes) for each micro-batch, the other settings fixed: the batched evaluator.
+
+    The micro-batch-independent part is computed once; each micro-batch then costs a few integer operations
+    and gives exactly what ``estimate(inv, replace(s, micro_batch=b))`` gives (tested).
+    """
+    f = _fixed(inv, s)
+    base, prof, rec = f.non_activation, f.profile, s.recompute
+    o = s.overheads
+    fixed_over = (o.cuda_context_bytes + f.comms * o.nccl_bytes_per_communicator) if s.cluster.device == "cuda" else 0
+    frag = o.fragmentation_percent if s.cluster.device == "cuda" else 0
+    out = []
+    for b in micro_batches:
+        fwd, bwd, saved, emb = prof.terms(rec, b)
+        peak = max(base[0] + fwd, base[1] + bwd, base[2] + saved, base[3] + emb, base[4])
+        out.append((peak, peak + fixed_over + peak * frag // 100))
+    return out
 
 
 def with_gpus(s: Settings, gpus: int) -> Settings:

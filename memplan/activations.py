@@ -75,6 +75,15 @@ class ActivationProfile:
         """Extra bytes while one block is recomputed in backward (full recompute only)."""
         return self.per_layer_bytes if recompute == "full" else 0
 
+    def terms(self, recompute: str, micro_batch: int) -> tuple[int, int, int, int]:
+        """(forward peak, backward-start peak, alive after forward, left at backward end) at ``micro_batch``.
+
+        Every term is a count of tokens times bytes per token, so it scales exactly with the micro-batch; this
+        profile must have been built for a micro-batch of 1 (accounting builds it so).
+        """
+        return (micro_batch * self.forward_bytes(recompute), micro_batch * self.backward_bytes(recompute),
+                micro_batch * self.saved_bytes(recompute), micro_batch * self.embedding_bytes)
+
 
 def analytic_profile(dims: dict, *, micro_batch: int, seq_len: int, compute_bytes: int, residual_bytes: int,
                      attention: str, recompute: str, gated_mlp: bool) -> ActivationProfile:
@@ -151,6 +160,16 @@ class TracedProfile:
     @property
     def embedding_bytes(self) -> int:
         return 0
+
+    def terms(self, recompute: str, micro_batch: int) -> tuple[int, int, int, int]:
+        """(forward peak, backward-start peak, alive after forward, left at backward end) at ``micro_batch``:
+        every timeline point is a line c0 + c1 * b, so each term is exact at any micro-batch."""
+        d, b = self.data, micro_batch
+        extra_line = d["per_layer"]
+        extra = (d["num_layers"] - d["traced_layers"]) * (extra_line[0] + extra_line[1] * b)
+        return (max(x[0] + x[1] * b for x in d["forward_peak"]) + extra,
+                max(x[0] + x[1] * b for x in d["backward_peak"]) + extra,
+                d["live_after_forward"][0] + d["live_after_forward"][1] * b + extra, 0)
 
     @property
     def source(self) -> str:

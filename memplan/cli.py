@@ -244,6 +244,112 @@ def _render_plan(rep: dict) -> None:
         c.print(f"note: {n}", soft_wrap=True)
 
 
+def _csv(value: str, name: str) -> tuple[str, ...]:
+    items = tuple(v.strip() for v in value.split(",") if v.strip())
+    if not items:
+        raise MemplanError(f"{name} needs at least one value")
+    return items
+
+
+@app.command()
+def plan(
+    model: str = typer.Argument(..., help="Preset name, config.json, model directory, cached repo id, or pkg.mod:fn."),
+    gpu: Optional[str] = typer.Option(None, "--gpu", help="GPU preset (memplan presets)."),
+    gpu_memory: Optional[str] = typer.Option(None, "--gpu-memory", help="GPU memory, e.g. 80GB (10^9) or 80GiB (2^30)."),
+    gpus_per_node: int = typer.Option(8, "--gpus-per-node", help="GPUs per node."),
+    max_gpus: int = typer.Option(1024, "--max-gpus", help="Largest GPU count to consider."),
+    strategies: str = typer.Option(",".join(("ddp", "zero1", "zero2", "zero3", "zero-optimizer", "fsdp-full",
+                                             "fsdp-grad-op", "hsdp")), "--strategies",
+                                   help="Comma-separated strategies to consider."),
+    recompute: str = typer.Option("none,full", "--recompute", help="Comma-separated: none, selective, full."),
+    micro_batch: Optional[int] = typer.Option(None, "--micro-batch", help="Fix the micro-batch (else the largest "
+                                              "that fits, up to --max-micro-batch)."),
+    max_micro_batch: int = typer.Option(64, "--max-micro-batch", help="Largest micro-batch to consider."),
+    seq_len: Optional[int] = typer.Option(None, "--seq-len", help="Sequence length [default: 2048]."),
+    grad_accum: Optional[int] = typer.Option(None, "--grad-accum", help="Gradient accumulation steps [default: 1]."),
+    precision: Optional[str] = typer.Option(None, "--precision", help="Recipe for every strategy [default: each "
+                                            "strategy's framework's]."),
+    optimizer: Optional[str] = typer.Option(None, "--optimizer", help="adamw, adam, sgd, adafactor, adam8bit."),
+    attention: str = typer.Option("flash", "--attention", help="flash | sdpa | eager."),
+    allow_offload: bool = typer.Option(False, "--allow-offload", help="Also consider DeepSpeed ZeRO-Offload "
+                                       "(optimizer, or optimizer and parameters, on the host)."),
+    device: str = typer.Option("cuda", "--device", help="cuda, or cpu (no CUDA/NCCL overheads)."),
+    builder: str = typer.Option("auto", help="Inventory builder: auto | analytic | meta."),
+    activations: str = typer.Option("auto", "--activations", help="auto | traced | analytic."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON on stdout."),
+) -> None:
+    """The fewest GPUs, the largest micro-batch and the best strategy for a model on a GPU size.
+
+    Exit code 1 when nothing fits within --max-gpus.
+    """
+    from memplan import accounting, planner
+    from memplan.model import sources
+    from memplan.report import search_report
+
+    src = sources.resolve(model)
+    inv = sources.build_inventory(src, builder=builder)
+    found = planner.search(inv, gpu=gpu, gpu_memory_size=gpu_memory, config=src.config, gpus_per_node=gpus_per_node,
+                           max_gpus=max_gpus, strategies=_csv(strategies, "--strategies"),
+                           recomputes=_csv(recompute, "--recompute"), micro_batch=micro_batch,
+                           max_micro_batch=max_micro_batch, allow_offload=allow_offload, seq_len=seq_len,
+                           grad_accum=grad_accum, precision=precision, optimizer=optimizer, attention=attention,
+                           device=device, activations=activations)
+    best = planner.best_settings(found)
+    extra = [f"--gpu {gpu}" if gpu else f"--gpu-memory {gpu_memory}"]
+    for flag, value in (("--seq-len", seq_len), ("--grad-accum", grad_accum), ("--precision", precision),
+                        ("--optimizer", optimizer)):
+        if value is not None:
+            extra.append(f"{flag} {value}")
+    if attention != "flash":
+        extra.append(f"--attention {attention}")
+    if device != "cuda":
+        extra.append(f"--device {device}")
+    rep = search_report(found, inv, None if best is None else accounting.estimate(inv, best),
+                        planner.command_line(model, found, extra))
+    if as_json:
+        _emit_json(rep)
+    else:
+        _render_search(rep)
+    if best is None:
+        raise typer.Exit(1)
+
+
+def _render_search(rep: dict) -> None:
+    c = _console()
+    m, se, rec = rep["model"], rep["search"], rep["recommendation"]
+    c.print(f"[bold]{m['name']}[/bold] ({m['num_params']:,} params) on {fmt_bytes(se['gpu_memory_bytes'])} GPUs, "
+            f"{se['gpus_per_node']}/node, up to {se['max_gpus']} GPUs, micro-batch "
+            f"{se['micro_batches'][0]}-{se['micro_batches'][1]}")
+    n = rec["gpus"] if rec else None
+    rows = []
+    for cand in rep["candidates"]:
+        at = cand["at_recommended_gpus"]
+        mark = " ◀ best" if rec and cand["label"] == rec["label"] and cand["recompute"] == rec["recompute"] else ""
+        rows.append([cand["label"] + mark, cand["recompute"], cand["precision"],
+                     "-" if cand["min_gpus"] is None else str(cand["min_gpus"]),
+                     "-" if at is None else str(at["micro_batch"]),
+                     "-" if at is None else fmt_bytes(at["peak_bytes"]),
+                     "-" if at is None else fmt_bytes(at["required_bytes"]),
+                     "-" if at is None else fmt_bytes(at["headroom_bytes"])])
+    at_n = f" @{n}" if n else ""
+    c.print(_table(f"Candidates: fewest GPUs at micro-batch {se['micro_batches'][0]}; at {n or '-'} GPUs the largest "
+                   "micro-batch and its bytes (GiB = 2^30 B; required = peak + CUDA context, NCCL, fragmentation)",
+                   [("strategy", "left"), ("recompute", "left"), ("precision", "left"), ("min GPUs", "right"),
+                    (f"mb{at_n}", "right"), ("peak", "right"), ("required", "right"), ("headroom", "right")], rows))
+    if rec is None:
+        c.print(f"[red]NOTHING FITS[/red] within {se['max_gpus']} GPUs: try --max-gpus, --recompute full, "
+                "--allow-offload, a shorter --seq-len or a larger GPU")
+    else:
+        c.print(f"[green]PLAN[/green]: [bold]{rec['strategy']}[/bold]{' (' + rec['label'] + ')' if rec['label'] != rec['strategy'] else ''} on "
+                f"[bold]{rec['gpus']} GPU(s)[/bold] ({rec['nodes']} node(s)), micro-batch {rec['micro_batch']}, "
+                f"recompute {rec['recompute']}, {rec['precision']}: peak {fmt_bytes(rec['peak_bytes'])}, required "
+                f"{fmt_bytes(rec['required_bytes'])}, headroom {fmt_bytes(rec['headroom_bytes'])}")
+        c.print(f"details: {rec['command']}", soft_wrap=True)
+    c.print(f"ranking: {se['ranking']}; {se['evaluations']:,} configurations evaluated", soft_wrap=True)
+    for note in rep["notes"]:
+        c.print(f"note: {note}", soft_wrap=True)
+
+
 @app.command()
 def validate(
     model: str = typer.Argument(..., help="Preset name, config.json or model directory."),

@@ -70,3 +70,35 @@ def plan_report(plan: Any, sources: dict[str, str] | None = None, notes: tuple[s
         "assumptions": assumptions,
         "notes": list(inv.notes) + list(notes),
     }
+
+
+def search_report(found: Any, inv: ParamInventory, best_plan: Any, command: str | None,
+                  sources: dict[str, str] | None = None) -> dict[str, Any]:
+    """The JSON object of `memplan plan` (schema_version 1): the search, every candidate, the recommendation
+    with its full estimate."""
+    from memplan.planner import RANKING
+
+    def cand(c: Any) -> dict[str, Any]:
+        return {"label": c.label, "strategy": c.strategy, "recompute": c.recompute, "offload": c.offload,
+                "precision": c.settings.recipe.name, "min_gpus": c.min_gpus,
+                "at_recommended_gpus": None if c.micro_batch is None else {
+                    "micro_batch": c.micro_batch, "peak_bytes": c.peak_bytes, "required_bytes": c.required_bytes,
+                    "headroom_bytes": c.headroom_bytes}}
+
+    b = found.best
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "model": {"name": inv.model_name, "source": inv.source, "num_params": inv.num_params, "family": inv.family},
+        "search": {"gpu_memory_bytes": found.gpu_memory_bytes, "gpus_per_node": found.gpus_per_node,
+                   "max_gpus": found.max_gpus, "micro_batches": [min(found.micro_batches), max(found.micro_batches)],
+                   "ranking": RANKING, "evaluations": found.evaluations},
+        "fits": b is not None,
+        "recommendation": None if b is None else {
+            "strategy": b.strategy, "label": b.label, "gpus": found.gpus, "nodes": -(-found.gpus // found.gpus_per_node),
+            "micro_batch": b.micro_batch, "recompute": b.recompute, "precision": b.settings.recipe.name,
+            "peak_bytes": b.peak_bytes, "required_bytes": b.required_bytes, "headroom_bytes": b.headroom_bytes,
+            "command": command},
+        "candidates": [cand(c) for c in found.candidates],
+        "estimate": None if best_plan is None else plan_report(best_plan, sources),
+        "notes": list(found.notes),
+    }

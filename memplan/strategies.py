@@ -54,6 +54,9 @@ class Strategy:
     shard_within_node: bool = False
     #: FSDP reshard_after_forward: True (reshard), False (keep unsharded until backward).
     reshard_after_forward: bool = True
+    #: Bytes each rank sends per step, in parameter-sized messages (Rajbhandari et al. 2020, Section 7: an
+    #: all-reduce is 2 Psi, ZeRO-3's extra all-gather makes 3 Psi). Only `memplan plan` reads it, to break ties.
+    comm_volume: int = 2
 
 
 STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
@@ -71,13 +74,13 @@ STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
              description="DeepSpeed ZeRO-2: + gradients partitioned (reduced bucket by bucket in backward)"),
     Strategy(name="zero3", framework="deepspeed", layout=PER_PARAM_NUMEL, shard_optimizer=True, shard_grads=True,
              shard_params=True, zero_stage=3, full_grads_in_backward=False, ds_ipg_buckets=True,
-             persistent_grads=True,
+             persistent_grads=True, comm_volume=3,
              description="DeepSpeed ZeRO-3: + parameters partitioned, gathered module by module"),
     Strategy(name="zero-optimizer", framework="torch-ddp", layout=GREEDY_WHOLE, shard_optimizer=True,
-             shard_grads=False, shard_params=False, ddp_buckets=True,
+             shard_grads=False, shard_params=False, ddp_buckets=True, comm_volume=3,
              description="DDP + torch ZeroRedundancyOptimizer: optimizer states of whole params, greedily"),
     Strategy(name="fsdp-full", framework="fsdp2", layout=PER_PARAM_DIM0, shard_optimizer=True, shard_grads=True,
-             shard_params=True, full_grads_in_backward=False,
+             shard_params=True, full_grads_in_backward=False, comm_volume=3,
              description="FSDP FULL_SHARD (FSDP2 fully_shard, reshard_after_forward=True)"),
     Strategy(name="fsdp-grad-op", framework="fsdp2", layout=PER_PARAM_DIM0, shard_optimizer=True,
              shard_grads=True, shard_params=True, full_grads_in_backward=False, reshard_after_forward=False,
@@ -86,7 +89,7 @@ STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
              shard_params=False, full_grads_in_backward=True,
              description="FSDP NO_SHARD: replicated like DDP, under FSDP's mixed precision"),
     Strategy(name="hsdp", framework="fsdp2", layout=PER_PARAM_DIM0, shard_optimizer=True, shard_grads=True,
-             shard_params=True, full_grads_in_backward=False, shard_within_node=True,
+             shard_params=True, full_grads_in_backward=False, shard_within_node=True, comm_volume=3,
              description="HYBRID_SHARD / HSDP: full shard within a node (2-D mesh), replicated across nodes"),
 )}
 

@@ -1,0 +1,214 @@
+"""Search: the fewest GPUs, then the largest micro-batch, then the best strategy, for a model and a GPU size.
+
+For every candidate (strategy x recompute, and the offload variants when allowed) the planner finds the fewest
+GPUs at which the job fits with the smallest micro-batch it considers, by bisection over the GPU counts a
+cluster can have (powers of two inside a node, then whole nodes). Memory per GPU never grows with more GPUs
+(sharded states shrink, the rest stays), which is what makes bisection valid; the GPU count just below the
+answer is checked too, so padding effects cannot hide a smaller answer.
+
+At the fewest GPUs any candidate needs, every candidate that fits there gets its largest micro-batch from the
+batched evaluator (accounting.required_bytes), and the candidates are ranked:
+  1. no recompute before selective before full (recompute costs a forward pass),
+  2. the largest micro-batch,
+  3. the least communication per step (Strategy.comm_volume: 2 Psi for DDP / ZeRO-1/2, 3 Psi for ZeRO-3 /
+     FSDP full shard), offload last,
+  4. the most headroom.
+Pure: no torch import when the activation profiles are shipped or cached; no printing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+from memplan import accounting, options
+from memplan.errors import SettingsError
+from memplan.model.inventory import ParamInventory
+from memplan.strategies import STRATEGIES
+
+RECOMPUTE_ORDER = ("none", "selective", "full")
+#: Offload variants considered with allow_offload (DeepSpeed ZeRO-Offload): label -> (strategy, ds knobs)
+OFFLOAD_VARIANTS = {
+    "zero2+offload-opt": ("zero2", {"offload_optimizer": True}),
+    "zero3+offload-opt": ("zero3", {"offload_optimizer": True}),
+    "zero3+offload-all": ("zero3", {"offload_optimizer": True, "offload_param": True}),
+}
+DEFAULT_STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "zero-optimizer", "fsdp-full", "fsdp-grad-op", "hsdp")
+RANKING = ("the fewest GPUs first; at that count no recompute before full recompute, then the largest micro-batch, then the least communication per step "
+           "(2 Psi: DDP, ZeRO-1/2, FSDP grad-op; 3 Psi: ZeRO-3, FSDP full shard, HSDP, ZeRO optimizer), "
+           "offload last, then the most headroom")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    label: str  #: strategy name, or an offload variant's label
+    strategy: str
+    recompute: str
+    settings: accounting.Settings  #: at the cluster's gpus_per_node, micro-batch 1 (or the fixed one)
+    offload: bool
+    min_gpus: int | None = None  #: fewest GPUs at which it fits (None: not within max_gpus)
+    micro_batch: int | None = None  #: largest micro-batch at the recommended GPU count (None: does not fit)
+    peak_bytes: int | None = None
+    required_bytes: int | None = None
+    headroom_bytes: int | None = None
+
+
+@dataclass(frozen=True)
+class Search:
+    gpu_memory_bytes: int
+    gpus_per_node: int
+    max_gpus: int
+    micro_batches: tuple[int, ...]
+    candidates: tuple[Candidate, ...]
+    best: Candidate | None
+    gpus: int | None  #: the recommended GPU count
+    notes: tuple[str, ...]
+    evaluations: int
+
+
+def gpu_counts(gpus_per_node: int, max_gpus: int) -> list[int]:
+    """Powers of two up to a node, then whole nodes: the GPU counts a job can be given."""
+    out = []
+    g = 1
+    while g < gpus_per_node and g <= max_gpus:
+        out.append(g)
+        g *= 2
+    out += [k * gpus_per_node for k in range(1, max_gpus // gpus_per_node + 1)]
+    return sorted(set(out))
+
+
+def _candidates(inv: ParamInventory, config: dict | None, strategies: tuple[str, ...], recomputes: tuple[str, ...],
+                allow_offload: bool, gpus_per_node: int, gpu: str | None, gpu_memory_size: str | None,
+                common: dict[str, Any], notes: list[str]) -> list[Candidate]:
+    for r in recomputes:
+        if r not in RECOMPUTE_ORDER:
+            raise SettingsError(f"unknown recompute {r!r}; valid: {', '.join(RECOMPUTE_ORDER)}")
+    labels: list[tuple[str, str, dict[str, Any]]] = []
+    for name in strategies:
+        if name not in STRATEGIES:
+            raise SettingsError(f"unknown strategy {name!r}; valid: {', '.join(STRATEGIES)}")
+        labels.append((name, name, {}))
+    if allow_offload:
+        labels += [(label, st, knobs) for label, (st, knobs) in OFFLOAD_VARIANTS.items()]
+    out = []
+    seen_notes: set[str] = set()
+    for label, st, knobs in labels:
+        for rec in recomputes:
+            r = options.resolve(inv, gpus=gpus_per_node, gpus_per_node=gpus_per_node, strategy=st, recompute=rec,
+                                gpu=gpu, gpu_memory_size=gpu_memory_size, config=config, ds_overrides=knobs, **common)
+            for n in r.notes:
+                if n not in seen_notes and not n.startswith("GPU memory"):
+                    seen_notes.add(n)
+                    notes.append(n)
+            out.append(Candidate(label=label, strategy=st, recompute=rec, settings=r.settings, offload=bool(knobs)))
+    return out
+
+
+def _fits_at(inv: ParamInventory, s: accounting.Settings, gpus: int, mb: int, budget: int) -> bool:
+    try:
+        s2 = accounting.with_gpus(s, gpus)
+        (_, req), = accounting.required_bytes(inv, s2, (mb,))
+    except SettingsError:  # e.g. HSDP shard size that does not divide this count
+        return False
+    return req <= budget
+
+
+def search(inv: ParamInventory, *, gpu: str | None = None, gpu_memory_size: str | None = None, config: dict | None = None, gpus_per_node: int = 8,
+           max_gpus: int = 1024, strategies: tuple[str, ...] = DEFAULT_STRATEGIES,
+           recomputes: tuple[str, ...] = ("none", "full"), micro_batch: int | None = None,
+           max_micro_batch: int = 64, allow_offload: bool = False, **common: Any) -> Search:
+    """The search described in the module docstring. ``common``: options.resolve's other options."""
+    if gpus_per_node < 1:
+        raise SettingsError(f"--gpus-per-node must be at least 1, got {gpus_per_node}")
+    if max_gpus < 1:
+        raise SettingsError(f"--max-gpus must be at least 1, got {max_gpus}")
+    if micro_batch is not None and micro_batch < 1:
+        raise SettingsError(f"micro-batch must be at least 1, got {micro_batch}")
+    if max_micro_batch < 1:
+        raise SettingsError(f"--max-micro-batch must be at least 1, got {max_micro_batch}")
+    budget, how = options.gpu_memory(gpu, gpu_memory_size)
+    if budget is None:
+        raise SettingsError("plan needs the GPU: --gpu NAME (memplan presets) or --gpu-memory SIZE (80GB, 80GiB)")
+    notes: list[str] = [f"GPU memory: {how}"]
+    cands = _candidates(inv, config, strategies, recomputes, allow_offload, gpus_per_node, gpu, gpu_memory_size,
+                        common, notes)
+    counts = gpu_counts(gpus_per_node, max_gpus)
+    mbs = (micro_batch,) if micro_batch is not None else tuple(range(1, max_micro_batch + 1))
+    first_mb = mbs[0]
+    evaluations = 0
+
+    # 1. the fewest GPUs per candidate (bisection over the counts; memory never grows with GPUs)
+    with_min = []
+    for c in cands:
+        if c.settings.strategy.shard_within_node:
+            usable = [g for g in counts if g > gpus_per_node]  # HSDP within one node is FSDP full shard
+        else:
+            usable = counts
+        lo, hi = 0, len(usable)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            evaluations += 1
+            if _fits_at(inv, c.settings, usable[mid], first_mb, budget):
+                hi = mid
+            else:
+                lo = mid + 1
+        found = usable[lo] if lo < len(usable) else None
+        while found is not None and lo > 0:  # padding can make memory non-monotone by a few bytes: look below
+            evaluations += 1
+            if not _fits_at(inv, c.settings, usable[lo - 1], first_mb, budget):
+                break
+            lo -= 1
+            found = usable[lo]
+        with_min.append(replace(c, min_gpus=found))
+    fitting = [c.min_gpus for c in with_min if c.min_gpus is not None]
+    if not fitting:
+        return Search(budget, gpus_per_node, max_gpus, mbs, tuple(with_min), None, None, tuple(notes), evaluations)
+    gpus = min(fitting)
+
+    # 2. at that count, each candidate's largest micro-batch (the batched evaluator)
+    done = []
+    for c in with_min:
+        if c.min_gpus is None or c.min_gpus > gpus:
+            done.append(c)
+            continue
+        s = accounting.with_gpus(c.settings, gpus)
+        curve = accounting.required_bytes(inv, s, mbs)
+        evaluations += len(mbs)
+        best_i = max((i for i, (_, req) in enumerate(curve) if req <= budget), default=None)
+        if best_i is None:
+            done.append(c)
+            continue
+        peak, req = curve[best_i]
+        done.append(replace(c, micro_batch=mbs[best_i], peak_bytes=peak, required_bytes=req,
+                            headroom_bytes=budget - req))
+
+    def rank(c: Candidate) -> tuple:
+        return (RECOMPUTE_ORDER.index(c.recompute), -(c.micro_batch or 0), c.offload,
+                c.settings.strategy.comm_volume, -(c.headroom_bytes or 0))
+
+    ok = [c for c in done if c.micro_batch is not None]
+    best = min(ok, key=rank) if ok else None
+    ordered = sorted(done, key=lambda c: (c.micro_batch is None, rank(c) if c.micro_batch else (),
+                                          c.min_gpus or 1 << 60, c.label, RECOMPUTE_ORDER.index(c.recompute)))
+    return Search(budget, gpus_per_node, max_gpus, mbs, tuple(ordered), best, gpus, tuple(notes), evaluations)
+
+
+def best_settings(found: Search) -> accounting.Settings | None:
+    """The recommended configuration's Settings (its estimate is the plan's detail)."""
+    if found.best is None or found.gpus is None:
+        return None
+    return replace(accounting.with_gpus(found.best.settings, found.gpus), micro_batch=found.best.micro_batch)
+
+
+def command_line(model: str, found: Search, extra: list[str]) -> str | None:
+    """The `memplan estimate` command that reproduces the recommendation."""
+    b = found.best
+    if b is None:
+        return None
+    parts = ["memplan estimate", model, f"--gpus {found.gpus}", f"--gpus-per-node {found.gpus_per_node}",
+             f"--strategy {b.strategy}", f"--micro-batch {b.micro_batch}"]
+    if b.recompute != "none":
+        parts.append(f"--recompute {b.recompute}")
+    for k, v in OFFLOAD_VARIANTS.get(b.label, ("", {}))[1].items():
+        parts.append(f"--{k.replace('_', '-')}" if v else f"--no-{k.replace('_', '-')}")
+    return " ".join(parts + extra)

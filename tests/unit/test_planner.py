@@ -1,0 +1,99 @@
+"""memplan plan: the batched evaluator equals estimate(); the search's answers are minimal / maximal."""
+
+import json
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from memplan import accounting as A
+from memplan import options, planner
+from memplan.model import sources
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2", "zero3", "zero-optimizer", "fsdp-full", "hsdp"])
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_batched_evaluator_equals_estimate(strategy, recompute):
+    src = sources.resolve("llama-7b")
+    inv = sources.build_inventory(src)
+    for activations in ("auto", "analytic"):  # the shipped traced profile, and the analytic one
+        s = options.resolve(inv, gpus=16, strategy=strategy, recompute=recompute, gpu="h100-80g", config=src.config,
+                            activations=activations).settings
+        mbs = [1, 2, 3, 5, 8, 13, 64]
+        for b, (peak, req) in zip(mbs, A.required_bytes(inv, s, mbs)):
+            p = A.estimate(inv, replace(s, micro_batch=b))
+            assert (peak, req) == (p.peak_bytes, p.required_bytes), (activations, b)
+
+
+def test_search_answers_are_minimal_and_maximal():
+    src = sources.resolve("llama-7b")
+    inv = sources.build_inventory(src)
+    found = planner.search(inv, gpu="a100-40g", config=src.config, max_gpus=64)
+    assert found.best is not None and found.gpus == min(c.min_gpus for c in found.candidates if c.min_gpus)
+    budget = found.gpu_memory_bytes
+    counts = planner.gpu_counts(8, 64)
+    for c in found.candidates:
+        if c.min_gpus is None:
+            continue
+        fits = A.estimate(inv, A.with_gpus(c.settings, c.min_gpus)).required_bytes <= budget
+        assert fits, c.label
+        smaller = [g for g in counts if g < c.min_gpus and not (c.settings.strategy.shard_within_node and g <= 8)]
+        for g in smaller:  # no smaller count fits
+            assert A.estimate(inv, A.with_gpus(c.settings, g)).required_bytes > budget, (c.label, g)
+        if c.micro_batch is not None and c.micro_batch < 64:  # the largest micro-batch: one more does not fit
+            s = replace(A.with_gpus(c.settings, found.gpus), micro_batch=c.micro_batch + 1)
+            assert A.estimate(inv, s).required_bytes > budget
+    b = found.best
+    assert all(planner.RECOMPUTE_ORDER.index(b.recompute) <= planner.RECOMPUTE_ORDER.index(c.recompute)
+               for c in found.candidates if c.micro_batch is not None)
+
+
+def test_gpu_counts():
+    assert planner.gpu_counts(8, 40) == [1, 2, 4, 8, 16, 24, 32, 40]
+    assert planner.gpu_counts(4, 3) == [1, 2]
+
+
+def _run(*args):
+    return subprocess.run([sys.executable, "-m", "memplan", *args], capture_output=True, text=True, cwd=ROOT)
+
+
+def test_plan_cli_json_and_exit_codes():
+    r = _run("plan", "llama-7b", "--gpu", "h100-80g", "--json")
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    rec = d["recommendation"]
+    assert d["schema_version"] == 1 and d["fits"] is True
+    assert d["estimate"]["per_gpu"]["required_bytes"] == rec["required_bytes"] <= d["search"]["gpu_memory_bytes"]
+    assert d["estimate"]["cluster"]["gpus"] == rec["gpus"] and rec["command"].startswith("memplan estimate llama-7b")
+    # the printed command reproduces the recommendation
+    again = _run(*rec["command"].split()[1:], "--json")
+    assert again.returncode == 0 and json.loads(again.stdout)["per_gpu"]["required_bytes"] == rec["required_bytes"]
+    none = _run("plan", "llama-70b", "--gpu", "rtx4090-24g", "--max-gpus", "8", "--json")
+    assert none.returncode == 1 and json.loads(none.stdout)["recommendation"] is None
+
+
+@pytest.mark.parametrize("args, message", [
+    ([], "plan needs the GPU"),
+    (["--gpu", "h100-80g", "--strategies", "ddp,nope"], "unknown strategy 'nope'"),
+    (["--gpu", "h100-80g", "--recompute", "some"], "unknown recompute 'some'"),
+    (["--gpu", "h100-80g", "--max-gpus", "0"], "--max-gpus must be at least 1"),
+    (["--gpu", "h100-80g", "--micro-batch", "0"], "micro-batch must be at least 1"),
+    (["--gpu-memory", "-5GB"], "memory size '-5GB'"),
+])
+def test_plan_bad_input(args, message):
+    r = _run("plan", "llama-7b", *args)
+    assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.count("\n") == 1
+
+
+def test_plan_does_not_import_torch():
+    code = ("import sys; from memplan.cli import main\n"
+            "try:\n    main(['plan', 'llama-7b', '--gpu', 'h100-80g', '--json'])\n"
+            "except SystemExit: pass\n"
+            "assert 'torch' not in sys.modules and 'transformers' not in sys.modules, 'heavy import'\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0, r.stderr

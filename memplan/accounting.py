@@ -268,21 +268,25 @@ def _fixed(inv: ParamInventory, s: Settings) -> _Fixed:
             buf_bwd += ipg  # stage_1_and_2.py setup_buckets(): allocated per backward
     a["overlap_comm"] = overlap
 
-    gather_fwd = gather_bwd = gather_turn = gather_loss = gather_end = 0
+    # gather_fwd_end: gathered when forward ends (the loss); gather_turn: the most gathered in forward, counted
+    # with every block's saved activations (conservative: the moment falls before the last blocks ran)
+    gather_fwd = gather_bwd = gather_turn = gather_loss = gather_end = gather_fwd_end = 0
     if st.shard_params and not ds_offload_param or (ds_offload_param and st.shard_params):
         g = layouts.gather_sizes(inv, st.layout, n)
         cb = rc.compute_bytes if st.framework.startswith("fsdp") else rc.param_bytes
         if st.framework == "deepspeed":
-            # ZeRO-3 gathers module by module, prefetching up to stage3_prefetch_bucket_size elements, and keeps
-            # params that will be reused within stage3_max_reuse_distance, all bounded by stage3_max_live_parameters
-            # (partitioned_param_coordinator.py). At the forward/backward turnaround the last layers are reused at
-            # once, so min(max_reuse_distance, sharded params) stay gathered.
-            working = g.largest_block + min(s.ds.prefetch_bucket_size, g.largest_block)
-            live = min(s.ds.max_live_parameters, max(working, min(s.ds.max_reuse_distance, g.total_sharded)))
-            gather_fwd = cb * min(working, s.ds.max_live_parameters)
-            gather_turn = cb * max(live, min(working, s.ds.max_live_parameters))
-            gather_bwd = gather_fwd + rc.grad_bytes * g.largest_block  # the module's full grads before reduce
-            gather_loss = gather_turn
+            # ZeRO-3 gathers module by module, prefetches from its recorded trace, and keeps what will be reused
+            # within stage3_max_reuse_distance: layouts.zero3_schedule replays PartitionedParameterCoordinator.
+            # In backward, a module's full grads exist before they are reduced into their partitions.
+            z = layouts.zero3_schedule(inv, n, s.ds.prefetch_bucket_size, s.ds.max_live_parameters,
+                                       s.ds.max_reuse_distance, s.ds.param_persistence_threshold)
+            gather_fwd = gather_turn = cb * z.forward
+            gather_fwd_end = cb * z.forward_end
+            gather_loss = cb * z.loss
+            gather_bwd = cb * z.backward + rc.grad_bytes * g.largest_block
+            gather_end = cb * z.end + rc.grad_bytes * g.largest_block
+            a["zero3_gathered_numel"] = {"forward": z.forward, "forward_end": z.forward_end, "loss": z.loss,
+                                         "backward": z.backward, "end": z.end}
         else:
             # FSDP: the current block and the prefetched next one unsharded; the root stays unsharded.
             raf = s.torch.reshard_after_forward
@@ -297,7 +301,7 @@ def _fixed(inv: ParamInventory, s: Settings) -> _Fixed:
                 if raf < 1 or n % raf:
                     raise SettingsError(f"reshard_after_forward={raf} must divide the shard group({n})")
                 kept = cb * layouts.ceil_sum(g.block_numels, raf)
-            gather_turn = gather_fwd + kept
+            gather_turn = gather_fwd_end = gather_fwd + kept
             # at the loss backward (measured with FSDP2 on gloo, docs/accuracy.md): the root and the last block
             # are unsharded, the next block's all-gather not issued yet
             gather_loss = root + cb * g.largest_block + kept
@@ -345,7 +349,7 @@ def _fixed(inv: ParamInventory, s: Settings) -> _Fixed:
     #   backward-end:   every gradient produced, the root's reduce
     #   optimizer-step: the step's scratch
     grads = (grads_persist, grads_persist, grads_persist, max(grads_end, grads_persist), step_grads)
-    buffers = (buf_persist + gather_turn + amp_copies,
+    buffers = (buf_persist + gather_fwd_end + amp_copies,
                buf_persist + buf_bwd + gather_loss + amp_copies,
                buf_persist + buf_bwd + max(gather_turn, gather_bwd) + amp_copies,
                buf_persist + buf_bwd + max(gather_bwd, gather_end),

@@ -118,8 +118,8 @@ def test_validate_fsdp2_full_shard_two_ranks():
     ["--gpus", "2", "--strategy", "ddp"],
     ["--gpus", "2", "--strategy", "zero-optimizer"],
     ["--gpus", "2", "--stage", "1", *SMALL_DS],
-    pytest.param(["--gpus", "2", "--stage", "3", *SMALL_DS], marks=pytest.mark.xfail(
-        reason="known miss (-6%): ZeRO-3 retention follows stage3_max_reuse_distance; docs/accuracy.md")),
+    ["--gpus", "2", "--stage", "3", *SMALL_DS],
+    ["--gpus", "2", "--stage", "3", "--max-reuse-distance", "0", "--param-persistence-threshold", "0"],
     pytest.param(["--gpus", "2", "--strategy", "fsdp-grad-op"], marks=pytest.mark.xfail(
         reason="known miss (-3.5%): FSDP2 reduce-scatter temporaries on gloo; docs/accuracy.md")),
     ["--gpus", "2", "--strategy", "ddp", "--recompute", "full"],

@@ -157,3 +157,22 @@ def test_model_states_match_real_deepspeed_start_of_step(stage, n):
     fwd = A.estimate(inv, s).phases[0]
     states = fwd.weights_bytes + fwd.master_weights_bytes + fwd.grads_bytes + fwd.optimizer_states_bytes
     assert states == DS_START_OF_STEP[(stage, n)] * inv.num_params
+
+
+def test_zero3_schedule_replays_the_parameter_coordinator():
+    # TOY: root w0 (8 x 1024) then four blocks of one 1024 x 1024 weight each; modules run w0, L0..L3, then back
+    M, r = 1024 * 1024, 8 * 1024
+    # no prefetch, no reuse: one module gathered at a time
+    z = layouts.zero3_schedule(TOY, 2, 0, 10**9, 0, 0)
+    assert (z.forward, z.forward_end, z.loss, z.backward) == (M, M, M, M)
+    # no prefetch, everything reused within the distance: forward keeps all; backward frees block by block
+    z = layouts.zero3_schedule(TOY, 2, 0, 10**9, 10**9, 0)
+    assert (z.forward, z.forward_end, z.loss) == (4 * M + r,) * 3 and z.end == 3 * M + r
+    # one prefetch of everything at the first module: the flat all-gather buffer lives until its last member is
+    # fetched, next to the copies made at the first wait; the prefetcher saw every later use, so nothing is
+    # released in forward even at reuse distance 0 (partitioned_param_coordinator.py __params_to_release)
+    z = layouts.zero3_schedule(TOY, 2, 10**9, 10**9, 0, 0)
+    assert z.forward == r + 4 * M + 4 * M and z.forward_end == r + 4 * M
+    # persistent parameters are never gathered or released
+    z = layouts.zero3_schedule(TOY, 2, 0, 10**9, 0, r)
+    assert z.forward == M

@@ -102,6 +102,8 @@ def batched_evals_per_second(seconds: float = 3.0) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--llm-analysis-python", help="python of a separate venv with llm-analysis (it pins "
+                    "transformers<5): python3 -m venv /tmp/llmvenv && /tmp/llmvenv/bin/pip install llm-analysis")
     args = ap.parse_args()
     py = sys.executable
     rows = [("memplan inspect llama-7b", wall([py, "-m", "memplan", "inspect", "llama-7b"], args.repeat)),
@@ -124,6 +126,12 @@ def main() -> None:
                                                                                      args.repeat)))
     except ImportError:
         rows.append(("DeepSpeed estimator", float("nan")))
+    if args.llm_analysis_python:
+        rows.append(("llm-analysis train, Llama-2-7b, 8 x h100-sxm-80gb, ds_zero 3 (its own venv)",
+                     wall([args.llm_analysis_python, "-m", "llm_analysis.analysis", "train", "--model_name",
+                           "NousResearch_Llama-2-7b-hf", "--gpu_name", "h100-sxm-80gb", "--total_num_gpus", "8",
+                           "--ds_zero", "3", "--batch_size_per_gpu", "1", "--seq_len", "2048", "--log_level",
+                           "ERROR"], args.repeat)))
     print(f"| command (whole process, median of {args.repeat}) | wall time |\n|---|---:|")
     for name, secs in rows:
         print(f"| {name} | {secs:.3f} s |")

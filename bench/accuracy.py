@@ -22,6 +22,8 @@ SMALL_DS = dict(reduce_bucket_size=100_000, allgather_bucket_size=100_000, prefe
 LLAMA = ("llama-7b", dict(layers=2, hidden=256, vocab=2048))  # GQA-free llama block, untied head
 GPT2 = ("gpt2", dict(layers=2, hidden=256, vocab=2048))  # tied embeddings, LayerNorm + GELU MLP
 LLAMA3 = ("llama-3-8b", dict(layers=2, hidden=512, vocab=2048))  # GQA (4 query heads per kv head)
+LLAMA4 = ("llama-7b", dict(layers=4, hidden=256, vocab=2048))  # more blocks: retention and prefetch matter
+NO_REUSE = dict(max_reuse_distance=0, param_persistence_threshold=0)
 
 CASES = [
     # (label, model, strategy kwargs, ds overrides, torch overrides, recompute)
@@ -39,6 +41,14 @@ CASES = [
     ("fsdp-full", LLAMA, dict(strategy="fsdp-full"), {}, {}, "none"),
     ("fsdp-grad-op", LLAMA, dict(strategy="fsdp-grad-op"), {}, {}, "none"),
     ("fsdp-no-shard", LLAMA, dict(strategy="fsdp-no-shard"), {}, {}, "none"),
+    ("zero3 reuse distance 0", LLAMA4, dict(stage=3), NO_REUSE, {}, "none"),
+    ("zero3 small buckets", LLAMA4, dict(stage=3), SMALL_DS, {}, "none"),
+    ("fsdp-full", LLAMA4, dict(strategy="fsdp-full"), {}, {}, "none"),
+    ("fsdp-grad-op", LLAMA4, dict(strategy="fsdp-grad-op"), {}, {}, "none"),
+    ("fsdp-full reshard 1 (hpZ-like)", LLAMA4, dict(strategy="fsdp-full"), {}, dict(reshard_after_forward=1), "none"),
+    ("fsdp-full", LLAMA, dict(strategy="fsdp-full"), {}, {}, "full"),
+    ("zero2 small buckets, 4 ranks", LLAMA, dict(stage=2, gpus=4), SMALL_DS, {}, "none"),
+    ("ddp, 1 rank", LLAMA, dict(strategy="ddp", gpus=1), {}, {}, "none"),
 ]
 QUICK = [CASES[5], CASES[11]]
 
@@ -56,18 +66,21 @@ def main() -> None:
     rows, errors = [], {}
     for label, (model, scale), strat, ds, tk, rc in (QUICK if args.quick else CASES):
         t = time.perf_counter()
+        strat = dict(strat)
+        gpus = strat.pop("gpus", args.gpus)
+        shown = f"{model}, {scale['layers']} blocks"
         try:
-            v = validate(model, **scale, gpus=args.gpus, gpus_per_node=args.gpus, device="cpu", micro_batch=2,
+            v = validate(model, **scale, gpus=gpus, gpus_per_node=gpus, device="cpu", micro_batch=2,
                          seq_len=128, recompute=rc, ds_overrides=ds, torch_overrides=tk, **strat)
         except MemplanError as exc:
-            rows.append((label, model, rc, None, None, None, None, None, str(exc)))
+            rows.append((label, shown, rc, None, None, None, None, None, str(exc)))
             continue
         c = v.comparison
         exact = all(x["predicted"] == x["measured"] for x in c.categories.values())
-        rows.append((label, model, rc, c.predicted_peak_bytes, c.measured_peak_bytes, c.peak_error, c.spread, exact,
+        rows.append((label, shown, rc, c.predicted_peak_bytes, c.measured_peak_bytes, c.peak_error, c.spread, exact,
                      f"{c.predicted_peak_phase}/{c.measured_peak_phase}"))
         errors.setdefault(label.split()[0], []).append(c.peak_error)
-        print(f"{label:22} {model:11} recompute {rc:4}: error {100 * c.peak_error:+.2f}% "
+        print(f"{label:30} {shown:22} recompute {rc:4}: error {100 * c.peak_error:+.2f}% "
               f"({time.perf_counter() - t:.0f} s)", flush=True)
     write(args, rows, errors)
 
@@ -89,8 +102,8 @@ def write(args, rows, errors) -> None:  # noqa: ANN001
         "",
         f"Produced by `python bench/accuracy.py{' --quick' if args.quick else ''}` on {platform.machine()} "
         f"({os.cpu_count()} cores), CPU only: {args.gpus} gloo ranks spawned on one host, torch {torch.__version__}, "
-        f"transformers {transformers.__version__}, deepspeed {dsv}. Each model is scaled down (2 blocks, hidden "
-        "256 or 512, vocabulary 2048) and predicted for exactly that config; micro-batch 2, sequence 128, "
+        f"transformers {transformers.__version__}, deepspeed {dsv} (cases marked 1 or 4 ranks use that many). Each "
+        "model is scaled down (2 or 4 blocks, hidden 256 or 512, vocabulary 2048) and predicted for exactly that config; micro-batch 2, sequence 128, "
         "2 warm-up steps then 1 measured step. Measured = the CPU allocator's live bytes from the profiler's "
         "memory events (see memplan/harness/measure.py); worst rank. Error = (predicted - measured) / measured; "
         "a negative error is an under-estimate.",

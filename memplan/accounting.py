@@ -271,7 +271,9 @@ def _fixed(inv: ParamInventory, s: Settings) -> _Fixed:
     # gather_fwd_end: gathered when forward ends (the loss); gather_turn: the most gathered in forward, counted
     # with every block's saved activations (conservative: the moment falls before the last blocks ran)
     gather_fwd = gather_bwd = gather_turn = gather_loss = gather_end = gather_fwd_end = 0
-    if st.shard_params and not ds_offload_param or (ds_offload_param and st.shard_params):
+    # FSDP with a shard group of one still makes compute-dtype copies when they differ from the parameters
+    fsdp_copies = st.framework.startswith("fsdp") and not st.shard_params and rc.compute_bytes != rc.param_bytes
+    if st.shard_params or fsdp_copies:
         g = layouts.gather_sizes(inv, st.layout, n)
         cb = rc.compute_bytes if st.framework.startswith("fsdp") else rc.param_bytes
         if st.framework == "deepspeed":
@@ -288,26 +290,37 @@ def _fixed(inv: ParamInventory, s: Settings) -> _Fixed:
             a["zero3_gathered_numel"] = {"forward": z.forward, "forward_end": z.forward_end, "loss": z.loss,
                                          "backward": z.backward, "end": z.end}
         else:
-            # FSDP: the current block and the prefetched next one unsharded; the root stays unsharded.
+            # FSDP2: the root group stays unsharded from forward to the end of backward; blocks are unsharded in
+            # turn, the next one prefetched. With a shard group of one (NO_SHARD) and a compute dtype other than
+            # the parameters', FSDP2 still unshards into compute-dtype copies, and with nothing to reshard to they
+            # stay until the block's backward: measured with the harness, docs/accuracy.md.
             raf = s.torch.reshard_after_forward
             raf = st.reshard_after_forward if raf is None else raf
+            if not st.shard_params:
+                raf = False
             root = cb * g.root
-            gather_fwd = root + cb * 2 * g.largest_block
+            block = cb * g.largest_block
             if raf is False:
                 kept = cb * g.total_blocks  # every block stays unsharded until its backward
-            elif raf is True or raf == n:
-                kept = 0
+                gather_turn = gather_fwd_end = root + kept  # the current and the prefetched block are among them
+                gather_loss = root + kept
+                live_blocks = kept
             else:
-                if raf < 1 or n % raf:
-                    raise SettingsError(f"reshard_after_forward={raf} must divide the shard group({n})")
-                kept = cb * layouts.ceil_sum(g.block_numels, raf)
-            gather_turn = gather_fwd_end = gather_fwd + kept
-            # at the loss backward (measured with FSDP2 on gloo, docs/accuracy.md): the root and the last block
-            # are unsharded, the next block's all-gather not issued yet
-            gather_loss = root + cb * g.largest_block + kept
-            # backward: current + prefetched block, the block's unsharded grads (grad dtype) and the
-            # reduce-scatter input in reduce dtype (FSDP2 casts before reduce-scatter).
-            gather_bwd = root + cb * 2 * g.largest_block + (rc.grad_bytes + rc.reduced_grad_bytes) * g.largest_block
+                if raf is True or raf == n:
+                    kept = 0
+                else:
+                    if raf < 1 or n % raf:
+                        raise SettingsError(f"reshard_after_forward={raf} must divide the shard group({n})")
+                    kept = cb * layouts.ceil_sum(g.block_numels, raf)
+                gather_turn = root + 2 * block + kept  # current + prefetched block, mid-forward
+                gather_fwd_end = root + kept  # at the loss every block has been resharded
+                # the loss backward: the last block is all-gathered again before its backward
+                gather_loss = root + block + kept
+                live_blocks = 2 * block + kept
+            gather_fwd = gather_turn
+            # a block's backward: its unsharded grads (grad dtype) and the reduce-scatter input in the reduce
+            # dtype (FSDP2 casts before reduce-scatter), beside the unsharded blocks
+            gather_bwd = root + live_blocks + (rc.grad_bytes + rc.reduced_grad_bytes) * g.largest_block
             # the root group is reduced last (embeddings): foreach_reduce (_fsdp_collectives.py) copies its
             # unsharded grads into a reduce-dtype reduce-scatter input before freeing them
             gather_end = root + (rc.grad_bytes + rc.reduced_grad_bytes) * g.root
@@ -344,8 +357,8 @@ def _fixed(inv: ParamInventory, s: Settings) -> _Fixed:
     # Per phase, everything but activations:
     #   forward:        the end of forward, loss included
     #   backward-start: the loss backward; every activation alive, plus the loss's backward transients
-    #   backward:       the first block's backward: its activations still alive, the loss freed; gathered blocks,
-    #                   the block's unsharded grads and reduce buffers
+    #   backward:       the last block's grads complete and being reduced: its own activations freed, the loss
+    #                   freed; gathered blocks, the block's unsharded grads and reduce buffers
     #   backward-end:   every gradient produced, the root's reduce
     #   optimizer-step: the step's scratch
     grads = (grads_persist, grads_persist, grads_persist, max(grads_end, grads_persist), step_grads)

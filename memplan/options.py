@@ -60,6 +60,12 @@ def parse_reshard(value: str | None) -> bool | int | None:
     return n
 
 
+def attention_dropout(config: dict[str, Any]) -> float:
+    """The attention-probability dropout a config trains with (its names differ by family)."""
+    values = [config.get(k) for k in ("attn_pdrop", "attention_dropout", "attention_probs_dropout_prob")]
+    return max((float(v) for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)), default=0.0)
+
+
 def activation_profile(config: dict[str, Any] | None, s: Settings, mode: str, notes: list[str]) -> Any:
     """The traced profile for these settings (shipped, cached or traced now), or None for the analytic one.
 
@@ -84,6 +90,14 @@ def activation_profile(config: dict[str, Any] | None, s: Settings, mode: str, no
         notes.append("activations: analytic (no config.json to trace)")
         return None
     attention = "flash" if s.attention != "eager" or s.recompute == "selective" else "eager"
+    dropout = attention_dropout(config)
+    if s.cluster.device == "cpu" and attention == "flash" and dropout > 0:
+        # CPU SDPA has no fused kernel with dropout: it runs _scaled_dot_product_attention_math, which keeps the
+        # attention probabilities and the dropout mask (checked with torch 2.13's profiler); CUDA's flash and
+        # memory-efficient kernels support dropout and keep only their RNG state.
+        attention = "math"
+        notes.append(f"activations: attention traced with PyTorch's math kernel: on CPU, SDPA with attention "
+                     f"dropout {dropout:g} runs it")
     recompute = "full" if s.recompute == "full" else "none"
     try:
         return act.load_or_trace(config, seq_len=s.seq_len, micro_batch=s.micro_batch, recipe=s.recipe.name,

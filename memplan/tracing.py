@@ -16,6 +16,8 @@ Attention kernels: on ``meta`` SDPA would take the math path and save the attent
 function that saves what the flash / memory-efficient kernels save: q, k, v, the output and the fp32 logsumexp
 [batch, heads, seq] (aten/src/ATen/native/transformers/attention.cpp, _scaled_dot_product_flash_attention).
 ``eager`` runs transformers' eager attention as written (fp32 softmax, its bf16 cast, dropout mask if any).
+``math`` (internal: a CPU job whose attention has dropout; CPU SDPA has no fused kernel with dropout) runs
+SDPA unsubstituted on fake CPU tensors, which dispatches to the same math kernel the real CPU run takes.
 
 Recompute ``full`` runs with ``gradient_checkpointing_enable(use_reentrant=False)``: what is live after forward
 is then the block inputs, and the backward peak includes one block recomputed.

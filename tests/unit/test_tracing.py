@@ -68,3 +68,19 @@ def test_other_families_trace(name):
     cfg = scale_config(sources.resolve(name).config, layers=3, hidden=256, vocab=1024)[0]
     p = trace_profile(cfg, seq_len=64, recipe="torch-amp", attention="flash", recompute="none")
     assert p["per_layer"][1] > 0 and p["backward_peak"]
+
+
+def test_cpu_attention_with_dropout_is_traced_with_the_math_kernel():
+    # CPU SDPA has no fused kernel with dropout (it runs _scaled_dot_product_attention_math, which keeps the
+    # probabilities); CUDA's flash kernels support dropout. GPT-2 trains with attn_pdrop 0.1.
+    from memplan import options
+    from memplan.model import sources
+
+    src = sources.resolve("gpt2")
+    inv = sources.build_inventory(src)
+    cpu = options.resolve(inv, gpus=2, strategy="ddp", device="cpu", seq_len=128, micro_batch=2, config=src.config)
+    gpu = options.resolve(inv, gpus=2, strategy="ddp", device="cuda", seq_len=128, micro_batch=2, config=src.config)
+    assert cpu.settings.activation_profile.data["attention"] == "math" and any("math kernel" in n for n in cpu.notes)
+    assert gpu.settings.activation_profile.data["attention"] == "flash"
+    # the math kernel keeps the attention probabilities: more bytes than flash, quadratic in the sequence
+    assert cpu.settings.activation_profile.terms("none", 2)[2] > gpu.settings.activation_profile.terms("none", 2)[2]

@@ -79,7 +79,7 @@ def main() -> None:
         exact = all(x["predicted"] == x["measured"] for x in c.categories.values())
         rows.append((label, shown, rc, c.predicted_peak_bytes, c.measured_peak_bytes, c.peak_error, c.spread, exact,
                      f"{c.predicted_peak_phase}/{c.measured_peak_phase}"))
-        errors.setdefault(label.split()[0], []).append(c.peak_error)
+        errors.setdefault(label.split()[0].rstrip(","), []).append(c.peak_error)
         print(f"{label:30} {shown:22} recompute {rc:4}: error {100 * c.peak_error:+.2f}% "
               f"({time.perf_counter() - t:.0f} s)", flush=True)
     write(args, rows, errors)

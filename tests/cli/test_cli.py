@@ -36,9 +36,11 @@ def test_estimate_json_schema_v1():
     assert "activations" in d["assumptions"]
 
 
-def test_estimate_does_not_import_torch():
+@pytest.mark.parametrize("argv", [["estimate", "llama-7b", "--gpus", "8", "--stage", "3", "--json"],
+                                  ["plan", "llama-7b", "--gpu", "h100-80g", "--json"]])
+def test_fast_path_does_not_import_torch(argv):
     code = ("import sys; from memplan.cli import main\n"
-            "try:\n    main(['estimate', 'llama-7b', '--gpus', '8', '--stage', '3', '--json'])\n"
+            f"try:\n    main({argv!r})\n"
             "except SystemExit: pass\n"
             "assert 'torch' not in sys.modules and 'transformers' not in sys.modules, 'heavy import'\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)

@@ -82,18 +82,11 @@ def test_plan_cli_json_and_exit_codes():
     (["--gpu", "h100-80g", "--recompute", "some"], "unknown recompute 'some'"),
     (["--gpu", "h100-80g", "--max-gpus", "0"], "--max-gpus must be at least 1"),
     (["--gpu", "h100-80g", "--micro-batch", "0"], "micro-batch must be at least 1"),
+    (["--gpu", "h100-80g", "--gpus-per-node", "0"], "--gpus-per-node must be at least 1"),
+    (["--gpu", "h100-80g", "--strategies", ","], "--strategies needs at least one value"),
     (["--gpu-memory", "-5GB"], "memory size '-5GB'"),
 ])
 def test_plan_bad_input(args, message):
     r = _run("plan", "llama-7b", *args)
     assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
     assert r.stderr.count("\n") == 1
-
-
-def test_plan_does_not_import_torch():
-    code = ("import sys; from memplan.cli import main\n"
-            "try:\n    main(['plan', 'llama-7b', '--gpu', 'h100-80g', '--json'])\n"
-            "except SystemExit: pass\n"
-            "assert 'torch' not in sys.modules and 'transformers' not in sys.modules, 'heavy import'\n")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
-    assert r.returncode == 0, r.stderr

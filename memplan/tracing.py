@@ -118,7 +118,9 @@ def _flash_sdpa():
         @staticmethod
         def forward(ctx, q, k, v):  # noqa: ANN001
             b, h, s, _ = q.shape
-            out = torch.empty(b, h, s, v.shape[-1], dtype=q.dtype, device=q.device)
+            # flash and memory-efficient kernels (CUDA and CPU) write the output in (batch, seq, heads, dim)
+            # memory order and return it transposed, so the model's transpose(1, 2).contiguous() copies nothing
+            out = torch.empty(b, s, h, v.shape[-1], dtype=q.dtype, device=q.device).transpose(1, 2)
             lse = torch.empty(b, h, s, dtype=torch.float32, device=q.device)
             ctx.save_for_backward(q, k, v, out, lse)
             return out
@@ -130,6 +132,16 @@ def _flash_sdpa():
 
     def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,  # noqa: ANN001
              enable_gqa=False):
+        # aten::scaled_dot_product_attention is on autocast's lower-precision list for CUDA and CPU
+        # (aten/src/ATen/autocast_mode.cpp), so under torch-amp the real kernel gets bf16 copies of q, k, v
+        # (llama's rotary embedding makes q and k fp32) and saves those, and returns bf16. This Python stand-in
+        # is below the autocast dispatch, so cast here as autocast would (measured: without it a llama block
+        # under torch-amp was over-counted by 4 x s*b*h bytes).
+        dev = query.device.type
+        if torch.is_autocast_enabled(dev):
+            dt = torch.get_autocast_dtype(dev)
+            query, key, value = (t.to(dt) if t.is_floating_point() and t.dtype != torch.float64 else t
+                                 for t in (query, key, value))
         return FlashLike.apply(query, key, value)
 
     return sdpa

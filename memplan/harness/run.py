@@ -121,7 +121,11 @@ def _setup(spec: dict[str, Any], device: Any) -> tuple[Any, Any, Any]:
         raf = spec["reshard_after_forward"]
         for block in _blocks(model):
             fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=raf)
-        fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=raf)
+        # the root keeps FSDP2's default (reshard_after_forward=None: True for the blocks, False for the root,
+        # _fully_shard.py), as `fully_shard(model)` in a training script does; the engine assumes it
+        fully_shard(model, mesh=mesh, mp_policy=mp)
+        if device.type == "cpu":
+            _gloo_collectives_in_place(model)
         model.to_empty(device=device)
         with torch.no_grad():
             for p in model.parameters():
@@ -130,6 +134,54 @@ def _setup(spec: dict[str, Any], device: Any) -> tuple[Any, Any, Any]:
         opt = _torch_optimizer(spec, model.parameters())
         return model, opt, None
     raise ValueError(f"unknown framework {kind!r}")
+
+
+def _gloo_collectives_in_place(model: Any) -> None:
+    """FSDP2 on gloo: run its all-gather and reduce-scatter as in-place all-reduces of FSDP2's own buffers.
+
+    NCCL's all_gather_into_tensor and reduce_scatter_tensor write straight into FSDP2's output buffers. Gloo's
+    (ProcessGroupGloo) stage through torch-allocated temporaries instead: a flat output on the worker thread for
+    the all-gather, a clone of the whole input for the reduce-scatter. They are freed when the finished work is
+    dropped, on whichever thread drops it last, so the measured peak moved from run to run by up to 9% (session
+    3, docs/accuracy.md) and included bytes a GPU run never allocates. The same results without temporaries: the
+    all-gather as a sum of zero-padded contributions into the output, the reduce-scatter as a sum over the input
+    (FSDP2 keeps that buffer only to free it later) and a copy of this rank's chunk. Bytes from FSDP2's own
+    allocations, timing and buffer lifetimes are unchanged (set_custom_all_gather / set_custom_reduce_scatter,
+    torch/distributed/fsdp/_fully_shard/_fsdp_api.py).
+    """
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FSDPModule
+
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+    except ImportError:  # an older torch: keep gloo's own collectives
+        return
+
+    class _AllGather(AllGather):
+        def allocate(self, size, *, dtype, device):  # noqa: ANN001, ANN201
+            return torch.empty(*size, dtype=dtype, device=device)
+
+        def __call__(self, output_tensor, input_tensor, group, async_op=False):  # noqa: ANN001, ANN201
+            with torch.no_grad():
+                output_tensor.zero_()
+                output_tensor.view(group.size(), -1)[group.rank()].copy_(input_tensor.view(-1))
+            return dist.all_reduce(output_tensor, group=group, async_op=async_op)
+
+    class _ReduceScatter(ReduceScatter):
+        def allocate(self, size, *, dtype, device):  # noqa: ANN001, ANN201
+            return torch.empty(*size, dtype=dtype, device=device)
+
+        def __call__(self, output_tensor, input_tensor, group, op, async_op=False):  # noqa: ANN001, ANN201
+            dist.all_reduce(input_tensor, op=op, group=group)
+            with torch.no_grad():
+                output_tensor.view(-1).copy_(input_tensor.view(group.size(), -1)[group.rank()])
+            return None
+
+    for mod in model.modules():
+        if isinstance(mod, FSDPModule):
+            mod.set_custom_all_gather(_AllGather())
+            mod.set_custom_reduce_scatter(_ReduceScatter())
 
 
 def _reinit_buffers(model: Any) -> None:

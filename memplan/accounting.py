@@ -20,7 +20,7 @@ from memplan.errors import SettingsError
 from memplan.model.inventory import ParamInventory
 from memplan.precision import OPTIMIZER_IMPLS, Optimizer, Recipe
 from memplan.strategies import Strategy
-from memplan.units import GiB, MiB
+from memplan.units import GiB, MiB, ceil_div
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -271,6 +271,10 @@ def _fixed(inv: ParamInventory, s: Settings) -> _Fixed:
     # gather_fwd_end: gathered when forward ends (the loss); gather_turn: the most gathered in forward, counted
     # with every block's saved activations (conservative: the moment falls before the last blocks ran)
     gather_fwd = gather_bwd = gather_turn = gather_loss = gather_end = gather_fwd_end = 0
+    #: (buffers, grads) of a second backward moment, counted with one more block's activations freed
+    bwd_two: tuple[int, int] | None = None
+    #: FSDP2: (buffers, grads not yet reduced) at backward's end
+    fsdp_end: tuple[int, int] | None = None
     # FSDP with a shard group of one still makes compute-dtype copies when they differ from the parameters
     fsdp_copies = st.framework.startswith("fsdp") and not st.shard_params and rc.compute_bytes != rc.param_bytes
     if st.shard_params or fsdp_copies:
@@ -290,21 +294,39 @@ def _fixed(inv: ParamInventory, s: Settings) -> _Fixed:
             a["zero3_gathered_numel"] = {"forward": z.forward, "forward_end": z.forward_end, "loss": z.loss,
                                          "backward": z.backward, "end": z.end}
         else:
-            # FSDP2: the root group stays unsharded from forward to the end of backward; blocks are unsharded in
-            # turn, the next one prefetched. With a shard group of one (NO_SHARD) and a compute dtype other than
-            # the parameters', FSDP2 still unshards into compute-dtype copies, and with nothing to reshard to they
-            # stay until the block's backward: measured with the harness, docs/accuracy.md.
+            # FSDP2 (torch/distributed/fsdp/_fully_shard, torch 2.13), per rank, with B the largest block:
+            # - the root group (embeddings, final norm, head) is not resharded after forward (fully_shard's
+            #   reshard_after_forward=None means False for the root), so it stays unsharded until its backward;
+            # - forward: a block's all-gather output is kept (FSDPCommContext.all_gather_state) until the next
+            #   block's copy-out, and the last one until the root's post-forward, i.e. through the loss when the
+            #   model computes it; so mid-forward two blocks are unsharded (copy + all-gather output);
+            # - backward: a block's pre-backward prefetches the next block's all-gather; its post-backward
+            #   reshards it, frees the previous block's reduce-scatter input (reduce_scatter_max_input_buffers
+            #   = 1), copies its unsharded grads into a reduce-dtype reduce-scatter input (foreach_reduce) and
+            #   frees them; the head's grads (and a tied embedding's) wait for the root's reduce at the end.
+            # With a shard group of one (NO_SHARD) and a compute dtype other than the parameters', FSDP2 still
+            # unshards into compute-dtype copies, and with nothing to reshard to they stay until the block's
+            # backward (measured with the harness, docs/accuracy.md). Each term was checked against the harness's
+            # allocator timeline (fsdp-full, 2 and 4 blocks; session 4).
             raf = s.torch.reshard_after_forward
             raf = st.reshard_after_forward if raf is None else raf
             if not st.shard_params:
                 raf = False
             root = cb * g.root
-            block = cb * g.largest_block
+            blk = g.largest_block
+            nblocks = len(g.block_numels)
+            gb, rb = rc.grad_bytes, rc.reduced_grad_bytes
+            head_grads = gb * g.root_head  # from the head's backward to the root's reduce
+            ag_held = cb * blk if st.shard_params and n > 1 else 0  # the last forward all-gather's output
             if raf is False:
                 kept = cb * g.total_blocks  # every block stays unsharded until its backward
-                gather_turn = gather_fwd_end = root + kept  # the current and the prefetched block are among them
+                gather_turn = root + kept
+                gather_fwd_end = root + kept + ag_held
                 gather_loss = root + kept
-                live_blocks = kept
+                # the last block: all blocks unsharded and its grads; then (resharded) its reduce-scatter input
+                gather_bwd = root + head_grads + kept + gb * blk + max(0, rb - cb) * blk
+                # the block before it: one block fewer unsharded, its grads, the last block's reduce-scatter input
+                two = root + head_grads + kept - cb * blk + (gb + rb) * blk
             else:
                 if raf is True or raf == n:
                     kept = 0
@@ -312,18 +334,30 @@ def _fixed(inv: ParamInventory, s: Settings) -> _Fixed:
                     if raf < 1 or n % raf:
                         raise SettingsError(f"reshard_after_forward={raf} must divide the shard group({n})")
                     kept = cb * layouts.ceil_sum(g.block_numels, raf)
-                gather_turn = root + 2 * block + kept  # current + prefetched block, mid-forward
-                gather_fwd_end = root + kept  # at the loss every block has been resharded
-                # the loss backward: the last block is all-gathered again before its backward
-                gather_loss = root + block + kept
-                live_blocks = 2 * block + kept
-            gather_fwd = gather_turn
-            # a block's backward: its unsharded grads (grad dtype) and the reduce-scatter input in the reduce
-            # dtype (FSDP2 casts before reduce-scatter), beside the unsharded blocks
-            gather_bwd = root + live_blocks + (rc.grad_bytes + rc.reduced_grad_bytes) * g.largest_block
-            # the root group is reduced last (embeddings): foreach_reduce (_fsdp_collectives.py) copies its
-            # unsharded grads into a reduce-dtype reduce-scatter input before freeing them
-            gather_end = root + (rc.grad_bytes + rc.reduced_grad_bytes) * g.root
+                gather_turn = root + 2 * cb * blk + kept  # a block's copy + all-gather output
+                gather_fwd_end = root + kept + ag_held
+                # the loss backward: the root's pre-backward has prefetched the last block's all-gather
+                gather_loss = root + cb * blk + kept
+                prefetched = cb * blk if nblocks >= 2 else 0
+                # the last block at the end of its backward: itself, the prefetched next block, its grads; then
+                # resharded, its reduce-scatter input
+                gather_bwd = root + head_grads + kept + prefetched + gb * blk + max(cb, rb) * blk
+                # the block before it: itself, the next prefetched (if any), its grads, and the last block's
+                # reduce-scatter input, still held
+                two = root + head_grads + kept + cb * blk * (2 if nblocks >= 3 else 1) + (gb + rb) * blk
+            if nblocks >= 2:
+                # and the last block's reduced grad shard
+                bwd_two = (two, rc.reduced_grad_bytes * ceil_div(blk, n))
+            # backward's end, the larger of: the first block at the end of its backward (itself, its grads, the
+            # next block's reduce-scatter input; the reduced shards of all blocks but it and the root), and the
+            # root's reduce (its grads, and either its unsharded params with the first block's reduce-scatter
+            # input or, resharded, its own reduce-scatter input; every block's shard reduced)
+            shard = rc.reduced_grad_bytes
+            first_block = (root + head_grads + (cb + gb) * blk + (rb * blk if nblocks >= 2 else max(0, rb - cb) * blk),
+                           shard * (ceil_div(g.root, n) + ceil_div(blk, n)))
+            root_reduce = (gb * g.root + max(root + rb * blk, rb * g.root), shard * ceil_div(g.root, n))
+            gather_end = 0
+            fsdp_end = max(first_block, root_reduce, key=lambda m: m[0] - m[1])
             a["reshard_after_forward"] = raf
         a["largest_gathered_block_numel"] = g.largest_block
 
@@ -361,11 +395,14 @@ def _fixed(inv: ParamInventory, s: Settings) -> _Fixed:
     #                   freed; gathered blocks, the block's unsharded grads and reduce buffers
     #   backward-end:   every gradient produced, the root's reduce
     #   optimizer-step: the step's scratch
-    grads = (grads_persist, grads_persist, grads_persist, max(grads_end, grads_persist), step_grads)
+    end_grads, end_buffers = max(grads_end, grads_persist), max(gather_bwd, gather_end)
+    if fsdp_end is not None:
+        end_buffers, end_grads = fsdp_end[0], max(grads_end - fsdp_end[1], grads_persist)
+    grads = (grads_persist, grads_persist, grads_persist, end_grads, step_grads)
     buffers = (buf_persist + gather_fwd_end + amp_copies,
                buf_persist + buf_bwd + gather_loss + amp_copies,
                buf_persist + buf_bwd + max(gather_turn, gather_bwd) + amp_copies,
-               buf_persist + buf_bwd + max(gather_bwd, gather_end),
+               buf_persist + buf_bwd + end_buffers,
                buf_persist + scratch)
     states_total = weights + master + states
     comms = 0
@@ -373,20 +410,28 @@ def _fixed(inv: ParamInventory, s: Settings) -> _Fixed:
         comms = (1 + (1 if st.shard_within_node else 0) + (1 if s.ds.hpz_partition_size > 1 else 0)) \
             if c.gpus > 1 else 0
         a["nccl_communicators"] = comms
+    two = None
+    if bwd_two is not None:
+        two_buffers = buf_persist + buf_bwd + bwd_two[0] + amp_copies
+        two_grads = grads_persist + bwd_two[1]
+        two = (two_grads, two_buffers, states_total + two_grads + two_buffers)
     return _Fixed(weights, master, states, grads, buffers,
                   tuple(states_total + g + b for g, b in zip(grads, buffers)), prof, host * c.ranks_per_node, n,
-                  weights + master + states + grads_persist + buf_persist, comms, a)
+                  weights + master + states + grads_persist + buf_persist, comms, a, two)
 
 
 class _Fixed:
     """The micro-batch-independent part of a Plan (see _fixed)."""
 
     __slots__ = ("weights", "master", "states", "grads", "buffers", "non_activation", "profile", "host_per_node",
-                 "shard_group", "between", "comms", "assumptions")
+                 "shard_group", "between", "comms", "assumptions", "two")
 
     def __init__(self, weights: int, master: int, states: int, grads: tuple[int, ...], buffers: tuple[int, ...],
                  non_activation: tuple[int, ...], profile: Any, host_per_node: int, shard_group: int, between: int,
-                 comms: int, assumptions: dict[str, Any]) -> None:
+                 comms: int, assumptions: dict[str, Any], two: tuple[int, int, int] | None = None) -> None:
+        #: a second backward moment, one block further (grads, buffers, non-activation total), counted with
+        #: one more block's activations freed; the "backward" phase is the larger of the two
+        self.two = two
         self.weights, self.master, self.states, self.grads, self.buffers = weights, master, states, grads, buffers
         self.non_activation, self.profile, self.host_per_node = non_activation, profile, host_per_node
         self.shard_group, self.between, self.comms, self.assumptions = shard_group, between, comms, assumptions
@@ -395,9 +440,13 @@ class _Fixed:
 PHASE_NAMES = ("forward", "backward-start", "backward", "backward-end", "optimizer-step")
 
 
-def _activations(f: _Fixed, recompute: str, micro_batch: int) -> tuple[int, int, int, int, int]:
-    fwd, bwd, saved, emb = f.profile.terms(recompute, micro_batch)
-    return (fwd, bwd, saved, emb, 0)
+def _phases(f: _Fixed, recompute: str, micro_batch: int) -> list[tuple[int, int, int]]:
+    """(grads, activations, buffers) per phase at ``micro_batch``."""
+    fwd, bwd, saved, emb, block = f.profile.terms(recompute, micro_batch)
+    out = [(g, x, b) for g, x, b in zip(f.grads, (fwd, bwd, saved, emb, 0), f.buffers)]
+    if f.two is not None and f.two[2] + saved - block > f.non_activation[2] + saved:
+        out[2] = (f.two[0], saved - block, f.two[1])
+    return out
 
 
 def _overheads(s: Settings, f: _Fixed, peak: int) -> dict[str, int]:
@@ -411,11 +460,10 @@ def _overheads(s: Settings, f: _Fixed, peak: int) -> dict[str, int]:
 def estimate(inv: ParamInventory, s: Settings) -> Plan:
     """The Plan for one configuration."""
     f = _fixed(inv, s)
-    acts = _activations(f, s.recompute, s.micro_batch)
     phases = tuple(Phase(name, weights_bytes=f.weights, master_weights_bytes=f.master, grads_bytes=g,
                          optimizer_states_bytes=f.states, activations_bytes=x, buffers_bytes=b)
-                   for name, g, x, b in zip(PHASE_NAMES, f.grads, acts, f.buffers))
-    totals = [base + x for base, x in zip(f.non_activation, acts)]
+                   for name, (g, x, b) in zip(PHASE_NAMES, _phases(f, s.recompute, s.micro_batch)))
+    totals = [p.total_bytes for p in phases]
     peak = phases[totals.index(max(totals))]
     detail = _overheads(s, f, peak.total_bytes)
     return Plan(settings=s, inventory=inv, phases=phases, peak=peak, overhead_bytes=sum(detail.values()),
@@ -434,10 +482,13 @@ def required_bytes(inv: ParamInventory, s: Settings, micro_batches: Any) -> list
     o = s.overheads
     fixed_over = (o.cuda_context_bytes + f.comms * o.nccl_bytes_per_communicator) if s.cluster.device == "cuda" else 0
     frag = o.fragmentation_percent if s.cluster.device == "cuda" else 0
+    two = f.two[2] if f.two is not None else None
     out = []
     for b in micro_batches:
-        fwd, bwd, saved, emb = prof.terms(rec, b)
+        fwd, bwd, saved, emb, block = prof.terms(rec, b)
         peak = max(base[0] + fwd, base[1] + bwd, base[2] + saved, base[3] + emb, base[4])
+        if two is not None:
+            peak = max(peak, two + saved - block)
         out.append((peak, peak + fixed_over + peak * frag // 100))
     return out
 

@@ -38,7 +38,7 @@ from memplan.errors import SettingsError
 RECOMPUTE = ("none", "selective", "full")
 ATTENTION = ("flash", "sdpa", "eager")
 ACTIVATION_SOURCES = ("traced", "analytic")
-PROFILE_VERSION = 2  #: bump when the traced profile's format or method changes (memplan.tracing)
+PROFILE_VERSION = 3  #: bump when the traced profile's format or method changes (memplan.tracing)
 
 
 @dataclass(frozen=True)
@@ -75,17 +75,19 @@ class ActivationProfile:
         """Extra bytes while one block is recomputed in backward (full recompute only)."""
         return self.per_layer_bytes if recompute == "full" else 0
 
-    def terms(self, recompute: str, micro_batch: int) -> tuple[int, int, int, int]:
+    def terms(self, recompute: str, micro_batch: int) -> tuple[int, int, int, int, int]:
         """(forward peak, backward-start peak, alive when the last block's grads are complete, left at backward
-        end) at ``micro_batch``. The third is everything saved but that block's own activations (freed by its
-        backward; with full recompute, its checkpointed input).
+        end, one block's saved bytes) at ``micro_batch``. The third is everything saved but that block's own
+        activations (freed by its backward; with full recompute, its checkpointed input); the last is what each
+        further block's backward frees.
 
         Every term is a count of tokens times bytes per token, so it scales exactly with the micro-batch; this
         profile must have been built for a micro-batch of 1 (accounting builds it so).
         """
         block = self.layer_input_bytes if recompute == "full" else self.per_layer_bytes
         return (micro_batch * self.forward_bytes(recompute), micro_batch * self.backward_bytes(recompute),
-                micro_batch * (self.saved_bytes(recompute) - block), micro_batch * self.embedding_bytes)
+                micro_batch * (self.saved_bytes(recompute) - block), micro_batch * self.embedding_bytes,
+                micro_batch * block)
 
 
 def analytic_profile(dims: dict, *, micro_batch: int, seq_len: int, compute_bytes: int, residual_bytes: int,
@@ -164,18 +166,18 @@ class TracedProfile:
     def embedding_bytes(self) -> int:
         return 0
 
-    def terms(self, recompute: str, micro_batch: int) -> tuple[int, int, int, int]:
+    def terms(self, recompute: str, micro_batch: int) -> tuple[int, int, int, int, int]:
         """(forward peak, backward-start peak, alive when the last block's grads are complete, left at backward
-        end) at ``micro_batch``: every timeline point is a line c0 + c1 * b, so each term is exact at any
-        micro-batch. The third is the activations alive after forward less one block's (traced as the difference
-        between depths 2 and 1; zero, so no reduction, when traced at full depth)."""
+        end, one block's saved bytes) at ``micro_batch``: every timeline point is a line c0 + c1 * b, so each
+        term is exact at any micro-batch. The third is the activations alive after forward less one block's
+        (traced as the difference between depths 2 and 1)."""
         d, b = self.data, micro_batch
         extra_line = d["per_layer"]
         block = extra_line[0] + extra_line[1] * b
         extra = (d["num_layers"] - d["traced_layers"]) * block
         return (max(x[0] + x[1] * b for x in d["forward_peak"]) + extra,
                 max(x[0] + x[1] * b for x in d["backward_peak"]) + extra,
-                d["live_after_forward"][0] + d["live_after_forward"][1] * b + extra - block, 0)
+                d["live_after_forward"][0] + d["live_after_forward"][1] * b + extra - block, 0, block)
 
     @property
     def source(self) -> str:

@@ -35,6 +35,9 @@ class GatherSizes:
     total_blocks: int  #: padded elements of all layer blocks
     block_numels: tuple[int, ...]
     total_sharded: int  #: elements of all non-persistent parameters
+    #: padded elements of the root's tensors used after the blocks (final norm, head; a tied embedding too):
+    #: their grads exist from the head's backward on, through every block's backward
+    root_head: int = 0
 
 
 _cache: dict[tuple, tuple[ParamInventory, object]] = {}
@@ -130,7 +133,10 @@ def gather_sizes(inv: ParamInventory, layout: str, n: int) -> GatherSizes:
 
 def _gather_sizes(inv: ParamInventory, layout: str, n: int) -> GatherSizes:
     per_block: dict[str, int] = {}
+    root_head = 0
+    seen_block = False
     for t in inv.tensors:
+        seen_block = seen_block or t.block != ROOT_BLOCK
         if layout == S.PER_PARAM_DIM0:
             padded = _dim0_shard(t.shape, n) * n
         elif layout == S.PER_PARAM_NUMEL:
@@ -138,12 +144,14 @@ def _gather_sizes(inv: ParamInventory, layout: str, n: int) -> GatherSizes:
         else:
             padded = t.numel
         per_block[t.block] = per_block.get(t.block, 0) + padded
+        if t.block == ROOT_BLOCK and (seen_block or t.tied_names):
+            root_head += padded
     if layout == S.FLAT_PER_BLOCK:
         per_block = {b: round_up(v, n) for b, v in per_block.items()}
     root = per_block.pop(ROOT_BLOCK, 0)
     blocks = tuple(per_block.values())
     return GatherSizes(largest_block=max(blocks, default=root), root=root, total_blocks=sum(blocks),
-                       block_numels=blocks, total_sharded=inv.num_params)
+                       block_numels=blocks, total_sharded=inv.num_params, root_head=root_head)
 
 
 def ceil_sum(numels: tuple[int, ...], r: int) -> int:

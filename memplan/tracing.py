@@ -272,7 +272,8 @@ def trace_profile(config: dict[str, Any], *, seq_len: int, recipe: str, attentio
     if key is None:
         raise SettingsError("the config has no layer count; use --activations analytic")
     layers = int(config[key])
-    heterogeneous = layers <= 2 or any(config.get(k) for k in _HETEROGENEOUS_KEYS)
+    # blocks that differ are traced at full depth; a one-block model too (there is no second depth to subtract)
+    heterogeneous = layers < 2 or any(config.get(k) for k in _HETEROGENEOUS_KEYS)
 
     def run(depth: int | None) -> tuple[dict[str, Any], dict[str, Any]]:
         cfg = scale_config(config, layers=depth)[0] if depth else config

@@ -176,3 +176,27 @@ def test_zero3_schedule_replays_the_parameter_coordinator():
     # persistent parameters are never gathered or released
     z = layouts.zero3_schedule(TOY, 2, 0, 10**9, 0, r)
     assert z.forward == M
+
+
+def test_fsdp2_buffer_lifetimes_per_phase():
+    # FSDP2 (fsdp-bf16: bf16 compute copies and grads, fp32 reduce-scatter), 4 ranks, 4 equal blocks of B
+    # elements; the root holds an embedding before the blocks and a head after them (its grads live through the
+    # blocks' backward). Buffer terms follow _fsdp_param_group.py, as measured by the harness (docs/accuracy.md).
+    inv = make_inv({"": [(8, 1024)], **{f"layers.{i}": [(1024, 1024)] for i in range(4)}})
+    head = ParamTensor("lm_head.weight", (8, 1024), "bfloat16", "", classify("lm_head.weight"))
+    inv = ParamInventory(model_name="toy", source="test", builder="test", family="llama",
+                         tensors=inv.tensors + (head,), dims=DIMS)
+    b, root, hd = 1024 * 1024, 2 * 16 * 1024, 8 * 1024
+    f = A._fixed(inv, settings("fsdp-full", 4))
+    forward, loss, backward, end, _ = f.buffers
+    assert forward == root + 2 * b  # root unsharded + the last block's all-gather output, held to the loss
+    assert loss == root + 2 * b  # the last block prefetched for its backward
+    # the last block: the next one prefetched, its grads, and itself (2B) or, once resharded, its fp32
+    # reduce-scatter input (4B)
+    assert backward == root + 2 * hd + 2 * b + 2 * b + max(2 * b, 4 * b)
+    # one block further: itself, the next, its grads and the last block's reduce-scatter input still held,
+    # with the last block's fp32 grad shard reduced
+    grads, buffers, _ = f.two
+    assert buffers == root + 2 * hd + 4 * b + 2 * b + 4 * b and grads == 4 * b // 4
+    # the first block's end: itself, its grads, the second block's reduce-scatter input
+    assert end == root + 2 * hd + (2 + 2 + 4) * b

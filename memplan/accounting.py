@@ -275,11 +275,15 @@ def _fixed(inv: ParamInventory, s: Settings) -> _Fixed:
     bwd_two: tuple[int, int] | None = None
     #: FSDP2: (buffers, grads not yet reduced) at backward's end
     fsdp_end: tuple[int, int] | None = None
-    # FSDP with a shard group of one still makes compute-dtype copies when they differ from the parameters
-    fsdp_copies = st.framework.startswith("fsdp") and not st.shard_params and rc.compute_bytes != rc.param_bytes
+    # FSDP2 unshards into MixedPrecisionPolicy.param_dtype (else the parameters' dtype), and autograd's unsharded
+    # grads come out in that same dtype: the recipe's grad_bytes (fsdp-bf16: bf16; torch-amp, fp32: fp32, with
+    # autocast making its own bf16 copies from the unsharded fp32 weights). With a shard group of one (NO_SHARD)
+    # FSDP2 still copies each parameter into its unsharded buffer, in any dtype (wait_for_unshard's world_size == 1
+    # path: alloc_storage + copy_), measured with fsdp-bf16 and torch-amp (docs/accuracy.md).
+    fsdp_copies = st.framework.startswith("fsdp") and not st.shard_params
     if st.shard_params or fsdp_copies:
         g = layouts.gather_sizes(inv, st.layout, n)
-        cb = rc.compute_bytes if st.framework.startswith("fsdp") else rc.param_bytes
+        cb = rc.grad_bytes if st.framework.startswith("fsdp") else rc.param_bytes
         if st.framework == "deepspeed":
             # ZeRO-3 gathers module by module, prefetches from its recorded trace, and keeps what will be reused
             # within stage3_max_reuse_distance: layouts.zero3_schedule replays PartitionedParameterCoordinator.

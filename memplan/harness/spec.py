@@ -125,7 +125,7 @@ def ds_config(s: Settings) -> dict[str, Any]:
 
 #: what each framework runs in the harness
 _HARNESS_RECIPES = {"deepspeed": ("deepspeed-bf16",), "torch-ddp": ("torch-amp", "fp32", "pure-bf16"),
-                    "fsdp2": ("fsdp-bf16", "fp32")}
+                    "fsdp2": ("fsdp-bf16", "torch-amp", "fp32")}
 
 
 def build_spec(config: dict[str, Any], s: Settings, *, warmup_steps: int = 2, measured_steps: int = 1,

@@ -1,7 +1,7 @@
 """Accuracy of memplan against real runs: `memplan validate` over a matrix of strategies, written to
 docs/accuracy.md with the command that produced it.
 
-    python bench/accuracy.py            # the matrix below (CPU, gloo, 2 ranks; ~10 minutes on 2 cores)
+    python bench/accuracy.py            # the matrix below (CPU, gloo, 2 ranks; ~15 minutes on 2 cores)
     python bench/accuracy.py --quick    # one DeepSpeed stage and one FSDP2 strategy
 """
 
@@ -49,6 +49,15 @@ CASES = [
     ("fsdp-full", LLAMA, dict(strategy="fsdp-full"), {}, {}, "full"),
     ("zero2 small buckets, 4 ranks", LLAMA, dict(stage=2, gpus=4), SMALL_DS, {}, "none"),
     ("ddp, 1 rank", LLAMA, dict(strategy="ddp", gpus=1), {}, {}, "none"),
+    # session 4: second recipes, tied embeddings under FSDP2, more ranks, HSDP with two shard groups
+    ("fsdp-full, torch-amp", LLAMA, dict(strategy="fsdp-full", precision="torch-amp"), {}, {}, "none"),
+    ("fsdp-full, fp32", LLAMA, dict(strategy="fsdp-full", precision="fp32"), {}, {}, "none"),
+    ("fsdp-no-shard, torch-amp", LLAMA, dict(strategy="fsdp-no-shard", precision="torch-amp"), {}, {}, "none"),
+    ("ddp, fp32", LLAMA, dict(strategy="ddp", precision="fp32"), {}, {}, "none"),
+    ("fsdp-full", GPT2, dict(strategy="fsdp-full"), {}, {}, "none"),
+    ("fsdp-full, 4 ranks", LLAMA, dict(strategy="fsdp-full", gpus=4), {}, {}, "none"),
+    ("hsdp 2 x 2, 4 ranks", LLAMA, dict(strategy="hsdp", gpus=4), {}, dict(hsdp_shard_size=2), "none"),
+    ("zero3 small buckets, 4 ranks", LLAMA, dict(stage=3, gpus=4), SMALL_DS, {}, "none"),
 ]
 QUICK = [CASES[5], CASES[11]]
 
@@ -104,7 +113,9 @@ def write(args, rows, errors) -> None:  # noqa: ANN001
         f"({os.cpu_count()} cores), CPU only: {args.gpus} gloo ranks spawned on one host, torch {torch.__version__}, "
         f"transformers {transformers.__version__}, deepspeed {dsv} (cases marked 1 or 4 ranks use that many). Each "
         "model is scaled down (2 or 4 blocks, hidden 256 or 512, vocabulary 2048) and predicted for exactly that config; micro-batch 2, sequence 128, "
-        "2 warm-up steps then 1 measured step. Measured = the CPU allocator's live bytes from the profiler's "
+        "2 warm-up steps then 1 measured step. FSDP2's all-gather and reduce-scatter run as in-place all-reduces on gloo "
+        "(memplan/harness/run.py `_gloo_collectives_in_place`: gloo's own temporaries, which NCCL does not allocate, "
+        "are left out). Measured = the CPU allocator's live bytes from the profiler's "
         "memory events (see memplan/harness/measure.py); worst rank. Error = (predicted - measured) / measured; "
         "a negative error is an under-estimate.",
         "",

@@ -196,21 +196,33 @@ def shipped_dir() -> Path:
     return Path(__file__).resolve().parent / "presets" / "activations"
 
 
-def profile_key(config: dict, *, seq_len: int, recipe: str, attention: str, recompute: str) -> str:
-    """Cache key: the config, the sequence length, the traced dtype recipe, attention and recompute."""
+def has_dropout(config: dict) -> bool:
+    """Whether the config trains with any dropout (its names differ by family: attn_pdrop, hidden_dropout, ...)."""
+    return any(("dropout" in k or "pdrop" in k) and isinstance(v, (int, float)) and not isinstance(v, bool)
+               and v > 0 for k, v in config.items())
+
+
+def profile_key(config: dict, *, seq_len: int, recipe: str, attention: str, recompute: str,
+                device: str = "cuda") -> str:
+    """Cache key: the config, the sequence length, the traced dtype recipe, attention and recompute; the device
+    too when the model has dropout (CUDA keeps a 1-byte mask, CPU a mask in the input's dtype)."""
     from memplan.tracing_keys import trace_recipe
 
-    blob = json.dumps({"config": {k: v for k, v in config.items() if not k.startswith("_")}, "seq": seq_len,
-                       "recipe": trace_recipe(recipe), "attention": "flash" if attention == "sdpa" else attention,
-                       "recompute": recompute, "v": PROFILE_VERSION}, sort_keys=True, default=str)
+    fields = {"config": {k: v for k, v in config.items() if not k.startswith("_")}, "seq": seq_len,
+              "recipe": trace_recipe(recipe), "attention": "flash" if attention == "sdpa" else attention,
+              "recompute": recompute, "v": PROFILE_VERSION}
+    if has_dropout(config):
+        fields["dropout_device"] = device
+    blob = json.dumps(fields, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:24]
 
 
 def load_or_trace(config: dict, *, seq_len: int, micro_batch: int, recipe: str, attention: str, recompute: str,
-                  allow_trace: bool = True) -> TracedProfile | None:
+                  allow_trace: bool = True, device: str = "cuda") -> TracedProfile | None:
     """The traced profile from the shipped set, the disk cache, or a new trace (imports torch); None when
     ``allow_trace`` is False and nothing is cached."""
-    key = profile_key(config, seq_len=seq_len, recipe=recipe, attention=attention, recompute=recompute)
+    key = profile_key(config, seq_len=seq_len, recipe=recipe, attention=attention, recompute=recompute,
+                      device=device)
     for where, origin in ((shipped_dir(), "shipped"), (cache_dir(), "cache")):
         path = where / f"{key}.json"
         if path.is_file():
@@ -224,7 +236,8 @@ def load_or_trace(config: dict, *, seq_len: int, micro_batch: int, recipe: str, 
     from memplan.tracing_keys import trace_recipe
 
     data = trace_profile(config, seq_len=seq_len, recipe=trace_recipe(recipe),
-                         attention="flash" if attention == "sdpa" else attention, recompute=recompute)
+                         attention="flash" if attention == "sdpa" else attention, recompute=recompute,
+                         device=device)
     try:
         d = cache_dir()
         d.mkdir(parents=True, exist_ok=True)

@@ -101,7 +101,7 @@ def activation_profile(config: dict[str, Any] | None, s: Settings, mode: str, no
     recompute = "full" if s.recompute == "full" else "none"
     try:
         return act.load_or_trace(config, seq_len=s.seq_len, micro_batch=s.micro_batch, recipe=s.recipe.name,
-                                 attention=attention, recompute=recompute)
+                                 attention=attention, recompute=recompute, device=s.cluster.device)
     except SettingsError as exc:
         if mode == "traced":
             raise

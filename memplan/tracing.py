@@ -147,8 +147,34 @@ def _flash_sdpa():
     return sdpa
 
 
+def _cuda_dropout():
+    """F.dropout as CUDA runs it in training: at::dropout takes the fused native_dropout kernel on CUDA
+    (aten/src/ATen/native/Dropout.cpp, is_fused_kernel_acceptable), which saves a bool mask, 1 byte per element.
+    On CPU, _dropout multiplies by a noise tensor in the input's dtype and saves that (2 or 4 bytes), and the
+    fake-tensor trace follows the CPU path; so a GPU job's trace swaps this in."""
+    import torch
+
+    class BoolMaskDropout(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):  # noqa: ANN001
+            ctx.save_for_backward(torch.empty(x.shape, dtype=torch.bool, device=x.device))
+            return torch.empty_like(x)
+
+        @staticmethod
+        def backward(ctx, grad):  # noqa: ANN001
+            (mask,) = ctx.saved_tensors
+            return torch.empty_like(grad)
+
+    def dropout(input, p=0.5, training=True, inplace=False):  # noqa: ANN001, A002
+        if not training or p == 0:
+            return input
+        return BoolMaskDropout.apply(input)
+
+    return dropout
+
+
 def _one_step(config: dict[str, Any], batch: int, seq: int, recipe: str, attention: str,
-              recompute: str) -> dict[str, Any]:
+              recompute: str, device: str = "cuda") -> dict[str, Any]:
     """Trace one micro-step of ``batch`` sequences of ``seq`` tokens: the live-bytes timeline, op by op."""
     import torch
     import torch.nn.functional as F
@@ -166,6 +192,7 @@ def _one_step(config: dict[str, Any], batch: int, seq: int, recipe: str, attenti
     import transformers
 
     real_sdpa = F.scaled_dot_product_attention
+    real_dropout = F.dropout
     # fake-tensor kernels that refuse an input log a traceback before raising; the raise is what we report
     fake_log = logging.getLogger("torch._subclasses.fake_tensor")
     fake_level, tf_level = fake_log.level, transformers.logging.get_verbosity()
@@ -176,6 +203,8 @@ def _one_step(config: dict[str, Any], batch: int, seq: int, recipe: str, attenti
     try:
         if attention in ("flash", "sdpa"):
             F.scaled_dot_product_attention = _flash_sdpa()
+        if device == "cuda":
+            F.dropout = _cuda_dropout()
         if real_packed is not None:
             mu.find_packed_sequence_indices = lambda position_ids: None
         with FakeTensorMode(allow_non_fake_inputs=True):
@@ -218,6 +247,7 @@ def _one_step(config: dict[str, Any], batch: int, seq: int, recipe: str, attenti
         fake_log.setLevel(fake_level)
         transformers.logging.set_verbosity(tf_level)
         F.scaled_dot_product_attention = real_sdpa
+        F.dropout = real_dropout
         if real_packed is not None:
             mu.find_packed_sequence_indices = real_packed
     timeline = live.corrected()
@@ -252,7 +282,7 @@ _HETEROGENEOUS_KEYS = ("first_k_dense_replace", "layer_types", "mlp_only_layers"
 
 
 def trace_profile(config: dict[str, Any], *, seq_len: int, recipe: str, attention: str,
-                  recompute: str) -> dict[str, Any]:
+                  recompute: str, device: str = "cuda") -> dict[str, Any]:
     """The activation profile of one micro-step at ``seq_len``, as lines c0 + c1*b in the micro-batch b.
 
     Traced with 1 and 2 blocks (all blocks alike) or at full depth (blocks that differ: dense then MoE,
@@ -277,8 +307,8 @@ def trace_profile(config: dict[str, Any], *, seq_len: int, recipe: str, attentio
 
     def run(depth: int | None) -> tuple[dict[str, Any], dict[str, Any]]:
         cfg = scale_config(config, layers=depth)[0] if depth else config
-        a = _one_step(cfg, 2, seq_len, recipe, attention, recompute)
-        b = _one_step(cfg, 4, seq_len, recipe, attention, recompute)
+        a = _one_step(cfg, 2, seq_len, recipe, attention, recompute, device)
+        b = _one_step(cfg, 4, seq_len, recipe, attention, recompute, device)
         if len(a["forward"]) != len(b["forward"]) or len(a["backward"]) != len(b["backward"]):
             raise SettingsError("the traced step runs different operations at micro-batch 2 and 4; "
                                 "use --activations analytic")
@@ -311,7 +341,7 @@ def trace_profile(config: dict[str, Any], *, seq_len: int, recipe: str, attentio
     per_layer = [0, 0] if low is None else [x - y for x, y in zip(live, line(low[0]["live"], low[1]["live"]))]
     return {
         "version": PROFILE_VERSION,
-        "seq_len": seq_len, "recipe": recipe, "attention": attention, "recompute": recompute,
+        "seq_len": seq_len, "recipe": recipe, "attention": attention, "recompute": recompute, "device": device,
         "num_layers": layers, "traced_layers": layers if heterogeneous else 2,
         "live_after_forward": live,  #: at the traced depth
         "per_layer": per_layer,  #: one more block (zero when traced at full depth)

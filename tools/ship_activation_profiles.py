@@ -28,8 +28,11 @@ RECOMPUTE = ("none", "full")
 def main() -> None:
     out = act.shipped_dir()
     out.mkdir(parents=True, exist_ok=True)
-    for old in out.glob("*.json"):  # profiles of an earlier tracing method are never looked up again
-        if json.loads(old.read_text()).get("version") != act.PROFILE_VERSION:
+    wanted = {act.profile_key(sources.resolve(name).config, seq_len=seq, recipe=recipe, attention="flash",
+                              recompute=rc)
+              for name in sources.preset_names() for seq in SEQ for recipe in RECIPES for rc in RECOMPUTE}
+    for old in out.glob("*.json"):  # profiles under an earlier key or method are never looked up again
+        if old.stem not in wanted:
             old.unlink()
     for name in sources.preset_names():
         config = sources.resolve(name).config

@@ -84,3 +84,26 @@ def test_cpu_attention_with_dropout_is_traced_with_the_math_kernel():
     assert gpu.settings.activation_profile.data["attention"] == "flash"
     # the math kernel keeps the attention probabilities: more bytes than flash, quadratic in the sequence
     assert cpu.settings.activation_profile.terms("none", 2)[2] > gpu.settings.activation_profile.terms("none", 2)[2]
+
+
+def test_gpu_dropout_keeps_a_one_byte_mask():
+    # CUDA's fused native_dropout saves a bool mask; CPU's _dropout saves a noise tensor in the input's dtype,
+    # which is what a fake-tensor trace follows unless the CUDA stand-in is swapped in (GPU jobs).
+    import torch
+
+    from memplan.tracing import _cuda_dropout
+
+    saved = []
+    x = torch.randn(4, 8, dtype=torch.bfloat16, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        y = _cuda_dropout()(x, p=0.1, training=True)
+    assert y.shape == x.shape and [t.dtype for t in saved] == [torch.bool]
+    assert _cuda_dropout()(x, p=0.1, training=False) is x
+    from memplan import activations as act
+    from memplan.model import sources
+
+    gpt2, llama = sources.resolve("gpt2").config, sources.resolve("llama-7b").config
+    assert act.has_dropout(gpt2) and not act.has_dropout(llama)
+    key = dict(seq_len=128, recipe="torch-amp", attention="flash", recompute="none")
+    assert act.profile_key(gpt2, device="cpu", **key) != act.profile_key(gpt2, device="cuda", **key)
+    assert act.profile_key(llama, device="cpu", **key) == act.profile_key(llama, device="cuda", **key)

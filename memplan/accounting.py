@@ -308,10 +308,9 @@ def _fixed(inv: ParamInventory, s: Settings) -> _Fixed:
             #   reshards it, frees the previous block's reduce-scatter input (reduce_scatter_max_input_buffers
             #   = 1), copies its unsharded grads into a reduce-dtype reduce-scatter input (foreach_reduce) and
             #   frees them; the head's grads (and a tied embedding's) wait for the root's reduce at the end.
-            # With a shard group of one (NO_SHARD) and a compute dtype other than the parameters', FSDP2 still
-            # unshards into compute-dtype copies, and with nothing to reshard to they stay until the block's
-            # backward (measured with the harness, docs/accuracy.md). Each term was checked against the harness's
-            # allocator timeline (fsdp-full, 2 and 4 blocks; session 4).
+            # With a shard group of one (NO_SHARD) the unsharded copies (fsdp_copies above) have nothing to
+            # reshard to and stay until the block's backward. Each term was checked against the harness's
+            # allocator timeline (fsdp-full, 2 and 4 blocks; session 4; docs/accuracy.md).
             raf = s.torch.reshard_after_forward
             raf = st.reshard_after_forward if raf is None else raf
             if not st.shard_params:

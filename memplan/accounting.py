@@ -271,8 +271,10 @@ def _fixed(inv: ParamInventory, s: Settings) -> _Fixed:
     # gather_fwd_end: gathered when forward ends (the loss); gather_turn: the most gathered in forward, counted
     # with every block's saved activations (conservative: the moment falls before the last blocks ran)
     gather_fwd = gather_bwd = gather_turn = gather_loss = gather_end = gather_fwd_end = 0
-    #: (buffers, grads) of a second backward moment, counted with one more block's activations freed
-    bwd_two: tuple[int, int] | None = None
+    #: further backward moments: (buffers, grads, activations) with activations -1 for "everything saved but
+    #: one block" (the end of the last block's backward), or k for inside the backward of the k-th block from
+    #: the end (the profile's block_moments, the block's own unsharded grads added at the grad dtype)
+    bwd_moments: list[tuple[int, int, int]] = []
     #: FSDP2: (buffers, grads not yet reduced) at backward's end
     fsdp_end: tuple[int, int] | None = None
     # FSDP2 unshards into MixedPrecisionPolicy.param_dtype (else the parameters' dtype), and autograd's unsharded
@@ -326,10 +328,12 @@ def _fixed(inv: ParamInventory, s: Settings) -> _Fixed:
                 gather_turn = root + kept
                 gather_fwd_end = root + kept + ag_held
                 gather_loss = root + kept
+                # inside the last block's backward: all blocks unsharded
+                inside_last = root + head_grads + kept
                 # the last block: all blocks unsharded and its grads; then (resharded) its reduce-scatter input
                 gather_bwd = root + head_grads + kept + gb * blk + max(0, rb - cb) * blk
-                # the block before it: one block fewer unsharded, its grads, the last block's reduce-scatter input
-                two = root + head_grads + kept - cb * blk + (gb + rb) * blk
+                # the block before it: one block fewer unsharded, the last block's reduce-scatter input, its grads
+                inside_two = root + head_grads + kept - cb * blk + rb * blk
             else:
                 if raf is True or raf == n:
                     kept = 0
@@ -342,15 +346,22 @@ def _fixed(inv: ParamInventory, s: Settings) -> _Fixed:
                 # the loss backward: the root's pre-backward has prefetched the last block's all-gather
                 gather_loss = root + cb * blk + kept
                 prefetched = cb * blk if nblocks >= 2 else 0
-                # the last block at the end of its backward: itself, the prefetched next block, its grads; then
-                # resharded, its reduce-scatter input
+                # inside the last block's backward: itself, the next block prefetched by its pre-backward
+                inside_last = root + head_grads + kept + prefetched + cb * blk
+                # the last block at the end of its backward: that, and its grads; then resharded, its
+                # reduce-scatter input
                 gather_bwd = root + head_grads + kept + prefetched + gb * blk + max(cb, rb) * blk
-                # the block before it: itself, the next prefetched (if any), its grads, and the last block's
+                # inside the block before it: itself, the next prefetched (if any), and the last block's
                 # reduce-scatter input, still held
-                two = root + head_grads + kept + cb * blk * (2 if nblocks >= 3 else 1) + (gb + rb) * blk
+                inside_two = root + head_grads + kept + cb * blk * (2 if nblocks >= 3 else 1) + rb * blk
+            # inside a block's backward its unsharded grads grow while its activations are freed: the profile
+            # follows both (block_moments); the grads are counted at the unsharded grad dtype
+            bwd_moments.append((inside_last, 0, 0))
             if nblocks >= 2:
                 # and the last block's reduced grad shard
-                bwd_two = (two, rc.reduced_grad_bytes * ceil_div(blk, n))
+                last_shard = rc.reduced_grad_bytes * ceil_div(blk, n)
+                bwd_moments.append((inside_two + gb * blk, last_shard, -1))  # the block before, grads complete
+                bwd_moments.append((inside_two, last_shard, 1))
             # backward's end, the larger of: the first block at the end of its backward (itself, its grads, the
             # next block's reduce-scatter input; the reduced shards of all blocks but it and the root), and the
             # root's reduce (its grads, and either its unsharded params with the first block's reduce-scatter
@@ -413,28 +424,33 @@ def _fixed(inv: ParamInventory, s: Settings) -> _Fixed:
         comms = (1 + (1 if st.shard_within_node else 0) + (1 if s.ds.hpz_partition_size > 1 else 0)) \
             if c.gpus > 1 else 0
         a["nccl_communicators"] = comms
-    two = None
-    if bwd_two is not None:
-        two_buffers = buf_persist + buf_bwd + bwd_two[0] + amp_copies
-        two_grads = grads_persist + bwd_two[1]
-        two = (two_grads, two_buffers, states_total + two_grads + two_buffers)
+    moments = []
+    for m_buffers, m_grads, kind in bwd_moments:
+        m_buffers += buf_persist + buf_bwd + amp_copies
+        m_grads += grads_persist
+        moments.append((m_grads, m_buffers, states_total + m_grads + m_buffers, kind))
     return _Fixed(weights, master, states, grads, buffers,
                   tuple(states_total + g + b for g, b in zip(grads, buffers)), prof, host * c.ranks_per_node, n,
-                  weights + master + states + grads_persist + buf_persist, comms, a, two)
+                  weights + master + states + grads_persist + buf_persist, comms, a, tuple(moments),
+                  rc.grad_bytes)
 
 
 class _Fixed:
     """The micro-batch-independent part of a Plan (see _fixed)."""
 
     __slots__ = ("weights", "master", "states", "grads", "buffers", "non_activation", "profile", "host_per_node",
-                 "shard_group", "between", "comms", "assumptions", "two")
+                 "shard_group", "between", "comms", "assumptions", "moments", "grad_width", "_blocks")
 
     def __init__(self, weights: int, master: int, states: int, grads: tuple[int, ...], buffers: tuple[int, ...],
                  non_activation: tuple[int, ...], profile: Any, host_per_node: int, shard_group: int, between: int,
-                 comms: int, assumptions: dict[str, Any], two: tuple[int, int, int] | None = None) -> None:
-        #: a second backward moment, one block further (grads, buffers, non-activation total), counted with
-        #: one more block's activations freed; the "backward" phase is the larger of the two
-        self.two = two
+                 comms: int, assumptions: dict[str, Any], moments: tuple[tuple[int, int, int, int], ...] = (),
+                 grad_width: int = 2) -> None:
+        #: further backward moments (grads, buffers, non-activation total, activations kind): kind -1 counts
+        #: everything saved but one block; kind k >= 0 is inside the backward of the k-th block from the end
+        #: (profile.block_moments), the block's own grads at ``grad_width`` bytes added. The "backward" phase is
+        #: the largest of these and the base moment.
+        self.moments, self.grad_width = moments, grad_width
+        self._blocks = any(m[3] >= 0 for m in moments)
         self.weights, self.master, self.states, self.grads, self.buffers = weights, master, states, grads, buffers
         self.non_activation, self.profile, self.host_per_node = non_activation, profile, host_per_node
         self.shard_group, self.between, self.comms, self.assumptions = shard_group, between, comms, assumptions
@@ -447,8 +463,26 @@ def _phases(f: _Fixed, recompute: str, micro_batch: int) -> list[tuple[int, int,
     """(grads, activations, buffers) per phase at ``micro_batch``."""
     fwd, bwd, saved, emb, block = f.profile.terms(recompute, micro_batch)
     out = [(g, x, b) for g, x, b in zip(f.grads, (fwd, bwd, saved, emb, 0), f.buffers)]
-    if f.two is not None and f.two[2] + saved - block > f.non_activation[2] + saved:
-        out[2] = (f.two[0], saved - block, f.two[1])
+    best = f.non_activation[2] + saved
+    for grads, buffers, total, x, gx in _moments(f, micro_batch, saved - block):
+        if total + x + gx > best:
+            best, out[2] = total + x + gx, (grads + gx, x, buffers)
+    return out
+
+
+def _moments(f: _Fixed, micro_batch: int, saved_but_block: int) -> list[tuple[int, int, int, int, int]]:
+    """f.moments evaluated at ``micro_batch``: (grads, buffers, non-activation total, activations, the block's
+    own grads)."""
+    if not f.moments:
+        return []
+    blocks = f.profile.block_moments(micro_batch, f.grad_width) if f._blocks else ()
+    out = []
+    for grads, buffers, total, kind in f.moments:
+        if kind < 0:
+            out.append((grads, buffers, total, saved_but_block, 0))
+        elif kind < len(blocks):
+            x, g = blocks[kind]
+            out.append((grads, buffers, total, x, f.grad_width * g))
     return out
 
 
@@ -485,13 +519,12 @@ def required_bytes(inv: ParamInventory, s: Settings, micro_batches: Any) -> list
     o = s.overheads
     fixed_over = (o.cuda_context_bytes + f.comms * o.nccl_bytes_per_communicator) if s.cluster.device == "cuda" else 0
     frag = o.fragmentation_percent if s.cluster.device == "cuda" else 0
-    two = f.two[2] if f.two is not None else None
     out = []
     for b in micro_batches:
         fwd, bwd, saved, emb, block = prof.terms(rec, b)
         peak = max(base[0] + fwd, base[1] + bwd, base[2] + saved, base[3] + emb, base[4])
-        if two is not None:
-            peak = max(peak, two + saved - block)
+        for _, _, total, x, gx in _moments(f, b, saved - block):
+            peak = max(peak, total + x + gx)
         out.append((peak, peak + fixed_over + peak * frag // 100))
     return out
 

@@ -38,7 +38,7 @@ from memplan.errors import SettingsError
 RECOMPUTE = ("none", "selective", "full")
 ATTENTION = ("flash", "sdpa", "eager")
 ACTIVATION_SOURCES = ("traced", "analytic")
-PROFILE_VERSION = 3  #: bump when the traced profile's format or method changes (memplan.tracing)
+PROFILE_VERSION = 4  #: bump when the traced profile's format or method changes (memplan.tracing)
 
 
 @dataclass(frozen=True)
@@ -70,6 +70,10 @@ class ActivationProfile:
         if recompute == "full":
             return self.num_layers * self.layer_input_bytes + self.embedding_bytes
         return self.num_layers * self.per_layer_bytes + self.embedding_bytes
+
+    def block_moments(self, micro_batch: int, grad_width: int) -> tuple[tuple[int, int], ...]:
+        """Inside a block's backward (see TracedProfile.block_moments): the analytic profile has no timeline."""
+        return ()
 
     def recompute_transient_bytes(self, recompute: str) -> int:
         """Extra bytes while one block is recomputed in backward (full recompute only)."""
@@ -179,6 +183,24 @@ class TracedProfile:
                 max(x[0] + x[1] * b for x in d["backward_peak"]) + extra,
                 d["live_after_forward"][0] + d["live_after_forward"][1] * b + extra - block, 0, block)
 
+    def block_moments(self, micro_batch: int, grad_width: int) -> tuple[tuple[int, int], ...]:
+        """Inside the backward of the last block, then of the one before it: (activation bytes, the block's
+        parameter-gradient elements created so far) at the moment where activations plus those gradients at
+        ``grad_width`` bytes each peak. The traced blocks stand for the model's last two, with the untraced
+        blocks' saved activations below them. Empty for profiles traced before these were recorded."""
+        d, b = self.data, micro_batch
+        segs = d.get("block_backward") or ()
+        extra_line = d["per_layer"]
+        extra = (d["num_layers"] - d["traced_layers"]) * (extra_line[0] + extra_line[1] * b)
+        out = []
+        for seg in segs:
+            env = seg.get(str(grad_width))
+            if not env:
+                return ()
+            c0, c1, g = max(env, key=lambda x: x[0] + x[1] * b + grad_width * x[2])
+            out.append((c0 + c1 * b + extra, g))
+        return tuple(out)
+
     @property
     def source(self) -> str:
         d = self.data
@@ -204,15 +226,13 @@ def has_dropout(config: dict) -> bool:
 
 def profile_key(config: dict, *, seq_len: int, recipe: str, attention: str, recompute: str,
                 device: str = "cuda") -> str:
-    """Cache key: the config, the sequence length, the traced dtype recipe, attention and recompute; the device
-    too when the model has dropout (CUDA keeps a 1-byte mask, CPU a mask in the input's dtype)."""
+    """Cache key: the config, the sequence length, the traced dtype recipe, attention, recompute and the device
+    (CUDA keeps a 1-byte dropout mask, CPU a mask in the input's dtype; CPU bf16 GEMMs allocate fp32 scratch)."""
     from memplan.tracing_keys import trace_recipe
 
     fields = {"config": {k: v for k, v in config.items() if not k.startswith("_")}, "seq": seq_len,
               "recipe": trace_recipe(recipe), "attention": "flash" if attention == "sdpa" else attention,
-              "recompute": recompute, "v": PROFILE_VERSION}
-    if has_dropout(config):
-        fields["dropout_device"] = device
+              "recompute": recompute, "device": device, "v": PROFILE_VERSION}
     blob = json.dumps(fields, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:24]
 

@@ -73,13 +73,15 @@ class _LiveBytes:
     def tick(self) -> None:
         self.timeline.append(self.live)
 
-    def not_activation(self, t: Any) -> None:
-        """``t`` is a parameter gradient: remove it from the timeline since it was created."""
+    def not_activation(self, t: Any) -> int | None:
+        """``t`` is a parameter gradient: remove it from the timeline since it was created; returns the timeline
+        index at which it was created (None if it was not created under the mode)."""
         st = t.untyped_storage()
         born = self._born.get(id(st))
         if born is not None:
             self._corrections.append((born, len(self.timeline) + 1, st.nbytes()))
             self._born.pop(id(st), None)
+        return born
 
     def corrected(self) -> list[int]:
         diff = [0] * (len(self.timeline) + 2)
@@ -93,7 +95,34 @@ class _LiveBytes:
         return out
 
 
-def _mode(live: _LiveBytes) -> Any:
+def _cpu_gemm_scratch():
+    """The bytes a CPU matmul allocates for itself and frees before returning, for a traced op and its output.
+
+    A bf16 GEMM on CPU (aten::mm, aten::addmm: every nn.Linear, forward and backward) accumulates into an fp32
+    buffer of the output's size plus 128 bytes, taken from the allocator, then writes the bf16 result: measured
+    with the profiler's memory events on torch 2.13.0+cpu, (m, n, k) from (2, 16, 256) to (1000, 2048, 256),
+    every product m*n*k above 4096 (smaller GEMMs allocate nothing). fp16 and fp32 GEMMs allocate nothing, nor
+    does cuBLAS per call (its workspace is allocated once per handle), so only a trace for a CPU job counts it.
+    """
+    import torch
+
+    aten = torch.ops.aten
+    gemms = {aten.mm.default: 0, aten.addmm.default: 1}
+
+    def scratch(func: Any, args: tuple, out: Any) -> int:
+        i = gemms.get(func)
+        if i is None or not isinstance(out, torch.Tensor) or out.dtype != torch.bfloat16 or out.dim() != 2:
+            return 0
+        m, n = out.shape
+        k = args[i].shape[1]
+        return 4 * m * n + 128 if m * n * k > 4096 else 0
+
+    return scratch
+
+
+def _mode(live: _LiveBytes, scratch: Any = None) -> Any:
+    """Follows every storage created under it; ``scratch(func, args, out)`` adds an op's own temporary bytes
+    (allocated and freed inside the kernel) as one extra point of the timeline after the op."""
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_leaves
@@ -104,6 +133,12 @@ def _mode(live: _LiveBytes) -> Any:
             for t in tree_leaves(out):
                 if isinstance(t, torch.Tensor):
                     live.track(t)
+            if scratch is not None:
+                extra = scratch(func, args, out)
+                if extra:
+                    live.live += extra
+                    live.tick()
+                    live.live -= extra
             live.tick()
             return out
 
@@ -217,9 +252,14 @@ def _one_step(config: dict[str, Any], batch: int, seq: int, recipe: str, attenti
             for t in params + list(model.buffers()):
                 live.ignore(t)
             param_storages = {id(p.untyped_storage()) for p in params}
+            block_of = _block_index(model)
+            #: (timeline index at which the gradient was created, block index or -1, numel), per parameter
+            grads: list[tuple[int, int, int]] = []
 
             def drop_grad(p: Any) -> None:
-                live.not_activation(p.grad)
+                born = live.not_activation(p.grad)
+                if born is not None:
+                    grads.append((born, block_of.get(id(p), -1), p.grad.numel()))
                 p.grad = None
 
             for p in params:
@@ -233,7 +273,7 @@ def _one_step(config: dict[str, Any], batch: int, seq: int, recipe: str, attenti
                 return t
 
             ids = torch.zeros(batch, seq, dtype=torch.long)
-            with _mode(live):
+            with _mode(live, _cpu_gemm_scratch() if device == "cpu" else None):
                 with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
                         loss = model(input_ids=ids, labels=ids).loss
@@ -252,7 +292,49 @@ def _one_step(config: dict[str, Any], batch: int, seq: int, recipe: str, attenti
             mu.find_packed_sequence_indices = real_packed
     timeline = live.corrected()
     return {"saved": sum(saved.values()), "live": after_forward, "forward": timeline[:forward_end],
-            "backward": timeline[forward_end - 1:]}
+            "backward": timeline[forward_end - 1:], "blocks": _block_segments(timeline, grads, forward_end)}
+
+
+def _block_index(model: Any) -> dict[int, int]:
+    """id(parameter) -> index of the decoder block that owns it (the longest ModuleList of the model: the unit
+    FSDP and DeepSpeed wrap); parameters outside it are not in the map."""
+    import torch
+
+    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]
+    if not lists:
+        return {}
+    blocks = max(lists, key=len)
+    return {id(p): i for i, blk in enumerate(blocks) for p in blk.parameters()}
+
+
+def _block_segments(timeline: list[int], grads: list[tuple[int, int, int]],
+                    forward_end: int) -> list[list[list[int]]]:
+    """Each block's backward, last block first: the points [activation bytes, the block's parameter-gradient
+    elements created so far], from the end of the previous block's backward (or of the loss and head's) to the
+    creation of the block's last parameter gradient. The recomputation of a checkpointed block falls inside
+    its segment. A strategy that keeps a block's unsharded gradients until the block's backward ends (FSDP)
+    adds them at its own gradient dtype; activations alone miss the moment where the two together peak."""
+    by_block: dict[int, list[tuple[int, int]]] = {}
+    for born, blk, numel in grads:
+        if blk >= 0:
+            by_block.setdefault(blk, []).append((born, numel))
+    segments = []
+    start = forward_end
+    for blk in sorted(by_block, reverse=True):
+        events = sorted(by_block[blk])
+        first, end = events[0][0], events[-1][0]
+        # the segment starts after the last gradient of anything that ran before this block in backward
+        before = [born for born, b, _ in grads if born < first and b != blk]
+        start = max([start] + [x + 1 for x in before])
+        points, done, k = [], 0, 0
+        for t in range(start, end + 1):
+            while k < len(events) and events[k][0] <= t:
+                done += events[k][1]
+                k += 1
+            points.append([timeline[t], done])
+        segments.append(points)
+        start = end + 1
+    return segments
 
 
 #: recipe -> (dtype the model is traced in, autocast to bf16) — what the matmuls and the residual stream see
@@ -261,20 +343,26 @@ _RECIPE_TRACE = {"deepspeed-bf16": ("bfloat16", False), "deepspeed-fp16": ("floa
                  "torch-amp": ("float32", True), "fp32": ("float32", False)}
 
 
-def _envelope(lines: list[tuple[int, int]]) -> list[list[int]]:
-    """The lines (c0 + c1*b) that are the maximum for some micro-batch b >= 1 (upper envelope)."""
-    best: dict[int, int] = {}
-    for c0, c1 in lines:
-        if best.get(c1, c0 - 1) < c0:
-            best[c1] = c0
-    pts = sorted(best.items())  # by slope c1
-    keep: list[tuple[int, int]] = []
-    for c1, c0 in pts:
+def _envelope(lines: list[tuple[int, ...]]) -> list[list[int]]:
+    """The lines (c0 + c1*b, then any payload) that are the maximum for some micro-batch b >= 1 (upper
+    envelope)."""
+    best: dict[int, tuple[int, ...]] = {}
+    for line in lines:
+        c0, c1 = line[0], line[1]
+        if c1 not in best or best[c1][0] < c0:
+            best[c1] = tuple(line)
+    keep: list[tuple[int, ...]] = []
+    for c1 in sorted(best):  # by slope
+        line = best[c1]
         # drop lines below this one for every b >= 1 (smaller slope and smaller value at b=1)
-        while keep and keep[-1][1] + keep[-1][0] <= c0 + c1:
+        while keep and keep[-1][0] + keep[-1][1] <= line[0] + line[1]:
             keep.pop()
-        keep.append((c1, c0))
-    return [[c0, c1] for c1, c0 in keep]
+        keep.append(line)
+    return [list(x) for x in keep]
+
+
+#: the gradient widths (bytes per element) a strategy may keep a block's unsharded gradients in
+GRAD_WIDTHS = (2, 4)
 
 
 _HETEROGENEOUS_KEYS = ("first_k_dense_replace", "layer_types", "mlp_only_layers", "decoder_sparse_step",
@@ -339,6 +427,21 @@ def trace_profile(config: dict[str, Any], *, seq_len: int, recipe: str, attentio
 
     live = line(top[0]["live"], top[1]["live"])
     per_layer = [0, 0] if low is None else [x - y for x, y in zip(live, line(low[0]["live"], low[1]["live"]))]
+
+    def block_backward(seg_a: list[list[int]], seg_b: list[list[int]]) -> dict[str, list[list[int]]]:
+        """One block's backward: per gradient width w, the envelope of [c0, c1, g] where activations are
+        c0 + c1*b and the block's gradients so far g elements, ranked by c0 + c1*b + w*g."""
+        if len(seg_a) != len(seg_b) or any(x[1] != y[1] for x, y in zip(seg_a, seg_b)):
+            raise SettingsError("the traced backward runs different operations at micro-batch 2 and 4; "
+                                "use --activations analytic")
+        pts = [line(x[0], y[0]) + [x[1]] for x, y in zip(seg_a, seg_b)]
+        out = {}
+        for w in GRAD_WIDTHS:
+            env = _envelope([(c0 + w * g, c1, c0, g) for c0, c1, g in pts])
+            out[str(w)] = [[c0, c1, g] for _, c1, c0, g in env]
+        return out
+
+    blocks = [block_backward(x, y) for x, y in zip(top[0]["blocks"][:2], top[1]["blocks"][:2])]
     return {
         "version": PROFILE_VERSION,
         "seq_len": seq_len, "recipe": recipe, "attention": attention, "recompute": recompute, "device": device,
@@ -348,6 +451,8 @@ def trace_profile(config: dict[str, Any], *, seq_len: int, recipe: str, attentio
         "saved_for_backward": line(top[0]["saved"], top[1]["saved"]),
         "forward_peak": envelope("forward"),
         "backward_peak": envelope("backward"),
+        #: the last and the one-before-last block's backward with their own gradients (see _block_segments)
+        "block_backward": blocks,
         "transformers": transformers.__version__,
     }
 

@@ -196,7 +196,12 @@ def test_fsdp2_buffer_lifetimes_per_phase():
     assert backward == root + 2 * hd + 2 * b + 2 * b + max(2 * b, 4 * b)
     # one block further: itself, the next, its grads and the last block's reduce-scatter input still held,
     # with the last block's fp32 grad shard reduced
-    grads, buffers, _ = f.two
+    (in_g, in_buf, _, k0), (grads, buffers, _, k1), (in2_g, in2_buf, _, k2) = f.moments
+    assert (k1, k0, k2) == (-1, 0, 1)  # everything saved but a block; inside the last block; inside the one before
     assert buffers == root + 2 * hd + 4 * b + 2 * b + 4 * b and grads == 4 * b // 4
+    # inside the last block's backward: itself and the next prefetched (its own grads come from the profile)
+    assert (in_buf, in_g) == (root + 2 * hd + 2 * b + 2 * b, 0) and f.grad_width == 2
+    # inside the block before: itself, the next prefetched, the last block's reduce-scatter input and grad shard
+    assert (in2_buf, in2_g) == (root + 2 * hd + 4 * b + 4 * b, 4 * b // 4)
     # the first block's end: itself, its grads, the second block's reduce-scatter input
     assert end == root + 2 * hd + (2 + 2 + 4) * b

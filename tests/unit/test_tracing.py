@@ -106,4 +106,63 @@ def test_gpu_dropout_keeps_a_one_byte_mask():
     assert act.has_dropout(gpt2) and not act.has_dropout(llama)
     key = dict(seq_len=128, recipe="torch-amp", attention="flash", recompute="none")
     assert act.profile_key(gpt2, device="cpu", **key) != act.profile_key(gpt2, device="cuda", **key)
-    assert act.profile_key(llama, device="cpu", **key) == act.profile_key(llama, device="cuda", **key)
+    # CPU bf16 GEMMs allocate fp32 scratch (tracing._cpu_gemm_scratch): every CPU trace has its own key
+    assert act.profile_key(llama, device="cpu", **key) != act.profile_key(llama, device="cuda", **key)
+
+
+def test_block_backward_segments_follow_each_block_and_its_grads():
+    from memplan.tracing import _block_segments
+
+    # timeline (activations only) of a toy backward; forward ends at index 2. Head grad (block -1) born at 3,
+    # block 1's grads at 5 and 6, block 0's at 9
+    timeline = [0, 10, 20, 19, 18, 17, 16, 15, 14, 13, 12]
+    grads = [(3, -1, 100), (5, 1, 7), (6, 1, 5), (9, 0, 11)]
+    last, first = _block_segments(timeline, grads, 2)
+    assert last == [[18, 0], [17, 7], [16, 12]]  # from after the head's grad to block 1's last grad
+    assert first == [[15, 0], [14, 0], [13, 11]]
+
+
+def test_block_moments_pair_activations_with_the_blocks_grads():
+    cfg = tiny()
+    p = trace_profile(cfg, seq_len=64, recipe="deepspeed-bf16", attention="flash", recompute="none")
+    assert len(p["block_backward"]) == 2  # the last block, then the one before it
+    prof = act.TracedProfile(p, 1, "traced now")
+    src = sources.ModelSource(name="tiny", kind="config", description="test", config=cfg)
+    block_numel = sources.build_inventory(src).largest_layer_block.numel
+    for width in (2, 4):
+        (x0, g0), (x1, g1) = prof.block_moments(3, width)
+        assert 0 <= g0 <= block_numel and 0 <= g1 <= block_numel
+        # inside the last block's backward every block below it still holds its activations
+        assert x0 > x1 > 0
+    # wider grads favour a later moment of the block's backward: never fewer grads counted
+    assert prof.block_moments(3, 4)[0][1] >= prof.block_moments(3, 2)[0][1]
+    assert act.analytic_profile({"hidden_size": 8, "num_layers": 2, "num_heads": 2}, micro_batch=1, seq_len=4,
+                                compute_bytes=2, residual_bytes=2, attention="flash", recompute="none",
+                                gated_mlp=True).block_moments(1, 2) == ()
+
+
+def test_cpu_bf16_gemm_scratch_matches_the_allocator():
+    # the rule the CPU trace applies (tracing._cpu_gemm_scratch), checked against the real allocator
+    import json
+    import os
+    import tempfile
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from memplan.tracing import _cpu_gemm_scratch
+
+    a, b = torch.randn(200, 64, dtype=torch.bfloat16), torch.randn(64, 96, dtype=torch.bfloat16)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        out = a @ b
+    fd, path = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    try:
+        prof.export_chrome_trace(path)
+        with open(path) as fh:
+            events = [e["args"]["Bytes"] for e in json.load(fh)["traceEvents"] if e.get("name") == "[memory]"]
+    finally:
+        os.unlink(path)
+    temps = [x for x in events if x > 0 and x != out.nbytes]
+    assert temps == [_cpu_gemm_scratch()(torch.ops.aten.mm.default, (a, b), out)] == [4 * 200 * 96 + 128]
+    assert _cpu_gemm_scratch()(torch.ops.aten.mm.default, (a.float(), b.float()), out.float()) == 0

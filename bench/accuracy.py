@@ -45,7 +45,8 @@ CASES = [
     ("zero3 small buckets", LLAMA4, dict(stage=3), SMALL_DS, {}, "none"),
     ("fsdp-full", LLAMA4, dict(strategy="fsdp-full"), {}, {}, "none"),
     ("fsdp-grad-op", LLAMA4, dict(strategy="fsdp-grad-op"), {}, {}, "none"),
-    ("fsdp-full reshard 1 (hpZ-like)", LLAMA4, dict(strategy="fsdp-full"), {}, dict(reshard_after_forward=1), "none"),
+    # an int group size: 1 keeps whole parameters after forward (FSDP2 reads it as False)
+    ("fsdp-full reshard 1 (= false)", LLAMA4, dict(strategy="fsdp-full"), {}, dict(reshard_after_forward=1), "none"),
     ("fsdp-full", LLAMA, dict(strategy="fsdp-full"), {}, {}, "full"),
     ("zero2 small buckets, 4 ranks", LLAMA, dict(stage=2, gpus=4), SMALL_DS, {}, "none"),
     ("ddp, 1 rank", LLAMA, dict(strategy="ddp", gpus=1), {}, {}, "none"),
@@ -58,6 +59,9 @@ CASES = [
     ("fsdp-full, 4 ranks", LLAMA, dict(strategy="fsdp-full", gpus=4), {}, {}, "none"),
     ("hsdp 2 x 2, 4 ranks", LLAMA, dict(strategy="hsdp", gpus=4), {}, dict(hsdp_shard_size=2), "none"),
     ("zero3 small buckets, 4 ranks", LLAMA, dict(stage=3, gpus=4), SMALL_DS, {}, "none"),
+    # session 5: resharding to a group of 2 of 4 ranks after forward (hpZ-like: a secondary shard per block)
+    ("fsdp-full reshard 2 (hpZ-like), 4 ranks", LLAMA4, dict(strategy="fsdp-full", gpus=4), {},
+     dict(reshard_after_forward=2), "none"),
 ]
 QUICK = [CASES[5], CASES[11]]
 

@@ -317,6 +317,12 @@ def _fixed(inv: ParamInventory, s: Settings) -> _Fixed:
             raf = st.reshard_after_forward if raf is None else raf
             if not st.shard_params:
                 raf = False
+            elif not isinstance(raf, bool):
+                if raf < 1 or n % raf:
+                    raise SettingsError(f"reshard_after_forward={raf} must divide the shard group({n})")
+                # _fsdp_init.py _get_post_forward_mesh_info: a group of 1 keeps whole parameters (False), a group
+                # of the shard group's size reshards fully (True)
+                raf = False if raf == 1 else True if raf == n else raf
             root = cb * g.root
             blk = g.largest_block
             nblocks = len(g.block_numels)
@@ -335,25 +341,27 @@ def _fixed(inv: ParamInventory, s: Settings) -> _Fixed:
                 # the block before it: one block fewer unsharded, the last block's reduce-scatter input, its grads
                 inside_two = root + head_grads + kept - cb * blk + rb * blk
             else:
-                if raf is True or raf == n:
-                    kept = 0
+                if raf is True:
+                    kept = share = 0
                 else:
-                    if raf < 1 or n % raf:
-                        raise SettingsError(f"reshard_after_forward={raf} must divide the shard group({n})")
+                    # every block keeps a 1/raf share after forward (to_sharded_post_forward clones it); a block's
+                    # share is freed when backward unshards it, after the copy-out (_fsdp_param.py to_unsharded)
                     kept = cb * layouts.ceil_sum(g.block_numels, raf)
+                    share = cb * ceil_div(blk, raf)
                 gather_turn = root + 2 * cb * blk + kept  # a block's copy + all-gather output
                 gather_fwd_end = root + kept + ag_held
                 # the loss backward: the root's pre-backward has prefetched the last block's all-gather
                 gather_loss = root + cb * blk + kept
                 prefetched = cb * blk if nblocks >= 2 else 0
                 # inside the last block's backward: itself, the next block prefetched by its pre-backward
-                inside_last = root + head_grads + kept + prefetched + cb * blk
+                inside_last = root + head_grads + kept - share + prefetched + cb * blk
                 # the last block at the end of its backward: that, and its grads; then resharded, its
                 # reduce-scatter input
-                gather_bwd = root + head_grads + kept + prefetched + gb * blk + max(cb, rb) * blk
+                gather_bwd = root + head_grads + kept - share + prefetched + gb * blk + max(cb, rb) * blk
                 # inside the block before it: itself, the next prefetched (if any), and the last block's
                 # reduce-scatter input, still held
-                inside_two = root + head_grads + kept + cb * blk * (2 if nblocks >= 3 else 1) + rb * blk
+                inside_two = (root + head_grads + kept - 2 * share + cb * blk * (2 if nblocks >= 3 else 1)
+                              + rb * blk)
             # inside a block's backward its unsharded grads grow while its activations are freed: the profile
             # follows both (block_moments); the grads are counted at the unsharded grad dtype
             bwd_moments.append((inside_last, 0, 0))

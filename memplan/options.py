@@ -47,9 +47,11 @@ def parse_reshard(value: str | None) -> bool | int | None:
     if value is None:
         return None
     v = value.strip().lower()
-    if v in ("true", "yes", "1"):
+    # an integer is a group size, as FSDP2 reads it: 1 keeps whole parameters (as false), the shard group's size
+    # reshards fully (as true); the accounting applies that, and the harness passes the integer to fully_shard
+    if v in ("true", "yes"):
         return True
-    if v in ("false", "no", "0"):
+    if v in ("false", "no"):
         return False
     try:
         n = int(v)

@@ -243,7 +243,14 @@ def _one_step(config: dict[str, Any], batch: int, seq: int, recipe: str, attenti
         if real_packed is not None:
             mu.find_packed_sequence_indices = lambda position_ids: None
         with FakeTensorMode(allow_non_fake_inputs=True):
-            model = AutoModelForCausalLM.from_config(cfg, attn_implementation=impl, dtype=getattr(torch, dtype))
+            kw = {}
+            if dtype == "float32" and moe_experts(config):
+                # transformers runs MoE experts with grouped_mm by default, which takes bf16 only (CUDA and CPU:
+                # torch/_meta_registrations.py _meta_grouped_mm_common mirrors _grouped_mm_cuda's checks), and
+                # autocast does not cast for it; a job keeping fp32 weights runs the experts' "eager" loop
+                kw["experts_implementation"] = "eager"
+            model = AutoModelForCausalLM.from_config(cfg, attn_implementation=impl, dtype=getattr(torch, dtype),
+                                                     **kw)
             if recompute == "full":
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             model.train()
@@ -335,6 +342,15 @@ def _block_segments(timeline: list[int], grads: list[tuple[int, int, int]],
         segments.append(points)
         start = end + 1
     return segments
+
+
+def moe_experts(config: dict[str, Any]) -> int:
+    """The number of routed experts a config declares (0 for a dense model)."""
+    for k in ("num_local_experts", "n_routed_experts", "num_experts"):
+        v = config.get(k)
+        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+            return v
+    return 0
 
 
 #: recipe -> (dtype the model is traced in, autocast to bf16) — what the matmuls and the residual stream see

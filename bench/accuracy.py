@@ -23,6 +23,8 @@ LLAMA = ("llama-7b", dict(layers=2, hidden=256, vocab=2048))  # GQA-free llama b
 GPT2 = ("gpt2", dict(layers=2, hidden=256, vocab=2048))  # tied embeddings, LayerNorm + GELU MLP
 LLAMA3 = ("llama-3-8b", dict(layers=2, hidden=512, vocab=2048))  # GQA (4 query heads per kv head)
 LLAMA4 = ("llama-7b", dict(layers=4, hidden=256, vocab=2048))  # more blocks: retention and prefetch matter
+MIXTRAL = ("mixtral-8x7b", dict(layers=2, hidden=256, vocab=2048))  # MoE: 8 experts, top-2, grouped_mm
+DEEPSEEK = ("deepseek-v3", dict(layers=4, hidden=256, vocab=2048))  # MLA; 3 dense blocks then a 256-expert one
 NO_REUSE = dict(max_reuse_distance=0, param_persistence_threshold=0)
 
 CASES = [
@@ -62,6 +64,13 @@ CASES = [
     # session 5: resharding to a group of 2 of 4 ranks after forward (hpZ-like: a secondary shard per block)
     ("fsdp-full reshard 2 (hpZ-like), 4 ranks", LLAMA4, dict(strategy="fsdp-full", gpus=4), {},
      dict(reshard_after_forward=2), "none"),
+    # session 5: MoE (large blocks: FSDP2's all-gather copy-outs and in-block backward moments dominate), blocks
+    # that differ in size (DeepSeek: dense, then MoE)
+    ("ddp", MIXTRAL, dict(strategy="ddp"), {}, {}, "none"),
+    ("fsdp-full", MIXTRAL, dict(strategy="fsdp-full"), {}, {}, "none"),
+    ("fsdp-full, fp32", MIXTRAL, dict(strategy="fsdp-full", precision="fp32"), {}, {}, "none"),
+    ("zero3 defaults", MIXTRAL, dict(stage=3), {}, {}, "none"),
+    ("fsdp-full", DEEPSEEK, dict(strategy="fsdp-full"), {}, {}, "none"),
 ]
 QUICK = [CASES[5], CASES[11]]
 

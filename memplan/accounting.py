@@ -271,9 +271,12 @@ def _fixed(inv: ParamInventory, s: Settings) -> _Fixed:
     # gather_fwd_end: gathered when forward ends (the loss); gather_turn: the most gathered in forward, counted
     # with every block's saved activations (conservative: the moment falls before the last blocks ran)
     gather_fwd = gather_bwd = gather_turn = gather_loss = gather_end = gather_fwd_end = 0
-    #: further backward moments: (buffers, grads, activations) with activations -1 for "everything saved but
-    #: one block" (the end of the last block's backward), or k for inside the backward of the k-th block from
-    #: the end (the profile's block_moments, the block's own unsharded grads added at the grad dtype)
+    #: further moments, reported in the "backward" phase: (buffers, grads, activations) with activations -4
+    #: for "everything saved but the last block", -1 "but the last two", -2 everything saved, -3 the
+    #: embedding's output only, or k >= 0
+    #: inside a block's backward (the profile's block_moments: 0 the last block, 1 the one before it, 2 the
+    #: first; the block's own grads added there). FSDP2's forward copy-outs are among them: the phase is the
+    #: step's worst moment outside the forward's end, the loss and backward's end.
     bwd_moments: list[tuple[int, int, int]] = []
     #: FSDP2: (buffers, grads not yet reduced) at backward's end
     fsdp_end: tuple[int, int] | None = None
@@ -324,64 +327,108 @@ def _fixed(inv: ParamInventory, s: Settings) -> _Fixed:
                 # of the shard group's size reshards fully (True)
                 raf = False if raf == 1 else True if raf == n else raf
             root = cb * g.root
-            blk = g.largest_block
+            sizes = g.block_numels or (0,)
             nblocks = len(g.block_numels)
+            # blocks by position (a model's blocks may differ: dense then MoE): the last, the one before it,
+            # the one before that; the first and the second
+            last, prev = sizes[-1], (sizes[-2] if nblocks >= 2 else 0)
+            prev2 = sizes[-3] if nblocks >= 3 else 0
+            first, second = sizes[0], (sizes[1] if nblocks >= 2 else 0)
             gb, rb = rc.grad_bytes, rc.reduced_grad_bytes
             head_grads = gb * g.root_head  # from the head's backward to the root's reduce
-            ag_held = cb * blk if st.shard_params and n > 1 else 0  # the last forward all-gather's output
+            # all-gathers with more than one rank go through a flat output buffer. In forward the output is kept
+            # (FSDPCommContext.all_gather_state) until the next block's wait_for_unshard returns: the local
+            # `prev_all_gather_state` holds it through that block's copy-out, so at a copy-out three are live:
+            # the previous output, this one and its copies; the last one is held to the root's post-forward, so
+            # through the loss. In backward a block's output is freed right after its own copy-out.
+            # (_fsdp_param_group.py wait_for_unshard; measured: MoE blocks, session 5, docs/accuracy.md)
+            flat = n > 1
+            ag_held = cb * last if flat else 0
             if raf is False:
                 kept = cb * g.total_blocks  # every block stays unsharded until its backward
-                gather_turn = root + kept
+                share_last = share_prev = 0
                 gather_fwd_end = root + kept + ag_held
                 gather_loss = root + kept
                 # inside the last block's backward: all blocks unsharded
                 inside_last = root + head_grads + kept
                 # the last block: all blocks unsharded and its grads; then (resharded) its reduce-scatter input
-                gather_bwd = root + head_grads + kept + gb * blk + max(0, rb - cb) * blk
-                # the block before it: one block fewer unsharded, the last block's reduce-scatter input, its grads
-                inside_two = root + head_grads + kept - cb * blk + rb * blk
+                gather_bwd = root + head_grads + kept + gb * last + max(0, rb - cb) * last
+                # the block before it: one block fewer unsharded, the last block's reduce-scatter input
+                inside_two = root + head_grads + kept - cb * last + rb * last
+                # the last block's copy-out in forward: every block before it unsharded and its all-gather output
+                fwd_last = root + kept + cb * (prev + last) if flat else 0
+                unshard_last = unshard_prev = 0  # nothing is gathered in backward
             else:
                 if raf is True:
-                    kept = share = 0
+                    kept = share_last = share_prev = 0
                 else:
                     # every block keeps a 1/raf share after forward (to_sharded_post_forward clones it); a block's
                     # share is freed when backward unshards it, after the copy-out (_fsdp_param.py to_unsharded)
                     kept = cb * layouts.ceil_sum(g.block_numels, raf)
-                    share = cb * ceil_div(blk, raf)
-                gather_turn = root + 2 * cb * blk + kept  # a block's copy + all-gather output
+                    share_last, share_prev = cb * ceil_div(last, raf), cb * ceil_div(prev, raf)
                 gather_fwd_end = root + kept + ag_held
                 # the loss backward: the root's pre-backward has prefetched the last block's all-gather
-                gather_loss = root + cb * blk + kept
-                prefetched = cb * blk if nblocks >= 2 else 0
+                gather_loss = root + cb * last + kept
+                prefetched = cb * prev
+                # the last block's copy-out in forward: the previous block's all-gather output, its own, its copies
+                fwd_last = root + kept - share_last + cb * (prev + 2 * last) if flat else 0
+                # the last block's copy-out in backward (its all-gather prefetched at the loss): output and copies
+                unshard_last = root + head_grads + kept + (2 if flat else 1) * cb * last
                 # inside the last block's backward: itself, the next block prefetched by its pre-backward
-                inside_last = root + head_grads + kept - share + prefetched + cb * blk
+                inside_last = root + head_grads + kept - share_last + prefetched + cb * last
                 # the last block at the end of its backward: that, and its grads; then resharded, its
                 # reduce-scatter input
-                gather_bwd = root + head_grads + kept - share + prefetched + gb * blk + max(cb, rb) * blk
-                # inside the block before it: itself, the next prefetched (if any), and the last block's
-                # reduce-scatter input, still held
-                inside_two = (root + head_grads + kept - 2 * share + cb * blk * (2 if nblocks >= 3 else 1)
-                              + rb * blk)
+                gather_bwd = root + head_grads + kept - share_last + prefetched + gb * last + max(cb, rb) * last
+                # the block before it, copied out of its prefetched all-gather: the last block's reduce-scatter
+                # input still held (reduce_scatter_max_input_buffers = 1) and the next block prefetched after
+                unshard_prev = (root + head_grads + kept - share_last + (2 if flat else 1) * cb * prev
+                                + rb * last)
+                # inside the block before it: itself, the next prefetched (if any), the last block's input
+                inside_two = root + head_grads + kept - share_last - share_prev + cb * (prev + prev2) + rb * last
+            # the first block's copy-out in forward: the root's all-gather output is held through it (the root
+            # stays unsharded: fully_shard's default for the root), with block 0's output and copies
+            fwd_first = root + (root if flat else 0) + (2 if flat else 1) * cb * first
+            bwd_moments.append((fwd_first, 0, -3))
+            if nblocks >= 2:
+                bwd_moments.append((fwd_last, 0, -7))
+            if unshard_last:
+                bwd_moments.append((unshard_last, 0, -5))
             # inside a block's backward its unsharded grads grow while its activations are freed: the profile
             # follows both (block_moments); the grads are counted at the unsharded grad dtype
             bwd_moments.append((inside_last, 0, 0))
             if nblocks >= 2:
                 # and the last block's reduced grad shard
-                last_shard = rc.reduced_grad_bytes * ceil_div(blk, n)
-                bwd_moments.append((inside_two + gb * blk, last_shard, -1))  # the block before, grads complete
+                last_shard = rc.reduced_grad_bytes * ceil_div(last, n)
+                if unshard_prev:
+                    bwd_moments.append((unshard_prev, last_shard, -6))
+                bwd_moments.append((inside_two + gb * prev, last_shard, -1))  # the block before, grads complete
                 bwd_moments.append((inside_two, last_shard, 1))
             # backward's end, the larger of: the first block at the end of its backward (itself, its grads, the
             # next block's reduce-scatter input; the reduced shards of all blocks but it and the root), and the
             # root's reduce (its grads, and either its unsharded params with the first block's reduce-scatter
             # input or, resharded, its own reduce-scatter input; every block's shard reduced)
             shard = rc.reduced_grad_bytes
-            first_block = (root + head_grads + (cb + gb) * blk + (rb * blk if nblocks >= 2 else max(0, rb - cb) * blk),
-                           shard * (ceil_div(g.root, n) + ceil_div(blk, n)))
-            root_reduce = (gb * g.root + max(root + rb * blk, rb * g.root), shard * ceil_div(g.root, n))
+            first_block = (root + head_grads + (cb + gb) * first
+                           + (rb * second if nblocks >= 2 else max(0, rb - cb) * first),
+                           shard * (ceil_div(g.root, n) + ceil_div(first, n)))
+            root_reduce = (gb * g.root + max(root + rb * first, rb * g.root), shard * ceil_div(g.root, n))
             gather_end = 0
             fsdp_end = max(first_block, root_reduce, key=lambda m: m[0] - m[1])
+            # inside the first block's backward: itself unsharded, the second block's reduce-scatter input
+            bwd_moments.append((root + head_grads + cb * first + (rb * second if nblocks >= 2 else 0),
+                                grads_end - first_block[1], 2))
             a["reshard_after_forward"] = raf
         a["largest_gathered_block_numel"] = g.largest_block
+    elif st.framework == "torch-ddp" and not fsdp_offload:
+        # DDP (and DDP + ZeroRedundancyOptimizer): every parameter's grad is allocated by autograd when produced
+        # and kept to the step (the Reducer copies buckets back into them), so inside a block's backward the
+        # grads of everything after it exist: the head's inside the last block, all but the embedding's and the
+        # first block's inside the first block
+        g = layouts.gather_sizes(inv, st.layout, n)
+        if g.block_numels:
+            gb = rc.grad_bytes
+            bwd_moments.append((0, gb * g.root_head, 0))
+            bwd_moments.append((0, gb * (psi - (g.root - g.root_head) - g.block_numels[0]), 2))
 
     # ---- optimizer step transients ----
     impl = _optimizer_impl(s)
@@ -435,7 +482,7 @@ def _fixed(inv: ParamInventory, s: Settings) -> _Fixed:
     moments = []
     for m_buffers, m_grads, kind in bwd_moments:
         m_buffers += buf_persist + buf_bwd + amp_copies
-        m_grads += grads_persist
+        m_grads = max(m_grads, grads_persist)  # grads kept across micro-steps include those of the moment
         moments.append((m_grads, m_buffers, states_total + m_grads + m_buffers, kind))
     return _Fixed(weights, master, states, grads, buffers,
                   tuple(states_total + g + b for g, b in zip(grads, buffers)), prof, host * c.ranks_per_node, n,
@@ -454,8 +501,9 @@ class _Fixed:
                  comms: int, assumptions: dict[str, Any], moments: tuple[tuple[int, int, int, int], ...] = (),
                  grad_width: int = 2) -> None:
         #: further backward moments (grads, buffers, non-activation total, activations kind): kind -1 counts
-        #: everything saved but one block; kind k >= 0 is inside the backward of the k-th block from the end
-        #: (profile.block_moments), the block's own grads at ``grad_width`` bytes added. The "backward" phase is
+        #: everything saved but one block; kind k >= 0 is inside a block's backward (profile.block_moments:
+        #: 0 the last block, 1 the one before it, 2 the first block), the block's own grads at ``grad_width``
+        #: bytes added. The "backward" phase is
         #: the largest of these and the base moment.
         self.moments, self.grad_width = moments, grad_width
         self._blocks = any(m[3] >= 0 for m in moments)
@@ -472,22 +520,31 @@ def _phases(f: _Fixed, recompute: str, micro_batch: int) -> list[tuple[int, int,
     fwd, bwd, saved, emb, block = f.profile.terms(recompute, micro_batch)
     out = [(g, x, b) for g, x, b in zip(f.grads, (fwd, bwd, saved, emb, 0), f.buffers)]
     best = f.non_activation[2] + saved
-    for grads, buffers, total, x, gx in _moments(f, micro_batch, saved - block):
+    for grads, buffers, total, x, gx in _moments(f, micro_batch, saved, block, emb):
         if total + x + gx > best:
             best, out[2] = total + x + gx, (grads + gx, x, buffers)
     return out
 
 
-def _moments(f: _Fixed, micro_batch: int, saved_but_block: int) -> list[tuple[int, int, int, int, int]]:
+def _moments(f: _Fixed, micro_batch: int, saved: int, block: int, emb: int) -> list[tuple[int, int, int, int, int]]:
     """f.moments evaluated at ``micro_batch``: (grads, buffers, non-activation total, activations, the block's
-    own grads)."""
+    own grads). ``saved`` is the profile's third term: everything saved but the last block's activations.
+    Activation kinds: -4 that, -1 everything saved but the last two blocks', -2 everything saved, -3 the
+    embedding's output only; from the profile's timeline (profile.moment_activations, else a bound): -5 when
+    the last block's backward begins, -6 when the one before it begins, -7 when the last block's forward
+    begins; k >= 0 inside a block's backward (profile.block_moments)."""
     if not f.moments:
         return []
     blocks = f.profile.block_moments(micro_batch, f.grad_width) if f._blocks else ()
+    named = f.profile.moment_activations(micro_batch)
     out = []
     for grads, buffers, total, kind in f.moments:
         if kind < 0:
-            out.append((grads, buffers, total, saved_but_block, 0))
+            x = named.get(kind)
+            if x is None:  # no timeline (analytic profile): the bound that contains the moment
+                x = {-1: saved - block, -2: saved + block, -3: emb, -4: saved, -5: saved + block, -6: saved,
+                     -7: saved}[kind]
+            out.append((grads, buffers, total, x, 0))
         elif kind < len(blocks):
             x, g = blocks[kind]
             out.append((grads, buffers, total, x, f.grad_width * g))
@@ -531,7 +588,7 @@ def required_bytes(inv: ParamInventory, s: Settings, micro_batches: Any) -> list
     for b in micro_batches:
         fwd, bwd, saved, emb, block = prof.terms(rec, b)
         peak = max(base[0] + fwd, base[1] + bwd, base[2] + saved, base[3] + emb, base[4])
-        for _, _, total, x, gx in _moments(f, b, saved - block):
+        for _, _, total, x, gx in _moments(f, b, saved, block, emb):
             peak = max(peak, total + x + gx)
         out.append((peak, peak + fixed_over + peak * frag // 100))
     return out

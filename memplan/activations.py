@@ -38,7 +38,7 @@ from memplan.errors import SettingsError
 RECOMPUTE = ("none", "selective", "full")
 ATTENTION = ("flash", "sdpa", "eager")
 ACTIVATION_SOURCES = ("traced", "analytic")
-PROFILE_VERSION = 4  #: bump when the traced profile's format or method changes (memplan.tracing)
+PROFILE_VERSION = 5  #: bump when the traced profile's format or method changes (memplan.tracing)
 
 
 @dataclass(frozen=True)
@@ -74,6 +74,10 @@ class ActivationProfile:
     def block_moments(self, micro_batch: int, grad_width: int) -> tuple[tuple[int, int], ...]:
         """Inside a block's backward (see TracedProfile.block_moments): the analytic profile has no timeline."""
         return ()
+
+    def moment_activations(self, micro_batch: int) -> dict[int, int]:
+        """Activations at named moments (see TracedProfile.moment_activations): none without a timeline."""
+        return {}
 
     def recompute_transient_bytes(self, recompute: str) -> int:
         """Extra bytes while one block is recomputed in backward (full recompute only)."""
@@ -184,22 +188,39 @@ class TracedProfile:
                 d["live_after_forward"][0] + d["live_after_forward"][1] * b + extra - block, 0, block)
 
     def block_moments(self, micro_batch: int, grad_width: int) -> tuple[tuple[int, int], ...]:
-        """Inside the backward of the last block, then of the one before it: (activation bytes, the block's
-        parameter-gradient elements created so far) at the moment where activations plus those gradients at
-        ``grad_width`` bytes each peak. The traced blocks stand for the model's last two, with the untraced
-        blocks' saved activations below them. Empty for profiles traced before these were recorded."""
+        """Inside the backward of the last block, of the one before it, and of the first block: (activation
+        bytes, the block's parameter-gradient elements created so far) at the moment where activations plus those
+        gradients at ``grad_width`` bytes each peak. The last two traced blocks stand for the model's last two,
+        with the untraced blocks' saved activations below them; the first has no block below it. Empty for
+        profiles traced before these were recorded."""
         d, b = self.data, micro_batch
         segs = d.get("block_backward") or ()
+        first = d.get("first_block_backward")
+        if not segs or not first:
+            return ()
         extra_line = d["per_layer"]
         extra = (d["num_layers"] - d["traced_layers"]) * (extra_line[0] + extra_line[1] * b)
         out = []
-        for seg in segs:
+        for seg, below in ((segs[0], extra), (segs[-1], extra), (first, 0)):
             env = seg.get(str(grad_width))
             if not env:
                 return ()
             c0, c1, g = max(env, key=lambda x: x[0] + x[1] * b + grad_width * x[2])
-            out.append((c0 + c1 * b + extra, g))
+            out.append((c0 + c1 * b + below, g))
         return tuple(out)
+
+    def moment_activations(self, micro_batch: int) -> dict[int, int]:
+        """Activations when the last block's backward begins (-5), when the one before it begins (-6) and when
+        the last block's forward begins (-7), read off the traced timeline, untraced blocks below added."""
+        d, b = self.data, micro_batch
+        segs = d.get("block_backward") or ()
+        fwd = d.get("last_block_forward_start")
+        if not segs or fwd is None or "start" not in segs[0]:
+            return {}
+        extra_line = d["per_layer"]
+        extra = (d["num_layers"] - d["traced_layers"]) * (extra_line[0] + extra_line[1] * b)
+        at = lambda line: line[0] + line[1] * b + extra  # noqa: E731
+        return {-5: at(segs[0]["start"]), -6: at(segs[-1]["start"]), -7: at(fwd)}
 
     @property
     def source(self) -> str:

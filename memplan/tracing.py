@@ -235,7 +235,17 @@ def _one_step(config: dict[str, Any], batch: int, seq: int, recipe: str, attenti
     transformers.logging.set_verbosity_error()
     # packed-sequence detection reads values (.item()), which fake tensors do not have: one unpacked sequence
     real_packed = getattr(mu, "find_packed_sequence_indices", None)
+    # MoE experts run through grouped_mm. Its fake (meta) kernel takes bf16 only
+    # (torch/_meta_registrations.py _meta_grouped_mm_common), while the real kernels also run fp32 weights
+    # (torch-amp, fp32 recipes) through a fallback; for those the trace takes transformers' own fallback op
+    # (transformers::grouped_mm_fallback), which saves the same two tensors for backward (input, weight).
+    moe = None
+    if dtype == "float32" and moe_experts(config):
+        import transformers.integrations.moe as moe
+    real_can_grouped = getattr(moe, "_can_use_grouped_mm", None)
     try:
+        if real_can_grouped is not None:
+            moe._can_use_grouped_mm = lambda *a, **k: False
         if attention in ("flash", "sdpa"):
             F.scaled_dot_product_attention = _flash_sdpa()
         if device == "cuda":
@@ -243,14 +253,7 @@ def _one_step(config: dict[str, Any], batch: int, seq: int, recipe: str, attenti
         if real_packed is not None:
             mu.find_packed_sequence_indices = lambda position_ids: None
         with FakeTensorMode(allow_non_fake_inputs=True):
-            kw = {}
-            if dtype == "float32" and moe_experts(config):
-                # transformers runs MoE experts with grouped_mm by default, which takes bf16 only (CUDA and CPU:
-                # torch/_meta_registrations.py _meta_grouped_mm_common mirrors _grouped_mm_cuda's checks), and
-                # autocast does not cast for it; a job keeping fp32 weights runs the experts' "eager" loop
-                kw["experts_implementation"] = "eager"
-            model = AutoModelForCausalLM.from_config(cfg, attn_implementation=impl, dtype=getattr(torch, dtype),
-                                                     **kw)
+            model = AutoModelForCausalLM.from_config(cfg, attn_implementation=impl, dtype=getattr(torch, dtype))
             if recompute == "full":
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             model.train()
@@ -259,7 +262,16 @@ def _one_step(config: dict[str, Any], batch: int, seq: int, recipe: str, attenti
             for t in params + list(model.buffers()):
                 live.ignore(t)
             param_storages = {id(p.untyped_storage()) for p in params}
-            block_of = _block_index(model)
+            block_of, block_list = _block_index(model)
+            #: live bytes when each block's forward begins (its first call: not a recomputation in backward)
+            forward_starts: dict[int, int] = {}
+            def note_start(i: int) -> Any:
+                def hook(_mod: Any, _args: Any) -> None:
+                    forward_starts.setdefault(i, live.live)
+                return hook
+
+            for i, blk in enumerate(block_list):
+                blk.register_forward_pre_hook(note_start(i))
             #: (timeline index at which the gradient was created, block index or -1, numel), per parameter
             grads: list[tuple[int, int, int]] = []
 
@@ -297,21 +309,24 @@ def _one_step(config: dict[str, Any], batch: int, seq: int, recipe: str, attenti
         F.dropout = real_dropout
         if real_packed is not None:
             mu.find_packed_sequence_indices = real_packed
+        if real_can_grouped is not None:
+            moe._can_use_grouped_mm = real_can_grouped
     timeline = live.corrected()
     return {"saved": sum(saved.values()), "live": after_forward, "forward": timeline[:forward_end],
-            "backward": timeline[forward_end - 1:], "blocks": _block_segments(timeline, grads, forward_end)}
+            "backward": timeline[forward_end - 1:], "blocks": _block_segments(timeline, grads, forward_end),
+            "last_block_forward_start": forward_starts.get(len(block_list) - 1, 0)}
 
 
-def _block_index(model: Any) -> dict[int, int]:
+def _block_index(model: Any) -> tuple[dict[int, int], list[Any]]:
     """id(parameter) -> index of the decoder block that owns it (the longest ModuleList of the model: the unit
-    FSDP and DeepSpeed wrap); parameters outside it are not in the map."""
+    FSDP and DeepSpeed wrap; parameters outside it are not in the map), and the blocks."""
     import torch
 
     lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]
     if not lists:
-        return {}
+        return {}, []
     blocks = max(lists, key=len)
-    return {id(p): i for i, blk in enumerate(blocks) for p in blk.parameters()}
+    return {id(p): i for i, blk in enumerate(blocks) for p in blk.parameters()}, list(blocks)
 
 
 def _block_segments(timeline: list[int], grads: list[tuple[int, int, int]],
@@ -444,20 +459,22 @@ def trace_profile(config: dict[str, Any], *, seq_len: int, recipe: str, attentio
     live = line(top[0]["live"], top[1]["live"])
     per_layer = [0, 0] if low is None else [x - y for x, y in zip(live, line(low[0]["live"], low[1]["live"]))]
 
-    def block_backward(seg_a: list[list[int]], seg_b: list[list[int]]) -> dict[str, list[list[int]]]:
+    def block_backward(seg_a: list[list[int]], seg_b: list[list[int]]) -> dict[str, Any]:
         """One block's backward: per gradient width w, the envelope of [c0, c1, g] where activations are
         c0 + c1*b and the block's gradients so far g elements, ranked by c0 + c1*b + w*g."""
         if len(seg_a) != len(seg_b) or any(x[1] != y[1] for x, y in zip(seg_a, seg_b)):
             raise SettingsError("the traced backward runs different operations at micro-batch 2 and 4; "
                                 "use --activations analytic")
         pts = [line(x[0], y[0]) + [x[1]] for x, y in zip(seg_a, seg_b)]
-        out = {}
+        out: dict[str, Any] = {"start": pts[0][:2]}  # activations when the block's backward begins
         for w in GRAD_WIDTHS:
             env = _envelope([(c0 + w * g, c1, c0, g) for c0, c1, g in pts])
             out[str(w)] = [[c0, c1, g] for _, c1, c0, g in env]
         return out
 
-    blocks = [block_backward(x, y) for x, y in zip(top[0]["blocks"][:2], top[1]["blocks"][:2])]
+    segs = [(x, y) for x, y in zip(top[0]["blocks"], top[1]["blocks"])]
+    blocks = [block_backward(x, y) for x, y in segs[:2]]
+    first = block_backward(*segs[-1]) if segs else None
     return {
         "version": PROFILE_VERSION,
         "seq_len": seq_len, "recipe": recipe, "attention": attention, "recompute": recompute, "device": device,
@@ -469,6 +486,10 @@ def trace_profile(config: dict[str, Any], *, seq_len: int, recipe: str, attentio
         "backward_peak": envelope("backward"),
         #: the last and the one-before-last block's backward with their own gradients (see _block_segments)
         "block_backward": blocks,
+        #: the first block's backward (the last to run), with no block below it
+        "first_block_backward": first,
+        #: live bytes when the last block's forward begins (everything before it saved, nothing of the loss)
+        "last_block_forward_start": line(top[0]["last_block_forward_start"], top[1]["last_block_forward_start"]),
         "transformers": transformers.__version__,
     }
 

@@ -65,7 +65,9 @@ def scale_config(config: dict[str, Any], *, layers: int | None = None, hidden: i
         ratio_num, ratio_den = hidden, old_h
         for k in _INTER_KEYS:
             if cfg.get(k):
-                cfg[k] = max(1, int(cfg[k]) * ratio_num // ratio_den)
+                # to a multiple of 8 elements: the CPU grouped_mm kernel (MoE experts) wants 16-byte strides
+                v = int(cfg[k]) * ratio_num // ratio_den
+                cfg[k] = max(8, (v + 4) // 8 * 8)
         changes.append(f"{hkey} {old_h} -> {hidden}, {nkey} {heads} -> {new_heads}"
                        + (f", num_key_value_heads {kv} -> {cfg['num_key_value_heads']}" if kv else ""))
         cfg[hkey], cfg[nkey] = hidden, new_heads

@@ -196,12 +196,28 @@ def test_fsdp2_buffer_lifetimes_per_phase():
     assert backward == root + 2 * hd + 2 * b + 2 * b + max(2 * b, 4 * b)
     # one block further: itself, the next, its grads and the last block's reduce-scatter input still held,
     # with the last block's fp32 grad shard reduced
-    (in_g, in_buf, _, k0), (grads, buffers, _, k1), (in2_g, in2_buf, _, k2) = f.moments
-    assert (k1, k0, k2) == (-1, 0, 1)  # everything saved but a block; inside the last block; inside the one before
-    assert buffers == root + 2 * hd + 4 * b + 2 * b + 4 * b and grads == 4 * b // 4
-    # inside the last block's backward: itself and the next prefetched (its own grads come from the profile)
-    assert (in_buf, in_g) == (root + 2 * hd + 2 * b + 2 * b, 0) and f.grad_width == 2
-    # inside the block before: itself, the next prefetched, the last block's reduce-scatter input and grad shard
-    assert (in2_buf, in2_g) == (root + 2 * hd + 4 * b + 4 * b, 4 * b // 4)
+    # every further moment: (grads, buffers, activations kind)
+    moments = [(g, buf, kind) for g, buf, _, kind in f.moments]
+    assert moments == [
+        # block 0's copy-out in forward: the root, the root's all-gather output held through it, block 0's output
+        # and copies; only the embedding's output saved so far
+        (0, 2 * root + 4 * b, -3),
+        # the last block's copy-out in forward: the previous block's output, its own, its copies
+        (0, root + 6 * b, -7),
+        # the last block's copy-out in backward: its prefetched output and its copies; everything saved
+        (0, root + 2 * hd + 4 * b, -5),
+        # inside the last block's backward: itself, the next prefetched (its own grads come from the profile)
+        (0, root + 2 * hd + 4 * b, 0),
+        # the block before, copied out: the last block's fp32 reduce-scatter input held, its grad shard reduced
+        (b, root + 2 * hd + 8 * b, -6),
+        # one block further with its grads complete: itself, the next, its grads, the last block's input
+        (b, root + 2 * hd + 4 * b + 2 * b + 4 * b, -1),
+        # inside it
+        (b, root + 2 * hd + 8 * b, 1),
+        # inside the first block: itself, the second block's reduce-scatter input; the other blocks' shards
+        # reduced (the root's grads wait for its reduce at the very end)
+        (3 * b, root + 2 * hd + 2 * b + 4 * b, 2),
+    ]
+    assert f.grad_width == 2
     # the first block's end: itself, its grads, the second block's reduce-scatter input
     assert end == root + 2 * hd + (2 + 2 + 4) * b

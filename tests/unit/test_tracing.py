@@ -130,10 +130,17 @@ def test_block_moments_pair_activations_with_the_blocks_grads():
     src = sources.ModelSource(name="tiny", kind="config", description="test", config=cfg)
     block_numel = sources.build_inventory(src).largest_layer_block.numel
     for width in (2, 4):
-        (x0, g0), (x1, g1) = prof.block_moments(3, width)
-        assert 0 <= g0 <= block_numel and 0 <= g1 <= block_numel
-        # inside the last block's backward every block below it still holds its activations
-        assert x0 > x1 > 0
+        (x0, g0), (x1, g1), (x2, g2) = prof.block_moments(3, width)
+        assert all(0 <= g <= block_numel for g in (g0, g1, g2))
+        # inside the last block's backward every block below it still holds its activations; the one before it
+        # (3 blocks: one untraced block below it) holds more than the first, which has none below
+        assert x0 > x1 > x2 > 0
+    named = prof.moment_activations(3)
+    fwd, _, saved, _, block = prof.terms("none", 3)
+    # the last block's forward begins with everything but its own activations and the loss's saved
+    assert 0 < named[-7] < saved
+    # its backward begins with everything saved but the loss's; the one before it after one block is freed
+    assert saved < named[-5] <= saved + block and named[-6] < named[-5]
     # wider grads favour a later moment of the block's backward: never fewer grads counted
     assert prof.block_moments(3, 4)[0][1] >= prof.block_moments(3, 2)[0][1]
     assert act.analytic_profile({"hidden_size": 8, "num_layers": 2, "num_heads": 2}, micro_batch=1, seq_len=4,

@@ -71,6 +71,18 @@ CASES = [
     ("fsdp-full, fp32", MIXTRAL, dict(strategy="fsdp-full", precision="fp32"), {}, {}, "none"),
     ("zero3 defaults", MIXTRAL, dict(stage=3), {}, {}, "none"),
     ("fsdp-full", DEEPSEEK, dict(strategy="fsdp-full"), {}, {}, "none"),
+    # session 5: ZeRO-1 at DeepSpeed's default buckets (its backward sets up the 500M-element ipg bucket too),
+    # DeepSpeed's fp16 recipe, FSDP1 (FlatParameter per block)
+    ("zero1 defaults", LLAMA, dict(stage=1), {}, {}, "none"),
+    ("zero2 small buckets, fp16", LLAMA, dict(stage=2, precision="deepspeed-fp16"), SMALL_DS, {}, "none"),
+    ("zero3 small buckets, fp16", LLAMA, dict(stage=3, precision="deepspeed-fp16"), SMALL_DS, {}, "none"),
+    ("fsdp1 full", LLAMA, dict(strategy="fsdp-full"), {}, dict(fsdp_version=1), "none"),
+    ("fsdp1 full, fp32", LLAMA, dict(strategy="fsdp-full", precision="fp32"), {}, dict(fsdp_version=1), "none"),
+    ("fsdp1 full", LLAMA, dict(strategy="fsdp-full"), {}, dict(fsdp_version=1), "full"),
+    ("fsdp1 grad-op", LLAMA4, dict(strategy="fsdp-grad-op"), {}, dict(fsdp_version=1), "none"),
+    ("fsdp1 full", MIXTRAL, dict(strategy="fsdp-full"), {}, dict(fsdp_version=1), "none"),
+    ("fsdp1 hybrid 2 x 2, 4 ranks", LLAMA, dict(strategy="hsdp", gpus=4), {}, dict(hsdp_shard_size=2, fsdp_version=1),
+     "none"),
 ]
 QUICK = [CASES[5], CASES[11]]
 
@@ -126,9 +138,11 @@ def write(args, rows, errors) -> None:  # noqa: ANN001
         f"({os.cpu_count()} cores), CPU only: {args.gpus} gloo ranks spawned on one host, torch {torch.__version__}, "
         f"transformers {transformers.__version__}, deepspeed {dsv} (cases marked 1 or 4 ranks use that many). Each "
         "model is scaled down (2 or 4 blocks, hidden 256 or 512, vocabulary 2048) and predicted for exactly that config; micro-batch 2, sequence 128, "
-        "2 warm-up steps then 1 measured step. FSDP2's all-gather and reduce-scatter run as in-place all-reduces on gloo "
-        "(memplan/harness/run.py `_gloo_collectives_in_place`: gloo's own temporaries, which NCCL does not allocate, "
-        "are left out). Measured = the CPU allocator's live bytes from the profiler's "
+        "2 warm-up steps then 1 measured step. FSDP2's and FSDP1's all-gathers and reduce-scatters run as in-place "
+        "all-reduces on gloo (memplan/harness/run.py `_gloo_collectives_in_place`, `_gloo_flat_collectives_in_place`: "
+        "gloo's own temporaries, which NCCL does not allocate, are left out). The predictions are for `--device cpu`: "
+        "no CUDA overheads, CPU dropout masks, and the fp32 scratch CPU bf16 GEMMs allocate "
+        "(memplan/tracing.py `_cpu_gemm_scratch`). Measured = the CPU allocator's live bytes from the profiler's "
         "memory events (see memplan/harness/measure.py); worst rank. Error = (predicted - measured) / measured; "
         "a negative error is an under-estimate.",
         "",

@@ -302,6 +302,10 @@ def _fixed(inv: ParamInventory, s: Settings) -> _Fixed:
             gather_end = cb * z.end + rc.grad_bytes * g.largest_block
             a["zero3_gathered_numel"] = {"forward": z.forward, "forward_end": z.forward_end, "loss": z.loss,
                                          "backward": z.backward, "end": z.end}
+        elif st.framework == "fsdp1":
+            gather_fwd_end, gather_loss, gather_bwd, fsdp_end = _fsdp1_buffers(
+                s, g, n, cb, grads_end, bwd_moments, a)
+            gather_end = 0
         else:
             # FSDP2 (torch/distributed/fsdp/_fully_shard, torch 2.13), per rank, with B the largest block:
             # - the root group (embeddings, final norm, head) is not resharded after forward (fully_shard's
@@ -391,6 +395,10 @@ def _fixed(inv: ParamInventory, s: Settings) -> _Fixed:
             bwd_moments.append((fwd_first, 0, -3))
             if nblocks >= 2:
                 bwd_moments.append((fwd_last, 0, -7))
+            # inside the last block's forward: its copies and its all-gather output (held to the root's
+            # post-forward); with raf False every block before it unsharded too
+            bwd_moments.append((root + kept - share_last + (cb * last if flat else 0)
+                                + (cb * last if raf is not False else 0), 0, -8))
             if unshard_last:
                 bwd_moments.append((unshard_last, 0, -5))
             # inside a block's backward its unsharded grads grow while its activations are freed: the profile
@@ -435,7 +443,7 @@ def _fixed(inv: ParamInventory, s: Settings) -> _Fixed:
     scratch = 0
     if not (ds_offload_opt or fsdp_offload):
         state_dtype_numel = lay.optimizer_numel if impl == "foreach" else (
-            2 * lay.largest_optimizer_tensor if impl == "single-tensor" else 0)
+            lay.single_step_scratch if impl == "single-tensor" else 0)
         scratch = rc.state_bytes * state_dtype_numel
     # DeepSpeed (and ZeRO-1/2 here): the bf16 grads are copied into an fp32 partition for the step
     # (single_partition_of_fp32_groups[i].grad), after which the bf16 grads are freed.
@@ -490,6 +498,92 @@ def _fixed(inv: ParamInventory, s: Settings) -> _Fixed:
                   rc.grad_bytes)
 
 
+def _fsdp1_buffers(s: Settings, g: Any, n: int, cb: int, grads_end: int, moments: list[tuple[int, int, int]],
+                   a: dict[str, Any]) -> tuple[int, int, int, tuple[int, int]]:
+    """FSDP1 (FullyShardedDataParallel, one FlatParameter per wrapped block and one for the root,
+    use_orig_params=False; torch/distributed/fsdp/_flat_param.py and _runtime_utils.py, torch 2.13), per rank.
+
+    Returns (gathered at forward's end, at the loss, after the last block's post-backward, backward's end as
+    (buffers, grads not yet reduced)) and appends the step's further moments to ``moments``.
+    - Unshard: with a low-precision param_dtype, the fp32 shard is first cast into a shard-sized _mp_shard;
+      the all-gather writes straight into the block's padded unsharded flat buffer (no separate output, no
+      copy-out), then the _mp_shard is freed. One buffer per block: B elements at the unshard dtype.
+    - Forward: the root is not resharded after forward (_post_forward_reshard skips the root); FULL_SHARD
+      reshards each block in its post-forward, SHARD_GRAD_OP keeps it until its backward. Without
+      forward_prefetch one block is gathered at a time.
+    - Backward (BACKWARD_PRE): a block's pre-backward unshards it (prefetched at the previous one) and
+      prefetches the next; the root's pre-backward prefetches the last block.
+    - Grads: the parameters are split() views of the flat parameter; their grads live apart until the split's
+      backward concatenates them into the flat grad (both exist for that moment), then the post-backward hook
+      reshards, casts the flat grad to reduce_dtype (a new tensor) and reduce-scatters it into a new shard. The
+      root's views take grads from the head's backward on; the root is reduced after the embedding's backward.
+    """
+    st, rc = s.strategy, s.recipe
+    raf = s.torch.reshard_after_forward
+    raf = st.reshard_after_forward if raf is None else raf
+    if not isinstance(raf, bool):
+        raise SettingsError("FSDP1 takes reshard_after_forward true (FULL_SHARD) or false (SHARD_GRAD_OP), "
+                            f"not a group size ({raf}); group sizes are FSDP2's")
+    if not st.shard_params:
+        raf = False
+    root = cb * g.root
+    sizes = g.block_numels or (0,)
+    nblocks = len(g.block_numels)
+    last, prev = sizes[-1], (sizes[-2] if nblocks >= 2 else 0)
+    prev2 = sizes[-3] if nblocks >= 3 else 0
+    first = sizes[0]
+    gb, rb = rc.grad_bytes, rc.reduced_grad_bytes
+    cast = rb if rb != gb else 0  # _reduce_grad's .to(reduce_dtype) copy
+    lowp = cb != rc.param_bytes  # MixedPrecision param_dtype differs from the sharded parameters' dtype
+    mp = (lambda numel: cb * ceil_div(numel, n)) if lowp else (lambda numel: 0)  # noqa: E731
+    head_grads = gb * g.root_head
+    kept = cb * g.total_blocks if raf is False else 0
+    shard = rc.reduced_grad_bytes
+    last_shard = shard * ceil_div(last, n)
+    gather_fwd_end = root + kept
+    gather_loss = root + (kept if raf is False else cb * last)  # the root prefetches the last block
+    # forward: the root's unshard, the first block's, the last block's (everything before it saved)
+    moments.append((root + mp(g.root), 0, -3))
+    moments.append((root + cb * first + mp(first) + (kept - cb * first if raf is False else 0), 0, -3))
+    if nblocks >= 2:
+        moments.append((root + (kept if raf is False else cb * last) + mp(last), 0, -7))
+    # inside the last block's forward (its activations and temporaries): it is gathered
+    moments.append((root + (kept if raf is False else cb * last), 0, -8))
+    if raf is False:
+        inside_last = root + head_grads + kept
+        after_last = root + head_grads + kept - cb * last  # resharded in its post-backward
+        inside_two = after_last
+    else:
+        prefetched = cb * prev
+        # the last block's pre-backward: itself, and the prefetch of the next with its _mp_shard
+        moments.append((root + head_grads + cb * last + prefetched + mp(prev), 0, -5))
+        inside_last = root + head_grads + cb * last + prefetched
+        after_last = root + head_grads + prefetched
+        inside_two = root + head_grads + cb * (prev + prev2)
+    # inside the last block's backward (its grads from the profile), the split's concatenation, the cast
+    moments.append((inside_last, 0, 0))
+    # the end of its backward: the loss and its own activations gone, as when the next block's backward begins
+    moments.append((max(inside_last + 2 * gb * last, after_last + (gb + cast) * last + rb * ceil_div(last, n)),
+                    0, -6))
+    if nblocks >= 2:
+        moments.append((inside_two, last_shard, 1))
+        # the block before the last, its grads complete: concatenation, then (resharded) the cast
+        two_end = max(inside_two + 2 * gb * prev,
+                      inside_two - cb * prev + (gb + cast) * prev + rb * ceil_div(prev, n))
+        moments.append((two_end, last_shard, -1))
+    # the first block: inside its backward, then its grads complete; the root's reduce at the end
+    not_reduced = shard * (ceil_div(g.root, n) + ceil_div(first, n))
+    first_in = root + head_grads + cb * first
+    moments.append((first_in, grads_end - not_reduced, 2))
+    first_end = (max(first_in + 2 * gb * first,
+                     first_in - cb * first + (gb + cast) * first + rb * ceil_div(first, n)), not_reduced)
+    # the root: its views' grads concatenated, the root resharded, the cast and the new shard
+    root_end = (max(root + 2 * gb * g.root, (gb + cast) * g.root + rb * ceil_div(g.root, n)),
+                shard * ceil_div(g.root, n))
+    a["reshard_after_forward"] = raf
+    return gather_fwd_end, gather_loss, after_last, max(first_end, root_end, key=lambda m: m[0] - m[1])
+
+
 class _Fixed:
     """The micro-batch-independent part of a Plan (see _fixed)."""
 
@@ -519,20 +613,34 @@ def _phases(f: _Fixed, recompute: str, micro_batch: int) -> list[tuple[int, int,
     """(grads, activations, buffers) per phase at ``micro_batch``."""
     fwd, bwd, saved, emb, block = f.profile.terms(recompute, micro_batch)
     out = [(g, x, b) for g, x, b in zip(f.grads, (fwd, bwd, saved, emb, 0), f.buffers)]
-    best = f.non_activation[2] + saved
-    for grads, buffers, total, x, gx in _moments(f, micro_batch, saved, block, emb):
-        if total + x + gx > best:
-            best, out[2] = total + x + gx, (grads + gx, x, buffers)
+    best = {0: f.non_activation[0] + fwd, 2: f.non_activation[2] + saved}
+    for (grads, buffers, total, x, gx), (*_, kind) in zip(_moments(f, micro_batch, saved, block, emb, fwd),
+                                                          _evaluated(f, micro_batch)):
+        phase = 0 if kind in FORWARD_MOMENTS else 2
+        if total + x + gx > best[phase]:
+            best[phase], out[phase] = total + x + gx, (grads + gx, x, buffers)
     return out
 
 
-def _moments(f: _Fixed, micro_batch: int, saved: int, block: int, emb: int) -> list[tuple[int, int, int, int, int]]:
+#: moment kinds that fall in the forward (an all-gather's copy-out, inside the last block's forward)
+FORWARD_MOMENTS = (-3, -7, -8)
+
+
+def _evaluated(f: _Fixed, micro_batch: int) -> list[tuple[int, int, int, int]]:
+    """The moments _moments evaluates, in its order (those it can evaluate at this profile)."""
+    n_blocks = len(f.profile.block_moments(micro_batch, f.grad_width)) if f._blocks else 0
+    return [m for m in f.moments if m[3] < 0 or m[3] < n_blocks]
+
+
+def _moments(f: _Fixed, micro_batch: int, saved: int, block: int, emb: int,
+             fwd: int) -> list[tuple[int, int, int, int, int]]:
     """f.moments evaluated at ``micro_batch``: (grads, buffers, non-activation total, activations, the block's
     own grads). ``saved`` is the profile's third term: everything saved but the last block's activations.
     Activation kinds: -4 that, -1 everything saved but the last two blocks', -2 everything saved, -3 the
     embedding's output only; from the profile's timeline (profile.moment_activations, else a bound): -5 when
     the last block's backward begins, -6 when the one before it begins, -7 when the last block's forward
-    begins; k >= 0 inside a block's backward (profile.block_moments)."""
+    begins, -8 the most inside the last block's forward; k >= 0 inside a block's backward
+    (profile.block_moments)."""
     if not f.moments:
         return []
     blocks = f.profile.block_moments(micro_batch, f.grad_width) if f._blocks else ()
@@ -543,7 +651,7 @@ def _moments(f: _Fixed, micro_batch: int, saved: int, block: int, emb: int) -> l
             x = named.get(kind)
             if x is None:  # no timeline (analytic profile): the bound that contains the moment
                 x = {-1: saved - block, -2: saved + block, -3: emb, -4: saved, -5: saved + block, -6: saved,
-                     -7: saved}[kind]
+                     -7: saved, -8: fwd}[kind]
             out.append((grads, buffers, total, x, 0))
         elif kind < len(blocks):
             x, g = blocks[kind]
@@ -588,7 +696,7 @@ def required_bytes(inv: ParamInventory, s: Settings, micro_batches: Any) -> list
     for b in micro_batches:
         fwd, bwd, saved, emb, block = prof.terms(rec, b)
         peak = max(base[0] + fwd, base[1] + bwd, base[2] + saved, base[3] + emb, base[4])
-        for _, _, total, x, gx in _moments(f, b, saved, block, emb):
+        for _, _, total, x, gx in _moments(f, b, saved, block, emb, fwd):
             peak = max(peak, total + x + gx)
         out.append((peak, peak + fixed_over + peak * frag // 100))
     return out

@@ -38,7 +38,7 @@ from memplan.errors import SettingsError
 RECOMPUTE = ("none", "selective", "full")
 ATTENTION = ("flash", "sdpa", "eager")
 ACTIVATION_SOURCES = ("traced", "analytic")
-PROFILE_VERSION = 5  #: bump when the traced profile's format or method changes (memplan.tracing)
+PROFILE_VERSION = 6  #: bump when the traced profile's format or method changes (memplan.tracing)
 
 
 @dataclass(frozen=True)
@@ -210,8 +210,9 @@ class TracedProfile:
         return tuple(out)
 
     def moment_activations(self, micro_batch: int) -> dict[int, int]:
-        """Activations when the last block's backward begins (-5), when the one before it begins (-6) and when
-        the last block's forward begins (-7), read off the traced timeline, untraced blocks below added."""
+        """Activations when the last block's backward begins (-5), when the one before it begins (-6), when
+        the last block's forward begins (-7) and at the most inside it (-8), read off the traced timeline,
+        untraced blocks below added."""
         d, b = self.data, micro_batch
         segs = d.get("block_backward") or ()
         fwd = d.get("last_block_forward_start")
@@ -220,7 +221,8 @@ class TracedProfile:
         extra_line = d["per_layer"]
         extra = (d["num_layers"] - d["traced_layers"]) * (extra_line[0] + extra_line[1] * b)
         at = lambda line: line[0] + line[1] * b + extra  # noqa: E731
-        return {-5: at(segs[0]["start"]), -6: at(segs[-1]["start"]), -7: at(fwd)}
+        peak = d.get("last_block_forward_peak") or [[0, 0]]
+        return {-5: at(segs[0]["start"]), -6: at(segs[-1]["start"]), -7: at(fwd), -8: max(at(x) for x in peak)}
 
     @property
     def source(self) -> str:

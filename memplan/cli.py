@@ -376,6 +376,7 @@ def validate(
     hpz_partition_size: Optional[int] = typer.Option(None, help="ZeRO++ zero_hpz_partition_size."),
     reshard_after_forward: Optional[str] = typer.Option(None, help="FSDP2: true, false, or a group size."),
     hsdp_shard_size: Optional[int] = typer.Option(None, help="HSDP shard group size."),
+    fsdp_version: int = typer.Option(2, help="FSDP version: 2 (fully_shard) or 1 (FlatParameter)."),
     bucket_cap_mb: Optional[int] = typer.Option(None, help="DDP bucket_cap_mb."),
     gradient_as_bucket_view: bool = typer.Option(False, "--gradient-as-bucket-view"),
     layers: Optional[int] = typer.Option(None, "--layers", help="Scale the model down to this many blocks."),
@@ -388,7 +389,7 @@ def validate(
     tolerance: float = typer.Option(0.03, "--tolerance", help="Allowed |relative error| on the peak."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON on stdout."),
 ) -> None:
-    """Run the job for real (torch.distributed, real DeepSpeed / FSDP2 / DDP), measure every rank, compare.
+    """Run the job for real (torch.distributed, real DeepSpeed / FSDP2 / FSDP1 / DDP), measure every rank, compare.
 
     Exit code 3 when the peak error exceeds --tolerance.
     """
@@ -410,7 +411,7 @@ def validate(
                           hpz_partition_size=hpz_partition_size),
         torch_overrides=dict(reshard_after_forward=options.parse_reshard(reshard_after_forward),
                              hsdp_shard_size=hsdp_shard_size, bucket_cap_mb=bucket_cap_mb,
-                             gradient_as_bucket_view=gradient_as_bucket_view))
+                             gradient_as_bucket_view=gradient_as_bucket_view, fsdp_version=fsdp_version))
     rep = validation_report(v)
     if as_json:
         _emit_json(rep)

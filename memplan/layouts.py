@@ -22,7 +22,11 @@ DS_NCCL_START_ALIGNMENT_FACTOR = 2
 class LayoutSizes:
     shard_numel: int  #: parameter elements this rank stores (its partition / shard; all of them if replicated)
     optimizer_numel: int  #: elements the worst rank's optimizer updates (states, master, fp32 grads)
-    largest_optimizer_tensor: int  #: elements of the largest single tensor that rank's optimizer steps on
+    #: single-tensor Adam's temporaries at their worst, in elements: for each tensor in the optimizer's order,
+    #: exp_avg_sq.sqrt() and its division make two tensor-sized temporaries while the previous tensor's
+    #: denominator is still bound to the loop's local (torch/optim/adam.py _single_tensor_adam; measured with
+    #: FSDP1's flat parameters, session 5): max over i of n[i-1] + 2 n[i]
+    single_step_scratch: int
     persistent_numel: int  #: ZeRO-3 params kept whole (numel <= persistence threshold), elements
     matmul_numel: int  #: weights read by matmuls (autocast casts these), elements
     shard_shapes: tuple[tuple[tuple[int, ...], int], ...]  #: (full shape, this rank's elements) per tensor
@@ -55,6 +59,15 @@ def _cached(inv: ParamInventory, key: tuple, make):
     return value
 
 
+def _pairs(numels: list[int]) -> int:
+    """max over i of numels[i-1] + 2 numels[i] (see LayoutSizes.single_step_scratch)."""
+    best, prev = 0, 0
+    for x in numels:
+        best = max(best, prev + 2 * x)
+        prev = x
+    return best
+
+
 def _dim0_shard(shape: tuple[int, ...], n: int) -> int:
     if not shape:
         return 1
@@ -77,28 +90,28 @@ def _layout_sizes(inv: ParamInventory, layout: str, n: int, threshold: int) -> L
     if layout == S.REPLICATED:
         shard = opt = psi
         shapes = tuple((t.shape, t.numel) for t in tensors)
-        largest = max(t.numel for t in tensors)
+        largest = _pairs([t.numel for t in tensors])
     elif layout == S.FLAT_ALIGNED:
         # every rank keeps the whole (padded) bf16 flat buffer; master, states and fp32 grads are partitioned
         shard = round_up(psi, DS_NCCL_START_ALIGNMENT_FACTOR * n)
         opt = shard // n
         shapes = tuple((t.shape, ceil_div(t.numel, n)) for t in tensors)
-        largest = opt  # the optimizer steps on one flat fp32 partition
+        largest = 2 * opt  # the optimizer steps on one flat fp32 partition
     elif layout == S.PER_PARAM_NUMEL:
         parts = [ceil_div(t.numel, n) for t in tensors]
         shard = opt = sum(parts)
         persistent = sum(t.numel for t in tensors if t.numel <= threshold)
         shapes = tuple((t.shape, p) for t, p in zip(tensors, parts))
-        largest = opt  # fp32 partitions are flattened per sub group (sub_group_size 1e9 by default)
+        largest = 2 * opt  # fp32 partitions are flattened per sub group (sub_group_size 1e9 by default)
     elif layout == S.PER_PARAM_DIM0:
         parts = [_dim0_shard(t.shape, n) for t in tensors]
         shard = opt = sum(parts)
         shapes = tuple((t.shape, p) for t, p in zip(tensors, parts))
-        largest = max(parts)
+        largest = _pairs(parts)
     elif layout == S.FLAT_PER_BLOCK:
         shard = opt = sum(round_up(b.numel, n) // n for b in inv.blocks if b.numel)
         shapes = tuple((t.shape, ceil_div(t.numel, n)) for t in tensors)
-        largest = max(round_up(b.numel, n) // n for b in inv.blocks if b.numel)
+        largest = _pairs([round_up(b.numel, n) // n for b in inv.blocks if b.numel])  # the root's first
     elif layout == S.GREEDY_WHOLE:
         # ZeroRedundancyOptimizer._partition_parameters: sorted by numel (stable, largest first), each to the
         # first rank with the smallest total so far; the worst rank is predicted.
@@ -111,7 +124,7 @@ def _layout_sizes(inv: ParamInventory, layout: str, n: int, threshold: int) -> L
         worst = sizes.index(max(sizes))
         shard, opt = psi, sizes[worst]
         shapes = tuple((tensors[i].shape, tensors[i].numel) for i in members[worst])
-        largest = max((tensors[i].numel for i in members[worst]), default=0)
+        largest = _pairs([tensors[i].numel for i in members[worst]])  # its params, largest first
     else:  # pragma: no cover - the strategy table only uses the layouts above
         raise ValueError(f"unknown layout {layout}")
     return LayoutSizes(shard, opt, largest, persistent, matmul, shapes)

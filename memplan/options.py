@@ -177,7 +177,7 @@ def resolve(inv: ParamInventory, *, gpus: int = 1, gpus_per_node: int | None = N
         raise SettingsError(f"--bucket-cap-mb must be positive, got {tk.bucket_cap_mb}")
     if tk.fsdp_version not in (1, 2):
         raise SettingsError(f"--fsdp-version must be 1 or 2, got {tk.fsdp_version}")
-    if tk.fsdp_version == 1 and strat.framework == "fsdp2" and strat.shard_params:
+    if tk.fsdp_version == 1 and strat.framework == "fsdp2":
         from memplan.strategies import FLAT_PER_BLOCK
 
         strat = replace(strat, framework="fsdp1", layout=FLAT_PER_BLOCK)

@@ -66,8 +66,11 @@ STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
     Strategy(name="zero0", framework="deepspeed", layout=FLAT_ALIGNED, shard_optimizer=False, shard_grads=False,
              shard_params=False, zero_stage=0, fp32_grad_accumulation=True, persistent_grads=True,
              description="DeepSpeed stage 0: data parallel with its BF16_Optimizer (fp32 master, grads, states)"),
+    # ZeRO-1 runs DeepSpeedZeroOptimizer too: with contiguous_gradients (the default) its gradient hooks set up
+    # the ipg bucket buffer(s) in every backward (stage_1_and_2.py setup_buckets), as ZeRO-2 does (measured:
+    # 1 GB at the default reduce_bucket_size, session 5, docs/accuracy.md)
     Strategy(name="zero1", framework="deepspeed", layout=FLAT_ALIGNED, shard_optimizer=True, shard_grads=False,
-             shard_params=False, zero_stage=1,
+             shard_params=False, zero_stage=1, ds_ipg_buckets=True,
              description="DeepSpeed ZeRO-1: optimizer states and fp32 master partitioned"),
     Strategy(name="zero2", framework="deepspeed", layout=FLAT_ALIGNED, shard_optimizer=True, shard_grads=True,
              shard_params=False, zero_stage=2, full_grads_in_backward=False, ds_ipg_buckets=True,

@@ -263,15 +263,24 @@ def _one_step(config: dict[str, Any], batch: int, seq: int, recipe: str, attenti
                 live.ignore(t)
             param_storages = {id(p.untyped_storage()) for p in params}
             block_of, block_list = _block_index(model)
-            #: live bytes when each block's forward begins (its first call: not a recomputation in backward)
-            forward_starts: dict[int, int] = {}
+            #: live bytes and timeline index when each block's forward begins, and the index when it ends (its
+            #: first call: not a recomputation in backward)
+            forward_starts: dict[int, tuple[int, int]] = {}
+            forward_ends: dict[int, int] = {}
+
             def note_start(i: int) -> Any:
                 def hook(_mod: Any, _args: Any) -> None:
-                    forward_starts.setdefault(i, live.live)
+                    forward_starts.setdefault(i, (live.live, len(live.timeline)))
+                return hook
+
+            def note_end(i: int) -> Any:
+                def hook(_mod: Any, _args: Any, _out: Any) -> None:
+                    forward_ends.setdefault(i, len(live.timeline))
                 return hook
 
             for i, blk in enumerate(block_list):
                 blk.register_forward_pre_hook(note_start(i))
+                blk.register_forward_hook(note_end(i))
             #: (timeline index at which the gradient was created, block index or -1, numel), per parameter
             grads: list[tuple[int, int, int]] = []
 
@@ -314,7 +323,9 @@ def _one_step(config: dict[str, Any], batch: int, seq: int, recipe: str, attenti
     timeline = live.corrected()
     return {"saved": sum(saved.values()), "live": after_forward, "forward": timeline[:forward_end],
             "backward": timeline[forward_end - 1:], "blocks": _block_segments(timeline, grads, forward_end),
-            "last_block_forward_start": forward_starts.get(len(block_list) - 1, 0)}
+            "last_block_forward_start": forward_starts.get(len(block_list) - 1, (0, 0))[0],
+            "last_block_forward": timeline[forward_starts.get(len(block_list) - 1, (0, 0))[1]:
+                                           forward_ends.get(len(block_list) - 1, 0) + 1]}
 
 
 def _block_index(model: Any) -> tuple[dict[int, int], list[Any]]:
@@ -490,6 +501,8 @@ def trace_profile(config: dict[str, Any], *, seq_len: int, recipe: str, attentio
         "first_block_backward": first,
         #: live bytes when the last block's forward begins (everything before it saved, nothing of the loss)
         "last_block_forward_start": line(top[0]["last_block_forward_start"], top[1]["last_block_forward_start"]),
+        #: the most live during the last block's forward (its own activations and temporaries)
+        "last_block_forward_peak": envelope("last_block_forward") if top[0]["last_block_forward"] else [[0, 0]],
         "transformers": transformers.__version__,
     }
 

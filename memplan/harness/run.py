@@ -80,6 +80,16 @@ def _setup(spec: dict[str, Any], device: Any) -> tuple[Any, Any, Any]:
     if kind == "deepspeed":
         import deepspeed
 
+        if spec["recipe"] == "deepspeed-fp16" and device.type == "cpu":
+            from deepspeed.accelerator import get_accelerator
+
+            acc = get_accelerator()
+            if not acc.is_fp16_supported():
+                # DeepSpeed's CPU accelerator reports fp16 only where oneDNN has fp16 kernels
+                # (cpu_accelerator.py is_fp16_supported); torch's CPU kernels compute fp16 regardless, and the
+                # check only gates the config. The engine's fp16 path (module.half(), loss scaler, fp32
+                # partitions) is what the harness measures.
+                type(acc).is_fp16_supported = lambda self: True
         model = _build_model(spec, on_meta=False)
         opt = _torch_optimizer(spec, model.parameters())
         engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=spec["ds_config"])
@@ -104,6 +114,38 @@ def _setup(spec: dict[str, Any], device: Any) -> tuple[Any, Any, Any]:
         else:
             opt = _torch_optimizer(spec, ddp.parameters())
         return ddp, opt, None
+    if kind == "fsdp1":
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        from torch.distributed.fsdp import MixedPrecision, ShardingStrategy
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+        world = dist.get_world_size()
+        shard = spec["shard_size"]
+        model = _build_model(spec, on_meta=False)
+        mp = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+            if spec["recipe"] == "fsdp-bf16" else None
+        if shard == 1:
+            strategy = ShardingStrategy.NO_SHARD
+        elif shard < world:
+            strategy = ShardingStrategy.HYBRID_SHARD
+        else:
+            strategy = ShardingStrategy.FULL_SHARD if spec["reshard_after_forward"] is not False \
+                else ShardingStrategy.SHARD_GRAD_OP
+        kw: dict[str, Any] = {}
+        if strategy == ShardingStrategy.HYBRID_SHARD:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            kw["device_mesh"] = init_device_mesh("cuda" if device.type == "cuda" else "cpu",
+                                                 (world // shard, shard), mesh_dim_names=("replicate", "shard"))
+        if device.type == "cpu":
+            _gloo_flat_collectives_in_place()
+        # FSDP1 as accelerate / the HF Trainer configure it by default: one FlatParameter per decoder block
+        # (ModuleWrapPolicy on the block class) and one for the root, use_orig_params=False, BACKWARD_PRE
+        # prefetch, limit_all_gathers; the harness's blocks are those of _no_split_modules
+        fsdp = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({type(b) for b in _blocks(model)}),
+                    sharding_strategy=strategy, mixed_precision=mp, device_id=device, use_orig_params=False, **kw)
+        opt = _torch_optimizer(spec, fsdp.parameters())
+        return fsdp, opt, None
     if kind in ("fsdp2",):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -182,6 +224,48 @@ def _gloo_collectives_in_place(model: Any) -> None:
         if isinstance(mod, FSDPModule):
             mod.set_custom_all_gather(_AllGather())
             mod.set_custom_reduce_scatter(_ReduceScatter())
+
+
+def _gloo_flat_collectives_in_place() -> None:
+    """FSDP1 on gloo: its all_gather_into_tensor and reduce_scatter_tensor as in-place all-reduces (see
+    _gloo_collectives_in_place: gloo stages both through temporaries NCCL never allocates). FSDP1 calls them
+    through the torch.distributed module (_flat_param.py, _runtime_utils.py: all_gather_single,
+    reduce_scatter_single), so this rank process's module attributes are replaced; results are identical."""
+    import torch
+    import torch.distributed as dist
+
+    def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=False):  # noqa: ANN001, ANN202
+        size, rank = dist.get_world_size(group), dist.get_rank(group)
+        with torch.no_grad():
+            output_tensor.zero_()
+            output_tensor.view(size, -1)[rank].copy_(input_tensor.view(-1))
+        return dist.all_reduce(output_tensor, group=group, async_op=async_op)
+
+    def reduce_scatter_tensor(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):  # noqa: ANN001, ANN202, A002
+        size, rank = dist.get_world_size(group), dist.get_rank(group)
+        dist.all_reduce(input, op=op, group=group)
+        with torch.no_grad():
+            output.view(-1).copy_(input.view(size, -1)[rank])
+        return None
+
+    def all_gather(tensor_list, tensor, group=None, async_op=False):  # noqa: ANN001, ANN202
+        # FSDP1 gathers CPU flat parameters into chunks of its unsharded buffer with the list form
+        rank = dist.get_rank(group)
+        with torch.no_grad():
+            for i, out in enumerate(tensor_list):
+                out.copy_(tensor) if i == rank else out.zero_()
+        for out in tensor_list:
+            dist.all_reduce(out, group=group)
+        return None
+
+    dist.all_gather = all_gather
+    # torch 2.13's FSDP1 calls the *_single names (aliases of *_into_tensor / *_tensor); older ones the others
+    for name in ("all_gather_into_tensor", "all_gather_single"):
+        if hasattr(dist, name):
+            setattr(dist, name, all_gather_into_tensor)
+    for name in ("reduce_scatter_tensor", "reduce_scatter_single"):
+        if hasattr(dist, name):
+            setattr(dist, name, reduce_scatter_tensor)
 
 
 def _reinit_buffers(model: Any) -> None:

@@ -116,7 +116,10 @@ def ds_config(s: Settings) -> dict[str, Any]:
         "gradient_accumulation_steps": s.grad_accum,
         "train_batch_size": s.micro_batch * s.grad_accum * s.cluster.gpus,
         "bf16": {"enabled": s.recipe.name == "deepspeed-bf16"},
-        "fp16": {"enabled": s.recipe.name == "deepspeed-fp16"},
+        # dynamic loss scaling (DeepSpeed's default) from a scale of 1, so that no measured step is skipped for
+        # an overflow (a skipped step runs no optimizer step); the scale does not change any allocation
+        "fp16": ({"enabled": True, "loss_scale": 0, "initial_scale_power": 0}
+                 if s.recipe.name == "deepspeed-fp16" else {"enabled": False}),
         "zero_optimization": zero,
         "zero_allow_untested_optimizer": True,
         "zero_force_ds_cpu_optimizer": False,
@@ -126,8 +129,8 @@ def ds_config(s: Settings) -> dict[str, Any]:
 
 
 #: what each framework runs in the harness
-_HARNESS_RECIPES = {"deepspeed": ("deepspeed-bf16",), "torch-ddp": ("torch-amp", "fp32", "pure-bf16"),
-                    "fsdp2": ("fsdp-bf16", "torch-amp", "fp32")}
+_HARNESS_RECIPES = {"deepspeed": ("deepspeed-bf16", "deepspeed-fp16"), "torch-ddp": ("torch-amp", "fp32", "pure-bf16"),
+                    "fsdp2": ("fsdp-bf16", "torch-amp", "fp32"), "fsdp1": ("fsdp-bf16", "torch-amp", "fp32")}
 
 
 def build_spec(config: dict[str, Any], s: Settings, *, warmup_steps: int = 2, measured_steps: int = 1,
@@ -137,7 +140,8 @@ def build_spec(config: dict[str, Any], s: Settings, *, warmup_steps: int = 2, me
     fw = st.framework
     if fw not in _HARNESS_RECIPES:
         raise SettingsError(f"the harness does not run {st.name} ({fw}) yet; it runs DeepSpeed ZeRO 0-3, DDP, "
-                            "DDP + ZeroRedundancyOptimizer and FSDP2 (fsdp-full, fsdp-grad-op, fsdp-no-shard, hsdp)")
+                            "DDP + ZeroRedundancyOptimizer and FSDP2 / FSDP1 (fsdp-full, fsdp-grad-op, "
+                            "fsdp-no-shard, hsdp)")
     if s.recipe.name not in _HARNESS_RECIPES[fw]:
         raise SettingsError(f"the harness runs {st.name} with precision {', '.join(_HARNESS_RECIPES[fw])}, "
                             f"not {s.recipe.name}")
@@ -155,7 +159,7 @@ def build_spec(config: dict[str, Any], s: Settings, *, warmup_steps: int = 2, me
     n = shard_group_size(s)
     raf = s.torch.reshard_after_forward
     raf = st.reshard_after_forward if raf is None else raf
-    if fw == "fsdp2" and not st.shard_params:
+    if fw in ("fsdp2", "fsdp1") and not st.shard_params:
         n = 1  # NO_SHARD: a (world, 1) mesh, replicate only
     spec: dict[str, Any] = {
         "config": config, "framework": fw, "strategy": st.name, "recipe": s.recipe.name,

@@ -204,6 +204,8 @@ def test_fsdp2_buffer_lifetimes_per_phase():
         (0, 2 * root + 4 * b, -3),
         # the last block's copy-out in forward: the previous block's output, its own, its copies
         (0, root + 6 * b, -7),
+        # inside the last block's forward: its copies and its all-gather output, held to the root's post-forward
+        (0, root + 4 * b, -8),
         # the last block's copy-out in backward: its prefetched output and its copies; everything saved
         (0, root + 2 * hd + 4 * b, -5),
         # inside the last block's backward: itself, the next prefetched (its own grads come from the profile)

@@ -409,7 +409,7 @@ def _fixed(inv: ParamInventory, s: Settings) -> _Fixed:
                 last_shard = rc.reduced_grad_bytes * ceil_div(last, n)
                 if unshard_prev:
                     bwd_moments.append((unshard_prev, last_shard, -6))
-                bwd_moments.append((inside_two + gb * prev, last_shard, -1))  # the block before, grads complete
+                bwd_moments.append((inside_two + gb * prev, last_shard, -9))  # the block before, grads complete
                 bwd_moments.append((inside_two, last_shard, 1))
             # backward's end, the larger of: the first block at the end of its backward (itself, its grads, the
             # next block's reduce-scatter input; the reduced shards of all blocks but it and the root), and the
@@ -570,7 +570,7 @@ def _fsdp1_buffers(s: Settings, g: Any, n: int, cb: int, grads_end: int, moments
         # the block before the last, its grads complete: concatenation, then (resharded) the cast
         two_end = max(inside_two + 2 * gb * prev,
                       inside_two - cb * prev + (gb + cast) * prev + rb * ceil_div(prev, n))
-        moments.append((two_end, last_shard, -1))
+        moments.append((two_end, last_shard, -9))
     # the first block: inside its backward, then its grads complete; the root's reduce at the end
     not_reduced = shard * (ceil_div(g.root, n) + ceil_div(first, n))
     first_in = root + head_grads + cb * first
@@ -639,8 +639,8 @@ def _moments(f: _Fixed, micro_batch: int, saved: int, block: int, emb: int,
     Activation kinds: -4 that, -1 everything saved but the last two blocks', -2 everything saved, -3 the
     embedding's output only; from the profile's timeline (profile.moment_activations, else a bound): -5 when
     the last block's backward begins, -6 when the one before it begins, -7 when the last block's forward
-    begins, -8 the most inside the last block's forward; k >= 0 inside a block's backward
-    (profile.block_moments)."""
+    begins, -8 the most inside the last block's forward, -9 when the block before the last has finished its
+    backward (-6 less one block); k >= 0 inside a block's backward (profile.block_moments)."""
     if not f.moments:
         return []
     blocks = f.profile.block_moments(micro_batch, f.grad_width) if f._blocks else ()
@@ -649,9 +649,11 @@ def _moments(f: _Fixed, micro_batch: int, saved: int, block: int, emb: int,
     for grads, buffers, total, kind in f.moments:
         if kind < 0:
             x = named.get(kind)
+            if kind == -9 and -6 in named:  # the block before the last one done: one more block's freed
+                x = named[-6] - block
             if x is None:  # no timeline (analytic profile): the bound that contains the moment
                 x = {-1: saved - block, -2: saved + block, -3: emb, -4: saved, -5: saved + block, -6: saved,
-                     -7: saved, -8: fwd}[kind]
+                     -7: saved, -8: fwd, -9: saved - block}[kind]
             out.append((grads, buffers, total, x, 0))
         elif kind < len(blocks):
             x, g = blocks[kind]

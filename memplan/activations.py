@@ -275,18 +275,43 @@ def load_or_trace(config: dict, *, seq_len: int, micro_batch: int, recipe: str, 
                 pass
     if not allow_trace:
         return None
+    failed = cache_dir() / f"{key}.failed"
+    if failed.is_file():
+        # this configuration could not be traced before (same transformers, torch and memplan: the key and the
+        # versions recorded in the file); say why again instead of spending seconds failing again
+        try:
+            record = json.loads(failed.read_text())
+            if record.get("versions") == _versions():
+                raise SettingsError(record["reason"])
+        except (OSError, ValueError, KeyError):
+            pass
     from memplan.tracing import trace_profile
     from memplan.tracing_keys import trace_recipe
 
-    data = trace_profile(config, seq_len=seq_len, recipe=trace_recipe(recipe),
-                         attention="flash" if attention == "sdpa" else attention, recompute=recompute,
-                         device=device)
     try:
-        d = cache_dir()
-        d.mkdir(parents=True, exist_ok=True)
-        tmp = d / f".{key}.{os.getpid()}.tmp"
-        tmp.write_text(json.dumps(data))
-        os.replace(tmp, d / f"{key}.json")  # atomic: never a half-written profile
+        data = trace_profile(config, seq_len=seq_len, recipe=trace_recipe(recipe),
+                             attention="flash" if attention == "sdpa" else attention, recompute=recompute,
+                             device=device)
+    except SettingsError as exc:
+        _write_atomic(failed, json.dumps({"reason": str(exc), "versions": _versions()}))
+        raise
+    _write_atomic(cache_dir() / f"{key}.json", json.dumps(data))
+    return TracedProfile(data, micro_batch, "traced now")
+
+
+def _versions() -> dict[str, str]:
+    """What a trace's outcome depends on besides the key (only called when tracing: torch is imported then)."""
+    import torch
+    import transformers
+
+    return {"torch": torch.__version__, "transformers": transformers.__version__}
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.parent / f".{path.name}.{os.getpid()}.tmp"
+        tmp.write_text(text)
+        os.replace(tmp, path)  # atomic: never a half-written file
     except OSError:
         pass  # a read-only home: trace again next time
-    return TracedProfile(data, micro_batch, "traced now")

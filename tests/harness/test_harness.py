@@ -127,6 +127,13 @@ def test_validate_fsdp2_full_shard_two_ranks():
     ["--gpus", "2", "--strategy", "fsdp-full", "--precision", "torch-amp"],
     ["--gpus", "4", "--strategy", "hsdp", "--hsdp-shard-size", "2"],
     ["--gpus", "2", "--strategy", "ddp", "--recompute", "full"],
+    # session 5: the fp16 recipe, ZeRO-1 at default buckets, FSDP1, FSDP2 inside a recomputed block, fp32
+    ["--gpus", "2", "--stage", "2", "--precision", "deepspeed-fp16", *SMALL_DS],
+    ["--gpus", "2", "--stage", "1"],
+    ["--gpus", "2", "--strategy", "fsdp-full", "--fsdp-version", "1"],
+    ["--gpus", "2", "--strategy", "fsdp-full", "--fsdp-version", "1", "--precision", "fp32"],
+    ["--gpus", "2", "--strategy", "fsdp-full", "--recompute", "full"],
+    ["--gpus", "2", "--strategy", "fsdp-full", "--precision", "fp32"],
 ])
 def test_validate_matrix_two_ranks(args):
     rc, rep = _validate(args)

@@ -213,7 +213,7 @@ def test_fsdp2_buffer_lifetimes_per_phase():
         # the block before, copied out: the last block's fp32 reduce-scatter input held, its grad shard reduced
         (b, root + 2 * hd + 8 * b, -6),
         # one block further with its grads complete: itself, the next, its grads, the last block's input
-        (b, root + 2 * hd + 4 * b + 2 * b + 4 * b, -1),
+        (b, root + 2 * hd + 4 * b + 2 * b + 4 * b, -9),
         # inside it
         (b, root + 2 * hd + 8 * b, 1),
         # inside the first block: itself, the second block's reduce-scatter input; the other blocks' shards

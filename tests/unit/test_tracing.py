@@ -173,3 +173,21 @@ def test_cpu_bf16_gemm_scratch_matches_the_allocator():
     temps = [x for x in events if x > 0 and x != out.nbytes]
     assert temps == [_cpu_gemm_scratch()(torch.ops.aten.mm.default, (a, b), out)] == [4 * 200 * 96 + 128]
     assert _cpu_gemm_scratch()(torch.ops.aten.mm.default, (a.float(), b.float()), out.float()) == 0
+
+
+def test_a_failed_trace_is_remembered(tmp_path, monkeypatch):
+    from memplan import tracing
+
+    monkeypatch.setenv("MEMPLAN_CACHE_DIR", str(tmp_path))
+    calls = []
+
+    def refuse(*args, **kwargs):
+        calls.append(1)
+        raise act.SettingsError("tracing activations failed (RuntimeError: no); use --activations analytic")
+
+    monkeypatch.setattr(tracing, "trace_profile", refuse)
+    key = dict(seq_len=64, micro_batch=1, recipe="fsdp-bf16", attention="flash", recompute="none")
+    for _ in range(2):
+        with pytest.raises(act.SettingsError, match="RuntimeError: no"):
+            act.load_or_trace(tiny(), **key)
+    assert len(calls) == 1  # the second run read the recorded failure instead of tracing again

@@ -348,6 +348,11 @@ def _fixed(inv: ParamInventory, s: Settings) -> _Fixed:
             # (_fsdp_param_group.py wait_for_unshard; measured: MoE blocks, session 5, docs/accuracy.md)
             flat = n > 1
             ag_held = cb * last if flat else 0
+            # foreach_reduce copies the unsharded grads into the reduce-scatter input with torch._chunk_cat; CUDA
+            # has a fused kernel, the CPU composite pads each grad into a temporary in the grad dtype first
+            # (measured: DeepSeek's 9,437,184-element expert weight, an 18,874,368-byte temporary, session 5)
+            chunk_tmp = gb * g.largest_tensor if s.cluster.device == "cpu" else 0
+            root_chunk_tmp = gb * g.root_largest_tensor if s.cluster.device == "cpu" else 0
             if raf is False:
                 kept = cb * g.total_blocks  # every block stays unsharded until its backward
                 share_last = share_prev = 0
@@ -356,7 +361,7 @@ def _fixed(inv: ParamInventory, s: Settings) -> _Fixed:
                 # inside the last block's backward: all blocks unsharded
                 inside_last = root + head_grads + kept
                 # the last block: all blocks unsharded and its grads; then (resharded) its reduce-scatter input
-                gather_bwd = root + head_grads + kept + gb * last + max(0, rb - cb) * last
+                gather_bwd = root + head_grads + kept + gb * last + max(0, rb - cb) * last + chunk_tmp
                 # the block before it: one block fewer unsharded, the last block's reduce-scatter input
                 inside_two = root + head_grads + kept - cb * last + rb * last
                 # the last block's copy-out in forward: every block before it unsharded and its all-gather output
@@ -382,7 +387,8 @@ def _fixed(inv: ParamInventory, s: Settings) -> _Fixed:
                 inside_last = root + head_grads + kept - share_last + prefetched + cb * last
                 # the last block at the end of its backward: that, and its grads; then resharded, its
                 # reduce-scatter input
-                gather_bwd = root + head_grads + kept - share_last + prefetched + gb * last + max(cb, rb) * last
+                gather_bwd = (root + head_grads + kept - share_last + prefetched + gb * last + max(cb, rb) * last
+                              + chunk_tmp)
                 # the block before it, copied out of its prefetched all-gather: the last block's reduce-scatter
                 # input still held (reduce_scatter_max_input_buffers = 1) and the next block prefetched after
                 unshard_prev = (root + head_grads + kept - share_last + (2 if flat else 1) * cb * prev
@@ -401,6 +407,9 @@ def _fixed(inv: ParamInventory, s: Settings) -> _Fixed:
                                 + (cb * last if raf is not False else 0), 0, -8))
             if unshard_last:
                 bwd_moments.append((unshard_last, 0, -5))
+            # the last block's reduce: its activations and the loss's gone, as when the next block's begins
+            bwd_moments.append((gather_bwd, 0, -6))
+            gather_bwd = 0
             # inside a block's backward its unsharded grads grow while its activations are freed: the profile
             # follows both (block_moments); the grads are counted at the unsharded grad dtype
             bwd_moments.append((inside_last, 0, 0))
@@ -410,6 +419,10 @@ def _fixed(inv: ParamInventory, s: Settings) -> _Fixed:
                 if unshard_prev:
                     bwd_moments.append((unshard_prev, last_shard, -6))
                 bwd_moments.append((inside_two + gb * prev, last_shard, -9))  # the block before, grads complete
+                if chunk_tmp:
+                    # then resharded, the last block's input freed, its own input filled: the CPU temporary
+                    bwd_moments.append((root + head_grads + kept - share_last - share_prev + cb * prev2
+                                        + (gb + rb) * prev + chunk_tmp, last_shard, -9))
                 bwd_moments.append((inside_two, last_shard, 1))
             # backward's end, the larger of: the first block at the end of its backward (itself, its grads, the
             # next block's reduce-scatter input; the reduced shards of all blocks but it and the root), and the
@@ -419,9 +432,12 @@ def _fixed(inv: ParamInventory, s: Settings) -> _Fixed:
             first_block = (root + head_grads + (cb + gb) * first
                            + (rb * second if nblocks >= 2 else max(0, rb - cb) * first),
                            shard * (ceil_div(g.root, n) + ceil_div(first, n)))
-            root_reduce = (gb * g.root + max(root + rb * first, rb * g.root), shard * ceil_div(g.root, n))
+            # then resharded, its own reduce-scatter input filled (on CPU through the chunk_cat temporary)
+            first_fill = (root + head_grads + (gb + rb) * first + chunk_tmp, first_block[1])
+            root_reduce = (gb * g.root + max(root + rb * first, rb * g.root) + root_chunk_tmp,
+                           shard * ceil_div(g.root, n))
             gather_end = 0
-            fsdp_end = max(first_block, root_reduce, key=lambda m: m[0] - m[1])
+            fsdp_end = max(first_block, first_fill, root_reduce, key=lambda m: m[0] - m[1])
             # inside the first block's backward: itself unsharded, the second block's reduce-scatter input
             bwd_moments.append((root + head_grads + cb * first + (rb * second if nblocks >= 2 else 0),
                                 grads_end - first_block[1], 2))
@@ -581,7 +597,8 @@ def _fsdp1_buffers(s: Settings, g: Any, n: int, cb: int, grads_end: int, moments
     root_end = (max(root + 2 * gb * g.root, (gb + cast) * g.root + rb * ceil_div(g.root, n)),
                 shard * ceil_div(g.root, n))
     a["reshard_after_forward"] = raf
-    return gather_fwd_end, gather_loss, after_last, max(first_end, root_end, key=lambda m: m[0] - m[1])
+    moments.append((after_last + rb * ceil_div(last, n), 0, -6))  # its new shard reduced
+    return gather_fwd_end, gather_loss, 0, max(first_end, root_end, key=lambda m: m[0] - m[1])
 
 
 class _Fixed:

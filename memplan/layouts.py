@@ -42,6 +42,9 @@ class GatherSizes:
     #: padded elements of the root's tensors used after the blocks (final norm, head; a tied embedding too):
     #: their grads exist from the head's backward on, through every block's backward
     root_head: int = 0
+    #: padded elements of the largest single tensor in a layer block, and in the root
+    largest_tensor: int = 0
+    root_largest_tensor: int = 0
 
 
 _cache: dict[tuple, tuple[ParamInventory, object]] = {}
@@ -147,6 +150,7 @@ def gather_sizes(inv: ParamInventory, layout: str, n: int) -> GatherSizes:
 def _gather_sizes(inv: ParamInventory, layout: str, n: int) -> GatherSizes:
     per_block: dict[str, int] = {}
     root_head = 0
+    largest = {True: 0, False: 0}  # root?: the largest padded tensor
     seen_block = False
     for t in inv.tensors:
         seen_block = seen_block or t.block != ROOT_BLOCK
@@ -157,6 +161,7 @@ def _gather_sizes(inv: ParamInventory, layout: str, n: int) -> GatherSizes:
         else:
             padded = t.numel
         per_block[t.block] = per_block.get(t.block, 0) + padded
+        largest[t.block == ROOT_BLOCK] = max(largest[t.block == ROOT_BLOCK], padded)
         if t.block == ROOT_BLOCK and (seen_block or t.tied_names):
             root_head += padded
     if layout == S.FLAT_PER_BLOCK:
@@ -164,7 +169,8 @@ def _gather_sizes(inv: ParamInventory, layout: str, n: int) -> GatherSizes:
     root = per_block.pop(ROOT_BLOCK, 0)
     blocks = tuple(per_block.values())
     return GatherSizes(largest_block=max(blocks, default=root), root=root, total_blocks=sum(blocks),
-                       block_numels=blocks, total_sharded=inv.num_params, root_head=root_head)
+                       block_numels=blocks, total_sharded=inv.num_params, root_head=root_head,
+                       largest_tensor=largest[False], root_largest_tensor=largest[True])
 
 
 def ceil_sum(numels: tuple[int, ...], r: int) -> int:

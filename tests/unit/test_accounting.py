@@ -191,9 +191,8 @@ def test_fsdp2_buffer_lifetimes_per_phase():
     forward, loss, backward, end, _ = f.buffers
     assert forward == root + 2 * b  # root unsharded + the last block's all-gather output, held to the loss
     assert loss == root + 2 * b  # the last block prefetched for its backward
-    # the last block: the next one prefetched, its grads, and itself (2B) or, once resharded, its fp32
-    # reduce-scatter input (4B)
-    assert backward == root + 2 * hd + 2 * b + 2 * b + max(2 * b, 4 * b)
+    # every backward moment is evaluated with its own activations (f.moments); the base phase holds no buffer
+    assert backward == 0
     # one block further: itself, the next, its grads and the last block's reduce-scatter input still held,
     # with the last block's fp32 grad shard reduced
     # every further moment: (grads, buffers, activations kind)
@@ -208,6 +207,9 @@ def test_fsdp2_buffer_lifetimes_per_phase():
         (0, root + 4 * b, -8),
         # the last block's copy-out in backward: its prefetched output and its copies; everything saved
         (0, root + 2 * hd + 4 * b, -5),
+        # the last block's reduce: the next one prefetched, its grads, and itself (2B) or, once resharded, its
+        # fp32 reduce-scatter input (4B); activations as when the next block's backward begins
+        (0, root + 2 * hd + 2 * b + 2 * b + max(2 * b, 4 * b), -6),
         # inside the last block's backward: itself, the next prefetched (its own grads come from the profile)
         (0, root + 2 * hd + 4 * b, 0),
         # the block before, copied out: the last block's fp32 reduce-scatter input held, its grad shard reduced

@@ -79,6 +79,7 @@ CASES = [
     ("fsdp1 full", LLAMA, dict(strategy="fsdp-full"), {}, dict(fsdp_version=1), "none"),
     ("fsdp1 full, fp32", LLAMA, dict(strategy="fsdp-full", precision="fp32"), {}, dict(fsdp_version=1), "none"),
     ("fsdp1 grad-op", LLAMA4, dict(strategy="fsdp-grad-op"), {}, dict(fsdp_version=1), "none"),
+    ("fsdp1 no-shard", LLAMA, dict(strategy="fsdp-no-shard"), {}, dict(fsdp_version=1), "none"),
     ("fsdp1 full", MIXTRAL, dict(strategy="fsdp-full"), {}, dict(fsdp_version=1), "none"),
     ("fsdp1 hybrid 2 x 2, 4 ranks", LLAMA, dict(strategy="hsdp", gpus=4), {}, dict(hsdp_shard_size=2, fsdp_version=1),
      "none"),

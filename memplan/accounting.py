@@ -231,7 +231,11 @@ def _fixed(inv: ParamInventory, s: Settings) -> _Fixed:
 
     # ---- gradients ----
     # grads_end: alive at the end of backward, per rank; grads_persist: kept between steps.
-    if st.full_grads_in_backward:
+    if st.framework == "fsdp1":
+        # FSDP1 keeps every flat parameter's reduced grad in the reduce dtype, sharded or not (NO_SHARD
+        # all-reduces the cast full flat grad: measured, session 5)
+        grads_end = rc.reduced_grad_bytes * opt_numel
+    elif st.full_grads_in_backward:
         grads_end = rc.grad_bytes * (psi if not st.shard_params else shard_numel)
     else:
         # sharded grads: DeepSpeed ZeRO-2 keeps the real (unpadded) elements of the rank's partition in the grad
@@ -351,8 +355,11 @@ def _fixed(inv: ParamInventory, s: Settings) -> _Fixed:
             # foreach_reduce copies the unsharded grads into the reduce-scatter input with torch._chunk_cat; CUDA
             # has a fused kernel, the CPU composite pads each grad into a temporary in the grad dtype first
             # (measured: DeepSeek's 9,437,184-element expert weight, an 18,874,368-byte temporary, session 5)
-            chunk_tmp = gb * g.largest_tensor if s.cluster.device == "cpu" else 0
-            root_chunk_tmp = gb * g.root_largest_tensor if s.cluster.device == "cpu" else 0
+            # (only when the reduce dtype differs: an fp32 grad is copied straight into the fp32 input; measured
+            # with mixtral's fp32 recipe)
+            cpu_chunk = s.cluster.device == "cpu" and gb != rb
+            chunk_tmp = gb * g.largest_tensor if cpu_chunk else 0
+            root_chunk_tmp = gb * g.root_largest_tensor if cpu_chunk else 0
             if raf is False:
                 kept = cb * g.total_blocks  # every block stays unsharded until its backward
                 share_last = share_prev = 0

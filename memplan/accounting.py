@@ -656,6 +656,26 @@ def _evaluated(f: _Fixed, micro_batch: int) -> list[tuple[int, int, int, int]]:
     return [m for m in f.moments if m[3] < 0 or m[3] < n_blocks]
 
 
+def _moment_peak(f: _Fixed, micro_batch: int, saved: int, block: int, emb: int, fwd: int) -> int:
+    """The largest total over f.moments at ``micro_batch`` (what _moments gives, without building it)."""
+    blocks = f.profile.block_moments(micro_batch, f.grad_width) if f._blocks else ()
+    named = f.profile.moment_activations(micro_batch)
+    w = f.grad_width
+    bound = {-1: saved - block, -2: saved + block, -3: emb, -4: saved, -5: saved + block, -6: saved, -7: saved,
+             -8: fwd, -9: saved - block}
+    if -6 in named:
+        bound[-9] = named[-6] - block
+    best = 0
+    for _, _, total, kind in f.moments:
+        if kind < 0:
+            x = named.get(kind, bound[kind]) if kind != -9 else bound[-9]
+            best = max(best, total + x)
+        elif kind < len(blocks):
+            x, g = blocks[kind]
+            best = max(best, total + x + w * g)
+    return best
+
+
 def _moments(f: _Fixed, micro_batch: int, saved: int, block: int, emb: int,
              fwd: int) -> list[tuple[int, int, int, int, int]]:
     """f.moments evaluated at ``micro_batch``: (grads, buffers, non-activation total, activations, the block's
@@ -722,8 +742,8 @@ def required_bytes(inv: ParamInventory, s: Settings, micro_batches: Any) -> list
     for b in micro_batches:
         fwd, bwd, saved, emb, block = prof.terms(rec, b)
         peak = max(base[0] + fwd, base[1] + bwd, base[2] + saved, base[3] + emb, base[4])
-        for _, _, total, x, gx in _moments(f, b, saved, block, emb, fwd):
-            peak = max(peak, total + x + gx)
+        if f.moments:
+            peak = max(peak, _moment_peak(f, b, saved, block, emb, fwd))
         out.append((peak, peak + fixed_over + peak * frag // 100))
     return out
 

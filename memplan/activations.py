@@ -29,7 +29,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
@@ -151,6 +151,8 @@ class TracedProfile:
     data: dict  #: the traced profile: lines c0 + c1*b
     micro_batch: int
     origin: str  #: "shipped", "cache" or "traced now"
+    #: evaluations by (what, micro-batch, ...): the planner asks the same micro-batches for many configurations
+    _memo: dict = field(default_factory=dict, compare=False, repr=False)
 
     includes_autocast_copies = True  #: autocast's weight copies are traced (saved for backward)
 
@@ -179,6 +181,13 @@ class TracedProfile:
         end, one block's saved bytes) at ``micro_batch``: every timeline point is a line c0 + c1 * b, so each
         term is exact at any micro-batch. The third is the activations alive after forward less one block's
         (traced as the difference between depths 2 and 1)."""
+        key = ("terms", micro_batch)
+        hit = self._memo.get(key)
+        if hit is None:
+            hit = self._memo[key] = self._terms(micro_batch)
+        return hit
+
+    def _terms(self, micro_batch: int) -> tuple[int, int, int, int, int]:
         d, b = self.data, micro_batch
         extra_line = d["per_layer"]
         block = extra_line[0] + extra_line[1] * b
@@ -193,6 +202,13 @@ class TracedProfile:
         gradients at ``grad_width`` bytes each peak. The last two traced blocks stand for the model's last two,
         with the untraced blocks' saved activations below them; the first has no block below it. Empty for
         profiles traced before these were recorded."""
+        key = ("blocks", micro_batch, grad_width)
+        hit = self._memo.get(key)
+        if hit is None:
+            hit = self._memo[key] = self._block_moments(micro_batch, grad_width)
+        return hit
+
+    def _block_moments(self, micro_batch: int, grad_width: int) -> tuple[tuple[int, int], ...]:
         d, b = self.data, micro_batch
         segs = d.get("block_backward") or ()
         first = d.get("first_block_backward")
@@ -213,6 +229,13 @@ class TracedProfile:
         """Activations when the last block's backward begins (-5), when the one before it begins (-6), when
         the last block's forward begins (-7) and at the most inside it (-8), read off the traced timeline,
         untraced blocks below added."""
+        key = ("named", micro_batch)
+        hit = self._memo.get(key)
+        if hit is None:
+            hit = self._memo[key] = self._moment_activations(micro_batch)
+        return hit
+
+    def _moment_activations(self, micro_batch: int) -> dict[int, int]:
         d, b = self.data, micro_batch
         segs = d.get("block_backward") or ()
         fwd = d.get("last_block_forward_start")

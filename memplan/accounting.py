@@ -274,7 +274,7 @@ def _fixed(inv: ParamInventory, s: Settings) -> _Fixed:
 
     # gather_fwd_end: gathered when forward ends (the loss); gather_turn: the most gathered in forward, counted
     # with every block's saved activations (conservative: the moment falls before the last blocks ran)
-    gather_fwd = gather_bwd = gather_turn = gather_loss = gather_end = gather_fwd_end = 0
+    gather_bwd = gather_turn = gather_loss = gather_end = gather_fwd_end = 0
     #: further moments, reported in the "backward" phase: (buffers, grads, activations) with activations -4
     #: for "everything saved but the last block", -1 "but the last two", -2 everything saved, -3 the
     #: embedding's output only, or k >= 0
@@ -299,7 +299,7 @@ def _fixed(inv: ParamInventory, s: Settings) -> _Fixed:
             # In backward, a module's full grads exist before they are reduced into their partitions.
             z = layouts.zero3_schedule(inv, n, s.ds.prefetch_bucket_size, s.ds.max_live_parameters,
                                        s.ds.max_reuse_distance, s.ds.param_persistence_threshold)
-            gather_fwd = gather_turn = cb * z.forward
+            gather_turn = cb * z.forward
             gather_fwd_end = cb * z.forward_end
             gather_loss = cb * z.loss
             gather_bwd = cb * z.backward + rc.grad_bytes * g.largest_block
@@ -638,8 +638,7 @@ def _phases(f: _Fixed, recompute: str, micro_batch: int) -> list[tuple[int, int,
     fwd, bwd, saved, emb, block = f.profile.terms(recompute, micro_batch)
     out = [(g, x, b) for g, x, b in zip(f.grads, (fwd, bwd, saved, emb, 0), f.buffers)]
     best = {0: f.non_activation[0] + fwd, 2: f.non_activation[2] + saved}
-    for (grads, buffers, total, x, gx), (*_, kind) in zip(_moments(f, micro_batch, saved, block, emb, fwd),
-                                                          _evaluated(f, micro_batch)):
+    for (grads, buffers, total, kind), x, gx in _moments(f, micro_batch, saved, block, emb, fwd):
         phase = 0 if kind in FORWARD_MOMENTS else 2
         if total + x + gx > best[phase]:
             best[phase], out[phase] = total + x + gx, (grads + gx, x, buffers)
@@ -650,58 +649,33 @@ def _phases(f: _Fixed, recompute: str, micro_batch: int) -> list[tuple[int, int,
 FORWARD_MOMENTS = (-3, -7, -8)
 
 
-def _evaluated(f: _Fixed, micro_batch: int) -> list[tuple[int, int, int, int]]:
-    """The moments _moments evaluates, in its order (those it can evaluate at this profile)."""
-    n_blocks = len(f.profile.block_moments(micro_batch, f.grad_width)) if f._blocks else 0
-    return [m for m in f.moments if m[3] < 0 or m[3] < n_blocks]
-
-
-def _moment_peak(f: _Fixed, micro_batch: int, saved: int, block: int, emb: int, fwd: int) -> int:
-    """The largest total over f.moments at ``micro_batch`` (what _moments gives, without building it)."""
-    blocks = f.profile.block_moments(micro_batch, f.grad_width) if f._blocks else ()
-    named = f.profile.moment_activations(micro_batch)
-    w = f.grad_width
-    bound = {-1: saved - block, -2: saved + block, -3: emb, -4: saved, -5: saved + block, -6: saved, -7: saved,
-             -8: fwd, -9: saved - block}
-    if -6 in named:
-        bound[-9] = named[-6] - block
-    best = 0
-    for _, _, total, kind in f.moments:
-        if kind < 0:
-            x = named.get(kind, bound[kind]) if kind != -9 else bound[-9]
-            best = max(best, total + x)
-        elif kind < len(blocks):
-            x, g = blocks[kind]
-            best = max(best, total + x + w * g)
-    return best
-
-
 def _moments(f: _Fixed, micro_batch: int, saved: int, block: int, emb: int,
-             fwd: int) -> list[tuple[int, int, int, int, int]]:
-    """f.moments evaluated at ``micro_batch``: (grads, buffers, non-activation total, activations, the block's
-    own grads). ``saved`` is the profile's third term: everything saved but the last block's activations.
-    Activation kinds: -4 that, -1 everything saved but the last two blocks', -2 everything saved, -3 the
-    embedding's output only; from the profile's timeline (profile.moment_activations, else a bound): -5 when
-    the last block's backward begins, -6 when the one before it begins, -7 when the last block's forward
-    begins, -8 the most inside the last block's forward, -9 when the block before the last has finished its
-    backward (-6 less one block); k >= 0 inside a block's backward (profile.block_moments)."""
+             fwd: int) -> list[tuple[tuple[int, int, int, int], int, int]]:
+    """Each moment of f.moments the profile can evaluate at ``micro_batch``, with its activations and the
+    block's own grads in bytes. ``saved`` is the profile's third term: everything saved but the last block's
+    activations. Activation kinds: -4 that, -1 everything saved but the last two blocks', -2 everything saved,
+    -3 the embedding's output only; read off the profile's timeline (profile.moment_activations; without one,
+    the bound that contains the moment): -5 when the last block's backward begins, -6 when the one before it
+    begins, -7 when the last block's forward begins, -8 the most inside the last block's forward, -9 when the
+    block before the last has finished its backward (-6 less one block); k >= 0 inside a block's backward
+    (profile.block_moments)."""
     if not f.moments:
         return []
     blocks = f.profile.block_moments(micro_batch, f.grad_width) if f._blocks else ()
     named = f.profile.moment_activations(micro_batch)
+    acts = {-1: saved - block, -2: saved + block, -3: emb, -4: saved, -5: saved + block, -6: saved, -7: saved,
+            -8: fwd, -9: saved - block}
+    acts.update(named)
+    if -6 in named:
+        acts[-9] = named[-6] - block
     out = []
-    for grads, buffers, total, kind in f.moments:
+    for m in f.moments:
+        kind = m[3]
         if kind < 0:
-            x = named.get(kind)
-            if kind == -9 and -6 in named:  # the block before the last one done: one more block's freed
-                x = named[-6] - block
-            if x is None:  # no timeline (analytic profile): the bound that contains the moment
-                x = {-1: saved - block, -2: saved + block, -3: emb, -4: saved, -5: saved + block, -6: saved,
-                     -7: saved, -8: fwd, -9: saved - block}[kind]
-            out.append((grads, buffers, total, x, 0))
+            out.append((m, acts[kind], 0))
         elif kind < len(blocks):
             x, g = blocks[kind]
-            out.append((grads, buffers, total, x, f.grad_width * g))
+            out.append((m, x, f.grad_width * g))
     return out
 
 
@@ -742,8 +716,8 @@ def required_bytes(inv: ParamInventory, s: Settings, micro_batches: Any) -> list
     for b in micro_batches:
         fwd, bwd, saved, emb, block = prof.terms(rec, b)
         peak = max(base[0] + fwd, base[1] + bwd, base[2] + saved, base[3] + emb, base[4])
-        if f.moments:
-            peak = max(peak, _moment_peak(f, b, saved, block, emb, fwd))
+        for m, x, gx in _moments(f, b, saved, block, emb, fwd):
+            peak = max(peak, m[2] + x + gx)
         out.append((peak, peak + fixed_over + peak * frag // 100))
     return out
 

@@ -178,6 +178,30 @@ def _setup(spec: dict[str, Any], device: Any) -> tuple[Any, Any, Any]:
     raise ValueError(f"unknown framework {kind!r}")
 
 
+def _all_gather_in_place(output: Any, input: Any, group: Any = None, async_op: bool = False) -> Any:  # noqa: A002
+    """all_gather_into_tensor as an all-reduce of zero-padded contributions, written into ``output`` only."""
+    import torch
+    import torch.distributed as dist
+
+    with torch.no_grad():
+        output.zero_()
+        output.view(dist.get_world_size(group), -1)[dist.get_rank(group)].copy_(input.view(-1))
+    return dist.all_reduce(output, group=group, async_op=async_op)
+
+
+def _reduce_scatter_in_place(output: Any, input: Any, op: Any = None, group: Any = None,  # noqa: A002
+                             async_op: bool = False) -> None:
+    """reduce_scatter_tensor as an in-place all-reduce of ``input`` (the framework only frees that buffer
+    afterwards) and a copy of this rank's chunk into ``output``."""
+    import torch
+    import torch.distributed as dist
+
+    dist.all_reduce(input, op=dist.ReduceOp.SUM if op is None else op, group=group)
+    with torch.no_grad():
+        output.view(-1).copy_(input.view(dist.get_world_size(group), -1)[dist.get_rank(group)])
+    return None
+
+
 def _gloo_collectives_in_place(model: Any) -> None:
     """FSDP2 on gloo: run its all-gather and reduce-scatter as in-place all-reduces of FSDP2's own buffers.
 
@@ -192,7 +216,6 @@ def _gloo_collectives_in_place(model: Any) -> None:
     torch/distributed/fsdp/_fully_shard/_fsdp_api.py).
     """
     import torch
-    import torch.distributed as dist
     from torch.distributed.fsdp import FSDPModule
 
     try:
@@ -205,20 +228,14 @@ def _gloo_collectives_in_place(model: Any) -> None:
             return torch.empty(*size, dtype=dtype, device=device)
 
         def __call__(self, output_tensor, input_tensor, group, async_op=False):  # noqa: ANN001, ANN201
-            with torch.no_grad():
-                output_tensor.zero_()
-                output_tensor.view(group.size(), -1)[group.rank()].copy_(input_tensor.view(-1))
-            return dist.all_reduce(output_tensor, group=group, async_op=async_op)
+            return _all_gather_in_place(output_tensor, input_tensor, group, async_op)
 
     class _ReduceScatter(ReduceScatter):
         def allocate(self, size, *, dtype, device):  # noqa: ANN001, ANN201
             return torch.empty(*size, dtype=dtype, device=device)
 
         def __call__(self, output_tensor, input_tensor, group, op, async_op=False):  # noqa: ANN001, ANN201
-            dist.all_reduce(input_tensor, op=op, group=group)
-            with torch.no_grad():
-                output_tensor.view(-1).copy_(input_tensor.view(group.size(), -1)[group.rank()])
-            return None
+            return _reduce_scatter_in_place(output_tensor, input_tensor, op, group)
 
     for mod in model.modules():
         if isinstance(mod, FSDPModule):
@@ -234,20 +251,6 @@ def _gloo_flat_collectives_in_place() -> None:
     import torch
     import torch.distributed as dist
 
-    def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=False):  # noqa: ANN001, ANN202
-        size, rank = dist.get_world_size(group), dist.get_rank(group)
-        with torch.no_grad():
-            output_tensor.zero_()
-            output_tensor.view(size, -1)[rank].copy_(input_tensor.view(-1))
-        return dist.all_reduce(output_tensor, group=group, async_op=async_op)
-
-    def reduce_scatter_tensor(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):  # noqa: ANN001, ANN202, A002
-        size, rank = dist.get_world_size(group), dist.get_rank(group)
-        dist.all_reduce(input, op=op, group=group)
-        with torch.no_grad():
-            output.view(-1).copy_(input.view(size, -1)[rank])
-        return None
-
     def all_gather(tensor_list, tensor, group=None, async_op=False):  # noqa: ANN001, ANN202
         # FSDP1 gathers CPU flat parameters into chunks of its unsharded buffer with the list form
         rank = dist.get_rank(group)
@@ -262,10 +265,10 @@ def _gloo_flat_collectives_in_place() -> None:
     # torch 2.13's FSDP1 calls the *_single names (aliases of *_into_tensor / *_tensor); older ones the others
     for name in ("all_gather_into_tensor", "all_gather_single"):
         if hasattr(dist, name):
-            setattr(dist, name, all_gather_into_tensor)
+            setattr(dist, name, _all_gather_in_place)
     for name in ("reduce_scatter_tensor", "reduce_scatter_single"):
         if hasattr(dist, name):
-            setattr(dist, name, reduce_scatter_tensor)
+            setattr(dist, name, _reduce_scatter_in_place)
 
 
 def _reinit_buffers(model: Any) -> None:

@@ -225,3 +225,72 @@ def test_fsdp2_buffer_lifetimes_per_phase():
     assert f.grad_width == 2
     # the first block's end: itself, its grads, the second block's reduce-scatter input
     assert end == root + 2 * hd + (2 + 2 + 4) * b
+
+
+def test_zero1_sets_up_the_ipg_bucket_in_backward():
+    # DeepSpeed stage 1 runs DeepSpeedZeroOptimizer: its gradient hooks allocate reduce_bucket_size elements in
+    # the grad dtype per backward (twice with overlap_comm), as stage 2 does (measured: docs/accuracy.md)
+    for overlap, buckets in ((False, 1), (True, 2)):
+        f = A._fixed(TOY, settings("zero1", 2, ds={"overlap_comm": overlap}))
+        assert f.buffers[1] - f.buffers[0] == buckets * 500_000_000 * 2
+        assert f.buffers[4] < 500_000_000 * 2  # the step holds only its scratch, no bucket
+        assert f.buffers[3] - f.buffers[0] == buckets * 500_000_000 * 2
+
+
+def test_fsdp2_reshard_group_sizes_as_fsdp2_reads_them():
+    # _fsdp_init.py _get_post_forward_mesh_info: a group of 1 keeps whole parameters (False), the shard group's
+    # size is True; a group of 2 of 4 keeps a half share of every block after forward
+    def plan(raf):
+        return A.estimate(TOY, settings("fsdp-full", 4, torch=A.TorchKnobs(reshard_after_forward=raf)))
+
+    assert plan(1).phases == plan(False).phases and plan(4).phases == plan(True).phases
+    b, root = 1024 * 1024, 2 * 8 * 1024
+    f = A._fixed(TOY, settings("fsdp-full", 4, torch=A.TorchKnobs(reshard_after_forward=2)))
+    assert f.buffers[0] == root + 2 * 4 * (b // 2) + 2 * b  # the shares, and the last all-gather output held
+    with pytest.raises(SettingsError, match="must divide"):
+        A._fixed(TOY, settings("fsdp-full", 4, torch=A.TorchKnobs(reshard_after_forward=3)))
+
+
+def test_fsdp1_buffer_lifetimes_per_phase():
+    # FSDP1 (fsdp-bf16: fp32 flat shards, bf16 unsharded flat buffers and grads, fp32 reduce), 4 ranks, 4 equal
+    # blocks of B elements; the root holds an embedding and a head (accounting._fsdp1_buffers)
+    from dataclasses import replace
+
+    from memplan.strategies import FLAT_PER_BLOCK
+
+    inv = make_inv({"": [(8, 1024)], **{f"layers.{i}": [(1024, 1024)] for i in range(4)}})
+    head = ParamTensor("lm_head.weight", (8, 1024), "bfloat16", "", classify("lm_head.weight"))
+    inv = ParamInventory(model_name="toy", source="test", builder="test", family="llama",
+                         tensors=inv.tensors + (head,), dims=DIMS)
+    st = replace(get_strategy("fsdp-full"), framework="fsdp1", layout=FLAT_PER_BLOCK)
+    s = A.Settings(strategy=st, recipe=get_recipe("fsdp-bf16"), optimizer=get_optimizer("adamw"),
+                   cluster=A.Cluster(gpus=4, gpus_per_node=8))
+    f = A._fixed(inv, s)
+    b, root, hd = 1024 * 1024, 2 * 16 * 1024, 8 * 1024
+    forward, loss, _, end, _ = f.buffers
+    assert forward == root  # one block gathered at a time, resharded in its post-forward; the root kept
+    assert loss == root + 2 * b  # the root's pre-backward prefetches the last block
+    assert [(g, buf, kind) for g, buf, _, kind in f.moments] == [
+        (0, root + 2 * 4096, -3),  # the root's unshard: its bf16 _mp_shard beside the flat buffer
+        (0, root + 2 * b + b // 2, -3),  # the first block's: flat buffer (no separate all-gather output) + _mp_shard
+        (0, root + 2 * b + b // 2, -7),  # the last block's, everything before it saved
+        (0, root + 2 * b, -8),  # inside the last block's forward
+        (0, root + 2 * hd + 4 * b + b // 2, -5),  # its pre-backward: itself, the next prefetched with its _mp_shard
+        (0, root + 2 * hd + 4 * b, 0),  # inside its backward (its grads from the profile)
+        # its end: the split grads concatenated (2B + 2B), or resharded, the fp32 cast (4B) and a new shard (B)
+        (0, root + 2 * hd + 2 * b + max(2 * b + 4 * b, 2 * b + 4 * b + b), -6),
+        (b, root + 2 * hd + 4 * b, 1),  # inside the block before (the last block's fp32 shard reduced)
+        (b, root + 2 * hd + 2 * b + 7 * b, -9),  # the block before, its grads complete
+        (3 * b, root + 2 * hd + 2 * b, 2),  # inside the first block: the other blocks' shards reduced
+        (0, root + 2 * hd + 2 * b + b, -6),  # after the last block's reduce: the prefetched block and its shard
+    ]
+    assert end == root + 2 * hd + 7 * b  # the first block resharded, its bf16 grad, fp32 cast and new shard
+
+
+def test_single_tensor_adam_scratch_counts_the_previous_denominator():
+    # _single_tensor_adam: sqrt and division of this tensor while the previous one's denominator is still bound
+    b = 1024 * 1024
+    assert layouts.layout_sizes(TOY, "replicated", 1).single_step_scratch == 3 * b  # two equal neighbours
+    from memplan.strategies import FLAT_PER_BLOCK
+
+    assert layouts.layout_sizes(TOY, FLAT_PER_BLOCK, 2).single_step_scratch == b // 2 + b  # half-block shards

@@ -665,9 +665,9 @@ def _moments(f: _Fixed, micro_batch: int, saved: int, block: int, emb: int,
     named = f.profile.moment_activations(micro_batch)
     acts = {-1: saved - block, -2: saved + block, -3: emb, -4: saved, -5: saved + block, -6: saved, -7: saved,
             -8: fwd, -9: saved - block}
-    acts.update(named)
-    if -6 in named:
+    if -6 in named and -9 not in named:
         acts[-9] = named[-6] - block
+    acts.update(named)
     out = []
     for m in f.moments:
         kind = m[3]

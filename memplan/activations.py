@@ -38,7 +38,7 @@ from memplan.errors import SettingsError
 RECOMPUTE = ("none", "selective", "full")
 ATTENTION = ("flash", "sdpa", "eager")
 ACTIVATION_SOURCES = ("traced", "analytic")
-PROFILE_VERSION = 6  #: bump when the traced profile's format or method changes (memplan.tracing)
+PROFILE_VERSION = 7  #: bump when the traced profile's format or method changes (memplan.tracing)
 
 
 @dataclass(frozen=True)
@@ -227,8 +227,8 @@ class TracedProfile:
 
     def moment_activations(self, micro_batch: int) -> dict[int, int]:
         """Activations when the last block's backward begins (-5), when the one before it begins (-6), when
-        the last block's forward begins (-7) and at the most inside it (-8), read off the traced timeline,
-        untraced blocks below added."""
+        the last block's forward begins (-7) and at the most inside it (-8), when the one before the last
+        has finished its backward (-9), read off the traced timeline, untraced blocks below added."""
         key = ("named", micro_batch)
         hit = self._memo.get(key)
         if hit is None:
@@ -245,7 +245,10 @@ class TracedProfile:
         extra = (d["num_layers"] - d["traced_layers"]) * (extra_line[0] + extra_line[1] * b)
         at = lambda line: line[0] + line[1] * b + extra  # noqa: E731
         peak = d.get("last_block_forward_peak") or [[0, 0]]
-        return {-5: at(segs[0]["start"]), -6: at(segs[-1]["start"]), -7: at(fwd), -8: max(at(x) for x in peak)}
+        out = {-5: at(segs[0]["start"]), -6: at(segs[-1]["start"]), -7: at(fwd), -8: max(at(x) for x in peak)}
+        if len(segs) > 1 and "end" in segs[1]:
+            out[-9] = at(segs[1]["end"])
+        return out
 
     @property
     def source(self) -> str:

@@ -62,12 +62,6 @@ def parse_reshard(value: str | None) -> bool | int | None:
     return n
 
 
-def attention_dropout(config: dict[str, Any]) -> float:
-    """The attention-probability dropout a config trains with (its names differ by family)."""
-    values = [config.get(k) for k in ("attn_pdrop", "attention_dropout", "attention_probs_dropout_prob")]
-    return max((float(v) for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)), default=0.0)
-
-
 def activation_profile(config: dict[str, Any] | None, s: Settings, mode: str, notes: list[str]) -> Any:
     """The traced profile for these settings (shipped, cached or traced now), or None for the analytic one.
 
@@ -92,23 +86,22 @@ def activation_profile(config: dict[str, Any] | None, s: Settings, mode: str, no
         notes.append("activations: analytic (no config.json to trace)")
         return None
     attention = "flash" if s.attention != "eager" or s.recompute == "selective" else "eager"
-    dropout = attention_dropout(config)
-    if s.cluster.device == "cpu" and attention == "flash" and dropout > 0:
-        # CPU SDPA has no fused kernel with dropout: it runs _scaled_dot_product_attention_math, which keeps the
-        # attention probabilities and the dropout mask (checked with torch 2.13's profiler); CUDA's flash and
-        # memory-efficient kernels support dropout and keep only their RNG state.
-        attention = "math"
-        notes.append(f"activations: attention traced with PyTorch's math kernel: on CPU, SDPA with attention "
-                     f"dropout {dropout:g} runs it")
     recompute = "full" if s.recompute == "full" else "none"
     try:
-        return act.load_or_trace(config, seq_len=s.seq_len, micro_batch=s.micro_batch, recipe=s.recipe.name,
+        prof = act.load_or_trace(config, seq_len=s.seq_len, micro_batch=s.micro_batch, recipe=s.recipe.name,
                                  attention=attention, recompute=recompute, device=s.cluster.device)
     except SettingsError as exc:
         if mode == "traced":
             raise
         notes.append(f"activations: analytic, because {exc}")
         return None
+    # the trace picks each SDPA call's kernel as the device does (memplan/tracing.py _sdpa_kernel): on CPU,
+    # attention dropout or q/k/v head dims that differ take the math kernel, which keeps the probabilities
+    why = prof.data.get("attention_kernels", {}).get("math") if prof is not None else None
+    if why:
+        notes.append(f"activations: attention traced with PyTorch's math kernel, which SDPA runs on "
+                     f"{s.cluster.device} here ({why})")
+    return prof
 
 
 def resolve(inv: ParamInventory, *, gpus: int = 1, gpus_per_node: int | None = None, stage: int | None = None,

@@ -11,13 +11,15 @@ length for micro-batch 2 and 4. Two instruments watch it:
   and backward. Parameter gradients are dropped as soon as they are accumulated (the strategy accounts for
   them), so the backward peak is activations and transients only.
 
-Attention kernels: on ``meta`` SDPA would take the math path and save the attention matrix. For ``flash`` and
-``sdpa`` (what a GPU runs for causal training, and what the CPU flash kernel does) the call is replaced by a
-function that saves what the flash / memory-efficient kernels save: q, k, v, the output and the fp32 logsumexp
-[batch, heads, seq] (aten/src/ATen/native/transformers/attention.cpp, _scaled_dot_product_flash_attention).
-``eager`` runs transformers' eager attention as written (fp32 softmax, its bf16 cast, dropout mask if any).
-``math`` (internal: a CPU job whose attention has dropout; CPU SDPA has no fused kernel with dropout) runs
-SDPA unsubstituted on fake CPU tensors, which dispatches to the same math kernel the real CPU run takes.
+Attention kernels: on ``meta`` SDPA would always take the math path and save the attention matrix. For
+``flash`` and ``sdpa`` each call chooses its kernel as the real device would (``_sdpa_kernel``): where the real
+dispatch takes a fused kernel, the call is replaced by a function that saves what the flash / memory-efficient
+kernels save: q, k, v, the output and the fp32 logsumexp [batch, heads, seq]
+(aten/src/ATen/native/transformers/attention.cpp, _scaled_dot_product_flash_attention); where it takes the math
+kernel (on CPU: attention dropout, or q, k, v head dims that differ, as in DeepSeek's MLA) SDPA runs
+unsubstituted on fake CPU tensors, which is the same math kernel the real CPU run takes. The profile records
+which kernels ran (``attention_kernels``). ``eager`` runs transformers' eager attention as written (fp32
+softmax, its bf16 cast, dropout mask if any).
 
 Recompute ``full`` runs with ``gradient_checkpointing_enable(use_reentrant=False)``: what is live after forward
 is then the block inputs, and the backward peak includes one block recomputed.
@@ -83,6 +85,10 @@ class _LiveBytes:
             self._born.pop(id(st), None)
         return born
 
+    def not_activation_between(self, start: int, end: int, nbytes: int) -> None:
+        """Bytes that were a gradient, not an activation, from timeline index ``start`` to ``end``."""
+        self._corrections.append((start, end, nbytes))
+
     def corrected(self) -> list[int]:
         diff = [0] * (len(self.timeline) + 2)
         for a, b, n in self._corrections:
@@ -145,8 +151,27 @@ def _mode(live: _LiveBytes, scratch: Any = None) -> Any:
     return Mode()
 
 
-def _flash_sdpa():
-    """scaled_dot_product_attention that saves what flash / memory-efficient kernels save."""
+def _sdpa_kernel(device: str, query: Any, key: Any, value: Any, dropout_p: float) -> str | None:
+    """Why the real SDPA dispatch would take the math kernel for this call on ``device`` (None: a fused kernel).
+
+    CPU (aten/src/ATen/native/transformers/sdp_utils_cpp.cpp, select_sdp_backend_cpp): flash, else math; flash
+    needs no dropout (check_for_dropout) and one head dim for q, k and v (check_head_dim_size_cpp). Checked on
+    torch 2.13 with ``torch._fused_sdp_choice`` on real CPU tensors: MLA's 192/192/128 and dropout 0.1 give math.
+    CUDA (cuda/sdp_utils.cpp): flash, then memory-efficient, which takes a value head dim that differs from the
+    query's and dropout, and saves the same tensors (its logsumexp is padded to 32 rows); so a GPU job's SDPA is
+    taken as fused."""
+    if device != "cpu":
+        return None
+    if dropout_p > 0:
+        return f"attention dropout {dropout_p:g}"
+    if not (query.shape[-1] == key.shape[-1] == value.shape[-1]):
+        return f"head dims q {query.shape[-1]}, k {key.shape[-1]}, v {value.shape[-1]} differ"
+    return None
+
+
+def _flash_sdpa(real_sdpa: Any, device: str, kernels: dict[str, str]):  # noqa: ANN202
+    """scaled_dot_product_attention that saves what flash / memory-efficient kernels save, or runs the real
+    (math) kernel where the device would (``_sdpa_kernel``); ``kernels`` collects what ran and why."""
     import torch
 
     class FlashLike(torch.autograd.Function):
@@ -172,6 +197,12 @@ def _flash_sdpa():
         # (llama's rotary embedding makes q and k fp32) and saves those, and returns bf16. This Python stand-in
         # is below the autocast dispatch, so cast here as autocast would (measured: without it a llama block
         # under torch-amp was over-counted by 4 x s*b*h bytes).
+        why = _sdpa_kernel(device, query, key, value, dropout_p)
+        if why is not None:
+            kernels["math"] = why
+            return real_sdpa(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                             scale=scale, enable_gqa=enable_gqa)
+        kernels["fused"] = "flash / memory-efficient"
         dev = query.device.type
         if torch.is_autocast_enabled(dev):
             dt = torch.get_autocast_dtype(dev)
@@ -227,6 +258,7 @@ def _one_step(config: dict[str, Any], batch: int, seq: int, recipe: str, attenti
     import transformers
 
     real_sdpa = F.scaled_dot_product_attention
+    kernels: dict[str, str] = {}
     real_dropout = F.dropout
     # fake-tensor kernels that refuse an input log a traceback before raising; the raise is what we report
     fake_log = logging.getLogger("torch._subclasses.fake_tensor")
@@ -247,7 +279,7 @@ def _one_step(config: dict[str, Any], batch: int, seq: int, recipe: str, attenti
         if real_can_grouped is not None:
             moe._can_use_grouped_mm = lambda *a, **k: False
         if attention in ("flash", "sdpa"):
-            F.scaled_dot_product_attention = _flash_sdpa()
+            F.scaled_dot_product_attention = _flash_sdpa(real_sdpa, device, kernels)
         if device == "cuda":
             F.dropout = _cuda_dropout()
         if real_packed is not None:
@@ -267,10 +299,23 @@ def _one_step(config: dict[str, Any], batch: int, seq: int, recipe: str, attenti
             #: first call: not a recomputation in backward)
             forward_starts: dict[int, tuple[int, int]] = {}
             forward_ends: dict[int, int] = {}
+            #: timeline index at which the gradient of each block's input is complete: the block's backward is
+            #: over (all its nodes ran and released what they saved). FSDP's post-backward hook (reduce) fires
+            #: then: FSDP2 applies RegisterPostBackwardFunction to the block's inputs
+            #: (torch/distributed/fsdp/_fully_shard/_fsdp_state.py _pre_forward), FSDP1 hooks the same moment.
+            backward_ends: dict[int, int] = {}
 
             def note_start(i: int) -> Any:
-                def hook(_mod: Any, _args: Any) -> None:
-                    forward_starts.setdefault(i, (live.live, len(live.timeline)))
+                def hook(_mod: Any, args: Any, kwargs: Any) -> None:
+                    if i in forward_starts:
+                        return  # a recomputation in backward
+                    forward_starts[i] = (live.live, len(live.timeline))
+                    x = args[0] if args else kwargs.get("hidden_states")
+                    if isinstance(x, torch.Tensor) and x.requires_grad:
+                        def done(_grad: Any) -> None:
+                            live.tick()
+                            backward_ends.setdefault(i, len(live.timeline) - 1)
+                        x.register_hook(done)
                 return hook
 
             def note_end(i: int) -> Any:
@@ -279,12 +324,21 @@ def _one_step(config: dict[str, Any], batch: int, seq: int, recipe: str, attenti
                 return hook
 
             for i, blk in enumerate(block_list):
-                blk.register_forward_pre_hook(note_start(i))
+                blk.register_forward_pre_hook(note_start(i), with_kwargs=True)
                 blk.register_forward_hook(note_end(i))
             #: (timeline index at which the gradient was created, block index or -1, numel), per parameter
             grads: list[tuple[int, int, int]] = []
 
+            #: per parameter used more than once (a tied embedding): (storage, birth, death) of its first gradient
+            #: contribution (see _first_contributions)
+            first_contrib: dict[int, list[Any]] = {}
+
             def drop_grad(p: Any) -> None:
+                first = first_contrib.get(id(p))
+                if first is not None and first[0] is not None and first[0]() is not p.grad.untyped_storage():
+                    # the real engine added the later contributions into this one in place: it was the grad
+                    live.not_activation_between(first[1], first[2] if first[2] is not None else len(live.timeline),
+                                                first[3])
                 born = live.not_activation(p.grad)
                 if born is not None:
                     grads.append((born, block_of.get(id(p), -1), p.grad.numel()))
@@ -308,6 +362,7 @@ def _one_step(config: dict[str, Any], batch: int, seq: int, recipe: str, attenti
                 live.tick()
                 forward_end = len(live.timeline)
                 after_forward = live.live
+                _first_contributions(loss, live, first_contrib)
                 loss.backward()
                 live.tick()
                 del loss
@@ -322,7 +377,8 @@ def _one_step(config: dict[str, Any], batch: int, seq: int, recipe: str, attenti
             moe._can_use_grouped_mm = real_can_grouped
     timeline = live.corrected()
     return {"saved": sum(saved.values()), "live": after_forward, "forward": timeline[:forward_end],
-            "backward": timeline[forward_end - 1:], "blocks": _block_segments(timeline, grads, forward_end),
+            "backward": timeline[forward_end - 1:], "blocks": _block_segments(timeline, grads, forward_end, backward_ends),
+            "attention_kernels": kernels,
             "last_block_forward_start": forward_starts.get(len(block_list) - 1, (0, 0))[0],
             "last_block_forward": timeline[forward_starts.get(len(block_list) - 1, (0, 0))[1]:
                                            forward_ends.get(len(block_list) - 1, 0) + 1]}
@@ -340,13 +396,64 @@ def _block_index(model: Any) -> tuple[dict[int, int], list[Any]]:
     return {id(p): i for i, blk in enumerate(blocks) for p in blk.parameters()}, list(blocks)
 
 
-def _block_segments(timeline: list[int], grads: list[tuple[int, int, int]],
-                    forward_end: int) -> list[list[list[int]]]:
+def _first_contributions(loss: Any, live: _LiveBytes, out: dict[int, list[Any]]) -> None:
+    """Hooks the first gradient contribution to each parameter the graph reaches more than once (a tied
+    embedding: the head's matmul, then the embedding). The real engine accumulates the later contributions into
+    the first in place (torch/csrc/autograd/input_buffer.cpp, accumulate: add_ when the buffer can be stolen),
+    so the first contribution is the parameter's gradient from its creation, through every block's backward;
+    measured with the profiler on torch 2.13 CPU (gpt2: the embedding's 2 MB contribution freed right after its
+    add, no new storage). A fake-tensor run adds out of place, which would leave the first contribution in the
+    timeline as an activation until the end. ``out[id(param)]`` = [storage weakref, birth, death, bytes,
+    data_ptr (real tensors only)]."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    incoming: dict[Any, list[tuple[Any, int]]] = {}
+    seen: set[Any] = set()
+    stack = [loss.grad_fn]
+    while stack:
+        fn = stack.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        for i, (nxt, _) in enumerate(fn.next_functions):
+            if nxt is None:
+                continue
+            if hasattr(nxt, "variable"):  # AccumulateGrad: a leaf
+                incoming.setdefault(nxt, []).append((fn, i))
+            else:
+                stack.append(nxt)
+    for acc, edges in incoming.items():
+        if len(edges) < 2:
+            continue
+        key = id(acc.variable)
+
+        def hook(grad_inputs: Any, _grad_outputs: Any, pos: int = 0, key: int = key) -> None:
+            g = grad_inputs[pos]
+            if g is None or key in out:
+                return
+            st = g.untyped_storage()
+            rec = [None, live._born.get(id(st), len(live.timeline)), None, st.nbytes(),
+                   None if isinstance(g, FakeTensor) else g.data_ptr()]
+
+            def died(_ref: Any, rec: list[Any] = rec) -> None:
+                rec[2] = len(live.timeline)
+
+            rec[0] = weakref.ref(st, died)
+            out[key] = rec
+
+        for fn, i in edges:
+            fn.register_hook(lambda gi, go, i=i, h=hook: h(gi, go, pos=i))
+
+
+def _block_segments(timeline: list[int], grads: list[tuple[int, int, int]], forward_end: int,
+                    ends: dict[int, int] | None = None) -> list[list[list[int]]]:
     """Each block's backward, last block first: the points [activation bytes, the block's parameter-gradient
     elements created so far], from the end of the previous block's backward (or of the loss and head's) to the
-    creation of the block's last parameter gradient. The recomputation of a checkpointed block falls inside
+    end of its own: when the gradient of its input is complete (``ends``: block -> timeline index), or without
+    that, the creation of its last parameter gradient. The recomputation of a checkpointed block falls inside
     its segment. A strategy that keeps a block's unsharded gradients until the block's backward ends (FSDP)
     adds them at its own gradient dtype; activations alone miss the moment where the two together peak."""
+    ends = ends or {}
     by_block: dict[int, list[tuple[int, int]]] = {}
     for born, blk, numel in grads:
         if blk >= 0:
@@ -355,7 +462,7 @@ def _block_segments(timeline: list[int], grads: list[tuple[int, int, int]],
     start = forward_end
     for blk in sorted(by_block, reverse=True):
         events = sorted(by_block[blk])
-        first, end = events[0][0], events[-1][0]
+        first, end = events[0][0], max(events[-1][0], ends.get(blk, 0))
         # the segment starts after the last gradient of anything that ran before this block in backward
         before = [born for born, b, _ in grads if born < first and b != blk]
         start = max([start] + [x + 1 for x in before])
@@ -366,7 +473,8 @@ def _block_segments(timeline: list[int], grads: list[tuple[int, int, int]],
                 k += 1
             points.append([timeline[t], done])
         segments.append(points)
-        start = end + 1
+        # the next block's backward begins where this one's ends (the input's gradient is its output's)
+        start = end if blk in ends else end + 1
     return segments
 
 
@@ -477,7 +585,8 @@ def trace_profile(config: dict[str, Any], *, seq_len: int, recipe: str, attentio
             raise SettingsError("the traced backward runs different operations at micro-batch 2 and 4; "
                                 "use --activations analytic")
         pts = [line(x[0], y[0]) + [x[1]] for x, y in zip(seg_a, seg_b)]
-        out: dict[str, Any] = {"start": pts[0][:2]}  # activations when the block's backward begins
+        # activations when the block's backward begins and when it ends (its input's gradient complete)
+        out: dict[str, Any] = {"start": pts[0][:2], "end": pts[-1][:2]}
         for w in GRAD_WIDTHS:
             env = _envelope([(c0 + w * g, c1, c0, g) for c0, c1, g in pts])
             out[str(w)] = [[c0, c1, g] for _, c1, c0, g in env]
@@ -503,6 +612,8 @@ def trace_profile(config: dict[str, Any], *, seq_len: int, recipe: str, attentio
         "last_block_forward_start": line(top[0]["last_block_forward_start"], top[1]["last_block_forward_start"]),
         #: the most live during the last block's forward (its own activations and temporaries)
         "last_block_forward_peak": envelope("last_block_forward") if top[0]["last_block_forward"] else [[0, 0]],
+        #: the SDPA kernels the step ran ("fused", "math") and why the math one
+        "attention_kernels": top[0]["attention_kernels"],
         "transformers": transformers.__version__,
     }
 

@@ -24,6 +24,7 @@ class Validation:
     spec: dict[str, Any]
     versions: dict[str, str]
     wall_s: float
+    ranks: tuple[dict[str, Any], ...] = ()  #: what each rank measured (memplan/harness/run.py)
 
 
 def default_device() -> str:
@@ -32,10 +33,11 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def validate(model: str, *, layers: int | None = None, hidden: int | None = None, vocab: int | None = None,
-             warmup_steps: int = 2, measured_steps: int = 1, timeout_s: float = 600.0, tolerance: float = 0.03,
-             device: str | None = None, progress: Callable[[str], None] | None = None,
-             **resolve_kwargs: Any) -> Validation:
+def predict(model: str, *, layers: int | None = None, hidden: int | None = None, vocab: int | None = None,
+            device: str = "cpu", **resolve_kwargs: Any) -> tuple[accounting.Plan, options.Resolved, dict[str, Any],
+                                                                 list[str], int]:
+    """The prediction validate compares with: (plan, resolved options, scaled config, its changes, the
+    original model's parameter count). bench/accuracy.py --repredict re-evaluates stored runs with it."""
     src = sources.resolve(model)
     if src.config is None:
         raise SettingsError("validate needs a model with a config.json (preset, config file or model directory); "
@@ -45,6 +47,14 @@ def validate(model: str, *, layers: int | None = None, hidden: int | None = None
     scaled = replace(src, config=config, checkpoint=(), description=src.description + (
         f" scaled ({'; '.join(changes)})" if changes else ""))
     inv = sources.build_inventory(scaled)
+    resolved = options.resolve(inv, device=device, config=config, **resolve_kwargs)
+    return accounting.estimate(inv, resolved.settings), resolved, config, changes, original.num_params
+
+
+def validate(model: str, *, layers: int | None = None, hidden: int | None = None, vocab: int | None = None,
+             warmup_steps: int = 2, measured_steps: int = 1, timeout_s: float = 600.0, tolerance: float = 0.03,
+             device: str | None = None, progress: Callable[[str], None] | None = None,
+             **resolve_kwargs: Any) -> Validation:
     if tolerance <= 0:
         raise SettingsError(f"--tolerance must be positive, got {tolerance}")
     if timeout_s <= 0:
@@ -58,14 +68,14 @@ def validate(model: str, *, layers: int | None = None, hidden: int | None = None
         if torch.cuda.device_count() < resolve_kwargs.get("gpus", 1):
             raise SettingsError(f"--gpus {resolve_kwargs.get('gpus')} but this host has "
                                 f"{torch.cuda.device_count()} GPU(s); run the rank entry point under torchrun")
-    resolved = options.resolve(inv, device=device, config=config, **resolve_kwargs)
-    plan = accounting.estimate(inv, resolved.settings)
+    plan, resolved, config, changes, original_params = predict(model, layers=layers, hidden=hidden, vocab=vocab,
+                                                               device=device, **resolve_kwargs)
     spec = hs.build_spec(config, resolved.settings, warmup_steps=warmup_steps, measured_steps=measured_steps)
     run = ln.launch(spec, resolved.settings.cluster.gpus, timeout_s=timeout_s, progress=progress)
     comparison = cmp.compare(plan, run.ranks, tolerance)
     return Validation(plan=plan, resolved=resolved, comparison=comparison, config_changes=tuple(changes),
-                      original_params=original.num_params, spec=spec, versions=run.ranks[0].get("versions", {}),
-                      wall_s=run.wall_s)
+                      original_params=original_params, spec=spec, versions=run.ranks[0].get("versions", {}),
+                      wall_s=run.wall_s, ranks=tuple(run.ranks))
 
 
 def validation_report(v: Validation) -> dict[str, Any]:

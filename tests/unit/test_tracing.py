@@ -80,10 +80,71 @@ def test_cpu_attention_with_dropout_is_traced_with_the_math_kernel():
     inv = sources.build_inventory(src)
     cpu = options.resolve(inv, gpus=2, strategy="ddp", device="cpu", seq_len=128, micro_batch=2, config=src.config)
     gpu = options.resolve(inv, gpus=2, strategy="ddp", device="cuda", seq_len=128, micro_batch=2, config=src.config)
-    assert cpu.settings.activation_profile.data["attention"] == "math" and any("math kernel" in n for n in cpu.notes)
-    assert gpu.settings.activation_profile.data["attention"] == "flash"
+    assert "dropout 0.1" in cpu.settings.activation_profile.data["attention_kernels"]["math"]
+    assert any("math kernel" in n for n in cpu.notes)
+    assert "math" not in gpu.settings.activation_profile.data["attention_kernels"]
     # the math kernel keeps the attention probabilities: more bytes than flash, quadratic in the sequence
     assert cpu.settings.activation_profile.terms("none", 2)[2] > gpu.settings.activation_profile.terms("none", 2)[2]
+
+
+@pytest.mark.parametrize("dims,dropout", [((64, 64, 64), 0.0), ((64, 64, 64), 0.1), ((192, 192, 128), 0.0),
+                                          ((128, 128, 128), 0.0), ((96, 96, 64), 0.1)])
+def test_sdpa_kernel_choice_follows_the_cpu_dispatch(dims, dropout):
+    # memplan's rule against PyTorch's own choice on real CPU tensors (0 = math)
+    import torch
+
+    from memplan.tracing import _sdpa_kernel
+
+    q, k, v = (torch.randn(2, 4, 16, d, dtype=torch.bfloat16) for d in dims)
+    real_math = torch._fused_sdp_choice(q, k, v, dropout_p=dropout, is_causal=True) == 0
+    assert (_sdpa_kernel("cpu", q, k, v, dropout) is not None) == real_math
+    assert _sdpa_kernel("cuda", q, k, v, dropout) is None
+
+
+def test_mla_attention_on_cpu_is_traced_with_the_math_kernel():
+    # DeepSeek's MLA: q and k head dims 192 (nope + rope), v 128; CPU flash needs one head dim
+    cfg = scale_config(sources.resolve("deepseek-v3").config, layers=2, hidden=256, vocab=1024)[0]
+    p = trace_profile(cfg, seq_len=64, recipe="deepspeed-bf16", attention="flash", recompute="none", device="cpu")
+    assert "differ" in p["attention_kernels"]["math"]
+
+
+def _tied_step(hook: bool):  # noqa: ANN202
+    """gpt2's tied embedding under torch-amp, one backward: (the weight, _first_contributions' records)."""
+    import torch
+    import torch.nn.functional as F
+
+    from memplan.tracing import _first_contributions, _LiveBytes
+
+    w = torch.randn(512, 256, requires_grad=True)
+    ids = torch.randint(0, 512, (4, 32))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = F.linear(F.embedding(ids, w) * 2.0, w).float().sum()
+    out: dict = {}
+    if hook:
+        _first_contributions(loss, _LiveBytes(), out)
+    loss.backward()
+    return w, out
+
+
+def test_a_tied_weight_grad_is_its_first_contribution(tmp_path):
+    # the head's contribution (its fp32 cast) comes first in backward and the engine adds the embedding's into
+    # it in place: two allocations of the weight's size, and the grad is the first (the profiler's memory
+    # events, as the harness measures). Where a contribution cannot be stolen the engine adds out of place at
+    # the end instead; either way the first contribution's bytes exist from the head's backward on.
+    import json
+
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        w, _ = _tied_step(hook=False)
+    prof.export_chrome_trace(str(tmp_path / "t.json"))
+    events = json.loads((tmp_path / "t.json").read_text())["traceEvents"]
+    allocs = [e["args"]["Addr"] for e in events if e.get("name") == "[memory]" and e["args"]["Bytes"] == 512 * 256 * 4
+              and e["args"]["Addr"] != w.data_ptr()]  # the weight itself is made inside the profile too
+    assert len(allocs) == 2 and allocs[0] == w.grad.data_ptr()
+    # the trace hooks that first contribution (its bytes leave the activations from its creation)
+    w, out = _tied_step(hook=True)
+    assert out[id(w)][3] == w.numel() * 4 and out[id(w)][1] is not None
 
 
 def test_gpu_dropout_keeps_a_one_byte_mask():

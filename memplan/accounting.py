@@ -63,12 +63,23 @@ class Overheads:
     fragmentation_percent: int = 5
 
 
+#: threads that run GEMMs in a training step, each with its own cuBLAS handle and workspace (Cluster)
+BLAS_HANDLES = 2
+
+
 @dataclass(frozen=True, kw_only=True)
 class Cluster:
     gpus: int = 1
     gpus_per_node: int = 8
     gpu_memory_bytes: int | None = None
     device: str = "cuda"  #: cuda | cpu (the gloo harness: no CUDA context, NCCL or allocator rounding)
+    #: cuBLAS workspace per handle, allocated from the caching allocator (so inside the allocated peak) the first
+    #: time a handle runs a GEMM on a stream, and kept: at::cuda::getCurrentCUDABlasHandle ->
+    #: getNewWorkspace() -> CUDACachingAllocator::allocate(getChosenWorkspaceSize()) in
+    #: aten/src/ATen/cuda/CublasHandlePool.cpp; CUBLAS_WORKSPACE_CONFIG, else ":4096:8" (32 MiB) on sm90 and
+    #: ":4096:2:16:8" (8 MiB + 128 KiB) on other NVIDIA GPUs; hipBLAS 32 MiB, 128 MiB on gfx94x/gfx95x.
+    #: The GPU presets carry their value; without one, the largest CUDA default.
+    blas_workspace_bytes: int = 32 * MiB
 
     def __post_init__(self) -> None:
         if self.gpus < 1:
@@ -79,6 +90,8 @@ class Cluster:
             raise SettingsError(f"gpus({self.gpus}) is not a multiple of gpus_per_node({self.gpus_per_node})")
         if self.device not in ("cuda", "cpu"):
             raise SettingsError(f"--device must be cuda or cpu, got {self.device!r}")
+        if self.blas_workspace_bytes < 0:
+            raise SettingsError(f"--cublas-workspace must not be negative, got {self.blas_workspace_bytes}")
 
     @property
     def ranks_per_node(self) -> int:
@@ -271,6 +284,12 @@ def _fixed(inv: ParamInventory, s: Settings) -> _Fixed:
         else:
             buf_bwd += ipg  # stage_1_and_2.py setup_buckets(): allocated per backward
     a["overlap_comm"] = overlap
+    if c.device == "cuda":
+        # one cuBLAS handle per thread that runs GEMMs: forward (and the optimizer) on the main thread, backward
+        # (recomputation too) on the autograd engine's device thread; each gets its own workspace on the stream
+        # and keeps it (thread-local handle pool windows, workspaces keyed by (handle, stream))
+        buf_persist += BLAS_HANDLES * c.blas_workspace_bytes
+        a["blas_workspace"] = f"{BLAS_HANDLES} x {c.blas_workspace_bytes} B (cuBLAS, forward and autograd threads)"
 
     # gather_fwd_end: gathered when forward ends (the loss); gather_turn: the most gathered in forward, counted
     # with every block's saved activations (conservative: the moment falls before the last blocks ran)

@@ -158,6 +158,8 @@ def estimate(
     cuda_context: Optional[str] = typer.Option(None, help="CUDA context size [default: 512MiB]."),
     nccl_per_communicator: Optional[str] = typer.Option(None, help="NCCL buffers per communicator [default: 1GiB]."),
     fragmentation_percent: Optional[int] = typer.Option(None, help="Allocator fragmentation, % of peak [default: 5]."),
+    cublas_workspace: Optional[str] = typer.Option(None, help="cuBLAS workspace per handle, inside the peak (the job's "
+                                                   "CUBLAS_WORKSPACE_CONFIG) [default: the GPU's; 32MiB]."),
     builder: str = typer.Option("auto", help="Inventory builder: auto | analytic | meta."),
     activations: str = typer.Option("auto", "--activations", help="auto (traced, analytic if the model cannot be "
                                     "traced) | traced | analytic."),
@@ -191,7 +193,8 @@ def estimate(
         overhead_overrides=dict(cuda_context_bytes=_size_option(cuda_context, "--cuda-context"),
                                 nccl_bytes_per_communicator=_size_option(nccl_per_communicator,
                                                                          "--nccl-per-communicator"),
-                                fragmentation_percent=fragmentation_percent))
+                                fragmentation_percent=fragmentation_percent,
+                                blas_workspace_bytes=_size_option(cublas_workspace, "--cublas-workspace")))
     plan = accounting.estimate(inv, resolved.settings)
     rep = plan_report(plan, resolved.sources, resolved.notes)
     if as_json:

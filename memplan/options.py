@@ -11,6 +11,7 @@ from typing import Any
 
 from memplan import dsconfig
 from memplan.accounting import Cluster, DeepSpeedKnobs, Overheads, Settings, TorchKnobs
+from memplan.model.sources import gpu_presets
 from memplan.errors import SettingsError
 from memplan.model.inventory import ParamInventory
 from memplan.precision import get_optimizer, get_recipe
@@ -27,8 +28,6 @@ class Resolved:
 
 def gpu_memory(gpu: str | None, gpu_memory: str | None) -> tuple[int | None, str | None]:
     """Usable bytes from a GPU preset or an explicit size ("80GB" = 80e9, "80GiB" = 80 * 2^30)."""
-    from memplan.model.sources import gpu_presets
-
     if gpu and gpu_memory:
         raise SettingsError("give --gpu or --gpu-memory, not both")
     if gpu:
@@ -174,7 +173,9 @@ def resolve(inv: ParamInventory, *, gpus: int = 1, gpus_per_node: int | None = N
         from memplan.strategies import FLAT_PER_BLOCK
 
         strat = replace(strat, framework="fsdp1", layout=FLAT_PER_BLOCK)
-    ov = Overheads(**{k: v for k, v in (overhead_overrides or {}).items() if v is not None})
+    ov_in = {k: v for k, v in (overhead_overrides or {}).items() if v is not None}
+    workspace = ov_in.pop("blas_workspace_bytes", None)
+    ov = Overheads(**ov_in)
     for k in ("cuda_context_bytes", "nccl_bytes_per_communicator", "fragmentation_percent"):
         if getattr(ov, k) < 0:
             raise SettingsError(f"{k.replace('_', '-')} must not be negative, got {getattr(ov, k)}")
@@ -182,8 +183,14 @@ def resolve(inv: ParamInventory, *, gpus: int = 1, gpus_per_node: int | None = N
     mem, how = gpu_memory(gpu, gpu_memory_size)
     if how:
         notes.append(f"GPU memory: {how}")
+    if workspace is None and gpu:
+        workspace = gpu_presets()[gpu.lower()].get("blas_workspace_bytes")
+    elif workspace is None and device == "cuda":
+        notes.append("cuBLAS workspace: 32 MiB per handle assumed (the sm90 default); --gpu NAME or "
+                     "--cublas-workspace SIZE sets it")
     cluster = Cluster(gpus=gpus, gpus_per_node=gpus_per_node if gpus_per_node is not None else min(gpus, 8) or 1,
-                      gpu_memory_bytes=mem, device=device)
+                      gpu_memory_bytes=mem, device=device,
+                      **({} if workspace is None else {"blas_workspace_bytes": workspace}))
     settings = Settings(strategy=strat, recipe=recipe, optimizer=opt, cluster=cluster, optimizer_impl=optimizer_impl,
                         micro_batch=mb, seq_len=seq, grad_accum=ga, recompute=recompute, attention=attention,
                         ds=ds, torch=tk, overheads=ov)

@@ -33,6 +33,23 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def local_blas_workspace() -> int:
+    """The cuBLAS workspace per handle this process's GPU gets (the rule of Cluster.blas_workspace_bytes):
+    CUBLAS_WORKSPACE_CONFIG, else the default for the device's architecture."""
+    import os
+    import re
+
+    import torch
+
+    pairs = re.findall(r":([0-9]+):([0-9]+)", os.environ.get("CUBLAS_WORKSPACE_CONFIG", ""))
+    if pairs:
+        return sum(int(size) * 1024 * int(count) for size, count in pairs)
+    if torch.version.hip:
+        arch = torch.cuda.get_device_properties(0).gcnArchName
+        return (128 if arch.startswith(("gfx94", "gfx95")) else 32) * 1024 * 1024
+    return 32 * 1024 * 1024 if torch.cuda.get_device_capability(0) == (9, 0) else 4096 * 1024 * 2 + 16 * 1024 * 8
+
+
 def predict(model: str, *, layers: int | None = None, hidden: int | None = None, vocab: int | None = None,
             device: str = "cpu", **resolve_kwargs: Any) -> tuple[accounting.Plan, options.Resolved, dict[str, Any],
                                                                  list[str], int]:
@@ -68,6 +85,11 @@ def validate(model: str, *, layers: int | None = None, hidden: int | None = None
         if torch.cuda.device_count() < resolve_kwargs.get("gpus", 1):
             raise SettingsError(f"--gpus {resolve_kwargs.get('gpus')} but this host has "
                                 f"{torch.cuda.device_count()} GPU(s); run the rank entry point under torchrun")
+        if not resolve_kwargs.get("gpu"):  # the workspace this GPU really gets, unless given
+            ov = dict(resolve_kwargs.get("overhead_overrides") or {})
+            if ov.get("blas_workspace_bytes") is None:
+                ov["blas_workspace_bytes"] = local_blas_workspace()
+            resolve_kwargs["overhead_overrides"] = ov
     plan, resolved, config, changes, original_params = predict(model, layers=layers, hidden=hidden, vocab=vocab,
                                                                device=device, **resolve_kwargs)
     spec = hs.build_spec(config, resolved.settings, warmup_steps=warmup_steps, measured_steps=measured_steps)

@@ -32,7 +32,8 @@ def settings(strategy, gpus, **kw):
     recipe = kw.pop("recipe", DEFAULT_RECIPE[st.framework])
     ds = A.DeepSpeedKnobs(**kw.pop("ds", {"param_persistence_threshold": 0}))
     return A.Settings(strategy=st, recipe=get_recipe(recipe), optimizer=get_optimizer(kw.pop("optimizer", "adamw")),
-                      cluster=A.Cluster(gpus=gpus, gpus_per_node=kw.pop("gpus_per_node", 8)), ds=ds, **kw)
+                      cluster=A.Cluster(gpus=gpus, gpus_per_node=kw.pop("gpus_per_node", 8),
+                                        blas_workspace_bytes=kw.pop("blas_workspace_bytes", 0)), ds=ds, **kw)
 
 
 def model_states(plan, phase="backward-end"):
@@ -264,7 +265,7 @@ def test_fsdp1_buffer_lifetimes_per_phase():
                          tensors=inv.tensors + (head,), dims=DIMS)
     st = replace(get_strategy("fsdp-full"), framework="fsdp1", layout=FLAT_PER_BLOCK)
     s = A.Settings(strategy=st, recipe=get_recipe("fsdp-bf16"), optimizer=get_optimizer("adamw"),
-                   cluster=A.Cluster(gpus=4, gpus_per_node=8))
+                   cluster=A.Cluster(gpus=4, gpus_per_node=8, blas_workspace_bytes=0))
     f = A._fixed(inv, s)
     b, root, hd = 1024 * 1024, 2 * 16 * 1024, 8 * 1024
     forward, loss, _, end, _ = f.buffers
@@ -294,3 +295,30 @@ def test_single_tensor_adam_scratch_counts_the_previous_denominator():
     from memplan.strategies import FLAT_PER_BLOCK
 
     assert layouts.layout_sizes(TOY, FLAT_PER_BLOCK, 2).single_step_scratch == b // 2 + b  # half-block shards
+
+
+def test_cublas_workspaces_are_inside_the_peak_on_cuda_only():
+    # two handles (forward thread, autograd thread), each with its workspace from the caching allocator, kept
+    ws = 32 * 1024 * 1024
+    base = A.estimate(TOY, settings("fsdp-full", 4))
+    cuda = A.estimate(TOY, settings("fsdp-full", 4, blas_workspace_bytes=ws))
+    assert [c.buffers_bytes - b.buffers_bytes for b, c in zip(base.phases, cuda.phases)] == [2 * ws] * 5
+    assert cuda.between_steps_bytes - base.between_steps_bytes == 2 * ws
+    cpu = A.Settings(strategy=get_strategy("fsdp-full"), recipe=get_recipe("fsdp-bf16"),
+                     optimizer=get_optimizer("adamw"), cluster=A.Cluster(gpus=4, device="cpu"))
+    assert "blas_workspace" not in A.estimate(TOY, cpu).assumptions
+
+
+def test_cublas_workspace_from_the_gpu_preset_or_the_option():
+    from memplan import options
+
+    inv = TOY
+    h100 = options.resolve(inv, gpus=8, stage=3, gpu="h100-80g").settings.cluster.blas_workspace_bytes
+    a100 = options.resolve(inv, gpus=8, stage=3, gpu="a100-80g").settings.cluster.blas_workspace_bytes
+    assert (h100, a100) == (32 * 1024 * 1024, 4096 * 1024 * 2 + 16 * 1024 * 8)
+    given = options.resolve(inv, gpus=8, stage=3, gpu="h100-80g",
+                            overhead_overrides={"blas_workspace_bytes": 4096 * 1024})
+    assert given.settings.cluster.blas_workspace_bytes == 4096 * 1024
+    bare = options.resolve(inv, gpus=8, stage=3)
+    assert bare.settings.cluster.blas_workspace_bytes == 32 * 1024 * 1024
+    assert any("cuBLAS workspace" in n for n in bare.notes)

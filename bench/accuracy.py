@@ -86,6 +86,15 @@ CASES = [
     ("fsdp1 full", MIXTRAL, dict(strategy="fsdp-full"), {}, dict(fsdp_version=1), "none"),
     ("fsdp1 hybrid 2 x 2, 4 ranks", LLAMA, dict(strategy="hsdp", gpus=4), {}, dict(hsdp_shard_size=2, fsdp_version=1),
      "none"),
+    # session 6: ZeRO-Offload (on CPU one allocator holds device and host: the host share is compared too), a
+    # tied embedding under full recompute
+    ("zero3 + offload optimizer", LLAMA, dict(stage=3), dict(SMALL_DS, offload_optimizer=True), {}, "none"),
+    ("zero3 + offload optimizer", LLAMA, dict(stage=3), dict(offload_optimizer=True), {}, "none"),
+    ("zero3 + offload optimizer and params", LLAMA, dict(stage=3),
+     dict(SMALL_DS, offload_optimizer=True, offload_param=True), {}, "none"),
+    ("zero2 + offload optimizer", LLAMA, dict(stage=2), dict(SMALL_DS, offload_optimizer=True), {}, "none"),
+    ("ddp", GPT2, dict(strategy="ddp"), {}, {}, "full"),
+    ("fsdp-full", GPT2, dict(strategy="fsdp-full"), {}, {}, "full"),
 ]
 QUICK = [CASES[5], CASES[11]]
 
@@ -101,6 +110,8 @@ CROSS_STRATEGIES = [
     ("zero3 small buckets", dict(stage=3), SMALL_DS, {}, (1, 2, 4)),
     ("zero3 defaults", dict(stage=3), {}, {}, (1, 2, 4)),
     ("fsdp-full", dict(strategy="fsdp-full"), {}, {}, (1, 2, 4)),
+    # after the first cross run (session 6): ZeRO-Offload, which runs on CPU too
+    ("zero3 + offload optimizer", dict(stage=3), dict(SMALL_DS, offload_optimizer=True), {}, (1, 2, 4)),
     ("fsdp-grad-op", dict(strategy="fsdp-grad-op"), {}, {}, (1, 2, 4)),
     ("hsdp 2 x 2", dict(strategy="hsdp"), {}, dict(hsdp_shard_size=2), (4,)),
     ("fsdp-full reshard 2 (hpZ-like)", dict(strategy="fsdp-full"), {}, dict(reshard_after_forward=2), (4,)),

@@ -160,6 +160,8 @@ class Plan:
     #: bytes held between steps (model states, grads kept across steps, buffers allocated at setup)
     between_steps_bytes: int
     assumptions: dict[str, Any]
+    #: per rank, by category: what offload keeps in host memory (sums to host_bytes_per_node / ranks per node)
+    host_detail: dict[str, int] = field(default_factory=dict)
 
     @property
     def peak_bytes(self) -> int:
@@ -228,18 +230,23 @@ def _fixed(inv: ParamInventory, s: Settings) -> _Fixed:
                                     f"({s.ds.hpz_partition_size})")
             weights += rc.param_bytes * layouts.layout_sizes(
                 inv, st.layout, s.ds.hpz_partition_size, s.ds.param_persistence_threshold).shard_numel
-        if ds_offload_param:
-            weights = rc.param_bytes * lay.persistent_numel
     else:
         weights = rc.param_bytes * shard_numel
     master = rc.master_bytes * opt_numel
     states = layouts.optimizer_state_bytes(inv, opt, rc, lay, st.shard_optimizer)
-    host = 0
+    #: per rank, by category: what offload keeps in host memory
+    host_by = {"weights_bytes": 0, "master_weights_bytes": 0, "grads_bytes": 0, "optimizer_states_bytes": 0,
+               "buffers_bytes": 0}
+    if ds_offload_param:
+        # the partitioned parameters live on the host (offload_param.device "cpu"); persistent ones stay
+        host_by["weights_bytes"] += weights - rc.param_bytes * lay.persistent_numel
+        weights = rc.param_bytes * lay.persistent_numel
     if ds_offload_opt or fsdp_offload:
-        host += master + states
+        host_by["master_weights_bytes"] += master
+        host_by["optimizer_states_bytes"] += states
         master = states = 0
     if fsdp_offload:
-        host += weights
+        host_by["weights_bytes"] += weights
         weights = 0
 
     # ---- gradients ----
@@ -267,8 +274,28 @@ def _fixed(inv: ParamInventory, s: Settings) -> _Fixed:
     if s.grad_accum > 1:
         grads_persist = max(grads_persist, grads_end)  # grads live across micro-steps
     if fsdp_offload:
-        host += grads_end
+        host_by["grads_bytes"] += grads_end
         grads_end = grads_persist = 0
+    offload_gpu_buffer = 0
+    if ds_offload_opt:
+        # ZeRO-Offload keeps the optimizer's fp32 gradient partition on the host too (measured on CPU, where
+        # device and host share the allocator: session 6). Stage 1/2 (stage_1_and_2.py, self.device = "cpu"):
+        # initialize_optimizer_states' single_grad_partition (fp32, the partition), the bit16 copy of the
+        # partition for the copy back (param_buffer_of_bit16_for_cpu_offload_groups) and
+        # temp_grad_buffer_for_cpu_offload (the largest parameter, bit16); temp_grad_buffer_for_gpu_offload (the
+        # same size) stays on the device; gradients go from the reduce bucket straight to the host. Stage 3
+        # (stage3.py): grad_partitions_flat_buffer (accumulation dtype) on self.device = "cpu", and each
+        # sub-group's fp32 gradient (initialize_optimizer_states: subgroup_gradient_buffer).
+        fp32 = 4
+        host_by["grads_bytes"] += fp32 * opt_numel
+        if st.zero_stage == 3:
+            host_by["grads_bytes"] += grads_persist
+        else:
+            largest = max((t.numel for t in inv.tensors), default=0)
+            host_by["buffers_bytes"] += rc.param_bytes * opt_numel + rc.grad_bytes * largest
+            offload_gpu_buffer = rc.grad_bytes * largest
+        grads_end = grads_persist = 0
+    host = sum(host_by.values())
 
     # ---- buffers ----
     buf_persist = 0
@@ -284,6 +311,7 @@ def _fixed(inv: ParamInventory, s: Settings) -> _Fixed:
         else:
             buf_bwd += ipg  # stage_1_and_2.py setup_buckets(): allocated per backward
     a["overlap_comm"] = overlap
+    buf_persist += offload_gpu_buffer
     if c.device == "cuda":
         # one cuBLAS handle per thread that runs GEMMs: forward (and the optimizer) on the main thread, backward
         # (recomputation too) on the autograd engine's device thread; each gets its own workspace on the stream
@@ -537,7 +565,7 @@ def _fixed(inv: ParamInventory, s: Settings) -> _Fixed:
     return _Fixed(weights, master, states, grads, buffers,
                   tuple(states_total + g + b for g, b in zip(grads, buffers)), prof, host * c.ranks_per_node, n,
                   weights + master + states + grads_persist + buf_persist, comms, a, tuple(moments),
-                  rc.grad_bytes)
+                  rc.grad_bytes, {k: v for k, v in host_by.items() if v})
 
 
 def _fsdp1_buffers(s: Settings, g: Any, n: int, cb: int, grads_end: int, moments: list[tuple[int, int, int]],
@@ -631,12 +659,15 @@ class _Fixed:
     """The micro-batch-independent part of a Plan (see _fixed)."""
 
     __slots__ = ("weights", "master", "states", "grads", "buffers", "non_activation", "profile", "host_per_node",
-                 "shard_group", "between", "comms", "assumptions", "moments", "grad_width", "_blocks")
+                 "shard_group", "between", "comms", "assumptions", "moments", "grad_width", "_blocks", "host_detail")
 
     def __init__(self, weights: int, master: int, states: int, grads: tuple[int, ...], buffers: tuple[int, ...],
                  non_activation: tuple[int, ...], profile: Any, host_per_node: int, shard_group: int, between: int,
                  comms: int, assumptions: dict[str, Any], moments: tuple[tuple[int, int, int, int], ...] = (),
-                 grad_width: int = 2) -> None:
+                 grad_width: int = 2, host_detail: dict[str, int] | None = None) -> None:
+        #: per rank, by category: the bytes offload keeps in host memory (their sum x ranks per node is
+        #: host_per_node)
+        self.host_detail = host_detail or {}
         #: further backward moments (grads, buffers, non-activation total, activations kind): kind -1 counts
         #: everything saved but one block; kind k >= 0 is inside a block's backward (profile.block_moments:
         #: 0 the last block, 1 the one before it, 2 the first block), the block's own grads at ``grad_width``
@@ -716,7 +747,8 @@ def estimate(inv: ParamInventory, s: Settings) -> Plan:
     peak = phases[totals.index(max(totals))]
     detail = _overheads(s, f, peak.total_bytes)
     return Plan(settings=s, inventory=inv, phases=phases, peak=peak, overhead_bytes=sum(detail.values()),
-                overhead_detail=detail, host_bytes_per_node=f.host_per_node, shard_group=f.shard_group,
+                overhead_detail=detail, host_bytes_per_node=f.host_per_node, host_detail=f.host_detail,
+                shard_group=f.shard_group,
                 between_steps_bytes=f.between, assumptions=dict(f.assumptions))
 
 

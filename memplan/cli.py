@@ -377,6 +377,10 @@ def validate(
     max_live_parameters: Optional[int] = typer.Option(None, help="stage3_max_live_parameters (elements)."),
     max_reuse_distance: Optional[int] = typer.Option(None, help="stage3_max_reuse_distance (elements)."),
     hpz_partition_size: Optional[int] = typer.Option(None, help="ZeRO++ zero_hpz_partition_size."),
+    offload_optimizer: Optional[bool] = typer.Option(None, "--offload-optimizer/--no-offload-optimizer",
+                                                     help="ZeRO-Offload of the optimizer (on CPU the host share is "
+                                                     "compared with the rest: one allocator)."),
+    offload_param: Optional[bool] = typer.Option(None, "--offload-param/--no-offload-param"),
     reshard_after_forward: Optional[str] = typer.Option(None, help="FSDP2: true, false, or a group size."),
     hsdp_shard_size: Optional[int] = typer.Option(None, help="HSDP shard group size."),
     fsdp_version: int = typer.Option(2, help="FSDP version: 2 (fully_shard) or 1 (FlatParameter)."),
@@ -411,7 +415,8 @@ def validate(
                           overlap_comm=overlap_comm, prefetch_bucket_size=prefetch_bucket_size,
                           param_persistence_threshold=param_persistence_threshold,
                           max_live_parameters=max_live_parameters, max_reuse_distance=max_reuse_distance,
-                          hpz_partition_size=hpz_partition_size),
+                          hpz_partition_size=hpz_partition_size, offload_optimizer=offload_optimizer,
+                          offload_param=offload_param),
         torch_overrides=dict(reshard_after_forward=options.parse_reshard(reshard_after_forward),
                              hsdp_shard_size=hsdp_shard_size, bucket_cap_mb=bucket_cap_mb,
                              gradient_as_bucket_view=gradient_as_bucket_view, fsdp_version=fsdp_version))
@@ -445,6 +450,9 @@ def _render_validation(rep: dict) -> None:
     c.print(_table("Measured per rank (allocator; GiB = 2^30 B)", [("rank", "left"), ("start of step", "right"),
                                                                    ("peak", "right"), ("phase", "left"),
                                                                    ("prediction error", "right")], rows))
+    if val.get("host_added_bytes"):
+        c.print(f"offload on CPU: the plan's host share ({val['host_added_bytes']:,} B per rank) is in the "
+                "predictions below, since device and host are one allocator here")
     pk, ss = val["peak"], val["start_of_step"]
     cat_rows = [[k.removesuffix("_bytes").replace("_", " "), f"{v['predicted']:,}", f"{v['measured']:,}",
                  "exact" if v["predicted"] == v["measured"] else f"{v['predicted'] - v['measured']:+,}"]

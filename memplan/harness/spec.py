@@ -147,9 +147,12 @@ def build_spec(config: dict[str, Any], s: Settings, *, warmup_steps: int = 2, me
                             f"not {s.recipe.name}")
     if s.optimizer.name not in ("adamw", "adam", "sgd"):
         raise SettingsError(f"the harness runs adamw, adam and sgd, not {s.optimizer.name}")
-    if c.device == "cpu" and (s.ds.offload_optimizer or s.ds.offload_param or s.torch.cpu_offload):
-        raise SettingsError("offload cannot be measured on CPU: device and host memory are one allocator there "
-                            "(run validate on a GPU machine)")
+    # DeepSpeed's offload runs on CPU (DeepSpeedCPUAdam, JIT-built): device and host memory are one allocator
+    # there, so the comparison adds what the plan keeps on the host (harness/compare.py). FSDP's CPUOffloadPolicy
+    # needs a device other than the host.
+    if c.device == "cpu" and s.torch.cpu_offload:
+        raise SettingsError("FSDP CPU offload cannot be measured on CPU: its parameters would be offloaded to "
+                            "the device they are on (run validate on a GPU machine)")
     if s.recompute == "selective":
         raise SettingsError("the harness runs --recompute none or full (transformers has no selective recompute)")
     if warmup_steps < 1 or measured_steps < 1:

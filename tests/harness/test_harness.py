@@ -65,10 +65,15 @@ def test_harness_refuses_what_it_cannot_measure():
 
     cfg = scale_config(sources.resolve("llama-7b").config, **TINY)[0]
     inv = families.build_analytic(cfg, "tiny", "tiny")
-    s = options.resolve(inv, gpus=2, stage=3, device="cpu", ds_overrides={"offload_optimizer": True},
+    # FSDP's CPUOffloadPolicy would offload to the device the parameters are on (DeepSpeed's offload runs: its
+    # host share is compared with the rest, one allocator)
+    s = options.resolve(inv, gpus=2, strategy="fsdp-full", device="cpu", torch_overrides={"cpu_offload": True},
                         activations="analytic").settings
-    with pytest.raises(MemplanError, match="offload cannot be measured on CPU"):
+    with pytest.raises(MemplanError, match="FSDP CPU offload cannot be measured on CPU"):
         build_spec(cfg, s)
+    ds = options.resolve(inv, gpus=2, stage=3, device="cpu", ds_overrides={"offload_optimizer": True},
+                         activations="analytic").settings
+    assert build_spec(cfg, ds)["ds_config"]["zero_optimization"]["offload_optimizer"] == {"device": "cpu"}
 
 
 def test_a_failing_rank_stops_the_run_and_is_named():
@@ -81,7 +86,11 @@ def _validate(argv: list[str]) -> tuple[int, dict]:
     import subprocess
     import sys
 
-    r = subprocess.run([sys.executable, "-m", "memplan", "validate", "llama-7b", "--layers", "2", "--hidden", "256",
+    model = "llama-7b"
+    if "--model" in argv:  # a preset other than llama-7b: the case's "--model NAME"
+        i = argv.index("--model")
+        model, argv = argv[i + 1], argv[:i] + argv[i + 2:]
+    r = subprocess.run([sys.executable, "-m", "memplan", "validate", model, "--layers", "2", "--hidden", "256",
                         "--vocab", "2048", "--micro-batch", "2", "--seq-len", "128", "--device", "cpu", "--json",
                         *argv], capture_output=True, text=True, timeout=900,
                        env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -134,6 +143,13 @@ def test_validate_fsdp2_full_shard_two_ranks():
     ["--gpus", "2", "--strategy", "fsdp-full", "--fsdp-version", "1", "--precision", "fp32"],
     ["--gpus", "2", "--strategy", "fsdp-full", "--recompute", "full"],
     ["--gpus", "2", "--strategy", "fsdp-full", "--precision", "fp32"],
+    # session 6: ZeRO-Offload (DeepSpeedCPUAdam, JIT-built); on CPU the host share is compared with the rest;
+    # DeepSeek's MLA (CPU SDPA takes the math kernel: q/k and v head dims differ) under FSDP2; gpt2's tied
+    # embedding with full recompute
+    ["--gpus", "2", "--stage", "3", "--offload-optimizer", *SMALL_DS],
+    ["--gpus", "2", "--stage", "2", "--offload-optimizer", *SMALL_DS],
+    ["--gpus", "2", "--strategy", "fsdp-full", "--layers", "4", "--model", "deepseek-v3"],
+    ["--gpus", "2", "--strategy", "ddp", "--recompute", "full", "--model", "gpt2"],
 ])
 def test_validate_matrix_two_ranks(args):
     rc, rep = _validate(args)

@@ -106,7 +106,8 @@ def test_hsdp_one_replica_equals_full_shard():
 def test_offload_moves_states_to_host():
     plan = A.estimate(TOY, settings("zero3", 8, ds={"param_persistence_threshold": 0, "offload_optimizer": True}))
     assert plan.peak.optimizer_states_bytes == 0 and plan.peak.master_weights_bytes == 0
-    assert plan.host_bytes_per_node == 8 * (12 * PSI // 8)
+    # master + Adam states (12 bytes) and the fp32 + bf16 grad partitions (6 bytes) per element, 8 ranks a node
+    assert plan.host_bytes_per_node == 8 * (18 * PSI // 8)
 
 
 def test_hpz_secondary_partition():
@@ -322,3 +323,24 @@ def test_cublas_workspace_from_the_gpu_preset_or_the_option():
     bare = options.resolve(inv, gpus=8, stage=3)
     assert bare.settings.cluster.blas_workspace_bytes == 32 * 1024 * 1024
     assert any("cuBLAS workspace" in n for n in bare.notes)
+
+
+def test_zero_offload_host_share_by_stage():
+    # measured on CPU (one allocator: the harness compares device + host; session 6): stage 3 keeps the fp32
+    # grad per sub-group and grad_partitions_flat_buffer on the host; stage 1/2 the fp32 grad partition, a bit16
+    # copy of the partition and a largest-parameter bit16 buffer, and a second one on the device
+    for stage, strat in ((3, "zero3"), (2, "zero2")):
+        on = A.estimate(TOY, settings(strat, 4, ds={"param_persistence_threshold": 0, "offload_optimizer": True}))
+        off = A.estimate(TOY, settings(strat, 4))
+        n = off.phases[0].master_weights_bytes // 4  # this rank's partition (elements)
+        largest = 1024 * 1024
+        if stage == 3:
+            assert on.host_detail == {"master_weights_bytes": 4 * n, "optimizer_states_bytes": 8 * n,
+                                      "grads_bytes": 4 * n + 2 * n}
+        else:
+            assert on.host_detail == {"master_weights_bytes": 4 * n, "optimizer_states_bytes": 8 * n,
+                                      "grads_bytes": 4 * n, "buffers_bytes": 2 * n + 2 * largest}
+            assert on.between_steps_bytes == off.between_steps_bytes - 12 * n + 2 * largest
+        assert on.host_bytes_per_node == 4 * sum(on.host_detail.values())
+        end = next(p for p in on.phases if p.name == "backward-end")
+        assert end.grads_bytes == 0 and end.master_weights_bytes == 0 and end.optimizer_states_bytes == 0

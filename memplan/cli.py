@@ -231,7 +231,10 @@ def _render_plan(rep: dict) -> None:
             f"{pg['peak_phase']}   overheads: {fmt_bytes(pg['overhead_bytes'])} ({over})")
     c.print(f"required per GPU: [bold]{fmt_bytes(pg['required_bytes'])}[/bold]")
     if rep["host_bytes_per_node"]:
-        c.print(f"host RAM per node for offloaded states: {fmt_bytes(rep['host_bytes_per_node'])}")
+        per_rank = ", ".join(f"{k.removesuffix('_bytes').replace('_', ' ')} {fmt_bytes(v)}"
+                             for k, v in rep.get("host_bytes_per_rank_by_category", {}).items())
+        c.print(f"host RAM per node for offloaded states: {fmt_bytes(rep['host_bytes_per_node'])}"
+                + (f" (per rank: {per_rank})" if per_rank else ""))
     if rep["fits"] is None:
         c.print("fit: no GPU given (use --gpu NAME or --gpu-memory SIZE)")
     elif rep["fits"]:

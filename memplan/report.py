@@ -65,6 +65,7 @@ def plan_report(plan: Any, sources: dict[str, str] | None = None, notes: tuple[s
                                        and hasattr(p, k)}, "total_bytes": p.total_bytes} for p in plan.phases],
         "overhead_detail": plan.overhead_detail,
         "host_bytes_per_node": plan.host_bytes_per_node,
+        "host_bytes_per_rank_by_category": plan.host_detail,
         "fits": plan.fits,
         "headroom_bytes": plan.headroom_bytes,
         "assumptions": assumptions,

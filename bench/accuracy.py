@@ -88,8 +88,9 @@ CASES = [
      "none"),
     # session 6: ZeRO-Offload (on CPU one allocator holds device and host: the host share is compared too), a
     # tied embedding under full recompute
-    ("zero3 + offload optimizer", LLAMA, dict(stage=3), dict(SMALL_DS, offload_optimizer=True), {}, "none"),
-    ("zero3 + offload optimizer", LLAMA, dict(stage=3), dict(offload_optimizer=True), {}, "none"),
+    ("zero3 + offload optimizer, small buckets", LLAMA, dict(stage=3), dict(SMALL_DS, offload_optimizer=True), {},
+     "none"),
+    ("zero3 + offload optimizer, defaults", LLAMA, dict(stage=3), dict(offload_optimizer=True), {}, "none"),
     ("zero3 + offload optimizer and params", LLAMA, dict(stage=3),
      dict(SMALL_DS, offload_optimizer=True, offload_param=True), {}, "none"),
     ("zero2 + offload optimizer", LLAMA, dict(stage=2), dict(SMALL_DS, offload_optimizer=True), {}, "none"),
@@ -166,6 +167,8 @@ def main() -> None:
     args.out = args.out or str(ROOT / "docs" / ("accuracy-cross.md" if args.cross else "accuracy.md"))
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     cases = cross_cases() if args.cross else QUICK if args.quick else CASES
+    keys = [(c[0], c[1][0], c[1][1]["layers"], c[5]) for c in cases]
+    assert len(set(keys)) == len(keys), "two cases share a label, model and recompute: rows would be confused"
     # every finished row goes to a .jsonl beside the output, with what each rank measured: a long run that is
     # cut off can --resume, and a changed engine can --repredict without running the frameworks again
     log = Path(args.out).with_suffix(".jsonl")

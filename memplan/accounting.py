@@ -309,7 +309,10 @@ def _fixed(inv: ParamInventory, s: Settings) -> _Fixed:
         if st.zero_stage == 3:
             buf_persist += ipg  # stage3.py allocates the ipg bucket buffer at init
         else:
-            buf_bwd += ipg  # stage_1_and_2.py setup_buckets(): allocated per backward
+            # stage_1_and_2.py setup_buckets(): allocated in every backward, at the first gradient hook (the
+            # head's or the final norm's), so not yet at the loss backward's peak (measured: the backward-start
+            # phase was over by exactly the bucket, +0.45% to +0.76%); from the last block's backward on
+            buf_bwd += ipg
     a["overlap_comm"] = overlap
     buf_persist += offload_gpu_buffer
     if c.device == "cuda":
@@ -329,6 +332,8 @@ def _fixed(inv: ParamInventory, s: Settings) -> _Fixed:
     #: first; the block's own grads added there). FSDP2's forward copy-outs are among them: the phase is the
     #: step's worst moment outside the forward's end, the loss and backward's end.
     bwd_moments: list[tuple[int, int, int]] = []
+    if buf_bwd:
+        bwd_moments.append((0, 0, -5))  # ZeRO-1/2's bucket beside what is alive when the last block's begins
     #: FSDP2: (buffers, grads not yet reduced) at backward's end
     fsdp_end: tuple[int, int] | None = None
     # FSDP2 unshards into MixedPrecisionPolicy.param_dtype (else the parameters' dtype), and autograd's unsharded
@@ -547,7 +552,7 @@ def _fixed(inv: ParamInventory, s: Settings) -> _Fixed:
         end_buffers, end_grads = fsdp_end[0], max(grads_end - fsdp_end[1], grads_persist)
     grads = (grads_persist, grads_persist, grads_persist, end_grads, step_grads)
     buffers = (buf_persist + gather_fwd_end + amp_copies,
-               buf_persist + buf_bwd + gather_loss + amp_copies,
+               buf_persist + gather_loss + amp_copies,
                buf_persist + buf_bwd + max(gather_turn, gather_bwd) + amp_copies,
                buf_persist + buf_bwd + end_buffers,
                buf_persist + scratch)

@@ -234,9 +234,12 @@ def test_zero1_sets_up_the_ipg_bucket_in_backward():
     # the grad dtype per backward (twice with overlap_comm), as stage 2 does (measured: docs/accuracy.md)
     for overlap, buckets in ((False, 1), (True, 2)):
         f = A._fixed(TOY, settings("zero1", 2, ds={"overlap_comm": overlap}))
-        assert f.buffers[1] - f.buffers[0] == buckets * 500_000_000 * 2
+        # not yet at the loss backward's peak (it is set up at the first gradient hook): from the last block's
+        # backward start (a moment of kind -5) to the end of backward
+        assert f.buffers[1] == f.buffers[0]
+        assert [(g, b - f.buffers[0], k) for g, b, _, k in f.moments] == [(0, buckets * 500_000_000 * 2, -5)]
         assert f.buffers[4] < 500_000_000 * 2  # the step holds only its scratch, no bucket
-        assert f.buffers[3] - f.buffers[0] == buckets * 500_000_000 * 2
+        assert f.buffers[2] - f.buffers[0] == f.buffers[3] - f.buffers[0] == buckets * 500_000_000 * 2
 
 
 def test_fsdp2_reshard_group_sizes_as_fsdp2_reads_them():

@@ -30,6 +30,9 @@ class LayoutSizes:
     persistent_numel: int  #: ZeRO-3 params kept whole (numel <= persistence threshold), elements
     matmul_numel: int  #: weights read by matmuls (autocast casts these), elements
     shard_shapes: tuple[tuple[tuple[int, ...], int], ...]  #: (full shape, this rank's elements) per tensor
+    #: ZeRO-1/2 (flat aligned): the most elements, over ranks, of the whole parameters that overlap a rank's
+    #: partition; stage_1_and_2.py sizes grads_in_partition as sum(p.numel() for p in params_in_partition)
+    partition_params_numel: int = 0
 
 
 @dataclass(frozen=True)
@@ -90,6 +93,7 @@ def _layout_sizes(inv: ParamInventory, layout: str, n: int, threshold: int) -> L
     psi = inv.num_params
     matmul = sum(t.numel for t in tensors if len(t.shape) >= 2 and (t.category != "embedding" or t.tied_names))
     persistent = 0
+    partition_params = 0
     if layout == S.REPLICATED:
         shard = opt = psi
         shapes = tuple((t.shape, t.numel) for t in tensors)
@@ -100,6 +104,14 @@ def _layout_sizes(inv: ParamInventory, layout: str, n: int, threshold: int) -> L
         opt = shard // n
         shapes = tuple((t.shape, ceil_div(t.numel, n)) for t in tensors)
         largest = 2 * opt  # the optimizer steps on one flat fp32 partition
+        in_partition = [0] * n
+        start = 0
+        for t in tensors:  # the flat buffer holds the parameters in order; a parameter belongs to every
+            end = start + t.numel  # partition it overlaps
+            for k in range(start // opt, min(n - 1, (end - 1) // opt) + 1) if t.numel else ():
+                in_partition[k] += t.numel
+            start = end
+        partition_params = max(in_partition)
     elif layout == S.PER_PARAM_NUMEL:
         parts = [ceil_div(t.numel, n) for t in tensors]
         shard = opt = sum(parts)
@@ -130,7 +142,7 @@ def _layout_sizes(inv: ParamInventory, layout: str, n: int, threshold: int) -> L
         largest = _pairs([tensors[i].numel for i in members[worst]])  # its params, largest first
     else:  # pragma: no cover - the strategy table only uses the layouts above
         raise ValueError(f"unknown layout {layout}")
-    return LayoutSizes(shard, opt, largest, persistent, matmul, shapes)
+    return LayoutSizes(shard, opt, largest, persistent, matmul, shapes, partition_params)
 
 
 def optimizer_state_bytes(inv: ParamInventory, opt: Optimizer, recipe: Recipe, lay: LayoutSizes,

@@ -237,7 +237,9 @@ def test_zero1_sets_up_the_ipg_bucket_in_backward():
         # not yet at the loss backward's peak (it is set up at the first gradient hook): from the last block's
         # backward start (a moment of kind -5) to the end of backward
         assert f.buffers[1] == f.buffers[0]
-        assert [(g, b - f.buffers[0], k) for g, b, _, k in f.moments] == [(0, buckets * 500_000_000 * 2, -5)]
+        # (inside the blocks too; no grads_in_partition there: the toy's 4M elements never fill the bucket)
+        assert [(g, b - f.buffers[0], k) for g, b, _, k in f.moments] == [
+            (0, buckets * 500_000_000 * 2, k) for k in (-5, 0, 1, 2)]
         assert f.buffers[4] < 500_000_000 * 2  # the step holds only its scratch, no bucket
         assert f.buffers[2] - f.buffers[0] == f.buffers[3] - f.buffers[0] == buckets * 500_000_000 * 2
 
@@ -347,3 +349,13 @@ def test_zero_offload_host_share_by_stage():
         assert on.host_bytes_per_node == 4 * sum(on.host_detail.values())
         end = next(p for p in on.phases if p.name == "backward-end")
         assert end.grads_bytes == 0 and end.master_weights_bytes == 0 and end.optimizer_states_bytes == 0
+
+
+def test_zero2_grads_in_partition_inside_the_blocks():
+    # stage_1_and_2.py copy_grads_in_partition: once a bucket is reduced, grads_in_partition holds the whole
+    # parameters overlapping the rank's partition (grad dtype); 4 blocks of 1024 x 1024 plus an 8 x 1024 root
+    # tensor first, 4 ranks: partition 1,050,624 elements; rank 0 overlaps the root tensor and block 0, ranks
+    # 1-3 overlap two blocks each
+    f = A._fixed(TOY, settings("zero2", 4, ds={"reduce_bucket_size": 100_000}))
+    inside = [(g, k) for g, _, _, k in f.moments if k >= 0]
+    assert inside == [(2 * 2 * 1024 * 1024, k) for k in (0, 1, 2)]

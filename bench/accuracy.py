@@ -145,9 +145,9 @@ def _row(label: str, shown: str, rc: str, plan, ranks, old=None) -> list:  # noq
         exact = all(x["predicted"] == x["measured"] for x in c.categories.values())
         return [label, shown, rc, c.predicted_peak_bytes, c.measured_peak_bytes, c.peak_error, c.spread, exact,
                 f"{c.predicted_peak_phase}/{c.measured_peak_phase}", list(ranks)]
-    phase = {"backward-start": "backward", "backward-end": "backward"}.get(plan.peak.name, plan.peak.name)
-    measured = old[4]
-    return [label, shown, rc, plan.peak_bytes, measured, (plan.peak_bytes - measured) / measured, old[6], old[7],
+    phase = cmp.MEASURED_PHASE.get(plan.peak.name, plan.peak.name)
+    predicted, measured = plan.peak_bytes + sum(cmp.measured_host(plan).values()), old[4]
+    return [label, shown, rc, predicted, measured, (predicted - measured) / measured, old[6], old[7],
             f"{phase}/{old[8].split('/')[1]}", None]
 
 

@@ -67,6 +67,15 @@ class Overheads:
 BLAS_HANDLES = 2
 
 
+def default_blas_workspace(arch: str) -> int:
+    """PyTorch's cuBLAS / hipBLAS workspace per handle without CUBLAS_WORKSPACE_CONFIG, for an architecture
+    ("sm90", "gfx942", ...): aten/src/ATen/cuda/CublasHandlePool.cpp parseChosenWorkspaceSize. The GPU presets
+    carry these values (tested), and validate applies it to the GPU it runs on."""
+    if arch.startswith("gfx"):
+        return (128 if arch.startswith(("gfx94", "gfx95")) else 32) * MiB
+    return 32 * MiB if arch == "sm90" else 4096 * 1024 * 2 + 16 * 1024 * 8
+
+
 @dataclass(frozen=True, kw_only=True)
 class Cluster:
     gpus: int = 1

@@ -105,13 +105,13 @@ def inspect(
         c.print(f"note: {n}")
 
 
-def _size_option(value: Optional[str], name: str) -> Optional[int]:
+def _size_option(value: Optional[str], name: str, allow_zero: bool = False) -> Optional[int]:
     if value is None:
         return None
     from memplan.units import parse_size
 
     try:
-        return parse_size(value)[0]
+        return parse_size(value, allow_zero)[0]
     except MemplanError as exc:
         raise MemplanError(f"{name}: {exc}") from None
 
@@ -159,7 +159,8 @@ def estimate(
     nccl_per_communicator: Optional[str] = typer.Option(None, help="NCCL buffers per communicator [default: 1GiB]."),
     fragmentation_percent: Optional[int] = typer.Option(None, help="Allocator fragmentation, % of peak [default: 5]."),
     cublas_workspace: Optional[str] = typer.Option(None, help="cuBLAS workspace per handle, inside the peak (the job's "
-                                                   "CUBLAS_WORKSPACE_CONFIG) [default: the GPU's; 32MiB]."),
+                                                   "CUBLAS_WORKSPACE_CONFIG; 0 for :0:0) [default: the GPU's; "
+                                                   "32MiB]."),
     builder: str = typer.Option("auto", help="Inventory builder: auto | analytic | meta."),
     activations: str = typer.Option("auto", "--activations", help="auto (traced, analytic if the model cannot be "
                                     "traced) | traced | analytic."),
@@ -194,7 +195,8 @@ def estimate(
                                 nccl_bytes_per_communicator=_size_option(nccl_per_communicator,
                                                                          "--nccl-per-communicator"),
                                 fragmentation_percent=fragmentation_percent,
-                                blas_workspace_bytes=_size_option(cublas_workspace, "--cublas-workspace")))
+                                blas_workspace_bytes=_size_option(cublas_workspace, "--cublas-workspace",
+                                                                  allow_zero=True)))
     plan = accounting.estimate(inv, resolved.settings)
     rep = plan_report(plan, resolved.sources, resolved.notes)
     if as_json:
@@ -486,10 +488,12 @@ def _root(version: Optional[bool] = typer.Option(None, "--version", callback=_ve
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point: run the typer app with one error boundary."""
-    try:  # typer >= 0.26 vendors click as typer._click; its exceptions are not click's
-        from typer._click import exceptions as click_exc
+    try:  # typer >= 0.26 vendors click as typer._click; its exceptions are not click's, and Abort / Exit
+        from typer._click import exceptions as click_exc  # moved to typer.exceptions
+        from typer.exceptions import Abort, Exit
     except ImportError:  # pragma: no cover - older typer on upstream click
         from click import exceptions as click_exc
+        from click.exceptions import Abort, Exit
 
     command = typer.main.get_command(app)
     try:
@@ -500,12 +504,20 @@ def main(argv: list[str] | None = None) -> None:
     except click_exc.UsageError as exc:
         exc.show()
         sys.exit(2)
-    except click_exc.Abort:
+    except Abort:
         sys.stderr.write("Aborted.\n")
         sys.exit(1)
-    except click_exc.Exit as exc:
+    except Exit as exc:
         sys.exit(exc.exit_code)
     except KeyboardInterrupt:
         sys.stderr.write("Interrupted.\n")
         sys.exit(130)
+    except Exception as exc:  # a bug in memplan: one line, not a traceback (MEMPLAN_DEBUG=1 shows it)
+        import os
+
+        if os.environ.get("MEMPLAN_DEBUG"):
+            raise
+        first = str(exc).splitlines()[0][:300] if str(exc) else ""
+        sys.stderr.write(f"Error: internal error ({type(exc).__name__}: {first}); MEMPLAN_DEBUG=1 shows where\n")
+        sys.exit(1)
     sys.exit(rc if isinstance(rc, int) else 0)

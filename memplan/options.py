@@ -11,9 +11,9 @@ from typing import Any
 
 from memplan import dsconfig
 from memplan.accounting import Cluster, DeepSpeedKnobs, Overheads, Settings, TorchKnobs
-from memplan.model.sources import gpu_presets
 from memplan.errors import SettingsError
 from memplan.model.inventory import ParamInventory
+from memplan.model.sources import gpu_presets
 from memplan.precision import get_optimizer, get_recipe
 from memplan.strategies import DEFAULT_RECIPE, STAGE_TO_STRATEGY, get_strategy
 from memplan.units import parse_size
@@ -162,6 +162,9 @@ def resolve(inv: ParamInventory, *, gpus: int = 1, gpus_per_node: int | None = N
     ds = DeepSpeedKnobs(**knob_values)
     if ds.offload_param and strat.zero_stage != 3:
         raise SettingsError("parameter offload (offload_param) needs ZeRO stage 3")
+    if ds.offload_optimizer and not (strat.framework == "deepspeed" and strat.zero_stage >= 1):
+        raise SettingsError(f"optimizer offload (offload_optimizer) is DeepSpeed ZeRO-Offload: it needs ZeRO stage "
+                            f"1, 2 or 3, not {strat.name} (FSDP offloads with --cpu-offload)")
     if ds.hpz_partition_size < 1:
         raise SettingsError(f"zero_hpz_partition_size must be at least 1, got {ds.hpz_partition_size}")
     tk = TorchKnobs(**{k: v for k, v in (torch_overrides or {}).items() if v is not None})
@@ -169,6 +172,9 @@ def resolve(inv: ParamInventory, *, gpus: int = 1, gpus_per_node: int | None = N
         raise SettingsError(f"--bucket-cap-mb must be positive, got {tk.bucket_cap_mb}")
     if tk.fsdp_version not in (1, 2):
         raise SettingsError(f"--fsdp-version must be 1 or 2, got {tk.fsdp_version}")
+    if tk.cpu_offload and not strat.framework.startswith("fsdp"):
+        raise SettingsError(f"--cpu-offload is FSDP's CPUOffloadPolicy, not for {strat.name} (DeepSpeed offloads "
+                            "with --offload-optimizer / --offload-param)")
     if tk.fsdp_version == 1 and strat.framework == "fsdp2":
         from memplan.strategies import FLAT_PER_BLOCK
 

@@ -329,14 +329,14 @@ def _one_step(config: dict[str, Any], batch: int, seq: int, recipe: str, attenti
             #: (timeline index at which the gradient was created, block index or -1, numel), per parameter
             grads: list[tuple[int, int, int]] = []
 
-            #: per parameter used more than once (a tied embedding): (storage, birth, death) of its first gradient
-            #: contribution (see _first_contributions)
+            #: per parameter used more than once (a tied embedding): its first gradient contribution (see
+            #: _first_contributions)
             first_contrib: dict[int, list[Any]] = {}
 
             def drop_grad(p: Any) -> None:
                 first = first_contrib.get(id(p))
                 if first is not None and first[0] is not None and first[0]() is not p.grad.untyped_storage():
-                    # the real engine added the later contributions into this one in place: it was the grad
+                    # gradient bytes from the head's backward on, not activations (in place or not, see above)
                     live.not_activation_between(first[1], first[2] if first[2] is not None else len(live.timeline),
                                                 first[3])
                 born = live.not_activation(p.grad)
@@ -377,7 +377,8 @@ def _one_step(config: dict[str, Any], batch: int, seq: int, recipe: str, attenti
             moe._can_use_grouped_mm = real_can_grouped
     timeline = live.corrected()
     return {"saved": sum(saved.values()), "live": after_forward, "forward": timeline[:forward_end],
-            "backward": timeline[forward_end - 1:], "blocks": _block_segments(timeline, grads, forward_end, backward_ends),
+            "backward": timeline[forward_end - 1:],
+            "blocks": _block_segments(timeline, grads, forward_end, backward_ends),
             "attention_kernels": kernels,
             "last_block_forward_start": forward_starts.get(len(block_list) - 1, (0, 0))[0],
             "last_block_forward": timeline[forward_starts.get(len(block_list) - 1, (0, 0))[1]:
@@ -398,13 +399,15 @@ def _block_index(model: Any) -> tuple[dict[int, int], list[Any]]:
 
 def _first_contributions(loss: Any, live: _LiveBytes, out: dict[int, list[Any]]) -> None:
     """Hooks the first gradient contribution to each parameter the graph reaches more than once (a tied
-    embedding: the head's matmul, then the embedding). The real engine accumulates the later contributions into
-    the first in place (torch/csrc/autograd/input_buffer.cpp, accumulate: add_ when the buffer can be stolen),
-    so the first contribution is the parameter's gradient from its creation, through every block's backward;
-    measured with the profiler on torch 2.13 CPU (gpt2: the embedding's 2 MB contribution freed right after its
-    add, no new storage). A fake-tensor run adds out of place, which would leave the first contribution in the
-    timeline as an activation until the end. ``out[id(param)]`` = [storage weakref, birth, death, bytes,
-    data_ptr (real tensors only)]."""
+    embedding: the head's matmul, then the embedding). Its bytes are gradient bytes from the head's backward to
+    the end, which the strategy accounts for (the head's grads), not activations. The real engine adds the later
+    contributions into the first in place where it can steal the buffer (torch/csrc/autograd/input_buffer.cpp,
+    accumulate), so the first contribution becomes the gradient: gpt2 under torch-amp, where the profiler shows
+    the embedding's 2 MB contribution freed right after its add and no new storage; where it cannot (measured
+    with a bf16 weight, or an fp32 weight without autocast) it adds out of place at the end, and the first
+    contribution lives until then. A fake-tensor run always adds out of place (a tensor subclass is never
+    stolen), which would leave the first contribution in the timeline as an activation until the end.
+    ``out[id(param)]`` = [storage weakref, birth, death, bytes, data_ptr (real tensors only)]."""
     from torch._subclasses.fake_tensor import FakeTensor
 
     incoming: dict[Any, list[tuple[Any, int]]] = {}

@@ -73,7 +73,11 @@ _SIZE_UNITS = {
 }
 
 
-def parse_size(text: str) -> tuple[int, str]:
+#: no size given for one device (GPU memory, a context, a buffer) is this large
+MAX_SIZE = 2**50
+
+
+def parse_size(text: str, allow_zero: bool = False) -> tuple[int, str]:
     """Parse "80GB" (10**9) or "80GiB" (2**30) or a plain byte count.
 
     Returns (bytes, how it was read) so the output can say which interpretation was used.
@@ -84,8 +88,11 @@ def parse_size(text: str) -> tuple[int, str]:
     value, unit = m.group(1), m.group(2).lower()
     if unit not in _SIZE_UNITS:
         raise SettingsError(f"memory size {text!r}: unknown unit {m.group(2)!r}; use B, KB, MB, GB, TB, KiB, MiB, GiB, TiB")
-    n = int(round(float(value) * _SIZE_UNITS[unit]))
-    if n <= 0:
+    x = float(value) * _SIZE_UNITS[unit]
+    if not x < MAX_SIZE:  # also inf, from a number too long for a float
+        raise SettingsError(f"memory size {text!r} is more than 1 PiB: not a size for one device")
+    n = int(round(x))
+    if n < 0 or (n == 0 and not allow_zero):
         raise SettingsError(f"memory size {text!r} must be positive")
     label = {"": "bytes", "b": "bytes"}.get(unit, m.group(2))
     base = "decimal, 10^" + str({"kb": 3, "mb": 6, "gb": 9, "tb": 12}[unit]) if unit in ("kb", "mb", "gb", "tb") else (

@@ -38,14 +38,22 @@ def _err(pred: int, meas: int) -> float:
     return (pred - meas) / meas if meas else (0.0 if pred == 0 else float("inf"))
 
 
+#: the plan's phases as the harness names the phase of a measured peak
+MEASURED_PHASE = {"forward": "forward", "backward-start": "backward", "backward-end": "backward",
+                  "backward": "backward", "optimizer-step": "optimizer-step"}
+
+
+def measured_host(plan: Plan) -> dict[str, int]:
+    """What of the plan's host share the harness measures with the device's: on CPU, device and host memory
+    are one allocator, so what offload keeps on the host is measured with the rest (held through the step)."""
+    return plan.host_detail if plan.settings.cluster.device == "cpu" else {}
+
+
 def compare(plan: Plan, ranks: tuple[dict[str, Any], ...], tolerance: float) -> Comparison:
-    pred_peak, pred_start = plan.peak_bytes, plan.between_steps_bytes
+    host = measured_host(plan)
+    pred_peak = plan.peak_bytes + sum(host.values())
+    pred_start = plan.between_steps_bytes + sum(host.values())
     start_phase = plan.phases[0]
-    # on CPU, device and host memory are one allocator: what offload keeps on the host is measured with the
-    # rest, so it is predicted with the rest (it is held through the step)
-    host = plan.host_detail if plan.settings.cluster.device == "cpu" else {}
-    pred_peak += sum(host.values())
-    pred_start += sum(host.values())
     rows = []
     for r in ranks:
         worst = max(r["steps"], key=lambda m: m["peak_bytes"])
@@ -59,13 +67,11 @@ def compare(plan: Plan, ranks: tuple[dict[str, Any], ...], tolerance: float) -> 
     cats = {k: {"predicted": getattr(start_phase, k) + host.get(k, 0), "measured": worst_row[k]}
             for k in EXACT_CATEGORIES}
     measured_start = max(x["start_bytes"] for x in rows)
-    phase_names = {"forward": "forward", "backward-start": "backward", "backward-end": "backward", "backward": "backward",
-                   "optimizer-step": "optimizer-step"}
     return Comparison(rows=tuple(rows), worst_rank=worst_row["rank"], predicted_peak_bytes=pred_peak,
                       measured_peak_bytes=worst_row["peak_bytes"], peak_error=_err(pred_peak, worst_row["peak_bytes"]),
                       predicted_start_bytes=pred_start, measured_start_bytes=measured_start,
                       start_error=_err(pred_start, measured_start),
-                      predicted_peak_phase=phase_names.get(plan.peak.name, plan.peak.name),
+                      predicted_peak_phase=MEASURED_PHASE.get(plan.peak.name, plan.peak.name),
                       measured_peak_phase=worst_row["peak_phase"], categories=cats,
                       spread=(max(peaks) - min(peaks)) / max(peaks) if max(peaks) else 0.0, tolerance=tolerance,
                       host_added_bytes=sum(host.values()))

@@ -45,9 +45,9 @@ def local_blas_workspace() -> int:
     if pairs:
         return sum(int(size) * 1024 * int(count) for size, count in pairs)
     if torch.version.hip:
-        arch = torch.cuda.get_device_properties(0).gcnArchName
-        return (128 if arch.startswith(("gfx94", "gfx95")) else 32) * 1024 * 1024
-    return 32 * 1024 * 1024 if torch.cuda.get_device_capability(0) == (9, 0) else 4096 * 1024 * 2 + 16 * 1024 * 8
+        return accounting.default_blas_workspace(torch.cuda.get_device_properties(0).gcnArchName)
+    major, minor = torch.cuda.get_device_capability(0)
+    return accounting.default_blas_workspace(f"sm{major}{minor}")
 
 
 def predict(model: str, *, layers: int | None = None, hidden: int | None = None, vocab: int | None = None,

@@ -79,6 +79,13 @@ def test_gb_vs_gib():
     (["estimate", "gpt2", "--strategy", "hsdp", "--gpus", "16", "--gpus-per-node", "8", "--hsdp-shard-size", "3"],
      "HSDP shard size(3)"),
     (["estimate", "gpt2", "--stage", "2", "--offload-param"], "needs ZeRO stage 3"),
+    (["estimate", "gpt2", "--strategy", "fsdp-full", "--offload-optimizer"], "it needs ZeRO stage 1, 2 or 3"),
+    (["estimate", "gpt2", "--stage", "0", "--offload-optimizer"], "it needs ZeRO stage 1, 2 or 3"),
+    (["estimate", "gpt2", "--stage", "2", "--cpu-offload"], "--cpu-offload is FSDP's CPUOffloadPolicy"),
+    (["estimate", "gpt2", "--cublas-workspace", "-1MiB"], "--cublas-workspace: memory size"),
+    (["estimate", "gpt2", "--gpu-memory", "9" * 400 + "GB"], "more than 1 PiB"),
+    (["validate", "gpt2", "--device", "cpu", "--strategy", "ddp", "--offload-optimizer"],
+     "it needs ZeRO stage 1, 2 or 3"),
     (["inspect", "/nonexistent/config.json"], "no such file"),
     (["estimate", "gpt2", "--no-such-flag"], "No such option"),
     (["estimate", "gpt2", "--activations", "guess"], "--activations must be auto, traced or analytic"),
@@ -139,3 +146,24 @@ def test_every_command_has_help_and_is_in_readme(command):
     r = run(command, "--help")
     assert r.returncode == 0 and "Usage" in r.stdout
     assert f"memplan {command}" in (ROOT / "README.md").read_text()
+
+
+def test_cublas_workspace_zero_is_accepted():
+    # CUBLAS_WORKSPACE_CONFIG=:0:0 is a setting jobs use: no workspace
+    d = json.loads(run("estimate", "gpt2", "--cublas-workspace", "0", "--json").stdout)
+    assert d["assumptions"]["blas_workspace"].startswith("2 x 0 B")
+
+
+def test_an_internal_error_is_one_line(monkeypatch, capsys):
+    # a bug below the CLI gives one line and exit 1, not a traceback (MEMPLAN_DEBUG=1 re-raises)
+    from memplan import cli
+
+    def boom(*a, **k):
+        raise ValueError("a bug\nsecond line")
+
+    monkeypatch.delenv("MEMPLAN_DEBUG", raising=False)
+    monkeypatch.setattr("memplan.model.sources.resolve", boom)
+    with pytest.raises(SystemExit) as ex:
+        cli.main(["estimate", "gpt2"])
+    err = capsys.readouterr().err
+    assert ex.value.code == 1 and err == "Error: internal error (ValueError: a bug); MEMPLAN_DEBUG=1 shows where\n"

@@ -315,6 +315,16 @@ def test_cublas_workspaces_are_inside_the_peak_on_cuda_only():
     assert "blas_workspace" not in A.estimate(TOY, cpu).assumptions
 
 
+def test_gpu_presets_carry_pytorchs_default_cublas_workspace():
+    from memplan.model.sources import gpu_presets
+
+    for name, g in gpu_presets().items():
+        assert g["blas_workspace_bytes"] == A.default_blas_workspace(g["arch"]), name
+    assert A.default_blas_workspace("sm90") == 32 * 1024 * 1024
+    assert A.default_blas_workspace("sm80") == 8 * 1024 * 1024 + 128 * 1024
+    assert A.default_blas_workspace("gfx942") == 128 * 1024 * 1024
+
+
 def test_cublas_workspace_from_the_gpu_preset_or_the_option():
     from memplan import options
 

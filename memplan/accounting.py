@@ -17,7 +17,7 @@ from typing import Any
 from memplan import activations as act
 from memplan import layouts
 from memplan.errors import SettingsError
-from memplan.model.inventory import ParamInventory
+from memplan.model.inventory import ROOT_BLOCK, ParamInventory
 from memplan.precision import OPTIMIZER_IMPLS, Optimizer, Recipe
 from memplan.strategies import Strategy
 from memplan.units import GiB, MiB, ceil_div
@@ -352,6 +352,11 @@ def _fixed(inv: ParamInventory, s: Settings) -> _Fixed:
             in_part = lay.partition_params_numel if s.ds.reduce_bucket_size < psi else 0
             for k in (0, 1, 2):
                 bwd_moments.append((0, rc.grad_bytes * (in_part + tied), k))
+    # the loss's and the head's backward with the head's gradient as autograd makes it (a new tensor from the
+    # weight-gradient GEMM, before any hook has taken it): what is gathered at the loss, no reduce bucket yet
+    # (ZeRO-1/2 set theirs up in the first gradient hook). Measured, session 7: ZeRO-3 at 1 rank peaks at the
+    # head's weight-gradient GEMM, 1.31 MB above the loss's own peak (llama-3-8b, 2 blocks).
+    bwd_moments.append((0, 0, -10))
     #: FSDP2: (buffers, grads not yet reduced) at backward's end
     fsdp_end: tuple[int, int] | None = None
     # FSDP2 unshards into MixedPrecisionPolicy.param_dtype (else the parameters' dtype), and autograd's unsharded
@@ -360,6 +365,7 @@ def _fixed(inv: ParamInventory, s: Settings) -> _Fixed:
     # FSDP2 still copies each parameter into its unsharded buffer, in any dtype (wait_for_unshard's world_size == 1
     # path: alloc_storage + copy_), measured with fsdp-bf16 and torch-amp (docs/accuracy.md).
     fsdp_copies = st.framework.startswith("fsdp") and not st.shard_params
+    zero3_blocks = False
     if st.shard_params or fsdp_copies:
         g = layouts.gather_sizes(inv, st.layout, n)
         cb = rc.grad_bytes if st.framework.startswith("fsdp") else rc.param_bytes
@@ -369,11 +375,47 @@ def _fixed(inv: ParamInventory, s: Settings) -> _Fixed:
             # In backward, a module's full grads exist before they are reduced into their partitions.
             z = layouts.zero3_schedule(inv, n, s.ds.prefetch_bucket_size, s.ds.max_live_parameters,
                                        s.ds.max_reuse_distance, s.ds.param_persistence_threshold)
+            if n == 1 and not (s.ds.offload_param and c.device != "cpu"):
+                # a partition group of one gathers nothing: each parameter is pointed at its partition
+                # (partition_parameters.py all_gather_coalesced -> _no_gather_coalesced, NoGatherHandle:
+                # param.data = ds_tensor.data.to(device), a copy only from a host partition to a GPU). Measured:
+                # llama-3-8b at 1 rank, forward 19.2 MB above the step's start, the activations alone (session 7).
+                cb = 0
             gather_turn = cb * z.forward
             gather_fwd_end = cb * z.forward_end
             gather_loss = cb * z.loss
             gather_bwd = cb * z.backward + rc.grad_bytes * g.largest_block
             gather_end = cb * z.end + rc.grad_bytes * g.largest_block
+            # inside a block's backward (a recomputed block is the peak there): the block and what is prefetched
+            # gathered, and of its grads only those whose hook has not yet taken them: ZeRO-3 reduces (or moves
+            # into its contiguous bucket) each parameter's grad in the hook on its AccumulateGrad
+            # (stage3.py reduce_ready_partitions_and_remove_grads) and frees it. Measured, session 7: gpt2 at 4
+            # ranks with full recompute peaks at the last block's weight-gradient GEMM during its recomputed
+            # backward, 1.58 MB above the loss (-6.63% without these moments).
+            # A tied weight's first contribution (the head's) waits for the embedding's: its hook runs last.
+            zero3_blocks = True
+            tied = sum(t.numel for t in inv.tensors if t.tied_names)
+            for k in (0, 1, 2):
+                bwd_moments.append((cb * z.backward, grads_persist + rc.grad_bytes * tied, k))
+            if ds_offload_opt:
+                # ZeRO-Offload at the gradient-accumulation boundary, per reduced parameter (stage3.py
+                # partition_grads -> _offload_grad_partition_at_boundary): grad_buffer.to(device) copies the
+                # host partition back to a GPU (a no-op on CPU), then _constant_buffered_norm2 takes its norm
+                # in fp64 (part.to(get_norm_dtype()): fp64 wherever the accelerator has it), freed before the
+                # fp32 copy to the host (4 bytes); the reduce's output partition exists beside them. Measured,
+                # session 7: llama-3-8b at 1 rank peaks at the head's, 10,485,760 B for its 1,048,576 elements.
+                per = rc.grad_bytes + 8 + (rc.grad_bytes if c.device == "cuda" else 0)
+                # The head's when the last block's backward begins (a tied head's hook runs at the embedding's
+                # backward, after every block); the embedding's at backward's end. Inside a block, the block
+                # moments would add it to grads already reduced and freed, so none is added there.
+                seen_block, head_largest = False, 0
+                for t in inv.tensors:
+                    seen_block = seen_block or t.block != ROOT_BLOCK
+                    if t.block == ROOT_BLOCK and seen_block and not t.tied_names:
+                        head_largest = max(head_largest, t.numel)
+                bwd_moments.append((cb * z.loss + per * ceil_div(head_largest, n), grads_persist + rc.grad_bytes
+                                    * sum(t.numel for t in inv.tensors if t.tied_names), -5))
+                gather_end += per * ceil_div(g.root_largest_tensor, n)
             a["zero3_gathered_numel"] = {"forward": z.forward, "forward_end": z.forward_end, "loss": z.loss,
                                          "backward": z.backward, "end": z.end}
         elif st.framework == "fsdp1":
@@ -582,13 +624,17 @@ def _fixed(inv: ParamInventory, s: Settings) -> _Fixed:
         a["nccl_communicators"] = comms
     moments = []
     for m_buffers, m_grads, kind in bwd_moments:
+        if kind == -10:
+            m_buffers += gather_loss - buf_bwd
         m_buffers += buf_persist + buf_bwd + amp_copies
         m_grads = max(m_grads, grads_persist)  # grads kept across micro-steps include those of the moment
         moments.append((m_grads, m_buffers, states_total + m_grads + m_buffers, kind))
-    return _Fixed(weights, master, states, grads, buffers,
-                  tuple(states_total + g + b for g, b in zip(grads, buffers)), prof, host * c.ranks_per_node, n,
-                  weights + master + states + grads_persist + buf_persist, comms, a, tuple(moments),
-                  rc.grad_bytes, {k: v for k, v in host_by.items() if v})
+    f = _Fixed(weights, master, states, grads, buffers,
+               tuple(states_total + g + b for g, b in zip(grads, buffers)), prof, host * c.ranks_per_node, n,
+               weights + master + states + grads_persist + buf_persist, comms, a, tuple(moments),
+               rc.grad_bytes, {k: v for k, v in host_by.items() if v})
+    f.grads_held = zero3_blocks
+    return f
 
 
 def _fsdp1_buffers(s: Settings, g: Any, n: int, cb: int, grads_end: int, moments: list[tuple[int, int, int]],
@@ -682,7 +728,8 @@ class _Fixed:
     """The micro-batch-independent part of a Plan (see _fixed)."""
 
     __slots__ = ("weights", "master", "states", "grads", "buffers", "non_activation", "profile", "host_per_node",
-                 "shard_group", "between", "comms", "assumptions", "moments", "grad_width", "_blocks", "host_detail")
+                 "shard_group", "between", "comms", "assumptions", "moments", "grad_width", "_blocks", "host_detail",
+                 "grads_held")
 
     def __init__(self, weights: int, master: int, states: int, grads: tuple[int, ...], buffers: tuple[int, ...],
                  non_activation: tuple[int, ...], profile: Any, host_per_node: int, shard_group: int, between: int,
@@ -697,6 +744,8 @@ class _Fixed:
         #: bytes added. The "backward" phase is
         #: the largest of these and the base moment.
         self.moments, self.grad_width = moments, grad_width
+        #: the block moments count only the gradients whose hook has not taken them yet (ZeRO-3)
+        self.grads_held = False
         self._blocks = any(m[3] >= 0 for m in moments)
         self.weights, self.master, self.states, self.grads, self.buffers = weights, master, states, grads, buffers
         self.non_activation, self.profile, self.host_per_node = non_activation, profile, host_per_node
@@ -730,12 +779,14 @@ def _moments(f: _Fixed, micro_batch: int, saved: int, block: int, emb: int,
     -3 the embedding's output only; read off the profile's timeline (profile.moment_activations; without one,
     the bound that contains the moment): -5 when the last block's backward begins, -6 when the one before it
     begins, -7 when the last block's forward begins, -8 the most inside the last block's forward, -9 when the
-    block before the last has finished its backward (-6 less one block); k >= 0 inside a block's backward
+    block before the last has finished its backward (-6 less one block), -10 the loss's and the head's backward
+    with the root's gradients so far at grad_width (profile.loss_moment); k >= 0 inside a block's backward
     (profile.block_moments)."""
     if not f.moments:
         return []
-    blocks = f.profile.block_moments(micro_batch, f.grad_width) if f._blocks else ()
+    blocks = f.profile.block_moments(micro_batch, f.grad_width, f.grads_held) if f._blocks else ()
     named = f.profile.moment_activations(micro_batch)
+    head = f.profile.loss_moment(micro_batch, f.grad_width)
     acts = {-1: saved - block, -2: saved + block, -3: emb, -4: saved, -5: saved + block, -6: saved, -7: saved,
             -8: fwd, -9: saved - block}
     if -6 in named and -9 not in named:
@@ -744,7 +795,10 @@ def _moments(f: _Fixed, micro_batch: int, saved: int, block: int, emb: int,
     out = []
     for m in f.moments:
         kind = m[3]
-        if kind < 0:
+        if kind == -10:
+            if head is not None:
+                out.append((m, head[0], f.grad_width * head[1]))
+        elif kind < 0:
             out.append((m, acts[kind], 0))
         elif kind < len(blocks):
             x, g = blocks[kind]

@@ -38,7 +38,7 @@ from memplan.errors import SettingsError
 RECOMPUTE = ("none", "selective", "full")
 ATTENTION = ("flash", "sdpa", "eager")
 ACTIVATION_SOURCES = ("traced", "analytic")
-PROFILE_VERSION = 7  #: bump when the traced profile's format or method changes (memplan.tracing)
+PROFILE_VERSION = 9  #: bump when the traced profile's format or method changes (memplan.tracing)
 
 
 @dataclass(frozen=True)
@@ -71,13 +71,17 @@ class ActivationProfile:
             return self.num_layers * self.layer_input_bytes + self.embedding_bytes
         return self.num_layers * self.per_layer_bytes + self.embedding_bytes
 
-    def block_moments(self, micro_batch: int, grad_width: int) -> tuple[tuple[int, int], ...]:
+    def block_moments(self, micro_batch: int, grad_width: int, held: bool = False) -> tuple[tuple[int, int], ...]:
         """Inside a block's backward (see TracedProfile.block_moments): the analytic profile has no timeline."""
         return ()
 
     def moment_activations(self, micro_batch: int) -> dict[int, int]:
         """Activations at named moments (see TracedProfile.moment_activations): none without a timeline."""
         return {}
+
+    def loss_moment(self, micro_batch: int, grad_width: int) -> tuple[int, int] | None:
+        """The head's backward with its gradients (see TracedProfile.loss_moment): none without a timeline."""
+        return None
 
     def recompute_transient_bytes(self, recompute: str) -> int:
         """Extra bytes while one block is recomputed in backward (full recompute only)."""
@@ -196,19 +200,21 @@ class TracedProfile:
                 max(x[0] + x[1] * b for x in d["backward_peak"]) + extra,
                 d["live_after_forward"][0] + d["live_after_forward"][1] * b + extra - block, 0, block)
 
-    def block_moments(self, micro_batch: int, grad_width: int) -> tuple[tuple[int, int], ...]:
+    def block_moments(self, micro_batch: int, grad_width: int, held: bool = False) -> tuple[tuple[int, int], ...]:
         """Inside the backward of the last block, of the one before it, and of the first block: (activation
         bytes, the block's parameter-gradient elements created so far) at the moment where activations plus those
-        gradients at ``grad_width`` bytes each peak. The last two traced blocks stand for the model's last two,
-        with the untraced blocks' saved activations below them; the first has no block below it. Empty for
-        profiles traced before these were recorded."""
-        key = ("blocks", micro_batch, grad_width)
+        gradients at ``grad_width`` bytes each peak; ``held``: only the gradients whose post-accumulate hook has
+        not run yet (a strategy that takes each gradient in that hook). The last two traced blocks stand for the
+        model's last two, with the untraced blocks' saved activations below them; the first has no block below
+        it. Empty for profiles traced before these were recorded."""
+        key = ("blocks", micro_batch, grad_width, held)
         hit = self._memo.get(key)
         if hit is None:
-            hit = self._memo[key] = self._block_moments(micro_batch, grad_width)
+            hit = self._memo[key] = self._block_moments(micro_batch, f"held{grad_width}" if held else
+                                                        str(grad_width))
         return hit
 
-    def _block_moments(self, micro_batch: int, grad_width: int) -> tuple[tuple[int, int], ...]:
+    def _block_moments(self, micro_batch: int, width_key: str) -> tuple[tuple[int, int], ...]:
         d, b = self.data, micro_batch
         segs = d.get("block_backward") or ()
         first = d.get("first_block_backward")
@@ -217,13 +223,30 @@ class TracedProfile:
         extra_line = d["per_layer"]
         extra = (d["num_layers"] - d["traced_layers"]) * (extra_line[0] + extra_line[1] * b)
         out = []
+        grad_width = int(width_key.removeprefix("held"))
         for seg, below in ((segs[0], extra), (segs[-1], extra), (first, 0)):
-            env = seg.get(str(grad_width))
+            env = seg.get(width_key)
             if not env:
                 return ()
             c0, c1, g = max(env, key=lambda x: x[0] + x[1] * b + grad_width * x[2])
             out.append((c0 + c1 * b + below, g))
         return tuple(out)
+
+    def loss_moment(self, micro_batch: int, grad_width: int) -> tuple[int, int] | None:
+        """In the loss's and the head's backward: (activation bytes, gradient elements of the parameters outside
+        the blocks created so far) where activations plus those gradients at ``grad_width`` bytes each peak
+        (the head's weight-gradient GEMM, or the loss's own peak); every block's saved activations below."""
+        key = ("loss", micro_batch, grad_width)
+        if key not in self._memo:
+            d, b = self.data, micro_batch
+            env = (d.get("loss_backward") or {}).get(str(grad_width))
+            if not env:
+                self._memo[key] = None
+            else:
+                extra = self._extra_layers()
+                c0, c1, g = max(env, key=lambda x: x[0] + x[1] * b + grad_width * x[2])
+                self._memo[key] = (c0 + c1 * b + extra, g)
+        return self._memo[key]
 
     def moment_activations(self, micro_batch: int) -> dict[int, int]:
         """Activations when the last block's backward begins (-5), when the one before it begins (-6), when

@@ -328,10 +328,14 @@ def _one_step(config: dict[str, Any], batch: int, seq: int, recipe: str, attenti
                 blk.register_forward_hook(note_end(i))
             #: (timeline index at which the gradient was created, block index or -1, numel), per parameter
             grads: list[tuple[int, int, int]] = []
+            #: per entry of grads: the timeline index from which its post-accumulate hook has run (a strategy
+            #: that takes each gradient in that hook, as ZeRO does, holds it only until then)
+            hooked: list[int] = []
 
             #: per parameter used more than once (a tied embedding): its first gradient contribution (see
             #: _first_contributions)
             first_contrib: dict[int, list[Any]] = {}
+            root_firsts: list[tuple[int, int]] = []
 
             def drop_grad(p: Any) -> None:
                 first = first_contrib.get(id(p))
@@ -339,9 +343,13 @@ def _one_step(config: dict[str, Any], batch: int, seq: int, recipe: str, attenti
                     # gradient bytes from the head's backward on, not activations (in place or not, see above)
                     live.not_activation_between(first[1], first[2] if first[2] is not None else len(live.timeline),
                                                 first[3])
+                if first is not None and first[1] is not None:
+                    # the loss segment counts a tied weight's gradient from its first contribution on
+                    root_firsts.append((first[1], p.grad.numel()))
                 born = live.not_activation(p.grad)
                 if born is not None:
                     grads.append((born, block_of.get(id(p), -1), p.grad.numel()))
+                    hooked.append(len(live.timeline) + 1)
                 p.grad = None
 
             for p in params:
@@ -376,9 +384,11 @@ def _one_step(config: dict[str, Any], batch: int, seq: int, recipe: str, attenti
         if real_can_grouped is not None:
             moe._can_use_grouped_mm = real_can_grouped
     timeline = live.corrected()
+    blocks = _block_segments(timeline, grads, forward_end, backward_ends, hooked)
     return {"saved": sum(saved.values()), "live": after_forward, "forward": timeline[:forward_end],
             "backward": timeline[forward_end - 1:],
-            "blocks": _block_segments(timeline, grads, forward_end, backward_ends),
+            "blocks": blocks,
+            "loss_backward": _loss_segment(timeline, grads, root_firsts, forward_end, blocks),
             "attention_kernels": kernels,
             "last_block_forward_start": forward_starts.get(len(block_list) - 1, (0, 0))[0],
             "last_block_forward": timeline[forward_starts.get(len(block_list) - 1, (0, 0))[1]:
@@ -449,18 +459,22 @@ def _first_contributions(loss: Any, live: _LiveBytes, out: dict[int, list[Any]])
 
 
 def _block_segments(timeline: list[int], grads: list[tuple[int, int, int]], forward_end: int,
-                    ends: dict[int, int] | None = None) -> list[list[list[int]]]:
+                    ends: dict[int, int] | None = None, hooked: list[int] | None = None) -> list[list[list[int]]]:
     """Each block's backward, last block first: the points [activation bytes, the block's parameter-gradient
-    elements created so far], from the end of the previous block's backward (or of the loss and head's) to the
+    elements created so far, those of them whose post-accumulate hook has not run yet (``hooked``: per entry of
+    ``grads``, the index from which it has; without it, none counted)], from the end of the previous block's backward (or of the loss and head's) to the
     end of its own: when the gradient of its input is complete (``ends``: block -> timeline index), or without
     that, the creation of its last parameter gradient. The recomputation of a checkpointed block falls inside
     its segment. A strategy that keeps a block's unsharded gradients until the block's backward ends (FSDP)
     adds them at its own gradient dtype; activations alone miss the moment where the two together peak."""
     ends = ends or {}
     by_block: dict[int, list[tuple[int, int]]] = {}
-    for born, blk, numel in grads:
+    pending: dict[int, list[tuple[int, int, int]]] = {}
+    for i, (born, blk, numel) in enumerate(grads):
         if blk >= 0:
             by_block.setdefault(blk, []).append((born, numel))
+            if hooked is not None:
+                pending.setdefault(blk, []).append((born, hooked[i], numel))
     segments = []
     start = forward_end
     for blk in sorted(by_block, reverse=True):
@@ -470,15 +484,47 @@ def _block_segments(timeline: list[int], grads: list[tuple[int, int, int]], forw
         before = [born for born, b, _ in grads if born < first and b != blk]
         start = max([start] + [x + 1 for x in before])
         points, done, k = [], 0, 0
+        held = pending.get(blk, [])
         for t in range(start, end + 1):
             while k < len(events) and events[k][0] <= t:
                 done += events[k][1]
                 k += 1
-            points.append([timeline[t], done])
+            points.append([timeline[t], done, sum(n for b, h, n in held if b <= t < h)])
         segments.append(points)
         # the next block's backward begins where this one's ends (the input's gradient is its output's)
         start = end if blk in ends else end + 1
     return segments
+
+
+def _loss_segment(timeline: list[int], grads: list[tuple[int, int, int]], firsts: list[tuple[int, int]],
+                  forward_end: int, blocks: list[list[list[int]]]) -> list[list[int]]:
+    """The loss's and the head's backward, up to the last block's backward: the points [activation bytes, the
+    gradient elements of parameters outside the blocks created so far (the head's; a tied weight's from its
+    first contribution)]. Autograd makes each weight gradient as a new tensor (the head's GEMM writes it), so
+    every strategy holds it on top of what it keeps, at least until its hook has taken it: the moment of the
+    head's weight-gradient GEMM (its output and, on CPU, the GEMM's fp32 scratch) can top the loss's own."""
+    # the blocks' segments run back to back from the end of this one (see _block_segments). A tied weight's
+    # own gradient entry is born at the embedding's backward, after every block: past this segment.
+    end = _segment_start(grads, forward_end) - 1 if blocks else len(timeline) - 1
+    events = sorted([(born, numel) for born, blk, numel in grads if blk < 0] + list(firsts))
+    points, done, k = [], 0, 0
+    for t in range(forward_end - 1, max(end, forward_end - 1) + 1):
+        while k < len(events) and events[k][0] <= t:
+            done += events[k][1]
+            k += 1
+        points.append([timeline[t], done])
+    return points
+
+
+def _segment_start(grads: list[tuple[int, int, int]], forward_end: int) -> int:
+    """Where the last block's backward segment begins (as _block_segments places it)."""
+    blks = [blk for _, blk, _ in grads if blk >= 0]
+    if not blks:
+        return forward_end
+    last = max(blks)
+    first = min(born for born, blk, _ in grads if blk == last)
+    before = [born for born, b, _ in grads if born < first and b != last]
+    return max([forward_end] + [x + 1 for x in before])
 
 
 def moe_experts(config: dict[str, Any]) -> int:
@@ -593,11 +639,19 @@ def trace_profile(config: dict[str, Any], *, seq_len: int, recipe: str, attentio
         for w in GRAD_WIDTHS:
             env = _envelope([(c0 + w * g, c1, c0, g) for c0, c1, g in pts])
             out[str(w)] = [[c0, c1, g] for _, c1, c0, g in env]
+        if all(len(x) > 2 for x in seg_a):
+            # the same with only the gradients whose hook has not run yet ("held2", "held4": ZeRO takes each
+            # gradient in its hook)
+            held = [p[:2] + [x[2]] for p, x in zip(pts, seg_a)]
+            for w in GRAD_WIDTHS:
+                env = _envelope([(c0 + w * g, c1, c0, g) for c0, c1, g in held])
+                out[f"held{w}"] = [[c0, c1, g] for _, c1, c0, g in env]
         return out
 
     segs = [(x, y) for x, y in zip(top[0]["blocks"], top[1]["blocks"])]
     blocks = [block_backward(x, y) for x, y in segs[:2]]
     first = block_backward(*segs[-1]) if segs else None
+    loss_bwd = block_backward(top[0]["loss_backward"], top[1]["loss_backward"])
     return {
         "version": PROFILE_VERSION,
         "seq_len": seq_len, "recipe": recipe, "attention": attention, "recompute": recompute, "device": device,
@@ -611,6 +665,9 @@ def trace_profile(config: dict[str, Any], *, seq_len: int, recipe: str, attentio
         "block_backward": blocks,
         #: the first block's backward (the last to run), with no block below it
         "first_block_backward": first,
+        #: the loss's and the head's backward with the gradients of the parameters outside the blocks (see
+        #: _loss_segment), every block's saved activations below it
+        "loss_backward": loss_bwd,
         #: live bytes when the last block's forward begins (everything before it saved, nothing of the loss)
         "last_block_forward_start": line(top[0]["last_block_forward_start"], top[1]["last_block_forward_start"]),
         #: the most live during the last block's forward (its own activations and temporaries)

@@ -91,7 +91,16 @@ def _setup(spec: dict[str, Any], device: Any) -> tuple[Any, Any, Any]:
                 # partitions) is what the harness measures.
                 type(acc).is_fp16_supported = lambda self: True
         model = _build_model(spec, on_meta=False)
-        opt = _torch_optimizer(spec, model.parameters())
+        if spec["ds_config"]["zero_optimization"].get("offload_optimizer") and spec["optimizer"] in ("adamw", "adam"):
+            # What DeepSpeed builds for Adam(W) under optimizer offload (engine.py get_optimizer_configuration:
+            # DeepSpeedCPUAdam with fp32 states; a client torch optimizer is refused unless
+            # zero_force_ds_cpu_optimizer is false). Its C++ step updates in place: no step scratch.
+            from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+            opt = DeepSpeedCPUAdam(model.parameters(), lr=1e-4, weight_decay=0.0,
+                                   adamw_mode=spec["optimizer"] == "adamw")
+        else:
+            opt = _torch_optimizer(spec, model.parameters())
         engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=spec["ds_config"])
         return engine, optimizer, engine
     if kind == "torch-ddp":

@@ -200,6 +200,9 @@ def test_fsdp2_buffer_lifetimes_per_phase():
     # every further moment: (grads, buffers, activations kind)
     moments = [(g, buf, kind) for g, buf, _, kind in f.moments]
     assert moments == [
+        # the head's weight-gradient GEMM in the loss's backward: what is gathered at the loss (its grads from the
+        # profile's loss segment)
+        (0, root + 2 * b, -10),
         # block 0's copy-out in forward: the root, the root's all-gather output held through it, block 0's output
         # and copies; only the embedding's output saved so far
         (0, 2 * root + 4 * b, -3),
@@ -239,7 +242,7 @@ def test_zero1_sets_up_the_ipg_bucket_in_backward():
         assert f.buffers[1] == f.buffers[0]
         # (inside the blocks too; no grads_in_partition there: the toy's 4M elements never fill the bucket)
         assert [(g, b - f.buffers[0], k) for g, b, _, k in f.moments] == [
-            (0, buckets * 500_000_000 * 2, k) for k in (-5, 0, 1, 2)]
+            (0, buckets * 500_000_000 * 2, k) for k in (-5, 0, 1, 2)] + [(0, 0, -10)]  # the head's GEMM: none
         assert f.buffers[4] < 500_000_000 * 2  # the step holds only its scratch, no bucket
         assert f.buffers[2] - f.buffers[0] == f.buffers[3] - f.buffers[0] == buckets * 500_000_000 * 2
 
@@ -278,6 +281,7 @@ def test_fsdp1_buffer_lifetimes_per_phase():
     assert forward == root  # one block gathered at a time, resharded in its post-forward; the root kept
     assert loss == root + 2 * b  # the root's pre-backward prefetches the last block
     assert [(g, buf, kind) for g, buf, _, kind in f.moments] == [
+        (0, root + 2 * b, -10),  # the head's weight-gradient GEMM: what is gathered at the loss
         (0, root + 2 * 4096, -3),  # the root's unshard: its bf16 _mp_shard beside the flat buffer
         (0, root + 2 * b + b // 2, -3),  # the first block's: flat buffer (no separate all-gather output) + _mp_shard
         (0, root + 2 * b + b // 2, -7),  # the last block's, everything before it saved
@@ -369,3 +373,32 @@ def test_zero2_grads_in_partition_inside_the_blocks():
     f = A._fixed(TOY, settings("zero2", 4, ds={"reduce_bucket_size": 100_000}))
     inside = [(g, k) for g, _, _, k in f.moments if k >= 0]
     assert inside == [(2 * 2 * 1024 * 1024, k) for k in (0, 1, 2)]
+
+
+def test_zero3_on_one_rank_gathers_nothing():
+    # partition_parameters.py all_gather_coalesced -> _no_gather_coalesced: with a partition group of one each
+    # parameter points at its partition (measured, session 7: forward 19.2 MB above the step's start at 1 rank,
+    # the activations alone); a GPU with offloaded parameters copies them from the host
+    one = A._fixed(TOY, settings("zero3", 1))
+    assert one.assumptions["zero3_gathered_numel"]["forward_end"] > 0  # the schedule runs; nothing is copied
+    assert one.buffers[0] == one.buffers[4]  # the reduce bucket alone, as in the step
+    offp = A._fixed(TOY, settings("zero3", 1, ds={"param_persistence_threshold": 0, "offload_param": True}))
+    assert offp.buffers[0] - one.buffers[0] == 2 * one.assumptions["zero3_gathered_numel"]["forward_end"]
+
+
+def test_zero3_offload_norms_each_partition_in_fp64():
+    # stage3.py _offload_grad_partition_at_boundary: the reduced partition (grad dtype), on a GPU its copy back
+    # from the host, and its fp64 copy for the norm; the head's when the last block's backward begins
+    head = ParamTensor("lm_head.weight", (16, 1024), "bfloat16", "", classify("lm_head.weight"))
+    inv = ParamInventory(model_name="toy", source="test", builder="test", family="llama",
+                         tensors=TOY.tensors + (head,), dims=DIMS)
+    for device, per in (("cpu", 2 + 8), ("cuda", 2 + 2 + 8)):
+        s = settings("zero3", 4, ds={"param_persistence_threshold": 0, "offload_optimizer": True,
+                                      "reduce_bucket_size": 1000})
+        s = A.Settings(**{**s.__dict__, "cluster": A.Cluster(gpus=4, device=device, blas_workspace_bytes=0)})
+        f = A._fixed(inv, s)
+        z = f.assumptions["zero3_gathered_numel"]
+        ipg = 2 * 1000
+        # the head's (16 x 1024, after the blocks) when the last block's backward begins
+        assert (0, ipg + 2 * z["loss"] + per * (16 * 1024 // 4), -5) in [(gr, b, k) for gr, b, _, k in f.moments]
+

@@ -183,6 +183,37 @@ def test_block_backward_segments_follow_each_block_and_its_grads():
     assert first == [[15, 0], [14, 0], [13, 11]]
 
 
+def test_loss_segment_counts_the_roots_grads_up_to_the_last_block():
+    from memplan.tracing import _block_segments, _loss_segment
+
+    # the toy above: the loss and head's backward run from the end of forward (index 1 on) to the last block's
+    # segment (index 4); the head's grad (100 elements) is born at 3, a tied weight's first contribution at 2
+    timeline = [0, 10, 20, 19, 18, 17, 16, 15, 14, 13, 12]
+    grads = [(3, -1, 100), (5, 1, 7), (6, 1, 5), (9, 0, 11)]
+    blocks = _block_segments(timeline, grads, 2)
+    assert _loss_segment(timeline, grads, [], 2, blocks) == [[10, 0], [20, 0], [19, 100]]
+    assert _loss_segment(timeline, grads, [(2, 50)], 2, blocks) == [[10, 0], [20, 50], [19, 150]]
+
+
+def test_loss_moment_is_the_heads_weight_gradient_gemm():
+    # autograd makes the head's weight gradient as a new tensor. Measured on ZeRO-3 at 1 rank (session 7,
+    # llama-3-8b with 2 blocks, hidden 512, vocabulary 2048, micro-batch 2, sequence 128, CPU): the head's GEMM,
+    # its bf16 output and fp32 scratch, topped the loss's own peak by 1.31 MB
+    cfg = scale_config(sources.resolve("llama-3-8b").config, layers=2, hidden=512, vocab=2048)[0]
+    p = trace_profile(cfg, seq_len=128, recipe="deepspeed-bf16", attention="flash", recompute="none", device="cpu")
+    prof = act.TracedProfile(p, 1, "traced now")
+    head = 2048 * 512
+    x, g = prof.loss_moment(2, 2)
+    assert g == head
+    without = max(c0 + 2 * c1 for c0, c1, g in p["loss_backward"]["2"] if g == 0)
+    assert x + 2 * g > without
+    # the moment is the GEMM: its output and scratch, every block's saved activations below
+    assert x < prof.terms("none", 2)[1] + 4 * head
+    assert act.analytic_profile({"hidden_size": 8, "num_layers": 2, "num_heads": 2}, micro_batch=1, seq_len=4,
+                                compute_bytes=2, residual_bytes=2, attention="flash", recompute="none",
+                                gated_mlp=True).loss_moment(1, 2) is None
+
+
 def test_block_moments_pair_activations_with_the_blocks_grads():
     cfg = tiny()
     p = trace_profile(cfg, seq_len=64, recipe="deepspeed-bf16", attention="flash", recompute="none")

@@ -464,6 +464,10 @@ def _fixed(inv: ParamInventory, s: Settings) -> _Fixed:
             # (_fsdp_param_group.py wait_for_unshard; measured: MoE blocks, session 5, docs/accuracy.md)
             flat = n > 1
             ag_held = cb * last if flat else 0
+            # a prefetch (unshard) allocates only where there is an all-gather: with a shard group of one,
+            # unshard() records an empty result and wait_for_unshard() allocates and copies when the block runs
+            # (_fsdp_param_group.py, world_size == 1; measured, session 7: gpt2 at 1 rank was +5.35%)
+            pf = 1 if flat else 0
             # foreach_reduce copies the unsharded grads into the reduce-scatter input with torch._chunk_cat; CUDA
             # has a fused kernel, the CPU composite pads each grad into a temporary in the grad dtype first
             # (measured: DeepSeek's 9,437,184-element expert weight, an 18,874,368-byte temporary, session 5)
@@ -496,8 +500,8 @@ def _fixed(inv: ParamInventory, s: Settings) -> _Fixed:
                     share_last, share_prev = cb * ceil_div(last, raf), cb * ceil_div(prev, raf)
                 gather_fwd_end = root + kept + ag_held
                 # the loss backward: the root's pre-backward has prefetched the last block's all-gather
-                gather_loss = root + cb * last + kept
-                prefetched = cb * prev
+                gather_loss = root + pf * cb * last + kept
+                prefetched = pf * cb * prev
                 # the last block's copy-out in forward: the previous block's all-gather output, its own, its copies
                 fwd_last = root + kept - share_last + cb * (prev + 2 * last) if flat else 0
                 # the last block's copy-out in backward (its all-gather prefetched at the loss): output and copies
@@ -513,7 +517,8 @@ def _fixed(inv: ParamInventory, s: Settings) -> _Fixed:
                 unshard_prev = (root + head_grads + kept - share_last + (2 if flat else 1) * cb * prev
                                 + rb * last)
                 # inside the block before it: itself, the next prefetched (if any), the last block's input
-                inside_two = root + head_grads + kept - share_last - share_prev + cb * (prev + prev2) + rb * last
+                inside_two = (root + head_grads + kept - share_last - share_prev + cb * (prev + pf * prev2)
+                              + rb * last)
             # the first block's copy-out in forward: the root's all-gather output is held through it (the root
             # stays unsharded: fully_shard's default for the root), with block 0's output and copies
             fwd_first = root + (root if flat else 0) + (2 if flat else 1) * cb * first
@@ -540,7 +545,7 @@ def _fixed(inv: ParamInventory, s: Settings) -> _Fixed:
                 bwd_moments.append((inside_two + gb * prev, last_shard, -9))  # the block before, grads complete
                 if chunk_tmp:
                     # then resharded, the last block's input freed, its own input filled: the CPU temporary
-                    bwd_moments.append((root + head_grads + kept - share_last - share_prev + cb * prev2
+                    bwd_moments.append((root + head_grads + kept - share_last - share_prev + pf * cb * prev2
                                         + (gb + rb) * prev + chunk_tmp, last_shard, -9))
                 bwd_moments.append((inside_two, last_shard, 1))
             # backward's end, the larger of: the first block at the end of its backward (itself, its grads, the

@@ -179,8 +179,14 @@ def test_block_backward_segments_follow_each_block_and_its_grads():
     timeline = [0, 10, 20, 19, 18, 17, 16, 15, 14, 13, 12]
     grads = [(3, -1, 100), (5, 1, 7), (6, 1, 5), (9, 0, 11)]
     last, first = _block_segments(timeline, grads, 2)
-    assert last == [[18, 0], [17, 7], [16, 12]]  # from after the head's grad to block 1's last grad
-    assert first == [[15, 0], [14, 0], [13, 11]]
+    # from after the head's grad to block 1's last grad; without hook times no grad is counted as held
+    assert last == [[18, 0, 0], [17, 7, 0], [16, 12, 0]]
+    assert first == [[15, 0, 0], [14, 0, 0], [13, 11, 0]]
+    # each grad held from its birth until its post-accumulate hook has run (ZeRO takes it there)
+    hooked = [4, 6, 8, 10]
+    last, first = _block_segments(timeline, grads, 2, None, hooked)
+    assert last == [[18, 0, 0], [17, 7, 7], [16, 12, 5]]
+    assert first == [[15, 0, 0], [14, 0, 0], [13, 11, 11]]
 
 
 def test_loss_segment_counts_the_roots_grads_up_to_the_last_block():

@@ -285,7 +285,7 @@ def _fixed(inv: ParamInventory, s: Settings) -> _Fixed:
     if fsdp_offload:
         host_by["grads_bytes"] += grads_end
         grads_end = grads_persist = 0
-    offload_gpu_buffer = 0
+    offload_gpu_buffer = offload_step_scratch = 0
     if ds_offload_opt:
         # ZeRO-Offload keeps the optimizer's fp32 gradient partition on the host too (measured on CPU, where
         # device and host share the allocator: session 6). Stage 1/2 (stage_1_and_2.py, self.device = "cpu"):
@@ -299,6 +299,17 @@ def _fixed(inv: ParamInventory, s: Settings) -> _Fixed:
         host_by["grads_bytes"] += fp32 * opt_numel
         if st.zero_stage == 3:
             host_by["grads_bytes"] += grads_persist
+            if rc.loss_scaling:
+                # the step begins with the overflow check on the flat grad buffer, which is on the host here
+                # (stage3.py has_overflow: torch.isinf(grad_partitions_flat_buffer), composite abs() == inf:
+                # a grad-dtype abs and a bool result; then isnan's bool). Measured, session 7: 26,746,368 B at
+                # 1 rank (llama-3-8b, fp16), the step's peak. Without offload the fp32 grads the step makes
+                # afterwards are larger (4 bytes against 3). On CPU the host is the device's allocator.
+                check = (rc.grad_bytes + 1) * opt_numel
+                if c.device == "cpu":
+                    offload_step_scratch = check
+                else:
+                    host_by["buffers_bytes"] += check
         else:
             largest = max((t.numel for t in inv.tensors), default=0)
             host_by["buffers_bytes"] += rc.param_bytes * opt_numel + rc.grad_bytes * largest
@@ -589,6 +600,7 @@ def _fixed(inv: ParamInventory, s: Settings) -> _Fixed:
         state_dtype_numel = lay.optimizer_numel if impl == "foreach" else (
             lay.single_step_scratch if impl == "single-tensor" else 0)
         scratch = rc.state_bytes * state_dtype_numel
+    scratch = max(scratch, offload_step_scratch)
     # DeepSpeed (and ZeRO-1/2 here): the bf16 grads are copied into an fp32 partition for the step
     # (single_partition_of_fp32_groups[i].grad), after which the bf16 grads are freed.
     step_grads = grads_end

@@ -31,6 +31,8 @@ class Recipe:
     #: True when autocast makes bf16 copies of fp32 weights in forward and saves them for backward.
     autocast_weight_copies: bool
     description: str
+    #: True when the step checks the grads for inf/nan first (dynamic loss scaling)
+    loss_scaling: bool = False
 
 
 RECIPES: dict[str, Recipe] = {r.name: r for r in (
@@ -40,7 +42,8 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in (
                        "grads converted to an fp32 partition for the step"),
     Recipe(name="deepspeed-fp16", param_bytes=2, master_bytes=4, grad_bytes=2, reduced_grad_bytes=4,
            compute_bytes=2, state_bytes=4, residual_bytes=2, autocast_weight_copies=False,
-           description="DeepSpeed fp16 with dynamic loss scaling: as deepspeed-bf16, fp16 instead of bf16"),
+           description="DeepSpeed fp16 with dynamic loss scaling: as deepspeed-bf16, fp16 instead of bf16",
+           loss_scaling=True),
     Recipe(name="torch-amp", param_bytes=4, master_bytes=0, grad_bytes=4, reduced_grad_bytes=4,
            compute_bytes=2, state_bytes=4, residual_bytes=4, autocast_weight_copies=True,
            description="torch.autocast(bf16): fp32 params, grads and states; bf16 casts of weights saved for "

@@ -377,6 +377,7 @@ def _fixed(inv: ParamInventory, s: Settings) -> _Fixed:
     # path: alloc_storage + copy_), measured with fsdp-bf16 and torch-amp (docs/accuracy.md).
     fsdp_copies = st.framework.startswith("fsdp") and not st.shard_params
     zero3_blocks = False
+    hook_transient = (0, 1)
     if st.shard_params or fsdp_copies:
         g = layouts.gather_sizes(inv, st.layout, n)
         cb = rc.grad_bytes if st.framework.startswith("fsdp") else rc.param_bytes
@@ -395,8 +396,14 @@ def _fixed(inv: ParamInventory, s: Settings) -> _Fixed:
             gather_turn = cb * z.forward
             gather_fwd_end = cb * z.forward_end
             gather_loss = cb * z.loss
-            gather_bwd = cb * z.backward + rc.grad_bytes * g.largest_block
-            gather_end = cb * z.end + rc.grad_bytes * g.largest_block
+            # a module's grads before its hook takes them (reduce_ready_partitions_and_remove_grads): with
+            # contiguous_gradients each is copied into the ipg bucket (counted above) and freed, or reduced at
+            # once when larger than the bucket, so one parameter's; without, the bucket's parameters keep their
+            # grads until it is reduced (session 7: the whole block's, assumed before, was +1..+3% over)
+            unreduced = (g.largest_tensor if s.ds.contiguous_gradients
+                         else min(g.largest_block, max(s.ds.reduce_bucket_size, g.largest_tensor)))
+            gather_bwd = cb * z.backward + rc.grad_bytes * unreduced
+            gather_end = cb * z.end + rc.grad_bytes * unreduced
             # inside a block's backward (a recomputed block is the peak there): the block and what is prefetched
             # gathered, and of its grads only those whose hook has not yet taken them: ZeRO-3 reduces (or moves
             # into its contiguous bucket) each parameter's grad in the hook on its AccumulateGrad
@@ -407,7 +414,7 @@ def _fixed(inv: ParamInventory, s: Settings) -> _Fixed:
             zero3_blocks = True
             tied = sum(t.numel for t in inv.tensors if t.tied_names)
             for k in (0, 1, 2):
-                bwd_moments.append((cb * z.backward, grads_persist + rc.grad_bytes * tied, k))
+                bwd_moments.append((cb * z.blocks, grads_persist + rc.grad_bytes * tied, k))
             if ds_offload_opt:
                 # ZeRO-Offload at the gradient-accumulation boundary, per reduced parameter (stage3.py
                 # partition_grads -> _offload_grad_partition_at_boundary): grad_buffer.to(device) copies the
@@ -424,11 +431,14 @@ def _fixed(inv: ParamInventory, s: Settings) -> _Fixed:
                     seen_block = seen_block or t.block != ROOT_BLOCK
                     if t.block == ROOT_BLOCK and seen_block and not t.tied_names:
                         head_largest = max(head_largest, t.numel)
-                bwd_moments.append((cb * z.loss + per * ceil_div(head_largest, n), grads_persist + rc.grad_bytes
-                                    * sum(t.numel for t in inv.tensors if t.tied_names), -5))
+                tied_bytes = rc.grad_bytes * sum(t.numel for t in inv.tensors if t.tied_names)
+                bwd_moments.append((cb * z.loss + per * ceil_div(head_largest, n), grads_persist + tied_bytes, -5))
+                # inside the blocks: at each parameter's hook, the activations of that moment (profile.block_hooks)
+                hook_transient = (per, n)
+                bwd_moments.append((cb * z.blocks, grads_persist + tied_bytes, -11))
                 gather_end += per * ceil_div(g.root_largest_tensor, n)
             a["zero3_gathered_numel"] = {"forward": z.forward, "forward_end": z.forward_end, "loss": z.loss,
-                                         "backward": z.backward, "end": z.end}
+                                         "backward": z.backward, "end": z.end, "blocks": z.blocks}
         elif st.framework == "fsdp1":
             gather_fwd_end, gather_loss, gather_bwd, fsdp_end = _fsdp1_buffers(
                 s, g, n, cb, grads_end, bwd_moments, a)
@@ -594,6 +604,8 @@ def _fixed(inv: ParamInventory, s: Settings) -> _Fixed:
             bwd_moments.append((0, gb * (psi - (g.root - g.root_head) - g.block_numels[0]), 2))
 
     # ---- optimizer step transients ----
+    # (hook_transient: bytes per element of a parameter's partition that the strategy's gradient hook allocates,
+    # and the partition count; the -11 moment)
     impl = _optimizer_impl(s)
     scratch = 0
     if not (ds_offload_opt or fsdp_offload):
@@ -655,6 +667,7 @@ def _fixed(inv: ParamInventory, s: Settings) -> _Fixed:
                weights + master + states + grads_persist + buf_persist, comms, a, tuple(moments),
                rc.grad_bytes, {k: v for k, v in host_by.items() if v})
     f.grads_held = zero3_blocks
+    f.hook_transient = hook_transient
     return f
 
 
@@ -750,7 +763,7 @@ class _Fixed:
 
     __slots__ = ("weights", "master", "states", "grads", "buffers", "non_activation", "profile", "host_per_node",
                  "shard_group", "between", "comms", "assumptions", "moments", "grad_width", "_blocks", "host_detail",
-                 "grads_held")
+                 "grads_held", "hook_transient")
 
     def __init__(self, weights: int, master: int, states: int, grads: tuple[int, ...], buffers: tuple[int, ...],
                  non_activation: tuple[int, ...], profile: Any, host_per_node: int, shard_group: int, between: int,
@@ -767,6 +780,8 @@ class _Fixed:
         self.moments, self.grad_width = moments, grad_width
         #: the block moments count only the gradients whose hook has not taken them yet (ZeRO-3)
         self.grads_held = False
+        #: (bytes per partition element, partitions) a parameter's gradient hook allocates (the -11 moment)
+        self.hook_transient = (0, 1)
         self._blocks = any(m[3] >= 0 for m in moments)
         self.weights, self.master, self.states, self.grads, self.buffers = weights, master, states, grads, buffers
         self.non_activation, self.profile, self.host_per_node = non_activation, profile, host_per_node
@@ -801,7 +816,8 @@ def _moments(f: _Fixed, micro_batch: int, saved: int, block: int, emb: int,
     the bound that contains the moment): -5 when the last block's backward begins, -6 when the one before it
     begins, -7 when the last block's forward begins, -8 the most inside the last block's forward, -9 when the
     block before the last has finished its backward (-6 less one block), -10 the loss's and the head's backward
-    with the root's gradients so far at grad_width (profile.loss_moment); k >= 0 inside a block's backward
+    with the root's gradients so far at grad_width (profile.loss_moment), -11 at a block parameter's gradient
+    hook with the hook's transient (profile.block_hooks, f.hook_transient); k >= 0 inside a block's backward
     (profile.block_moments)."""
     if not f.moments:
         return []
@@ -819,6 +835,12 @@ def _moments(f: _Fixed, micro_batch: int, saved: int, block: int, emb: int,
         if kind == -10:
             if head is not None:
                 out.append((m, head[0], f.grad_width * head[1]))
+        elif kind == -11:
+            per, parts = f.hook_transient
+            hooks = [h for blk in f.profile.block_hooks(micro_batch) for h in blk]
+            if hooks:
+                x, numel = max(hooks, key=lambda h: h[0] + per * ceil_div(h[1], parts))
+                out.append((m, x, per * ceil_div(numel, parts)))
         elif kind < 0:
             out.append((m, acts[kind], 0))
         elif kind < len(blocks):

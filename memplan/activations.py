@@ -38,7 +38,7 @@ from memplan.errors import SettingsError
 RECOMPUTE = ("none", "selective", "full")
 ATTENTION = ("flash", "sdpa", "eager")
 ACTIVATION_SOURCES = ("traced", "analytic")
-PROFILE_VERSION = 9  #: bump when the traced profile's format or method changes (memplan.tracing)
+PROFILE_VERSION = 10  #: bump when the traced profile's format or method changes (memplan.tracing)
 
 
 @dataclass(frozen=True)
@@ -82,6 +82,10 @@ class ActivationProfile:
     def loss_moment(self, micro_batch: int, grad_width: int) -> tuple[int, int] | None:
         """The head's backward with its gradients (see TracedProfile.loss_moment): none without a timeline."""
         return None
+
+    def block_hooks(self, micro_batch: int) -> tuple:
+        """Activations at each block parameter's hook (see TracedProfile.block_hooks): none without a timeline."""
+        return ()
 
     def recompute_transient_bytes(self, recompute: str) -> int:
         """Extra bytes while one block is recomputed in backward (full recompute only)."""
@@ -163,6 +167,11 @@ class TracedProfile:
     def _at(self, line: list[int]) -> int:
         return line[0] + line[1] * self.micro_batch
 
+    def _extra_at(self, micro_batch: int) -> int:
+        """The untraced blocks' saved activations at ``micro_batch``."""
+        d, line = self.data, self.data["per_layer"]
+        return (d["num_layers"] - d["traced_layers"]) * (line[0] + line[1] * micro_batch)
+
     def _extra_layers(self) -> int:
         d = self.data
         return (d["num_layers"] - d["traced_layers"]) * self._at(d["per_layer"])
@@ -232,6 +241,22 @@ class TracedProfile:
             out.append((c0 + c1 * b + below, g))
         return tuple(out)
 
+    def block_hooks(self, micro_batch: int) -> tuple[tuple[tuple[int, int], ...], ...]:
+        """Per block (the last, the one before it, the first): (activation bytes, gradient elements) at each of
+        its parameters' post-accumulate hooks, the untraced blocks' saved activations below the first two."""
+        key = ("hooks", micro_batch)
+        if key not in self._memo:
+            d, b = self.data, micro_batch
+            segs = d.get("block_backward") or ()
+            first = d.get("first_block_backward")
+            out: tuple = ()
+            if segs and first and all("hooks" in x for x in (segs[0], segs[-1], first)):
+                extra = self._extra_at(b)
+                out = tuple(tuple((c0 + c1 * b + below, g) for c0, c1, g in seg["hooks"])
+                            for seg, below in ((segs[0], extra), (segs[-1], extra), (first, 0)))
+            self._memo[key] = out
+        return self._memo[key]
+
     def loss_moment(self, micro_batch: int, grad_width: int) -> tuple[int, int] | None:
         """In the loss's and the head's backward: (activation bytes, gradient elements of the parameters outside
         the blocks created so far) where activations plus those gradients at ``grad_width`` bytes each peak
@@ -243,7 +268,7 @@ class TracedProfile:
             if not env:
                 self._memo[key] = None
             else:
-                extra = self._extra_layers()
+                extra = self._extra_at(b)
                 c0, c1, g = max(env, key=lambda x: x[0] + x[1] * b + grad_width * x[2])
                 self._memo[key] = (c0 + c1 * b + extra, g)
         return self._memo[key]

@@ -198,6 +198,8 @@ class Zero3Schedule:
     loss: int  #: gathered when the loss backward runs (what the forward kept)
     backward: int  #: most gathered while the last block is in backward (kept + fetched + prefetched)
     end: int  #: most gathered in the rest of backward
+    #: most gathered while a block's module runs in backward (the head's, released after its backward, not)
+    blocks: int = 0
 
 
 def zero3_schedule(inv: ParamInventory, n: int, prefetch: int, max_live: int, max_reuse: int,
@@ -339,4 +341,6 @@ def _zero3_schedule(inv: ParamInventory, n: int, prefetch: int, max_live: int, m
     return Zero3Schedule(forward=max(at_step[:nf], default=0), forward_end=settled[nf - 1] if nf else 0,
                          loss=max(after_release[nf - 1], at_step[nf]) if nf else 0,
                          backward=max((at_step[k] for k in first_block_bwd), default=0),
-                         end=max((at_step[k] for k in rest), default=0))
+                         end=max((at_step[k] for k in rest), default=0),
+                         blocks=max((at_step[k] for k in range(nf, 2 * nf) if block_of[2 * nf - 1 - k] != ROOT_BLOCK),
+                                    default=0))

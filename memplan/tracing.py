@@ -331,6 +331,8 @@ def _one_step(config: dict[str, Any], batch: int, seq: int, recipe: str, attenti
             #: per entry of grads: the timeline index from which its post-accumulate hook has run (a strategy
             #: that takes each gradient in that hook, as ZeRO does, holds it only until then)
             hooked: list[int] = []
+            #: per entry of grads: the timeline index of its hook's own moment
+            hook_points: list[int] = []
 
             #: per parameter used more than once (a tied embedding): its first gradient contribution (see
             #: _first_contributions)
@@ -338,6 +340,10 @@ def _one_step(config: dict[str, Any], batch: int, seq: int, recipe: str, attenti
             root_firsts: list[tuple[int, int]] = []
 
             def drop_grad(p: Any) -> None:
+                # the hook's own moment (a strategy's hook works here: ZeRO reduces, DeepSpeed's offload takes
+                # the norm): activations then, the gradient itself taken out below
+                live.tick()
+                hook_at = len(live.timeline) - 1
                 first = first_contrib.get(id(p))
                 if first is not None and first[0] is not None and first[0]() is not p.grad.untyped_storage():
                     # gradient bytes from the head's backward on, not activations (in place or not, see above)
@@ -350,6 +356,7 @@ def _one_step(config: dict[str, Any], batch: int, seq: int, recipe: str, attenti
                 if born is not None:
                     grads.append((born, block_of.get(id(p), -1), p.grad.numel()))
                     hooked.append(len(live.timeline) + 1)
+                    hook_points.append(hook_at)
                 p.grad = None
 
             for p in params:
@@ -388,6 +395,7 @@ def _one_step(config: dict[str, Any], batch: int, seq: int, recipe: str, attenti
     return {"saved": sum(saved.values()), "live": after_forward, "forward": timeline[:forward_end],
             "backward": timeline[forward_end - 1:],
             "blocks": blocks,
+            "hooks": _block_hooks(timeline, grads, hook_points),
             "loss_backward": _loss_segment(timeline, grads, root_firsts, forward_end, blocks),
             "attention_kernels": kernels,
             "last_block_forward_start": forward_starts.get(len(block_list) - 1, (0, 0))[0],
@@ -494,6 +502,19 @@ def _block_segments(timeline: list[int], grads: list[tuple[int, int, int]], forw
         # the next block's backward begins where this one's ends (the input's gradient is its output's)
         start = end if blk in ends else end + 1
     return segments
+
+
+def _block_hooks(timeline: list[int], grads: list[tuple[int, int, int]],
+                 points: list[int]) -> list[list[list[int]]]:
+    """Per block, last first (as _block_segments): [activation bytes at the parameter's post-accumulate hook,
+    its gradient's elements] for each of its parameters, in backward order. A strategy that works on each
+    gradient in that hook (DeepSpeed's offload: a reduced partition and its fp64 copy for the norm) adds its
+    transient to the activations of that moment."""
+    by_block: dict[int, list[list[int]]] = {}
+    for (born, blk, numel), at in zip(grads, points):
+        if blk >= 0:
+            by_block.setdefault(blk, []).append([timeline[at], numel])
+    return [by_block[b] for b in sorted(by_block, reverse=True)]
 
 
 def _loss_segment(timeline: list[int], grads: list[tuple[int, int, int]], firsts: list[tuple[int, int]],
@@ -652,6 +673,18 @@ def trace_profile(config: dict[str, Any], *, seq_len: int, recipe: str, attentio
     blocks = [block_backward(x, y) for x, y in segs[:2]]
     first = block_backward(*segs[-1]) if segs else None
     loss_bwd = block_backward(top[0]["loss_backward"], top[1]["loss_backward"])
+
+    def hooks(a: list[list[int]], b: list[list[int]]) -> list[list[int]]:
+        if len(a) != len(b) or any(x[1] != y[1] for x, y in zip(a, b)):
+            raise SettingsError("the traced backward runs different operations at micro-batch 2 and 4; "
+                                "use --activations analytic")
+        return [line(x[0], y[0]) + [x[1]] for x, y in zip(a, b)]
+
+    hk = [hooks(x, y) for x, y in zip(top[0]["hooks"], top[1]["hooks"])]
+    for blk, h in zip(blocks, hk[:2]):
+        blk["hooks"] = h
+    if first is not None and hk:
+        first["hooks"] = hk[-1]
     return {
         "version": PROFILE_VERSION,
         "seq_len": seq_len, "recipe": recipe, "attention": attention, "recompute": recompute, "device": device,

@@ -402,6 +402,7 @@ def _fixed(inv: ParamInventory, s: Settings) -> _Fixed:
             # grads until it is reduced (session 7: the whole block's, assumed before, was +1..+3% over)
             unreduced = (g.largest_tensor if s.ds.contiguous_gradients
                          else min(g.largest_block, max(s.ds.reduce_bucket_size, g.largest_tensor)))
+            a["zero3_unreduced_grad_numel"] = unreduced
             gather_bwd = cb * z.backward + rc.grad_bytes * unreduced
             gather_end = cb * z.end + rc.grad_bytes * unreduced
             # inside a block's backward (a recomputed block is the peak there): the block and what is prefetched

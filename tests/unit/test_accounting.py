@@ -402,3 +402,36 @@ def test_zero3_offload_norms_each_partition_in_fp64():
         # the head's (16 x 1024, after the blocks) when the last block's backward begins
         assert (0, ipg + 2 * z["loss"] + per * (16 * 1024 // 4), -5) in [(gr, b, k) for gr, b, _, k in f.moments]
 
+
+
+def test_zero3_grads_wait_for_their_hook_only():
+    # stage3.py reduce_ready_partitions_and_remove_grads: with contiguous_gradients a parameter's grad is moved
+    # into the ipg bucket (or reduced at once when larger) in its hook, so one parameter's grad is unreduced at a
+    # time; without, the bucket's parameters keep theirs until it is reduced
+    on = A._fixed(TOY, settings("zero3", 4, ds={"param_persistence_threshold": 0}))
+    assert on.assumptions["zero3_unreduced_grad_numel"] == 1024 * 1024
+    off = A._fixed(TOY, settings("zero3", 4, ds={"param_persistence_threshold": 0, "contiguous_gradients": False,
+                                                 "reduce_bucket_size": 3 * 1024 * 1024}))
+    assert off.assumptions["zero3_unreduced_grad_numel"] == 1024 * 1024  # a block is one 1024 x 1024 tensor
+    assert on.grads_held and not A._fixed(TOY, settings("zero2", 4)).grads_held
+    # inside the blocks: what is gathered there (no head after the blocks here: all of it)
+    z = on.assumptions["zero3_gathered_numel"]
+    assert [(b, k) for _, b, _, k in on.moments if k >= 0] == [(2 * z["blocks"] + 2 * 500_000_000, k)
+                                                              for k in (0, 1, 2)]
+
+
+def test_zero3_schedule_releases_the_head_before_the_blocks_backward():
+    head = ParamTensor("lm_head.weight", (16, 1024), "bfloat16", "", classify("lm_head.weight"))
+    inv = ParamInventory(model_name="toy", source="test", builder="test", family="llama",
+                         tensors=TOY.tensors + (head,), dims=DIMS)
+    z = layouts.zero3_schedule(inv, 2, 0, 10**9, 0, 0)
+    # reuse distance 0: each module is released after it runs; the head is gathered for its backward, then
+    # released before the last block's
+    assert z.backward >= 16 * 1024 and z.blocks == 1024 * 1024
+
+
+def test_zero3_offload_hook_transient_at_each_hook():
+    f = A._fixed(TOY, settings("zero3", 4, ds={"param_persistence_threshold": 0, "offload_optimizer": True}))
+    assert f.hook_transient == (2 + 2 + 8, 4)  # on a GPU: partition, its copy back from the host, fp64 copy
+    assert any(k == -11 for *_, k in f.moments)
+    assert A._fixed(TOY, settings("zero3", 4)).hook_transient == (0, 1)

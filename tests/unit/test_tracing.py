@@ -201,6 +201,24 @@ def test_loss_segment_counts_the_roots_grads_up_to_the_last_block():
     assert _loss_segment(timeline, grads, [(2, 50)], 2, blocks) == [[10, 0], [20, 50], [19, 150]]
 
 
+def test_block_hooks_give_the_activations_at_each_parameters_hook():
+    from memplan.tracing import _block_hooks
+
+    timeline = [0, 10, 20, 19, 18, 17, 16, 15, 14, 13, 12]
+    grads = [(3, -1, 100), (5, 1, 7), (6, 1, 5), (9, 0, 11)]
+    # hooks at 4 (the head's: not a block's), 6, 7 and 10; the last block first
+    assert _block_hooks(timeline, grads, [4, 6, 7, 10]) == [[[16, 7], [15, 5]], [[12, 11]]]
+    cfg = tiny()
+    p = trace_profile(cfg, seq_len=64, recipe="deepspeed-bf16", attention="flash", recompute="none")
+    prof = act.TracedProfile(p, 1, "traced now")
+    src = sources.ModelSource(name="tiny", kind="config", description="test", config=cfg)
+    block_numel = sources.build_inventory(src).largest_layer_block.numel
+    hooks = prof.block_hooks(3)
+    assert len(hooks) == 3 and all(sum(g for _, g in blk) == block_numel for blk in hooks)
+    # the first block's hooks see no block below it; the last block's the untraced block's saved activations
+    assert max(x for x, _ in hooks[0]) > max(x for x, _ in hooks[2]) > 0
+
+
 def test_loss_moment_is_the_heads_weight_gradient_gemm():
     # autograd makes the head's weight gradient as a new tensor. Measured on ZeRO-3 at 1 rank (session 7,
     # llama-3-8b with 2 blocks, hidden 512, vocabulary 2048, micro-batch 2, sequence 128, CPU): the head's GEMM,

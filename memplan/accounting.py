@@ -376,7 +376,8 @@ def _fixed(inv: ParamInventory, s: Settings) -> _Fixed:
     # FSDP2 still copies each parameter into its unsharded buffer, in any dtype (wait_for_unshard's world_size == 1
     # path: alloc_storage + copy_), measured with fsdp-bf16 and torch-amp (docs/accuracy.md).
     fsdp_copies = st.framework.startswith("fsdp") and not st.shard_params
-    zero3_blocks = False
+    zero3_blocks = False  #: the block moments count only hook-pending grads (ZeRO-3)
+    #: bytes per element of a parameter's partition that its gradient hook allocates, and the partition count
     hook_transient = (0, 1)
     if st.shard_params or fsdp_copies:
         g = layouts.gather_sizes(inv, st.layout, n)
@@ -384,7 +385,7 @@ def _fixed(inv: ParamInventory, s: Settings) -> _Fixed:
         if st.framework == "deepspeed":
             # ZeRO-3 gathers module by module, prefetches from its recorded trace, and keeps what will be reused
             # within stage3_max_reuse_distance: layouts.zero3_schedule replays PartitionedParameterCoordinator.
-            # In backward, a module's full grads exist before they are reduced into their partitions.
+            # In backward, a parameter's full grad exists until its hook reduces it into its partition.
             z = layouts.zero3_schedule(inv, n, s.ds.prefetch_bucket_size, s.ds.max_live_parameters,
                                        s.ds.max_reuse_distance, s.ds.param_persistence_threshold)
             if n == 1 and not (s.ds.offload_param and c.device != "cpu"):
@@ -425,16 +426,15 @@ def _fixed(inv: ParamInventory, s: Settings) -> _Fixed:
                 # session 7: llama-3-8b at 1 rank peaks at the head's, 10,485,760 B for its 1,048,576 elements.
                 per = rc.grad_bytes + 8 + (rc.grad_bytes if c.device == "cuda" else 0)
                 # The head's when the last block's backward begins (a tied head's hook runs at the embedding's
-                # backward, after every block); the embedding's at backward's end. Inside a block, the block
-                # moments would add it to grads already reduced and freed, so none is added there.
+                # backward, after every block); each block parameter's at its own hook, with the activations of
+                # that moment (profile.block_hooks: the -11 moment); the embedding's at backward's end.
                 seen_block, head_largest = False, 0
                 for t in inv.tensors:
                     seen_block = seen_block or t.block != ROOT_BLOCK
                     if t.block == ROOT_BLOCK and seen_block and not t.tied_names:
                         head_largest = max(head_largest, t.numel)
-                tied_bytes = rc.grad_bytes * sum(t.numel for t in inv.tensors if t.tied_names)
+                tied_bytes = rc.grad_bytes * tied
                 bwd_moments.append((cb * z.loss + per * ceil_div(head_largest, n), grads_persist + tied_bytes, -5))
-                # inside the blocks: at each parameter's hook, the activations of that moment (profile.block_hooks)
                 hook_transient = (per, n)
                 bwd_moments.append((cb * z.blocks, grads_persist + tied_bytes, -11))
                 gather_end += per * ceil_div(g.root_largest_tensor, n)
@@ -605,8 +605,6 @@ def _fixed(inv: ParamInventory, s: Settings) -> _Fixed:
             bwd_moments.append((0, gb * (psi - (g.root - g.root_head) - g.block_numels[0]), 2))
 
     # ---- optimizer step transients ----
-    # (hook_transient: bytes per element of a parameter's partition that the strategy's gradient hook allocates,
-    # and the partition count; the -11 moment)
     impl = _optimizer_impl(s)
     scratch = 0
     if not (ds_offload_opt or fsdp_offload):

@@ -470,9 +470,9 @@ def _block_segments(timeline: list[int], grads: list[tuple[int, int, int]], forw
                     ends: dict[int, int] | None = None, hooked: list[int] | None = None) -> list[list[list[int]]]:
     """Each block's backward, last block first: the points [activation bytes, the block's parameter-gradient
     elements created so far, those of them whose post-accumulate hook has not run yet (``hooked``: per entry of
-    ``grads``, the index from which it has; without it, none counted)], from the end of the previous block's backward (or of the loss and head's) to the
-    end of its own: when the gradient of its input is complete (``ends``: block -> timeline index), or without
-    that, the creation of its last parameter gradient. The recomputation of a checkpointed block falls inside
+    ``grads``, the index from which it has; without it, none counted)], from the end of the previous block's
+    backward (or of the loss and head's) to the end of its own: when the gradient of its input is complete
+    (``ends``: block -> timeline index), or without that, the creation of its last parameter gradient. The recomputation of a checkpointed block falls inside
     its segment. A strategy that keeps a block's unsharded gradients until the block's backward ends (FSDP)
     adds them at its own gradient dtype; activations alone miss the moment where the two together peak."""
     ends = ends or {}

@@ -143,13 +143,20 @@ def test_validate_fsdp2_full_shard_two_ranks():
     ["--gpus", "2", "--strategy", "fsdp-full", "--fsdp-version", "1", "--precision", "fp32"],
     ["--gpus", "2", "--strategy", "fsdp-full", "--recompute", "full"],
     ["--gpus", "2", "--strategy", "fsdp-full", "--precision", "fp32"],
-    # session 6: ZeRO-Offload (DeepSpeedCPUAdam, JIT-built); on CPU the host share is compared with the rest;
+    # session 6: ZeRO-Offload (DeepSpeedCPUAdam since session 7); on CPU the host share is compared with the rest;
     # DeepSeek's MLA (CPU SDPA takes the math kernel: q/k and v head dims differ) under FSDP2; gpt2's tied
     # embedding with full recompute
     ["--gpus", "2", "--stage", "3", "--offload-optimizer", *SMALL_DS],
     ["--gpus", "2", "--stage", "2", "--offload-optimizer", *SMALL_DS],
     ["--gpus", "2", "--strategy", "fsdp-full", "--layers", "4", "--model", "deepseek-v3"],
     ["--gpus", "2", "--strategy", "ddp", "--recompute", "full", "--model", "gpt2"],
+    # session 7 (from the cross product): ZeRO-3 + offload on one rank with recompute (no gathers at one rank,
+    # the offload hook's fp64 norm copy inside the recomputed blocks), FSDP2 on one rank (a prefetch allocates
+    # nothing), ZeRO-3 at 4 ranks with gpt2 under full recompute (hook-pending grads, the tied head's pending
+    # contribution)
+    ["--gpus", "1", "--stage", "3", "--offload-optimizer", "--recompute", "full", *SMALL_DS],
+    ["--gpus", "1", "--strategy", "fsdp-full", "--precision", "fp32", "--model", "gpt2"],
+    ["--gpus", "4", "--stage", "3", "--recompute", "full", "--model", "gpt2", *SMALL_DS],
 ])
 def test_validate_matrix_two_ranks(args):
     rc, rep = _validate(args)

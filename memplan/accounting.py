@@ -17,7 +17,7 @@ from typing import Any
 from memplan import activations as act
 from memplan import layouts
 from memplan.errors import SettingsError
-from memplan.model.inventory import ROOT_BLOCK, ParamInventory
+from memplan.model.inventory import ParamInventory
 from memplan.precision import OPTIMIZER_IMPLS, Optimizer, Recipe
 from memplan.strategies import Strategy
 from memplan.units import GiB, MiB, ceil_div
@@ -359,7 +359,7 @@ def _fixed(inv: ParamInventory, s: Settings) -> _Fixed:
         # and a tied weight's first contribution waits for the embedding's (measured, session 6: gpt2 ZeRO-2 at
         # 4 ranks with full recompute was -13% without these)
         if st.zero_stage in (1, 2) and not ds_offload_opt:
-            tied = sum(t.numel for t in inv.tensors if t.tied_names)
+            tied = layouts.gather_sizes(inv, st.layout, n).tied
             in_part = lay.partition_params_numel if s.ds.reduce_bucket_size < psi else 0
             for k in (0, 1, 2):
                 bwd_moments.append((0, rc.grad_bytes * (in_part + tied), k))
@@ -414,7 +414,7 @@ def _fixed(inv: ParamInventory, s: Settings) -> _Fixed:
             # backward, 1.58 MB above the loss (-6.63% without these moments).
             # A tied weight's first contribution (the head's) waits for the embedding's: its hook runs last.
             zero3_blocks = True
-            tied = sum(t.numel for t in inv.tensors if t.tied_names)
+            tied = g.tied
             for k in (0, 1, 2):
                 bwd_moments.append((cb * z.blocks, grads_persist + rc.grad_bytes * tied, k))
             if ds_offload_opt:
@@ -428,13 +428,9 @@ def _fixed(inv: ParamInventory, s: Settings) -> _Fixed:
                 # The head's when the last block's backward begins (a tied head's hook runs at the embedding's
                 # backward, after every block); each block parameter's at its own hook, with the activations of
                 # that moment (profile.block_hooks: the -11 moment); the embedding's at backward's end.
-                seen_block, head_largest = False, 0
-                for t in inv.tensors:
-                    seen_block = seen_block or t.block != ROOT_BLOCK
-                    if t.block == ROOT_BLOCK and seen_block and not t.tied_names:
-                        head_largest = max(head_largest, t.numel)
                 tied_bytes = rc.grad_bytes * tied
-                bwd_moments.append((cb * z.loss + per * ceil_div(head_largest, n), grads_persist + tied_bytes, -5))
+                bwd_moments.append((cb * z.loss + per * ceil_div(g.head_largest_tensor, n), grads_persist + tied_bytes,
+                                    -5))
                 hook_transient = (per, n)
                 bwd_moments.append((cb * z.blocks, grads_persist + tied_bytes, -11))
                 gather_end += per * ceil_div(g.root_largest_tensor, n)
@@ -762,7 +758,7 @@ class _Fixed:
 
     __slots__ = ("weights", "master", "states", "grads", "buffers", "non_activation", "profile", "host_per_node",
                  "shard_group", "between", "comms", "assumptions", "moments", "grad_width", "_blocks", "host_detail",
-                 "grads_held", "hook_transient")
+                 "grads_held", "hook_transient", "kinds")
 
     def __init__(self, weights: int, master: int, states: int, grads: tuple[int, ...], buffers: tuple[int, ...],
                  non_activation: tuple[int, ...], profile: Any, host_per_node: int, shard_group: int, between: int,
@@ -782,6 +778,7 @@ class _Fixed:
         #: (bytes per partition element, partitions) a parameter's gradient hook allocates (the -11 moment)
         self.hook_transient = (0, 1)
         self._blocks = any(m[3] >= 0 for m in moments)
+        self.kinds = tuple(sorted({m[3] for m in moments}))
         self.weights, self.master, self.states, self.grads, self.buffers = weights, master, states, grads, buffers
         self.non_activation, self.profile, self.host_per_node = non_activation, profile, host_per_node
         self.shard_group, self.between, self.comms, self.assumptions = shard_group, between, comms, assumptions
@@ -820,31 +817,46 @@ def _moments(f: _Fixed, micro_batch: int, saved: int, block: int, emb: int,
     (profile.block_moments)."""
     if not f.moments:
         return []
-    blocks = f.profile.block_moments(micro_batch, f.grad_width, f.grads_held) if f._blocks else ()
-    named = f.profile.moment_activations(micro_batch)
-    head = f.profile.loss_moment(micro_batch, f.grad_width)
+    prof = f.profile
+    key = ("kinds", micro_batch, saved, block, emb, fwd, f.grad_width, f.grads_held, f.hook_transient, f.kinds)
+    memo = getattr(prof, "_memo", None)
+    vals = memo.get(key) if memo is not None else None
+    if vals is None:
+        vals = _kind_values(f, micro_batch, saved, block, emb, fwd)
+        if memo is not None:
+            memo[key] = vals
+    return [(m, *vals[m[3]]) for m in f.moments if m[3] in vals]
+
+
+def _kind_values(f: _Fixed, micro_batch: int, saved: int, block: int, emb: int,
+                 fwd: int) -> dict[int, tuple[int, int]]:
+    """kind -> (activation bytes, the moment's own grads or transient in bytes) for each kind of f.moments the
+    profile can evaluate (see _moments)."""
+    prof = f.profile
+    blocks = prof.block_moments(micro_batch, f.grad_width, f.grads_held) if f._blocks else ()
+    named = prof.moment_activations(micro_batch)
     acts = {-1: saved - block, -2: saved + block, -3: emb, -4: saved, -5: saved + block, -6: saved, -7: saved,
             -8: fwd, -9: saved - block}
     if -6 in named and -9 not in named:
         acts[-9] = named[-6] - block
     acts.update(named)
-    out = []
-    for m in f.moments:
-        kind = m[3]
+    out: dict[int, tuple[int, int]] = {}
+    for kind in f.kinds:
         if kind == -10:
+            head = prof.loss_moment(micro_batch, f.grad_width)
             if head is not None:
-                out.append((m, head[0], f.grad_width * head[1]))
+                out[kind] = (head[0], f.grad_width * head[1])
         elif kind == -11:
             per, parts = f.hook_transient
-            hooks = [h for blk in f.profile.block_hooks(micro_batch) for h in blk]
+            hooks = [h for blk in prof.block_hooks(micro_batch) for h in blk]
             if hooks:
                 x, numel = max(hooks, key=lambda h: h[0] + per * ceil_div(h[1], parts))
-                out.append((m, x, per * ceil_div(numel, parts)))
+                out[kind] = (x, per * ceil_div(numel, parts))
         elif kind < 0:
-            out.append((m, acts[kind], 0))
+            out[kind] = (acts[kind], 0)
         elif kind < len(blocks):
             x, g = blocks[kind]
-            out.append((m, x, f.grad_width * g))
+            out[kind] = (x, f.grad_width * g)
     return out
 
 

@@ -48,6 +48,10 @@ class GatherSizes:
     #: padded elements of the largest single tensor in a layer block, and in the root
     largest_tensor: int = 0
     root_largest_tensor: int = 0
+    #: elements of tied tensors (a tied embedding), and of the largest untied root tensor used after the blocks
+    #: (the head), unpadded
+    tied: int = 0
+    head_largest_tensor: int = 0
 
 
 _cache: dict[tuple, tuple[ParamInventory, object]] = {}
@@ -161,11 +165,15 @@ def gather_sizes(inv: ParamInventory, layout: str, n: int) -> GatherSizes:
 
 def _gather_sizes(inv: ParamInventory, layout: str, n: int) -> GatherSizes:
     per_block: dict[str, int] = {}
-    root_head = 0
+    root_head = tied = head_largest = 0
     largest = {True: 0, False: 0}  # root?: the largest padded tensor
     seen_block = False
     for t in inv.tensors:
         seen_block = seen_block or t.block != ROOT_BLOCK
+        if t.tied_names:
+            tied += t.numel
+        elif t.block == ROOT_BLOCK and seen_block:
+            head_largest = max(head_largest, t.numel)
         if layout == S.PER_PARAM_DIM0:
             padded = _dim0_shard(t.shape, n) * n
         elif layout == S.PER_PARAM_NUMEL:
@@ -182,7 +190,8 @@ def _gather_sizes(inv: ParamInventory, layout: str, n: int) -> GatherSizes:
     blocks = tuple(per_block.values())
     return GatherSizes(largest_block=max(blocks, default=root), root=root, total_blocks=sum(blocks),
                        block_numels=blocks, total_sharded=inv.num_params, root_head=root_head,
-                       largest_tensor=largest[False], root_largest_tensor=largest[True])
+                       largest_tensor=largest[False], root_largest_tensor=largest[True], tied=tied,
+                       head_largest_tensor=head_largest)
 
 
 def ceil_sum(numels: tuple[int, ...], r: int) -> int:

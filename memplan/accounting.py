@@ -413,6 +413,11 @@ def _fixed(inv: ParamInventory, s: Settings) -> _Fixed:
             # ranks with full recompute peaks at the last block's weight-gradient GEMM during its recomputed
             # backward, 1.58 MB above the loss (-6.63% without these moments).
             # A tied weight's first contribution (the head's) waits for the embedding's: its hook runs last.
+            # inside the last block's forward: the most gathered in forward, with a coalesced prefetch's flat
+            # buffer and its copies both alive (AllGatherCoalescedHandle keeps the flat buffer until every member
+            # is waited on; measured, session 7: at DeepSpeed's default buckets, 4 ranks, one 17.3 MB flat
+            # buffer held from the first block to the end of the last one, the peak of the step)
+            bwd_moments.append((cb * z.forward, 0, -8))
             zero3_blocks = True
             tied = g.tied
             for k in (0, 1, 2):

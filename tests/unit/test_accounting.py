@@ -418,6 +418,8 @@ def test_zero3_grads_wait_for_their_hook_only():
     z = on.assumptions["zero3_gathered_numel"]
     assert [(b, k) for _, b, _, k in on.moments if k >= 0] == [(2 * z["blocks"] + 2 * 500_000_000, k)
                                                               for k in (0, 1, 2)]
+    # inside the last block's forward: the most gathered in forward (a coalesced prefetch's flat buffer and copies)
+    assert (2 * z["forward"] + 2 * 500_000_000, -8) in [(b, k) for _, b, _, k in on.moments]
 
 
 def test_zero3_schedule_releases_the_head_before_the_blocks_backward():

@@ -822,15 +822,21 @@ def _moments(f: _Fixed, micro_batch: int, saved: int, block: int, emb: int,
     (profile.block_moments)."""
     if not f.moments:
         return []
-    prof = f.profile
+    vals = _kind_values_memo(f, micro_batch, saved, block, emb, fwd)
+    return [(m, *vals[m[3]]) for m in f.moments if m[3] in vals]
+
+
+def _kind_values_memo(f: _Fixed, micro_batch: int, saved: int, block: int, emb: int,
+                      fwd: int) -> dict[int, tuple[int, int]]:
+    """_kind_values, memoised on the profile (the planner asks the same micro-batches for many configurations)."""
     key = ("kinds", micro_batch, saved, block, emb, fwd, f.grad_width, f.grads_held, f.hook_transient, f.kinds)
-    memo = getattr(prof, "_memo", None)
+    memo = getattr(f.profile, "_memo", None)
     vals = memo.get(key) if memo is not None else None
     if vals is None:
         vals = _kind_values(f, micro_batch, saved, block, emb, fwd)
         if memo is not None:
             memo[key] = vals
-    return [(m, *vals[m[3]]) for m in f.moments if m[3] in vals]
+    return vals
 
 
 def _kind_values(f: _Fixed, micro_batch: int, saved: int, block: int, emb: int,
@@ -899,12 +905,18 @@ def required_bytes(inv: ParamInventory, s: Settings, micro_batches: Any) -> list
     o = s.overheads
     fixed_over = (o.cuda_context_bytes + f.comms * o.nccl_bytes_per_communicator) if s.cluster.device == "cuda" else 0
     frag = o.fragmentation_percent if s.cluster.device == "cuda" else 0
+    # a moment's activations depend only on its kind: keep the largest non-activation total per kind
+    best: dict[int, int] = {}
+    for m in f.moments:
+        if m[2] > best.get(m[3], -1):
+            best[m[3]] = m[2]
     out = []
     for b in micro_batches:
         fwd, bwd, saved, emb, block = prof.terms(rec, b)
         peak = max(base[0] + fwd, base[1] + bwd, base[2] + saved, base[3] + emb, base[4])
-        for m, x, gx in _moments(f, b, saved, block, emb, fwd):
-            peak = max(peak, m[2] + x + gx)
+        if best:
+            for kind, (x, gx) in _kind_values_memo(f, b, saved, block, emb, fwd).items():
+                peak = max(peak, best[kind] + x + gx)
         out.append((peak, peak + fixed_over + peak * frag // 100))
     return out
 

@@ -429,7 +429,7 @@ def _fixed(inv: ParamInventory, s: Settings) -> _Fixed:
                 # in fp64 (part.to(get_norm_dtype()): fp64 wherever the accelerator has it), freed before the
                 # fp32 copy to the host (4 bytes); the reduce's output partition exists beside them. Measured,
                 # session 7: llama-3-8b at 1 rank peaks at the head's, 10,485,760 B for its 1,048,576 elements.
-                per = rc.grad_bytes + 8 + (rc.grad_bytes if c.device == "cuda" else 0)
+                per = rc.grad_bytes + 8 + (rc.grad_bytes if c.device != "cpu" else 0)
                 # The head's when the last block's backward begins (a tied head's hook runs at the embedding's
                 # backward, after every block); each block parameter's at its own hook, with the activations of
                 # that moment (profile.block_hooks: the -11 moment); the embedding's at backward's end.

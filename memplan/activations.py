@@ -173,8 +173,7 @@ class TracedProfile:
         return (d["num_layers"] - d["traced_layers"]) * (line[0] + line[1] * micro_batch)
 
     def _extra_layers(self) -> int:
-        d = self.data
-        return (d["num_layers"] - d["traced_layers"]) * self._at(d["per_layer"])
+        return self._extra_at(self.micro_batch)
 
     def forward_bytes(self, recompute: str) -> int:
         return max(self._at(x) for x in self.data["forward_peak"]) + self._extra_layers()
@@ -229,8 +228,7 @@ class TracedProfile:
         first = d.get("first_block_backward")
         if not segs or not first:
             return ()
-        extra_line = d["per_layer"]
-        extra = (d["num_layers"] - d["traced_layers"]) * (extra_line[0] + extra_line[1] * b)
+        extra = self._extra_at(b)
         out = []
         grad_width = int(width_key.removeprefix("held"))
         for seg, below in ((segs[0], extra), (segs[-1], extra), (first, 0)):
@@ -289,8 +287,7 @@ class TracedProfile:
         fwd = d.get("last_block_forward_start")
         if not segs or fwd is None or "start" not in segs[0]:
             return {}
-        extra_line = d["per_layer"]
-        extra = (d["num_layers"] - d["traced_layers"]) * (extra_line[0] + extra_line[1] * b)
+        extra = self._extra_at(b)
         at = lambda line: line[0] + line[1] * b + extra  # noqa: E731
         peak = d.get("last_block_forward_peak") or [[0, 0]]
         out = {-5: at(segs[0]["start"]), -6: at(segs[-1]["start"]), -7: at(fwd), -8: max(at(x) for x in peak)}

@@ -437,3 +437,31 @@ def test_zero3_offload_hook_transient_at_each_hook():
     assert f.hook_transient == (2 + 2 + 8, 4)  # on a GPU: partition, its copy back from the host, fp64 copy
     assert any(k == -11 for *_, k in f.moments)
     assert A._fixed(TOY, settings("zero3", 4)).hook_transient == (0, 1)
+
+
+def test_moment_kinds_read_the_profile_exactly():
+    # accounting._kind_values on a stub profile: the head's GEMM (-10) at the recipe's grad width, the offload
+    # hook (-11) at the hook that tops activations + per-element transient x partition, block moments (k) with
+    # their grads, named moments (-5) as read
+    class Stub:
+        def block_moments(self, b, width, held):
+            assert held  # ZeRO-3: hook-pending grads only
+            return ((100 * b, 10), (50 * b, 10), (20 * b, 10))
+
+        def moment_activations(self, b):
+            return {-5: 7 * b}
+
+        def loss_moment(self, b, width):
+            return (300 * b, 40)
+
+        def block_hooks(self, b):
+            return (((5 * b, 64), (9 * b, 16)), ((1, 8),), ())
+
+    f = A._fixed(TOY, settings("zero3", 4, ds={"param_persistence_threshold": 0, "offload_optimizer": True}))
+    f.profile = Stub()
+    vals = A._kind_values(f, 2, 0, 0, 0, 0)
+    per = 2 + 2 + 8  # bf16 partition, its copy back on the GPU, the fp64 copy
+    assert vals[-10] == (600, 2 * 40)
+    assert vals[-11] == (10, per * (64 // 4))  # 10 + 192 beats 18 + 48 and 1 + 24
+    assert vals[-5] == (14, 0) and vals[0] == (200, 20) and vals[2] == (40, 20)
+    assert [m for m, *_ in A._moments(f, 2, 0, 0, 0, 0)] == list(f.moments)

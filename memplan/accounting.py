@@ -39,6 +39,9 @@ class DeepSpeedKnobs:
     hpz_partition_size: int = 1  #: zero_hpz_partition_size (ZeRO++ secondary partition within a node)
     offload_optimizer: bool = False  #: offload_optimizer.device == "cpu"
     offload_param: bool = False  #: offload_param.device == "cpu" (stage 3 only)
+    #: stage 3 replaces torch.nn.functional.linear with LinearFunctionForZeroStage3 (changes the traced
+    #: activations on CPU and under autocast: memplan/tracing_keys.py trace_linear)
+    memory_efficient_linear: bool = True
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -796,9 +799,11 @@ def _phases(f: _Fixed, recompute: str, micro_batch: int) -> list[tuple[int, int,
     """(grads, activations, buffers) per phase at ``micro_batch``."""
     fwd, bwd, saved, emb, block = f.profile.terms(recompute, micro_batch)
     out = [(g, x, b) for g, x, b in zip(f.grads, (fwd, bwd, saved, emb, 0), f.buffers)]
-    best = {0: f.non_activation[0] + fwd, 2: f.non_activation[2] + saved}
-    for (grads, buffers, total, kind), x, gx in _moments(f, micro_batch, saved, block, emb, fwd):
-        phase = 0 if kind in FORWARD_MOMENTS else 2
+    moments = _moments(f, micro_batch, saved, block, emb, fwd)
+    best = {0: f.non_activation[0] + fwd, 1: -1 if _loss_covered(f, moments) else f.non_activation[1] + bwd,
+            2: f.non_activation[2] + saved}
+    for (grads, buffers, total, kind), x, gx in moments:
+        phase = 0 if kind in FORWARD_MOMENTS else 1 if kind == LOSS_MOMENT else 2
         if total + x + gx > best[phase]:
             best[phase], out[phase] = total + x + gx, (grads + gx, x, buffers)
     return out
@@ -806,6 +811,18 @@ def _phases(f: _Fixed, recompute: str, micro_batch: int) -> list[tuple[int, int,
 
 #: moment kinds that fall in the forward (an all-gather's copy-out, inside the last block's forward)
 FORWARD_MOMENTS = (-3, -7, -8)
+#: the loss's and the head's backward (profile.loss_moment): the backward-start phase
+LOSS_MOMENT = -10
+
+
+def _loss_covered(f: _Fixed, moments: Any) -> bool:
+    """Whether the backward-start phase is the loss moment alone. The profile's backward-start term is the
+    most alive anywhere in backward, which with recomputation falls inside a block's backward; paired with what
+    is held at the loss (ZeRO-3's gathered head, no bucket yet) it is a moment that never happens (measured:
+    ZeRO-3 at 4 ranks, llama-3-8b, full recompute, 2.6 MB over the run at the head's backward). Where the
+    strategy evaluates the blocks' own moments (with their buffers) and the profile the loss segment, those
+    cover every point of that term."""
+    return f._blocks and any(m[0][3] == LOSS_MOMENT for m in moments)
 
 
 def _moments(f: _Fixed, micro_batch: int, saved: int, block: int, emb: int,
@@ -913,10 +930,12 @@ def required_bytes(inv: ParamInventory, s: Settings, micro_batches: Any) -> list
     out = []
     for b in micro_batches:
         fwd, bwd, saved, emb, block = prof.terms(rec, b)
-        peak = max(base[0] + fwd, base[1] + bwd, base[2] + saved, base[3] + emb, base[4])
-        if best:
-            for kind, (x, gx) in _kind_values_memo(f, b, saved, block, emb, fwd).items():
-                peak = max(peak, best[kind] + x + gx)
+        vals = _kind_values_memo(f, b, saved, block, emb, fwd) if best else {}
+        # as _phases: the loss moment replaces the backward-start term where the blocks' moments are evaluated
+        start = -1 if f._blocks and LOSS_MOMENT in vals else base[1] + bwd
+        peak = max(base[0] + fwd, start, base[2] + saved, base[3] + emb, base[4])
+        for kind, (x, gx) in vals.items():
+            peak = max(peak, best[kind] + x + gx)
         out.append((peak, peak + fixed_over + peak * frag // 100))
     return out
 

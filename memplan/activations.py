@@ -319,24 +319,29 @@ def has_dropout(config: dict) -> bool:
 
 
 def profile_key(config: dict, *, seq_len: int, recipe: str, attention: str, recompute: str,
-                device: str = "cuda") -> str:
-    """Cache key: the config, the sequence length, the traced dtype recipe, attention, recompute and the device
-    (CUDA keeps a 1-byte dropout mask, CPU a mask in the input's dtype; CPU bf16 GEMMs allocate fp32 scratch)."""
-    from memplan.tracing_keys import trace_recipe
+                device: str = "cuda", linear: str = "aten") -> str:
+    """Cache key: the config, the sequence length, the traced dtype recipe, attention, recompute, the device
+    (CUDA keeps a 1-byte dropout mask, CPU a mask in the input's dtype; CPU bf16 GEMMs allocate fp32 scratch)
+    and the linear's autograd where it changes the bytes (tracing_keys.trace_linear; absent for aten's, so
+    keys from before it existed still name the same profiles)."""
+    from memplan.tracing_keys import trace_linear, trace_recipe
 
     fields = {"config": {k: v for k, v in config.items() if not k.startswith("_")}, "seq": seq_len,
               "recipe": trace_recipe(recipe), "attention": "flash" if attention == "sdpa" else attention,
               "recompute": recompute, "device": device, "v": PROFILE_VERSION}
+    linear = trace_linear(linear, device=device, recipe=recipe)
+    if linear != "aten":
+        fields["linear"] = linear
     blob = json.dumps(fields, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:24]
 
 
 def load_or_trace(config: dict, *, seq_len: int, micro_batch: int, recipe: str, attention: str, recompute: str,
-                  allow_trace: bool = True, device: str = "cuda") -> TracedProfile | None:
+                  allow_trace: bool = True, device: str = "cuda", linear: str = "aten") -> TracedProfile | None:
     """The traced profile from the shipped set, the disk cache, or a new trace (imports torch); None when
     ``allow_trace`` is False and nothing is cached."""
     key = profile_key(config, seq_len=seq_len, recipe=recipe, attention=attention, recompute=recompute,
-                      device=device)
+                      device=device, linear=linear)
     for where, origin in ((shipped_dir(), "shipped"), (cache_dir(), "cache")):
         path = where / f"{key}.json"
         if path.is_file():
@@ -357,12 +362,12 @@ def load_or_trace(config: dict, *, seq_len: int, micro_batch: int, recipe: str, 
         except (OSError, ValueError, KeyError):
             pass
     from memplan.tracing import trace_profile
-    from memplan.tracing_keys import trace_recipe
+    from memplan.tracing_keys import trace_linear, trace_recipe
 
     try:
         data = trace_profile(config, seq_len=seq_len, recipe=trace_recipe(recipe),
                              attention="flash" if attention == "sdpa" else attention, recompute=recompute,
-                             device=device)
+                             device=device, linear=trace_linear(linear, device=device, recipe=recipe))
     except SettingsError as exc:
         _write_atomic(failed, json.dumps({"reason": str(exc), "versions": _versions()}))
         raise

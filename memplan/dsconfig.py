@@ -29,13 +29,14 @@ ZERO_KEYS = {"reduce_bucket_size": "reduce_bucket_size", "allgather_bucket_size"
              "param_persistence_threshold": "param_persistence_threshold",
              "stage3_max_live_parameters": "max_live_parameters", "max_live_parameters": "max_live_parameters",
              "stage3_max_reuse_distance": "max_reuse_distance", "max_reuse_distance": "max_reuse_distance",
-             "sub_group_size": "sub_group_size", "zero_hpz_partition_size": "hpz_partition_size"}
+             "sub_group_size": "sub_group_size", "zero_hpz_partition_size": "hpz_partition_size",
+             "memory_efficient_linear": "memory_efficient_linear"}
 ZERO_IGNORED = {"stage", "offload_optimizer", "offload_param", "allgather_partitions", "reduce_scatter",
                 "round_robin_gradients", "stage3_gather_16bit_weights_on_model_save", "gather_16bit_weights_on_model_save",
                 "elastic_checkpoint", "ignore_unused_parameters", "load_from_fp32_weights", "zero_quantized_weights",
-                "zero_quantized_gradients", "memory_efficient_linear", "cpu_offload", "mics_shard_size",
+                "zero_quantized_gradients", "cpu_offload", "mics_shard_size",
                 "stage3_module_granularity_threshold", "use_multi_rank_bucket_allreduce", "log_trace_cache_warnings"}
-BOOL_KEYS = {"overlap_comm", "contiguous_gradients"}
+BOOL_KEYS = {"overlap_comm", "contiguous_gradients", "memory_efficient_linear"}
 
 
 @dataclass(frozen=True)

@@ -86,9 +86,12 @@ def activation_profile(config: dict[str, Any] | None, s: Settings, mode: str, no
         return None
     attention = "flash" if s.attention != "eager" or s.recompute == "selective" else "eager"
     recompute = "full" if s.recompute == "full" else "none"
+    # DeepSpeed ZeRO-3 replaces F.linear with its own autograd function (tracing._deepspeed_zero3_linear)
+    linear = "deepspeed-zero3" if s.strategy.zero_stage == 3 and s.ds.memory_efficient_linear else "aten"
     try:
         prof = act.load_or_trace(config, seq_len=s.seq_len, micro_batch=s.micro_batch, recipe=s.recipe.name,
-                                 attention=attention, recompute=recompute, device=s.cluster.device)
+                                 attention=attention, recompute=recompute, device=s.cluster.device,
+                                 linear=linear)
     except SettingsError as exc:
         if mode == "traced":
             raise

@@ -239,8 +239,65 @@ def _cuda_dropout():
     return dropout
 
 
+def _deepspeed_zero3_linear(device: str) -> Any:
+    """torch.nn.functional.linear as DeepSpeed ZeRO-3 replaces it (deepspeed/runtime/zero/linear.py,
+    LinearFunctionForZeroStage3, 0.19.8; installed by partition_parameters.py _enable_mem_efficient_linear when
+    zero_optimization.memory_efficient_linear is on, its default, including for a materialised model, which
+    DeepSpeedZeRoOffload converts through zero.Init). What differs from aten's linear, op for op:
+    - it saves its inputs as given (setup_context), so under autocast the fp32 input and weight, not
+      autocast's bf16 copies (the matmul inside still casts them, as temporaries);
+    - backward runs under the forward's autocast state and makes the input's gradient first, then the
+      weight's (aten's MmBackward0 the reverse), so on CPU the weight GEMM's fp32 scratch coexists with the
+      input's gradient.
+    The backward's all_gather of a released weight is ZeRO's business (the gathered bytes), not the trace's."""
+    import torch
+
+    class LinearFunctionForZeroStage3(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, input, weight, bias=None):  # noqa: ANN001, A002
+            ctx.autocast = torch.is_autocast_enabled(device)
+            ctx.autocast_dtype = torch.get_autocast_dtype(device)
+            ctx.save_for_backward(input, weight, bias)
+            if input.dim() == 2 and bias is not None:
+                return torch.addmm(bias, input, weight.t())
+            output = input.matmul(weight.t())
+            if bias is not None:
+                output += bias
+            return output
+
+        @staticmethod
+        def backward(ctx, grad_output):  # noqa: ANN001
+            with torch.autocast(device_type=device, enabled=ctx.autocast, dtype=ctx.autocast_dtype):
+                input, weight, bias = ctx.saved_tensors  # noqa: A001
+                grad_input = grad_weight = grad_bias = None
+                dim = grad_output.dim()
+                if ctx.needs_input_grad[0]:
+                    grad_input = grad_output.matmul(weight)
+                if ctx.needs_input_grad[1]:
+                    if dim > 2:
+                        grad_weight = grad_output.reshape(-1, grad_output.shape[-1]).t().matmul(
+                            input.reshape(-1, input.shape[-1]))
+                    elif dim == 1:
+                        grad_weight = grad_output.unsqueeze(-1) * input.unsqueeze(0)
+                    else:
+                        grad_weight = grad_output.t().matmul(input)
+                if bias is not None and ctx.needs_input_grad[2]:
+                    if dim > 2:
+                        grad_bias = grad_output.sum([i for i in range(dim - 1)])
+                    elif dim == 1:
+                        grad_bias = grad_output
+                    else:
+                        grad_bias = grad_output.sum(0)
+                return grad_input, grad_weight, grad_bias
+
+    def linear(input, weight, bias=None):  # noqa: ANN001, A002
+        return LinearFunctionForZeroStage3.apply(input, weight, bias)
+
+    return linear
+
+
 def _one_step(config: dict[str, Any], batch: int, seq: int, recipe: str, attention: str,
-              recompute: str, device: str = "cuda") -> dict[str, Any]:
+              recompute: str, device: str = "cuda", linear: str = "aten") -> dict[str, Any]:
     """Trace one micro-step of ``batch`` sequences of ``seq`` tokens: the live-bytes timeline, op by op."""
     import torch
     import torch.nn.functional as F
@@ -260,6 +317,7 @@ def _one_step(config: dict[str, Any], batch: int, seq: int, recipe: str, attenti
     real_sdpa = F.scaled_dot_product_attention
     kernels: dict[str, str] = {}
     real_dropout = F.dropout
+    real_linear = F.linear
     # fake-tensor kernels that refuse an input log a traceback before raising; the raise is what we report
     fake_log = logging.getLogger("torch._subclasses.fake_tensor")
     fake_level, tf_level = fake_log.level, transformers.logging.get_verbosity()
@@ -282,6 +340,8 @@ def _one_step(config: dict[str, Any], batch: int, seq: int, recipe: str, attenti
             F.scaled_dot_product_attention = _flash_sdpa(real_sdpa, device, kernels)
         if device == "cuda":
             F.dropout = _cuda_dropout()
+        if linear == "deepspeed-zero3":
+            F.linear = _deepspeed_zero3_linear("cpu")  # the traced tensors are (fake) CPU tensors
         if real_packed is not None:
             mu.find_packed_sequence_indices = lambda position_ids: None
         with FakeTensorMode(allow_non_fake_inputs=True):
@@ -386,6 +446,7 @@ def _one_step(config: dict[str, Any], batch: int, seq: int, recipe: str, attenti
         transformers.logging.set_verbosity(tf_level)
         F.scaled_dot_product_attention = real_sdpa
         F.dropout = real_dropout
+        F.linear = real_linear
         if real_packed is not None:
             mu.find_packed_sequence_indices = real_packed
         if real_can_grouped is not None:
@@ -590,7 +651,7 @@ _HETEROGENEOUS_KEYS = ("first_k_dense_replace", "layer_types", "mlp_only_layers"
 
 
 def trace_profile(config: dict[str, Any], *, seq_len: int, recipe: str, attention: str,
-                  recompute: str, device: str = "cuda") -> dict[str, Any]:
+                  recompute: str, device: str = "cuda", linear: str = "aten") -> dict[str, Any]:
     """The activation profile of one micro-step at ``seq_len``, as lines c0 + c1*b in the micro-batch b.
 
     Traced with 1 and 2 blocks (all blocks alike) or at full depth (blocks that differ: dense then MoE,
@@ -615,8 +676,8 @@ def trace_profile(config: dict[str, Any], *, seq_len: int, recipe: str, attentio
 
     def run(depth: int | None) -> tuple[dict[str, Any], dict[str, Any]]:
         cfg = scale_config(config, layers=depth)[0] if depth else config
-        a = _one_step(cfg, 2, seq_len, recipe, attention, recompute, device)
-        b = _one_step(cfg, 4, seq_len, recipe, attention, recompute, device)
+        a = _one_step(cfg, 2, seq_len, recipe, attention, recompute, device, linear)
+        b = _one_step(cfg, 4, seq_len, recipe, attention, recompute, device, linear)
         if len(a["forward"]) != len(b["forward"]) or len(a["backward"]) != len(b["backward"]):
             raise SettingsError("the traced step runs different operations at micro-batch 2 and 4; "
                                 "use --activations analytic")

@@ -10,3 +10,23 @@ _TRACED_AS = {"deepspeed-bf16": "deepspeed-bf16", "fsdp-bf16": "deepspeed-bf16",
 
 def trace_recipe(recipe: str) -> str:
     return _TRACED_AS.get(recipe, recipe)
+
+
+#: F.linear's autograd in the traced step: "aten" (linear decomposes to matmul; MmBackward0 makes the weight's
+#: gradient, then the input's) or "deepspeed-zero3" (DeepSpeed ZeRO-3's LinearFunctionForZeroStage3, installed
+#: as torch.nn.functional.linear when zero_optimization.memory_efficient_linear, the default, is on:
+#: deepspeed/runtime/zero/partition_parameters.py _enable_mem_efficient_linear; it saves the inputs as given and
+#: makes the input's gradient first: deepspeed/runtime/zero/linear.py)
+LINEARS = ("aten", "deepspeed-zero3")
+
+
+def trace_linear(linear: str, *, device: str, recipe: str) -> str:
+    """The linear a trace runs for a job: DeepSpeed's ZeRO-3 linear holds other bytes than aten's only on CPU,
+    where a bf16 GEMM allocates fp32 scratch of its output's size, so the order of the two backward GEMMs
+    decides what the scratch coexists with; and under autocast, where it saves the uncast input and weight
+    instead of autocast's bf16 copies. Elsewhere both orders end each linear's backward holding the same
+    tensors (the input's and the weight's gradients) with nothing allocated between, so their peaks are equal
+    and the jobs share one trace (and the shipped profiles)."""
+    if linear == "aten" or (device != "cpu" and trace_recipe(recipe) != "torch-amp"):
+        return "aten"
+    return linear

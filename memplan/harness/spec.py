@@ -104,7 +104,8 @@ def ds_config(s: Settings) -> dict[str, Any]:
         zero.update({"stage3_prefetch_bucket_size": ds.prefetch_bucket_size,
                      "stage3_param_persistence_threshold": ds.param_persistence_threshold,
                      "stage3_max_live_parameters": ds.max_live_parameters,
-                     "stage3_max_reuse_distance": ds.max_reuse_distance})
+                     "stage3_max_reuse_distance": ds.max_reuse_distance,
+                     "memory_efficient_linear": ds.memory_efficient_linear})
         if ds.hpz_partition_size > 1:
             zero["zero_hpz_partition_size"] = ds.hpz_partition_size
     if ds.offload_optimizer:

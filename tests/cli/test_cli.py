@@ -122,6 +122,13 @@ def test_deepspeed_file(tmp_path):
     over = run("estimate", "llama-7b", "--gpus", "8", "--deepspeed", str(p), "--stage", "3", "--json")
     assert json.loads(over.stdout)["strategy"]["name"] == "zero3"
     assert any("overrides" in n for n in json.loads(over.stdout)["notes"])
+    p.write_text(json.dumps({"zero_optimization": {"stage": 3, "memory_efficient_linear": False}}))
+    d = json.loads(run("estimate", "llama-7b", "--deepspeed", str(p), "--json").stdout)
+    assert d["strategy"]["deepspeed"]["memory_efficient_linear"] is False
+    assert not any("memory_efficient_linear" in n for n in d["notes"])  # modelled, not ignored
+    p.write_text(json.dumps({"zero_optimization": {"stage": 3, "memory_efficient_linear": "yes"}}))
+    bad = run("estimate", "llama-7b", "--deepspeed", str(p))
+    assert bad.returncode == 2 and "memory_efficient_linear must be true or false" in bad.stderr
     p.write_text(json.dumps({"zero_optimization": {"stage": 7}}))
     bad = run("estimate", "llama-7b", "--deepspeed", str(p))
     assert bad.returncode == 2 and "stage must be 0, 1, 2 or 3" in bad.stderr

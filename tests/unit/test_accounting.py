@@ -465,3 +465,35 @@ def test_moment_kinds_read_the_profile_exactly():
     assert vals[-11] == (10, per * (64 // 4))  # 10 + 192 beats 18 + 48 and 1 + 24
     assert vals[-5] == (14, 0) and vals[0] == (200, 20) and vals[2] == (40, 20)
     assert [m for m, *_ in A._moments(f, 2, 0, 0, 0, 0)] == list(f.moments)
+
+
+def test_backward_start_is_the_loss_moment_where_block_moments_are_evaluated():
+    # the profile's backward-start term is the most alive anywhere in backward (with recompute: inside a block);
+    # where the blocks' own moments are evaluated, the loss moment alone is the backward-start phase
+    class Stub:
+        _memo: dict = {}
+
+        def terms(self, recompute, b):
+            return (10 * b, 1000 * b, 50 * b, 0, 5 * b)
+
+        def block_moments(self, b, width, held):
+            return ((900 * b, 10), (800 * b, 10), (700 * b, 10))
+
+        def moment_activations(self, b):
+            return {}
+
+        def loss_moment(self, b, width):
+            return (300 * b, 40)
+
+        def block_hooks(self, b):
+            return ()
+
+    for strategy, covered in (("zero3", True), ("ddp", False)):
+        s = settings(strategy, 4)
+        f = A._fixed(TOY, s)
+        f.profile = Stub()
+        start = A._phases(f, "full", 2)[1]
+        if covered:
+            assert start[1] == 600 and start[0] == max(f.grads[1], 0) + s.recipe.grad_bytes * 40
+        else:
+            assert start[1] == 2000  # DDP evaluates no block moments: the whole backward's term stays

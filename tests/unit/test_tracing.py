@@ -307,3 +307,57 @@ def test_a_failed_trace_is_remembered(tmp_path, monkeypatch):
         with pytest.raises(act.SettingsError, match="RuntimeError: no"):
             act.load_or_trace(tiny(), **key)
     assert len(calls) == 1  # the second run read the recorded failure instead of tracing again
+
+
+@pytest.mark.parametrize("shape,bias", [((3, 5, 16), True), ((3, 5, 16), False), ((7, 16), True), ((7, 16), False)])
+def test_deepspeed_zero3_linear_computes_a_linear(shape, bias):
+    # the trace's stand-in for DeepSpeed's LinearFunctionForZeroStage3 gives F.linear's values and gradients
+    import torch
+    import torch.nn.functional as F
+
+    from memplan.tracing import _deepspeed_zero3_linear
+
+    torch.manual_seed(0)
+    x = torch.randn(*shape, requires_grad=True)
+    w = torch.randn(8, 16, requires_grad=True)
+    b = torch.randn(8, requires_grad=True) if bias else None
+    ours = _deepspeed_zero3_linear("cpu")(x, w, b)
+    ref = F.linear(x, w, b)
+    torch.testing.assert_close(ours, ref)
+    grads = torch.autograd.grad(ours.square().sum(), [t for t in (x, w, b) if t is not None])
+    refs = torch.autograd.grad(ref.square().sum(), [t for t in (x, w, b) if t is not None])
+    for g, r in zip(grads, refs):
+        torch.testing.assert_close(g, r)
+
+
+def test_deepspeed_zero3_linear_order_on_cpu():
+    # DeepSpeed ZeRO-3's linear makes the input's gradient before the weight's, so on CPU the weight GEMM's fp32
+    # scratch (4 x out x in) coexists with the input's gradient. llama-3-8b at hidden 512 (intermediate 1792),
+    # 128 tokens (b = 2, seq 64): the last block's peak is its down_proj weight GEMM, where the scratch
+    # (4 x 512 x 1792) tops the input GEMM's (4 x 128 x 1792 + the weight's grad): DeepSpeed's order holds
+    # the input's gradient there too, 2 x 128 x 1792 bytes; the head's (2048 x 512) likewise its input's
+    # gradient, 2 x 128 x 512. The forward is the same op for op.
+    cfg = scale_config(sources.resolve("llama-3-8b").config, layers=2, hidden=512, vocab=2048)[0]
+    kw = dict(seq_len=64, recipe="deepspeed-bf16", attention="flash", recompute="none", device="cpu")
+    aten = act.TracedProfile(trace_profile(cfg, **kw), 2, "test")
+    ds = act.TracedProfile(trace_profile(cfg, linear="deepspeed-zero3", **kw), 2, "test")
+    for k in ("forward_peak", "live_after_forward", "saved_for_backward", "last_block_forward_peak"):
+        assert ds.data[k] == aten.data[k]
+    (a0, ag), (d0, dg) = aten.block_moments(2, 2, True)[0], ds.block_moments(2, 2, True)[0]
+    assert d0 - a0 == 2 * 128 * 1792 and dg == ag
+    assert ds.loss_moment(2, 2)[0] - aten.loss_moment(2, 2)[0] == 2 * 128 * 512
+
+
+def test_linear_variant_keys_only_where_it_changes_bytes():
+    from memplan.tracing_keys import trace_linear
+
+    cfg = tiny()
+    kw = dict(seq_len=64, attention="flash", recompute="none")
+    key = lambda **k: act.profile_key(cfg, **kw, **k)  # noqa: E731
+    # on a GPU without autocast both orders hold the same bytes at every peak: the shipped profiles serve
+    assert key(recipe="deepspeed-bf16", linear="deepspeed-zero3") == key(recipe="deepspeed-bf16")
+    assert trace_linear("deepspeed-zero3", device="cuda", recipe="fsdp-bf16") == "aten"
+    # CPU (GEMM scratch) and autocast (it saves the uncast input and weight) trace DeepSpeed's
+    assert key(recipe="deepspeed-bf16", device="cpu", linear="deepspeed-zero3") != key(recipe="deepspeed-bf16",
+                                                                                       device="cpu")
+    assert key(recipe="torch-amp", linear="deepspeed-zero3") != key(recipe="torch-amp")

@@ -96,6 +96,13 @@ CASES = [
     ("zero2 + offload optimizer", LLAMA, dict(stage=2), dict(SMALL_DS, offload_optimizer=True), {}, "none"),
     ("ddp", GPT2, dict(strategy="ddp"), {}, {}, "full"),
     ("fsdp-full", GPT2, dict(strategy="fsdp-full"), {}, {}, "full"),
+    # session 8: DeepSpeed with fp32 parameters (torch autocast around the engine, or plain fp32): its ZeRO
+    # optimizers still keep their own fp32 copy; ZeRO-3's linear saves the uncast input and weight
+    ("zero3 small buckets, torch-amp", LLAMA3, dict(stage=3, precision="torch-amp"), SMALL_DS, {}, "none"),
+    ("zero3 small buckets, torch-amp", LLAMA3, dict(stage=3, precision="torch-amp"), SMALL_DS, {}, "full"),
+    ("zero3 small buckets, fp32", GPT2, dict(stage=3, precision="fp32"), SMALL_DS, {}, "none"),
+    ("zero2 small buckets, torch-amp", LLAMA3, dict(stage=2, precision="torch-amp"), SMALL_DS, {}, "full"),
+    ("zero1 small buckets, fp32", GPT2, dict(stage=1, precision="fp32"), SMALL_DS, {}, "none"),
 ]
 QUICK = [CASES[5], CASES[11]]
 

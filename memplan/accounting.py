@@ -244,7 +244,8 @@ def _fixed(inv: ParamInventory, s: Settings) -> _Fixed:
                 inv, st.layout, s.ds.hpz_partition_size, s.ds.param_persistence_threshold).shard_numel
     else:
         weights = rc.param_bytes * shard_numel
-    master = rc.master_bytes * opt_numel
+    master_bytes = 4 if st.fp32_master_copy else rc.master_bytes
+    master = master_bytes * opt_numel
     states = layouts.optimizer_state_bytes(inv, opt, rc, lay, st.shard_optimizer)
     #: per rank, by category: what offload keeps in host memory
     host_by = {"weights_bytes": 0, "master_weights_bytes": 0, "grads_bytes": 0, "optimizer_states_bytes": 0,
@@ -619,7 +620,7 @@ def _fixed(inv: ParamInventory, s: Settings) -> _Fixed:
     # DeepSpeed (and ZeRO-1/2 here): the bf16 grads are copied into an fp32 partition for the step
     # (single_partition_of_fp32_groups[i].grad), after which the bf16 grads are freed.
     step_grads = grads_end
-    if rc.master_bytes and not st.fp32_grad_accumulation and not ds_offload_opt:
+    if master_bytes and not st.fp32_grad_accumulation and not ds_offload_opt:
         step_grads = rc.reduced_grad_bytes * opt_numel + grads_persist
     a["optimizer_impl"] = impl
 

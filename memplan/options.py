@@ -70,6 +70,7 @@ def activation_profile(config: dict[str, Any] | None, s: Settings, mode: str, no
     flash kernels keep anyway: it is traced with flash attention and no recompute.
     """
     from memplan import activations as act
+    from memplan.tracing_keys import trace_linear
 
     if mode not in ("auto",) + act.ACTIVATION_SOURCES:
         raise SettingsError(f"--activations must be auto, traced or analytic, got {mode!r}")
@@ -103,6 +104,11 @@ def activation_profile(config: dict[str, Any] | None, s: Settings, mode: str, no
     if why:
         notes.append(f"activations: attention traced with PyTorch's math kernel, which SDPA runs on "
                      f"{s.cluster.device} here ({why})")
+    if prof is not None and trace_linear(linear, device=s.cluster.device, recipe=s.recipe.name) != "aten":
+        how = ("it saves the fp32 input and weight, not autocast's bf16 copies" if s.recipe.name == "torch-amp" else
+               "it makes the input's gradient before the weight's, so a CPU bf16 GEMM's fp32 scratch sits beside it")
+        notes.append(f"activations: traced with DeepSpeed ZeRO-3's linear (LinearFunctionForZeroStage3: {how}"
+                     + "; zero_optimization.memory_efficient_linear false turns it off)")
     return prof
 
 

@@ -48,6 +48,11 @@ class Strategy:
     ddp_buckets: bool = False
     #: DeepSpeed's ipg reduce buckets (reduce_bucket_size elements, doubled with overlap_comm).
     ds_ipg_buckets: bool = False
+    #: The optimizer keeps its own fp32 copy of the parameters it updates, whatever their dtype (DeepSpeed's
+    #: ZeRO optimizers: stage_1_and_2.py single_partition_of_fp32_groups = the partition .clone().to(
+    #: master_weights_and_grads_dtype); stage3.py _create_fp32_partitions; measured with fp32 params: ZeRO-3,
+    #: 2 ranks, torch-amp, 17,830,912 B = 4 bytes x the partition).
+    fp32_master_copy: bool = False
     #: ZeRO stage (DeepSpeed only), for ds_config and display; None for others.
     zero_stage: int | None = None
     #: Parameters are sharded within a node and replicated across nodes (HSDP).
@@ -70,13 +75,13 @@ STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
     # the ipg bucket buffer(s) in every backward (stage_1_and_2.py setup_buckets), as ZeRO-2 does (measured:
     # 1 GB at the default reduce_bucket_size, session 5, docs/accuracy.md)
     Strategy(name="zero1", framework="deepspeed", layout=FLAT_ALIGNED, shard_optimizer=True, shard_grads=False,
-             shard_params=False, zero_stage=1, ds_ipg_buckets=True,
+             shard_params=False, fp32_master_copy=True, zero_stage=1, ds_ipg_buckets=True,
              description="DeepSpeed ZeRO-1: optimizer states and fp32 master partitioned"),
     Strategy(name="zero2", framework="deepspeed", layout=FLAT_ALIGNED, shard_optimizer=True, shard_grads=True,
-             shard_params=False, zero_stage=2, full_grads_in_backward=False, ds_ipg_buckets=True,
+             shard_params=False, fp32_master_copy=True, zero_stage=2, full_grads_in_backward=False, ds_ipg_buckets=True,
              description="DeepSpeed ZeRO-2: + gradients partitioned (reduced bucket by bucket in backward)"),
     Strategy(name="zero3", framework="deepspeed", layout=PER_PARAM_NUMEL, shard_optimizer=True, shard_grads=True,
-             shard_params=True, zero_stage=3, full_grads_in_backward=False, ds_ipg_buckets=True,
+             shard_params=True, fp32_master_copy=True, zero_stage=3, full_grads_in_backward=False, ds_ipg_buckets=True,
              persistent_grads=True, comm_volume=3,
              description="DeepSpeed ZeRO-3: + parameters partitioned, gathered module by module"),
     Strategy(name="zero-optimizer", framework="torch-ddp", layout=GREEDY_WHOLE, shard_optimizer=True,

@@ -12,6 +12,8 @@ largest ``nn.ModuleList`` (the layer stack of a plain PyTorch module), else the 
 
 from __future__ import annotations
 
+import copy
+
 import importlib
 from collections.abc import Mapping
 from typing import Any
@@ -69,7 +71,10 @@ def hf_config(config: Mapping[str, Any], model_name: str = "model") -> Any:
     model_type = config.get("model_type")
     if not model_type:
         raise ConfigError(f"config for {model_name} has no 'model_type'")
-    fields = {k: v for k, v in config.items() if k not in ("model_type", "auto_map", "quantization_config")}
+    # a deep copy: transformers fills nested dicts in place (rope_scaling gains rope_theta, transformers 5.23),
+    # which would change the caller's config, and with it the activation profile's cache key
+    fields = copy.deepcopy({k: v for k, v in config.items()
+                            if k not in ("model_type", "auto_map", "quantization_config")})
     try:
         cfg = AutoConfig.for_model(model_type, **fields)
     except ValueError as exc:

@@ -488,7 +488,7 @@ def test_backward_start_is_the_loss_moment_where_block_moments_are_evaluated():
         def block_hooks(self, b):
             return ()
 
-    for strategy, covered in (("zero3", True), ("ddp", False)):
+    for strategy, covered in (("zero3", True), ("ddp", True), ("zero0", False)):
         s = settings(strategy, 4)
         f = A._fixed(TOY, s)
         f.profile = Stub()
@@ -496,4 +496,4 @@ def test_backward_start_is_the_loss_moment_where_block_moments_are_evaluated():
         if covered:
             assert start[1] == 600 and start[0] == max(f.grads[1], 0) + s.recipe.grad_bytes * 40
         else:
-            assert start[1] == 2000  # DDP evaluates no block moments: the whole backward's term stays
+            assert start[1] == 2000  # stage 0 evaluates no block moments: the whole backward's term stays

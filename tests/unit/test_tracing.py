@@ -56,11 +56,29 @@ def test_profile_cache_round_trip(tmp_path, monkeypatch):
                              allow_trace=False) is None
 
 
-def test_shipped_profiles_cover_the_default_estimate():
-    for recipe in ("deepspeed-bf16", "torch-amp"):
-        p = act.load_or_trace(sources.resolve("llama-7b").config, seq_len=2048, micro_batch=1, recipe=recipe,
-                              attention="flash", recompute="none", allow_trace=False)
-        assert p is not None and p.origin == "shipped"
+@pytest.mark.parametrize("name", sources.preset_names())
+def test_shipped_profiles_cover_every_preset(name):
+    # what tools/ship_activation_profiles.py traces: every preset at the default sequence, both traced recipes,
+    # with and without recompute, and DeepSpeed ZeRO-3's linear where it differs on a GPU (autocast)
+    for recipe, linear in (("deepspeed-bf16", "aten"), ("torch-amp", "aten"), ("torch-amp", "deepspeed-zero3")):
+        for recompute in ("none", "full"):
+            p = act.load_or_trace(sources.resolve(name).config, seq_len=2048, micro_batch=1, recipe=recipe,
+                                  attention="flash", recompute=recompute, allow_trace=False, linear=linear)
+            assert p is not None and p.origin == "shipped", (recipe, recompute, linear)
+
+
+def test_building_the_transformers_config_leaves_the_dict_alone():
+    # transformers fills rope_scaling in place (rope_theta); the caller's dict, and so the profile's cache key,
+    # must not change (it did: the shipped llama-3.1-405b and deepseek-v3 profiles were keyed after a mutation)
+    import copy
+
+    from memplan.model.meta_builder import hf_config
+
+    for name in ("llama-3.1-405b", "deepseek-v3"):
+        cfg = sources.resolve(name).config
+        before = copy.deepcopy(cfg)
+        hf_config(cfg)
+        assert cfg == before
 
 
 @pytest.mark.parametrize("name", ["gpt2", "qwen2.5-7b", "mistral-7b"])
@@ -361,3 +379,43 @@ def test_linear_variant_keys_only_where_it_changes_bytes():
     assert key(recipe="deepspeed-bf16", device="cpu", linear="deepspeed-zero3") != key(recipe="deepspeed-bf16",
                                                                                        device="cpu")
     assert key(recipe="torch-amp", linear="deepspeed-zero3") != key(recipe="torch-amp")
+
+
+@pytest.mark.parametrize("dtype,autocast", [("bfloat16", False), ("float32", True), ("float32", False)])
+def test_deepspeed_zero3_linear_allocates_as_deepspeeds_own(dtype, autocast):
+    # real DeepSpeed's zero3_linear_wrap against the trace's stand-in, on real CPU tensors: the same live bytes op
+    # for op (bf16 GEMM scratch included) and the same tensors saved for backward (under autocast the fp32 input
+    # and weight, where aten's linear saves autocast's bf16 copies)
+    import torch
+    import torch.nn.functional as F
+
+    from deepspeed.runtime.zero.linear import zero3_linear_wrap
+    from memplan.tracing import _cpu_gemm_scratch, _deepspeed_zero3_linear, _LiveBytes, _mode
+
+    def run(fn):  # noqa: ANN001, ANN202
+        live, saved = _LiveBytes(), []
+        torch.manual_seed(0)
+        w = torch.randn(512, 256, dtype=getattr(torch, dtype), requires_grad=True)
+        x0 = torch.randn(4, 64, 256, dtype=getattr(torch, dtype), requires_grad=True)
+
+        def pack(t):  # noqa: ANN001, ANN202
+            saved.append((t.dtype, tuple(t.shape)))
+            return t
+
+        with _mode(live, _cpu_gemm_scratch()):
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                    y = fn(x0 * 1.0, w, None)
+            torch.autograd.grad(y.float().sum(), [x0, w])
+            live.tick()
+        return live.timeline, saved
+
+    ds, ours, aten = run(zero3_linear_wrap), run(_deepspeed_zero3_linear("cpu")), run(F.linear)
+    assert ours == ds
+    if autocast:
+        assert ds[1] == [(torch.float32, (4, 64, 256)), (torch.float32, (512, 256))]
+        assert {d for d, _ in aten[1]} == {torch.bfloat16}
+    elif dtype == "bfloat16":
+        assert max(ds[0]) > max(aten[0])  # the weight GEMM's scratch beside the input's gradient
+    else:
+        assert max(ds[0]) == max(aten[0])  # no scratch: either order peaks alike

@@ -356,17 +356,29 @@ def _fixed(inv: ParamInventory, s: Settings) -> _Fixed:
     #: first; the block's own grads added there). FSDP2's forward copy-outs are among them: the phase is the
     #: step's worst moment outside the forward's end, the loss and backward's end.
     bwd_moments: list[tuple[int, int, int]] = []
+    #: ZeRO-1 without overlap_comm: grads_in_partition beside every gradient after backward, where the reduce
+    #: begins (a buffer of the reduce at backward's end: the model states stay the ZeRO paper's)
+    zero1_epilogue = 0
     if buf_bwd:
         bwd_moments.append((0, 0, -5))  # ZeRO-1/2's bucket beside what is alive when the last block's begins
         # inside the blocks' backward (a recomputed block is the peak there): once a bucket has been reduced,
         # grads_in_partition (the whole parameters overlapping the rank's partition, in the grad dtype) exists,
         # and a tied weight's first contribution waits for the embedding's (measured, session 6: gpt2 ZeRO-2 at
         # 4 ranks with full recompute was -13% without these)
-        if st.zero_stage in (1, 2) and not ds_offload_opt:
+        if st.zero_stage in (1, 2) and not ds_offload_opt and (st.shard_grads or overlap):
             tied = layouts.gather_sizes(inv, st.layout, n).tied
             in_part = lay.partition_params_numel if s.ds.reduce_bucket_size < psi else 0
             for k in (0, 1, 2):
                 bwd_moments.append((0, rc.grad_bytes * (in_part + tied), k))
+        elif st.zero_stage == 1 and not ds_offload_opt:
+            # ZeRO-1 without overlap_comm reduces nothing in its gradient hooks (stage_1_and_2.py
+            # process_gradients: only with partition_gradients or overlap_comm; the hook just sets up the bucket):
+            # every gradient stays as autograd made it until reduce_gradients after backward, as under DDP.
+            # After backward, the first bucket's reduce allocates grads_in_partition beside all of them
+            # (copy_grads_in_partition). Measured, session 8: gpt2, fp32, 2 ranks: +8.24% before.
+            bwd_moments += _unreduced_grad_moments(layouts.gather_sizes(inv, st.layout, n), rc.grad_bytes, psi)
+            if s.ds.contiguous_gradients:
+                zero1_epilogue = rc.grad_bytes * lay.partition_params_numel
     # the loss's and the head's backward with the head's gradient as autograd makes it (a new tensor from the
     # weight-gradient GEMM, before any hook has taken it): what is gathered at the loss, no reduce bucket yet
     # (ZeRO-1/2 set theirs up in the first gradient hook). Measured, session 7: ZeRO-3 at 1 rank peaks at the
@@ -603,11 +615,7 @@ def _fixed(inv: ParamInventory, s: Settings) -> _Fixed:
         # and kept to the step (the Reducer copies buckets back into them), so inside a block's backward the
         # grads of everything after it exist: the head's inside the last block, all but the embedding's and the
         # first block's inside the first block
-        g = layouts.gather_sizes(inv, st.layout, n)
-        if g.block_numels:
-            gb = rc.grad_bytes
-            bwd_moments.append((0, gb * g.root_head, 0))
-            bwd_moments.append((0, gb * (psi - (g.root - g.root_head) - g.block_numels[0]), 2))
+        bwd_moments += _unreduced_grad_moments(layouts.gather_sizes(inv, st.layout, n), rc.grad_bytes, psi)
 
     # ---- optimizer step transients ----
     impl = _optimizer_impl(s)
@@ -644,7 +652,7 @@ def _fixed(inv: ParamInventory, s: Settings) -> _Fixed:
     #                   freed; gathered blocks, the block's unsharded grads and reduce buffers
     #   backward-end:   every gradient produced, the root's reduce
     #   optimizer-step: the step's scratch
-    end_grads, end_buffers = max(grads_end, grads_persist), max(gather_bwd, gather_end)
+    end_grads, end_buffers = max(grads_end, grads_persist), max(gather_bwd, gather_end) + zero1_epilogue
     if fsdp_end is not None:
         end_buffers, end_grads = fsdp_end[0], max(grads_end - fsdp_end[1], grads_persist)
     grads = (grads_persist, grads_persist, grads_persist, end_grads, step_grads)
@@ -673,6 +681,16 @@ def _fixed(inv: ParamInventory, s: Settings) -> _Fixed:
     f.grads_held = zero3_blocks
     f.hook_transient = hook_transient
     return f
+
+
+def _unreduced_grad_moments(g: Any, grad_bytes: int, psi: int) -> list[tuple[int, int, int]]:
+    """Block moments where every gradient stays as autograd made it until after backward (DDP; ZeRO-1 without
+    overlap_comm): inside the last block the head's grads exist, inside the first all but the embedding's and
+    the first block's (each block's own grads are added by the profile's block moments)."""
+    if not g.block_numels:
+        return []
+    return [(0, grad_bytes * g.root_head, 0),
+            (0, grad_bytes * (psi - (g.root - g.root_head) - g.block_numels[0]), 2)]
 
 
 def _fsdp1_buffers(s: Settings, g: Any, n: int, cb: int, grads_end: int, moments: list[tuple[int, int, int]],

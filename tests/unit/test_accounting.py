@@ -240,11 +240,23 @@ def test_zero1_sets_up_the_ipg_bucket_in_backward():
         # not yet at the loss backward's peak (it is set up at the first gradient hook): from the last block's
         # backward start (a moment of kind -5) to the end of backward
         assert f.buffers[1] == f.buffers[0]
-        # (inside the blocks too; no grads_in_partition there: the toy's 4M elements never fill the bucket)
-        assert [(g, b - f.buffers[0], k) for g, b, _, k in f.moments] == [
-            (0, buckets * 500_000_000 * 2, k) for k in (-5, 0, 1, 2)] + [(0, 0, -10)]  # the head's GEMM: none
+        bucket = buckets * 500_000_000 * 2
+        moments = [(g, b - f.buffers[0], k) for g, b, _, k in f.moments]
         assert f.buffers[4] < 500_000_000 * 2  # the step holds only its scratch, no bucket
-        assert f.buffers[2] - f.buffers[0] == f.buffers[3] - f.buffers[0] == buckets * 500_000_000 * 2
+        assert f.buffers[2] - f.buffers[0] == bucket
+        if overlap:
+            # reduced in the hooks; inside the blocks no grads_in_partition: the toy never fills the bucket
+            assert moments == [(0, bucket, k) for k in (-5, 0, 1, 2)] + [(0, 0, -10)]  # the head's GEMM: none
+            assert f.buffers[3] - f.buffers[0] == bucket
+        else:
+            # nothing reduced in backward (process_gradients): every gradient stays, as under DDP: inside the
+            # last block the root's after the blocks (none in the toy), inside the first all blocks' but its own;
+            # after backward the reduce allocates grads_in_partition beside them
+            g = layouts.gather_sizes(TOY, "flat-aligned", 2)
+            assert moments == [(0, bucket, -5), (0, bucket, 0), (2 * 3 * 1024 * 1024, bucket, 2), (0, 0, -10)]
+            assert g.root_head == 0
+            part = layouts.layout_sizes(TOY, "flat-aligned", 2, 0).partition_params_numel
+            assert f.buffers[3] - f.buffers[0] == bucket + 2 * part
 
 
 def test_fsdp2_reshard_group_sizes_as_fsdp2_reads_them():
@@ -497,3 +509,13 @@ def test_backward_start_is_the_loss_moment_where_block_moments_are_evaluated():
             assert start[1] == 600 and start[0] == max(f.grads[1], 0) + s.recipe.grad_bytes * 40
         else:
             assert start[1] == 2000  # stage 0 evaluates no block moments: the whole backward's term stays
+
+
+@pytest.mark.parametrize("strategy", ["zero1", "zero2", "zero3"])
+@pytest.mark.parametrize("recipe", ["torch-amp", "fp32"])
+def test_deepspeed_keeps_its_fp32_master_copy_of_fp32_params(strategy, recipe):
+    # the ZeRO optimizers clone their partition to fp32 whatever the parameters' dtype (measured: ZeRO-3,
+    # torch-amp, 2 ranks, 17,830,912 B = 4 x the partition); torch's optimizers step the fp32 parameters
+    f = A._fixed(TOY, settings(strategy, 2, recipe=recipe))
+    assert f.master == 4 * (PSI // 2)
+    assert A._fixed(TOY, settings("fsdp-full", 2, recipe=recipe)).master == 0

@@ -130,7 +130,9 @@ def ds_config(s: Settings) -> dict[str, Any]:
 
 
 #: what each framework runs in the harness
-_HARNESS_RECIPES = {"deepspeed": ("deepspeed-bf16", "deepspeed-fp16", "torch-amp", "fp32"), "torch-ddp": ("torch-amp", "fp32", "pure-bf16"),
+#: DeepSpeed under torch-amp: fp32 parameters, the engine run inside torch.autocast (the harness's step loop)
+_HARNESS_RECIPES = {"deepspeed": ("deepspeed-bf16", "deepspeed-fp16", "torch-amp", "fp32"),
+                    "torch-ddp": ("torch-amp", "fp32", "pure-bf16"),
                     "fsdp2": ("fsdp-bf16", "torch-amp", "fp32"), "fsdp1": ("fsdp-bf16", "torch-amp", "fp32")}
 
 

@@ -157,6 +157,10 @@ def test_validate_fsdp2_full_shard_two_ranks():
     ["--gpus", "1", "--stage", "3", "--offload-optimizer", "--recompute", "full", *SMALL_DS],
     ["--gpus", "1", "--strategy", "fsdp-full", "--precision", "fp32", "--model", "gpt2"],
     ["--gpus", "4", "--stage", "3", "--recompute", "full", "--model", "gpt2", *SMALL_DS],
+    # session 8: DeepSpeed with fp32 parameters (its own fp32 master copy; ZeRO-3's linear under autocast), ZeRO-1
+    # without overlap_comm (nothing reduced in backward)
+    ["--gpus", "2", "--stage", "3", "--precision", "torch-amp", "--recompute", "full", *SMALL_DS],
+    ["--gpus", "2", "--stage", "1", "--precision", "fp32", "--model", "gpt2", *SMALL_DS],
 ])
 def test_validate_matrix_two_ranks(args):
     rc, rep = _validate(args)

@@ -378,9 +378,24 @@ def _one_step(config: dict[str, Any], batch: int, seq: int, recipe: str, attenti
                         x.register_hook(done)
                 return hook
 
+            #: timeline index at which the gradient of each block's output is complete: its backward begins.
+            #: FSDP2's pre-backward (unshard) is a hook on the block's outputs (_fsdp_state.py
+            #: _register_pre_backward_hook: t.register_hook(self._pre_backward)); DeepSpeed ZeRO-3 gathers at the
+            #: same moment (PreBackwardFunctionForModule applied to the outputs). For the last block that is after
+            #: the final norm's whole backward, not at its weight's gradient.
+            backward_starts: dict[int, int] = {}
+
             def note_end(i: int) -> Any:
-                def hook(_mod: Any, _args: Any, _out: Any) -> None:
-                    forward_ends.setdefault(i, len(live.timeline))
+                def hook(_mod: Any, _args: Any, out: Any) -> None:
+                    if i in forward_ends:
+                        return  # a recomputation in backward
+                    forward_ends[i] = len(live.timeline)
+                    y = out[0] if isinstance(out, (tuple, list)) and out else out
+                    if isinstance(y, torch.Tensor) and y.requires_grad:
+                        def begun(_grad: Any) -> None:
+                            live.tick()
+                            backward_starts.setdefault(i, len(live.timeline) - 1)
+                        y.register_hook(begun)
                 return hook
 
             for i, blk in enumerate(block_list):
@@ -452,12 +467,12 @@ def _one_step(config: dict[str, Any], batch: int, seq: int, recipe: str, attenti
         if real_can_grouped is not None:
             moe._can_use_grouped_mm = real_can_grouped
     timeline = live.corrected()
-    blocks = _block_segments(timeline, grads, forward_end, backward_ends, hooked)
+    blocks = _block_segments(timeline, grads, forward_end, backward_ends, hooked, backward_starts)
     return {"saved": sum(saved.values()), "live": after_forward, "forward": timeline[:forward_end],
             "backward": timeline[forward_end - 1:],
             "blocks": blocks,
             "hooks": _block_hooks(timeline, grads, hook_points),
-            "loss_backward": _loss_segment(timeline, grads, root_firsts, forward_end, blocks),
+            "loss_backward": _loss_segment(timeline, grads, root_firsts, forward_end, blocks, backward_starts),
             "attention_kernels": kernels,
             "last_block_forward_start": forward_starts.get(len(block_list) - 1, (0, 0))[0],
             "last_block_forward": timeline[forward_starts.get(len(block_list) - 1, (0, 0))[1]:
@@ -528,15 +543,17 @@ def _first_contributions(loss: Any, live: _LiveBytes, out: dict[int, list[Any]])
 
 
 def _block_segments(timeline: list[int], grads: list[tuple[int, int, int]], forward_end: int,
-                    ends: dict[int, int] | None = None, hooked: list[int] | None = None) -> list[list[list[int]]]:
+                    ends: dict[int, int] | None = None, hooked: list[int] | None = None,
+                    starts: dict[int, int] | None = None) -> list[list[list[int]]]:
     """Each block's backward, last block first: the points [activation bytes, the block's parameter-gradient
     elements created so far, those of them whose post-accumulate hook has not run yet (``hooked``: per entry of
     ``grads``, the index from which it has; without it, none counted)], from the end of the previous block's
-    backward (or of the loss and head's) to the end of its own: when the gradient of its input is complete
-    (``ends``: block -> timeline index), or without that, the creation of its last parameter gradient. The recomputation of a checkpointed block falls inside
-    its segment. A strategy that keeps a block's unsharded gradients until the block's backward ends (FSDP)
+    backward (or of the loss and head's: when the gradient of its output is complete, ``starts``: block ->
+    timeline index, or without that, after the last gradient of what ran before it) to the end of its own: when
+    the gradient of its input is complete (``ends``: block -> timeline index), or without that, the creation of
+    its last parameter gradient. The recomputation of a checkpointed block falls inside its segment. A strategy that keeps a block's unsharded gradients until the block's backward ends (FSDP)
     adds them at its own gradient dtype; activations alone miss the moment where the two together peak."""
-    ends = ends or {}
+    ends, starts = ends or {}, starts or {}
     by_block: dict[int, list[tuple[int, int]]] = {}
     pending: dict[int, list[tuple[int, int, int]]] = {}
     for i, (born, blk, numel) in enumerate(grads):
@@ -552,6 +569,8 @@ def _block_segments(timeline: list[int], grads: list[tuple[int, int, int]], forw
         # the segment starts after the last gradient of anything that ran before this block in backward
         before = [born for born, b, _ in grads if born < first and b != blk]
         start = max([start] + [x + 1 for x in before])
+        if blk in starts and start <= starts[blk] <= first:
+            start = starts[blk]
         points, done, k = [], 0, 0
         held = pending.get(blk, [])
         for t in range(start, end + 1):
@@ -579,7 +598,8 @@ def _block_hooks(timeline: list[int], grads: list[tuple[int, int, int]],
 
 
 def _loss_segment(timeline: list[int], grads: list[tuple[int, int, int]], firsts: list[tuple[int, int]],
-                  forward_end: int, blocks: list[list[list[int]]]) -> list[list[int]]:
+                  forward_end: int, blocks: list[list[list[int]]],
+                  starts: dict[int, int] | None = None) -> list[list[int]]:
     """The loss's and the head's backward, up to the last block's backward: the points [activation bytes, the
     gradient elements of parameters outside the blocks created so far (the head's; a tied weight's from its
     first contribution)]. Autograd makes each weight gradient as a new tensor (the head's GEMM writes it), so
@@ -587,7 +607,7 @@ def _loss_segment(timeline: list[int], grads: list[tuple[int, int, int]], firsts
     head's weight-gradient GEMM (its output and, on CPU, the GEMM's fp32 scratch) can top the loss's own."""
     # the blocks' segments run back to back from the end of this one (see _block_segments). A tied weight's
     # own gradient entry is born at the embedding's backward, after every block: past this segment.
-    end = _segment_start(grads, forward_end) - 1 if blocks else len(timeline) - 1
+    end = _segment_start(grads, forward_end, starts) - 1 if blocks else len(timeline) - 1
     events = sorted([(born, numel) for born, blk, numel in grads if blk < 0] + list(firsts))
     points, done, k = [], 0, 0
     for t in range(forward_end - 1, max(end, forward_end - 1) + 1):
@@ -598,7 +618,8 @@ def _loss_segment(timeline: list[int], grads: list[tuple[int, int, int]], firsts
     return points
 
 
-def _segment_start(grads: list[tuple[int, int, int]], forward_end: int) -> int:
+def _segment_start(grads: list[tuple[int, int, int]], forward_end: int,
+                   starts: dict[int, int] | None = None) -> int:
     """Where the last block's backward segment begins (as _block_segments places it)."""
     blks = [blk for _, blk, _ in grads if blk >= 0]
     if not blks:
@@ -606,7 +627,9 @@ def _segment_start(grads: list[tuple[int, int, int]], forward_end: int) -> int:
     last = max(blks)
     first = min(born for born, blk, _ in grads if blk == last)
     before = [born for born, b, _ in grads if born < first and b != last]
-    return max([forward_end] + [x + 1 for x in before])
+    start = max([forward_end] + [x + 1 for x in before])
+    at = (starts or {}).get(last)
+    return at if at is not None and start <= at <= first else start
 
 
 def moe_experts(config: dict[str, Any]) -> int:

@@ -219,6 +219,33 @@ def test_loss_segment_counts_the_roots_grads_up_to_the_last_block():
     assert _loss_segment(timeline, grads, [(2, 50)], 2, blocks) == [[10, 0], [20, 50], [19, 150]]
 
 
+def test_a_blocks_backward_begins_when_its_outputs_gradient_is_complete():
+    from memplan.tracing import _block_segments, _loss_segment
+
+    # the toy above, with the gradient of block 1's output complete at index 5 (what ran before it, say a final
+    # norm, created its weight's gradient at 3 and went on to 5): FSDP2's pre-backward and ZeRO-3's gather hook
+    # that output, so block 1's segment starts there and the loss segment runs to 4
+    timeline = [0, 10, 20, 19, 18, 17, 16, 15, 14, 13, 12]
+    grads = [(3, -1, 100), (5, 1, 7), (6, 1, 5), (9, 0, 11)]
+    last, first = _block_segments(timeline, grads, 2, None, None, {1: 5})
+    assert last == [[17, 7, 0], [16, 12, 0]]
+    assert first == [[15, 0, 0], [14, 0, 0], [13, 11, 0]]
+    assert _loss_segment(timeline, grads, [], 2, [last, first], {1: 5}) == [[10, 0], [20, 0], [19, 100], [18, 100]]
+    # a start outside [after what ran before, the block's first gradient] is ignored
+    assert _block_segments(timeline, grads, 2, None, None, {1: 7})[0] == [[18, 0, 0], [17, 7, 0], [16, 12, 0]]
+
+
+def test_the_last_blocks_backward_begins_after_the_final_norms_backward():
+    # measured (session 9; fsdp-full reshard 2, fp32, 4 ranks, llama-3-8b with 2 blocks, hidden 512, vocabulary
+    # 2048, micro-batch 2, sequence 128, CPU): the last block's copy-out in backward (its pre-backward hook)
+    # peaked at 104,503,404 B with 80,240,128 B of params, states, gathered blocks and head grads, i.e.
+    # 24,263,276 B of activations less the harness's 2,660-byte constant: 24,260,616 B. Starting the segment at
+    # the final norm's weight gradient gave 25,834,504 B: the norm's backward temporaries (3 x 512 KiB)
+    cfg = scale_config(sources.resolve("llama-3-8b").config, layers=2, hidden=512, vocab=2048)[0]
+    p = trace_profile(cfg, seq_len=128, recipe="fp32", attention="flash", recompute="none", device="cpu")
+    assert act.TracedProfile(p, 1, "traced now").moment_activations(2)[-5] == 24_260_616
+
+
 def test_block_hooks_give_the_activations_at_each_parameters_hook():
     from memplan.tracing import _block_hooks
 

@@ -360,7 +360,9 @@ def _fixed(inv: ParamInventory, s: Settings) -> _Fixed:
     #: begins (a buffer of the reduce at backward's end: the model states stay the ZeRO paper's)
     zero1_epilogue = 0
     if buf_bwd:
-        bwd_moments.append((0, 0, -5))  # ZeRO-1/2's bucket beside what is alive when the last block's begins
+        # ZeRO-1/2's bucket, set up at the first gradient hook (the head's), beside what is alive at the root's
+        # last hook before the blocks (the final norm's)
+        bwd_moments.append((0, 0, -12))
         # inside the blocks' backward (a recomputed block is the peak there): once a bucket has been reduced,
         # grads_in_partition (the whole parameters overlapping the rank's partition, in the grad dtype) exists,
         # and a tied weight's first contribution waits for the embedding's (measured, session 6: gpt2 ZeRO-2 at
@@ -446,12 +448,16 @@ def _fixed(inv: ParamInventory, s: Settings) -> _Fixed:
                 # fp32 copy to the host (4 bytes); the reduce's output partition exists beside them. Measured,
                 # session 7: llama-3-8b at 1 rank peaks at the head's, 10,485,760 B for its 1,048,576 elements.
                 per = rc.grad_bytes + 8 + (rc.grad_bytes if c.device != "cpu" else 0)
-                # The head's when the last block's backward begins (a tied head's hook runs at the embedding's
-                # backward, after every block); each block parameter's at its own hook, with the activations of
-                # that moment (profile.block_hooks: the -11 moment); the embedding's at backward's end.
+                # The head's at the root's last hook before the blocks (the final norm's: ZeRO-3 reduces a bucket
+                # at the hook of the parameter that would overflow it, stage3.py
+                # reduce_independent_p_g_buckets_and_remove_grads; measured, session 9: llama-3-8b at 1 rank,
+                # small buckets, the head's fp64 copy inside the final norm's weight hook) (a tied head's hook
+                # runs at the embedding's backward, after every block); each block parameter's at its own hook,
+                # with the activations of that moment (profile.block_hooks: the -11 moment); the embedding's at
+                # backward's end.
                 tied_bytes = rc.grad_bytes * tied
                 bwd_moments.append((cb * z.loss + per * ceil_div(g.head_largest_tensor, n), grads_persist + tied_bytes,
-                                    -5))
+                                    -12))
                 hook_transient = (per, n)
                 bwd_moments.append((cb * z.blocks, grads_persist + tied_bytes, -11))
                 gather_end += per * ceil_div(g.root_largest_tensor, n)
@@ -852,7 +858,8 @@ def _moments(f: _Fixed, micro_batch: int, saved: int, block: int, emb: int,
     -3 the embedding's output only; read off the profile's timeline (profile.moment_activations; without one,
     the bound that contains the moment): -5 when the last block's backward begins, -6 when the one before it
     begins, -7 when the last block's forward begins, -8 the most inside the last block's forward, -9 when the
-    block before the last has finished its backward (-6 less one block), -10 the loss's and the head's backward
+    block before the last has finished its backward (-6 less one block), -12 at the last hook of a parameter
+    outside the blocks before them (the final norm's), -10 the loss's and the head's backward
     with the root's gradients so far at grad_width (profile.loss_moment), -11 at a block parameter's gradient
     hook with the hook's transient (profile.block_hooks, f.hook_transient); k >= 0 inside a block's backward
     (profile.block_moments)."""
@@ -883,7 +890,7 @@ def _kind_values(f: _Fixed, micro_batch: int, saved: int, block: int, emb: int,
     blocks = prof.block_moments(micro_batch, f.grad_width, f.grads_held) if f._blocks else ()
     named = prof.moment_activations(micro_batch)
     acts = {-1: saved - block, -2: saved + block, -3: emb, -4: saved, -5: saved + block, -6: saved, -7: saved,
-            -8: fwd, -9: saved - block}
+            -8: fwd, -9: saved - block, -12: saved + block}
     if -6 in named and -9 not in named:
         acts[-9] = named[-6] - block
     acts.update(named)

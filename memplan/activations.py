@@ -38,7 +38,7 @@ from memplan.errors import SettingsError
 RECOMPUTE = ("none", "selective", "full")
 ATTENTION = ("flash", "sdpa", "eager")
 ACTIVATION_SOURCES = ("traced", "analytic")
-PROFILE_VERSION = 11  #: bump when the traced profile's format or method changes (memplan.tracing)
+PROFILE_VERSION = 12  #: bump when the traced profile's format or method changes (memplan.tracing)
 
 
 @dataclass(frozen=True)
@@ -274,7 +274,8 @@ class TracedProfile:
     def moment_activations(self, micro_batch: int) -> dict[int, int]:
         """Activations when the last block's backward begins (-5), when the one before it begins (-6), when
         the last block's forward begins (-7) and at the most inside it (-8), when the one before the last
-        has finished its backward (-9), read off the traced timeline, untraced blocks below added."""
+        has finished its backward (-9), at the last hook of a parameter outside the blocks before them (-12),
+        read off the traced timeline, untraced blocks below added."""
         key = ("named", micro_batch)
         hit = self._memo.get(key)
         if hit is None:
@@ -293,6 +294,8 @@ class TracedProfile:
         out = {-5: at(segs[0]["start"]), -6: at(segs[-1]["start"]), -7: at(fwd), -8: max(at(x) for x in peak)}
         if len(segs) > 1 and "end" in segs[1]:
             out[-9] = at(segs[1]["end"])
+        if d.get("root_hooks_done") is not None:
+            out[-12] = at(d["root_hooks_done"])
         return out
 
     @property

@@ -472,6 +472,7 @@ def _one_step(config: dict[str, Any], batch: int, seq: int, recipe: str, attenti
             "backward": timeline[forward_end - 1:],
             "blocks": blocks,
             "hooks": _block_hooks(timeline, grads, hook_points),
+            "root_hooks_done": _root_hooks_done(timeline, grads, hook_points, forward_end, backward_starts),
             "loss_backward": _loss_segment(timeline, grads, root_firsts, forward_end, blocks, backward_starts),
             "attention_kernels": kernels,
             "last_block_forward_start": forward_starts.get(len(block_list) - 1, (0, 0))[0],
@@ -595,6 +596,18 @@ def _block_hooks(timeline: list[int], grads: list[tuple[int, int, int]],
         if blk >= 0:
             by_block.setdefault(blk, []).append([timeline[at], numel])
     return [by_block[b] for b in sorted(by_block, reverse=True)]
+
+
+def _root_hooks_done(timeline: list[int], grads: list[tuple[int, int, int]], points: list[int], forward_end: int,
+                     starts: dict[int, int] | None = None) -> int | None:
+    """Activations at the hook of the last parameter outside the blocks whose gradient is made before the last
+    block's backward (the final norm's, after the head's), or None. A gradient hook is where DeepSpeed works:
+    ZeRO-1/2 set up their reduce bucket at the first (the head's), and ZeRO-3 reduces a bucket that the next
+    parameter's gradient would overflow at that parameter's hook, so a head larger than the bucket is reduced,
+    with ZeRO-Offload's transient, at the final norm's."""
+    start = _segment_start(grads, forward_end, starts)
+    before = [at for (born, blk, _), at in zip(grads, points) if blk < 0 and born < start]
+    return timeline[max(before)] if before else None
 
 
 def _loss_segment(timeline: list[int], grads: list[tuple[int, int, int]], firsts: list[tuple[int, int]],
@@ -785,6 +798,10 @@ def trace_profile(config: dict[str, Any], *, seq_len: int, recipe: str, attentio
         #: the loss's and the head's backward with the gradients of the parameters outside the blocks (see
         #: _loss_segment), every block's saved activations below it
         "loss_backward": loss_bwd,
+        #: live bytes at the last hook of a parameter outside the blocks before them (see _root_hooks_done)
+        "root_hooks_done": (line(top[0]["root_hooks_done"], top[1]["root_hooks_done"])
+                            if top[0]["root_hooks_done"] is not None and top[1]["root_hooks_done"] is not None
+                            else None),
         #: live bytes when the last block's forward begins (everything before it saved, nothing of the loss)
         "last_block_forward_start": line(top[0]["last_block_forward_start"], top[1]["last_block_forward_start"]),
         #: the most live during the last block's forward (its own activations and temporaries)

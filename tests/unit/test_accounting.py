@@ -237,8 +237,8 @@ def test_zero1_sets_up_the_ipg_bucket_in_backward():
     # the grad dtype per backward (twice with overlap_comm), as stage 2 does (measured: docs/accuracy.md)
     for overlap, buckets in ((False, 1), (True, 2)):
         f = A._fixed(TOY, settings("zero1", 2, ds={"overlap_comm": overlap}))
-        # not yet at the loss backward's peak (it is set up at the first gradient hook): from the last block's
-        # backward start (a moment of kind -5) to the end of backward
+        # not yet at the loss backward's peak (it is set up at the first gradient hook, the head's): from the
+        # root's last hook before the blocks (the final norm's, a moment of kind -12) to the end of backward
         assert f.buffers[1] == f.buffers[0]
         bucket = buckets * 500_000_000 * 2
         moments = [(g, b - f.buffers[0], k) for g, b, _, k in f.moments]
@@ -246,14 +246,14 @@ def test_zero1_sets_up_the_ipg_bucket_in_backward():
         assert f.buffers[2] - f.buffers[0] == bucket
         if overlap:
             # reduced in the hooks; inside the blocks no grads_in_partition: the toy never fills the bucket
-            assert moments == [(0, bucket, k) for k in (-5, 0, 1, 2)] + [(0, 0, -10)]  # the head's GEMM: none
+            assert moments == [(0, bucket, k) for k in (-12, 0, 1, 2)] + [(0, 0, -10)]  # the head's GEMM: none
             assert f.buffers[3] - f.buffers[0] == bucket
         else:
             # nothing reduced in backward (process_gradients): every gradient stays, as under DDP: inside the
             # last block the root's after the blocks (none in the toy), inside the first all blocks' but its own;
             # after backward the reduce allocates grads_in_partition beside them
             g = layouts.gather_sizes(TOY, "flat-aligned", 2)
-            assert moments == [(0, bucket, -5), (0, bucket, 0), (2 * 3 * 1024 * 1024, bucket, 2), (0, 0, -10)]
+            assert moments == [(0, bucket, -12), (0, bucket, 0), (2 * 3 * 1024 * 1024, bucket, 2), (0, 0, -10)]
             assert g.root_head == 0
             part = layouts.layout_sizes(TOY, "flat-aligned", 2, 0).partition_params_numel
             assert f.buffers[3] - f.buffers[0] == bucket + 2 * part
@@ -411,8 +411,9 @@ def test_zero3_offload_norms_each_partition_in_fp64():
         f = A._fixed(inv, s)
         z = f.assumptions["zero3_gathered_numel"]
         ipg = 2 * 1000
-        # the head's (16 x 1024, after the blocks) when the last block's backward begins
-        assert (0, ipg + 2 * z["loss"] + per * (16 * 1024 // 4), -5) in [(gr, b, k) for gr, b, _, k in f.moments]
+        # the head's (16 x 1024, after the blocks), larger than the bucket: reduced at the next hook, the final
+        # norm's, the root's last before the blocks (-12)
+        assert (0, ipg + 2 * z["loss"] + per * (16 * 1024 // 4), -12) in [(gr, b, k) for gr, b, _, k in f.moments]
 
 
 
@@ -454,14 +455,14 @@ def test_zero3_offload_hook_transient_at_each_hook():
 def test_moment_kinds_read_the_profile_exactly():
     # accounting._kind_values on a stub profile: the head's GEMM (-10) at the recipe's grad width, the offload
     # hook (-11) at the hook that tops activations + per-element transient x partition, block moments (k) with
-    # their grads, named moments (-5) as read
+    # their grads, named moments (-12) as read
     class Stub:
         def block_moments(self, b, width, held):
             assert held  # ZeRO-3: hook-pending grads only
             return ((100 * b, 10), (50 * b, 10), (20 * b, 10))
 
         def moment_activations(self, b):
-            return {-5: 7 * b}
+            return {-5: 7 * b, -12: 3 * b}
 
         def loss_moment(self, b, width):
             return (300 * b, 40)
@@ -475,7 +476,7 @@ def test_moment_kinds_read_the_profile_exactly():
     per = 2 + 2 + 8  # bf16 partition, its copy back on the GPU, the fp64 copy
     assert vals[-10] == (600, 2 * 40)
     assert vals[-11] == (10, per * (64 // 4))  # 10 + 192 beats 18 + 48 and 1 + 24
-    assert vals[-5] == (14, 0) and vals[0] == (200, 20) and vals[2] == (40, 20)
+    assert vals[-12] == (6, 0) and vals[0] == (200, 20) and vals[2] == (40, 20)
     assert [m for m, *_ in A._moments(f, 2, 0, 0, 0, 0)] == list(f.moments)
 
 

@@ -235,6 +235,19 @@ def test_a_blocks_backward_begins_when_its_outputs_gradient_is_complete():
     assert _block_segments(timeline, grads, 2, None, None, {1: 7})[0] == [[18, 0, 0], [17, 7, 0], [16, 12, 0]]
 
 
+def test_root_hooks_done_is_the_last_hook_outside_the_blocks_before_them():
+    from memplan.tracing import _root_hooks_done
+
+    # the toy above with a final norm's grad (block -1) born at 4 and hooked at 5; the head's hooked at 4; a tied
+    # embedding's (block -1) born at 10, after every block, is not before them
+    timeline = [0, 10, 20, 19, 18, 17, 16, 15, 14, 13, 12]
+    grads = [(3, -1, 100), (4, -1, 3), (5, 1, 7), (6, 1, 5), (9, 0, 11), (10, -1, 100)]
+    points = [4, 5, 6, 7, 10, 10]
+    assert _root_hooks_done(timeline, grads, points, 2) == 17
+    assert _root_hooks_done(timeline, grads, points, 2, {1: 5}) == 17
+    assert _root_hooks_done(timeline, [g for g in grads if g[1] >= 0], points[2:5], 2) is None
+
+
 def test_the_last_blocks_backward_begins_after_the_final_norms_backward():
     # measured (session 9; fsdp-full reshard 2, fp32, 4 ranks, llama-3-8b with 2 blocks, hidden 512, vocabulary
     # 2048, micro-batch 2, sequence 128, CPU): the last block's copy-out in backward (its pre-backward hook)

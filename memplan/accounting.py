@@ -235,7 +235,13 @@ def _fixed(inv: ParamInventory, s: Settings) -> _Fixed:
     shard_numel = lay.shard_numel  # elements of parameters this rank stores
     opt_numel = lay.optimizer_numel  # elements this rank's optimizer updates (worst rank)
     if st.framework == "deepspeed" and st.shard_params:
-        weights = rc.param_bytes * (shard_numel + lay.persistent_numel)
+        # a persistent parameter (numel under param_persistence_threshold) stays gathered beside its partition;
+        # at one rank its gathered copy is the partition itself (partition_parameters.py _no_gather_coalesced ->
+        # NoGatherHandle: param.data = ds_tensor.data.to(device), the same tensor on its own device; measured,
+        # session 9: gpt2 ZeRO-3 defaults at 1 rank, weights 4,732,928 B = 2 B x every element, where counting a
+        # copy gave +276,480 B, the 138,240 persistent elements)
+        persistent = lay.persistent_numel if n > 1 else 0
+        weights = rc.param_bytes * (shard_numel + persistent)
         if s.ds.hpz_partition_size > 1:
             if n % s.ds.hpz_partition_size:
                 raise SettingsError(f"shard group({n}) is not a multiple of zero_hpz_partition_size"

@@ -520,3 +520,16 @@ def test_deepspeed_keeps_its_fp32_master_copy_of_fp32_params(strategy, recipe):
     f = A._fixed(TOY, settings(strategy, 2, recipe=recipe))
     assert f.master == 4 * (PSI // 2)
     assert A._fixed(TOY, settings("fsdp-full", 2, recipe=recipe)).master == 0
+
+
+def test_zero3_persistent_params_cost_nothing_extra_at_one_rank():
+    # a persistent parameter stays gathered beside its partition; at one rank DeepSpeed gathers nothing
+    # (NoGatherHandle: param.data is ds_tensor's data), so the gathered copy is the partition. Measured, session 9:
+    # gpt2 ZeRO-3 defaults at 1 rank, weights exactly 2 B x every element
+    ds = {"param_persistence_threshold": 10_000}  # the toy's 8 x 1024 root tensor is persistent
+    one = A._fixed(TOY, settings("zero3", 1, ds=ds))
+    assert one.weights == 2 * PSI
+    two = A._fixed(TOY, settings("zero3", 2, ds=ds))
+    lay = layouts.layout_sizes(TOY, get_strategy("zero3").layout, 2, 10_000)
+    assert lay.persistent_numel == 8 * 1024
+    assert two.weights == 2 * (lay.shard_numel + 8 * 1024)

@@ -552,8 +552,9 @@ def _block_segments(timeline: list[int], grads: list[tuple[int, int, int]], forw
     backward (or of the loss and head's: when the gradient of its output is complete, ``starts``: block ->
     timeline index, or without that, after the last gradient of what ran before it) to the end of its own: when
     the gradient of its input is complete (``ends``: block -> timeline index), or without that, the creation of
-    its last parameter gradient. The recomputation of a checkpointed block falls inside its segment. A strategy that keeps a block's unsharded gradients until the block's backward ends (FSDP)
-    adds them at its own gradient dtype; activations alone miss the moment where the two together peak."""
+    its last parameter gradient. The recomputation of a checkpointed block falls inside its segment. A strategy
+    that keeps a block's unsharded gradients until the block's backward ends (FSDP) adds them at its own
+    gradient dtype; activations alone miss the moment where the two together peak."""
     ends, starts = ends or {}, starts or {}
     by_block: dict[int, list[tuple[int, int]]] = {}
     pending: dict[int, list[tuple[int, int, int]]] = {}

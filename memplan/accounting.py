@@ -92,6 +92,10 @@ class Cluster:
     #: ":4096:2:16:8" (8 MiB + 128 KiB) on other NVIDIA GPUs; hipBLAS 32 MiB, 128 MiB on gfx94x/gfx95x.
     #: The GPU presets carry their value; without one, the largest CUDA default.
     blas_workspace_bytes: int = 32 * MiB
+    #: the GPU's architecture (smXY, gfxNNN): which SDPA kernels the traced step takes (memplan/kernels.py)
+    gpu_arch: str = "sm90"
+    #: device cpu: the instruction-set class the CPU kernels follow (kernels.CPU_ISAS); None: this machine's
+    cpu_isa: str | None = None
 
     def __post_init__(self) -> None:
         if self.gpus < 1:

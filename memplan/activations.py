@@ -32,13 +32,14 @@ import os
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
+from typing import Any
 
 from memplan.errors import SettingsError
 
 RECOMPUTE = ("none", "selective", "full")
 ATTENTION = ("flash", "sdpa", "eager")
 ACTIVATION_SOURCES = ("traced", "analytic")
-PROFILE_VERSION = 12  #: bump when the traced profile's format or method changes (memplan.tracing)
+PROFILE_VERSION = 13  #: bump when the traced profile's format or method changes (memplan.tracing)
 
 
 @dataclass(frozen=True)
@@ -322,16 +323,17 @@ def has_dropout(config: dict) -> bool:
 
 
 def profile_key(config: dict, *, seq_len: int, recipe: str, attention: str, recompute: str,
-                device: str = "cuda", linear: str = "aten") -> str:
-    """Cache key: the config, the sequence length, the traced dtype recipe, attention, recompute, the device
-    (CUDA keeps a 1-byte dropout mask, CPU a mask in the input's dtype; CPU bf16 GEMMs allocate fp32 scratch)
-    and the linear's autograd where it changes the bytes (tracing_keys.trace_linear; absent for aten's, so
-    keys from before it existed still name the same profiles)."""
+                device: str = "cuda", linear: str = "aten", target: Any = None) -> str:
+    """Cache key: the config, the sequence length, the traced dtype recipe, attention, recompute, the target
+    device's kernel class (kernels.Target.key: a GPU's SDPA dispatch class, a CPU's instruction set) and the
+    linear's autograd where it changes the bytes (tracing_keys.trace_linear; absent for aten's)."""
+    from memplan.kernels import host_target
     from memplan.tracing_keys import trace_linear, trace_recipe
 
+    target = target or host_target(device)
     fields = {"config": {k: v for k, v in config.items() if not k.startswith("_")}, "seq": seq_len,
               "recipe": trace_recipe(recipe), "attention": "flash" if attention == "sdpa" else attention,
-              "recompute": recompute, "device": device, "v": PROFILE_VERSION}
+              "recompute": recompute, "device": target.key, "v": PROFILE_VERSION}
     linear = trace_linear(linear, device=device, recipe=recipe)
     if linear != "aten":
         fields["linear"] = linear
@@ -340,11 +342,15 @@ def profile_key(config: dict, *, seq_len: int, recipe: str, attention: str, reco
 
 
 def load_or_trace(config: dict, *, seq_len: int, micro_batch: int, recipe: str, attention: str, recompute: str,
-                  allow_trace: bool = True, device: str = "cuda", linear: str = "aten") -> TracedProfile | None:
+                  allow_trace: bool = True, device: str = "cuda", linear: str = "aten",
+                  target: Any = None) -> TracedProfile | None:
     """The traced profile from the shipped set, the disk cache, or a new trace (imports torch); None when
     ``allow_trace`` is False and nothing is cached."""
+    from memplan.kernels import host_target
+
+    target = target or host_target(device)
     key = profile_key(config, seq_len=seq_len, recipe=recipe, attention=attention, recompute=recompute,
-                      device=device, linear=linear)
+                      device=device, linear=linear, target=target)
     for where, origin in ((shipped_dir(), "shipped"), (cache_dir(), "cache")):
         path = where / f"{key}.json"
         if path.is_file():
@@ -370,7 +376,8 @@ def load_or_trace(config: dict, *, seq_len: int, micro_batch: int, recipe: str, 
     try:
         data = trace_profile(config, seq_len=seq_len, recipe=trace_recipe(recipe),
                              attention="flash" if attention == "sdpa" else attention, recompute=recompute,
-                             device=device, linear=trace_linear(linear, device=device, recipe=recipe))
+                             device=device, linear=trace_linear(linear, device=device, recipe=recipe),
+                             target=target)
     except SettingsError as exc:
         _write_atomic(failed, json.dumps({"reason": str(exc), "versions": _versions()}))
         raise

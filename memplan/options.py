@@ -89,27 +89,44 @@ def activation_profile(config: dict[str, Any] | None, s: Settings, mode: str, no
     recompute = "full" if s.recompute == "full" else "none"
     # DeepSpeed ZeRO-3 replaces F.linear with its own autograd function (tracing._deepspeed_zero3_linear)
     linear = "deepspeed-zero3" if s.strategy.zero_stage == 3 and s.ds.memory_efficient_linear else "aten"
+    target = kernel_target(s.cluster)
     try:
         prof = act.load_or_trace(config, seq_len=s.seq_len, micro_batch=s.micro_batch, recipe=s.recipe.name,
                                  attention=attention, recompute=recompute, device=s.cluster.device,
-                                 linear=linear)
+                                 linear=linear, target=target)
     except SettingsError as exc:
         if mode == "traced":
             raise
         notes.append(f"activations: analytic, because {exc}")
         return None
-    # the trace picks each SDPA call's kernel as the device does (memplan/tracing.py _sdpa_kernel): on CPU,
-    # attention dropout or q/k/v head dims that differ take the math kernel, which keeps the probabilities
-    why = prof.data.get("attention_kernels", {}).get("math") if prof is not None else None
-    if why:
-        notes.append(f"activations: attention traced with PyTorch's math kernel, which SDPA runs on "
-                     f"{s.cluster.device} here ({why})")
+    # the trace picks each SDPA call's kernel as the device does (memplan/kernels.py): the math kernel keeps
+    # the attention probabilities, the fused ones an fp32 logsumexp
+    for backend, why in sorted((prof.data.get("attention_kernels") or {}).items() if prof is not None else ()):
+        if backend == "math":
+            notes.append(f"attention: math kernel on {target.describe()} ({why}): it keeps the probabilities, "
+                         "b x heads x seq^2 fp32 per layer")
+        else:
+            notes.append(f"attention: {backend} on {target.describe()} ({why})")
+    if target.device == "cpu":
+        from memplan.kernels import describe_cpu_gemm
+
+        notes.append(describe_cpu_gemm(target.cpu_isa) + f" (--cpu-isa {target.cpu_isa})")
     if prof is not None and trace_linear(linear, device=s.cluster.device, recipe=s.recipe.name) != "aten":
         how = ("it saves the fp32 input and weight, not autocast's bf16 copies" if s.recipe.name == "torch-amp" else
                "it makes the input's gradient before the weight's, so a CPU bf16 GEMM's fp32 scratch sits beside it")
         notes.append(f"activations: traced with DeepSpeed ZeRO-3's linear (LinearFunctionForZeroStage3: {how}"
                      + "; zero_optimization.memory_efficient_linear false turns it off)")
     return prof
+
+
+def kernel_target(c: Cluster) -> Any:
+    """The kernels.Target the activations are traced for: the GPU's architecture, or the CPU's instruction set
+    (this machine's unless --cpu-isa names another)."""
+    from memplan.kernels import Target, host_cpu_isa
+
+    if c.device == "cpu":
+        return Target(device="cpu", cpu_isa=c.cpu_isa or host_cpu_isa())
+    return Target(device="cuda", arch=c.gpu_arch)
 
 
 def resolve(inv: ParamInventory, *, gpus: int = 1, gpus_per_node: int | None = None, stage: int | None = None,
@@ -120,7 +137,7 @@ def resolve(inv: ParamInventory, *, gpus: int = 1, gpus_per_node: int | None = N
             deepspeed: str | None = None, ds_overrides: dict[str, Any] | None = None,
             torch_overrides: dict[str, Any] | None = None,
             overhead_overrides: dict[str, Any] | None = None, config: dict[str, Any] | None = None,
-            activations: str = "auto") -> Resolved:
+            activations: str = "auto", cpu_isa: str | None = None) -> Resolved:
     sources: dict[str, str] = {}
     notes: list[str] = []
     ds_file = dsconfig.load(deepspeed) if deepspeed else None
@@ -203,8 +220,18 @@ def resolve(inv: ParamInventory, *, gpus: int = 1, gpus_per_node: int | None = N
     elif workspace is None and device == "cuda":
         notes.append("cuBLAS workspace: 32 MiB per handle assumed (the sm90 default); --gpu NAME or "
                      "--cublas-workspace SIZE sets it")
+    arch = gpu_presets()[gpu.lower()].get("arch", "sm90") if gpu else "sm90"
+    if device == "cuda" and not gpu:
+        notes.append("GPU architecture: sm90 assumed (H100-class kernels); --gpu NAME sets it")
+    if cpu_isa is not None:
+        from memplan.kernels import CPU_ISAS
+
+        if cpu_isa not in CPU_ISAS:
+            raise SettingsError(f"--cpu-isa must be one of {', '.join(CPU_ISAS)}, got {cpu_isa!r}")
+        if device != "cpu":
+            raise SettingsError("--cpu-isa applies to --device cpu")
     cluster = Cluster(gpus=gpus, gpus_per_node=gpus_per_node if gpus_per_node is not None else min(gpus, 8) or 1,
-                      gpu_memory_bytes=mem, device=device,
+                      gpu_memory_bytes=mem, device=device, gpu_arch=arch, cpu_isa=cpu_isa,
                       **({} if workspace is None else {"blas_workspace_bytes": workspace}))
     settings = Settings(strategy=strat, recipe=recipe, optimizer=opt, cluster=cluster, optimizer_impl=optimizer_impl,
                         micro_batch=mb, seq_len=seq, grad_accum=ga, recompute=recompute, attention=attention,

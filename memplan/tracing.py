@@ -11,15 +11,14 @@ length for micro-batch 2 and 4. Two instruments watch it:
   and backward. Parameter gradients are dropped as soon as they are accumulated (the strategy accounts for
   them), so the backward peak is activations and transients only.
 
-Attention kernels: on ``meta`` SDPA would always take the math path and save the attention matrix. For
-``flash`` and ``sdpa`` each call chooses its kernel as the real device would (``_sdpa_kernel``): where the real
-dispatch takes a fused kernel, the call is replaced by a function that saves what the flash / memory-efficient
-kernels save: q, k, v, the output and the fp32 logsumexp [batch, heads, seq]
-(aten/src/ATen/native/transformers/attention.cpp, _scaled_dot_product_flash_attention); where it takes the math
-kernel (on CPU: attention dropout, or q, k, v head dims that differ, as in DeepSeek's MLA) SDPA runs
-unsubstituted on fake CPU tensors, which is the same math kernel the real CPU run takes. The profile records
-which kernels ran (``attention_kernels``). ``eager`` runs transformers' eager attention as written (fp32
-softmax, its bf16 cast, dropout mask if any).
+Kernels: the step runs on fake CPU tensors, and where the target device (``kernels.Target``) runs something
+else the trace runs a stand-in (``memplan/substitutes.py``): each SDPA call takes the backend the device's own
+rules choose (``memplan/kernels.py``: CUDA's cuDNN / flash / memory-efficient / math, CPU's flash / math), a
+fused backend saving and allocating what it does on the device, math running PyTorch's composite; a GPU job
+runs CUDA's autocast policy (taken from the installed PyTorch's AutocastCUDA kernels), CUDA's fused dropout,
+and counts every storage in the caching allocator's 512-byte blocks; a CPU job adds oneDNN's GEMM scratch for
+its instruction set. The profile records which attention kernels ran and why (``attention_kernels``).
+``eager`` runs transformers' eager attention as written.
 
 Recompute ``full`` runs with ``gradient_checkpointing_enable(use_reentrant=False)``: what is live after forward
 is then the block inputs, and the backward peak includes one block recomputed.
@@ -35,8 +34,11 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
+from memplan import kernels as K
+from memplan import substitutes as sub
 from memplan.activations import PROFILE_VERSION
 from memplan.errors import SettingsError
+from memplan.kernels import Target
 
 class _LiveBytes:
     """Live bytes of the storages created under the mode, op by op.
@@ -45,7 +47,9 @@ class _LiveBytes:
     post-accumulate hook), its bytes are taken out of the timeline from its creation on.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, block: int = 1) -> None:
+        #: the allocator's granularity: a storage of n bytes holds round_up(n, block) (CUDA: 512)
+        self.block = block
         self.live = 0
         self._refs: dict[int, Any] = {}
         self._born: dict[int, int] = {}
@@ -57,7 +61,7 @@ class _LiveBytes:
         key = id(st)
         if key in self._refs:
             return
-        n = st.nbytes()
+        n = self.nbytes(st)
 
         def gone(_ref: Any, key: int = key, n: int = n) -> None:
             self._refs.pop(key, None)
@@ -67,6 +71,11 @@ class _LiveBytes:
         self._refs[key] = weakref.ref(st, gone)
         self._born[key] = len(self.timeline)
         self.live += n
+
+    def nbytes(self, st: Any) -> int:
+        """What the allocator counts for an untyped storage."""
+        n = st.nbytes()
+        return -(-n // self.block) * self.block
 
     def ignore(self, t: Any) -> None:
         """A storage that existed before the step (parameters, buffers): views of it are not new bytes."""
@@ -81,7 +90,7 @@ class _LiveBytes:
         st = t.untyped_storage()
         born = self._born.get(id(st))
         if born is not None:
-            self._corrections.append((born, len(self.timeline) + 1, st.nbytes()))
+            self._corrections.append((born, len(self.timeline) + 1, self.nbytes(st)))
             self._born.pop(id(st), None)
         return born
 
@@ -99,31 +108,6 @@ class _LiveBytes:
             run += diff[i]
             out.append(v + run)
         return out
-
-
-def _cpu_gemm_scratch():
-    """The bytes a CPU matmul allocates for itself and frees before returning, for a traced op and its output.
-
-    A bf16 GEMM on CPU (aten::mm, aten::addmm: every nn.Linear, forward and backward) accumulates into an fp32
-    buffer of the output's size plus 128 bytes, taken from the allocator, then writes the bf16 result: measured
-    with the profiler's memory events on torch 2.13.0+cpu, (m, n, k) from (2, 16, 256) to (1000, 2048, 256),
-    every product m*n*k above 4096 (smaller GEMMs allocate nothing). fp16 and fp32 GEMMs allocate nothing, nor
-    does cuBLAS per call (its workspace is allocated once per handle), so only a trace for a CPU job counts it.
-    """
-    import torch
-
-    aten = torch.ops.aten
-    gemms = {aten.mm.default: 0, aten.addmm.default: 1}
-
-    def scratch(func: Any, args: tuple, out: Any) -> int:
-        i = gemms.get(func)
-        if i is None or not isinstance(out, torch.Tensor) or out.dtype != torch.bfloat16 or out.dim() != 2:
-            return 0
-        m, n = out.shape
-        k = args[i].shape[1]
-        return 4 * m * n + 128 if m * n * k > 4096 else 0
-
-    return scratch
 
 
 def _mode(live: _LiveBytes, scratch: Any = None) -> Any:
@@ -151,154 +135,12 @@ def _mode(live: _LiveBytes, scratch: Any = None) -> Any:
     return Mode()
 
 
-def _sdpa_kernel(device: str, query: Any, key: Any, value: Any, dropout_p: float) -> str | None:
-    """Why the real SDPA dispatch would take the math kernel for this call on ``device`` (None: a fused kernel).
-
-    CPU (aten/src/ATen/native/transformers/sdp_utils_cpp.cpp, select_sdp_backend_cpp): flash, else math; flash
-    needs no dropout (check_for_dropout) and one head dim for q, k and v (check_head_dim_size_cpp). Checked on
-    torch 2.13 with ``torch._fused_sdp_choice`` on real CPU tensors: MLA's 192/192/128 and dropout 0.1 give math.
-    CUDA (cuda/sdp_utils.cpp): flash, then memory-efficient, which takes a value head dim that differs from the
-    query's and dropout, and saves the same tensors (its logsumexp is padded to 32 rows); so a GPU job's SDPA is
-    taken as fused."""
-    if device != "cpu":
-        return None
-    if dropout_p > 0:
-        return f"attention dropout {dropout_p:g}"
-    if not (query.shape[-1] == key.shape[-1] == value.shape[-1]):
-        return f"head dims q {query.shape[-1]}, k {key.shape[-1]}, v {value.shape[-1]} differ"
-    return None
-
-
-def _flash_sdpa(real_sdpa: Any, device: str, kernels: dict[str, str]):  # noqa: ANN202
-    """scaled_dot_product_attention that saves what flash / memory-efficient kernels save, or runs the real
-    (math) kernel where the device would (``_sdpa_kernel``); ``kernels`` collects what ran and why."""
-    import torch
-
-    class FlashLike(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, q, k, v):  # noqa: ANN001
-            b, h, s, _ = q.shape
-            # flash and memory-efficient kernels (CUDA and CPU) write the output in (batch, seq, heads, dim)
-            # memory order and return it transposed, so the model's transpose(1, 2).contiguous() copies nothing
-            out = torch.empty(b, s, h, v.shape[-1], dtype=q.dtype, device=q.device).transpose(1, 2)
-            lse = torch.empty(b, h, s, dtype=torch.float32, device=q.device)
-            ctx.save_for_backward(q, k, v, out, lse)
-            return out
-
-        @staticmethod
-        def backward(ctx, grad):  # noqa: ANN001
-            q, k, v, out, lse = ctx.saved_tensors
-            return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-
-    def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,  # noqa: ANN001
-             enable_gqa=False):
-        # aten::scaled_dot_product_attention is on autocast's lower-precision list for CUDA and CPU
-        # (aten/src/ATen/autocast_mode.cpp), so under torch-amp the real kernel gets bf16 copies of q, k, v
-        # (llama's rotary embedding makes q and k fp32) and saves those, and returns bf16. This Python stand-in
-        # is below the autocast dispatch, so cast here as autocast would (measured: without it a llama block
-        # under torch-amp was over-counted by 4 x s*b*h bytes).
-        why = _sdpa_kernel(device, query, key, value, dropout_p)
-        if why is not None:
-            kernels["math"] = why
-            return real_sdpa(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
-                             scale=scale, enable_gqa=enable_gqa)
-        kernels["fused"] = "flash / memory-efficient"
-        dev = query.device.type
-        if torch.is_autocast_enabled(dev):
-            dt = torch.get_autocast_dtype(dev)
-            query, key, value = (t.to(dt) if t.is_floating_point() and t.dtype != torch.float64 else t
-                                 for t in (query, key, value))
-        return FlashLike.apply(query, key, value)
-
-    return sdpa
-
-
-def _cuda_dropout():
-    """F.dropout as CUDA runs it in training: at::dropout takes the fused native_dropout kernel on CUDA
-    (aten/src/ATen/native/Dropout.cpp, is_fused_kernel_acceptable), which saves a bool mask, 1 byte per element.
-    On CPU, _dropout multiplies by a noise tensor in the input's dtype and saves that (2 or 4 bytes), and the
-    fake-tensor trace follows the CPU path; so a GPU job's trace swaps this in."""
-    import torch
-
-    class BoolMaskDropout(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):  # noqa: ANN001
-            ctx.save_for_backward(torch.empty(x.shape, dtype=torch.bool, device=x.device))
-            return torch.empty_like(x)
-
-        @staticmethod
-        def backward(ctx, grad):  # noqa: ANN001
-            (mask,) = ctx.saved_tensors
-            return torch.empty_like(grad)
-
-    def dropout(input, p=0.5, training=True, inplace=False):  # noqa: ANN001, A002
-        if not training or p == 0:
-            return input
-        return BoolMaskDropout.apply(input)
-
-    return dropout
-
-
-def _deepspeed_zero3_linear(device: str) -> Any:
-    """torch.nn.functional.linear as DeepSpeed ZeRO-3 replaces it (deepspeed/runtime/zero/linear.py,
-    LinearFunctionForZeroStage3, 0.19.8; installed by partition_parameters.py _enable_mem_efficient_linear when
-    zero_optimization.memory_efficient_linear is on, its default, including for a materialised model, which
-    DeepSpeedZeRoOffload converts through zero.Init). What differs from aten's linear, op for op:
-    - it saves its inputs as given (setup_context), so under autocast the fp32 input and weight, not
-      autocast's bf16 copies (the matmul inside still casts them, as temporaries);
-    - backward runs under the forward's autocast state and makes the input's gradient first, then the
-      weight's (aten's MmBackward0 the reverse), so on CPU the weight GEMM's fp32 scratch coexists with the
-      input's gradient.
-    The backward's all_gather of a released weight is ZeRO's business (the gathered bytes), not the trace's."""
-    import torch
-
-    class LinearFunctionForZeroStage3(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, input, weight, bias=None):  # noqa: ANN001, A002
-            ctx.autocast = torch.is_autocast_enabled(device)
-            ctx.autocast_dtype = torch.get_autocast_dtype(device)
-            ctx.save_for_backward(input, weight, bias)
-            if input.dim() == 2 and bias is not None:
-                return torch.addmm(bias, input, weight.t())
-            output = input.matmul(weight.t())
-            if bias is not None:
-                output += bias
-            return output
-
-        @staticmethod
-        def backward(ctx, grad_output):  # noqa: ANN001
-            with torch.autocast(device_type=device, enabled=ctx.autocast, dtype=ctx.autocast_dtype):
-                input, weight, bias = ctx.saved_tensors  # noqa: A001
-                grad_input = grad_weight = grad_bias = None
-                dim = grad_output.dim()
-                if ctx.needs_input_grad[0]:
-                    grad_input = grad_output.matmul(weight)
-                if ctx.needs_input_grad[1]:
-                    if dim > 2:
-                        grad_weight = grad_output.reshape(-1, grad_output.shape[-1]).t().matmul(
-                            input.reshape(-1, input.shape[-1]))
-                    elif dim == 1:
-                        grad_weight = grad_output.unsqueeze(-1) * input.unsqueeze(0)
-                    else:
-                        grad_weight = grad_output.t().matmul(input)
-                if bias is not None and ctx.needs_input_grad[2]:
-                    if dim > 2:
-                        grad_bias = grad_output.sum([i for i in range(dim - 1)])
-                    elif dim == 1:
-                        grad_bias = grad_output
-                    else:
-                        grad_bias = grad_output.sum(0)
-                return grad_input, grad_weight, grad_bias
-
-    def linear(input, weight, bias=None):  # noqa: ANN001, A002
-        return LinearFunctionForZeroStage3.apply(input, weight, bias)
-
-    return linear
-
-
 def _one_step(config: dict[str, Any], batch: int, seq: int, recipe: str, attention: str,
-              recompute: str, device: str = "cuda", linear: str = "aten") -> dict[str, Any]:
-    """Trace one micro-step of ``batch`` sequences of ``seq`` tokens: the live-bytes timeline, op by op."""
+              recompute: str, target: Target | None = None, linear: str = "aten") -> dict[str, Any]:
+    """Trace one micro-step of ``batch`` sequences of ``seq`` tokens for ``target``: the live-bytes timeline, op by
+    op (memplan/substitutes.py: what runs in place of the fake CPU tensors' kernels)."""
+    import contextlib
+
     import torch
     import torch.nn.functional as F
     import transformers.masking_utils as mu
@@ -333,24 +175,28 @@ def _one_step(config: dict[str, Any], batch: int, seq: int, recipe: str, attenti
     if dtype == "float32" and moe_experts(config):
         import transformers.integrations.moe as moe
     real_can_grouped = getattr(moe, "_can_use_grouped_mm", None)
+    target = target or Target(device="cuda")
+    cuda = target.device == "cuda"
+    # a GPU job's autocast is CUDA's (substitutes.CudaAutocast), on the CPU tensors the trace runs
+    policy = sub.CudaAutocast("bfloat16") if cuda and autocast else contextlib.nullcontext()
     try:
         if real_can_grouped is not None:
             moe._can_use_grouped_mm = lambda *a, **k: False
         if attention in ("flash", "sdpa"):
-            F.scaled_dot_product_attention = _flash_sdpa(real_sdpa, device, kernels)
-        if device == "cuda":
-            F.dropout = _cuda_dropout()
+            F.scaled_dot_product_attention = sub.sdpa(real_sdpa, target, kernels)
+        if cuda:
+            F.dropout = sub.cuda_dropout()
         if linear == "deepspeed-zero3":
-            F.linear = _deepspeed_zero3_linear("cpu")  # the traced tensors are (fake) CPU tensors
+            F.linear = sub.deepspeed_zero3_linear("cpu")  # the traced tensors are (fake) CPU tensors
         if real_packed is not None:
             mu.find_packed_sequence_indices = lambda position_ids: None
-        with FakeTensorMode(allow_non_fake_inputs=True):
+        with FakeTensorMode(allow_non_fake_inputs=True), policy:
             model = AutoModelForCausalLM.from_config(cfg, attn_implementation=impl, dtype=getattr(torch, dtype))
             if recompute == "full":
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             model.train()
             params = list(model.parameters())
-            live = _LiveBytes()
+            live = _LiveBytes(K.CUDA_BLOCK if cuda else 1)
             for t in params + list(model.buffers()):
                 live.ignore(t)
             param_storages = {id(p.untyped_storage()) for p in params}
@@ -441,11 +287,11 @@ def _one_step(config: dict[str, Any], batch: int, seq: int, recipe: str, attenti
             def pack(t: Any) -> Any:
                 st = t.untyped_storage()
                 if id(st) not in param_storages:
-                    saved.setdefault(id(st), st.nbytes())
+                    saved.setdefault(id(st), live.nbytes(st))
                 return t
 
             ids = torch.zeros(batch, seq, dtype=torch.long)
-            with _mode(live, _cpu_gemm_scratch() if device == "cpu" else None):
+            with _mode(live, None if cuda else sub.gemm_scratch(target.cpu_isa, target.cpu_threads)):
                 with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
                         loss = model(input_ids=ids, labels=ids).loss
@@ -530,7 +376,7 @@ def _first_contributions(loss: Any, live: _LiveBytes, out: dict[int, list[Any]])
             if g is None or key in out:
                 return
             st = g.untyped_storage()
-            rec = [None, live._born.get(id(st), len(live.timeline)), None, st.nbytes(),
+            rec = [None, live._born.get(id(st), len(live.timeline)), None, live.nbytes(st),
                    None if isinstance(g, FakeTensor) else g.data_ptr()]
 
             def died(_ref: Any, rec: list[Any] = rec) -> None:
@@ -688,7 +534,8 @@ _HETEROGENEOUS_KEYS = ("first_k_dense_replace", "layer_types", "mlp_only_layers"
 
 
 def trace_profile(config: dict[str, Any], *, seq_len: int, recipe: str, attention: str,
-                  recompute: str, device: str = "cuda", linear: str = "aten") -> dict[str, Any]:
+                  recompute: str, device: str = "cuda", linear: str = "aten",
+                  target: Target | None = None) -> dict[str, Any]:
     """The activation profile of one micro-step at ``seq_len``, as lines c0 + c1*b in the micro-batch b.
 
     Traced with 1 and 2 blocks (all blocks alike) or at full depth (blocks that differ: dense then MoE,
@@ -704,6 +551,7 @@ def trace_profile(config: dict[str, Any], *, seq_len: int, recipe: str, attentio
 
     if recipe not in _RECIPE_TRACE:
         raise SettingsError(f"cannot trace activations for precision {recipe}")
+    target = target or K.host_target(device)
     key = next((k for k in ("num_hidden_layers", "n_layer", "num_layers") if config.get(k)), None)
     if key is None:
         raise SettingsError("the config has no layer count; use --activations analytic")
@@ -713,8 +561,8 @@ def trace_profile(config: dict[str, Any], *, seq_len: int, recipe: str, attentio
 
     def run(depth: int | None) -> tuple[dict[str, Any], dict[str, Any]]:
         cfg = scale_config(config, layers=depth)[0] if depth else config
-        a = _one_step(cfg, 2, seq_len, recipe, attention, recompute, device, linear)
-        b = _one_step(cfg, 4, seq_len, recipe, attention, recompute, device, linear)
+        a = _one_step(cfg, 2, seq_len, recipe, attention, recompute, target, linear)
+        b = _one_step(cfg, 4, seq_len, recipe, attention, recompute, target, linear)
         if len(a["forward"]) != len(b["forward"]) or len(a["backward"]) != len(b["backward"]):
             raise SettingsError("the traced step runs different operations at micro-batch 2 and 4; "
                                 "use --activations analytic")
@@ -786,6 +634,7 @@ def trace_profile(config: dict[str, Any], *, seq_len: int, recipe: str, attentio
     return {
         "version": PROFILE_VERSION,
         "seq_len": seq_len, "recipe": recipe, "attention": attention, "recompute": recompute, "device": device,
+        "target": target.key,
         "num_layers": layers, "traced_layers": layers if heterogeneous else 2,
         "live_after_forward": live,  #: at the traced depth
         "per_layer": per_layer,  #: one more block (zero when traced at full depth)

@@ -1,0 +1,164 @@
+"""Accuracy of memplan against real GPU training steps, predicted on this machine (no GPU needed).
+
+    python bench/gpu_accuracy.py                      # ../shared/gpu/truth.jsonl + bench/gpu/truth-extra.jsonl
+    python bench/gpu_accuracy.py --shared DIR         # another copy of the shared GPU measurements
+    python bench/gpu_accuracy.py --print              # print the table, do not write docs/accuracy-gpu.md
+
+Every case is predicted as ../shared/gpu/README.md says: `memplan estimate CONFIG --gpus 1 --gpus-per-node 1
+--gpu h100-80g --device cuda --optimizer adamw --attention ATTN --recompute RC --micro-batch MB --seq-len SEQ`
+with the strategy and recipe of the case's framework and mode. The measured figure is torch.cuda's
+max_memory_allocated over steps 3 and 4 (`peak_bytes`), and max_memory_reserved (`reserved_peak_bytes`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+EXTRA = ROOT / "bench" / "gpu"
+
+
+def case_settings(case: dict) -> dict:
+    """The options memplan is given for one measured case (../shared/gpu/README.md, "Settings to predict")."""
+    fw, mode = case["framework"], case["mode"]
+    kw: dict = dict(gpus=1, gpus_per_node=1, gpu="h100-80g", device="cuda", optimizer="adamw",
+                    attention=case["attn"], recompute=case["recompute"], micro_batch=case["micro_batch"],
+                    seq_len=case["seq_len"])
+    ds: dict = {}
+    if fw == "ddp":
+        kw.update(strategy="ddp", precision={"amp": "torch-amp", "fp32": "fp32"}[mode])
+    elif fw == "fsdp2":
+        kw.update(strategy={"full": "fsdp-full", "gradop": "fsdp-grad-op", "purebf16": "fsdp-full"}[mode],
+                  precision="pure-bf16" if mode == "purebf16" else "fsdp-bf16")
+    elif fw == "deepspeed":
+        zero = json.loads(mode)
+        kw.update(stage=zero["stage"], precision="deepspeed-fp16" if zero.get("_fp16") else "deepspeed-bf16",
+                  optimizer_impl="fused")
+        if zero.get("offload_optimizer"):
+            ds["offload_optimizer"] = True
+        if zero.get("offload_param"):
+            ds["offload_param"] = True
+    else:
+        raise ValueError(f"unknown framework {fw}")
+    kw["ds_overrides"] = ds
+    return kw
+
+
+def predict(case: dict, config_dirs: list[Path]) -> dict:
+    from memplan import accounting, options
+    from memplan.model import sources
+
+    path = next((d / case["config"] for d in config_dirs if (d / case["config"]).is_file()), None)
+    if path is None:
+        raise FileNotFoundError(case["config"])
+    src = sources.resolve(str(path))
+    inv = sources.build_inventory(src, builder="auto")
+    res = options.resolve(inv, config=src.config, **case_settings(case))
+    plan = accounting.estimate(inv, res.settings)
+    prof = res.settings.activation_profile
+    kernels = (prof.data.get("attention_kernels", {}) if prof is not None else {})
+    return {"peak_bytes": plan.peak_bytes, "phase": plan.peak.name,
+            "reserved_peak_bytes": getattr(plan, "reserved_peak_bytes", None),
+            "attention": "; ".join(f"{k}: {v}" for k, v in sorted(kernels.items())) or "-",
+            "notes": list(res.notes)}
+
+
+def load_cases(shared: Path) -> list[dict]:
+    cases: dict[tuple, dict] = {}
+    for path, origin in ((shared / "truth.jsonl", "shared"), (EXTRA / "truth-extra.jsonl", "bench/gpu")):
+        if not path.is_file():
+            continue
+        for line in path.read_text().splitlines():
+            d = json.loads(line)
+            if "peak_bytes" not in d:
+                continue
+            key = (d["config"], d["framework"], d["mode"], d["micro_batch"], d["seq_len"], d["recompute"], d["attn"],
+                   d.get("alloc_conf", ""))
+            d["origin"] = origin
+            cases[key] = d  # a case measured twice: the later line
+    return list(cases.values())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shared", default=str(ROOT.parent / "shared" / "gpu"))
+    ap.add_argument("--print", action="store_true", help="print only")
+    args = ap.parse_args()
+    shared = Path(args.shared)
+    cases = load_cases(shared)
+    config_dirs = [shared / "configs", EXTRA / "configs"]
+    rows = []
+    t0 = time.time()
+    for c in cases:
+        p = predict(c, config_dirs)
+        err = (p["peak_bytes"] - c["peak_bytes"]) / c["peak_bytes"]
+        rerr = (None if p["reserved_peak_bytes"] is None else
+                (p["reserved_peak_bytes"] - c["reserved_peak_bytes"]) / c["reserved_peak_bytes"])
+        rows.append((c, p, err, rerr))
+        print(f"{c['config']:24} {c['framework']:9} {c['mode'][:38]:38} mb{c['micro_batch']:<3} s{c['seq_len']:<5} "
+              f"{c['recompute']:4} {c['attn']:5} {c.get('alloc_conf', '')[:4]:4} measured {c['peak_bytes']:>14,} "
+              f"predicted {p['peak_bytes']:>14,} {100 * err:+7.2f}%"
+              + ("" if rerr is None else f"  reserved {100 * rerr:+7.2f}%"), flush=True)
+    elapsed = time.time() - t0
+    errs = [e for _, _, e, _ in rows]
+    summary = (f"{len(rows)} cases; peak error min {100 * min(errs):+.2f}%, max {100 * max(errs):+.2f}%, median |error| "
+               f"{100 * statistics.median(abs(e) for e in errs):.2f}%; within 1%: {sum(abs(e) <= 0.01 for e in errs)}; "
+               f"under by more than 0.5%: {sum(e < -0.005 for e in errs)}")
+    rerrs = [r for *_, r in rows if r is not None]
+    if rerrs:
+        summary += (f"; reserved error min {100 * min(rerrs):+.2f}%, max {100 * max(rerrs):+.2f}%, within 3%: "
+                    f"{sum(abs(r) <= 0.03 for r in rerrs)} of {len(rerrs)}")
+    print(summary)
+    print(f"predicted in {elapsed:.1f} s")
+    if args.print:
+        return
+    write_doc(rows, summary)
+
+
+def write_doc(rows: list, summary: str) -> None:
+    import platform
+
+    import torch
+    import transformers
+
+    out = ROOT / "docs" / "accuracy-gpu.md"
+    lines = [
+        "# Accuracy on a real GPU (NVIDIA H100 80GB HBM3)",
+        "",
+        "Made by `python bench/gpu_accuracy.py` (predictions on a machine without a GPU: "
+        f"{platform.machine()}, torch {torch.__version__}, transformers {transformers.__version__}). Measured: one H100 80GB HBM3, "
+        "torch 2.11.0+cu130, transformers 5.23.0, DeepSpeed 0.19.8, one process, NCCL world 1, steps 3 and 4 after two "
+        "warm-up steps (../shared/gpu/README.md: `shared`; this repository's bench/gpu/truth-extra.jsonl: `bench/gpu`, "
+        "architectures and settings not in the shared set, measured the same way with bench/gpu/run_cases.sh).",
+        "",
+        "Each case is predicted with `memplan estimate CONFIG --gpus 1 --gpus-per-node 1 --gpu h100-80g --device cuda "
+        "--optimizer adamw --attention ATTN --recompute RC --micro-batch MB --seq-len SEQ` and the case's strategy and "
+        "recipe (bench/gpu_accuracy.py case_settings). Error = (predicted - measured) / measured: negative is an "
+        "under-estimate.",
+        "",
+        f"**{summary}**",
+        "",
+        "| set | config | framework | mode | mb | seq | recompute | attn | alloc conf | measured peak | predicted | error "
+        "| phase | attention kernel (trace) | measured reserved | predicted reserved | error |",
+        "|---|---|---|---|---:|---:|---|---|---|---:|---:|---:|---|---|---:|---:|---:|",
+    ]
+    for c, p, err, rerr in rows:
+        mode = c["mode"].replace("|", "/")
+        lines.append(
+            f"| {c['origin']} | {c['config'].removesuffix('.json')} | {c['framework']} | `{mode}` | {c['micro_batch']} | "
+            f"{c['seq_len']} | {c['recompute']} | {c['attn']} | {c.get('alloc_conf', '') or '-'} | {c['peak_bytes']:,} | "
+            f"{p['peak_bytes']:,} | {100 * err:+.2f}% | {p['phase']} | {p['attention']} | {c['reserved_peak_bytes']:,} | "
+            + ("- | - |" if rerr is None else f"{p['reserved_peak_bytes']:,} | {100 * rerr:+.2f}% |"))
+    out.write_text("\n".join(lines) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,369 @@
+"""What the target device's kernels do that changes the bytes of a training step, as rules (no torch here).
+
+* **SDPA backend choice** on CUDA and CPU, and what each backend keeps for backward and allocates in its
+  backward: the attention probabilities (math) or an fp32 logsumexp (fused kernels) is the difference between
+  a job that fits and one that does not.
+* **CPU GEMM scratch** by instruction set: the trace of a CPU job (what the gloo harness measures) adds the
+  scratch oneDNN takes from the allocator inside a bf16 matmul.
+
+The tracer (memplan/tracing.py) applies these rules to every call it sees; ``Target`` names the device they are
+applied for, and is part of a traced profile's cache key.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from dataclasses import dataclass
+
+from memplan.errors import SettingsError
+from memplan.units import round_up
+
+#: CPU instruction-set classes that decide what a bf16 GEMM allocates (see cpu_gemm_scratch)
+CPU_ISAS = ("avx2", "avx512", "avx512_bf16", "amx")
+#: the default GPU architecture when no GPU is named: the H100's, on which the shared GPU cases were measured
+DEFAULT_ARCH = "sm90"
+
+#: CUDA caching allocator: every block is a multiple of 512 bytes (c10/cuda/CUDACachingAllocator.cpp,
+#: kMinBlockSize and round_size), so max_memory_allocated counts each tensor rounded up to it
+CUDA_BLOCK = 512
+
+
+@dataclass(frozen=True, kw_only=True)
+class Target:
+    """The device a trace predicts for."""
+
+    device: str = "cuda"  #: cuda | cpu
+    arch: str = DEFAULT_ARCH  #: cuda: the GPU's architecture (smXY, or gfxNNN for ROCm)
+    cpu_isa: str = "avx512"  #: cpu: one of CPU_ISAS
+    cpu_threads: int = 1  #: cpu: threads per rank (oneDNN's AMX scratch is per thread; the harness runs 1)
+
+    def __post_init__(self) -> None:
+        if self.device not in ("cuda", "cpu"):
+            raise SettingsError(f"--device must be cuda or cpu, got {self.device!r}")
+        if self.device == "cuda" and not re.fullmatch(r"sm\d{2,3}|gfx\w+", self.arch):
+            raise SettingsError(f"unknown GPU architecture {self.arch!r} (smXY or gfxNNN)")
+        if self.cpu_isa not in CPU_ISAS:
+            raise SettingsError(f"--cpu-isa must be one of {', '.join(CPU_ISAS)}, got {self.cpu_isa!r}")
+
+    @property
+    def key(self) -> str:
+        """What of the target changes a trace (the profile cache key's part)."""
+        if self.device == "cuda":
+            return f"cuda:{sdpa_class(self.arch)}"
+        return f"cpu:{self.cpu_isa}" + (f"x{self.cpu_threads}" if self.cpu_isa == "amx" else "")
+
+    def describe(self) -> str:
+        if self.device == "cuda":
+            order = " > ".join(priority_order(self.arch))
+            return f"{self.arch} (SDPA priority {order})"
+        return f"CPU {self.cpu_isa}" + (f", {self.cpu_threads} thread(s)" if self.cpu_isa == "amx" else "")
+
+
+def sm_version(arch: str) -> tuple[int, int]:
+    """(major, minor) of an NVIDIA architecture name: sm90 -> (9, 0), sm100 -> (10, 0), sm86 -> (8, 6)."""
+    digits = arch[2:]
+    return int(digits[:-1]), int(digits[-1])
+
+
+def sdpa_class(arch: str) -> str:
+    """The architectures whose SDPA dispatch is alike: ``sm90`` (9.x and 10.x: cuDNN attention first),
+    ``sm80`` (8.x, 11.x, 12.x: flash first), ``sm86`` (8.6-8.9 and 12.x: flash, but not for training with head
+    dims in (192, 224]), ``sm70`` (below 8.0: no flash, no cuDNN attention), ``rocm``."""
+    if arch.startswith("gfx"):
+        return "rocm"
+    major, minor = sm_version(arch)
+    if major < 8:
+        return "sm70"
+    if major in (9, 10):
+        return "sm90"
+    if (major == 8 and minor >= 6) or major == 12:
+        return "sm86"
+    return "sm80"
+
+
+def priority_order(arch: str) -> tuple[str, ...]:
+    """SDPA's backend priority on a GPU (aten/src/ATen/native/transformers/cuda/sdp_utils.cpp priority_order):
+    flash, memory-efficient, math, unless check_prefer_cudnn_attention puts cuDNN first, which it does on
+    sm90 and sm10x with cuDNN newer than 9.15 (PyTorch's CUDA 13 wheels ship 9.19). Measured on an H100 with torch
+    2.11.0+cu130: torch._C._get_sdp_priority_order() is [cudnn, flash, efficient, math] once the first SDPA call
+    has run. Math always accepts, so cuDNN, last elsewhere, is never reached there."""
+    cls = sdpa_class(arch)
+    if cls == "sm90":
+        return ("cudnn", "flash", "efficient", "math")
+    return ("flash", "efficient", "math")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SdpaCall:
+    """One scaled_dot_product_attention call: shapes (batch, heads, seq, head dim), dtype and options."""
+
+    dtype: str  #: q's dtype after autocast ("bfloat16", "float16", "float32")
+    batch: int
+    hq: int
+    hkv: int
+    sq: int
+    sk: int
+    dq: int  #: q and k head dim
+    dv: int
+    mask: str | None = None  #: None | "bool" | "float" (q's dtype) | "float32" (another float dtype)
+    mask_shape: tuple[int, ...] | None = None  #: the mask's own (broadcast) shape
+    dropout: float = 0.0
+    is_causal: bool = False
+    enable_gqa: bool = False
+
+    @property
+    def half(self) -> bool:
+        return self.dtype in ("float16", "bfloat16")
+
+    @property
+    def elem(self) -> int:
+        return 2 if self.half else 4 if self.dtype == "float32" else 8
+
+
+def _heads_ok(c: SdpaCall, supports_gqa: bool) -> bool:
+    """check_batch_size_and_num_heads_dense (sdp_utils_cpp.h): equal heads, or enable_gqa with a backend that
+    takes grouped-query attention and q heads a multiple of kv heads."""
+    if c.hq == c.hkv:
+        return True
+    return c.enable_gqa and supports_gqa and c.hkv > 0 and c.hq % c.hkv == 0
+
+
+def _cudnn(c: SdpaCall, arch: str) -> str | None:
+    """Why cuDNN attention cannot run this call (None: it can). can_use_cudnn_attention as measured on torch
+    2.11+cu130, cuDNN 9.19, sm90 (bench/gpu/sdpa_choice_h100.json.gz): fp16/bf16, head dims multiples of 8 up to
+    256, any mask, grouped-query heads, dropout, non-square causal; not a key/value length of 1."""
+    if not c.half:
+        return "cuDNN needs fp16/bf16"
+    if c.dq > 256 or c.dv > 256:
+        return f"cuDNN takes head dims up to 256, not {max(c.dq, c.dv)}"
+    if c.dq % 8 or c.dv % 8:
+        return "cuDNN needs head dims that are multiples of 8"
+    if c.sk == 1:
+        return "cuDNN does not take a key length of 1"
+    if not _heads_ok(c, True):
+        return "heads differ without enable_gqa"
+    return None
+
+
+def _flash(c: SdpaCall, arch: str) -> str | None:
+    """can_use_flash_attention (sdp_utils.cpp): sm80-sm121, fp16/bf16, no attn_mask, one head dim for q, k and
+    v up to 256, causal only with equal lengths, grouped-query heads; sm86/89/12x refuse training with head dims
+    in (192, 224], or above 224 with dropout (check_requires_grad_and_head_dim_gt192_constraints_on_sm86_89)."""
+    cls = sdpa_class(arch)
+    if cls == "sm70":
+        return "flash needs sm80 or newer"
+    if not c.half:
+        return "flash needs fp16/bf16"
+    if c.mask is not None:
+        return "flash takes no attention mask"
+    if not (c.dq == c.dv and c.dq <= 256):
+        return "flash needs one head dim up to 256"
+    if c.is_causal and c.sq != c.sk:
+        return "flash's causal needs equal lengths"
+    if cls == "sm86" and (192 < c.dq <= 224 or (c.dq > 224 and c.dropout > 0)):
+        return "flash on sm86/89/12x does not train these head dims"
+    if not _heads_ok(c, True):
+        return "heads differ without enable_gqa"
+    return None
+
+
+def _efficient(c: SdpaCall, arch: str) -> str | None:
+    """can_use_mem_efficient_attention (sdp_utils.cpp): fp16/fp32 (and bf16 from sm80), q and k head dims equal,
+    head dims aligned to minimum_gemm_alignment (8 elements for fp16/bf16, 4 for fp32 on sm80+), any mask; no
+    grouped-query heads: measured on torch 2.11 (fp32 GQA takes math on the H100). PyTorch main adds GQA to this
+    kernel (pull request 191085, July 2026); until a release is measured memplan keeps the math kernel there, the
+    larger figure."""
+    cls = sdpa_class(arch)
+    dtypes = ("float16", "float32", "bfloat16") if cls not in ("sm70",) else ("float16", "float32")
+    if c.dtype not in dtypes:
+        return f"memory-efficient takes {', '.join(dtypes)}"
+    if c.dq <= 0 or c.dv <= 0:
+        return "empty head dim"
+    if cls == "sm70":
+        align = 8 if c.half else 1
+    else:
+        align = 8 if c.half else 4
+    if c.dq % align or c.dv % align:
+        return f"memory-efficient needs head dims that are multiples of {align}"
+    if c.hq != c.hkv:
+        return "memory-efficient takes no grouped-query heads (enable_gqa)"
+    return None
+
+
+_RULES = {"cudnn": _cudnn, "flash": _flash, "efficient": _efficient}
+
+
+def cuda_backend(c: SdpaCall, arch: str = DEFAULT_ARCH) -> tuple[str, str]:
+    """(backend, why) that SDPA runs for this call on a GPU of ``arch`` (select_sdp_backend: the first backend
+    in priority_order whose checks pass; math otherwise). ``why`` names the reason the fused kernels were not
+    taken when math runs."""
+    reasons = []
+    for backend in priority_order(arch):
+        if backend == "math":
+            break
+        why = _RULES[backend](c, arch)
+        if why is None:
+            return backend, f"{c.dtype}, head dim {c.dq}" + (f"/{c.dv}" if c.dv != c.dq else "") + \
+                (", mask" if c.mask else "") + (", GQA" if c.hq != c.hkv else "")
+        reasons.append(why)
+    return "math", "; ".join(dict.fromkeys(reasons))
+
+
+def cpu_backend(c: SdpaCall) -> tuple[str, str]:
+    """(backend, why) on CPU (aten/src/ATen/native/transformers/sdp_utils_cpp.cpp select_sdp_backend_cpp): the
+    CPU flash kernel, else math; flash needs no dropout (check_for_dropout) and one head dim for q, k and v
+    (check_head_dim_size_cpp). Checked with torch._fused_sdp_choice on real CPU tensors (tests)."""
+    if c.dropout > 0:
+        return "math", f"attention dropout {c.dropout:g}"
+    if not (c.dq == c.dv):
+        return "math", f"head dims q {c.dq}, k {c.dq}, v {c.dv} differ"
+    return "flash", "cpu flash"
+
+
+def backend_for(c: SdpaCall, target: Target) -> tuple[str, str]:
+    return cuda_backend(c, target.arch) if target.device == "cuda" else cpu_backend(c)
+
+
+# ---- what each fused backend keeps and allocates ------------------------------------------------------------
+
+def saved_extra(backend: str, c: SdpaCall) -> list[tuple[tuple[int, ...], str]]:
+    """What a fused backend saves for backward beside q, k, v and its output, as (shape, dtype): measured on the
+    H100 (torch 2.11+cu130) with saved_tensors_hooks, tensor by tensor, for every case of .gpu probes (see
+    bench/gpu/README.md): flash: logsumexp fp32 [b, h, s_q] and its philox seed and offset (uint64 [2], []);
+    memory-efficient: logsumexp fp32 [b, h, s_q rounded up to 32], seed and offset (int64 []), and a bool mask
+    converted to q's dtype, its last dim padded to 16 bytes (a float mask of q's dtype is kept as given unless
+    it needs that padding); cuDNN: softmax stats fp32 [b, h, s_q, 1], seed and offset, a bool mask converted to
+    q's dtype."""
+    b, h = c.batch, c.hq
+    if backend == "flash":
+        return [((b, h, c.sq), "float32"), ((2,), "int64"), ((), "int64")]
+    out: list[tuple[tuple[int, ...], str]] = []
+    shape = tuple(c.mask_shape) if c.mask_shape else (b, 1, c.sq, c.sk)
+    if backend == "efficient":
+        out = [((b, h, round_up(c.sq, 32)), "float32"), ((), "int64"), ((), "int64")]
+        align = 16 // c.elem
+        if c.mask == "bool" or (c.mask is not None and shape[-1] % align):
+            out.append((shape[:-1] + (round_up(shape[-1], align),), c.dtype))
+    elif backend == "cudnn":
+        out = [((b, h, c.sq, 1), "float32"), ((), "int64"), ((), "int64")]
+        if c.mask == "bool":
+            out.append((shape, c.dtype))
+    return out
+
+
+def backward_scratch(backend: str, c: SdpaCall) -> int:
+    """Bytes a fused backend's backward allocates beside q, k and v's gradients and frees before returning:
+    measured on the H100 as the peak of the backward less what was alive before it and the three gradients.
+    flash (aten/src/ATen/native/transformers/cuda/flash_attn/flash_api.cpp mha_bwd): an fp32 dq accumulator
+    [b, s_q rounded to 128, h, d rounded to 32 (64 above 128)] and softmax_d fp32 [b, h, s_q rounded to 128];
+    cuDNN: an fp32 dq-sized workspace, the stats' size and 512 bytes; memory-efficient: an fp32 dq accumulator
+    and two [b, h, s_q rounded to 32] fp32 buffers. With grouped-query heads flash and cuDNN make dk and dv at
+    the query's head count (dk_expanded, dv_expanded) and sum them down."""
+    b, h = c.batch, c.hq
+    gqa = 0 if c.hq == c.hkv else b * c.sk * h * (c.dq + c.dv) * c.elem
+    if backend == "flash":
+        s = round_up(c.sq, 128)
+        d = round_up(c.dq, 32 if c.dq <= 128 else 64)
+        return 4 * b * s * h * d + 4 * b * h * s + gqa
+    if backend == "cudnn":
+        return 4 * b * c.sq * h * c.dq + 4 * b * h * c.sq + CUDA_BLOCK + gqa
+    if backend == "efficient":
+        s = round_up(c.sq, 32)
+        extra = 4 * b * h * c.sq * c.dv if max(c.dq, c.dv) > 128 and c.dq != c.dv else 0
+        return 4 * b * h * s * c.dq + 2 * 4 * b * h * s + extra
+    return 0
+
+
+def forward_scratch(backend: str, c: SdpaCall) -> int:
+    """Bytes a fused backend's forward allocates and frees (measured as above): memory-efficient keeps an fp32
+    output accumulator when the head dims differ and exceed 128; cuDNN 512 bytes."""
+    if backend == "efficient" and max(c.dq, c.dv) > 128 and c.dq != c.dv:
+        return 4 * c.batch * c.hq * c.sq * c.dv
+    if backend == "cudnn":
+        return CUDA_BLOCK
+    return 0
+
+
+def math_extra(c: SdpaCall) -> tuple[int, int]:
+    """(forward, backward) bytes the math kernel allocates on a GPU beyond what its composite
+    (_scaled_dot_product_attention_math) allocates when traced: measured on the H100 against the trace of the
+    same call, eight shapes (fp32 and bf16, MHA and GQA, causal and masked): one bool [b, h, s_q, s_k] in the
+    forward, one fp32 [b, h, s_q, s_k] in the backward."""
+    p = c.batch * c.hq * c.sq * c.sk
+    return p, 4 * p
+
+
+# ---- CPU GEMM scratch ---------------------------------------------------------------------------------------
+
+def cpu_gemm_scratch(isa: str, m: int, n: int, k: int, dtype: str, threads: int = 1) -> int:
+    """Bytes a CPU matmul (aten::mm / addmm of an (m, k) by (k, n) product) takes from the allocator for itself
+    and frees before returning, by the host's instruction set. Only bf16 GEMMs that PyTorch hands to oneDNN
+    allocate: at::native mkldnn_bf16_gemm (aten/src/ATen/native/mkldnn/Matmul.cpp) runs when
+    mkldnn_bf16_device_check() holds (AVX512 BW/VL/DQ, avx_ne_convert, AMX, or Arm bf16) and m*n*k > 16*16*16.
+    Measured with the profiler's memory events on torch 2.13.0+cpu (this repository's tests, AVX512) and 2.11.0
+    (a Sapphire Rapids host, with oneDNN capped by ONEDNN_MAX_CPU_ISA; docs/accuracy.md "CPU kernels"):
+
+    - ``avx2`` (no mkldnn bf16: PyTorch's own cpublas kernel): nothing. Also oneDNN capped at AVX2.
+    - ``avx512`` (AVX512 without bf16 instructions: oneDNN converts and accumulates in fp32): an fp32 buffer of
+      the output's size plus 128 bytes, m*n*4 + 128 (exact for dims that are multiples of 16; smaller dims are
+      padded by up to 512 bytes).
+    - ``amx`` (AMX tiles: oneDNN's brgemm packs B per thread): threads x (128 x k rounded up to 32 + 4,864),
+      independent of m and n: exact in 137 of 156 shapes (k from 8 to 4096, 1-3 threads); m >= 512 with k of
+      1024-2048 blocks otherwise (up to 1.39 MB measured where this gives 0.41 MB).
+    - ``avx512_bf16`` (AVX512-BF16 without AMX; measured with oneDNN capped at AVX512_CORE_BF16, 3 threads):
+      threads x (128 x k' + r), k' = k rounded up to 32 up to 512, then 512 up to k = 1024 (and for m = 1), then
+      1024; r grows with m and n from 1 to 44 KiB, taken at its measured largest (an upper bound).
+    fp16 and fp32 GEMMs allocate nothing on any of them, nor does cuBLAS per call."""
+    if dtype != "bfloat16" or m * n * k <= 16 * 16 * 16:
+        return 0
+    if isa == "avx512":
+        return 4 * m * n + 128
+    if isa == "amx":
+        return max(1, threads) * (128 * round_up(max(k, 32), 32) + 4864)
+    if isa == "avx512_bf16":
+        kb = round_up(max(k, 32), 32) if k <= 512 else 512 if (k <= 1024 or m == 1) else 1024
+        return max(1, threads) * (128 * kb + 44544)
+    return 0
+
+
+@functools.lru_cache(maxsize=1)
+def host_cpu_isa() -> str:
+    """The instruction-set class of this machine's CPU, decided as PyTorch decides whether a bf16 GEMM goes to
+    oneDNN (aten/src/ATen/native/mkldnn/Utils.h mkldnn_bf16_device_check: cpuinfo's AVX512 BW, VL and DQ, or
+    avx_ne_convert; Arm with bf16), read from /proc/cpuinfo without importing torch: AMX tiles, else
+    AVX512-BF16, else that oneDNN path, else none. Arm with bf16 (Graviton 3) is not measured: taken as
+    ``avx512`` (oneDNN accumulating in fp32), the larger figure."""
+    flags = _cpu_flags()
+    x86 = {"avx512bw", "avx512vl", "avx512dq"} <= flags or "avx_ne_convert" in flags
+    arm_bf16 = "bf16" in flags
+    if not (x86 or arm_bf16):
+        return "avx2"
+    if "amx_bf16" in flags or "amx_tile" in flags:
+        return "amx"
+    if "avx512_bf16" in flags:
+        return "avx512_bf16"
+    return "avx512"
+
+
+def host_target(device: str) -> Target:
+    """The target when only a device is named: the default GPU architecture, or this machine's CPU."""
+    return Target(device="cpu", cpu_isa=host_cpu_isa()) if device == "cpu" else Target(device=device)
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as fh:
+            for line in fh:
+                if line.startswith(("flags", "Features")):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def describe_cpu_gemm(isa: str) -> str:
+    return {"avx2": "cpu gemm scratch: none (no mkldnn bf16 on this CPU class)",
+            "avx512": "cpu gemm scratch: fp32 output buffer, 4*m*n + 128 B per bf16 GEMM (oneDNN on AVX512)",
+            "amx": "cpu gemm scratch: oneDNN AMX packing, threads x (128*k + 4864) B per bf16 GEMM",
+            "avx512_bf16": "cpu gemm scratch: oneDNN AVX512-BF16 brgemm buffers (measured envelope)"}[isa]

@@ -1,0 +1,391 @@
+"""Kernel substitutions for the traced step: where the target device would run something other than what fake
+CPU tensors run, the trace runs a stand-in that allocates and saves what the real kernel does.
+
+The step is traced on fake CPU tensors (FakeTensorMode): a CPU-only PyTorch cannot record autograd for fake
+CUDA tensors (AccumulateGrad's InputMetadata asks for a CUDA device guard). So for a GPU job:
+
+* ``CudaAutocast``: CPU autocast with CUDA's policy, op by op, taken from the installed PyTorch's own
+  AutocastCUDA kernels (aten/src/ATen/autocast_mode.cpp);
+* ``sdpa``: scaled_dot_product_attention as the device's backend choice runs it (memplan.kernels);
+* ``cuda_dropout``: the fused dropout's 1-byte mask.
+
+For a CPU job, ``gemm_scratch`` adds oneDNN's bf16 GEMM scratch for the host's instruction set. DeepSpeed
+ZeRO-3's own linear (``deepspeed_zero3_linear``) is substituted for both.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+from memplan import kernels as K
+
+# ---- CUDA autocast on CPU tensors ----------------------------------------------------------------------------
+
+
+class CudaAutocast:
+    """While active, CPU autocast casts as CUDA autocast does.
+
+    Every op with an AutocastCUDA or AutocastCPU kernel gets a Python AutocastCPU kernel. On its first call with
+    a given signature it runs the op's AutocastCUDA kernel on fake CUDA copies of the arguments (no autograd, so
+    a CPU-only build runs them) and records what that kernel did: which inputs it cast to which dtype (its
+    ``_to_copy`` calls), and whether it ran the op in fp32 through a dtype argument (the fp32_set_opt_dtype and
+    fp32_append_dtype policies: softmax, log_softmax, sum, norm...). It then does the same to the CPU
+    arguments, with autocast's weight-cast cache (cached_cast: a leaf fp32 tensor that requires grad is cast
+    once per autocast region), and runs the op below autocast. Measured against real CUDA autocast on the H100
+    (torch 2.11): the same output dtype for 45 of 46 ops probed, the exception being grouped_mm in fp32, which
+    the trace does not run (memplan/tracing.py)."""
+
+    def __init__(self, dtype: str = "bfloat16") -> None:
+        self.dtype_name = dtype
+        self._policies: dict[Any, Any] = {}
+        self._cache: dict[int, Any] = {}
+
+    def __enter__(self) -> CudaAutocast:
+        import warnings
+
+        import torch
+
+        self.torch = torch
+        self.dtype = getattr(torch, self.dtype_name)
+        names = set(torch._C._dispatch_get_registrations_for_dispatch_key("AutocastCUDA"))
+        names |= set(torch._C._dispatch_get_registrations_for_dispatch_key("AutocastCPU"))
+        self.lib = torch.library.Library("aten", "IMPL")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "overriding a previously registered kernel"
+            for name in sorted(names):
+                op = _op(name)
+                if op is not None:
+                    self.lib.impl(name.removeprefix("aten::"), self._kernel(op), "AutocastCPU")
+        self._clear = torch.clear_autocast_cache
+
+        def clear() -> None:
+            self._cache.clear()
+            self._clear()
+
+        torch.clear_autocast_cache = clear
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.torch.clear_autocast_cache = self._clear
+        self.lib._destroy()
+        self._cache.clear()
+
+    def _kernel(self, op: Any):  # noqa: ANN202
+        torch = self.torch
+        exclude = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
+
+        def kernel(*args: Any, **kwargs: Any) -> Any:
+            casts, dtype_arg = self._policy(op, args, kwargs)
+            with torch._C._ExcludeDispatchKeyGuard(exclude):
+                if casts or dtype_arg:
+                    args, kwargs = self._apply(op, args, kwargs, casts, dtype_arg)
+                return op(*args, **kwargs)
+
+        return kernel
+
+    def _signature(self, op: Any, args: Any, kwargs: Any) -> tuple:
+        from torch.utils._pytree import tree_leaves
+
+        torch = self.torch
+        return (op, tuple(str(t.dtype) if isinstance(t, torch.Tensor) else type(t).__name__
+                          for t in tree_leaves((args, kwargs))), tuple(sorted(kwargs)))
+
+    def _policy(self, op: Any, args: Any, kwargs: Any) -> tuple[dict[int, Any], Any]:
+        key = self._signature(op, args, kwargs)
+        hit = self._policies.get(key)
+        if hit is None:
+            hit = self._policies[key] = self._probe(op, args, kwargs)
+        return hit
+
+    def _probe(self, op: Any, args: Any, kwargs: Any) -> tuple[dict[int, Any], Any]:
+        """Run the AutocastCUDA kernel on fake CUDA copies: ({leaf index: dtype}, dtype it forced or None)."""
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+        from torch.utils._pytree import tree_flatten, tree_unflatten
+
+        torch = self.torch
+        leaves, spec = tree_flatten((args, kwargs))
+        casts: dict[int, Any] = {}
+        with _disable_current_modes(), FakeTensorMode(allow_non_fake_inputs=True):
+            cuda = [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cuda")
+                    if isinstance(t, torch.Tensor) else t for t in leaves]
+            index = {id(t): i for i, t in enumerate(cuda) if isinstance(t, torch.Tensor)}
+
+            class Record(TorchDispatchMode):
+                def __torch_dispatch__(self, func, types, a=(), kw=None):  # noqa: ANN001
+                    kw = kw or {}
+                    if func is torch.ops.aten._to_copy.default and id(a[0]) in index and "dtype" in kw:
+                        casts.setdefault(index[id(a[0])], kw["dtype"])
+                    return func(*a, **kw)
+
+            cargs, ckwargs = tree_unflatten(cuda, spec)
+            prev_on, prev_dtype = torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda")
+            torch.set_autocast_enabled("cuda", True)
+            torch.set_autocast_dtype("cuda", self.dtype)
+            torch.autocast_increment_nesting()
+            try:
+                with Record():
+                    with_autocast = op(*cargs, **ckwargs)
+            except Exception:
+                return {}, None  # the op has no fake CUDA kernel: leave the call as it is
+            finally:
+                torch.autocast_decrement_nesting()
+                torch.set_autocast_enabled("cuda", prev_on)
+                torch.set_autocast_dtype("cuda", prev_dtype)
+                torch.clear_autocast_cache()
+            # the same casts without autocast: a different output dtype means the kernel set a dtype argument
+            cast = [t.to(casts[i]) if i in casts else t for i, t in enumerate(cuda)]
+            cargs, ckwargs = tree_unflatten(cast, spec)
+            try:
+                without = op(*cargs, **ckwargs)
+            except Exception:
+                return casts, None
+        out_a = [t for t in tree_flatten(with_autocast)[0] if isinstance(t, torch.Tensor)]
+        out_b = [t for t in tree_flatten(without)[0] if isinstance(t, torch.Tensor)]
+        forced = None
+        if out_a and out_b and out_a[0].dtype != out_b[0].dtype:
+            forced = out_a[0].dtype
+        return casts, forced
+
+    def _apply(self, op: Any, args: Any, kwargs: Any, casts: dict[int, Any], forced: Any) -> tuple[Any, Any]:
+        from torch.utils._pytree import tree_flatten, tree_unflatten
+
+        torch = self.torch
+        leaves, spec = tree_flatten((args, kwargs))
+        out = []
+        for i, t in enumerate(leaves):
+            if i in casts and isinstance(t, torch.Tensor) and t.dtype != casts[i]:
+                t = self._cast(t, casts[i])
+            out.append(t)
+        args, kwargs = tree_unflatten(out, spec)
+        if forced is not None:
+            if any(a.name == "dtype" for a in op._schema.arguments):
+                kwargs = dict(kwargs, dtype=forced)
+            else:
+                args = tuple(args) + (forced,)
+        return args, kwargs
+
+    def _cast(self, t: Any, dtype: Any) -> Any:
+        """autocast's cached_cast (aten/src/ATen/autocast_mode.cpp): a leaf fp32 tensor that requires grad (a
+        weight) is cast to the lower precision once per autocast region."""
+        torch = self.torch
+        cacheable = (dtype == self.dtype and t.dtype == torch.float32 and t.requires_grad and t.is_leaf
+                     and not t._is_view() and torch.is_autocast_cache_enabled())
+        if not cacheable:
+            return t.to(dtype)
+        hit = self._cache.get(id(t))
+        if hit is not None and hit[0]() is t:
+            return hit[1]
+        out = t.to(dtype)
+        self._cache[id(t)] = (weakref.ref(t), out)
+        return out
+
+
+def _op(name: str) -> Any:
+    """torch.ops.aten.<op>.<overload> for a registration name "aten::op[.overload]"."""
+    import torch
+
+    base, _, overload = name.removeprefix("aten::").partition(".")
+    packet = getattr(torch.ops.aten, base, None)
+    if packet is None:
+        return None
+    return getattr(packet, overload or "default", None)
+
+
+# ---- scaled_dot_product_attention -------------------------------------------------------------------------
+
+
+def sdpa(real_sdpa: Any, target: K.Target, kernels: dict[str, str]):  # noqa: ANN201
+    """scaled_dot_product_attention as ``target`` runs it: each call's backend is chosen by memplan.kernels
+    (the device's own rules); a fused backend is replaced by a function that allocates and saves what that
+    kernel does (kernels.saved_extra, forward_scratch, backward_scratch), the math kernel runs as PyTorch's
+    composite (_scaled_dot_product_attention_math) with, on a GPU, the measured extra of its CUDA kernels.
+    ``kernels`` collects backend -> why."""
+    import torch
+
+    dtype_names = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16",
+                   torch.float64: "float64"}
+
+    class Fused(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v, mask, backend, call):  # noqa: ANN001
+            b, h, s, _ = q.shape
+            out = torch.empty(b, s, h, v.shape[-1], dtype=q.dtype, device=q.device).transpose(1, 2)
+            extra = [torch.empty(shape, dtype=getattr(torch, dt), device=q.device)
+                     for shape, dt in K.saved_extra(backend, call)]
+            scratch = K.forward_scratch(backend, call)
+            if scratch:
+                del_me = torch.empty(scratch, dtype=torch.uint8, device=q.device)
+                del del_me
+            ctx.backend, ctx.call = backend, call
+            ctx.save_for_backward(q, k, v, out, *extra)
+            return out
+
+        @staticmethod
+        def backward(ctx, grad):  # noqa: ANN001
+            q, k, v, *_ = ctx.saved_tensors
+            dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+            scratch = K.backward_scratch(ctx.backend, ctx.call)
+            if scratch:
+                tmp = torch.empty(scratch, dtype=torch.uint8, device=q.device)
+                del tmp
+            return dq, dk, dv, None, None, None
+
+    class MathExtra(torch.autograd.Function):
+        """The GPU math kernel's allocations beyond its composite's (kernels.math_extra), around its output."""
+
+        @staticmethod
+        def forward(ctx, out, fwd, bwd):  # noqa: ANN001
+            tmp = torch.empty(fwd, dtype=torch.uint8, device=out.device)
+            del tmp
+            ctx.bwd = bwd
+            return out.view_as(out)
+
+        @staticmethod
+        def backward(ctx, grad):  # noqa: ANN001
+            tmp = torch.empty(ctx.bwd, dtype=torch.uint8, device=grad.device)
+            del tmp
+            return grad, None, None
+
+    def call_of(q: Any, k: Any, v: Any, mask: Any, dropout_p: float, is_causal: bool, enable_gqa: bool) -> K.SdpaCall:
+        mask_kind = None
+        if mask is not None:
+            mask_kind = "bool" if mask.dtype == torch.bool else "float" if mask.dtype == q.dtype else "float32"
+        return K.SdpaCall(dtype=dtype_names.get(q.dtype, "float32"), batch=q.shape[0], hq=q.shape[1],
+                          hkv=k.shape[1], sq=q.shape[2], sk=k.shape[2], dq=q.shape[-1], dv=v.shape[-1],
+                          mask=mask_kind, mask_shape=tuple(mask.shape) if mask is not None else None,
+                          dropout=float(dropout_p), is_causal=bool(is_causal), enable_gqa=bool(enable_gqa))
+
+    def run(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,  # noqa: ANN001
+            enable_gqa=False):
+        # aten::scaled_dot_product_attention is on autocast's lower-precision list for CUDA and CPU
+        # (aten/src/ATen/autocast_mode.cpp): the kernel gets autocast's copies of q, k, v and a float mask, and
+        # runs below autocast. This Python stand-in is above the dispatcher, so it casts as autocast would.
+        dev = query.device.type
+        if torch.is_autocast_enabled(dev):
+            dt = torch.get_autocast_dtype(dev)
+            query, key, value = (t.to(dt) if t.is_floating_point() and t.dtype not in (dt, torch.float64) else t
+                                 for t in (query, key, value))
+            if attn_mask is not None and attn_mask.is_floating_point() and attn_mask.dtype != dt:
+                attn_mask = attn_mask.to(dt)
+        call = call_of(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa)
+        backend, why = K.backend_for(call, target)
+        kernels.setdefault(backend, why)
+        with torch.autocast(dev, enabled=False):
+            if backend != "math":
+                return Fused.apply(query, key, value, attn_mask, backend, call)
+            if target.device == "cpu":
+                return real_sdpa(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                                 scale=scale, enable_gqa=enable_gqa)
+            out = torch.ops.aten._scaled_dot_product_attention_math(
+                query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)[0]
+            return MathExtra.apply(out, *K.math_extra(call))
+
+    return run
+
+
+# ---- dropout, DeepSpeed's linear, CPU GEMM scratch ----------------------------------------------------------
+
+
+def cuda_dropout():  # noqa: ANN201
+    """F.dropout as CUDA runs it in training: at::dropout takes the fused native_dropout kernel on CUDA
+    (aten/src/ATen/native/Dropout.cpp, is_fused_kernel_acceptable), which saves a bool mask, 1 byte per element.
+    On CPU, _dropout multiplies by a noise tensor in the input's dtype and saves that (2 or 4 bytes), and the
+    fake-tensor trace follows the CPU path; so a GPU job's trace swaps this in."""
+    import torch
+
+    class BoolMaskDropout(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):  # noqa: ANN001
+            ctx.save_for_backward(torch.empty(x.shape, dtype=torch.bool, device=x.device))
+            return torch.empty_like(x)
+
+        @staticmethod
+        def backward(ctx, grad):  # noqa: ANN001
+            (mask,) = ctx.saved_tensors
+            return torch.empty_like(grad)
+
+    def dropout(input, p=0.5, training=True, inplace=False):  # noqa: ANN001, A002
+        if not training or p == 0:
+            return input
+        return BoolMaskDropout.apply(input)
+
+    return dropout
+
+
+def deepspeed_zero3_linear(device: str) -> Any:
+    """torch.nn.functional.linear as DeepSpeed ZeRO-3 replaces it (deepspeed/runtime/zero/linear.py,
+    LinearFunctionForZeroStage3, 0.19.8; installed by partition_parameters.py _enable_mem_efficient_linear when
+    zero_optimization.memory_efficient_linear is on, its default, including for a materialised model, which
+    DeepSpeedZeRoOffload converts through zero.Init). What differs from aten's linear, op for op:
+    - it saves its inputs as given (setup_context), so under autocast the fp32 input and weight, not
+      autocast's bf16 copies (the matmul inside still casts them, as temporaries);
+    - backward runs under the forward's autocast state and makes the input's gradient first, then the
+      weight's (aten's MmBackward0 the reverse), so on CPU the weight GEMM's fp32 scratch coexists with the
+      input's gradient.
+    The backward's all_gather of a released weight is ZeRO's business (the gathered bytes), not the trace's."""
+    import torch
+
+    class LinearFunctionForZeroStage3(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, input, weight, bias=None):  # noqa: ANN001, A002
+            ctx.autocast = torch.is_autocast_enabled(device)
+            ctx.autocast_dtype = torch.get_autocast_dtype(device)
+            ctx.save_for_backward(input, weight, bias)
+            if input.dim() == 2 and bias is not None:
+                return torch.addmm(bias, input, weight.t())
+            output = input.matmul(weight.t())
+            if bias is not None:
+                output += bias
+            return output
+
+        @staticmethod
+        def backward(ctx, grad_output):  # noqa: ANN001
+            with torch.autocast(device_type=device, enabled=ctx.autocast, dtype=ctx.autocast_dtype):
+                input, weight, bias = ctx.saved_tensors  # noqa: A001
+                grad_input = grad_weight = grad_bias = None
+                dim = grad_output.dim()
+                if ctx.needs_input_grad[0]:
+                    grad_input = grad_output.matmul(weight)
+                if ctx.needs_input_grad[1]:
+                    if dim > 2:
+                        grad_weight = grad_output.reshape(-1, grad_output.shape[-1]).t().matmul(
+                            input.reshape(-1, input.shape[-1]))
+                    elif dim == 1:
+                        grad_weight = grad_output.unsqueeze(-1) * input.unsqueeze(0)
+                    else:
+                        grad_weight = grad_output.t().matmul(input)
+                if bias is not None and ctx.needs_input_grad[2]:
+                    if dim > 2:
+                        grad_bias = grad_output.sum([i for i in range(dim - 1)])
+                    elif dim == 1:
+                        grad_bias = grad_output
+                    else:
+                        grad_bias = grad_output.sum(0)
+                return grad_input, grad_weight, grad_bias
+
+    def linear(input, weight, bias=None):  # noqa: ANN001, A002
+        return LinearFunctionForZeroStage3.apply(input, weight, bias)
+
+    return linear
+
+
+def gemm_scratch(isa: str, threads: int = 1):  # noqa: ANN201
+    """scratch(func, args, out) -> the bytes a CPU matmul allocates for itself and frees before returning, for
+    ``isa`` (memplan.kernels.cpu_gemm_scratch): aten::mm and aten::addmm, every nn.Linear forward and backward."""
+    import torch
+
+    aten = torch.ops.aten
+    gemms = {aten.mm.default: 0, aten.addmm.default: 1}
+    names = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+
+    def scratch(func: Any, args: tuple, out: Any) -> int:
+        i = gemms.get(func)
+        if i is None or not isinstance(out, torch.Tensor) or out.dim() != 2:
+            return 0
+        m, n = out.shape
+        k = args[i].shape[1]
+        return K.cpu_gemm_scratch(isa, m, n, k, names.get(out.dtype, "other"), threads)
+
+    return scratch

@@ -169,10 +169,17 @@ def main() -> None:
     ap.add_argument("--repredict", action="store_true",
                     help="no runs: predict again with this code against the measurements kept in the .jsonl")
     ap.add_argument("--gpus", type=int, default=2)
+    ap.add_argument("--cpu-isa", default=None,
+                    help="the instruction set the CPU kernels follow (memplan.kernels.CPU_ISAS): for --repredict, "
+                         "that of the machine the kept measurements came from (they were made on AVX512 CPUs "
+                         "without bf16 instructions: the default); for runs, this machine's")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     args.out = args.out or str(ROOT / "docs" / ("accuracy-cross.md" if args.cross else "accuracy.md"))
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    from memplan.kernels import host_cpu_isa
+
+    args.cpu_isa = args.cpu_isa or ("avx512" if args.repredict else host_cpu_isa())
     cases = cross_cases() if args.cross else QUICK if args.quick else CASES
     keys = [(c[0], c[1][0], c[1][1]["layers"], c[5]) for c in cases]
     assert len(set(keys)) == len(keys), "two cases share a label, model and recompute: rows would be confused"
@@ -198,11 +205,11 @@ def main() -> None:
         if args.repredict:
             if row is None or row[3] is None:
                 continue  # never run (or failed): nothing measured to compare with
-            plan = predict(model, **scale, device="cpu", **kw)[0]
+            plan = predict(model, **scale, device="cpu", cpu_isa=args.cpu_isa, **kw)[0]
             row = _row(label, shown, rc, plan, row[9] if len(row) > 9 else None, old=row)
         elif row is None:
             try:
-                v = validate(model, **scale, device="cpu", **kw)
+                v = validate(model, **scale, device="cpu", cpu_isa=args.cpu_isa, **kw)
             except MemplanError as exc:
                 row = [label, shown, rc, None, None, None, None, None, str(exc), None]
             else:
@@ -219,6 +226,21 @@ def main() -> None:
     if args.repredict:
         log.write_text("".join(json.dumps(r) + "\n" for r in kept))
     write(args, rows, errors)
+
+
+def _cpu_name() -> str:
+    """This machine's CPU model and the ATen capability, for the table's header."""
+    name = "unknown CPU"
+    try:
+        for line in open("/proc/cpuinfo", encoding="ascii", errors="replace"):
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    import torch
+
+    return f"predicted on {name}, ATen CPU capability {torch.backends.cpu.get_cpu_capability()}"
 
 
 def write(args, rows, errors) -> None:  # noqa: ANN001
@@ -244,8 +266,9 @@ def write(args, rows, errors) -> None:  # noqa: ANN001
         "2 warm-up steps then 1 measured step. FSDP2's and FSDP1's all-gathers and reduce-scatters run as in-place "
         "all-reduces on gloo (memplan/harness/run.py `_gloo_collectives_in_place`, `_gloo_flat_collectives_in_place`: "
         "gloo's own temporaries, which NCCL does not allocate, are left out). The predictions are for `--device cpu`: "
-        "no CUDA overheads, CPU dropout masks, and the fp32 scratch CPU bf16 GEMMs allocate "
-        "(memplan/tracing.py `_cpu_gemm_scratch`). Measured = the CPU allocator's live bytes from the profiler's "
+        "no CUDA overheads, CPU dropout masks, and the scratch CPU bf16 GEMMs allocate on the measuring CPU's "
+        f"instruction set, `--cpu-isa {args.cpu_isa}` (memplan/kernels.py `cpu_gemm_scratch`; "
+        f"{_cpu_name()}). Measured = the CPU allocator's live bytes from the profiler's "
         "memory events (see memplan/harness/measure.py); worst rank. Error = (predicted - measured) / measured; "
         "a negative error is an under-estimate." + (
             " --repredict: the predictions are this code's, the measurements those kept in the .jsonl beside this "

@@ -355,8 +355,12 @@ def load_or_trace(config: dict, *, seq_len: int, micro_batch: int, recipe: str, 
         path = where / f"{key}.json"
         if path.is_file():
             try:
-                return TracedProfile(json.loads(path.read_text()), micro_batch, origin)
-            except (OSError, ValueError):
+                data = json.loads(path.read_text())
+                if "alias" in data:  # the same bytes as another target's profile (tools/ship_activation_...)
+                    own = {k: v for k, v in data.items() if k != "alias"}
+                    data = {**json.loads((where / f"{data['alias']}.json").read_text()), **own}
+                return TracedProfile(data, micro_batch, origin)
+            except (OSError, ValueError, TypeError):
                 pass
     if not allow_trace:
         return None

@@ -137,7 +137,7 @@ def resolve(inv: ParamInventory, *, gpus: int = 1, gpus_per_node: int | None = N
             deepspeed: str | None = None, ds_overrides: dict[str, Any] | None = None,
             torch_overrides: dict[str, Any] | None = None,
             overhead_overrides: dict[str, Any] | None = None, config: dict[str, Any] | None = None,
-            activations: str = "auto", cpu_isa: str | None = None) -> Resolved:
+            activations: str = "auto", cpu_isa: str | None = None, gpu_arch: str | None = None) -> Resolved:
     sources: dict[str, str] = {}
     notes: list[str] = []
     ds_file = dsconfig.load(deepspeed) if deepspeed else None
@@ -220,8 +220,8 @@ def resolve(inv: ParamInventory, *, gpus: int = 1, gpus_per_node: int | None = N
     elif workspace is None and device == "cuda":
         notes.append("cuBLAS workspace: 32 MiB per handle assumed (the sm90 default); --gpu NAME or "
                      "--cublas-workspace SIZE sets it")
-    arch = gpu_presets()[gpu.lower()].get("arch", "sm90") if gpu else "sm90"
-    if device == "cuda" and not gpu:
+    arch = gpu_arch or (gpu_presets()[gpu.lower()].get("arch", "sm90") if gpu else "sm90")
+    if device == "cuda" and not gpu and not gpu_arch:
         notes.append("GPU architecture: sm90 assumed (H100-class kernels); --gpu NAME sets it")
     if cpu_isa is not None:
         from memplan.kernels import CPU_ISAS

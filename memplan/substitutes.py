@@ -211,7 +211,14 @@ def sdpa(real_sdpa: Any, target: K.Target, kernels: dict[str, str]):  # noqa: AN
         @staticmethod
         def forward(ctx, q, k, v, mask, backend, call):  # noqa: ANN001
             b, h, s, _ = q.shape
-            out = torch.empty(b, s, h, v.shape[-1], dtype=q.dtype, device=q.device).transpose(1, 2)
+            # the output's memory order (measured on the H100): memory-efficient writes (b, s, h, d) whatever q's
+            # layout; flash and cuDNN follow q: (b, s, h, d) for q viewed from a projection's output, (b, h, s, d)
+            # for a q made contiguous in that order (GPT-NeoX's rotary cat), which the model's
+            # transpose(1, 2).contiguous() then copies
+            if backend == "efficient" or q.stride(1) < q.stride(2):
+                out = torch.empty(b, s, h, v.shape[-1], dtype=q.dtype, device=q.device).transpose(1, 2)
+            else:
+                out = torch.empty(b, h, s, v.shape[-1], dtype=q.dtype, device=q.device)
             extra = [torch.empty(shape, dtype=getattr(torch, dt), device=q.device)
                      for shape, dt in K.saved_extra(backend, call)]
             scratch = K.forward_scratch(backend, call)

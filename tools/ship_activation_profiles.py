@@ -1,7 +1,10 @@
-"""Trace the activation profiles shipped with memplan (presets x default settings), so that
-`memplan estimate <preset>` with default sequence length never imports torch.
+"""Trace the activation profiles shipped with memplan (presets x default settings x GPU kernel classes), so that
+`memplan estimate <preset>` with default sequence length never imports torch, whichever GPU preset is named.
 
 Run: python tools/ship_activation_profiles.py  (writes memplan/presets/activations/<key>.json)
+
+A GPU class whose profile holds the same bytes as another's is stored as {"alias": "<key>", "target": ...,
+"attention_kernels": ...}: the first's numbers with its own kernels' names.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ sys.path.insert(0, str(ROOT))
 
 from memplan import activations as act  # noqa: E402
 from memplan.errors import MemplanError  # noqa: E402
+from memplan.kernels import Target, sdpa_class  # noqa: E402
 from memplan.model import sources  # noqa: E402
 from memplan.tracing import trace_profile  # noqa: E402
 from memplan.tracing_keys import LINEARS, trace_linear, trace_recipe  # noqa: E402
@@ -25,41 +29,68 @@ RECIPES = ("deepspeed-bf16", "torch-amp")
 RECOMPUTE = ("none", "full")
 
 
+def targets() -> list[Target]:
+    """One target per SDPA class among the GPU presets, the default (sm90) first."""
+    archs = sorted({g.get("arch", "sm90") for g in sources.gpu_presets().values()}, key=lambda a: a != "sm90")
+    seen, out = set(), []
+    for arch in ["sm90"] + archs:
+        if sdpa_class(arch) not in seen:
+            seen.add(sdpa_class(arch))
+            out.append(Target(device="cuda", arch=arch))
+    return out
+
+
 def linears(recipe: str) -> list[str]:
     """The linear autograds whose profiles differ on a GPU for this recipe (DeepSpeed ZeRO-3's under autocast)."""
     return sorted({trace_linear(lin, device="cuda", recipe=recipe) for lin in LINEARS})
 
 
+def _same(a: dict, b: dict) -> bool:
+    """The same bytes everywhere (the kernels' names and the target may differ)."""
+    skip = ("target", "model", "attention_kernels")
+    return {k: v for k, v in a.items() if k not in skip} == {k: v for k, v in b.items() if k not in skip}
+
+
 def main() -> None:
     out = act.shipped_dir()
     out.mkdir(parents=True, exist_ok=True)
-    wanted = {act.profile_key(sources.resolve(name).config, seq_len=seq, recipe=recipe, attention="flash",
-                              recompute=rc, linear=lin)
-              for name in sources.preset_names() for seq in SEQ for recipe in RECIPES for rc in RECOMPUTE
-              for lin in linears(recipe)}
+    jobs = [(name, seq, recipe, rc, lin) for name in sources.preset_names() for seq in SEQ for recipe in RECIPES
+            for rc in RECOMPUTE for lin in linears(recipe)]
+    key = lambda cfg, seq, recipe, rc, lin, tg: act.profile_key(  # noqa: E731
+        cfg, seq_len=seq, recipe=recipe, attention="flash", recompute=rc, linear=lin, target=tg)
+    wanted = {key(sources.resolve(n).config, seq, r, rc, lin, tg) for n, seq, r, rc, lin in jobs for tg in targets()}
     for old in out.glob("*.json"):  # profiles under an earlier key or method are never looked up again
         if old.stem not in wanted:
             old.unlink()
-    for name in sources.preset_names():
+    for name, seq, recipe, rc, lin in jobs:
         config = sources.resolve(name).config
-        for seq in SEQ:
-            for recipe in RECIPES:
-                for rc, lin in ((rc, lin) for rc in RECOMPUTE for lin in linears(recipe)):
-                    key = act.profile_key(config, seq_len=seq, recipe=recipe, attention="flash", recompute=rc,
-                                          linear=lin)
-                    path = out / f"{key}.json"
-                    if path.exists():
-                        continue
-                    t = time.perf_counter()
-                    try:
-                        data = trace_profile(config, seq_len=seq, recipe=trace_recipe(recipe), attention="flash",
-                                             recompute=rc, linear=lin)
-                    except MemplanError as exc:
-                        print(f"{name} {recipe} {rc} {lin}: not traced: {exc}")
-                        continue
-                    data["model"] = name
-                    path.write_text(json.dumps(data, indent=1) + "\n")
-                    print(f"{name} seq {seq} {recipe} recompute {rc} linear {lin}: {time.perf_counter() - t:.1f} s")
+        first: tuple[str, dict] | None = None
+        for tg in targets():
+            k = key(config, seq, recipe, rc, lin, tg)
+            path = out / f"{k}.json"
+            if path.exists():
+                data = json.loads(path.read_text())
+                if "alias" not in data and first is None:
+                    first = (k, data)
+                continue
+            t = time.perf_counter()
+            try:
+                data = trace_profile(config, seq_len=seq, recipe=trace_recipe(recipe), attention="flash",
+                                     recompute=rc, linear=lin, target=tg)
+            except MemplanError as exc:
+                print(f"{name} {recipe} {rc} {lin} {tg.key}: not traced: {exc}")
+                continue
+            data["model"] = name
+            if first is not None and _same(first[1], data):
+                path.write_text(json.dumps({"alias": first[0], "target": data["target"],
+                                            "attention_kernels": data["attention_kernels"]}) + "\n")
+                how = f"same as {first[0]}"
+            else:
+                path.write_text(json.dumps(data, indent=1) + "\n")
+                first = first or (k, data)
+                how = "stored"
+            print(f"{name} seq {seq} {recipe} recompute {rc} linear {lin} {tg.key}: {time.perf_counter() - t:.1f} s, "
+                  f"{how}", flush=True)
 
 
 if __name__ == "__main__":

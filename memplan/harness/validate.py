@@ -85,6 +85,11 @@ def validate(model: str, *, layers: int | None = None, hidden: int | None = None
         if torch.cuda.device_count() < resolve_kwargs.get("gpus", 1):
             raise SettingsError(f"--gpus {resolve_kwargs.get('gpus')} but this host has "
                                 f"{torch.cuda.device_count()} GPU(s); run the rank entry point under torchrun")
+        if not resolve_kwargs.get("gpu"):  # the kernels this GPU really runs (SDPA's choice), unless given
+            major, minor = torch.cuda.get_device_capability(0)
+            props = torch.cuda.get_device_properties(0)
+            resolve_kwargs.setdefault("gpu_arch", getattr(props, "gcnArchName", "").split(":")[0]
+                                      if torch.version.hip else f"sm{major}{minor}")
         if not resolve_kwargs.get("gpu"):  # the workspace this GPU really gets, unless given
             ov = dict(resolve_kwargs.get("overhead_overrides") or {})
             if ov.get("blas_workspace_bytes") is None:

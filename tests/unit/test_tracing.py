@@ -8,7 +8,12 @@ import pytest
 from memplan import activations as act
 from memplan.harness.spec import scale_config
 from memplan.model import sources
+from memplan.kernels import Target
 from memplan.tracing import trace_profile
+
+#: the CPU the exact CPU figures below were measured on (AVX512 without bf16 instructions: oneDNN's fp32 GEMM
+#: scratch); a trace for it is the same on any host
+AVX512 = Target(device="cpu", cpu_isa="avx512")
 
 
 def tiny(name: str = "llama-7b") -> dict:
@@ -111,18 +116,19 @@ def test_sdpa_kernel_choice_follows_the_cpu_dispatch(dims, dropout):
     # memplan's rule against PyTorch's own choice on real CPU tensors (0 = math)
     import torch
 
-    from memplan.tracing import _sdpa_kernel
+    from memplan.kernels import SdpaCall, cpu_backend
 
     q, k, v = (torch.randn(2, 4, 16, d, dtype=torch.bfloat16) for d in dims)
     real_math = torch._fused_sdp_choice(q, k, v, dropout_p=dropout, is_causal=True) == 0
-    assert (_sdpa_kernel("cpu", q, k, v, dropout) is not None) == real_math
-    assert _sdpa_kernel("cuda", q, k, v, dropout) is None
+    call = SdpaCall(dtype="bfloat16", batch=2, hq=4, hkv=4, sq=16, sk=16, dq=dims[0], dv=dims[2], dropout=dropout,
+                    is_causal=True)
+    assert (cpu_backend(call)[0] == "math") == real_math
 
 
 def test_mla_attention_on_cpu_is_traced_with_the_math_kernel():
     # DeepSeek's MLA: q and k head dims 192 (nope + rope), v 128; CPU flash needs one head dim
     cfg = scale_config(sources.resolve("deepseek-v3").config, layers=2, hidden=256, vocab=1024)[0]
-    p = trace_profile(cfg, seq_len=64, recipe="deepspeed-bf16", attention="flash", recompute="none", device="cpu")
+    p = trace_profile(cfg, seq_len=64, recipe="deepspeed-bf16", attention="flash", recompute="none", device="cpu", target=AVX512)
     assert "differ" in p["attention_kernels"]["math"]
 
 
@@ -170,7 +176,7 @@ def test_gpu_dropout_keeps_a_one_byte_mask():
     # which is what a fake-tensor trace follows unless the CUDA stand-in is swapped in (GPU jobs).
     import torch
 
-    from memplan.tracing import _cuda_dropout
+    from memplan.substitutes import cuda_dropout as _cuda_dropout
 
     saved = []
     x = torch.randn(4, 8, dtype=torch.bfloat16, requires_grad=True)
@@ -185,7 +191,7 @@ def test_gpu_dropout_keeps_a_one_byte_mask():
     assert act.has_dropout(gpt2) and not act.has_dropout(llama)
     key = dict(seq_len=128, recipe="torch-amp", attention="flash", recompute="none")
     assert act.profile_key(gpt2, device="cpu", **key) != act.profile_key(gpt2, device="cuda", **key)
-    # CPU bf16 GEMMs allocate fp32 scratch (tracing._cpu_gemm_scratch): every CPU trace has its own key
+    # CPU traces follow the host's instruction set (kernels.Target.key): every CPU trace has its own key
     assert act.profile_key(llama, device="cpu", **key) != act.profile_key(llama, device="cuda", **key)
 
 
@@ -255,7 +261,7 @@ def test_the_last_blocks_backward_begins_after_the_final_norms_backward():
     # 24,263,276 B of activations less the harness's 2,660-byte constant: 24,260,616 B. Starting the segment at
     # the final norm's weight gradient gave 25,834,504 B: the norm's backward temporaries (3 x 512 KiB)
     cfg = scale_config(sources.resolve("llama-3-8b").config, layers=2, hidden=512, vocab=2048)[0]
-    p = trace_profile(cfg, seq_len=128, recipe="fp32", attention="flash", recompute="none", device="cpu")
+    p = trace_profile(cfg, seq_len=128, recipe="fp32", attention="flash", recompute="none", device="cpu", target=AVX512)
     assert act.TracedProfile(p, 1, "traced now").moment_activations(2)[-5] == 24_260_616
 
 
@@ -282,7 +288,7 @@ def test_loss_moment_is_the_heads_weight_gradient_gemm():
     # llama-3-8b with 2 blocks, hidden 512, vocabulary 2048, micro-batch 2, sequence 128, CPU): the head's GEMM,
     # its bf16 output and fp32 scratch, topped the loss's own peak by 1.31 MB
     cfg = scale_config(sources.resolve("llama-3-8b").config, layers=2, hidden=512, vocab=2048)[0]
-    p = trace_profile(cfg, seq_len=128, recipe="deepspeed-bf16", attention="flash", recompute="none", device="cpu")
+    p = trace_profile(cfg, seq_len=128, recipe="deepspeed-bf16", attention="flash", recompute="none", device="cpu", target=AVX512)
     prof = act.TracedProfile(p, 1, "traced now")
     head = 2048 * 512
     x, g = prof.loss_moment(2, 2)
@@ -322,8 +328,9 @@ def test_block_moments_pair_activations_with_the_blocks_grads():
                                 gated_mlp=True).block_moments(1, 2) == ()
 
 
-def test_cpu_bf16_gemm_scratch_matches_the_allocator():
-    # the rule the CPU trace applies (tracing._cpu_gemm_scratch), checked against the real allocator
+def _gemm_temps(m: int, n: int, k: int, dtype) -> list[int]:  # noqa: ANN001
+    """The allocator's events of one real (m, k) @ (k, n) GEMM on this CPU, less its output (the profiler's
+    memory events, as the harness measures)."""
     import json
     import os
     import tempfile
@@ -331,9 +338,7 @@ def test_cpu_bf16_gemm_scratch_matches_the_allocator():
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from memplan.tracing import _cpu_gemm_scratch
-
-    a, b = torch.randn(200, 64, dtype=torch.bfloat16), torch.randn(64, 96, dtype=torch.bfloat16)
+    a, b = torch.randn(m, k).to(dtype), torch.randn(k, n).to(dtype)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         out = a @ b
     fd, path = tempfile.mkstemp(suffix=".json")
@@ -344,9 +349,40 @@ def test_cpu_bf16_gemm_scratch_matches_the_allocator():
             events = [e["args"]["Bytes"] for e in json.load(fh)["traceEvents"] if e.get("name") == "[memory]"]
     finally:
         os.unlink(path)
-    temps = [x for x in events if x > 0 and x != out.nbytes]
-    assert temps == [_cpu_gemm_scratch()(torch.ops.aten.mm.default, (a, b), out)] == [4 * 200 * 96 + 128]
-    assert _cpu_gemm_scratch()(torch.ops.aten.mm.default, (a.float(), b.float()), out.float()) == 0
+    return [x for x in events if x > 0 and x != out.nbytes]
+
+
+@pytest.mark.parametrize("m,n,k", [(256, 128, 64), (128, 512, 256), (64, 256, 512), (8, 8, 64)])
+def test_cpu_gemm_scratch_rule_matches_this_host(m, n, k):
+    # the rule the CPU trace applies for this machine's instruction set (kernels.host_cpu_isa), checked against
+    # the real allocator here, whatever the CPU: exact where the rule is exact (no oneDNN bf16: nothing; AVX512:
+    # the fp32 output buffer; AMX: the per-thread packing buffer), an upper bound for AVX512-BF16's brgemm
+    import torch
+
+    from memplan.kernels import cpu_gemm_scratch, host_cpu_isa
+
+    isa, threads = host_cpu_isa(), torch.get_num_threads()
+    got = sum(_gemm_temps(m, n, k, torch.bfloat16))
+    rule = cpu_gemm_scratch(isa, m, n, k, "bfloat16", threads)
+    if isa == "avx512_bf16" or (isa == "avx512" and torch.backends.cpu.get_cpu_capability() == "DEFAULT"):
+        assert got <= rule, (isa, got, rule)
+    else:
+        assert got == rule, (isa, got, rule)
+    # fp32 GEMMs allocate nothing on any instruction set
+    assert _gemm_temps(m, n, k, torch.float32) == [] and cpu_gemm_scratch(isa, m, n, k, "float32") == 0
+
+
+def test_cpu_gemm_scratch_rules_by_instruction_set():
+    # the arithmetic of each rule, given explicitly (measured: kernels.cpu_gemm_scratch)
+    from memplan.kernels import cpu_gemm_scratch
+
+    assert cpu_gemm_scratch("avx2", 200, 96, 64, "bfloat16") == 0
+    assert cpu_gemm_scratch("avx512", 200, 96, 64, "bfloat16") == 4 * 200 * 96 + 128 == 76_928
+    assert cpu_gemm_scratch("avx512", 16, 16, 16, "bfloat16") == 0  # m*n*k <= 16^3 stays in PyTorch's kernel
+    assert cpu_gemm_scratch("amx", 64, 1024, 768, "bfloat16", threads=2) == 2 * (128 * 768 + 4864)
+    assert cpu_gemm_scratch("amx", 64, 1024, 8, "bfloat16", threads=3) == 3 * (128 * 32 + 4864) == 26_880
+    assert cpu_gemm_scratch("avx512_bf16", 64, 1024, 4096, "bfloat16", threads=3) == 3 * (128 * 1024 + 44544)
+    assert cpu_gemm_scratch("avx512", 200, 96, 64, "float16") == 0
 
 
 def test_a_failed_trace_is_remembered(tmp_path, monkeypatch):
@@ -373,7 +409,7 @@ def test_deepspeed_zero3_linear_computes_a_linear(shape, bias):
     import torch
     import torch.nn.functional as F
 
-    from memplan.tracing import _deepspeed_zero3_linear
+    from memplan.substitutes import deepspeed_zero3_linear as _deepspeed_zero3_linear
 
     torch.manual_seed(0)
     x = torch.randn(*shape, requires_grad=True)
@@ -396,7 +432,7 @@ def test_deepspeed_zero3_linear_order_on_cpu():
     # the input's gradient there too, 2 x 128 x 1792 bytes; the head's (2048 x 512) likewise its input's
     # gradient, 2 x 128 x 512. The forward is the same op for op.
     cfg = scale_config(sources.resolve("llama-3-8b").config, layers=2, hidden=512, vocab=2048)[0]
-    kw = dict(seq_len=64, recipe="deepspeed-bf16", attention="flash", recompute="none", device="cpu")
+    kw = dict(seq_len=64, recipe="deepspeed-bf16", attention="flash", recompute="none", device="cpu", target=AVX512)
     aten = act.TracedProfile(trace_profile(cfg, **kw), 2, "test")
     ds = act.TracedProfile(trace_profile(cfg, linear="deepspeed-zero3", **kw), 2, "test")
     for k in ("forward_peak", "live_after_forward", "saved_for_backward", "last_block_forward_peak"):
@@ -430,7 +466,9 @@ def test_deepspeed_zero3_linear_allocates_as_deepspeeds_own(dtype, autocast):
     import torch.nn.functional as F
 
     from deepspeed.runtime.zero.linear import zero3_linear_wrap
-    from memplan.tracing import _cpu_gemm_scratch, _deepspeed_zero3_linear, _LiveBytes, _mode
+    from memplan.substitutes import deepspeed_zero3_linear as _deepspeed_zero3_linear
+    from memplan.substitutes import gemm_scratch
+    from memplan.tracing import _LiveBytes, _mode
 
     def run(fn):  # noqa: ANN001, ANN202
         live, saved = _LiveBytes(), []
@@ -442,7 +480,7 @@ def test_deepspeed_zero3_linear_allocates_as_deepspeeds_own(dtype, autocast):
             saved.append((t.dtype, tuple(t.shape)))
             return t
 
-        with _mode(live, _cpu_gemm_scratch()):
+        with _mode(live, gemm_scratch("avx512")):  # the rule these figures were measured with
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
                     y = fn(x0 * 1.0, w, None)

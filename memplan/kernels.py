@@ -227,7 +227,7 @@ def backend_for(c: SdpaCall, target: Target) -> tuple[str, str]:
 
 # ---- what each fused backend keeps and allocates ------------------------------------------------------------
 
-def saved_extra(backend: str, c: SdpaCall) -> list[tuple[tuple[int, ...], str]]:
+def saved_extra(backend: str, c: SdpaCall, device: str = "cuda") -> list[tuple[tuple[int, ...], str]]:
     """What a fused backend saves for backward beside q, k, v and its output, as (shape, dtype): measured on the
     H100 (torch 2.11+cu130) with saved_tensors_hooks, tensor by tensor, for every case of .gpu probes (see
     bench/gpu/README.md): flash: logsumexp fp32 [b, h, s_q] and its philox seed and offset (uint64 [2], []);
@@ -236,6 +236,10 @@ def saved_extra(backend: str, c: SdpaCall) -> list[tuple[tuple[int, ...], str]]:
     it needs that padding); cuDNN: softmax stats fp32 [b, h, s_q, 1], seed and offset, a bool mask converted to
     q's dtype."""
     b, h = c.batch, c.hq
+    if backend == "flash" and device == "cpu":
+        # the CPU flash kernel (aten/src/ATen/native/transformers/attention.cpp, _scaled_dot_product_flash_
+        # attention_cpu) returns the output and the logsumexp only: no philox state
+        return [((b, h, c.sq), "float32")]
     if backend == "flash":
         return [((b, h, c.sq), "float32"), ((2,), "int64"), ((), "int64")]
     out: list[tuple[tuple[int, ...], str]] = []
@@ -252,7 +256,7 @@ def saved_extra(backend: str, c: SdpaCall) -> list[tuple[tuple[int, ...], str]]:
     return out
 
 
-def backward_scratch(backend: str, c: SdpaCall) -> int:
+def backward_scratch(backend: str, c: SdpaCall, device: str = "cuda") -> int:
     """Bytes a fused backend's backward allocates beside q, k and v's gradients and frees before returning:
     measured on the H100 as the peak of the backward less what was alive before it and the three gradients.
     flash (aten/src/ATen/native/transformers/cuda/flash_attn/flash_api.cpp mha_bwd): an fp32 dq accumulator
@@ -261,6 +265,8 @@ def backward_scratch(backend: str, c: SdpaCall) -> int:
     and two [b, h, s_q rounded to 32] fp32 buffers. With grouped-query heads flash and cuDNN make dk and dv at
     the query's head count (dk_expanded, dv_expanded) and sum them down."""
     b, h = c.batch, c.hq
+    if device == "cpu":
+        return 0  # the CPU harness's measurements match the trace without it (docs/accuracy.md)
     gqa = 0 if c.hq == c.hkv else b * c.sk * h * (c.dq + c.dv) * c.elem
     if backend == "flash":
         s = round_up(c.sq, 128)
@@ -275,9 +281,11 @@ def backward_scratch(backend: str, c: SdpaCall) -> int:
     return 0
 
 
-def forward_scratch(backend: str, c: SdpaCall) -> int:
+def forward_scratch(backend: str, c: SdpaCall, device: str = "cuda") -> int:
     """Bytes a fused backend's forward allocates and frees (measured as above): memory-efficient keeps an fp32
     output accumulator when the head dims differ and exceed 128; cuDNN 512 bytes."""
+    if device == "cpu":
+        return 0
     if backend == "efficient" and max(c.dq, c.dv) > 128 and c.dq != c.dv:
         return 4 * c.batch * c.hq * c.sq * c.dv
     if backend == "cudnn":

@@ -220,8 +220,8 @@ def sdpa(real_sdpa: Any, target: K.Target, kernels: dict[str, str]):  # noqa: AN
             else:
                 out = torch.empty(b, h, s, v.shape[-1], dtype=q.dtype, device=q.device)
             extra = [torch.empty(shape, dtype=getattr(torch, dt), device=q.device)
-                     for shape, dt in K.saved_extra(backend, call)]
-            scratch = K.forward_scratch(backend, call)
+                     for shape, dt in K.saved_extra(backend, call, target.device)]
+            scratch = K.forward_scratch(backend, call, target.device)
             if scratch:
                 del_me = torch.empty(scratch, dtype=torch.uint8, device=q.device)
                 del del_me
@@ -233,7 +233,7 @@ def sdpa(real_sdpa: Any, target: K.Target, kernels: dict[str, str]):  # noqa: AN
         def backward(ctx, grad):  # noqa: ANN001
             q, k, v, *_ = ctx.saved_tensors
             dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-            scratch = K.backward_scratch(ctx.backend, ctx.call)
+            scratch = K.backward_scratch(ctx.backend, ctx.call, target.device)
             if scratch:
                 tmp = torch.empty(scratch, dtype=torch.uint8, device=q.device)
                 del tmp

@@ -28,16 +28,19 @@ def per_layer(cfg: dict, seq: int, attention: str, b: int = 1) -> int:
 def test_linear_in_micro_batch_at_a_third_point():
     from memplan.tracing import _one_step
 
+    # a GPU trace counts every storage in 512-byte blocks: exact at any micro-batch when each per-sequence tensor
+    # is a multiple of 512 bytes, as at sequence 128 (at 64, an fp32 [b, s] norm statistic is not)
     cfg = tiny()
-    p = trace_profile(cfg, seq_len=64, recipe="deepspeed-bf16", attention="flash", recompute="none")
-    direct = _one_step(scale_config(cfg, layers=2)[0], 3, 64, "deepspeed-bf16", "flash", "none")
+    p = trace_profile(cfg, seq_len=128, recipe="deepspeed-bf16", attention="flash", recompute="none")
+    direct = _one_step(scale_config(cfg, layers=2)[0], 3, 128, "deepspeed-bf16", "flash", "none")
     c0, c1 = p["live_after_forward"]
     assert c0 + 3 * c1 == direct["live"]
 
 
 def test_flash_is_linear_in_sequence_and_eager_adds_the_quadratic_term():
     cfg = tiny()
-    assert per_layer(cfg, 256, "flash") == 2 * per_layer(cfg, 128, "flash")
+    # linear but for the fused kernel's philox seed and offset, two 512-byte blocks per layer whatever the length
+    assert per_layer(cfg, 256, "flash") == 2 * per_layer(cfg, 128, "flash") - 2 * 512
     heads = cfg["num_attention_heads"]
     # eager keeps the fp32 softmax output (4 B) and its bf16 cast read by the second matmul (2 B): 6 * heads * s^2
     quad = per_layer(cfg, 256, "eager") - 2 * per_layer(cfg, 128, "eager")

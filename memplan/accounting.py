@@ -211,6 +211,20 @@ def shard_group_size(s: Settings) -> int:
     return c.gpus
 
 
+def _largest_sub_group(inv: ParamInventory, n: int, sub_group_size: int) -> int:
+    """Elements of ZeRO-3's largest optimizer sub-group on a rank (stage3.py _create_fp16_sub_groups): each
+    parameter's partition (ceil(numel / n)) in module order, a sub-group closed once it reaches sub_group_size."""
+    parts = [ceil_div(t.numel, n) for t in inv.tensors]
+    if sub_group_size <= 0 or sub_group_size >= sum(parts):
+        return sum(parts)
+    best = cur = 0
+    for x in parts:
+        cur += x
+        if cur >= sub_group_size:
+            best, cur = max(best, cur), 0
+    return max(best, cur)
+
+
 def _optimizer_impl(s: Settings) -> str:
     if s.optimizer_impl:
         return s.optimizer_impl
@@ -647,6 +661,21 @@ def _fixed(inv: ParamInventory, s: Settings) -> _Fixed:
     if master_bytes and not st.fp32_grad_accumulation and not ds_offload_opt:
         step_grads = rc.reduced_grad_bytes * opt_numel + grads_persist
     step_buffers = buf_persist + scratch
+    if st.shard_params and st.framework == "deepspeed" and master_bytes and not st.fp32_grad_accumulation \
+            and not ds_offload_opt:
+        # ZeRO-3's step (deepspeed/runtime/zero/stage3.py step, 0.19.8) works one sub-group at a time
+        # (_create_fp16_sub_groups: parameters in order until sub_group_size elements are reached):
+        # _prepare_fp32_grad_for_sub_group flattens the sub-group's gradients into a copy in the grad dtype and
+        # casts it to fp32 beside grad_partitions_flat_buffer; the copy is freed, the optimizer steps on the fp32
+        # grad, and _release_sub_group drops it. Measured on the H100 (bench/gpu, ZeRO-3 at 1 rank): olmoe 2 blocks
+        # one sub-group of 1.045 B elements, +2.09 GB copy +4.18 GB fp32 at the peak; qwen2.5-7b 4 blocks two
+        # sub-groups, the larger 1.01 B elements (+2.02 GB, +4.04 GB).
+        sg = _largest_sub_group(inv, n, s.ds.sub_group_size)
+        step_grads = grads_persist + rc.reduced_grad_bytes * sg
+        sg_scratch = rc.state_bytes * sg if impl == "foreach" else (
+            scratch * sg // max(opt_numel, 1) if impl == "single-tensor" else 0)
+        step_buffers = buf_persist + max(rc.grad_bytes * sg, sg_scratch)
+        a["zero3_largest_sub_group_numel"] = sg
     if st.ds_ipg_buckets and st.zero_stage in (1, 2) and master_bytes and not st.fp32_grad_accumulation \
             and not ds_offload_opt:
         # ZeRO-1/2's step (deepspeed/runtime/zero/stage_1_and_2.py step, 0.19.8): the partition's gradients

@@ -239,20 +239,34 @@ def sdpa(real_sdpa: Any, target: K.Target, kernels: dict[str, str]):  # noqa: AN
                 del tmp
             return dq, dk, dv, None, None, None
 
-    class MathExtra(torch.autograd.Function):
-        """The GPU math kernel's allocations beyond its composite's (kernels.math_extra), around its output."""
+    class MathBefore(torch.autograd.Function):
+        """Around the math kernel's composite on a GPU: the bytes its CUDA kernels allocate beyond it
+        (kernels.math_extra), alive while the composite runs, forward and backward. Applied to q before the
+        composite: its forward allocates the forward's extra (freed by MathAfter's forward), its backward, which
+        runs after the composite's, frees the backward's extra (allocated by MathAfter's backward, which runs
+        before the composite's)."""
 
         @staticmethod
-        def forward(ctx, out, fwd, bwd):  # noqa: ANN001
-            tmp = torch.empty(fwd, dtype=torch.uint8, device=out.device)
-            del tmp
-            ctx.bwd = bwd
+        def forward(ctx, q, holder, fwd):  # noqa: ANN001
+            holder["fwd"] = torch.empty(fwd, dtype=torch.uint8, device=q.device)
+            ctx.holder = holder
+            return q.view_as(q)
+
+        @staticmethod
+        def backward(ctx, grad):  # noqa: ANN001
+            ctx.holder.pop("bwd", None)
+            return grad, None, None
+
+    class MathAfter(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, out, holder, bwd):  # noqa: ANN001
+            holder.pop("fwd", None)
+            ctx.holder, ctx.bwd = holder, bwd
             return out.view_as(out)
 
         @staticmethod
         def backward(ctx, grad):  # noqa: ANN001
-            tmp = torch.empty(ctx.bwd, dtype=torch.uint8, device=grad.device)
-            del tmp
+            ctx.holder["bwd"] = torch.empty(ctx.bwd, dtype=torch.uint8, device=grad.device)
             return grad, None, None
 
     def call_of(q: Any, k: Any, v: Any, mask: Any, dropout_p: float, is_causal: bool, enable_gqa: bool) -> K.SdpaCall:
@@ -285,9 +299,12 @@ def sdpa(real_sdpa: Any, target: K.Target, kernels: dict[str, str]):  # noqa: AN
             if target.device == "cpu":
                 return real_sdpa(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                                  scale=scale, enable_gqa=enable_gqa)
+            fwd, bwd = K.math_extra(call)
+            holder: dict[str, Any] = {}
+            query = MathBefore.apply(query, holder, fwd)
             out = torch.ops.aten._scaled_dot_product_attention_math(
                 query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)[0]
-            return MathExtra.apply(out, *K.math_extra(call))
+            return MathAfter.apply(out, holder, bwd)
 
     return run
 

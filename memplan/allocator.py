@@ -1,0 +1,329 @@
+"""PyTorch's CUDA caching allocator, replayed: what ``torch.cuda.max_memory_reserved`` reaches for a sequence of
+allocations and frees. No torch here.
+
+A job runs out of memory when the caching allocator cannot reserve a new segment, so the fit verdict needs the
+*reserved* peak, which the allocated peak does not give: freed blocks stay cached in their segments, a segment
+can only serve requests that fit in one of its free blocks, and blocks never span segments.
+
+The algorithm is the native allocator's (c10/cuda/CUDACachingAllocator.cpp, DeviceCachingAllocator):
+
+- ``round_size``: every request is rounded up to 512 bytes (kMinBlockSize), or to a power-of-two division with
+  ``roundup_power2_divisions``;
+- two pools per stream: small (requests up to 1 MiB, kSmallSize) and large;
+- ``get_free_block``: best fit, the smallest cached block of the same stream and pool that is large enough
+  (std::set ordered by (stream, size, address)); with ``max_split_size_mb``, blocks at least that large serve
+  only requests at least that large and within 20 MiB (kLargeBuffer) of them;
+- ``get_allocation_size``: a new segment (cudaMalloc) of 2 MiB for small requests, 20 MiB for requests under
+  10 MiB (kMinLargeAlloc), else the request rounded up to 2 MiB (kRoundLarge);
+- ``should_split``: a block is split when the remainder is at least 512 bytes (small pool, expandable segments)
+  or, in the large pool, more than 1 MiB and the request is below max_split_size;
+- ``free_block``: a freed block merges with free neighbours of its segment and returns to its pool;
+- ``garbage_collection_threshold``: (with a memory fraction set) cached blocks not reused for a while are
+  released before a new segment is reserved; ``release_cached_blocks`` (torch.cuda.empty_cache, or the
+  retry after a failed cudaMalloc) frees every segment that holds no allocated block.
+- ``expandable_segments``: one segment per stream and pool that grows by pages (2 MiB small, 20 MiB large)
+  where the last free block cannot serve the request.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+from dataclasses import dataclass, field
+
+from memplan.errors import SettingsError
+
+MIN_BLOCK = 512  #: kMinBlockSize
+SMALL_SIZE = 1 << 20  #: kSmallSize: the largest small-pool request
+SMALL_BUFFER = 2 << 20  #: kSmallBuffer: a small-pool segment
+LARGE_BUFFER = 20 << 20  #: kLargeBuffer: the segment for requests between 1 and 10 MiB
+MIN_LARGE_ALLOC = 10 << 20  #: kMinLargeAlloc
+ROUND_LARGE = 2 << 20  #: kRoundLarge
+
+_KNOWN = ("max_split_size_mb", "roundup_power2_divisions", "garbage_collection_threshold", "expandable_segments",
+          "backend", "release_lock_on_cudamalloc", "pinned_use_cuda_host_register", "pinned_num_register_threads",
+          "pinned_use_background_threads", "pinned_reserve_segment_size_mb", "graph_capture_record_stream_reuse",
+          "per_process_memory_fraction")
+
+
+@dataclass(frozen=True, kw_only=True)
+class AllocatorConfig:
+    """PYTORCH_CUDA_ALLOC_CONF, as c10/cuda/CUDAAllocatorConfig.cpp parses it."""
+
+    max_split_size: int | None = None  #: bytes; None: unlimited (SIZE_MAX)
+    roundup_power2_divisions: int = 0  #: one value for every size (the per-interval list form is not modelled)
+    garbage_collection_threshold: float = 0.0
+    expandable_segments: bool = False
+    text: str = ""  #: what was parsed, for the output
+
+    @staticmethod
+    def parse(text: str | None) -> AllocatorConfig:
+        """Parse "key:value,key:value" as PyTorch does; an unknown key or a malformed value is an error naming it
+        (PyTorch rejects them too)."""
+        if not text or not text.strip():
+            return AllocatorConfig()
+        values: dict[str, object] = {}
+        for item in text.split(","):
+            item = item.strip()
+            if not item:
+                continue
+            key, sep, value = item.partition(":")
+            key, value = key.strip(), value.strip()
+            if not sep or not value:
+                raise SettingsError(f"allocator config {item!r}: expected key:value")
+            if key not in _KNOWN:
+                raise SettingsError(f"allocator config: unknown key {key!r}; known: {', '.join(_KNOWN)}")
+            if key == "max_split_size_mb":
+                mb = _number(key, value, int)
+                if mb <= LARGE_BUFFER >> 20:
+                    raise SettingsError(f"allocator config max_split_size_mb must be above {LARGE_BUFFER >> 20}, "
+                                        f"got {mb}")
+                values["max_split_size"] = mb << 20
+            elif key == "roundup_power2_divisions":
+                if value.startswith("["):
+                    raise SettingsError("allocator config roundup_power2_divisions: the per-size list form is not "
+                                        "modelled; give one power of two")
+                n = _number(key, value, int)
+                if n != 0 and (n & (n - 1)):
+                    raise SettingsError(f"allocator config roundup_power2_divisions must be a power of two, got {n}")
+                values["roundup_power2_divisions"] = n
+            elif key == "garbage_collection_threshold":
+                t = _number(key, value, float)
+                if not 0.0 < t < 1.0:
+                    raise SettingsError(f"allocator config garbage_collection_threshold must be in (0, 1), got {t}")
+                values["garbage_collection_threshold"] = t
+            elif key == "expandable_segments":
+                if value not in ("True", "False"):
+                    raise SettingsError(f"allocator config expandable_segments must be True or False, got {value!r}")
+                values["expandable_segments"] = value == "True"
+            elif key == "backend":
+                if value not in ("native", "cudaMallocAsync"):
+                    raise SettingsError(f"allocator config backend must be native or cudaMallocAsync, got {value!r}")
+                if value == "cudaMallocAsync":
+                    raise SettingsError("allocator config backend:cudaMallocAsync (CUDA's own pool) is not modelled")
+        return AllocatorConfig(text=text.strip(), **values)  # type: ignore[arg-type]
+
+    def round_size(self, size: int) -> int:
+        """round_size: 512-byte blocks, or the next of ``roundup_power2_divisions`` steps between powers of two."""
+        if size < MIN_BLOCK:
+            return MIN_BLOCK
+        d = self.roundup_power2_divisions
+        if d > 1 and size > MIN_BLOCK * d:
+            floor = 1 << (size.bit_length() - 1)
+            if floor == size:
+                return size
+            step = floor // d
+            return -(-size // step) * step if step else size
+        return -(-size // MIN_BLOCK) * MIN_BLOCK
+
+
+def _number(key: str, value: str, kind: type) -> float:
+    try:
+        return kind(value)
+    except ValueError:
+        raise SettingsError(f"allocator config {key}: not a number: {value!r}") from None
+
+
+def allocation_size(size: int) -> int:
+    """get_allocation_size: the segment a request that no cached block serves reserves."""
+    if size <= SMALL_SIZE:
+        return SMALL_BUFFER
+    if size < MIN_LARGE_ALLOC:
+        return LARGE_BUFFER
+    return -(-size // ROUND_LARGE) * ROUND_LARGE
+
+
+@dataclass(eq=False)
+class _Block:
+    ptr: int
+    size: int
+    stream: int
+    small: bool
+    segment: int
+    allocated: bool = False
+    prev: _Block | None = None
+    next: _Block | None = None
+
+
+@dataclass
+class Allocator:
+    """The native caching allocator over one device's requests; ``reserved`` and ``peak_reserved`` are what
+    torch.cuda.memory_reserved / max_memory_reserved report, ``allocated`` / ``peak_allocated`` likewise."""
+
+    config: AllocatorConfig = field(default_factory=AllocatorConfig)
+    reserved: int = 0
+    peak_reserved: int = 0
+    allocated: int = 0
+    peak_allocated: int = 0
+    segments: int = 0
+
+    def __post_init__(self) -> None:
+        self._free: dict[tuple[bool, int], list[tuple[int, int, int]]] = {}  # (small, stream) -> (size, ptr, id)
+        self._blocks: dict[int, _Block] = {}  # id -> block (free blocks of the pools)
+        self._ids = itertools.count()
+        # cudaMalloc hands out segments from the top of the address space down (seen in every recorded
+        # stream); the address only breaks ties between cached blocks of one size (the lowest first)
+        self._next_ptr = 1 << 47
+        #: addresses to give the next new segments (a replay uses the recorded ones)
+        self.addresses: list[tuple[int, int]] = []
+        self._segment_heads: dict[int, _Block] = {}
+        self._expandable: dict[tuple[bool, int], _Block] = {}  # (small, stream) -> the segment's last block
+
+    # ---- pools ----
+    def _insert(self, b: _Block) -> None:
+        key = (b.small, b.stream)
+        i = next(self._ids)
+        b.segment = b.segment  # unchanged
+        self._blocks[i] = b
+        bisect.insort(self._free.setdefault(key, []), (b.size, b.ptr, i))
+        b._id = i  # type: ignore[attr-defined]
+
+    def _remove(self, b: _Block) -> None:
+        i = b._id  # type: ignore[attr-defined]
+        lst = self._free[(b.small, b.stream)]
+        j = bisect.bisect_left(lst, (b.size, b.ptr, i))
+        del lst[j]
+        del self._blocks[i]
+
+    def _best_fit(self, size: int, small: bool, stream: int) -> _Block | None:
+        lst = self._free.get((small, stream))
+        if not lst:
+            return None
+        j = bisect.bisect_left(lst, (size, -1, -1))
+        if j == len(lst):
+            return None
+        b = self._blocks[lst[j][2]]
+        mss = self.config.max_split_size
+        if mss is not None:
+            if size < mss <= b.size:
+                return None
+            if size >= mss and b.size >= size + LARGE_BUFFER:
+                return None
+        self._remove(b)
+        return b
+
+    def _should_split(self, b: _Block, size: int) -> bool:
+        remaining = b.size - size
+        if b.small or self.config.expandable_segments:
+            return remaining >= MIN_BLOCK
+        mss = self.config.max_split_size
+        return (mss is None or size < mss) and remaining > SMALL_SIZE
+
+    # ---- requests ----
+    def malloc(self, size: int, stream: int = 0) -> _Block:
+        """A request of ``size`` bytes on ``stream``: the block that serves it."""
+        size = self.config.round_size(size)
+        small = size <= SMALL_SIZE
+        b = self._best_fit(size, small, stream)
+        if b is None and self.config.expandable_segments:
+            b = self._expand(size, small, stream)
+        if b is None:
+            if self.config.garbage_collection_threshold > 0:
+                self._garbage_collect()
+            b = self._new_segment(allocation_size(size), small, stream)
+        if self._should_split(b, size):
+            rest = _Block(b.ptr + size, b.size - size, stream, small, b.segment, prev=b, next=b.next)
+            if b.next is not None:
+                b.next.prev = rest
+            b.next = rest
+            b.size = size
+            self._insert(rest)
+        b.allocated = True
+        self.allocated += b.size
+        self.peak_allocated = max(self.peak_allocated, self.allocated)
+        return b
+
+    def free(self, b: _Block) -> None:
+        """The block's memory is reusable (free_completed): merged with free neighbours, back to its pool."""
+        b.allocated = False
+        self.allocated -= b.size
+        for nb in (b.prev, b.next):
+            if nb is not None and not nb.allocated and hasattr(nb, "_id") and \
+                    nb._id in self._blocks:  # type: ignore[attr-defined]
+                self._remove(nb)
+                if nb is b.prev:
+                    b.ptr, b.size, b.prev = nb.ptr, nb.size + b.size, nb.prev
+                    if nb.prev is not None:
+                        nb.prev.next = b
+                    else:
+                        self._segment_heads[b.segment] = b
+                else:
+                    b.size, b.next = b.size + nb.size, nb.next
+                    if nb.next is not None:
+                        nb.next.prev = b
+        self._insert(b)
+
+    def empty_cache(self) -> None:
+        """release_cached_blocks: every segment with no allocated block goes back to CUDA."""
+        for seg, head in list(self._segment_heads.items()):
+            if head.prev is None and head.next is None and not head.allocated and \
+                    getattr(head, "_id", None) in self._blocks:
+                self._remove(head)
+                self.reserved -= head.size
+                self.segments -= 1
+                del self._segment_heads[seg]
+                for k, last in list(self._expandable.items()):
+                    if last.segment == seg:
+                        del self._expandable[k]
+
+    # ---- segments ----
+    def _new_segment(self, size: int, small: bool, stream: int) -> _Block:
+        seg = next(self._ids)
+        if self.addresses and self.addresses[0][1] == size:
+            ptr = self.addresses.pop(0)[0]
+        else:
+            self._next_ptr -= size + (1 << 30)
+            ptr = self._next_ptr
+        b = _Block(ptr, size, stream, small, seg)
+        self._segment_heads[seg] = b
+        self.reserved += size
+        self.segments += 1
+        self.peak_reserved = max(self.peak_reserved, self.reserved)
+        if self.config.expandable_segments:
+            self._expandable[(small, stream)] = b
+        return b
+
+    def _expand(self, size: int, small: bool, stream: int) -> _Block | None:
+        """Expandable segments: map pages at the end of the stream's segment, joining its free tail."""
+        tail = self._expandable.get((small, stream))
+        if tail is None:
+            return None
+        while tail.next is not None:
+            tail = tail.next
+        page = SMALL_BUFFER if small else LARGE_BUFFER
+        free_tail = tail.size if not tail.allocated and getattr(tail, "_id", None) in self._blocks else 0
+        grow = -(-(size - free_tail) // page) * page
+        self.reserved += grow
+        self.peak_reserved = max(self.peak_reserved, self.reserved)
+        if free_tail:
+            self._remove(tail)
+            tail.size += grow
+            return tail
+        b = _Block(tail.ptr + tail.size, grow, stream, small, tail.segment, prev=tail)
+        tail.next = b
+        return b
+
+    def _garbage_collect(self) -> None:
+        """garbage_collection_threshold, simplified: without a memory fraction PyTorch never collects; with one,
+        memplan releases whole free segments, the upper bound of what collection frees."""
+        self.empty_cache()
+
+
+def replay(events, config: AllocatorConfig | None = None) -> Allocator:  # noqa: ANN001
+    """Replay a recorded allocator event stream ([action, address, size, stream] per event, as
+    torch.cuda.memory._snapshot()'s device_traces give them): every ``alloc`` is served by this model's
+    decisions, every ``free_completed`` returns its block; a ``segment_free`` the model did not make itself is an
+    empty_cache() (DeepSpeed calls it) and releases the free segments."""
+    a = Allocator(config or AllocatorConfig())
+    a.addresses = [(addr, size) for action, addr, size, _ in events if action == "segment_alloc"]
+    live: dict[int, _Block] = {}
+    for action, addr, size, stream in events:
+        if action == "alloc":
+            live[addr] = a.malloc(size, stream)
+        elif action == "free_completed":
+            b = live.pop(addr, None)
+            if b is not None:
+                a.free(b)
+        elif action == "segment_free":
+            a.empty_cache()
+    return a

@@ -70,6 +70,36 @@ def predict(case: dict, config_dirs: list[Path]) -> dict:
             "notes": list(res.notes)}
 
 
+#: `memplan validate --device cuda --gpus 1` runs on the H100 (session 10, .gpu/run4.sh): name -> (model, options);
+#: their measured figures are kept in bench/gpu/validate/<name>.json and re-predicted with this code
+VALIDATE_RUNS = {
+    "falcon": ("falcon-7b-4l.json", dict(strategy="ddp", precision="torch-amp", micro_batch=1, seq_len=2048)),
+    "phi2": ("phi-2-6l.json", dict(strategy="ddp", precision="torch-amp", micro_batch=2, seq_len=1024)),
+    "qwen3z2": ("qwen3-0.6b.json", dict(stage=2, micro_batch=2, seq_len=2048)),
+    "gemma3fsdp": ("gemma3-1b.json", dict(strategy="fsdp-full", micro_batch=2, seq_len=1024)),
+    "olmoe3": ("olmoe-2l.json", dict(stage=3, micro_batch=2, seq_len=2048, recompute="full")),
+}
+
+
+def validate_rows() -> list[tuple]:
+    """(name, options, measured peak, prediction at the time, this code's prediction, phase)"""
+    from memplan.harness.validate import predict
+
+    rows = []
+    for name, (config, kw) in VALIDATE_RUNS.items():
+        path = EXTRA / "validate" / f"{name}.json"
+        if not path.is_file():
+            continue
+        run = json.loads(path.read_text())
+        peak = run["validation"]["peak"]
+        # as validate predicted on the H100: its architecture and cuBLAS workspace (no --gpu preset)
+        plan = predict(str(EXTRA / "configs" / config), device="cuda", gpus=1, gpu_arch="sm90",
+                       overhead_overrides={"blas_workspace_bytes": 32 << 20}, **kw)[0]
+        rows.append((name, config, kw, peak["measured_bytes"], peak["predicted_bytes"], plan.peak_bytes,
+                     plan.peak.name, run["run"].get("device", "cuda")))
+    return rows
+
+
 def load_cases(shared: Path) -> list[dict]:
     cases: dict[tuple, dict] = {}
     for path, origin in ((shared / "truth.jsonl", "shared"), (EXTRA / "truth-extra.jsonl", "bench/gpu")):
@@ -117,12 +147,16 @@ def main() -> None:
                     f"{sum(abs(r) <= 0.03 for r in rerrs)} of {len(rerrs)}")
     print(summary)
     print(f"predicted in {elapsed:.1f} s")
+    vrows = validate_rows()
+    for name, config, kw, measured, then, now, phase, _ in vrows:
+        print(f"validate {name:11} measured {measured:>14,} predicted then {then:>14,} "
+              f"({100 * (then - measured) / measured:+.2f}%) now {now:>14,} ({100 * (now - measured) / measured:+.2f}%)")
     if args.print:
         return
-    write_doc(rows, summary)
+    write_doc(rows, summary, vrows)
 
 
-def write_doc(rows: list, summary: str) -> None:
+def write_doc(rows: list, summary: str, vrows: list) -> None:
     import platform
 
     import torch
@@ -156,6 +190,24 @@ def write_doc(rows: list, summary: str) -> None:
             f"{c['seq_len']} | {c['recompute']} | {c['attn']} | {c.get('alloc_conf', '') or '-'} | {c['peak_bytes']:,} | "
             f"{p['peak_bytes']:,} | {100 * err:+.2f}% | {p['phase']} | {p['attention']} | {c['reserved_peak_bytes']:,} | "
             + ("- | - |" if rerr is None else f"{p['reserved_peak_bytes']:,} | {100 * rerr:+.2f}% |"))
+    lines += [
+        "",
+        "## `memplan validate --device cuda` on the H100",
+        "",
+        "memplan's own harness run on the same H100 (NCCL, one rank, 2 warm-up steps then 1 measured step; torch "
+        "2.11.0+cu130, transformers 5.23.0, DeepSpeed 0.19.8), `memplan validate CONFIG --device cuda --gpus 1 ...` "
+        "with the options shown (bench/gpu/validate/*.json keep each run's report). `then` is the prediction the run "
+        "printed (the code at the time of the run, before the math-kernel and ZeRO-3 step fixes); `now` is this code's, "
+        "re-predicted here against the same measurement.",
+        "",
+        "| run | config | options | measured peak | predicted then | error then | predicted now | error now | phase |",
+        "|---|---|---|---:|---:|---:|---:|---:|---|",
+    ]
+    for name, config, kw, measured, then, now, phase, _ in vrows:
+        opts = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in kw.items())
+        lines.append(f"| {name} | {config.removesuffix('.json')} | `{opts}` | {measured:,} | {then:,} | "
+                     f"{100 * (then - measured) / measured:+.2f}% | {now:,} | {100 * (now - measured) / measured:+.2f}% "
+                     f"| {phase} |")
     out.write_text("\n".join(lines) + "\n")
     print(f"wrote {out}")
 

@@ -674,7 +674,9 @@ def _fixed(inv: ParamInventory, s: Settings) -> _Fixed:
         step_grads = grads_persist + rc.reduced_grad_bytes * sg
         sg_scratch = rc.state_bytes * sg if impl == "foreach" else (
             scratch * sg // max(opt_numel, 1) if impl == "single-tensor" else 0)
-        step_buffers = buf_persist + max(rc.grad_bytes * sg, sg_scratch)
+        # the flat copy beside its fp32 cast (the cast is the copy itself when the grads are fp32)
+        flat = rc.grad_bytes * sg if rc.grad_bytes != rc.reduced_grad_bytes else 0
+        step_buffers = buf_persist + max(flat, sg_scratch)
         a["zero3_largest_sub_group_numel"] = sg
     if st.ds_ipg_buckets and st.zero_stage in (1, 2) and master_bytes and not st.fp32_grad_accumulation \
             and not ds_offload_opt:
@@ -684,7 +686,9 @@ def _fixed(inv: ParamInventory, s: Settings) -> _Fixed:
         # cast to fp32 (single_grad_partition); only then are the copy and the grads freed and the optimizer
         # run. Measured on the H100: mixtral-8x7b with one block under ZeRO-2 peaks there, a 6.85 GB fp32
         # partition beside the 3.43 GB flat copy and the 3.43 GB grads (-11.9% without this moment).
-        flat_grads = rc.grad_bytes * lay.partition_params_numel + rc.reduced_grad_bytes * opt_numel
+        # (grads already fp32, as under torch.autocast: the cast returns the flat copy itself)
+        cast = rc.reduced_grad_bytes * opt_numel if rc.grad_bytes != rc.reduced_grad_bytes else 0
+        flat_grads = rc.grad_bytes * lay.partition_params_numel + cast
         flat_buffers = buf_persist + rc.grad_bytes * opt_numel
         if flat_grads + flat_buffers > step_grads + step_buffers:
             step_grads, step_buffers = flat_grads, flat_buffers

@@ -164,6 +164,8 @@ def estimate(
     builder: str = typer.Option("auto", help="Inventory builder: auto | analytic | meta."),
     activations: str = typer.Option("auto", "--activations", help="auto (traced, analytic if the model cannot be "
                                     "traced) | traced | analytic."),
+    cpu_isa: Optional[str] = typer.Option(None, "--cpu-isa", help="device cpu: the instruction set the CPU kernels "
+                                          "follow, avx2 | avx512 | avx512_bf16 | amx [default: this machine's]."),
     as_json: bool = typer.Option(False, "--json", help="Print the schema-v1 JSON object on stdout."),
 ) -> None:
     """Per-GPU peak bytes of a training job, by category and phase, with overheads and the fit verdict.
@@ -177,7 +179,7 @@ def estimate(
     src = sources.resolve(model)
     inv = sources.build_inventory(src, builder=builder)
     resolved = options.resolve(
-        inv, config=src.config, activations=activations, gpus=gpus, gpus_per_node=gpus_per_node, stage=stage, strategy=strategy, precision=precision,
+        inv, config=src.config, activations=activations, cpu_isa=cpu_isa, gpus=gpus, gpus_per_node=gpus_per_node, stage=stage, strategy=strategy, precision=precision,
         optimizer=optimizer, optimizer_impl=optimizer_impl, micro_batch=micro_batch, seq_len=seq_len,
         grad_accum=grad_accum, recompute=recompute, attention=attention, gpu=gpu, gpu_memory_size=gpu_memory,
         device=device, deepspeed=deepspeed,
@@ -284,6 +286,8 @@ def plan(
     device: str = typer.Option("cuda", "--device", help="cuda, or cpu (no CUDA/NCCL overheads)."),
     builder: str = typer.Option("auto", help="Inventory builder: auto | analytic | meta."),
     activations: str = typer.Option("auto", "--activations", help="auto | traced | analytic."),
+    cpu_isa: Optional[str] = typer.Option(None, "--cpu-isa", help="device cpu: the instruction set the CPU kernels "
+                                          "follow, avx2 | avx512 | avx512_bf16 | amx [default: this machine's]."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON on stdout."),
 ) -> None:
     """The fewest GPUs, the largest micro-batch and the best strategy for a model on a GPU size.
@@ -301,7 +305,7 @@ def plan(
                            recomputes=_csv(recompute, "--recompute"), micro_batch=micro_batch,
                            max_micro_batch=max_micro_batch, allow_offload=allow_offload, seq_len=seq_len,
                            grad_accum=grad_accum, precision=precision, optimizer=optimizer, attention=attention,
-                           device=device, activations=activations)
+                           device=device, activations=activations, cpu_isa=cpu_isa)
     best = planner.best_settings(found)
     extra = [f"--gpu {gpu}" if gpu else f"--gpu-memory {gpu_memory}"]
     for flag, value in (("--seq-len", seq_len), ("--grad-accum", grad_accum), ("--precision", precision),
@@ -399,6 +403,8 @@ def validate(
     device: Optional[str] = typer.Option(None, "--device", help="cuda (NCCL) or cpu (gloo) [default: cuda if present]."),
     timeout: float = typer.Option(600.0, "--timeout", help="Seconds before a hung run is stopped."),
     tolerance: float = typer.Option(0.03, "--tolerance", help="Allowed |relative error| on the peak."),
+    cpu_isa: Optional[str] = typer.Option(None, "--cpu-isa", help="device cpu: the instruction set the CPU kernels "
+                                          "follow, avx2 | avx512 | avx512_bf16 | amx [default: this machine's]."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON on stdout."),
 ) -> None:
     """Run the job for real (torch.distributed, real DeepSpeed / FSDP2 / FSDP1 / DDP), measure every rank, compare.
@@ -416,6 +422,7 @@ def validate(
         gpus=gpus, gpus_per_node=gpus_per_node if gpus_per_node is not None else gpus, stage=stage,
         strategy=strategy, precision=precision, optimizer=optimizer, optimizer_impl=optimizer_impl,
         micro_batch=micro_batch, seq_len=seq_len, grad_accum=grad_accum, recompute=recompute, deepspeed=deepspeed,
+        **({"cpu_isa": cpu_isa} if cpu_isa else {}),
         ds_overrides=dict(reduce_bucket_size=reduce_bucket_size, allgather_bucket_size=allgather_bucket_size,
                           overlap_comm=overlap_comm, prefetch_bucket_size=prefetch_bucket_size,
                           param_persistence_threshold=param_persistence_threshold,

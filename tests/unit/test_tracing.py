@@ -365,10 +365,16 @@ def test_cpu_gemm_scratch_rule_matches_this_host(m, n, k):
     from memplan.kernels import cpu_gemm_scratch, host_cpu_isa
 
     isa, threads = host_cpu_isa(), torch.get_num_threads()
-    got = sum(_gemm_temps(m, n, k, torch.bfloat16))
-    rule = cpu_gemm_scratch(isa, m, n, k, "bfloat16", threads)
-    if isa == "avx512_bf16" or (isa == "avx512" and torch.backends.cpu.get_cpu_capability() == "DEFAULT"):
-        assert got <= rule, (isa, got, rule)
+    torch.set_num_threads(1)  # as the harness runs each rank (oneDNN's AMX and AVX512-BF16 buffers are per thread)
+    try:
+        got = sum(_gemm_temps(m, n, k, torch.bfloat16))
+    finally:
+        torch.set_num_threads(threads)
+    rule = cpu_gemm_scratch(isa, m, n, k, "bfloat16", 1)
+    if isa == "amx":  # measured on Sapphire Rapids at 1 thread: up to 1,280 B below, 13 KiB above (docs/cpu-kernels.md)
+        assert -16384 <= rule - got and got - rule <= 2048, (isa, got, rule)
+    elif isa == "avx512_bf16":  # an upper bound, by at most the largest per-thread remainder
+        assert 0 <= rule - got <= 44544 + 128 * k, (isa, got, rule)
     else:
         assert got == rule, (isa, got, rule)
     # fp32 GEMMs allocate nothing on any instruction set

@@ -1,0 +1,73 @@
+"""Replay recorded CUDA caching-allocator event streams through memplan/allocator.py and compare the reserved
+peak with the run's measured torch.cuda.max_memory_reserved.
+
+    python bench/allocator_replay.py [--shared ../shared/gpu]
+
+Streams: ../shared/gpu/traces/*.jsonl.gz (4 runs) and bench/gpu/traces/*.jsonl.gz (4 runs of session 10), one
+JSON array per event, [action, address, size, stream], from before the model is built to the end of step 4.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+#: stream file -> the truth line it was recorded with (config, framework, mode, micro-batch, seq, recompute)
+STREAMS = {
+    "ddp_amp": ("llama-3.2-1b.json", "ddp", "amp", 4, 2048, "none"),
+    "fsdp_full_rc": ("llama-3.2-1b.json", "fsdp2", "full", 8, 2048, "full"),
+    "zero3_offload": ("llama-3.2-1b.json", "deepspeed",
+                      '{"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": true}}', 4, 2048, "full"),
+    "zero2": ("qwen2.5-0.5b.json", "deepspeed", '{"stage": 1}', 8, 2048, "none"),
+    "qwen3_ddp_fp32": ("qwen3-0.6b.json", "ddp", "fp32", 2, 1024, "none"),
+    "phi3_fsdp_full": ("phi3-mini-4l.json", "fsdp2", "full", 4, 2048, "none"),
+    "phi2_ddp_amp": ("phi-2-6l.json", "ddp", "amp", 4, 2048, "none"),
+    "olmo2_fsdp_gradop_rc": ("olmo2-1b.json", "fsdp2", "gradop", 4, 2048, "full"),
+}
+
+
+def measured(shared: Path) -> dict[tuple, int]:
+    out = {}
+    for path in (shared / "truth.jsonl", ROOT / "bench" / "gpu" / "truth-extra.jsonl"):
+        if path.is_file():
+            for line in path.read_text().splitlines():
+                d = json.loads(line)
+                if "reserved_peak_bytes" in d and not d.get("alloc_conf"):
+                    out[(d["config"], d["framework"], d["mode"], d["micro_batch"], d["seq_len"],
+                         d["recompute"])] = d["reserved_peak_bytes"]
+    return out
+
+
+def main() -> int:
+    from memplan.allocator import replay
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shared", default=str(ROOT.parent / "shared" / "gpu"))
+    args = ap.parse_args()
+    shared = Path(args.shared)
+    truth = measured(shared)
+    bad = 0
+    for directory in (shared / "traces", ROOT / "bench" / "gpu" / "traces"):
+        for path in sorted(directory.glob("*.jsonl.gz")):
+            name = path.name.removesuffix(".jsonl.gz")
+            events = [json.loads(line) for line in gzip.open(path, "rt")]
+            t = time.perf_counter()
+            a = replay(events)
+            want = truth.get(STREAMS.get(name, ()))
+            ok = want is not None and a.peak_reserved == want
+            bad += not ok
+            print(f"{name:22} {len(events):6} events  replayed max reserved {a.peak_reserved:>15,}  measured "
+                  f"{want if want is None else format(want, ','):>15}  {'exact' if ok else 'DIFFERS'}  "
+                  f"({time.perf_counter() - t:.2f} s)")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

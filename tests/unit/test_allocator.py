@@ -1,0 +1,90 @@
+"""The CUDA caching allocator model: its rules one by one, and recorded H100 event streams replayed to their
+measured max_memory_reserved."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import pytest
+
+from memplan.allocator import Allocator, AllocatorConfig, allocation_size, replay
+from memplan.errors import SettingsError
+
+TRACES = Path(__file__).resolve().parents[2] / "bench" / "gpu" / "traces"
+#: measured max_memory_reserved of each stream's run (bench/gpu/truth-extra.jsonl)
+MEASURED = {"qwen3_ddp_fp32": 26_254_245_888, "phi3_fsdp_full": 20_759_707_648, "phi2_ddp_amp": 34_087_108_608,
+            "olmo2_fsdp_gradop_rc": 39_686_504_448}
+
+
+@pytest.mark.parametrize("name", sorted(MEASURED))
+def test_recorded_streams_replay_to_the_measured_reserved_peak(name):
+    events = [json.loads(line) for line in gzip.open(TRACES / f"{name}.jsonl.gz", "rt")]
+    a = replay(events)
+    assert a.peak_reserved == MEASURED[name]
+    # and the same segments, in the same order, as the real allocator reserved
+    recorded = [size for action, _, size, _ in events if action == "segment_alloc"]
+    assert a.segments == len(recorded) - sum(1 for e in events if e[0] == "segment_free")
+
+
+def test_sizes_round_to_blocks_and_segments():
+    c = AllocatorConfig()
+    assert c.round_size(1) == 512 and c.round_size(513) == 1024 and c.round_size(4096) == 4096
+    assert allocation_size(512) == 2 << 20  # small pool: 2 MiB segments
+    assert allocation_size((1 << 20) + 1) == 20 << 20  # 1-10 MiB: a 20 MiB segment
+    assert allocation_size(11 << 20) == 12 << 20  # above: rounded up to 2 MiB
+    p2 = AllocatorConfig(roundup_power2_divisions=4)
+    assert p2.round_size(1200 << 20) == 1280 << 20  # between 1 GiB and 2 GiB in quarters
+
+
+def test_best_fit_split_merge_and_reuse():
+    a = Allocator()
+    x = a.malloc(30 << 20)  # its own 30 MiB segment
+    assert a.reserved == 30 << 20
+    a.free(x)
+    y = a.malloc(12 << 20)  # served from the cached segment, split: the 18 MiB rest stays cached
+    assert a.reserved == 30 << 20 and y.size == 12 << 20
+    z = a.malloc(20 << 20)  # no cached block that large: a new segment
+    assert a.reserved == 50 << 20
+    a.free(y)  # merges with its free neighbour: the whole 30 MiB block again
+    w = a.malloc(28 << 20)
+    assert a.reserved == 50 << 20 and w.size == 28 << 20
+    a.free(z), a.free(w)
+    a.empty_cache()
+    assert a.reserved == 0 and a.peak_reserved == 50 << 20
+
+
+def test_large_blocks_split_only_above_one_mib_and_streams_do_not_share():
+    a = Allocator()
+    b = a.malloc(20 << 20)
+    a.free(b)
+    c = a.malloc((19 << 20) + 512)  # the rest would be under 1 MiB: not split, the whole block is handed out
+    assert c.size == 20 << 20
+    a.free(c)
+    a.malloc(20 << 20, stream=1)  # another stream never takes this stream's cached block
+    assert a.reserved == 40 << 20
+
+
+def test_max_split_size_keeps_oversize_blocks_for_large_requests():
+    a = Allocator(AllocatorConfig.parse("max_split_size_mb:64"))
+    b = a.malloc(100 << 20)
+    a.free(b)
+    a.malloc(30 << 20)  # below max_split_size: an oversize cached block is not used
+    assert a.reserved == (100 << 20) + (30 << 20)
+
+
+@pytest.mark.parametrize("text,message", [
+    ("max_split_size_mb:10", "above 20"), ("foo:1", "unknown key 'foo'"), ("expandable_segments:yes", "True or False"),
+    ("garbage_collection_threshold:1.5", "(0, 1)"), ("roundup_power2_divisions:3", "power of two"),
+    ("max_split_size_mb", "key:value"), ("max_split_size_mb:x", "not a number"),
+])
+def test_bad_allocator_config_is_refused(text, message):
+    with pytest.raises(SettingsError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        AllocatorConfig.parse(text)
+
+
+def test_allocator_config_parses_what_pytorch_takes():
+    c = AllocatorConfig.parse("expandable_segments:True,max_split_size_mb:512,garbage_collection_threshold:0.6")
+    assert c.expandable_segments and c.max_split_size == 512 << 20 and c.garbage_collection_threshold == 0.6
+    assert AllocatorConfig.parse("") == AllocatorConfig()

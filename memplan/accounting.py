@@ -125,7 +125,7 @@ class Settings:
     seq_len: int = 2048
     grad_accum: int = 1
     recompute: str = "none"
-    attention: str = "flash"
+    attention: str = "sdpa"  #: sdpa: the device's own kernel choice; flash: flash asked for; eager
     ds: DeepSpeedKnobs = field(default_factory=DeepSpeedKnobs)
     torch: TorchKnobs = field(default_factory=TorchKnobs)
     overheads: Overheads = field(default_factory=Overheads)

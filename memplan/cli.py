@@ -133,7 +133,8 @@ def estimate(
     optimizer_impl: Optional[str] = typer.Option(None, "--optimizer-impl", help="foreach, fused, single-tensor "
                                                  "[default: fused for DeepSpeed, foreach for torch; cpu: single-tensor]."),
     recompute: str = typer.Option("none", "--recompute", help="none | selective | full."),
-    attention: str = typer.Option("flash", "--attention", help="flash | sdpa | eager."),
+    attention: str = typer.Option("sdpa", "--attention", help="sdpa (the device's own kernel choice) | flash "
+                                  "(asked for: refused where the device cannot run it) | eager."),
     gpu: Optional[str] = typer.Option(None, "--gpu", help="GPU preset (memplan presets) for the fit verdict."),
     gpu_memory: Optional[str] = typer.Option(None, "--gpu-memory", help="GPU memory, e.g. 80GB (10^9) or 80GiB (2^30)."),
     device: str = typer.Option("cuda", "--device", help="cuda, or cpu (the gloo harness: no CUDA/NCCL overheads)."),
@@ -280,7 +281,8 @@ def plan(
     precision: Optional[str] = typer.Option(None, "--precision", help="Recipe for every strategy [default: each "
                                             "strategy's framework's]."),
     optimizer: Optional[str] = typer.Option(None, "--optimizer", help="adamw, adam, sgd, adafactor, adam8bit."),
-    attention: str = typer.Option("flash", "--attention", help="flash | sdpa | eager."),
+    attention: str = typer.Option("sdpa", "--attention", help="sdpa (the device's own kernel choice) | flash "
+                                  "(asked for: refused where the device cannot run it) | eager."),
     allow_offload: bool = typer.Option(False, "--allow-offload", help="Also consider DeepSpeed ZeRO-Offload "
                                        "(optimizer, or optimizer and parameters, on the host)."),
     device: str = typer.Option("cuda", "--device", help="cuda, or cpu (no CUDA/NCCL overheads)."),
@@ -312,7 +314,7 @@ def plan(
                         ("--optimizer", optimizer)):
         if value is not None:
             extra.append(f"{flag} {value}")
-    if attention != "flash":
+    if attention != "sdpa":
         extra.append(f"--attention {attention}")
     if device != "cuda":
         extra.append(f"--device {device}")

@@ -90,6 +90,8 @@ def activation_profile(config: dict[str, Any] | None, s: Settings, mode: str, no
     # DeepSpeed ZeRO-3 replaces F.linear with its own autograd function (tracing._deepspeed_zero3_linear)
     linear = "deepspeed-zero3" if s.strategy.zero_stage == 3 and s.ds.memory_efficient_linear else "aten"
     target = kernel_target(s.cluster)
+    if s.attention == "flash":
+        _check_flash(config, s, target)
     try:
         prof = act.load_or_trace(config, seq_len=s.seq_len, micro_batch=s.micro_batch, recipe=s.recipe.name,
                                  attention=attention, recompute=recompute, device=s.cluster.device,
@@ -119,6 +121,29 @@ def activation_profile(config: dict[str, Any] | None, s: Settings, mode: str, no
     return prof
 
 
+def _check_flash(config: dict[str, Any], s: Settings, target: Any) -> None:
+    """--attention flash asks for the flash kernel: refuse it where the device cannot run it (sdp_utils.cpp
+    can_use_flash_attention: fp16/bf16, sm80 or newer, one head dim up to 256); --attention sdpa takes the
+    device's own choice."""
+    from memplan.kernels import sdpa_class
+
+    why = None
+    if target.device == "cuda" and sdpa_class(target.arch) == "sm70":
+        why = f"flash attention needs an sm80 or newer GPU, not {target.arch}"
+    elif s.recipe.name == "fp32":
+        why = "flash attention needs fp16/bf16 inputs and this recipe computes in fp32"
+    else:
+        heads = config.get("num_attention_heads") or config.get("n_head")
+        hidden = config.get("hidden_size") or config.get("n_embd")
+        dq = config.get("head_dim") or (config.get("qk_nope_head_dim", 0) + config.get("qk_rope_head_dim", 0)) or (
+            hidden // heads if hidden and heads else None)
+        dv = config.get("v_head_dim") or dq
+        if dq and dv and (dq != dv or dq > 256):
+            why = f"flash attention needs one head dim up to 256 for q, k and v, not {dq}/{dv}"
+    if why:
+        raise SettingsError(f"--attention flash: {why}; --attention sdpa takes the kernel the device would choose")
+
+
 def kernel_target(c: Cluster) -> Any:
     """The kernels.Target the activations are traced for: the GPU's architecture, or the CPU's instruction set
     (this machine's unless --cpu-isa names another)."""
@@ -132,7 +157,7 @@ def kernel_target(c: Cluster) -> Any:
 def resolve(inv: ParamInventory, *, gpus: int = 1, gpus_per_node: int | None = None, stage: int | None = None,
             strategy: str | None = None, precision: str | None = None, optimizer: str | None = None,
             optimizer_impl: str | None = None, micro_batch: int | None = None, seq_len: int | None = None,
-            grad_accum: int | None = None, recompute: str = "none", attention: str = "flash",
+            grad_accum: int | None = None, recompute: str = "none", attention: str = "sdpa",
             gpu: str | None = None, gpu_memory_size: str | None = None, device: str = "cuda",
             deepspeed: str | None = None, ds_overrides: dict[str, Any] | None = None,
             torch_overrides: dict[str, Any] | None = None,

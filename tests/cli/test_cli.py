@@ -95,6 +95,11 @@ def test_gb_vs_gib():
     (["validate", "gpt2", "--device", "cpu", "--steps", "0"], "steps must be at least 1"),
     (["validate", "gpt2", "--device", "cpu", "--recompute", "selective"], "--recompute none or full"),
     (["validate", "gpt2", "--device", "cpu", "--optimizer", "adafactor"], "runs adamw, adam and sgd"),
+    (["estimate", "gpt2", "--precision", "fp32", "--attention", "flash"], "flash attention needs fp16/bf16"),
+    (["estimate", "gpt2", "--attention", "flash", "--gpu", "v100-32g"], "needs an sm80 or newer GPU, not sm70"),
+    (["estimate", "deepseek-v3", "--attention", "flash"], "one head dim up to 256 for q, k and v, not 192/128"),
+    (["estimate", "gpt2", "--device", "cpu", "--cpu-isa", "sse"], "--cpu-isa must be one of avx2, avx512"),
+    (["estimate", "gpt2", "--cpu-isa", "amx"], "--cpu-isa applies to --device cpu"),
 ])
 def test_bad_input_one_line_exit_2(args, needle):
     r = run(*args)

@@ -170,7 +170,7 @@ def write_doc(rows: list, summary: str, vrows: list) -> None:
         f"{platform.machine()}, torch {torch.__version__}, transformers {transformers.__version__}). Measured: one H100 80GB HBM3, "
         "torch 2.11.0+cu130, transformers 5.23.0, DeepSpeed 0.19.8, one process, NCCL world 1, steps 3 and 4 after two "
         "warm-up steps (../shared/gpu/README.md: `shared`; this repository's bench/gpu/truth-extra.jsonl: `bench/gpu`, "
-        "architectures and settings not in the shared set, measured the same way with bench/gpu/run_cases.sh).",
+        "architectures and settings not in the shared set, measured the same way with bench/gpu/device/case.py and the run*.sh beside it).",
         "",
         "Each case is predicted with `memplan estimate CONFIG --gpus 1 --gpus-per-node 1 --gpu h100-80g --device cuda "
         "--optimizer adamw --attention ATTN --recompute RC --micro-batch MB --seq-len SEQ` and the case's strategy and "

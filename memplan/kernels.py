@@ -132,7 +132,8 @@ def _heads_ok(c: SdpaCall, supports_gqa: bool) -> bool:
 def _cudnn(c: SdpaCall, arch: str) -> str | None:
     """Why cuDNN attention cannot run this call (None: it can). can_use_cudnn_attention as measured on torch
     2.11+cu130, cuDNN 9.19, sm90 (bench/gpu/sdpa_choice_h100.json.gz): fp16/bf16, head dims multiples of 8 up to
-    256, any mask, grouped-query heads, dropout, non-square causal; not a key/value length of 1."""
+    256, any mask, grouped-query heads, dropout, non-square causal; not a key/value length of 1, nor a query length
+    of 1 with dropout (check_cudnn_tensor_shapes)."""
     if not c.half:
         return "cuDNN needs fp16/bf16"
     if c.dq > 256 or c.dv > 256:
@@ -141,6 +142,8 @@ def _cudnn(c: SdpaCall, arch: str) -> str | None:
         return "cuDNN needs head dims that are multiples of 8"
     if c.sk == 1:
         return "cuDNN does not take a key length of 1"
+    if c.sq == 1 and c.dropout > 0:
+        return "cuDNN does not take a query length of 1 with dropout"
     if not _heads_ok(c, True):
         return "heads differ without enable_gqa"
     return None
@@ -271,13 +274,17 @@ def backward_scratch(backend: str, c: SdpaCall, device: str = "cuda") -> int:
     if backend == "flash":
         s = round_up(c.sq, 128)
         d = round_up(c.dq, 32 if c.dq <= 128 else 64)
-        return 4 * b * s * h * d + 4 * b * h * s + gqa
+        # (with grouped-query heads a further buffer of up to 0.9 MB was measured: 12 q heads per kv head, s 4096)
+        return 4 * b * s * h * d + 4 * b * h * s + gqa + ((1 << 20) if gqa else 0)
     if backend == "cudnn":
-        return 4 * b * c.sq * h * c.dq + 4 * b * h * c.sq + CUDA_BLOCK + gqa
+        return 4 * b * c.sq * h * c.dq + 4 * b * h * c.sq + CUDA_BLOCK + gqa + ((1 << 20) if gqa else 0)
     if backend == "efficient":
         s = round_up(c.sq, 32)
-        extra = 4 * b * h * c.sq * c.dv if max(c.dq, c.dv) > 128 and c.dq != c.dv else 0
-        return 4 * b * h * s * c.dq + 2 * 4 * b * h * s + extra
+        if c.half and max(c.dq, c.dv) > 128:
+            # fp16/bf16 head dims past 128 take a further workspace, 19 to 27 MB in the three shapes measured
+            # whatever their size (b 2, heads 4 to 16, s 1024 to 2048): its largest, rounded up, as a bound
+            return 4 * b * h * s * c.dq + 2 * 4 * b * h * s + (28 << 20)
+        return 4 * b * h * s * c.dq + 2 * 4 * b * h * s
     return 0
 
 

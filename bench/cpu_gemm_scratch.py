@@ -4,6 +4,8 @@ allocator's events of real GEMMs, on this machine and in the measurements kept i
     python bench/cpu_gemm_scratch.py            # measure this host, compare every kept measurement, write
                                                  # docs/cpu-kernels.md
     python bench/cpu_gemm_scratch.py --print
+    python bench/cpu_gemm_scratch.py --spot-check   # also: two harness cases under ATEN_CPU_CAPABILITY=avx2,
+                                                    # against the measurements kept in docs/accuracy.jsonl
 
 bench/cpu/gemm_scratch_sapphire_rapids.jsonl: the device machine's host CPU (Intel Sapphire Rapids: AMX,
 AVX512-BF16), torch 2.11.0, 3 threads, oneDNN capped with ONEDNN_MAX_CPU_ISA at each level (.gpu/gemm_isa.py).
@@ -59,6 +61,37 @@ def compare(isa: str, rows: list, threads: int) -> tuple[int, int, int, int]:
     return exact, under, worst_under, worst_over
 
 
+SPOT = [("zero2 small buckets", ["--stage", "2", "--reduce-bucket-size", "100000", "--allgather-bucket-size", "100000",
+                                  "--no-overlap-comm"]),
+        ("fsdp-full", ["--strategy", "fsdp-full"])]
+
+
+def spot_check() -> list[str]:
+    """Two curated harness cases (llama-7b, 2 blocks, 2 ranks) run under ATEN_CPU_CAPABILITY=avx2: another ATen
+    kernel set on the same CPU, against the measurement docs/accuracy.jsonl keeps for them."""
+    import subprocess
+
+    kept = {}
+    for line in (ROOT / "docs" / "accuracy.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        kept[(r[0], r[1], r[2])] = r
+    out = ["", "## The harness under another ATen CPU capability", "",
+           "`ATEN_CPU_CAPABILITY=avx2 memplan validate llama-7b --layers 2 --hidden 256 --vocab 2048 --gpus 2 "
+           "--micro-batch 2 --seq-len 128 --device cpu ...` (the options below), against the same case's kept "
+           "measurement (native capability) in docs/accuracy.jsonl:", "",
+           "| case | measured (avx2) | measured (kept) | predicted | error |", "|---|---:|---:|---:|---:|"]
+    for label, extra in SPOT:
+        cmd = [sys.executable, "-m", "memplan", "validate", "llama-7b", "--layers", "2", "--hidden", "256", "--vocab",
+               "2048", "--gpus", "2", "--micro-batch", "2", "--seq-len", "128", "--device", "cpu", "--json", *extra]
+        env = dict(os.environ, ATEN_CPU_CAPABILITY="avx2", OMP_NUM_THREADS="1")
+        r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
+        peak = json.loads(r.stdout)["validation"]["peak"]
+        old = kept.get((label, "llama-7b, 2 blocks", "none"))
+        out.append(f"| {label} `{' '.join(extra)}` | {peak['measured_bytes']:,} | "
+                   f"{old[4]:,} | {peak['predicted_bytes']:,} | {100 * peak['error']:+.3f}% |")
+    return out
+
+
 def main() -> None:
     import platform
 
@@ -68,6 +101,7 @@ def main() -> None:
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--print", action="store_true")
+    ap.add_argument("--spot-check", action="store_true")
     args = ap.parse_args()
     lines = []
     host = host_cpu_isa()
@@ -100,6 +134,8 @@ def main() -> None:
               "suite checks the rule of whatever machine it runs on (tests/unit/test_tracing.py "
               "`test_cpu_gemm_scratch_rule_matches_this_host`) and passed under ATEN_CPU_CAPABILITY=avx2 and =default "
               "as well as natively (259 tests, session 10)."]
+    if args.spot_check:
+        lines += spot_check()
     text = "\n".join(lines) + "\n"
     print(text)
     if not args.print:

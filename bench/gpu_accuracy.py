@@ -78,6 +78,11 @@ VALIDATE_RUNS = {
     "qwen3z2": ("qwen3-0.6b.json", dict(stage=2, micro_batch=2, seq_len=2048)),
     "gemma3fsdp": ("gemma3-1b.json", dict(strategy="fsdp-full", micro_batch=2, seq_len=1024)),
     "olmoe3": ("olmoe-2l.json", dict(stage=3, micro_batch=2, seq_len=2048, recompute="full")),
+    # .gpu/run6.sh (bench/gpu/device/run6.sh), with this session's final kernels
+    "smollm2fp32": ("smollm2-135m.json", dict(strategy="ddp", precision="fp32", micro_batch=2, seq_len=2048)),
+    "falcon2": ("falcon-7b-4l.json", dict(strategy="ddp", precision="torch-amp", micro_batch=2, seq_len=2048)),
+    "qwen3fp32": ("qwen3-0.6b.json", dict(strategy="ddp", precision="fp32", micro_batch=2, seq_len=1024)),
+    "mixtral1lz2": ("mixtral-8x7b-1l.json", dict(stage=2, micro_batch=2, seq_len=2048)),
 }
 
 
@@ -197,8 +202,8 @@ def write_doc(rows: list, summary: str, vrows: list) -> None:
         "memplan's own harness run on the same H100 (NCCL, one rank, 2 warm-up steps then 1 measured step; torch "
         "2.11.0+cu130, transformers 5.23.0, DeepSpeed 0.19.8), `memplan validate CONFIG --device cuda --gpus 1 ...` "
         "with the options shown (bench/gpu/validate/*.json keep each run's report). `then` is the prediction the run "
-        "printed (the code at the time of the run, before the math-kernel and ZeRO-3 step fixes); `now` is this code's, "
-        "re-predicted here against the same measurement.",
+        "printed (the first five ran before the math-kernel and ZeRO-3 step fixes, the last four after); `now` is this "
+        "code's, re-predicted here against the same measurement.",
         "",
         "| run | config | options | measured peak | predicted then | error then | predicted now | error now | phase |",
         "|---|---|---|---:|---:|---:|---:|---:|---|",

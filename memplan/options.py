@@ -35,7 +35,11 @@ def gpu_memory(gpu: str | None, gpu_memory: str | None) -> tuple[int | None, str
         key = gpu.lower()
         if key not in presets:
             raise SettingsError(f"unknown GPU {gpu!r}; valid: {', '.join(presets)}")
-        return presets[key]["usable_bytes"], f"{key}: {presets[key]['name']}, {presets[key]['usable_bytes']} bytes"
+        g = presets[key]
+        if "torch_total_bytes" in g:  # what PyTorch reports and its allocator works within (measured)
+            return g["torch_total_bytes"], (f"{key}: {g['name']}, {g['torch_total_bytes']} bytes as torch reports "
+                                            f"them (nvidia-smi: {g['usable_bytes']})")
+        return g["usable_bytes"], f"{key}: {g['name']}, {g['usable_bytes']} bytes (nvidia-smi memory.total)"
     if gpu_memory:
         n, how = parse_size(gpu_memory)
         return n, how

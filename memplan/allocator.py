@@ -173,10 +173,13 @@ class Allocator:
     def _insert(self, b: _Block) -> None:
         key = (b.small, b.stream)
         i = next(self._ids)
-        b.segment = b.segment  # unchanged
         self._blocks[i] = b
         bisect.insort(self._free.setdefault(key, []), (b.size, b.ptr, i))
         b._id = i  # type: ignore[attr-defined]
+
+    def _is_cached(self, b: _Block) -> bool:
+        """Free and in its pool (a block handed out, or split off and handed out, is not)."""
+        return not b.allocated and self._blocks.get(getattr(b, "_id", -1)) is b
 
     def _remove(self, b: _Block) -> None:
         i = b._id  # type: ignore[attr-defined]
@@ -238,8 +241,7 @@ class Allocator:
         b.allocated = False
         self.allocated -= b.size
         for nb in (b.prev, b.next):
-            if nb is not None and not nb.allocated and hasattr(nb, "_id") and \
-                    nb._id in self._blocks:  # type: ignore[attr-defined]
+            if nb is not None and self._is_cached(nb):
                 self._remove(nb)
                 if nb is b.prev:
                     b.ptr, b.size, b.prev = nb.ptr, nb.size + b.size, nb.prev
@@ -256,8 +258,7 @@ class Allocator:
     def empty_cache(self) -> None:
         """release_cached_blocks: every segment with no allocated block goes back to CUDA."""
         for seg, head in list(self._segment_heads.items()):
-            if head.prev is None and head.next is None and not head.allocated and \
-                    getattr(head, "_id", None) in self._blocks:
+            if head.prev is None and head.next is None and self._is_cached(head):
                 self._remove(head)
                 self.reserved -= head.size
                 self.segments -= 1
@@ -291,7 +292,7 @@ class Allocator:
         while tail.next is not None:
             tail = tail.next
         page = SMALL_BUFFER if small else LARGE_BUFFER
-        free_tail = tail.size if not tail.allocated and getattr(tail, "_id", None) in self._blocks else 0
+        free_tail = tail.size if self._is_cached(tail) else 0
         grow = -(-(size - free_tail) // page) * page
         self.reserved += grow
         self.peak_reserved = max(self.peak_reserved, self.reserved)

@@ -58,15 +58,15 @@ def _int(value: Any, key: str, path: str) -> int:
 
 
 def load(path: str) -> DsConfig:
-    p = Path(path)
-    try:
-        text = p.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise ConfigError(f"cannot read DeepSpeed config {path}: {exc.strerror or exc}") from exc
+    from memplan.units import read_small_text
+
+    text = read_small_text(Path(path), "DeepSpeed config")
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise ConfigError(f"{path} is not valid JSON: {exc.msg} at line {exc.lineno}") from exc
+        raise ConfigError(f"{path} is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
+    except RecursionError:
+        raise ConfigError(f"{path} is nested too deeply to be a DeepSpeed config") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path} must hold a JSON object")
     unknown = [k for k in data if k not in KNOWN_TOP]

@@ -113,6 +113,11 @@ def _fits_at(inv: ParamInventory, s: accounting.Settings, gpus: int, mb: int, bu
     return req <= budget
 
 
+#: the largest cluster and micro-batch plan searches (refused above: the search enumerates them)
+MAX_GPUS = 1 << 20
+MAX_MICRO_BATCH = 4096
+
+
 def search(inv: ParamInventory, *, gpu: str | None = None, gpu_memory_size: str | None = None, config: dict | None = None, gpus_per_node: int = 8,
            max_gpus: int = 1024, strategies: tuple[str, ...] = DEFAULT_STRATEGIES,
            recomputes: tuple[str, ...] = ("none", "full"), micro_batch: int | None = None,
@@ -126,6 +131,12 @@ def search(inv: ParamInventory, *, gpu: str | None = None, gpu_memory_size: str 
         raise SettingsError(f"micro-batch must be at least 1, got {micro_batch}")
     if max_micro_batch < 1:
         raise SettingsError(f"--max-micro-batch must be at least 1, got {max_micro_batch}")
+    # bounds past any cluster or batch a job runs with are refused (the search lists every count and micro-batch)
+    if max_gpus > MAX_GPUS:
+        raise SettingsError(f"--max-gpus {max_gpus} is more than the {MAX_GPUS:,} GPUs memplan plans for")
+    if max_micro_batch > MAX_MICRO_BATCH or (micro_batch is not None and micro_batch > MAX_MICRO_BATCH):
+        raise SettingsError(f"micro-batch bound {max(max_micro_batch, micro_batch or 0)} is more than the "
+                            f"{MAX_MICRO_BATCH:,} memplan plans for")
     budget, how = options.gpu_memory(gpu, gpu_memory_size)
     if budget is None:
         raise SettingsError("plan needs the GPU: --gpu NAME (memplan presets) or --gpu-memory SIZE (80GB, 80GiB)")

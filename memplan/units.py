@@ -99,3 +99,31 @@ def parse_size(text: str, allow_zero: bool = False) -> tuple[int, str]:
         "binary, 2^" + str({"kib": 10, "mib": 20, "gib": 30, "tib": 40, "k": 10, "m": 20, "g": 30, "t": 40}[unit])
         if unit not in ("", "b") else "bytes")
     return n, f"{value} {label} ({base}) = {n} bytes"
+
+
+def read_small_text(path, what: str, limit: int = 16 << 20) -> str:  # noqa: ANN001
+    """The text of a regular file of at most ``limit`` bytes, as UTF-8, or a one-line SettingsError: a FIFO, a
+    device (/dev/zero) or a directory is refused before it is opened (reading one would hang or never end), and
+    nothing of the file's content is echoed in the error."""
+    import os
+    import stat
+    from pathlib import Path
+
+    p = Path(path)
+    try:
+        st = os.stat(p)
+    except OSError as exc:
+        raise SettingsError(f"cannot read {what} {p}: {exc.strerror or exc}") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise SettingsError(f"{what} {p} is not a regular file")
+    if st.st_size > limit:
+        raise SettingsError(f"{what} {p} is {st.st_size} bytes, more than the {limit}-byte limit")
+    try:
+        with open(p, "rb") as fh:
+            raw = fh.read(limit + 1)
+    except OSError as exc:
+        raise SettingsError(f"cannot read {what} {p}: {exc.strerror or exc}") from None
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise SettingsError(f"{what} {p} is not UTF-8 text") from None

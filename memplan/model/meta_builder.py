@@ -124,10 +124,18 @@ def build_meta_from_factory(spec: str) -> ParamInventory:
         import torch
     except ImportError as exc:  # pragma: no cover
         raise ModelSourceError(f"factory {spec!r} needs torch ({exc})") from exc
+    def first_line(exc: BaseException) -> str:
+        text = str(exc).strip().splitlines()
+        return f"{type(exc).__name__}: {text[0][:200]}" if text else type(exc).__name__
+
+    # the user's code may raise anything, sys.exit included: a factory that ends the process would end a CI gate
+    # with its own exit code (0), so every BaseException but Ctrl-C becomes one line and exit 2
     try:
         module = importlib.import_module(module_name)
-    except Exception as exc:
-        raise ModelSourceError(f"factory {spec!r}: cannot import {module_name!r}: {type(exc).__name__}: {exc}") from exc
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:
+        raise ModelSourceError(f"factory {spec!r}: cannot import {module_name!r}: {first_line(exc)}") from None
     fn: Any = module
     for part in attr.split("."):
         fn = getattr(fn, part, None)
@@ -138,8 +146,10 @@ def build_meta_from_factory(spec: str) -> ParamInventory:
     try:
         with torch.device("meta"):
             model = fn()
-    except Exception as exc:
-        raise ModelSourceError(f"factory {spec!r} raised {type(exc).__name__}: {exc}") from exc
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:
+        raise ModelSourceError(f"factory {spec!r} raised {first_line(exc)}") from None
     if not isinstance(model, torch.nn.Module):
         raise ModelSourceError(f"factory {spec!r} returned {type(model).__name__}, not a torch.nn.Module")
     cfg = getattr(model, "config", None)

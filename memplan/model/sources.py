@@ -74,20 +74,17 @@ def gpu_presets() -> dict[str, dict[str, Any]]:
 
 def read_config(path: Path) -> dict[str, Any]:
     """Read and check a config.json: exists, not empty, a JSON object with a model_type."""
-    try:
-        size = path.stat().st_size
-    except OSError as exc:
-        raise ModelSourceError(f"cannot read {path}: {exc.strerror or exc}") from exc
-    if size == 0:
+    from memplan.units import read_small_text
+
+    text = read_small_text(path, "config", MAX_CONFIG_BYTES)
+    if not text:
         raise ConfigError(f"{path} is empty")
-    if size > MAX_CONFIG_BYTES:
-        raise ConfigError(f"{path} is {size} bytes, too large for a config.json")
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except UnicodeDecodeError as exc:
-        raise ConfigError(f"{path} is not UTF-8 text") from exc
+        data = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise ConfigError(f"{path} is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from exc
+        raise ConfigError(f"{path} is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
+    except RecursionError:
+        raise ConfigError(f"{path} is nested too deeply to be a config.json") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path} must hold a JSON object, not {type(data).__name__}")
     if "model_type" not in data:
@@ -101,18 +98,24 @@ def read_safetensors_header(path: Path) -> list[CheckpointTensor]:
     Format: 8-byte little-endian header length N, then N bytes of JSON. N is checked against the file size and
     a hard cap before anything is read.
     """
+    import stat as _stat
+
     try:
-        size = path.stat().st_size
+        st = path.stat()
+        if not _stat.S_ISREG(st.st_mode):
+            raise ConfigError(f"{path} is not a regular file")
+        size = st.st_size
         with path.open("rb") as f:
             head = f.read(8)
             if len(head) < 8:
                 raise ConfigError(f"{path} is too short to be a safetensors file ({size} bytes)")
             (n,) = struct.unpack("<Q", head)
+            # the length is the file's own bytes: it is checked, never echoed (the file may not be a checkpoint)
             if n > MAX_SAFETENSORS_HEADER_BYTES:
-                raise ConfigError(f"{path}: safetensors header length {n} exceeds the "
-                                  f"{MAX_SAFETENSORS_HEADER_BYTES}-byte limit; refusing to read it")
+                raise ConfigError(f"{path}: not a safetensors file (its header length exceeds the "
+                                  f"{MAX_SAFETENSORS_HEADER_BYTES}-byte limit)")
             if n > size - 8:
-                raise ConfigError(f"{path}: safetensors header length {n} is larger than the file ({size} bytes)")
+                raise ConfigError(f"{path}: not a safetensors file (its header length is larger than the file)")
             raw = f.read(n)
     except OSError as exc:
         raise ModelSourceError(f"cannot read {path}: {exc.strerror or exc}") from exc
@@ -143,10 +146,18 @@ def _read_checkpoint(directory: Path) -> tuple[CheckpointTensor, ...]:
     files: list[Path]
     if index.is_file():
         try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-            files = sorted({directory / f for f in weight_map.values()})
-        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
+            from memplan.units import read_small_text
+
+            weight_map = json.loads(read_small_text(index, "safetensors index", MAX_CONFIG_BYTES))["weight_map"]
+            names = set(weight_map.values())
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError, RecursionError) as exc:
             raise ConfigError(f"{index} is not a valid safetensors index (needs a 'weight_map' object)") from exc
+        for f in names:
+            # shards are files of this directory: a name that is absolute or climbs out of it is refused before
+            # anything is opened (a symlinked shard, as in the Hugging Face cache, is fine)
+            if not isinstance(f, str) or not f or Path(f).is_absolute() or ".." in Path(f).parts:
+                raise ConfigError(f"{index}: shard {str(f)[:80]!r} is not a file inside {directory}")
+        files = sorted(directory / f for f in names)
         missing = [f.name for f in files if not f.is_file()]
         if missing:
             raise ModelSourceError(f"{index} names shards that are missing: {', '.join(missing[:3])}")

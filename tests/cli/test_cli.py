@@ -63,6 +63,26 @@ def test_gb_vs_gib():
     assert any("decimal" in n for n in a["notes"]) and any("binary" in n for n in b["notes"])
 
 
+def test_a_shard_outside_the_model_directory_is_refused_unread(tmp_path):
+    # an index whose weight_map climbs out of the directory (or is absolute) is refused before any file is opened
+    (tmp_path / "config.json").write_text('{"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 1, '
+                                          '"num_attention_heads": 2, "vocab_size": 100, "intermediate_size": 128}')
+    for bad in ("../../../../etc/passwd", "/etc/passwd"):
+        (tmp_path / "model.safetensors.index.json").write_text('{"weight_map": {"a": "%s"}}' % bad)
+        r = run("inspect", str(tmp_path))
+        assert r.returncode == 2 and "is not a file inside" in r.stderr and "root:" not in r.stderr
+
+
+def test_a_factory_that_exits_is_an_error_not_a_success(tmp_path):
+    # sys.exit(0) in a factory (at import or when called) would end a CI gate with 0
+    (tmp_path / "exits_mod.py").write_text("import sys\ndef build():\n    sys.exit(0)\n")
+    (tmp_path / "exits_at_import.py").write_text("import sys\nsys.exit(0)\n")
+    for spec, needle in (("exits_mod:build", "raised SystemExit"), ("exits_at_import:x", "cannot import")):
+        r = subprocess.run([sys.executable, "-m", "memplan", "inspect", spec], capture_output=True, text=True,
+                           cwd=ROOT, env={**os.environ, "PYTHONPATH": str(tmp_path)})
+        assert r.returncode == 2 and needle in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
 @pytest.mark.parametrize("args,needle", [
     (["estimate", "lama-7b"], "unknown preset 'lama-7b'"),
     (["estimate", "gpt2", "--stage", "5"], "--stage must be 0, 1, 2 or 3"),
@@ -100,6 +120,10 @@ def test_gb_vs_gib():
     (["estimate", "deepseek-v3", "--attention", "flash"], "one head dim up to 256 for q, k and v, not 192/128"),
     (["estimate", "gpt2", "--device", "cpu", "--cpu-isa", "sse"], "--cpu-isa must be one of avx2, avx512"),
     (["estimate", "gpt2", "--cpu-isa", "amx"], "--cpu-isa applies to --device cpu"),
+    (["plan", "gpt2", "--gpu", "h100-80g", "--max-gpus", "1000000000"], "more than the 1,048,576 GPUs"),
+    (["plan", "gpt2", "--gpu", "h100-80g", "--max-micro-batch", "1000000"], "more than the 4,096"),
+    (["estimate", "gpt2", "--deepspeed", "/dev/zero"], "is not a regular file"),
+    (["estimate", "gpt2", "--deepspeed", "/"], "is not a regular file"),
 ])
 def test_bad_input_one_line_exit_2(args, needle):
     r = run(*args)

@@ -86,6 +86,14 @@ def parse_size(text: str, allow_zero: bool = False) -> tuple[int, str]:
     if not m:
         raise SettingsError(f"memory size {text!r} is not a number with an optional unit (e.g. 80GB, 80GiB)")
     value, unit = m.group(1), m.group(2).lower()
+    if unit == "" and float(value) != 0:
+        # "80" would be 80 bytes: almost always a size whose unit was forgotten
+        raise SettingsError(f"memory size {text!r} has no unit: write {value}GB (10^9), {value}GiB (2^30) or "
+                            f"{value}B for bytes")
+    if unit in ("k", "m", "g", "t"):
+        raise SettingsError(f"memory size {text!r} is ambiguous: write {value}{unit.upper()}B (10^"
+                            f"{ {'k': 3, 'm': 6, 'g': 9, 't': 12}[unit]}) or {value}{unit.upper()}iB (2^"
+                            f"{ {'k': 10, 'm': 20, 'g': 30, 't': 40}[unit]})")
     if unit not in _SIZE_UNITS:
         raise SettingsError(f"memory size {text!r}: unknown unit {m.group(2)!r}; use B, KB, MB, GB, TB, KiB, MiB, GiB, TiB")
     x = float(value) * _SIZE_UNITS[unit]

@@ -96,6 +96,8 @@ def test_a_factory_that_exits_is_an_error_not_a_success(tmp_path):
     (["estimate", "gpt2", "--seq-len", "0"], "seq-len must be at least 1"),
     (["estimate", "gpt2", "--gpu-memory", "-80GB"], "memory size"),
     (["estimate", "gpt2", "--gpu-memory", "80XB"], "unknown unit"),
+    (["estimate", "gpt2", "--gpu-memory", "80"], "has no unit: write 80GB (10^9), 80GiB (2^30) or 80B"),
+    (["estimate", "gpt2", "--gpu-memory", "80G"], "is ambiguous: write 80GB (10^9) or 80GiB (2^30)"),
     (["estimate", "gpt2", "--strategy", "hsdp", "--gpus", "16", "--gpus-per-node", "8", "--hsdp-shard-size", "3"],
      "HSDP shard size(3)"),
     (["estimate", "gpt2", "--stage", "2", "--offload-param"], "needs ZeRO stage 3"),

@@ -30,7 +30,7 @@ def case_settings(case: dict) -> dict:
     fw, mode = case["framework"], case["mode"]
     kw: dict = dict(gpus=1, gpus_per_node=1, gpu="h100-80g", device="cuda", optimizer="adamw",
                     attention=case["attn"], recompute=case["recompute"], micro_batch=case["micro_batch"],
-                    seq_len=case["seq_len"])
+                    seq_len=case["seq_len"], allocator_conf=case.get("alloc_conf") or "")
     ds: dict = {}
     if fw == "ddp":
         kw.update(strategy="ddp", precision={"amp": "torch-amp", "fp32": "fp32"}[mode])

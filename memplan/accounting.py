@@ -62,9 +62,15 @@ class Overheads:
     cuda_context_bytes: int = 512 * MiB
     #: NCCL buffers per communicator: 0.5-1.6 GB observed on A100/H100 (NCCL issues #864, #964).
     nccl_bytes_per_communicator: int = 1 * GiB
-    #: Caching-allocator fragmentation (reserved - allocated) as a fraction of the allocated peak.
-    fragmentation_percent: int = 5
+    #: Caching-allocator overhead (reserved - allocated) as a flat fraction of the allocated peak: an explicit
+    #: override. None: the reserved peak is replayed (memplan/reserved.py), or, where it cannot be, the
+    #: FALLBACK_FRAGMENTATION_PERCENT below.
+    fragmentation_percent: int | None = None
 
+
+#: reserved / allocated where the reserved peak cannot be replayed: the largest ratio measured on the H100 for a
+#: dense model (1.35: DeepSpeed ZeRO-3 with the optimizer offloaded, ../shared/gpu/truth.jsonl; docs/accuracy-gpu.md)
+FALLBACK_FRAGMENTATION_PERCENT = 35
 
 #: threads that run GEMMs in a training step, each with its own cuBLAS handle and workspace (Cluster)
 BLAS_HANDLES = 2
@@ -131,6 +137,8 @@ class Settings:
     overheads: Overheads = field(default_factory=Overheads)
     #: the traced activation profile (activations.TracedProfile); None -> the analytic profile
     activation_profile: Any = None
+    #: PYTORCH_CUDA_ALLOC_CONF for the caching allocator's replay ("" : PyTorch's defaults)
+    allocator_conf: str = ""
 
     def __post_init__(self) -> None:
         for name in ("micro_batch", "seq_len", "grad_accum"):
@@ -178,6 +186,17 @@ class Plan:
     assumptions: dict[str, Any]
     #: per rank, by category: what offload keeps in host memory (sums to host_bytes_per_node / ranks per node)
     host_detail: dict[str, int] = field(default_factory=dict)
+    #: the caching allocator replayed (reserved.Reserved), or None with reserved_why saying why not
+    reserved: Any = None
+    reserved_why: str | None = None
+
+    @property
+    def reserved_peak_bytes(self) -> int | None:
+        """Predicted torch.cuda.max_memory_reserved: replayed, or with the flat fragmentation term."""
+        if self.settings.cluster.device != "cuda":
+            return None
+        return self.peak_bytes + self.overhead_detail.get("allocator_bytes",
+                                                          self.overhead_detail.get("fragmentation_bytes", 0))
 
     @property
     def peak_bytes(self) -> int:
@@ -970,12 +989,32 @@ def _kind_values(f: _Fixed, micro_batch: int, saved: int, block: int, emb: int,
     return out
 
 
-def _overheads(s: Settings, f: _Fixed, peak: int) -> dict[str, int]:
+def _overheads(s: Settings, f: _Fixed, peak: int, reserved: Any) -> dict[str, int]:
+    """What the fit verdict adds to the allocated peak: the CUDA context, NCCL's buffers, and the caching
+    allocator's segments beyond the allocated bytes (the replayed reserved peak less the allocated one), or the
+    flat fragmentation percentage where it is given or the replay cannot run."""
     if s.cluster.device != "cuda":
         return {}
     o = s.overheads
-    return {"cuda_context_bytes": o.cuda_context_bytes, "nccl_bytes": f.comms * o.nccl_bytes_per_communicator,
-            "fragmentation_bytes": peak * o.fragmentation_percent // 100}
+    out = {"cuda_context_bytes": o.cuda_context_bytes, "nccl_bytes": f.comms * o.nccl_bytes_per_communicator}
+    if o.fragmentation_percent is None and reserved is not None:
+        out["allocator_bytes"] = max(reserved.peak_bytes - peak, 0)
+    else:
+        pct = FALLBACK_FRAGMENTATION_PERCENT if o.fragmentation_percent is None else o.fragmentation_percent
+        out["fragmentation_bytes"] = peak * pct // 100
+    return out
+
+
+def _reserved(inv: ParamInventory, s: Settings) -> tuple[Any, str | None]:
+    """The caching allocator's replay for these settings, or (None, why not)."""
+    if s.cluster.device != "cuda":
+        return None, None
+    from memplan import reserved
+
+    why = reserved.why_not(s)
+    if why is not None:
+        return None, why
+    return reserved.predict(inv, s), None
 
 
 def estimate(inv: ParamInventory, s: Settings) -> Plan:
@@ -986,24 +1025,43 @@ def estimate(inv: ParamInventory, s: Settings) -> Plan:
                    for name, (g, x, b) in zip(PHASE_NAMES, _phases(f, s.recompute, s.micro_batch)))
     totals = [p.total_bytes for p in phases]
     peak = phases[totals.index(max(totals))]
-    detail = _overheads(s, f, peak.total_bytes)
+    res, why = _reserved(inv, s) if s.overheads.fragmentation_percent is None else (None, "fragmentation given")
+    detail = _overheads(s, f, peak.total_bytes, res)
     return Plan(settings=s, inventory=inv, phases=phases, peak=peak, overhead_bytes=sum(detail.values()),
                 overhead_detail=detail, host_bytes_per_node=f.host_per_node, host_detail=f.host_detail,
                 shard_group=f.shard_group,
-                between_steps_bytes=f.between, assumptions=dict(f.assumptions))
+                between_steps_bytes=f.between, assumptions=dict(f.assumptions), reserved=res, reserved_why=why)
 
 
-def required_bytes(inv: ParamInventory, s: Settings, micro_batches: Any) -> list[tuple[int, int]]:
+def required_bytes(inv: ParamInventory, s: Settings, micro_batches: Any,
+                   lower_bound: bool = False) -> list[tuple[int, int]]:
     """(peak_bytes, required_bytes) for each micro-batch, the other settings fixed: the batched evaluator.
 
     The micro-batch-independent part is computed once; each micro-batch then costs a few integer operations
-    and gives exactly what ``estimate(inv, replace(s, micro_batch=b))`` gives (tested).
+    and gives exactly what ``estimate(inv, replace(s, micro_batch=b))`` gives (tested). Where the caching
+    allocator is replayed (memplan/reserved.py) each micro-batch is an estimate; ``lower_bound`` leaves the
+    allocator's term out instead (the reserved peak is never below the allocated one), the fast bound a search
+    narrows with before it replays.
     """
     f = _fixed(inv, s)
     base, prof, rec = f.non_activation, f.profile, s.recompute
     o = s.overheads
     fixed_over = (o.cuda_context_bytes + f.comms * o.nccl_bytes_per_communicator) if s.cluster.device == "cuda" else 0
-    frag = o.fragmentation_percent if s.cluster.device == "cuda" else 0
+    frag = 0
+    if s.cluster.device == "cuda":
+        if o.fragmentation_percent is not None:
+            frag = o.fragmentation_percent
+        elif lower_bound:
+            from memplan.reserved import why_not
+
+            frag = 0 if why_not(s) is None else FALLBACK_FRAGMENTATION_PERCENT
+        else:
+            from memplan.reserved import why_not
+
+            if why_not(s) is None:  # the replay, one micro-batch at a time
+                return [(p, r) for p, r in ((e.peak_bytes, e.required_bytes) for e in
+                                            (estimate(inv, replace(s, micro_batch=b)) for b in micro_batches))]
+            frag = FALLBACK_FRAGMENTATION_PERCENT
     # a moment's activations depend only on its kind: keep the largest non-activation total per kind
     best: dict[int, int] = {}
     for m in f.moments:

@@ -39,7 +39,7 @@ from memplan.errors import SettingsError
 RECOMPUTE = ("none", "selective", "full")
 ATTENTION = ("flash", "sdpa", "eager")
 ACTIVATION_SOURCES = ("traced", "analytic")
-PROFILE_VERSION = 14  #: bump when the traced profile's format or method changes (memplan.tracing)
+PROFILE_VERSION = 15  #: bump when the traced profile's format or method changes (memplan.tracing)
 
 
 @dataclass(frozen=True)
@@ -352,16 +352,18 @@ def load_or_trace(config: dict, *, seq_len: int, micro_batch: int, recipe: str, 
     key = profile_key(config, seq_len=seq_len, recipe=recipe, attention=attention, recompute=recompute,
                       device=device, linear=linear, target=target)
     for where, origin in ((shipped_dir(), "shipped"), (cache_dir(), "cache")):
-        path = where / f"{key}.json"
-        if path.is_file():
-            try:
-                data = json.loads(path.read_text())
-                if "alias" in data:  # the same bytes as another target's profile (tools/ship_activation_...)
-                    own = {k: v for k, v in data.items() if k != "alias"}
-                    data = {**json.loads((where / f"{data['alias']}.json").read_text()), **own}
-                return TracedProfile(data, micro_batch, origin)
-            except (OSError, ValueError, TypeError):
-                pass
+        try:
+            data = _read_profile(where, key)
+        except (OSError, ValueError, TypeError, EOFError):
+            continue
+        if data is not None:
+            if "alias" in data:  # the same bytes as another target's profile (tools/ship_activation_...)
+                own = {k: v for k, v in data.items() if k != "alias"}
+                base = _read_profile(where, data["alias"])
+                if base is None:
+                    continue
+                data = {**base, **own}
+            return TracedProfile(data, micro_batch, origin)
     if not allow_trace:
         return None
     failed = cache_dir() / f"{key}.failed"
@@ -387,6 +389,21 @@ def load_or_trace(config: dict, *, seq_len: int, micro_batch: int, recipe: str, 
         raise
     _write_atomic(cache_dir() / f"{key}.json", json.dumps(data))
     return TracedProfile(data, micro_batch, "traced now")
+
+
+def _read_profile(where: Path, key: str) -> dict | None:
+    """A profile stored as <key>.json, or gzip-compressed as <key>.json.gz (the shipped ones: their allocation
+    events are long); None when neither is there."""
+    path = where / f"{key}.json"
+    if path.is_file():
+        return json.loads(path.read_text())
+    path = where / f"{key}.json.gz"
+    if path.is_file():
+        import gzip
+
+        with gzip.open(path, "rt") as f:
+            return json.loads(f.read())
+    return None
 
 
 def _versions() -> dict[str, str]:

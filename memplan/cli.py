@@ -158,7 +158,10 @@ def estimate(
     gradient_as_bucket_view: bool = typer.Option(False, "--gradient-as-bucket-view", help="DDP gradient_as_bucket_view."),
     cuda_context: Optional[str] = typer.Option(None, help="CUDA context size [default: 512MiB]."),
     nccl_per_communicator: Optional[str] = typer.Option(None, help="NCCL buffers per communicator [default: 1GiB]."),
-    fragmentation_percent: Optional[int] = typer.Option(None, help="Allocator fragmentation, % of peak [default: 5]."),
+    fragmentation_percent: Optional[int] = typer.Option(None, help="A flat allocator overhead, % of the allocated "
+                                                        "peak, instead of the replayed reserved peak."),
+    allocator_conf: Optional[str] = typer.Option(None, "--allocator-conf", help="The job's PYTORCH_CUDA_ALLOC_CONF, "
+                                                 "e.g. expandable_segments:True [default: from the environment]."),
     cublas_workspace: Optional[str] = typer.Option(None, help="cuBLAS workspace per handle, inside the peak (the job's "
                                                    "CUBLAS_WORKSPACE_CONFIG; 0 for :0:0) [default: the GPU's; "
                                                    "32MiB]."),
@@ -183,7 +186,7 @@ def estimate(
         inv, config=src.config, activations=activations, cpu_isa=cpu_isa, gpus=gpus, gpus_per_node=gpus_per_node, stage=stage, strategy=strategy, precision=precision,
         optimizer=optimizer, optimizer_impl=optimizer_impl, micro_batch=micro_batch, seq_len=seq_len,
         grad_accum=grad_accum, recompute=recompute, attention=attention, gpu=gpu, gpu_memory_size=gpu_memory,
-        device=device, deepspeed=deepspeed,
+        device=device, deepspeed=deepspeed, allocator_conf=allocator_conf,
         ds_overrides=dict(reduce_bucket_size=reduce_bucket_size, allgather_bucket_size=allgather_bucket_size,
                           overlap_comm=overlap_comm, contiguous_gradients=contiguous_gradients,
                           prefetch_bucket_size=prefetch_bucket_size,
@@ -234,7 +237,13 @@ def _render_plan(rep: dict) -> None:
     over = ", ".join(f"{k.removesuffix('_bytes').replace('_', ' ')} {fmt_bytes(v)}" for k, v in od.items()) or "none"
     c.print(f"peak allocated: [bold]{fmt_bytes(pg['peak_bytes'])}[/bold] ({pg['peak_bytes']:,} B) in "
             f"{pg['peak_phase']}   overheads: {fmt_bytes(pg['overhead_bytes'])} ({over})")
-    c.print(f"required per GPU: [bold]{fmt_bytes(pg['required_bytes'])}[/bold]")
+    res = rep.get("reserved")
+    if res and pg.get("reserved_peak_bytes") is not None:
+        ratio = pg["reserved_peak_bytes"] / pg["peak_bytes"] if pg["peak_bytes"] else 0
+        how = ("allocator segments, replayed" if res["method"] == "replayed" else
+               f"allocated + {res['fragmentation_percent']}%: {res['why']}")
+        c.print(f"peak reserved: [bold]{fmt_bytes(pg['reserved_peak_bytes'])}[/bold] ({how}; {ratio:.2f}x allocated)")
+    c.print(f"required per GPU: [bold]{fmt_bytes(pg['required_bytes'])}[/bold] (reserved + CUDA context + NCCL)")
     if rep["host_bytes_per_node"]:
         per_rank = ", ".join(f"{k.removesuffix('_bytes').replace('_', ' ')} {fmt_bytes(v)}"
                              for k, v in rep.get("host_bytes_per_rank_by_category", {}).items())
@@ -286,6 +295,8 @@ def plan(
     allow_offload: bool = typer.Option(False, "--allow-offload", help="Also consider DeepSpeed ZeRO-Offload "
                                        "(optimizer, or optimizer and parameters, on the host)."),
     device: str = typer.Option("cuda", "--device", help="cuda, or cpu (no CUDA/NCCL overheads)."),
+    allocator_conf: Optional[str] = typer.Option(None, "--allocator-conf", help="The job's PYTORCH_CUDA_ALLOC_CONF, "
+                                                 "e.g. expandable_segments:True [default: from the environment]."),
     builder: str = typer.Option("auto", help="Inventory builder: auto | analytic | meta."),
     activations: str = typer.Option("auto", "--activations", help="auto | traced | analytic."),
     cpu_isa: Optional[str] = typer.Option(None, "--cpu-isa", help="device cpu: the instruction set the CPU kernels "
@@ -307,7 +318,7 @@ def plan(
                            recomputes=_csv(recompute, "--recompute"), micro_batch=micro_batch,
                            max_micro_batch=max_micro_batch, allow_offload=allow_offload, seq_len=seq_len,
                            grad_accum=grad_accum, precision=precision, optimizer=optimizer, attention=attention,
-                           device=device, activations=activations, cpu_isa=cpu_isa)
+                           device=device, activations=activations, cpu_isa=cpu_isa, allocator_conf=allocator_conf)
     best = planner.best_settings(found)
     extra = [f"--gpu {gpu}" if gpu else f"--gpu-memory {gpu_memory}"]
     for flag, value in (("--seq-len", seq_len), ("--grad-accum", grad_accum), ("--precision", precision),
@@ -318,6 +329,8 @@ def plan(
         extra.append(f"--attention {attention}")
     if device != "cuda":
         extra.append(f"--device {device}")
+    if allocator_conf:
+        extra.append(f"--allocator-conf {allocator_conf}")
     rep = search_report(found, inv, None if best is None else accounting.estimate(inv, best),
                         planner.command_line(model, found, extra))
     if as_json:

@@ -148,6 +148,30 @@ def _check_flash(config: dict[str, Any], s: Settings, target: Any) -> None:
         raise SettingsError(f"--attention flash: {why}; --attention sdpa takes the kernel the device would choose")
 
 
+#: the environment variables PyTorch reads its allocator settings from, the newer name first
+#: (c10/core/AllocatorConfig.cpp: PYTORCH_ALLOC_CONF, then the CUDA-specific PYTORCH_CUDA_ALLOC_CONF)
+ALLOC_CONF_ENV = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
+
+
+def _allocator_conf(given: str | None, device: str, notes: list[str], sources: dict[str, str]) -> str:
+    """The caching allocator's settings: --allocator-conf, else the environment the job would inherit; checked
+    as PyTorch checks them (an unknown key or a bad value is an error naming it)."""
+    import os
+
+    from memplan.allocator import AllocatorConfig
+
+    if given is not None:
+        text, where = given, "command line"
+    else:
+        env = next((k for k in ALLOC_CONF_ENV if os.environ.get(k)), None)
+        text, where = (os.environ[env], env) if env else ("", "default")
+    conf = AllocatorConfig.parse(text)
+    sources["allocator_conf"] = where
+    if conf.text and device == "cuda":
+        notes.append(f"caching allocator: {conf.text} (from {where})")
+    return conf.text
+
+
 def kernel_target(c: Cluster) -> Any:
     """The kernels.Target the activations are traced for: the GPU's architecture, or the CPU's instruction set
     (this machine's unless --cpu-isa names another)."""
@@ -166,7 +190,8 @@ def resolve(inv: ParamInventory, *, gpus: int = 1, gpus_per_node: int | None = N
             deepspeed: str | None = None, ds_overrides: dict[str, Any] | None = None,
             torch_overrides: dict[str, Any] | None = None,
             overhead_overrides: dict[str, Any] | None = None, config: dict[str, Any] | None = None,
-            activations: str = "auto", cpu_isa: str | None = None, gpu_arch: str | None = None) -> Resolved:
+            activations: str = "auto", cpu_isa: str | None = None, gpu_arch: str | None = None,
+            allocator_conf: str | None = None) -> Resolved:
     sources: dict[str, str] = {}
     notes: list[str] = []
     ds_file = dsconfig.load(deepspeed) if deepspeed else None
@@ -238,7 +263,7 @@ def resolve(inv: ParamInventory, *, gpus: int = 1, gpus_per_node: int | None = N
     workspace = ov_in.pop("blas_workspace_bytes", None)
     ov = Overheads(**ov_in)
     for k in ("cuda_context_bytes", "nccl_bytes_per_communicator", "fragmentation_percent"):
-        if getattr(ov, k) < 0:
+        if getattr(ov, k) is not None and getattr(ov, k) < 0:
             raise SettingsError(f"{k.replace('_', '-')} must not be negative, got {getattr(ov, k)}")
 
     mem, how = gpu_memory(gpu, gpu_memory_size)
@@ -262,9 +287,10 @@ def resolve(inv: ParamInventory, *, gpus: int = 1, gpus_per_node: int | None = N
     cluster = Cluster(gpus=gpus, gpus_per_node=gpus_per_node if gpus_per_node is not None else min(gpus, 8) or 1,
                       gpu_memory_bytes=mem, device=device, gpu_arch=arch, cpu_isa=cpu_isa,
                       **({} if workspace is None else {"blas_workspace_bytes": workspace}))
+    conf = _allocator_conf(allocator_conf, device, notes, sources)
     settings = Settings(strategy=strat, recipe=recipe, optimizer=opt, cluster=cluster, optimizer_impl=optimizer_impl,
                         micro_batch=mb, seq_len=seq, grad_accum=ga, recompute=recompute, attention=attention,
-                        ds=ds, torch=tk, overheads=ov)
+                        ds=ds, torch=tk, overheads=ov, allocator_conf=conf)
     settings = replace(settings, activation_profile=activation_profile(config, settings, activations, notes))
     max_pos = inv.dims.get("max_positions")
     if max_pos and seq > max_pos:

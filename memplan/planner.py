@@ -104,13 +104,44 @@ def _candidates(inv: ParamInventory, config: dict | None, strategies: tuple[str,
     return out
 
 
-def _fits_at(inv: ParamInventory, s: accounting.Settings, gpus: int, mb: int, budget: int) -> bool:
+def _fits_at(inv: ParamInventory, s: accounting.Settings, gpus: int, mb: int, budget: int,
+             lower_bound: bool = True) -> bool:
     try:
         s2 = accounting.with_gpus(s, gpus)
-        (_, req), = accounting.required_bytes(inv, s2, (mb,))
+        (_, req), = accounting.required_bytes(inv, s2, (mb,), lower_bound=lower_bound)
     except SettingsError:  # e.g. HSDP shard size that does not divide this count
         return False
     return req <= budget
+
+
+def _largest_fitting(inv: ParamInventory, s: accounting.Settings, mbs: tuple[int, ...], budget: int) -> tuple[int | None, int]:
+    """The index of the largest micro-batch that fits, and the evaluations it took: the batched evaluator's bound
+    from below first (without the caching allocator's segments), then the replayed reserved peak (memplan/
+    reserved.py) by bisection below that bound, since required memory grows with the micro-batch."""
+    curve = accounting.required_bytes(inv, s, mbs, lower_bound=True)
+    hi = max((i for i, (_, req) in enumerate(curve) if req <= budget), default=None)
+    evaluations = len(mbs)
+    if hi is None:
+        return None, evaluations
+    exact = {}
+
+    def fits(i: int) -> bool:
+        if i not in exact:
+            exact[i] = accounting.required_bytes(inv, s, (mbs[i],))[0]
+        return exact[i][1] <= budget
+
+    evaluations += 1
+    if fits(hi):
+        return hi, evaluations
+    lo, top = -1, hi  # fits(lo) (or nothing), not fits(top)
+    while top - lo > 1:
+        mid = (lo + top) // 2
+        evaluations += 1
+        if fits(mid):
+            lo = mid
+        else:
+            top = mid
+    return (lo if lo >= 0 else None), evaluations
 
 
 #: the largest cluster and micro-batch plan searches (refused above: the search enumerates them)
@@ -170,28 +201,41 @@ def search(inv: ParamInventory, *, gpu: str | None = None, gpu_memory_size: str 
                 break
             lo -= 1
             found = usable[lo]
+        # the bisection's verdict leaves the caching allocator's segments out (a bound from below): the
+        # replayed reserved peak decides, from there up
+        while found is not None:
+            evaluations += 1
+            if _fits_at(inv, c.settings, found, first_mb, budget, lower_bound=False):
+                break
+            lo += 1
+            found = usable[lo] if lo < len(usable) else None
         with_min.append(replace(c, min_gpus=found))
     fitting = [c.min_gpus for c in with_min if c.min_gpus is not None]
     if not fitting:
         return Search(budget, gpus_per_node, max_gpus, mbs, tuple(with_min), None, None, tuple(notes), evaluations)
-    gpus = min(fitting)
-
-    # 2. at that count, each candidate's largest micro-batch (the batched evaluator)
-    done = []
-    for c in with_min:
-        if c.min_gpus is None or c.min_gpus > gpus:
-            done.append(c)
-            continue
-        s = accounting.with_gpus(c.settings, gpus)
-        curve = accounting.required_bytes(inv, s, mbs)
-        evaluations += len(mbs)
-        best_i = max((i for i, (_, req) in enumerate(curve) if req <= budget), default=None)
-        if best_i is None:
-            done.append(c)
-            continue
-        peak, req = curve[best_i]
-        done.append(replace(c, micro_batch=mbs[best_i], peak_bytes=peak, required_bytes=req,
-                            headroom_bytes=budget - req))
+    # 2. at the fewest GPUs any candidate needs, each candidate's largest micro-batch; where the caching
+    #    allocator's segments leave none fitting there (step 1 bounds from below), the next count
+    for gpus in sorted(set(g for g in counts if g >= min(fitting))):
+        done = []
+        for c in with_min:
+            if c.min_gpus is None or c.min_gpus > gpus:
+                done.append(c)
+                continue
+            try:
+                s = accounting.with_gpus(c.settings, gpus)
+            except SettingsError:
+                done.append(c)
+                continue
+            best_i, n_eval = _largest_fitting(inv, s, mbs, budget)
+            evaluations += n_eval
+            if best_i is None:
+                done.append(c)
+                continue
+            (peak, req), = accounting.required_bytes(inv, s, (mbs[best_i],))
+            done.append(replace(c, micro_batch=mbs[best_i], peak_bytes=peak, required_bytes=req,
+                                headroom_bytes=budget - req))
+        if any(c.micro_batch is not None for c in done):
+            break
 
     def rank(c: Candidate) -> tuple:
         return (RECOMPUTE_ORDER.index(c.recompute), -(c.micro_batch or 0), c.offload,
@@ -199,6 +243,8 @@ def search(inv: ParamInventory, *, gpu: str | None = None, gpu_memory_size: str 
 
     ok = [c for c in done if c.micro_batch is not None]
     best = min(ok, key=rank) if ok else None
+    if best is None:
+        return Search(budget, gpus_per_node, max_gpus, mbs, tuple(done), None, None, tuple(notes), evaluations)
     ordered = sorted(done, key=lambda c: (c.micro_batch is None, rank(c) if c.micro_batch else (),
                                           c.min_gpus or 1 << 60, c.label, RECOMPUTE_ORDER.index(c.recompute)))
     return Search(budget, gpus_per_node, max_gpus, mbs, tuple(ordered), best, gpus, tuple(notes), evaluations)

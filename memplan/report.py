@@ -47,7 +47,7 @@ def plan_report(plan: Any, sources: dict[str, str] | None = None, notes: tuple[s
     per_gpu = {k: getattr(peak, k) for k in ("weights_bytes", "master_weights_bytes", "grads_bytes",
                                               "optimizer_states_bytes", "activations_bytes", "buffers_bytes")}
     per_gpu.update(overhead_bytes=plan.overhead_bytes, peak_bytes=plan.peak_bytes, peak_phase=peak.name,
-                   required_bytes=plan.required_bytes)
+                   reserved_peak_bytes=plan.reserved_peak_bytes, required_bytes=plan.required_bytes)
     assumptions = dict(plan.assumptions)
     assumptions.update(recipe=s.recipe.description, optimizer=s.optimizer.description,
                        overheads=asdict(s.overheads) if s.cluster.device == "cuda" else "none (device cpu)",
@@ -64,6 +64,7 @@ def plan_report(plan: Any, sources: dict[str, str] | None = None, notes: tuple[s
         "phases": [{"name": p.name, **{k: getattr(p, k) for k in per_gpu if k.endswith("_bytes")
                                        and hasattr(p, k)}, "total_bytes": p.total_bytes} for p in plan.phases],
         "overhead_detail": plan.overhead_detail,
+        "reserved": reserved_report(plan),
         "host_bytes_per_node": plan.host_bytes_per_node,
         "host_bytes_per_rank_by_category": plan.host_detail,
         "fits": plan.fits,
@@ -71,6 +72,25 @@ def plan_report(plan: Any, sources: dict[str, str] | None = None, notes: tuple[s
         "assumptions": assumptions,
         "notes": list(inv.notes) + list(notes),
     }
+
+
+def reserved_report(plan: Any) -> dict[str, Any] | None:
+    """How the reserved peak was found: the caching allocator replayed (memplan/reserved.py), or the flat
+    fragmentation percentage, and why."""
+    s = plan.settings
+    if s.cluster.device != "cuda":
+        return None
+    r = plan.reserved
+    if r is not None:
+        return {"method": "replayed", "peak_bytes": r.peak_bytes, "framework_sequence": r.model,
+                "replay_allocated_peak_bytes": r.allocated_bytes, "allocator_conf": r.config,
+                "variants": dict(sorted(r.variants.items()))}
+    from memplan.accounting import FALLBACK_FRAGMENTATION_PERCENT
+
+    pct = s.overheads.fragmentation_percent
+    return {"method": "flat", "peak_bytes": plan.reserved_peak_bytes,
+            "fragmentation_percent": FALLBACK_FRAGMENTATION_PERCENT if pct is None else pct,
+            "why": "--fragmentation-percent given" if pct is not None else plan.reserved_why}
 
 
 def search_report(found: Any, inv: ParamInventory, best_plan: Any, command: str | None,

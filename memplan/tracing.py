@@ -55,6 +55,11 @@ class _LiveBytes:
         self._born: dict[int, int] = {}
         self.timeline: list[int] = [0]
         self._corrections: list[tuple[int, int, int]] = []  # (from index, to index, bytes)
+        #: the step as the caching allocator sees it: a birth is [bytes] (the storage's id is the number of births
+        #: before it), a death the dead storage's id; mark_grad appends the block to a gradient's birth
+        self.events: list[Any] = []
+        self._births_list: list[list[int]] = []
+        self._sid: dict[int, int] = {}
 
     def track(self, t: Any) -> None:
         st = t.untyped_storage()
@@ -62,10 +67,16 @@ class _LiveBytes:
         if key in self._refs:
             return
         n = self.nbytes(st)
+        sid = len(self._births_list)
+        self._sid[key] = sid
+        self._births_list.append([n])
+        self.events.append(self._births_list[-1])
 
-        def gone(_ref: Any, key: int = key, n: int = n) -> None:
+        def gone(_ref: Any, key: int = key, n: int = n, sid: int = sid) -> None:
             self._refs.pop(key, None)
             self._born.pop(key, None)
+            self._sid.pop(key, None)
+            self.events.append(sid)
             self.live -= n
 
         self._refs[key] = weakref.ref(st, gone)
@@ -93,6 +104,12 @@ class _LiveBytes:
             self._corrections.append((born, len(self.timeline) + 1, self.nbytes(st)))
             self._born.pop(id(st), None)
         return born
+
+    def mark_grad(self, t: Any, block: int) -> None:
+        """``t`` is the gradient of a parameter of ``block`` (-1: outside the blocks): its birth says so."""
+        sid = self._sid.get(id(t.untyped_storage()))
+        if sid is not None and len(self._births_list[sid]) == 1:
+            self._births_list[sid].append(block)
 
     def not_activation_between(self, start: int, end: int, nbytes: int) -> None:
         """Bytes that were a gradient, not an activation, from timeline index ``start`` to ``end``."""
@@ -210,17 +227,21 @@ def _one_step(config: dict[str, Any], batch: int, seq: int, recipe: str, attenti
             #: then: FSDP2 applies RegisterPostBackwardFunction to the block's inputs
             #: (torch/distributed/fsdp/_fully_shard/_fsdp_state.py _pre_forward), FSDP1 hooks the same moment.
             backward_ends: dict[int, int] = {}
+            #: the same moments as indices into live.events (fs, fe: forward start, end; bs, be: backward)
+            regions: dict[str, dict[int, int]] = {"fs": {}, "fe": {}, "bs": {}, "be": {}}
 
             def note_start(i: int) -> Any:
                 def hook(_mod: Any, args: Any, kwargs: Any) -> None:
                     if i in forward_starts:
                         return  # a recomputation in backward
                     forward_starts[i] = (live.live, len(live.timeline))
+                    regions["fs"][i] = len(live.events)
                     x = args[0] if args else kwargs.get("hidden_states")
                     if isinstance(x, torch.Tensor) and x.requires_grad:
                         def done(_grad: Any) -> None:
                             live.tick()
                             backward_ends.setdefault(i, len(live.timeline) - 1)
+                            regions["be"].setdefault(i, len(live.events))
                         x.register_hook(done)
                 return hook
 
@@ -236,11 +257,13 @@ def _one_step(config: dict[str, Any], batch: int, seq: int, recipe: str, attenti
                     if i in forward_ends:
                         return  # a recomputation in backward
                     forward_ends[i] = len(live.timeline)
+                    regions["fe"][i] = len(live.events)
                     y = out[0] if isinstance(out, (tuple, list)) and out else out
                     if isinstance(y, torch.Tensor) and y.requires_grad:
                         def begun(_grad: Any) -> None:
                             live.tick()
                             backward_starts.setdefault(i, len(live.timeline) - 1)
+                            regions["bs"].setdefault(i, len(live.events))
                         y.register_hook(begun)
                 return hook
 
@@ -273,6 +296,7 @@ def _one_step(config: dict[str, Any], batch: int, seq: int, recipe: str, attenti
                 if first is not None and first[1] is not None:
                     # the loss segment counts a tied weight's gradient from its first contribution on
                     root_firsts.append((first[1], p.grad.numel()))
+                live.mark_grad(p.grad, block_of.get(id(p), -1))
                 born = live.not_activation(p.grad)
                 if born is not None:
                     grads.append((born, block_of.get(id(p), -1), p.grad.numel()))
@@ -297,6 +321,7 @@ def _one_step(config: dict[str, Any], batch: int, seq: int, recipe: str, attenti
                         loss = model(input_ids=ids, labels=ids).loss
                 live.tick()
                 forward_end = len(live.timeline)
+                regions["forward_end"] = len(live.events)  # type: ignore[assignment]
                 after_forward = live.live
                 _first_contributions(loss, live, first_contrib)
                 loss.backward()
@@ -321,6 +346,7 @@ def _one_step(config: dict[str, Any], batch: int, seq: int, recipe: str, attenti
             "root_hooks_done": _root_hooks_done(timeline, grads, hook_points, forward_end, backward_starts),
             "loss_backward": _loss_segment(timeline, grads, root_firsts, forward_end, blocks, backward_starts),
             "attention_kernels": kernels,
+            "events": live.events, "regions": regions,
             "last_block_forward_start": forward_starts.get(len(block_list) - 1, (0, 0))[0],
             "last_block_forward": timeline[forward_starts.get(len(block_list) - 1, (0, 0))[1]:
                                            forward_ends.get(len(block_list) - 1, 0) + 1]}
@@ -492,6 +518,35 @@ def _segment_start(grads: list[tuple[int, int, int]], forward_end: int,
     return at if at is not None and start <= at <= first else start
 
 
+def _alloc_events(a: dict[str, Any], b: dict[str, Any], *, expand: bool) -> dict[str, Any] | None:
+    """The traced step as the caching allocator sees it, from its runs at micro-batch 2 and 4: "events" in order,
+    a storage's birth [c0, c1] (c0 + c1*b bytes at micro-batch b; a third item, the block of the parameter whose
+    gradient it is, -1 outside the blocks) or a death (the id of the storage: the number of births before its
+    own). "fs", "fe", "bs", "be": per traced block, the event index at which its forward starts and ends and its
+    backward starts and ends (the gradient of its output, then of its input, complete); "expand": the blocks
+    are alike and memplan/reserved.py repeats them to the model's depth. None where the two runs differ."""
+    ea, eb = a["events"], b["events"]
+    if len(ea) != len(eb) or a["regions"] != b["regions"]:
+        return None
+    out: list[Any] = []
+    for x, y in zip(ea, eb):
+        if isinstance(x, list):
+            if not isinstance(y, list) or x[1:] != y[1:]:
+                return None
+            slope = (y[0] - x[0]) // 2
+            out.append([x[0] - 2 * slope, slope] + x[1:])
+        elif x != y:
+            return None
+        else:
+            out.append(x)
+    r = a["regions"]
+    n = len(r["fs"])
+    if any(sorted(r[k]) != list(range(n)) for k in ("fs", "fe", "bs", "be")):
+        return None
+    return {"events": out, "expand": expand, "forward_end": r["forward_end"],
+            **{k: [r[k][i] for i in range(n)] for k in ("fs", "fe", "bs", "be")}}
+
+
 def moe_experts(config: dict[str, Any]) -> int:
     """The number of routed experts a config declares (0 for a dense model)."""
     for k in ("num_local_experts", "n_routed_experts", "num_experts"):
@@ -658,6 +713,8 @@ def trace_profile(config: dict[str, Any], *, seq_len: int, recipe: str, attentio
         "last_block_forward_peak": envelope("last_block_forward") if top[0]["last_block_forward"] else [[0, 0]],
         #: the SDPA kernels the step ran ("fused", "math") and why the math one
         "attention_kernels": top[0]["attention_kernels"],
+        #: the step's storages in order, for the caching allocator (see _alloc_events; None: not linear in b)
+        "alloc_events": _alloc_events(*top, expand=not heterogeneous),
         "transformers": transformers.__version__,
     }
 

@@ -10,6 +10,7 @@ A GPU class whose profile holds the same bytes as another's is stored as {"alias
 
 from __future__ import annotations
 
+import gzip
 import json
 import sys
 import time
@@ -59,8 +60,8 @@ def main() -> None:
     key = lambda cfg, seq, recipe, rc, lin, tg: act.profile_key(  # noqa: E731
         cfg, seq_len=seq, recipe=recipe, attention="flash", recompute=rc, linear=lin, target=tg)
     wanted = {key(sources.resolve(n).config, seq, r, rc, lin, tg) for n, seq, r, rc, lin in jobs for tg in targets()}
-    for old in out.glob("*.json"):  # profiles under an earlier key or method are never looked up again
-        if old.stem not in wanted:
+    for old in list(out.glob("*.json")) + list(out.glob("*.json.gz")):  # earlier keys are never looked up again
+        if old.name.split(".")[0] not in wanted:
             old.unlink()
     for name, seq, recipe, rc, lin in jobs:
         config = sources.resolve(name).config
@@ -68,8 +69,9 @@ def main() -> None:
         for tg in targets():
             k = key(config, seq, recipe, rc, lin, tg)
             path = out / f"{k}.json"
-            if path.exists():
-                data = json.loads(path.read_text())
+            packed = out / f"{k}.json.gz"
+            if path.exists() or packed.exists():
+                data = act._read_profile(out, k)
                 if "alias" not in data and first is None:
                     first = (k, data)
                 continue
@@ -86,7 +88,9 @@ def main() -> None:
                                             "attention_kernels": data["attention_kernels"]}) + "\n")
                 how = f"same as {first[0]}"
             else:
-                path.write_text(json.dumps(data, indent=1) + "\n")
+                # gzip: the allocation events of a model traced at full depth run to megabytes as text
+                with gzip.open(packed, "wt", compresslevel=9) as f:
+                    f.write(json.dumps(data, separators=(",", ":")))
                 first = first or (k, data)
                 how = "stored"
             print(f"{name} seq {seq} {recipe} recompute {rc} linear {lin} {tg.key}: {time.perf_counter() - t:.1f} s, "

@@ -1,0 +1,148 @@
+"""The reserved peak: the traced step repeated to the model's depth, and the frameworks' allocation sequences
+replayed through the caching allocator (memplan/reserved.py), checked against H100 measurements
+(../shared/gpu/truth.jsonl, oom.jsonl; the profiles in tests/data are the traced steps of those runs)."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from memplan import accounting, options, reserved
+from memplan.activations import TracedProfile
+from memplan.allocator import AllocatorConfig
+from memplan.model.sources import build_inventory, resolve
+
+DATA = Path(__file__).resolve().parents[1] / "data"
+LLAMA_1B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 2048,
+            "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8,
+            "head_dim": 64, "vocab_size": 128256, "max_position_embeddings": 131072, "rms_norm_eps": 1e-05,
+            "rope_theta": 500000.0, "tie_word_embeddings": True, "hidden_act": "silu",
+            "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                             "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+            "torch_dtype": "bfloat16"}
+
+
+def _settings(tmp_path: Path, profile: str, micro_batch: int, **kw):  # noqa: ANN003, ANN202
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(LLAMA_1B))
+    inv = build_inventory(resolve(str(cfg)))
+    data = json.loads(gzip.open(DATA / profile, "rt").read())
+    r = options.resolve(inv, activations="analytic", micro_batch=micro_batch, seq_len=data["seq_len"],
+                        recompute=data["recompute"], gpu="h100-80g", allocator_conf="", **kw)
+    return inv, replace(r.settings, activation_profile=TracedProfile(data, micro_batch, "test"))
+
+
+def test_ddp_llama_1b_matches_the_h100(tmp_path: Path) -> None:
+    # truth.jsonl line 1: DDP, torch-amp, micro-batch 4 x 2048: allocated 52,017,908,224 B, reserved
+    # 56,897,830,912 B; the run released step 1's buckets at the rebuild
+    inv, s = _settings(tmp_path, "profile_llama-3.2-1b_torch-amp_2048_sm90.json.gz", 4, precision="torch-amp")
+    r = reserved.predict(inv, s)
+    assert r is not None and r.model == "DDP"
+    assert r.variants == {"buckets released at the rebuild": 56_931_385_344,
+                          "buckets held into step 2's backward": 59_592_671_232}
+    early = r.variants["buckets released at the rebuild"]
+    assert abs(early - 56_897_830_912) < 56_897_830_912 // 1000  # within 0.1%
+    assert abs(r.allocated_bytes - 52_017_908_224) < 1 << 20
+    plan = accounting.estimate(inv, s)
+    assert plan.reserved_peak_bytes == r.peak_bytes == max(r.variants.values())
+    assert plan.required_bytes == r.peak_bytes + plan.overhead_detail["cuda_context_bytes"]
+    assert plan.fits is True
+
+
+def test_fsdp2_llama_1b_full_recompute_matches_the_h100(tmp_path: Path) -> None:
+    # truth.jsonl line 2: FSDP2 full shard, bf16 params / fp32 reduce, micro-batch 8, full recompute:
+    # allocated 41,981,295,104 B, reserved 50,669,289,472 B
+    inv, s = _settings(tmp_path, "profile_llama-3.2-1b_fsdp-bf16_2048_full_sm90.json.gz", 8, strategy="fsdp-full")
+    r = reserved.predict(inv, s)
+    assert r is not None and r.model == "FSDP2"
+    assert r.peak_bytes == 50_669_289_472  # the measured figure, to the byte
+    assert abs(r.peak_bytes - 50_669_289_472) < 50_669_289_472 // 1000
+    assert abs(r.allocated_bytes - 41_981_295_104) < 1 << 20
+
+
+def test_the_oom_job_does_not_fit(tmp_path: Path) -> None:
+    # oom.jsonl line 1: DDP torch-amp micro-batch 8 x 4096, full recompute, ran out of memory on the H100 asking
+    # for 15.66 GiB with 54.91 GiB allocated and 17.84 GiB reserved but unallocated; allocated + 5% said FITS
+    inv, s = _settings(tmp_path, "profile_llama-3.2-1b_torch-amp_4096_full_sm90.json.gz", 8, precision="torch-amp")
+    plan = accounting.estimate(inv, s)
+    assert plan.peak_bytes < s.cluster.gpu_memory_bytes  # the allocated peak alone would fit
+    assert plan.reserved_peak_bytes > s.cluster.gpu_memory_bytes
+    assert plan.fits is False
+
+
+def test_expandable_segments_and_the_flat_override(tmp_path: Path) -> None:
+    inv, s = _settings(tmp_path, "profile_llama-3.2-1b_torch-amp_2048_sm90.json.gz", 4, precision="torch-amp")
+    default = reserved.predict(inv, s).variants
+    exp = reserved.predict(inv, replace(s, allocator_conf="expandable_segments:True")).variants
+    assert exp != default and all(v < default[k] for k, v in exp.items())
+    flat = accounting.estimate(inv, replace(s, overheads=replace(s.overheads, fragmentation_percent=5)))
+    assert flat.reserved is None and flat.reserved_why == "fragmentation given"
+    assert flat.required_bytes == flat.peak_bytes + flat.peak_bytes * 5 // 100 + 512 * (1 << 20)
+
+
+def test_why_not() -> None:
+    class S:  # the fields why_not reads
+        pass
+
+    s = S()
+    s.cluster = accounting.Cluster(device="cpu")
+    assert reserved.why_not(s) == "device cpu (no caching allocator)"
+
+
+def test_bucket_assignment_is_c10d_s() -> None:
+    mib = 1 << 20
+    # llama's gradients become ready down, up, gate, then o, v, k, q and the norms: the rebuilt buckets
+    sizes = [8192, 64 * mib, 64 * mib, 64 * mib, 8192, 16 * mib, 4 * mib, 4 * mib, 16 * mib, 8192]
+    buckets = reserved.bucket_assignment(sizes, [mib, 25 * mib])
+    assert [sum(sizes[i] for i in b) for b in buckets] == [64 * mib + 8192, 64 * mib, 64 * mib,
+                                                            40 * mib + 8192, 8192]
+
+
+def test_step_events_repeat_a_block_as_a_deeper_trace_has_it() -> None:
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from memplan.harness.spec import scale_config
+    from memplan.kernels import Target
+    from memplan.tracing import _alloc_events, _one_step
+
+    tiny = dict(LLAMA_1B, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                head_dim=16, vocab_size=256, max_position_embeddings=512)
+    target = Target(device="cuda", arch="sm90")
+
+    def traced(depth: int) -> dict:
+        cfg = scale_config(tiny, layers=depth)[0]
+        a, b = (_one_step(cfg, mb, 64, "torch-amp", "sdpa", "none", target) for mb in (2, 4))
+        return _alloc_events(a, b, expand=True)
+
+    two, four = traced(2), dict(traced(4), expand=False)
+
+    def curve(events: list) -> tuple[list[int], list[int]]:
+        live, cur, out, sizes = {}, 0, [], []
+        for e in events:
+            if e[0] == "a":
+                live[e[1]] = e[2]
+                cur += e[2]
+                sizes.append(e[2])
+            elif e[0] == "f":
+                cur -= live.pop(e[1])
+            out.append(cur)
+        assert not live
+        return out, sorted(sizes)
+
+    for mb in (1, 3):
+        (x, xs), (y, ys) = curve(reserved.step_events(two, 4, mb)), curve(reserved.step_events(four, 4, mb))
+        assert xs == ys and max(x) == max(y)
+
+
+def test_allocator_conf_is_checked(tmp_path: Path) -> None:
+    from memplan.errors import SettingsError
+
+    with pytest.raises(SettingsError, match="unknown key 'expandable'"):
+        _settings(tmp_path, "profile_llama-3.2-1b_torch-amp_2048_sm90.json.gz", 4, precision="torch-amp") and \
+            options.resolve(build_inventory(resolve(str(tmp_path / "config.json"))), activations="analytic",
+                            allocator_conf="expandable:True")
+    assert AllocatorConfig.parse("expandable_segments:True").expandable_segments

@@ -1005,8 +1005,9 @@ def _overheads(s: Settings, f: _Fixed, peak: int, reserved: Any) -> dict[str, in
     return out
 
 
-def _reserved(inv: ParamInventory, s: Settings) -> tuple[Any, str | None]:
-    """The caching allocator's replay for these settings, or (None, why not)."""
+def _reserved(inv: ParamInventory, s: Settings, limit: int | None = None) -> tuple[Any, str | None]:
+    """The caching allocator's replay for these settings, or (None, why not); ``limit``: stop once the reserved
+    bytes pass it (a search only asks whether they do)."""
     if s.cluster.device != "cuda":
         return None, None
     from memplan import reserved
@@ -1014,18 +1015,20 @@ def _reserved(inv: ParamInventory, s: Settings) -> tuple[Any, str | None]:
     why = reserved.why_not(s)
     if why is not None:
         return None, why
-    return reserved.predict(inv, s), None
+    return reserved.predict(inv, s, limit=limit), None
 
 
-def estimate(inv: ParamInventory, s: Settings) -> Plan:
-    """The Plan for one configuration."""
+def estimate(inv: ParamInventory, s: Settings, reserved_limit: int | None = None) -> Plan:
+    """The Plan for one configuration. ``reserved_limit``: the replay may stop once the reserved bytes pass it,
+    and the Plan then holds a reserved peak that is only known to be above it (enough to say it does not fit)."""
     f = _fixed(inv, s)
     phases = tuple(Phase(name, weights_bytes=f.weights, master_weights_bytes=f.master, grads_bytes=g,
                          optimizer_states_bytes=f.states, activations_bytes=x, buffers_bytes=b)
                    for name, (g, x, b) in zip(PHASE_NAMES, _phases(f, s.recompute, s.micro_batch)))
     totals = [p.total_bytes for p in phases]
     peak = phases[totals.index(max(totals))]
-    res, why = _reserved(inv, s) if s.overheads.fragmentation_percent is None else (None, "fragmentation given")
+    res, why = (_reserved(inv, s, reserved_limit) if s.overheads.fragmentation_percent is None
+                else (None, "fragmentation given"))
     detail = _overheads(s, f, peak.total_bytes, res)
     return Plan(settings=s, inventory=inv, phases=phases, peak=peak, overhead_bytes=sum(detail.values()),
                 overhead_detail=detail, host_bytes_per_node=f.host_per_node, host_detail=f.host_detail,
@@ -1034,14 +1037,15 @@ def estimate(inv: ParamInventory, s: Settings) -> Plan:
 
 
 def required_bytes(inv: ParamInventory, s: Settings, micro_batches: Any,
-                   lower_bound: bool = False) -> list[tuple[int, int]]:
+                   lower_bound: bool = False, budget: int | None = None) -> list[tuple[int, int]]:
     """(peak_bytes, required_bytes) for each micro-batch, the other settings fixed: the batched evaluator.
 
     The micro-batch-independent part is computed once; each micro-batch then costs a few integer operations
     and gives exactly what ``estimate(inv, replace(s, micro_batch=b))`` gives (tested). Where the caching
     allocator is replayed (memplan/reserved.py) each micro-batch is an estimate; ``lower_bound`` leaves the
     allocator's term out instead (the reserved peak is never below the allocated one), the fast bound a search
-    narrows with before it replays.
+    narrows with before it replays; ``budget``: a replay may stop once the required bytes pass it (the
+    figure returned is then only known to be above it).
     """
     f = _fixed(inv, s)
     base, prof, rec = f.non_activation, f.profile, s.recompute
@@ -1059,8 +1063,10 @@ def required_bytes(inv: ParamInventory, s: Settings, micro_batches: Any,
             from memplan.reserved import why_not
 
             if why_not(s) is None:  # the replay, one micro-batch at a time
+                limit = None if budget is None else budget - fixed_over
                 return [(p, r) for p, r in ((e.peak_bytes, e.required_bytes) for e in
-                                            (estimate(inv, replace(s, micro_batch=b)) for b in micro_batches))]
+                                            (estimate(inv, replace(s, micro_batch=b), limit)
+                                             for b in micro_batches))]
             frag = FALLBACK_FRAGMENTATION_PERCENT
     # a moment's activations depend only on its kind: keep the largest non-activation total per kind
     best: dict[int, int] = {}

@@ -133,16 +133,17 @@ def allocation_size(size: int) -> int:
     return -(-size // ROUND_LARGE) * ROUND_LARGE
 
 
-@dataclass(eq=False)
 class _Block:
-    ptr: int
-    size: int
-    stream: int
-    small: bool
-    segment: int
-    allocated: bool = False
-    prev: _Block | None = None
-    next: _Block | None = None
+    """A block of a segment: handed out (allocated), cached in its pool (cached), or neither (being split)."""
+
+    __slots__ = ("ptr", "size", "stream", "small", "segment", "allocated", "cached", "prev", "next")
+
+    def __init__(self, ptr: int, size: int, stream: int, small: bool, segment: int, prev: _Block | None = None,
+                 next: _Block | None = None) -> None:  # noqa: A002
+        self.ptr, self.size, self.stream, self.small, self.segment = ptr, size, stream, small, segment
+        self.allocated = False
+        self.cached = False
+        self.prev, self.next = prev, next
 
 
 @dataclass
@@ -158,8 +159,9 @@ class Allocator:
     segments: int = 0
 
     def __post_init__(self) -> None:
-        self._free: dict[tuple[bool, int], list[tuple[int, int, int]]] = {}  # (small, stream) -> (size, ptr, id)
-        self._blocks: dict[int, _Block] = {}  # id -> block (free blocks of the pools)
+        #: (small, stream) -> the pool's cached blocks as (size, ptr, block), sorted: best fit is the first entry
+        #: at least as large (free blocks of a pool never share an address, so the block is never compared)
+        self._free: dict[tuple[bool, int], list[tuple[int, int, _Block]]] = {}
         self._ids = itertools.count()
         # cudaMalloc hands out segments from the top of the address space down (seen in every recorded
         # stream); the address only breaks ties between cached blocks of one size (the lowest first)
@@ -168,41 +170,44 @@ class Allocator:
         self.addresses: list[tuple[int, int]] = []
         self._segment_heads: dict[int, _Block] = {}
         self._expandable: dict[tuple[bool, int], _Block] = {}  # (small, stream) -> the segment's last block
+        c = self.config
+        self._plain = c.roundup_power2_divisions <= 1 and c.max_split_size is None and not c.expandable_segments \
+            and c.garbage_collection_threshold <= 0
 
     # ---- pools ----
     def _insert(self, b: _Block) -> None:
         key = (b.small, b.stream)
-        i = next(self._ids)
-        self._blocks[i] = b
-        bisect.insort(self._free.setdefault(key, []), (b.size, b.ptr, i))
-        b._id = i  # type: ignore[attr-defined]
+        lst = self._free.get(key)
+        if lst is None:
+            lst = self._free[key] = []
+        bisect.insort(lst, (b.size, b.ptr, b))
+        b.cached = True
 
     def _is_cached(self, b: _Block) -> bool:
         """Free and in its pool (a block handed out, or split off and handed out, is not)."""
-        return not b.allocated and self._blocks.get(getattr(b, "_id", -1)) is b
+        return b.cached
 
     def _remove(self, b: _Block) -> None:
-        i = b._id  # type: ignore[attr-defined]
         lst = self._free[(b.small, b.stream)]
-        j = bisect.bisect_left(lst, (b.size, b.ptr, i))
-        del lst[j]
-        del self._blocks[i]
+        del lst[bisect.bisect_left(lst, (b.size, b.ptr))]
+        b.cached = False
 
     def _best_fit(self, size: int, small: bool, stream: int) -> _Block | None:
         lst = self._free.get((small, stream))
         if not lst:
             return None
-        j = bisect.bisect_left(lst, (size, -1, -1))
+        j = bisect.bisect_left(lst, (size,))
         if j == len(lst):
             return None
-        b = self._blocks[lst[j][2]]
+        b = lst[j][2]
         mss = self.config.max_split_size
         if mss is not None:
             if size < mss <= b.size:
                 return None
             if size >= mss and b.size >= size + LARGE_BUFFER:
                 return None
-        self._remove(b)
+        del lst[j]
+        b.cached = False
         return b
 
     def _should_split(self, b: _Block, size: int) -> bool:
@@ -215,7 +220,10 @@ class Allocator:
     # ---- requests ----
     def malloc(self, size: int, stream: int = 0) -> _Block:
         """A request of ``size`` bytes on ``stream``: the block that serves it."""
-        size = self.config.round_size(size)
+        if self._plain:  # round_size without roundup_power2_divisions
+            size = MIN_BLOCK if size < MIN_BLOCK else (size + MIN_BLOCK - 1) // MIN_BLOCK * MIN_BLOCK
+        else:
+            size = self.config.round_size(size)
         small = size <= SMALL_SIZE
         b = self._best_fit(size, small, stream)
         if b is None and self.config.expandable_segments:
@@ -233,26 +241,28 @@ class Allocator:
             self._insert(rest)
         b.allocated = True
         self.allocated += b.size
-        self.peak_allocated = max(self.peak_allocated, self.allocated)
+        if self.allocated > self.peak_allocated:
+            self.peak_allocated = self.allocated
         return b
 
     def free(self, b: _Block) -> None:
         """The block's memory is reusable (free_completed): merged with free neighbours, back to its pool."""
         b.allocated = False
         self.allocated -= b.size
-        for nb in (b.prev, b.next):
-            if nb is not None and self._is_cached(nb):
-                self._remove(nb)
-                if nb is b.prev:
-                    b.ptr, b.size, b.prev = nb.ptr, nb.size + b.size, nb.prev
-                    if nb.prev is not None:
-                        nb.prev.next = b
-                    else:
-                        self._segment_heads[b.segment] = b
-                else:
-                    b.size, b.next = b.size + nb.size, nb.next
-                    if nb.next is not None:
-                        nb.next.prev = b
+        nb = b.prev
+        if nb is not None and nb.cached:
+            self._remove(nb)
+            b.ptr, b.size, b.prev = nb.ptr, nb.size + b.size, nb.prev
+            if nb.prev is not None:
+                nb.prev.next = b
+            else:
+                self._segment_heads[b.segment] = b
+        nb = b.next
+        if nb is not None and nb.cached:
+            self._remove(nb)
+            b.size, b.next = b.size + nb.size, nb.next
+            if nb.next is not None:
+                nb.next.prev = b
         self._insert(b)
 
     def empty_cache(self) -> None:

@@ -352,15 +352,17 @@ def _render_search(rep: dict) -> None:
     for cand in rep["candidates"]:
         at = cand["at_recommended_gpus"]
         mark = " ◀ best" if rec and cand["label"] == rec["label"] and cand["recompute"] == rec["recompute"] else ""
+        bound = not cand.get("exact", True)
         rows.append([cand["label"] + mark, cand["recompute"], cand["precision"],
-                     "-" if cand["min_gpus"] is None else str(cand["min_gpus"]),
-                     "-" if at is None else str(at["micro_batch"]),
+                     "-" if cand["min_gpus"] is None else ("≥" if bound else "") + str(cand["min_gpus"]),
+                     "-" if at is None else ("≤" if bound else "") + str(at["micro_batch"]),
                      "-" if at is None else fmt_bytes(at["peak_bytes"]),
-                     "-" if at is None else fmt_bytes(at["required_bytes"]),
-                     "-" if at is None else fmt_bytes(at["headroom_bytes"])])
+                     "-" if at is None else ("≥" if bound else "") + fmt_bytes(at["required_bytes"]),
+                     "-" if at is None else ("≤" if bound else "") + fmt_bytes(at["headroom_bytes"])])
     at_n = f" @{n}" if n else ""
     c.print(_table(f"Candidates: fewest GPUs at micro-batch {se['micro_batches'][0]}; at {n or '-'} GPUs the largest "
-                   "micro-batch and its bytes (GiB = 2^30 B; required = peak + CUDA context, NCCL, fragmentation)",
+                   "micro-batch and its bytes (GiB = 2^30 B; required = reserved peak + CUDA context + NCCL; ≤/≥: "
+                   "bounds from the allocated peak for a candidate that could not be the best, not replayed)",
                    [("strategy", "left"), ("recompute", "left"), ("precision", "left"), ("min GPUs", "right"),
                     (f"mb{at_n}", "right"), ("peak", "right"), ("required", "right"), ("headroom", "right")], rows))
     if rec is None:

@@ -51,6 +51,9 @@ class Candidate:
     peak_bytes: int | None = None
     required_bytes: int | None = None
     headroom_bytes: int | None = None
+    #: False: min_gpus and micro_batch are bounds from the allocated peak (the caching allocator's segments left
+    #: out: the true micro-batch is at most this one) - a candidate the search did not need to replay
+    exact: bool = True
 
 
 @dataclass(frozen=True)
@@ -114,34 +117,39 @@ def _fits_at(inv: ParamInventory, s: accounting.Settings, gpus: int, mb: int, bu
     return req <= budget
 
 
-def _largest_fitting(inv: ParamInventory, s: accounting.Settings, mbs: tuple[int, ...], budget: int) -> tuple[int | None, int]:
-    """The index of the largest micro-batch that fits, and the evaluations it took: the batched evaluator's bound
-    from below first (without the caching allocator's segments), then the replayed reserved peak (memplan/
-    reserved.py) by bisection below that bound, since required memory grows with the micro-batch."""
-    curve = accounting.required_bytes(inv, s, mbs, lower_bound=True)
-    hi = max((i for i, (_, req) in enumerate(curve) if req <= budget), default=None)
-    evaluations = len(mbs)
-    if hi is None:
-        return None, evaluations
-    exact = {}
+def _exact_largest(inv: ParamInventory, s: accounting.Settings, mbs: tuple[int, ...], budget: int,
+                   bound: list[tuple[int, int]], hi: int) -> tuple[int | None, int]:
+    """The index of the largest micro-batch whose replayed reserved peak fits (memplan/reserved.py), at most
+    ``hi`` (the bound's answer: the reserved peak is never below the allocated one), and the replays it took.
+    The first replay, at ``hi``, gives the allocator's share of the peak; the guess it makes for the answer is
+    then checked, and moved one micro-batch at a time until it fits and the next does not."""
+    exact: dict[int, int] = {}
 
-    def fits(i: int) -> bool:
+    def required(i: int) -> int:
         if i not in exact:
-            exact[i] = accounting.required_bytes(inv, s, (mbs[i],))[0]
-        return exact[i][1] <= budget
+            # the replay may stop once past the budget: only "does it fit" is asked
+            exact[i] = accounting.required_bytes(inv, s, (mbs[i],), budget=budget)[0][1]
+        return exact[i]
 
-    evaluations += 1
-    if fits(hi):
-        return hi, evaluations
-    lo, top = -1, hi  # fits(lo) (or nothing), not fits(top)
+    if required(hi) <= budget:
+        return hi, len(exact)
+    peak, low = bound[hi]
+    share = (required(hi) - low) / peak if peak else 0.0
+    guess = max((i for i in range(hi) if bound[i][1] + share * bound[i][0] <= budget), default=0)
+    # the answer lies in [lo, top): fits(lo) (or lo = -1: nothing fits), not fits(top)
+    if required(guess) <= budget:
+        lo, top = guess, hi
+        if guess + 1 < hi and required(guess + 1) > budget:
+            return guess, len(exact)
+    else:
+        lo, top = -1, guess
     while top - lo > 1:
         mid = (lo + top) // 2
-        evaluations += 1
-        if fits(mid):
+        if required(mid) <= budget:
             lo = mid
         else:
             top = mid
-    return (lo if lo >= 0 else None), evaluations
+    return (lo if lo >= 0 else None), len(exact)
 
 
 #: the largest cluster and micro-batch plan searches (refused above: the search enumerates them)
@@ -179,7 +187,8 @@ def search(inv: ParamInventory, *, gpu: str | None = None, gpu_memory_size: str 
     first_mb = mbs[0]
     evaluations = 0
 
-    # 1. the fewest GPUs per candidate (bisection over the counts; memory never grows with GPUs)
+    # 1. the fewest GPUs per candidate (bisection over the counts; memory never grows with GPUs), by the bound
+    #    from below (the caching allocator's segments left out; step 2 replays them)
     with_min = []
     for c in cands:
         if c.settings.strategy.shard_within_node:
@@ -201,22 +210,21 @@ def search(inv: ParamInventory, *, gpu: str | None = None, gpu_memory_size: str 
                 break
             lo -= 1
             found = usable[lo]
-        # the bisection's verdict leaves the caching allocator's segments out (a bound from below): the
-        # replayed reserved peak decides, from there up
-        while found is not None:
-            evaluations += 1
-            if _fits_at(inv, c.settings, found, first_mb, budget, lower_bound=False):
-                break
-            lo += 1
-            found = usable[lo] if lo < len(usable) else None
-        with_min.append(replace(c, min_gpus=found))
+        with_min.append(replace(c, min_gpus=found, exact=found is None))
     fitting = [c.min_gpus for c in with_min if c.min_gpus is not None]
     if not fitting:
         return Search(budget, gpus_per_node, max_gpus, mbs, tuple(with_min), None, None, tuple(notes), evaluations)
-    # 2. at the fewest GPUs any candidate needs, each candidate's largest micro-batch; where the caching
-    #    allocator's segments leave none fitting there (step 1 bounds from below), the next count
+    # 2. at the fewest GPUs any candidate needs, each candidate's largest micro-batch by the allocated bound;
+    #    then, in the order the bounds rank them, the replayed reserved peak (memplan/reserved.py) for each that
+    #    could still be the best: a bound ranks no worse than the truth, so the first whose bound ranks behind the
+    #    best replayed one ends it. Where the allocator's segments leave none fitting, the next GPU count.
+    def rank(c: Candidate) -> tuple:
+        return (RECOMPUTE_ORDER.index(c.recompute), -(c.micro_batch or 0), c.offload,
+                c.settings.strategy.comm_volume, -(c.headroom_bytes or 0))
+
     for gpus in sorted(set(g for g in counts if g >= min(fitting))):
-        done = []
+        done: list[Candidate] = []
+        bounds: dict[int, tuple] = {}
         for c in with_min:
             if c.min_gpus is None or c.min_gpus > gpus:
                 done.append(c)
@@ -226,23 +234,36 @@ def search(inv: ParamInventory, *, gpu: str | None = None, gpu_memory_size: str 
             except SettingsError:
                 done.append(c)
                 continue
-            best_i, n_eval = _largest_fitting(inv, s, mbs, budget)
-            evaluations += n_eval
-            if best_i is None:
-                done.append(c)
+            bound = accounting.required_bytes(inv, s, mbs, lower_bound=True)
+            evaluations += len(mbs)
+            hi = max((i for i, (_, req) in enumerate(bound) if req <= budget), default=None)
+            if hi is None:
+                done.append(replace(c, exact=False))
                 continue
-            (peak, req), = accounting.required_bytes(inv, s, (mbs[best_i],))
-            done.append(replace(c, micro_batch=mbs[best_i], peak_bytes=peak, required_bytes=req,
-                                headroom_bytes=budget - req))
-        if any(c.micro_batch is not None for c in done):
+            peak, req = bound[hi]
+            done.append(replace(c, micro_batch=mbs[hi], peak_bytes=peak, required_bytes=req, headroom_bytes=budget - req,
+                                exact=False))
+            bounds[id(done[-1])] = (s, bound, hi)
+        best: Candidate | None = None
+        for c in sorted((c for c in done if c.micro_batch is not None), key=rank):
+            if best is not None and rank(c) >= rank(best):
+                break
+            s, bound, hi = bounds[id(c)]
+            i, n_eval = _exact_largest(inv, s, mbs, budget, bound, hi)
+            evaluations += n_eval
+            if i is None:
+                new = replace(c, micro_batch=None, peak_bytes=None, required_bytes=None, headroom_bytes=None,
+                              exact=False)
+            else:
+                (peak, req), = accounting.required_bytes(inv, s, (mbs[i],))
+                new = replace(c, micro_batch=mbs[i], peak_bytes=peak, required_bytes=req, headroom_bytes=budget - req,
+                              exact=True)
+                if best is None or rank(new) < rank(best):
+                    best = new
+            done[next(j for j, x in enumerate(done) if x is c)] = new
+        if best is not None:
             break
 
-    def rank(c: Candidate) -> tuple:
-        return (RECOMPUTE_ORDER.index(c.recompute), -(c.micro_batch or 0), c.offload,
-                c.settings.strategy.comm_volume, -(c.headroom_bytes or 0))
-
-    ok = [c for c in done if c.micro_batch is not None]
-    best = min(ok, key=rank) if ok else None
     if best is None:
         return Search(budget, gpus_per_node, max_gpus, mbs, tuple(done), None, None, tuple(notes), evaluations)
     ordered = sorted(done, key=lambda c: (c.micro_batch is None, rank(c) if c.micro_batch else (),

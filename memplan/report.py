@@ -102,6 +102,9 @@ def search_report(found: Any, inv: ParamInventory, best_plan: Any, command: str 
     def cand(c: Any) -> dict[str, Any]:
         return {"label": c.label, "strategy": c.strategy, "recompute": c.recompute, "offload": c.offload,
                 "precision": c.settings.recipe.name, "min_gpus": c.min_gpus,
+                # False: min_gpus, micro_batch and headroom are bounds from the allocated peak (the true ones are
+                # at least / at most these); the caching allocator was replayed only where it could change the best
+                "exact": c.exact,
                 "at_recommended_gpus": None if c.micro_batch is None else {
                     "micro_batch": c.micro_batch, "peak_bytes": c.peak_bytes, "required_bytes": c.required_bytes,
                     "headroom_bytes": c.headroom_bytes}}

@@ -27,6 +27,7 @@ from memplan.allocator import Allocator, AllocatorConfig
 
 #: steps replayed at most: the recorded runs stop reserving after the third (bench/allocator_replay.py)
 MAX_STEPS = 6
+# and at least two, or three for DDP, which rebuilds its buckets in the second step
 
 # ---- the traced step, repeated to the model's depth ---------------------------------------------------------
 
@@ -58,11 +59,32 @@ def _regions(d: dict[str, Any], n: int) -> list[tuple[str, int, int, int]]:
 
 
 def step_events(d: dict[str, Any], layers: int, micro_batch: int) -> list[tuple]:
-    """The traced step's events at the model's depth and ``micro_batch``: ("a", key, bytes, grad block or None)
-    and ("f", key). A profile traced at full depth is taken as it is; one traced with two alike blocks stands
-    for L: the first block's forward (births and what becomes of them, relative to it) for blocks 0..L-2, the
+    """The traced step's events at the model's depth and ``micro_batch``: ("a", key, bytes, grad block or None),
+    ("f", key), and ("m", region kind, block) where each region begins (see _expand)."""
+    b = micro_batch
+    return [("a", e[1], max(e[2][0] + e[2][1] * b, 1), e[3]) if e[0] == "a" else e for e in _expand(d, layers)]
+
+
+#: expansions already made, by (id of the profile's events, depth): the micro-batch only scales their sizes
+_EXPANDED: dict[tuple[int, int], tuple[Any, list[tuple]]] = {}
+
+
+def _expand(d: dict[str, Any], layers: int) -> list[tuple]:
+    """The traced step at the model's depth, sizes as (c0, c1) lines in the micro-batch. A profile traced at
+    full depth is taken as it is; one traced with two alike blocks stands for L: the first block's forward (births and what becomes of them, relative to it) for blocks 0..L-2, the
     last's for block L-1, and in backward the last block's for blocks L-1..1 and the first's for block 0. Each
     storage dies where its own template says, relative to its block, after as many of that region's births."""
+    hit = _EXPANDED.get((id(d["events"]), layers))
+    if hit is not None and hit[0] is d["events"]:
+        return hit[1]
+    if len(_EXPANDED) > 64:
+        _EXPANDED.clear()
+    out = _expand_now(d, layers)
+    _EXPANDED[(id(d["events"]), layers)] = (d["events"], out)
+    return out
+
+
+def _expand_now(d: dict[str, Any], layers: int) -> list[tuple]:
     events = d["events"]
     n = len(events)
     regions = _regions(d, n)
@@ -114,6 +136,7 @@ def step_events(d: dict[str, Any], layers: int, micro_batch: int) -> list[tuple]
     by_region: dict[int, list[int]] = {}
     for sid, b in enumerate(births):
         by_region.setdefault(b.region, []).append(sid)
+    counter = iter(range(1 << 62))
     for j, (kind, blk, r) in enumerate(full):
         out.append(("m", kind, blk))  # where each region begins, for the framework's own moments
         waiting = pending.setdefault(j, [])  # a heap of (slot, template position, key)
@@ -125,8 +148,8 @@ def step_events(d: dict[str, Any], layers: int, micro_batch: int) -> list[tuple]
                 break
             sid = sids[slot]
             b = births[sid]
-            key = (j, slot)
-            size = max(b.size[0] + b.size[1] * micro_batch, 1)
+            key = next(counter)
+            size = b.size
             grad = b.grad if b.grad is None or b.grad < 0 else (blk if expand else b.grad)
             out.append(("a", key, size, grad))
             death = deaths.get(sid)
@@ -156,14 +179,28 @@ class _Run:
         self.a = Allocator(config)
         self.live: dict[Any, Any] = {}
         self.n = 0
+        self.anon = 0  #: keys of what the frameworks allocate (positive; a step's are negative)
         self.a.steps = self.steps = []  # type: ignore[attr-defined]
+
+    #: set by predict: stop (raise _OverLimit) once the reserved bytes pass it
+    limit: int | None = None
 
     def alloc(self, size: int, key: Any = None, stream: int = 0) -> Any:
         if key is None:
-            self.n += 1
-            key = ("anon", self.n)
-        self.live[key] = self.a.malloc(max(size, 1), stream)
+            self.anon += 1
+            key = self.anon
+        a = self.a
+        before = a.reserved
+        self.live[key] = a.malloc(max(size, 1), stream)
+        if a.reserved != before and _Run.limit is not None and a.reserved > _Run.limit:
+            raise _OverLimit(Reserved(peak_bytes=a.peak_reserved, allocated_bytes=a.peak_allocated,
+                                      model="", variants={}, config="", complete=False))
         return key
+
+    def offset(self) -> int:
+        """A base for one micro-step's integer keys (a step's storages are numbered from 0)."""
+        self.n += 1
+        return -(self.n << 40)
 
     def end_step(self) -> None:
         """Record the step's allocated peak and the reserved peak so far; the next step's peak starts anew."""
@@ -270,12 +307,13 @@ def _step(run: _Run, job: Job, n: int, keep_grads: bool, at: Any = None, on_grad
     ``keep_grads``. Returns the kept gradients (key, bytes) in the order they were made."""
     grads: list[tuple[Any, int]] = []
     kept: set[Any] = set()
+    off = run.offset()
     for e in job.step:
         if e[0] == "m":
             if at is not None:
                 at(e[1], e[2])
         elif e[0] == "a":
-            key = (n, e[1])
+            key = off + e[1]
             run.alloc(e[2], key)
             if e[3] is not None and on_grad is not None:
                 on_grad(e[2])
@@ -283,7 +321,7 @@ def _step(run: _Run, job: Job, n: int, keep_grads: bool, at: Any = None, on_grad
                 kept.add(key)
                 grads.append((key, e[2]))
         else:
-            key = (n, e[1])
+            key = off + e[1]
             if key not in kept:
                 run.free(key)
     return grads
@@ -383,30 +421,35 @@ AG_STREAM = 1
 
 
 def _unshard(run: _Run, g: FsdpGroup, world: int) -> list[Any]:
-    """FSDPParamGroup.unshard. With one rank the unsharded parameter is made from the shard directly, each cast
-    (when the compute dtype differs) freed after the next one is made (measured: ../shared/gpu/traces/
-    fsdp_full_rc). Across ranks foreach_all_gather casts every shard on the copy-in stream into one flat
-    all-gather output, then copies out into each unsharded parameter and frees the flat buffer
-    (_fsdp_collectives.py foreach_all_gather, foreach_all_gather_copy_out)."""
+    """FSDPParamGroup.unshard + wait_for_unshard with one rank: no all-gather (unshard() records an empty
+    result); each unsharded parameter is made from its shard when the block runs, each cast (when the compute
+    dtype differs) freed after the next one is made (measured: ../shared/gpu/traces/fsdp_full_rc)."""
     keys = []
-    if world == 1:
-        prev = None
-        for n in g.unsharded:
-            cast = run.alloc(n // max(world, 1)) if g.cast else None
-            if prev is not None:
-                run.free(prev)
-            keys.append(run.alloc(n))
-            prev = cast
+    prev = None
+    for n in g.unsharded:
+        cast = run.alloc(n) if g.cast else None
         if prev is not None:
             run.free(prev)
-        return keys
-    casts = [run.alloc(n // world, stream=AG_STREAM) for n in g.unsharded] if g.cast else []
+        keys.append(run.alloc(n))
+        prev = cast
+    if prev is not None:
+        run.free(prev)
+    return keys
+
+
+def _all_gather(run: _Run, g: FsdpGroup, world: int) -> Any:
+    """FSDPParamGroup.unshard with more ranks (_fsdp_collectives.py foreach_all_gather): every shard cast on the
+    copy-in stream into one flat all-gather output; the output is returned, the casts freed."""
+    casts = [run.alloc(-(-n // world), stream=AG_STREAM) for n in g.unsharded] if g.cast else []
     flat = run.alloc(sum(-(-n // world) for n in g.unsharded) * world, stream=AG_STREAM)
     for k in casts:
         run.free(k)
-    keys = [run.alloc(n) for n in g.unsharded]
-    run.free(flat)
-    return keys
+    return flat
+
+
+def _copy_out(run: _Run, g: FsdpGroup) -> list[Any]:
+    """wait_for_unshard's foreach_all_gather_copy_out: each unsharded parameter, on the default stream."""
+    return [run.alloc(n) for n in g.unsharded]
 
 
 def replay_fsdp2(job: Job, groups: tuple[FsdpGroup, ...], world: int, reshard_after_forward: bool,
@@ -420,12 +463,20 @@ def replay_fsdp2(job: Job, groups: tuple[FsdpGroup, ...], world: int, reshard_af
     are the sharded .grad until zero_grad; the optimizer steps the shards. ``groups``: the blocks in order,
     the root last."""
     run = _Run(config or AllocatorConfig())
-    built = _build(run, job)
-    for g in groups:
-        for n in g.shard:
-            run.alloc(n)
-        for i in g.params:
-            run.free(built[i])
+    if world == 1:
+        # one rank: built on the device, then each group's shards made and its parameters freed (measured)
+        built = _build(run, job)
+        for g in groups:
+            for n in g.shard:
+                run.alloc(n)
+            for i in g.params:
+                run.free(built[i])
+    else:
+        # more ranks: the full model never fits one device at the sizes FSDP is for; it is built on the meta
+        # device, sharded, then materialized shard by shard (to_empty + init, torchtitan's recipe)
+        for g in groups:
+            for n in g.shard:
+                run.alloc(n)
     blocks, root = groups[:-1], groups[-1]
     states: list[Any] = []
     for n in range(MAX_STEPS):
@@ -442,7 +493,7 @@ def replay_fsdp2(job: Job, groups: tuple[FsdpGroup, ...], world: int, reshard_af
         for k in outputs:
             run.free(k)
         run.end_step()
-        if n >= 2 and run.a.peak_reserved == before:
+        if n >= 1 and run.a.peak_reserved == before:
             break
     return run.a
 
@@ -450,36 +501,76 @@ def replay_fsdp2(job: Job, groups: tuple[FsdpGroup, ...], world: int, reshard_af
 def _fsdp_micro_step(run: _Run, job: Job, n: Any, blocks: tuple[FsdpGroup, ...], root: FsdpGroup, world: int,
                      reshard_after_forward: bool, outputs: list[Any], first: bool, keep: bool) -> None:
     """One micro-step under FSDP2; the reduce-scatter outputs go to ``outputs`` (``keep``), or, in a later
-    micro-step, are added into the sharded gradients and freed."""
-    unsharded: dict[int, list[Any]] = {-1: _unshard(run, root, world)}
+    micro-step, are added into the sharded gradients and freed. With more than one rank (accounting.py's FSDP2
+    notes, each checked on the harness): in forward a block's all-gather output is held until the next block's
+    copy-out (FSDPCommContext.all_gather_state), the last one to the root's post-forward; in backward the root's
+    pre-backward prefetches the last block, a block's pre-backward copies out of its prefetched output (then
+    frees it) and prefetches the next; a post-backward frees the previous reduce-scatter input
+    (reduce_scatter_max_input_buffers = 1)."""
+    flat = world > 1
+    unsharded: dict[int, list[Any]] = {}
+    gathered: dict[int, Any] = {}  # prefetched all-gather outputs, by block
+    held: list[Any] = []  # forward: the last all-gather output; backward: the last reduce-scatter input
     grads_of: dict[int, list[Any]] = {}
     state: dict[str, Any] = {"bwd": None}
 
+    def unshard(i: int, hold: bool) -> None:
+        g = root if i < 0 else blocks[i]
+        if not flat:
+            unsharded[i] = _unshard(run, g, world)
+            return
+        out = gathered.pop(i, None) or _all_gather(run, g, world)
+        unsharded[i] = _copy_out(run, g)
+        if hold:  # forward: free the previous output now, keep this one
+            for k in held:
+                run.free(k)
+            held[:] = [out]
+        else:
+            run.free(out)
+
+    def prefetch(i: int) -> None:
+        if flat and 0 <= i < len(blocks) and i not in unsharded and i not in gathered:
+            gathered[i] = _all_gather(run, blocks[i], world)
+
     def post_backward(i: int) -> None:
         g = root if i < 0 else blocks[i]
+        for k in unsharded.pop(i, []):  # reshard
+            run.free(k)
+        for k in held:
+            run.free(k)
+        held.clear()
         rs_in = run.alloc(g.reduce_in)
         for k in grads_of.pop(i, []):
             run.free(k)
         out = run.alloc(g.reduce_out, stream=RS_STREAM)
-        run.free(rs_in)
+        if flat:
+            held.append(rs_in)
+        else:
+            run.free(rs_in)
         if keep:
             outputs.append(out)
         else:
             run.free(out)
-        for k in unsharded.pop(i, []):
-            run.free(k)
+
+    unshard(-1, hold=True)
 
     def at(kind: str, blk: int) -> None:
         if kind == "F" and blk < len(blocks) and blk not in unsharded:
-            unsharded[blk] = _unshard(run, blocks[blk], world)
-        elif kind == "mid" and first:
-            run.alloc(job.workspace_bytes)  # autograd's thread's cuBLAS handle
+            unshard(blk, hold=True)
+        elif kind == "mid":
+            for k in held:  # the root's post-forward
+                run.free(k)
+            held.clear()
+            if first:
+                run.alloc(job.workspace_bytes)  # autograd's thread's cuBLAS handle
+            prefetch(len(blocks) - 1)
         if kind in ("B", "post") and state["bwd"] is not None:
             post_backward(state["bwd"])
             state["bwd"] = None
         if kind == "B" and blk < len(blocks):
             if blk not in unsharded:
-                unsharded[blk] = _unshard(run, blocks[blk], world)
+                unshard(blk, hold=False)
+            prefetch(blk - 1)
             state["bwd"] = blk
 
     def on_forward_end(blk: int) -> None:
@@ -489,6 +580,8 @@ def _fsdp_micro_step(run: _Run, job: Job, n: Any, blocks: tuple[FsdpGroup, ...],
 
     _fsdp_step(run, job, n, at, on_forward_end, grads_of)
     post_backward(-1)
+    for k in held:
+        run.free(k)
 
 
 def _fsdp_step(run: _Run, job: Job, n: int, at: Any, on_forward_end: Any, grads_of: dict[int, list[Any]]) -> None:
@@ -496,6 +589,7 @@ def _fsdp_step(run: _Run, job: Job, n: int, at: Any, on_forward_end: Any, grads_
     is kept, by block, for its post-backward."""
     current_forward = None
     kept: set[Any] = set()
+    off = run.offset()
     for e in job.step:
         if e[0] == "m":
             if current_forward is not None:
@@ -505,13 +599,13 @@ def _fsdp_step(run: _Run, job: Job, n: int, at: Any, on_forward_end: Any, grads_
             if e[1] == "F":
                 current_forward = e[2]
         elif e[0] == "a":
-            key = (n, e[1])
+            key = off + e[1]
             run.alloc(e[2], key)
             if e[3] is not None:
                 grads_of.setdefault(e[3], []).append(key)
                 kept.add(key)
         else:
-            key = (n, e[1])
+            key = off + e[1]
             if key not in kept:
                 run.free(key)
 
@@ -529,6 +623,7 @@ class Reserved:
     #: other release orders the framework allows, name -> reserved peak (peak_bytes is the largest)
     variants: dict
     config: str  #: the allocator settings replayed (PYTORCH_CUDA_ALLOC_CONF), "" for the defaults
+    complete: bool = True  #: False: the replay stopped once it passed a limit (peak_bytes: at least this)
     #: per replayed step of the largest variant: (its allocated peak, the reserved peak so far)
     steps: tuple = ()
 
@@ -591,10 +686,47 @@ def _partition_params(inv: Any, n: int) -> tuple[int, ...]:
     return tuple(out)
 
 
-def predict(inv: Any, s: Any, config: AllocatorConfig | None = None) -> Reserved | None:
-    """The reserved peak of one configuration, or None where why_not(s) says why not."""
+#: replays already made in this process, by what they depend on (the planner asks some twice)
+_CACHE: dict[tuple, Reserved] = {}
+
+
+class _OverLimit(Exception):
+    pass
+
+
+def predict(inv: Any, s: Any, config: AllocatorConfig | None = None, limit: int | None = None) -> Reserved | None:
+    """The reserved peak of one configuration, or None where why_not(s) says why not. ``limit``: stop once the
+    reserved bytes pass it; the answer's peak is then only a bound from below (``complete`` False)."""
     if why_not(s) is not None:
         return None
+    from dataclasses import replace
+
+    key = (id(inv), id(s.activation_profile.data), repr(replace(s, activation_profile=None)), repr(config))
+    hit = _CACHE.get(key)
+    if hit is not None:
+        return hit
+    partial = _PARTIAL.get(key)
+    if partial is not None and limit is not None and partial.peak_bytes > limit:
+        return partial
+    if len(_CACHE) > 256:
+        _CACHE.clear()
+        _PARTIAL.clear()
+    _Run.limit = limit
+    try:
+        hit = _CACHE[key] = _predict(inv, s, config)
+    except _OverLimit as over:
+        _PARTIAL[key] = over.args[0]
+        return over.args[0]
+    finally:
+        _Run.limit = None
+    return hit
+
+
+#: replays stopped at a limit, by the same key: their peak is only known to be above it
+_PARTIAL: dict[tuple, Reserved] = {}
+
+
+def _predict(inv: Any, s: Any, config: AllocatorConfig | None) -> Reserved:
     config = config or AllocatorConfig.parse(s.allocator_conf)
     st = s.strategy
     if st.framework == "torch-ddp":
@@ -711,6 +843,6 @@ def replay_zero12(job: Job, stage: int, partition: int, flat: int, bucket: int, 
             states += [run.alloc(partition * job.state_bytes) for _ in range(job.states_per_param)]
         run.free(fp32_grad)
         run.end_step()
-        if n >= 2 and run.a.peak_reserved == before:
+        if n >= 1 and run.a.peak_reserved == before:
             break
     return run.a

@@ -36,17 +36,26 @@ def test_search_answers_are_minimal_and_maximal():
     assert found.best is not None and found.gpus == min(c.min_gpus for c in found.candidates if c.min_gpus)
     budget = found.gpu_memory_bytes
     counts = planner.gpu_counts(8, 64)
+    assert found.best.exact
     for c in found.candidates:
         if c.min_gpus is None:
             continue
-        fits = A.estimate(inv, A.with_gpus(c.settings, c.min_gpus)).required_bytes <= budget
-        assert fits, c.label
         smaller = [g for g in counts if g < c.min_gpus and not (c.settings.strategy.shard_within_node and g <= 8)]
-        for g in smaller:  # no smaller count fits
+        for g in smaller:  # no smaller count fits, even by the bound from below
+            assert A.required_bytes(inv, A.with_gpus(c.settings, g), (1,), lower_bound=True)[0][1] > budget
             assert A.estimate(inv, A.with_gpus(c.settings, g)).required_bytes > budget, (c.label, g)
-        if c.micro_batch is not None and c.micro_batch < 64:  # the largest micro-batch: one more does not fit
-            s = replace(A.with_gpus(c.settings, found.gpus), micro_batch=c.micro_batch + 1)
-            assert A.estimate(inv, s).required_bytes > budget
+        if c.micro_batch is None:
+            continue
+        at = replace(A.with_gpus(c.settings, found.gpus), micro_batch=c.micro_batch)
+        more = replace(at, micro_batch=c.micro_batch + 1)
+        if c.exact:  # replayed: it fits, and one more micro-batch does not
+            assert A.estimate(inv, at).required_bytes == c.required_bytes <= budget, c.label
+            if c.micro_batch < 64:
+                assert A.estimate(inv, more).required_bytes > budget
+        else:  # the bound: the largest micro-batch by the allocated peak (the true one is no larger)
+            assert A.required_bytes(inv, at, (c.micro_batch,), lower_bound=True)[0][1] == c.required_bytes <= budget
+            if c.micro_batch < 64:
+                assert A.required_bytes(inv, more, (c.micro_batch + 1,), lower_bound=True)[0][1] > budget
     b = found.best
     assert all(planner.RECOMPUTE_ORDER.index(b.recompute) <= planner.RECOMPUTE_ORDER.index(c.recompute)
                for c in found.candidates if c.micro_batch is not None)

@@ -28,6 +28,7 @@ The algorithm is the native allocator's (c10/cuda/CUDACachingAllocator.cpp, Devi
 from __future__ import annotations
 
 import bisect
+from bisect import bisect_left, insort
 import itertools
 from dataclasses import dataclass, field
 
@@ -161,7 +162,7 @@ class Allocator:
     def __post_init__(self) -> None:
         #: (small, stream) -> the pool's cached blocks as (size, ptr, block), sorted: best fit is the first entry
         #: at least as large (free blocks of a pool never share an address, so the block is never compared)
-        self._free: dict[tuple[bool, int], list[tuple[int, int, _Block]]] = {}
+        self._free: dict[int, list[tuple[int, int, _Block]]] = {}  # key: stream * 2 + small
         self._ids = itertools.count()
         # cudaMalloc hands out segments from the top of the address space down (seen in every recorded
         # stream); the address only breaks ties between cached blocks of one size (the lowest first)
@@ -176,11 +177,11 @@ class Allocator:
 
     # ---- pools ----
     def _insert(self, b: _Block) -> None:
-        key = (b.small, b.stream)
+        key = b.stream * 2 + b.small
         lst = self._free.get(key)
         if lst is None:
             lst = self._free[key] = []
-        bisect.insort(lst, (b.size, b.ptr, b))
+        insort(lst, (b.size, b.ptr, b))
         b.cached = True
 
     def _is_cached(self, b: _Block) -> bool:
@@ -188,15 +189,15 @@ class Allocator:
         return b.cached
 
     def _remove(self, b: _Block) -> None:
-        lst = self._free[(b.small, b.stream)]
-        del lst[bisect.bisect_left(lst, (b.size, b.ptr))]
+        lst = self._free[b.stream * 2 + b.small]
+        del lst[bisect_left(lst, (b.size, b.ptr))]
         b.cached = False
 
     def _best_fit(self, size: int, small: bool, stream: int) -> _Block | None:
-        lst = self._free.get((small, stream))
+        lst = self._free.get(stream * 2 + small)
         if not lst:
             return None
-        j = bisect.bisect_left(lst, (size,))
+        j = bisect_left(lst, (size,))
         if j == len(lst):
             return None
         b = lst[j][2]

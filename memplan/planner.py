@@ -120,9 +120,8 @@ def _fits_at(inv: ParamInventory, s: accounting.Settings, gpus: int, mb: int, bu
 def _exact_largest(inv: ParamInventory, s: accounting.Settings, mbs: tuple[int, ...], budget: int,
                    bound: list[tuple[int, int]], hi: int) -> tuple[int | None, int]:
     """The index of the largest micro-batch whose replayed reserved peak fits (memplan/reserved.py), at most
-    ``hi`` (the bound's answer: the reserved peak is never below the allocated one), and the replays it took.
-    The first replay, at ``hi``, gives the allocator's share of the peak; the guess it makes for the answer is
-    then checked, and moved one micro-batch at a time until it fits and the next does not."""
+    ``hi`` (the bound's answer: the reserved peak is never below the allocated one), and the replays it took:
+    a guess, then bisection on the side it falls (usually two replays: the answer, and the next one up)."""
     exact: dict[int, int] = {}
 
     def required(i: int) -> int:
@@ -131,16 +130,14 @@ def _exact_largest(inv: ParamInventory, s: accounting.Settings, mbs: tuple[int, 
             exact[i] = accounting.required_bytes(inv, s, (mbs[i],), budget=budget)[0][1]
         return exact[i]
 
-    if required(hi) <= budget:
-        return hi, len(exact)
-    peak, low = bound[hi]
-    share = (required(hi) - low) / peak if peak else 0.0
-    guess = max((i for i in range(hi) if bound[i][1] + share * bound[i][0] <= budget), default=0)
-    # the answer lies in [lo, top): fits(lo) (or lo = -1: nothing fits), not fits(top)
+    # the first guess takes the allocator's segments as SHARE_GUESS of the allocated peak (their median share
+    # in the H100 runs' replays, docs/accuracy-gpu.md); the answer lies in [lo, top): fits(lo) (lo = -1:
+    # nothing fits), not fits(top)
+    guess = max((i for i in range(hi + 1) if bound[i][1] + SHARE_GUESS * bound[i][0] <= budget), default=0)
     if required(guess) <= budget:
-        lo, top = guess, hi
-        if guess + 1 < hi and required(guess + 1) > budget:
+        if guess == hi or required(guess + 1) > budget:
             return guess, len(exact)
+        lo, top = guess + 1, hi + 1
     else:
         lo, top = -1, guess
     while top - lo > 1:
@@ -150,6 +147,10 @@ def _exact_largest(inv: ParamInventory, s: accounting.Settings, mbs: tuple[int, 
         else:
             top = mid
     return (lo if lo >= 0 else None), len(exact)
+
+
+#: the caching allocator's share of the allocated peak a search guesses first (then replays to check)
+SHARE_GUESS = 0.12
 
 
 #: the largest cluster and micro-batch plan searches (refused above: the search enumerates them)

@@ -193,9 +193,14 @@ class _Run:
         before = a.reserved
         self.live[key] = a.malloc(max(size, 1), stream)
         if a.reserved != before and _Run.limit is not None and a.reserved > _Run.limit:
-            raise _OverLimit(Reserved(peak_bytes=a.peak_reserved, allocated_bytes=a.peak_allocated,
-                                      model="", variants={}, config="", complete=False))
+            self.over()
         return key
+
+    def over(self) -> None:
+        """Stop the replay: the reserved bytes have passed the limit."""
+        a = self.a
+        raise _OverLimit(Reserved(peak_bytes=a.peak_reserved, allocated_bytes=a.peak_allocated,
+                                  model="", variants={}, config="", complete=False))
 
     def offset(self) -> int:
         """A base for one micro-step's integer keys (a step's storages are numbered from 0)."""
@@ -308,22 +313,30 @@ def _step(run: _Run, job: Job, n: int, keep_grads: bool, at: Any = None, on_grad
     grads: list[tuple[Any, int]] = []
     kept: set[Any] = set()
     off = run.offset()
+    a = run.a
+    live, malloc, afree = run.live, a.malloc, a.free
+    limit = _Run.limit if _Run.limit is not None else 1 << 62
     for e in job.step:
-        if e[0] == "m":
-            if at is not None:
-                at(e[1], e[2])
-        elif e[0] == "a":
+        kind = e[0]
+        if kind == "a":
             key = off + e[1]
-            run.alloc(e[2], key)
-            if e[3] is not None and on_grad is not None:
-                on_grad(e[2])
-            if e[3] is not None and keep_grads:
-                kept.add(key)
-                grads.append((key, e[2]))
-        else:
+            live[key] = malloc(e[2])
+            if a.reserved > limit:
+                run.over()
+            if e[3] is not None:
+                if on_grad is not None:
+                    on_grad(e[2])
+                if keep_grads:
+                    kept.add(key)
+                    grads.append((key, e[2]))
+        elif kind == "f":
             key = off + e[1]
             if key not in kept:
-                run.free(key)
+                b = live.pop(key, None)
+                if b is not None:
+                    afree(b)
+        elif at is not None:
+            at(e[1], e[2])
     return grads
 
 
@@ -590,24 +603,32 @@ def _fsdp_step(run: _Run, job: Job, n: int, at: Any, on_forward_end: Any, grads_
     current_forward = None
     kept: set[Any] = set()
     off = run.offset()
+    a = run.a
+    live, malloc, afree = run.live, a.malloc, a.free
+    limit = _Run.limit if _Run.limit is not None else 1 << 62
     for e in job.step:
-        if e[0] == "m":
+        kind = e[0]
+        if kind == "a":
+            key = off + e[1]
+            live[key] = malloc(e[2])
+            if a.reserved > limit:
+                run.over()
+            if e[3] is not None:
+                grads_of.setdefault(e[3], []).append(key)
+                kept.add(key)
+        elif kind == "f":
+            key = off + e[1]
+            if key not in kept:
+                b = live.pop(key, None)
+                if b is not None:
+                    afree(b)
+        else:
             if current_forward is not None:
                 on_forward_end(current_forward)
                 current_forward = None
             at(e[1], e[2])
             if e[1] == "F":
                 current_forward = e[2]
-        elif e[0] == "a":
-            key = off + e[1]
-            run.alloc(e[2], key)
-            if e[3] is not None:
-                grads_of.setdefault(e[3], []).append(key)
-                kept.add(key)
-        else:
-            key = off + e[1]
-            if key not in kept:
-                run.free(key)
 
 
 # ---- from the settings ----------------------------------------------------------------------------------------

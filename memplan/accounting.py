@@ -39,6 +39,9 @@ class DeepSpeedKnobs:
     hpz_partition_size: int = 1  #: zero_hpz_partition_size (ZeRO++ secondary partition within a node)
     offload_optimizer: bool = False  #: offload_optimizer.device == "cpu"
     offload_param: bool = False  #: offload_param.device == "cpu" (stage 3 only)
+    #: offload_optimizer / offload_param .pin_memory (DeepSpeed's default: false): pinned host buffers, which
+    #: PyTorch's pinned allocator rounds up to a power of two (memplan/host.py)
+    offload_pin_memory: bool = False
     #: stage 3 replaces torch.nn.functional.linear with LinearFunctionForZeroStage3 (changes the traced
     #: activations on CPU and under autocast: memplan/tracing_keys.py trace_linear)
     memory_efficient_linear: bool = True
@@ -52,6 +55,7 @@ class TorchKnobs:
     hsdp_shard_size: int | None = None  #: HSDP shard group size; None -> gpus per node
     fsdp_version: int = 2
     cpu_offload: bool = False  #: FSDP CPUOffloadPolicy: sharded params, grads and states on the host
+    cpu_offload_pin_memory: bool = True  #: CPUOffloadPolicy(pin_memory=True), its default
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -102,6 +106,8 @@ class Cluster:
     gpu_arch: str = "sm90"
     #: device cpu: the instruction-set class the CPU kernels follow (kernels.CPU_ISAS); None: this machine's
     cpu_isa: str | None = None
+    #: a node's host RAM for offloaded states (--host-memory); None: no host verdict
+    host_memory_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if self.gpus < 1:
@@ -215,6 +221,15 @@ class Plan:
     def headroom_bytes(self) -> int | None:
         mem = self.settings.cluster.gpu_memory_bytes
         return None if mem is None else mem - self.required_bytes
+
+    @property
+    def host_fits(self) -> bool | None:
+        """Whether the offloaded states fit a node's host RAM (--host-memory), pinned buffers rounded as PyTorch
+        rounds them (memplan/host.py); None without --host-memory or without offload."""
+        from memplan.host import host_report
+
+        rep = host_report(self)
+        return None if rep is None else rep["fits"]
 
 
 def shard_group_size(s: Settings) -> int:
@@ -1084,6 +1099,17 @@ def required_bytes(inv: ParamInventory, s: Settings, micro_batches: Any,
             peak = max(peak, best[kind] + x + gx)
         out.append((peak, peak + fixed_over + peak * frag // 100))
     return out
+
+
+def host_fits(inv: ParamInventory, s: Settings) -> bool | None:
+    """The host verdict alone (no activations, no replay): whether a node's RAM holds the offloaded states."""
+    from types import SimpleNamespace
+
+    from memplan.host import host_report
+
+    f = _fixed(inv, s)
+    rep = host_report(SimpleNamespace(settings=s, inventory=inv, host_detail=f.host_detail, shard_group=f.shard_group))
+    return None if rep is None else rep["fits"]
 
 
 def with_gpus(s: Settings, gpus: int) -> Settings:

@@ -162,6 +162,11 @@ def estimate(
                                                         "peak, instead of the replayed reserved peak."),
     allocator_conf: Optional[str] = typer.Option(None, "--allocator-conf", help="The job's PYTORCH_CUDA_ALLOC_CONF, "
                                                  "e.g. expandable_segments:True [default: from the environment]."),
+    host_memory: Optional[str] = typer.Option(None, "--host-memory", help="A node's host RAM for offloaded states, "
+                                              "e.g. 1TiB: a host verdict too."),
+    pin_memory: Optional[bool] = typer.Option(None, "--pin-memory/--no-pin-memory", help="Offloaded states in pinned "
+                                              "memory (DeepSpeed offload pin_memory [default: false]; FSDP "
+                                              "CPUOffloadPolicy [default: true])."),
     cublas_workspace: Optional[str] = typer.Option(None, help="cuBLAS workspace per handle, inside the peak (the job's "
                                                    "CUBLAS_WORKSPACE_CONFIG; 0 for :0:0) [default: the GPU's; "
                                                    "32MiB]."),
@@ -186,7 +191,8 @@ def estimate(
         inv, config=src.config, activations=activations, cpu_isa=cpu_isa, gpus=gpus, gpus_per_node=gpus_per_node, stage=stage, strategy=strategy, precision=precision,
         optimizer=optimizer, optimizer_impl=optimizer_impl, micro_batch=micro_batch, seq_len=seq_len,
         grad_accum=grad_accum, recompute=recompute, attention=attention, gpu=gpu, gpu_memory_size=gpu_memory,
-        device=device, deepspeed=deepspeed, allocator_conf=allocator_conf,
+        device=device, deepspeed=deepspeed, allocator_conf=allocator_conf, host_memory_size=host_memory,
+        pin_memory=pin_memory,
         ds_overrides=dict(reduce_bucket_size=reduce_bucket_size, allgather_bucket_size=allgather_bucket_size,
                           overlap_comm=overlap_comm, contiguous_gradients=contiguous_gradients,
                           prefetch_bucket_size=prefetch_bucket_size,
@@ -209,7 +215,7 @@ def estimate(
         _emit_json(rep)
     else:
         _render_plan(rep)
-    if plan.fits is False:
+    if plan.fits is False or plan.host_fits is False:
         raise typer.Exit(1)
 
 
@@ -247,8 +253,17 @@ def _render_plan(rep: dict) -> None:
     if rep["host_bytes_per_node"]:
         per_rank = ", ".join(f"{k.removesuffix('_bytes').replace('_', ' ')} {fmt_bytes(v)}"
                              for k, v in rep.get("host_bytes_per_rank_by_category", {}).items())
-        c.print(f"host RAM per node for offloaded states: {fmt_bytes(rep['host_bytes_per_node'])}"
-                + (f" (per rank: {per_rank})" if per_rank else ""))
+        h = rep.get("host") or {}
+        pinned = (f"; pinned {fmt_bytes(h['pinned_requested_bytes_per_rank'])} per rank takes "
+                  f"{fmt_bytes(h['pinned_allocated_bytes_per_rank'])} (powers of two)"
+                  if h.get("pinned_requested_bytes_per_rank") else "")
+        c.print(f"host RAM per node for offloaded states: {fmt_bytes(h.get('bytes_per_node', rep['host_bytes_per_node']))}"
+                + (f" (per rank: {per_rank}{pinned})" if per_rank else ""))
+        if h.get("fits") is not None:
+            c.print((f"host [green]FITS[/green] in {fmt_bytes(h['host_memory_bytes'])}: headroom "
+                     f"{fmt_bytes(h['headroom_bytes'])}") if h["fits"] else
+                    (f"host [red]DOES NOT FIT[/red] in {fmt_bytes(h['host_memory_bytes'])}: short by "
+                     f"{fmt_bytes(-h['headroom_bytes'])}"))
     if rep["fits"] is None:
         c.print("fit: no GPU given (use --gpu NAME or --gpu-memory SIZE)")
     elif rep["fits"]:
@@ -297,6 +312,8 @@ def plan(
     device: str = typer.Option("cuda", "--device", help="cuda, or cpu (no CUDA/NCCL overheads)."),
     allocator_conf: Optional[str] = typer.Option(None, "--allocator-conf", help="The job's PYTORCH_CUDA_ALLOC_CONF, "
                                                  "e.g. expandable_segments:True [default: from the environment]."),
+    host_memory: Optional[str] = typer.Option(None, "--host-memory", help="A node's host RAM: offload candidates "
+                                              "must fit it too."),
     builder: str = typer.Option("auto", help="Inventory builder: auto | analytic | meta."),
     activations: str = typer.Option("auto", "--activations", help="auto | traced | analytic."),
     cpu_isa: Optional[str] = typer.Option(None, "--cpu-isa", help="device cpu: the instruction set the CPU kernels "
@@ -318,7 +335,8 @@ def plan(
                            recomputes=_csv(recompute, "--recompute"), micro_batch=micro_batch,
                            max_micro_batch=max_micro_batch, allow_offload=allow_offload, seq_len=seq_len,
                            grad_accum=grad_accum, precision=precision, optimizer=optimizer, attention=attention,
-                           device=device, activations=activations, cpu_isa=cpu_isa, allocator_conf=allocator_conf)
+                           device=device, activations=activations, cpu_isa=cpu_isa, allocator_conf=allocator_conf,
+                           host_memory_size=host_memory)
     best = planner.best_settings(found)
     extra = [f"--gpu {gpu}" if gpu else f"--gpu-memory {gpu_memory}"]
     for flag, value in (("--seq-len", seq_len), ("--grad-accum", grad_accum), ("--precision", precision),
@@ -331,6 +349,8 @@ def plan(
         extra.append(f"--device {device}")
     if allocator_conf:
         extra.append(f"--allocator-conf {allocator_conf}")
+    if host_memory:
+        extra.append(f"--host-memory {host_memory}")
     rep = search_report(found, inv, None if best is None else accounting.estimate(inv, best),
                         planner.command_line(model, found, extra))
     if as_json:

@@ -99,6 +99,11 @@ def load(path: str) -> DsConfig:
         if device not in ("cpu", "nvme", "none"):
             raise ConfigError(f"{path}: zero_optimization.{key}.device must be cpu, nvme or none, got {device!r}")
         knobs[field_name] = device != "none"
+        pin = sub.get("pin_memory", False)
+        if not isinstance(pin, bool):
+            raise ConfigError(f"{path}: zero_optimization.{key}.pin_memory must be true or false, got {pin!r}")
+        if device != "none" and pin:
+            knobs["offload_pin_memory"] = True
     recipe = None
     if (data.get("bf16") or {}).get("enabled") is True:
         recipe = "deepspeed-bf16"

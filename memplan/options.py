@@ -191,7 +191,8 @@ def resolve(inv: ParamInventory, *, gpus: int = 1, gpus_per_node: int | None = N
             torch_overrides: dict[str, Any] | None = None,
             overhead_overrides: dict[str, Any] | None = None, config: dict[str, Any] | None = None,
             activations: str = "auto", cpu_isa: str | None = None, gpu_arch: str | None = None,
-            allocator_conf: str | None = None) -> Resolved:
+            allocator_conf: str | None = None, host_memory_size: str | None = None,
+            pin_memory: bool | None = None) -> Resolved:
     sources: dict[str, str] = {}
     notes: list[str] = []
     ds_file = dsconfig.load(deepspeed) if deepspeed else None
@@ -228,6 +229,9 @@ def resolve(inv: ParamInventory, *, gpus: int = 1, gpus_per_node: int | None = N
     seq = seq_len if seq_len is not None else 2048
     sources["seq_len"] = "command line" if seq_len is not None else "default"
 
+    if pin_memory is not None:  # DeepSpeed offload's pin_memory, and FSDP CPUOffloadPolicy's
+        ds_overrides = dict(ds_overrides or {}, offload_pin_memory=pin_memory)
+        torch_overrides = dict(torch_overrides or {}, cpu_offload_pin_memory=pin_memory)
     knob_values: dict[str, Any] = {}
     file_knobs = dsconfig.resolve_auto(ds_file.knobs, inv.dims.get("hidden_size")) if ds_file else {}
     ds_fields = {f.name for f in fields(DeepSpeedKnobs)}
@@ -284,8 +288,10 @@ def resolve(inv: ParamInventory, *, gpus: int = 1, gpus_per_node: int | None = N
             raise SettingsError(f"--cpu-isa must be one of {', '.join(CPU_ISAS)}, got {cpu_isa!r}")
         if device != "cpu":
             raise SettingsError("--cpu-isa applies to --device cpu")
+    host_mem = parse_size(host_memory_size)[0] if host_memory_size else None
     cluster = Cluster(gpus=gpus, gpus_per_node=gpus_per_node if gpus_per_node is not None else min(gpus, 8) or 1,
                       gpu_memory_bytes=mem, device=device, gpu_arch=arch, cpu_isa=cpu_isa,
+                      host_memory_bytes=host_mem,
                       **({} if workspace is None else {"blas_workspace_bytes": workspace}))
     conf = _allocator_conf(allocator_conf, device, notes, sources)
     settings = Settings(strategy=strat, recipe=recipe, optimizer=opt, cluster=cluster, optimizer_impl=optimizer_impl,

@@ -112,6 +112,8 @@ def _fits_at(inv: ParamInventory, s: accounting.Settings, gpus: int, mb: int, bu
     try:
         s2 = accounting.with_gpus(s, gpus)
         (_, req), = accounting.required_bytes(inv, s2, (mb,), lower_bound=lower_bound)
+        if req <= budget and accounting.host_fits(inv, s2) is False:  # --host-memory: offload must fit too
+            return False
     except SettingsError:  # e.g. HSDP shard size that does not divide this count
         return False
     return req <= budget

@@ -67,11 +67,18 @@ def plan_report(plan: Any, sources: dict[str, str] | None = None, notes: tuple[s
         "reserved": reserved_report(plan),
         "host_bytes_per_node": plan.host_bytes_per_node,
         "host_bytes_per_rank_by_category": plan.host_detail,
+        "host": host_report(plan),
         "fits": plan.fits,
         "headroom_bytes": plan.headroom_bytes,
         "assumptions": assumptions,
         "notes": list(inv.notes) + list(notes),
     }
+
+
+def host_report(plan: Any) -> dict[str, Any] | None:
+    from memplan.host import host_report as report
+
+    return report(plan)
 
 
 def reserved_report(plan: Any) -> dict[str, Any] | None:

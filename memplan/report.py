@@ -92,11 +92,11 @@ def reserved_report(plan: Any) -> dict[str, Any] | None:
         return {"method": "replayed", "peak_bytes": r.peak_bytes, "framework_sequence": r.model,
                 "replay_allocated_peak_bytes": r.allocated_bytes, "allocator_conf": r.config,
                 "variants": dict(sorted(r.variants.items()))}
-    from memplan.accounting import FALLBACK_FRAGMENTATION_PERCENT
+    from memplan.accounting import fallback_fragmentation
 
     pct = s.overheads.fragmentation_percent
     return {"method": "flat", "peak_bytes": plan.reserved_peak_bytes,
-            "fragmentation_percent": FALLBACK_FRAGMENTATION_PERCENT if pct is None else pct,
+            "fragmentation_percent": fallback_fragmentation(s) if pct is None else pct,
             "why": "--fragmentation-percent given" if pct is not None else plan.reserved_why}
 
 

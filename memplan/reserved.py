@@ -811,9 +811,10 @@ def replay_zero12(job: Job, stage: int, partition: int, flat: int, bucket: int, 
     half dtype parameter by parameter and empties the cache; the optimizer flattens the group into one buffer
     (flatten_dense_tensors_aligned) and the parameters become views of it; the fp32 master partition is the
     bit16 partition's .clone().float(); initialize_optimizer_states makes and drops an fp32 gradient partition.
-    A step: at the first gradient hook the ipg bucket buffer(s) (contiguous_gradients) take each gradient as it
-    is made; ZeRO-2 reduces full buckets into grads_in_partition; at the end of backward ZeRO-1 flattens its
-    averaged gradients and the bucket goes; the norm takes each gradient in fp64 (get_grad_norm_direct:
+    A step: at the first gradient hook the ipg bucket buffer(s) (contiguous_gradients) are made; ZeRO-2 (and
+    overlap_comm) takes each gradient into them as it is made, ZeRO-1 keeps its gradients to the end of backward
+    and takes them then; the first reduce (a full bucket, or the last) makes grads_in_partition; the bucket goes
+    at the end of backward; the norm takes each gradient in fp64 (get_grad_norm_direct:
     vector_norm(g.data.to(get_norm_dtype()))); the step flattens the partition's gradients again and converts them to fp32
     (single_grad_partition), Adam makes its states at the first step, and the fp32 gradient goes."""
     run = _Run(config or AllocatorConfig())
@@ -836,19 +837,32 @@ def replay_zero12(job: Job, stage: int, partition: int, flat: int, bucket: int, 
                 run.alloc(job.workspace_bytes)
             ipg: list[Any] = []
             in_bucket = [0]
+            # process_gradients: every hook sets up the bucket buffer(s); ZeRO-2 (partition_gradients) and
+            # overlap_comm reduce in the hooks, ZeRO-1 without it keeps the gradients until reduce_gradients
+            # takes them one by one at the end of backward (stage_1_and_2.py process_gradients)
+            in_hooks = stage == 2 or buffers > 1
 
-            def on_grad(nbytes: int) -> None:
+            def reduce(nbytes: int) -> None:
+                """reduce_independent_p_g_buckets_and_remove_grads: a gradient that would overflow the bucket
+                reduces it first, and the first reduce makes grads_in_partition (copy_grads_in_partition)."""
                 nonlocal grads_flat
-                if not ipg:
-                    ipg.extend(run.alloc(bucket * half) for _ in range(buffers))
                 numel = nbytes // half
-                if in_bucket[0] + numel > bucket:  # reduce_ipg_grads: ZeRO-2 makes grads_in_partition
+                if in_bucket[0] + numel > bucket:
                     in_bucket[0] = 0
-                    if stage == 2 and grads_flat is None:
+                    if grads_flat is None:
                         grads_flat = run.alloc(partition * half)
                 in_bucket[0] += numel
-            _step(run, job, (n, m), keep_grads=False, at=lambda kind, blk: None, on_grad=on_grad)
-            if grads_flat is None:  # the epilogue's reduce (ZeRO-2), the averaged gradients flattened (ZeRO-1)
+
+            def on_grad(nbytes: int) -> None:
+                if not ipg:
+                    ipg.extend(run.alloc(bucket * half) for _ in range(buffers))
+                if in_hooks:
+                    reduce(nbytes)
+            kept = _step(run, job, (n, m), keep_grads=not in_hooks, at=lambda kind, blk: None, on_grad=on_grad)
+            for key, nbytes in reversed(kept):  # reduce_gradients, in the group's (module) order
+                reduce(nbytes)
+                run.free(key)  # copied into the bucket: the gradient is a view of it now
+            if grads_flat is None:  # the epilogue's reduce
                 grads_flat = run.alloc(partition * half)
             for k in ipg:
                 run.free(k)

@@ -301,10 +301,12 @@ class Job:
     optimizer_impl: str  #: foreach | fused | single-tensor
     input_bytes: int  #: the batch's input ids (labels are the same tensor)
     workspace_bytes: int  #: cuBLAS workspace per handle (two handles: forward and autograd's thread)
-    step: tuple[tuple, ...]  #: step_events at the job's depth and micro-batch
+    #: the traced step at the job's depth (_expand: sizes as (c0, c1) lines in the micro-batch)
+    step: Any
     #: bytes of each parameter after the model is converted to the recipe's dtype (None: kept as built)
     converted: tuple[int, ...] | None = None
     grad_accum: int = 1  #: micro-steps per optimizer step (the later ones add into the kept gradients)
+    micro_batch: int = 1
 
 
 def _step(run: _Run, job: Job, n: int, keep_grads: bool, at: Any = None, on_grad: Any = None) -> list[tuple[Any, int]]:
@@ -316,19 +318,21 @@ def _step(run: _Run, job: Job, n: int, keep_grads: bool, at: Any = None, on_grad
     a = run.a
     live, malloc, afree = run.live, a.malloc, a.free
     limit = _Run.limit if _Run.limit is not None else 1 << 62
+    mb = job.micro_batch
     for e in job.step:
         kind = e[0]
         if kind == "a":
             key = off + e[1]
-            live[key] = malloc(e[2])
+            size = e[2][0] + e[2][1] * mb
+            live[key] = malloc(size if size > 0 else 1)
             if a.reserved > limit:
                 run.over()
             if e[3] is not None:
                 if on_grad is not None:
-                    on_grad(e[2])
+                    on_grad(size)
                 if keep_grads:
                     kept.add(key)
-                    grads.append((key, e[2]))
+                    grads.append((key, size))
         elif kind == "f":
             key = off + e[1]
             if key not in kept:
@@ -606,11 +610,13 @@ def _fsdp_step(run: _Run, job: Job, n: int, at: Any, on_forward_end: Any, grads_
     a = run.a
     live, malloc, afree = run.live, a.malloc, a.free
     limit = _Run.limit if _Run.limit is not None else 1 << 62
+    mb = job.micro_batch
     for e in job.step:
         kind = e[0]
         if kind == "a":
             key = off + e[1]
-            live[key] = malloc(e[2])
+            size = e[2][0] + e[2][1] * mb
+            live[key] = malloc(size if size > 0 else 1)
             if a.reserved > limit:
                 run.over()
             if e[3] is not None:
@@ -688,7 +694,7 @@ def _job(inv: Any, s: Any, numels: list[int]) -> Job:
                states_per_param=s.optimizer.states_per_param if not s.optimizer.factored else 1,
                optimizer_impl=_optimizer_impl(s), input_bytes=s.micro_batch * s.seq_len * 8,
                workspace_bytes=s.cluster.blas_workspace_bytes,
-               step=tuple(step_events(d["alloc_events"], d["num_layers"], s.micro_batch)))
+               step=_expand(d["alloc_events"], d["num_layers"]), micro_batch=s.micro_batch)
 
 
 def _partition_params(inv: Any, n: int) -> tuple[int, ...]:

@@ -195,13 +195,13 @@ def reserved_summary(rows: list) -> str:
     me = [p["matched_error"] for _, p in rep]
     ve = [(p["reserved_peak_bytes"] - c["reserved_peak_bytes"]) / c["reserved_peak_bytes"] for c, p in rep]
     fe = [(p["reserved_peak_bytes"] - c["reserved_peak_bytes"]) / c["reserved_peak_bytes"] for c, p in flat]
-    out = (f"reserved peak, replayed ({len(rep)} cases: DDP, FSDP2, ZeRO-1/2): as each run released DDP's first "
+    out = (f"reserved peak, replayed ({len(rep)} cases: DDP, FSDP2, ZeRO-1/2/3): as each run released DDP's first "
            f"buckets, error min {100 * min(me):+.2f}%, max {100 * max(me):+.2f}%, median |error| "
            f"{100 * statistics.median(abs(e) for e in me):.2f}%, within 3%: {sum(abs(e) <= 0.03 for e in me)}; "
            f"the verdict's figure (the later release where DDP allows two): min {100 * min(ve):+.2f}%, "
            f"max {100 * max(ve):+.2f}%, within 3%: {sum(abs(e) <= 0.03 for e in ve)}")
     if fe:
-        out += (f"; flat {len(fe)} cases (ZeRO-3: allocated + 22%, offload + 40%): min {100 * min(fe):+.2f}%, "
+        out += (f"; flat {len(fe)} cases (offload: allocated + 40%): min {100 * min(fe):+.2f}%, "
                 f"max {100 * max(fe):+.2f}%")
     fits = sum(1 for _, p, _, _ in rows if p["fits"])
     return out + f"; verdict FITS for {fits} of {len(rows)} measured runs"
@@ -252,9 +252,9 @@ def write_doc(rows: list, summary: str, vrows: list, rsum: str = "", oom: list |
         "",
         "`predicted reserved (verdict)` is `per_gpu.reserved_peak_bytes`: the caching allocator (memplan/allocator.py, "
         "every recorded event stream replayed to the byte by bench/allocator_replay.py) replayed over the run's "
-        "allocations as memplan/reserved.py writes them down (DDP, FSDP2, ZeRO-1/2), or, for ZeRO-3 and offload, "
-        "the allocated peak + 22% (ZeRO-3) or + 40% (offload) (`how`: flat: accounting.FALLBACK_FRAGMENTATION, the "
-        "largest ratio of those runs plus 5 points). DDP's first buckets come back either at the Reducer's rebuild or, "
+        "allocations as memplan/reserved.py writes them down (DDP, FSDP2, ZeRO-1/2/3), or, for offload, the "
+        "allocated peak + 40% (`how`: flat: accounting.FALLBACK_FRAGMENTATION, the largest ratio of that kind plus 5 "
+        "points). DDP's first buckets come back either at the Reducer's rebuild or, "
         "held by NCCL until its watchdog sees the last all-reduce done, in step 2's backward: the same "
         "configuration (gpt2, micro-batch 16) did each in one of two runs, so the verdict takes the later release "
         "and `as the run released` is the replay of the order the run took (its step 2 allocated peak shows it).",

@@ -672,8 +672,11 @@ def why_not(s: Any) -> str | None:
         return f"{st.framework} setup not modelled yet"
     if st.name == "zero-optimizer":
         return "ZeroRedundancyOptimizer not modelled yet"
-    if st.framework == "deepspeed" and (st.zero_stage not in (1, 2) or s.ds.offload_optimizer):
-        return f"DeepSpeed {'ZeRO-Offload' if s.ds.offload_optimizer else f'stage {st.zero_stage}'} not modelled yet"
+    if st.framework == "deepspeed" and (st.zero_stage not in (1, 2, 3) or s.ds.offload_optimizer
+                                        or s.ds.offload_param or s.ds.hpz_partition_size > 1):
+        what = "ZeRO-Offload" if s.ds.offload_optimizer or s.ds.offload_param else (
+            "ZeRO++ hpZ" if s.ds.hpz_partition_size > 1 else f"stage {st.zero_stage}")
+        return f"DeepSpeed {what} not modelled yet"
     if st.framework == "fsdp2" and (not st.shard_params or s.torch.cpu_offload):
         return "FSDP2 without sharding or with CPU offload not modelled yet"
     return None
@@ -767,6 +770,22 @@ def _predict(inv: Any, s: Any, config: AllocatorConfig | None) -> Reserved:
 
         n = shard_group_size(s)
         psi = sum(t.numel for t in inv.tensors)
+        if st.zero_stage == 3:
+            parts = tuple(ceil_div(t.numel, n) for t in inv.tensors)
+            groups, cur = [], 0
+            for x in parts:  # stage3.py _create_fp16_sub_groups: closed once a group reaches sub_group_size
+                cur += x
+                if cur >= s.ds.sub_group_size:
+                    groups.append(cur)
+                    cur = 0
+            if cur:
+                groups.append(cur)
+            blocks = tuple(b.numel for b in inv.layer_blocks)
+            job = _job(inv, s, [sum(parts)])
+            a = replay_zero3(job, n, parts, tuple(groups), blocks, s.ds.reduce_bucket_size, s.recipe.param_bytes,
+                             config)
+            return Reserved(peak_bytes=a.peak_reserved, allocated_bytes=a.steps[-1][0], model="ZeRO-3",
+                            variants={"": a.peak_reserved}, config=config.text, steps=tuple(a.steps))
         flat = ceil_div(psi, 2 * n) * 2 * n  # flatten_dense_tensors_aligned(..., 2 * dp_size)
         part = flat // n
         job = _job(inv, s, [part])
@@ -864,7 +883,12 @@ def replay_zero12(job: Job, stage: int, partition: int, flat: int, bucket: int, 
                     ipg.extend(run.alloc(bucket * half) for _ in range(buffers))
                 if in_hooks:
                     reduce(nbytes)
-            kept = _step(run, job, (n, m), keep_grads=not in_hooks, at=lambda kind, blk: None, on_grad=on_grad)
+            first = n == 0 and m == 0
+
+            def at(kind: str, blk: int, first: bool = first) -> None:
+                if kind == "mid" and first:
+                    run.alloc(job.workspace_bytes)  # autograd's thread's cuBLAS handle
+            kept = _step(run, job, (n, m), keep_grads=not in_hooks, at=at, on_grad=on_grad)
             for key, nbytes in reversed(kept):  # reduce_gradients, in the group's (module) order
                 reduce(nbytes)
                 run.free(key)  # copied into the bucket: the gradient is a view of it now
@@ -883,6 +907,111 @@ def replay_zero12(job: Job, stage: int, partition: int, flat: int, bucket: int, 
         if n == 0:
             states += [run.alloc(partition * job.state_bytes) for _ in range(job.states_per_param)]
         run.free(fp32_grad)
+        run.end_step()
+        if n >= 1 and run.a.peak_reserved == before:
+            break
+    return run.a
+
+
+def replay_zero3(job: Job, world: int, partitions: tuple[int, ...], sub_groups: tuple[int, ...],
+                 blocks: tuple[int, ...], bucket: int, half: int = 2,
+                 config: AllocatorConfig | None = None) -> Allocator:
+    """DeepSpeed ZeRO-3 (deepspeed/runtime/zero/stage3.py, partition_parameters.py) with a fused Adam, per rank:
+    ``partitions`` (each parameter's partition, elements, module order), ``sub_groups`` (the optimizer's
+    sub-groups, elements), ``blocks`` (each block's gathered elements, with more than one rank), ``bucket``
+    (reduce_bucket_size).
+
+    Setup: with one rank the model is built on the device and each parameter replaced by its bit16 partition
+    (as the H100 stream zero3_offload shows); with more, zero.Init makes the partitions directly. The optimizer
+    defragments them into one flat buffer (_create_fp16_partitions_with_defragmentation: through the host, with an
+    empty_cache between, zero/utils.py defragment), makes each sub-group's
+    fp32 partition (.clone().float()) and a zero fp32 gradient it drops (initialize_optimizer_states; the Adam
+    states come at the first step), then the ipg bucket buffer and the flat gradient partition buffer (grad_partitions_flat_buffer),
+    A step: with one rank nothing is gathered (NoGatherHandle: the parameter points at its
+    partition); with more, each block is gathered into one coalesced buffer before its forward (the next one
+    prefetched) and freed after it, and again in backward. Each gradient goes into the bucket in its hook and is
+    freed; full buckets are reduced into the flat gradient buffer. The optimizer, sub-group by sub-group,
+    flattens the gradients (bit16), converts them to fp32, steps and frees them; the norm reads each gradient in
+    fp64 first."""
+    run = _Run(config or AllocatorConfig())
+    total = sum(partitions)
+    if world == 1:
+        keys = []
+        for n, alias in job.build:
+            keys.append(run.alloc(n))
+        # tied aliases were built and freed with the model (_build); here the partitions replace the parameters
+        params = [k for k, (_, alias) in zip(keys, job.build) if not alias]
+        for k, (_, alias) in zip(keys, job.build):
+            if alias:
+                run.free(k)
+        parts = []
+        for k, p in zip(params, partitions):
+            parts.append(run.alloc(p * half))
+            run.free(k)
+    else:
+        parts = [run.alloc(p * half) for p in partitions]
+    # _create_fp16_partitions_with_defragmentation -> zero/utils.py defragment: each partition copied to one
+    # host buffer and freed, empty_cache, then the flat buffer back on the device
+    for k in parts:
+        run.free(k)
+    run.empty_cache()
+    run.alloc(total * half)  # fp16_partitioned_groups_flat; the partitions are views of it
+    for g in sub_groups:  # _create_fp32_partitions
+        clone = run.alloc(g * half)
+        run.alloc(g * 4)
+        run.free(clone)
+    for g in sub_groups:  # initialize_optimizer_states: a zero fp32 gradient per sub-group, dropped (the fused
+        run.free(run.alloc(g * 4))  # Adam makes its states at the first real step: measured, step 1's peak)
+    run.alloc(bucket * half)  # the ipg bucket buffer
+    run.alloc(total * half)  # grad_partitions_flat_buffer
+    for n in range(MAX_STEPS):
+        before = run.a.peak_reserved
+        for m in range(job.grad_accum):
+            ids = run.alloc(job.input_bytes)
+            if n == 0 and m == 0:
+                run.alloc(job.workspace_bytes)
+            gathered: dict[int, Any] = {}
+
+            def gather(i: int) -> None:
+                if world > 1 and 0 <= i < len(blocks) and i not in gathered:
+                    gathered[i] = run.alloc(blocks[i] * half)
+
+            def release(i: int) -> None:
+                k = gathered.pop(i, None)
+                if k is not None:
+                    run.free(k)
+
+            state: dict[str, Any] = {"f": None, "b": None}
+
+            def at(kind: str, blk: int) -> None:
+                for key in ("f", "b"):
+                    if state[key] is not None:
+                        release(state[key])
+                        state[key] = None
+                if kind == "F" and blk >= 0:
+                    gather(blk)
+                    gather(blk + 1)  # prefetched
+                    state["f"] = blk
+                elif kind == "B" and blk >= 0:
+                    gather(blk)
+                    gather(blk - 1)
+                    state["b"] = blk
+                if kind == "mid" and n == 0 and m == 0:
+                    run.alloc(job.workspace_bytes)
+            _step(run, job, (n, m), keep_grads=False, at=at)
+            for i in list(gathered):
+                release(i)
+            run.free(ids)
+        for numel in partitions:  # the norm: each gradient partition in fp64, one after another
+            run.free(run.alloc(numel * 8))
+        for g in sub_groups:
+            copy = run.alloc(g * half)  # flatten(averaged_gradients)
+            fp32 = run.alloc(g * 4)
+            run.free(copy)
+            if n == 0:  # the optimizer's states, made at its first step
+                for _ in range(job.states_per_param):
+                    run.alloc(g * job.state_bytes)
+            run.free(fp32)  # after the sub-group's step
         run.end_step()
         if n >= 1 and run.a.peak_reserved == before:
             break

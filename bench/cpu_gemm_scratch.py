@@ -4,11 +4,15 @@ allocator's events of real GEMMs, on this machine and in the measurements kept i
     python bench/cpu_gemm_scratch.py            # measure this host, compare every kept measurement, write
                                                  # docs/cpu-kernels.md
     python bench/cpu_gemm_scratch.py --print
+    python bench/cpu_gemm_scratch.py --keep NAME    # also keep this host's measurements (1 and 2 threads) as
+                                                    # bench/cpu/gemm_scratch_NAME.jsonl
     python bench/cpu_gemm_scratch.py --spot-check   # also: two harness cases under ATEN_CPU_CAPABILITY=avx2,
                                                     # against the measurements kept in docs/accuracy.jsonl
 
 bench/cpu/gemm_scratch_sapphire_rapids.jsonl: the device machine's host CPU (Intel Sapphire Rapids: AMX,
 AVX512-BF16), torch 2.11.0, 3 threads, oneDNN capped with ONEDNN_MAX_CPU_ISA at each level (.gpu/gemm_isa.py).
+bench/cpu/gemm_scratch_amx_torch2.13.jsonl: a 2-core AMX host (Intel Xeon with amx_bf16, avx512_bf16,
+avx512_fp16), torch 2.13.0+cpu, 1 and 2 threads, 485 shapes each (`--keep amx_torch2.13`, session 11).
 """
 
 from __future__ import annotations
@@ -34,8 +38,11 @@ def measure_host(threads: int = 1) -> dict:
 
     torch.set_num_threads(threads)
     rows = []
-    for m, n, k in itertools.product([1, 8, 64, 512], [64, 256, 1024], [8, 64, 96, 256, 768, 2048]):
+    shapes = itertools.product([1, 8, 16, 64, 128, 256, 512, 1024, 2048], [8, 64, 128, 256, 512, 1024, 4096],
+                               [8, 32, 64, 256, 512, 1024, 2048, 4096])
+    for m, n, k in ((m, n, k) for m, n, k in shapes if m * n * k > 16 ** 3):
         a, b = torch.randn(m, k, dtype=torch.bfloat16), torch.randn(k, n, dtype=torch.bfloat16)
+        a @ b  # oneDNN creates its primitive on the first call; the second is what a training step repeats
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             out = a @ b
         fd, path = tempfile.mkstemp(suffix=".json")
@@ -102,6 +109,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--print", action="store_true")
     ap.add_argument("--spot-check", action="store_true")
+    ap.add_argument("--keep", default=None, help="keep this host's measurements as bench/cpu/gemm_scratch_KEEP.jsonl")
     args = ap.parse_args()
     lines = []
     host = host_cpu_isa()
@@ -109,6 +117,12 @@ def main() -> None:
     data = measure_host()
     table = [("this machine: " + name, f"native ({torch.backends.cpu.get_cpu_capability()})", host, 1,
               len(data["rows"]), *compare(host, data["rows"], 1))]
+    if args.keep:
+        two = measure_host(2)
+        kept = [{"isa": None, "threads": d["threads"], "torch": torch.__version__, "cpu": name, "rows": d["rows"]}
+                for d in (data, two)]
+        (ROOT / "bench" / "cpu" / f"gemm_scratch_{args.keep}.jsonl").write_text(
+            "".join(json.dumps(d) + "\n" for d in kept))
     for path in sorted((ROOT / "bench" / "cpu").glob("*.jsonl")):
         for line in path.read_text().splitlines():
             if not line.startswith("{"):
@@ -129,11 +143,12 @@ def main() -> None:
         lines.append("| " + " | ".join(str(x) for x in row) + " |")
     lines += ["", "Reading: `avx2` (no oneDNN bf16: PyTorch's own kernel) allocates nothing; `avx512` (AVX512 without "
               "bf16 instructions) an fp32 buffer of the output plus 128 bytes, off by up to 512 bytes for dims that "
-              "are not multiples of 16; `amx` a per-thread packing buffer that grows with k, exact but for m >= 512 "
-              "with k of 1024-2048 (oneDNN blocks those otherwise); `avx512_bf16` is an upper bound. The quick test "
+              "are not multiples of 16; `amx` per-thread packing buffers whose blocks oneDNN chooses from the CPU's "
+              "caches, so the rule is an upper bound (exact to 1 KiB where B is packed whole; never below on either "
+              "host); `avx512_bf16` is an upper bound. The quick test "
               "suite checks the rule of whatever machine it runs on (tests/unit/test_tracing.py "
               "`test_cpu_gemm_scratch_rule_matches_this_host`) and passed under ATEN_CPU_CAPABILITY=avx2 and =default "
-              "as well as natively (259 tests, session 10)."]
+              "as well as natively (259 tests, session 10; natively on the AMX host, session 11)."]
     if args.spot_check:
         lines += spot_check()
     text = "\n".join(lines) + "\n"

@@ -51,7 +51,8 @@ class Target:
         """What of the target changes a trace (the profile cache key's part)."""
         if self.device == "cuda":
             return f"cuda:{sdpa_class(self.arch)}"
-        return f"cpu:{self.cpu_isa}" + (f"x{self.cpu_threads}" if self.cpu_isa == "amx" else "")
+        # "amx" became an upper bound over oneDNN's packing (cpu_gemm_scratch): its traces are new keys
+        return f"cpu:{self.cpu_isa}" + (f"-bound x{self.cpu_threads}" if self.cpu_isa == "amx" else "")
 
     def describe(self) -> str:
         if self.device == "cuda":
@@ -323,9 +324,15 @@ def cpu_gemm_scratch(isa: str, m: int, n: int, k: int, dtype: str, threads: int 
     - ``avx512`` (AVX512 without bf16 instructions: oneDNN converts and accumulates in fp32): an fp32 buffer of
       the output's size plus 128 bytes, m*n*4 + 128 (exact for dims that are multiples of 16; smaller dims are
       padded by up to 512 bytes).
-    - ``amx`` (AMX tiles: oneDNN's brgemm packs B per thread): threads x (128 x k rounded up to 32 + 4,864),
-      independent of m and n: exact in 137 of 156 shapes (k from 8 to 4096, 1-3 threads); m >= 512 with k of
-      1024-2048 blocks otherwise (up to 1.39 MB measured where this gives 0.41 MB).
+    - ``amx`` (AMX tiles: oneDNN's brgemm packs B, and A for tall products, per thread): an upper bound,
+      threads x (2 x k' x n' + 2 x k' x m' [m >= 1024] + 6,144), k' = k rounded up to 32, n' = n rounded up to
+      64 (64 for m = 1), m' = m rounded up to 64. oneDNN picks its blocks from the CPU's cache sizes
+      (brgemm_matmul_utils.cpp, compute_blocking_heuristic_amx), so no rule by instruction set is exact across
+      CPUs or oneDNN versions: on a Sapphire Rapids host with torch 2.11 it packed 64 columns (128 x k' + 4,864
+      in 137 of 156 shapes); on an AMX host with torch 2.13.0 (bench/cpu/amx_gemm_scratch.py, 485 shapes at 1
+      and 2 threads) it packed up to all n columns, 2 x k' x n + 5,120 for most shapes with m of 64 to 512,
+      with A packed too at m >= 1024. The bound holds for every shape measured on both hosts and is exact to
+      1 KiB where B is packed whole.
     - ``avx512_bf16`` (AVX512-BF16 without AMX; measured with oneDNN capped at AVX512_CORE_BF16, 3 threads):
       threads x (128 x k' + r), k' = k rounded up to 32 up to 512, then 512 up to k = 1024 (and for m = 1), then
       1024; r grows with m and n from 1 to 44 KiB, taken at its measured largest (an upper bound).
@@ -335,7 +342,10 @@ def cpu_gemm_scratch(isa: str, m: int, n: int, k: int, dtype: str, threads: int 
     if isa == "avx512":
         return 4 * m * n + 128
     if isa == "amx":
-        return max(1, threads) * (128 * round_up(max(k, 32), 32) + 4864)
+        kp = round_up(max(k, 32), 32)
+        packed_b = 2 * kp * (64 if m == 1 else round_up(n, 64))
+        packed_a = 2 * kp * round_up(m, 64) if m >= 1024 else 0
+        return max(1, threads) * (packed_b + packed_a + 6144)
     if isa == "avx512_bf16":
         kb = round_up(max(k, 32), 32) if k <= 512 else 512 if (k <= 1024 or m == 1) else 1024
         return max(1, threads) * (128 * kb + 44544)

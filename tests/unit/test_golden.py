@@ -1,0 +1,50 @@
+"""Golden plans: the engine's answers for the shipped presets and for every measured case, byte for byte.
+
+A change meant to move code, not numbers, must leave these identical. A change that means to move numbers
+regenerates them (`python tools/golden_plans.py`, `python tools/golden_plans.py --accuracy`) in the same commit
+and says why in its message. The quick suite checks two presets (tied embeddings; MoE with GQA); the slow suite
+checks every preset and the measured cases (which trace small models).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tools"))
+
+import golden_plans  # noqa: E402
+
+
+def _differences(got: dict, want: dict) -> list[str]:
+    return [k for k in want if k in got and got[k] != want[k]]
+
+
+@pytest.mark.parametrize("preset", ["gpt2", "mixtral-8x7b"])
+def test_golden_plans_quick(preset):
+    want = {k: v for k, v in golden_plans.load().items() if k.startswith(preset + "|")}
+    got = golden_plans.compute([preset])
+    assert set(got) == set(want)
+    assert _differences(got, want) == []
+
+
+@pytest.mark.slow
+def test_golden_plans_every_preset():
+    want = golden_plans.load()
+    got = golden_plans.compute()
+    assert set(got) == set(want)
+    assert _differences(got, want) == []
+
+
+@pytest.mark.slow
+def test_golden_accuracy_predictions():
+    shared = ROOT.parent / "shared" / "gpu"
+    want = golden_plans.load(golden_plans.GOLDEN_ACCURACY)
+    got = golden_plans.accuracy_predictions(shared)
+    if not (shared / "truth.jsonl").is_file():  # the shared H100 cases live outside the repository
+        want = {k: v for k, v in want.items() if k in got}
+    assert set(got) == set(want)
+    assert _differences(got, want) == []

@@ -27,7 +27,7 @@ def saved_by_op(config: dict, layers: int, seq: int, attention: str) -> collecti
     from torch.utils._pytree import tree_leaves
     from transformers import AutoModelForCausalLM
 
-    from memplan.harness.spec import scale_config
+    from memplan.model.scaling import scale_config
     from memplan.model.meta_builder import hf_config
 
     made: dict[int, tuple[tuple, object]] = {}  # storage id -> (op, dtype, shape), weakref to the storage

@@ -10,7 +10,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from memplan import dsconfig
-from memplan.accounting import Cluster, DeepSpeedKnobs, Overheads, Settings, TorchKnobs
+from memplan.settings import Cluster, DeepSpeedKnobs, Overheads, Settings, TorchKnobs
 from memplan.errors import SettingsError
 from memplan.model.inventory import ParamInventory
 from memplan.model.sources import gpu_presets

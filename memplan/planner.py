@@ -24,6 +24,7 @@ from typing import Any
 from memplan import accounting, options
 from memplan.errors import SettingsError
 from memplan.model.inventory import ParamInventory
+from memplan.settings import Settings, with_gpus
 from memplan.strategies import STRATEGIES
 
 RECOMPUTE_ORDER = ("none", "selective", "full")
@@ -44,7 +45,7 @@ class Candidate:
     label: str  #: strategy name, or an offload variant's label
     strategy: str
     recompute: str
-    settings: accounting.Settings  #: at the cluster's gpus_per_node, micro-batch 1 (or the fixed one)
+    settings: Settings  #: at the cluster's gpus_per_node, micro-batch 1 (or the fixed one)
     offload: bool
     min_gpus: int | None = None  #: fewest GPUs at which it fits (None: not within max_gpus)
     micro_batch: int | None = None  #: largest micro-batch at the recommended GPU count (None: does not fit)
@@ -107,10 +108,10 @@ def _candidates(inv: ParamInventory, config: dict | None, strategies: tuple[str,
     return out
 
 
-def _fits_at(inv: ParamInventory, s: accounting.Settings, gpus: int, mb: int, budget: int,
+def _fits_at(inv: ParamInventory, s: Settings, gpus: int, mb: int, budget: int,
              lower_bound: bool = True) -> bool:
     try:
-        s2 = accounting.with_gpus(s, gpus)
+        s2 = with_gpus(s, gpus)
         (_, req), = accounting.required_bytes(inv, s2, (mb,), lower_bound=lower_bound)
         if req <= budget and accounting.host_fits(inv, s2) is False:  # --host-memory: offload must fit too
             return False
@@ -119,7 +120,7 @@ def _fits_at(inv: ParamInventory, s: accounting.Settings, gpus: int, mb: int, bu
     return req <= budget
 
 
-def _exact_largest(inv: ParamInventory, s: accounting.Settings, mbs: tuple[int, ...], budget: int,
+def _exact_largest(inv: ParamInventory, s: Settings, mbs: tuple[int, ...], budget: int,
                    bound: list[tuple[int, int]], hi: int) -> tuple[int | None, int]:
     """The index of the largest micro-batch whose replayed reserved peak fits (memplan/reserved.py), at most
     ``hi`` (the bound's answer: the reserved peak is never below the allocated one), and the replays it took:
@@ -233,7 +234,7 @@ def search(inv: ParamInventory, *, gpu: str | None = None, gpu_memory_size: str 
                 done.append(c)
                 continue
             try:
-                s = accounting.with_gpus(c.settings, gpus)
+                s = with_gpus(c.settings, gpus)
             except SettingsError:
                 done.append(c)
                 continue
@@ -274,11 +275,11 @@ def search(inv: ParamInventory, *, gpu: str | None = None, gpu_memory_size: str 
     return Search(budget, gpus_per_node, max_gpus, mbs, tuple(ordered), best, gpus, tuple(notes), evaluations)
 
 
-def best_settings(found: Search) -> accounting.Settings | None:
+def best_settings(found: Search) -> Settings | None:
     """The recommended configuration's Settings (its estimate is the plan's detail)."""
     if found.best is None or found.gpus is None:
         return None
-    return replace(accounting.with_gpus(found.best.settings, found.gpus), micro_batch=found.best.micro_batch)
+    return replace(with_gpus(found.best.settings, found.gpus), micro_batch=found.best.micro_batch)
 
 
 def command_line(model: str, found: Search, extra: list[str]) -> str | None:

@@ -92,7 +92,7 @@ def reserved_report(plan: Any) -> dict[str, Any] | None:
         return {"method": "replayed", "peak_bytes": r.peak_bytes, "framework_sequence": r.model,
                 "replay_allocated_peak_bytes": r.allocated_bytes, "allocator_conf": r.config,
                 "variants": dict(sorted(r.variants.items()))}
-    from memplan.accounting import fallback_fragmentation
+    from memplan.settings import fallback_fragmentation
 
     pct = s.overheads.fragmentation_percent
     return {"method": "flat", "peak_bytes": plan.reserved_peak_bytes,

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 from memplan.allocator import Allocator, AllocatorConfig
+from memplan.settings import optimizer_impl, shard_group_size
 
 #: steps replayed at most: the recorded runs stop reserving after the third (bench/allocator_replay.py)
 MAX_STEPS = 6
@@ -683,7 +684,6 @@ def why_not(s: Any) -> str | None:
 
 
 def _job(inv: Any, s: Any, numels: list[int]) -> Job:
-    from memplan.accounting import _optimizer_impl  # the engine's own choice of implementation
 
     d = s.activation_profile.data
     build = []
@@ -695,7 +695,7 @@ def _job(inv: Any, s: Any, numels: list[int]) -> Job:
     return Job(build=tuple(build), numels=tuple(numels), state_bytes=s.recipe.state_bytes, converted=converted,
                grad_accum=s.grad_accum,
                states_per_param=s.optimizer.states_per_param if not s.optimizer.factored else 1,
-               optimizer_impl=_optimizer_impl(s), input_bytes=s.micro_batch * s.seq_len * 8,
+               optimizer_impl=optimizer_impl(s), input_bytes=s.micro_batch * s.seq_len * 8,
                workspace_bytes=s.cluster.blas_workspace_bytes,
                step=_expand(d["alloc_events"], d["num_layers"]), micro_batch=s.micro_batch)
 
@@ -765,7 +765,6 @@ def _predict(inv: Any, s: Any, config: AllocatorConfig | None) -> Reserved:
                     "buckets held into step 2's backward": replay_ddp(job, config, "grad")}
         model = "DDP"
     elif st.framework == "deepspeed":
-        from memplan.accounting import shard_group_size
         from memplan.units import ceil_div
 
         n = shard_group_size(s)
@@ -795,7 +794,6 @@ def _predict(inv: Any, s: Any, config: AllocatorConfig | None) -> Reserved:
         variants = {"": a}
         model = f"ZeRO-{st.zero_stage}"
     else:
-        from memplan.accounting import shard_group_size
         from memplan.units import ceil_div
 
         n = shard_group_size(s)

@@ -602,7 +602,7 @@ def trace_profile(config: dict[str, Any], *, seq_len: int, recipe: str, attentio
     """
     import transformers
 
-    from memplan.harness.spec import scale_config
+    from memplan.model.scaling import scale_config
 
     if recipe not in _RECIPE_TRACE:
         raise SettingsError(f"cannot trace activations for precision {recipe}")

@@ -12,6 +12,8 @@ from memplan.harness import compare as cmp
 from memplan.harness import launch as ln
 from memplan.harness import spec as hs
 from memplan.model import sources
+from memplan.model.scaling import scale_config
+from memplan.settings import default_blas_workspace
 
 
 @dataclass(frozen=True)
@@ -45,9 +47,9 @@ def local_blas_workspace() -> int:
     if pairs:
         return sum(int(size) * 1024 * int(count) for size, count in pairs)
     if torch.version.hip:
-        return accounting.default_blas_workspace(torch.cuda.get_device_properties(0).gcnArchName)
+        return default_blas_workspace(torch.cuda.get_device_properties(0).gcnArchName)
     major, minor = torch.cuda.get_device_capability(0)
-    return accounting.default_blas_workspace(f"sm{major}{minor}")
+    return default_blas_workspace(f"sm{major}{minor}")
 
 
 def predict(model: str, *, layers: int | None = None, hidden: int | None = None, vocab: int | None = None,
@@ -60,7 +62,7 @@ def predict(model: str, *, layers: int | None = None, hidden: int | None = None,
         raise SettingsError("validate needs a model with a config.json (preset, config file or model directory); "
                             "factory modules are not run by the harness")
     original = sources.build_inventory(src)
-    config, changes = hs.scale_config(src.config, layers=layers, hidden=hidden, vocab=vocab)
+    config, changes = scale_config(src.config, layers=layers, hidden=hidden, vocab=vocab)
     scaled = replace(src, config=config, checkpoint=(), description=src.description + (
         f" scaled ({'; '.join(changes)})" if changes else ""))
     inv = sources.build_inventory(scaled)

@@ -14,7 +14,8 @@ import pytest
 from memplan.errors import MemplanError
 from memplan.harness import launch as ln
 from memplan.harness.measure import live_totals, steps_from_trace
-from memplan.harness.spec import build_spec, scale_config
+from memplan.harness.spec import build_spec
+from memplan.model.scaling import scale_config
 
 TINY = dict(layers=2, hidden=256, vocab=2048)
 SMALL_DS = ["--reduce-bucket-size", "100000", "--allgather-bucket-size", "100000", "--prefetch-bucket-size", "10000",

@@ -15,6 +15,7 @@ from memplan import accounting, options, reserved
 from memplan.activations import TracedProfile
 from memplan.allocator import AllocatorConfig
 from memplan.model.sources import build_inventory, resolve
+from memplan.settings import Cluster
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 LLAMA_1B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 2048,
@@ -89,7 +90,7 @@ def test_why_not() -> None:
         pass
 
     s = S()
-    s.cluster = accounting.Cluster(device="cpu")
+    s.cluster = Cluster(device="cpu")
     assert reserved.why_not(s) == "device cpu (no caching allocator)"
 
 
@@ -105,7 +106,7 @@ def test_bucket_assignment_is_c10d_s() -> None:
 def test_step_events_repeat_a_block_as_a_deeper_trace_has_it() -> None:
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    from memplan.harness.spec import scale_config
+    from memplan.model.scaling import scale_config
     from memplan.kernels import Target
     from memplan.tracing import _alloc_events, _one_step
 

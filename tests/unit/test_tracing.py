@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from memplan import activations as act
-from memplan.harness.spec import scale_config
+from memplan.model.scaling import scale_config
 from memplan.model import sources
 from memplan.kernels import Target
 from memplan.tracing import trace_profile

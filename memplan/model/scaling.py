@@ -1,0 +1,84 @@
+"""A smaller config of the same architecture (validate scales a model down to run it; the tracer traces a model at
+a depth of one or two blocks). Plain dict arithmetic on a config.json; no torch here."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from memplan.errors import SettingsError
+
+#: config keys by meaning, across transformers families (first present wins)
+_LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers")
+_HIDDEN_KEYS = ("hidden_size", "n_embd", "d_model")
+_HEAD_KEYS = ("num_attention_heads", "n_head")
+_INTER_KEYS = ("intermediate_size", "n_inner", "ffn_dim", "moe_intermediate_size", "shared_expert_intermediate_size")
+
+
+def _first(config: dict[str, Any], keys: tuple[str, ...]) -> str | None:
+    return next((k for k in keys if config.get(k) is not None), None)
+
+
+def scale_config(config: dict[str, Any], *, layers: int | None = None, hidden: int | None = None,
+                 vocab: int | None = None) -> tuple[dict[str, Any], list[str]]:
+    """A smaller config of the same architecture: fewer blocks, a narrower hidden size (head_dim kept when
+    possible, MLP widths scaled by the same ratio), optionally a smaller vocabulary. Returns (config, changes)."""
+    cfg = dict(config)
+    changes: list[str] = []
+    if layers is not None:
+        key = _first(cfg, _LAYER_KEYS)
+        if key is None:
+            raise SettingsError("this config has no layer count to scale")
+        if layers < 1:
+            raise SettingsError(f"--layers must be at least 1, got {layers}")
+        if layers != cfg[key]:
+            changes.append(f"{key} {cfg[key]} -> {layers}")
+            cfg[key] = layers
+            for k in ("first_k_dense_replace",):
+                if k in cfg:
+                    cfg[k] = min(cfg[k], layers)
+            for k in ("layer_types",):
+                if isinstance(cfg.get(k), list):
+                    cfg[k] = cfg[k][:layers]
+    if hidden is not None:
+        hkey = _first(cfg, _HIDDEN_KEYS)
+        nkey = _first(cfg, _HEAD_KEYS)
+        if hkey is None or nkey is None:
+            raise SettingsError("this config has no hidden size / head count to scale")
+        old_h, heads = int(cfg[hkey]), int(cfg[nkey])
+        head_dim = int(cfg.get("head_dim") or old_h // heads)
+        if hidden < 1 or hidden % head_dim and hidden % 2:
+            raise SettingsError(f"--hidden {hidden} must be a positive multiple of head_dim {head_dim} (or even)")
+        new_heads = max(1, hidden // head_dim) if hidden % head_dim == 0 else max(1, hidden // 64)
+        if hidden % new_heads:
+            raise SettingsError(f"--hidden {hidden} is not divisible into attention heads")
+        kv = cfg.get("num_key_value_heads")
+        if kv:
+            group = max(1, heads // int(kv))
+            new_kv = max(1, new_heads // group)
+            while new_heads % new_kv:
+                new_kv -= 1
+            cfg["num_key_value_heads"] = new_kv
+        ratio_num, ratio_den = hidden, old_h
+        for k in _INTER_KEYS:
+            if cfg.get(k):
+                # to a multiple of 8 elements: the CPU grouped_mm kernel (MoE experts) wants 16-byte strides
+                v = int(cfg[k]) * ratio_num // ratio_den
+                cfg[k] = max(8, (v + 4) // 8 * 8)
+        changes.append(f"{hkey} {old_h} -> {hidden}, {nkey} {heads} -> {new_heads}"
+                       + (f", num_key_value_heads {kv} -> {cfg['num_key_value_heads']}" if kv else ""))
+        cfg[hkey], cfg[nkey] = hidden, new_heads
+        if "head_dim" in cfg and cfg["head_dim"]:
+            cfg["head_dim"] = hidden // new_heads
+    if vocab is not None:
+        vkey = "vocab_size"
+        if vocab < 2:
+            raise SettingsError(f"--vocab must be at least 2, got {vocab}")
+        changes.append(f"vocab_size {cfg.get(vkey)} -> {vocab}")
+        cfg[vkey] = vocab
+        for k in ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id"):
+            v = cfg.get(k)
+            if isinstance(v, int) and v >= vocab:
+                cfg[k] = vocab - 1
+            elif isinstance(v, list):
+                cfg[k] = [min(x, vocab - 1) for x in v]
+    return cfg, changes

@@ -1,0 +1,194 @@
+"""The settings of one training job, as the engine reads them: the strategy row, the precision recipe, the
+optimizer, the cluster, the framework knobs (DeepSpeed's and PyTorch's, with their own defaults) and the
+overheads outside the allocator. Plain frozen data with the checks every caller needs; no arithmetic beyond
+the shard group and the defaults that follow from the settings alone.
+
+Every module that needs a configuration type imports it from here (the engine, the harness, the planner),
+so none of them imports the engine for it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from memplan.errors import SettingsError
+from memplan.precision import OPTIMIZER_IMPLS, Optimizer, Recipe
+from memplan.strategies import Strategy
+from memplan.units import GiB, MiB
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeepSpeedKnobs:
+    """DeepSpeed ZeRO knobs with DeepSpeed's own defaults (deepspeed/runtime/zero/config.py, 0.19)."""
+
+    reduce_bucket_size: int = 500_000_000  #: elements; ipg bucket(s) of this many grads
+    allgather_bucket_size: int = 500_000_000  #: elements; ZeRO-1/2 all-gather chunking (in place here)
+    overlap_comm: bool | None = None  #: None -> DeepSpeed's default: True for stage 3, False otherwise
+    contiguous_gradients: bool = True
+    prefetch_bucket_size: int = 50_000_000  #: stage3_prefetch_bucket_size, elements
+    param_persistence_threshold: int = 100_000  #: stage3_param_persistence_threshold, elements
+    max_live_parameters: int = 1_000_000_000  #: stage3_max_live_parameters, elements
+    max_reuse_distance: int = 1_000_000_000  #: stage3_max_reuse_distance, elements
+    sub_group_size: int = 1_000_000_000
+    hpz_partition_size: int = 1  #: zero_hpz_partition_size (ZeRO++ secondary partition within a node)
+    offload_optimizer: bool = False  #: offload_optimizer.device == "cpu"
+    offload_param: bool = False  #: offload_param.device == "cpu" (stage 3 only)
+    #: offload_optimizer / offload_param .pin_memory (DeepSpeed's default: false): pinned host buffers, which
+    #: PyTorch's pinned allocator rounds up to a power of two (memplan/host.py)
+    offload_pin_memory: bool = False
+    #: stage 3 replaces torch.nn.functional.linear with LinearFunctionForZeroStage3 (changes the traced
+    #: activations on CPU and under autocast: memplan/tracing_keys.py trace_linear)
+    memory_efficient_linear: bool = True
+
+
+@dataclass(frozen=True, kw_only=True)
+class TorchKnobs:
+    bucket_cap_mb: int = 25  #: DDP default (torch/nn/parallel/distributed.py)
+    gradient_as_bucket_view: bool = False  #: DDP default
+    reshard_after_forward: bool | int | None = None  #: FSDP2; None -> the strategy's default
+    hsdp_shard_size: int | None = None  #: HSDP shard group size; None -> gpus per node
+    fsdp_version: int = 2
+    cpu_offload: bool = False  #: FSDP CPUOffloadPolicy: sharded params, grads and states on the host
+    cpu_offload_pin_memory: bool = True  #: CPUOffloadPolicy(pin_memory=True), its default
+
+
+@dataclass(frozen=True, kw_only=True)
+class Overheads:
+    """Terms outside the allocator's count, added for the fit verdict only (device cuda)."""
+
+    #: CUDA context + kernels loaded lazily: typically 0.3-0.6 GiB on A100/H100 with CUDA 12 lazy loading.
+    cuda_context_bytes: int = 512 * MiB
+    #: NCCL buffers per communicator: 0.5-1.6 GB observed on A100/H100 (NCCL issues #864, #964).
+    nccl_bytes_per_communicator: int = 1 * GiB
+    #: Caching-allocator overhead (reserved - allocated) as a flat fraction of the allocated peak: an explicit
+    #: override. None: the reserved peak is replayed (memplan/reserved.py), or, where it cannot be, the
+    #: FALLBACK_FRAGMENTATION below.
+    fragmentation_percent: int | None = None
+
+
+#: reserved - allocated, in % of the allocated peak, where the reserved peak cannot be replayed (memplan/
+#: reserved.py why_not): the largest ratio the H100 runs of that kind showed, plus 5 points (docs/accuracy-gpu.md):
+#: ZeRO-3 1.168 (8 runs), ZeRO-3 with the optimizer offloaded 1.349 (one run); anything else takes the largest
+#: dense-model ratio of all 71 runs, the offloaded one.
+FALLBACK_FRAGMENTATION = {"zero3": 22, "offload": 40, "other": 40}
+FALLBACK_FRAGMENTATION_PERCENT = FALLBACK_FRAGMENTATION["other"]
+
+
+def fallback_fragmentation(s: Settings) -> int:
+    """The flat allocator term (percent) for settings whose reserved peak is not replayed."""
+    if (s.strategy.framework == "deepspeed" and (s.ds.offload_optimizer or s.ds.offload_param)) or s.torch.cpu_offload:
+        return FALLBACK_FRAGMENTATION["offload"]
+    if s.strategy.zero_stage == 3:
+        return FALLBACK_FRAGMENTATION["zero3"]
+    return FALLBACK_FRAGMENTATION["other"]
+
+#: threads that run GEMMs in a training step, each with its own cuBLAS handle and workspace (Cluster)
+BLAS_HANDLES = 2
+
+
+def default_blas_workspace(arch: str) -> int:
+    """PyTorch's cuBLAS / hipBLAS workspace per handle without CUBLAS_WORKSPACE_CONFIG, for an architecture
+    ("sm90", "gfx942", ...): aten/src/ATen/cuda/CublasHandlePool.cpp parseChosenWorkspaceSize. The GPU presets
+    carry these values (tested), and validate applies it to the GPU it runs on."""
+    if arch.startswith("gfx"):
+        return (128 if arch.startswith(("gfx94", "gfx95")) else 32) * MiB
+    return 32 * MiB if arch == "sm90" else 4096 * 1024 * 2 + 16 * 1024 * 8
+
+
+@dataclass(frozen=True, kw_only=True)
+class Cluster:
+    gpus: int = 1
+    gpus_per_node: int = 8
+    gpu_memory_bytes: int | None = None
+    device: str = "cuda"  #: cuda | cpu (the gloo harness: no CUDA context, NCCL or allocator rounding)
+    #: cuBLAS workspace per handle, allocated from the caching allocator (so inside the allocated peak) the first
+    #: time a handle runs a GEMM on a stream, and kept: at::cuda::getCurrentCUDABlasHandle ->
+    #: getNewWorkspace() -> CUDACachingAllocator::allocate(getChosenWorkspaceSize()) in
+    #: aten/src/ATen/cuda/CublasHandlePool.cpp; CUBLAS_WORKSPACE_CONFIG, else ":4096:8" (32 MiB) on sm90 and
+    #: ":4096:2:16:8" (8 MiB + 128 KiB) on other NVIDIA GPUs; hipBLAS 32 MiB, 128 MiB on gfx94x/gfx95x.
+    #: The GPU presets carry their value; without one, the largest CUDA default.
+    blas_workspace_bytes: int = 32 * MiB
+    #: the GPU's architecture (smXY, gfxNNN): which SDPA kernels the traced step takes (memplan/kernels.py)
+    gpu_arch: str = "sm90"
+    #: device cpu: the instruction-set class the CPU kernels follow (kernels.CPU_ISAS); None: this machine's
+    cpu_isa: str | None = None
+    #: a node's host RAM for offloaded states (--host-memory); None: no host verdict
+    host_memory_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.gpus < 1:
+            raise SettingsError(f"--gpus must be at least 1, got {self.gpus}")
+        if self.gpus_per_node < 1:
+            raise SettingsError(f"--gpus-per-node must be at least 1, got {self.gpus_per_node}")
+        if self.gpus > self.gpus_per_node and self.gpus % self.gpus_per_node:
+            raise SettingsError(f"gpus({self.gpus}) is not a multiple of gpus_per_node({self.gpus_per_node})")
+        if self.device not in ("cuda", "cpu"):
+            raise SettingsError(f"--device must be cuda or cpu, got {self.device!r}")
+        if self.blas_workspace_bytes < 0:
+            raise SettingsError(f"--cublas-workspace must not be negative, got {self.blas_workspace_bytes}")
+
+    @property
+    def ranks_per_node(self) -> int:
+        return min(self.gpus, self.gpus_per_node)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Settings:
+    strategy: Strategy
+    recipe: Recipe
+    optimizer: Optimizer
+    cluster: Cluster
+    optimizer_impl: str | None = None  #: foreach | fused | single-tensor; None -> the framework's default
+    micro_batch: int = 1
+    seq_len: int = 2048
+    grad_accum: int = 1
+    recompute: str = "none"
+    attention: str = "sdpa"  #: sdpa: the device's own kernel choice; flash: flash asked for; eager
+    ds: DeepSpeedKnobs = field(default_factory=DeepSpeedKnobs)
+    torch: TorchKnobs = field(default_factory=TorchKnobs)
+    overheads: Overheads = field(default_factory=Overheads)
+    #: the traced activation profile (activations.TracedProfile); None -> the analytic profile
+    activation_profile: Any = None
+    #: PYTORCH_CUDA_ALLOC_CONF for the caching allocator's replay ("" : PyTorch's defaults)
+    allocator_conf: str = ""
+
+    def __post_init__(self) -> None:
+        for name in ("micro_batch", "seq_len", "grad_accum"):
+            if getattr(self, name) < 1:
+                raise SettingsError(f"{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        if self.optimizer_impl is not None and self.optimizer_impl not in OPTIMIZER_IMPLS:
+            raise SettingsError(f"unknown optimizer implementation {self.optimizer_impl!r}; "
+                                f"valid: {', '.join(OPTIMIZER_IMPLS)}")
+
+
+def shard_group_size(s: Settings) -> int:
+    """Ranks a sharded tensor is split over (HSDP: within a node, or --hsdp-shard-size)."""
+    c = s.cluster
+    if not (s.strategy.shard_optimizer or s.strategy.shard_params or s.strategy.shard_grads):
+        return 1
+    if s.strategy.shard_within_node:
+        size = s.torch.hsdp_shard_size or c.ranks_per_node
+        if size < 1 or c.gpus % size:
+            raise SettingsError(f"gpus({c.gpus}) is not a multiple of the HSDP shard size({size})")
+        return size
+    return c.gpus
+
+
+def optimizer_impl(s: Settings) -> str:
+    """The optimizer implementation the job runs: the one given, else the framework's default on the device."""
+    if s.optimizer_impl:
+        return s.optimizer_impl
+    if s.cluster.device == "cpu":
+        # torch.optim's default off CUDA (_default_to_fused_or_foreach -> single tensor). DeepSpeed on CPU
+        # (DS_BUILD_OPS=0) steps a torch optimizer on its flat fp32 partition, so the two temporaries of
+        # `exp_avg_sq.sqrt() / bias_correction2_sqrt` are partition-sized: measured by the harness
+        # (docs/accuracy.md), 2 x 4 bytes x partition at the ZeRO-2 step peak.
+        return "single-tensor"
+    # DeepSpeed builds FusedAdam on CUDA; torch.optim defaults to foreach on CUDA.
+    return "fused" if s.strategy.framework == "deepspeed" else "foreach"
+
+
+def with_gpus(s: Settings, gpus: int) -> Settings:
+    return replace(s, cluster=replace(s.cluster, gpus=gpus))
+

@@ -259,10 +259,7 @@ def resolve(inv: ParamInventory, *, gpus: int = 1, gpus_per_node: int | None = N
     if tk.cpu_offload and not strat.framework.startswith("fsdp"):
         raise SettingsError(f"--cpu-offload is FSDP's CPUOffloadPolicy, not for {strat.name} (DeepSpeed offloads "
                             "with --offload-optimizer / --offload-param)")
-    if tk.fsdp_version == 1 and strat.framework == "fsdp2":
-        from memplan.strategies import FLAT_PER_BLOCK
-
-        strat = replace(strat, framework="fsdp1", layout=FLAT_PER_BLOCK)
+    strat = get_strategy(strat.name, tk.fsdp_version)
     ov_in = {k: v for k, v in (overhead_overrides or {}).items() if v is not None}
     workspace = ov_in.pop("blas_workspace_bytes", None)
     ov = Overheads(**ov_in)

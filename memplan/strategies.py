@@ -6,7 +6,7 @@ adding a strategy means adding a row here.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from memplan.errors import SettingsError
 
@@ -59,47 +59,63 @@ class Strategy:
     shard_within_node: bool = False
     #: FSDP reshard_after_forward: True (reshard), False (keep unsharded until backward).
     reshard_after_forward: bool = True
+    #: The framework's memory model (memplan/frameworks): ddp | zero12 | zero3 | fsdp2 | fsdp1
+    memory_model: str
     #: Bytes each rank sends per step, in parameter-sized messages (Rajbhandari et al. 2020, Section 7: an
     #: all-reduce is 2 Psi, ZeRO-3's extra all-gather makes 3 Psi). Only `memplan plan` reads it, to break ties.
     comm_volume: int = 2
 
 
 STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
-    Strategy(name="ddp", framework="torch-ddp", layout=REPLICATED, shard_optimizer=False, shard_grads=False,
-             shard_params=False, ddp_buckets=True,
+    Strategy(name="ddp", framework="torch-ddp", memory_model="ddp",
+             layout=REPLICATED, shard_optimizer=False, shard_grads=False, shard_params=False, ddp_buckets=True,
              description="PyTorch DistributedDataParallel (what Horovod does too): everything replicated"),
-    Strategy(name="zero0", framework="deepspeed", layout=FLAT_ALIGNED, shard_optimizer=False, shard_grads=False,
+    Strategy(name="zero0", framework="deepspeed", memory_model="zero12",
+             layout=FLAT_ALIGNED, shard_optimizer=False, shard_grads=False,
              shard_params=False, zero_stage=0, fp32_grad_accumulation=True, persistent_grads=True,
              description="DeepSpeed stage 0: data parallel with its BF16_Optimizer (fp32 master, grads, states)"),
     # ZeRO-1 runs DeepSpeedZeroOptimizer too: with contiguous_gradients (the default) its gradient hooks set up
     # the ipg bucket buffer(s) in every backward (stage_1_and_2.py setup_buckets), as ZeRO-2 does (measured:
     # 1 GB at the default reduce_bucket_size, session 5, docs/accuracy.md)
-    Strategy(name="zero1", framework="deepspeed", layout=FLAT_ALIGNED, shard_optimizer=True, shard_grads=False,
+    Strategy(name="zero1", framework="deepspeed", memory_model="zero12",
+             layout=FLAT_ALIGNED, shard_optimizer=True, shard_grads=False,
              shard_params=False, fp32_master_copy=True, zero_stage=1, ds_ipg_buckets=True,
              description="DeepSpeed ZeRO-1: optimizer states and fp32 master partitioned"),
-    Strategy(name="zero2", framework="deepspeed", layout=FLAT_ALIGNED, shard_optimizer=True, shard_grads=True,
+    Strategy(name="zero2", framework="deepspeed", memory_model="zero12",
+             layout=FLAT_ALIGNED, shard_optimizer=True, shard_grads=True,
              shard_params=False, fp32_master_copy=True, zero_stage=2, full_grads_in_backward=False, ds_ipg_buckets=True,
              description="DeepSpeed ZeRO-2: + gradients partitioned (reduced bucket by bucket in backward)"),
-    Strategy(name="zero3", framework="deepspeed", layout=PER_PARAM_NUMEL, shard_optimizer=True, shard_grads=True,
+    Strategy(name="zero3", framework="deepspeed", memory_model="zero3",
+             layout=PER_PARAM_NUMEL, shard_optimizer=True, shard_grads=True,
              shard_params=True, fp32_master_copy=True, zero_stage=3, full_grads_in_backward=False, ds_ipg_buckets=True,
              persistent_grads=True, comm_volume=3,
              description="DeepSpeed ZeRO-3: + parameters partitioned, gathered module by module"),
-    Strategy(name="zero-optimizer", framework="torch-ddp", layout=GREEDY_WHOLE, shard_optimizer=True,
-             shard_grads=False, shard_params=False, ddp_buckets=True, comm_volume=3,
+    Strategy(name="zero-optimizer", framework="torch-ddp", memory_model="ddp",
+             layout=GREEDY_WHOLE, shard_optimizer=True, shard_grads=False, shard_params=False, ddp_buckets=True,
+             comm_volume=3,
              description="DDP + torch ZeroRedundancyOptimizer: optimizer states of whole params, greedily"),
-    Strategy(name="fsdp-full", framework="fsdp2", layout=PER_PARAM_DIM0, shard_optimizer=True, shard_grads=True,
+    Strategy(name="fsdp-full", framework="fsdp2", memory_model="fsdp2",
+             layout=PER_PARAM_DIM0, shard_optimizer=True, shard_grads=True,
              shard_params=True, full_grads_in_backward=False, comm_volume=3,
              description="FSDP FULL_SHARD (FSDP2 fully_shard, reshard_after_forward=True)"),
-    Strategy(name="fsdp-grad-op", framework="fsdp2", layout=PER_PARAM_DIM0, shard_optimizer=True,
+    Strategy(name="fsdp-grad-op", framework="fsdp2", memory_model="fsdp2",
+             layout=PER_PARAM_DIM0, shard_optimizer=True,
              shard_grads=True, shard_params=True, full_grads_in_backward=False, reshard_after_forward=False,
              description="FSDP SHARD_GRAD_OP (reshard_after_forward=False: params stay gathered until backward)"),
-    Strategy(name="fsdp-no-shard", framework="fsdp2", layout=REPLICATED, shard_optimizer=False, shard_grads=False,
+    Strategy(name="fsdp-no-shard", framework="fsdp2", memory_model="fsdp2",
+             layout=REPLICATED, shard_optimizer=False, shard_grads=False,
              shard_params=False, full_grads_in_backward=True,
              description="FSDP NO_SHARD: replicated like DDP, under FSDP's mixed precision"),
-    Strategy(name="hsdp", framework="fsdp2", layout=PER_PARAM_DIM0, shard_optimizer=True, shard_grads=True,
+    Strategy(name="hsdp", framework="fsdp2", memory_model="fsdp2",
+             layout=PER_PARAM_DIM0, shard_optimizer=True, shard_grads=True,
              shard_params=True, full_grads_in_backward=False, shard_within_node=True, comm_volume=3,
              description="HYBRID_SHARD / HSDP: full shard within a node (2-D mesh), replicated across nodes"),
 )}
+
+#: FSDP1 (FullyShardedDataParallel, --fsdp-version 1): the FSDP rows with one FlatParameter per wrapped block
+FSDP1_STRATEGIES: dict[str, Strategy] = {
+    name: replace(row, framework="fsdp1", layout=FLAT_PER_BLOCK, memory_model="fsdp1")
+    for name, row in STRATEGIES.items() if row.memory_model == "fsdp2"}
 
 #: DeepSpeed's --stage shorthand.
 STAGE_TO_STRATEGY = {0: "zero0", 1: "zero1", 2: "zero2", 3: "zero3"}
@@ -109,8 +125,10 @@ DEFAULT_RECIPE = {"deepspeed": "deepspeed-bf16", "fsdp2": "fsdp-bf16", "fsdp1": 
                   "torch-ddp": "torch-amp"}
 
 
-def get_strategy(name: str) -> Strategy:
+def get_strategy(name: str, fsdp_version: int = 2) -> Strategy:
+    """A row of the table; with fsdp_version 1, the FSDP rows' FSDP1 form (other rows are the same)."""
     try:
-        return STRATEGIES[name]
+        row = STRATEGIES[name]
     except KeyError:
         raise SettingsError(f"unknown strategy {name!r}; valid: {', '.join(STRATEGIES)}") from None
+    return FSDP1_STRATEGIES.get(name, row) if fsdp_version == 1 else row

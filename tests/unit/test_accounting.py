@@ -8,6 +8,9 @@ from memplan.errors import SettingsError
 from memplan.model.inventory import ParamInventory, ParamTensor, classify
 from memplan.precision import get_optimizer, get_recipe
 from memplan.strategies import DEFAULT_RECIPE, get_strategy
+from memplan.timeline import Moment
+
+M = Moment
 
 DIMS = {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "vocab_size": 100, "intermediate_size": 128}
 
@@ -189,8 +192,8 @@ def test_fsdp2_buffer_lifetimes_per_phase():
     inv = ParamInventory(model_name="toy", source="test", builder="test", family="llama",
                          tensors=inv.tensors + (head,), dims=DIMS)
     b, root, hd = 1024 * 1024, 2 * 16 * 1024, 8 * 1024
-    f = A._fixed(inv, settings("fsdp-full", 4))
-    forward, loss, backward, end, _ = f.buffers
+    f = A.timeline(inv, settings("fsdp-full", 4))
+    forward, loss, backward, end, _ = f.buffers.values()
     assert forward == root + 2 * b  # root unsharded + the last block's all-gather output, held to the loss
     assert loss == root + 2 * b  # the last block prefetched for its backward
     # every backward moment is evaluated with its own activations (f.moments); the base phase holds no buffer
@@ -198,34 +201,34 @@ def test_fsdp2_buffer_lifetimes_per_phase():
     # one block further: itself, the next, its grads and the last block's reduce-scatter input still held,
     # with the last block's fp32 grad shard reduced
     # every further moment: (grads, buffers, activations kind)
-    moments = [(g, buf, kind) for g, buf, _, kind in f.moments]
+    moments = [(m.grads, m.buffers, m.at) for m in f.moments]
     assert moments == [
         # the head's weight-gradient GEMM in the loss's backward: what is gathered at the loss (its grads from the
         # profile's loss segment)
-        (0, root + 2 * b, -10),
+        (0, root + 2 * b, M.LOSS_BACKWARD),
         # block 0's copy-out in forward: the root, the root's all-gather output held through it, block 0's output
         # and copies; only the embedding's output saved so far
-        (0, 2 * root + 4 * b, -3),
+        (0, 2 * root + 4 * b, M.EMBEDDING_OUTPUT),
         # the last block's copy-out in forward: the previous block's output, its own, its copies
-        (0, root + 6 * b, -7),
+        (0, root + 6 * b, M.LAST_BLOCK_FORWARD_BEGINS),
         # inside the last block's forward: its copies and its all-gather output, held to the root's post-forward
-        (0, root + 4 * b, -8),
+        (0, root + 4 * b, M.INSIDE_LAST_BLOCK_FORWARD),
         # the last block's copy-out in backward: its prefetched output and its copies; everything saved
-        (0, root + 2 * hd + 4 * b, -5),
+        (0, root + 2 * hd + 4 * b, M.LAST_BLOCK_BACKWARD_BEGINS),
         # the last block's reduce: the next one prefetched, its grads, and itself (2B) or, once resharded, its
         # fp32 reduce-scatter input (4B); activations as when the next block's backward begins
-        (0, root + 2 * hd + 2 * b + 2 * b + max(2 * b, 4 * b), -6),
+        (0, root + 2 * hd + 2 * b + 2 * b + max(2 * b, 4 * b), M.PREVIOUS_BLOCK_BACKWARD_BEGINS),
         # inside the last block's backward: itself, the next prefetched (its own grads come from the profile)
-        (0, root + 2 * hd + 4 * b, 0),
+        (0, root + 2 * hd + 4 * b, M.INSIDE_LAST_BLOCK_BACKWARD),
         # the block before, copied out: the last block's fp32 reduce-scatter input held, its grad shard reduced
-        (b, root + 2 * hd + 8 * b, -6),
+        (b, root + 2 * hd + 8 * b, M.PREVIOUS_BLOCK_BACKWARD_BEGINS),
         # one block further with its grads complete: itself, the next, its grads, the last block's input
-        (b, root + 2 * hd + 4 * b + 2 * b + 4 * b, -9),
+        (b, root + 2 * hd + 4 * b + 2 * b + 4 * b, M.PREVIOUS_BLOCK_BACKWARD_ENDS),
         # inside it
-        (b, root + 2 * hd + 8 * b, 1),
+        (b, root + 2 * hd + 8 * b, M.INSIDE_PREVIOUS_BLOCK_BACKWARD),
         # inside the first block: itself, the second block's reduce-scatter input; the other blocks' shards
         # reduced (the root's grads wait for its reduce at the very end)
-        (3 * b, root + 2 * hd + 2 * b + 4 * b, 2),
+        (3 * b, root + 2 * hd + 2 * b + 4 * b, M.INSIDE_FIRST_BLOCK_BACKWARD),
     ]
     assert f.grad_width == 2
     # the first block's end: itself, its grads, the second block's reduce-scatter input
@@ -236,27 +239,31 @@ def test_zero1_sets_up_the_ipg_bucket_in_backward():
     # DeepSpeed stage 1 runs DeepSpeedZeroOptimizer: its gradient hooks allocate reduce_bucket_size elements in
     # the grad dtype per backward (twice with overlap_comm), as stage 2 does (measured: docs/accuracy.md)
     for overlap, buckets in ((False, 1), (True, 2)):
-        f = A._fixed(TOY, settings("zero1", 2, ds={"overlap_comm": overlap}))
+        f = A.timeline(TOY, settings("zero1", 2, ds={"overlap_comm": overlap}))
         # not yet at the loss backward's peak (it is set up at the first gradient hook, the head's): from the
-        # root's last hook before the blocks (the final norm's, a moment of kind -12) to the end of backward
-        assert f.buffers[1] == f.buffers[0]
+        # root's last hook before the blocks (the final norm's: ROOT_LAST_HOOK_BEFORE_BLOCKS) to the end of backward
+        assert f.buffers["backward-start"] == f.buffers["forward"]
         bucket = buckets * 500_000_000 * 2
-        moments = [(g, b - f.buffers[0], k) for g, b, _, k in f.moments]
-        assert f.buffers[4] < 500_000_000 * 2  # the step holds only its scratch, no bucket
-        assert f.buffers[2] - f.buffers[0] == bucket
+        moments = [(m.grads, m.buffers - f.buffers["forward"], m.at) for m in f.moments]
+        assert f.buffers["optimizer-step"] < 500_000_000 * 2  # the step holds only its scratch, no bucket
+        assert f.buffers["backward"] - f.buffers["forward"] == bucket
         if overlap:
             # reduced in the hooks; inside the blocks no grads_in_partition: the toy never fills the bucket
-            assert moments == [(0, bucket, k) for k in (-12, 0, 1, 2)] + [(0, 0, -10)]  # the head's GEMM: none
-            assert f.buffers[3] - f.buffers[0] == bucket
+            assert moments == [(0, bucket, k) for k in (M.ROOT_LAST_HOOK_BEFORE_BLOCKS, M.INSIDE_LAST_BLOCK_BACKWARD,
+                                                       M.INSIDE_PREVIOUS_BLOCK_BACKWARD,
+                                                       M.INSIDE_FIRST_BLOCK_BACKWARD)] + [
+                (0, 0, M.LOSS_BACKWARD)]  # the head's GEMM: none
+            assert f.buffers["backward-end"] - f.buffers["forward"] == bucket
         else:
             # nothing reduced in backward (process_gradients): every gradient stays, as under DDP: inside the
             # last block the root's after the blocks (none in the toy), inside the first all blocks' but its own;
             # after backward the reduce allocates grads_in_partition beside them
             g = layouts.gather_sizes(TOY, "flat-aligned", 2)
-            assert moments == [(0, bucket, -12), (0, bucket, 0), (2 * 3 * 1024 * 1024, bucket, 2), (0, 0, -10)]
+            assert moments == [(0, bucket, M.ROOT_LAST_HOOK_BEFORE_BLOCKS), (0, bucket, M.INSIDE_LAST_BLOCK_BACKWARD),
+                               (2 * 3 * 1024 * 1024, bucket, M.INSIDE_FIRST_BLOCK_BACKWARD), (0, 0, M.LOSS_BACKWARD)]
             assert g.root_head == 0
             part = layouts.layout_sizes(TOY, "flat-aligned", 2, 0).partition_params_numel
-            assert f.buffers[3] - f.buffers[0] == bucket + 2 * part
+            assert f.buffers["backward-end"] - f.buffers["forward"] == bucket + 2 * part
 
 
 def test_fsdp2_reshard_group_sizes_as_fsdp2_reads_them():
@@ -267,45 +274,41 @@ def test_fsdp2_reshard_group_sizes_as_fsdp2_reads_them():
 
     assert plan(1).phases == plan(False).phases and plan(4).phases == plan(True).phases
     b, root = 1024 * 1024, 2 * 8 * 1024
-    f = A._fixed(TOY, settings("fsdp-full", 4, torch=A.TorchKnobs(reshard_after_forward=2)))
-    assert f.buffers[0] == root + 2 * 4 * (b // 2) + 2 * b  # the shares, and the last all-gather output held
+    f = A.timeline(TOY, settings("fsdp-full", 4, torch=A.TorchKnobs(reshard_after_forward=2)))
+    assert f.buffers["forward"] == root + 2 * 4 * (b // 2) + 2 * b  # the shares, and the last all-gather output held
     with pytest.raises(SettingsError, match="must divide"):
-        A._fixed(TOY, settings("fsdp-full", 4, torch=A.TorchKnobs(reshard_after_forward=3)))
+        A.timeline(TOY, settings("fsdp-full", 4, torch=A.TorchKnobs(reshard_after_forward=3)))
 
 
 def test_fsdp1_buffer_lifetimes_per_phase():
     # FSDP1 (fsdp-bf16: fp32 flat shards, bf16 unsharded flat buffers and grads, fp32 reduce), 4 ranks, 4 equal
-    # blocks of B elements; the root holds an embedding and a head (accounting._fsdp1_buffers)
-    from dataclasses import replace
-
-    from memplan.strategies import FLAT_PER_BLOCK
-
+    # blocks of B elements; the root holds an embedding and a head (memplan/frameworks/fsdp1.py)
     inv = make_inv({"": [(8, 1024)], **{f"layers.{i}": [(1024, 1024)] for i in range(4)}})
     head = ParamTensor("lm_head.weight", (8, 1024), "bfloat16", "", classify("lm_head.weight"))
     inv = ParamInventory(model_name="toy", source="test", builder="test", family="llama",
                          tensors=inv.tensors + (head,), dims=DIMS)
-    st = replace(get_strategy("fsdp-full"), framework="fsdp1", layout=FLAT_PER_BLOCK)
+    st = get_strategy("fsdp-full", fsdp_version=1)
     s = A.Settings(strategy=st, recipe=get_recipe("fsdp-bf16"), optimizer=get_optimizer("adamw"),
                    cluster=A.Cluster(gpus=4, gpus_per_node=8, blas_workspace_bytes=0))
-    f = A._fixed(inv, s)
+    f = A.timeline(inv, s)
     b, root, hd = 1024 * 1024, 2 * 16 * 1024, 8 * 1024
-    forward, loss, _, end, _ = f.buffers
+    forward, loss, _, end, _ = f.buffers.values()
     assert forward == root  # one block gathered at a time, resharded in its post-forward; the root kept
     assert loss == root + 2 * b  # the root's pre-backward prefetches the last block
-    assert [(g, buf, kind) for g, buf, _, kind in f.moments] == [
-        (0, root + 2 * b, -10),  # the head's weight-gradient GEMM: what is gathered at the loss
-        (0, root + 2 * 4096, -3),  # the root's unshard: its bf16 _mp_shard beside the flat buffer
-        (0, root + 2 * b + b // 2, -3),  # the first block's: flat buffer (no separate all-gather output) + _mp_shard
-        (0, root + 2 * b + b // 2, -7),  # the last block's, everything before it saved
-        (0, root + 2 * b, -8),  # inside the last block's forward
-        (0, root + 2 * hd + 4 * b + b // 2, -5),  # its pre-backward: itself, the next prefetched with its _mp_shard
-        (0, root + 2 * hd + 4 * b, 0),  # inside its backward (its grads from the profile)
+    assert [(m.grads, m.buffers, m.at) for m in f.moments] == [
+        (0, root + 2 * b, M.LOSS_BACKWARD),  # the head's weight-gradient GEMM: what is gathered at the loss
+        (0, root + 2 * 4096, M.EMBEDDING_OUTPUT),  # the root's unshard: its bf16 _mp_shard beside the flat buffer
+        (0, root + 2 * b + b // 2, M.EMBEDDING_OUTPUT),  # the first block's: flat buffer (no separate all-gather output) + _mp_shard
+        (0, root + 2 * b + b // 2, M.LAST_BLOCK_FORWARD_BEGINS),  # the last block's, everything before it saved
+        (0, root + 2 * b, M.INSIDE_LAST_BLOCK_FORWARD),  # inside the last block's forward
+        (0, root + 2 * hd + 4 * b + b // 2, M.LAST_BLOCK_BACKWARD_BEGINS),  # its pre-backward: itself, the next prefetched with its _mp_shard
+        (0, root + 2 * hd + 4 * b, M.INSIDE_LAST_BLOCK_BACKWARD),  # inside its backward (its grads from the profile)
         # its end: the split grads concatenated (2B + 2B), or resharded, the fp32 cast (4B) and a new shard (B)
-        (0, root + 2 * hd + 2 * b + max(2 * b + 4 * b, 2 * b + 4 * b + b), -6),
-        (b, root + 2 * hd + 4 * b, 1),  # inside the block before (the last block's fp32 shard reduced)
-        (b, root + 2 * hd + 2 * b + 7 * b, -9),  # the block before, its grads complete
-        (3 * b, root + 2 * hd + 2 * b, 2),  # inside the first block: the other blocks' shards reduced
-        (0, root + 2 * hd + 2 * b + b, -6),  # after the last block's reduce: the prefetched block and its shard
+        (0, root + 2 * hd + 2 * b + max(2 * b + 4 * b, 2 * b + 4 * b + b), M.PREVIOUS_BLOCK_BACKWARD_BEGINS),
+        (b, root + 2 * hd + 4 * b, M.INSIDE_PREVIOUS_BLOCK_BACKWARD),  # inside the block before (the last block's fp32 shard reduced)
+        (b, root + 2 * hd + 2 * b + 7 * b, M.PREVIOUS_BLOCK_BACKWARD_ENDS),  # the block before, its grads complete
+        (3 * b, root + 2 * hd + 2 * b, M.INSIDE_FIRST_BLOCK_BACKWARD),  # inside the first block: the other blocks' shards reduced
+        (0, root + 2 * hd + 2 * b + b, M.PREVIOUS_BLOCK_BACKWARD_BEGINS),  # after the last block's reduce: the prefetched block and its shard
     ]
     assert end == root + 2 * hd + 7 * b  # the first block resharded, its bf16 grad, fp32 cast and new shard
 
@@ -382,8 +385,8 @@ def test_zero2_grads_in_partition_inside_the_blocks():
     # parameters overlapping the rank's partition (grad dtype); 4 blocks of 1024 x 1024 plus an 8 x 1024 root
     # tensor first, 4 ranks: partition 1,050,624 elements; rank 0 overlaps the root tensor and block 0, ranks
     # 1-3 overlap two blocks each
-    f = A._fixed(TOY, settings("zero2", 4, ds={"reduce_bucket_size": 100_000}))
-    inside = [(g, k) for g, _, _, k in f.moments if k >= 0]
+    f = A.timeline(TOY, settings("zero2", 4, ds={"reduce_bucket_size": 100_000}))
+    inside = [(m.grads, m.at) for m in f.moments if m.at.inside_block]
     assert inside == [(2 * 2 * 1024 * 1024, k) for k in (0, 1, 2)]
 
 
@@ -391,13 +394,14 @@ def test_zero3_on_one_rank_gathers_nothing():
     # partition_parameters.py all_gather_coalesced -> _no_gather_coalesced: with a partition group of one each
     # parameter points at its partition (measured, session 7: forward 19.2 MB above the step's start at 1 rank,
     # the activations alone); a GPU with offloaded parameters copies them from the host
-    one = A._fixed(TOY, settings("zero3", 1))
+    one = A.timeline(TOY, settings("zero3", 1))
     assert one.assumptions["zero3_gathered_numel"]["forward_end"] > 0  # the schedule runs; nothing is copied
     # the reduce bucket alone; in the step, the largest sub-group's flat bf16 copy beside it (stage3.py
     # _prepare_fp32_grad_for_sub_group, measured on the H100: bench/gpu)
-    assert one.buffers[4] - one.buffers[0] == 2 * one.assumptions["zero3_largest_sub_group_numel"] == 2 * TOY.num_params
-    offp = A._fixed(TOY, settings("zero3", 1, ds={"param_persistence_threshold": 0, "offload_param": True}))
-    assert offp.buffers[0] - one.buffers[0] == 2 * one.assumptions["zero3_gathered_numel"]["forward_end"]
+    step = one.buffers["optimizer-step"] - one.buffers["forward"]
+    assert step == 2 * one.assumptions["zero3_largest_sub_group_numel"] == 2 * TOY.num_params
+    offp = A.timeline(TOY, settings("zero3", 1, ds={"param_persistence_threshold": 0, "offload_param": True}))
+    assert offp.buffers["forward"] - one.buffers["forward"] == 2 * one.assumptions["zero3_gathered_numel"]["forward_end"]
 
 
 def test_zero3_offload_norms_each_partition_in_fp64():
@@ -410,12 +414,13 @@ def test_zero3_offload_norms_each_partition_in_fp64():
         s = settings("zero3", 4, ds={"param_persistence_threshold": 0, "offload_optimizer": True,
                                       "reduce_bucket_size": 1000})
         s = A.Settings(**{**s.__dict__, "cluster": A.Cluster(gpus=4, device=device, blas_workspace_bytes=0)})
-        f = A._fixed(inv, s)
+        f = A.timeline(inv, s)
         z = f.assumptions["zero3_gathered_numel"]
         ipg = 2 * 1000
         # the head's (16 x 1024, after the blocks), larger than the bucket: reduced at the next hook, the final
-        # norm's, the root's last before the blocks (-12)
-        assert (0, ipg + 2 * z["loss"] + per * (16 * 1024 // 4), -12) in [(gr, b, k) for gr, b, _, k in f.moments]
+        # norm's, the root's last before the blocks
+        head_hook = (0, ipg + 2 * z["loss"] + per * (16 * 1024 // 4), M.ROOT_LAST_HOOK_BEFORE_BLOCKS)
+        assert head_hook in [(m.grads, m.buffers, m.at) for m in f.moments]
 
 
 
@@ -423,18 +428,21 @@ def test_zero3_grads_wait_for_their_hook_only():
     # stage3.py reduce_ready_partitions_and_remove_grads: with contiguous_gradients a parameter's grad is moved
     # into the ipg bucket (or reduced at once when larger) in its hook, so one parameter's grad is unreduced at a
     # time; without, the bucket's parameters keep theirs until it is reduced
-    on = A._fixed(TOY, settings("zero3", 4, ds={"param_persistence_threshold": 0}))
+    on = A.timeline(TOY, settings("zero3", 4, ds={"param_persistence_threshold": 0}))
     assert on.assumptions["zero3_unreduced_grad_numel"] == 1024 * 1024
-    off = A._fixed(TOY, settings("zero3", 4, ds={"param_persistence_threshold": 0, "contiguous_gradients": False,
+    off = A.timeline(TOY, settings("zero3", 4, ds={"param_persistence_threshold": 0, "contiguous_gradients": False,
                                                  "reduce_bucket_size": 3 * 1024 * 1024}))
     assert off.assumptions["zero3_unreduced_grad_numel"] == 1024 * 1024  # a block is one 1024 x 1024 tensor
-    assert on.grads_held and not A._fixed(TOY, settings("zero2", 4)).grads_held
+    assert on.grads_held and not A.timeline(TOY, settings("zero2", 4)).grads_held
     # inside the blocks: what is gathered there (no head after the blocks here: all of it)
     z = on.assumptions["zero3_gathered_numel"]
-    assert [(b, k) for _, b, _, k in on.moments if k >= 0] == [(2 * z["blocks"] + 2 * 500_000_000, k)
-                                                              for k in (0, 1, 2)]
+    assert [(m.buffers, m.at) for m in on.moments if m.at.inside_block] == [
+        (2 * z["blocks"] + 2 * 500_000_000, k) for k in (Moment.INSIDE_LAST_BLOCK_BACKWARD,
+                                                          Moment.INSIDE_PREVIOUS_BLOCK_BACKWARD,
+                                                          Moment.INSIDE_FIRST_BLOCK_BACKWARD)]
     # inside the last block's forward: the most gathered in forward (a coalesced prefetch's flat buffer and copies)
-    assert (2 * z["forward"] + 2 * 500_000_000, -8) in [(b, k) for _, b, _, k in on.moments]
+    assert (2 * z["forward"] + 2 * 500_000_000, Moment.INSIDE_LAST_BLOCK_FORWARD) in [(m.buffers, m.at)
+                                                                                 for m in on.moments]
 
 
 def test_zero3_schedule_releases_the_head_before_the_blocks_backward():
@@ -448,70 +456,80 @@ def test_zero3_schedule_releases_the_head_before_the_blocks_backward():
 
 
 def test_zero3_offload_hook_transient_at_each_hook():
-    f = A._fixed(TOY, settings("zero3", 4, ds={"param_persistence_threshold": 0, "offload_optimizer": True}))
+    f = A.timeline(TOY, settings("zero3", 4, ds={"param_persistence_threshold": 0, "offload_optimizer": True}))
     assert f.hook_transient == (2 + 2 + 8, 4)  # on a GPU: partition, its copy back from the host, fp64 copy
-    assert any(k == -11 for *_, k in f.moments)
-    assert A._fixed(TOY, settings("zero3", 4)).hook_transient == (0, 1)
+    assert any(m.at == Moment.BLOCK_GRADIENT_HOOK for m in f.moments)
+    assert A.timeline(TOY, settings("zero3", 4)).hook_transient == (0, 1)
+
+
+class _StubProfile:
+    """An activation profile with chosen numbers at each named moment (activations.TracedProfile's interface)."""
+
+    source = "stub"
+    includes_autocast_copies = True
+
+    def __init__(self):
+        self._memo = {}
+
+    def terms(self, recompute, b):
+        return (10 * b, 1000 * b, 50 * b, 0, 5 * b)
+
+    def block_moments(self, b, width, held):
+        return ((100 * b, 10), (50 * b, 10), (20 * b, 10))
+
+    def moment_activations(self, b):
+        return {-5: 7 * b, -12: 3 * b}
+
+    def loss_moment(self, b, width):
+        return (300 * b, 40)
+
+    def block_hooks(self, b):
+        return (((5 * b, 64), (9 * b, 16)), ((1, 8),), ())
 
 
 def test_moment_kinds_read_the_profile_exactly():
-    # accounting._kind_values on a stub profile: the head's GEMM (-10) at the recipe's grad width, the offload
-    # hook (-11) at the hook that tops activations + per-element transient x partition, block moments (k) with
-    # their grads, named moments (-12) as read
-    class Stub:
-        def block_moments(self, b, width, held):
-            assert held  # ZeRO-3: hook-pending grads only
-            return ((100 * b, 10), (50 * b, 10), (20 * b, 10))
+    # each named moment on a stub profile: the head's GEMM at the recipe's grad width, the offload hook at the
+    # hook that tops activations + per-element transient x partition, block moments with their grads, named
+    # moments as read
+    from dataclasses import replace
 
-        def moment_activations(self, b):
-            return {-5: 7 * b, -12: 3 * b}
-
-        def loss_moment(self, b, width):
-            return (300 * b, 40)
-
-        def block_hooks(self, b):
-            return (((5 * b, 64), (9 * b, 16)), ((1, 8),), ())
-
-    f = A._fixed(TOY, settings("zero3", 4, ds={"param_persistence_threshold": 0, "offload_optimizer": True}))
-    f.profile = Stub()
-    vals = A._kind_values(f, 2, 0, 0, 0, 0)
+    M = Moment
+    s = replace(settings("zero3", 4, ds={"param_persistence_threshold": 0, "offload_optimizer": True}),
+                activation_profile=_StubProfile(), micro_batch=2)
+    vals = {e.moment.at: (e.activations, e.own_bytes) for e in A.evaluate_moments(TOY, s)}
     per = 2 + 2 + 8  # bf16 partition, its copy back on the GPU, the fp64 copy
-    assert vals[-10] == (600, 2 * 40)
-    assert vals[-11] == (10, per * (64 // 4))  # 10 + 192 beats 18 + 48 and 1 + 24
-    assert vals[-12] == (6, 0) and vals[0] == (200, 20) and vals[2] == (40, 20)
-    assert [m for m, *_ in A._moments(f, 2, 0, 0, 0, 0)] == list(f.moments)
+    assert vals[M.LOSS_BACKWARD] == (600, 2 * 40)
+    assert vals[M.BLOCK_GRADIENT_HOOK] == (10, per * (64 // 4))  # 10 + 192 beats 18 + 48 and 1 + 24
+    assert vals[M.ROOT_LAST_HOOK_BEFORE_BLOCKS] == (6, 0)
+    assert vals[M.INSIDE_LAST_BLOCK_BACKWARD] == (200, 20) and vals[M.INSIDE_FIRST_BLOCK_BACKWARD] == (40, 20)
+    assert [e.moment for e in A.evaluate_moments(TOY, s)] == list(A.timeline(TOY, s).moments)
 
 
 def test_backward_start_is_the_loss_moment_where_block_moments_are_evaluated():
     # the profile's backward-start term is the most alive anywhere in backward (with recompute: inside a block);
     # where the blocks' own moments are evaluated, the loss moment alone is the backward-start phase
-    class Stub:
-        _memo: dict = {}
+    from dataclasses import replace
 
-        def terms(self, recompute, b):
-            return (10 * b, 1000 * b, 50 * b, 0, 5 * b)
-
+    class Stub(_StubProfile):
         def block_moments(self, b, width, held):
             return ((900 * b, 10), (800 * b, 10), (700 * b, 10))
 
         def moment_activations(self, b):
             return {}
 
-        def loss_moment(self, b, width):
-            return (300 * b, 40)
-
         def block_hooks(self, b):
             return ()
 
     for strategy, covered in (("zero3", True), ("ddp", True), ("zero0", False)):
-        s = settings(strategy, 4)
-        f = A._fixed(TOY, s)
-        f.profile = Stub()
-        start = A._phases(f, "full", 2)[1]
+        s = replace(settings(strategy, 4), activation_profile=Stub(), recompute="full", micro_batch=2,
+                    cluster=A.Cluster(gpus=4, device="cpu"))
+        start = A.estimate(TOY, s).phases[1]
+        assert start.name == "backward-start"
         if covered:
-            assert start[1] == 600 and start[0] == max(f.grads[1], 0) + s.recipe.grad_bytes * 40
+            grads = A.timeline(TOY, s).grads["backward-start"]
+            assert start.activations_bytes == 600 and start.grads_bytes == grads + s.recipe.grad_bytes * 40
         else:
-            assert start[1] == 2000  # stage 0 evaluates no block moments: the whole backward's term stays
+            assert start.activations_bytes == 2000  # stage 0 evaluates no block moments: the whole term stays
 
 
 @pytest.mark.parametrize("strategy", ["zero1", "zero2", "zero3"])
@@ -519,9 +537,9 @@ def test_backward_start_is_the_loss_moment_where_block_moments_are_evaluated():
 def test_deepspeed_keeps_its_fp32_master_copy_of_fp32_params(strategy, recipe):
     # the ZeRO optimizers clone their partition to fp32 whatever the parameters' dtype (measured: ZeRO-3,
     # torch-amp, 2 ranks, 17,830,912 B = 4 x the partition); torch's optimizers step the fp32 parameters
-    f = A._fixed(TOY, settings(strategy, 2, recipe=recipe))
-    assert f.master == 4 * (PSI // 2)
-    assert A._fixed(TOY, settings("fsdp-full", 2, recipe=recipe)).master == 0
+    f = A.timeline(TOY, settings(strategy, 2, recipe=recipe))
+    assert f.master_weights == 4 * (PSI // 2)
+    assert A.timeline(TOY, settings("fsdp-full", 2, recipe=recipe)).master_weights == 0
 
 
 def test_zero3_persistent_params_cost_nothing_extra_at_one_rank():
@@ -529,9 +547,9 @@ def test_zero3_persistent_params_cost_nothing_extra_at_one_rank():
     # (NoGatherHandle: param.data is ds_tensor's data), so the gathered copy is the partition. Measured, session 9:
     # gpt2 ZeRO-3 defaults at 1 rank, weights exactly 2 B x every element
     ds = {"param_persistence_threshold": 10_000}  # the toy's 8 x 1024 root tensor is persistent
-    one = A._fixed(TOY, settings("zero3", 1, ds=ds))
+    one = A.timeline(TOY, settings("zero3", 1, ds=ds))
     assert one.weights == 2 * PSI
-    two = A._fixed(TOY, settings("zero3", 2, ds=ds))
+    two = A.timeline(TOY, settings("zero3", 2, ds=ds))
     lay = layouts.layout_sizes(TOY, get_strategy("zero3").layout, 2, 10_000)
     assert lay.persistent_numel == 8 * 1024
     assert two.weights == 2 * (lay.shard_numel + 8 * 1024)

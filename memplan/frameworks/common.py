@@ -1,0 +1,138 @@
+"""What every framework's memory model reads (the job) and the defaults a model keeps unless it says otherwise."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from memplan import layouts
+from memplan.model.inventory import ParamInventory
+from memplan.settings import Settings, shard_group_size
+from memplan.timeline import BufferMoment, BufferTimeline, Moment
+
+
+@dataclass(frozen=True)
+class Job:
+    """One configuration as the buffer models read it: the inventory, the settings and what follows from them."""
+
+    inv: ParamInventory
+    s: Settings
+    #: ranks a sharded tensor is split over
+    n: int
+    #: the layout's sizes on the worst rank (layouts.layout_sizes)
+    lay: Any
+    #: DeepSpeed ZeRO-Offload: the optimizer (stages 1-3) and the parameters (stage 3) on the host
+    offload_optimizer: bool
+    offload_param: bool
+    #: FSDP's CPUOffloadPolicy: sharded parameters, gradients and optimizer states on the host
+    cpu_offload: bool
+    #: DeepSpeed overlap_comm as DeepSpeed resolves it (True for stage 3, False otherwise)
+    overlap: bool
+
+    @classmethod
+    def of(cls, inv: ParamInventory, s: Settings, model: FrameworkModel) -> Job:
+        st, n = s.strategy, shard_group_size(s)
+        return cls(inv=inv, s=s, n=n, lay=layouts.layout_sizes(inv, st.layout, n, s.ds.param_persistence_threshold),
+                   offload_optimizer=model.zero_offload and s.ds.offload_optimizer,
+                   offload_param=st.zero_stage == 3 and s.ds.offload_param,
+                   cpu_offload=model.cpu_offload_policy and s.torch.cpu_offload,
+                   overlap=s.ds.overlap_comm if s.ds.overlap_comm is not None else st.zero_stage == 3)
+
+    @property
+    def psi(self) -> int:
+        return self.inv.num_params
+
+    @property
+    def gathers(self) -> Any:
+        """Gathered sizes by block (layouts.gather_sizes)."""
+        return layouts.gather_sizes(self.inv, self.s.strategy.layout, self.n)
+
+
+@dataclass(frozen=True)
+class Grads:
+    """Gradients per rank on the device: alive at backward's end, and kept between steps."""
+
+    end: int
+    persist: int
+
+
+@dataclass
+class OffloadedGrads:
+    """What a framework's offload adds beside the gradients it moves to the host."""
+
+    #: the optimizer step's check on a host gradient buffer, where host and device share one allocator (CPU)
+    step_scratch: int = 0
+    #: a gradient buffer kept on the device for the copies to the host
+    device_buffer: int = 0
+
+
+@dataclass(frozen=True)
+class StepIn:
+    """The optimizer step as every framework has it, before the framework's own flatten or sub-groups."""
+
+    grads: int
+    buffers: int
+    persistent: int
+    scratch: int
+    impl: str
+    grads_persist: int
+    master_bytes: int
+
+
+def device_weights(job: Job) -> int:
+    """The parameters a rank stores: its shard in the parameter dtype."""
+    return job.s.recipe.param_bytes * job.lay.shard_numel
+
+
+def grads_at_end(job: Job) -> int:
+    """Gradients alive at backward's end: every one where they are whole then, else the rank's shard in the
+    reduce dtype (FSDP's padded shards)."""
+    st, rc = job.s.strategy, job.s.recipe
+    if st.full_grads_in_backward:
+        return rc.grad_bytes * (job.psi if not st.shard_params else job.lay.shard_numel)
+    return rc.reduced_grad_bytes * job.lay.optimizer_numel
+
+
+def no_offload(job: Job, grads: Grads, host_by: dict[str, int]) -> OffloadedGrads:
+    return OffloadedGrads()
+
+
+def same_step(job: Job, step: StepIn) -> tuple[int, int, dict[str, Any]]:
+    return step.grads, step.buffers, {}
+
+
+def unreduced_grad_moments(g: Any, grad_bytes: int, psi: int) -> list[BufferMoment]:
+    """Block moments where every gradient stays as autograd made it until after backward (DDP; ZeRO-1 without
+    overlap_comm): inside the last block the head's grads exist, inside the first all but the embedding's and
+    the first block's (each block's own grads are added by the profile's block moments)."""
+    if not g.block_numels:
+        return []
+    return [BufferMoment(0, grad_bytes * g.root_head, Moment.INSIDE_LAST_BLOCK_BACKWARD),
+            BufferMoment(0, grad_bytes * (psi - (g.root - g.root_head) - g.block_numels[0]),
+                         Moment.INSIDE_FIRST_BLOCK_BACKWARD)]
+
+
+#: the loss's and the head's backward with the head's gradient as autograd makes it (a new tensor from the
+#: weight-gradient GEMM, before any hook has taken it): what is gathered at the loss, no reduce bucket yet
+#: (ZeRO-1/2 set theirs up in the first gradient hook). Measured, session 7: ZeRO-3 at 1 rank peaks at the
+#: head's weight-gradient GEMM, 1.31 MB above the loss's own peak (llama-3-8b, 2 blocks).
+LOSS = BufferMoment(0, 0, Moment.LOSS_BACKWARD)
+
+
+@dataclass(frozen=True)
+class FrameworkModel:
+    """A framework's memory model: each part defaults to what every framework shares."""
+
+    name: str
+    buffers: Callable[[Job, Grads], BufferTimeline]
+    weights: Callable[[Job], int] = device_weights
+    grads_at_end: Callable[[Job], int] = grads_at_end
+    #: the gradient side of an offload: moves gradients to ``host_by`` and says what stays on the device
+    offload: Callable[[Job, Grads, dict[str, int]], OffloadedGrads] = no_offload
+    #: the optimizer step's (grads, buffers, assumptions), given the step every framework has
+    step: Callable[[Job, StepIn], tuple[int, int, dict[str, Any]]] = same_step
+    #: the framework offers DeepSpeed's ZeRO-Offload (offload_optimizer, offload_param)
+    zero_offload: bool = False
+    #: the framework offers FSDP's CPUOffloadPolicy (--cpu-offload)
+    cpu_offload_policy: bool = False

@@ -1,0 +1,112 @@
+"""FSDP1, FullyShardedDataParallel with one FlatParameter per wrapped block and one for the root
+(use_orig_params=False; torch/distributed/fsdp/_flat_param.py and _runtime_utils.py, torch 2.13)."""
+
+from __future__ import annotations
+
+from memplan.errors import SettingsError
+from memplan.frameworks.common import LOSS, FrameworkModel, Grads, Job
+from memplan.timeline import BufferMoment, BufferTimeline, Moment
+from memplan.units import ceil_div
+
+
+def grads_at_end(job: Job) -> int:
+    """Every flat parameter's reduced grad in the reduce dtype, sharded or not (NO_SHARD all-reduces the cast
+    full flat grad: measured, session 5)."""
+    return job.s.recipe.reduced_grad_bytes * job.lay.optimizer_numel
+
+
+def buffers(job: Job, grads: Grads) -> BufferTimeline:
+    """FSDP1 (FullyShardedDataParallel, one FlatParameter per wrapped block and one for the root,
+    use_orig_params=False; torch/distributed/fsdp/_flat_param.py and _runtime_utils.py, torch 2.13), per rank.
+
+    - Unshard: with a low-precision param_dtype, the fp32 shard is first cast into a shard-sized _mp_shard;
+      the all-gather writes straight into the block's padded unsharded flat buffer (no separate output, no
+      copy-out), then the _mp_shard is freed. One buffer per block: B elements at the unshard dtype.
+    - Forward: the root is not resharded after forward (_post_forward_reshard skips the root); FULL_SHARD
+      reshards each block in its post-forward, SHARD_GRAD_OP keeps it until its backward. Without
+      forward_prefetch one block is gathered at a time.
+    - Backward (BACKWARD_PRE): a block's pre-backward unshards it (prefetched at the previous one) and
+      prefetches the next; the root's pre-backward prefetches the last block.
+    - Grads: the parameters are split() views of the flat parameter; their grads live apart until the split's
+      backward concatenates them into the flat grad (both exist for that moment), then the post-backward hook
+      reshards, casts the flat grad to reduce_dtype (a new tensor) and reduce-scatters it into a new shard. The
+      root's views take grads from the head's backward on; the root is reduced after the embedding's backward.
+    """
+    s, n, g, grads_end = job.s, job.n, job.gathers, grads.end
+    st, rc = s.strategy, s.recipe
+    # the unsharded flat parameters are in MixedPrecision's param_dtype, as autograd's grads are
+    cb = rc.grad_bytes
+    moments: list[BufferMoment] = [LOSS]
+    raf = s.torch.reshard_after_forward
+    raf = st.reshard_after_forward if raf is None else raf
+    if not isinstance(raf, bool):
+        raise SettingsError("FSDP1 takes reshard_after_forward true (FULL_SHARD) or false (SHARD_GRAD_OP), "
+                            f"not a group size ({raf}); group sizes are FSDP2's")
+    if not st.shard_params:
+        raf = False
+    root = cb * g.root
+    sizes = g.block_numels or (0,)
+    nblocks = len(g.block_numels)
+    last, prev = sizes[-1], (sizes[-2] if nblocks >= 2 else 0)
+    prev2 = sizes[-3] if nblocks >= 3 else 0
+    first = sizes[0]
+    gb, rb = rc.grad_bytes, rc.reduced_grad_bytes
+    cast = rb if rb != gb else 0  # _reduce_grad's .to(reduce_dtype) copy
+    lowp = cb != rc.param_bytes  # MixedPrecision param_dtype differs from the sharded parameters' dtype
+    mp = (lambda numel: cb * ceil_div(numel, n)) if lowp else (lambda numel: 0)  # noqa: E731
+    head_grads = gb * g.root_head
+    kept = cb * g.total_blocks if raf is False else 0
+    shard = rc.reduced_grad_bytes
+    last_shard = shard * ceil_div(last, n)
+    gather_fwd_end = root + kept
+    gather_loss = root + (kept if raf is False else cb * last)  # the root prefetches the last block
+    # forward: the root's unshard, the first block's, the last block's (everything before it saved)
+    moments.append(BufferMoment(root + mp(g.root), 0, Moment.EMBEDDING_OUTPUT))
+    moments.append(BufferMoment(root + cb * first + mp(first) + (kept - cb * first if raf is False else 0), 0,
+                                Moment.EMBEDDING_OUTPUT))
+    if nblocks >= 2:
+        moments.append(BufferMoment(root + (kept if raf is False else cb * last) + mp(last), 0,
+                                    Moment.LAST_BLOCK_FORWARD_BEGINS))
+    # inside the last block's forward (its activations and temporaries): it is gathered
+    moments.append(BufferMoment(root + (kept if raf is False else cb * last), 0,
+                                Moment.INSIDE_LAST_BLOCK_FORWARD))
+    if raf is False:
+        inside_last = root + head_grads + kept
+        after_last = root + head_grads + kept - cb * last  # resharded in its post-backward
+        inside_two = after_last
+    else:
+        prefetched = cb * prev
+        # the last block's pre-backward: itself, and the prefetch of the next with its _mp_shard
+        moments.append(BufferMoment(root + head_grads + cb * last + prefetched + mp(prev), 0,
+                                    Moment.LAST_BLOCK_BACKWARD_BEGINS))
+        inside_last = root + head_grads + cb * last + prefetched
+        after_last = root + head_grads + prefetched
+        inside_two = root + head_grads + cb * (prev + prev2)
+    # inside the last block's backward (its grads from the profile), the split's concatenation, the cast
+    moments.append(BufferMoment(inside_last, 0, Moment.INSIDE_LAST_BLOCK_BACKWARD))
+    # the end of its backward: the loss and its own activations gone, as when the next block's backward begins
+    moments.append(BufferMoment(max(inside_last + 2 * gb * last,
+                                    after_last + (gb + cast) * last + rb * ceil_div(last, n)),
+                                0, Moment.PREVIOUS_BLOCK_BACKWARD_BEGINS))
+    if nblocks >= 2:
+        moments.append(BufferMoment(inside_two, last_shard, Moment.INSIDE_PREVIOUS_BLOCK_BACKWARD))
+        # the block before the last, its grads complete: concatenation, then (resharded) the cast
+        two_end = max(inside_two + 2 * gb * prev,
+                      inside_two - cb * prev + (gb + cast) * prev + rb * ceil_div(prev, n))
+        moments.append(BufferMoment(two_end, last_shard, Moment.PREVIOUS_BLOCK_BACKWARD_ENDS))
+    # the first block: inside its backward, then its grads complete; the root's reduce at the end
+    not_reduced = shard * (ceil_div(g.root, n) + ceil_div(first, n))
+    first_in = root + head_grads + cb * first
+    moments.append(BufferMoment(first_in, grads_end - not_reduced, Moment.INSIDE_FIRST_BLOCK_BACKWARD))
+    first_end = (max(first_in + 2 * gb * first,
+                     first_in - cb * first + (gb + cast) * first + rb * ceil_div(first, n)), not_reduced)
+    # the root: its views' grads concatenated, the root resharded, the cast and the new shard
+    root_end = (max(root + 2 * gb * g.root, (gb + cast) * g.root + rb * ceil_div(g.root, n)),
+                shard * ceil_div(g.root, n))
+    # the last block's new shard reduced
+    moments.append(BufferMoment(after_last + rb * ceil_div(last, n), 0, Moment.PREVIOUS_BLOCK_BACKWARD_BEGINS))
+    return BufferTimeline(gathered_forward_end=gather_fwd_end, gathered_loss=gather_loss,
+                          end=max(first_end, root_end, key=lambda m: m[0] - m[1]), moments=tuple(moments),
+                          assumptions={"reshard_after_forward": raf, "largest_gathered_block_numel": g.largest_block})
+
+MODEL = FrameworkModel(name="fsdp1", buffers=buffers, grads_at_end=grads_at_end, cpu_offload_policy=True)

@@ -1,0 +1,93 @@
+"""DeepSpeed stages 0, 1 and 2 (deepspeed/runtime/zero/stage_1_and_2.py DeepSpeedZeroOptimizer; stage 0's
+BF16_Optimizer), DeepSpeed 0.19.8: the ipg reduce bucket, the gradients in the rank's partition, ZeRO-1's reduce
+after backward, the step's flatten, and ZeRO-Offload's host buffers."""
+
+from __future__ import annotations
+
+from memplan.frameworks.common import (LOSS, FrameworkModel, Grads, Job, OffloadedGrads, StepIn,
+                                       unreduced_grad_moments)
+from memplan.timeline import BufferMoment, BufferTimeline, Moment
+
+
+def grads_at_end(job: Job) -> int:
+    """Stages 0 and 1 keep every gradient whole to backward's end; ZeRO-2 keeps the real (unpadded) elements of
+    the rank's partition in the grad dtype (grads_in_partition: sum of numel of params_in_partition; rank 0 is
+    full)."""
+    st, rc = job.s.strategy, job.s.recipe
+    if st.full_grads_in_backward:
+        return rc.grad_bytes * job.psi
+    return rc.grad_bytes * min(job.lay.optimizer_numel, job.psi)
+
+
+def offload(job: Job, grads: Grads, host_by: dict[str, int]) -> OffloadedGrads:
+    """ZeRO-Offload keeps the optimizer's fp32 gradient partition on the host (stage_1_and_2.py, self.device =
+    "cpu"): initialize_optimizer_states' single_grad_partition (fp32, the partition), the bit16 copy of the
+    partition for the copy back (param_buffer_of_bit16_for_cpu_offload_groups) and
+    temp_grad_buffer_for_cpu_offload (the largest parameter, bit16); temp_grad_buffer_for_gpu_offload (the same
+    size) stays on the device; gradients go from the reduce bucket straight to the host (measured on CPU, where
+    device and host share the allocator: session 6)."""
+    rc, opt_numel = job.s.recipe, job.lay.optimizer_numel
+    host_by["grads_bytes"] += 4 * opt_numel
+    largest = max((t.numel for t in job.inv.tensors), default=0)
+    host_by["buffers_bytes"] += rc.param_bytes * opt_numel + rc.grad_bytes * largest
+    return OffloadedGrads(device_buffer=rc.grad_bytes * largest)
+
+
+def buffers(job: Job, grads: Grads) -> BufferTimeline:
+    st, rc, ds = job.s.strategy, job.s.recipe, job.s.ds
+    backward = 0
+    if st.ds_ipg_buckets and ds.contiguous_gradients:
+        # setup_buckets(): allocated in every backward, at the first gradient hook (the head's or the final
+        # norm's), so not yet at the loss backward's peak (measured: the backward-start phase was over by exactly
+        # the bucket, +0.45% to +0.76%); from the last block's backward on; doubled with overlap_comm
+        backward = (2 if job.overlap else 1) * ds.reduce_bucket_size * rc.grad_bytes
+    moments: list[BufferMoment] = []
+    epilogue = 0
+    if backward:
+        # the bucket, set up at the first gradient hook (the head's), beside what is alive at the root's last
+        # hook before the blocks (the final norm's)
+        moments.append(BufferMoment(0, 0, Moment.ROOT_LAST_HOOK_BEFORE_BLOCKS))
+        if not job.offload_optimizer and (st.shard_grads or job.overlap):
+            # inside the blocks' backward (a recomputed block is the peak there): once a bucket has been reduced,
+            # grads_in_partition (the whole parameters overlapping the rank's partition, in the grad dtype)
+            # exists, and a tied weight's first contribution waits for the embedding's (measured, session 6:
+            # gpt2 ZeRO-2 at 4 ranks with full recompute was -13% without these)
+            tied = job.gathers.tied
+            in_part = job.lay.partition_params_numel if ds.reduce_bucket_size < job.psi else 0
+            for at in (Moment.INSIDE_LAST_BLOCK_BACKWARD, Moment.INSIDE_PREVIOUS_BLOCK_BACKWARD,
+                       Moment.INSIDE_FIRST_BLOCK_BACKWARD):
+                moments.append(BufferMoment(0, rc.grad_bytes * (in_part + tied), at))
+        elif st.zero_stage == 1 and not job.offload_optimizer:
+            # ZeRO-1 without overlap_comm reduces nothing in its gradient hooks (process_gradients: only with
+            # partition_gradients or overlap_comm; the hook just sets up the bucket): every gradient stays as
+            # autograd made it until reduce_gradients after backward, as under DDP. After backward, the first
+            # bucket's reduce allocates grads_in_partition beside all of them (copy_grads_in_partition).
+            # Measured, session 8: gpt2, fp32, 2 ranks: +8.24% before.
+            moments += unreduced_grad_moments(job.gathers, rc.grad_bytes, job.psi)
+            if ds.contiguous_gradients:
+                epilogue = rc.grad_bytes * job.lay.partition_params_numel
+    moments.append(LOSS)
+    return BufferTimeline(backward=backward, end_epilogue=epilogue, moments=tuple(moments))
+
+
+def step(job: Job, s: StepIn) -> tuple[int, int, dict[str, int]]:
+    """The step (stage_1_and_2.py step): the partition's gradients (averaged_gradients: views of the grads of
+    params_in_partition, the others freed just before) are flattened into a copy in the grad dtype
+    (flatten_dense_tensors_aligned, padded to the partition) and cast to fp32 (single_grad_partition); only then
+    are the copy and the grads freed and the optimizer run. Measured on the H100: mixtral-8x7b with one block
+    under ZeRO-2 peaks there, a 6.85 GB fp32 partition beside the 3.43 GB flat copy and the 3.43 GB grads (-11.9%
+    without this moment). Grads already fp32 (under torch.autocast): the cast returns the flat copy itself."""
+    st, rc = job.s.strategy, job.s.recipe
+    if not (st.ds_ipg_buckets and s.master_bytes and not st.fp32_grad_accumulation and not job.offload_optimizer):
+        return s.grads, s.buffers, {}
+    opt_numel = job.lay.optimizer_numel
+    cast = rc.reduced_grad_bytes * opt_numel if rc.grad_bytes != rc.reduced_grad_bytes else 0
+    flat_grads = rc.grad_bytes * job.lay.partition_params_numel + cast
+    flat_buffers = s.persistent + rc.grad_bytes * opt_numel
+    if flat_grads + flat_buffers > s.grads + s.buffers:
+        return flat_grads, flat_buffers, {}
+    return s.grads, s.buffers, {}
+
+
+MODEL = FrameworkModel(name="zero12", buffers=buffers, grads_at_end=grads_at_end, offload=offload, step=step,
+                       zero_offload=True)

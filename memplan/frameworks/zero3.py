@@ -1,0 +1,156 @@
+"""DeepSpeed ZeRO-3 (deepspeed/runtime/zero/stage3.py, partition_parameters.py, partitioned_param_coordinator.py),
+DeepSpeed 0.19.8: persistent parameters, ZeRO++'s secondary partition, the coordinator's gathers and prefetch
+(layouts.zero3_schedule replays PartitionedParameterCoordinator), gradients until their hook reduces them, the
+step by sub-group, and ZeRO-Offload's host buffers."""
+
+from __future__ import annotations
+
+from memplan import layouts
+from memplan.errors import SettingsError
+from memplan.frameworks.common import LOSS, FrameworkModel, Grads, Job, OffloadedGrads, StepIn
+from memplan.frameworks.zero12 import grads_at_end
+from memplan.timeline import BufferMoment, BufferTimeline, Moment
+from memplan.units import ceil_div
+
+
+def weights(job: Job) -> int:
+    """The rank's partitions, and each persistent parameter (numel under param_persistence_threshold) whole
+    beside its partition. At one rank its gathered copy is the partition itself (partition_parameters.py
+    _no_gather_coalesced -> NoGatherHandle: param.data = ds_tensor.data.to(device), the same tensor on its own
+    device; measured, session 9: gpt2 ZeRO-3 defaults at 1 rank, weights 4,732,928 B = 2 B x every element,
+    where counting a copy gave +276,480 B, the 138,240 persistent elements). ZeRO++ hpZ keeps a secondary
+    partition over zero_hpz_partition_size ranks too."""
+    s, lay, n, rc = job.s, job.lay, job.n, job.s.recipe
+    persistent = lay.persistent_numel if n > 1 else 0
+    out = rc.param_bytes * (lay.shard_numel + persistent)
+    hpz = s.ds.hpz_partition_size
+    if hpz > 1:
+        if n % hpz:
+            raise SettingsError(f"shard group({n}) is not a multiple of zero_hpz_partition_size({hpz})")
+        out += rc.param_bytes * layouts.layout_sizes(job.inv, s.strategy.layout, hpz,
+                                                     s.ds.param_persistence_threshold).shard_numel
+    return out
+
+
+def offload(job: Job, grads: Grads, host_by: dict[str, int]) -> OffloadedGrads:
+    """ZeRO-Offload (stage3.py): grad_partitions_flat_buffer (accumulation dtype) on self.device = "cpu", and each
+    sub-group's fp32 gradient (initialize_optimizer_states: subgroup_gradient_buffer)."""
+    rc = job.s.recipe
+    host_by["grads_bytes"] += 4 * job.lay.optimizer_numel + grads.persist
+    if not rc.loss_scaling:
+        return OffloadedGrads()
+    # the step begins with the overflow check on the flat grad buffer, which is on the host here (stage3.py
+    # has_overflow: torch.isinf(grad_partitions_flat_buffer), composite abs() == inf: a grad-dtype abs and a bool
+    # result; then isnan's bool). Measured, session 7: 26,746,368 B at 1 rank (llama-3-8b, fp16), the step's
+    # peak. Without offload the fp32 grads the step makes afterwards are larger (4 bytes against 3). On CPU the
+    # host is the device's allocator.
+    check = (rc.grad_bytes + 1) * job.lay.optimizer_numel
+    if job.s.cluster.device == "cpu":
+        return OffloadedGrads(step_scratch=check)
+    host_by["buffers_bytes"] += check
+    return OffloadedGrads()
+
+
+def buffers(job: Job, grads: Grads) -> BufferTimeline:
+    s, rc, n, ds = job.s, job.s.recipe, job.n, job.s.ds
+    # the ipg bucket buffer, allocated at init (overlap_comm does not double it in stage 3)
+    persistent = ds.reduce_bucket_size * rc.grad_bytes if s.strategy.ds_ipg_buckets and ds.contiguous_gradients else 0
+    g = job.gathers
+    cb = rc.param_bytes
+    z = layouts.zero3_schedule(job.inv, n, ds.prefetch_bucket_size, ds.max_live_parameters, ds.max_reuse_distance,
+                               ds.param_persistence_threshold)
+    if n == 1 and not (ds.offload_param and s.cluster.device != "cpu"):
+        # a partition group of one gathers nothing: each parameter is pointed at its partition
+        # (partition_parameters.py all_gather_coalesced -> _no_gather_coalesced, NoGatherHandle: param.data =
+        # ds_tensor.data.to(device), a copy only from a host partition to a GPU). Measured: llama-3-8b at 1 rank,
+        # forward 19.2 MB above the step's start, the activations alone (session 7).
+        cb = 0
+    # a module's grads before its hook takes them (reduce_ready_partitions_and_remove_grads): with
+    # contiguous_gradients each is copied into the ipg bucket (counted above) and freed, or reduced at once when
+    # larger than the bucket, so one parameter's; without, the bucket's parameters keep their grads until it is
+    # reduced (session 7: the whole block's, assumed before, was +1..+3% over)
+    unreduced = (g.largest_tensor if ds.contiguous_gradients
+                 else min(g.largest_block, max(ds.reduce_bucket_size, g.largest_tensor)))
+    # inside the last block's forward: the most gathered in forward, with a coalesced prefetch's flat buffer and
+    # its copies both alive (AllGatherCoalescedHandle keeps the flat buffer until every member is waited on;
+    # measured, session 7: at DeepSpeed's default buckets, 4 ranks, one 17.3 MB flat buffer held from the first
+    # block to the end of the last one, the peak of the step)
+    moments = [LOSS, BufferMoment(cb * z.forward, 0, Moment.INSIDE_LAST_BLOCK_FORWARD)]
+    # inside a block's backward (a recomputed block is the peak there): the block and what is prefetched
+    # gathered, and of its grads only those whose hook has not yet taken them: ZeRO-3 reduces (or moves into its
+    # contiguous bucket) each parameter's grad in the hook on its AccumulateGrad
+    # (stage3.py reduce_ready_partitions_and_remove_grads) and frees it. Measured, session 7: gpt2 at 4 ranks
+    # with full recompute peaks at the last block's weight-gradient GEMM during its recomputed backward, 1.58 MB
+    # above the loss (-6.63% without these moments). A tied weight's first contribution (the head's) waits for
+    # the embedding's: its hook runs last.
+    tied_bytes = rc.grad_bytes * g.tied
+    for at in (Moment.INSIDE_LAST_BLOCK_BACKWARD, Moment.INSIDE_PREVIOUS_BLOCK_BACKWARD,
+               Moment.INSIDE_FIRST_BLOCK_BACKWARD):
+        moments.append(BufferMoment(cb * z.blocks, grads.persist + tied_bytes, at))
+    gathered_end = cb * z.end + rc.grad_bytes * unreduced
+    hook_transient = (0, 1)
+    if job.offload_optimizer:
+        # at the gradient-accumulation boundary, per reduced parameter (stage3.py partition_grads ->
+        # _offload_grad_partition_at_boundary): grad_buffer.to(device) copies the host partition back to a GPU (a
+        # no-op on CPU), then _constant_buffered_norm2 takes its norm in fp64 (part.to(get_norm_dtype()): fp64
+        # wherever the accelerator has it), freed before the fp32 copy to the host (4 bytes); the reduce's output
+        # partition exists beside them. Measured, session 7: llama-3-8b at 1 rank peaks at the head's,
+        # 10,485,760 B for its 1,048,576 elements.
+        per = rc.grad_bytes + 8 + (rc.grad_bytes if s.cluster.device != "cpu" else 0)
+        # The head's at the root's last hook before the blocks (the final norm's: ZeRO-3 reduces a bucket at the
+        # hook of the parameter that would overflow it, stage3.py reduce_independent_p_g_buckets_and_remove_grads;
+        # measured, session 9: llama-3-8b at 1 rank, small buckets, the head's fp64 copy inside the final norm's
+        # weight hook) (a tied head's hook runs at the embedding's backward, after every block); each block
+        # parameter's at its own hook, with the activations of that moment (profile.block_hooks); the
+        # embedding's at backward's end.
+        moments.append(BufferMoment(cb * z.loss + per * ceil_div(g.head_largest_tensor, n), grads.persist + tied_bytes,
+                                    Moment.ROOT_LAST_HOOK_BEFORE_BLOCKS))
+        hook_transient = (per, n)
+        moments.append(BufferMoment(cb * z.blocks, grads.persist + tied_bytes, Moment.BLOCK_GRADIENT_HOOK))
+        gathered_end += per * ceil_div(g.root_largest_tensor, n)
+    return BufferTimeline(
+        persistent=persistent, gathered_forward_most=cb * z.forward, gathered_forward_end=cb * z.forward_end,
+        gathered_loss=cb * z.loss, gathered_backward=cb * z.backward + rc.grad_bytes * unreduced,
+        gathered_end=gathered_end, moments=tuple(moments), grads_held=True, hook_transient=hook_transient,
+        assumptions={"zero3_unreduced_grad_numel": unreduced,
+                     "zero3_gathered_numel": {"forward": z.forward, "forward_end": z.forward_end, "loss": z.loss,
+                                              "backward": z.backward, "end": z.end, "blocks": z.blocks},
+                     "largest_gathered_block_numel": g.largest_block})
+
+
+def _largest_sub_group(job: Job) -> int:
+    """Elements of the largest optimizer sub-group on a rank (stage3.py _create_fp16_sub_groups): each parameter's
+    partition (ceil(numel / n)) in module order, a sub-group closed once it reaches sub_group_size."""
+    parts = [ceil_div(t.numel, job.n) for t in job.inv.tensors]
+    size = job.s.ds.sub_group_size
+    if size <= 0 or size >= sum(parts):
+        return sum(parts)
+    best = cur = 0
+    for x in parts:
+        cur += x
+        if cur >= size:
+            best, cur = max(best, cur), 0
+    return max(best, cur)
+
+
+def step(job: Job, s: StepIn) -> tuple[int, int, dict[str, int]]:
+    """The step (stage3.py step) works one sub-group at a time (_create_fp16_sub_groups: parameters in order until
+    sub_group_size elements are reached): _prepare_fp32_grad_for_sub_group flattens the sub-group's gradients into
+    a copy in the grad dtype and casts it to fp32 beside grad_partitions_flat_buffer; the copy is freed, the
+    optimizer steps on the fp32 grad, and _release_sub_group drops it. Measured on the H100 (bench/gpu, ZeRO-3 at
+    1 rank): olmoe 2 blocks one sub-group of 1.045 B elements, +2.09 GB copy +4.18 GB fp32 at the peak;
+    qwen2.5-7b 4 blocks two sub-groups, the larger 1.01 B elements (+2.02 GB, +4.04 GB)."""
+    st, rc = job.s.strategy, job.s.recipe
+    if not (s.master_bytes and not st.fp32_grad_accumulation and not job.offload_optimizer):
+        return s.grads, s.buffers, {}
+    sg = _largest_sub_group(job)
+    grads = s.grads_persist + rc.reduced_grad_bytes * sg
+    sg_scratch = rc.state_bytes * sg if s.impl == "foreach" else (
+        s.scratch * sg // max(job.lay.optimizer_numel, 1) if s.impl == "single-tensor" else 0)
+    # the flat copy beside its fp32 cast (the cast is the copy itself when the grads are fp32)
+    flat = rc.grad_bytes * sg if rc.grad_bytes != rc.reduced_grad_bytes else 0
+    return grads, s.persistent + max(flat, sg_scratch), {"zero3_largest_sub_group_numel": sg}
+
+
+MODEL = FrameworkModel(name="zero3", buffers=buffers, weights=weights, grads_at_end=grads_at_end, offload=offload,
+                       step=step, zero_offload=True)

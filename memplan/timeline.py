@@ -1,0 +1,107 @@
+"""The named moments of a training step, and the typed timeline each framework's buffer model returns.
+
+A framework's buffer model (memplan/frameworks/) says what its buffers and its not-yet-reduced gradients hold at
+named moments of the step; the activation profile (memplan/activations.py) says what is saved at the same
+moments; the engine (memplan/accounting.py) adds model states and takes the largest. No torch here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import IntEnum
+from typing import Any
+
+
+class Moment(IntEnum):
+    """Where in the step a moment falls, which fixes the activations alive then (profile.moment_activations;
+    without a traced timeline, the bound that contains the moment). Values are the profile's own keys."""
+
+    #: inside a block's backward, its own gradients growing while its activations are freed
+    #: (profile.block_moments: the last block, the one before it, the first)
+    INSIDE_LAST_BLOCK_BACKWARD = 0
+    INSIDE_PREVIOUS_BLOCK_BACKWARD = 1
+    INSIDE_FIRST_BLOCK_BACKWARD = 2
+    #: everything saved but the last two blocks'
+    SAVED_BUT_LAST_TWO = -1
+    #: everything saved
+    ALL_SAVED = -2
+    #: forward, the embedding's output alone saved (the first all-gather copy-outs)
+    EMBEDDING_OUTPUT = -3
+    #: everything saved but the last block's
+    SAVED_BUT_LAST = -4
+    #: the last block's backward begins
+    LAST_BLOCK_BACKWARD_BEGINS = -5
+    #: the backward of the block before the last begins
+    PREVIOUS_BLOCK_BACKWARD_BEGINS = -6
+    #: the last block's forward begins
+    LAST_BLOCK_FORWARD_BEGINS = -7
+    #: the most alive inside the last block's forward
+    INSIDE_LAST_BLOCK_FORWARD = -8
+    #: the block before the last has finished its backward
+    PREVIOUS_BLOCK_BACKWARD_ENDS = -9
+    #: the loss's and the head's backward, the root's gradients so far (profile.loss_moment)
+    LOSS_BACKWARD = -10
+    #: a block parameter's gradient hook, with the hook's transient (profile.block_hooks)
+    BLOCK_GRADIENT_HOOK = -11
+    #: the last hook of a parameter outside the blocks before them (the final norm's)
+    ROOT_LAST_HOOK_BEFORE_BLOCKS = -12
+
+    @property
+    def in_forward(self) -> bool:
+        return self in (Moment.EMBEDDING_OUTPUT, Moment.LAST_BLOCK_FORWARD_BEGINS, Moment.INSIDE_LAST_BLOCK_FORWARD)
+
+    @property
+    def inside_block(self) -> bool:
+        return self >= 0
+
+
+@dataclass(frozen=True, slots=True)
+class BufferMoment:
+    """What a framework holds at one moment beyond model states and activations: its buffers (gathered
+    parameters, buckets, reduce inputs, hook transients) and the gradients not yet reduced, per rank."""
+
+    buffers: int
+    grads: int
+    at: Moment
+
+
+@dataclass(frozen=True, slots=True)
+class StepMoment:
+    """A moment of the step as the engine evaluates it: grads and buffers with the persistent ones included,
+    and their sum with the model states (``total``), activations still to add."""
+
+    grads: int
+    buffers: int
+    total: int
+    at: Moment
+
+
+@dataclass(frozen=True)
+class BufferTimeline:
+    """A framework's buffers at the step's fixed phases and its named moments (per rank, bytes).
+
+    The phases: forward's end (the loss included), the loss backward, the last block's backward (its grads
+    complete and being reduced), backward's end, and what the model keeps between steps.
+    """
+
+    #: allocated at setup and kept: DDP's buckets, ZeRO-3's ipg bucket, ZeRO-Offload's device-side grad buffer
+    persistent: int = 0
+    #: allocated in every backward and kept to its end (ZeRO-1/2's ipg bucket)
+    backward: int = 0
+    #: gathered parameters when forward ends, at the loss, at the most in forward, after the last block's
+    #: backward, at backward's end
+    gathered_forward_end: int = 0
+    gathered_loss: int = 0
+    gathered_forward_most: int = 0
+    gathered_backward: int = 0
+    gathered_end: int = 0
+    #: at backward's end, where the framework models it as one moment: (buffers, grads not yet reduced)
+    end: tuple[int, int] | None = None
+    #: buffers of the reduce at backward's end (ZeRO-1 without overlap_comm: grads_in_partition)
+    end_epilogue: int = 0
+    moments: tuple[BufferMoment, ...] = ()
+    #: the block moments count only the gradients whose hook has not taken them yet (ZeRO-3)
+    grads_held: bool = False
+    #: (bytes per partition element, partitions) a parameter's gradient hook allocates (BLOCK_GRADIENT_HOOK)
+    hook_transient: tuple[int, int] = (0, 1)
+    assumptions: dict[str, Any] = field(default_factory=dict)

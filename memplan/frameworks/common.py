@@ -136,3 +136,6 @@ class FrameworkModel:
     zero_offload: bool = False
     #: the framework offers FSDP's CPUOffloadPolicy (--cpu-offload)
     cpu_offload_policy: bool = False
+    #: the module that replays the framework's allocations for the reserved peak (memplan/reserved.py): its
+    #: replay(inv, s, config) and why_not(s); None where the framework's setup is not written down yet
+    replay: str | None = None

@@ -19,4 +19,4 @@ def buffers(job: Job, grads: Grads) -> BufferTimeline:
                           moments=(LOSS, *unreduced_grad_moments(job.gathers, rc.grad_bytes, job.psi)))
 
 
-MODEL = FrameworkModel(name="ddp", buffers=buffers)
+MODEL = FrameworkModel(name="ddp", replay="memplan.frameworks.ddp_replay", buffers=buffers)

@@ -180,4 +180,5 @@ def buffers(job: Job, grads: Grads) -> BufferTimeline:
                           assumptions={"reshard_after_forward": raf, "largest_gathered_block_numel": g.largest_block})
 
 
-MODEL = FrameworkModel(name="fsdp2", buffers=buffers, cpu_offload_policy=True)
+MODEL = FrameworkModel(name="fsdp2", replay="memplan.frameworks.fsdp2_replay", buffers=buffers,
+                       cpu_offload_policy=True)

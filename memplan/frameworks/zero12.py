@@ -89,5 +89,5 @@ def step(job: Job, s: StepIn) -> tuple[int, int, dict[str, int]]:
     return s.grads, s.buffers, {}
 
 
-MODEL = FrameworkModel(name="zero12", buffers=buffers, grads_at_end=grads_at_end, offload=offload, step=step,
-                       zero_offload=True)
+MODEL = FrameworkModel(name="zero12", replay="memplan.frameworks.zero12_replay", buffers=buffers,
+                       grads_at_end=grads_at_end, offload=offload, step=step, zero_offload=True)

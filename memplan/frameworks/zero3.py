@@ -152,5 +152,5 @@ def step(job: Job, s: StepIn) -> tuple[int, int, dict[str, int]]:
     return grads, s.persistent + max(flat, sg_scratch), {"zero3_largest_sub_group_numel": sg}
 
 
-MODEL = FrameworkModel(name="zero3", buffers=buffers, weights=weights, grads_at_end=grads_at_end, offload=offload,
-                       step=step, zero_offload=True)
+MODEL = FrameworkModel(name="zero3", replay="memplan.frameworks.zero3_replay", buffers=buffers, weights=weights,
+                       grads_at_end=grads_at_end, offload=offload, step=step, zero_offload=True)

@@ -1,0 +1,104 @@
+"""The reserved-peak replay of DDP (the allocation order of DistributedDataParallel and its Reducer)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from memplan.allocator import Allocator, AllocatorConfig
+from memplan.replay import (MAX_STEPS, MiB, ReplayJob, Run, bucket_assignment, build_model, micro_step,
+                            optimizer_step)
+
+
+#: DDP's broadcast of the module states at construction: buffers of 250 MiB (distributed.py
+#: _sync_module_states(..., broadcast_bucket_size=int(250 * 1024 * 1024)))
+DDP_BROADCAST_BUCKET = 250 * MiB
+#: c10d's _DEFAULT_FIRST_BUCKET_BYTES: the first bucket of a rebuilt Reducer
+DDP_FIRST_BUCKET = 1 * MiB
+
+
+def _broadcast_coalesced(run: Run, sizes: list[int], bucket: int) -> None:
+    """c10d broadcast_coalesced (torch/csrc/distributed/c10d/comm.cpp): buckets of ``bucket`` bytes, each
+    flattened into one buffer (a bucket of one tensor is a view of it), at most two in flight."""
+    in_flight: list[Any] = []
+    for idx in bucket_assignment(sizes, [bucket]):
+        if len(in_flight) >= 2:
+            k = in_flight.pop(0)
+            if k is not None:
+                run.free(k)
+        in_flight.append(run.alloc(sum(sizes[i] for i in idx)) if len(idx) > 1 else None)
+    for k in in_flight:
+        if k is not None:
+            run.free(k)
+
+
+def replay_ddp(job: ReplayJob, config: AllocatorConfig | None = None, release: str = "pre") -> Allocator:
+    """DistributedDataParallel (torch/nn/parallel/distributed.py, c10d reducer.cpp) with a torch.optim optimizer:
+    the module states broadcast in 250 MiB buffers; the Reducer's first bucket assignment is one bucket for all
+    parameters (no find_unused_parameters: bucket_size_limits = [sys.maxsize]), rebuilt at the second
+    forward (_rebuild_buckets: the old buckets freed, then one buffer per bucket of the order the gradients
+    became ready, limits [1 MiB, 25 MiB]); gradients stay until zero_grad(set_to_none=True).
+
+    ``release``: where the old buckets' memory returns. The Reducer drops them at the rebuild ("pre"), but the
+    last all-reduce of step 1 also holds its bucket (ProcessGroupNCCL stashes a collective's tensors until its
+    watchdog sees the work complete, torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp), so in a short step the
+    memory comes back only in step 2's backward ("grad": at its first gradient). Measured on the H100: 24 of 32
+    DDP runs released at the rebuild, 8 in backward (their step 2 peaks by the buckets' size), and one
+    configuration (gpt2) did each in one of two runs."""
+    run = Run(config or AllocatorConfig())
+    build_model(run, job)
+    sizes = list(job.converted or [n for n, alias in job.build if not alias])
+    _broadcast_coalesced(run, sizes, DDP_BROADCAST_BUCKET)
+    buckets = [run.alloc(sum(sizes))]
+    old: list[Any] = []
+    states: list[Any] = []
+    first_grads: list[tuple[Any, int]] = []
+    forwards = 0
+    for n in range(MAX_STEPS):
+        before = run.a.peak_reserved
+        grads: list[tuple[Any, int]] = []
+        for m in range(job.grad_accum):
+            ids = run.alloc(job.input_bytes)
+            if forwards == 0:
+                run.alloc(job.workspace_bytes)
+                run.alloc(job.workspace_bytes)
+            if forwards == 1:
+                old = buckets
+                ready = [size for _, size in first_grads]
+                buckets = [run.alloc(sum(ready[i] for i in idx))
+                           for idx in bucket_assignment(ready, [DDP_FIRST_BUCKET, 25 * MiB])]
+            rebuilt = forwards == 1
+
+            def at(kind: str, blk: int, rebuilt: bool = rebuilt) -> None:
+                if rebuilt and kind == release:
+                    for k in old:
+                        run.free(k)
+                    old.clear()
+            # later micro-steps add into the kept gradients (AccumulateGrad in place; theirs die at once)
+            grads += micro_step(run, job, (n, m), keep_grads=m == 0, at=at, on_grad=lambda _n: at("grad", 0))
+            at("end", 0)
+            if forwards == 0:
+                first_grads = list(grads)
+            forwards += 1
+            run.free(ids)
+        optimizer_step(run, job, n == 0, states)
+        for k, _ in reversed(grads):
+            run.free(k)
+        run.end_step()
+        if n >= 2 and run.a.peak_reserved == before:
+            break
+    return run.a
+
+
+def why_not(s: Any) -> str | None:
+    if s.strategy.shard_optimizer:
+        return "ZeroRedundancyOptimizer not modelled yet"
+    return None
+
+
+def replay(inv: Any, s: Any, config: AllocatorConfig) -> tuple[str, dict[str, Allocator]]:
+    """The two release orders DDP's first buckets can take (replay_ddp ``release``)."""
+    from memplan.replay import replay_job
+
+    job = replay_job(inv, s, [t.numel for t in inv.tensors])
+    return "DDP", {"buckets released at the rebuild": replay_ddp(job, config, "pre"),
+                   "buckets held into step 2's backward": replay_ddp(job, config, "grad")}

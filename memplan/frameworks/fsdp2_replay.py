@@ -1,0 +1,260 @@
+"""The reserved-peak replay of FSDP2 (fully_shard's setup, unshard, all-gather, copy-out and reduce-scatter order)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from memplan.allocator import Allocator, AllocatorConfig
+from memplan.replay import MAX_STEPS, ReplayJob, Run, build_model, optimizer_step
+
+
+@dataclass(frozen=True)
+class FsdpGroup:
+    """One fully_shard unit (a block, or the root with what no block holds), per rank."""
+
+    params: tuple[int, ...]  #: its parameters' positions in module order
+    shard: tuple[int, ...]  #: bytes of each sharded parameter (dim 0 padded to the shard count), stored dtype
+    unsharded: tuple[int, ...]  #: bytes of each unsharded parameter in the compute dtype
+    cast: bool  #: the all-gather input is a cast of the shard (MixedPrecisionPolicy param_dtype differs)
+    reduce_in: int  #: the reduce-scatter input: every padded gradient in the reduce dtype
+    reduce_out: int  #: its output: this rank's sharded gradients, which the .grad views keep
+
+
+#: the allocator's stream for FSDP2's reduce-scatter outputs (its own pool; any id but the default's)
+RS_STREAM = 2
+AG_STREAM = 1
+
+
+def _unshard(run: Run, g: FsdpGroup, world: int) -> list[Any]:
+    """FSDPParamGroup.unshard + wait_for_unshard with one rank: no all-gather (unshard() records an empty
+    result); each unsharded parameter is made from its shard when the block runs, each cast (when the compute
+    dtype differs) freed after the next one is made (measured: ../shared/gpu/traces/fsdp_full_rc)."""
+    keys = []
+    prev = None
+    for n in g.unsharded:
+        cast = run.alloc(n) if g.cast else None
+        if prev is not None:
+            run.free(prev)
+        keys.append(run.alloc(n))
+        prev = cast
+    if prev is not None:
+        run.free(prev)
+    return keys
+
+
+def _all_gather(run: Run, g: FsdpGroup, world: int) -> Any:
+    """FSDPParamGroup.unshard with more ranks (_fsdp_collectives.py foreach_all_gather): every shard cast on the
+    copy-in stream into one flat all-gather output; the output is returned, the casts freed."""
+    casts = [run.alloc(-(-n // world), stream=AG_STREAM) for n in g.unsharded] if g.cast else []
+    flat = run.alloc(sum(-(-n // world) for n in g.unsharded) * world, stream=AG_STREAM)
+    for k in casts:
+        run.free(k)
+    return flat
+
+
+def _copy_out(run: Run, g: FsdpGroup) -> list[Any]:
+    """wait_for_unshard's foreach_all_gather_copy_out: each unsharded parameter, on the default stream."""
+    return [run.alloc(n) for n in g.unsharded]
+
+
+def replay_fsdp2(job: ReplayJob, groups: tuple[FsdpGroup, ...], world: int, reshard_after_forward: bool,
+                 config: AllocatorConfig | None = None) -> Allocator:
+    """FSDP2 (torch/distributed/fsdp/_fully_shard): fully_shard on each block then the root. Setup replaces each
+    parameter by its padded shard, a group's new shards made before its old parameters go (_fsdp_param.py
+    _init_sharded_param). In a step the root unshards at the forward's start and stays unsharded; each block
+    unshards before its forward and, resharding after forward, again before its backward; after a block's
+    backward (post_backward) its gradients go into one reduce-scatter input in the reduce dtype, then the
+    unsharded gradients are freed and the output (on the reduce-scatter stream) is allocated, whose views
+    are the sharded .grad until zero_grad; the optimizer steps the shards. ``groups``: the blocks in order,
+    the root last."""
+    run = Run(config or AllocatorConfig())
+    if world == 1:
+        # one rank: built on the device, then each group's shards made and its parameters freed (measured)
+        built = build_model(run, job)
+        for g in groups:
+            for n in g.shard:
+                run.alloc(n)
+            for i in g.params:
+                run.free(built[i])
+    else:
+        # more ranks: the full model never fits one device at the sizes FSDP is for; it is built on the meta
+        # device, sharded, then materialized shard by shard (to_empty + init, torchtitan's recipe)
+        for g in groups:
+            for n in g.shard:
+                run.alloc(n)
+    blocks, root = groups[:-1], groups[-1]
+    states: list[Any] = []
+    for n in range(MAX_STEPS):
+        before = run.a.peak_reserved
+        outputs: list[Any] = []
+        for m in range(job.grad_accum):
+            ids = run.alloc(job.input_bytes)
+            if n == 0 and m == 0:
+                run.alloc(job.workspace_bytes)
+            _fsdp_micro_step(run, job, (n, m), blocks, root, world, reshard_after_forward, outputs,
+                             first=n == 0 and m == 0, keep=m == 0)
+            run.free(ids)
+        optimizer_step(run, job, n == 0, states)
+        for k in outputs:
+            run.free(k)
+        run.end_step()
+        if n >= 1 and run.a.peak_reserved == before:
+            break
+    return run.a
+
+
+def _fsdp_micro_step(run: Run, job: ReplayJob, n: Any, blocks: tuple[FsdpGroup, ...], root: FsdpGroup, world: int,
+                     reshard_after_forward: bool, outputs: list[Any], first: bool, keep: bool) -> None:
+    """One micro-step under FSDP2; the reduce-scatter outputs go to ``outputs`` (``keep``), or, in a later
+    micro-step, are added into the sharded gradients and freed. With more than one rank (accounting.py's FSDP2
+    notes, each checked on the harness): in forward a block's all-gather output is held until the next block's
+    copy-out (FSDPCommContext.all_gather_state), the last one to the root's post-forward; in backward the root's
+    pre-backward prefetches the last block, a block's pre-backward copies out of its prefetched output (then
+    frees it) and prefetches the next; a post-backward frees the previous reduce-scatter input
+    (reduce_scatter_max_input_buffers = 1)."""
+    flat = world > 1
+    unsharded: dict[int, list[Any]] = {}
+    gathered: dict[int, Any] = {}  # prefetched all-gather outputs, by block
+    held: list[Any] = []  # forward: the last all-gather output; backward: the last reduce-scatter input
+    grads_of: dict[int, list[Any]] = {}
+    state: dict[str, Any] = {"bwd": None}
+
+    def unshard(i: int, hold: bool) -> None:
+        g = root if i < 0 else blocks[i]
+        if not flat:
+            unsharded[i] = _unshard(run, g, world)
+            return
+        out = gathered.pop(i, None) or _all_gather(run, g, world)
+        unsharded[i] = _copy_out(run, g)
+        if hold:  # forward: free the previous output now, keep this one
+            for k in held:
+                run.free(k)
+            held[:] = [out]
+        else:
+            run.free(out)
+
+    def prefetch(i: int) -> None:
+        if flat and 0 <= i < len(blocks) and i not in unsharded and i not in gathered:
+            gathered[i] = _all_gather(run, blocks[i], world)
+
+    def post_backward(i: int) -> None:
+        g = root if i < 0 else blocks[i]
+        for k in unsharded.pop(i, []):  # reshard
+            run.free(k)
+        for k in held:
+            run.free(k)
+        held.clear()
+        rs_in = run.alloc(g.reduce_in)
+        for k in grads_of.pop(i, []):
+            run.free(k)
+        out = run.alloc(g.reduce_out, stream=RS_STREAM)
+        if flat:
+            held.append(rs_in)
+        else:
+            run.free(rs_in)
+        if keep:
+            outputs.append(out)
+        else:
+            run.free(out)
+
+    unshard(-1, hold=True)
+
+    def at(kind: str, blk: int) -> None:
+        if kind == "F" and blk < len(blocks) and blk not in unsharded:
+            unshard(blk, hold=True)
+        elif kind == "mid":
+            for k in held:  # the root's post-forward
+                run.free(k)
+            held.clear()
+            if first:
+                run.alloc(job.workspace_bytes)  # autograd's thread's cuBLAS handle
+            prefetch(len(blocks) - 1)
+        if kind in ("B", "post") and state["bwd"] is not None:
+            post_backward(state["bwd"])
+            state["bwd"] = None
+        if kind == "B" and blk < len(blocks):
+            if blk not in unsharded:
+                unshard(blk, hold=False)
+            prefetch(blk - 1)
+            state["bwd"] = blk
+
+    def on_forward_end(blk: int) -> None:
+        if reshard_after_forward and blk in unsharded:
+            for k in unsharded.pop(blk):
+                run.free(k)
+
+    _fsdp_step(run, job, n, at, on_forward_end, grads_of)
+    post_backward(-1)
+    for k in held:
+        run.free(k)
+
+
+def _fsdp_step(run: Run, job: ReplayJob, n: int, at: Any, on_forward_end: Any, grads_of: dict[int, list[Any]]) -> None:
+    """The traced step with FSDP's moments: a block's forward ends where the next region begins; each gradient
+    is kept, by block, for its post-backward."""
+    current_forward = None
+    kept: set[Any] = set()
+    off = run.offset()
+    a = run.a
+    live, malloc, afree = run.live, a.malloc, a.free
+    limit = Run.limit if Run.limit is not None else 1 << 62
+    mb = job.micro_batch
+    for e in job.step:
+        kind = e[0]
+        if kind == "a":
+            key = off + e[1]
+            size = e[2][0] + e[2][1] * mb
+            live[key] = malloc(size if size > 0 else 1)
+            if a.reserved > limit:
+                run.over()
+            if e[3] is not None:
+                grads_of.setdefault(e[3], []).append(key)
+                kept.add(key)
+        elif kind == "f":
+            key = off + e[1]
+            if key not in kept:
+                b = live.pop(key, None)
+                if b is not None:
+                    afree(b)
+        else:
+            if current_forward is not None:
+                on_forward_end(current_forward)
+                current_forward = None
+            at(e[1], e[2])
+            if e[1] == "F":
+                current_forward = e[2]
+
+
+def why_not(s: Any) -> str | None:
+    if not s.strategy.shard_params or s.torch.cpu_offload:
+        return "FSDP2 without sharding or with CPU offload not modelled yet"
+    return None
+
+
+def replay(inv: Any, s: Any, config: AllocatorConfig) -> tuple[str, dict[str, Allocator]]:
+    """fully_shard on each block, then the root (whatever no block holds), shards padded on dim 0."""
+    from memplan.frameworks.common import Job
+    from memplan.frameworks.fsdp2 import MODEL, reshard_after_forward
+    from memplan.replay import replay_job
+    from memplan.settings import shard_group_size
+    from memplan.units import ceil_div
+
+    n, r = shard_group_size(s), s.recipe
+    groups = []
+    numels = []
+    position = {t.name: i for i, t in enumerate(inv.tensors)}
+    for block in [b.name for b in inv.layer_blocks] + [inv.blocks[0].name]:
+        ts = inv.block_tensors(block)
+        padded = [ceil_div(t.shape[0], n) * (t.numel // t.shape[0]) * n if t.shape and t.shape[0] else t.numel
+                  for t in ts]
+        numels += [p // n for p in padded]
+        groups.append(FsdpGroup(params=tuple(position[t.name] for t in ts),
+                                shard=tuple(p // n * r.param_bytes for p in padded),
+                                unsharded=tuple(t.numel * r.compute_bytes for t in ts),
+                                cast=r.param_bytes != r.compute_bytes,
+                                reduce_in=sum(padded) * r.reduced_grad_bytes,
+                                reduce_out=sum(padded) // n * r.reduced_grad_bytes))
+    job = replay_job(inv, s, numels)
+    raf = reshard_after_forward(Job.of(inv, s, MODEL))
+    return "FSDP2", {"": replay_fsdp2(job, tuple(groups), n, bool(raf), config)}

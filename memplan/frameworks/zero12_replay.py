@@ -1,0 +1,136 @@
+"""The reserved-peak replay of DeepSpeed ZeRO-1/2 (DeepSpeedZeroOptimizer's setup and step order)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from memplan.allocator import Allocator, AllocatorConfig
+from memplan.replay import MAX_STEPS, ReplayJob, Run, build_model, micro_step
+
+
+def _partition_params(inv: Any, n: int) -> tuple[int, ...]:
+    """Elements of each parameter (module order) that overlaps the largest rank's part of the flat group: the
+    gradients that rank's norm reads (stage_1_and_2.py params_in_partition). The last rank's part holds the
+    padding, so the first rank is taken."""
+    from memplan.units import ceil_div
+
+    psi = sum(t.numel for t in inv.tensors)
+    part = ceil_div(ceil_div(psi, 2 * n) * 2 * n, n)
+    out, start = [], 0
+    for t in inv.tensors:
+        if start < part:
+            out.append(t.numel)
+        start += t.numel
+    return tuple(out)
+
+
+def replay_zero12(job: ReplayJob, stage: int, partition: int, flat: int, bucket: int, buffers: int,
+                  norms: tuple[int, ...], half: int = 2, config: AllocatorConfig | None = None) -> Allocator:
+    """DeepSpeed ZeRO-1/2 (deepspeed/runtime/zero/stage_1_and_2.py, DeepSpeedZeroOptimizer) with a fused Adam,
+    per rank, in its elements: ``flat`` (the aligned flat bit16 group), ``partition`` (this rank's), ``bucket``
+    (reduce_bucket_size), ``buffers`` (2 with overlap_comm), ``norms`` (the elements of each parameter whose
+    gradient the rank's norm reads, in order).
+
+    Setup, as recorded on the H100 (../shared/gpu/traces/zero2): the engine converts the built model to the
+    half dtype parameter by parameter and empties the cache; the optimizer flattens the group into one buffer
+    (flatten_dense_tensors_aligned) and the parameters become views of it; the fp32 master partition is the
+    bit16 partition's .clone().float(); initialize_optimizer_states makes and drops an fp32 gradient partition.
+    A step: at the first gradient hook the ipg bucket buffer(s) (contiguous_gradients) are made; ZeRO-2 (and
+    overlap_comm) takes each gradient into them as it is made, ZeRO-1 keeps its gradients to the end of backward
+    and takes them then; the first reduce (a full bucket, or the last) makes grads_in_partition; the bucket goes
+    at the end of backward; the norm takes each gradient in fp64 (get_grad_norm_direct:
+    vector_norm(g.data.to(get_norm_dtype()))); the step flattens the partition's gradients again and converts them to fp32
+    (single_grad_partition), Adam makes its states at the first step, and the fp32 gradient goes."""
+    run = Run(config or AllocatorConfig())
+    keys = build_model(run, job)
+    run.empty_cache()
+    run.alloc(flat * half)  # bit16_groups_flat; the parameters become views of it
+    for k in keys:
+        run.free(k)
+    clone = run.alloc(partition * half)
+    run.alloc(partition * 4)  # single_partition_of_fp32_groups
+    run.free(clone)
+    run.free(run.alloc(partition * 4))  # initialize_optimizer_states' zero gradient
+    states: list[Any] = []
+    for n in range(MAX_STEPS):
+        before = run.a.peak_reserved
+        grads_flat = None
+        for m in range(job.grad_accum):
+            ids = run.alloc(job.input_bytes)
+            if n == 0 and m == 0:
+                run.alloc(job.workspace_bytes)
+            ipg: list[Any] = []
+            in_bucket = [0]
+            # process_gradients: every hook sets up the bucket buffer(s); ZeRO-2 (partition_gradients) and
+            # overlap_comm reduce in the hooks, ZeRO-1 without it keeps the gradients until reduce_gradients
+            # takes them one by one at the end of backward (stage_1_and_2.py process_gradients)
+            in_hooks = stage == 2 or buffers > 1
+
+            def reduce(nbytes: int) -> None:
+                """reduce_independent_p_g_buckets_and_remove_grads: a gradient that would overflow the bucket
+                reduces it first, and the first reduce makes grads_in_partition (copy_grads_in_partition)."""
+                nonlocal grads_flat
+                numel = nbytes // half
+                if in_bucket[0] + numel > bucket:
+                    in_bucket[0] = 0
+                    if grads_flat is None:
+                        grads_flat = run.alloc(partition * half)
+                in_bucket[0] += numel
+
+            def on_grad(nbytes: int) -> None:
+                if not ipg:
+                    ipg.extend(run.alloc(bucket * half) for _ in range(buffers))
+                if in_hooks:
+                    reduce(nbytes)
+            first = n == 0 and m == 0
+
+            def at(kind: str, blk: int, first: bool = first) -> None:
+                if kind == "mid" and first:
+                    run.alloc(job.workspace_bytes)  # autograd's thread's cuBLAS handle
+            kept = micro_step(run, job, (n, m), keep_grads=not in_hooks, at=at, on_grad=on_grad)
+            for key, nbytes in reversed(kept):  # reduce_gradients, in the group's (module) order
+                reduce(nbytes)
+                run.free(key)  # copied into the bucket: the gradient is a view of it now
+            if grads_flat is None:  # the epilogue's reduce
+                grads_flat = run.alloc(partition * half)
+            for k in ipg:
+                run.free(k)
+            run.free(ids)
+        for numel in norms:  # get_grad_norm_direct: each gradient .to(float64), one after another
+            run.free(run.alloc(numel * 8))
+        copy = run.alloc(partition * half)
+        fp32_grad = run.alloc(partition * 4)
+        run.free(copy)
+        if grads_flat is not None:
+            run.free(grads_flat)
+        if n == 0:
+            states += [run.alloc(partition * job.state_bytes) for _ in range(job.states_per_param)]
+        run.free(fp32_grad)
+        run.end_step()
+        if n >= 1 and run.a.peak_reserved == before:
+            break
+    return run.a
+
+
+def why_not(s: Any) -> str | None:
+    """DeepSpeed setups not written down yet (stage 0's BF16_Optimizer, ZeRO-Offload, ZeRO++ hpZ)."""
+    st = s.strategy
+    if st.zero_stage not in (1, 2, 3) or s.ds.offload_optimizer or s.ds.offload_param or s.ds.hpz_partition_size > 1:
+        what = "ZeRO-Offload" if s.ds.offload_optimizer or s.ds.offload_param else (
+            "ZeRO++ hpZ" if s.ds.hpz_partition_size > 1 else f"stage {st.zero_stage}")
+        return f"DeepSpeed {what} not modelled yet"
+    return None
+
+
+def replay(inv: Any, s: Any, config: AllocatorConfig) -> tuple[str, dict[str, Allocator]]:
+    from memplan.replay import replay_job
+    from memplan.settings import shard_group_size
+    from memplan.units import ceil_div
+
+    st, n = s.strategy, shard_group_size(s)
+    flat = ceil_div(inv.num_params, 2 * n) * 2 * n  # flatten_dense_tensors_aligned(..., 2 * dp_size)
+    part = flat // n
+    job = replay_job(inv, s, [part])
+    a = replay_zero12(job, st.zero_stage, part, flat, s.ds.reduce_bucket_size, 2 if s.ds.overlap_comm else 1,
+                      _partition_params(inv, n), s.recipe.param_bytes, config)
+    return f"ZeRO-{st.zero_stage}", {"": a}

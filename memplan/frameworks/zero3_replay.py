@@ -1,0 +1,135 @@
+"""The reserved-peak replay of DeepSpeed ZeRO-3 (partitions, defragmentation, sub-groups, gathers)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from memplan.allocator import Allocator, AllocatorConfig
+from memplan.frameworks.zero12_replay import why_not  # noqa: F401  (DeepSpeed's, shared)
+from memplan.replay import MAX_STEPS, ReplayJob, Run, micro_step
+
+
+def replay_zero3(job: ReplayJob, world: int, partitions: tuple[int, ...], sub_groups: tuple[int, ...],
+                 blocks: tuple[int, ...], bucket: int, half: int = 2,
+                 config: AllocatorConfig | None = None) -> Allocator:
+    """DeepSpeed ZeRO-3 (deepspeed/runtime/zero/stage3.py, partition_parameters.py) with a fused Adam, per rank:
+    ``partitions`` (each parameter's partition, elements, module order), ``sub_groups`` (the optimizer's
+    sub-groups, elements), ``blocks`` (each block's gathered elements, with more than one rank), ``bucket``
+    (reduce_bucket_size).
+
+    Setup: with one rank the model is built on the device and each parameter replaced by its bit16 partition
+    (as the H100 stream zero3_offload shows); with more, zero.Init makes the partitions directly. The optimizer
+    defragments them into one flat buffer (_create_fp16_partitions_with_defragmentation: through the host, with an
+    empty_cache between, zero/utils.py defragment), makes each sub-group's
+    fp32 partition (.clone().float()) and a zero fp32 gradient it drops (initialize_optimizer_states; the Adam
+    states come at the first step), then the ipg bucket buffer and the flat gradient partition buffer (grad_partitions_flat_buffer),
+    A step: with one rank nothing is gathered (NoGatherHandle: the parameter points at its
+    partition); with more, each block is gathered into one coalesced buffer before its forward (the next one
+    prefetched) and freed after it, and again in backward. Each gradient goes into the bucket in its hook and is
+    freed; full buckets are reduced into the flat gradient buffer. The optimizer, sub-group by sub-group,
+    flattens the gradients (bit16), converts them to fp32, steps and frees them; the norm reads each gradient in
+    fp64 first."""
+    run = Run(config or AllocatorConfig())
+    total = sum(partitions)
+    if world == 1:
+        keys = []
+        for n, alias in job.build:
+            keys.append(run.alloc(n))
+        # tied aliases were built and freed with the model (_build); here the partitions replace the parameters
+        params = [k for k, (_, alias) in zip(keys, job.build) if not alias]
+        for k, (_, alias) in zip(keys, job.build):
+            if alias:
+                run.free(k)
+        parts = []
+        for k, p in zip(params, partitions):
+            parts.append(run.alloc(p * half))
+            run.free(k)
+    else:
+        parts = [run.alloc(p * half) for p in partitions]
+    # _create_fp16_partitions_with_defragmentation -> zero/utils.py defragment: each partition copied to one
+    # host buffer and freed, empty_cache, then the flat buffer back on the device
+    for k in parts:
+        run.free(k)
+    run.empty_cache()
+    run.alloc(total * half)  # fp16_partitioned_groups_flat; the partitions are views of it
+    for g in sub_groups:  # _create_fp32_partitions
+        clone = run.alloc(g * half)
+        run.alloc(g * 4)
+        run.free(clone)
+    for g in sub_groups:  # initialize_optimizer_states: a zero fp32 gradient per sub-group, dropped (the fused
+        run.free(run.alloc(g * 4))  # Adam makes its states at the first real step: measured, step 1's peak)
+    run.alloc(bucket * half)  # the ipg bucket buffer
+    run.alloc(total * half)  # grad_partitions_flat_buffer
+    for n in range(MAX_STEPS):
+        before = run.a.peak_reserved
+        for m in range(job.grad_accum):
+            ids = run.alloc(job.input_bytes)
+            if n == 0 and m == 0:
+                run.alloc(job.workspace_bytes)
+            gathered: dict[int, Any] = {}
+
+            def gather(i: int) -> None:
+                if world > 1 and 0 <= i < len(blocks) and i not in gathered:
+                    gathered[i] = run.alloc(blocks[i] * half)
+
+            def release(i: int) -> None:
+                k = gathered.pop(i, None)
+                if k is not None:
+                    run.free(k)
+
+            state: dict[str, Any] = {"f": None, "b": None}
+
+            def at(kind: str, blk: int) -> None:
+                for key in ("f", "b"):
+                    if state[key] is not None:
+                        release(state[key])
+                        state[key] = None
+                if kind == "F" and blk >= 0:
+                    gather(blk)
+                    gather(blk + 1)  # prefetched
+                    state["f"] = blk
+                elif kind == "B" and blk >= 0:
+                    gather(blk)
+                    gather(blk - 1)
+                    state["b"] = blk
+                if kind == "mid" and n == 0 and m == 0:
+                    run.alloc(job.workspace_bytes)
+            micro_step(run, job, (n, m), keep_grads=False, at=at)
+            for i in list(gathered):
+                release(i)
+            run.free(ids)
+        for numel in partitions:  # the norm: each gradient partition in fp64, one after another
+            run.free(run.alloc(numel * 8))
+        for g in sub_groups:
+            copy = run.alloc(g * half)  # flatten(averaged_gradients)
+            fp32 = run.alloc(g * 4)
+            run.free(copy)
+            if n == 0:  # the optimizer's states, made at its first step
+                for _ in range(job.states_per_param):
+                    run.alloc(g * job.state_bytes)
+            run.free(fp32)  # after the sub-group's step
+        run.end_step()
+        if n >= 1 and run.a.peak_reserved == before:
+            break
+    return run.a
+
+
+def replay(inv: Any, s: Any, config: AllocatorConfig) -> tuple[str, dict[str, Allocator]]:
+    from memplan.replay import replay_job
+    from memplan.settings import shard_group_size
+    from memplan.units import ceil_div
+
+    n = shard_group_size(s)
+    parts = tuple(ceil_div(t.numel, n) for t in inv.tensors)
+    groups, cur = [], 0
+    for x in parts:  # stage3.py _create_fp16_sub_groups: closed once a group reaches sub_group_size
+        cur += x
+        if cur >= s.ds.sub_group_size:
+            groups.append(cur)
+            cur = 0
+    if cur:
+        groups.append(cur)
+    blocks = tuple(b.numel for b in inv.layer_blocks)
+    job = replay_job(inv, s, [sum(parts)])
+    return "ZeRO-3", {"": replay_zero3(job, n, parts, tuple(groups), blocks, s.ds.reduce_bucket_size,
+                                       s.recipe.param_bytes, config)}

@@ -1,0 +1,365 @@
+"""The machinery of the reserved-peak replay (memplan/reserved.py): the traced step expanded to the model's depth,
+a run of PyTorch's caching allocator (memplan/allocator.py) with the live blocks, the model's build on the device,
+one traced micro-step and a torch.optim step. Each framework's own setup and step order lives beside its memory
+model (memplan/frameworks/*_replay.py). Pure Python, no torch.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+from typing import Any
+
+from memplan.allocator import Allocator, AllocatorConfig
+from memplan.settings import optimizer_impl
+
+#: steps replayed at most: the recorded runs stop reserving after the third (bench/allocator_replay.py)
+MAX_STEPS = 6
+# and at least two, or three for DDP, which rebuilds its buckets in the second step
+
+MiB = 1 << 20
+
+# ---- the traced step, repeated to the model's depth ---------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Birth:
+    region: int  #: index into the template's regions
+    slot: int  #: births before it in its region
+    size: tuple[int, int]  #: c0, c1
+    grad: int | None  #: block of the parameter whose gradient it is (-1: outside the blocks), else None
+
+
+def _regions(d: dict[str, Any], n: int) -> list[tuple[str, int, int, int]]:
+    """The template's regions in order as (kind, traced block, start, end) event indices: "pre" (embedding),
+    "F" per block's forward, "mid" (final norm, head, loss and their backward), "B" per block's backward (last
+    block first), "post" (the embedding's backward)."""
+    fs, bs, be = d["fs"], d["bs"], d["be"]
+    nb = len(fs)
+    out = [("pre", -1, 0, fs[0])]
+    for i in range(nb):
+        end = fs[i + 1] if i + 1 < nb else d["fe"][nb - 1]
+        out.append(("F", i, fs[i], end))
+    out.append(("mid", -1, d["fe"][nb - 1], bs[nb - 1]))
+    for i in range(nb - 1, -1, -1):
+        start = bs[i] if i == nb - 1 else be[i + 1]
+        out.append(("B", i, start, be[i]))
+    out.append(("post", -1, be[0], n))
+    return out
+
+
+def step_events(d: dict[str, Any], layers: int, micro_batch: int) -> list[tuple]:
+    """The traced step's events at the model's depth and ``micro_batch``: ("a", key, bytes, grad block or None),
+    ("f", key), and ("m", region kind, block) where each region begins (see _expand)."""
+    b = micro_batch
+    return [("a", e[1], max(e[2][0] + e[2][1] * b, 1), e[3]) if e[0] == "a" else e for e in _expand(d, layers)]
+
+
+#: expansions already made, by (id of the profile's events, depth): the micro-batch only scales their sizes
+_EXPANDED: dict[tuple[int, int], tuple[Any, list[tuple]]] = {}
+
+
+def _expand(d: dict[str, Any], layers: int) -> list[tuple]:
+    """The traced step at the model's depth, sizes as (c0, c1) lines in the micro-batch. A profile traced at
+    full depth is taken as it is; one traced with two alike blocks stands for L: the first block's forward (births and what becomes of them, relative to it) for blocks 0..L-2, the
+    last's for block L-1, and in backward the last block's for blocks L-1..1 and the first's for block 0. Each
+    storage dies where its own template says, relative to its block, after as many of that region's births."""
+    hit = _EXPANDED.get((id(d["events"]), layers))
+    if hit is not None and hit[0] is d["events"]:
+        return hit[1]
+    if len(_EXPANDED) > 64:
+        _EXPANDED.clear()
+    out = _expand_now(d, layers)
+    _EXPANDED[(id(d["events"]), layers)] = (d["events"], out)
+    return out
+
+
+def _expand_now(d: dict[str, Any], layers: int) -> list[tuple]:
+    events = d["events"]
+    n = len(events)
+    regions = _regions(d, n)
+    region_of = [0] * n
+    for r, (_, _, start, end) in enumerate(regions):
+        for i in range(start, min(end, n)):
+            region_of[i] = r
+    births: list[_Birth] = []
+    deaths: dict[int, tuple[int, int, int]] = {}  # sid -> (region, slot, position)
+    count = [0] * len(regions)
+    for i, e in enumerate(events):
+        r = region_of[i]
+        if isinstance(e, list):
+            births.append(_Birth(r, count[r], (e[0], e[1]), e[2] if len(e) > 2 else None))
+            count[r] += 1
+        else:
+            deaths[e] = (r, count[r], i)
+    nb = len(d["fs"])
+    expand = d.get("expand") and nb == 2 and layers > 2
+    L = layers if expand else nb
+    # full-depth regions: (kind, block, template region)
+    idx = {(k, t): r for r, (k, t, _, _) in enumerate(regions)}
+    if expand:
+        full = [("pre", -1, idx["pre", -1])]
+        full += [("F", k, idx["F", 0 if k < L - 1 else 1]) for k in range(L)]
+        full.append(("mid", -1, idx["mid", -1]))
+        full += [("B", k, idx["B", 1 if k > 0 else 0]) for k in range(L - 1, -1, -1)]
+        full.append(("post", -1, idx["post", -1]))
+    else:
+        full = [(k, t, r) for r, (k, t, _, _) in enumerate(regions)]
+    where = {(k, b): j for j, (k, b, _) in enumerate(full)}
+    tpl_block = {r: t for r, (_, t, _, _) in enumerate(regions)}
+
+    def instance(birth_block: int, birth_tpl: int, death_region: int) -> int:
+        kind, t_d = regions[death_region][0], tpl_block[death_region]
+        if kind not in ("F", "B"):
+            return where[kind, -1]
+        if not expand:
+            return where[kind, t_d]
+        if birth_block < 0:  # born outside the blocks: the first traced block is block 0, the last block L-1
+            k = 0 if t_d == 0 else L - 1
+        else:
+            k = birth_block + (t_d - birth_tpl)
+        return where[kind, min(max(k, 0), L - 1)]
+
+    # per full region: births in order, and the deaths to place before each birth slot
+    out: list[tuple] = []
+    pending: dict[int, list[tuple[int, int, tuple]]] = {}
+    by_region: dict[int, list[int]] = {}
+    for sid, b in enumerate(births):
+        by_region.setdefault(b.region, []).append(sid)
+    counter = iter(range(1 << 62))
+    for j, (kind, blk, r) in enumerate(full):
+        out.append(("m", kind, blk))  # where each region begins, for the framework's own moments
+        waiting = pending.setdefault(j, [])  # a heap of (slot, template position, key)
+        sids = by_region.get(r, [])
+        for slot in range(len(sids) + 1):
+            while waiting and waiting[0][0] <= slot:
+                out.append(("f", heapq.heappop(waiting)[2]))
+            if slot == len(sids):
+                break
+            sid = sids[slot]
+            b = births[sid]
+            key = next(counter)
+            size = b.size
+            grad = b.grad if b.grad is None or b.grad < 0 else (blk if expand else b.grad)
+            out.append(("a", key, size, grad))
+            death = deaths.get(sid)
+            if death is None:
+                continue  # lives past the step (none in a traced step but what it returns)
+            dr, dslot, pos = death
+            if expand:
+                target = instance(blk if kind in ("F", "B") else -1, tpl_block[r], dr)
+            else:
+                target = where[regions[dr][0], tpl_block[dr]]
+            if target < j or (target == j and dslot <= slot):
+                target, dslot = j, slot + 1  # never before its birth
+            heapq.heappush(pending.setdefault(target, []), (dslot, pos, key))
+        while waiting:
+            out.append(("f", heapq.heappop(waiting)[2]))
+        del pending[j]
+    return out
+
+
+# ---- the run ------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Reserved:
+    """The replay's answer for one configuration."""
+
+    peak_bytes: int  #: predicted torch.cuda.max_memory_reserved
+    allocated_bytes: int  #: the replay's allocated peak in its last (steady) step: the engine's, by another road
+    model: str  #: which framework sequence was replayed
+    #: other release orders the framework allows, name -> reserved peak (peak_bytes is the largest)
+    variants: dict
+    config: str  #: the allocator settings replayed (PYTORCH_CUDA_ALLOC_CONF), "" for the defaults
+    complete: bool = True  #: False: the replay stopped once it passed a limit (peak_bytes: at least this)
+    #: per replayed step of the largest variant: (its allocated peak, the reserved peak so far)
+    steps: tuple = ()
+
+
+class OverLimit(Exception):
+    pass
+
+
+class Run:
+    """An allocator and the live blocks of one replay."""
+
+    def __init__(self, config: AllocatorConfig) -> None:
+        self.a = Allocator(config)
+        self.live: dict[Any, Any] = {}
+        self.n = 0
+        self.anon = 0  #: keys of what the frameworks allocate (positive; a step's are negative)
+        self.a.steps = self.steps = []  # type: ignore[attr-defined]
+
+    #: set by predict: stop (raise OverLimit) once the reserved bytes pass it
+    limit: int | None = None
+
+    def alloc(self, size: int, key: Any = None, stream: int = 0) -> Any:
+        if key is None:
+            self.anon += 1
+            key = self.anon
+        a = self.a
+        before = a.reserved
+        self.live[key] = a.malloc(max(size, 1), stream)
+        if a.reserved != before and Run.limit is not None and a.reserved > Run.limit:
+            self.over()
+        return key
+
+    def over(self) -> None:
+        """Stop the replay: the reserved bytes have passed the limit."""
+        a = self.a
+        raise OverLimit(Reserved(peak_bytes=a.peak_reserved, allocated_bytes=a.peak_allocated,
+                                  model="", variants={}, config="", complete=False))
+
+    def offset(self) -> int:
+        """A base for one micro-step's integer keys (a step's storages are numbered from 0)."""
+        self.n += 1
+        return -(self.n << 40)
+
+    def end_step(self) -> None:
+        """Record the step's allocated peak and the reserved peak so far; the next step's peak starts anew."""
+        self.steps.append((self.a.peak_allocated, self.a.peak_reserved))
+        self.a.peak_allocated = self.a.allocated
+
+    def free(self, key: Any) -> None:
+        b = self.live.pop(key, None)
+        if b is not None:
+            self.a.free(b)
+
+    def empty_cache(self) -> None:
+        self.a.empty_cache()
+
+
+def bucket_assignment(sizes: list[int], limits: list[int]) -> list[list[int]]:
+    """c10d's compute_bucket_assignment_by_size (torch/csrc/distributed/c10d/reducer.cpp) for tensors of one
+    dtype and device: tensors in the given order fill a bucket until its bytes reach the current limit, which
+    then steps to the next of ``limits`` (the last one repeats). Returns the buckets as index lists."""
+    out: list[list[int]] = []
+    cur: list[int] = []
+    total = 0
+    li = 0
+    for i, n in enumerate(sizes):
+        cur.append(i)
+        total += n
+        if total >= limits[li]:
+            out.append(cur)
+            cur, total = [], 0
+            li = min(li + 1, len(limits) - 1)
+    if cur:
+        out.append(cur)
+    return out
+
+
+@dataclass(frozen=True)
+class ReplayJob:
+    """What a replay needs, per rank, from the model, the settings and the traced step."""
+
+    build: tuple[tuple[int, bool], ...]  #: bytes of each parameter as built, and whether it is a tied alias
+    numels: tuple[int, ...]  #: elements of each parameter the optimizer steps, module order
+    state_bytes: int  #: bytes per optimizer-state element
+    states_per_param: int
+    optimizer_impl: str  #: foreach | fused | single-tensor
+    input_bytes: int  #: the batch's input ids (labels are the same tensor)
+    workspace_bytes: int  #: cuBLAS workspace per handle (two handles: forward and autograd's thread)
+    #: the traced step at the job's depth (_expand: sizes as (c0, c1) lines in the micro-batch)
+    step: Any
+    #: bytes of each parameter after the model is converted to the recipe's dtype (None: kept as built)
+    converted: tuple[int, ...] | None = None
+    grad_accum: int = 1  #: micro-steps per optimizer step (the later ones add into the kept gradients)
+    micro_batch: int = 1
+
+
+def replay_job(inv: Any, s: Any, numels: list[int]) -> ReplayJob:
+    """What a replay needs from the model and the settings, ``numels`` the elements of each optimizer tensor."""
+
+    d = s.activation_profile.data
+    build = []
+    for t in inv.tensors:
+        build.append((t.numel * 4, False))  # built in fp32 (transformers' default dtype), module order
+        build.extend((t.numel * 4, True) for _ in t.tied_names)
+    # a recipe that stores bf16 parameters converts the built model (model.to(torch.bfloat16) before wrapping)
+    converted = tuple(t.numel * s.recipe.param_bytes for t in inv.tensors) if s.recipe.param_bytes != 4 else None
+    return ReplayJob(build=tuple(build), numels=tuple(numels), state_bytes=s.recipe.state_bytes, converted=converted,
+               grad_accum=s.grad_accum,
+               states_per_param=s.optimizer.states_per_param if not s.optimizer.factored else 1,
+               optimizer_impl=optimizer_impl(s), input_bytes=s.micro_batch * s.seq_len * 8,
+               workspace_bytes=s.cluster.blas_workspace_bytes,
+               step=_expand(d["alloc_events"], d["num_layers"]), micro_batch=s.micro_batch)
+
+
+def build_model(run: Run, job: ReplayJob) -> list[Any]:
+    """The model built on the device: each parameter in module order; a tied alias (transformers' lm_head built
+    with its own weight, then tied) allocated last and freed when the weights are tied; then, where the recipe
+    stores another dtype, Module._apply's conversion, parameter by parameter (the new tensor, then the old one
+    freed)."""
+    keys, aliases = [], []
+    for n, alias in job.build:
+        (aliases if alias else keys).append(run.alloc(n))
+    for k in aliases:
+        run.free(k)
+    if job.converted:
+        for i, n in enumerate(job.converted):
+            new = run.alloc(n)
+            run.free(keys[i])
+            keys[i] = new
+    return keys
+
+
+def _adam_foreach_temporaries(run: Run, sizes: list[int]) -> None:
+    """torch.optim's _multi_tensor_adam(w): ``exp_avg_sq_sqrt = torch._foreach_sqrt(device_exp_avg_sqs)`` makes
+    one state-sized tensor per parameter, freed (the list's items in reverse) when the step returns."""
+    keys = [run.alloc(n) for n in sizes]
+    for k in reversed(keys):
+        run.free(k)
+
+
+def micro_step(run: Run, job: ReplayJob, n: int, keep_grads: bool, at: Any = None, on_grad: Any = None) -> list[tuple[Any, int]]:
+    """One traced micro-step; the gradients it makes are kept (their traced death skipped) when
+    ``keep_grads``. Returns the kept gradients (key, bytes) in the order they were made."""
+    grads: list[tuple[Any, int]] = []
+    kept: set[Any] = set()
+    off = run.offset()
+    a = run.a
+    live, malloc, afree = run.live, a.malloc, a.free
+    limit = Run.limit if Run.limit is not None else 1 << 62
+    mb = job.micro_batch
+    for e in job.step:
+        kind = e[0]
+        if kind == "a":
+            key = off + e[1]
+            size = e[2][0] + e[2][1] * mb
+            live[key] = malloc(size if size > 0 else 1)
+            if a.reserved > limit:
+                run.over()
+            if e[3] is not None:
+                if on_grad is not None:
+                    on_grad(size)
+                if keep_grads:
+                    kept.add(key)
+                    grads.append((key, size))
+        elif kind == "f":
+            key = off + e[1]
+            if key not in kept:
+                b = live.pop(key, None)
+                if b is not None:
+                    afree(b)
+        elif at is not None:
+            at(e[1], e[2])
+    return grads
+
+
+def optimizer_step(run: Run, job: ReplayJob, first: bool, states: list[Any]) -> None:
+    sizes = [n * job.state_bytes for n in job.numels]
+    if first:
+        for n in sizes:  # _init_group: zeros_like per state, parameter by parameter
+            for _ in range(job.states_per_param):
+                states.append(run.alloc(n))
+    if job.optimizer_impl == "foreach":
+        _adam_foreach_temporaries(run, sizes)
+    elif job.optimizer_impl == "single-tensor":
+        # exp_avg_sq.sqrt() / bias_correction2_sqrt: two temporaries per tensor
+        for n in sizes:
+            a = run.alloc(n)
+            b = run.alloc(n)
+            run.free(a)
+            run.free(b)

@@ -21,12 +21,9 @@ from memplan.model.inventory import ParamInventory
 from memplan.settings import (  # noqa: F401  (re-exported: the library's names for the settings types)
     BLAS_HANDLES, FALLBACK_FRAGMENTATION, FALLBACK_FRAGMENTATION_PERCENT, Cluster, DeepSpeedKnobs, Overheads,
     Settings, TorchKnobs, default_blas_workspace, fallback_fragmentation, optimizer_impl, shard_group_size, with_gpus)
-from memplan.timeline import BufferTimeline, Moment, StepMoment
+from memplan.timeline import CATEGORY_KEYS, BufferTimeline, Moment, StepMoment
 from memplan.units import ceil_div
 
-
-CATEGORY_KEYS = ("weights_bytes", "master_weights_bytes", "grads_bytes", "optimizer_states_bytes",
-                 "activations_bytes", "buffers_bytes")
 
 
 @dataclass(frozen=True)
@@ -177,8 +174,7 @@ def _fixed(inv: ParamInventory, s: Settings) -> _Fixed:
     n, lay = job.n, job.lay
     a: dict[str, Any] = {"shard_group": n, "layout": st.layout}
     #: per rank, by category: what offload keeps in host memory
-    host_by = {"weights_bytes": 0, "master_weights_bytes": 0, "grads_bytes": 0, "optimizer_states_bytes": 0,
-               "buffers_bytes": 0}
+    host_by = {k: 0 for k in CATEGORY_KEYS if k != "activations_bytes"}
     weights, master, states, master_bytes = _model_states(job, fw, host_by)
     g, off = _gradients(job, fw, host_by)
     host = sum(host_by.values())
@@ -489,8 +485,7 @@ def required_bytes(inv: ParamInventory, s: Settings, micro_batches: Any,
     figure returned is then only known to be above it).
     """
     f = _fixed(inv, s)
-    base, prof, rec = f.non_activation, f.profile, s.recompute
-    o = s.overheads
+    rec, o = s.recompute, s.overheads
     fixed_over = (o.cuda_context_bytes + f.comms * o.nccl_bytes_per_communicator) if s.cluster.device == "cuda" else 0
     frag = 0
     if s.cluster.device == "cuda":
@@ -509,22 +504,14 @@ def required_bytes(inv: ParamInventory, s: Settings, micro_batches: Any,
                                             (estimate(inv, replace(s, micro_batch=b), limit)
                                              for b in micro_batches))]
             frag = fallback_fragmentation(s)
-    # a moment's activations depend only on its kind: keep the largest non-activation total per kind
-    best: dict[int, int] = {}
-    for m in f.moments:
-        if m.total > best.get(m.at, -1):
-            best[m.at] = m.total
+    # the same phases as estimate's (_phases), their total only
+    states = f.weights + f.master + f.states
     out = []
     for b in micro_batches:
-        fwd, bwd, saved, emb, block = prof.terms(rec, b)
-        vals = _kind_values_memo(f, b, saved, block, emb, fwd) if best else {}
-        # as _phases: the loss moment replaces the backward-start term where the blocks' moments are evaluated
-        start = -1 if f._blocks and Moment.LOSS_BACKWARD in vals else base[1] + bwd
-        peak = max(base[0] + fwd, start, base[2] + saved, base[3] + emb, base[4])
-        for kind, (x, gx) in vals.items():
-            peak = max(peak, best[kind] + x + gx)
+        peak = states + max(g + x + buf for g, x, buf in _phases(f, rec, b))
         out.append((peak, peak + fixed_over + peak * frag // 100))
     return out
+
 
 
 def host_fits(inv: ParamInventory, s: Settings) -> bool | None:

@@ -219,9 +219,10 @@ def estimate(
         raise typer.Exit(1)
 
 
-_CATEGORY_LABELS = (("weights_bytes", "weights"), ("master_weights_bytes", "master weights"),
-                    ("grads_bytes", "gradients"), ("optimizer_states_bytes", "optimizer states"),
-                    ("activations_bytes", "activations"), ("buffers_bytes", "buffers"))
+def _category_labels() -> tuple[tuple[str, str], ...]:
+    from memplan.timeline import CATEGORIES
+
+    return tuple(CATEGORIES.items())
 
 
 def _render_plan(rep: dict) -> None:
@@ -235,7 +236,7 @@ def _render_plan(rep: dict) -> None:
     phases = rep["phases"]
     cols = [("per GPU (GiB = 2^30 B)", "left")] + [(p["name"] + (" ◀ peak" if p["name"] == pg["peak_phase"] else ""),
                                                     "right") for p in phases]
-    rows = [[label] + [fmt_bytes(p[key]) for p in phases] for key, label in _CATEGORY_LABELS]
+    rows = [[label] + [fmt_bytes(p[key]) for p in phases] for key, label in _category_labels()]
     rows.append(["[bold]total allocated[/bold]"] + [f"[bold]{fmt_bytes(p['total_bytes'])}[/bold]" for p in phases])
     c.print(_table("Bytes per GPU by phase (worst rank); buffers = buckets, gathered params, step scratch",
                    cols, rows))

@@ -57,7 +57,7 @@ class GatherSizes:
 _cache: dict[tuple, tuple[ParamInventory, object]] = {}
 
 
-def _cached(inv: ParamInventory, key: tuple, make):
+def cached(inv: ParamInventory, key: tuple, make):
     k = (id(inv),) + key
     hit = _cache.get(k)
     if hit is not None and hit[0] is inv:
@@ -88,7 +88,7 @@ def _dim0_shard(shape: tuple[int, ...], n: int) -> int:
 
 
 def layout_sizes(inv: ParamInventory, layout: str, n: int, persistence_threshold: int = 0) -> LayoutSizes:
-    return _cached(inv, ("layout", layout, n, persistence_threshold),
+    return cached(inv, ("layout", layout, n, persistence_threshold),
                    lambda: _layout_sizes(inv, layout, n, persistence_threshold))
 
 
@@ -160,7 +160,7 @@ def optimizer_state_bytes(inv: ParamInventory, opt: Optimizer, recipe: Recipe, l
 
 
 def gather_sizes(inv: ParamInventory, layout: str, n: int) -> GatherSizes:
-    return _cached(inv, ("gather", layout, n), lambda: _gather_sizes(inv, layout, n))
+    return cached(inv, ("gather", layout, n), lambda: _gather_sizes(inv, layout, n))
 
 
 def _gather_sizes(inv: ParamInventory, layout: str, n: int) -> GatherSizes:
@@ -197,159 +197,3 @@ def _gather_sizes(inv: ParamInventory, layout: str, n: int) -> GatherSizes:
 def ceil_sum(numels: tuple[int, ...], r: int) -> int:
     return sum(ceil_div(b, r) for b in numels)
 
-
-@dataclass(frozen=True)
-class Zero3Schedule:
-    """Elements of gathered (unsharded, non-persistent) parameters during a ZeRO-3 step, by phase."""
-
-    forward: int  #: most gathered at once in forward, the coalesced all-gathers' flat buffers included
-    forward_end: int  #: gathered while the last module of forward runs (when the loss's activations peak)
-    loss: int  #: gathered when the loss backward runs (what the forward kept)
-    backward: int  #: most gathered while the last block is in backward (kept + fetched + prefetched)
-    end: int  #: most gathered in the rest of backward
-    #: most gathered while a block's module runs in backward (the head's, released after its backward, not)
-    blocks: int = 0
-
-
-def zero3_schedule(inv: ParamInventory, n: int, prefetch: int, max_live: int, max_reuse: int,
-                   threshold: int) -> Zero3Schedule:
-    return _cached(inv, ("zero3", n, prefetch, max_live, max_reuse, threshold),
-                   lambda: _zero3_schedule(inv, n, prefetch, max_live, max_reuse, threshold))
-
-
-def _zero3_schedule(inv: ParamInventory, n: int, prefetch: int, max_live: int, max_reuse: int,
-                    threshold: int) -> Zero3Schedule:
-    """Replays DeepSpeed's PartitionedParameterCoordinator (deepspeed/runtime/zero/partitioned_param_coordinator.py,
-    0.19) over the module trace of one step, once the trace is complete (every step after the first):
-
-    - the trace is the modules in execution order, forward then backward (reversed); a tied weight's second
-      module (lm_head) runs at the end of forward. Modules are the inventory's tensors grouped by owner, in
-      order.
-    - fetch_sub_module: gather the module's parameters that are not available; pop them from the parameter
-      queue; then prefetch from the queue up to min(stage3_max_live_parameters - available, prefetch bucket)
-      elements (a param popped while available is marked as used again at that later step).
-    - release_sub_module / __params_to_release: release the module's parameters except the persistent ones
-      (numel <= stage3_param_persistence_threshold), those the prefetcher saw reused later, and those used
-      again by a module within stage3_max_reuse_distance elements of traversal after this one.
-    - all_gather_coalesced (partition_parameters.py, _all_gather_dtype + AllGatherCoalescedHandle.wait) gathers
-      a group into one flat buffer, then copies each parameter out of it (torch.cat): while a group of more
-      than one parameter is waited on, its flat buffer and the copies coexist.
-    - stage3.py step() releases everything (partition_all_parameters), and reset_step() zeroes the available
-      count at the next forward.
-    """
-    import bisect
-    from collections import deque
-
-    tensors = inv.tensors
-    numel = [t.numel for t in tensors]
-    persist = [t.numel <= threshold for t in tensors]
-    modules: dict[str, list[int]] = {}
-    for i, t in enumerate(tensors):
-        modules.setdefault(t.name.rsplit(".", 1)[0], []).append(i)
-    for i, t in enumerate(tensors):
-        for alias in t.tied_names:
-            modules.setdefault("tied:" + alias.rsplit(".", 1)[0], []).append(i)
-    fwd = list(modules.values())
-    block_of = [tensors[m[0]].block for m in fwd]
-    trace = fwd + fwd[::-1]
-    nf = len(fwd)
-    prefix = [0]
-    for m in trace:
-        prefix.append(prefix[-1] + sum(numel[p] for p in m))
-    # next use of each parameter after each step
-    next_use: list[dict[int, int]] = [{} for _ in trace]
-    last: dict[int, int] = {}
-    for k in range(len(trace) - 1, -1, -1):
-        for p in trace[k]:
-            next_use[k][p] = last.get(p, 1 << 62)
-        for p in trace[k]:
-            last[p] = k
-    queue = deque((p, k) for k, m in enumerate(trace) for p in sorted(m))
-    most_recent: dict[int, int] = {}
-    avail: set[int] = set()  # AVAILABLE or INFLIGHT (what DeepSpeed counts in __n_available_params)
-    copied: set[int] = set()  # the parameter's own unsharded tensor exists
-    n_avail = 0
-    copies = 0  # elements of unsharded parameter tensors
-    flats: dict[int, int] = {}  # coalesced group -> elements of its flat all-gather buffer
-    members: dict[int, set[int]] = {}  # coalesced group -> params still in the in-flight registry
-    group_of: dict[int, int] = {}
-    waited: set[int] = set()
-    at_step: list[int] = []
-    settled: list[int] = []  # after the waits' flat buffers are freed and the prefetch is issued
-    after_release: list[int] = []
-
-    def gather(ps: list[int], gid: int) -> None:
-        # one all_gather_coalesced call: a single parameter is gathered straight into its own (padded) buffer;
-        # several go through one flat buffer that lives while any of them is still in the in-flight registry
-        nonlocal n_avail, copies
-        avail.update(ps)
-        n_avail += sum(numel[p] for p in ps)
-        if len(ps) == 1:
-            copied.add(ps[0])
-            copies += numel[ps[0]]
-            return
-        flats[gid] = sum(ceil_div(numel[p], n) for p in ps) * n
-        members[gid] = set(ps)
-        for p in ps:
-            group_of[p] = gid
-
-    for k, params in enumerate(trace):
-        to_fetch = [p for p in dict.fromkeys(params) if not persist[p] and p not in avail]
-        if to_fetch:
-            gather(to_fetch, 2 * k)
-        for p in params:  # wait: the first wait on a group copies every member out of its flat buffer
-            gid = group_of.pop(p, None)
-            if gid is None:
-                continue
-            if gid not in waited:
-                waited.add(gid)
-                fresh_copies = [q for q in members[gid] | {p} if q in avail and q not in copied]
-                copied.update(fresh_copies)
-                copies += sum(numel[q] for q in fresh_copies)
-            members[gid].discard(p)
-        peak = copies + sum(flats.values())
-        for gid in [g for g, m in members.items() if not m]:
-            del members[gid], flats[gid]
-        fresh = {p for p in params if most_recent.get(p, -1 << 62) < k}
-        for _ in range(len(fresh)):
-            if not queue:
-                break
-            p, step = queue.popleft()
-            most_recent[p] = step
-        if prefetch > 0:
-            budget = min(max_live - n_avail, prefetch)
-            picked: list[int] = []
-            got = 0
-            while queue and got < budget:
-                p, step = queue.popleft()
-                most_recent[p] = max(most_recent.get(p, -1 << 62), step)
-                if not persist[p] and p not in avail and p not in picked:
-                    picked.append(p)
-                    got += numel[p]
-            if picked:
-                gather(picked, 2 * k + 1)
-        settled.append(copies + sum(flats.values()))
-        at_step.append(max(peak, settled[-1]))
-        # release after the module ran (step_id is now k + 1)
-        end = bisect.bisect_left(prefix, prefix[k + 1] + max_reuse, lo=k + 1) if max_reuse > 0 else k + 1
-        for p in set(params):
-            if persist[p] or p not in avail or most_recent.get(p, -1 << 62) > k + 1 or next_use[k][p] < end:
-                continue
-            avail.discard(p)
-            n_avail -= numel[p]
-            if p in copied:
-                copied.discard(p)
-                copies -= numel[p]
-        after_release.append(copies + sum(flats.values()))
-
-    # the backward phase the engine names "backward" runs until the last block's modules are done
-    last_block = next((b for b in reversed(block_of) if b != ROOT_BLOCK), ROOT_BLOCK)
-    cut = max((k for k in range(nf, 2 * nf) if block_of[2 * nf - 1 - k] == last_block), default=2 * nf - 1)
-    first_block_bwd = range(nf, cut + 1)
-    rest = range(cut + 1, 2 * nf)
-    return Zero3Schedule(forward=max(at_step[:nf], default=0), forward_end=settled[nf - 1] if nf else 0,
-                         loss=max(after_release[nf - 1], at_step[nf]) if nf else 0,
-                         backward=max((at_step[k] for k in first_block_bwd), default=0),
-                         end=max((at_step[k] for k in rest), default=0),
-                         blocks=max((at_step[k] for k in range(nf, 2 * nf) if block_of[2 * nf - 1 - k] != ROOT_BLOCK),
-                                    default=0))

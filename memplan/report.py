@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from memplan.model.inventory import ParamInventory
+from memplan.timeline import CATEGORY_KEYS
 
 SCHEMA_VERSION = 1
 
@@ -44,8 +45,7 @@ def plan_report(plan: Any, sources: dict[str, str] | None = None, notes: tuple[s
         strategy["deepspeed"] = asdict(s.ds)
     else:
         strategy["torch"] = asdict(s.torch)
-    per_gpu = {k: getattr(peak, k) for k in ("weights_bytes", "master_weights_bytes", "grads_bytes",
-                                              "optimizer_states_bytes", "activations_bytes", "buffers_bytes")}
+    per_gpu = {k: getattr(peak, k) for k in CATEGORY_KEYS}
     per_gpu.update(overhead_bytes=plan.overhead_bytes, peak_bytes=plan.peak_bytes, peak_phase=peak.name,
                    reserved_peak_bytes=plan.reserved_peak_bytes, required_bytes=plan.required_bytes)
     assumptions = dict(plan.assumptions)

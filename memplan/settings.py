@@ -175,6 +175,13 @@ def shard_group_size(s: Settings) -> int:
     return c.gpus
 
 
+def reshard_after_forward(s: Settings) -> bool | int:
+    """reshard_after_forward as the job asks for it (--reshard-after-forward, else the strategy row's): what the
+    harness passes to FSDP; the buffer models read it as their FSDP version does (frameworks/fsdp1.py, fsdp2.py)."""
+    raf = s.torch.reshard_after_forward
+    return s.strategy.reshard_after_forward if raf is None else raf
+
+
 def optimizer_impl(s: Settings) -> str:
     """The optimizer implementation the job runs: the one given, else the framework's default on the device."""
     if s.optimizer_impl:

@@ -12,6 +12,13 @@ from enum import IntEnum
 from typing import Any
 
 
+#: what a rank holds, by category (the Plan's per-phase fields, the JSON's per_gpu keys), with their names
+CATEGORIES: dict[str, str] = {"weights_bytes": "weights", "master_weights_bytes": "master weights",
+                              "grads_bytes": "gradients", "optimizer_states_bytes": "optimizer states",
+                              "activations_bytes": "activations", "buffers_bytes": "buffers"}
+CATEGORY_KEYS = tuple(CATEGORIES)
+
+
 class Moment(IntEnum):
     """Where in the step a moment falls, which fixes the activations alive then (profile.moment_activations;
     without a traced timeline, the bound that contains the moment). Values are the profile's own keys."""

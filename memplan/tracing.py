@@ -39,6 +39,7 @@ from memplan import substitutes as sub
 from memplan.activations import PROFILE_VERSION
 from memplan.errors import SettingsError
 from memplan.kernels import Target
+from memplan.tracing_keys import trace_dtypes
 
 class _LiveBytes:
     """Live bytes of the storages created under the mode, op by op.
@@ -166,7 +167,7 @@ def _one_step(config: dict[str, Any], batch: int, seq: int, recipe: str, attenti
 
     from memplan.model.meta_builder import hf_config
 
-    dtype, autocast = _RECIPE_TRACE[recipe]
+    dtype, autocast = trace_dtypes(recipe)
     cfg = hf_config(config)
     impl = "eager" if attention == "eager" else "sdpa"
     import logging
@@ -556,12 +557,6 @@ def moe_experts(config: dict[str, Any]) -> int:
     return 0
 
 
-#: recipe -> (dtype the model is traced in, autocast to bf16) — what the matmuls and the residual stream see
-_RECIPE_TRACE = {"deepspeed-bf16": ("bfloat16", False), "deepspeed-fp16": ("float16", False),
-                 "fsdp-bf16": ("bfloat16", False), "pure-bf16": ("bfloat16", False),
-                 "torch-amp": ("float32", True), "fp32": ("float32", False)}
-
-
 def _envelope(lines: list[tuple[int, ...]]) -> list[list[int]]:
     """The lines (c0 + c1*b, then any payload) that are the maximum for some micro-batch b >= 1 (upper
     envelope)."""
@@ -604,7 +599,7 @@ def trace_profile(config: dict[str, Any], *, seq_len: int, recipe: str, attentio
 
     from memplan.model.scaling import scale_config
 
-    if recipe not in _RECIPE_TRACE:
+    if trace_dtypes(recipe) is None:
         raise SettingsError(f"cannot trace activations for precision {recipe}")
     target = target or K.host_target(device)
     key = next((k for k in ("num_hidden_layers", "n_layer", "num_layers") if config.get(k)), None)

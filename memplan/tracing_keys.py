@@ -8,8 +8,18 @@ _TRACED_AS = {"deepspeed-bf16": "deepspeed-bf16", "fsdp-bf16": "deepspeed-bf16",
               "deepspeed-fp16": "deepspeed-fp16", "torch-amp": "torch-amp", "fp32": "fp32"}
 
 
+#: what a traced recipe runs in: (the parameters' and inputs' dtype, under torch.autocast to bf16)
+TRACE_DTYPES = {"deepspeed-bf16": ("bfloat16", False), "deepspeed-fp16": ("float16", False),
+                "torch-amp": ("float32", True), "fp32": ("float32", False)}
+
+
 def trace_recipe(recipe: str) -> str:
     return _TRACED_AS.get(recipe, recipe)
+
+
+def trace_dtypes(recipe: str) -> tuple[str, bool] | None:
+    """(dtype, autocast) the trace of a recipe runs in; None for a recipe that cannot be traced."""
+    return TRACE_DTYPES.get(trace_recipe(recipe))
 
 
 #: F.linear's autograd in the traced step: "aten" (linear decomposes to matmul; MmBackward0 makes the weight's

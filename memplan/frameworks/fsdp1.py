@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from memplan.errors import SettingsError
 from memplan.frameworks.common import LOSS, FrameworkModel, Grads, Job
+from memplan.settings import reshard_after_forward
 from memplan.timeline import BufferMoment, BufferTimeline, Moment
 from memplan.units import ceil_div
 
@@ -37,8 +38,7 @@ def buffers(job: Job, grads: Grads) -> BufferTimeline:
     # the unsharded flat parameters are in MixedPrecision's param_dtype, as autograd's grads are
     cb = rc.grad_bytes
     moments: list[BufferMoment] = [LOSS]
-    raf = s.torch.reshard_after_forward
-    raf = st.reshard_after_forward if raf is None else raf
+    raf = reshard_after_forward(s)
     if not isinstance(raf, bool):
         raise SettingsError("FSDP1 takes reshard_after_forward true (FULL_SHARD) or false (SHARD_GRAD_OP), "
                             f"not a group size ({raf}); group sizes are FSDP2's")

@@ -7,6 +7,7 @@ from __future__ import annotations
 from memplan import layouts
 from memplan.errors import SettingsError
 from memplan.frameworks.common import LOSS, FrameworkModel, Grads, Job
+from memplan.settings import reshard_after_forward as requested_reshard_after_forward
 from memplan.timeline import BufferMoment, BufferTimeline, Moment
 from memplan.units import ceil_div
 
@@ -16,8 +17,7 @@ def reshard_after_forward(job: Job) -> bool | int:
     a group size of 1 keeps whole parameters (False), the shard group's size reshards fully (True)
     (_fsdp_init.py _get_post_forward_mesh_info)."""
     st, n = job.s.strategy, job.n
-    raf = job.s.torch.reshard_after_forward
-    raf = st.reshard_after_forward if raf is None else raf
+    raf = requested_reshard_after_forward(job.s)
     if not st.shard_params:
         return False
     if not isinstance(raf, bool):

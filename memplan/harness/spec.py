@@ -84,11 +84,10 @@ def build_spec(config: dict[str, Any], s: Settings, *, warmup_steps: int = 2, me
         raise SettingsError("the harness runs --recompute none or full (transformers has no selective recompute)")
     if warmup_steps < 1 or measured_steps < 1:
         raise SettingsError("warm-up and measured steps must be at least 1")
-    from memplan.settings import shard_group_size
+    from memplan.settings import reshard_after_forward, shard_group_size
 
     n = shard_group_size(s)
-    raf = s.torch.reshard_after_forward
-    raf = st.reshard_after_forward if raf is None else raf
+    raf = reshard_after_forward(s)
     if fw in ("fsdp2", "fsdp1") and not st.shard_params:
         n = 1  # NO_SHARD: a (world, 1) mesh, replicate only
     spec: dict[str, Any] = {

@@ -8,6 +8,7 @@ from memplan.errors import SettingsError
 from memplan.model.inventory import ParamInventory, ParamTensor, classify
 from memplan.precision import get_optimizer, get_recipe
 from memplan.strategies import DEFAULT_RECIPE, get_strategy
+from memplan.frameworks.zero3 import zero3_schedule
 from memplan.timeline import Moment
 
 M = Moment
@@ -168,18 +169,18 @@ def test_zero3_schedule_replays_the_parameter_coordinator():
     # TOY: root w0 (8 x 1024) then four blocks of one 1024 x 1024 weight each; modules run w0, L0..L3, then back
     M, r = 1024 * 1024, 8 * 1024
     # no prefetch, no reuse: one module gathered at a time
-    z = layouts.zero3_schedule(TOY, 2, 0, 10**9, 0, 0)
+    z = zero3_schedule(TOY, 2, 0, 10**9, 0, 0)
     assert (z.forward, z.forward_end, z.loss, z.backward) == (M, M, M, M)
     # no prefetch, everything reused within the distance: forward keeps all; backward frees block by block
-    z = layouts.zero3_schedule(TOY, 2, 0, 10**9, 10**9, 0)
+    z = zero3_schedule(TOY, 2, 0, 10**9, 10**9, 0)
     assert (z.forward, z.forward_end, z.loss) == (4 * M + r,) * 3 and z.end == 3 * M + r
     # one prefetch of everything at the first module: the flat all-gather buffer lives until its last member is
     # fetched, next to the copies made at the first wait; the prefetcher saw every later use, so nothing is
     # released in forward even at reuse distance 0 (partitioned_param_coordinator.py __params_to_release)
-    z = layouts.zero3_schedule(TOY, 2, 10**9, 10**9, 0, 0)
+    z = zero3_schedule(TOY, 2, 10**9, 10**9, 0, 0)
     assert z.forward == r + 4 * M + 4 * M and z.forward_end == r + 4 * M
     # persistent parameters are never gathered or released
-    z = layouts.zero3_schedule(TOY, 2, 0, 10**9, 0, r)
+    z = zero3_schedule(TOY, 2, 0, 10**9, 0, r)
     assert z.forward == M
 
 
@@ -449,7 +450,7 @@ def test_zero3_schedule_releases_the_head_before_the_blocks_backward():
     head = ParamTensor("lm_head.weight", (16, 1024), "bfloat16", "", classify("lm_head.weight"))
     inv = ParamInventory(model_name="toy", source="test", builder="test", family="llama",
                          tensors=TOY.tensors + (head,), dims=DIMS)
-    z = layouts.zero3_schedule(inv, 2, 0, 10**9, 0, 0)
+    z = zero3_schedule(inv, 2, 0, 10**9, 0, 0)
     # reuse distance 0: each module is released after it runs; the head is gathered for its backward, then
     # released before the last block's
     assert z.backward >= 16 * 1024 and z.blocks == 1024 * 1024

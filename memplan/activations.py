@@ -1,8 +1,8 @@
 """Activation bytes per rank for one micro-batch: the traced profile (default) or the analytic cross-check.
 
 Traced (``memplan.tracing``): transformers' real modeling code run under FakeTensorMode at the real size, the
-live bytes of the step followed op by op, the attention kernel substituted; cached on disk, and shipped with the
-package for the presets' default settings, so an estimate on a preset does not import torch.
+live bytes of the step followed op by op, the attention kernel substituted; cached on disk and shipped with the
+package (``memplan.profile_cache``) for the presets' default settings, so an estimate on a preset does not import torch.
 
 Analytic (``--activations analytic``, and the fallback when a model cannot be traced): the profile counts the tensors autograd saves for backward, per transformer block and per token, following
 Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models", Section 4.1 and
@@ -26,20 +26,14 @@ log-softmax kept by cross-entropy: vocab * (compute + 4 + 4) bytes; in backward 
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
 from dataclasses import dataclass, field
 from functools import lru_cache
-from pathlib import Path
-from typing import Any
 
 from memplan.errors import SettingsError
 
 RECOMPUTE = ("none", "selective", "full")
 ATTENTION = ("flash", "sdpa", "eager")
 ACTIVATION_SOURCES = ("traced", "analytic")
-PROFILE_VERSION = 15  #: bump when the traced profile's format or method changes (memplan.tracing)
 
 
 @dataclass(frozen=True)
@@ -306,119 +300,7 @@ class TracedProfile:
                 f"{d['num_layers']} blocks traced, attention {d['attention']}, seq {d['seq_len']})")
 
 
-def cache_dir() -> Path:
-    base = os.environ.get("MEMPLAN_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "memplan")
-    return Path(base) / "activations"
-
-
-def shipped_dir() -> Path:
-    return Path(__file__).resolve().parent / "presets" / "activations"
-
-
 def has_dropout(config: dict) -> bool:
     """Whether the config trains with any dropout (its names differ by family: attn_pdrop, hidden_dropout, ...)."""
     return any(("dropout" in k or "pdrop" in k) and isinstance(v, (int, float)) and not isinstance(v, bool)
                and v > 0 for k, v in config.items())
-
-
-def profile_key(config: dict, *, seq_len: int, recipe: str, attention: str, recompute: str,
-                device: str = "cuda", linear: str = "aten", target: Any = None) -> str:
-    """Cache key: the config, the sequence length, the traced dtype recipe, attention, recompute, the target
-    device's kernel class (kernels.Target.key: a GPU's SDPA dispatch class, a CPU's instruction set) and the
-    linear's autograd where it changes the bytes (tracing_keys.trace_linear; absent for aten's)."""
-    from memplan.kernels import host_target
-    from memplan.tracing_keys import trace_linear, trace_recipe
-
-    target = target or host_target(device)
-    fields = {"config": {k: v for k, v in config.items() if not k.startswith("_")}, "seq": seq_len,
-              "recipe": trace_recipe(recipe), "attention": "flash" if attention == "sdpa" else attention,
-              "recompute": recompute, "device": target.key, "v": PROFILE_VERSION}
-    linear = trace_linear(linear, device=device, recipe=recipe)
-    if linear != "aten":
-        fields["linear"] = linear
-    blob = json.dumps(fields, sort_keys=True, default=str)
-    return hashlib.sha256(blob.encode()).hexdigest()[:24]
-
-
-def load_or_trace(config: dict, *, seq_len: int, micro_batch: int, recipe: str, attention: str, recompute: str,
-                  allow_trace: bool = True, device: str = "cuda", linear: str = "aten",
-                  target: Any = None) -> TracedProfile | None:
-    """The traced profile from the shipped set, the disk cache, or a new trace (imports torch); None when
-    ``allow_trace`` is False and nothing is cached."""
-    from memplan.kernels import host_target
-
-    target = target or host_target(device)
-    key = profile_key(config, seq_len=seq_len, recipe=recipe, attention=attention, recompute=recompute,
-                      device=device, linear=linear, target=target)
-    for where, origin in ((shipped_dir(), "shipped"), (cache_dir(), "cache")):
-        try:
-            data = _read_profile(where, key)
-        except (OSError, ValueError, TypeError, EOFError):
-            continue
-        if data is not None:
-            if "alias" in data:  # the same bytes as another target's profile (tools/ship_activation_...)
-                own = {k: v for k, v in data.items() if k != "alias"}
-                base = _read_profile(where, data["alias"])
-                if base is None:
-                    continue
-                data = {**base, **own}
-            return TracedProfile(data, micro_batch, origin)
-    if not allow_trace:
-        return None
-    failed = cache_dir() / f"{key}.failed"
-    if failed.is_file():
-        # this configuration could not be traced before (same transformers, torch and memplan: the key and the
-        # versions recorded in the file); say why again instead of spending seconds failing again
-        try:
-            record = json.loads(failed.read_text())
-            if record.get("versions") == _versions():
-                raise SettingsError(record["reason"])
-        except (OSError, ValueError, KeyError):
-            pass
-    from memplan.tracing import trace_profile
-    from memplan.tracing_keys import trace_linear, trace_recipe
-
-    try:
-        data = trace_profile(config, seq_len=seq_len, recipe=trace_recipe(recipe),
-                             attention="flash" if attention == "sdpa" else attention, recompute=recompute,
-                             device=device, linear=trace_linear(linear, device=device, recipe=recipe),
-                             target=target)
-    except SettingsError as exc:
-        _write_atomic(failed, json.dumps({"reason": str(exc), "versions": _versions()}))
-        raise
-    _write_atomic(cache_dir() / f"{key}.json", json.dumps(data))
-    return TracedProfile(data, micro_batch, "traced now")
-
-
-def _read_profile(where: Path, key: str) -> dict | None:
-    """A profile stored as <key>.json, or gzip-compressed as <key>.json.gz (the shipped ones: their allocation
-    events are long); None when neither is there."""
-    path = where / f"{key}.json"
-    if path.is_file():
-        return json.loads(path.read_text())
-    path = where / f"{key}.json.gz"
-    if path.is_file():
-        import gzip
-
-        with gzip.open(path, "rt") as f:
-            return json.loads(f.read())
-    return None
-
-
-def _versions() -> dict[str, str]:
-    """What a trace's outcome depends on besides the key (only called when tracing: torch is imported then)."""
-    import torch
-    import transformers
-
-    return {"torch": torch.__version__, "transformers": transformers.__version__}
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.parent / f".{path.name}.{os.getpid()}.tmp"
-        tmp.write_text(text)
-        os.replace(tmp, path)  # atomic: never a half-written file
-    except OSError:
-        pass  # a read-only home: trace again next time

@@ -74,6 +74,7 @@ def activation_profile(config: dict[str, Any] | None, s: Settings, mode: str, no
     flash kernels keep anyway: it is traced with flash attention and no recompute.
     """
     from memplan import activations as act
+    from memplan import profile_cache
     from memplan.tracing_keys import trace_linear
 
     if mode not in ("auto",) + act.ACTIVATION_SOURCES:
@@ -97,7 +98,7 @@ def activation_profile(config: dict[str, Any] | None, s: Settings, mode: str, no
     if s.attention == "flash":
         _check_flash(config, s, target)
     try:
-        prof = act.load_or_trace(config, seq_len=s.seq_len, micro_batch=s.micro_batch, recipe=s.recipe.name,
+        prof = profile_cache.load_or_trace(config, seq_len=s.seq_len, micro_batch=s.micro_batch, recipe=s.recipe.name,
                                  attention=attention, recompute=recompute, device=s.cluster.device,
                                  linear=linear, target=target)
     except SettingsError as exc:

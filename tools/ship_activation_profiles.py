@@ -19,7 +19,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from memplan import activations as act  # noqa: E402
+from memplan import profile_cache  # noqa: E402
 from memplan.errors import MemplanError  # noqa: E402
 from memplan.kernels import Target  # noqa: E402
 from memplan.model import sources  # noqa: E402
@@ -53,11 +53,11 @@ def _same(a: dict, b: dict) -> bool:
 
 
 def main() -> None:
-    out = act.shipped_dir()
+    out = profile_cache.shipped_dir()
     out.mkdir(parents=True, exist_ok=True)
     jobs = [(name, seq, recipe, rc, lin) for name in sources.preset_names() for seq in SEQ for recipe in RECIPES
             for rc in RECOMPUTE for lin in linears(recipe)]
-    key = lambda cfg, seq, recipe, rc, lin, tg: act.profile_key(  # noqa: E731
+    key = lambda cfg, seq, recipe, rc, lin, tg: profile_cache.profile_key(  # noqa: E731
         cfg, seq_len=seq, recipe=recipe, attention="flash", recompute=rc, linear=lin, target=tg)
     wanted = {key(sources.resolve(n).config, seq, r, rc, lin, tg) for n, seq, r, rc, lin in jobs for tg in targets()}
     for old in list(out.glob("*.json")) + list(out.glob("*.json.gz")):  # earlier keys are never looked up again
@@ -71,7 +71,7 @@ def main() -> None:
             path = out / f"{k}.json"
             packed = out / f"{k}.json.gz"
             if path.exists() or packed.exists():
-                data = act._read_profile(out, k)
+                data = profile_cache._read_profile(out, k)
                 if "alias" not in data and first is None:
                     first = (k, data)
                 continue

@@ -108,7 +108,8 @@ def test_step_events_repeat_a_block_as_a_deeper_trace_has_it() -> None:
     pytest.importorskip("transformers")
     from memplan.model.scaling import scale_config
     from memplan.kernels import Target
-    from memplan.tracing import _alloc_events, _one_step
+    from memplan.tracing.segments import alloc_events
+    from memplan.tracing.step import one_step
 
     tiny = dict(LLAMA_1B, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
                 head_dim=16, vocab_size=256, max_position_embeddings=512)
@@ -116,8 +117,8 @@ def test_step_events_repeat_a_block_as_a_deeper_trace_has_it() -> None:
 
     def traced(depth: int) -> dict:
         cfg = scale_config(tiny, layers=depth)[0]
-        a, b = (_one_step(cfg, mb, 64, "torch-amp", "sdpa", "none", target) for mb in (2, 4))
-        return _alloc_events(a, b, expand=True)
+        a, b = (one_step(cfg, mb, 64, "torch-amp", "sdpa", "none", target) for mb in (2, 4))
+        return alloc_events(a, b, expand=True)
 
     two, four = traced(2), dict(traced(4), expand=False)
 

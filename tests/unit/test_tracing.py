@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from memplan import activations as act
+from memplan import profile_cache
 from memplan.model.scaling import scale_config
 from memplan.model import sources
 from memplan.kernels import Target
@@ -26,13 +27,13 @@ def per_layer(cfg: dict, seq: int, attention: str, b: int = 1) -> int:
 
 
 def test_linear_in_micro_batch_at_a_third_point():
-    from memplan.tracing import _one_step
+    from memplan.tracing.step import one_step
 
     # a GPU trace counts every storage in 512-byte blocks: exact at any micro-batch when each per-sequence tensor
     # is a multiple of 512 bytes, as at sequence 128 (at 64, an fp32 [b, s] norm statistic is not)
     cfg = tiny()
     p = trace_profile(cfg, seq_len=128, recipe="deepspeed-bf16", attention="flash", recompute="none")
-    direct = _one_step(scale_config(cfg, layers=2)[0], 3, 128, "deepspeed-bf16", "flash", "none")
+    direct = one_step(scale_config(cfg, layers=2)[0], 3, 128, "deepspeed-bf16", "flash", "none")
     c0, c1 = p["live_after_forward"]
     assert c0 + 3 * c1 == direct["live"]
 
@@ -56,11 +57,11 @@ def test_full_recompute_keeps_block_inputs_only():
 def test_profile_cache_round_trip(tmp_path, monkeypatch):
     monkeypatch.setenv("MEMPLAN_CACHE_DIR", str(tmp_path))
     cfg = tiny()
-    first = act.load_or_trace(cfg, seq_len=64, micro_batch=2, recipe="fsdp-bf16", attention="flash", recompute="none")
-    again = act.load_or_trace(cfg, seq_len=64, micro_batch=2, recipe="pure-bf16", attention="sdpa", recompute="none")
+    first = profile_cache.load_or_trace(cfg, seq_len=64, micro_batch=2, recipe="fsdp-bf16", attention="flash", recompute="none")
+    again = profile_cache.load_or_trace(cfg, seq_len=64, micro_batch=2, recipe="pure-bf16", attention="sdpa", recompute="none")
     assert first.origin == "traced now" and again.origin == "cache"  # bf16 recipes and sdpa/flash share a trace
     assert first.forward_bytes("none") == again.forward_bytes("none") > 0
-    assert act.load_or_trace(cfg, seq_len=80, micro_batch=1, recipe="fp32", attention="flash", recompute="none",
+    assert profile_cache.load_or_trace(cfg, seq_len=80, micro_batch=1, recipe="fp32", attention="flash", recompute="none",
                              allow_trace=False) is None
 
 
@@ -70,7 +71,7 @@ def test_shipped_profiles_cover_every_preset(name):
     # with and without recompute, and DeepSpeed ZeRO-3's linear where it differs on a GPU (autocast)
     for recipe, linear in (("deepspeed-bf16", "aten"), ("torch-amp", "aten"), ("torch-amp", "deepspeed-zero3")):
         for recompute in ("none", "full"):
-            p = act.load_or_trace(sources.resolve(name).config, seq_len=2048, micro_batch=1, recipe=recipe,
+            p = profile_cache.load_or_trace(sources.resolve(name).config, seq_len=2048, micro_batch=1, recipe=recipe,
                                   attention="flash", recompute=recompute, allow_trace=False, linear=linear)
             assert p is not None and p.origin == "shipped", (recipe, recompute, linear)
 
@@ -136,11 +137,12 @@ def test_mla_attention_on_cpu_is_traced_with_the_math_kernel():
 
 
 def _tied_step(hook: bool):  # noqa: ANN202
-    """gpt2's tied embedding under torch-amp, one backward: (the weight, _first_contributions' records)."""
+    """gpt2's tied embedding under torch-amp, one backward: (the weight, first_contributions' records)."""
     import torch
     import torch.nn.functional as F
 
-    from memplan.tracing import _first_contributions, _LiveBytes
+    from memplan.tracing.live import LiveBytes
+    from memplan.tracing.step import first_contributions
 
     w = torch.randn(512, 256, requires_grad=True)
     ids = torch.randint(0, 512, (4, 32))
@@ -148,7 +150,7 @@ def _tied_step(hook: bool):  # noqa: ANN202
         loss = F.linear(F.embedding(ids, w) * 2.0, w).float().sum()
     out: dict = {}
     if hook:
-        _first_contributions(loss, _LiveBytes(), out)
+        first_contributions(loss, LiveBytes(), out)
     loss.backward()
     return w, out
 
@@ -193,68 +195,68 @@ def test_gpu_dropout_keeps_a_one_byte_mask():
     gpt2, llama = sources.resolve("gpt2").config, sources.resolve("llama-7b").config
     assert act.has_dropout(gpt2) and not act.has_dropout(llama)
     key = dict(seq_len=128, recipe="torch-amp", attention="flash", recompute="none")
-    assert act.profile_key(gpt2, device="cpu", **key) != act.profile_key(gpt2, device="cuda", **key)
+    assert profile_cache.profile_key(gpt2, device="cpu", **key) != profile_cache.profile_key(gpt2, device="cuda", **key)
     # CPU traces follow the host's instruction set (kernels.Target.key): every CPU trace has its own key
-    assert act.profile_key(llama, device="cpu", **key) != act.profile_key(llama, device="cuda", **key)
+    assert profile_cache.profile_key(llama, device="cpu", **key) != profile_cache.profile_key(llama, device="cuda", **key)
 
 
 def test_block_backward_segments_follow_each_block_and_its_grads():
-    from memplan.tracing import _block_segments
+    from memplan.tracing.segments import block_segments
 
     # timeline (activations only) of a toy backward; forward ends at index 2. Head grad (block -1) born at 3,
     # block 1's grads at 5 and 6, block 0's at 9
     timeline = [0, 10, 20, 19, 18, 17, 16, 15, 14, 13, 12]
     grads = [(3, -1, 100), (5, 1, 7), (6, 1, 5), (9, 0, 11)]
-    last, first = _block_segments(timeline, grads, 2)
+    last, first = block_segments(timeline, grads, 2)
     # from after the head's grad to block 1's last grad; without hook times no grad is counted as held
     assert last == [[18, 0, 0], [17, 7, 0], [16, 12, 0]]
     assert first == [[15, 0, 0], [14, 0, 0], [13, 11, 0]]
     # each grad held from its birth until its post-accumulate hook has run (ZeRO takes it there)
     hooked = [4, 6, 8, 10]
-    last, first = _block_segments(timeline, grads, 2, None, hooked)
+    last, first = block_segments(timeline, grads, 2, None, hooked)
     assert last == [[18, 0, 0], [17, 7, 7], [16, 12, 5]]
     assert first == [[15, 0, 0], [14, 0, 0], [13, 11, 11]]
 
 
 def test_loss_segment_counts_the_roots_grads_up_to_the_last_block():
-    from memplan.tracing import _block_segments, _loss_segment
+    from memplan.tracing.segments import block_segments, loss_segment
 
     # the toy above: the loss and head's backward run from the end of forward (index 1 on) to the last block's
     # segment (index 4); the head's grad (100 elements) is born at 3, a tied weight's first contribution at 2
     timeline = [0, 10, 20, 19, 18, 17, 16, 15, 14, 13, 12]
     grads = [(3, -1, 100), (5, 1, 7), (6, 1, 5), (9, 0, 11)]
-    blocks = _block_segments(timeline, grads, 2)
-    assert _loss_segment(timeline, grads, [], 2, blocks) == [[10, 0], [20, 0], [19, 100]]
-    assert _loss_segment(timeline, grads, [(2, 50)], 2, blocks) == [[10, 0], [20, 50], [19, 150]]
+    blocks = block_segments(timeline, grads, 2)
+    assert loss_segment(timeline, grads, [], 2, blocks) == [[10, 0], [20, 0], [19, 100]]
+    assert loss_segment(timeline, grads, [(2, 50)], 2, blocks) == [[10, 0], [20, 50], [19, 150]]
 
 
 def test_a_blocks_backward_begins_when_its_outputs_gradient_is_complete():
-    from memplan.tracing import _block_segments, _loss_segment
+    from memplan.tracing.segments import block_segments, loss_segment
 
     # the toy above, with the gradient of block 1's output complete at index 5 (what ran before it, say a final
     # norm, created its weight's gradient at 3 and went on to 5): FSDP2's pre-backward and ZeRO-3's gather hook
     # that output, so block 1's segment starts there and the loss segment runs to 4
     timeline = [0, 10, 20, 19, 18, 17, 16, 15, 14, 13, 12]
     grads = [(3, -1, 100), (5, 1, 7), (6, 1, 5), (9, 0, 11)]
-    last, first = _block_segments(timeline, grads, 2, None, None, {1: 5})
+    last, first = block_segments(timeline, grads, 2, None, None, {1: 5})
     assert last == [[17, 7, 0], [16, 12, 0]]
     assert first == [[15, 0, 0], [14, 0, 0], [13, 11, 0]]
-    assert _loss_segment(timeline, grads, [], 2, [last, first], {1: 5}) == [[10, 0], [20, 0], [19, 100], [18, 100]]
+    assert loss_segment(timeline, grads, [], 2, [last, first], {1: 5}) == [[10, 0], [20, 0], [19, 100], [18, 100]]
     # a start outside [after what ran before, the block's first gradient] is ignored
-    assert _block_segments(timeline, grads, 2, None, None, {1: 7})[0] == [[18, 0, 0], [17, 7, 0], [16, 12, 0]]
+    assert block_segments(timeline, grads, 2, None, None, {1: 7})[0] == [[18, 0, 0], [17, 7, 0], [16, 12, 0]]
 
 
 def test_root_hooks_done_is_the_last_hook_outside_the_blocks_before_them():
-    from memplan.tracing import _root_hooks_done
+    from memplan.tracing.segments import root_hooks_done
 
     # the toy above with a final norm's grad (block -1) born at 4 and hooked at 5; the head's hooked at 4; a tied
     # embedding's (block -1) born at 10, after every block, is not before them
     timeline = [0, 10, 20, 19, 18, 17, 16, 15, 14, 13, 12]
     grads = [(3, -1, 100), (4, -1, 3), (5, 1, 7), (6, 1, 5), (9, 0, 11), (10, -1, 100)]
     points = [4, 5, 6, 7, 10, 10]
-    assert _root_hooks_done(timeline, grads, points, 2) == 17
-    assert _root_hooks_done(timeline, grads, points, 2, {1: 5}) == 17
-    assert _root_hooks_done(timeline, [g for g in grads if g[1] >= 0], points[2:5], 2) is None
+    assert root_hooks_done(timeline, grads, points, 2) == 17
+    assert root_hooks_done(timeline, grads, points, 2, {1: 5}) == 17
+    assert root_hooks_done(timeline, [g for g in grads if g[1] >= 0], points[2:5], 2) is None
 
 
 def test_the_last_blocks_backward_begins_after_the_final_norms_backward():
@@ -269,12 +271,12 @@ def test_the_last_blocks_backward_begins_after_the_final_norms_backward():
 
 
 def test_block_hooks_give_the_activations_at_each_parameters_hook():
-    from memplan.tracing import _block_hooks
+    from memplan.tracing.segments import block_hooks
 
     timeline = [0, 10, 20, 19, 18, 17, 16, 15, 14, 13, 12]
     grads = [(3, -1, 100), (5, 1, 7), (6, 1, 5), (9, 0, 11)]
     # hooks at 4 (the head's: not a block's), 6, 7 and 10; the last block first
-    assert _block_hooks(timeline, grads, [4, 6, 7, 10]) == [[[16, 7], [15, 5]], [[12, 11]]]
+    assert block_hooks(timeline, grads, [4, 6, 7, 10]) == [[[16, 7], [15, 5]], [[12, 11]]]
     cfg = tiny()
     p = trace_profile(cfg, seq_len=64, recipe="deepspeed-bf16", attention="flash", recompute="none")
     prof = act.TracedProfile(p, 1, "traced now")
@@ -435,7 +437,7 @@ def test_a_failed_trace_is_remembered(tmp_path, monkeypatch):
     key = dict(seq_len=64, micro_batch=1, recipe="fsdp-bf16", attention="flash", recompute="none")
     for _ in range(2):
         with pytest.raises(act.SettingsError, match="RuntimeError: no"):
-            act.load_or_trace(tiny(), **key)
+            profile_cache.load_or_trace(tiny(), **key)
     assert len(calls) == 1  # the second run read the recorded failure instead of tracing again
 
 
@@ -483,7 +485,7 @@ def test_linear_variant_keys_only_where_it_changes_bytes():
 
     cfg = tiny()
     kw = dict(seq_len=64, attention="flash", recompute="none")
-    key = lambda **k: act.profile_key(cfg, **kw, **k)  # noqa: E731
+    key = lambda **k: profile_cache.profile_key(cfg, **kw, **k)  # noqa: E731
     # on a GPU without autocast both orders hold the same bytes at every peak: the shipped profiles serve
     assert key(recipe="deepspeed-bf16", linear="deepspeed-zero3") == key(recipe="deepspeed-bf16")
     assert trace_linear("deepspeed-zero3", device="cuda", recipe="fsdp-bf16") == "aten"
@@ -504,10 +506,10 @@ def test_deepspeed_zero3_linear_allocates_as_deepspeeds_own(dtype, autocast):
     from deepspeed.runtime.zero.linear import zero3_linear_wrap
     from memplan.substitutes import deepspeed_zero3_linear as _deepspeed_zero3_linear
     from memplan.substitutes import gemm_scratch
-    from memplan.tracing import _LiveBytes, _mode
+    from memplan.tracing.live import LiveBytes, dispatch_mode
 
     def run(fn):  # noqa: ANN001, ANN202
-        live, saved = _LiveBytes(), []
+        live, saved = LiveBytes(), []
         torch.manual_seed(0)
         w = torch.randn(512, 256, dtype=getattr(torch, dtype), requires_grad=True)
         x0 = torch.randn(4, 64, 256, dtype=getattr(torch, dtype), requires_grad=True)
@@ -516,7 +518,7 @@ def test_deepspeed_zero3_linear_allocates_as_deepspeeds_own(dtype, autocast):
             saved.append((t.dtype, tuple(t.shape)))
             return t
 
-        with _mode(live, gemm_scratch("avx512")):  # the rule these figures were measured with
+        with dispatch_mode(live, gemm_scratch("avx512")):  # the rule these figures were measured with
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
                     y = fn(x0 * 1.0, w, None)

@@ -1,0 +1,170 @@
+"""The activation profile: a config traced at two depths and two micro-batches, each timeline point a line
+c0 + c1*b in the micro-batch, the upper envelopes kept."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from memplan import kernels as K
+from memplan.errors import SettingsError
+from memplan.kernels import Target
+from memplan.tracing.segments import alloc_events
+from memplan.tracing.step import one_step
+from memplan.tracing_keys import PROFILE_VERSION, trace_dtypes
+
+
+def _envelope(lines: list[tuple[int, ...]]) -> list[list[int]]:
+    """The lines (c0 + c1*b, then any payload) that are the maximum for some micro-batch b >= 1 (upper
+    envelope)."""
+    best: dict[int, tuple[int, ...]] = {}
+    for line in lines:
+        c0, c1 = line[0], line[1]
+        if c1 not in best or best[c1][0] < c0:
+            best[c1] = tuple(line)
+    keep: list[tuple[int, ...]] = []
+    for c1 in sorted(best):  # by slope
+        line = best[c1]
+        # drop lines below this one for every b >= 1 (smaller slope and smaller value at b=1)
+        while keep and keep[-1][0] + keep[-1][1] <= line[0] + line[1]:
+            keep.pop()
+        keep.append(line)
+    return [list(x) for x in keep]
+
+
+#: the gradient widths (bytes per element) a strategy may keep a block's unsharded gradients in
+GRAD_WIDTHS = (2, 4)
+
+
+_HETEROGENEOUS_KEYS = ("first_k_dense_replace", "layer_types", "mlp_only_layers", "decoder_sparse_step",
+                       "moe_layer_freq", "sliding_window_pattern")
+
+
+def trace_profile(config: dict[str, Any], *, seq_len: int, recipe: str, attention: str,
+                  recompute: str, device: str = "cuda", linear: str = "aten",
+                  target: Target | None = None) -> dict[str, Any]:
+    """The activation profile of one micro-step at ``seq_len``, as lines c0 + c1*b in the micro-batch b.
+
+    Traced with 1 and 2 blocks (all blocks alike) or at full depth (blocks that differ: dense then MoE,
+    sliding then global attention), each for b = 2 and b = 4 (b = 1 takes shortcuts such as squeezes, so its
+    timeline has other operations). Every timeline point is a line in b; what does not scale with the batch
+    (autocast's weight copies, a tied embedding's partial gradient) lands in c0. A model of L blocks adds
+    (L - traced) x the per-block bytes to every peak: exact when the peak falls while every block's activations
+    are alive (forward end, loss, early backward), an upper bound when it falls late in backward.
+    """
+    import transformers
+
+    from memplan.model.scaling import scale_config
+
+    if trace_dtypes(recipe) is None:
+        raise SettingsError(f"cannot trace activations for precision {recipe}")
+    target = target or K.host_target(device)
+    key = next((k for k in ("num_hidden_layers", "n_layer", "num_layers") if config.get(k)), None)
+    if key is None:
+        raise SettingsError("the config has no layer count; use --activations analytic")
+    layers = int(config[key])
+    # blocks that differ are traced at full depth; a one-block model too (there is no second depth to subtract)
+    heterogeneous = layers < 2 or any(config.get(k) for k in _HETEROGENEOUS_KEYS)
+
+    def run(depth: int | None) -> tuple[dict[str, Any], dict[str, Any]]:
+        cfg = scale_config(config, layers=depth)[0] if depth else config
+        a = one_step(cfg, 2, seq_len, recipe, attention, recompute, target, linear)
+        b = one_step(cfg, 4, seq_len, recipe, attention, recompute, target, linear)
+        if len(a["forward"]) != len(b["forward"]) or len(a["backward"]) != len(b["backward"]):
+            raise SettingsError("the traced step runs different operations at micro-batch 2 and 4; "
+                                "use --activations analytic")
+        return a, b
+
+    try:
+        if heterogeneous:
+            top = run(None)
+            low = None
+        else:
+            low, top = run(1), run(2)
+    except SettingsError:
+        raise
+    except Exception as exc:
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        raise SettingsError(f"tracing activations failed ({type(exc).__name__}: {first[:200]}); "
+                            "use --activations analytic") from None
+
+    def line(a: int, b: int) -> list[int]:
+        slope = (b - a) // 2
+        if slope * 2 != b - a:
+            raise SettingsError("traced activation bytes are not linear in the micro-batch; "
+                                "use --activations analytic")
+        return [a - 2 * slope, slope]
+
+    def envelope(key: str) -> list[list[int]]:
+        return _envelope([tuple(line(a, b)) for a, b in zip(top[0][key], top[1][key])])  # type: ignore[misc]
+
+    live = line(top[0]["live"], top[1]["live"])
+    per_layer = [0, 0] if low is None else [x - y for x, y in zip(live, line(low[0]["live"], low[1]["live"]))]
+
+    def block_backward(seg_a: list[list[int]], seg_b: list[list[int]]) -> dict[str, Any]:
+        """One block's backward: per gradient width w, the envelope of [c0, c1, g] where activations are
+        c0 + c1*b and the block's gradients so far g elements, ranked by c0 + c1*b + w*g."""
+        if len(seg_a) != len(seg_b) or any(x[1] != y[1] for x, y in zip(seg_a, seg_b)):
+            raise SettingsError("the traced backward runs different operations at micro-batch 2 and 4; "
+                                "use --activations analytic")
+        pts = [line(x[0], y[0]) + [x[1]] for x, y in zip(seg_a, seg_b)]
+        # activations when the block's backward begins and when it ends (its input's gradient complete)
+        out: dict[str, Any] = {"start": pts[0][:2], "end": pts[-1][:2]}
+        for w in GRAD_WIDTHS:
+            env = _envelope([(c0 + w * g, c1, c0, g) for c0, c1, g in pts])
+            out[str(w)] = [[c0, c1, g] for _, c1, c0, g in env]
+        if all(len(x) > 2 for x in seg_a):
+            # the same with only the gradients whose hook has not run yet ("held2", "held4": ZeRO takes each
+            # gradient in its hook)
+            held = [p[:2] + [x[2]] for p, x in zip(pts, seg_a)]
+            for w in GRAD_WIDTHS:
+                env = _envelope([(c0 + w * g, c1, c0, g) for c0, c1, g in held])
+                out[f"held{w}"] = [[c0, c1, g] for _, c1, c0, g in env]
+        return out
+
+    segs = [(x, y) for x, y in zip(top[0]["blocks"], top[1]["blocks"])]
+    blocks = [block_backward(x, y) for x, y in segs[:2]]
+    first = block_backward(*segs[-1]) if segs else None
+    loss_bwd = block_backward(top[0]["loss_backward"], top[1]["loss_backward"])
+
+    def hooks(a: list[list[int]], b: list[list[int]]) -> list[list[int]]:
+        if len(a) != len(b) or any(x[1] != y[1] for x, y in zip(a, b)):
+            raise SettingsError("the traced backward runs different operations at micro-batch 2 and 4; "
+                                "use --activations analytic")
+        return [line(x[0], y[0]) + [x[1]] for x, y in zip(a, b)]
+
+    hk = [hooks(x, y) for x, y in zip(top[0]["hooks"], top[1]["hooks"])]
+    for blk, h in zip(blocks, hk[:2]):
+        blk["hooks"] = h
+    if first is not None and hk:
+        first["hooks"] = hk[-1]
+    return {
+        "version": PROFILE_VERSION,
+        "seq_len": seq_len, "recipe": recipe, "attention": attention, "recompute": recompute, "device": device,
+        "target": target.key,
+        "num_layers": layers, "traced_layers": layers if heterogeneous else 2,
+        "live_after_forward": live,  #: at the traced depth
+        "per_layer": per_layer,  #: one more block (zero when traced at full depth)
+        "saved_for_backward": line(top[0]["saved"], top[1]["saved"]),
+        "forward_peak": envelope("forward"),
+        "backward_peak": envelope("backward"),
+        #: the last and the one-before-last block's backward with their own gradients (see _block_segments)
+        "block_backward": blocks,
+        #: the first block's backward (the last to run), with no block below it
+        "first_block_backward": first,
+        #: the loss's and the head's backward with the gradients of the parameters outside the blocks (see
+        #: _loss_segment), every block's saved activations below it
+        "loss_backward": loss_bwd,
+        #: live bytes at the last hook of a parameter outside the blocks before them (see _root_hooks_done)
+        "root_hooks_done": (line(top[0]["root_hooks_done"], top[1]["root_hooks_done"])
+                            if top[0]["root_hooks_done"] is not None and top[1]["root_hooks_done"] is not None
+                            else None),
+        #: live bytes when the last block's forward begins (everything before it saved, nothing of the loss)
+        "last_block_forward_start": line(top[0]["last_block_forward_start"], top[1]["last_block_forward_start"]),
+        #: the most live during the last block's forward (its own activations and temporaries)
+        "last_block_forward_peak": envelope("last_block_forward") if top[0]["last_block_forward"] else [[0, 0]],
+        #: the SDPA kernels the step ran ("fused", "math") and why the math one
+        "attention_kernels": top[0]["attention_kernels"],
+        #: the step's storages in order, for the caching allocator (see _alloc_events; None: not linear in b)
+        "alloc_events": alloc_events(*top, expand=not heterogeneous),
+        "transformers": transformers.__version__,
+    }

@@ -1,0 +1,118 @@
+"""The live bytes of a traced step, op by op: every storage the step creates, until it dies."""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+
+class LiveBytes:
+    """Live bytes of the storages created under the mode, op by op.
+
+    Parameter gradients are not activations: when a storage turns out to be a parameter's .grad (seen in the
+    post-accumulate hook), its bytes are taken out of the timeline from its creation on.
+    """
+
+    def __init__(self, block: int = 1) -> None:
+        #: the allocator's granularity: a storage of n bytes holds round_up(n, block) (CUDA: 512)
+        self.block = block
+        self.live = 0
+        self._refs: dict[int, Any] = {}
+        self._born: dict[int, int] = {}
+        self.timeline: list[int] = [0]
+        self._corrections: list[tuple[int, int, int]] = []  # (from index, to index, bytes)
+        #: the step as the caching allocator sees it: a birth is [bytes] (the storage's id is the number of births
+        #: before it), a death the dead storage's id; mark_grad appends the block to a gradient's birth
+        self.events: list[Any] = []
+        self._births_list: list[list[int]] = []
+        self._sid: dict[int, int] = {}
+
+    def track(self, t: Any) -> None:
+        st = t.untyped_storage()
+        key = id(st)
+        if key in self._refs:
+            return
+        n = self.nbytes(st)
+        sid = len(self._births_list)
+        self._sid[key] = sid
+        self._births_list.append([n])
+        self.events.append(self._births_list[-1])
+
+        def gone(_ref: Any, key: int = key, n: int = n, sid: int = sid) -> None:
+            self._refs.pop(key, None)
+            self._born.pop(key, None)
+            self._sid.pop(key, None)
+            self.events.append(sid)
+            self.live -= n
+
+        self._refs[key] = weakref.ref(st, gone)
+        self._born[key] = len(self.timeline)
+        self.live += n
+
+    def nbytes(self, st: Any) -> int:
+        """What the allocator counts for an untyped storage."""
+        n = st.nbytes()
+        return -(-n // self.block) * self.block
+
+    def ignore(self, t: Any) -> None:
+        """A storage that existed before the step (parameters, buffers): views of it are not new bytes."""
+        self._refs[id(t.untyped_storage())] = None
+
+    def tick(self) -> None:
+        self.timeline.append(self.live)
+
+    def not_activation(self, t: Any) -> int | None:
+        """``t`` is a parameter gradient: remove it from the timeline since it was created; returns the timeline
+        index at which it was created (None if it was not created under the mode)."""
+        st = t.untyped_storage()
+        born = self._born.get(id(st))
+        if born is not None:
+            self._corrections.append((born, len(self.timeline) + 1, self.nbytes(st)))
+            self._born.pop(id(st), None)
+        return born
+
+    def mark_grad(self, t: Any, block: int) -> None:
+        """``t`` is the gradient of a parameter of ``block`` (-1: outside the blocks): its birth says so."""
+        sid = self._sid.get(id(t.untyped_storage()))
+        if sid is not None and len(self._births_list[sid]) == 1:
+            self._births_list[sid].append(block)
+
+    def not_activation_between(self, start: int, end: int, nbytes: int) -> None:
+        """Bytes that were a gradient, not an activation, from timeline index ``start`` to ``end``."""
+        self._corrections.append((start, end, nbytes))
+
+    def corrected(self) -> list[int]:
+        diff = [0] * (len(self.timeline) + 2)
+        for a, b, n in self._corrections:
+            diff[a] -= n
+            diff[min(b, len(self.timeline))] += n
+        out, run = [], 0
+        for i, v in enumerate(self.timeline):
+            run += diff[i]
+            out.append(v + run)
+        return out
+
+
+def dispatch_mode(live: LiveBytes, scratch: Any = None) -> Any:
+    """Follows every storage created under it; ``scratch(func, args, out)`` adds an op's own temporary bytes
+    (allocated and freed inside the kernel) as one extra point of the timeline after the op."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    class Mode(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+            out = func(*args, **(kwargs or {}))
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    live.track(t)
+            if scratch is not None:
+                extra = scratch(func, args, out)
+                if extra:
+                    live.live += extra
+                    live.tick()
+                    live.live -= extra
+            live.tick()
+            return out
+
+    return Mode()

@@ -1,0 +1,314 @@
+"""One traced training micro-step of transformers' model on fake CPU tensors, with the target device's kernels
+(memplan/substitutes.py), its live-bytes timeline and the moments the strategies act at."""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+from memplan import kernels as K
+from memplan import substitutes as sub
+from memplan.kernels import Target
+from memplan.tracing.live import LiveBytes, dispatch_mode
+from memplan.tracing.segments import block_hooks, block_segments, loss_segment, root_hooks_done
+from memplan.tracing_keys import trace_dtypes
+
+
+@contextlib.contextmanager
+def _substitutions(config: dict[str, Any], dtype: str, attention: str, target: Target, linear: str,
+                   kernels: dict[str, str]) -> Iterator[None]:
+    """What runs in place of the fake CPU tensors' kernels for the target (memplan/substitutes.py), installed
+    for the step and restored after it."""
+    import logging
+
+    import torch.nn.functional as F
+    import transformers
+    import transformers.masking_utils as mu
+
+    real_sdpa, real_dropout, real_linear = F.scaled_dot_product_attention, F.dropout, F.linear
+    # fake-tensor kernels that refuse an input log a traceback before raising; the raise is what we report
+    fake_log = logging.getLogger("torch._subclasses.fake_tensor")
+    fake_level, tf_level = fake_log.level, transformers.logging.get_verbosity()
+    fake_log.setLevel(logging.CRITICAL)
+    transformers.logging.set_verbosity_error()
+    # packed-sequence detection reads values (.item()), which fake tensors do not have: one unpacked sequence
+    real_packed = getattr(mu, "find_packed_sequence_indices", None)
+    # MoE experts run through grouped_mm. Its fake (meta) kernel takes bf16 only
+    # (torch/_meta_registrations.py _meta_grouped_mm_common), while the real kernels also run fp32 weights
+    # (torch-amp, fp32 recipes) through a fallback; for those the trace takes transformers' own fallback op
+    # (transformers::grouped_mm_fallback), which saves the same two tensors for backward (input, weight).
+    moe = None
+    if dtype == "float32" and moe_experts(config):
+        import transformers.integrations.moe as moe
+    real_can_grouped = getattr(moe, "_can_use_grouped_mm", None)
+    try:
+        if real_can_grouped is not None:
+            moe._can_use_grouped_mm = lambda *a, **k: False
+        if attention in ("flash", "sdpa"):
+            F.scaled_dot_product_attention = sub.sdpa(real_sdpa, target, kernels)
+        if target.device == "cuda":
+            F.dropout = sub.cuda_dropout()
+        if linear == "deepspeed-zero3":
+            F.linear = sub.deepspeed_zero3_linear("cpu")  # the traced tensors are (fake) CPU tensors
+        if real_packed is not None:
+            mu.find_packed_sequence_indices = lambda position_ids: None
+        yield
+    finally:
+        fake_log.setLevel(fake_level)
+        transformers.logging.set_verbosity(tf_level)
+        F.scaled_dot_product_attention, F.dropout, F.linear = real_sdpa, real_dropout, real_linear
+        if real_packed is not None:
+            mu.find_packed_sequence_indices = real_packed
+        if real_can_grouped is not None:
+            moe._can_use_grouped_mm = real_can_grouped
+
+
+class _BlockMoments:
+    """When each block's forward and backward begin and end, as timeline indices (and event indices, for the
+    allocator replay): the moments FSDP and ZeRO-3 gather, reshard and reduce at."""
+
+    def __init__(self, live: LiveBytes) -> None:
+        self.live = live
+        #: live bytes and timeline index when each block's forward begins, and the index when it ends (its
+        #: first call: not a recomputation in backward)
+        self.forward_starts: dict[int, tuple[int, int]] = {}
+        self.forward_ends: dict[int, int] = {}
+        #: timeline index at which the gradient of each block's input is complete: the block's backward is
+        #: over (all its nodes ran and released what they saved). FSDP's post-backward hook (reduce) fires
+        #: then: FSDP2 applies RegisterPostBackwardFunction to the block's inputs
+        #: (torch/distributed/fsdp/_fully_shard/_fsdp_state.py _pre_forward), FSDP1 hooks the same moment.
+        self.backward_ends: dict[int, int] = {}
+        #: timeline index at which the gradient of each block's output is complete: its backward begins.
+        #: FSDP2's pre-backward (unshard) is a hook on the block's outputs (_fsdp_state.py
+        #: _register_pre_backward_hook: t.register_hook(self._pre_backward)); DeepSpeed ZeRO-3 gathers at the
+        #: same moment (PreBackwardFunctionForModule applied to the outputs). For the last block that is after
+        #: the final norm's whole backward, not at its weight's gradient.
+        self.backward_starts: dict[int, int] = {}
+        #: the same moments as indices into live.events (fs, fe: forward start, end; bs, be: backward)
+        self.regions: dict[str, Any] = {"fs": {}, "fe": {}, "bs": {}, "be": {}}
+
+    def _at_grad(self, x: Any, i: int, timeline: dict[int, int], region: str) -> None:
+        import torch
+
+        if isinstance(x, torch.Tensor) and x.requires_grad:
+            def hook(_grad: Any) -> None:
+                self.live.tick()
+                timeline.setdefault(i, len(self.live.timeline) - 1)
+                self.regions[region].setdefault(i, len(self.live.events))
+            x.register_hook(hook)
+
+    def note_start(self, i: int) -> Any:
+        def hook(_mod: Any, args: Any, kwargs: Any) -> None:
+            if i in self.forward_starts:
+                return  # a recomputation in backward
+            self.forward_starts[i] = (self.live.live, len(self.live.timeline))
+            self.regions["fs"][i] = len(self.live.events)
+            self._at_grad(args[0] if args else kwargs.get("hidden_states"), i, self.backward_ends, "be")
+        return hook
+
+    def note_end(self, i: int) -> Any:
+        def hook(_mod: Any, _args: Any, out: Any) -> None:
+            if i in self.forward_ends:
+                return  # a recomputation in backward
+            self.forward_ends[i] = len(self.live.timeline)
+            self.regions["fe"][i] = len(self.live.events)
+            y = out[0] if isinstance(out, (tuple, list)) and out else out
+            self._at_grad(y, i, self.backward_starts, "bs")
+        return hook
+
+    def install(self, blocks: list[Any]) -> None:
+        for i, blk in enumerate(blocks):
+            blk.register_forward_pre_hook(self.note_start(i), with_kwargs=True)
+            blk.register_forward_hook(self.note_end(i))
+
+
+class _GradientHooks:
+    """Each parameter's gradient, taken out of the activations when it is accumulated (the strategy accounts for
+    gradients), with where it was made and where its hook ran."""
+
+    def __init__(self, live: LiveBytes, block_of: dict[int, int]) -> None:
+        self.live, self.block_of = live, block_of
+        #: (timeline index at which the gradient was created, block index or -1, numel), per parameter
+        self.grads: list[tuple[int, int, int]] = []
+        #: per entry of grads: the timeline index from which its post-accumulate hook has run (a strategy
+        #: that takes each gradient in that hook, as ZeRO does, holds it only until then)
+        self.hooked: list[int] = []
+        #: per entry of grads: the timeline index of its hook's own moment
+        self.hook_points: list[int] = []
+        #: per parameter used more than once (a tied embedding): its first gradient contribution (see
+        #: first_contributions)
+        self.first_contrib: dict[int, list[Any]] = {}
+        self.root_firsts: list[tuple[int, int]] = []
+
+    def drop(self, p: Any) -> None:
+        live = self.live
+        # the hook's own moment (a strategy's hook works here: ZeRO reduces, DeepSpeed's offload takes the
+        # norm): activations then, the gradient itself taken out below
+        live.tick()
+        hook_at = len(live.timeline) - 1
+        first = self.first_contrib.get(id(p))
+        if first is not None and first[0] is not None and first[0]() is not p.grad.untyped_storage():
+            # gradient bytes from the head's backward on, not activations (in place or not, see above)
+            live.not_activation_between(first[1], first[2] if first[2] is not None else len(live.timeline),
+                                        first[3])
+        if first is not None and first[1] is not None:
+            # the loss segment counts a tied weight's gradient from its first contribution on
+            self.root_firsts.append((first[1], p.grad.numel()))
+        live.mark_grad(p.grad, self.block_of.get(id(p), -1))
+        born = live.not_activation(p.grad)
+        if born is not None:
+            self.grads.append((born, self.block_of.get(id(p), -1), p.grad.numel()))
+            self.hooked.append(len(live.timeline) + 1)
+            self.hook_points.append(hook_at)
+        p.grad = None
+
+
+def one_step(config: dict[str, Any], batch: int, seq: int, recipe: str, attention: str,
+             recompute: str, target: Target | None = None, linear: str = "aten") -> dict[str, Any]:
+    """Trace one micro-step of ``batch`` sequences of ``seq`` tokens for ``target``: the live-bytes timeline, op by
+    op (memplan/substitutes.py: what runs in place of the fake CPU tensors' kernels)."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from transformers import AutoModelForCausalLM
+
+    from memplan.model.meta_builder import hf_config
+
+    dtype, autocast = trace_dtypes(recipe)
+    target = target or Target(device="cuda")
+    cuda = target.device == "cuda"
+    kernels: dict[str, str] = {}
+    # a GPU job's autocast is CUDA's (substitutes.CudaAutocast), on the CPU tensors the trace runs
+    policy = sub.CudaAutocast("bfloat16") if cuda and autocast else contextlib.nullcontext()
+    with _substitutions(config, dtype, attention, target, linear, kernels), \
+            FakeTensorMode(allow_non_fake_inputs=True), policy:
+        model = AutoModelForCausalLM.from_config(hf_config(config), dtype=getattr(torch, dtype),
+                                                 attn_implementation="eager" if attention == "eager" else "sdpa")
+        if recompute == "full":
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+        params = list(model.parameters())
+        live = LiveBytes(K.CUDA_BLOCK if cuda else 1)
+        for t in params + list(model.buffers()):
+            live.ignore(t)
+        param_storages = {id(p.untyped_storage()) for p in params}
+        block_of, block_list = block_index(model)
+        moments = _BlockMoments(live)
+        moments.install(block_list)
+        hooks = _GradientHooks(live, block_of)
+        for p in params:
+            p.register_post_accumulate_grad_hook(hooks.drop)
+        saved: dict[int, int] = {}
+
+        def pack(t: Any) -> Any:
+            st = t.untyped_storage()
+            if id(st) not in param_storages:
+                saved.setdefault(id(st), live.nbytes(st))
+            return t
+
+        ids = torch.zeros(batch, seq, dtype=torch.long)
+        with dispatch_mode(live, None if cuda else sub.gemm_scratch(target.cpu_isa, target.cpu_threads)):
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                    loss = model(input_ids=ids, labels=ids).loss
+            live.tick()
+            forward_end = len(live.timeline)
+            moments.regions["forward_end"] = len(live.events)
+            after_forward = live.live
+            first_contributions(loss, live, hooks.first_contrib)
+            loss.backward()
+            live.tick()
+            del loss
+    return _result(live, moments, hooks, kernels, sum(saved.values()), after_forward, forward_end,
+                   len(block_list))
+
+
+def _result(live: LiveBytes, m: _BlockMoments, h: _GradientHooks, kernels: dict[str, str], saved: int,
+            after_forward: int, forward_end: int, nblocks: int) -> dict[str, Any]:
+    """The traced step read at its moments (memplan/tracing/segments.py)."""
+    timeline = live.corrected()
+    blocks = block_segments(timeline, h.grads, forward_end, m.backward_ends, h.hooked, m.backward_starts)
+    last_start = m.forward_starts.get(nblocks - 1, (0, 0))
+    return {"saved": saved, "live": after_forward, "forward": timeline[:forward_end],
+            "backward": timeline[forward_end - 1:],
+            "blocks": blocks,
+            "hooks": block_hooks(timeline, h.grads, h.hook_points),
+            "root_hooks_done": root_hooks_done(timeline, h.grads, h.hook_points, forward_end, m.backward_starts),
+            "loss_backward": loss_segment(timeline, h.grads, h.root_firsts, forward_end, blocks, m.backward_starts),
+            "attention_kernels": kernels,
+            "events": live.events, "regions": m.regions,
+            "last_block_forward_start": last_start[0],
+            "last_block_forward": timeline[last_start[1]:m.forward_ends.get(nblocks - 1, 0) + 1]}
+
+
+def block_index(model: Any) -> tuple[dict[int, int], list[Any]]:
+    """id(parameter) -> index of the decoder block that owns it (the longest ModuleList of the model: the unit
+    FSDP and DeepSpeed wrap; parameters outside it are not in the map), and the blocks."""
+    import torch
+
+    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]
+    if not lists:
+        return {}, []
+    blocks = max(lists, key=len)
+    return {id(p): i for i, blk in enumerate(blocks) for p in blk.parameters()}, list(blocks)
+
+
+def first_contributions(loss: Any, live: LiveBytes, out: dict[int, list[Any]]) -> None:
+    """Hooks the first gradient contribution to each parameter the graph reaches more than once (a tied
+    embedding: the head's matmul, then the embedding). Its bytes are gradient bytes from the head's backward to
+    the end, which the strategy accounts for (the head's grads), not activations. The real engine adds the later
+    contributions into the first in place where it can steal the buffer (torch/csrc/autograd/input_buffer.cpp,
+    accumulate), so the first contribution becomes the gradient: gpt2 under torch-amp, where the profiler shows
+    the embedding's 2 MB contribution freed right after its add and no new storage; where it cannot (measured
+    with a bf16 weight, or an fp32 weight without autocast) it adds out of place at the end, and the first
+    contribution lives until then. A fake-tensor run always adds out of place (a tensor subclass is never
+    stolen), which would leave the first contribution in the timeline as an activation until the end.
+    ``out[id(param)]`` = [storage weakref, birth, death, bytes, data_ptr (real tensors only)]."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    incoming: dict[Any, list[tuple[Any, int]]] = {}
+    seen: set[Any] = set()
+    stack = [loss.grad_fn]
+    while stack:
+        fn = stack.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        for i, (nxt, _) in enumerate(fn.next_functions):
+            if nxt is None:
+                continue
+            if hasattr(nxt, "variable"):  # AccumulateGrad: a leaf
+                incoming.setdefault(nxt, []).append((fn, i))
+            else:
+                stack.append(nxt)
+    for acc, edges in incoming.items():
+        if len(edges) < 2:
+            continue
+        key = id(acc.variable)
+
+        def hook(grad_inputs: Any, _grad_outputs: Any, pos: int = 0, key: int = key) -> None:
+            g = grad_inputs[pos]
+            if g is None or key in out:
+                return
+            st = g.untyped_storage()
+            rec = [None, live._born.get(id(st), len(live.timeline)), None, live.nbytes(st),
+                   None if isinstance(g, FakeTensor) else g.data_ptr()]
+
+            def died(_ref: Any, rec: list[Any] = rec) -> None:
+                rec[2] = len(live.timeline)
+
+            rec[0] = weakref.ref(st, died)
+            out[key] = rec
+
+        for fn, i in edges:
+            fn.register_hook(lambda gi, go, i=i, h=hook: h(gi, go, pos=i))
+
+
+def moe_experts(config: dict[str, Any]) -> int:
+    """The number of routed experts a config declares (0 for a dense model)."""
+    for k in ("num_local_experts", "n_routed_experts", "num_experts"):
+        v = config.get(k)
+        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+            return v
+    return 0

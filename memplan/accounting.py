@@ -11,7 +11,7 @@ Layout-dependent sizes (shard numel per rank, gathered block sizes) are computed
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 from memplan import activations as act
@@ -21,82 +21,9 @@ from memplan.model.inventory import ParamInventory
 from memplan.settings import (  # noqa: F401  (re-exported: the library's names for the settings types)
     BLAS_HANDLES, FALLBACK_FRAGMENTATION, FALLBACK_FRAGMENTATION_PERCENT, Cluster, DeepSpeedKnobs, Overheads,
     Settings, TorchKnobs, default_blas_workspace, fallback_fragmentation, optimizer_impl, shard_group_size, with_gpus)
+from memplan.moments import Fixed, moments_at, phases
+from memplan.plan import PHASE_NAMES, EvaluatedMoment, Phase, Plan, StepTimeline  # noqa: F401  (the API)
 from memplan.timeline import CATEGORY_KEYS, BufferTimeline, Moment, StepMoment
-from memplan.units import ceil_div
-
-
-
-@dataclass(frozen=True)
-class Phase:
-    name: str
-    weights_bytes: int
-    master_weights_bytes: int
-    grads_bytes: int
-    optimizer_states_bytes: int
-    activations_bytes: int
-    buffers_bytes: int
-
-    @property
-    def total_bytes(self) -> int:
-        return (self.weights_bytes + self.master_weights_bytes + self.grads_bytes + self.optimizer_states_bytes
-                + self.activations_bytes + self.buffers_bytes)
-
-
-@dataclass(frozen=True)
-class Plan:
-    """The per-GPU prediction for one configuration (worst rank)."""
-
-    settings: Settings
-    inventory: ParamInventory
-    phases: tuple[Phase, ...]
-    peak: Phase
-    overhead_bytes: int
-    overhead_detail: dict[str, int]
-    host_bytes_per_node: int
-    shard_group: int
-    #: bytes held between steps (model states, grads kept across steps, buffers allocated at setup)
-    between_steps_bytes: int
-    assumptions: dict[str, Any]
-    #: per rank, by category: what offload keeps in host memory (sums to host_bytes_per_node / ranks per node)
-    host_detail: dict[str, int] = field(default_factory=dict)
-    #: the caching allocator replayed (reserved.Reserved), or None with reserved_why saying why not
-    reserved: Any = None
-    reserved_why: str | None = None
-
-    @property
-    def reserved_peak_bytes(self) -> int | None:
-        """Predicted torch.cuda.max_memory_reserved: replayed, or with the flat fragmentation term."""
-        if self.settings.cluster.device != "cuda":
-            return None
-        return self.peak_bytes + self.overhead_detail.get("allocator_bytes",
-                                                          self.overhead_detail.get("fragmentation_bytes", 0))
-
-    @property
-    def peak_bytes(self) -> int:
-        return self.peak.total_bytes
-
-    @property
-    def required_bytes(self) -> int:
-        return self.peak_bytes + self.overhead_bytes
-
-    @property
-    def fits(self) -> bool | None:
-        mem = self.settings.cluster.gpu_memory_bytes
-        return None if mem is None else self.required_bytes <= mem
-
-    @property
-    def headroom_bytes(self) -> int | None:
-        mem = self.settings.cluster.gpu_memory_bytes
-        return None if mem is None else mem - self.required_bytes
-
-    @property
-    def host_fits(self) -> bool | None:
-        """Whether the offloaded states fit a node's host RAM (--host-memory), pinned buffers rounded as PyTorch
-        rounds them (memplan/host.py); None without --host-memory or without offload."""
-        from memplan.host import host_report
-
-        rep = host_report(self)
-        return None if rep is None else rep["fits"]
 
 
 def _model_states(job: Job, fw: FrameworkModel, host_by: dict[str, int]) -> tuple[int, int, int, int]:
@@ -166,7 +93,7 @@ def _step(job: Job, fw: FrameworkModel, grads: Grads, persistent: int, master_by
     return step_grads, step_buffers
 
 
-def _fixed(inv: ParamInventory, s: Settings) -> _Fixed:
+def _fixed(inv: ParamInventory, s: Settings) -> Fixed:
     """Everything in a Plan that does not depend on the micro-batch: model states, grads, buffers, overheads."""
     st, rc, c = s.strategy, s.recipe, s.cluster
     fw = frameworks.model(st.memory_model)
@@ -210,7 +137,7 @@ def _fixed(inv: ParamInventory, s: Settings) -> _Fixed:
 
 def _assemble(s: Settings, tl: BufferTimeline, g: Grads, model_states: tuple[int, int, int],
               held: tuple[int, int, int], step: tuple[int, int], prof: Any, a: dict[str, Any],
-              host_by: dict[str, int], host: int) -> _Fixed:
+              host_by: dict[str, int], host: int) -> Fixed:
     """The step's phases and moments, everything but activations, from the framework's timeline."""
     c, rc = s.cluster, s.recipe
     weights, master, states = model_states
@@ -248,67 +175,13 @@ def _assemble(s: Settings, tl: BufferTimeline, g: Grads, model_states: tuple[int
             m_buffers += tl.gathered_loss - buf_bwd
         m_grads = max(m.grads, grads_persist)  # grads kept across micro-steps include those of the moment
         moments.append(StepMoment(m_grads, m_buffers, states_total + m_grads + m_buffers, m.at))
-    f = _Fixed(weights, master, states, grads, buffers,
+    f = Fixed(weights, master, states, grads, buffers,
                tuple(states_total + gr + b for gr, b in zip(grads, buffers)), prof, host * c.ranks_per_node,
                a["shard_group"], weights + master + states + grads_persist + buf_persist, comms, a, tuple(moments),
                rc.grad_bytes, {k: v for k, v in host_by.items() if v})
     f.grads_held = tl.grads_held
     f.hook_transient = tl.hook_transient
     return f
-
-
-class _Fixed:
-    """The micro-batch-independent part of a Plan (see _fixed)."""
-
-    __slots__ = ("weights", "master", "states", "grads", "buffers", "non_activation", "profile", "host_per_node",
-                 "shard_group", "between", "comms", "assumptions", "moments", "grad_width", "_blocks", "host_detail",
-                 "grads_held", "hook_transient", "kinds")
-
-    def __init__(self, weights: int, master: int, states: int, grads: tuple[int, ...], buffers: tuple[int, ...],
-                 non_activation: tuple[int, ...], profile: Any, host_per_node: int, shard_group: int, between: int,
-                 comms: int, assumptions: dict[str, Any], moments: tuple[StepMoment, ...] = (),
-                 grad_width: int = 2, host_detail: dict[str, int] | None = None) -> None:
-        #: per rank, by category: the bytes offload keeps in host memory (their sum x ranks per node is
-        #: host_per_node)
-        self.host_detail = host_detail or {}
-        #: the step's named moments (timeline.StepMoment): each is evaluated with the activations of its moment;
-        #: inside a block's backward the block's own grads are added at ``grad_width`` bytes. Each phase is the
-        #: largest of its moments and its base.
-        self.moments, self.grad_width = moments, grad_width
-        #: the block moments count only the gradients whose hook has not taken them yet (ZeRO-3)
-        self.grads_held = False
-        #: (bytes per partition element, partitions) a parameter's gradient hook allocates (BLOCK_GRADIENT_HOOK)
-        self.hook_transient = (0, 1)
-        self._blocks = any(m.at.inside_block for m in moments)
-        self.kinds = tuple(sorted({m.at for m in moments}))
-        self.weights, self.master, self.states, self.grads, self.buffers = weights, master, states, grads, buffers
-        self.non_activation, self.profile, self.host_per_node = non_activation, profile, host_per_node
-        self.shard_group, self.between, self.comms, self.assumptions = shard_group, between, comms, assumptions
-
-
-PHASE_NAMES = ("forward", "backward-start", "backward", "backward-end", "optimizer-step")
-
-
-@dataclass(frozen=True)
-class StepTimeline:
-    """Everything a rank holds but activations, at each phase and named moment of the step (the engine's view
-    before the activation profile is added): model states, gradients and buffers per phase, the named moments
-    of the framework's buffer model (timeline.StepMoment: grads and buffers with the persistent ones, and
-    their sum with the model states), and the assumptions they rest on."""
-
-    weights: int
-    master_weights: int
-    optimizer_states: int
-    grads: dict[str, int]
-    buffers: dict[str, int]
-    moments: tuple[StepMoment, ...]
-    #: bytes per element of a block's own gradients inside its backward
-    grad_width: int
-    #: the block moments count only the gradients whose hook has not taken them yet (ZeRO-3)
-    grads_held: bool
-    #: (bytes per partition element, partitions) a parameter's gradient hook allocates (BLOCK_GRADIENT_HOOK)
-    hook_transient: tuple[int, int]
-    assumptions: dict[str, Any]
 
 
 def timeline(inv: ParamInventory, s: Settings) -> StepTimeline:
@@ -320,113 +193,14 @@ def timeline(inv: ParamInventory, s: Settings) -> StepTimeline:
                         hook_transient=f.hook_transient, assumptions=dict(f.assumptions))
 
 
-def _phases(f: _Fixed, recompute: str, micro_batch: int) -> list[tuple[int, int, int]]:
-    """(grads, activations, buffers) per phase at ``micro_batch``."""
-    fwd, bwd, saved, emb, block = f.profile.terms(recompute, micro_batch)
-    out = [(g, x, b) for g, x, b in zip(f.grads, (fwd, bwd, saved, emb, 0), f.buffers)]
-    moments = _moments(f, micro_batch, saved, block, emb, fwd)
-    best = {0: f.non_activation[0] + fwd, 1: -1 if _loss_covered(f, moments) else f.non_activation[1] + bwd,
-            2: f.non_activation[2] + saved}
-    for m, x, gx in moments:
-        phase = 0 if m.at.in_forward else 1 if m.at == Moment.LOSS_BACKWARD else 2
-        if m.total + x + gx > best[phase]:
-            best[phase], out[phase] = m.total + x + gx, (m.grads + gx, x, m.buffers)
-    return out
-
-
-def _loss_covered(f: _Fixed, moments: Any) -> bool:
-    """Whether the backward-start phase is the loss moment alone. The profile's backward-start term is the
-    most alive anywhere in backward, which with recomputation falls inside a block's backward; paired with what
-    is held at the loss (ZeRO-3's gathered head, no bucket yet) it is a moment that never happens (measured:
-    ZeRO-3 at 4 ranks, llama-3-8b, full recompute, 2.6 MB over the run at the head's backward). Where the
-    strategy evaluates the blocks' own moments (with their buffers) and the profile the loss segment, those
-    cover every point of that term."""
-    return f._blocks and any(m[0].at == Moment.LOSS_BACKWARD for m in moments)
-
-
-@dataclass(frozen=True)
-class EvaluatedMoment:
-    """A named moment with its activations (read off the profile) and the block's own grads or the hook's
-    transient; ``total`` is what the rank holds then."""
-
-    moment: StepMoment
-    activations: int
-    own_bytes: int
-
-    @property
-    def total(self) -> int:
-        return self.moment.total + self.activations + self.own_bytes
-
-
 def evaluate_moments(inv: ParamInventory, s: Settings) -> list[EvaluatedMoment]:
     """Every named moment of the step the activation profile can evaluate, at the settings' micro-batch."""
     f = _fixed(inv, s)
     fwd, _, saved, emb, block = f.profile.terms(s.recompute, s.micro_batch)
-    return [EvaluatedMoment(m, x, gx) for m, x, gx in _moments(f, s.micro_batch, saved, block, emb, fwd)]
+    return [EvaluatedMoment(m, x, gx) for m, x, gx in moments_at(f, s.micro_batch, saved, block, emb, fwd)]
 
 
-def _moments(f: _Fixed, micro_batch: int, saved: int, block: int, emb: int,
-             fwd: int) -> list[tuple[StepMoment, int, int]]:
-    """Each moment of f.moments the profile can evaluate at ``micro_batch``, with its activations and the
-    block's own grads (or the hook's transient) in bytes. ``saved`` is the profile's third term: everything saved
-    but the last block's activations (timeline.Moment names what each moment holds)."""
-    if not f.moments:
-        return []
-    vals = _kind_values_memo(f, micro_batch, saved, block, emb, fwd)
-    return [(m, *vals[m.at]) for m in f.moments if m.at in vals]
-
-
-def _kind_values_memo(f: _Fixed, micro_batch: int, saved: int, block: int, emb: int,
-                      fwd: int) -> dict[int, tuple[int, int]]:
-    """_kind_values, memoised on the profile (the planner asks the same micro-batches for many configurations)."""
-    key = ("kinds", micro_batch, saved, block, emb, fwd, f.grad_width, f.grads_held, f.hook_transient, f.kinds)
-    memo = getattr(f.profile, "_memo", None)
-    vals = memo.get(key) if memo is not None else None
-    if vals is None:
-        vals = _kind_values(f, micro_batch, saved, block, emb, fwd)
-        if memo is not None:
-            memo[key] = vals
-    return vals
-
-
-def _kind_values(f: _Fixed, micro_batch: int, saved: int, block: int, emb: int,
-                 fwd: int) -> dict[int, tuple[int, int]]:
-    """kind -> (activation bytes, the moment's own grads or transient in bytes) for each kind of f.moments the
-    profile can evaluate (see _moments)."""
-    prof = f.profile
-    blocks = prof.block_moments(micro_batch, f.grad_width, f.grads_held) if f._blocks else ()
-    named = prof.moment_activations(micro_batch)
-    M = Moment
-    # without a traced timeline (or for a moment it has not recorded), the bound that contains the moment
-    acts = {M.SAVED_BUT_LAST_TWO: saved - block, M.ALL_SAVED: saved + block, M.EMBEDDING_OUTPUT: emb,
-            M.SAVED_BUT_LAST: saved, M.LAST_BLOCK_BACKWARD_BEGINS: saved + block,
-            M.PREVIOUS_BLOCK_BACKWARD_BEGINS: saved, M.LAST_BLOCK_FORWARD_BEGINS: saved,
-            M.INSIDE_LAST_BLOCK_FORWARD: fwd, M.PREVIOUS_BLOCK_BACKWARD_ENDS: saved - block,
-            M.ROOT_LAST_HOOK_BEFORE_BLOCKS: saved + block}
-    if M.PREVIOUS_BLOCK_BACKWARD_BEGINS in named and M.PREVIOUS_BLOCK_BACKWARD_ENDS not in named:
-        acts[M.PREVIOUS_BLOCK_BACKWARD_ENDS] = named[M.PREVIOUS_BLOCK_BACKWARD_BEGINS] - block
-    acts.update(named)
-    out: dict[int, tuple[int, int]] = {}
-    for kind in f.kinds:
-        if kind == M.LOSS_BACKWARD:
-            head = prof.loss_moment(micro_batch, f.grad_width)
-            if head is not None:
-                out[kind] = (head[0], f.grad_width * head[1])
-        elif kind == M.BLOCK_GRADIENT_HOOK:
-            per, parts = f.hook_transient
-            hooks = [h for blk in prof.block_hooks(micro_batch) for h in blk]
-            if hooks:
-                x, numel = max(hooks, key=lambda h: h[0] + per * ceil_div(h[1], parts))
-                out[kind] = (x, per * ceil_div(numel, parts))
-        elif not kind.inside_block:
-            out[kind] = (acts[kind], 0)
-        elif kind < len(blocks):
-            x, g = blocks[kind]
-            out[kind] = (x, f.grad_width * g)
-    return out
-
-
-def _overheads(s: Settings, f: _Fixed, peak: int, reserved: Any) -> dict[str, int]:
+def _overheads(s: Settings, f: Fixed, peak: int, reserved: Any) -> dict[str, int]:
     """What the fit verdict adds to the allocated peak: the CUDA context, NCCL's buffers, and the caching
     allocator's segments beyond the allocated bytes (the replayed reserved peak less the allocated one), or the
     flat fragmentation percentage where it is given or the replay cannot run."""
@@ -459,15 +233,15 @@ def estimate(inv: ParamInventory, s: Settings, reserved_limit: int | None = None
     """The Plan for one configuration. ``reserved_limit``: the replay may stop once the reserved bytes pass it,
     and the Plan then holds a reserved peak that is only known to be above it (enough to say it does not fit)."""
     f = _fixed(inv, s)
-    phases = tuple(Phase(name, weights_bytes=f.weights, master_weights_bytes=f.master, grads_bytes=g,
-                         optimizer_states_bytes=f.states, activations_bytes=x, buffers_bytes=b)
-                   for name, (g, x, b) in zip(PHASE_NAMES, _phases(f, s.recompute, s.micro_batch)))
-    totals = [p.total_bytes for p in phases]
-    peak = phases[totals.index(max(totals))]
+    rows = tuple(Phase(name, weights_bytes=f.weights, master_weights_bytes=f.master, grads_bytes=g,
+                       optimizer_states_bytes=f.states, activations_bytes=x, buffers_bytes=b)
+                 for name, (g, x, b) in zip(PHASE_NAMES, phases(f, s.recompute, s.micro_batch)))
+    totals = [p.total_bytes for p in rows]
+    peak = rows[totals.index(max(totals))]
     res, why = (_reserved(inv, s, reserved_limit) if s.overheads.fragmentation_percent is None
                 else (None, "fragmentation given"))
     detail = _overheads(s, f, peak.total_bytes, res)
-    return Plan(settings=s, inventory=inv, phases=phases, peak=peak, overhead_bytes=sum(detail.values()),
+    return Plan(settings=s, inventory=inv, phases=rows, peak=peak, overhead_bytes=sum(detail.values()),
                 overhead_detail=detail, host_bytes_per_node=f.host_per_node, host_detail=f.host_detail,
                 shard_group=f.shard_group,
                 between_steps_bytes=f.between, assumptions=dict(f.assumptions), reserved=res, reserved_why=why)
@@ -508,10 +282,9 @@ def required_bytes(inv: ParamInventory, s: Settings, micro_batches: Any,
     states = f.weights + f.master + f.states
     out = []
     for b in micro_batches:
-        peak = states + max(g + x + buf for g, x, buf in _phases(f, rec, b))
+        peak = states + max(g + x + buf for g, x, buf in phases(f, rec, b))
         out.append((peak, peak + fixed_over + peak * frag // 100))
     return out
-
 
 
 def host_fits(inv: ParamInventory, s: Settings) -> bool | None:

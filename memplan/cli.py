@@ -12,6 +12,7 @@ from typing import Any, Optional
 import typer
 
 from memplan import __version__
+from memplan import cli_options as O
 from memplan.errors import MemplanError
 from memplan.units import fmt_bytes
 
@@ -120,48 +121,43 @@ def _size_option(value: Optional[str], name: str, allow_zero: bool = False) -> O
 def estimate(
     model: str = typer.Argument(..., help="Preset name, config.json, model directory, cached repo id, or pkg.mod:fn."),
     gpus: int = typer.Option(1, "--gpus", help="Total GPUs (data-parallel ranks)."),
-    gpus_per_node: Optional[int] = typer.Option(None, "--gpus-per-node", help="GPUs per node [default: min(gpus, 8)]."),
-    stage: Optional[int] = typer.Option(None, "--stage", help="DeepSpeed ZeRO stage 0-3 (shorthand for --strategy)."),
-    strategy: Optional[str] = typer.Option(None, "--strategy", help="ddp, zero0-3, zero-optimizer, fsdp-full, "
-                                           "fsdp-grad-op, fsdp-no-shard, hsdp [default: ddp]."),
-    micro_batch: Optional[int] = typer.Option(None, "--micro-batch", help="Micro-batch per GPU [default: 1]."),
-    seq_len: Optional[int] = typer.Option(None, "--seq-len", help="Sequence length [default: 2048]."),
-    grad_accum: Optional[int] = typer.Option(None, "--grad-accum", help="Gradient accumulation steps [default: 1]."),
-    precision: Optional[str] = typer.Option(None, "--precision", help="deepspeed-bf16, deepspeed-fp16, torch-amp, "
-                                            "fsdp-bf16, pure-bf16, fp32 [default: the strategy's framework's]."),
-    optimizer: Optional[str] = typer.Option(None, "--optimizer", help="adamw, adam, sgd, adafactor, adam8bit."),
-    optimizer_impl: Optional[str] = typer.Option(None, "--optimizer-impl", help="foreach, fused, single-tensor "
-                                                 "[default: fused for DeepSpeed, foreach for torch; cpu: single-tensor]."),
+    gpus_per_node: O.GpusPerNode = None,
+    stage: O.Stage = None,
+    strategy: O.Strategy = None,
+    micro_batch: O.MicroBatch = None,
+    seq_len: O.SeqLen = None,
+    grad_accum: O.GradAccum = None,
+    precision: O.Precision = None,
+    optimizer: O.Optimizer = None,
+    optimizer_impl: O.OptimizerImpl = None,
     recompute: str = typer.Option("none", "--recompute", help="none | selective | full."),
-    attention: str = typer.Option("sdpa", "--attention", help="sdpa (the device's own kernel choice) | flash "
-                                  "(asked for: refused where the device cannot run it) | eager."),
-    gpu: Optional[str] = typer.Option(None, "--gpu", help="GPU preset (memplan presets) for the fit verdict."),
-    gpu_memory: Optional[str] = typer.Option(None, "--gpu-memory", help="GPU memory, e.g. 80GB (10^9) or 80GiB (2^30)."),
+    attention: O.Attention = "sdpa",
+    gpu: O.Gpu = None,
+    gpu_memory: O.GpuMemory = None,
     device: str = typer.Option("cuda", "--device", help="cuda, or cpu (the gloo harness: no CUDA/NCCL overheads)."),
-    deepspeed: Optional[str] = typer.Option(None, "--deepspeed", help="The job's ds_config.json."),
-    reduce_bucket_size: Optional[int] = typer.Option(None, help="DeepSpeed reduce_bucket_size (elements)."),
-    allgather_bucket_size: Optional[int] = typer.Option(None, help="DeepSpeed allgather_bucket_size (elements)."),
-    overlap_comm: Optional[bool] = typer.Option(None, "--overlap-comm/--no-overlap-comm", help="DeepSpeed overlap_comm."),
-    contiguous_gradients: Optional[bool] = typer.Option(None, "--contiguous-gradients/--no-contiguous-gradients"),
-    prefetch_bucket_size: Optional[int] = typer.Option(None, help="stage3_prefetch_bucket_size (elements)."),
-    param_persistence_threshold: Optional[int] = typer.Option(None, help="stage3_param_persistence_threshold."),
-    max_live_parameters: Optional[int] = typer.Option(None, help="stage3_max_live_parameters (elements)."),
-    max_reuse_distance: Optional[int] = typer.Option(None, help="stage3_max_reuse_distance (elements)."),
-    hpz_partition_size: Optional[int] = typer.Option(None, help="ZeRO++ hpZ zero_hpz_partition_size."),
-    offload_optimizer: Optional[bool] = typer.Option(None, "--offload-optimizer/--no-offload-optimizer"),
-    offload_param: Optional[bool] = typer.Option(None, "--offload-param/--no-offload-param"),
-    reshard_after_forward: Optional[str] = typer.Option(None, help="FSDP2: true, false, or a group size (int)."),
-    hsdp_shard_size: Optional[int] = typer.Option(None, help="HSDP shard group size [default: gpus per node]."),
-    fsdp_version: int = typer.Option(2, help="FSDP version: 2 (fully_shard) or 1 (FlatParameter)."),
+    deepspeed: O.DeepSpeedConfig = None,
+    reduce_bucket_size: O.ReduceBucketSize = None,
+    allgather_bucket_size: O.AllgatherBucketSize = None,
+    overlap_comm: O.OverlapComm = None,
+    contiguous_gradients: O.ContiguousGradients = None,
+    prefetch_bucket_size: O.PrefetchBucketSize = None,
+    param_persistence_threshold: O.ParamPersistenceThreshold = None,
+    max_live_parameters: O.MaxLiveParameters = None,
+    max_reuse_distance: O.MaxReuseDistance = None,
+    hpz_partition_size: O.HpzPartitionSize = None,
+    offload_optimizer: O.OffloadOptimizer = None,
+    offload_param: O.OffloadParam = None,
+    reshard_after_forward: O.ReshardAfterForward = None,
+    hsdp_shard_size: O.HsdpShardSize = None,
+    fsdp_version: O.FsdpVersion = 2,
     cpu_offload: bool = typer.Option(False, "--cpu-offload", help="FSDP CPUOffloadPolicy."),
-    bucket_cap_mb: Optional[int] = typer.Option(None, help="DDP bucket_cap_mb [default: 25]."),
-    gradient_as_bucket_view: bool = typer.Option(False, "--gradient-as-bucket-view", help="DDP gradient_as_bucket_view."),
+    bucket_cap_mb: O.BucketCapMb = None,
+    gradient_as_bucket_view: O.GradientAsBucketView = False,
     cuda_context: Optional[str] = typer.Option(None, help="CUDA context size [default: 512MiB]."),
     nccl_per_communicator: Optional[str] = typer.Option(None, help="NCCL buffers per communicator [default: 1GiB]."),
     fragmentation_percent: Optional[int] = typer.Option(None, help="A flat allocator overhead, % of the allocated "
                                                         "peak, instead of the replayed reserved peak."),
-    allocator_conf: Optional[str] = typer.Option(None, "--allocator-conf", help="The job's PYTORCH_CUDA_ALLOC_CONF, "
-                                                 "e.g. expandable_segments:True [default: from the environment]."),
+    allocator_conf: O.AllocatorConf = None,
     host_memory: Optional[str] = typer.Option(None, "--host-memory", help="A node's host RAM for offloaded states, "
                                               "e.g. 1TiB: a host verdict too."),
     pin_memory: Optional[bool] = typer.Option(None, "--pin-memory/--no-pin-memory", help="Offloaded states in pinned "
@@ -170,12 +166,10 @@ def estimate(
     cublas_workspace: Optional[str] = typer.Option(None, help="cuBLAS workspace per handle, inside the peak (the job's "
                                                    "CUBLAS_WORKSPACE_CONFIG; 0 for :0:0) [default: the GPU's; "
                                                    "32MiB]."),
-    builder: str = typer.Option("auto", help="Inventory builder: auto | analytic | meta."),
-    activations: str = typer.Option("auto", "--activations", help="auto (traced, analytic if the model cannot be "
-                                    "traced) | traced | analytic."),
-    cpu_isa: Optional[str] = typer.Option(None, "--cpu-isa", help="device cpu: the instruction set the CPU kernels "
-                                          "follow, avx2 | avx512 | avx512_bf16 | amx [default: this machine's]."),
-    as_json: bool = typer.Option(False, "--json", help="Print the schema-v1 JSON object on stdout."),
+    builder: O.Builder = "auto",
+    activations: O.Activations = "auto",
+    cpu_isa: O.CpuIsa = None,
+    as_json: O.Json = False,
 ) -> None:
     """Per-GPU peak bytes of a training job, by category and phase, with overheads and the fit verdict.
 
@@ -185,24 +179,16 @@ def estimate(
     from memplan.model import sources
     from memplan.report import plan_report
 
+    given = dict(locals())
     src = sources.resolve(model)
     inv = sources.build_inventory(src, builder=builder)
     resolved = options.resolve(
-        inv, config=src.config, activations=activations, cpu_isa=cpu_isa, gpus=gpus, gpus_per_node=gpus_per_node, stage=stage, strategy=strategy, precision=precision,
-        optimizer=optimizer, optimizer_impl=optimizer_impl, micro_batch=micro_batch, seq_len=seq_len,
-        grad_accum=grad_accum, recompute=recompute, attention=attention, gpu=gpu, gpu_memory_size=gpu_memory,
-        device=device, deepspeed=deepspeed, allocator_conf=allocator_conf, host_memory_size=host_memory,
-        pin_memory=pin_memory,
-        ds_overrides=dict(reduce_bucket_size=reduce_bucket_size, allgather_bucket_size=allgather_bucket_size,
-                          overlap_comm=overlap_comm, contiguous_gradients=contiguous_gradients,
-                          prefetch_bucket_size=prefetch_bucket_size,
-                          param_persistence_threshold=param_persistence_threshold,
-                          max_live_parameters=max_live_parameters, max_reuse_distance=max_reuse_distance,
-                          hpz_partition_size=hpz_partition_size, offload_optimizer=offload_optimizer,
-                          offload_param=offload_param),
-        torch_overrides=dict(reshard_after_forward=options.parse_reshard(reshard_after_forward),
-                             hsdp_shard_size=hsdp_shard_size, fsdp_version=fsdp_version, cpu_offload=cpu_offload,
-                             bucket_cap_mb=bucket_cap_mb, gradient_as_bucket_view=gradient_as_bucket_view),
+        inv, config=src.config, activations=activations, cpu_isa=cpu_isa, gpus=gpus, gpus_per_node=gpus_per_node,
+        stage=stage, strategy=strategy, precision=precision, optimizer=optimizer, optimizer_impl=optimizer_impl,
+        micro_batch=micro_batch, seq_len=seq_len, grad_accum=grad_accum, recompute=recompute, attention=attention,
+        gpu=gpu, gpu_memory_size=gpu_memory, device=device, deepspeed=deepspeed, allocator_conf=allocator_conf,
+        host_memory_size=host_memory, pin_memory=pin_memory,
+        ds_overrides=O.ds_overrides(given), torch_overrides=O.torch_overrides(given),
         overhead_overrides=dict(cuda_context_bytes=_size_option(cuda_context, "--cuda-context"),
                                 nccl_bytes_per_communicator=_size_option(nccl_per_communicator,
                                                                          "--nccl-per-communicator"),
@@ -405,34 +391,32 @@ def validate(
     model: str = typer.Argument(..., help="Preset name, config.json or model directory."),
     gpus: int = typer.Option(2, "--gpus", help="Ranks to run on this host (spawned)."),
     gpus_per_node: Optional[int] = typer.Option(None, "--gpus-per-node", help="Ranks per node [default: gpus]."),
-    stage: Optional[int] = typer.Option(None, "--stage", help="DeepSpeed ZeRO stage 0-3."),
-    strategy: Optional[str] = typer.Option(None, "--strategy", help="ddp, zero0-3, zero-optimizer, fsdp-full, "
-                                           "fsdp-grad-op, fsdp-no-shard, hsdp [default: ddp]."),
-    micro_batch: Optional[int] = typer.Option(None, "--micro-batch", help="Micro-batch per rank [default: 1]."),
+    stage: O.Stage = None,
+    strategy: O.Strategy = None,
+    micro_batch: O.MicroBatch = None,
     seq_len: int = typer.Option(128, "--seq-len", help="Sequence length."),
-    grad_accum: Optional[int] = typer.Option(None, "--grad-accum", help="Gradient accumulation steps."),
-    precision: Optional[str] = typer.Option(None, "--precision", help="Precision recipe [default: the framework's]."),
+    grad_accum: O.GradAccum = None,
+    precision: O.Precision = None,
     optimizer: Optional[str] = typer.Option(None, "--optimizer", help="adamw, adam, sgd."),
-    optimizer_impl: Optional[str] = typer.Option(None, "--optimizer-impl", help="foreach, fused, single-tensor."),
+    optimizer_impl: O.OptimizerImpl = None,
     recompute: str = typer.Option("none", "--recompute", help="none | full."),
-    deepspeed: Optional[str] = typer.Option(None, "--deepspeed", help="The job's ds_config.json."),
-    reduce_bucket_size: Optional[int] = typer.Option(None, help="DeepSpeed reduce_bucket_size (elements)."),
-    allgather_bucket_size: Optional[int] = typer.Option(None, help="DeepSpeed allgather_bucket_size (elements)."),
-    overlap_comm: Optional[bool] = typer.Option(None, "--overlap-comm/--no-overlap-comm"),
-    prefetch_bucket_size: Optional[int] = typer.Option(None, help="stage3_prefetch_bucket_size (elements)."),
-    param_persistence_threshold: Optional[int] = typer.Option(None, help="stage3_param_persistence_threshold."),
-    max_live_parameters: Optional[int] = typer.Option(None, help="stage3_max_live_parameters (elements)."),
-    max_reuse_distance: Optional[int] = typer.Option(None, help="stage3_max_reuse_distance (elements)."),
-    hpz_partition_size: Optional[int] = typer.Option(None, help="ZeRO++ zero_hpz_partition_size."),
-    offload_optimizer: Optional[bool] = typer.Option(None, "--offload-optimizer/--no-offload-optimizer",
-                                                     help="ZeRO-Offload of the optimizer (on CPU the host share is "
-                                                     "compared with the rest: one allocator)."),
-    offload_param: Optional[bool] = typer.Option(None, "--offload-param/--no-offload-param"),
-    reshard_after_forward: Optional[str] = typer.Option(None, help="FSDP2: true, false, or a group size."),
-    hsdp_shard_size: Optional[int] = typer.Option(None, help="HSDP shard group size."),
-    fsdp_version: int = typer.Option(2, help="FSDP version: 2 (fully_shard) or 1 (FlatParameter)."),
-    bucket_cap_mb: Optional[int] = typer.Option(None, help="DDP bucket_cap_mb."),
-    gradient_as_bucket_view: bool = typer.Option(False, "--gradient-as-bucket-view"),
+    deepspeed: O.DeepSpeedConfig = None,
+    reduce_bucket_size: O.ReduceBucketSize = None,
+    allgather_bucket_size: O.AllgatherBucketSize = None,
+    overlap_comm: O.OverlapComm = None,
+    contiguous_gradients: O.ContiguousGradients = None,
+    prefetch_bucket_size: O.PrefetchBucketSize = None,
+    param_persistence_threshold: O.ParamPersistenceThreshold = None,
+    max_live_parameters: O.MaxLiveParameters = None,
+    max_reuse_distance: O.MaxReuseDistance = None,
+    hpz_partition_size: O.HpzPartitionSize = None,
+    offload_optimizer: O.OffloadOptimizer = None,
+    offload_param: O.OffloadParam = None,
+    reshard_after_forward: O.ReshardAfterForward = None,
+    hsdp_shard_size: O.HsdpShardSize = None,
+    fsdp_version: O.FsdpVersion = 2,
+    bucket_cap_mb: O.BucketCapMb = None,
+    gradient_as_bucket_view: O.GradientAsBucketView = False,
     layers: Optional[int] = typer.Option(None, "--layers", help="Scale the model down to this many blocks."),
     hidden: Optional[int] = typer.Option(None, "--hidden", help="Scale the hidden size down (head_dim kept)."),
     vocab: Optional[int] = typer.Option(None, "--vocab", help="Scale the vocabulary down."),
@@ -441,17 +425,16 @@ def validate(
     device: Optional[str] = typer.Option(None, "--device", help="cuda (NCCL) or cpu (gloo) [default: cuda if present]."),
     timeout: float = typer.Option(600.0, "--timeout", help="Seconds before a hung run is stopped."),
     tolerance: float = typer.Option(0.03, "--tolerance", help="Allowed |relative error| on the peak."),
-    cpu_isa: Optional[str] = typer.Option(None, "--cpu-isa", help="device cpu: the instruction set the CPU kernels "
-                                          "follow, avx2 | avx512 | avx512_bf16 | amx [default: this machine's]."),
-    as_json: bool = typer.Option(False, "--json", help="Print JSON on stdout."),
+    cpu_isa: O.CpuIsa = None,
+    as_json: O.Json = False,
 ) -> None:
     """Run the job for real (torch.distributed, real DeepSpeed / FSDP2 / FSDP1 / DDP), measure every rank, compare.
 
     Exit code 3 when the peak error exceeds --tolerance.
     """
-    from memplan import options
     from memplan.harness.validate import validate as run_validate, validation_report
 
+    given = dict(locals())
     err = _console(stderr=True)
     v = run_validate(
         model, layers=layers, hidden=hidden, vocab=vocab, warmup_steps=warmup_steps, measured_steps=steps,
@@ -461,15 +444,7 @@ def validate(
         strategy=strategy, precision=precision, optimizer=optimizer, optimizer_impl=optimizer_impl,
         micro_batch=micro_batch, seq_len=seq_len, grad_accum=grad_accum, recompute=recompute, deepspeed=deepspeed,
         **({"cpu_isa": cpu_isa} if cpu_isa else {}),
-        ds_overrides=dict(reduce_bucket_size=reduce_bucket_size, allgather_bucket_size=allgather_bucket_size,
-                          overlap_comm=overlap_comm, prefetch_bucket_size=prefetch_bucket_size,
-                          param_persistence_threshold=param_persistence_threshold,
-                          max_live_parameters=max_live_parameters, max_reuse_distance=max_reuse_distance,
-                          hpz_partition_size=hpz_partition_size, offload_optimizer=offload_optimizer,
-                          offload_param=offload_param),
-        torch_overrides=dict(reshard_after_forward=options.parse_reshard(reshard_after_forward),
-                             hsdp_shard_size=hsdp_shard_size, bucket_cap_mb=bucket_cap_mb,
-                             gradient_as_bucket_view=gradient_as_bucket_view, fsdp_version=fsdp_version))
+        ds_overrides=O.ds_overrides(given), torch_overrides=O.torch_overrides(given))
     rep = validation_report(v)
     if as_json:
         _emit_json(rep)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from memplan.accounting import Plan
+from memplan.plan import Plan
 
 #: categories measured exactly at the start of a step (storages reachable from the model and the optimizer)
 EXACT_CATEGORIES = ("weights_bytes", "master_weights_bytes", "optimizer_states_bytes")

@@ -1,0 +1,83 @@
+"""The command line's options that several commands share (estimate, plan, validate), declared once, and the
+framework knobs they collect. Imported by memplan/cli.py only (typer is imported here too)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Optional
+
+import typer
+
+GpusPerNode = Annotated[Optional[int], typer.Option("--gpus-per-node", help="GPUs per node [default: min(gpus, 8)].")]
+Stage = Annotated[Optional[int], typer.Option("--stage", help="DeepSpeed ZeRO stage 0-3 (shorthand for --strategy).")]
+Strategy = Annotated[Optional[str], typer.Option("--strategy", help="ddp, zero0-3, zero-optimizer, fsdp-full, "
+                                                 "fsdp-grad-op, fsdp-no-shard, hsdp [default: ddp].")]
+MicroBatch = Annotated[Optional[int], typer.Option("--micro-batch", help="Micro-batch per GPU [default: 1].")]
+SeqLen = Annotated[Optional[int], typer.Option("--seq-len", help="Sequence length [default: 2048].")]
+GradAccum = Annotated[Optional[int], typer.Option("--grad-accum", help="Gradient accumulation steps [default: 1].")]
+Precision = Annotated[Optional[str], typer.Option("--precision", help="deepspeed-bf16, deepspeed-fp16, torch-amp, "
+                                                  "fsdp-bf16, pure-bf16, fp32 [default: the strategy's "
+                                                  "framework's].")]
+Optimizer = Annotated[Optional[str], typer.Option("--optimizer", help="adamw, adam, sgd, adafactor, adam8bit.")]
+OptimizerImpl = Annotated[Optional[str], typer.Option("--optimizer-impl", help="foreach, fused, single-tensor "
+                                                      "[default: fused for DeepSpeed, foreach for torch; cpu: "
+                                                      "single-tensor].")]
+Attention = Annotated[str, typer.Option("--attention", help="sdpa (the device's own kernel choice) | flash (asked "
+                                        "for: refused where the device cannot run it) | eager.")]
+Gpu = Annotated[Optional[str], typer.Option("--gpu", help="GPU preset (memplan presets) for the fit verdict.")]
+GpuMemory = Annotated[Optional[str], typer.Option("--gpu-memory", help="GPU memory, e.g. 80GB (10^9) or 80GiB "
+                                                  "(2^30).")]
+DeepSpeedConfig = Annotated[Optional[str], typer.Option("--deepspeed", help="The job's ds_config.json.")]
+AllocatorConf = Annotated[Optional[str], typer.Option("--allocator-conf", help="The job's PYTORCH_CUDA_ALLOC_CONF, "
+                                                      "e.g. expandable_segments:True [default: from the "
+                                                      "environment].")]
+Builder = Annotated[str, typer.Option("--builder", help="Inventory builder: auto | analytic | meta.")]
+Activations = Annotated[str, typer.Option("--activations", help="auto (traced, analytic if the model cannot be "
+                                          "traced) | traced | analytic.")]
+CpuIsa = Annotated[Optional[str], typer.Option("--cpu-isa", help="device cpu: the instruction set the CPU kernels "
+                                               "follow, avx2 | avx512 | avx512_bf16 | amx [default: this "
+                                               "machine's].")]
+Json = Annotated[bool, typer.Option("--json", help="Print JSON on stdout.")]
+
+# DeepSpeed's knobs (DeepSpeedKnobs), as ds_config names them
+ReduceBucketSize = Annotated[Optional[int], typer.Option(help="DeepSpeed reduce_bucket_size (elements).")]
+AllgatherBucketSize = Annotated[Optional[int], typer.Option(help="DeepSpeed allgather_bucket_size (elements).")]
+OverlapComm = Annotated[Optional[bool], typer.Option("--overlap-comm/--no-overlap-comm",
+                                                     help="DeepSpeed overlap_comm.")]
+ContiguousGradients = Annotated[Optional[bool], typer.Option("--contiguous-gradients/--no-contiguous-gradients")]
+PrefetchBucketSize = Annotated[Optional[int], typer.Option(help="stage3_prefetch_bucket_size (elements).")]
+ParamPersistenceThreshold = Annotated[Optional[int], typer.Option(help="stage3_param_persistence_threshold.")]
+MaxLiveParameters = Annotated[Optional[int], typer.Option(help="stage3_max_live_parameters (elements).")]
+MaxReuseDistance = Annotated[Optional[int], typer.Option(help="stage3_max_reuse_distance (elements).")]
+HpzPartitionSize = Annotated[Optional[int], typer.Option(help="ZeRO++ hpZ zero_hpz_partition_size.")]
+OffloadOptimizer = Annotated[Optional[bool], typer.Option("--offload-optimizer/--no-offload-optimizer",
+                                                          help="DeepSpeed ZeRO-Offload of the optimizer.")]
+OffloadParam = Annotated[Optional[bool], typer.Option("--offload-param/--no-offload-param",
+                                                      help="DeepSpeed ZeRO-Offload of the parameters (stage 3).")]
+# PyTorch's knobs (TorchKnobs)
+ReshardAfterForward = Annotated[Optional[str], typer.Option(help="FSDP2: true, false, or a group size (int).")]
+HsdpShardSize = Annotated[Optional[int], typer.Option(help="HSDP shard group size [default: gpus per node].")]
+FsdpVersion = Annotated[int, typer.Option(help="FSDP version: 2 (fully_shard) or 1 (FlatParameter).")]
+BucketCapMb = Annotated[Optional[int], typer.Option(help="DDP bucket_cap_mb [default: 25].")]
+GradientAsBucketView = Annotated[bool, typer.Option("--gradient-as-bucket-view",
+                                                    help="DDP gradient_as_bucket_view.")]
+
+DS_KNOBS = ("reduce_bucket_size", "allgather_bucket_size", "overlap_comm", "contiguous_gradients",
+            "prefetch_bucket_size", "param_persistence_threshold", "max_live_parameters", "max_reuse_distance",
+            "hpz_partition_size", "offload_optimizer", "offload_param")
+TORCH_KNOBS = ("reshard_after_forward", "hsdp_shard_size", "fsdp_version", "cpu_offload", "bucket_cap_mb",
+               "gradient_as_bucket_view")
+
+
+def ds_overrides(values: dict[str, Any]) -> dict[str, Any]:
+    """The DeepSpeed knobs a command was given (its parameters by name)."""
+    return {k: values[k] for k in DS_KNOBS if k in values}
+
+
+def torch_overrides(values: dict[str, Any]) -> dict[str, Any]:
+    """The PyTorch knobs a command was given, --reshard-after-forward read as FSDP2 reads it."""
+    from memplan.options import parse_reshard
+
+    out = {k: values[k] for k in TORCH_KNOBS if k in values}
+    if "reshard_after_forward" in out:
+        out["reshard_after_forward"] = parse_reshard(out["reshard_after_forward"])
+    return out

@@ -1,0 +1,123 @@
+"""What the engine answers (memplan/accounting.py): the Plan of one configuration with its phases, and the step's
+named timeline. Plain frozen data."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from memplan.model.inventory import ParamInventory
+from memplan.settings import Settings
+from memplan.timeline import StepMoment
+
+
+@dataclass(frozen=True)
+class Phase:
+    name: str
+    weights_bytes: int
+    master_weights_bytes: int
+    grads_bytes: int
+    optimizer_states_bytes: int
+    activations_bytes: int
+    buffers_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        return (self.weights_bytes + self.master_weights_bytes + self.grads_bytes + self.optimizer_states_bytes
+                + self.activations_bytes + self.buffers_bytes)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The per-GPU prediction for one configuration (worst rank)."""
+
+    settings: Settings
+    inventory: ParamInventory
+    phases: tuple[Phase, ...]
+    peak: Phase
+    overhead_bytes: int
+    overhead_detail: dict[str, int]
+    host_bytes_per_node: int
+    shard_group: int
+    #: bytes held between steps (model states, grads kept across steps, buffers allocated at setup)
+    between_steps_bytes: int
+    assumptions: dict[str, Any]
+    #: per rank, by category: what offload keeps in host memory (sums to host_bytes_per_node / ranks per node)
+    host_detail: dict[str, int] = field(default_factory=dict)
+    #: the caching allocator replayed (reserved.Reserved), or None with reserved_why saying why not
+    reserved: Any = None
+    reserved_why: str | None = None
+
+    @property
+    def reserved_peak_bytes(self) -> int | None:
+        """Predicted torch.cuda.max_memory_reserved: replayed, or with the flat fragmentation term."""
+        if self.settings.cluster.device != "cuda":
+            return None
+        return self.peak_bytes + self.overhead_detail.get("allocator_bytes",
+                                                          self.overhead_detail.get("fragmentation_bytes", 0))
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.peak.total_bytes
+
+    @property
+    def required_bytes(self) -> int:
+        return self.peak_bytes + self.overhead_bytes
+
+    @property
+    def fits(self) -> bool | None:
+        mem = self.settings.cluster.gpu_memory_bytes
+        return None if mem is None else self.required_bytes <= mem
+
+    @property
+    def headroom_bytes(self) -> int | None:
+        mem = self.settings.cluster.gpu_memory_bytes
+        return None if mem is None else mem - self.required_bytes
+
+    @property
+    def host_fits(self) -> bool | None:
+        """Whether the offloaded states fit a node's host RAM (--host-memory), pinned buffers rounded as PyTorch
+        rounds them (memplan/host.py); None without --host-memory or without offload."""
+        from memplan.host import host_report
+
+        rep = host_report(self)
+        return None if rep is None else rep["fits"]
+
+
+PHASE_NAMES = ("forward", "backward-start", "backward", "backward-end", "optimizer-step")
+
+
+@dataclass(frozen=True)
+class StepTimeline:
+    """Everything a rank holds but activations, at each phase and named moment of the step (the engine's view
+    before the activation profile is added): model states, gradients and buffers per phase, the named moments
+    of the framework's buffer model (timeline.StepMoment: grads and buffers with the persistent ones, and
+    their sum with the model states), and the assumptions they rest on."""
+
+    weights: int
+    master_weights: int
+    optimizer_states: int
+    grads: dict[str, int]
+    buffers: dict[str, int]
+    moments: tuple[StepMoment, ...]
+    #: bytes per element of a block's own gradients inside its backward
+    grad_width: int
+    #: the block moments count only the gradients whose hook has not taken them yet (ZeRO-3)
+    grads_held: bool
+    #: (bytes per partition element, partitions) a parameter's gradient hook allocates (BLOCK_GRADIENT_HOOK)
+    hook_transient: tuple[int, int]
+    assumptions: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class EvaluatedMoment:
+    """A named moment with its activations (read off the profile) and the block's own grads or the hook's
+    transient; ``total`` is what the rank holds then."""
+
+    moment: StepMoment
+    activations: int
+    own_bytes: int
+
+    @property
+    def total(self) -> int:
+        return self.moment.total + self.activations + self.own_bytes

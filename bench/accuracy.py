@@ -160,7 +160,7 @@ def _row(label: str, shown: str, rc: str, plan, ranks, old=None) -> list:  # noq
 
 def main() -> None:
     from memplan.errors import MemplanError
-    from memplan.harness.validate import predict, validate
+    from memplan.validation import predict, validate
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")

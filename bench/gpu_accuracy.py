@@ -92,7 +92,7 @@ VALIDATE_RUNS = {
 
 def validate_rows() -> list[tuple]:
     """(name, options, measured peak, prediction at the time, this code's prediction, phase)"""
-    from memplan.harness.validate import predict
+    from memplan.validation import predict
 
     rows = []
     for name, (config, kw) in VALIDATE_RUNS.items():

@@ -432,7 +432,7 @@ def validate(
 
     Exit code 3 when the peak error exceeds --tolerance.
     """
-    from memplan.harness.validate import validate as run_validate, validation_report
+    from memplan.validation import validate as run_validate, validation_report
 
     given = dict(locals())
     err = _console(stderr=True)

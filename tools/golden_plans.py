@@ -78,7 +78,7 @@ def accuracy_predictions(shared: Path | None = None) -> dict[str, str]:
     sys.path.insert(0, str(ROOT / "bench"))
     import accuracy as cpu_bench  # bench/accuracy.py
     import gpu_accuracy as gpu_bench  # bench/gpu_accuracy.py
-    from memplan.harness.validate import predict
+    from memplan.validation import predict
 
     out: dict[str, str] = {}
     for cases in (cpu_bench.CASES, cpu_bench.cross_cases()):

@@ -1,4 +1,5 @@
-"""`memplan validate`: predict, run the job for real on N ranks, measure, compare."""
+"""`memplan validate`: predict (the engine), run the job for real on N ranks (memplan/harness, which never imports
+the engine), measure, compare."""
 
 from __future__ import annotations
 

@@ -25,7 +25,7 @@ class LayoutSizes:
     #: single-tensor Adam's temporaries at their worst, in elements: for each tensor in the optimizer's order,
     #: exp_avg_sq.sqrt() and its division make two tensor-sized temporaries while the previous tensor's
     #: denominator is still bound to the loop's local (torch/optim/adam.py _single_tensor_adam; measured with
-    #: FSDP1's flat parameters, session 5): max over i of n[i-1] + 2 n[i]
+    #: FSDP1's flat parameters, measured with the harness): max over i of n[i-1] + 2 n[i]
     single_step_scratch: int
     persistent_numel: int  #: ZeRO-3 params kept whole (numel <= persistence threshold), elements
     matmul_numel: int  #: weights read by matmuls (autocast casts these), elements

@@ -76,7 +76,7 @@ STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
              description="DeepSpeed stage 0: data parallel with its BF16_Optimizer (fp32 master, grads, states)"),
     # ZeRO-1 runs DeepSpeedZeroOptimizer too: with contiguous_gradients (the default) its gradient hooks set up
     # the ipg bucket buffer(s) in every backward (stage_1_and_2.py setup_buckets), as ZeRO-2 does (measured:
-    # 1 GB at the default reduce_bucket_size, session 5, docs/accuracy.md)
+    # 1 GB at the default reduce_bucket_size, docs/accuracy.md)
     Strategy(name="zero1", framework="deepspeed", memory_model="zero12",
              layout=FLAT_ALIGNED, shard_optimizer=True, shard_grads=False,
              shard_params=False, fp32_master_copy=True, zero_stage=1, ds_ipg_buckets=True,

@@ -115,7 +115,7 @@ def unreduced_grad_moments(g: Any, grad_bytes: int, psi: int) -> list[BufferMome
 
 #: the loss's and the head's backward with the head's gradient as autograd makes it (a new tensor from the
 #: weight-gradient GEMM, before any hook has taken it): what is gathered at the loss, no reduce bucket yet
-#: (ZeRO-1/2 set theirs up in the first gradient hook). Measured, session 7: ZeRO-3 at 1 rank peaks at the
+#: (ZeRO-1/2 set theirs up in the first gradient hook). Measured with the harness: ZeRO-3 at 1 rank peaks at the
 #: head's weight-gradient GEMM, 1.31 MB above the loss's own peak (llama-3-8b, 2 blocks).
 LOSS = BufferMoment(0, 0, Moment.LOSS_BACKWARD)
 

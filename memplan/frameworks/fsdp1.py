@@ -12,7 +12,7 @@ from memplan.units import ceil_div
 
 def grads_at_end(job: Job) -> int:
     """Every flat parameter's reduced grad in the reduce dtype, sharded or not (NO_SHARD all-reduces the cast
-    full flat grad: measured, session 5)."""
+    full flat grad: measured with the harness)."""
     return job.s.recipe.reduced_grad_bytes * job.lay.optimizer_numel
 
 

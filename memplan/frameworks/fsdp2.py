@@ -4,6 +4,8 @@ input, and the reshard after forward (True, False or a group size)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from memplan import layouts
 from memplan.errors import SettingsError
 from memplan.frameworks.common import LOSS, FrameworkModel, Grads, Job
@@ -40,144 +42,204 @@ def buffers(job: Job, grads: Grads) -> BufferTimeline:
       frees them; the head's grads (and a tied embedding's) wait for the root's reduce at the end.
     With a shard group of one (NO_SHARD) the unsharded copies have nothing to
     reshard to and stay until the block's backward. Each term was checked against the harness's
-    allocator timeline (fsdp-full, 2 and 4 blocks; session 4; docs/accuracy.md).
+    allocator timeline (fsdp-full, 2 and 4 blocks; docs/accuracy.md).
     """
-    s, rc, n = job.s, job.s.recipe, job.n
-    g = job.gathers
+    g, raf = job.gathers, reshard_after_forward(job)
+    u = _units(job)
+    h = _kept(u) if raf is False else _resharded(u, raf, g.block_numels)
+    end, inside_first = _end(u, job, grads.end)
+    moments = [LOSS, *_forward_moments(u, h, raf), *_backward_moments(u, h, raf, job.n), inside_first]
+    return BufferTimeline(gathered_forward_end=h.forward_end, gathered_loss=h.loss, end=end, moments=tuple(moments),
+                          assumptions={"reshard_after_forward": raf, "largest_gathered_block_numel": g.largest_block})
+
+
+@dataclass(frozen=True)
+class _Units:
+    """The sizes FSDP2's buffers are made of, per rank: unsharded bytes of the root and of blocks by position (a
+    model's blocks may differ: dense then MoE), the grad and reduce dtypes, and what a world of one skips."""
+
+    root: int  #: the root unsharded (embeddings, final norm, head), bytes
+    last: int  #: elements of the last block, the one before it, the one before that; the first and the second
+    prev: int
+    prev2: int
+    first: int
+    second: int
+    nblocks: int
+    blocks: int  #: elements of all blocks
+    cb: int  #: bytes per unsharded element (MixedPrecisionPolicy.param_dtype, as the grads autograd makes)
+    gb: int
+    rb: int  #: bytes per element of the reduce-scatter input (reduce_dtype)
+    head_grads: int  #: from the head's backward to the root's reduce
+    flat: bool  #: all-gathers go through a flat output buffer (more than one rank)
+    pf: int  #: 1 where a prefetch allocates (an all-gather), else 0
+    chunk_tmp: int  #: the CPU chunk_cat temporary of the largest gradient (0 on CUDA)
+    root_chunk_tmp: int
+
+
+def _units(job: Job) -> _Units:
+    s, rc, g = job.s, job.s.recipe, job.gathers
     # FSDP2 unshards into MixedPrecisionPolicy.param_dtype (else the parameters' dtype), and autograd's unsharded
     # grads come out in that same dtype: the recipe's grad_bytes (fsdp-bf16: bf16; torch-amp, fp32: fp32, with
     # autocast making its own bf16 copies from the unsharded fp32 weights). With a shard group of one (NO_SHARD)
     # FSDP2 still copies each parameter into its unsharded buffer, in any dtype (wait_for_unshard's world_size ==
     # 1 path: alloc_storage + copy_), measured with fsdp-bf16 and torch-amp (docs/accuracy.md).
-    cb = rc.grad_bytes
-    grads_end = grads.end
-    raf = reshard_after_forward(job)
-    moments: list[BufferMoment] = [LOSS]
-    root = cb * g.root
+    cb = gb = rc.grad_bytes
+    rb = rc.reduced_grad_bytes
     sizes = g.block_numels or (0,)
     nblocks = len(g.block_numels)
-    # blocks by position (a model's blocks may differ: dense then MoE): the last, the one before it,
-    # the one before that; the first and the second
-    last, prev = sizes[-1], (sizes[-2] if nblocks >= 2 else 0)
-    prev2 = sizes[-3] if nblocks >= 3 else 0
-    first, second = sizes[0], (sizes[1] if nblocks >= 2 else 0)
-    gb, rb = rc.grad_bytes, rc.reduced_grad_bytes
-    head_grads = gb * g.root_head  # from the head's backward to the root's reduce
     # all-gathers with more than one rank go through a flat output buffer. In forward the output is kept
     # (FSDPCommContext.all_gather_state) until the next block's wait_for_unshard returns: the local
     # `prev_all_gather_state` holds it through that block's copy-out, so at a copy-out three are live:
     # the previous output, this one and its copies; the last one is held to the root's post-forward, so
     # through the loss. In backward a block's output is freed right after its own copy-out.
-    # (_fsdp_param_group.py wait_for_unshard; measured: MoE blocks, session 5, docs/accuracy.md)
-    flat = n > 1
-    ag_held = cb * last if flat else 0
-    # a prefetch (unshard) allocates only where there is an all-gather: with a shard group of one,
-    # unshard() records an empty result and wait_for_unshard() allocates and copies when the block runs
-    # (_fsdp_param_group.py, world_size == 1; measured, session 7: gpt2 at 1 rank was +5.35%)
-    pf = 1 if flat else 0
+    # (_fsdp_param_group.py wait_for_unshard; measured: MoE blocks, docs/accuracy.md)
+    flat = job.n > 1
     # foreach_reduce copies the unsharded grads into the reduce-scatter input with torch._chunk_cat; CUDA
     # has a fused kernel, the CPU composite pads each grad into a temporary in the grad dtype first
-    # (measured: DeepSeek's 9,437,184-element expert weight, an 18,874,368-byte temporary, session 5)
+    # (measured: DeepSeek's 9,437,184-element expert weight, an 18,874,368-byte temporary)
     # (only when the reduce dtype differs: an fp32 grad is copied straight into the fp32 input; measured
     # with mixtral's fp32 recipe)
     cpu_chunk = s.cluster.device == "cpu" and gb != rb
-    chunk_tmp = gb * g.largest_tensor if cpu_chunk else 0
-    root_chunk_tmp = gb * g.root_largest_tensor if cpu_chunk else 0
-    if raf is False:
-        kept = cb * g.total_blocks  # every block stays unsharded until its backward
-        share_last = share_prev = 0
-        gather_fwd_end = root + kept + ag_held
-        gather_loss = root + kept
-        # inside the last block's backward: all blocks unsharded
-        inside_last = root + head_grads + kept
-        # the last block: all blocks unsharded and its grads; then (resharded) its reduce-scatter input
-        gather_bwd = root + head_grads + kept + gb * last + max(0, rb - cb) * last + chunk_tmp
-        # the block before it: one block fewer unsharded, the last block's reduce-scatter input
-        inside_two = root + head_grads + kept - cb * last + rb * last
-        # the last block's copy-out in forward: every block before it unsharded and its all-gather output
-        fwd_last = root + kept + cb * (prev + last) if flat else 0
-        unshard_last = unshard_prev = 0  # nothing is gathered in backward
+    return _Units(root=cb * g.root, last=sizes[-1], prev=sizes[-2] if nblocks >= 2 else 0,
+                  prev2=sizes[-3] if nblocks >= 3 else 0, first=sizes[0], second=sizes[1] if nblocks >= 2 else 0,
+                  nblocks=nblocks, blocks=g.total_blocks, cb=cb, gb=gb, rb=rb, head_grads=gb * g.root_head, flat=flat,
+                  # a prefetch (unshard) allocates only where there is an all-gather: with a shard group of one,
+                  # unshard() records an empty result and wait_for_unshard() allocates and copies when the block
+                  # runs (_fsdp_param_group.py, world_size == 1; measured with the harness: gpt2 at 1 rank was
+                  # +5.35%)
+                  pf=1 if flat else 0,
+                  chunk_tmp=gb * g.largest_tensor if cpu_chunk else 0,
+                  root_chunk_tmp=gb * g.root_largest_tensor if cpu_chunk else 0)
+
+
+@dataclass(frozen=True)
+class _Held:
+    """What is unsharded at the step's moments, given the reshard after forward (bytes)."""
+
+    kept: int  #: blocks (or their shares) kept after forward
+    share_last: int  #: the last block's share among them, and the one before it's
+    share_prev: int
+    forward_end: int
+    loss: int
+    fwd_last: int  #: the last block's copy-out in forward
+    unshard_last: int  #: its copy-out in backward (0: nothing gathered in backward)
+    inside_last: int  #: inside the last block's backward
+    last_end: int  #: the last block at the end of its backward
+    unshard_prev: int
+    inside_two: int  #: inside the block before it
+
+
+def _kept(u: _Units) -> _Held:
+    """reshard_after_forward False (SHARD_GRAD_OP): every block stays unsharded until its backward."""
+    kept = u.cb * u.blocks
+    return _Held(
+        kept=kept, share_last=0, share_prev=0,
+        forward_end=u.root + kept + (u.cb * u.last if u.flat else 0), loss=u.root + kept,
+        # every block before the last unsharded, and its all-gather output
+        fwd_last=u.root + kept + u.cb * (u.prev + u.last) if u.flat else 0,
+        unshard_last=0, unshard_prev=0,
+        inside_last=u.root + u.head_grads + kept,
+        # all blocks unsharded and the last one's grads; then (resharded) its reduce-scatter input
+        last_end=u.root + u.head_grads + kept + u.gb * u.last + max(0, u.rb - u.cb) * u.last + u.chunk_tmp,
+        # one block fewer unsharded, the last block's reduce-scatter input
+        inside_two=u.root + u.head_grads + kept - u.cb * u.last + u.rb * u.last)
+
+
+def _resharded(u: _Units, raf: bool | int, block_numels: tuple[int, ...]) -> _Held:
+    """reshard_after_forward True, or a group size: every block keeps a 1/raf share after forward
+    (to_sharded_post_forward clones it); a block's share is freed when backward unshards it, after the copy-out
+    (_fsdp_param.py to_unsharded)."""
+    cb, root, hg = u.cb, u.root, u.head_grads
+    if raf is True:
+        kept = share_last = share_prev = 0
     else:
-        if raf is True:
-            kept = share_last = share_prev = 0
-        else:
-            # every block keeps a 1/raf share after forward (to_sharded_post_forward clones it); a block's
-            # share is freed when backward unshards it, after the copy-out (_fsdp_param.py to_unsharded)
-            kept = cb * layouts.ceil_sum(g.block_numels, raf)
-            share_last, share_prev = cb * ceil_div(last, raf), cb * ceil_div(prev, raf)
-        gather_fwd_end = root + kept + ag_held
+        kept = cb * layouts.ceil_sum(block_numels, raf)
+        share_last, share_prev = cb * ceil_div(u.last, raf), cb * ceil_div(u.prev, raf)
+    prefetched = u.pf * cb * u.prev
+    copies = 2 if u.flat else 1
+    return _Held(
+        kept=kept, share_last=share_last, share_prev=share_prev,
+        forward_end=root + kept + (cb * u.last if u.flat else 0),
         # the loss backward: the root's pre-backward has prefetched the last block's all-gather
-        gather_loss = root + pf * cb * last + kept
-        prefetched = pf * cb * prev
+        loss=root + u.pf * cb * u.last + kept,
         # the last block's copy-out in forward: the previous block's all-gather output, its own, its copies
-        fwd_last = root + kept - share_last + cb * (prev + 2 * last) if flat else 0
+        fwd_last=root + kept - share_last + cb * (u.prev + 2 * u.last) if u.flat else 0,
         # the last block's copy-out in backward (its all-gather prefetched at the loss): output and copies
-        unshard_last = root + head_grads + kept + (2 if flat else 1) * cb * last
+        unshard_last=root + hg + kept + copies * cb * u.last,
         # inside the last block's backward: itself, the next block prefetched by its pre-backward
-        inside_last = root + head_grads + kept - share_last + prefetched + cb * last
-        # the last block at the end of its backward: that, and its grads; then resharded, its
-        # reduce-scatter input
-        gather_bwd = (root + head_grads + kept - share_last + prefetched + gb * last + max(cb, rb) * last
-                      + chunk_tmp)
-        # the block before it, copied out of its prefetched all-gather: the last block's reduce-scatter
-        # input still held (reduce_scatter_max_input_buffers = 1) and the next block prefetched after
-        unshard_prev = (root + head_grads + kept - share_last + (2 if flat else 1) * cb * prev
-                        + rb * last)
+        inside_last=root + hg + kept - share_last + prefetched + cb * u.last,
+        # at the end of its backward: that, and its grads; then resharded, its reduce-scatter input
+        last_end=(root + hg + kept - share_last + prefetched + u.gb * u.last + max(cb, u.rb) * u.last
+                  + u.chunk_tmp),
+        # the block before it, copied out of its prefetched all-gather: the last block's reduce-scatter input
+        # still held (reduce_scatter_max_input_buffers = 1) and the next block prefetched after
+        unshard_prev=root + hg + kept - share_last + copies * cb * u.prev + u.rb * u.last,
         # inside the block before it: itself, the next prefetched (if any), the last block's input
-        inside_two = (root + head_grads + kept - share_last - share_prev + cb * (prev + pf * prev2)
-                      + rb * last)
-    # the first block's copy-out in forward: the root's all-gather output is held through it (the root
-    # stays unsharded: fully_shard's default for the root), with block 0's output and copies
-    fwd_first = root + (root if flat else 0) + (2 if flat else 1) * cb * first
-    moments.append(BufferMoment(fwd_first, 0, Moment.EMBEDDING_OUTPUT))
-    if nblocks >= 2:
-        moments.append(BufferMoment(fwd_last, 0, Moment.LAST_BLOCK_FORWARD_BEGINS))
-    # inside the last block's forward: its copies and its all-gather output (held to the root's
-    # post-forward); with raf False every block before it unsharded too
-    moments.append(BufferMoment(root + kept - share_last + (cb * last if flat else 0)
-                        + (cb * last if raf is not False else 0), 0, Moment.INSIDE_LAST_BLOCK_FORWARD))
-    if unshard_last:
-        moments.append(BufferMoment(unshard_last, 0, Moment.LAST_BLOCK_BACKWARD_BEGINS))
+        inside_two=root + hg + kept - share_last - share_prev + cb * (u.prev + u.pf * u.prev2) + u.rb * u.last)
+
+
+def _forward_moments(u: _Units, h: _Held, raf: bool | int) -> list[BufferMoment]:
+    # the first block's copy-out: the root's all-gather output is held through it (the root stays unsharded:
+    # fully_shard's default for the root), with block 0's output and copies
+    out = [BufferMoment(u.root + (u.root if u.flat else 0) + (2 if u.flat else 1) * u.cb * u.first, 0,
+                        Moment.EMBEDDING_OUTPUT)]
+    if u.nblocks >= 2:
+        out.append(BufferMoment(h.fwd_last, 0, Moment.LAST_BLOCK_FORWARD_BEGINS))
+    # inside the last block's forward: its copies and its all-gather output (held to the root's post-forward);
+    # with raf False every block before it unsharded too
+    out.append(BufferMoment(u.root + h.kept - h.share_last + (u.cb * u.last if u.flat else 0)
+                            + (u.cb * u.last if raf is not False else 0), 0, Moment.INSIDE_LAST_BLOCK_FORWARD))
+    return out
+
+
+def _backward_moments(u: _Units, h: _Held, raf: bool | int, n: int) -> list[BufferMoment]:
+    out = []
+    if h.unshard_last:
+        out.append(BufferMoment(h.unshard_last, 0, Moment.LAST_BLOCK_BACKWARD_BEGINS))
     # the last block's reduce: its activations and the loss's gone, as when the next block's begins
-    moments.append(BufferMoment(gather_bwd, 0, Moment.PREVIOUS_BLOCK_BACKWARD_BEGINS))
-    # inside a block's backward its unsharded grads grow while its activations are freed: the profile
-    # follows both (block_moments); the grads are counted at the unsharded grad dtype
-    moments.append(BufferMoment(inside_last, 0, Moment.INSIDE_LAST_BLOCK_BACKWARD))
-    if nblocks >= 2:
-        # and the last block's reduced grad shard
-        last_shard = rc.reduced_grad_bytes * ceil_div(last, n)
-        if unshard_prev:
-            moments.append(BufferMoment(unshard_prev, last_shard, Moment.PREVIOUS_BLOCK_BACKWARD_BEGINS))
-        # the block before, its grads complete
-        moments.append(BufferMoment(inside_two + gb * prev, last_shard, Moment.PREVIOUS_BLOCK_BACKWARD_ENDS))
-        if chunk_tmp:
-            # then resharded, the last block's input freed, its own input filled: the CPU temporary
-            # (SHARD_GRAD_OP: both blocks resharded after their backward, the rest still unsharded;
-            # measured, session 7: llama-3-8b fsdp-bf16 was +1.25..+2.86% counting them unsharded)
-            after_two = (kept - cb * (last + prev) if raf is False
-                         else kept - share_last - share_prev + pf * cb * prev2)
-            moments.append(BufferMoment(root + head_grads + after_two + (gb + rb) * prev + chunk_tmp, last_shard,
-                                        Moment.PREVIOUS_BLOCK_BACKWARD_ENDS))
-        moments.append(BufferMoment(inside_two, last_shard, Moment.INSIDE_PREVIOUS_BLOCK_BACKWARD))
-    # backward's end, the larger of: the first block at the end of its backward (itself, its grads, the
-    # next block's reduce-scatter input; the reduced shards of all blocks but it and the root), and the
-    # root's reduce (its grads, and either its unsharded params with the first block's reduce-scatter
-    # input or, resharded, its own reduce-scatter input; every block's shard reduced)
-    shard = rc.reduced_grad_bytes
-    first_block = (root + head_grads + (cb + gb) * first
-                   + (rb * second if nblocks >= 2 else max(0, rb - cb) * first),
-                   shard * (ceil_div(g.root, n) + ceil_div(first, n)))
+    out.append(BufferMoment(h.last_end, 0, Moment.PREVIOUS_BLOCK_BACKWARD_BEGINS))
+    # inside a block's backward its unsharded grads grow while its activations are freed: the profile follows
+    # both (block_moments); the grads are counted at the unsharded grad dtype
+    out.append(BufferMoment(h.inside_last, 0, Moment.INSIDE_LAST_BLOCK_BACKWARD))
+    if u.nblocks < 2:
+        return out
+    # and the last block's reduced grad shard
+    last_shard = u.rb * ceil_div(u.last, n)
+    if h.unshard_prev:
+        out.append(BufferMoment(h.unshard_prev, last_shard, Moment.PREVIOUS_BLOCK_BACKWARD_BEGINS))
+    # the block before, its grads complete
+    out.append(BufferMoment(h.inside_two + u.gb * u.prev, last_shard, Moment.PREVIOUS_BLOCK_BACKWARD_ENDS))
+    if u.chunk_tmp:
+        # then resharded, the last block's input freed, its own input filled: the CPU temporary (SHARD_GRAD_OP:
+        # both blocks resharded after their backward, the rest still unsharded; measured with the harness:
+        # llama-3-8b fsdp-bf16 was +1.25..+2.86% counting them unsharded)
+        after_two = (h.kept - u.cb * (u.last + u.prev) if raf is False
+                     else h.kept - h.share_last - h.share_prev + u.pf * u.cb * u.prev2)
+        out.append(BufferMoment(u.root + u.head_grads + after_two + (u.gb + u.rb) * u.prev + u.chunk_tmp,
+                                last_shard, Moment.PREVIOUS_BLOCK_BACKWARD_ENDS))
+    out.append(BufferMoment(h.inside_two, last_shard, Moment.INSIDE_PREVIOUS_BLOCK_BACKWARD))
+    return out
+
+
+def _end(u: _Units, job: Job, grads_end: int) -> tuple[tuple[int, int], BufferMoment]:
+    """Backward's end as (buffers, grads not yet reduced), the larger of: the first block at the end of its
+    backward (itself, its grads, the next block's reduce-scatter input; the reduced shards of all blocks but it
+    and the root), and the root's reduce (its grads, and either its unsharded params with the first block's
+    reduce-scatter input or, resharded, its own reduce-scatter input; every block's shard reduced); and the
+    moment inside the first block's backward."""
+    g, n, root, first = job.gathers, job.n, u.root, u.first
+    first_block = (root + u.head_grads + (u.cb + u.gb) * first
+                   + (u.rb * u.second if u.nblocks >= 2 else max(0, u.rb - u.cb) * first),
+                   u.rb * (ceil_div(g.root, n) + ceil_div(first, n)))
     # then resharded, its own reduce-scatter input filled (on CPU through the chunk_cat temporary)
-    first_fill = (root + head_grads + (gb + rb) * first + chunk_tmp, first_block[1])
-    root_reduce = (gb * g.root + max(root + rb * first, rb * g.root) + root_chunk_tmp,
-                   shard * ceil_div(g.root, n))
-    fsdp_end = max(first_block, first_fill, root_reduce, key=lambda m: m[0] - m[1])
+    first_fill = (root + u.head_grads + (u.gb + u.rb) * first + u.chunk_tmp, first_block[1])
+    root_reduce = (u.gb * g.root + max(root + u.rb * first, u.rb * g.root) + u.root_chunk_tmp,
+                   u.rb * ceil_div(g.root, n))
+    end = max(first_block, first_fill, root_reduce, key=lambda m: m[0] - m[1])
     # inside the first block's backward: itself unsharded, the second block's reduce-scatter input
-    moments.append(BufferMoment(root + head_grads + cb * first + (rb * second if nblocks >= 2 else 0),
-                        grads_end - first_block[1], Moment.INSIDE_FIRST_BLOCK_BACKWARD))
-    return BufferTimeline(gathered_forward_end=gather_fwd_end, gathered_loss=gather_loss, end=fsdp_end,
-                          moments=tuple(moments),
-                          assumptions={"reshard_after_forward": raf, "largest_gathered_block_numel": g.largest_block})
+    inside = BufferMoment(root + u.head_grads + u.cb * first + (u.rb * u.second if u.nblocks >= 2 else 0),
+                          grads_end - first_block[1], Moment.INSIDE_FIRST_BLOCK_BACKWARD)
+    return end, inside
 
 
 MODEL = FrameworkModel(name="fsdp2", replay="memplan.frameworks.fsdp2_replay", buffers=buffers,

@@ -25,7 +25,7 @@ def offload(job: Job, grads: Grads, host_by: dict[str, int]) -> OffloadedGrads:
     partition for the copy back (param_buffer_of_bit16_for_cpu_offload_groups) and
     temp_grad_buffer_for_cpu_offload (the largest parameter, bit16); temp_grad_buffer_for_gpu_offload (the same
     size) stays on the device; gradients go from the reduce bucket straight to the host (measured on CPU, where
-    device and host share the allocator: session 6)."""
+    device and host share the allocator)."""
     rc, opt_numel = job.s.recipe, job.lay.optimizer_numel
     host_by["grads_bytes"] += 4 * opt_numel
     largest = max((t.numel for t in job.inv.tensors), default=0)
@@ -50,7 +50,7 @@ def buffers(job: Job, grads: Grads) -> BufferTimeline:
         if not job.offload_optimizer and (st.shard_grads or job.overlap):
             # inside the blocks' backward (a recomputed block is the peak there): once a bucket has been reduced,
             # grads_in_partition (the whole parameters overlapping the rank's partition, in the grad dtype)
-            # exists, and a tied weight's first contribution waits for the embedding's (measured, session 6:
+            # exists, and a tied weight's first contribution waits for the embedding's (measured with the harness:
             # gpt2 ZeRO-2 at 4 ranks with full recompute was -13% without these)
             tied = job.gathers.tied
             in_part = job.lay.partition_params_numel if ds.reduce_bucket_size < job.psi else 0
@@ -62,7 +62,7 @@ def buffers(job: Job, grads: Grads) -> BufferTimeline:
             # partition_gradients or overlap_comm; the hook just sets up the bucket): every gradient stays as
             # autograd made it until reduce_gradients after backward, as under DDP. After backward, the first
             # bucket's reduce allocates grads_in_partition beside all of them (copy_grads_in_partition).
-            # Measured, session 8: gpt2, fp32, 2 ranks: +8.24% before.
+            # Measured with the harness: gpt2, fp32, 2 ranks: +8.24% before.
             moments += unreduced_grad_moments(job.gathers, rc.grad_bytes, job.psi)
             if ds.contiguous_gradients:
                 epilogue = rc.grad_bytes * job.lay.partition_params_numel

@@ -177,7 +177,7 @@ def weights(job: Job) -> int:
     """The rank's partitions, and each persistent parameter (numel under param_persistence_threshold) whole
     beside its partition. At one rank its gathered copy is the partition itself (partition_parameters.py
     _no_gather_coalesced -> NoGatherHandle: param.data = ds_tensor.data.to(device), the same tensor on its own
-    device; measured, session 9: gpt2 ZeRO-3 defaults at 1 rank, weights 4,732,928 B = 2 B x every element,
+    device; measured with the harness: gpt2 ZeRO-3 defaults at 1 rank, weights 4,732,928 B = 2 B x every element,
     where counting a copy gave +276,480 B, the 138,240 persistent elements). ZeRO++ hpZ keeps a secondary
     partition over zero_hpz_partition_size ranks too."""
     s, lay, n, rc = job.s, job.lay, job.n, job.s.recipe
@@ -201,7 +201,7 @@ def offload(job: Job, grads: Grads, host_by: dict[str, int]) -> OffloadedGrads:
         return OffloadedGrads()
     # the step begins with the overflow check on the flat grad buffer, which is on the host here (stage3.py
     # has_overflow: torch.isinf(grad_partitions_flat_buffer), composite abs() == inf: a grad-dtype abs and a bool
-    # result; then isnan's bool). Measured, session 7: 26,746,368 B at 1 rank (llama-3-8b, fp16), the step's
+    # result; then isnan's bool). Measured with the harness: 26,746,368 B at 1 rank (llama-3-8b, fp16), the step's
     # peak. Without offload the fp32 grads the step makes afterwards are larger (4 bytes against 3). On CPU the
     # host is the device's allocator.
     check = (rc.grad_bytes + 1) * job.lay.optimizer_numel
@@ -223,23 +223,23 @@ def buffers(job: Job, grads: Grads) -> BufferTimeline:
         # a partition group of one gathers nothing: each parameter is pointed at its partition
         # (partition_parameters.py all_gather_coalesced -> _no_gather_coalesced, NoGatherHandle: param.data =
         # ds_tensor.data.to(device), a copy only from a host partition to a GPU). Measured: llama-3-8b at 1 rank,
-        # forward 19.2 MB above the step's start, the activations alone (session 7).
+        # forward 19.2 MB above the step's start, the activations alone (harness).
         cb = 0
     # a module's grads before its hook takes them (reduce_ready_partitions_and_remove_grads): with
     # contiguous_gradients each is copied into the ipg bucket (counted above) and freed, or reduced at once when
     # larger than the bucket, so one parameter's; without, the bucket's parameters keep their grads until it is
-    # reduced (session 7: the whole block's, assumed before, was +1..+3% over)
+    # reduced (measured: the whole block's, assumed before, was +1..+3% over)
     unreduced = (g.largest_tensor if ds.contiguous_gradients
                  else min(g.largest_block, max(ds.reduce_bucket_size, g.largest_tensor)))
     # inside the last block's forward: the most gathered in forward, with a coalesced prefetch's flat buffer and
     # its copies both alive (AllGatherCoalescedHandle keeps the flat buffer until every member is waited on;
-    # measured, session 7: at DeepSpeed's default buckets, 4 ranks, one 17.3 MB flat buffer held from the first
+    # measured with the harness: at DeepSpeed's default buckets, 4 ranks, one 17.3 MB flat buffer held from the first
     # block to the end of the last one, the peak of the step)
     moments = [LOSS, BufferMoment(cb * z.forward, 0, Moment.INSIDE_LAST_BLOCK_FORWARD)]
     # inside a block's backward (a recomputed block is the peak there): the block and what is prefetched
     # gathered, and of its grads only those whose hook has not yet taken them: ZeRO-3 reduces (or moves into its
     # contiguous bucket) each parameter's grad in the hook on its AccumulateGrad
-    # (stage3.py reduce_ready_partitions_and_remove_grads) and frees it. Measured, session 7: gpt2 at 4 ranks
+    # (stage3.py reduce_ready_partitions_and_remove_grads) and frees it. Measured with the harness: gpt2 at 4 ranks
     # with full recompute peaks at the last block's weight-gradient GEMM during its recomputed backward, 1.58 MB
     # above the loss (-6.63% without these moments). A tied weight's first contribution (the head's) waits for
     # the embedding's: its hook runs last.
@@ -254,12 +254,12 @@ def buffers(job: Job, grads: Grads) -> BufferTimeline:
         # _offload_grad_partition_at_boundary): grad_buffer.to(device) copies the host partition back to a GPU (a
         # no-op on CPU), then _constant_buffered_norm2 takes its norm in fp64 (part.to(get_norm_dtype()): fp64
         # wherever the accelerator has it), freed before the fp32 copy to the host (4 bytes); the reduce's output
-        # partition exists beside them. Measured, session 7: llama-3-8b at 1 rank peaks at the head's,
+        # partition exists beside them. Measured with the harness: llama-3-8b at 1 rank peaks at the head's,
         # 10,485,760 B for its 1,048,576 elements.
         per = rc.grad_bytes + 8 + (rc.grad_bytes if s.cluster.device != "cpu" else 0)
         # The head's at the root's last hook before the blocks (the final norm's: ZeRO-3 reduces a bucket at the
         # hook of the parameter that would overflow it, stage3.py reduce_independent_p_g_buckets_and_remove_grads;
-        # measured, session 9: llama-3-8b at 1 rank, small buckets, the head's fp64 copy inside the final norm's
+        # measured with the harness: llama-3-8b at 1 rank, small buckets, the head's fp64 copy inside the final norm's
         # weight hook) (a tied head's hook runs at the embedding's backward, after every block); each block
         # parameter's at its own hook, with the activations of that moment (profile.block_hooks); the
         # embedding's at backward's end.

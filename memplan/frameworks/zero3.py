@@ -55,122 +55,147 @@ def _zero3_schedule(inv: ParamInventory, n: int, prefetch: int, max_live: int, m
     - stage3.py step() releases everything (partition_all_parameters), and reset_step() zeroes the available
       count at the next forward.
     """
-    import bisect
-    from collections import deque
-
-    tensors = inv.tensors
-    numel = [t.numel for t in tensors]
-    persist = [t.numel <= threshold for t in tensors]
-    modules: dict[str, list[int]] = {}
-    for i, t in enumerate(tensors):
-        modules.setdefault(t.name.rsplit(".", 1)[0], []).append(i)
-    for i, t in enumerate(tensors):
-        for alias in t.tied_names:
-            modules.setdefault("tied:" + alias.rsplit(".", 1)[0], []).append(i)
-    fwd = list(modules.values())
-    block_of = [tensors[m[0]].block for m in fwd]
-    trace = fwd + fwd[::-1]
-    nf = len(fwd)
-    prefix = [0]
-    for m in trace:
-        prefix.append(prefix[-1] + sum(numel[p] for p in m))
-    # next use of each parameter after each step
-    next_use: list[dict[int, int]] = [{} for _ in trace]
-    last: dict[int, int] = {}
-    for k in range(len(trace) - 1, -1, -1):
-        for p in trace[k]:
-            next_use[k][p] = last.get(p, 1 << 62)
-        for p in trace[k]:
-            last[p] = k
-    queue = deque((p, k) for k, m in enumerate(trace) for p in sorted(m))
-    most_recent: dict[int, int] = {}
-    avail: set[int] = set()  # AVAILABLE or INFLIGHT (what DeepSpeed counts in __n_available_params)
-    copied: set[int] = set()  # the parameter's own unsharded tensor exists
-    n_avail = 0
-    copies = 0  # elements of unsharded parameter tensors
-    flats: dict[int, int] = {}  # coalesced group -> elements of its flat all-gather buffer
-    members: dict[int, set[int]] = {}  # coalesced group -> params still in the in-flight registry
-    group_of: dict[int, int] = {}
-    waited: set[int] = set()
-    at_step: list[int] = []
-    settled: list[int] = []  # after the waits' flat buffers are freed and the prefetch is issued
-    after_release: list[int] = []
-
-    def gather(ps: list[int], gid: int) -> None:
-        # one all_gather_coalesced call: a single parameter is gathered straight into its own (padded) buffer;
-        # several go through one flat buffer that lives while any of them is still in the in-flight registry
-        nonlocal n_avail, copies
-        avail.update(ps)
-        n_avail += sum(numel[p] for p in ps)
-        if len(ps) == 1:
-            copied.add(ps[0])
-            copies += numel[ps[0]]
-            return
-        flats[gid] = sum(ceil_div(numel[p], n) for p in ps) * n
-        members[gid] = set(ps)
-        for p in ps:
-            group_of[p] = gid
-
-    for k, params in enumerate(trace):
-        to_fetch = [p for p in dict.fromkeys(params) if not persist[p] and p not in avail]
-        if to_fetch:
-            gather(to_fetch, 2 * k)
-        for p in params:  # wait: the first wait on a group copies every member out of its flat buffer
-            gid = group_of.pop(p, None)
-            if gid is None:
-                continue
-            if gid not in waited:
-                waited.add(gid)
-                fresh_copies = [q for q in members[gid] | {p} if q in avail and q not in copied]
-                copied.update(fresh_copies)
-                copies += sum(numel[q] for q in fresh_copies)
-            members[gid].discard(p)
-        peak = copies + sum(flats.values())
-        for gid in [g for g, m in members.items() if not m]:
-            del members[gid], flats[gid]
-        fresh = {p for p in params if most_recent.get(p, -1 << 62) < k}
-        for _ in range(len(fresh)):
-            if not queue:
-                break
-            p, step = queue.popleft()
-            most_recent[p] = step
-        if prefetch > 0:
-            budget = min(max_live - n_avail, prefetch)
-            picked: list[int] = []
-            got = 0
-            while queue and got < budget:
-                p, step = queue.popleft()
-                most_recent[p] = max(most_recent.get(p, -1 << 62), step)
-                if not persist[p] and p not in avail and p not in picked:
-                    picked.append(p)
-                    got += numel[p]
-            if picked:
-                gather(picked, 2 * k + 1)
-        settled.append(copies + sum(flats.values()))
-        at_step.append(max(peak, settled[-1]))
-        # release after the module ran (step_id is now k + 1)
-        end = bisect.bisect_left(prefix, prefix[k + 1] + max_reuse, lo=k + 1) if max_reuse > 0 else k + 1
-        for p in set(params):
-            if persist[p] or p not in avail or most_recent.get(p, -1 << 62) > k + 1 or next_use[k][p] < end:
-                continue
-            avail.discard(p)
-            n_avail -= numel[p]
-            if p in copied:
-                copied.discard(p)
-                copies -= numel[p]
-        after_release.append(copies + sum(flats.values()))
-
+    c = _Coordinator(inv, n, prefetch, max_live, max_reuse, threshold)
+    for k in range(len(c.trace)):
+        c.run_module(k)
+    nf, block_of, at = c.nf, c.block_of, c.at_step
     # the backward phase the engine names "backward" runs until the last block's modules are done
     last_block = next((b for b in reversed(block_of) if b != ROOT_BLOCK), ROOT_BLOCK)
     cut = max((k for k in range(nf, 2 * nf) if block_of[2 * nf - 1 - k] == last_block), default=2 * nf - 1)
-    first_block_bwd = range(nf, cut + 1)
-    rest = range(cut + 1, 2 * nf)
-    return Zero3Schedule(forward=max(at_step[:nf], default=0), forward_end=settled[nf - 1] if nf else 0,
-                         loss=max(after_release[nf - 1], at_step[nf]) if nf else 0,
-                         backward=max((at_step[k] for k in first_block_bwd), default=0),
-                         end=max((at_step[k] for k in rest), default=0),
-                         blocks=max((at_step[k] for k in range(nf, 2 * nf) if block_of[2 * nf - 1 - k] != ROOT_BLOCK),
+    return Zero3Schedule(forward=max(at[:nf], default=0), forward_end=c.settled[nf - 1] if nf else 0,
+                         loss=max(c.after_release[nf - 1], at[nf]) if nf else 0,
+                         backward=max((at[k] for k in range(nf, cut + 1)), default=0),
+                         end=max((at[k] for k in range(cut + 1, 2 * nf)), default=0),
+                         blocks=max((at[k] for k in range(nf, 2 * nf) if block_of[2 * nf - 1 - k] != ROOT_BLOCK),
                                     default=0))
+
+
+class _Coordinator:
+    """PartitionedParameterCoordinator's state over the trace (see _zero3_schedule): what is available, the
+    unsharded copies, the coalesced groups' flat buffers, the prefetch queue; elements gathered after each
+    module (at_step: the most while it ran; settled: after its waits and prefetch; after_release)."""
+
+    def __init__(self, inv: ParamInventory, n: int, prefetch: int, max_live: int, max_reuse: int,
+                 threshold: int) -> None:
+        from collections import deque
+
+        tensors = inv.tensors
+        self.n, self.prefetch, self.max_live, self.max_reuse = n, prefetch, max_live, max_reuse
+        self.numel = [t.numel for t in tensors]
+        self.persist = [t.numel <= threshold for t in tensors]
+        modules: dict[str, list[int]] = {}
+        for i, t in enumerate(tensors):
+            modules.setdefault(t.name.rsplit(".", 1)[0], []).append(i)
+        for i, t in enumerate(tensors):
+            for alias in t.tied_names:
+                modules.setdefault("tied:" + alias.rsplit(".", 1)[0], []).append(i)
+        fwd = list(modules.values())
+        self.block_of = [tensors[m[0]].block for m in fwd]
+        self.trace = fwd + fwd[::-1]
+        self.nf = len(fwd)
+        self.prefix = [0]
+        for m in self.trace:
+            self.prefix.append(self.prefix[-1] + sum(self.numel[p] for p in m))
+        # next use of each parameter after each step
+        self.next_use: list[dict[int, int]] = [{} for _ in self.trace]
+        last: dict[int, int] = {}
+        for k in range(len(self.trace) - 1, -1, -1):
+            for p in self.trace[k]:
+                self.next_use[k][p] = last.get(p, 1 << 62)
+            for p in self.trace[k]:
+                last[p] = k
+        self.queue = deque((p, k) for k, m in enumerate(self.trace) for p in sorted(m))
+        self.most_recent: dict[int, int] = {}
+        self.avail: set[int] = set()  # AVAILABLE or INFLIGHT (what DeepSpeed counts in __n_available_params)
+        self.copied: set[int] = set()  # the parameter's own unsharded tensor exists
+        self.n_avail = 0
+        self.copies = 0  # elements of unsharded parameter tensors
+        self.flats: dict[int, int] = {}  # coalesced group -> elements of its flat all-gather buffer
+        self.members: dict[int, set[int]] = {}  # coalesced group -> params still in the in-flight registry
+        self.group_of: dict[int, int] = {}
+        self.waited: set[int] = set()
+        self.at_step: list[int] = []
+        self.settled: list[int] = []  # after the waits' flat buffers are freed and the prefetch is issued
+        self.after_release: list[int] = []
+
+    def gather(self, ps: list[int], gid: int) -> None:
+        """One all_gather_coalesced call: a single parameter is gathered straight into its own (padded) buffer;
+        several go through one flat buffer that lives while any of them is still in the in-flight registry."""
+        self.avail.update(ps)
+        self.n_avail += sum(self.numel[p] for p in ps)
+        if len(ps) == 1:
+            self.copied.add(ps[0])
+            self.copies += self.numel[ps[0]]
+            return
+        self.flats[gid] = sum(ceil_div(self.numel[p], self.n) for p in ps) * self.n
+        self.members[gid] = set(ps)
+        for p in ps:
+            self.group_of[p] = gid
+
+    def wait(self, params: list[int]) -> None:
+        """The first wait on a group copies every member out of its flat buffer."""
+        for p in params:
+            gid = self.group_of.pop(p, None)
+            if gid is None:
+                continue
+            if gid not in self.waited:
+                self.waited.add(gid)
+                fresh_copies = [q for q in self.members[gid] | {p} if q in self.avail and q not in self.copied]
+                self.copied.update(fresh_copies)
+                self.copies += sum(self.numel[q] for q in fresh_copies)
+            self.members[gid].discard(p)
+
+    def prefetch_after(self, k: int, params: list[int]) -> None:
+        fresh = {p for p in params if self.most_recent.get(p, -1 << 62) < k}
+        for _ in range(len(fresh)):
+            if not self.queue:
+                break
+            p, step = self.queue.popleft()
+            self.most_recent[p] = step
+        if self.prefetch <= 0:
+            return
+        budget = min(self.max_live - self.n_avail, self.prefetch)
+        picked: list[int] = []
+        got = 0
+        while self.queue and got < budget:
+            p, step = self.queue.popleft()
+            self.most_recent[p] = max(self.most_recent.get(p, -1 << 62), step)
+            if not self.persist[p] and p not in self.avail and p not in picked:
+                picked.append(p)
+                got += self.numel[p]
+        if picked:
+            self.gather(picked, 2 * k + 1)
+
+    def release_after(self, k: int, params: list[int]) -> None:
+        """After the module ran (step_id is now k + 1)."""
+        import bisect
+
+        end = (bisect.bisect_left(self.prefix, self.prefix[k + 1] + self.max_reuse, lo=k + 1)
+               if self.max_reuse > 0 else k + 1)
+        for p in set(params):
+            if (self.persist[p] or p not in self.avail or self.most_recent.get(p, -1 << 62) > k + 1
+                    or self.next_use[k][p] < end):
+                continue
+            self.avail.discard(p)
+            self.n_avail -= self.numel[p]
+            if p in self.copied:
+                self.copied.discard(p)
+                self.copies -= self.numel[p]
+
+    def run_module(self, k: int) -> None:
+        params = self.trace[k]
+        to_fetch = [p for p in dict.fromkeys(params) if not self.persist[p] and p not in self.avail]
+        if to_fetch:
+            self.gather(to_fetch, 2 * k)
+        self.wait(params)
+        peak = self.copies + sum(self.flats.values())
+        for gid in [g for g, m in self.members.items() if not m]:
+            del self.members[gid], self.flats[gid]
+        self.prefetch_after(k, params)
+        self.settled.append(self.copies + sum(self.flats.values()))
+        self.at_step.append(max(peak, self.settled[-1]))
+        self.release_after(k, params)
+        self.after_release.append(self.copies + sum(self.flats.values()))
 
 
 def weights(job: Job) -> int:

@@ -39,6 +39,58 @@ _HETEROGENEOUS_KEYS = ("first_k_dense_replace", "layer_types", "mlp_only_layers"
                        "moe_layer_freq", "sliding_window_pattern")
 
 
+def _line(a: int, b: int) -> list[int]:
+    """The line c0 + c1*b through a value at micro-batch 2 and one at 4."""
+    slope = (b - a) // 2
+    if slope * 2 != b - a:
+        raise SettingsError("traced activation bytes are not linear in the micro-batch; "
+                            "use --activations analytic")
+    return [a - 2 * slope, slope]
+
+
+def _two_batches(config: dict[str, Any], depth: int | None, seq_len: int, recipe: str, attention: str,
+                 recompute: str, target: Target, linear: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The step traced at micro-batch 2 and 4, at ``depth`` blocks (None: the config's own)."""
+    from memplan.model.scaling import scale_config
+
+    cfg = scale_config(config, layers=depth)[0] if depth else config
+    a = one_step(cfg, 2, seq_len, recipe, attention, recompute, target, linear)
+    b = one_step(cfg, 4, seq_len, recipe, attention, recompute, target, linear)
+    if len(a["forward"]) != len(b["forward"]) or len(a["backward"]) != len(b["backward"]):
+        raise SettingsError("the traced step runs different operations at micro-batch 2 and 4; "
+                            "use --activations analytic")
+    return a, b
+
+
+def _block_backward(seg_a: list[list[int]], seg_b: list[list[int]]) -> dict[str, Any]:
+    """One block's backward: per gradient width w, the envelope of [c0, c1, g] where activations are
+    c0 + c1*b and the block's gradients so far g elements, ranked by c0 + c1*b + w*g."""
+    if len(seg_a) != len(seg_b) or any(x[1] != y[1] for x, y in zip(seg_a, seg_b)):
+        raise SettingsError("the traced backward runs different operations at micro-batch 2 and 4; "
+                            "use --activations analytic")
+    pts = [_line(x[0], y[0]) + [x[1]] for x, y in zip(seg_a, seg_b)]
+    # activations when the block's backward begins and when it ends (its input's gradient complete)
+    out: dict[str, Any] = {"start": pts[0][:2], "end": pts[-1][:2]}
+    for w in GRAD_WIDTHS:
+        env = _envelope([(c0 + w * g, c1, c0, g) for c0, c1, g in pts])
+        out[str(w)] = [[c0, c1, g] for _, c1, c0, g in env]
+    if all(len(x) > 2 for x in seg_a):
+        # the same with only the gradients whose hook has not run yet ("held2", "held4": ZeRO takes each
+        # gradient in its hook)
+        held = [p[:2] + [x[2]] for p, x in zip(pts, seg_a)]
+        for w in GRAD_WIDTHS:
+            env = _envelope([(c0 + w * g, c1, c0, g) for c0, c1, g in held])
+            out[f"held{w}"] = [[c0, c1, g] for _, c1, c0, g in env]
+    return out
+
+
+def _hooks(a: list[list[int]], b: list[list[int]]) -> list[list[int]]:
+    if len(a) != len(b) or any(x[1] != y[1] for x, y in zip(a, b)):
+        raise SettingsError("the traced backward runs different operations at micro-batch 2 and 4; "
+                            "use --activations analytic")
+    return [_line(x[0], y[0]) + [x[1]] for x, y in zip(a, b)]
+
+
 def trace_profile(config: dict[str, Any], *, seq_len: int, recipe: str, attention: str,
                   recompute: str, device: str = "cuda", linear: str = "aten",
                   target: Target | None = None) -> dict[str, Any]:
@@ -53,8 +105,6 @@ def trace_profile(config: dict[str, Any], *, seq_len: int, recipe: str, attentio
     """
     import transformers
 
-    from memplan.model.scaling import scale_config
-
     if trace_dtypes(recipe) is None:
         raise SettingsError(f"cannot trace activations for precision {recipe}")
     target = target or K.host_target(device)
@@ -65,16 +115,8 @@ def trace_profile(config: dict[str, Any], *, seq_len: int, recipe: str, attentio
     # blocks that differ are traced at full depth; a one-block model too (there is no second depth to subtract)
     heterogeneous = layers < 2 or any(config.get(k) for k in _HETEROGENEOUS_KEYS)
 
-    def run(depth: int | None) -> tuple[dict[str, Any], dict[str, Any]]:
-        cfg = scale_config(config, layers=depth)[0] if depth else config
-        a = one_step(cfg, 2, seq_len, recipe, attention, recompute, target, linear)
-        b = one_step(cfg, 4, seq_len, recipe, attention, recompute, target, linear)
-        if len(a["forward"]) != len(b["forward"]) or len(a["backward"]) != len(b["backward"]):
-            raise SettingsError("the traced step runs different operations at micro-batch 2 and 4; "
-                                "use --activations analytic")
-        return a, b
-
     try:
+        run = (lambda depth: _two_batches(config, depth, seq_len, recipe, attention, recompute, target, linear))
         if heterogeneous:
             top = run(None)
             low = None
@@ -87,52 +129,18 @@ def trace_profile(config: dict[str, Any], *, seq_len: int, recipe: str, attentio
         raise SettingsError(f"tracing activations failed ({type(exc).__name__}: {first[:200]}); "
                             "use --activations analytic") from None
 
-    def line(a: int, b: int) -> list[int]:
-        slope = (b - a) // 2
-        if slope * 2 != b - a:
-            raise SettingsError("traced activation bytes are not linear in the micro-batch; "
-                                "use --activations analytic")
-        return [a - 2 * slope, slope]
-
     def envelope(key: str) -> list[list[int]]:
-        return _envelope([tuple(line(a, b)) for a, b in zip(top[0][key], top[1][key])])  # type: ignore[misc]
+        return _envelope([tuple(_line(a, b)) for a, b in zip(top[0][key], top[1][key])])  # type: ignore[misc]
 
-    live = line(top[0]["live"], top[1]["live"])
-    per_layer = [0, 0] if low is None else [x - y for x, y in zip(live, line(low[0]["live"], low[1]["live"]))]
-
-    def block_backward(seg_a: list[list[int]], seg_b: list[list[int]]) -> dict[str, Any]:
-        """One block's backward: per gradient width w, the envelope of [c0, c1, g] where activations are
-        c0 + c1*b and the block's gradients so far g elements, ranked by c0 + c1*b + w*g."""
-        if len(seg_a) != len(seg_b) or any(x[1] != y[1] for x, y in zip(seg_a, seg_b)):
-            raise SettingsError("the traced backward runs different operations at micro-batch 2 and 4; "
-                                "use --activations analytic")
-        pts = [line(x[0], y[0]) + [x[1]] for x, y in zip(seg_a, seg_b)]
-        # activations when the block's backward begins and when it ends (its input's gradient complete)
-        out: dict[str, Any] = {"start": pts[0][:2], "end": pts[-1][:2]}
-        for w in GRAD_WIDTHS:
-            env = _envelope([(c0 + w * g, c1, c0, g) for c0, c1, g in pts])
-            out[str(w)] = [[c0, c1, g] for _, c1, c0, g in env]
-        if all(len(x) > 2 for x in seg_a):
-            # the same with only the gradients whose hook has not run yet ("held2", "held4": ZeRO takes each
-            # gradient in its hook)
-            held = [p[:2] + [x[2]] for p, x in zip(pts, seg_a)]
-            for w in GRAD_WIDTHS:
-                env = _envelope([(c0 + w * g, c1, c0, g) for c0, c1, g in held])
-                out[f"held{w}"] = [[c0, c1, g] for _, c1, c0, g in env]
-        return out
+    live = _line(top[0]["live"], top[1]["live"])
+    per_layer = [0, 0] if low is None else [x - y for x, y in zip(live, _line(low[0]["live"], low[1]["live"]))]
 
     segs = [(x, y) for x, y in zip(top[0]["blocks"], top[1]["blocks"])]
-    blocks = [block_backward(x, y) for x, y in segs[:2]]
-    first = block_backward(*segs[-1]) if segs else None
-    loss_bwd = block_backward(top[0]["loss_backward"], top[1]["loss_backward"])
+    blocks = [_block_backward(x, y) for x, y in segs[:2]]
+    first = _block_backward(*segs[-1]) if segs else None
+    loss_bwd = _block_backward(top[0]["loss_backward"], top[1]["loss_backward"])
 
-    def hooks(a: list[list[int]], b: list[list[int]]) -> list[list[int]]:
-        if len(a) != len(b) or any(x[1] != y[1] for x, y in zip(a, b)):
-            raise SettingsError("the traced backward runs different operations at micro-batch 2 and 4; "
-                                "use --activations analytic")
-        return [line(x[0], y[0]) + [x[1]] for x, y in zip(a, b)]
-
-    hk = [hooks(x, y) for x, y in zip(top[0]["hooks"], top[1]["hooks"])]
+    hk = [_hooks(x, y) for x, y in zip(top[0]["hooks"], top[1]["hooks"])]
     for blk, h in zip(blocks, hk[:2]):
         blk["hooks"] = h
     if first is not None and hk:
@@ -144,7 +152,7 @@ def trace_profile(config: dict[str, Any], *, seq_len: int, recipe: str, attentio
         "num_layers": layers, "traced_layers": layers if heterogeneous else 2,
         "live_after_forward": live,  #: at the traced depth
         "per_layer": per_layer,  #: one more block (zero when traced at full depth)
-        "saved_for_backward": line(top[0]["saved"], top[1]["saved"]),
+        "saved_for_backward": _line(top[0]["saved"], top[1]["saved"]),
         "forward_peak": envelope("forward"),
         "backward_peak": envelope("backward"),
         #: the last and the one-before-last block's backward with their own gradients (see _block_segments)
@@ -155,11 +163,11 @@ def trace_profile(config: dict[str, Any], *, seq_len: int, recipe: str, attentio
         #: _loss_segment), every block's saved activations below it
         "loss_backward": loss_bwd,
         #: live bytes at the last hook of a parameter outside the blocks before them (see _root_hooks_done)
-        "root_hooks_done": (line(top[0]["root_hooks_done"], top[1]["root_hooks_done"])
+        "root_hooks_done": (_line(top[0]["root_hooks_done"], top[1]["root_hooks_done"])
                             if top[0]["root_hooks_done"] is not None and top[1]["root_hooks_done"] is not None
                             else None),
         #: live bytes when the last block's forward begins (everything before it saved, nothing of the loss)
-        "last_block_forward_start": line(top[0]["last_block_forward_start"], top[1]["last_block_forward_start"]),
+        "last_block_forward_start": _line(top[0]["last_block_forward_start"], top[1]["last_block_forward_start"]),
         #: the most live during the last block's forward (its own activations and temporaries)
         "last_block_forward_peak": envelope("last_block_forward") if top[0]["last_block_forward"] else [[0, 0]],
         #: the SDPA kernels the step ran ("fused", "math") and why the math one

@@ -183,68 +183,41 @@ def kernel_target(c: Cluster) -> Any:
     return Target(device="cuda", arch=c.gpu_arch)
 
 
-def resolve(inv: ParamInventory, *, gpus: int = 1, gpus_per_node: int | None = None, stage: int | None = None,
-            strategy: str | None = None, precision: str | None = None, optimizer: str | None = None,
-            optimizer_impl: str | None = None, micro_batch: int | None = None, seq_len: int | None = None,
-            grad_accum: int | None = None, recompute: str = "none", attention: str = "sdpa",
-            gpu: str | None = None, gpu_memory_size: str | None = None, device: str = "cuda",
-            deepspeed: str | None = None, ds_overrides: dict[str, Any] | None = None,
-            torch_overrides: dict[str, Any] | None = None,
-            overhead_overrides: dict[str, Any] | None = None, config: dict[str, Any] | None = None,
-            activations: str = "auto", cpu_isa: str | None = None, gpu_arch: str | None = None,
-            allocator_conf: str | None = None, host_memory_size: str | None = None,
-            pin_memory: bool | None = None) -> Resolved:
-    sources: dict[str, str] = {}
-    notes: list[str] = []
-    ds_file = dsconfig.load(deepspeed) if deepspeed else None
-    if ds_file and ds_file.unknown_keys:
-        notes.append(f"{deepspeed}: ignored keys not modelled: {', '.join(ds_file.unknown_keys)}")
+class _Picker:
+    """Each setting from the command line, else the ds_config, else memplan's default; ``sources`` says which won
+    and ``notes`` where the command line overrode the file."""
 
-    if stage is not None and strategy is not None:
-        raise SettingsError("give --stage or --strategy, not both")
-    if stage is not None and stage not in STAGE_TO_STRATEGY:
-        raise SettingsError(f"--stage must be 0, 1, 2 or 3, got {stage}")
+    def __init__(self, deepspeed: str | None) -> None:
+        self.deepspeed = deepspeed
+        self.sources: dict[str, str] = {}
+        self.notes: list[str] = []
 
-    def pick(name: str, cli: Any, from_file: Any, default: Any) -> Any:
+    def __call__(self, name: str, cli: Any, from_file: Any, default: Any) -> Any:
         if cli is not None:
             if from_file is not None and from_file != cli:
-                notes.append(f"{name}: command line {cli!r} overrides {deepspeed} {from_file!r}")
-            sources[name] = "command line"
+                self.notes.append(f"{name}: command line {cli!r} overrides {self.deepspeed} {from_file!r}")
+            self.sources[name] = "command line"
             return cli
         if from_file is not None:
-            sources[name] = str(deepspeed)
+            self.sources[name] = str(self.deepspeed)
             return from_file
-        sources[name] = "default"
+        self.sources[name] = "default"
         return default
 
-    cli_strategy = STAGE_TO_STRATEGY[stage] if stage is not None else strategy
-    file_strategy = STAGE_TO_STRATEGY.get(ds_file.stage) if ds_file and ds_file.stage is not None else None
-    strat = get_strategy(pick("strategy", cli_strategy, file_strategy, "zero3" if ds_file else "ddp"))
-    recipe = get_recipe(pick("precision", precision, ds_file.recipe if ds_file else None,
-                             DEFAULT_RECIPE[strat.framework]))
-    opt = get_optimizer(pick("optimizer", optimizer, ds_file.optimizer if ds_file else None, "adamw"))
-    file_mb = ds_file.micro_batch if ds_file and ds_file.micro_batch != "auto" else None
-    file_ga = ds_file.grad_accum if ds_file and ds_file.grad_accum != "auto" else None
-    mb = pick("micro_batch", micro_batch, file_mb, 1)
-    ga = pick("grad_accum", grad_accum, file_ga, 1)
-    seq = seq_len if seq_len is not None else 2048
-    sources["seq_len"] = "command line" if seq_len is not None else "default"
 
-    if pin_memory is not None:  # DeepSpeed offload's pin_memory, and FSDP CPUOffloadPolicy's
-        ds_overrides = dict(ds_overrides or {}, offload_pin_memory=pin_memory)
-        torch_overrides = dict(torch_overrides or {}, cpu_offload_pin_memory=pin_memory)
-    knob_values: dict[str, Any] = {}
+def _ds_knobs(pick: _Picker, ds_file: Any, inv: ParamInventory, overrides: dict[str, Any],
+              strat: Any) -> DeepSpeedKnobs:
+    """DeepSpeed's knobs, each from the command line, else the ds_config, else DeepSpeed's default."""
+    values: dict[str, Any] = {}
     file_knobs = dsconfig.resolve_auto(ds_file.knobs, inv.dims.get("hidden_size")) if ds_file else {}
-    ds_fields = {f.name for f in fields(DeepSpeedKnobs)}
-    for name in ds_fields:
-        cli_v = (ds_overrides or {}).get(name)
-        value = pick(name, cli_v, file_knobs.get(name), None)
+    for name in {f.name for f in fields(DeepSpeedKnobs)}:
+        value = pick(name, overrides.get(name), file_knobs.get(name), None)
         if value is not None:
-            knob_values[name] = value
-    for key, value in knob_values.items():
+            values[name] = value
+    for key, value in values.items():
         if isinstance(value, int) and not isinstance(value, bool) and value < 0:
             raise SettingsError(f"{key.replace('_', '-')} must not be negative, got {value}")
-    ds = DeepSpeedKnobs(**knob_values)
+    ds = DeepSpeedKnobs(**values)
     if ds.offload_param and strat.zero_stage != 3:
         raise SettingsError("parameter offload (offload_param) needs ZeRO stage 3")
     if ds.offload_optimizer and not (strat.framework == "deepspeed" and strat.zero_stage >= 1):
@@ -252,7 +225,11 @@ def resolve(inv: ParamInventory, *, gpus: int = 1, gpus_per_node: int | None = N
                             f"1, 2 or 3, not {strat.name} (FSDP offloads with --cpu-offload)")
     if ds.hpz_partition_size < 1:
         raise SettingsError(f"zero_hpz_partition_size must be at least 1, got {ds.hpz_partition_size}")
-    tk = TorchKnobs(**{k: v for k, v in (torch_overrides or {}).items() if v is not None})
+    return ds
+
+
+def _torch_knobs(overrides: dict[str, Any], strat: Any) -> TorchKnobs:
+    tk = TorchKnobs(**{k: v for k, v in overrides.items() if v is not None})
     if tk.bucket_cap_mb <= 0:
         raise SettingsError(f"--bucket-cap-mb must be positive, got {tk.bucket_cap_mb}")
     if tk.fsdp_version not in (1, 2):
@@ -260,14 +237,23 @@ def resolve(inv: ParamInventory, *, gpus: int = 1, gpus_per_node: int | None = N
     if tk.cpu_offload and not strat.framework.startswith("fsdp"):
         raise SettingsError(f"--cpu-offload is FSDP's CPUOffloadPolicy, not for {strat.name} (DeepSpeed offloads "
                             "with --offload-optimizer / --offload-param)")
-    strat = get_strategy(strat.name, tk.fsdp_version)
-    ov_in = {k: v for k, v in (overhead_overrides or {}).items() if v is not None}
-    workspace = ov_in.pop("blas_workspace_bytes", None)
-    ov = Overheads(**ov_in)
+    return tk
+
+
+def _overheads(overrides: dict[str, Any]) -> tuple[Overheads, int | None]:
+    """The overheads given, and the cuBLAS workspace if given (it goes to the cluster)."""
+    given = {k: v for k, v in overrides.items() if v is not None}
+    workspace = given.pop("blas_workspace_bytes", None)
+    ov = Overheads(**given)
     for k in ("cuda_context_bytes", "nccl_bytes_per_communicator", "fragmentation_percent"):
         if getattr(ov, k) is not None and getattr(ov, k) < 0:
             raise SettingsError(f"{k.replace('_', '-')} must not be negative, got {getattr(ov, k)}")
+    return ov, workspace
 
+
+def _cluster(*, gpus: int, gpus_per_node: int | None, gpu: str | None, gpu_memory_size: str | None, device: str,
+             gpu_arch: str | None, cpu_isa: str | None, host_memory_size: str | None, workspace: int | None,
+             notes: list[str]) -> Cluster:
     mem, how = gpu_memory(gpu, gpu_memory_size)
     if how:
         notes.append(f"GPU memory: {how}")
@@ -287,11 +273,56 @@ def resolve(inv: ParamInventory, *, gpus: int = 1, gpus_per_node: int | None = N
         if device != "cpu":
             raise SettingsError("--cpu-isa applies to --device cpu")
     host_mem = parse_size(host_memory_size)[0] if host_memory_size else None
-    cluster = Cluster(gpus=gpus, gpus_per_node=gpus_per_node if gpus_per_node is not None else min(gpus, 8) or 1,
-                      gpu_memory_bytes=mem, device=device, gpu_arch=arch, cpu_isa=cpu_isa,
-                      host_memory_bytes=host_mem,
-                      **({} if workspace is None else {"blas_workspace_bytes": workspace}))
-    conf = _allocator_conf(allocator_conf, device, notes, sources)
+    return Cluster(gpus=gpus, gpus_per_node=gpus_per_node if gpus_per_node is not None else min(gpus, 8) or 1,
+                   gpu_memory_bytes=mem, device=device, gpu_arch=arch, cpu_isa=cpu_isa, host_memory_bytes=host_mem,
+                   **({} if workspace is None else {"blas_workspace_bytes": workspace}))
+
+
+def resolve(inv: ParamInventory, *, gpus: int = 1, gpus_per_node: int | None = None, stage: int | None = None,
+            strategy: str | None = None, precision: str | None = None, optimizer: str | None = None,
+            optimizer_impl: str | None = None, micro_batch: int | None = None, seq_len: int | None = None,
+            grad_accum: int | None = None, recompute: str = "none", attention: str = "sdpa",
+            gpu: str | None = None, gpu_memory_size: str | None = None, device: str = "cuda",
+            deepspeed: str | None = None, ds_overrides: dict[str, Any] | None = None,
+            torch_overrides: dict[str, Any] | None = None,
+            overhead_overrides: dict[str, Any] | None = None, config: dict[str, Any] | None = None,
+            activations: str = "auto", cpu_isa: str | None = None, gpu_arch: str | None = None,
+            allocator_conf: str | None = None, host_memory_size: str | None = None,
+            pin_memory: bool | None = None) -> Resolved:
+    pick = _Picker(deepspeed)
+    notes = pick.notes
+    ds_file = dsconfig.load(deepspeed) if deepspeed else None
+    if ds_file and ds_file.unknown_keys:
+        notes.append(f"{deepspeed}: ignored keys not modelled: {', '.join(ds_file.unknown_keys)}")
+    if stage is not None and strategy is not None:
+        raise SettingsError("give --stage or --strategy, not both")
+    if stage is not None and stage not in STAGE_TO_STRATEGY:
+        raise SettingsError(f"--stage must be 0, 1, 2 or 3, got {stage}")
+
+    cli_strategy = STAGE_TO_STRATEGY[stage] if stage is not None else strategy
+    file_strategy = STAGE_TO_STRATEGY.get(ds_file.stage) if ds_file and ds_file.stage is not None else None
+    strat = get_strategy(pick("strategy", cli_strategy, file_strategy, "zero3" if ds_file else "ddp"))
+    recipe = get_recipe(pick("precision", precision, ds_file.recipe if ds_file else None,
+                             DEFAULT_RECIPE[strat.framework]))
+    opt = get_optimizer(pick("optimizer", optimizer, ds_file.optimizer if ds_file else None, "adamw"))
+    file_mb = ds_file.micro_batch if ds_file and ds_file.micro_batch != "auto" else None
+    file_ga = ds_file.grad_accum if ds_file and ds_file.grad_accum != "auto" else None
+    mb = pick("micro_batch", micro_batch, file_mb, 1)
+    ga = pick("grad_accum", grad_accum, file_ga, 1)
+    seq = seq_len if seq_len is not None else 2048
+    pick.sources["seq_len"] = "command line" if seq_len is not None else "default"
+
+    ds_overrides, torch_overrides = dict(ds_overrides or {}), dict(torch_overrides or {})
+    if pin_memory is not None:  # DeepSpeed offload's pin_memory, and FSDP CPUOffloadPolicy's
+        ds_overrides["offload_pin_memory"] = torch_overrides["cpu_offload_pin_memory"] = pin_memory
+    ds = _ds_knobs(pick, ds_file, inv, ds_overrides, strat)
+    tk = _torch_knobs(torch_overrides, strat)
+    strat = get_strategy(strat.name, tk.fsdp_version)
+    ov, workspace = _overheads(overhead_overrides or {})
+    cluster = _cluster(gpus=gpus, gpus_per_node=gpus_per_node, gpu=gpu, gpu_memory_size=gpu_memory_size,
+                       device=device, gpu_arch=gpu_arch, cpu_isa=cpu_isa, host_memory_size=host_memory_size,
+                       workspace=workspace, notes=notes)
+    conf = _allocator_conf(allocator_conf, device, notes, pick.sources)
     settings = Settings(strategy=strat, recipe=recipe, optimizer=opt, cluster=cluster, optimizer_impl=optimizer_impl,
                         micro_batch=mb, seq_len=seq, grad_accum=ga, recompute=recompute, attention=attention,
                         ds=ds, torch=tk, overheads=ov, allocator_conf=conf)
@@ -299,4 +330,4 @@ def resolve(inv: ParamInventory, *, gpus: int = 1, gpus_per_node: int | None = N
     max_pos = inv.dims.get("max_positions")
     if max_pos and seq > max_pos:
         notes.append(f"warning: seq-len {seq} exceeds the model's max_position_embeddings {max_pos}")
-    return Resolved(settings=settings, sources=sources, notes=tuple(notes))
+    return Resolved(settings=settings, sources=pick.sources, notes=tuple(notes))

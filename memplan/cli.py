@@ -506,6 +506,11 @@ def _root(version: Optional[bool] = typer.Option(None, "--version", callback=_ve
     """memplan: how many bytes each GPU holds at its peak, and whether it fits."""
 
 
+def _one_line(text: str) -> str:
+    """A message on one line: what other libraries put on several (transformers' validation text) is joined."""
+    return "; ".join(part.strip() for part in text.strip().splitlines() if part.strip())
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point: run the typer app with one error boundary."""
     try:  # typer >= 0.26 vendors click as typer._click; its exceptions are not click's, and Abort / Exit
@@ -519,10 +524,11 @@ def main(argv: list[str] | None = None) -> None:
     try:
         rc = command.main(args=argv, prog_name="memplan", standalone_mode=False)
     except MemplanError as exc:
-        sys.stderr.write(f"Error: {exc}\n")
+        sys.stderr.write(f"Error: {_one_line(str(exc))}\n")
         sys.exit(exc.exit_code)
-    except click_exc.UsageError as exc:
-        exc.show()
+    except click_exc.UsageError as exc:  # one line, as every other input error (click prints usage and a hint)
+        where = f"memplan {exc.ctx.info_name}: " if exc.ctx is not None and exc.ctx.parent is not None else ""
+        sys.stderr.write(f"Error: {where}{_one_line(exc.format_message())} (--help lists the options)\n")
         sys.exit(2)
     except Abort:
         sys.stderr.write("Aborted.\n")

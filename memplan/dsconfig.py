@@ -10,6 +10,7 @@ values are errors.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -49,12 +50,49 @@ class DsConfig:
     micro_batch: int | str | None  #: "auto" kept as the string until resolved
     grad_accum: int | str | None
     unknown_keys: tuple[str, ...]
+    notes: tuple[str, ...] = ()
+
+
+#: the largest count a ds_config value may hold (2^62): beyond it no buffer or batch is real
+_MAX_INT = 1 << 62
 
 
 def _int(value: Any, key: str, path: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 or int(value) != value:
+    """A count, as DeepSpeed's config model reads one (an integer, or a float with an integer value, as 5e8)."""
+    if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0
+            or int(value) != value or value > _MAX_INT):
         raise ConfigError(f"{path}: {key} must be a non-negative integer or \"auto\", got {value!r}")
     return int(value)
+
+
+#: the strings pydantic (DeepSpeed's config models) reads as booleans in its lax mode
+_BOOL_STRINGS = {"true": True, "yes": True, "on": True, "1": True, "false": False, "no": False, "off": False, "0": False}
+
+
+def _bool(value: Any, key: str, path: str) -> bool:
+    """A boolean as DeepSpeed's pydantic config models read it: true/false, 0/1, or their lax strings."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.strip().lower() in _BOOL_STRINGS:
+        return _BOOL_STRINGS[value.strip().lower()]
+    raise ConfigError(f"{path}: {key} must be true or false, got {value!r}")
+
+
+def _precision_enabled(data: dict[str, Any], key: str, path: str) -> bool | None:
+    """Whether the "bf16" / "fp16" section enables it (None: absent). DeepSpeed builds the section's config model
+    from the object's keys (precision_config.py get_bfloat16_config: DeepSpeedBF16Config(**param_dict["bf16"])),
+    so anything but an object fails there too."""
+    if key not in data:
+        return None
+    section = data[key]
+    if section is None:
+        return None
+    if not isinstance(section, dict):
+        raise ConfigError(f"{path}: \"{key}\" must be an object such as {{\"enabled\": true}} (DeepSpeed builds "
+                          f"its config from the object's keys), got {section!r}")
+    return _bool(section.get("enabled", False), f"{key}.enabled", path)
 
 
 def load(path: str) -> DsConfig:
@@ -77,14 +115,13 @@ def load(path: str) -> DsConfig:
     if stage is not None and (isinstance(stage, bool) or stage not in (0, 1, 2, 3)):
         raise ConfigError(f"{path}: zero_optimization.stage must be 0, 1, 2 or 3, got {stage!r}")
     knobs: dict[str, Any] = {}
+    notes: list[str] = []
     for key, value in zero.items():
         if key in ZERO_KEYS:
             if value == "auto":
                 knobs[ZERO_KEYS[key]] = "auto"
             elif key in BOOL_KEYS:
-                if not isinstance(value, bool):
-                    raise ConfigError(f"{path}: zero_optimization.{key} must be true or false, got {value!r}")
-                knobs[ZERO_KEYS[key]] = value
+                knobs[ZERO_KEYS[key]] = _bool(value, f"zero_optimization.{key}", path)
             else:
                 knobs[ZERO_KEYS[key]] = _int(value, f"zero_optimization.{key}", path)
         elif key not in ZERO_IGNORED:
@@ -99,17 +136,22 @@ def load(path: str) -> DsConfig:
         if device not in ("cpu", "nvme", "none"):
             raise ConfigError(f"{path}: zero_optimization.{key}.device must be cpu, nvme or none, got {device!r}")
         knobs[field_name] = device != "none"
-        pin = sub.get("pin_memory", False)
-        if not isinstance(pin, bool):
-            raise ConfigError(f"{path}: zero_optimization.{key}.pin_memory must be true or false, got {pin!r}")
+        if device == "nvme":
+            notes.append(f"zero_optimization.{key}.device nvme: modelled as host (cpu) offload; the NVMe swap "
+                         "buffers (aio_config) are not counted")
+        pin = _bool(sub.get("pin_memory", False), f"zero_optimization.{key}.pin_memory", path)
         if device != "none" and pin:
             knobs["offload_pin_memory"] = True
     recipe = None
-    if (data.get("bf16") or {}).get("enabled") is True:
+    bf16, fp16 = _precision_enabled(data, "bf16", path), _precision_enabled(data, "fp16", path)
+    if bf16 and fp16:
+        raise ConfigError(f"{path}: bf16 and fp16 are both enabled (DeepSpeed: \"bfloat16 and fp16 modes cannot be "
+                          "simultaneously enabled\", runtime/config.py)")
+    if bf16:
         recipe = "deepspeed-bf16"
-    elif (data.get("fp16") or {}).get("enabled") is True:
+    elif fp16:
         recipe = "deepspeed-fp16"
-    elif "bf16" in data or "fp16" in data:
+    elif bf16 is not None or fp16 is not None:
         recipe = "fp32"
     optimizer = None
     if isinstance(data.get("optimizer"), dict):
@@ -125,7 +167,7 @@ def load(path: str) -> DsConfig:
     if ga not in (None, "auto"):
         ga = _int(ga, "gradient_accumulation_steps", path)
     return DsConfig(path=str(path), stage=stage, knobs=knobs, recipe=recipe, optimizer=optimizer,
-                    micro_batch=mb, grad_accum=ga, unknown_keys=tuple(unknown))
+                    micro_batch=mb, grad_accum=ga, unknown_keys=tuple(unknown), notes=tuple(notes))
 
 
 def resolve_auto(knobs: dict[str, Any], hidden_size: int | None) -> dict[str, Any]:

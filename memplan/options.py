@@ -210,7 +210,7 @@ def _ds_knobs(pick: _Picker, ds_file: Any, inv: ParamInventory, overrides: dict[
     """DeepSpeed's knobs, each from the command line, else the ds_config, else DeepSpeed's default."""
     values: dict[str, Any] = {}
     file_knobs = dsconfig.resolve_auto(ds_file.knobs, inv.dims.get("hidden_size")) if ds_file else {}
-    for name in {f.name for f in fields(DeepSpeedKnobs)}:
+    for name in [f.name for f in fields(DeepSpeedKnobs)]:  # declaration order: the JSON's order is stable
         value = pick(name, overrides.get(name), file_knobs.get(name), None)
         if value is not None:
             values[name] = value
@@ -230,6 +230,8 @@ def _ds_knobs(pick: _Picker, ds_file: Any, inv: ParamInventory, overrides: dict[
 
 def _torch_knobs(overrides: dict[str, Any], strat: Any) -> TorchKnobs:
     tk = TorchKnobs(**{k: v for k, v in overrides.items() if v is not None})
+    if tk.hsdp_shard_size is not None and tk.hsdp_shard_size < 1:
+        raise SettingsError(f"--hsdp-shard-size must be at least 1, got {tk.hsdp_shard_size}")
     if tk.bucket_cap_mb <= 0:
         raise SettingsError(f"--bucket-cap-mb must be positive, got {tk.bucket_cap_mb}")
     if tk.fsdp_version not in (1, 2):
@@ -294,6 +296,7 @@ def resolve(inv: ParamInventory, *, gpus: int = 1, gpus_per_node: int | None = N
     ds_file = dsconfig.load(deepspeed) if deepspeed else None
     if ds_file and ds_file.unknown_keys:
         notes.append(f"{deepspeed}: ignored keys not modelled: {', '.join(ds_file.unknown_keys)}")
+    notes.extend(f"{deepspeed}: {n}" for n in (ds_file.notes if ds_file else ()))
     if stage is not None and strategy is not None:
         raise SettingsError("give --stage or --strategy, not both")
     if stage is not None and stage not in STAGE_TO_STRATEGY:

@@ -24,7 +24,7 @@ from typing import Any
 from memplan import accounting, options
 from memplan.errors import SettingsError
 from memplan.model.inventory import ParamInventory
-from memplan.settings import Settings, with_gpus
+from memplan.settings import MAX_GPUS, Settings, with_gpus
 from memplan.strategies import STRATEGIES
 
 RECOMPUTE_ORDER = ("none", "selective", "full")
@@ -156,8 +156,8 @@ def _exact_largest(inv: ParamInventory, s: Settings, mbs: tuple[int, ...], budge
 SHARE_GUESS = 0.12
 
 
-#: the largest cluster and micro-batch plan searches (refused above: the search enumerates them)
-MAX_GPUS = 1 << 20
+#: the largest micro-batch plan searches (refused above: the search enumerates them; the GPU count's bound is
+#: settings.MAX_GPUS, which every command shares)
 MAX_MICRO_BATCH = 4096
 
 

@@ -42,7 +42,8 @@ def plan_report(plan: Any, sources: dict[str, str] | None = None, notes: tuple[s
                                 "micro_batch": s.micro_batch, "seq_len": s.seq_len, "grad_accum": s.grad_accum,
                                 "recompute": s.recompute, "attention": s.attention}
     if st.framework == "deepspeed":
-        strategy["deepspeed"] = asdict(s.ds)
+        # each value once, as used: overlap_comm as DeepSpeed resolves its default (True for stage 3)
+        strategy["deepspeed"] = dict(asdict(s.ds), overlap_comm=plan.assumptions.get("overlap_comm", s.ds.overlap_comm))
     else:
         strategy["torch"] = asdict(s.torch)
     per_gpu = {k: getattr(peak, k) for k in CATEGORY_KEYS}

@@ -96,6 +96,15 @@ def default_blas_workspace(arch: str) -> int:
     return 32 * MiB if arch == "sm90" else 4096 * 1024 * 2 + 16 * 1024 * 8
 
 
+#: the largest values memplan sizes: past them no cluster or job exists, and arithmetic on them means nothing
+#: (the planner searches within the same bounds)
+MAX_GPUS = 1 << 20
+MAX_GPUS_PER_NODE = 1 << 10
+MAX_MICRO_BATCH = 1 << 20
+MAX_SEQ_LEN = 1 << 26
+MAX_GRAD_ACCUM = 1 << 20
+
+
 @dataclass(frozen=True, kw_only=True)
 class Cluster:
     gpus: int = 1
@@ -119,8 +128,13 @@ class Cluster:
     def __post_init__(self) -> None:
         if self.gpus < 1:
             raise SettingsError(f"--gpus must be at least 1, got {self.gpus}")
+        if self.gpus > MAX_GPUS:
+            raise SettingsError(f"--gpus {self.gpus} is more than the {MAX_GPUS:,} GPUs memplan sizes")
         if self.gpus_per_node < 1:
             raise SettingsError(f"--gpus-per-node must be at least 1, got {self.gpus_per_node}")
+        if self.gpus_per_node > MAX_GPUS_PER_NODE:
+            raise SettingsError(f"--gpus-per-node {self.gpus_per_node} is more than the {MAX_GPUS_PER_NODE:,} "
+                                "GPUs any node holds")
         if self.gpus > self.gpus_per_node and self.gpus % self.gpus_per_node:
             raise SettingsError(f"gpus({self.gpus}) is not a multiple of gpus_per_node({self.gpus_per_node})")
         if self.device not in ("cuda", "cpu"):
@@ -154,9 +168,12 @@ class Settings:
     allocator_conf: str = ""
 
     def __post_init__(self) -> None:
-        for name in ("micro_batch", "seq_len", "grad_accum"):
-            if getattr(self, name) < 1:
-                raise SettingsError(f"{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        for name, most in (("micro_batch", MAX_MICRO_BATCH), ("seq_len", MAX_SEQ_LEN), ("grad_accum", MAX_GRAD_ACCUM)):
+            value = getattr(self, name)
+            if value < 1:
+                raise SettingsError(f"{name.replace('_', '-')} must be at least 1, got {value}")
+            if value > most:
+                raise SettingsError(f"{name.replace('_', '-')} {value:,} is more than the {most:,} memplan sizes")
         if self.optimizer_impl is not None and self.optimizer_impl not in OPTIMIZER_IMPLS:
             raise SettingsError(f"unknown optimizer implementation {self.optimizer_impl!r}; "
                                 f"valid: {', '.join(OPTIMIZER_IMPLS)}")

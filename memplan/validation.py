@@ -3,6 +3,7 @@ the engine), measure, compare."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -75,10 +76,10 @@ def validate(model: str, *, layers: int | None = None, hidden: int | None = None
              warmup_steps: int = 2, measured_steps: int = 1, timeout_s: float = 600.0, tolerance: float = 0.03,
              device: str | None = None, progress: Callable[[str], None] | None = None,
              **resolve_kwargs: Any) -> Validation:
-    if tolerance <= 0:
-        raise SettingsError(f"--tolerance must be positive, got {tolerance}")
-    if timeout_s <= 0:
-        raise SettingsError(f"--timeout must be positive, got {timeout_s}")
+    if not math.isfinite(tolerance) or tolerance <= 0:
+        raise SettingsError(f"--tolerance must be a positive number, got {tolerance}")
+    if not math.isfinite(timeout_s) or timeout_s <= 0:  # nan or inf would switch the hang guard off
+        raise SettingsError(f"--timeout must be a positive number of seconds, got {timeout_s}")
     device = device or default_device()
     if device == "cuda":
         import torch

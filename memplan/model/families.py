@@ -408,6 +408,53 @@ def model_dims(config: Mapping[str, Any]) -> dict[str, int]:
     return dims
 
 
+#: structural sizes a config may give, by meaning, with the largest value any real model approaches times a
+#: wide margin: past them an inventory or a trace would take hours (a 10^12-layer config), so they are refused
+_STRUCTURAL = {"hidden_size": 1 << 20, "n_embd": 1 << 20, "d_model": 1 << 20, "num_hidden_layers": 100_000,
+               "n_layer": 100_000, "num_layers": 100_000, "num_attention_heads": 1 << 16, "n_head": 1 << 16,
+               "num_key_value_heads": 1 << 16, "head_dim": 1 << 16, "vocab_size": 1 << 31,
+               "intermediate_size": 1 << 24, "n_inner": 1 << 24, "moe_intermediate_size": 1 << 24,
+               "num_local_experts": 1 << 16, "num_experts": 1 << 16, "n_routed_experts": 1 << 16,
+               "num_experts_per_tok": 1 << 16, "max_position_embeddings": 1 << 34, "n_positions": 1 << 34}
+#: flags a config may give, which transformers reads as booleans
+_FLAGS = ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_bias", "bias")
+
+
+def check_config(config: Mapping[str, Any]) -> list[str]:
+    """The checks every builder applies to a config.json before building (analytic, meta device, or a trace):
+    structural sizes are positive integers within reach of a real model, flags are booleans, the attention
+    heads divide the hidden size where no head_dim is given and the key/value heads divide the heads (as
+    transformers' attention modules require). Returns notes for sizes the config leaves to its family's
+    defaults (transformers' config class supplies them)."""
+    for key, most in _STRUCTURAL.items():
+        v = config.get(key)
+        if v is None:
+            continue
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ConfigError(f"config field {key!r} must be a positive integer, got {v!r}")
+        if v > most:
+            raise ConfigError(f"config field {key!r} is {v:,}, more than any model memplan can size ({most:,})")
+    for key in _FLAGS:
+        v = config.get(key)
+        if v is not None and not isinstance(v, bool):
+            raise ConfigError(f"config field {key!r} must be true or false, got {v!r}")
+    hidden = next((config[k] for k in ("hidden_size", "n_embd", "d_model") if config.get(k)), None)
+    heads = next((config[k] for k in ("num_attention_heads", "n_head") if config.get(k)), None)
+    if hidden and heads and not config.get("head_dim") and hidden % heads:
+        raise ConfigError(f"the hidden size ({hidden}) is not a multiple of the number of attention heads ({heads}), "
+                          "and the config gives no head_dim")
+    kv = config.get("num_key_value_heads")
+    if heads and kv and heads % kv:
+        raise ConfigError(f"num_key_value_heads ({kv}) must divide num_attention_heads ({heads})")
+    defaults = FAMILY_DEFAULTS.get(config.get("model_type"), {})
+    missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size",
+                           "intermediate_size") if k in defaults and defaults[k] is not None and k not in config]
+    if missing:
+        return [f"config.json gives no {', '.join(missing)}: {config.get('model_type')}'s defaults used, as "
+                f"transformers' config class does ({', '.join(f'{k} {defaults[k]}' for k in missing)})"]
+    return []
+
+
 def supports(config: Mapping[str, Any]) -> bool:
     return config.get("model_type") in BUILDERS
 

@@ -123,21 +123,53 @@ def read_safetensors_header(path: Path) -> list[CheckpointTensor]:
         header = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ConfigError(f"{path}: safetensors header is not valid JSON") from exc
+    except RecursionError:
+        raise ConfigError(f"{path}: safetensors header is nested too deeply to be one") from None
     if not isinstance(header, dict):
         raise ConfigError(f"{path}: safetensors header is not a JSON object")
-    out = []
+    return _header_tensors(header, path, size - 8 - n)
+
+
+def _header_tensors(header: dict[str, Any], path: Path, data_bytes: int) -> list[CheckpointTensor]:
+    """The header's tensors, validated as the safetensors library validates them (safetensors/src/tensor.rs
+    Metadata::validate): a known dtype, a shape of non-negative integers, data_offsets [begin, end] that tile the
+    data buffer in order without gaps or overlaps and hold exactly shape x dtype bytes, inside the file. A file
+    cut after its header (a header-only copy of a checkpoint, which is all memplan reads) is accepted."""
+    from memplan.units import dtype_bytes
+
+    out, spans = [], []
     for name, info in header.items():
         if name == "__metadata__":
             continue
         if not isinstance(info, dict) or "shape" not in info or "dtype" not in info:
             raise ConfigError(f"{path}: safetensors entry {name!r} lacks shape/dtype")
-        dtype = SAFETENSORS_DTYPES.get(info["dtype"])
+        raw_dtype = info["dtype"]
+        dtype = SAFETENSORS_DTYPES.get(raw_dtype) if isinstance(raw_dtype, str) else None
         if dtype is None:
-            raise ConfigError(f"{path}: tensor {name!r} has unknown dtype {info['dtype']!r}")
+            raise ConfigError(f"{path}: tensor {name!r} has an unknown dtype {str(raw_dtype)[:40]!r}")
         shape = info["shape"]
-        if not isinstance(shape, list) or not all(isinstance(s, int) and s >= 0 for s in shape):
-            raise ConfigError(f"{path}: tensor {name!r} has an invalid shape {shape!r}")
+        if (not isinstance(shape, list) or len(shape) > 64
+                or not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 1 << 62 for x in shape)):
+            raise ConfigError(f"{path}: tensor {name!r} has an invalid shape {str(shape)[:60]}")
+        nbytes = dtype_bytes(dtype)
+        for x in shape:
+            nbytes *= x
+        offsets = info.get("data_offsets")
+        if (not isinstance(offsets, list) or len(offsets) != 2
+                or not all(isinstance(x, int) and not isinstance(x, bool) for x in offsets)):
+            raise ConfigError(f"{path}: tensor {name!r} has invalid data_offsets")
+        begin, end = offsets
+        if not 0 <= begin <= end or end - begin != nbytes or (data_bytes and end > data_bytes):
+            raise ConfigError(f"{path}: tensor {name!r}: data_offsets [{begin}, {end}] do not hold its "
+                              f"{nbytes:,} bytes inside the file's {data_bytes:,}-byte data")
+        spans.append((begin, end, name))
         out.append(CheckpointTensor(name, tuple(shape), dtype, path.name))
+    at = 0
+    for begin, end, name in sorted(spans):
+        if begin != at:
+            raise ConfigError(f"{path}: tensor {name!r} {'overlaps another' if begin < at else 'leaves a gap'} "
+                              "in the data buffer (data_offsets must tile it)")
+        at = end
     return out
 
 
@@ -227,6 +259,8 @@ def resolve(model: str) -> ModelSource:
                            description=f"config {path}", config=read_config(path), path=path)
     if path.is_dir():
         return _from_directory(path, path.resolve().name, "directory", f"directory {path}")
+    if path.exists():  # a FIFO, a device, a socket: reading it could block or never end
+        raise ModelSourceError(f"{key} is not a regular file or a directory")
     if ":" in key and not key.startswith((".", "/")):
         return ModelSource(name=key, kind="factory", description=f"factory {key}", factory=key)
     if key.count("/") == 1 and not key.startswith((".", "/")) and not key.endswith(".json"):
@@ -257,6 +291,7 @@ def build_inventory(source: ModelSource, builder: str = "auto") -> ParamInventor
 
         return build_meta_from_factory(source.factory or "")
     config = source.config or {}
+    notes.extend(families.check_config(config))
     if builder == "analytic" or (builder == "auto" and families.supports(config)):
         inv = families.build_analytic(config, source.name, source.description)
     else:

@@ -10,8 +10,15 @@ from memplan.model import sources
 
 
 def _write_safetensors(path, tensors, header_len=None):
-    header = {name: {"dtype": dt, "shape": list(shape), "data_offsets": [0, 0]} for name, (dt, shape) in
-              tensors.items()}
+    # a header-only copy of a checkpoint (all memplan reads): offsets tile the data buffer the file leaves out
+    sizes = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "I64": 8, "I8": 1, "U8": 1, "BOOL": 1}
+    header, at = {}, 0
+    for name, (dt, shape) in tensors.items():
+        n = sizes[dt]
+        for x in shape:
+            n *= x
+        header[name] = {"dtype": dt, "shape": list(shape), "data_offsets": [at, at + n]}
+        at += n
     raw = json.dumps(header).encode()
     n = len(raw) if header_len is None else header_len
     path.write_bytes(struct.pack("<Q", n) + raw)

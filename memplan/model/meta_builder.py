@@ -12,10 +12,12 @@ largest ``nn.ModuleList`` (the layer stack of a plain PyTorch module), else the 
 
 from __future__ import annotations
 
+import contextlib
+
 import copy
 
 import importlib
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from memplan.errors import ConfigError, ModelSourceError
@@ -115,6 +117,44 @@ def build_meta_from_config(config: Mapping[str, Any], model_name: str, source: s
                                  dtype=config_dtype(config), dims=model_dims(config))
 
 
+#: seconds a factory's import and call may take (MEMPLAN_FACTORY_TIMEOUT): building a module on the meta device
+#: takes well under a second for any real model, so a factory still running after this is not returning
+FACTORY_TIMEOUT_S = 120.0
+
+
+class _FactoryTimeout(BaseException):
+    """Raised in the factory's code by the time limit (a BaseException, so its own except Exception does not
+    swallow it)."""
+
+
+@contextlib.contextmanager
+def _time_limit(spec: str, doing: str) -> Iterator[None]:
+    """Stop the user's code after FACTORY_TIMEOUT_S with SIGALRM (the main thread on POSIX; elsewhere no limit)."""
+    import os
+    import signal
+    import threading
+
+    try:
+        limit = float(os.environ.get("MEMPLAN_FACTORY_TIMEOUT", FACTORY_TIMEOUT_S))
+    except ValueError:
+        limit = FACTORY_TIMEOUT_S
+    if not hasattr(signal, "setitimer") or threading.current_thread() is not threading.main_thread() or limit <= 0:
+        yield
+        return
+
+    def stop(_signum: int, _frame: Any) -> None:
+        raise _FactoryTimeout(f"factory {spec!r} did not finish {doing} within {limit:g} s "
+                              "(MEMPLAN_FACTORY_TIMEOUT sets the limit)")
+
+    old = signal.signal(signal.SIGALRM, stop)
+    signal.setitimer(signal.ITIMER_REAL, limit)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
 def build_meta_from_factory(spec: str) -> ParamInventory:
     """``pkg.module:callable`` returning an nn.Module, called under ``torch.device("meta")``."""
     module_name, _, attr = spec.partition(":")
@@ -129,11 +169,15 @@ def build_meta_from_factory(spec: str) -> ParamInventory:
         return f"{type(exc).__name__}: {text[0][:200]}" if text else type(exc).__name__
 
     # the user's code may raise anything, sys.exit included: a factory that ends the process would end a CI gate
-    # with its own exit code (0), so every BaseException but Ctrl-C becomes one line and exit 2
+    # with its own exit code (0), so every BaseException but Ctrl-C becomes one line and exit 2; and it may never
+    # return, so its import and its call run under a time limit
     try:
-        module = importlib.import_module(module_name)
+        with _time_limit(spec, "importing it"):
+            module = importlib.import_module(module_name)
     except KeyboardInterrupt:
         raise
+    except _FactoryTimeout as exc:
+        raise ModelSourceError(str(exc)) from None
     except BaseException as exc:
         raise ModelSourceError(f"factory {spec!r}: cannot import {module_name!r}: {first_line(exc)}") from None
     fn: Any = module
@@ -144,10 +188,12 @@ def build_meta_from_factory(spec: str) -> ParamInventory:
     if not callable(fn):
         raise ModelSourceError(f"factory {spec!r}: {attr!r} is not callable")
     try:
-        with torch.device("meta"):
+        with _time_limit(spec, "building the model"), torch.device("meta"):
             model = fn()
     except KeyboardInterrupt:
         raise
+    except _FactoryTimeout as exc:
+        raise ModelSourceError(str(exc)) from None
     except BaseException as exc:
         raise ModelSourceError(f"factory {spec!r} raised {first_line(exc)}") from None
     if not isinstance(model, torch.nn.Module):

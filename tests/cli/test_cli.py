@@ -83,6 +83,18 @@ def test_a_factory_that_exits_is_an_error_not_a_success(tmp_path):
         assert r.returncode == 2 and needle in r.stderr and len(r.stderr.strip().splitlines()) == 1
 
 
+def test_a_factory_that_never_returns_is_stopped(tmp_path):
+    # a factory (or its module's import) that loops forever is stopped at MEMPLAN_FACTORY_TIMEOUT: one line, exit 2
+    (tmp_path / "loops_mod.py").write_text("def build():\n    while True:\n        pass\n")
+    (tmp_path / "loops_at_import.py").write_text("while True:\n    pass\n")
+    for spec, doing in (("loops_mod:build", "building the model"), ("loops_at_import:x", "importing it")):
+        r = subprocess.run([sys.executable, "-m", "memplan", "inspect", spec], capture_output=True, text=True,
+                           cwd=ROOT, timeout=60,
+                           env={**os.environ, "PYTHONPATH": str(tmp_path), "MEMPLAN_FACTORY_TIMEOUT": "1"})
+        assert r.returncode == 2 and f"did not finish {doing} within 1 s" in r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1
+
+
 @pytest.mark.parametrize("args,needle", [
     (["estimate", "lama-7b"], "unknown preset 'lama-7b'"),
     (["estimate", "gpt2", "--stage", "5"], "--stage must be 0, 1, 2 or 3"),

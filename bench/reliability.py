@@ -54,10 +54,14 @@ def main() -> None:
     for case, code, n, written, line in rows:
         msg = line.replace("|", "\\|")
         text.append(f"| `{case}` | {code} | {n} | {'yes' if written else 'no'} | {msg} |")
-    text += ["", "Not in the table (they need processes or time): a factory that exits or loops "
-             "(tests/cli/test_cli.py), a rank killed or stopped and signals to `memplan validate` (not yet: "
-             "issue 19's harness fault tests), and the safetensors index that names files outside the model "
-             "directory (in the table: refused before any file is opened)."]
+    text += ["", "Not in the table, because they need processes or time:", "",
+             "- a factory that exits (sys.exit at import or when called) or never returns (stopped after "
+             "MEMPLAN_FACTORY_TIMEOUT, default 120 s): exit 2, one line (tests/cli/test_cli.py);",
+             "- `memplan validate` faults (tests/harness/test_faults.py, slow suite, 5 of 5 passing on this "
+             "machine): SIGTERM to the parent exits 143 (\"stopped by SIGTERM; every rank stopped\"), SIGINT "
+             "exits 130 (\"Interrupted.\"), SIGKILL to the parent takes the ranks with it (PR_SET_PDEATHSIG), a "
+             "killed rank is named (exit 2) and the other stopped, a stopped (SIGSTOP) rank ends the run at "
+             "--timeout with every rank stopped; in each case no process of the run remains."]
     out = "\n".join(text) + "\n"
     if args.print:
         print(out)

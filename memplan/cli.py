@@ -534,6 +534,8 @@ def main(argv: list[str] | None = None) -> None:
         sys.stderr.write("Aborted.\n")
         sys.exit(1)
     except Exit as exc:
+        if exc.exit_code == 130:
+            sys.stderr.write("Interrupted.\n")
         sys.exit(exc.exit_code)
     except KeyboardInterrupt:
         sys.stderr.write("Interrupted.\n")
@@ -546,4 +548,6 @@ def main(argv: list[str] | None = None) -> None:
         first = str(exc).splitlines()[0][:300] if str(exc) else ""
         sys.stderr.write(f"Error: internal error ({type(exc).__name__}: {first}); MEMPLAN_DEBUG=1 shows where\n")
         sys.exit(1)
+    if rc == 130:  # typer turns Ctrl-C / SIGINT into Exit(130), returned here: say so (validate stopped its ranks)
+        sys.stderr.write("Interrupted.\n")
     sys.exit(rc if isinstance(rc, int) else 0)

@@ -7,13 +7,14 @@ go to a callback the CLI prints on stderr.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import socket
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +23,33 @@ from memplan.errors import MemplanError
 
 class HarnessError(MemplanError):
     """A rank crashed or timed out (exit code 2: the run could not be measured)."""
+
+
+class Terminated(MemplanError):
+    """The run was stopped by SIGTERM (a CI system cancelling the job): every rank stopped, exit 128 + 15."""
+
+    exit_code = 143
+
+
+@contextlib.contextmanager
+def _sigterm_stops_the_run() -> Iterator[None]:
+    """SIGTERM's default action ends the process at once, leaving the ranks running; raise instead, so the run's
+    cleanup stops them (the main thread only: signal handlers live there)."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(_signum: int, _frame: Any) -> None:
+        raise Terminated("stopped by SIGTERM; every rank stopped")
+
+    old = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
 
 
 @dataclass(frozen=True)
@@ -58,6 +86,13 @@ def launch(spec: dict[str, Any], world: int, *, timeout_s: float = 600.0,
              for r in range(world)]
     t0 = time.monotonic()
     last_status: dict[int, str] = {}
+    with _sigterm_stops_the_run():
+        return _watch(procs, out, world, t0, timeout_s, last_status, progress)
+
+
+def _watch(procs: list[Any], out: str, world: int, t0: float, timeout_s: float, last_status: dict[int, str],
+           progress: Callable[[str], None] | None) -> RunResult:
+    """Start the ranks, follow their states, stop them all at the first failure, the timeout, or a signal."""
     try:
         for p in procs:
             p.start()

@@ -441,7 +441,23 @@ def _versions(framework: str) -> dict[str, str]:
     return out
 
 
+def _die_with_parent() -> None:
+    """Linux: the kernel kills this rank when the process that spawned it dies, however it dies (SIGKILL
+    included: prctl(PR_SET_PDEATHSIG)), so no rank outlives a stopped validate."""
+    import ctypes
+    import signal
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG = 1
+    except (OSError, AttributeError):
+        pass
+
+
 def _spawn_entry(rank: int, world: int, port: int, spec: dict[str, Any], out: str) -> None:
+    _die_with_parent()
     os.dup2(2, 1)  # frameworks print to stdout; keep the parent's stdout for --json
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)

@@ -280,6 +280,33 @@ def _cluster(*, gpus: int, gpus_per_node: int | None, gpu: str | None, gpu_memor
                    **({} if workspace is None else {"blas_workspace_bytes": workspace}))
 
 
+def _dim0_padding_note(inv: ParamInventory, s: Settings) -> list[str]:
+    """FSDP2 pads each parameter's dim 0 up to a multiple of the shard group (_fsdp_param.py: the padded sharded
+    size), so tensors with a short dim 0 (MoE experts stacked as [num_experts, ...], norms) grow on many ranks
+    and the per-GPU bytes can rise with the GPU count. Say so where padding is over 5% of the rank's shard."""
+    from memplan import layouts
+    from memplan.settings import shard_group_size
+    from memplan.strategies import PER_PARAM_DIM0
+
+    if s.strategy.layout != PER_PARAM_DIM0:
+        return []
+    n = shard_group_size(s)
+    if n < 2:
+        return []
+    padded = layouts.layout_sizes(inv, PER_PARAM_DIM0, n).shard_numel
+    real = -(-inv.num_params // n)
+    if padded * 100 <= real * 105:
+        return []
+    worst = max((t for t in inv.tensors if t.shape and t.shape[0] % n),
+                key=lambda t: (-(-t.shape[0] // n) * n - t.shape[0]) * (t.numel // t.shape[0]), default=None)
+    example = (f"; e.g. {worst.name} {list(worst.shape)}: dim 0 = {worst.shape[0]} padded to "
+               f"{-(-worst.shape[0] // n) * n}" if worst is not None else "")
+    return [f"FSDP2 pads each parameter's dim 0 to a multiple of the shard group ({n}): "
+            f"{100 * (padded - real) / padded:.1f}% of each rank's shard is padding{example}; fewer ranks per "
+            "shard group (HSDP), or fully_shard(shard_placement_fn=...) sharding those tensors on another dim, "
+            "avoids it"]
+
+
 def resolve(inv: ParamInventory, *, gpus: int = 1, gpus_per_node: int | None = None, stage: int | None = None,
             strategy: str | None = None, precision: str | None = None, optimizer: str | None = None,
             optimizer_impl: str | None = None, micro_batch: int | None = None, seq_len: int | None = None,
@@ -329,6 +356,7 @@ def resolve(inv: ParamInventory, *, gpus: int = 1, gpus_per_node: int | None = N
     settings = Settings(strategy=strat, recipe=recipe, optimizer=opt, cluster=cluster, optimizer_impl=optimizer_impl,
                         micro_batch=mb, seq_len=seq, grad_accum=ga, recompute=recompute, attention=attention,
                         ds=ds, torch=tk, overheads=ov, allocator_conf=conf)
+    notes.extend(_dim0_padding_note(inv, settings))
     settings = replace(settings, activation_profile=activation_profile(config, settings, activations, notes))
     max_pos = inv.dims.get("max_positions")
     if max_pos and seq > max_pos:

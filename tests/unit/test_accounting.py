@@ -554,3 +554,17 @@ def test_zero3_persistent_params_cost_nothing_extra_at_one_rank():
     lay = layouts.layout_sizes(TOY, get_strategy("zero3").layout, 2, 10_000)
     assert lay.persistent_numel == 8 * 1024
     assert two.weights == 2 * (lay.shard_numel + 8 * 1024)
+
+
+def test_fsdp2_dim0_padding_is_noted():
+    # FSDP2 pads dim 0 to the shard group: mixtral's experts [8, ...] on 16 ranks double (the note names the
+    # padded share and the remedy); at 8 ranks nothing is padded
+    from memplan import options
+    from memplan.model import sources
+
+    inv = sources.build_inventory(sources.resolve("mixtral-8x7b"))
+    note = lambda g: [n for n in options.resolve(inv, gpus=g, strategy="fsdp-full", activations="analytic").notes  # noqa: E731
+                      if "pads each parameter's dim 0" in n]
+    assert note(8) == []
+    (n16,) = note(16)
+    assert "shard group (16): 49.1% of each rank's shard is padding" in n16 and "shard_placement_fn" in n16

@@ -1,0 +1,46 @@
+"""`memplan estimate --json` against its published schema (memplan/schema/estimate-v1.schema.json), over
+strategies, devices, offload, a verdict and none; and the bytes are the same on every run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+jsonschema = pytest.importorskip("jsonschema")
+
+from test_bad_inputs import run_cli  # noqa: E402
+
+SCHEMA = json.loads((Path(__file__).resolve().parents[2] / "memplan" / "schema" / "estimate-v1.schema.json")
+                    .read_text())
+
+CASES = [
+    "estimate gpt2 --json",
+    "estimate llama-7b --gpus 8 --stage 3 --gpu h100-80g --json",
+    "estimate llama-7b --gpus 8 --stage 2 --offload-optimizer --host-memory 1TiB --json",
+    "estimate mixtral-8x7b --gpus 16 --strategy hsdp --gpu-memory 80GB --json",
+    "estimate llama-7b --gpus 4 --strategy fsdp-full --fsdp-version 1 --recompute full --json",
+    "estimate gpt2 --gpus 2 --strategy zero-optimizer --device cpu --json",
+    "estimate llama-7b --gpus 64 --gpu a100-40g --json",
+]
+
+
+@pytest.mark.parametrize("args", CASES)
+def test_estimate_json_follows_the_schema(args):
+    code, out, err = run_cli(args.split())
+    assert code in (0, 1), err
+    jsonschema.validate(json.loads(out), SCHEMA)
+
+
+def test_estimate_json_is_the_same_bytes_every_run():
+    # separate processes with different string hashing: nothing may follow a set's or a hash's order
+    import os
+    import subprocess
+    import sys
+
+    args = [sys.executable, "-m", "memplan", "estimate", "llama-7b", "--gpus", "8", "--deepspeed", str(Path(__file__)
+            .resolve().parents[2] / "tests" / "cli" / "ds_stage3.json"), "--gpu", "h100-80g", "--json"]
+    outs = {subprocess.run(args, capture_output=True, text=True, env={**os.environ, "PYTHONHASHSEED": seed}).stdout
+            for seed in ("1", "2", "3")}
+    assert len(outs) == 1 and json.loads(outs.pop())["strategy"]["name"] == "zero3"

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from memplan.units import ceil_div
 
 
 def pinned_size(n: int) -> int:
@@ -31,39 +30,12 @@ def pinned_size(n: int) -> int:
 def host_bytes_per_rank(plan: Any) -> tuple[int, int, int]:
     """(pageable bytes, pinned bytes as requested, pinned bytes as allocated) that one rank keeps on the host."""
     s, inv = plan.settings, plan.inventory
-    st, rc = s.strategy, s.recipe
     total = sum(plan.host_detail.values())
     if not total:
         return 0, 0, 0
-    n = plan.shard_group
-    pinned: list[int] = []
-    if st.framework == "deepspeed":
-        psi = sum(t.numel for t in inv.tensors)
-        if s.ds.offload_optimizer and s.ds.offload_pin_memory:
-            if st.zero_stage == 3:
-                parts = [ceil_div(t.numel, n) for t in inv.tensors]
-                groups, cur = [], 0
-                for x in parts:  # stage3.py _create_fp16_sub_groups: closed once a group reaches the size
-                    cur += x
-                    if cur >= s.ds.sub_group_size:
-                        groups.append(cur)
-                        cur = 0
-                if cur:
-                    groups.append(cur)
-                pinned += [4 * g for g in groups] * 2  # fp32 partition and fp32 gradient, per sub-group
-                pinned.append(rc.grad_bytes * sum(parts))  # grad_partitions_flat_buffer
-            else:
-                part = ceil_div(ceil_div(psi, 2 * n) * 2 * n, n)
-                largest = max((t.numel for t in inv.tensors), default=0)
-                pinned += [4 * part, 4 * part, rc.param_bytes * part, rc.grad_bytes * largest]
-        if st.zero_stage == 3 and s.ds.offload_param and s.ds.offload_pin_memory:
-            threshold = s.ds.param_persistence_threshold
-            pinned += [rc.param_bytes * ceil_div(t.numel, n) for t in inv.tensors if t.numel > threshold]
-    elif st.framework.startswith("fsdp") and s.torch.cpu_offload and s.torch.cpu_offload_pin_memory:
-        for t in inv.tensors:
-            rows = t.shape[0] if t.shape else 1
-            shard = ceil_div(rows, n) * (t.numel // rows if rows else 0)
-            pinned += [rc.param_bytes * shard, rc.reduced_grad_bytes * shard]
+    from memplan import frameworks
+
+    pinned = frameworks.model(s.strategy.memory_model).pinned_host(inv, s, plan.shard_group)
     requested = min(sum(pinned), total)
     return total - requested, requested, sum(pinned_size(x) for x in pinned)
 

@@ -77,7 +77,8 @@ FALLBACK_FRAGMENTATION_PERCENT = FALLBACK_FRAGMENTATION["other"]
 
 def fallback_fragmentation(s: Settings) -> int:
     """The flat allocator term (percent) for settings whose reserved peak is not replayed."""
-    if (s.strategy.framework == "deepspeed" and (s.ds.offload_optimizer or s.ds.offload_param)) or s.torch.cpu_offload:
+    deepspeed = s.strategy.zero_stage is not None  # the DeepSpeed rows carry their ZeRO stage
+    if (deepspeed and (s.ds.offload_optimizer or s.ds.offload_param)) or s.torch.cpu_offload:
         return FALLBACK_FRAGMENTATION["offload"]
     if s.strategy.zero_stage == 3:
         return FALLBACK_FRAGMENTATION["zero3"]
@@ -210,7 +211,7 @@ def optimizer_impl(s: Settings) -> str:
         # (docs/accuracy.md), 2 x 4 bytes x partition at the ZeRO-2 step peak.
         return "single-tensor"
     # DeepSpeed builds FusedAdam on CUDA; torch.optim defaults to foreach on CUDA.
-    return "fused" if s.strategy.framework == "deepspeed" else "foreach"
+    return "fused" if s.strategy.zero_stage is not None else "foreach"
 
 
 def with_gpus(s: Settings, gpus: int) -> Settings:

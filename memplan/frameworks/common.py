@@ -98,6 +98,10 @@ def no_offload(job: Job, grads: Grads, host_by: dict[str, int]) -> OffloadedGrad
     return OffloadedGrads()
 
 
+def no_pinned(inv: ParamInventory, s: Settings, n: int) -> list[int]:
+    return []
+
+
 def same_step(job: Job, step: StepIn) -> tuple[int, int, dict[str, Any]]:
     return step.grads, step.buffers, {}
 
@@ -136,6 +140,8 @@ class FrameworkModel:
     zero_offload: bool = False
     #: the framework offers FSDP's CPUOffloadPolicy (--cpu-offload)
     cpu_offload_policy: bool = False
+    #: the buffers the framework pins on the host (bytes each, as requested; memplan/host.py rounds them)
+    pinned_host: Callable[[ParamInventory, Settings, int], list[int]] = no_pinned
     #: the module that replays the framework's allocations for the reserved peak (memplan/reserved.py): its
     #: replay(inv, s, config) and why_not(s); None where the framework's setup is not written down yet
     replay: str | None = None

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from memplan.errors import SettingsError
 from memplan.frameworks.common import LOSS, FrameworkModel, Grads, Job
+from memplan.frameworks.fsdp2 import pinned_host as fsdp2_pinned
 from memplan.settings import reshard_after_forward
 from memplan.timeline import BufferMoment, BufferTimeline, Moment
 from memplan.units import ceil_div
@@ -109,4 +110,5 @@ def buffers(job: Job, grads: Grads) -> BufferTimeline:
                           end=max(first_end, root_end, key=lambda m: m[0] - m[1]), moments=tuple(moments),
                           assumptions={"reshard_after_forward": raf, "largest_gathered_block_numel": g.largest_block})
 
-MODEL = FrameworkModel(name="fsdp1", buffers=buffers, grads_at_end=grads_at_end, cpu_offload_policy=True)
+MODEL = FrameworkModel(name="fsdp1", buffers=buffers, grads_at_end=grads_at_end, cpu_offload_policy=True,
+                       pinned_host=fsdp2_pinned)

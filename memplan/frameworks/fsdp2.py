@@ -9,9 +9,23 @@ from dataclasses import dataclass
 from memplan import layouts
 from memplan.errors import SettingsError
 from memplan.frameworks.common import LOSS, FrameworkModel, Grads, Job
+from memplan.model.inventory import ParamInventory
+from memplan.settings import Settings
 from memplan.settings import reshard_after_forward as requested_reshard_after_forward
 from memplan.timeline import BufferMoment, BufferTimeline, Moment
 from memplan.units import ceil_div
+
+
+def pinned_host(inv: ParamInventory, s: Settings, n: int) -> list[int]:
+    """CPUOffloadPolicy(pin_memory=True): each parameter's shard and its gradient's, pinned (_fsdp_param.py)."""
+    if not (s.torch.cpu_offload and s.torch.cpu_offload_pin_memory):
+        return []
+    rc, out = s.recipe, []
+    for t in inv.tensors:
+        rows = t.shape[0] if t.shape else 1
+        shard = ceil_div(rows, n) * (t.numel // rows if rows else 0)
+        out += [rc.param_bytes * shard, rc.reduced_grad_bytes * shard]
+    return out
 
 
 def reshard_after_forward(job: Job) -> bool | int:
@@ -243,4 +257,5 @@ def _end(u: _Units, job: Job, grads_end: int) -> tuple[tuple[int, int], BufferMo
 
 
 MODEL = FrameworkModel(name="fsdp2", replay="memplan.frameworks.fsdp2_replay", buffers=buffers,
-                       cpu_offload_policy=True)
+                       cpu_offload_policy=True,
+                       pinned_host=pinned_host)

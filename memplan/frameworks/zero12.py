@@ -6,7 +6,10 @@ from __future__ import annotations
 
 from memplan.frameworks.common import (LOSS, FrameworkModel, Grads, Job, OffloadedGrads, StepIn,
                                        unreduced_grad_moments)
+from memplan.model.inventory import ParamInventory
+from memplan.settings import Settings
 from memplan.timeline import BufferMoment, BufferTimeline, Moment
+from memplan.units import ceil_div
 
 
 def grads_at_end(job: Job) -> int:
@@ -31,6 +34,18 @@ def offload(job: Job, grads: Grads, host_by: dict[str, int]) -> OffloadedGrads:
     largest = max((t.numel for t in job.inv.tensors), default=0)
     host_by["buffers_bytes"] += rc.param_bytes * opt_numel + rc.grad_bytes * largest
     return OffloadedGrads(device_buffer=rc.grad_bytes * largest)
+
+
+def pinned_host(inv: ParamInventory, s: Settings, n: int) -> list[int]:
+    """ZeRO-Offload with offload_optimizer.pin_memory: the fp32 partition and its fp32 gradient, the bit16 copy of
+    the partition and the largest parameter's gradient buffer (stage_1_and_2.py, pinned with get_accelerator()
+    .pin_memory)."""
+    if not (s.ds.offload_optimizer and s.ds.offload_pin_memory):
+        return []
+    rc = s.recipe
+    part = ceil_div(ceil_div(inv.num_params, 2 * n) * 2 * n, n)
+    largest = max((t.numel for t in inv.tensors), default=0)
+    return [4 * part, 4 * part, rc.param_bytes * part, rc.grad_bytes * largest]
 
 
 def buffers(job: Job, grads: Grads) -> BufferTimeline:
@@ -90,4 +105,5 @@ def step(job: Job, s: StepIn) -> tuple[int, int, dict[str, int]]:
 
 
 MODEL = FrameworkModel(name="zero12", replay="memplan.frameworks.zero12_replay", buffers=buffers,
-                       grads_at_end=grads_at_end, offload=offload, step=step, zero_offload=True)
+                       grads_at_end=grads_at_end, offload=offload, step=step, zero_offload=True,
+                       pinned_host=pinned_host)

@@ -12,6 +12,7 @@ from memplan.errors import SettingsError
 from memplan.frameworks.common import LOSS, FrameworkModel, Grads, Job, OffloadedGrads, StepIn
 from memplan.frameworks.zero12 import grads_at_end
 from memplan.model.inventory import ROOT_BLOCK, ParamInventory
+from memplan.settings import Settings
 from memplan.timeline import BufferMoment, BufferTimeline, Moment
 from memplan.units import ceil_div
 
@@ -303,6 +304,34 @@ def buffers(job: Job, grads: Grads) -> BufferTimeline:
                      "largest_gathered_block_numel": g.largest_block})
 
 
+def sub_groups(parts: list[int], size: int) -> list[int]:
+    """The optimizer's sub-groups, elements each (stage3.py _create_fp16_sub_groups: partitions in module order,
+    a group closed once it reaches sub_group_size)."""
+    groups, cur = [], 0
+    for x in parts:
+        cur += x
+        if cur >= size:
+            groups.append(cur)
+            cur = 0
+    if cur:
+        groups.append(cur)
+    return groups
+
+
+def pinned_host(inv: ParamInventory, s: Settings, n: int) -> list[int]:
+    """ZeRO-Offload with pin_memory: per sub-group the fp32 partition and its fp32 gradient, and the flat gradient
+    buffer (offload_optimizer); each non-persistent parameter's partition (offload_param)."""
+    rc, parts = s.recipe, [ceil_div(t.numel, n) for t in inv.tensors]
+    out: list[int] = []
+    if s.ds.offload_optimizer and s.ds.offload_pin_memory:
+        out += [4 * g for g in sub_groups(parts, s.ds.sub_group_size)] * 2
+        out.append(rc.grad_bytes * sum(parts))  # grad_partitions_flat_buffer
+    if s.ds.offload_param and s.ds.offload_pin_memory:
+        threshold = s.ds.param_persistence_threshold
+        out += [rc.param_bytes * ceil_div(t.numel, n) for t in inv.tensors if t.numel > threshold]
+    return out
+
+
 def _largest_sub_group(job: Job) -> int:
     """Elements of the largest optimizer sub-group on a rank (stage3.py _create_fp16_sub_groups): each parameter's
     partition (ceil(numel / n)) in module order, a sub-group closed once it reaches sub_group_size."""
@@ -338,4 +367,5 @@ def step(job: Job, s: StepIn) -> tuple[int, int, dict[str, int]]:
 
 
 MODEL = FrameworkModel(name="zero3", replay="memplan.frameworks.zero3_replay", buffers=buffers, weights=weights,
-                       grads_at_end=grads_at_end, offload=offload, step=step, zero_offload=True)
+                       grads_at_end=grads_at_end, offload=offload, step=step, zero_offload=True,
+                       pinned_host=pinned_host)

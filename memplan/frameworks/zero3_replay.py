@@ -119,16 +119,11 @@ def replay(inv: Any, s: Any, config: AllocatorConfig) -> tuple[str, dict[str, Al
     from memplan.settings import shard_group_size
     from memplan.units import ceil_div
 
+    from memplan.frameworks.zero3 import sub_groups
+
     n = shard_group_size(s)
     parts = tuple(ceil_div(t.numel, n) for t in inv.tensors)
-    groups, cur = [], 0
-    for x in parts:  # stage3.py _create_fp16_sub_groups: closed once a group reaches sub_group_size
-        cur += x
-        if cur >= s.ds.sub_group_size:
-            groups.append(cur)
-            cur = 0
-    if cur:
-        groups.append(cur)
+    groups = sub_groups(list(parts), s.ds.sub_group_size)
     blocks = tuple(b.numel for b in inv.layer_blocks)
     job = replay_job(inv, s, [sum(parts)])
     return "ZeRO-3", {"": replay_zero3(job, n, parts, tuple(groups), blocks, s.ds.reduce_bucket_size,

@@ -1,0 +1,172 @@
+"""The command line's rendering: tables and lines on the terminal (rich), JSON on stdout. Only the CLI uses it."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+from memplan.units import fmt_bytes
+
+
+def console(stderr: bool = False):
+    from rich.console import Console
+
+    console = Console(stderr=stderr, highlight=False, soft_wrap=False)
+    if not console.is_terminal:
+        console.width = max(console.width, 110)  # pipes and CI logs: do not squeeze the tables to 80 columns
+    return console
+
+
+def emit_json(obj: Any) -> None:
+    sys.stdout.write(json.dumps(obj, indent=2) + "\n")
+
+
+def table(title: str, columns: list[tuple[str, str]], rows: list[list[str]]):
+    from rich.table import Table
+
+    t = Table(title=title, title_justify="left")
+    for header, justify in columns:
+        t.add_column(header, justify=justify)  # type: ignore[arg-type]
+    for r in rows:
+        t.add_row(*r)
+    return t
+
+
+def category_labels() -> tuple[tuple[str, str], ...]:
+    from memplan.timeline import CATEGORIES
+
+    return tuple(CATEGORIES.items())
+
+
+def render_plan(rep: dict) -> None:
+    c = console()
+    m, st, cl, pg = rep["model"], rep["strategy"], rep["cluster"], rep["per_gpu"]
+    c.print(f"[bold]{m['name']}[/bold] ({m['num_params']:,} params) · {st['name']} ({st['framework']}) · "
+            f"{cl['gpus']} GPU(s), {cl['gpus_per_node']}/node · shard group {st['shard_group']} · "
+            f"{st['precision']} · {st['optimizer']}")
+    c.print(f"micro-batch {st['micro_batch']} × seq {st['seq_len']}, grad-accum {st['grad_accum']}, "
+            f"recompute {st['recompute']}, attention {st['attention']}, device {cl['device']}")
+    phases = rep["phases"]
+    cols = [("per GPU (GiB = 2^30 B)", "left")] + [(p["name"] + (" ◀ peak" if p["name"] == pg["peak_phase"] else ""),
+                                                    "right") for p in phases]
+    rows = [[label] + [fmt_bytes(p[key]) for p in phases] for key, label in category_labels()]
+    rows.append(["[bold]total allocated[/bold]"] + [f"[bold]{fmt_bytes(p['total_bytes'])}[/bold]" for p in phases])
+    c.print(table("Bytes per GPU by phase (worst rank); buffers = buckets, gathered params, step scratch",
+                   cols, rows))
+    od = rep["overhead_detail"]
+    over = ", ".join(f"{k.removesuffix('_bytes').replace('_', ' ')} {fmt_bytes(v)}" for k, v in od.items()) or "none"
+    c.print(f"peak allocated: [bold]{fmt_bytes(pg['peak_bytes'])}[/bold] ({pg['peak_bytes']:,} B) in "
+            f"{pg['peak_phase']}   overheads: {fmt_bytes(pg['overhead_bytes'])} ({over})")
+    res = rep.get("reserved")
+    if res and pg.get("reserved_peak_bytes") is not None:
+        ratio = pg["reserved_peak_bytes"] / pg["peak_bytes"] if pg["peak_bytes"] else 0
+        how = ("allocator segments, replayed" if res["method"] == "replayed" else
+               f"allocated + {res['fragmentation_percent']}%: {res['why']}")
+        c.print(f"peak reserved: [bold]{fmt_bytes(pg['reserved_peak_bytes'])}[/bold] ({how}; {ratio:.2f}x allocated)")
+    c.print(f"required per GPU: [bold]{fmt_bytes(pg['required_bytes'])}[/bold] (reserved + CUDA context + NCCL)")
+    if rep["host_bytes_per_node"]:
+        per_rank = ", ".join(f"{k.removesuffix('_bytes').replace('_', ' ')} {fmt_bytes(v)}"
+                             for k, v in rep.get("host_bytes_per_rank_by_category", {}).items())
+        h = rep.get("host") or {}
+        pinned = (f"; pinned {fmt_bytes(h['pinned_requested_bytes_per_rank'])} per rank takes "
+                  f"{fmt_bytes(h['pinned_allocated_bytes_per_rank'])} (powers of two)"
+                  if h.get("pinned_requested_bytes_per_rank") else "")
+        c.print(f"host RAM per node for offloaded states: {fmt_bytes(h.get('bytes_per_node', rep['host_bytes_per_node']))}"
+                + (f" (per rank: {per_rank}{pinned})" if per_rank else ""))
+        if h.get("fits") is not None:
+            c.print((f"host [green]FITS[/green] in {fmt_bytes(h['host_memory_bytes'])}: headroom "
+                     f"{fmt_bytes(h['headroom_bytes'])}") if h["fits"] else
+                    (f"host [red]DOES NOT FIT[/red] in {fmt_bytes(h['host_memory_bytes'])}: short by "
+                     f"{fmt_bytes(-h['headroom_bytes'])}"))
+    if rep["fits"] is None:
+        c.print("fit: no GPU given (use --gpu NAME or --gpu-memory SIZE)")
+    elif rep["fits"]:
+        c.print(f"[green]FITS[/green] on {fmt_bytes(cl['gpu_memory_bytes'])}: headroom "
+                f"{fmt_bytes(rep['headroom_bytes'])}")
+    else:
+        c.print(f"[red]DOES NOT FIT[/red] on {fmt_bytes(cl['gpu_memory_bytes'])}: short by "
+                f"{fmt_bytes(-rep['headroom_bytes'])}")
+    a = rep["assumptions"]
+    shown = {k: v for k, v in a.items() if k not in ("setting_sources",)}
+    c.print("assumptions: " + "; ".join(f"{k}={v}" for k, v in shown.items()), soft_wrap=True)
+    for n in rep["notes"]:
+        c.print(f"note: {n}", soft_wrap=True)
+
+
+def render_search(rep: dict) -> None:
+    c = console()
+    m, se, rec = rep["model"], rep["search"], rep["recommendation"]
+    c.print(f"[bold]{m['name']}[/bold] ({m['num_params']:,} params) on {fmt_bytes(se['gpu_memory_bytes'])} GPUs, "
+            f"{se['gpus_per_node']}/node, up to {se['max_gpus']} GPUs, micro-batch "
+            f"{se['micro_batches'][0]}-{se['micro_batches'][1]}")
+    n = rec["gpus"] if rec else None
+    rows = []
+    for cand in rep["candidates"]:
+        at = cand["at_recommended_gpus"]
+        mark = " ◀ best" if rec and cand["label"] == rec["label"] and cand["recompute"] == rec["recompute"] else ""
+        bound = not cand.get("exact", True)
+        rows.append([cand["label"] + mark, cand["recompute"], cand["precision"],
+                     "-" if cand["min_gpus"] is None else ("≥" if bound else "") + str(cand["min_gpus"]),
+                     "-" if at is None else ("≤" if bound else "") + str(at["micro_batch"]),
+                     "-" if at is None else fmt_bytes(at["peak_bytes"]),
+                     "-" if at is None else ("≥" if bound else "") + fmt_bytes(at["required_bytes"]),
+                     "-" if at is None else ("≤" if bound else "") + fmt_bytes(at["headroom_bytes"])])
+    at_n = f" @{n}" if n else ""
+    c.print(table(f"Candidates: fewest GPUs at micro-batch {se['micro_batches'][0]}; at {n or '-'} GPUs the largest "
+                   "micro-batch and its bytes (GiB = 2^30 B; required = reserved peak + CUDA context + NCCL; ≤/≥: "
+                   "bounds from the allocated peak for a candidate that could not be the best, not replayed)",
+                   [("strategy", "left"), ("recompute", "left"), ("precision", "left"), ("min GPUs", "right"),
+                    (f"mb{at_n}", "right"), ("peak", "right"), ("required", "right"), ("headroom", "right")], rows))
+    if rec is None:
+        c.print(f"[red]NOTHING FITS[/red] within {se['max_gpus']} GPUs: try --max-gpus, --recompute full, "
+                "--allow-offload, a shorter --seq-len or a larger GPU")
+    else:
+        c.print(f"[green]PLAN[/green]: [bold]{rec['strategy']}[/bold]{' (' + rec['label'] + ')' if rec['label'] != rec['strategy'] else ''} on "
+                f"[bold]{rec['gpus']} GPU(s)[/bold] ({rec['nodes']} node(s)), micro-batch {rec['micro_batch']}, "
+                f"recompute {rec['recompute']}, {rec['precision']}: peak {fmt_bytes(rec['peak_bytes'])}, required "
+                f"{fmt_bytes(rec['required_bytes'])}, headroom {fmt_bytes(rec['headroom_bytes'])}")
+        c.print(f"details: {rec['command']}", soft_wrap=True)
+    c.print(f"ranking: {se['ranking']}; {se['evaluations']:,} configurations evaluated", soft_wrap=True)
+    for note in rep["notes"]:
+        c.print(f"note: {note}", soft_wrap=True)
+
+
+def pct(x: float) -> str:
+    return f"{100 * x:+.2f}%"
+
+
+def render_validation(rep: dict) -> None:
+    c = console()
+    val, run, pred = rep["validation"], rep["run"], rep["prediction"]
+    m, st = pred["model"], pred["strategy"]
+    c.print(f"[bold]{m['name']}[/bold] ({m['num_params']:,} params run; {rep['scaled_from_params']:,} in the "
+            f"original) · {st['name']} · {pred['cluster']['gpus']} rank(s) · {st['precision']} · {run['device']} "
+            f"· {run['initialisation']}")
+    for ch in rep["config_changes"]:
+        c.print(f"scaled: {ch}")
+    rows = []
+    for r in val["ranks"]:
+        mark = " ◀ worst" if r["rank"] == val["worst_rank"] else ""
+        rows.append([f"{r['rank']}{mark}", fmt_bytes(r["start_bytes"]), fmt_bytes(r["peak_bytes"]), r["peak_phase"],
+                     pct(r["peak_error"])])
+    c.print(table("Measured per rank (allocator; GiB = 2^30 B)", [("rank", "left"), ("start of step", "right"),
+                                                                   ("peak", "right"), ("phase", "left"),
+                                                                   ("prediction error", "right")], rows))
+    if val.get("host_added_bytes"):
+        c.print(f"offload on CPU: the plan's host share ({val['host_added_bytes']:,} B per rank) is in the "
+                "predictions below, since device and host are one allocator here")
+    pk, ss = val["peak"], val["start_of_step"]
+    cat_rows = [[k.removesuffix("_bytes").replace("_", " "), f"{v['predicted']:,}", f"{v['measured']:,}",
+                 "exact" if v["predicted"] == v["measured"] else f"{v['predicted'] - v['measured']:+,}"]
+                for k, v in val["categories_at_start"].items()]
+    cat_rows.append(["start of step (all)", f"{ss['predicted_bytes']:,}", f"{ss['measured_bytes']:,}",
+                     pct(ss["error"])])
+    cat_rows.append([f"peak (predicted {pk['predicted_phase']}, measured {pk['measured_phase']})",
+                     f"{pk['predicted_bytes']:,}", f"{pk['measured_bytes']:,}", pct(pk["error"])])
+    c.print(table("Predicted vs measured (worst rank, bytes)", [("", "left"), ("predicted", "right"),
+                                                                ("measured", "right"), ("error", "right")], cat_rows))
+    verdict = "[green]WITHIN[/green]" if val["within_tolerance"] else "[red]OUTSIDE[/red]"
+    c.print(f"{verdict} tolerance ±{100 * val['tolerance']:g}% on the peak; rank spread "
+            f"{100 * pk['rank_spread']:.2f}%; {run['wall_s']} s; " +
+            ", ".join(f"{k} {v}" for k, v in run["versions"].items()))

@@ -161,11 +161,7 @@ SHARE_GUESS = 0.12
 MAX_MICRO_BATCH = 4096
 
 
-def search(inv: ParamInventory, *, gpu: str | None = None, gpu_memory_size: str | None = None, config: dict | None = None, gpus_per_node: int = 8,
-           max_gpus: int = 1024, strategies: tuple[str, ...] = DEFAULT_STRATEGIES,
-           recomputes: tuple[str, ...] = ("none", "full"), micro_batch: int | None = None,
-           max_micro_batch: int = 64, allow_offload: bool = False, **common: Any) -> Search:
-    """The search described in the module docstring. ``common``: options.resolve's other options."""
+def _check_bounds(gpus_per_node: int, max_gpus: int, micro_batch: int | None, max_micro_batch: int) -> None:
     if gpus_per_node < 1:
         raise SettingsError(f"--gpus-per-node must be at least 1, got {gpus_per_node}")
     if max_gpus < 1:
@@ -180,6 +176,92 @@ def search(inv: ParamInventory, *, gpu: str | None = None, gpu_memory_size: str 
     if max_micro_batch > MAX_MICRO_BATCH or (micro_batch is not None and micro_batch > MAX_MICRO_BATCH):
         raise SettingsError(f"micro-batch bound {max(max_micro_batch, micro_batch or 0)} is more than the "
                             f"{MAX_MICRO_BATCH:,} memplan plans for")
+
+
+def _fewest_gpus(inv: ParamInventory, c: Candidate, counts: list[int], gpus_per_node: int, mb: int,
+                 budget: int) -> tuple[int | None, int]:
+    """(the fewest GPUs the candidate fits at micro-batch ``mb`` by the bound from below, evaluations): bisection
+    over the counts (memory never grows with GPUs), then a look below (padding can make it non-monotone)."""
+    # HSDP within one node is FSDP full shard
+    usable = [g for g in counts if g > gpus_per_node] if c.settings.strategy.shard_within_node else counts
+    evaluations = 0
+    lo, hi = 0, len(usable)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        evaluations += 1
+        if _fits_at(inv, c.settings, usable[mid], mb, budget):
+            hi = mid
+        else:
+            lo = mid + 1
+    found = usable[lo] if lo < len(usable) else None
+    while found is not None and lo > 0:
+        evaluations += 1
+        if not _fits_at(inv, c.settings, usable[lo - 1], mb, budget):
+            break
+        lo -= 1
+        found = usable[lo]
+    return found, evaluations
+
+
+def _rank(c: Candidate) -> tuple:
+    """No recompute before full, the largest micro-batch, no offload, the least communication, the most headroom."""
+    return (RECOMPUTE_ORDER.index(c.recompute), -(c.micro_batch or 0), c.offload, c.settings.strategy.comm_volume,
+            -(c.headroom_bytes or 0))
+
+
+def _at_count(inv: ParamInventory, with_min: list[Candidate], gpus: int, mbs: tuple[int, ...],
+              budget: int) -> tuple[list[Candidate], Candidate | None, int]:
+    """At ``gpus``: each candidate's largest micro-batch by the allocated bound; then, in the order the bounds rank
+    them, the replayed reserved peak (memplan/reserved.py) for each that could still be the best: a bound ranks
+    no worse than the truth, so the first whose bound ranks behind the best replayed one ends it."""
+    evaluations = 0
+    done: list[Candidate] = []
+    bounds: dict[int, tuple] = {}
+    for c in with_min:
+        if c.min_gpus is None or c.min_gpus > gpus:
+            done.append(c)
+            continue
+        try:
+            s = with_gpus(c.settings, gpus)
+        except SettingsError:
+            done.append(c)
+            continue
+        bound = accounting.required_bytes(inv, s, mbs, lower_bound=True)
+        evaluations += len(mbs)
+        hi = max((i for i, (_, req) in enumerate(bound) if req <= budget), default=None)
+        if hi is None:
+            done.append(replace(c, exact=False))
+            continue
+        peak, req = bound[hi]
+        done.append(replace(c, micro_batch=mbs[hi], peak_bytes=peak, required_bytes=req, headroom_bytes=budget - req,
+                            exact=False))
+        bounds[id(done[-1])] = (s, bound, hi)
+    best: Candidate | None = None
+    for c in sorted((c for c in done if c.micro_batch is not None), key=_rank):
+        if best is not None and _rank(c) >= _rank(best):
+            break
+        s, bound, hi = bounds[id(c)]
+        i, n_eval = _exact_largest(inv, s, mbs, budget, bound, hi)
+        evaluations += n_eval
+        if i is None:
+            new = replace(c, micro_batch=None, peak_bytes=None, required_bytes=None, headroom_bytes=None, exact=False)
+        else:
+            (peak, req), = accounting.required_bytes(inv, s, (mbs[i],))
+            new = replace(c, micro_batch=mbs[i], peak_bytes=peak, required_bytes=req, headroom_bytes=budget - req,
+                          exact=True)
+            if best is None or _rank(new) < _rank(best):
+                best = new
+        done[next(j for j, x in enumerate(done) if x is c)] = new
+    return done, best, evaluations
+
+
+def search(inv: ParamInventory, *, gpu: str | None = None, gpu_memory_size: str | None = None,
+           config: dict | None = None, gpus_per_node: int = 8, max_gpus: int = 1024,
+           strategies: tuple[str, ...] = DEFAULT_STRATEGIES, recomputes: tuple[str, ...] = ("none", "full"),
+           micro_batch: int | None = None, max_micro_batch: int = 64, allow_offload: bool = False,
+           **common: Any) -> Search:
+    """The search described in the module docstring. ``common``: options.resolve's other options."""
+    _check_bounds(gpus_per_node, max_gpus, micro_batch, max_micro_batch)
     budget, how = options.gpu_memory(gpu, gpu_memory_size)
     if budget is None:
         raise SettingsError("plan needs the GPU: --gpu NAME (memplan presets) or --gpu-memory SIZE (80GB, 80GiB)")
@@ -188,89 +270,28 @@ def search(inv: ParamInventory, *, gpu: str | None = None, gpu_memory_size: str 
                         common, notes)
     counts = gpu_counts(gpus_per_node, max_gpus)
     mbs = (micro_batch,) if micro_batch is not None else tuple(range(1, max_micro_batch + 1))
-    first_mb = mbs[0]
     evaluations = 0
-
-    # 1. the fewest GPUs per candidate (bisection over the counts; memory never grows with GPUs), by the bound
-    #    from below (the caching allocator's segments left out; step 2 replays them)
+    # 1. the fewest GPUs per candidate, by the bound from below (the caching allocator's segments left out; step 2
+    #    replays them)
     with_min = []
     for c in cands:
-        if c.settings.strategy.shard_within_node:
-            usable = [g for g in counts if g > gpus_per_node]  # HSDP within one node is FSDP full shard
-        else:
-            usable = counts
-        lo, hi = 0, len(usable)
-        while lo < hi:
-            mid = (lo + hi) // 2
-            evaluations += 1
-            if _fits_at(inv, c.settings, usable[mid], first_mb, budget):
-                hi = mid
-            else:
-                lo = mid + 1
-        found = usable[lo] if lo < len(usable) else None
-        while found is not None and lo > 0:  # padding can make memory non-monotone by a few bytes: look below
-            evaluations += 1
-            if not _fits_at(inv, c.settings, usable[lo - 1], first_mb, budget):
-                break
-            lo -= 1
-            found = usable[lo]
+        found, n = _fewest_gpus(inv, c, counts, gpus_per_node, mbs[0], budget)
+        evaluations += n
         with_min.append(replace(c, min_gpus=found, exact=found is None))
     fitting = [c.min_gpus for c in with_min if c.min_gpus is not None]
     if not fitting:
         return Search(budget, gpus_per_node, max_gpus, mbs, tuple(with_min), None, None, tuple(notes), evaluations)
-    # 2. at the fewest GPUs any candidate needs, each candidate's largest micro-batch by the allocated bound;
-    #    then, in the order the bounds rank them, the replayed reserved peak (memplan/reserved.py) for each that
-    #    could still be the best: a bound ranks no worse than the truth, so the first whose bound ranks behind the
-    #    best replayed one ends it. Where the allocator's segments leave none fitting, the next GPU count.
-    def rank(c: Candidate) -> tuple:
-        return (RECOMPUTE_ORDER.index(c.recompute), -(c.micro_batch or 0), c.offload,
-                c.settings.strategy.comm_volume, -(c.headroom_bytes or 0))
-
+    # 2. at the fewest GPUs any candidate needs, the best candidate by its replayed reserved peak; where the
+    #    allocator's segments leave none fitting, the next GPU count
+    best, done, gpus = None, with_min, None
     for gpus in sorted(set(g for g in counts if g >= min(fitting))):
-        done: list[Candidate] = []
-        bounds: dict[int, tuple] = {}
-        for c in with_min:
-            if c.min_gpus is None or c.min_gpus > gpus:
-                done.append(c)
-                continue
-            try:
-                s = with_gpus(c.settings, gpus)
-            except SettingsError:
-                done.append(c)
-                continue
-            bound = accounting.required_bytes(inv, s, mbs, lower_bound=True)
-            evaluations += len(mbs)
-            hi = max((i for i, (_, req) in enumerate(bound) if req <= budget), default=None)
-            if hi is None:
-                done.append(replace(c, exact=False))
-                continue
-            peak, req = bound[hi]
-            done.append(replace(c, micro_batch=mbs[hi], peak_bytes=peak, required_bytes=req, headroom_bytes=budget - req,
-                                exact=False))
-            bounds[id(done[-1])] = (s, bound, hi)
-        best: Candidate | None = None
-        for c in sorted((c for c in done if c.micro_batch is not None), key=rank):
-            if best is not None and rank(c) >= rank(best):
-                break
-            s, bound, hi = bounds[id(c)]
-            i, n_eval = _exact_largest(inv, s, mbs, budget, bound, hi)
-            evaluations += n_eval
-            if i is None:
-                new = replace(c, micro_batch=None, peak_bytes=None, required_bytes=None, headroom_bytes=None,
-                              exact=False)
-            else:
-                (peak, req), = accounting.required_bytes(inv, s, (mbs[i],))
-                new = replace(c, micro_batch=mbs[i], peak_bytes=peak, required_bytes=req, headroom_bytes=budget - req,
-                              exact=True)
-                if best is None or rank(new) < rank(best):
-                    best = new
-            done[next(j for j, x in enumerate(done) if x is c)] = new
+        done, best, n = _at_count(inv, with_min, gpus, mbs, budget)
+        evaluations += n
         if best is not None:
             break
-
     if best is None:
         return Search(budget, gpus_per_node, max_gpus, mbs, tuple(done), None, None, tuple(notes), evaluations)
-    ordered = sorted(done, key=lambda c: (c.micro_batch is None, rank(c) if c.micro_batch else (),
+    ordered = sorted(done, key=lambda c: (c.micro_batch is None, _rank(c) if c.micro_batch else (),
                                           c.min_gpus or 1 << 60, c.label, RECOMPUTE_ORDER.index(c.recompute)))
     return Search(budget, gpus_per_node, max_gpus, mbs, tuple(ordered), best, gpus, tuple(notes), evaluations)
 

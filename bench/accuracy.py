@@ -264,7 +264,7 @@ def write(args, rows, errors) -> None:  # noqa: ANN001
         f"transformers {transformers.__version__}, deepspeed {dsv} (cases marked 1 or 4 ranks use that many). Each "
         "model is scaled down (2 or 4 blocks, hidden 256 or 512, vocabulary 2048) and predicted for exactly that config; micro-batch 2, sequence 128, "
         "2 warm-up steps then 1 measured step. FSDP2's and FSDP1's all-gathers and reduce-scatters run as in-place "
-        "all-reduces on gloo (memplan/harness/run.py `_gloo_collectives_in_place`, `_gloo_flat_collectives_in_place`: "
+        "all-reduces on gloo (memplan/harness/gloo.py `collectives_in_place`, `flat_collectives_in_place`: "
         "gloo's own temporaries, which NCCL does not allocate, are left out). The predictions are for `--device cpu`: "
         "no CUDA overheads, CPU dropout masks, and the scratch CPU bf16 GEMMs allocate on the measuring CPU's "
         f"instruction set, `--cpu-isa {args.cpu_isa}` (memplan/kernels.py `cpu_gemm_scratch`; "

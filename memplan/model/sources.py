@@ -24,6 +24,7 @@ from typing import Any
 
 from memplan.errors import ConfigError, ModelSourceError
 from memplan.model import families
+from memplan.model.config import check_config
 from memplan.model.inventory import ParamInventory, ParamTensor
 from memplan.units import SAFETENSORS_DTYPES
 
@@ -291,7 +292,8 @@ def build_inventory(source: ModelSource, builder: str = "auto") -> ParamInventor
 
         return build_meta_from_factory(source.factory or "")
     config = source.config or {}
-    notes.extend(families.check_config(config))
+    check_config(config)
+    notes.extend(families.defaults_note(config))
     if builder == "analytic" or (builder == "auto" and families.supports(config)):
         inv = families.build_analytic(config, source.name, source.description)
     else:

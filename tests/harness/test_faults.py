@@ -17,7 +17,7 @@ psutil = pytest.importorskip("psutil")
 ROOT = Path(__file__).resolve().parents[2]
 #: a small run kept busy long enough to be interrupted (many measured steps of a one-block model)
 ARGS = ["validate", "gpt2", "--layers", "1", "--hidden", "64", "--vocab", "128", "--gpus", "2", "--device", "cpu",
-        "--strategy", "ddp", "--seq-len", "32", "--warmup-steps", "2", "--steps", "400"]
+        "--strategy", "ddp", "--seq-len", "32", "--warmup-steps", "2", "--steps", "3000"]
 
 pytestmark = pytest.mark.slow
 
@@ -34,7 +34,7 @@ def _ranks(parent: subprocess.Popen, world: int = 2, wait_s: float = 120.0) -> l
     while time.monotonic() < deadline:
         kids = [p for p in psutil.Process(parent.pid).children(recursive=True)
                 if "multiprocessing" in " ".join(p.cmdline()) and "spawn_main" in " ".join(p.cmdline())]
-        if len(kids) >= world and all(p.cpu_times().user > 3 for p in kids):  # past imports, into the steps
+        if len(kids) >= world and all(p.cpu_times().user > 2 for p in kids):  # past imports, into the steps
             return kids
         time.sleep(0.5)
     raise AssertionError("the ranks never started")
@@ -88,10 +88,10 @@ def test_a_killed_rank_is_named_and_the_others_stopped():
 
 
 def test_a_stopped_rank_times_out_and_every_rank_is_stopped():
-    parent = _start("--timeout", "40")
+    parent = _start("--timeout", "60")
     ranks = _ranks(parent)
     ranks[0].suspend()  # SIGSTOP: the rank hangs; the other waits in its collective
     t0 = time.monotonic()
     code, err = _finish(parent, wait_s=120)
-    assert code == 2 and "still running after --timeout 40 s" in err and "all ranks stopped" in err
-    assert _gone(ranks) and time.monotonic() - t0 < 60
+    assert code == 2 and "still running after --timeout 60 s" in err and "all ranks stopped" in err
+    assert _gone(ranks) and time.monotonic() - t0 < 90

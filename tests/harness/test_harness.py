@@ -116,7 +116,7 @@ def test_validate_deepspeed_zero2_two_ranks():
 
 def test_validate_fsdp2_full_shard_two_ranks():
     rc, rep = _validate(["--gpus", "2", "--strategy", "fsdp-full"])
-    # Session 4: FSDP2's collectives run in place on gloo (harness/run.py _gloo_collectives_in_place), so the
+    # FSDP2's collectives run in place on gloo (harness/gloo.py collectives_in_place), so the
     # peak repeats to the byte (32,322,148 in four runs out of four); the engine's FSDP2 lifetimes predict
     # 32,319,496 (-0.01%). Model states exact.
     for name, c in rep["validation"]["categories_at_start"].items():
@@ -137,28 +137,28 @@ def test_validate_fsdp2_full_shard_two_ranks():
     ["--gpus", "2", "--strategy", "fsdp-full", "--precision", "torch-amp"],
     ["--gpus", "4", "--strategy", "hsdp", "--hsdp-shard-size", "2"],
     ["--gpus", "2", "--strategy", "ddp", "--recompute", "full"],
-    # session 5: the fp16 recipe, ZeRO-1 at default buckets, FSDP1, FSDP2 inside a recomputed block, fp32
+    # the fp16 recipe, ZeRO-1 at default buckets, FSDP1, FSDP2 inside a recomputed block, fp32
     ["--gpus", "2", "--stage", "2", "--precision", "deepspeed-fp16", *SMALL_DS],
     ["--gpus", "2", "--stage", "1"],
     ["--gpus", "2", "--strategy", "fsdp-full", "--fsdp-version", "1"],
     ["--gpus", "2", "--strategy", "fsdp-full", "--fsdp-version", "1", "--precision", "fp32"],
     ["--gpus", "2", "--strategy", "fsdp-full", "--recompute", "full"],
     ["--gpus", "2", "--strategy", "fsdp-full", "--precision", "fp32"],
-    # session 6: ZeRO-Offload (DeepSpeedCPUAdam since session 7); on CPU the host share is compared with the rest;
+    # ZeRO-Offload (DeepSpeedCPUAdam, as DeepSpeed builds it); on CPU the host share is compared with the rest;
     # DeepSeek's MLA (CPU SDPA takes the math kernel: q/k and v head dims differ) under FSDP2; gpt2's tied
     # embedding with full recompute
     ["--gpus", "2", "--stage", "3", "--offload-optimizer", *SMALL_DS],
     ["--gpus", "2", "--stage", "2", "--offload-optimizer", *SMALL_DS],
     ["--gpus", "2", "--strategy", "fsdp-full", "--layers", "4", "--model", "deepseek-v3"],
     ["--gpus", "2", "--strategy", "ddp", "--recompute", "full", "--model", "gpt2"],
-    # session 7 (from the cross product): ZeRO-3 + offload on one rank with recompute (no gathers at one rank,
+    # from the cross product: ZeRO-3 + offload on one rank with recompute (no gathers at one rank,
     # the offload hook's fp64 norm copy inside the recomputed blocks), FSDP2 on one rank (a prefetch allocates
     # nothing), ZeRO-3 at 4 ranks with gpt2 under full recompute (hook-pending grads, the tied head's pending
     # contribution)
     ["--gpus", "1", "--stage", "3", "--offload-optimizer", "--recompute", "full", *SMALL_DS],
     ["--gpus", "1", "--strategy", "fsdp-full", "--precision", "fp32", "--model", "gpt2"],
     ["--gpus", "4", "--stage", "3", "--recompute", "full", "--model", "gpt2", *SMALL_DS],
-    # session 8: DeepSpeed with fp32 parameters (its own fp32 master copy; ZeRO-3's linear under autocast), ZeRO-1
+    # DeepSpeed with fp32 parameters (its own fp32 master copy; ZeRO-3's linear under autocast), ZeRO-1
     # without overlap_comm (nothing reduced in backward)
     ["--gpus", "2", "--stage", "3", "--precision", "torch-amp", "--recompute", "full", *SMALL_DS],
     ["--gpus", "2", "--stage", "1", "--precision", "fp32", "--model", "gpt2", *SMALL_DS],

@@ -361,7 +361,7 @@ def test_cublas_workspace_from_the_gpu_preset_or_the_option():
 
 
 def test_zero_offload_host_share_by_stage():
-    # measured on CPU (one allocator: the harness compares device + host; session 6): stage 3 keeps the fp32
+    # measured on CPU (one allocator: the harness compares device + host): stage 3 keeps the fp32
     # grad per sub-group and grad_partitions_flat_buffer on the host; stage 1/2 the fp32 grad partition, a bit16
     # copy of the partition and a largest-parameter bit16 buffer, and a second one on the device
     for stage, strat in ((3, "zero3"), (2, "zero2")):
@@ -393,7 +393,7 @@ def test_zero2_grads_in_partition_inside_the_blocks():
 
 def test_zero3_on_one_rank_gathers_nothing():
     # partition_parameters.py all_gather_coalesced -> _no_gather_coalesced: with a partition group of one each
-    # parameter points at its partition (measured, session 7: forward 19.2 MB above the step's start at 1 rank,
+    # parameter points at its partition (measured with the harness: forward 19.2 MB above the step's start at 1 rank,
     # the activations alone); a GPU with offloaded parameters copies them from the host
     one = A.timeline(TOY, settings("zero3", 1))
     assert one.assumptions["zero3_gathered_numel"]["forward_end"] > 0  # the schedule runs; nothing is copied
@@ -545,7 +545,7 @@ def test_deepspeed_keeps_its_fp32_master_copy_of_fp32_params(strategy, recipe):
 
 def test_zero3_persistent_params_cost_nothing_extra_at_one_rank():
     # a persistent parameter stays gathered beside its partition; at one rank DeepSpeed gathers nothing
-    # (NoGatherHandle: param.data is ds_tensor's data), so the gathered copy is the partition. Measured, session 9:
+    # (NoGatherHandle: param.data is ds_tensor's data), so the gathered copy is the partition. Measured with the harness:
     # gpt2 ZeRO-3 defaults at 1 rank, weights exactly 2 B x every element
     ds = {"param_persistence_threshold": 10_000}  # the toy's 8 x 1024 root tensor is persistent
     one = A.timeline(TOY, settings("zero3", 1, ds=ds))

@@ -260,7 +260,7 @@ def test_root_hooks_done_is_the_last_hook_outside_the_blocks_before_them():
 
 
 def test_the_last_blocks_backward_begins_after_the_final_norms_backward():
-    # measured (session 9; fsdp-full reshard 2, fp32, 4 ranks, llama-3-8b with 2 blocks, hidden 512, vocabulary
+    # measured (fsdp-full reshard 2, fp32, 4 ranks, llama-3-8b with 2 blocks, hidden 512, vocabulary
     # 2048, micro-batch 2, sequence 128, CPU): the last block's copy-out in backward (its pre-backward hook)
     # peaked at 104,503,404 B with 80,240,128 B of params, states, gathered blocks and head grads, i.e.
     # 24,263,276 B of activations less the harness's 2,660-byte constant: 24,260,616 B. Starting the segment at
@@ -289,7 +289,7 @@ def test_block_hooks_give_the_activations_at_each_parameters_hook():
 
 
 def test_loss_moment_is_the_heads_weight_gradient_gemm():
-    # autograd makes the head's weight gradient as a new tensor. Measured on ZeRO-3 at 1 rank (session 7,
+    # autograd makes the head's weight gradient as a new tensor. Measured on ZeRO-3 at 1 rank (
     # llama-3-8b with 2 blocks, hidden 512, vocabulary 2048, micro-batch 2, sequence 128, CPU): the head's GEMM,
     # its bf16 output and fp32 scratch, topped the loss's own peak by 1.31 MB
     cfg = scale_config(sources.resolve("llama-3-8b").config, layers=2, hidden=512, vocab=2048)[0]

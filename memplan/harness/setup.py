@@ -1,0 +1,216 @@
+"""Each framework applied to the model as a training script applies it (the rank's side of validate): DeepSpeed's
+engine, DDP (with ZeroRedundancyOptimizer), FSDP1 and FSDP2; the model built from the spec's config."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from memplan.harness import gloo
+
+
+def _build_model(spec: dict[str, Any], on_meta: bool) -> Any:
+    import contextlib
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from memplan.model.meta_builder import hf_config
+
+    cfg = hf_config(spec["config"])
+    torch.manual_seed(spec.get("seed", 0))
+    with torch.device("meta") if on_meta else contextlib.nullcontext():
+        model = AutoModelForCausalLM.from_config(cfg, attn_implementation=spec["attn_implementation"],
+                                                 dtype=torch.float32)
+    if spec["recompute"] == "full":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    return model
+
+
+def _blocks(model: Any) -> list[Any]:
+    no_split = set(getattr(model, "_no_split_modules", None) or [])
+    return [m for m in model.modules() if type(m).__name__ in no_split]
+
+
+def _torch_optimizer(spec: dict[str, Any], params: Any) -> Any:
+    import torch
+
+    impl = spec.get("optimizer_impl")
+    kw: dict[str, Any] = {"lr": 1e-4}
+    if impl == "foreach":
+        kw["foreach"] = True
+    elif impl == "single-tensor":
+        kw["foreach"] = False
+    elif impl == "fused":
+        kw["fused"] = True
+    name = spec["optimizer"]
+    if name == "adamw":
+        return torch.optim.AdamW(params, weight_decay=0.0, **kw)
+    if name == "adam":
+        return torch.optim.Adam(params, **kw)
+    if name == "sgd":
+        return torch.optim.SGD(params, momentum=0.9, **kw)
+    raise ValueError(f"the harness runs adamw, adam and sgd; not {name}")
+
+
+def setup(spec: dict[str, Any], device: Any) -> tuple[Any, Any, Any]:
+    """(module to call, optimizer, engine-or-None) for the spec's strategy."""
+    setups = {"deepspeed": _setup_deepspeed, "torch-ddp": _setup_ddp, "fsdp1": _setup_fsdp1, "fsdp2": _setup_fsdp2}
+    if spec["framework"] not in setups:
+        raise ValueError(f"unknown framework {spec['framework']!r}")
+    return setups[spec["framework"]](spec, device)
+
+
+def _setup_deepspeed(spec: dict[str, Any], device: Any) -> tuple[Any, Any, Any]:
+    import deepspeed
+
+    if spec["recipe"] == "deepspeed-fp16" and device.type == "cpu":
+        from deepspeed.accelerator import get_accelerator
+
+        acc = get_accelerator()
+        if not acc.is_fp16_supported():
+            # DeepSpeed's CPU accelerator reports fp16 only where oneDNN has fp16 kernels
+            # (cpu_accelerator.py is_fp16_supported); torch's CPU kernels compute fp16 regardless, and the
+            # check only gates the config. The engine's fp16 path (module.half(), loss scaler, fp32
+            # partitions) is what the harness measures.
+            type(acc).is_fp16_supported = lambda self: True
+    model = _build_model(spec, on_meta=False)
+    if spec["ds_config"]["zero_optimization"].get("offload_optimizer") and spec["optimizer"] in ("adamw", "adam"):
+        # What DeepSpeed builds for Adam(W) under optimizer offload (engine.py get_optimizer_configuration:
+        # DeepSpeedCPUAdam with fp32 states; a client torch optimizer is refused unless
+        # zero_force_ds_cpu_optimizer is false). Its C++ step updates in place: no step scratch.
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        opt = DeepSpeedCPUAdam(model.parameters(), lr=1e-4, weight_decay=0.0,
+                               adamw_mode=spec["optimizer"] == "adamw")
+    else:
+        opt = _torch_optimizer(spec, model.parameters())
+    engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=spec["ds_config"])
+    return engine, optimizer, engine
+
+
+def _setup_ddp(spec: dict[str, Any], device: Any) -> tuple[Any, Any, Any]:
+    import torch
+
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = _build_model(spec, on_meta=False).to(device)
+    if spec["recipe"] == "pure-bf16":
+        model = model.to(torch.bfloat16)
+    ddp = DDP(model, bucket_cap_mb=spec["bucket_cap_mb"],
+              gradient_as_bucket_view=spec["gradient_as_bucket_view"],
+              init_sync=False)  # every rank built the same weights from one seed; the broadcast
+    # would leave its flat buffer counted (freed on a gloo thread the profiler does not follow)
+    if spec["zero_optimizer"]:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        impl = spec.get("optimizer_impl")
+        kw = {"foreach": impl == "foreach"} if impl in ("foreach", "single-tensor") else {}
+        opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-4,
+                                      weight_decay=0.0, **kw)
+    else:
+        opt = _torch_optimizer(spec, ddp.parameters())
+    return ddp, opt, None
+
+
+def _setup_fsdp1(spec: dict[str, Any], device: Any) -> tuple[Any, Any, Any]:
+    import torch
+    import torch.distributed as dist
+
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import MixedPrecision, ShardingStrategy
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    world = dist.get_world_size()
+    shard = spec["shard_size"]
+    model = _build_model(spec, on_meta=False)
+    mp = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+        if spec["recipe"] == "fsdp-bf16" else None
+    if shard == 1:
+        strategy = ShardingStrategy.NO_SHARD
+    elif shard < world:
+        strategy = ShardingStrategy.HYBRID_SHARD
+    else:
+        strategy = ShardingStrategy.FULL_SHARD if spec["reshard_after_forward"] is not False \
+            else ShardingStrategy.SHARD_GRAD_OP
+    kw: dict[str, Any] = {}
+    if strategy == ShardingStrategy.HYBRID_SHARD:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        kw["device_mesh"] = init_device_mesh("cuda" if device.type == "cuda" else "cpu",
+                                             (world // shard, shard), mesh_dim_names=("replicate", "shard"))
+    if device.type == "cpu":
+        gloo.flat_collectives_in_place()
+    # FSDP1 as accelerate / the HF Trainer configure it by default: one FlatParameter per decoder block
+    # (ModuleWrapPolicy on the block class) and one for the root, use_orig_params=False, BACKWARD_PRE
+    # prefetch, limit_all_gathers; the harness's blocks are those of _no_split_modules
+    fsdp = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({type(b) for b in _blocks(model)}),
+                sharding_strategy=strategy, mixed_precision=mp, device_id=device, use_orig_params=False, **kw)
+    opt = _torch_optimizer(spec, fsdp.parameters())
+    return fsdp, opt, None
+
+
+def _setup_fsdp2(spec: dict[str, Any], device: Any) -> tuple[Any, Any, Any]:
+    import torch
+    import torch.distributed as dist
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    world = dist.get_world_size()
+    shard = spec["shard_size"]
+    mesh_kind = "cuda" if device.type == "cuda" else "cpu"
+    if shard == world:
+        mesh = init_device_mesh(mesh_kind, (world,))
+    else:
+        mesh = init_device_mesh(mesh_kind, (world // shard, shard), mesh_dim_names=("replicate", "shard"))
+    model = _build_model(spec, on_meta=True)
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+        if spec["recipe"] == "fsdp-bf16" else MixedPrecisionPolicy()
+    raf = spec["reshard_after_forward"]
+    for block in _blocks(model):
+        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=raf)
+    # the root keeps FSDP2's default (reshard_after_forward=None: True for the blocks, False for the root,
+    # _fully_shard.py), as `fully_shard(model)` in a training script does; the engine assumes it
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    if device.type == "cpu":
+        gloo.collectives_in_place(model)
+    model.to_empty(device=device)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.02)
+    _reinit_buffers(model)
+    opt = _torch_optimizer(spec, model.parameters())
+    return model, opt, None
+
+
+def _reinit_buffers(model: Any) -> None:
+    """Buffers come out of ``to_empty`` uninitialised: recompute rotary frequencies, zero the rest.
+
+    Values never change the bytes, but garbage (NaN) would reach MoE routing, which is data-dependent.
+    """
+    import torch
+
+    with torch.no_grad():
+        for mod in model.modules():
+            own = dict(mod.named_buffers(recurse=False))
+            if not own:
+                continue
+            inv = None
+            if "inv_freq" in own and hasattr(mod, "config"):
+                rope_type = getattr(mod, "rope_type", "default")
+                fn = getattr(mod, "compute_default_rope_parameters", None) if rope_type == "default" else None
+                try:
+                    if fn is None:
+                        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+                        inv, _ = ROPE_INIT_FUNCTIONS[rope_type](mod.config, torch.device("cpu"))
+                    else:
+                        inv, _ = fn(mod.config)
+                except Exception:
+                    inv = None
+            for name, buf in own.items():
+                if inv is not None and name in ("inv_freq", "original_inv_freq"):
+                    buf.copy_(inv.to(device=buf.device, dtype=buf.dtype))
+                else:
+                    buf.zero_()

@@ -1,0 +1,85 @@
+"""What a config.json says, read the same way by every builder: its dtype, the dimensions the activation and
+buffer terms need, and the checks a config passes before any builder (or a trace) sees it."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from memplan.errors import ConfigError
+from memplan.units import normalize_dtype
+
+
+def config_dtype(config: Mapping[str, Any]) -> str:
+    """The stored dtype a config declares (transformers 5 writes "dtype", 4.x "torch_dtype"); float32 if none."""
+    raw = config.get("dtype") or config.get("torch_dtype") or "float32"
+    try:
+        return normalize_dtype(raw)
+    except Exception as exc:
+        raise ConfigError(f"config dtype {raw!r} is not a known dtype") from exc
+
+
+#: Families whose MLP is fc -> activation -> projection (no gate).
+PLAIN_MLP_FAMILIES = frozenset({"gpt2", "gpt_neox", "falcon", "gpt_bigcode", "gptj", "opt", "bloom", "phi"})
+
+
+def model_dims(config: Mapping[str, Any]) -> dict[str, int]:
+    """Dimensions the activation / buffer terms need, under the names of most families."""
+    keys = {"hidden_size": ("hidden_size", "n_embd", "d_model"),
+            "num_layers": ("num_hidden_layers", "n_layer", "num_layers"),
+            "num_heads": ("num_attention_heads", "n_head"),
+            "vocab_size": ("vocab_size",),
+            "intermediate_size": ("intermediate_size", "n_inner", "ffn_hidden_size"),
+            "max_positions": ("max_position_embeddings", "n_positions")}
+    dims: dict[str, int] = {}
+    for dim, names in keys.items():
+        for n in names:
+            v = config.get(n)
+            if isinstance(v, int) and not isinstance(v, bool):
+                dims[dim] = v
+                break
+    # Two-matrix GELU MLPs (fc -> act -> proj) save fewer activations than gated (SwiGLU/GeGLU) ones.
+    dims["gated_mlp"] = 0 if config.get("model_type") in PLAIN_MLP_FAMILIES else 1
+    kv = config.get("num_key_value_heads")
+    if isinstance(kv, int):
+        dims["num_kv_heads"] = kv
+    return dims
+
+
+#: structural sizes a config may give, by meaning, with the largest value any real model approaches times a
+#: wide margin: past them an inventory or a trace would take hours (a 10^12-layer config), so they are refused
+_STRUCTURAL = {"hidden_size": 1 << 20, "n_embd": 1 << 20, "d_model": 1 << 20, "num_hidden_layers": 100_000,
+               "n_layer": 100_000, "num_layers": 100_000, "num_attention_heads": 1 << 16, "n_head": 1 << 16,
+               "num_key_value_heads": 1 << 16, "head_dim": 1 << 16, "vocab_size": 1 << 31,
+               "intermediate_size": 1 << 24, "n_inner": 1 << 24, "moe_intermediate_size": 1 << 24,
+               "num_local_experts": 1 << 16, "num_experts": 1 << 16, "n_routed_experts": 1 << 16,
+               "num_experts_per_tok": 1 << 16, "max_position_embeddings": 1 << 34, "n_positions": 1 << 34}
+#: flags a config may give, which transformers reads as booleans
+_FLAGS = ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_bias", "bias")
+
+
+def check_config(config: Mapping[str, Any]) -> None:
+    """The checks every builder applies to a config.json before building (analytic, meta device, or a trace):
+    structural sizes are positive integers within reach of a real model, flags are booleans, the attention
+    heads divide the hidden size where no head_dim is given and the key/value heads divide the heads (as
+    transformers' attention modules require)."""
+    for key, most in _STRUCTURAL.items():
+        v = config.get(key)
+        if v is None:
+            continue
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ConfigError(f"config field {key!r} must be a positive integer, got {v!r}")
+        if v > most:
+            raise ConfigError(f"config field {key!r} is {v:,}, more than any model memplan can size ({most:,})")
+    for key in _FLAGS:
+        v = config.get(key)
+        if v is not None and not isinstance(v, bool):
+            raise ConfigError(f"config field {key!r} must be true or false, got {v!r}")
+    hidden = next((config[k] for k in ("hidden_size", "n_embd", "d_model") if config.get(k)), None)
+    heads = next((config[k] for k in ("num_attention_heads", "n_head") if config.get(k)), None)
+    if hidden and heads and not config.get("head_dim") and hidden % heads:
+        raise ConfigError(f"the hidden size ({hidden}) is not a multiple of the number of attention heads ({heads}), "
+                          "and the config gives no head_dim")
+    kv = config.get("num_key_value_heads")
+    if heads and kv and heads % kv:
+        raise ConfigError(f"num_key_value_heads ({kv}) must divide num_attention_heads ({heads})")

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from memplan.errors import SettingsError
 from memplan.frameworks.common import LOSS, FrameworkModel, Grads, Job
 from memplan.frameworks.fsdp2 import pinned_host as fsdp2_pinned
@@ -35,16 +37,11 @@ def buffers(job: Job, grads: Grads) -> BufferTimeline:
       root's views take grads from the head's backward on; the root is reduced after the embedding's backward.
     """
     s, n, g, grads_end = job.s, job.n, job.gathers, grads.end
-    st, rc = s.strategy, s.recipe
+    rc = s.recipe
     # the unsharded flat parameters are in MixedPrecision's param_dtype, as autograd's grads are
     cb = rc.grad_bytes
     moments: list[BufferMoment] = [LOSS]
-    raf = reshard_after_forward(s)
-    if not isinstance(raf, bool):
-        raise SettingsError("FSDP1 takes reshard_after_forward true (FULL_SHARD) or false (SHARD_GRAD_OP), "
-                            f"not a group size ({raf}); group sizes are FSDP2's")
-    if not st.shard_params:
-        raf = False
+    raf = _reshard(s)
     root = cb * g.root
     sizes = g.block_numels or (0,)
     nblocks = len(g.block_numels)
@@ -95,20 +92,40 @@ def buffers(job: Job, grads: Grads) -> BufferTimeline:
         two_end = max(inside_two + 2 * gb * prev,
                       inside_two - cb * prev + (gb + cast) * prev + rb * ceil_div(prev, n))
         moments.append(BufferMoment(two_end, last_shard, Moment.PREVIOUS_BLOCK_BACKWARD_ENDS))
-    # the first block: inside its backward, then its grads complete; the root's reduce at the end
-    not_reduced = shard * (ceil_div(g.root, n) + ceil_div(first, n))
-    first_in = root + head_grads + cb * first
-    moments.append(BufferMoment(first_in, grads_end - not_reduced, Moment.INSIDE_FIRST_BLOCK_BACKWARD))
-    first_end = (max(first_in + 2 * gb * first,
-                     first_in - cb * first + (gb + cast) * first + rb * ceil_div(first, n)), not_reduced)
-    # the root: its views' grads concatenated, the root resharded, the cast and the new shard
-    root_end = (max(root + 2 * gb * g.root, (gb + cast) * g.root + rb * ceil_div(g.root, n)),
-                shard * ceil_div(g.root, n))
+    inside_first, end = _end(s, g, n, root, head_grads, grads_end)
+    moments.append(inside_first)
     # the last block's new shard reduced
     moments.append(BufferMoment(after_last + rb * ceil_div(last, n), 0, Moment.PREVIOUS_BLOCK_BACKWARD_BEGINS))
     return BufferTimeline(gathered_forward_end=gather_fwd_end, gathered_loss=gather_loss,
-                          end=max(first_end, root_end, key=lambda m: m[0] - m[1]), moments=tuple(moments),
+                          end=end, moments=tuple(moments),
                           assumptions={"reshard_after_forward": raf, "largest_gathered_block_numel": g.largest_block})
+
+def _reshard(s: Any) -> bool:
+    """FULL_SHARD (True) or SHARD_GRAD_OP (False); NO_SHARD keeps every block whole."""
+    raf = reshard_after_forward(s)
+    if not isinstance(raf, bool):
+        raise SettingsError("FSDP1 takes reshard_after_forward true (FULL_SHARD) or false (SHARD_GRAD_OP), "
+                            f"not a group size ({raf}); group sizes are FSDP2's")
+    return raf if s.strategy.shard_params else False
+
+
+def _end(s: Any, g: Any, n: int, root: int, head_grads: int, grads_end: int) -> tuple[BufferMoment, tuple[int, int]]:
+    """The first block: inside its backward, then its grads complete; the root's reduce at the end: its views'
+    grads concatenated, the root resharded, the cast and the new shard. Returns the moment inside the first
+    block and backward's end as (buffers, grads not yet reduced)."""
+    rc = s.recipe
+    cb, gb, rb = rc.grad_bytes, rc.grad_bytes, rc.reduced_grad_bytes
+    cast = rb if rb != gb else 0
+    first = (g.block_numels or (0,))[0]
+    not_reduced = rb * (ceil_div(g.root, n) + ceil_div(first, n))
+    first_in = root + head_grads + cb * first
+    first_end = (max(first_in + 2 * gb * first,
+                     first_in - cb * first + (gb + cast) * first + rb * ceil_div(first, n)), not_reduced)
+    root_end = (max(root + 2 * gb * g.root, (gb + cast) * g.root + rb * ceil_div(g.root, n)),
+                rb * ceil_div(g.root, n))
+    inside = BufferMoment(first_in, grads_end - not_reduced, Moment.INSIDE_FIRST_BLOCK_BACKWARD)
+    return inside, max(first_end, root_end, key=lambda m: m[0] - m[1])
+
 
 MODEL = FrameworkModel(name="fsdp1", buffers=buffers, grads_at_end=grads_at_end, cpu_offload_policy=True,
                        pinned_host=fsdp2_pinned)

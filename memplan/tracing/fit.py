@@ -129,6 +129,15 @@ def trace_profile(config: dict[str, Any], *, seq_len: int, recipe: str, attentio
         raise SettingsError(f"tracing activations failed ({type(exc).__name__}: {first[:200]}); "
                             "use --activations analytic") from None
 
+    return _profile(top, low, seq_len=seq_len, recipe=recipe, attention=attention, recompute=recompute,
+                    device=device, target=target, layers=layers, heterogeneous=heterogeneous,
+                    transformers_version=transformers.__version__)
+
+
+def _profile(top: tuple[dict[str, Any], dict[str, Any]], low: tuple[dict[str, Any], dict[str, Any]] | None, *,
+             seq_len: int, recipe: str, attention: str, recompute: str, device: str, target: Target, layers: int,
+             heterogeneous: bool, transformers_version: str) -> dict[str, Any]:
+    """The profile from the step traced at micro-batch 2 and 4 (``top``; ``low``: one block fewer, or None)."""
     def envelope(key: str) -> list[list[int]]:
         return _envelope([tuple(_line(a, b)) for a, b in zip(top[0][key], top[1][key])])  # type: ignore[misc]
 
@@ -174,5 +183,5 @@ def trace_profile(config: dict[str, Any], *, seq_len: int, recipe: str, attentio
         "attention_kernels": top[0]["attention_kernels"],
         #: the step's storages in order, for the caching allocator (see _alloc_events; None: not linear in b)
         "alloc_events": alloc_events(*top, expand=not heterogeneous),
-        "transformers": transformers.__version__,
+        "transformers": transformers_version,
     }

@@ -29,6 +29,29 @@ def replay_zero3(job: ReplayJob, world: int, partitions: tuple[int, ...], sub_gr
     freed; full buckets are reduced into the flat gradient buffer. The optimizer, sub-group by sub-group,
     flattens the gradients (bit16), converts them to fp32, steps and frees them; the norm reads each gradient in
     fp64 first."""
+    run = _setup(job, world, partitions, sub_groups, bucket, half, config)
+    for n in range(MAX_STEPS):
+        before = run.a.peak_reserved
+        for m in range(job.grad_accum):
+            ids = run.alloc(job.input_bytes)
+            if n == 0 and m == 0:
+                run.alloc(job.workspace_bytes)
+            at, gathered = _gathers(run, world, blocks, half, job, n == 0 and m == 0)
+            micro_step(run, job, (n, m), keep_grads=False, at=at)
+            for k in gathered.values():
+                run.free(k)
+            gathered.clear()
+            run.free(ids)
+        _optimizer_step(run, job, partitions, sub_groups, half, n == 0)
+        run.end_step()
+        if n >= 1 and run.a.peak_reserved == before:
+            break
+    return run.a
+
+
+def _setup(job: ReplayJob, world: int, partitions: tuple[int, ...], sub_groups: tuple[int, ...], bucket: int,
+           half: int, config: AllocatorConfig | None) -> Run:
+    """The partitions made, defragmented, the fp32 sub-group partitions, the bucket and the flat gradient buffer."""
     run = Run(config or AllocatorConfig())
     total = sum(partitions)
     if world == 1:
@@ -60,58 +83,58 @@ def replay_zero3(job: ReplayJob, world: int, partitions: tuple[int, ...], sub_gr
         run.free(run.alloc(g * 4))  # Adam makes its states at the first real step: measured, step 1's peak)
     run.alloc(bucket * half)  # the ipg bucket buffer
     run.alloc(total * half)  # grad_partitions_flat_buffer
-    for n in range(MAX_STEPS):
-        before = run.a.peak_reserved
-        for m in range(job.grad_accum):
-            ids = run.alloc(job.input_bytes)
-            if n == 0 and m == 0:
-                run.alloc(job.workspace_bytes)
-            gathered: dict[int, Any] = {}
+    return run
 
-            def gather(i: int) -> None:
-                if world > 1 and 0 <= i < len(blocks) and i not in gathered:
-                    gathered[i] = run.alloc(blocks[i] * half)
 
-            def release(i: int) -> None:
-                k = gathered.pop(i, None)
-                if k is not None:
-                    run.free(k)
+def _gathers(run: Run, world: int, blocks: tuple[int, ...], half: int, job: ReplayJob,
+             first: bool) -> tuple[Any, dict[int, Any]]:
+    """The traced step's region callback: each block gathered (the next one prefetched) before its forward and its
+    backward, released after; autograd's cuBLAS workspace at the first backward."""
+    gathered: dict[int, Any] = {}
 
-            state: dict[str, Any] = {"f": None, "b": None}
+    def gather(i: int) -> None:
+        if world > 1 and 0 <= i < len(blocks) and i not in gathered:
+            gathered[i] = run.alloc(blocks[i] * half)
 
-            def at(kind: str, blk: int) -> None:
-                for key in ("f", "b"):
-                    if state[key] is not None:
-                        release(state[key])
-                        state[key] = None
-                if kind == "F" and blk >= 0:
-                    gather(blk)
-                    gather(blk + 1)  # prefetched
-                    state["f"] = blk
-                elif kind == "B" and blk >= 0:
-                    gather(blk)
-                    gather(blk - 1)
-                    state["b"] = blk
-                if kind == "mid" and n == 0 and m == 0:
-                    run.alloc(job.workspace_bytes)
-            micro_step(run, job, (n, m), keep_grads=False, at=at)
-            for i in list(gathered):
-                release(i)
-            run.free(ids)
-        for numel in partitions:  # the norm: each gradient partition in fp64, one after another
-            run.free(run.alloc(numel * 8))
-        for g in sub_groups:
-            copy = run.alloc(g * half)  # flatten(averaged_gradients)
-            fp32 = run.alloc(g * 4)
-            run.free(copy)
-            if n == 0:  # the optimizer's states, made at its first step
-                for _ in range(job.states_per_param):
-                    run.alloc(g * job.state_bytes)
-            run.free(fp32)  # after the sub-group's step
-        run.end_step()
-        if n >= 1 and run.a.peak_reserved == before:
-            break
-    return run.a
+    def release(i: int) -> None:
+        k = gathered.pop(i, None)
+        if k is not None:
+            run.free(k)
+
+    state: dict[str, Any] = {"f": None, "b": None}
+
+    def at(kind: str, blk: int) -> None:
+        for key in ("f", "b"):
+            if state[key] is not None:
+                release(state[key])
+                state[key] = None
+        if kind == "F" and blk >= 0:
+            gather(blk)
+            gather(blk + 1)  # prefetched
+            state["f"] = blk
+        elif kind == "B" and blk >= 0:
+            gather(blk)
+            gather(blk - 1)
+            state["b"] = blk
+        if kind == "mid" and first:
+            run.alloc(job.workspace_bytes)
+    return at, gathered
+
+
+def _optimizer_step(run: Run, job: ReplayJob, partitions: tuple[int, ...], sub_groups: tuple[int, ...], half: int,
+                    first: bool) -> None:
+    """The norm over each gradient partition in fp64, then sub-group by sub-group: flatten, fp32 copy, states at
+    the first step, the step."""
+    for numel in partitions:  # the norm: each gradient partition in fp64, one after another
+        run.free(run.alloc(numel * 8))
+    for g in sub_groups:
+        copy = run.alloc(g * half)  # flatten(averaged_gradients)
+        fp32 = run.alloc(g * 4)
+        run.free(copy)
+        if first:  # the optimizer's states, made at its first step
+            for _ in range(job.states_per_param):
+                run.alloc(g * job.state_bytes)
+        run.free(fp32)  # after the sub-group's step
 
 
 def replay(inv: Any, s: Any, config: AllocatorConfig) -> tuple[str, dict[str, Allocator]]:

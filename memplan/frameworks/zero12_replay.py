@@ -41,17 +41,7 @@ def replay_zero12(job: ReplayJob, stage: int, partition: int, flat: int, bucket:
     at the end of backward; the norm takes each gradient in fp64 (get_grad_norm_direct:
     vector_norm(g.data.to(get_norm_dtype()))); the step flattens the partition's gradients again and converts them to fp32
     (single_grad_partition), Adam makes its states at the first step, and the fp32 gradient goes."""
-    run = Run(config or AllocatorConfig())
-    keys = build_model(run, job)
-    run.empty_cache()
-    run.alloc(flat * half)  # bit16_groups_flat; the parameters become views of it
-    for k in keys:
-        run.free(k)
-    clone = run.alloc(partition * half)
-    run.alloc(partition * 4)  # single_partition_of_fp32_groups
-    run.free(clone)
-    run.free(run.alloc(partition * 4))  # initialize_optimizer_states' zero gradient
-    states: list[Any] = []
+    run = _setup(job, partition, flat, half, config)
     for n in range(MAX_STEPS):
         before = run.a.peak_reserved
         grads_flat = None
@@ -96,20 +86,44 @@ def replay_zero12(job: ReplayJob, stage: int, partition: int, flat: int, bucket:
             for k in ipg:
                 run.free(k)
             run.free(ids)
-        for numel in norms:  # get_grad_norm_direct: each gradient .to(float64), one after another
-            run.free(run.alloc(numel * 8))
-        copy = run.alloc(partition * half)
-        fp32_grad = run.alloc(partition * 4)
-        run.free(copy)
-        if grads_flat is not None:
-            run.free(grads_flat)
-        if n == 0:
-            states += [run.alloc(partition * job.state_bytes) for _ in range(job.states_per_param)]
-        run.free(fp32_grad)
+        _optimizer_step(run, job, norms, partition, half, grads_flat, first=n == 0)
         run.end_step()
         if n >= 1 and run.a.peak_reserved == before:
             break
     return run.a
+
+
+def _setup(job: ReplayJob, partition: int, flat: int, half: int, config: AllocatorConfig | None) -> Run:
+    """The model built and converted, the cache emptied, the flat bit16 group (the parameters become views of it),
+    the fp32 master partition (a clone made fp32) and initialize_optimizer_states' zero gradient."""
+    run = Run(config or AllocatorConfig())
+    keys = build_model(run, job)
+    run.empty_cache()
+    run.alloc(flat * half)  # bit16_groups_flat
+    for k in keys:
+        run.free(k)
+    clone = run.alloc(partition * half)
+    run.alloc(partition * 4)  # single_partition_of_fp32_groups
+    run.free(clone)
+    run.free(run.alloc(partition * 4))
+    return run
+
+
+def _optimizer_step(run: Run, job: ReplayJob, norms: tuple[int, ...], partition: int, half: int, grads_flat: Any,
+                    first: bool) -> None:
+    """get_grad_norm_direct (each gradient .to(float64), one after another), then the partition's gradients
+    flattened (bit16) and made fp32, grads_in_partition freed, Adam's states at the first step, the step."""
+    for numel in norms:
+        run.free(run.alloc(numel * 8))
+    copy = run.alloc(partition * half)
+    fp32_grad = run.alloc(partition * 4)
+    run.free(copy)
+    if grads_flat is not None:
+        run.free(grads_flat)
+    if first:
+        for _ in range(job.states_per_param):
+            run.alloc(partition * job.state_bytes)
+    run.free(fp32_grad)
 
 
 def why_not(s: Any) -> str | None:

@@ -93,6 +93,14 @@ def _size_option(value: Optional[str], name: str, allow_zero: bool = False) -> O
         raise MemplanError(f"{name}: {exc}") from None
 
 
+def _overheads(cuda_context: Optional[str], nccl: Optional[str], fragmentation_percent: Optional[int],
+               cublas_workspace: Optional[str]) -> dict:
+    return dict(cuda_context_bytes=_size_option(cuda_context, "--cuda-context"),
+                nccl_bytes_per_communicator=_size_option(nccl, "--nccl-per-communicator"),
+                fragmentation_percent=fragmentation_percent,
+                blas_workspace_bytes=_size_option(cublas_workspace, "--cublas-workspace", allow_zero=True))
+
+
 @app.command()
 def estimate(
     model: str = typer.Argument(..., help="Preset name, config.json, model directory, cached repo id, or pkg.mod:fn."),
@@ -165,12 +173,7 @@ def estimate(
         gpu=gpu, gpu_memory_size=gpu_memory, device=device, deepspeed=deepspeed, allocator_conf=allocator_conf,
         host_memory_size=host_memory, pin_memory=pin_memory,
         ds_overrides=O.ds_overrides(given), torch_overrides=O.torch_overrides(given),
-        overhead_overrides=dict(cuda_context_bytes=_size_option(cuda_context, "--cuda-context"),
-                                nccl_bytes_per_communicator=_size_option(nccl_per_communicator,
-                                                                         "--nccl-per-communicator"),
-                                fragmentation_percent=fragmentation_percent,
-                                blas_workspace_bytes=_size_option(cublas_workspace, "--cublas-workspace",
-                                                                  allow_zero=True)))
+        overhead_overrides=_overheads(cuda_context, nccl_per_communicator, fragmentation_percent, cublas_workspace))
     plan = accounting.estimate(inv, resolved.settings)
     rep = plan_report(plan, resolved.sources, resolved.notes)
     if as_json:

@@ -107,87 +107,98 @@ def replay_fsdp2(job: ReplayJob, groups: tuple[FsdpGroup, ...], world: int, resh
 def _fsdp_micro_step(run: Run, job: ReplayJob, n: Any, blocks: tuple[FsdpGroup, ...], root: FsdpGroup, world: int,
                      reshard_after_forward: bool, outputs: list[Any], first: bool, keep: bool) -> None:
     """One micro-step under FSDP2; the reduce-scatter outputs go to ``outputs`` (``keep``), or, in a later
-    micro-step, are added into the sharded gradients and freed. With more than one rank (accounting.py's FSDP2
+    micro-step, are added into the sharded gradients and freed. With more than one rank (frameworks/fsdp2.py's
     notes, each checked on the harness): in forward a block's all-gather output is held until the next block's
     copy-out (FSDPCommContext.all_gather_state), the last one to the root's post-forward; in backward the root's
     pre-backward prefetches the last block, a block's pre-backward copies out of its prefetched output (then
     frees it) and prefetches the next; a post-backward frees the previous reduce-scatter input
     (reduce_scatter_max_input_buffers = 1)."""
-    flat = world > 1
-    unsharded: dict[int, list[Any]] = {}
-    gathered: dict[int, Any] = {}  # prefetched all-gather outputs, by block
-    held: list[Any] = []  # forward: the last all-gather output; backward: the last reduce-scatter input
-    grads_of: dict[int, list[Any]] = {}
-    state: dict[str, Any] = {"bwd": None}
+    st = _MicroStep(run, job, blocks, root, world, reshard_after_forward, outputs, first, keep)
+    st.unshard(-1, hold=True)
+    _fsdp_step(run, job, n, st.at, st.on_forward_end, st.grads_of)
+    st.post_backward(-1)
+    for k in st.held:
+        run.free(k)
 
-    def unshard(i: int, hold: bool) -> None:
-        g = root if i < 0 else blocks[i]
-        if not flat:
-            unsharded[i] = _unshard(run, g, world)
+
+class _MicroStep:
+    """FSDP2's state through one micro-step: what is unsharded, prefetched, held, and each block's gradients."""
+
+    def __init__(self, run: Run, job: ReplayJob, blocks: tuple[FsdpGroup, ...], root: FsdpGroup, world: int,
+                 reshard_after_forward: bool, outputs: list[Any], first: bool, keep: bool) -> None:
+        self.run, self.job, self.blocks, self.root, self.world = run, job, blocks, root, world
+        self.reshard_after_forward, self.outputs, self.first, self.keep = reshard_after_forward, outputs, first, keep
+        self.flat = world > 1
+        self.unsharded: dict[int, list[Any]] = {}
+        self.gathered: dict[int, Any] = {}  # prefetched all-gather outputs, by block
+        self.held: list[Any] = []  # forward: the last all-gather output; backward: the last reduce-scatter input
+        self.grads_of: dict[int, list[Any]] = {}
+        self.bwd: int | None = None
+
+    def unshard(self, i: int, hold: bool) -> None:
+        run = self.run
+        g = self.root if i < 0 else self.blocks[i]
+        if not self.flat:
+            self.unsharded[i] = _unshard(run, g, self.world)
             return
-        out = gathered.pop(i, None) or _all_gather(run, g, world)
-        unsharded[i] = _copy_out(run, g)
+        out = self.gathered.pop(i, None) or _all_gather(run, g, self.world)
+        self.unsharded[i] = _copy_out(run, g)
         if hold:  # forward: free the previous output now, keep this one
-            for k in held:
+            for k in self.held:
                 run.free(k)
-            held[:] = [out]
+            self.held[:] = [out]
         else:
             run.free(out)
 
-    def prefetch(i: int) -> None:
-        if flat and 0 <= i < len(blocks) and i not in unsharded and i not in gathered:
-            gathered[i] = _all_gather(run, blocks[i], world)
+    def prefetch(self, i: int) -> None:
+        if self.flat and 0 <= i < len(self.blocks) and i not in self.unsharded and i not in self.gathered:
+            self.gathered[i] = _all_gather(self.run, self.blocks[i], self.world)
 
-    def post_backward(i: int) -> None:
-        g = root if i < 0 else blocks[i]
-        for k in unsharded.pop(i, []):  # reshard
+    def post_backward(self, i: int) -> None:
+        run = self.run
+        g = self.root if i < 0 else self.blocks[i]
+        for k in self.unsharded.pop(i, []):  # reshard
             run.free(k)
-        for k in held:
+        for k in self.held:
             run.free(k)
-        held.clear()
+        self.held.clear()
         rs_in = run.alloc(g.reduce_in)
-        for k in grads_of.pop(i, []):
+        for k in self.grads_of.pop(i, []):
             run.free(k)
         out = run.alloc(g.reduce_out, stream=RS_STREAM)
-        if flat:
-            held.append(rs_in)
+        if self.flat:
+            self.held.append(rs_in)
         else:
             run.free(rs_in)
-        if keep:
-            outputs.append(out)
+        if self.keep:
+            self.outputs.append(out)
         else:
             run.free(out)
 
-    unshard(-1, hold=True)
-
-    def at(kind: str, blk: int) -> None:
-        if kind == "F" and blk < len(blocks) and blk not in unsharded:
-            unshard(blk, hold=True)
+    def at(self, kind: str, blk: int) -> None:
+        nblocks = len(self.blocks)
+        if kind == "F" and blk < nblocks and blk not in self.unsharded:
+            self.unshard(blk, hold=True)
         elif kind == "mid":
-            for k in held:  # the root's post-forward
-                run.free(k)
-            held.clear()
-            if first:
-                run.alloc(job.workspace_bytes)  # autograd's thread's cuBLAS handle
-            prefetch(len(blocks) - 1)
-        if kind in ("B", "post") and state["bwd"] is not None:
-            post_backward(state["bwd"])
-            state["bwd"] = None
-        if kind == "B" and blk < len(blocks):
-            if blk not in unsharded:
-                unshard(blk, hold=False)
-            prefetch(blk - 1)
-            state["bwd"] = blk
+            for k in self.held:  # the root's post-forward
+                self.run.free(k)
+            self.held.clear()
+            if self.first:
+                self.run.alloc(self.job.workspace_bytes)  # autograd's thread's cuBLAS handle
+            self.prefetch(nblocks - 1)
+        if kind in ("B", "post") and self.bwd is not None:
+            self.post_backward(self.bwd)
+            self.bwd = None
+        if kind == "B" and blk < nblocks:
+            if blk not in self.unsharded:
+                self.unshard(blk, hold=False)
+            self.prefetch(blk - 1)
+            self.bwd = blk
 
-    def on_forward_end(blk: int) -> None:
-        if reshard_after_forward and blk in unsharded:
-            for k in unsharded.pop(blk):
-                run.free(k)
-
-    _fsdp_step(run, job, n, at, on_forward_end, grads_of)
-    post_backward(-1)
-    for k in held:
-        run.free(k)
+    def on_forward_end(self, blk: int) -> None:
+        if self.reshard_after_forward and blk in self.unsharded:
+            for k in self.unsharded.pop(blk):
+                self.run.free(k)
 
 
 def _fsdp_step(run: Run, job: ReplayJob, n: int, at: Any, on_forward_end: Any, grads_of: dict[int, list[Any]]) -> None:

@@ -74,6 +74,20 @@ def _expand(d: dict[str, Any], layers: int) -> list[tuple]:
     return out
 
 
+def _full_regions(regions: list[tuple[str, int, int, int]], expand: bool, depth: int) -> list[tuple[str, int, int]]:
+    """The regions at the model's depth as (kind, block, template region): a two-block template's first block
+    stands for blocks 0..L-2 in forward and its last for L-1; in backward the last for L-1..1, the first for 0."""
+    idx = {(k, t): r for r, (k, t, _, _) in enumerate(regions)}
+    if not expand:
+        return [(k, t, r) for r, (k, t, _, _) in enumerate(regions)]
+    full = [("pre", -1, idx["pre", -1])]
+    full += [("F", k, idx["F", 0 if k < depth - 1 else 1]) for k in range(depth)]
+    full.append(("mid", -1, idx["mid", -1]))
+    full += [("B", k, idx["B", 1 if k > 0 else 0]) for k in range(depth - 1, -1, -1)]
+    full.append(("post", -1, idx["post", -1]))
+    return full
+
+
 def _expand_now(d: dict[str, Any], layers: int) -> list[tuple]:
     events = d["events"]
     n = len(events)
@@ -95,16 +109,7 @@ def _expand_now(d: dict[str, Any], layers: int) -> list[tuple]:
     nb = len(d["fs"])
     expand = d.get("expand") and nb == 2 and layers > 2
     L = layers if expand else nb
-    # full-depth regions: (kind, block, template region)
-    idx = {(k, t): r for r, (k, t, _, _) in enumerate(regions)}
-    if expand:
-        full = [("pre", -1, idx["pre", -1])]
-        full += [("F", k, idx["F", 0 if k < L - 1 else 1]) for k in range(L)]
-        full.append(("mid", -1, idx["mid", -1]))
-        full += [("B", k, idx["B", 1 if k > 0 else 0]) for k in range(L - 1, -1, -1)]
-        full.append(("post", -1, idx["post", -1]))
-    else:
-        full = [(k, t, r) for r, (k, t, _, _) in enumerate(regions)]
+    full = _full_regions(regions, expand, L)
     where = {(k, b): j for j, (k, b, _) in enumerate(full)}
     tpl_block = {r: t for r, (_, t, _, _) in enumerate(regions)}
 

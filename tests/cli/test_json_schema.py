@@ -33,6 +33,22 @@ def test_estimate_json_follows_the_schema(args):
     jsonschema.validate(json.loads(out), SCHEMA)
 
 
+@pytest.mark.parametrize("args", ["plan gpt2 --gpu h100-80g --json", "plan llama-7b --gpu a100-40g --max-gpus 2 --json"])
+def test_plan_json_follows_the_schema(args):
+    # plan-v1 refers to estimate-v1 for the recommended configuration's estimate
+    from referencing import Registry, Resource
+
+    base = Path(__file__).resolve().parents[2] / "memplan" / "schema"
+    plan_schema = json.loads((base / "plan-v1.schema.json").read_text())
+    registry = Registry().with_resource("https://memplan.dev/schema/estimate-v1.schema.json",
+                                        Resource.from_contents(SCHEMA))
+    code, out, err = run_cli(args.split())
+    assert code in (0, 1), err
+    d = json.loads(out)
+    jsonschema.Draft202012Validator(plan_schema, registry=registry).validate(d)
+    assert (d["recommendation"] is None) == (code == 1)
+
+
 def test_estimate_json_is_the_same_bytes_every_run():
     # separate processes with different string hashing: nothing may follow a set's or a hash's order
     import os

@@ -80,3 +80,41 @@ def test_one_gpu_holds_ddp_model_states(blocks, name):
 def test_hsdp_one_replica_is_full_shard(blocks, gpus):
     inv = inv_from(blocks)
     assert est(inv, "hsdp", gpus, "fsdp-bf16").phases == est(inv, "fsdp-full", gpus, "fsdp-bf16").phases
+
+
+_SCHEMA = None
+
+
+def _schema():
+    global _SCHEMA
+    if _SCHEMA is None:
+        import json
+        from pathlib import Path
+
+        _SCHEMA = json.loads((Path(__file__).resolve().parents[2] / "memplan" / "schema" /
+                              "estimate-v1.schema.json").read_text())
+    return _SCHEMA
+
+
+@given(hs.lists(shapes, min_size=1, max_size=4), hs.sampled_from(sorted(STRATEGIES)), hs.integers(1, 16),
+       hs.sampled_from(["deepspeed-bf16", "torch-amp", "fp32", "fsdp-bf16"]), hs.integers(1, 2),
+       hs.sampled_from(["cuda", "cpu"]))
+@hsettings(max_examples=120, deadline=None)
+def test_json_round_trips_and_follows_the_schema(blocks, name, gpus, recipe, fsdp_version, device):
+    # the report of any valid configuration: integers for bytes, the schema's shape, and json.dumps/loads gives
+    # back the same object (no float, NaN or object that JSON cannot carry)
+    import json
+
+    import jsonschema
+
+    from memplan.report import plan_report
+    from memplan.strategies import get_strategy
+
+    inv = inv_from(blocks)
+    s = A.Settings(strategy=get_strategy(name, fsdp_version), recipe=get_recipe(recipe),
+                   optimizer=get_optimizer("adamw"), cluster=A.Cluster(gpus=gpus, gpus_per_node=gpus, device=device),
+                   ds=A.DeepSpeedKnobs(param_persistence_threshold=0))
+    rep = plan_report(A.estimate(inv, s))
+    assert json.loads(json.dumps(rep, allow_nan=False)) == rep
+    jsonschema.validate(rep, _schema())
+    assert all(isinstance(v, int) and v >= 0 for k, v in rep["per_gpu"].items() if k.endswith("_bytes") and v is not None)

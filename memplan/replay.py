@@ -318,9 +318,11 @@ def _adam_foreach_temporaries(run: Run, sizes: list[int]) -> None:
         run.free(k)
 
 
-def micro_step(run: Run, job: ReplayJob, n: int, keep_grads: bool, at: Any = None, on_grad: Any = None) -> list[tuple[Any, int]]:
-    """One traced micro-step; the gradients it makes are kept (their traced death skipped) when
-    ``keep_grads``. Returns the kept gradients (key, bytes) in the order they were made."""
+def micro_step(run: Run, job: ReplayJob, n: int, keep_grads: bool, at: Any = None,
+               on_grad: Any = None) -> list[tuple[Any, int]]:
+    """One traced micro-step; the gradients it makes are kept (their traced death skipped) when ``keep_grads``.
+    ``at(kind, block)`` is called where each region begins, ``on_grad(bytes, key, block)`` for each gradient as
+    it is made. Returns the kept gradients (key, bytes) in the order they were made."""
     grads: list[tuple[Any, int]] = []
     kept: set[Any] = set()
     off = run.offset()
@@ -338,7 +340,7 @@ def micro_step(run: Run, job: ReplayJob, n: int, keep_grads: bool, at: Any = Non
                 run.over()
             if e[3] is not None:
                 if on_grad is not None:
-                    on_grad(size)
+                    on_grad(size, key, e[3])
                 if keep_grads:
                     kept.add(key)
                     grads.append((key, size))

@@ -74,7 +74,7 @@ def replay_ddp(job: ReplayJob, config: AllocatorConfig | None = None, release: s
                         run.free(k)
                     old.clear()
             # later micro-steps add into the kept gradients (AccumulateGrad in place; theirs die at once)
-            grads += micro_step(run, job, (n, m), keep_grads=m == 0, at=at, on_grad=lambda _n: at("grad", 0))
+            grads += micro_step(run, job, (n, m), keep_grads=m == 0, at=at, on_grad=lambda *_: at("grad", 0))
             at("end", 0)
             if forwards == 0:
                 first_grads = list(grads)

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from memplan.allocator import Allocator, AllocatorConfig
-from memplan.replay import MAX_STEPS, ReplayJob, Run, build_model, optimizer_step
+from memplan.replay import MAX_STEPS, ReplayJob, Run, build_model, micro_step, optimizer_step
 
 
 @dataclass(frozen=True)
@@ -115,7 +115,9 @@ def _fsdp_micro_step(run: Run, job: ReplayJob, n: Any, blocks: tuple[FsdpGroup, 
     (reduce_scatter_max_input_buffers = 1)."""
     st = _MicroStep(run, job, blocks, root, world, reshard_after_forward, outputs, first, keep)
     st.unshard(-1, hold=True)
-    _fsdp_step(run, job, n, st.at, st.on_forward_end, st.grads_of)
+    # each gradient kept, by block, for its post-backward
+    micro_step(run, job, n, keep_grads=True, at=st.region,
+               on_grad=lambda _size, key, blk: st.grads_of.setdefault(blk, []).append(key))
     st.post_backward(-1)
     for k in st.held:
         run.free(k)
@@ -134,6 +136,7 @@ class _MicroStep:
         self.held: list[Any] = []  # forward: the last all-gather output; backward: the last reduce-scatter input
         self.grads_of: dict[int, list[Any]] = {}
         self.bwd: int | None = None
+        self.forward: int | None = None  #: the block whose forward runs (it ends where the next region begins)
 
     def unshard(self, i: int, hold: bool) -> None:
         run = self.run
@@ -195,46 +198,19 @@ class _MicroStep:
             self.prefetch(blk - 1)
             self.bwd = blk
 
+    def region(self, kind: str, blk: int) -> None:
+        """Where a region of the traced step begins: the forward before it has ended."""
+        if self.forward is not None:
+            self.on_forward_end(self.forward)
+            self.forward = None
+        self.at(kind, blk)
+        if kind == "F":
+            self.forward = blk
+
     def on_forward_end(self, blk: int) -> None:
         if self.reshard_after_forward and blk in self.unsharded:
             for k in self.unsharded.pop(blk):
                 self.run.free(k)
-
-
-def _fsdp_step(run: Run, job: ReplayJob, n: int, at: Any, on_forward_end: Any, grads_of: dict[int, list[Any]]) -> None:
-    """The traced step with FSDP's moments: a block's forward ends where the next region begins; each gradient
-    is kept, by block, for its post-backward."""
-    current_forward = None
-    kept: set[Any] = set()
-    off = run.offset()
-    a = run.a
-    live, malloc, afree = run.live, a.malloc, a.free
-    limit = Run.limit if Run.limit is not None else 1 << 62
-    mb = job.micro_batch
-    for e in job.step:
-        kind = e[0]
-        if kind == "a":
-            key = off + e[1]
-            size = e[2][0] + e[2][1] * mb
-            live[key] = malloc(size if size > 0 else 1)
-            if a.reserved > limit:
-                run.over()
-            if e[3] is not None:
-                grads_of.setdefault(e[3], []).append(key)
-                kept.add(key)
-        elif kind == "f":
-            key = off + e[1]
-            if key not in kept:
-                b = live.pop(key, None)
-                if b is not None:
-                    afree(b)
-        else:
-            if current_forward is not None:
-                on_forward_end(current_forward)
-                current_forward = None
-            at(e[1], e[2])
-            if e[1] == "F":
-                current_forward = e[2]
 
 
 def why_not(s: Any) -> str | None:

@@ -67,7 +67,7 @@ def replay_zero12(job: ReplayJob, stage: int, partition: int, flat: int, bucket:
                         grads_flat = run.alloc(partition * half)
                 in_bucket[0] += numel
 
-            def on_grad(nbytes: int) -> None:
+            def on_grad(nbytes: int, *_: Any) -> None:
                 if not ipg:
                     ipg.extend(run.alloc(bucket * half) for _ in range(buffers))
                 if in_hooks:

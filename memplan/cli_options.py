@@ -9,8 +9,9 @@ import typer
 
 GpusPerNode = Annotated[Optional[int], typer.Option("--gpus-per-node", help="GPUs per node [default: min(gpus, 8)].")]
 Stage = Annotated[Optional[int], typer.Option("--stage", help="DeepSpeed ZeRO stage 0-3 (shorthand for --strategy).")]
-Strategy = Annotated[Optional[str], typer.Option("--strategy", help="ddp, zero0-3, zero-optimizer, fsdp-full, "
-                                                 "fsdp-grad-op, fsdp-no-shard, hsdp [default: ddp].")]
+Strategy = Annotated[Optional[str], typer.Option("--strategy", help="single, ddp, zero0-3, zero-optimizer, "
+                                                 "fsdp-full, fsdp-grad-op, fsdp-no-shard, hsdp [default: single on "
+                                                 "one GPU, else ddp].")]
 MicroBatch = Annotated[Optional[int], typer.Option("--micro-batch", help="Micro-batch per GPU [default: 1].")]
 SeqLen = Annotated[Optional[int], typer.Option("--seq-len", help="Sequence length [default: 2048].")]
 GradAccum = Annotated[Optional[int], typer.Option("--grad-accum", help="Gradient accumulation steps [default: 1].")]

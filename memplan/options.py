@@ -331,7 +331,14 @@ def resolve(inv: ParamInventory, *, gpus: int = 1, gpus_per_node: int | None = N
 
     cli_strategy = STAGE_TO_STRATEGY[stage] if stage is not None else strategy
     file_strategy = STAGE_TO_STRATEGY.get(ds_file.stage) if ds_file and ds_file.stage is not None else None
-    strat = get_strategy(pick("strategy", cli_strategy, file_strategy, "zero3" if ds_file else "ddp"))
+    default = "zero3" if ds_file else "single" if gpus == 1 else "ddp"
+    strat = get_strategy(pick("strategy", cli_strategy, file_strategy, default))
+    if pick.sources["strategy"] == "default" and strat.one_gpu:
+        notes.append("strategy: one GPU, plain PyTorch (no DDP wrapper, so no reducer buckets); --strategy ddp "
+                     "models DDP's buckets")
+    if strat.one_gpu and gpus != 1:
+        raise SettingsError(f"--strategy {strat.name} runs on one GPU, not {gpus}: give a data-parallel strategy "
+                            "(ddp, zero1-3, fsdp-full, hsdp, ...)")
     recipe = get_recipe(pick("precision", precision, ds_file.recipe if ds_file else None,
                              DEFAULT_RECIPE[strat.framework]))
     opt = get_optimizer(pick("optimizer", optimizer, ds_file.optimizer if ds_file else None, "adamw"))

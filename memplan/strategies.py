@@ -61,12 +61,19 @@ class Strategy:
     reshard_after_forward: bool = True
     #: The framework's memory model (memplan/frameworks): ddp | zero12 | zero3 | fsdp2 | fsdp1
     memory_model: str
+    #: Runs on one GPU only (no data parallelism)
+    one_gpu: bool = False
     #: Bytes each rank sends per step, in parameter-sized messages (Rajbhandari et al. 2020, Section 7: an
     #: all-reduce is 2 Psi, ZeRO-3's extra all-gather makes 3 Psi). Only `memplan plan` reads it, to break ties.
     comm_volume: int = 2
 
 
 STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
+    # one GPU, no wrapper: a fine-tuning script's model.to("cuda") and an optimizer; gradients kept to the step as
+    # under DDP, without the Reducer's buckets (the default at --gpus 1)
+    Strategy(name="single", framework="torch", memory_model="ddp",
+             layout=REPLICATED, shard_optimizer=False, shard_grads=False, shard_params=False, one_gpu=True,
+             comm_volume=0, description="one GPU, plain PyTorch: no DDP wrapper, no reducer buckets"),
     Strategy(name="ddp", framework="torch-ddp", memory_model="ddp",
              layout=REPLICATED, shard_optimizer=False, shard_grads=False, shard_params=False, ddp_buckets=True,
              description="PyTorch DistributedDataParallel (what Horovod does too): everything replicated"),
@@ -122,7 +129,7 @@ STAGE_TO_STRATEGY = {0: "zero0", 1: "zero1", 2: "zero2", 3: "zero3"}
 
 #: Default recipe per framework (DESIGN.md: DeepSpeed -> deepspeed-bf16, FSDP -> fsdp-bf16, DDP -> torch-amp).
 DEFAULT_RECIPE = {"deepspeed": "deepspeed-bf16", "fsdp2": "fsdp-bf16", "fsdp1": "fsdp-bf16",
-                  "torch-ddp": "torch-amp"}
+                  "torch-ddp": "torch-amp", "torch": "torch-amp"}
 
 
 def get_strategy(name: str, fsdp_version: int = 2) -> Strategy:

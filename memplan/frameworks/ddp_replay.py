@@ -31,7 +31,8 @@ def _broadcast_coalesced(run: Run, sizes: list[int], bucket: int) -> None:
             run.free(k)
 
 
-def replay_ddp(job: ReplayJob, config: AllocatorConfig | None = None, release: str = "pre") -> Allocator:
+def replay_ddp(job: ReplayJob, config: AllocatorConfig | None = None, release: str = "pre",
+               reducer: bool = True) -> Allocator:
     """DistributedDataParallel (torch/nn/parallel/distributed.py, c10d reducer.cpp) with a torch.optim optimizer:
     the module states broadcast in 250 MiB buffers; the Reducer's first bucket assignment is one bucket for all
     parameters (no find_unused_parameters: bucket_size_limits = [sys.maxsize]), rebuilt at the second
@@ -47,8 +48,10 @@ def replay_ddp(job: ReplayJob, config: AllocatorConfig | None = None, release: s
     run = Run(config or AllocatorConfig())
     build_model(run, job)
     sizes = list(job.converted or [n for n, alias in job.build if not alias])
-    _broadcast_coalesced(run, sizes, DDP_BROADCAST_BUCKET)
-    buckets = [run.alloc(sum(sizes))]
+    buckets: list[Any] = []
+    if reducer:  # without DDP (one GPU, plain PyTorch): no broadcast, no buckets
+        _broadcast_coalesced(run, sizes, DDP_BROADCAST_BUCKET)
+        buckets = [run.alloc(sum(sizes))]
     old: list[Any] = []
     states: list[Any] = []
     first_grads: list[tuple[Any, int]] = []
@@ -61,7 +64,7 @@ def replay_ddp(job: ReplayJob, config: AllocatorConfig | None = None, release: s
             if forwards == 0:
                 run.alloc(job.workspace_bytes)
                 run.alloc(job.workspace_bytes)
-            if forwards == 1:
+            if forwards == 1 and reducer:
                 old = buckets
                 ready = [size for _, size in first_grads]
                 buckets = [run.alloc(sum(ready[i] for i in idx))
@@ -100,5 +103,7 @@ def replay(inv: Any, s: Any, config: AllocatorConfig) -> tuple[str, dict[str, Al
     from memplan.replay import replay_job
 
     job = replay_job(inv, s, [t.numel for t in inv.tensors])
+    if not s.strategy.ddp_buckets:
+        return "PyTorch", {"": replay_ddp(job, config, reducer=False)}
     return "DDP", {"buckets released at the rebuild": replay_ddp(job, config, "pre"),
                    "buckets held into step 2's backward": replay_ddp(job, config, "grad")}

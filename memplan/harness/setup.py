@@ -55,7 +55,8 @@ def _torch_optimizer(spec: dict[str, Any], params: Any) -> Any:
 
 def setup(spec: dict[str, Any], device: Any) -> tuple[Any, Any, Any]:
     """(module to call, optimizer, engine-or-None) for the spec's strategy."""
-    setups = {"deepspeed": _setup_deepspeed, "torch-ddp": _setup_ddp, "fsdp1": _setup_fsdp1, "fsdp2": _setup_fsdp2}
+    setups = {"deepspeed": _setup_deepspeed, "torch-ddp": _setup_ddp, "torch": _setup_single, "fsdp1": _setup_fsdp1,
+              "fsdp2": _setup_fsdp2}
     if spec["framework"] not in setups:
         raise ValueError(f"unknown framework {spec['framework']!r}")
     return setups[spec["framework"]](spec, device)
@@ -87,6 +88,16 @@ def _setup_deepspeed(spec: dict[str, Any], device: Any) -> tuple[Any, Any, Any]:
         opt = _torch_optimizer(spec, model.parameters())
     engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=spec["ds_config"])
     return engine, optimizer, engine
+
+
+def _setup_single(spec: dict[str, Any], device: Any) -> tuple[Any, Any, Any]:
+    """One GPU without a wrapper: the model on the device and an optimizer, as a fine-tuning script has them."""
+    import torch
+
+    model = _build_model(spec, on_meta=False).to(device)
+    if spec["recipe"] == "pure-bf16":
+        model = model.to(torch.bfloat16)
+    return model, _torch_optimizer(spec, model.parameters()), None
 
 
 def _setup_ddp(spec: dict[str, Any], device: Any) -> tuple[Any, Any, Any]:

@@ -180,6 +180,7 @@ CASES = [
     # absurd or contradictory options
     ("estimate gpt2 --gpus 1000000000000000000000000000000", "more than the 1,048,576 GPUs"),
     ("estimate gpt2 --gpus 0", "--gpus must be at least 1"),
+    ("estimate gpt2 --strategy single --gpus 4", "runs on one GPU, not 4"),
     ("estimate gpt2 --gpus 8 --strategy hsdp --hsdp-shard-size 0", "--hsdp-shard-size must be at least 1"),
     ("estimate gpt2 --gpus 24 --gpus-per-node 16", "gpus(24) is not a multiple of gpus_per_node(16)"),
     ("estimate gpt2 --gpus 2048 --gpus-per-node 2048", "GPUs any node holds"),

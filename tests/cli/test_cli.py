@@ -217,3 +217,17 @@ def test_an_internal_error_is_one_line(monkeypatch, capsys):
         cli.main(["estimate", "gpt2"])
     err = capsys.readouterr().err
     assert ex.value.code == 1 and err == "Error: internal error (ValueError: a bug); MEMPLAN_DEBUG=1 shows where\n"
+
+
+def test_one_gpu_defaults_to_plain_pytorch_without_ddp_buckets():
+    # a one-GPU fine-tuning script runs no DDP: no reducer buckets (the default at --gpus 1, said in a note);
+    # --strategy ddp still models them, exactly the gradients' size more in every phase but the step
+    single = json.loads(run("estimate", "llama-3-8b", "--json").stdout)
+    ddp = json.loads(run("estimate", "llama-3-8b", "--strategy", "ddp", "--json").stdout)
+    assert single["strategy"]["name"] == "single" and single["assumptions"]["setting_sources"]["strategy"] == "default"
+    assert any("no reducer buckets" in n for n in single["notes"])
+    grads = ddp["phases"][3]["grads_bytes"]  # fp32 gradients at backward's end (torch-amp)
+    assert ddp["phases"][0]["buffers_bytes"] - single["phases"][0]["buffers_bytes"] == grads == 4 * 8_030_261_248
+    assert single["reserved"]["framework_sequence"] == "PyTorch"
+    bad = run("estimate", "llama-3-8b", "--strategy", "single", "--gpus", "2")
+    assert bad.returncode == 2 and "runs on one GPU, not 2" in bad.stderr

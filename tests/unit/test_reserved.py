@@ -40,7 +40,8 @@ def _settings(tmp_path: Path, profile: str, micro_batch: int, **kw):  # noqa: AN
 def test_ddp_llama_1b_matches_the_h100(tmp_path: Path) -> None:
     # truth.jsonl line 1: DDP, torch-amp, micro-batch 4 x 2048: allocated 52,017,908,224 B, reserved
     # 56,897,830,912 B; the run released step 1's buckets at the rebuild
-    inv, s = _settings(tmp_path, "profile_llama-3.2-1b_torch-amp_2048_sm90.json.gz", 4, precision="torch-amp")
+    inv, s = _settings(tmp_path, "profile_llama-3.2-1b_torch-amp_2048_sm90.json.gz", 4, precision="torch-amp",
+                       strategy="ddp")
     r = reserved.predict(inv, s)
     assert r is not None and r.model == "DDP"
     assert r.variants == {"buckets released at the rebuild": 56_931_385_344,
@@ -68,7 +69,8 @@ def test_fsdp2_llama_1b_full_recompute_matches_the_h100(tmp_path: Path) -> None:
 def test_the_oom_job_does_not_fit(tmp_path: Path) -> None:
     # oom.jsonl line 1: DDP torch-amp micro-batch 8 x 4096, full recompute, ran out of memory on the H100 asking
     # for 15.66 GiB with 54.91 GiB allocated and 17.84 GiB reserved but unallocated; allocated + 5% said FITS
-    inv, s = _settings(tmp_path, "profile_llama-3.2-1b_torch-amp_4096_full_sm90.json.gz", 8, precision="torch-amp")
+    inv, s = _settings(tmp_path, "profile_llama-3.2-1b_torch-amp_4096_full_sm90.json.gz", 8, precision="torch-amp",
+                       strategy="ddp")
     plan = accounting.estimate(inv, s)
     assert plan.peak_bytes < s.cluster.gpu_memory_bytes  # the allocated peak alone would fit
     assert plan.reserved_peak_bytes > s.cluster.gpu_memory_bytes
@@ -76,7 +78,8 @@ def test_the_oom_job_does_not_fit(tmp_path: Path) -> None:
 
 
 def test_expandable_segments_and_the_flat_override(tmp_path: Path) -> None:
-    inv, s = _settings(tmp_path, "profile_llama-3.2-1b_torch-amp_2048_sm90.json.gz", 4, precision="torch-amp")
+    inv, s = _settings(tmp_path, "profile_llama-3.2-1b_torch-amp_2048_sm90.json.gz", 4, precision="torch-amp",
+                       strategy="ddp")
     default = reserved.predict(inv, s).variants
     exp = reserved.predict(inv, replace(s, allocator_conf="expandable_segments:True")).variants
     assert exp != default and all(v < default[k] for k, v in exp.items())
@@ -144,7 +147,8 @@ def test_allocator_conf_is_checked(tmp_path: Path) -> None:
     from memplan.errors import SettingsError
 
     with pytest.raises(SettingsError, match="unknown key 'expandable'"):
-        _settings(tmp_path, "profile_llama-3.2-1b_torch-amp_2048_sm90.json.gz", 4, precision="torch-amp") and \
+        _settings(tmp_path, "profile_llama-3.2-1b_torch-amp_2048_sm90.json.gz", 4, precision="torch-amp",
+                       strategy="ddp") and \
             options.resolve(build_inventory(resolve(str(tmp_path / "config.json"))), activations="analytic",
                             allocator_conf="expandable:True")
     assert AllocatorConfig.parse("expandable_segments:True").expandable_segments

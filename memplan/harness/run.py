@@ -191,7 +191,13 @@ def _die_with_parent() -> None:
 
 def _spawn_entry(rank: int, world: int, port: int, spec: dict[str, Any], out: str) -> None:
     _die_with_parent()
-    os.dup2(2, 1)  # frameworks print to stdout; keep the parent's stdout for --json
+    # what the frameworks print (transformers' notices, the profiler's lines, warnings) goes to the rank's log in
+    # the run directory, not to the terminal beside --json or the progress lines; the rank's error file says what
+    # failed, and MEMPLAN_KEEP keeps the logs
+    log = os.open(os.path.join(out, f"rank{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.close(log)
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     os.environ["RANK"] = str(rank)

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -16,6 +19,8 @@ from memplan.harness import launch as ln
 from memplan.harness.measure import live_totals, steps_from_trace
 from memplan.harness.spec import build_spec
 from memplan.model.scaling import scale_config
+
+ROOT = Path(__file__).resolve().parents[2]
 
 TINY = dict(layers=2, hidden=256, vocab=2048)
 SMALL_DS = ["--reduce-bucket-size", "100000", "--allgather-bucket-size", "100000", "--prefetch-bucket-size", "10000",
@@ -166,3 +171,15 @@ def test_validate_fsdp2_full_shard_two_ranks():
 def test_validate_matrix_two_ranks(args):
     rc, rep = _validate(args)
     _check(rep, 0.03)
+
+
+@pytest.mark.slow
+def test_validate_json_leaves_only_progress_on_stderr():
+    # what the frameworks print in the ranks (transformers' notices, the profiler's lines) goes to each rank's log,
+    # not beside --json: stderr holds memplan's own progress lines only, stdout the JSON
+    r = subprocess.run([sys.executable, "-m", "memplan", "validate", "gpt2", "--layers", "1", "--hidden", "64",
+                        "--vocab", "128", "--gpus", "2", "--device", "cpu", "--json"], capture_output=True, text=True,
+                       cwd=ROOT, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr
+    json.loads(r.stdout)
+    assert all(line.startswith("rank ") for line in r.stderr.splitlines() if line.strip()), r.stderr

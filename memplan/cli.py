@@ -198,7 +198,7 @@ def plan(
     gpu_memory: Optional[str] = typer.Option(None, "--gpu-memory", help="GPU memory, e.g. 80GB (10^9) or 80GiB (2^30)."),
     gpus_per_node: int = typer.Option(8, "--gpus-per-node", help="GPUs per node."),
     max_gpus: int = typer.Option(1024, "--max-gpus", help="Largest GPU count to consider."),
-    strategies: str = typer.Option(",".join(("ddp", "zero1", "zero2", "zero3", "zero-optimizer", "fsdp-full",
+    strategies: str = typer.Option(",".join(("single", "ddp", "zero1", "zero2", "zero3", "zero-optimizer", "fsdp-full",
                                              "fsdp-grad-op", "hsdp")), "--strategies",
                                    help="Comma-separated strategies to consider."),
     recompute: str = typer.Option("none,full", "--recompute", help="Comma-separated: none, selective, full."),

@@ -34,7 +34,7 @@ OFFLOAD_VARIANTS = {
     "zero3+offload-opt": ("zero3", {"offload_optimizer": True}),
     "zero3+offload-all": ("zero3", {"offload_optimizer": True, "offload_param": True}),
 }
-DEFAULT_STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "zero-optimizer", "fsdp-full", "fsdp-grad-op", "hsdp")
+DEFAULT_STRATEGIES = ("single", "ddp", "zero1", "zero2", "zero3", "zero-optimizer", "fsdp-full", "fsdp-grad-op", "hsdp")
 RANKING = ("the fewest GPUs first; at that count no recompute before full recompute, then the largest micro-batch, then the least communication per step "
            "(2 Psi: DDP, ZeRO-1/2, FSDP grad-op; 3 Psi: ZeRO-3, FSDP full shard, HSDP, ZeRO optimizer), "
            "offload last, then the most headroom")
@@ -98,7 +98,8 @@ def _candidates(inv: ParamInventory, config: dict | None, strategies: tuple[str,
     seen_notes: set[str] = set()
     for label, st, knobs in labels:
         for rec in recomputes:
-            r = options.resolve(inv, gpus=gpus_per_node, gpus_per_node=gpus_per_node, strategy=st, recompute=rec,
+            gpus = 1 if STRATEGIES[st].one_gpu else gpus_per_node  # a one-GPU strategy is resolved at its one GPU
+            r = options.resolve(inv, gpus=gpus, gpus_per_node=gpus_per_node, strategy=st, recompute=rec,
                                 gpu=gpu, gpu_memory_size=gpu_memory_size, config=config, ds_overrides=knobs, **common)
             for n in r.notes:
                 if n not in seen_notes and not n.startswith("GPU memory"):
@@ -183,7 +184,8 @@ def _fewest_gpus(inv: ParamInventory, c: Candidate, counts: list[int], gpus_per_
     """(the fewest GPUs the candidate fits at micro-batch ``mb`` by the bound from below, evaluations): bisection
     over the counts (memory never grows with GPUs), then a look below (padding can make it non-monotone)."""
     # HSDP within one node is FSDP full shard
-    usable = [g for g in counts if g > gpus_per_node] if c.settings.strategy.shard_within_node else counts
+    st = c.settings.strategy
+    usable = [1] if st.one_gpu else [g for g in counts if g > gpus_per_node] if st.shard_within_node else counts
     evaluations = 0
     lo, hi = 0, len(usable)
     while lo < hi:

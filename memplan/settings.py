@@ -215,5 +215,8 @@ def optimizer_impl(s: Settings) -> str:
 
 
 def with_gpus(s: Settings, gpus: int) -> Settings:
+    """The same job on ``gpus`` GPUs (a one-GPU strategy has no other count: SettingsError)."""
+    if s.strategy.one_gpu and gpus != 1:
+        raise SettingsError(f"--strategy {s.strategy.name} runs on one GPU, not {gpus}")
     return replace(s, cluster=replace(s.cluster, gpus=gpus))
 

@@ -99,3 +99,18 @@ def test_plan_bad_input(args, message):
     r = _run("plan", "llama-7b", *args)
     assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
     assert r.stderr.count("\n") == 1
+
+
+def test_plan_weighs_one_gpu_without_ddp_at_one_gpu_only():
+    # `single` (no DDP wrapper) is a candidate at one GPU and no other count
+    from memplan import planner
+    from memplan.model import sources
+
+    src = sources.resolve("gpt2")
+    inv = sources.build_inventory(src)
+    found = planner.search(inv, gpu="h100-80g", config=src.config, strategies=("single", "ddp"), recomputes=("none",),
+                           max_micro_batch=8)
+    single = next(c for c in found.candidates if c.strategy == "single")
+    ddp = next(c for c in found.candidates if c.strategy == "ddp")
+    assert single.min_gpus == 1 and found.gpus == 1
+    assert single.peak_bytes < ddp.peak_bytes  # the same job without the Reducer's buckets

@@ -127,18 +127,28 @@ class _FactoryTimeout(BaseException):
     swallow it)."""
 
 
-@contextlib.contextmanager
-def _time_limit(spec: str, doing: str) -> Iterator[None]:
-    """Stop the user's code after FACTORY_TIMEOUT_S with SIGALRM (the main thread on POSIX; elsewhere no limit)."""
+def _factory_timeout() -> float:
+    """MEMPLAN_FACTORY_TIMEOUT, else FACTORY_TIMEOUT_S: a positive number of seconds."""
+    import math
     import os
+
+    raw = os.environ.get("MEMPLAN_FACTORY_TIMEOUT", str(FACTORY_TIMEOUT_S))
+    try:
+        limit = float(raw)
+    except ValueError:
+        limit = math.nan
+    if not math.isfinite(limit) or limit <= 0:
+        raise ModelSourceError(f"MEMPLAN_FACTORY_TIMEOUT must be a positive number of seconds, got {raw!r}")
+    return limit
+
+
+@contextlib.contextmanager
+def _time_limit(spec: str, doing: str, limit: float) -> Iterator[None]:
+    """Stop the user's code after ``limit`` seconds with SIGALRM (the main thread on POSIX; elsewhere no limit)."""
     import signal
     import threading
 
-    try:
-        limit = float(os.environ.get("MEMPLAN_FACTORY_TIMEOUT", FACTORY_TIMEOUT_S))
-    except ValueError:
-        limit = FACTORY_TIMEOUT_S
-    if not hasattr(signal, "setitimer") or threading.current_thread() is not threading.main_thread() or limit <= 0:
+    if not hasattr(signal, "setitimer") or threading.current_thread() is not threading.main_thread():
         yield
         return
 
@@ -168,11 +178,12 @@ def build_meta_from_factory(spec: str) -> ParamInventory:
         text = str(exc).strip().splitlines()
         return f"{type(exc).__name__}: {text[0][:200]}" if text else type(exc).__name__
 
+    limit = _factory_timeout()
     # the user's code may raise anything, sys.exit included: a factory that ends the process would end a CI gate
     # with its own exit code (0), so every BaseException but Ctrl-C becomes one line and exit 2; and it may never
     # return, so its import and its call run under a time limit
     try:
-        with _time_limit(spec, "importing it"):
+        with _time_limit(spec, "importing it", limit):
             module = importlib.import_module(module_name)
     except KeyboardInterrupt:
         raise
@@ -188,7 +199,7 @@ def build_meta_from_factory(spec: str) -> ParamInventory:
     if not callable(fn):
         raise ModelSourceError(f"factory {spec!r}: {attr!r} is not callable")
     try:
-        with _time_limit(spec, "building the model"), torch.device("meta"):
+        with _time_limit(spec, "building the model", limit), torch.device("meta"):
             model = fn()
     except KeyboardInterrupt:
         raise

@@ -93,6 +93,11 @@ def test_a_factory_that_never_returns_is_stopped(tmp_path):
                            env={**os.environ, "PYTHONPATH": str(tmp_path), "MEMPLAN_FACTORY_TIMEOUT": "1"})
         assert r.returncode == 2 and f"did not finish {doing} within 1 s" in r.stderr
         assert len(r.stderr.strip().splitlines()) == 1
+    bad = subprocess.run([sys.executable, "-m", "memplan", "inspect", "loops_mod:build"], capture_output=True,
+                         text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(tmp_path),
+                                                   "MEMPLAN_FACTORY_TIMEOUT": "nan"})
+    assert bad.returncode == 2 and bad.stderr.strip() == ("Error: MEMPLAN_FACTORY_TIMEOUT must be a positive number of "
+                                                          "seconds, got 'nan'")
 
 
 @pytest.mark.parametrize("args,needle", [

@@ -13,6 +13,8 @@ bench/cpu/gemm_scratch_sapphire_rapids.jsonl: the device machine's host CPU (Int
 AVX512-BF16), torch 2.11.0, 3 threads, oneDNN capped with ONEDNN_MAX_CPU_ISA at each level (.gpu/gemm_isa.py).
 bench/cpu/gemm_scratch_amx_torch2.13.jsonl: a 2-core AMX host (Intel Xeon with amx_bf16, avx512_bf16,
 avx512_fp16), torch 2.13.0+cpu, 1 and 2 threads, 485 shapes each (`--keep amx_torch2.13`, session 11).
+bench/cpu/gemm_scratch_avx512bf16_zen4_torch2.13.jsonl: a 2-core AMD EPYC (Zen 4: avx512_bf16, no AMX), torch
+2.13.0+cpu, 1 and 2 threads, 485 shapes each (`--keep avx512bf16_zen4_torch2.13`, session 12).
 """
 
 from __future__ import annotations
@@ -119,7 +121,8 @@ def main() -> None:
               len(data["rows"]), *compare(host, data["rows"], 1))]
     if args.keep:
         two = measure_host(2)
-        kept = [{"isa": None, "threads": d["threads"], "torch": torch.__version__, "cpu": name, "rows": d["rows"]}
+        kept = [{"isa": None, "host_isa": host, "threads": d["threads"], "torch": torch.__version__, "cpu": name,
+                 "rows": d["rows"]}
                 for d in (data, two)]
         (ROOT / "bench" / "cpu" / f"gemm_scratch_{args.keep}.jsonl").write_text(
             "".join(json.dumps(d) + "\n" for d in kept))
@@ -128,7 +131,7 @@ def main() -> None:
             if not line.startswith("{"):
                 continue
             d = json.loads(line)
-            isa = CAP_TO_ISA[d["isa"]]
+            isa = d.get("host_isa", "amx") if d["isa"] is None else CAP_TO_ISA[d["isa"]]
             table.append((path.stem, f"ONEDNN_MAX_CPU_ISA={d['isa'] or '(none)'}", isa, d["threads"], len(d["rows"]),
                           *compare(isa, d["rows"], d["threads"])))
     lines += ["# CPU kernels: what a bf16 GEMM allocates, by instruction set", "",
@@ -145,10 +148,12 @@ def main() -> None:
               "bf16 instructions) an fp32 buffer of the output plus 128 bytes, off by up to 512 bytes for dims that "
               "are not multiples of 16; `amx` per-thread packing buffers whose blocks oneDNN chooses from the CPU's "
               "caches, so the rule is an upper bound (exact to 1 KiB where B is packed whole; never below on either "
-              "host); `avx512_bf16` is an upper bound. The quick test "
+              "host); `avx512_bf16` a packed block of B and an fp32 accumulator of up to 256 rows, exact on a native "
+              "AVX512-BF16 host (AMD Zen 4) for m <= 256 at one thread and an upper bound elsewhere. The quick test "
               "suite checks the rule of whatever machine it runs on (tests/unit/test_tracing.py "
               "`test_cpu_gemm_scratch_rule_matches_this_host`) and passed under ATEN_CPU_CAPABILITY=avx2 and =default "
-              "as well as natively (259 tests, session 10; natively on the AMX host, session 11)."]
+              "as well as natively (259 tests, session 10; natively on the AMX host, session 11; natively on the "
+              "AMD EPYC Zen 4 host, session 12)."]
     if args.spot_check:
         lines += spot_check()
     text = "\n".join(lines) + "\n"

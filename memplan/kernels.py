@@ -51,14 +51,20 @@ class Target:
         """What of the target changes a trace (the profile cache key's part)."""
         if self.device == "cuda":
             return f"cuda:{sdpa_class(self.arch)}"
-        # "amx" became an upper bound over oneDNN's packing (cpu_gemm_scratch): its traces are new keys
-        return f"cpu:{self.cpu_isa}" + (f"-bound x{self.cpu_threads}" if self.cpu_isa == "amx" else "")
+        # "amx" became an upper bound over oneDNN's packing and "avx512_bf16" was re-measured on a native host
+        # (cpu_gemm_scratch): their traces are new keys; both rules are per thread
+        if self.cpu_isa == "amx":
+            return f"cpu:amx-bound x{self.cpu_threads}"
+        if self.cpu_isa == "avx512_bf16":
+            return f"cpu:avx512_bf16-zen4 x{self.cpu_threads}"
+        return f"cpu:{self.cpu_isa}"
 
     def describe(self) -> str:
         if self.device == "cuda":
             order = " > ".join(priority_order(self.arch))
             return f"{self.arch} (SDPA priority {order})"
-        return f"CPU {self.cpu_isa}" + (f", {self.cpu_threads} thread(s)" if self.cpu_isa == "amx" else "")
+        per_thread = self.cpu_isa in ("amx", "avx512_bf16")
+        return f"CPU {self.cpu_isa}" + (f", {self.cpu_threads} thread(s)" if per_thread else "")
 
 
 def sm_version(arch: str) -> tuple[int, int]:
@@ -333,9 +339,14 @@ def cpu_gemm_scratch(isa: str, m: int, n: int, k: int, dtype: str, threads: int 
       and 2 threads) it packed up to all n columns, 2 x k' x n + 5,120 for most shapes with m of 64 to 512,
       with A packed too at m >= 1024. The bound holds for every shape measured on both hosts and is exact to
       1 KiB where B is packed whole.
-    - ``avx512_bf16`` (AVX512-BF16 without AMX; measured with oneDNN capped at AVX512_CORE_BF16, 3 threads):
-      threads x (128 x k' + r), k' = k rounded up to 32 up to 512, then 512 up to k = 1024 (and for m = 1), then
-      1024; r grows with m and n from 1 to 44 KiB, taken at its measured largest (an upper bound).
+    - ``avx512_bf16`` (AVX512-BF16 without AMX): per thread 128 x k' + 256 x min(m, 256) + 1,024, k' = k rounded
+      up to 32 up to 512, then 512 up to k = 1024 (and for m = 1), then 1024: a packed block of B and an fp32
+      accumulator of up to 256 rows by 64 columns. Tall products (m >= 1024) whose k is a power of two from 4096
+      on (a leading dimension that aliases in the cache) also copy A: 540,800 + 1,024 x (n' - 64) more, n' = n
+      rounded up to 64 between 64 and 1024. Exact on a native AVX512-BF16 host (AMD EPYC, Zen 4, torch 2.13.0;
+      bench/cpu/gemm_scratch_avx512bf16_zen4_torch2.13.jsonl, 485 shapes at 1 and 2 threads) for m <= 256 and
+      m a multiple of 256 at one thread, an upper bound otherwise (oneDNN picks the row block from m) and on the
+      Sapphire Rapids host capped at AVX512_CORE_BF16, whose r was at most 44 KiB.
     fp16 and fp32 GEMMs allocate nothing on any of them, nor does cuBLAS per call."""
     if dtype != "bfloat16" or m * n * k <= 16 * 16 * 16:
         return 0
@@ -348,7 +359,10 @@ def cpu_gemm_scratch(isa: str, m: int, n: int, k: int, dtype: str, threads: int 
         return max(1, threads) * (packed_b + packed_a + 6144)
     if isa == "avx512_bf16":
         kb = round_up(max(k, 32), 32) if k <= 512 else 512 if (k <= 1024 or m == 1) else 1024
-        return max(1, threads) * (128 * kb + 44544)
+        copy_a = 0
+        if m >= 1024 and k >= 4096 and k & (k - 1) == 0:
+            copy_a = 540800 + 1024 * (min(max(round_up(n, 64), 64), 1024) - 64)
+        return max(1, threads) * (128 * kb + 256 * min(m, 256) + 1024 + copy_a)
     return 0
 
 
@@ -391,4 +405,5 @@ def describe_cpu_gemm(isa: str) -> str:
     return {"avx2": "cpu gemm scratch: none (no mkldnn bf16 on this CPU class)",
             "avx512": "cpu gemm scratch: fp32 output buffer, 4*m*n + 128 B per bf16 GEMM (oneDNN on AVX512)",
             "amx": "cpu gemm scratch: oneDNN AMX packing, threads x (128*k + 4864) B per bf16 GEMM",
-            "avx512_bf16": "cpu gemm scratch: oneDNN AVX512-BF16 brgemm buffers (measured envelope)"}[isa]
+            "avx512_bf16": "cpu gemm scratch: oneDNN AVX512-BF16 brgemm, threads x (128*k' + 256*min(m, 256) + 1024) B "
+                           "per bf16 GEMM"}[isa]

@@ -6,7 +6,7 @@ User errors (MemplanError) become ``Error: <message>`` on stderr and exit code 2
 from __future__ import annotations
 
 import sys
-from typing import Optional
+from typing import Any, Optional
 
 import typer
 
@@ -153,6 +153,8 @@ def estimate(
     builder: O.Builder = "auto",
     activations: O.Activations = "auto",
     cpu_isa: O.CpuIsa = None,
+    no_suggestions: bool = typer.Option(False, "--no-suggestions", help="Skip the 'to fit' suggestions (made when "
+                                        "a GPU is given and the job does not fit or has under 10% headroom)."),
     as_json: O.Json = False,
 ) -> None:
     """Per-GPU peak bytes of a training job, by category and phase, with overheads and the fit verdict.
@@ -164,24 +166,46 @@ def estimate(
     from memplan.report import plan_report
 
     given = dict(locals())
+    _progress(as_json)
     src = sources.resolve(model)
     inv = sources.build_inventory(src, builder=builder)
-    resolved = options.resolve(
-        inv, config=src.config, activations=activations, cpu_isa=cpu_isa, gpus=gpus, gpus_per_node=gpus_per_node,
-        stage=stage, strategy=strategy, precision=precision, optimizer=optimizer, optimizer_impl=optimizer_impl,
-        micro_batch=micro_batch, seq_len=seq_len, grad_accum=grad_accum, recompute=recompute, attention=attention,
-        gpu=gpu, gpu_memory_size=gpu_memory, device=device, deepspeed=deepspeed, allocator_conf=allocator_conf,
-        host_memory_size=host_memory, pin_memory=pin_memory,
-        ds_overrides=O.ds_overrides(given), torch_overrides=O.torch_overrides(given),
-        overhead_overrides=_overheads(cuda_context, nccl_per_communicator, fragmentation_percent, cublas_workspace))
+
+    def resolve(changes: dict) -> Any:
+        g = {**given, **changes}
+        return options.resolve(
+            inv, config=src.config, activations=g["activations"], cpu_isa=g["cpu_isa"], gpus=g["gpus"],
+            gpus_per_node=g["gpus_per_node"], stage=g["stage"], strategy=g["strategy"], precision=g["precision"],
+            optimizer=g["optimizer"], optimizer_impl=g["optimizer_impl"], micro_batch=g["micro_batch"],
+            seq_len=g["seq_len"], grad_accum=g["grad_accum"], recompute=g["recompute"], attention=g["attention"],
+            gpu=g["gpu"], gpu_memory_size=g["gpu_memory"], device=g["device"], deepspeed=g["deepspeed"],
+            allocator_conf=g["allocator_conf"], host_memory_size=g["host_memory"], pin_memory=g["pin_memory"],
+            ds_overrides=O.ds_overrides(g), torch_overrides=O.torch_overrides(g),
+            overhead_overrides=_overheads(g["cuda_context"], g["nccl_per_communicator"], g["fragmentation_percent"],
+                                          g["cublas_workspace"]))
+
+    resolved = resolve({})
     plan = accounting.estimate(inv, resolved.settings)
     rep = plan_report(plan, resolved.sources, resolved.notes)
+    if not no_suggestions:
+        from memplan import advice, progress
+
+        with progress.task("estimating single changes that would fit"):
+            found = advice.suggest(plan, lambda ch: resolve(ch).settings)
+        if found is not None:
+            rep["suggestions"] = found
     if as_json:
         R.emit_json(rep)
     else:
         R.render_plan(rep)
     if plan.fits is False or plan.host_fits is False:
         raise typer.Exit(1)
+
+
+def _progress(as_json: bool) -> None:
+    """Status lines on stderr for slow work (a trace, a long search): a terminal, no --json."""
+    from memplan import progress
+
+    progress.enable(progress.wanted(as_json))
 
 
 def _csv(value: str, name: str) -> tuple[str, ...]:
@@ -229,19 +253,21 @@ def plan(
 
     Exit code 1 when nothing fits within --max-gpus.
     """
-    from memplan import accounting, planner
+    from memplan import accounting, planner, progress
     from memplan.model import sources
     from memplan.report import search_report
 
+    _progress(as_json)
     src = sources.resolve(model)
     inv = sources.build_inventory(src, builder=builder)
-    found = planner.search(inv, gpu=gpu, gpu_memory_size=gpu_memory, config=src.config, gpus_per_node=gpus_per_node,
-                           max_gpus=max_gpus, strategies=_csv(strategies, "--strategies"),
-                           recomputes=_csv(recompute, "--recompute"), micro_batch=micro_batch,
-                           max_micro_batch=max_micro_batch, allow_offload=allow_offload, seq_len=seq_len,
-                           grad_accum=grad_accum, precision=precision, optimizer=optimizer, attention=attention,
-                           device=device, activations=activations, cpu_isa=cpu_isa, allocator_conf=allocator_conf,
-                           host_memory_size=host_memory)
+    with progress.task(f"searching layouts for {inv.model_name} (strategies x recompute x GPU counts)"):
+        found = planner.search(inv, gpu=gpu, gpu_memory_size=gpu_memory, config=src.config,
+                               gpus_per_node=gpus_per_node, max_gpus=max_gpus, strategies=_csv(strategies, "--strategies"),
+                               recomputes=_csv(recompute, "--recompute"), micro_batch=micro_batch,
+                               max_micro_batch=max_micro_batch, allow_offload=allow_offload, seq_len=seq_len,
+                               grad_accum=grad_accum, precision=precision, optimizer=optimizer, attention=attention,
+                               device=device, activations=activations, cpu_isa=cpu_isa, allocator_conf=allocator_conf,
+                               host_memory_size=host_memory)
     best = planner.best_settings(found)
     extra = [f"--gpu {gpu}" if gpu else f"--gpu-memory {gpu_memory}"]
     for flag, value in (("--seq-len", seq_len), ("--grad-accum", grad_accum), ("--precision", precision),

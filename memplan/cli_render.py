@@ -87,11 +87,30 @@ def render_plan(rep: dict) -> None:
     else:
         c.print(f"[red]DOES NOT FIT[/red] on {fmt_bytes(cl['gpu_memory_bytes'])}: short by "
                 f"{fmt_bytes(-rep['headroom_bytes'])}")
-    a = rep["assumptions"]
-    shown = {k: v for k, v in a.items() if k not in ("setting_sources",)}
-    c.print("assumptions: " + "; ".join(f"{k}={v}" for k, v in shown.items()), soft_wrap=True)
+    render_suggestions(c, rep.get("suggestions"))
+    from memplan.assumptions import by_topic
+
+    c.print("assumptions (--json has them all):")
+    for topic, items in by_topic(rep):
+        c.print(f"  {topic:<10} " + "; ".join(items), soft_wrap=True)
     for n in rep["notes"]:
         c.print(f"note: {n}", soft_wrap=True)
+
+
+def render_suggestions(c: Any, sug: dict | None) -> None:
+    """The 'to fit' changes (memplan/advice.py), cheapest first."""
+    if not sug:
+        return
+    if not sug["changes"]:
+        c.print(f"to fit: no single change of the {sug['tried']} tried fits "
+                f"({sug['reason']}); combine them, or use a larger GPU", soft_wrap=True)
+        return
+    target = "" if sug["reason"] == "does not fit" else f" with {sug['headroom_target_fraction']:.0%} free"
+    rows = [[" ".join(x["flags"]), fmt_bytes(x["required_bytes"]), fmt_bytes(x["headroom_bytes"]),
+             fmt_bytes(x["saves_bytes"]), x["cost"]] for x in sug["changes"]]
+    c.print(table(f"To fit{target} ({sug['reason']}): each change alone, estimated; cheapest first",
+                  [("add", "left"), ("required", "right"), ("headroom", "right"), ("saves", "right"),
+                   ("cost", "left")], rows))
 
 
 def render_search(rep: dict) -> None:

@@ -82,11 +82,17 @@ def load_or_trace(config: dict, *, seq_len: int, micro_batch: int, recipe: str, 
     from memplan.tracing import trace_profile
     from memplan.tracing_keys import trace_linear, trace_recipe
 
+    from memplan import progress
+    from memplan.tracing.fit import traced_steps
+
+    what = (f"tracing {config.get('model_type') or 'the model'}'s activations at seq {seq_len} "
+            f"({trace_recipe(recipe)}, recompute {recompute}; once, then cached)")
     try:
-        data = trace_profile(config, seq_len=seq_len, recipe=trace_recipe(recipe),
-                             attention="flash" if attention == "sdpa" else attention, recompute=recompute,
-                             device=device, linear=trace_linear(linear, device=device, recipe=recipe),
-                             target=target)
+        with progress.task(what, total=traced_steps(config)):
+            data = trace_profile(config, seq_len=seq_len, recipe=trace_recipe(recipe),
+                                 attention="flash" if attention == "sdpa" else attention, recompute=recompute,
+                                 device=device, linear=trace_linear(linear, device=device, recipe=recipe),
+                                 target=target)
     except SettingsError as exc:
         _write_atomic(failed, json.dumps({"reason": str(exc), "versions": _versions()}))
         raise

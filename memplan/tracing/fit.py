@@ -53,9 +53,13 @@ def _two_batches(config: dict[str, Any], depth: int | None, seq_len: int, recipe
     """The step traced at micro-batch 2 and 4, at ``depth`` blocks (None: the config's own)."""
     from memplan.model.scaling import scale_config
 
+    from memplan import progress
+
     cfg = scale_config(config, layers=depth)[0] if depth else config
     a = one_step(cfg, 2, seq_len, recipe, attention, recompute, target, linear)
+    progress.step()
     b = one_step(cfg, 4, seq_len, recipe, attention, recompute, target, linear)
+    progress.step()
     if len(a["forward"]) != len(b["forward"]) or len(a["backward"]) != len(b["backward"]):
         raise SettingsError("the traced step runs different operations at micro-batch 2 and 4; "
                             "use --activations analytic")
@@ -91,6 +95,23 @@ def _hooks(a: list[list[int]], b: list[list[int]]) -> list[list[int]]:
     return [_line(x[0], y[0]) + [x[1]] for x, y in zip(a, b)]
 
 
+def _layers(config: dict[str, Any]) -> int | None:
+    key = next((k for k in ("num_hidden_layers", "n_layer", "num_layers") if config.get(k)), None)
+    return None if key is None else int(config[key])
+
+
+def _heterogeneous(config: dict[str, Any], layers: int) -> bool:
+    """Blocks that differ are traced at full depth; a one-block model too (there is no second depth to
+    subtract)."""
+    return layers < 2 or any(config.get(k) for k in _HETEROGENEOUS_KEYS)
+
+
+def traced_steps(config: dict[str, Any]) -> int:
+    """How many micro-steps trace_profile runs: two micro-batches at one depth, or at two."""
+    layers = _layers(config)
+    return 2 if layers is None or _heterogeneous(config, layers) else 4
+
+
 def trace_profile(config: dict[str, Any], *, seq_len: int, recipe: str, attention: str,
                   recompute: str, device: str = "cuda", linear: str = "aten",
                   target: Target | None = None) -> dict[str, Any]:
@@ -108,12 +129,10 @@ def trace_profile(config: dict[str, Any], *, seq_len: int, recipe: str, attentio
     if trace_dtypes(recipe) is None:
         raise SettingsError(f"cannot trace activations for precision {recipe}")
     target = target or K.host_target(device)
-    key = next((k for k in ("num_hidden_layers", "n_layer", "num_layers") if config.get(k)), None)
-    if key is None:
+    layers = _layers(config)
+    if layers is None:
         raise SettingsError("the config has no layer count; use --activations analytic")
-    layers = int(config[key])
-    # blocks that differ are traced at full depth; a one-block model too (there is no second depth to subtract)
-    heterogeneous = layers < 2 or any(config.get(k) for k in _HETEROGENEOUS_KEYS)
+    heterogeneous = _heterogeneous(config, layers)
 
     try:
         run = (lambda depth: _two_batches(config, depth, seq_len, recipe, attention, recompute, target, linear))

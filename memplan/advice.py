@@ -1,0 +1,214 @@
+""""To fit" suggestions, computed: when a GPU size is given and the job does not fit, or fits with less than
+HEADROOM_FRACTION of the GPU free, each single change a user can make is estimated on its own (the whole engine,
+the caching allocator replayed) and those that fit are listed, cheapest first, with the bytes each saves.
+
+Each change is the command's own options with that change applied (``settings_with``; the CLI builds it), so a
+suggestion is exactly what `memplan estimate ... <its flags>` answers (tested).
+
+What each change costs, in the order listed (cheapest first):
+
+1. sharding at DDP's communication volume (ZeRO-1 -> ZeRO-2, DDP -> FSDP SHARD_GRAD_OP): an all-reduce's 2 x the
+   gradients, as reduce-scatter plus all-gather (Rajbhandari et al. 2020, "ZeRO", section 7).
+2. full sharding (ZeRO-3, FSDP FULL_SHARD): 1.5 x that, the parameters gathered in forward and again in backward
+   (same section); overlapped with compute where the network keeps up.
+3. a smaller micro-batch with more gradient accumulation: the same global batch in more, smaller micro-steps
+   (lower GPU utilisation per kernel; no change to the result).
+4. selective recomputation: the attention core recomputed in backward (Korthikanti et al. 2022: 2-4% more
+   compute at these sizes).
+5. 8-bit optimizer states (bitsandbytes' block-wise quantised Adam): the optimizer's numerics change.
+6. full recomputation: every block's forward again in backward, about 33% more compute (one forward is about a
+   third of a step's FLOPs).
+7. offload to the host (DeepSpeed ZeRO-Offload, FSDP CPUOffloadPolicy): the optimizer step runs on the CPU and
+   gradients and weights cross PCIe every step; typically the slowest step of these.
+8. more GPUs (sharded strategies only: replicated states do not shrink with the count): more hardware.
+
+Not modelled, so never suggested: a chunked or fused cross-entropy (Liger's fused linear cross-entropy keeps a
+chunk of the logits instead of all of them); with a large vocabulary the fp32 logits are often the largest
+activation (--explain shows their share).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from memplan.errors import MemplanError
+
+#: below this share of the GPU left free, a fitting job gets suggestions too
+HEADROOM_FRACTION = 0.10
+
+
+@dataclass(frozen=True)
+class Change:
+    label: str  #: what changes, as a person says it
+    flags: tuple[str, ...]  #: the command-line flags that make it
+    changes: dict[str, Any] = field(hash=False)  #: the command's options it sets
+    cost: str
+    rank: int  #: the cost's order (module docstring)
+
+
+def reason(plan: Any) -> str | None:
+    """Why suggestions are wanted: the job does not fit, or fits tightly; None: no GPU given, or room enough."""
+    if plan.fits is None:
+        return None
+    if not plan.fits:
+        return "does not fit"
+    cap = plan.settings.cluster.gpu_memory_bytes
+    if plan.headroom_bytes < HEADROOM_FRACTION * cap:
+        return f"headroom under {HEADROOM_FRACTION:.0%} of the GPU"
+    return None
+
+
+_SHARD = "1.5x DDP's communication (parameters gathered in forward and in backward)"
+_SAME_COMM = "DDP's communication volume (reduce-scatter + all-gather)"
+
+
+def _sharding(plan: Any) -> list[Change]:
+    s = plan.settings
+    st, gpus = s.strategy, s.cluster.gpus
+    if gpus < 2:
+        return []
+    out = []
+    if st.framework == "deepspeed":
+        for stage in (2, 3):
+            if st.zero_stage is not None and st.zero_stage < stage:
+                out.append(Change(f"ZeRO-{stage}", ("--stage", str(stage)), {"stage": stage, "strategy": None},
+                                  _SHARD if stage == 3 else _SAME_COMM, 2 if stage == 3 else 1))
+    elif st.name in ("ddp", "zero-optimizer", "fsdp-no-shard", "fsdp-grad-op", "hsdp"):
+        for name in ("fsdp-grad-op", "fsdp-full"):
+            if name != st.name:
+                full = name == "fsdp-full"
+                out.append(Change(f"FSDP {name.removeprefix('fsdp-')}", ("--strategy", name),
+                                  {"strategy": name, "stage": None},
+                                  _SHARD if full else _SAME_COMM + "; parameters unsharded from forward to backward",
+                                  2 if full else 1))
+        if st.name in ("ddp", "zero-optimizer"):
+            out.append(Change("DeepSpeed ZeRO-3", ("--strategy", "zero3"), {"strategy": "zero3", "stage": None},
+                              _SHARD, 2))
+    return out
+
+
+def _micro_batches(plan: Any) -> list[Change]:
+    """Smaller micro-batches that keep the global batch: each divisor of the micro-batch, the largest first."""
+    s = plan.settings
+    b, ga = s.micro_batch, s.grad_accum
+    out = []
+    for d in sorted((d for d in range(1, b) if b % d == 0), reverse=True):
+        k = b // d
+        out.append(Change(f"micro-batch {d}, grad-accum {ga * k}", ("--micro-batch", str(d), "--grad-accum",
+                                                                    str(ga * k)),
+                          {"micro_batch": d, "grad_accum": ga * k},
+                          f"same global batch, {k}x the micro-steps (less work per kernel)", 3))
+    return out
+
+
+def _recompute(plan: Any) -> list[Change]:
+    rc = plan.settings.recompute
+    out = []
+    if rc == "none":
+        out.append(Change("recompute selective", ("--recompute", "selective"), {"recompute": "selective"},
+                          "attention core recomputed in backward (~2-4% more compute)", 4))
+    if rc != "full":
+        out.append(Change("recompute full", ("--recompute", "full"), {"recompute": "full"},
+                          "~33% more compute (every block's forward again in backward)", 6))
+    return out
+
+
+def _optimizer(plan: Any) -> list[Change]:
+    s = plan.settings
+    if s.optimizer.name not in ("adam", "adamw"):
+        return []
+    return [Change("8-bit Adam states", ("--optimizer", "adam8bit"), {"optimizer": "adam8bit"},
+                   "bitsandbytes 8-bit Adam: the optimizer's numerics change", 5)]
+
+
+def _offload(plan: Any) -> list[Change]:
+    s = plan.settings
+    st = s.strategy
+    cost = "optimizer step on the CPU, PCIe transfers every step (usually the slowest)"
+    if st.framework == "deepspeed" and st.zero_stage:
+        out = []
+        if not s.ds.offload_optimizer:
+            out.append(Change("offload the optimizer to the host", ("--offload-optimizer",),
+                              {"offload_optimizer": True}, cost, 7))
+        if st.zero_stage == 3 and not s.ds.offload_param:
+            out.append(Change("offload the optimizer and the parameters to the host",
+                              ("--offload-optimizer", "--offload-param"),
+                              {"offload_optimizer": True, "offload_param": True}, cost, 7))
+        return out
+    if st.name in ("fsdp-full", "fsdp-grad-op", "hsdp") and not s.torch.cpu_offload:
+        return [Change("FSDP CPU offload", ("--cpu-offload",), {"cpu_offload": True}, cost, 7)]
+    if st.framework == "torch":  # DDP or one GPU: DeepSpeed's ZeRO-Offload runs on any count, one GPU included
+        return [Change("DeepSpeed ZeRO-Offload (ZeRO-2, optimizer on the host)",
+                       ("--strategy", "zero2", "--offload-optimizer"),
+                       {"strategy": "zero2", "stage": None, "offload_optimizer": True}, cost, 7),
+                Change("DeepSpeed ZeRO-3 with optimizer and parameters on the host",
+                       ("--strategy", "zero3", "--offload-optimizer", "--offload-param"),
+                       {"strategy": "zero3", "stage": None, "offload_optimizer": True, "offload_param": True},
+                       cost, 7)]
+    return []
+
+
+def _more_gpus(plan: Any) -> list[Change]:
+    from memplan.settings import MAX_GPUS
+
+    s = plan.settings
+    st, gpus = s.strategy, s.cluster.gpus
+    if st.one_gpu or not (st.shard_optimizer or st.zero_stage):
+        return []
+    out = []
+    n = gpus * 2
+    while n <= min(MAX_GPUS, gpus * 64):
+        out.append(Change(f"{n} GPUs", ("--gpus", str(n)), {"gpus": n},
+                          f"{n // gpus}x the GPUs (more hardware)", 8))
+        n *= 2
+    return out
+
+
+#: the kinds of change, each with whether only its first fitting change is kept (the least change of its kind:
+#: the largest micro-batch, the fewest GPUs, the least offloaded) or every one that fits
+GROUPS: tuple[tuple[Callable[[Any], list[Change]], bool], ...] = (
+    (_sharding, False), (_micro_batches, True), (_recompute, False), (_optimizer, True), (_offload, True),
+    (_more_gpus, True))
+
+
+def suggest(plan: Any, settings_with: Callable[[dict[str, Any]], Any]) -> dict[str, Any] | None:
+    """The suggestions for ``plan`` (None when none are wanted): every single change that fits, cheapest first,
+    with its required bytes, headroom and the bytes it saves; ``tried``: how many changes were estimated.
+    ``settings_with(changes)``: the job's Settings with those command-line options changed."""
+    from memplan import accounting
+
+    why = reason(plan)
+    if why is None:
+        return None
+    out, tried = [], 0
+    want_margin = plan.fits  # a fitting job: a change must leave HEADROOM_FRACTION free
+    cap = plan.settings.cluster.gpu_memory_bytes
+    need = cap - (HEADROOM_FRACTION * cap if want_margin else 0)
+    inv = plan.inventory
+    for group, first_only in GROUPS:
+        for ch in group(plan):
+            tried += 1
+            try:
+                s = settings_with(ch.changes)
+                # the bound from below first (no allocator replay): most changes that cannot fit stop here
+                (_, low), = accounting.required_bytes(inv, s, (s.micro_batch,), lower_bound=True)
+                if low > need:
+                    continue
+                new = accounting.estimate(inv, s)
+            except MemplanError:
+                continue  # a change the rest of the job's options refuse (e.g. a knob of another framework)
+            ok = bool(new.fits) and new.host_fits is not False
+            if ok and want_margin and new.headroom_bytes < HEADROOM_FRACTION * cap:
+                ok = False
+            if not ok or new.required_bytes >= plan.required_bytes:
+                continue
+            out.append({"change": ch.label, "flags": list(ch.flags), "rank": ch.rank, "cost": ch.cost,
+                        "required_bytes": new.required_bytes, "headroom_bytes": new.headroom_bytes,
+                        "saves_bytes": plan.required_bytes - new.required_bytes})
+            if first_only:
+                break
+    out.sort(key=lambda x: (x["rank"], -x["saves_bytes"]))
+    return {"reason": why, "headroom_target_fraction": HEADROOM_FRACTION, "changes": out, "tried": tried,
+            "not_modelled": ["a chunked or fused cross-entropy (e.g. Liger's fused linear cross-entropy)"]}

@@ -1,0 +1,69 @@
+"""'To fit' suggestions (memplan/advice.py): made only when a GPU is given and the job does not fit or fits with
+under 10% free; every suggested change, given to `memplan estimate` on its own, really fits with the bytes shown."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from test_bad_inputs import run_cli
+
+TIGHT = [
+    # DDP replicates everything: only sharding fits
+    "estimate llama-3-8b --gpus 8 --strategy ddp --gpu h100-80g",
+    # activations: a smaller micro-batch, or recomputation
+    "estimate llama-3-8b --gpus 8 --stage 1 --micro-batch 8 --gpu h100-80g",
+    # 4 GiB short under ZeRO-3: micro-batch, recompute, more GPUs
+    "estimate llama-3-8b --gpus 8 --stage 3 --micro-batch 4 --gpu h100-80g",
+    # one GPU: only DeepSpeed's ZeRO-Offload
+    "estimate llama-3-8b --gpus 1 --gpu h100-80g",
+    # FSDP on a 40 GB card
+    "estimate llama-7b --gpus 4 --strategy fsdp-full --micro-batch 2 --gpu a100-40g",
+]
+
+
+def _estimate(args: str) -> tuple[int, dict]:
+    code, out, err = run_cli(args.split() + ["--json"])
+    assert code in (0, 1), err
+    return code, json.loads(out)
+
+
+@pytest.mark.parametrize("args", TIGHT)
+def test_every_suggestion_fits_when_estimated_on_its_own(args):
+    code, rep = _estimate(args)
+    sug = rep["suggestions"]
+    assert code == 1 and rep["fits"] is False and sug["reason"] == "does not fit"
+    assert sug["changes"], sug
+    ranks = [c["rank"] for c in sug["changes"]]
+    assert ranks == sorted(ranks)  # cheapest first
+    for ch in sug["changes"]:
+        # the flags as given override the same options earlier on the line (typer keeps the last)
+        code2, new = _estimate(args + " " + " ".join(ch["flags"]) + " --no-suggestions")
+        assert code2 == 0 and new["fits"] is True, ch
+        assert new["per_gpu"]["required_bytes"] == ch["required_bytes"]
+        assert new["headroom_bytes"] == ch["headroom_bytes"] > 0
+        assert ch["saves_bytes"] == rep["per_gpu"]["required_bytes"] - ch["required_bytes"] > 0
+
+
+def test_suggestions_only_when_wanted():
+    # no GPU: no verdict, no suggestions; plenty of room: none either
+    assert "suggestions" not in _estimate("estimate llama-3-8b --gpus 8 --stage 3")[1]
+    assert "suggestions" not in _estimate("estimate gpt2 --gpus 2 --gpu h100-80g")[1]
+    assert "suggestions" not in _estimate("estimate llama-3-8b --gpus 8 --strategy ddp --gpu h100-80g "
+                                          "--no-suggestions")[1]
+
+
+def test_a_tight_fit_gets_changes_that_leave_ten_percent():
+    # fits, with under 10% of the card free: each change listed leaves at least 10% free
+    code, rep = _estimate("estimate llama-3-8b --gpus 8 --stage 1 --micro-batch 2 --grad-accum 4 --gpu h100-80g")
+    cap = rep["cluster"]["gpu_memory_bytes"]
+    assert code == 0 and rep["fits"] and rep["headroom_bytes"] < 0.1 * cap
+    sug = rep["suggestions"]
+    assert sug["reason"].startswith("headroom under") and sug["changes"]
+    assert all(c["headroom_bytes"] >= 0.1 * cap for c in sug["changes"])
+
+
+def test_the_table_lists_the_changes():
+    code, out, _ = run_cli("estimate llama-3-8b --gpus 1 --gpu h100-80g".split())
+    assert code == 1
+    assert "To fit (does not fit)" in out and "--strategy zero2" in out and "--offload-optimizer" in out

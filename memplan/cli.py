@@ -238,6 +238,9 @@ def plan(
                                   "(asked for: refused where the device cannot run it) | eager."),
     allow_offload: bool = typer.Option(False, "--allow-offload", help="Also consider DeepSpeed ZeRO-Offload "
                                        "(optimizer, or optimizer and parameters, on the host)."),
+    min_headroom: Optional[str] = typer.Option(None, "--min-headroom", help="What every candidate must leave free: "
+                                               "a size (8GiB, 8GB) or a fraction of the GPU (0.1 or 10%) "
+                                               "[default: 0]."),
     device: str = typer.Option("cuda", "--device", help="cuda, or cpu (no CUDA/NCCL overheads)."),
     allocator_conf: Optional[str] = typer.Option(None, "--allocator-conf", help="The job's PYTORCH_CUDA_ALLOC_CONF, "
                                                  "e.g. expandable_segments:True [default: from the environment]."),
@@ -267,7 +270,7 @@ def plan(
                                max_micro_batch=max_micro_batch, allow_offload=allow_offload, seq_len=seq_len,
                                grad_accum=grad_accum, precision=precision, optimizer=optimizer, attention=attention,
                                device=device, activations=activations, cpu_isa=cpu_isa, allocator_conf=allocator_conf,
-                               host_memory_size=host_memory)
+                               host_memory_size=host_memory, min_headroom=min_headroom)
     best = planner.best_settings(found)
     extra = [f"--gpu {gpu}" if gpu else f"--gpu-memory {gpu_memory}"]
     for flag, value in (("--seq-len", seq_len), ("--grad-accum", grad_accum), ("--precision", precision),

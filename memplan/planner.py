@@ -68,6 +68,8 @@ class Search:
     gpus: int | None  #: the recommended GPU count
     notes: tuple[str, ...]
     evaluations: int
+    #: what the recommendation must leave free (--min-headroom): candidates fit gpu_memory_bytes less this
+    min_headroom_bytes: int = 0
 
 
 def gpu_counts(gpus_per_node: int, max_gpus: int) -> list[int]:
@@ -261,13 +263,55 @@ def search(inv: ParamInventory, *, gpu: str | None = None, gpu_memory_size: str 
            config: dict | None = None, gpus_per_node: int = 8, max_gpus: int = 1024,
            strategies: tuple[str, ...] = DEFAULT_STRATEGIES, recomputes: tuple[str, ...] = ("none", "full"),
            micro_batch: int | None = None, max_micro_batch: int = 64, allow_offload: bool = False,
-           **common: Any) -> Search:
-    """The search described in the module docstring. ``common``: options.resolve's other options."""
+           min_headroom: str | None = None, **common: Any) -> Search:
+    """The search described in the module docstring. ``common``: options.resolve's other options;
+    ``min_headroom``: a size (8GiB) or a fraction of the GPU (0.1, 10%) every candidate must leave free."""
     _check_bounds(gpus_per_node, max_gpus, micro_batch, max_micro_batch)
-    budget, how = options.gpu_memory(gpu, gpu_memory_size)
-    if budget is None:
+    capacity, how = options.gpu_memory(gpu, gpu_memory_size)
+    if capacity is None:
         raise SettingsError("plan needs the GPU: --gpu NAME (memplan presets) or --gpu-memory SIZE (80GB, 80GiB)")
     notes: list[str] = [f"GPU memory: {how}"]
+    margin = parse_headroom(min_headroom, capacity)
+    if margin:
+        notes.append(f"--min-headroom {min_headroom}: every candidate leaves {margin:,} B free")
+    found = _search(inv, capacity - margin, config, gpus_per_node, max_gpus, strategies, recomputes, micro_batch,
+                    max_micro_batch, allow_offload, gpu, gpu_memory_size, common, notes)
+    # headroom is against the whole GPU; the search fitted each candidate into it less the margin
+    more = lambda c: c if c.headroom_bytes is None else replace(c, headroom_bytes=c.headroom_bytes + margin)  # noqa
+    return replace(found, gpu_memory_bytes=capacity, min_headroom_bytes=margin,
+                   candidates=tuple(more(c) for c in found.candidates),
+                   best=None if found.best is None else more(found.best))
+
+
+def parse_headroom(text: str | None, capacity: int) -> int:
+    """--min-headroom: a size (8GiB, 8GB) or a fraction of the GPU (0.1, 10%), in bytes."""
+    import math
+
+    from memplan.units import parse_size
+
+    if text is None or str(text).strip() in ("", "0"):
+        return 0
+    t = str(text).strip()
+    frac = None
+    try:
+        frac = float(t[:-1]) / 100 if t.endswith("%") else float(t)
+    except ValueError:
+        frac = None
+    if frac is not None:
+        if not math.isfinite(frac) or not 0 <= frac < 1:
+            raise SettingsError(f"--min-headroom {text!r}: a fraction of the GPU is between 0 and 1 (or 0% to "
+                                "99%); a size needs a unit (8GiB, 8GB)")
+        return int(capacity * frac)
+    n, _ = parse_size(t)
+    if n >= capacity:
+        raise SettingsError(f"--min-headroom {text!r} is not less than the GPU's {capacity:,} bytes")
+    return n
+
+
+def _search(inv: ParamInventory, budget: int, config: dict | None, gpus_per_node: int, max_gpus: int,
+            strategies: tuple[str, ...], recomputes: tuple[str, ...], micro_batch: int | None,
+            max_micro_batch: int, allow_offload: bool, gpu: str | None, gpu_memory_size: str | None,
+            common: dict[str, Any], notes: list[str]) -> Search:
     cands = _candidates(inv, config, strategies, recomputes, allow_offload, gpus_per_node, gpu, gpu_memory_size,
                         common, notes)
     counts = gpu_counts(gpus_per_node, max_gpus)

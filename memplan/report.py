@@ -123,6 +123,7 @@ def search_report(found: Any, inv: ParamInventory, best_plan: Any, command: str 
         "model": {"name": inv.model_name, "source": inv.source, "num_params": inv.num_params, "family": inv.family},
         "search": {"gpu_memory_bytes": found.gpu_memory_bytes, "gpus_per_node": found.gpus_per_node,
                    "max_gpus": found.max_gpus, "micro_batches": [min(found.micro_batches), max(found.micro_batches)],
+                   "min_headroom_bytes": found.min_headroom_bytes,
                    "ranking": RANKING, "evaluations": found.evaluations},
         "fits": b is not None,
         "recommendation": None if b is None else {

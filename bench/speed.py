@@ -8,6 +8,7 @@
    - DeepSpeed's estimate_zero3_model_states_mem_needs_all_cold, when deepspeed is installed
 2. In-process configuration evaluations per second: accounting.estimate (a full Plan each) and the batched
    evaluator accounting.required_bytes (the planner's path: exact peak and required bytes per configuration).
+3. What --explain and the 'to fit' suggestions add to an estimate, in process (issue 21's targets: 50 ms, 1 s).
 """
 
 from __future__ import annotations
@@ -99,6 +100,42 @@ def batched_evals_per_second(seconds: float = 3.0) -> float:
     return n / (time.perf_counter() - t0)
 
 
+def explain_and_suggest_ms(repeat: int = 20) -> tuple[float, float]:
+    """In process, the job's profile cached: (milliseconds --explain adds to an estimate, milliseconds the 'to fit'
+    suggestions add) for llama-3-8b under DDP on 8 H100s, which does not fit (median of ``repeat``)."""
+    sys.path.insert(0, str(ROOT))
+    from memplan import accounting as A
+    from memplan import advice, options
+    from memplan.explain import explain, summary
+    from memplan.model import sources
+
+    src = sources.resolve("llama-3-8b")
+    inv = sources.build_inventory(src)
+
+    def settings(changes: dict) -> object:
+        kw = {"gpus": 8, "strategy": "ddp", "gpu": "h100-80g", **changes}
+        if kw.get("stage") is not None:
+            kw.pop("strategy")
+        else:
+            kw.pop("stage", None)
+        if kw.get("strategy") is None:
+            kw.pop("strategy", None)
+        ds = {k: kw.pop(k) for k in ("offload_optimizer", "offload_param") if k in kw}
+        torch_knobs = {k: kw.pop(k) for k in ("cpu_offload",) if k in kw}
+        return options.resolve(inv, config=src.config, ds_overrides=ds, torch_overrides=torch_knobs, **kw).settings
+
+    plan = A.estimate(inv, settings({}))
+    ex_t, sug_t = [], []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        summary(explain(plan))
+        ex_t.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        advice.suggest(plan, settings)
+        sug_t.append(time.perf_counter() - t)
+    return 1000 * statistics.median(ex_t), 1000 * statistics.median(sug_t)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeat", type=int, default=5)
@@ -138,6 +175,9 @@ def main() -> None:
     print(f"\nin-process accounting.estimate evaluations per second (a full Plan each): {evals_per_second():,.0f}")
     print(f"in-process batched evaluator (accounting.required_bytes, the planner's path) evaluations per second: "
           f"{batched_evals_per_second():,.0f}")
+    ex_ms, sug_ms = explain_and_suggest_ms()
+    print(f"in-process, llama-3-8b DDP on 8 x h100-80g (does not fit), profile cached: --explain adds {ex_ms:.1f} ms "
+          f"(target < 50 ms); the 'to fit' suggestions add {sug_ms:.0f} ms (target < 1 s)")
 
 
 if __name__ == "__main__":

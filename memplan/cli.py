@@ -153,6 +153,8 @@ def estimate(
     builder: O.Builder = "auto",
     activations: O.Activations = "auto",
     cpu_isa: O.CpuIsa = None,
+    explain: bool = typer.Option(False, "--explain", help="What the peak is made of: its bytes by category and "
+                                 "its activations by module and operator (the largest groups, with their share)."),
     no_suggestions: bool = typer.Option(False, "--no-suggestions", help="Skip the 'to fit' suggestions (made when "
                                         "a GPU is given and the job does not fit or has under 10% headroom)."),
     as_json: O.Json = False,
@@ -186,6 +188,12 @@ def estimate(
     resolved = resolve({})
     plan = accounting.estimate(inv, resolved.settings)
     rep = plan_report(plan, resolved.sources, resolved.notes)
+    from memplan.explain import explain as explain_peak
+    from memplan.explain import summary
+
+    ex = explain_peak(plan)
+    if explain:
+        rep["explain"] = ex
     if not no_suggestions:
         from memplan import advice, progress
 
@@ -196,7 +204,7 @@ def estimate(
     if as_json:
         R.emit_json(rep)
     else:
-        R.render_plan(rep)
+        R.render_plan(rep, summary(ex), ex if explain else None)
     if plan.fits is False or plan.host_fits is False:
         raise typer.Exit(1)
 

@@ -39,7 +39,7 @@ def category_labels() -> tuple[tuple[str, str], ...]:
     return tuple(CATEGORIES.items())
 
 
-def render_plan(rep: dict) -> None:
+def render_plan(rep: dict, summary: str | None = None, explained: dict | None = None) -> None:
     c = console()
     m, st, cl, pg = rep["model"], rep["strategy"], rep["cluster"], rep["per_gpu"]
     c.print(f"[bold]{m['name']}[/bold] ({m['num_params']:,} params) · {st['name']} ({st['framework']}) · "
@@ -58,6 +58,10 @@ def render_plan(rep: dict) -> None:
     over = ", ".join(f"{k.removesuffix('_bytes').replace('_', ' ')} {fmt_bytes(v)}" for k, v in od.items()) or "none"
     c.print(f"peak allocated: [bold]{fmt_bytes(pg['peak_bytes'])}[/bold] ({pg['peak_bytes']:,} B) in "
             f"{pg['peak_phase']}   overheads: {fmt_bytes(pg['overhead_bytes'])} ({over})")
+    if summary:
+        c.print(summary + ("" if explained else " (--explain itemises it)"), soft_wrap=True)
+    if explained:
+        render_explain(c, explained)
     res = rep.get("reserved")
     if res and pg.get("reserved_peak_bytes") is not None:
         ratio = pg["reserved_peak_bytes"] / pg["peak_bytes"] if pg["peak_bytes"] else 0
@@ -95,6 +99,15 @@ def render_plan(rep: dict) -> None:
         c.print(f"  {topic:<10} " + "; ".join(items), soft_wrap=True)
     for n in rep["notes"]:
         c.print(f"note: {n}", soft_wrap=True)
+
+
+def render_explain(c: Any, ex: dict) -> None:
+    """--explain: the peak's bytes by category, its activations by module and operator (memplan/explain.py)."""
+    rows = [[it["what"], it.get("detail", ""), fmt_bytes(it["bytes"]), f"{100 * it['share']:.1f}%"]
+            for it in ex["items"]]
+    c.print(table(f"What the peak holds ({ex['phase']}, micro-batch {ex['micro_batch']}): by category, activations "
+                  "by module → operator (blocks as *)", [("what", "left"), ("detail", "left"), ("bytes", "right"),
+                                                         ("share", "right")], rows))
 
 
 def render_suggestions(c: Any, sug: dict | None) -> None:

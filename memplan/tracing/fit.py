@@ -202,5 +202,32 @@ def _profile(top: tuple[dict[str, Any], dict[str, Any]], low: tuple[dict[str, An
         "attention_kernels": top[0]["attention_kernels"],
         #: the step's storages in order, for the caching allocator (see _alloc_events; None: not linear in b)
         "alloc_events": alloc_events(*top, expand=not heterogeneous),
+        #: what is alive at the moments the phases peak, grouped by module and operator (--explain)
+        "explain": _explain(top),
         "transformers": transformers_version,
     }
+
+
+def _explain(top: tuple[dict[str, Any], dict[str, Any]]) -> dict[str, Any]:
+    """Per explained moment (memplan/tracing/explain.py), the groups alive then as lines in the micro-batch; the
+    moments are picked on the micro-batch 4 trace (both traces run the same operations, so an index is the same
+    point of the step in each)."""
+    from memplan.tracing import explain as X
+
+    o2, o4 = top[0]["origins"], top[1]["origins"]
+    t2, t4 = o2["timeline"], o4["timeline"]
+    ticks = X.moment_ticks(t2, t4, len(top[1]["forward"]), o4["last_backward_start"])
+    out: dict[str, Any] = {}
+    for moment in X.MOMENTS:
+        points = []
+        for t in ticks[moment]:
+            a, b = (X.composition(o["origins"], o["grads"], o["saved"], t, o["blocks"]) for o in (o2, o4))
+            groups = X.lines(a, b)
+            line = _line(t2[t], t4[t])
+            # what the kept groups leave out of the point: smaller groups (past X.KEEP), and bytes the timeline
+            # counts as gradients from a moment other than their storage's birth (a parameter's gradient
+            # contributions, see step.first_contributions)
+            rest = [line[0] - sum(g["line"][0] for g in groups), line[1] - sum(g["line"][1] for g in groups)]
+            points.append({"line": line, "groups": groups, "rest": rest})
+        out[moment] = points
+    return out

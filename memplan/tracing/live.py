@@ -26,6 +26,12 @@ class LiveBytes:
         self.events: list[Any] = []
         self._births_list: list[list[int]] = []
         self._sid: dict[int, int] = {}
+        #: where each storage came from (--explain; memplan/tracing/explain.py): ``labeler()`` names the module
+        #: running, ``op`` the operator that made it; per storage id: (module, op, dtype, shape, born, died)
+        self.labeler: Any = None
+        self.op = ""
+        self.origins: list[list[Any]] = []
+        self.grad_ids: set[int] = set()
 
     def track(self, t: Any) -> None:
         st = t.untyped_storage()
@@ -37,6 +43,9 @@ class LiveBytes:
         self._sid[key] = sid
         self._births_list.append([n])
         self.events.append(self._births_list[-1])
+        if self.labeler is not None:
+            self.origins.append([self.labeler(), self.op, str(t.dtype).removeprefix("torch."), list(t.shape),
+                                 len(self.timeline), None, n])
 
         def gone(_ref: Any, key: int = key, n: int = n, sid: int = sid) -> None:
             self._refs.pop(key, None)
@@ -44,6 +53,8 @@ class LiveBytes:
             self._sid.pop(key, None)
             self.events.append(sid)
             self.live -= n
+            if sid < len(self.origins):
+                self.origins[sid][5] = len(self.timeline)
 
         self._refs[key] = weakref.ref(st, gone)
         self._born[key] = len(self.timeline)
@@ -66,6 +77,8 @@ class LiveBytes:
         index at which it was created (None if it was not created under the mode)."""
         st = t.untyped_storage()
         born = self._born.get(id(st))
+        if id(st) in self._sid:
+            self.grad_ids.add(self._sid[id(st)])
         if born is not None:
             self._corrections.append((born, len(self.timeline) + 1, self.nbytes(st)))
             self._born.pop(id(st), None)
@@ -103,6 +116,7 @@ def dispatch_mode(live: LiveBytes, scratch: Any = None) -> Any:
     class Mode(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
             out = func(*args, **(kwargs or {}))
+            live.op = getattr(func, "_opname", None) or str(func)
             for t in tree_leaves(out):
                 if isinstance(t, torch.Tensor):
                     live.track(t)

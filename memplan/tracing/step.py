@@ -11,6 +11,7 @@ from typing import Any
 from memplan import kernels as K
 from memplan import substitutes as sub
 from memplan.kernels import Target
+from memplan.tracing.explain import ModuleStack
 from memplan.tracing.live import LiveBytes, dispatch_mode
 from memplan.tracing.segments import block_hooks, block_segments, loss_segment, root_hooks_done
 from memplan.tracing_keys import trace_dtypes
@@ -200,28 +201,43 @@ def one_step(config: dict[str, Any], batch: int, seq: int, recipe: str, attentio
         for p in params:
             p.register_post_accumulate_grad_hook(hooks.drop)
         saved: dict[int, int] = {}
+        saved_ids: set[int] = set()
+        stack = ModuleStack(model)
+        live.labeler = stack.label
 
         def pack(t: Any) -> Any:
             st = t.untyped_storage()
             if id(st) not in param_storages:
                 saved.setdefault(id(st), live.nbytes(st))
+                sid = live._sid.get(id(st))
+                if sid is not None:
+                    saved_ids.add(sid)
             return t
 
         ids = torch.zeros(batch, seq, dtype=torch.long)
-        with dispatch_mode(live, None if cuda else sub.gemm_scratch(target.cpu_isa, target.cpu_threads)):
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-                    loss = model(input_ids=ids, labels=ids).loss
-            live.tick()
-            forward_end = len(live.timeline)
-            moments.regions["forward_end"] = len(live.events)
-            after_forward = live.live
-            first_contributions(loss, live, hooks.first_contrib)
-            loss.backward()
-            live.tick()
-            del loss
-    return _result(live, moments, hooks, kernels, sum(saved.values()), after_forward, forward_end,
-                   len(block_list))
+        stack.install()
+        try:
+            with dispatch_mode(live, None if cuda else sub.gemm_scratch(target.cpu_isa, target.cpu_threads)):
+                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                        loss = model(input_ids=ids, labels=ids).loss
+                live.tick()
+                forward_end = len(live.timeline)
+                moments.regions["forward_end"] = len(live.events)
+                after_forward = live.live
+                first_contributions(loss, live, hooks.first_contrib)
+                loss.backward()
+                live.tick()
+                del loss
+        finally:
+            stack.remove()
+        names = {id(m): n for n, m in model.named_modules()}
+    out = _result(live, moments, hooks, kernels, sum(saved.values()), after_forward, forward_end, len(block_list))
+    out["origins"] = {"origins": live.origins, "grads": live.grad_ids, "saved": saved_ids,
+                      "blocks": [names.get(id(b), "") for b in block_list],
+                      "last_backward_start": moments.backward_starts.get(len(block_list) - 1),
+                      "timeline": live.corrected()}
+    return out
 
 
 def _result(live: LiveBytes, m: _BlockMoments, h: _GradientHooks, kernels: dict[str, str], saved: int,

@@ -86,3 +86,14 @@ def test_plan_says_what_the_headroom_rests_on_and_what_was_not_tried():
     nothing = " ".join(out[out.index("NOTHING FITS"):].split())
     # full recompute was in the search: not suggested again
     assert code == 1 and "--allow-offload" in nothing and "--recompute" not in nothing
+
+
+def test_estimate_explain_in_the_table_and_the_json():
+    code, out, _ = run_cli("estimate llama-3-8b --gpus 8 --stage 2 --explain".split())
+    assert code == 0 and "What the peak holds" in out and "model.layers.*" in out
+    code, out, _ = run_cli("estimate llama-3-8b --gpus 8 --stage 2".split())
+    assert "peak in backward" in out and "What the peak holds" not in out
+    code, out, _ = run_cli("estimate llama-3-8b --gpus 8 --stage 2 --explain --json".split())
+    ex = json.loads(out)["explain"]
+    assert ex["traced"] and ex["peak_bytes"] == json.loads(out)["per_gpu"]["peak_bytes"]
+    assert "explain" not in json.loads(run_cli("estimate llama-3-8b --gpus 8 --stage 2 --json".split())[1])

@@ -21,7 +21,35 @@ KNOWN_TOP = {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_acc
              "scheduler", "bf16", "fp16", "zero_optimization", "gradient_clipping", "steps_per_print",
              "wall_clock_breakdown", "zero_allow_untested_optimizer", "activation_checkpointing", "prescale_gradients",
              "communication_data_type", "comms_logger", "flops_profiler", "tensorboard", "wandb", "csv_monitor",
-             "data_types", "seq_parallel_communication_data_type", "torch_autocast", "amp", "zero_force_ds_cpu_optimizer"}
+             "data_types", "seq_parallel_communication_data_type", "torch_autocast", "zero_force_ds_cpu_optimizer"}
+#: keys DeepSpeed 0.19.8 refuses outright (runtime/config.py _REMOVED_TOP_LEVEL_CONFIG_KEYS and
+#: _REMOVED_ZERO_CONFIG_KEYS, raised by _reject_removed_config_keys when the engine reads the config): what it says
+REMOVED_TOP = {"nebula": "Nebula checkpointing has been removed", "compression_training": "the DeepSpeed "
+               "compression library has been removed", "amp": "NVIDIA Apex AMP integration has been removed (use "
+               "bf16, fp16 or torch_autocast)", "quantize_training": "Mixture-of-Quantization has been removed",
+               "sparse_gradients": "sparse compression of embedding gradients has been removed",
+               "eigenvalue": "eigenvalue-based MoQ has been removed", "sparse_attention": "Sparse Attention has been "
+               "removed", "elasticity": "elastic training has been removed", "graph_harvesting": "graph harvesting "
+               "has been removed", "curriculum_learning": "legacy top-level curriculum_learning has been removed",
+               "progressive_layer_drop": "Progressive Layer Dropping has been removed"}
+REMOVED_ZERO = {"mics_shard_size": "MiCS ZeRO-3 sharding has been removed",
+                "mics_hierarchical_params_gather": "MiCS ZeRO-3 sharding has been removed",
+                "zeropp_loco_param": "LoCo-Zero++ has been removed"}
+#: deprecated zero_optimization keys DeepSpeed still reads (zero/config.py, config_utils
+#: _process_deprecated_field): the key they set; giving both is DeepSpeed's error
+DEPRECATED_ZERO = {"cpu_offload": "offload_optimizer", "cpu_offload_param": "offload_param"}
+#: keys that change what DeepSpeed allocates and that memplan does not model, with DeepSpeed's default: a value
+#: other than the default gets a note saying what the estimate assumes instead
+NOT_MODELLED = {"zero_quantized_weights": (False, "ZeRO++ qwZ (int8 weight all-gather buffers) is not modelled; "
+                                                  "bf16/fp16 gathers assumed"),
+                "zero_quantized_gradients": (False, "ZeRO++ qgZ (int4 gradient reduce buffers) is not modelled; "
+                                                    "full-precision reduce buffers assumed"),
+                "reduce_scatter": (True, "reduce_scatter false (DeepSpeed all-reduces whole buckets) is not "
+                                         "modelled; the reduce-scatter path assumed"),
+                "use_multi_rank_bucket_allreduce": (True, "use_multi_rank_bucket_allreduce false (per-rank reduces) "
+                                                          "is not modelled; the multi-rank all-reduce assumed"),
+                "stage3_module_granularity_threshold": (0, "ZeRO-3 module grouping (leaf modules fetched as one "
+                                                           "unit) is not modelled; per-module gathering assumed")}
 #: zero_optimization key -> memplan DeepSpeedKnobs field.
 ZERO_KEYS = {"reduce_bucket_size": "reduce_bucket_size", "allgather_bucket_size": "allgather_bucket_size",
              "overlap_comm": "overlap_comm", "contiguous_gradients": "contiguous_gradients",
@@ -32,11 +60,11 @@ ZERO_KEYS = {"reduce_bucket_size": "reduce_bucket_size", "allgather_bucket_size"
              "stage3_max_reuse_distance": "max_reuse_distance", "max_reuse_distance": "max_reuse_distance",
              "sub_group_size": "sub_group_size", "zero_hpz_partition_size": "hpz_partition_size",
              "memory_efficient_linear": "memory_efficient_linear"}
-ZERO_IGNORED = {"stage", "offload_optimizer", "offload_param", "allgather_partitions", "reduce_scatter",
-                "round_robin_gradients", "stage3_gather_16bit_weights_on_model_save", "gather_16bit_weights_on_model_save",
-                "elastic_checkpoint", "ignore_unused_parameters", "load_from_fp32_weights", "zero_quantized_weights",
-                "zero_quantized_gradients", "cpu_offload", "mics_shard_size",
-                "stage3_module_granularity_threshold", "use_multi_rank_bucket_allreduce", "log_trace_cache_warnings"}
+#: keys read elsewhere in load(), or that do not change memory
+ZERO_IGNORED = {"stage", "offload_optimizer", "offload_param", "allgather_partitions", "round_robin_gradients",
+                "stage3_gather_16bit_weights_on_model_save", "gather_16bit_weights_on_model_save",
+                "elastic_checkpoint", "ignore_unused_parameters", "load_from_fp32_weights", "log_trace_cache_warnings",
+                "cpu_offload_use_pin_memory"} | set(DEPRECATED_ZERO) | set(NOT_MODELLED)
 BOOL_KEYS = {"overlap_comm", "contiguous_gradients", "memory_efficient_linear"}
 
 
@@ -111,6 +139,13 @@ def load(path: str) -> DsConfig:
     zero = data.get("zero_optimization") or {}
     if not isinstance(zero, dict):
         raise ConfigError(f"{path}: zero_optimization must be an object")
+    for where, removed in ((data, REMOVED_TOP), (zero, REMOVED_ZERO)):
+        for key, why in removed.items():
+            if key in where:
+                name = key if where is data else f"zero_optimization.{key}"
+                raise ConfigError(f"{path}: DeepSpeed 0.19.8 refuses {name}: {why} (runtime/config.py "
+                                  "_reject_removed_config_keys); remove it")
+    zero = _deprecated(zero, path)
     stage = zero.get("stage")
     if stage is not None and (isinstance(stage, bool) or stage not in (0, 1, 2, 3)):
         raise ConfigError(f"{path}: zero_optimization.stage must be 0, 1, 2 or 3, got {stage!r}")
@@ -142,6 +177,9 @@ def load(path: str) -> DsConfig:
         pin = _bool(sub.get("pin_memory", False), f"zero_optimization.{key}.pin_memory", path)
         if device != "none" and pin:
             knobs["offload_pin_memory"] = True
+    for key, (default, note) in NOT_MODELLED.items():
+        if key in zero and zero[key] != default:
+            notes.append(f"zero_optimization.{key}: {note}")
     recipe = None
     bf16, fp16 = _precision_enabled(data, "bf16", path), _precision_enabled(data, "fp16", path)
     if bf16 and fp16:
@@ -168,6 +206,23 @@ def load(path: str) -> DsConfig:
         ga = _int(ga, "gradient_accumulation_steps", path)
     return DsConfig(path=str(path), stage=stage, knobs=knobs, recipe=recipe, optimizer=optimizer,
                     micro_batch=mb, grad_accum=ga, unknown_keys=tuple(unknown), notes=tuple(notes))
+
+
+def _deprecated(zero: dict[str, Any], path: str) -> dict[str, Any]:
+    """The zero_optimization section with its deprecated offload keys read as DeepSpeed reads them
+    (zero/config.py: cpu_offload -> offload_optimizer {"device": "cpu"}, cpu_offload_param -> offload_param;
+    false leaves no offload; the old key and its replacement together is DeepSpeed's assertion)."""
+    out = dict(zero)
+    for old, new in DEPRECATED_ZERO.items():
+        if old not in zero:
+            continue
+        if new in zero:
+            raise ConfigError(f"{path}: zero_optimization.{old} and {new} together: DeepSpeed refuses a deprecated "
+                              f"parameter with its replacement (\"Cannot provide deprecated parameter '{old}' and "
+                              f"replacing parameter '{new}' together\")")
+        if _bool(zero[old], f"zero_optimization.{old}", path):
+            out[new] = {"device": "cpu"}
+    return out
 
 
 def resolve_auto(knobs: dict[str, Any], hidden_size: int | None) -> dict[str, Any]:

@@ -236,3 +236,20 @@ def test_one_gpu_defaults_to_plain_pytorch_without_ddp_buckets():
     assert single["reserved"]["framework_sequence"] == "PyTorch"
     bad = run("estimate", "llama-3-8b", "--strategy", "single", "--gpus", "2")
     assert bad.returncode == 2 and "runs on one GPU, not 2" in bad.stderr
+
+
+def test_deepspeed_legacy_and_unmodelled_keys(tmp_path):
+    # DeepSpeed 0.19.8 still reads the deprecated cpu_offload as offload_optimizer {"device": "cpu"} and
+    # cpu_offload_param as offload_param (zero/config.py); false leaves no offload
+    from memplan import dsconfig
+
+    p = tmp_path / "ds.json"
+    p.write_text(json.dumps({"zero_optimization": {"stage": 3, "cpu_offload": True, "cpu_offload_param": "true",
+                                                   "zero_quantized_gradients": True, "reduce_scatter": True}}))
+    d = dsconfig.load(str(p))
+    assert d.knobs["offload_optimizer"] is True and d.knobs["offload_param"] is True
+    assert not d.unknown_keys
+    # keys that change memory and are not modelled are said, at a value other than DeepSpeed's default only
+    assert [n.split(":")[0] for n in d.notes] == ["zero_optimization.zero_quantized_gradients"]
+    p.write_text(json.dumps({"zero_optimization": {"stage": 2, "cpu_offload": False}}))
+    assert "offload_optimizer" not in dsconfig.load(str(p)).knobs

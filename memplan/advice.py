@@ -173,19 +173,24 @@ GROUPS: tuple[tuple[Callable[[Any], list[Change]], bool], ...] = (
     (_more_gpus, True))
 
 
-def suggest(plan: Any, settings_with: Callable[[dict[str, Any]], Any]) -> dict[str, Any] | None:
+def suggest(plan: Any, settings_with: Callable[[dict[str, Any]], Any],
+            limit: int | None = None) -> dict[str, Any] | None:
     """The suggestions for ``plan`` (None when none are wanted): every single change that fits, cheapest first,
     with its required bytes, headroom and the bytes it saves; ``tried``: how many changes were estimated.
-    ``settings_with(changes)``: the job's Settings with those command-line options changed."""
+    ``settings_with(changes)``: the job's Settings with those command-line options changed. ``limit``: what
+    "fits" means instead of the GPU's capacity (memplan check --max-fraction)."""
     from memplan import accounting
 
-    why = reason(plan)
+    if limit is not None:
+        why = "over the limit" if plan.fits is not None and plan.required_bytes > limit else None
+    else:
+        why = reason(plan)
     if why is None:
         return None
     out, tried = [], 0
-    want_margin = plan.fits  # a fitting job: a change must leave HEADROOM_FRACTION free
+    want_margin = plan.fits and limit is None  # a fitting job: a change must leave HEADROOM_FRACTION free
     cap = plan.settings.cluster.gpu_memory_bytes
-    need = cap - (HEADROOM_FRACTION * cap if want_margin else 0)
+    need = limit if limit is not None else cap - (HEADROOM_FRACTION * cap if want_margin else 0)
     inv = plan.inventory
     for group, first_only in GROUPS:
         for ch in group(plan):
@@ -199,9 +204,7 @@ def suggest(plan: Any, settings_with: Callable[[dict[str, Any]], Any]) -> dict[s
                 new = accounting.estimate(inv, s)
             except MemplanError:
                 continue  # a change the rest of the job's options refuse (e.g. a knob of another framework)
-            ok = bool(new.fits) and new.host_fits is not False
-            if ok and want_margin and new.headroom_bytes < HEADROOM_FRACTION * cap:
-                ok = False
+            ok = bool(new.fits) and new.host_fits is not False and new.required_bytes <= need
             if not ok or new.required_bytes >= plan.required_bytes:
                 continue
             out.append({"change": ch.label, "flags": list(ch.flags), "rank": ch.rank, "cost": ch.cost,

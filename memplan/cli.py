@@ -6,7 +6,7 @@ User errors (MemplanError) become ``Error: <message>`` on stderr and exit code 2
 from __future__ import annotations
 
 import sys
-from typing import Any, Optional
+from typing import Optional
 
 import typer
 
@@ -103,6 +103,7 @@ def _overheads(cuda_context: Optional[str], nccl: Optional[str], fragmentation_p
 
 @app.command()
 def estimate(
+    ctx: typer.Context,
     model: str = typer.Argument(..., help="Preset name, config.json, model directory, cached repo id, or pkg.mod:fn."),
     gpus: int = typer.Option(1, "--gpus", help="Total GPUs (data-parallel ranks)."),
     gpus_per_node: O.GpusPerNode = None,
@@ -153,6 +154,8 @@ def estimate(
     builder: O.Builder = "auto",
     activations: O.Activations = "auto",
     cpu_isa: O.CpuIsa = None,
+    training_args: O.TrainingArgs = None,
+    accelerate_config: O.AccelerateConfig = None,
     explain: bool = typer.Option(False, "--explain", help="What the peak is made of: its bytes by category and "
                                  "its activations by module and operator (the largest groups, with their share)."),
     no_suggestions: bool = typer.Option(False, "--no-suggestions", help="Skip the 'to fit' suggestions (made when "
@@ -162,51 +165,36 @@ def estimate(
     """Per-GPU peak bytes of a training job, by category and phase, with overheads and the fit verdict.
 
     Exit code 1 when a GPU size is given and the job does not fit.
+
+    Example: memplan estimate llama-3-8b --gpus 8 --stage 2 --gpu h100-80g --explain
     """
-    from memplan import accounting, options
-    from memplan.model import sources
-    from memplan.report import plan_report
-
-    given = dict(locals())
-    _progress(as_json)
-    src = sources.resolve(model)
-    inv = sources.build_inventory(src, builder=builder)
-
-    def resolve(changes: dict) -> Any:
-        g = {**given, **changes}
-        return options.resolve(
-            inv, config=src.config, activations=g["activations"], cpu_isa=g["cpu_isa"], gpus=g["gpus"],
-            gpus_per_node=g["gpus_per_node"], stage=g["stage"], strategy=g["strategy"], precision=g["precision"],
-            optimizer=g["optimizer"], optimizer_impl=g["optimizer_impl"], micro_batch=g["micro_batch"],
-            seq_len=g["seq_len"], grad_accum=g["grad_accum"], recompute=g["recompute"], attention=g["attention"],
-            gpu=g["gpu"], gpu_memory_size=g["gpu_memory"], device=g["device"], deepspeed=g["deepspeed"],
-            allocator_conf=g["allocator_conf"], host_memory_size=g["host_memory"], pin_memory=g["pin_memory"],
-            ds_overrides=O.ds_overrides(g), torch_overrides=O.torch_overrides(g),
-            overhead_overrides=_overheads(g["cuda_context"], g["nccl_per_communicator"], g["fragmentation_percent"],
-                                          g["cublas_workspace"]))
-
-    resolved = resolve({})
-    plan = accounting.estimate(inv, resolved.settings)
-    rep = plan_report(plan, resolved.sources, resolved.notes)
-    from memplan.explain import explain as explain_peak
+    from memplan import cli_estimate
     from memplan.explain import summary
 
-    ex = explain_peak(plan)
-    if explain:
-        rep["explain"] = ex
-    if not no_suggestions:
-        from memplan import advice, progress
-
-        with progress.task("estimating single changes that would fit"):
-            found = advice.suggest(plan, lambda ch: resolve(ch).settings)
-        if found is not None:
-            rep["suggestions"] = found
+    given = dict(locals())
+    given.pop("ctx")
+    _progress(as_json)
+    est = cli_estimate.run(given, _explicit(ctx), _overheads_of, suggestions=not no_suggestions)
     if as_json:
-        R.emit_json(rep)
+        R.emit_json(est.report)
     else:
-        R.render_plan(rep, summary(ex), ex if explain else None)
-    if plan.fits is False or plan.host_fits is False:
+        R.render_plan(est.report, summary(est.explained), est.explained if explain else None)
+    if est.plan.fits is False or est.plan.host_fits is False:
         raise typer.Exit(1)
+
+
+def _explicit(ctx: typer.Context) -> set[str]:
+    """The parameters given on the command line (not defaults)."""
+    out = set()
+    for name in ctx.params:
+        src = ctx.get_parameter_source(name)
+        if src is not None and src.name == "COMMANDLINE":
+            out.add(name)
+    return out
+
+
+def _overheads_of(g: dict) -> dict:
+    return _overheads(g["cuda_context"], g["nccl_per_communicator"], g["fragmentation_percent"], g["cublas_workspace"])
 
 
 def _progress(as_json: bool) -> None:
@@ -221,6 +209,57 @@ def _csv(value: str, name: str) -> tuple[str, ...]:
     if not items:
         raise MemplanError(f"{name} needs at least one value")
     return items
+
+
+@app.command()
+def check(
+    ctx: typer.Context,
+    model: str = typer.Argument(..., help="Preset name, config.json, model directory, cached repo id, or pkg.mod:fn."),
+    training_args: O.TrainingArgs = None,
+    accelerate_config: O.AccelerateConfig = None,
+    deepspeed: O.DeepSpeedConfig = None,
+    gpu: O.Gpu = None,
+    gpu_memory: O.GpuMemory = None,
+    gpus: int = typer.Option(1, "--gpus", help="Total GPUs [default: the Accelerate config's num_processes, else 1]."),
+    gpus_per_node: O.GpusPerNode = None,
+    stage: O.Stage = None,
+    strategy: O.Strategy = None,
+    micro_batch: O.MicroBatch = None,
+    seq_len: O.SeqLen = None,
+    recompute: str = typer.Option("none", "--recompute", help="none | selective | full."),
+    allocator_conf: O.AllocatorConf = None,
+    max_fraction: float = typer.Option(1.0, "--max-fraction", help="Pass only if the required bytes are at most "
+                                       "this fraction of the GPU (0.9 keeps 10% free)."),
+    as_json: O.Json = False,
+) -> None:
+    """A CI gate: one line, exit 0 when the job fits the GPU (within --max-fraction), 1 when it does not.
+
+    Example: memplan check llama-3-8b --training-args train.json --accelerate-config accelerate.yaml --gpu
+    h100-80g --max-fraction 0.9
+    """
+    import math
+
+    from memplan import cli_estimate
+    from memplan.estimate_check import verdict
+
+    if not (math.isfinite(max_fraction) and 0 < max_fraction <= 1):
+        raise MemplanError(f"--max-fraction must be in (0, 1], got {max_fraction}")
+    if gpu is None and gpu_memory is None:
+        raise MemplanError("check needs the GPU: --gpu NAME (memplan presets) or --gpu-memory SIZE (80GB, 80GiB)")
+    given = {**cli_estimate.defaults(estimate), **{k: v for k, v in locals().items()
+                                                   if k not in ("ctx", "max_fraction", "math", "cli_estimate",
+                                                                "verdict")}}
+    given.pop("ctx", None)
+    _progress(as_json)
+    est = cli_estimate.run(given, _explicit(ctx), _overheads_of, progress_text="looking for changes that would fit",
+                           max_fraction=max_fraction)
+    out = verdict(est, max_fraction)
+    if as_json:
+        R.emit_json({"schema_version": 1, "check": out, "estimate": est.report})
+    else:
+        sys.stdout.write(out["line"] + "\n")
+    if not out["pass"]:
+        raise typer.Exit(1)
 
 
 @app.command()

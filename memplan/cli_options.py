@@ -62,6 +62,13 @@ BucketCapMb = Annotated[Optional[int], typer.Option(help="DDP bucket_cap_mb [def
 GradientAsBucketView = Annotated[bool, typer.Option("--gradient-as-bucket-view",
                                                     help="DDP gradient_as_bucket_view.")]
 
+TrainingArgs = Annotated[Optional[str], typer.Option("--training-args", help="The job's Hugging Face "
+                                                    "TrainingArguments as JSON or YAML (batch size, accumulation, "
+                                                    "bf16/fp16, checkpointing, optim, fsdp, deepspeed).")]
+AccelerateConfig = Annotated[Optional[str], typer.Option("--accelerate-config", help="The job's `accelerate config` "
+                                                         "YAML (processes, machines, mixed precision, FSDP or "
+                                                         "DeepSpeed plugin).")]
+
 DS_KNOBS = ("reduce_bucket_size", "allgather_bucket_size", "overlap_comm", "contiguous_gradients",
             "prefetch_bucket_size", "param_persistence_threshold", "max_live_parameters", "max_reuse_distance",
             "hpz_partition_size", "offload_optimizer", "offload_param")

@@ -121,7 +121,10 @@ def _precision_enabled(data: dict[str, Any], key: str, path: str) -> bool | None
     if not isinstance(section, dict):
         raise ConfigError(f"{path}: \"{key}\" must be an object such as {{\"enabled\": true}} (DeepSpeed builds "
                           f"its config from the object's keys), got {section!r}")
-    return _bool(section.get("enabled", False), f"{key}.enabled", path)
+    enabled = section.get("enabled", False)
+    if enabled == "auto":  # filled from the Trainer's / Accelerate's mixed precision (fill_match)
+        return None
+    return _bool(enabled, f"{key}.enabled", path)
 
 
 def load(path: str) -> DsConfig:
@@ -183,6 +186,10 @@ def load(path: str) -> DsConfig:
             notes.append(f"zero_optimization.{key}: {note}")
     recipe = None
     bf16, fp16 = _precision_enabled(data, "bf16", path), _precision_enabled(data, "fp16", path)
+    auto = any(isinstance(data.get(k), dict) and data[k].get("enabled") == "auto" for k in ("bf16", "fp16"))
+    if auto:
+        notes.append("bf16/fp16 enabled \"auto\": filled from the Trainer's or Accelerate's mixed precision "
+                     "(--training-args, --accelerate-config, or --precision)")
     if bf16 and fp16:
         raise ConfigError(f"{path}: bf16 and fp16 are both enabled (DeepSpeed: \"bfloat16 and fp16 modes cannot be "
                           "simultaneously enabled\", runtime/config.py)")
@@ -190,7 +197,7 @@ def load(path: str) -> DsConfig:
         recipe = "deepspeed-bf16"
     elif fp16:
         recipe = "deepspeed-fp16"
-    elif bf16 is not None or fp16 is not None:
+    elif (bf16 is not None or fp16 is not None) and not auto:
         recipe = "fp32"
     optimizer = None
     if isinstance(data.get("optimizer"), dict):

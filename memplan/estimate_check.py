@@ -1,0 +1,39 @@
+"""`memplan check`'s verdict: the estimate's required bytes per GPU against a fraction of the GPU, in one line
+for a CI log (the cheapest change that would fit named when it fails) and as JSON for an artifact."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from memplan.units import fmt_bytes
+
+
+def verdict(est: Any, max_fraction: float) -> dict[str, Any]:
+    plan, rep = est.plan, est.report
+    s = plan.settings
+    cap = s.cluster.gpu_memory_bytes
+    limit = int(cap * max_fraction)
+    need = plan.required_bytes
+    host_ok = plan.host_fits is not False
+    ok = need <= limit and host_ok
+    st = rep["strategy"]
+    what = (f"{st['name']} on {s.cluster.gpus} GPU(s), micro-batch {s.micro_batch} x seq {s.seq_len}, "
+            f"grad-accum {s.grad_accum}, recompute {s.recompute}, {st['precision']}")
+    files = f" [{', '.join(est.files)}]" if est.files else ""
+    share = f"{100 * need / cap:.1f}%" if cap else "-"
+    lim = f"limit {100 * max_fraction:g}% = {fmt_bytes(limit)}" if max_fraction < 1 else f"limit {fmt_bytes(limit)}"
+    if ok:
+        line = (f"PASS {rep['model']['name']}: needs {fmt_bytes(need)} per GPU, {share} of {fmt_bytes(cap)} "
+                f"({lim}); {what}{files}")
+    else:
+        why = (f"needs {fmt_bytes(need)} per GPU, {share} of {fmt_bytes(cap)} ({lim})" if need > limit else
+               "the host RAM does not hold the offloaded states")
+        fix = ""
+        sug = (rep.get("suggestions") or {}).get("changes") or []
+        fitting = [c for c in sug if c["required_bytes"] <= limit]
+        if fitting:
+            c = fitting[0]
+            fix = f"; cheapest change that fits: {' '.join(c['flags'])} ({fmt_bytes(c['required_bytes'])}, {c['cost']})"
+        line = f"FAIL {rep['model']['name']}: {why}; {what}{files}{fix}"
+    return {"pass": ok, "required_bytes": need, "limit_bytes": limit, "gpu_memory_bytes": cap,
+            "max_fraction": max_fraction, "host_fits": plan.host_fits, "files": est.files, "line": line}

@@ -1,0 +1,348 @@
+"""The job's own files, read as the frameworks read them, into memplan's command-line options:
+
+- an Accelerate config (`accelerate config`'s YAML: distributed_type, mixed_precision, num_processes,
+  num_machines, fsdp_config, deepspeed_config), as accelerate 1.x's launcher and plugins read it
+  (accelerate/utils/dataclasses.py FullyShardedDataParallelPlugin.__post_init__, set_mixed_precision,
+  DeepSpeedPlugin);
+- Hugging Face TrainingArguments as JSON or YAML (per_device_train_batch_size, gradient_accumulation_steps,
+  bf16/fp16, gradient_checkpointing / activation_checkpointing, optim, fsdp, fsdp_config, deepspeed), with
+  transformers 5.x's defaults and rules (training_args.py: _process_fsdp_args, _apply_legacy_fsdp_to_config;
+  the optimizer names of OptimizerNames).
+
+Each reader returns a JobFile: the options it sets (the names of `memplan estimate`'s parameters), the notes of
+what it could only approximate, and its path (the source the output names). The command line overrides a file;
+TrainingArguments override the Accelerate config (the Trainer builds its Accelerator from them). Pure Python:
+PyYAML (a transformers dependency) is imported only to read YAML.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from memplan.errors import ConfigError
+
+
+@dataclass
+class JobFile:
+    path: str
+    values: dict[str, Any] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+
+def _load(path: str, what: str) -> dict[str, Any]:
+    """A JSON or YAML object from a regular file (one line naming the problem otherwise)."""
+    from memplan.units import read_small_text
+
+    text = read_small_text(Path(path), what)
+    if path.endswith((".yaml", ".yml")):
+        import yaml
+
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            where = f" at line {mark.line + 1} column {mark.column + 1}" if mark is not None else ""
+            raise ConfigError(f"{path} is not valid YAML{where}: {getattr(exc, 'problem', None) or exc}") from None
+        except RecursionError:
+            raise ConfigError(f"{path} is nested too deeply to be a {what}") from None
+    else:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{path} is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
+        except RecursionError:
+            raise ConfigError(f"{path} is nested too deeply to be a {what}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path} must hold a mapping of settings (a JSON object or YAML mapping)")
+    return data
+
+
+def _flag(value: Any, key: str, path: str) -> bool:
+    """A boolean as accelerate's str_to_bool and pydantic read it (true/false, 1/0, yes/no, on/off)."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.strip().lower() in ("true", "false", "yes", "no", "1", "0", "on", "off",
+                                                             "y", "n", "t", "f"):
+        return value.strip().lower() in ("true", "yes", "1", "on", "y", "t")
+    raise ConfigError(f"{path}: {key} must be true or false, got {value!r}")
+
+
+def _count(value: Any, key: str, path: str, low: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ConfigError(f"{path}: {key} must be an integer of at least {low}, got {value!r}")
+    return value
+
+
+def _near(path: str, ref: str) -> str:
+    """A file a config names: as given (the launcher's working directory), else beside the config."""
+    p = Path(ref)
+    if p.is_absolute() or p.exists():
+        return str(p)
+    beside = Path(path).resolve().parent / p
+    return str(beside) if beside.exists() else str(p)
+
+
+#: TrainingArguments.optim (transformers 5.x OptimizerNames) -> (memplan optimizer, optimizer impl, note)
+_PAGED = ("bitsandbytes' paged optimizers keep their states in CUDA unified memory, outside PyTorch's allocator; "
+          "counted on the GPU (they move to the host only under memory pressure)")
+OPTIM = {"adamw_torch": ("adamw", "foreach", None), "adamw_torch_fused": ("adamw", "fused", None),
+         "adafactor": ("adafactor", None, None),
+         "adamw_bnb_8bit": ("adam8bit", None, None), "adamw_8bit": ("adam8bit", None, None),
+         "paged_adamw_8bit": ("adam8bit", None, _PAGED), "paged_adamw_32bit": ("adamw", "fused", _PAGED),
+         "sgd": ("sgd", None, "optim sgd: torch.optim.SGD without momentum unless optim_args sets it; a momentum "
+                             "buffer is counted (an upper bound)")}
+#: the names transformers accepts that memplan does not model (a clear error, not a guess)
+OPTIM_NOT_MODELLED = ("adamw_torch_xla", "adamw_torch_npu_fused", "adamw_anyprecision", "adamw_torch_4bit",
+                      "adamw_torch_8bit", "ademamix", "adagrad", "ademamix_8bit", "lion_8bit", "lion_32bit",
+                      "paged_ademamix_32bit", "paged_ademamix_8bit", "paged_lion_32bit", "paged_lion_8bit",
+                      "rmsprop", "rmsprop_bnb", "rmsprop_bnb_8bit", "rmsprop_bnb_32bit", "galore_adamw",
+                      "galore_adamw_8bit", "galore_adafactor", "galore_adamw_layerwise", "galore_adamw_8bit_layerwise",
+                      "galore_adafactor_layerwise", "lomo", "adalomo", "grokadamw", "schedule_free_radam",
+                      "schedule_free_adamw", "schedule_free_sgd", "apollo_adamw", "apollo_adamw_layerwise",
+                      "stable_adamw")
+
+
+def _optim(name: Any, path: str, job: JobFile) -> None:
+    if not isinstance(name, str):
+        raise ConfigError(f"{path}: optim must be an optimizer name, got {name!r}")
+    if name in OPTIM_NOT_MODELLED:
+        raise ConfigError(f"{path}: optim {name!r} is not modelled by memplan; modelled: {', '.join(OPTIM)}")
+    if name not in OPTIM:
+        raise ConfigError(f"{path}: optim {name!r} is not an optimizer transformers accepts (OptimizerNames); "
+                          f"memplan models {', '.join(OPTIM)}")
+    opt, impl, note = OPTIM[name]
+    job.values["optimizer"] = opt
+    if impl:
+        job.values["optimizer_impl"] = impl
+    if note:
+        job.notes.append(f"{path}: {note}")
+
+
+#: FSDP1 sharding strategies (accelerate FSDP_SHARDING_STRATEGY order: 1-5) -> memplan strategy
+_FSDP1 = {"FULL_SHARD": "fsdp-full", "SHARD_GRAD_OP": "fsdp-grad-op", "NO_SHARD": "fsdp-no-shard",
+          "HYBRID_SHARD": "hsdp", "HYBRID_SHARD_ZERO2": None}
+_FSDP_MIXED = ("Accelerate's FSDP mixed precision reduces in bf16 (MixedPrecision(param_dtype=bf16, "
+               "reduce_dtype=bf16), accelerate set_mixed_precision) under autocast; modelled as fsdp-bf16, whose "
+               "fp32 reduce-scatter buffers are twice as large")
+
+
+def _fsdp(job: JobFile, path: str, version: int, reshard: Any, strategy: Any, offload: bool, checkpointing: bool,
+          wrap: Any) -> None:
+    if version not in (1, 2):
+        raise ConfigError(f"{path}: fsdp version must be 1 or 2, got {version!r}")
+    job.values["fsdp_version"] = version
+    if version == 2:
+        raf = True if reshard is None else _flag(reshard, "reshard_after_forward", path)
+        job.values["strategy"] = "fsdp-full" if raf else "fsdp-grad-op"
+    else:
+        name = strategy if strategy is not None else reshard if reshard is not None else "FULL_SHARD"
+        if isinstance(name, int) or (isinstance(name, str) and name.isdigit()):
+            k = int(name)
+            if not 1 <= k <= 5:
+                raise ConfigError(f"{path}: FSDP sharding strategy {name!r} is not 1-5")
+            name = list(_FSDP1)[k - 1]
+        key = str(name).upper()
+        if key not in _FSDP1:
+            raise ConfigError(f"{path}: FSDP sharding strategy {name!r} is not one of {', '.join(_FSDP1)}")
+        if _FSDP1[key] is None:
+            raise ConfigError(f"{path}: FSDP {key} (HSDP with SHARD_GRAD_OP inside a node) is not modelled")
+        job.values["strategy"] = _FSDP1[key]
+    if offload:
+        job.values["cpu_offload"] = True
+    if checkpointing:
+        job.values["recompute"] = "full"
+    if wrap not in (None, "TRANSFORMER_BASED_WRAP"):
+        job.notes.append(f"{path}: FSDP auto-wrap policy {wrap}: memplan wraps each decoder block (as "
+                         "TRANSFORMER_BASED_WRAP) and the root")
+
+
+def read_accelerate(path: str) -> JobFile:
+    """An `accelerate config` YAML (or JSON) file."""
+    d = _load(path, "Accelerate config")
+    job = JobFile(path)
+    dist = str(d.get("distributed_type", "NO")).upper()
+    mixed = str(d.get("mixed_precision", "no")).lower()
+    if mixed not in ("no", "bf16", "fp16", "fp8"):
+        raise ConfigError(f"{path}: mixed_precision must be no, bf16, fp16 or fp8, got {d.get('mixed_precision')!r}")
+    if mixed == "fp8":
+        raise ConfigError(f"{path}: mixed_precision fp8 (Transformer Engine / MS-AMP) is not modelled")
+    procs = _count(d.get("num_processes", 1), "num_processes", path)
+    machines = _count(d.get("num_machines", 1), "num_machines", path)
+    if procs % machines:
+        raise ConfigError(f"{path}: num_processes {procs} is not a multiple of num_machines {machines}")
+    job.values["gpus"] = procs
+    job.values["gpus_per_node"] = procs // machines
+    if dist in ("NO", "MULTI_GPU"):
+        job.values["strategy"] = "single" if procs == 1 else "ddp"
+        job.values["precision"] = "fp32" if mixed == "no" else "torch-amp"
+    elif dist == "FSDP":
+        f = {k.removeprefix("fsdp_"): v for k, v in (d.get("fsdp_config") or {}).items()}
+        _fsdp(job, path, int(f.get("version", 1)), f.get("reshard_after_forward"), f.get("sharding_strategy"),
+              _flag(f.get("offload_params", False), "fsdp_offload_params", path),
+              _flag(f.get("activation_checkpointing", False), "fsdp_activation_checkpointing", path),
+              f.get("auto_wrap_policy"))
+        job.values["precision"] = "fp32" if mixed == "no" else "fsdp-bf16"
+        if mixed != "no":
+            job.notes.append(f"{path}: {_FSDP_MIXED}")
+    elif dist == "DEEPSPEED":
+        _deepspeed_plugin(job, path, d.get("deepspeed_config") or {}, mixed)
+    else:
+        raise ConfigError(f"{path}: distributed_type {d.get('distributed_type')!r} is not modelled (NO, MULTI_GPU, "
+                          "FSDP, DEEPSPEED are)")
+    if mixed == "fp16" and dist != "DEEPSPEED":
+        job.notes.append(f"{path}: fp16 autocast is modelled as bf16's (the same bytes)")
+    return job
+
+
+def _deepspeed_plugin(job: JobFile, path: str, ds: dict[str, Any], mixed: str) -> None:
+    """accelerate's DeepSpeedPlugin: a config file, or the launcher's few keys; mixed_precision fills the file's
+    "auto" (and absent) precision (set_mixed_precision, fill_match must_match=False)."""
+    from memplan import dsconfig
+
+    if ds.get("deepspeed_config_file"):
+        job.values["deepspeed"] = _near(path, str(ds["deepspeed_config_file"]))
+        if dsconfig.load(job.values["deepspeed"]).recipe is not None:
+            return
+    else:
+        stage = ds.get("zero_stage", 2)
+        if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
+            raise ConfigError(f"{path}: deepspeed_config.zero_stage must be 0, 1, 2 or 3, got {stage!r}")
+        job.values["stage"] = stage
+        for key, knob in (("offload_optimizer_device", "offload_optimizer"), ("offload_param_device", "offload_param")):
+            dev = str(ds.get(key, "none")).lower()
+            if dev not in ("none", "cpu", "nvme"):
+                raise ConfigError(f"{path}: deepspeed_config.{key} must be none, cpu or nvme, got {ds.get(key)!r}")
+            if dev != "none":
+                job.values[knob] = True
+        if "gradient_accumulation_steps" in ds:
+            job.values["grad_accum"] = _count(ds["gradient_accumulation_steps"], "gradient_accumulation_steps", path)
+    job.values["precision"] = {"no": "fp32", "bf16": "deepspeed-bf16", "fp16": "deepspeed-fp16"}[mixed]
+
+
+def read_training_args(path: str) -> JobFile:
+    """Hugging Face TrainingArguments as a JSON or YAML mapping (the fields memplan reads; others ignored)."""
+    d = _load(path, "TrainingArguments file")
+    job = JobFile(path)
+    job.values["micro_batch"] = _count(d.get("per_device_train_batch_size", 8), "per_device_train_batch_size",
+                                       path)  # transformers' default: 8
+    job.values["grad_accum"] = _count(d.get("gradient_accumulation_steps", 1), "gradient_accumulation_steps", path)
+    bf16 = _flag(d.get("bf16", False), "bf16", path)
+    fp16 = _flag(d.get("fp16", False), "fp16", path)
+    if bf16 and fp16:
+        raise ConfigError(f"{path}: bf16 and fp16 are both set (TrainingArguments refuses them together)")
+    ckpt = d.get("activation_checkpointing", d.get("gradient_checkpointing"))
+    if ckpt is not None and _flag(ckpt, "gradient_checkpointing", path):
+        job.values["recompute"] = "full"
+    _optim(d.get("optim", "adamw_torch_fused"), path, job)
+    fsdp, ds = d.get("fsdp"), d.get("deepspeed")
+    if fsdp and ds:
+        raise ConfigError(f"{path}: fsdp and deepspeed are both set (the Trainer takes one)")
+    if fsdp:
+        _training_fsdp(job, path, fsdp, d.get("fsdp_config"), bf16 or fp16)
+    elif ds:
+        _training_deepspeed(job, path, ds, d, bf16, fp16)
+    else:
+        # the recipe follows the framework the job runs under (an Accelerate config's, or the command line's):
+        # precision_for() decides once the strategy is known
+        job.values["_mixed"] = "bf16" if bf16 else "fp16" if fp16 else "no"
+        if fp16:
+            job.notes.append(f"{path}: fp16 is modelled as bf16 (the same bytes)")
+    return job
+
+
+def precision_for(values: dict[str, Any]) -> str:
+    """The recipe a Trainer's mixed precision (values["_mixed"]) gives under the job's framework: DeepSpeed's
+    bf16/fp16 optimizer (Accelerate's DeepSpeedPlugin.set_mixed_precision), FSDP's MixedPrecision (approximated
+    by fsdp-bf16, see _FSDP_MIXED), else torch.autocast with fp32 parameters."""
+    mixed = values.get("_mixed", "no")
+    strategy = values.get("strategy") or ""
+    if values.get("deepspeed") or values.get("stage") is not None or strategy.startswith("zero"):
+        return {"no": "fp32", "bf16": "deepspeed-bf16", "fp16": "deepspeed-fp16"}[mixed]
+    if strategy.startswith("fsdp") or strategy == "hsdp":
+        return "fp32" if mixed == "no" else "fsdp-bf16"
+    return "fp32" if mixed == "no" else "torch-amp"
+
+
+def _training_fsdp(job: JobFile, path: str, fsdp: Any, cfg: Any, mixed: bool) -> None:
+    """transformers' _process_fsdp_args: fsdp_config (a mapping or a JSON file) with its fsdp_ prefixes dropped,
+    the legacy fsdp string / list translated (_apply_legacy_fsdp_to_config); version 2 by default."""
+    if isinstance(cfg, str):
+        cfg = _load(_near(path, cfg), "fsdp_config")
+    if cfg is not None and not isinstance(cfg, dict):
+        raise ConfigError(f"{path}: fsdp_config must be a mapping or a JSON file, got {cfg!r}")
+    f = {k.removeprefix("fsdp_"): v for k, v in (cfg or {}).items()}
+    version = f.get("version", 2)
+    version = int(version) if isinstance(version, (int, str)) and str(version).isdigit() else version
+    items = fsdp.split() if isinstance(fsdp, str) else list(fsdp) if isinstance(fsdp, list) else []
+    for item in items:
+        if item in ("offload",):
+            f["cpu_offload"] = True
+        elif item.upper() in _FSDP1:
+            if version == 2:
+                if item not in ("full_shard", "shard_grad_op"):
+                    raise ConfigError(f"{path}: fsdp {item!r} is only available with FSDP1 (transformers: set "
+                                      "fsdp_config version 1)")
+                f.setdefault("reshard_after_forward", item == "full_shard")
+            else:
+                f.setdefault("reshard_after_forward", item)
+        elif item != "auto_wrap":
+            raise ConfigError(f"{path}: fsdp option {item!r} is not one of full_shard, shard_grad_op, no_shard, "
+                              "hybrid_shard, hybrid_shard_zero2, offload, auto_wrap")
+    _fsdp(job, path, version, f.get("reshard_after_forward"), None,
+          _flag(f.get("cpu_offload", False), "fsdp_config.cpu_offload", path),
+          _flag(f.get("activation_checkpointing", False), "fsdp_config.activation_checkpointing", path),
+          f.get("auto_wrap_policy"))
+    job.values["precision"] = "fsdp-bf16" if mixed else "fp32"
+    if mixed:
+        job.notes.append(f"{path}: {_FSDP_MIXED}")
+
+
+def _training_deepspeed(job: JobFile, path: str, ds: Any, d: dict[str, Any], bf16: bool, fp16: bool) -> None:
+    """The Trainer's DeepSpeed config: its "auto" values filled from the arguments and explicit ones checked
+    against them (integrations/deepspeed.py trainer_config_process: fill_match, a mismatch is its error)."""
+    from memplan import dsconfig
+
+    if not isinstance(ds, str):
+        raise ConfigError(f"{path}: deepspeed must be the path of a DeepSpeed config file")
+    ds_path = _near(path, ds)
+    job.values["deepspeed"] = ds_path
+    f = dsconfig.load(ds_path)
+    wanted = {"micro_batch": ("train_micro_batch_size_per_gpu", f.micro_batch),
+              "grad_accum": ("gradient_accumulation_steps", f.grad_accum)}
+    for name, (key, in_file) in wanted.items():
+        if in_file not in (None, "auto") and in_file != job.values[name]:
+            raise ConfigError(f"{path}: {ds_path} sets {key} {in_file} but the TrainingArguments give "
+                              f"{job.values[name]} (the Trainer refuses DeepSpeed config values that mismatch "
+                              "TrainingArguments)")
+    recipe = "deepspeed-bf16" if bf16 else "deepspeed-fp16" if fp16 else "fp32"
+    if f.recipe is not None and f.recipe != recipe:
+        raise ConfigError(f"{path}: {ds_path} enables {f.recipe} but the TrainingArguments give bf16={bf16}, "
+                          f"fp16={fp16} (the Trainer refuses the mismatch)")
+    job.values["precision"] = recipe
+    if f.optimizer is not None:  # the Trainer builds the DeepSpeed config's optimizer, not optim's
+        job.values.pop("optimizer", None)
+        job.values.pop("optimizer_impl", None)
+
+
+def merge(files: list[JobFile]) -> tuple[dict[str, Any], dict[str, str], list[str]]:
+    """The options the files set, later files over earlier ones; their sources; the files' notes and where one
+    overrode another."""
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    notes: list[str] = []
+    for job in files:
+        for k, v in job.values.items():
+            if k in values and values[k] != v:
+                notes.append(f"{k}: {job.path} {v!r} overrides {sources[k]} {values[k]!r}")
+            values[k], sources[k] = v, job.path
+        notes.extend(job.notes)
+    if "stage" in values and "strategy" in values:  # the later file decides
+        drop = "strategy" if sources["stage"] == files[-1].path else "stage"
+        values.pop(drop)
+        sources.pop(drop)
+    return values, sources, notes

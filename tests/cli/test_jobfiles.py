@@ -1,0 +1,138 @@
+"""The job's own files (memplan/jobfiles.py: Accelerate configs, TrainingArguments) and `memplan check`, the CI
+gate; the example files README's GitHub Actions step and pre-commit hook use are run here as written."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from test_bad_inputs import run_cli
+
+ROOT = Path(__file__).resolve().parents[2]
+EX = ROOT / "examples" / "ci"
+#: the commands README shows (GitHub Actions, pre-commit), run from the repository root
+README_COMMANDS = [
+    "memplan check llama-3-8b --training-args examples/ci/train_args.json --gpus 8 --gpu h100-80g --max-fraction 0.9",
+    "memplan check llama-3-8b --accelerate-config examples/ci/accelerate_fsdp.yaml --training-args "
+    "examples/ci/train_args_fsdp.yaml --gpu h100-80g --max-fraction 0.9",
+]
+
+
+def _json(args: list[str]) -> tuple[int, dict]:
+    code, out, err = run_cli(args + ["--json"])
+    assert code in (0, 1), err
+    return code, json.loads(out)
+
+
+@pytest.mark.parametrize("command", README_COMMANDS)
+def test_the_readme_ci_commands_pass_on_their_example_files(command, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    assert command in readme
+    code, out, _ = run_cli(command.split()[1:])
+    assert code == 0 and out.startswith("PASS llama-3-8b: needs ") and out.count("\n") == 1
+
+
+def test_training_args_with_a_deepspeed_file_fill_its_autos(monkeypatch):
+    monkeypatch.chdir(ROOT)
+    code, rep = _json("estimate llama-3-8b --gpus 8 --training-args examples/ci/train_args.json".split())
+    st, src = rep["strategy"], rep["assumptions"]["setting_sources"]
+    assert (st["name"], st["micro_batch"], st["grad_accum"], st["recompute"], st["precision"]) == \
+        ("zero3", 4, 8, "full", "deepspeed-bf16")
+    assert st["deepspeed"]["reduce_bucket_size"] == 4096 * 4096  # "auto": hidden_size^2 (HF Trainer)
+    assert src["micro_batch"] == src["precision"] == "examples/ci/train_args.json"
+    assert src["strategy"].endswith("ds_zero3.json")
+
+
+def test_an_accelerate_fsdp_config_and_training_args(monkeypatch):
+    monkeypatch.chdir(ROOT)
+    args = ("estimate llama-3-8b --accelerate-config examples/ci/accelerate_fsdp.yaml --training-args "
+            "examples/ci/train_args_fsdp.yaml").split()
+    code, rep = _json(args)
+    st, cl = rep["strategy"], rep["cluster"]
+    assert (st["name"], st["torch"]["fsdp_version"], cl["gpus"], cl["gpus_per_node"]) == ("fsdp-full", 2, 8, 8)
+    assert (st["micro_batch"], st["grad_accum"], st["recompute"], st["precision"]) == (2, 16, "full", "fsdp-bf16")
+    assert any("reduces in bf16" in n for n in rep["notes"])
+    # the command line wins, and says so
+    code, over = _json(args + ["--micro-batch", "1", "--gpus", "16"])
+    assert over["strategy"]["micro_batch"] == 1 and over["cluster"]["gpus"] == 16
+    assert any(n.startswith("micro_batch: command line 1 overrides examples/ci/train_args_fsdp.yaml 2")
+               for n in over["notes"])
+    assert over["assumptions"]["setting_sources"]["micro_batch"] == "command line"
+
+
+def _write(tmp_path: Path, name: str, text: str) -> str:
+    p = tmp_path / name
+    p.write_text(text)
+    return str(p)
+
+
+def test_accelerate_deepspeed_plugin_and_defaults(tmp_path):
+    acc = _write(tmp_path, "acc.yaml", "distributed_type: DEEPSPEED\nmixed_precision: fp16\nnum_processes: 16\n"
+                 "num_machines: 2\ndeepspeed_config:\n  zero_stage: 3\n  offload_optimizer_device: cpu\n"
+                 "  gradient_accumulation_steps: 4\n")
+    code, rep = _json(["estimate", "llama-7b", "--accelerate-config", acc])
+    st = rep["strategy"]
+    assert (st["name"], st["precision"], st["grad_accum"], rep["cluster"]["gpus_per_node"]) == \
+        ("zero3", "deepspeed-fp16", 4, 8)
+    assert st["deepspeed"]["offload_optimizer"] is True
+    # TrainingArguments without a batch size: transformers' default, 8 per device
+    ta = _write(tmp_path, "ta.json", '{"output_dir": "x"}')
+    code, rep = _json(["estimate", "llama-7b", "--gpus", "2", "--training-args", ta])
+    assert rep["strategy"]["micro_batch"] == 8 and rep["strategy"]["precision"] == "fp32"
+
+
+def test_optimizer_names(tmp_path):
+    for optim, want in (("adamw_torch", ("adamw", "foreach")), ("paged_adamw_8bit", ("adam8bit", None)),
+                        ("adafactor", ("adafactor", None))):
+        ta = _write(tmp_path, f"{optim}.json", json.dumps({"optim": optim, "per_device_train_batch_size": 1}))
+        code, rep = _json(["estimate", "llama-7b", "--gpus", "2", "--training-args", ta])
+        assert rep["strategy"]["optimizer"] == want[0]
+        if want[1]:
+            assert rep["assumptions"]["optimizer_impl"] == want[1]
+    code, out, err = run_cli(["estimate", "llama-7b", "--training-args",
+                              _write(tmp_path, "lion.json", '{"optim": "lion_8bit"}')])
+    assert code == 2 and "lion_8bit" in err and "not modelled" in err and err.count("\n") == 1
+    code, out, err = run_cli(["estimate", "llama-7b", "--training-args",
+                              _write(tmp_path, "bad.json", '{"optim": "adamw_turbo"}')])
+    assert code == 2 and "not an optimizer transformers accepts" in err
+
+
+@pytest.mark.parametrize("name,text,needle", [
+    ("bad.yaml", "distributed_type: FSDP\n  num_processes: [8\n", "not valid YAML at line"),
+    ("bad.json", '{"bf16": true,,}', "not valid JSON"),
+    ("list.yaml", "- 1\n- 2\n", "must hold a mapping"),
+    ("fp8.yaml", "distributed_type: MULTI_GPU\nmixed_precision: fp8\n", "fp8"),
+    ("tpu.yaml", "distributed_type: XLA\n", "not modelled"),
+    ("zero2h.yaml", "distributed_type: FSDP\nfsdp_config:\n  fsdp_sharding_strategy: HYBRID_SHARD_ZERO2\n",
+     "not modelled"),
+    ("procs.yaml", "distributed_type: MULTI_GPU\nnum_processes: 6\nnum_machines: 4\n", "not a multiple"),
+])
+def test_bad_accelerate_configs(tmp_path, name, text, needle):
+    code, out, err = run_cli(["estimate", "llama-7b", "--accelerate-config", _write(tmp_path, name, text)])
+    assert code == 2 and needle in err and err.count("\n") == 1 and out == ""
+
+
+def test_training_args_the_trainer_refuses(tmp_path):
+    ds = _write(tmp_path, "ds.json", '{"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2}}')
+    ta = _write(tmp_path, "ta.json", json.dumps({"per_device_train_batch_size": 4, "deepspeed": ds}))
+    code, out, err = run_cli(["estimate", "llama-7b", "--gpus", "8", "--training-args", ta])
+    assert code == 2 and "mismatch" in err
+    ta = _write(tmp_path, "v2.json", json.dumps({"fsdp": "hybrid_shard auto_wrap", "bf16": True}))
+    code, out, err = run_cli(["estimate", "llama-7b", "--gpus", "8", "--training-args", ta])
+    assert code == 2 and "only available with FSDP1" in err
+
+
+def test_check_fails_with_the_cheapest_fix_and_json(tmp_path):
+    code, out, _ = run_cli("check llama-3-8b --gpus 8 --strategy ddp --gpu h100-80g".split())
+    assert code == 1 and out.startswith("FAIL llama-3-8b: needs ") and "cheapest change that fits: --strategy" in out
+    code, rep = _json("check llama-3-8b --gpus 8 --stage 2 --gpu h100-80g --max-fraction 0.5".split())
+    chk = rep["check"]
+    assert code == 1 and chk["pass"] is False and chk["limit_bytes"] == int(0.5 * chk["gpu_memory_bytes"])
+    assert chk["required_bytes"] == rep["estimate"]["per_gpu"]["required_bytes"] > chk["limit_bytes"]
+    assert "--stage 3" in chk["line"]  # ZeRO-3 fits within half the card
+    code, out, err = run_cli("check llama-3-8b --gpus 8".split())
+    assert code == 2 and "check needs the GPU" in err
+    code, out, err = run_cli("check llama-3-8b --gpu h100-80g --max-fraction 1.5".split())
+    assert code == 2 and "--max-fraction" in err

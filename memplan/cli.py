@@ -82,25 +82,6 @@ def inspect(
         c.print(f"note: {n}")
 
 
-def _size_option(value: Optional[str], name: str, allow_zero: bool = False) -> Optional[int]:
-    if value is None:
-        return None
-    from memplan.units import parse_size
-
-    try:
-        return parse_size(value, allow_zero)[0]
-    except MemplanError as exc:
-        raise MemplanError(f"{name}: {exc}") from None
-
-
-def _overheads(cuda_context: Optional[str], nccl: Optional[str], fragmentation_percent: Optional[int],
-               cublas_workspace: Optional[str]) -> dict:
-    return dict(cuda_context_bytes=_size_option(cuda_context, "--cuda-context"),
-                nccl_bytes_per_communicator=_size_option(nccl, "--nccl-per-communicator"),
-                fragmentation_percent=fragmentation_percent,
-                blas_workspace_bytes=_size_option(cublas_workspace, "--cublas-workspace", allow_zero=True))
-
-
 @app.command()
 def estimate(
     ctx: typer.Context,
@@ -173,42 +154,14 @@ def estimate(
 
     given = dict(locals())
     given.pop("ctx")
-    _progress(as_json)
-    est = cli_estimate.run(given, _explicit(ctx), _overheads_of, suggestions=not no_suggestions)
+    O.progress_for(as_json)
+    est = cli_estimate.run(given, O.explicit(ctx), O.overheads_of, suggestions=not no_suggestions)
     if as_json:
         R.emit_json(est.report)
     else:
         R.render_plan(est.report, summary(est.explained), est.explained if explain else None)
     if est.plan.fits is False or est.plan.host_fits is False:
         raise typer.Exit(1)
-
-
-def _explicit(ctx: typer.Context) -> set[str]:
-    """The parameters given on the command line (not defaults)."""
-    out = set()
-    for name in ctx.params:
-        src = ctx.get_parameter_source(name)
-        if src is not None and src.name == "COMMANDLINE":
-            out.add(name)
-    return out
-
-
-def _overheads_of(g: dict) -> dict:
-    return _overheads(g["cuda_context"], g["nccl_per_communicator"], g["fragmentation_percent"], g["cublas_workspace"])
-
-
-def _progress(as_json: bool) -> None:
-    """Status lines on stderr for slow work (a trace, a long search): a terminal, no --json."""
-    from memplan import progress
-
-    progress.enable(progress.wanted(as_json))
-
-
-def _csv(value: str, name: str) -> tuple[str, ...]:
-    items = tuple(v.strip() for v in value.split(",") if v.strip())
-    if not items:
-        raise MemplanError(f"{name} needs at least one value")
-    return items
 
 
 @app.command()
@@ -250,8 +203,8 @@ def check(
                                                    if k not in ("ctx", "max_fraction", "math", "cli_estimate",
                                                                 "verdict")}}
     given.pop("ctx", None)
-    _progress(as_json)
-    est = cli_estimate.run(given, _explicit(ctx), _overheads_of, progress_text="looking for changes that would fit",
+    O.progress_for(as_json)
+    est = cli_estimate.run(given, O.explicit(ctx), O.overheads_of, progress_text="looking for changes that would fit",
                            max_fraction=max_fraction)
     out = verdict(est, max_fraction)
     if as_json:
@@ -307,13 +260,13 @@ def plan(
     from memplan.model import sources
     from memplan.report import search_report
 
-    _progress(as_json)
+    O.progress_for(as_json)
     src = sources.resolve(model)
     inv = sources.build_inventory(src, builder=builder)
     with progress.task(f"searching layouts for {inv.model_name} (strategies x recompute x GPU counts)"):
         found = planner.search(inv, gpu=gpu, gpu_memory_size=gpu_memory, config=src.config,
-                               gpus_per_node=gpus_per_node, max_gpus=max_gpus, strategies=_csv(strategies, "--strategies"),
-                               recomputes=_csv(recompute, "--recompute"), micro_batch=micro_batch,
+                               gpus_per_node=gpus_per_node, max_gpus=max_gpus, strategies=O.csv(strategies, "--strategies"),
+                               recomputes=O.csv(recompute, "--recompute"), micro_batch=micro_batch,
                                max_micro_batch=max_micro_batch, allow_offload=allow_offload, seq_len=seq_len,
                                grad_accum=grad_accum, precision=precision, optimizer=optimizer, attention=attention,
                                device=device, activations=activations, cpu_isa=cpu_isa, allocator_conf=allocator_conf,
@@ -422,48 +375,8 @@ def _root(version: Optional[bool] = typer.Option(None, "--version", callback=_ve
     """memplan: how many bytes each GPU holds at its peak, and whether it fits."""
 
 
-def _one_line(text: str) -> str:
-    """A message on one line: what other libraries put on several (transformers' validation text) is joined."""
-    return "; ".join(part.strip() for part in text.strip().splitlines() if part.strip())
-
-
 def main(argv: list[str] | None = None) -> None:
-    """Entry point: run the typer app with one error boundary."""
-    try:  # typer >= 0.26 vendors click as typer._click; its exceptions are not click's, and Abort / Exit
-        from typer._click import exceptions as click_exc  # moved to typer.exceptions
-        from typer.exceptions import Abort, Exit
-    except ImportError:  # pragma: no cover - older typer on upstream click
-        from click import exceptions as click_exc
-        from click.exceptions import Abort, Exit
+    """Entry point: run the typer app with one error boundary (memplan/cli_boundary.py)."""
+    from memplan.cli_boundary import run
 
-    command = typer.main.get_command(app)
-    try:
-        rc = command.main(args=argv, prog_name="memplan", standalone_mode=False)
-    except MemplanError as exc:
-        sys.stderr.write(f"Error: {_one_line(str(exc))}\n")
-        sys.exit(exc.exit_code)
-    except click_exc.UsageError as exc:  # one line, as every other input error (click prints usage and a hint)
-        where = f"memplan {exc.ctx.info_name}: " if exc.ctx is not None and exc.ctx.parent is not None else ""
-        sys.stderr.write(f"Error: {where}{_one_line(exc.format_message())} (--help lists the options)\n")
-        sys.exit(2)
-    except Abort:
-        sys.stderr.write("Aborted.\n")
-        sys.exit(1)
-    except Exit as exc:
-        if exc.exit_code == 130:
-            sys.stderr.write("Interrupted.\n")
-        sys.exit(exc.exit_code)
-    except KeyboardInterrupt:
-        sys.stderr.write("Interrupted.\n")
-        sys.exit(130)
-    except Exception as exc:  # a bug in memplan: one line, not a traceback (MEMPLAN_DEBUG=1 shows it)
-        import os
-
-        if os.environ.get("MEMPLAN_DEBUG"):
-            raise
-        first = str(exc).splitlines()[0][:300] if str(exc) else ""
-        sys.stderr.write(f"Error: internal error ({type(exc).__name__}: {first}); MEMPLAN_DEBUG=1 shows where\n")
-        sys.exit(1)
-    if rc == 130:  # typer turns Ctrl-C / SIGINT into Exit(130), returned here: say so (validate stopped its ranks)
-        sys.stderr.write("Interrupted.\n")
-    sys.exit(rc if isinstance(rc, int) else 0)
+    run(app, argv)

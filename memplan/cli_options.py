@@ -7,6 +7,8 @@ from typing import Annotated, Any, Optional
 
 import typer
 
+from memplan.errors import MemplanError
+
 GpusPerNode = Annotated[Optional[int], typer.Option("--gpus-per-node", help="GPUs per node [default: min(gpus, 8)].")]
 Stage = Annotated[Optional[int], typer.Option("--stage", help="DeepSpeed ZeRO stage 0-3 (shorthand for --strategy).")]
 Strategy = Annotated[Optional[str], typer.Option("--strategy", help="single, ddp, zero0-3, zero-optimizer, "
@@ -89,3 +91,50 @@ def torch_overrides(values: dict[str, Any]) -> dict[str, Any]:
     if "reshard_after_forward" in out:
         out["reshard_after_forward"] = parse_reshard(out["reshard_after_forward"])
     return out
+
+
+def size_option(value: Optional[str], name: str, allow_zero: bool = False) -> Optional[int]:
+    if value is None:
+        return None
+    from memplan.units import parse_size
+
+    try:
+        return parse_size(value, allow_zero)[0]
+    except MemplanError as exc:
+        raise MemplanError(f"{name}: {exc}") from None
+
+
+def overheads(cuda_context: Optional[str], nccl: Optional[str], fragmentation_percent: Optional[int],
+               cublas_workspace: Optional[str]) -> dict:
+    return dict(cuda_context_bytes=size_option(cuda_context, "--cuda-context"),
+                nccl_bytes_per_communicator=size_option(nccl, "--nccl-per-communicator"),
+                fragmentation_percent=fragmentation_percent,
+                blas_workspace_bytes=size_option(cublas_workspace, "--cublas-workspace", allow_zero=True))
+
+
+def explicit(ctx: typer.Context) -> set[str]:
+    """The parameters given on the command line (not defaults)."""
+    out = set()
+    for name in ctx.params:
+        src = ctx.get_parameter_source(name)
+        if src is not None and src.name == "COMMANDLINE":
+            out.add(name)
+    return out
+
+
+def overheads_of(g: dict) -> dict:
+    return overheads(g["cuda_context"], g["nccl_per_communicator"], g["fragmentation_percent"], g["cublas_workspace"])
+
+
+def progress_for(as_json: bool) -> None:
+    """Status lines on stderr for slow work (a trace, a long search): a terminal, no --json."""
+    from memplan import progress
+
+    progress.enable(progress.wanted(as_json))
+
+
+def csv(value: str, name: str) -> tuple[str, ...]:
+    items = tuple(v.strip() for v in value.split(",") if v.strip())
+    if not items:
+        raise MemplanError(f"{name} needs at least one value")
+    return items

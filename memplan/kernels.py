@@ -339,14 +339,11 @@ def cpu_gemm_scratch(isa: str, m: int, n: int, k: int, dtype: str, threads: int 
       and 2 threads) it packed up to all n columns, 2 x k' x n + 5,120 for most shapes with m of 64 to 512,
       with A packed too at m >= 1024. The bound holds for every shape measured on both hosts and is exact to
       1 KiB where B is packed whole.
-    - ``avx512_bf16`` (AVX512-BF16 without AMX): per thread 128 x k' + 256 x min(m, 256) + 1,024, k' = k rounded
-      up to 32 up to 512, then 512 up to k = 1024 (and for m = 1), then 1024: a packed block of B and an fp32
-      accumulator of up to 256 rows by 64 columns. Tall products (m >= 1024) whose k is a power of two from 4096
-      on (a leading dimension that aliases in the cache) also copy A: 540,800 + 1,024 x (n' - 64) more, n' = n
-      rounded up to 64 between 64 and 1024. Exact on a native AVX512-BF16 host (AMD EPYC, Zen 4, torch 2.13.0;
-      bench/cpu/gemm_scratch_avx512bf16_zen4_torch2.13.jsonl, 485 shapes at 1 and 2 threads) for m <= 256 and
-      m a multiple of 256 at one thread, an upper bound otherwise (oneDNN picks the row block from m) and on the
-      Sapphire Rapids host capped at AVX512_CORE_BF16, whose r was at most 44 KiB.
+    - ``avx512_bf16`` (no AMX): per thread 128 k' + 256 min(m, 256) + 1,024 (k' = k rounded up to 32 up to 512,
+      then 512 up to k = 1024 and for m = 1, then 1024): a packed block of B, an fp32 accumulator of up to 256 x 64.
+      Tall products (m >= 1024) with k a power of two >= 4096 also copy A: 540,800 + 1,024 (n' - 64) more, n' = n
+      rounded up to 64 within [64, 1024]. Exact on a native host (AMD EPYC Zen 4, torch 2.13.0; bench/cpu/
+      gemm_scratch_avx512bf16_zen4_torch2.13.jsonl) for m <= 256 at one thread, an upper bound elsewhere.
     fp16 and fp32 GEMMs allocate nothing on any of them, nor does cuBLAS per call."""
     if dtype != "bfloat16" or m * n * k <= 16 * 16 * 16:
         return 0

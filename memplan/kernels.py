@@ -332,13 +332,10 @@ def cpu_gemm_scratch(isa: str, m: int, n: int, k: int, dtype: str, threads: int 
       padded by up to 512 bytes).
     - ``amx`` (AMX tiles: oneDNN's brgemm packs B, and A for tall products, per thread): an upper bound,
       threads x (2 x k' x n' + 2 x k' x m' [m >= 1024] + 6,144), k' = k rounded up to 32, n' = n rounded up to
-      64 (64 for m = 1), m' = m rounded up to 64. oneDNN picks its blocks from the CPU's cache sizes
-      (brgemm_matmul_utils.cpp, compute_blocking_heuristic_amx), so no rule by instruction set is exact across
-      CPUs or oneDNN versions: on a Sapphire Rapids host with torch 2.11 it packed 64 columns (128 x k' + 4,864
-      in 137 of 156 shapes); on an AMX host with torch 2.13.0 (bench/cpu/amx_gemm_scratch.py, 485 shapes at 1
-      and 2 threads) it packed up to all n columns, 2 x k' x n + 5,120 for most shapes with m of 64 to 512,
-      with A packed too at m >= 1024. The bound holds for every shape measured on both hosts and is exact to
-      1 KiB where B is packed whole.
+      64 (64 for m = 1), m' = m rounded up to 64. oneDNN picks its blocks from the CPU's caches
+      (brgemm_matmul_utils.cpp, compute_blocking_heuristic_amx): Sapphire Rapids with torch 2.11 packed 64
+      columns, an AMX host with torch 2.13.0 up to all n (bench/cpu/gemm_scratch_amx_torch2.13.jsonl). The bound
+      holds for every shape measured on both and is exact to 1 KiB where B is packed whole.
     - ``avx512_bf16`` (no AMX): per thread 128 k' + 256 min(m, 256) + 1,024 (k' = k rounded up to 32 up to 512,
       then 512 up to k = 1024 and for m = 1, then 1024): a packed block of B, an fp32 accumulator of up to 256 x 64.
       Tall products (m >= 1024) with k a power of two >= 4096 also copy A: 540,800 + 1,024 (n' - 64) more, n' = n

@@ -1,13 +1,10 @@
 """What the target device's kernels do that changes the bytes of a training step, as rules (no torch here).
 
 * **SDPA backend choice** on CUDA and CPU, and what each backend keeps for backward and allocates in its
-  backward: the attention probabilities (math) or an fp32 logsumexp (fused kernels) is the difference between
-  a job that fits and one that does not.
-* **CPU GEMM scratch** by instruction set: the trace of a CPU job (what the gloo harness measures) adds the
-  scratch oneDNN takes from the allocator inside a bf16 matmul.
+  backward (the attention probabilities for math, an fp32 logsumexp for the fused kernels).
+* **CPU GEMM scratch** by instruction set: what oneDNN takes from the allocator inside a bf16 matmul.
 
-The tracer (memplan/tracing.py) applies these rules to every call it sees; ``Target`` names the device they are
-applied for, and is part of a traced profile's cache key.
+The tracer (memplan/tracing/) applies them to every call; ``Target`` names the device, part of a profile's key.
 """
 
 from __future__ import annotations

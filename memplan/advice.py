@@ -7,10 +7,11 @@ suggestion is exactly what `memplan estimate ... <its flags>` answers (tested).
 
 What each change costs, in the order listed (cheapest first):
 
-1. sharding at DDP's communication volume (ZeRO-1 -> ZeRO-2, DDP -> FSDP SHARD_GRAD_OP): an all-reduce's 2 x the
-   gradients, as reduce-scatter plus all-gather (Rajbhandari et al. 2020, "ZeRO", section 7).
-2. full sharding (ZeRO-3, FSDP FULL_SHARD): 1.5 x that, the parameters gathered in forward and again in backward
-   (same section); overlapped with compute where the network keeps up.
+1. sharding that keeps the parameters whole in compute (ZeRO-1 -> ZeRO-2, DDP -> FSDP SHARD_GRAD_OP): the
+   gradients reduced, the parameters gathered once per step.
+2. full sharding (ZeRO-3, FSDP FULL_SHARD): the parameters gathered in forward and again in backward.
+   For both, and for every other change, the communication per optimizer step before and after is computed
+   (memplan/comm.py: the framework's own collectives) and listed with the cost.
 3. a smaller micro-batch with more gradient accumulation: the same global batch in more, smaller micro-steps
    (lower GPU utilisation per kernel; no change to the result).
 4. selective recomputation: the attention core recomputed in backward (Korthikanti et al. 2022: 2-4% more
@@ -60,8 +61,8 @@ def reason(plan: Any) -> str | None:
     return None
 
 
-_SHARD = "1.5x DDP's communication (parameters gathered in forward and in backward)"
-_SAME_COMM = "DDP's communication volume (reduce-scatter + all-gather)"
+_SHARD = "parameters gathered in forward and in backward"
+_SAME_COMM = "gradients reduced, parameters gathered once per step"
 
 
 def _sharding(plan: Any) -> list[Change]:
@@ -81,7 +82,7 @@ def _sharding(plan: Any) -> list[Change]:
                 full = name == "fsdp-full"
                 out.append(Change(f"FSDP {name.removeprefix('fsdp-')}", ("--strategy", name),
                                   {"strategy": name, "stage": None},
-                                  _SHARD if full else _SAME_COMM + "; parameters unsharded from forward to backward",
+                                  _SHARD if full else _SAME_COMM + ", kept unsharded from forward to backward",
                                   2 if full else 1))
         if st.name in ("ddp", "zero-optimizer"):
             out.append(Change("DeepSpeed ZeRO-3", ("--strategy", "zero3"), {"strategy": "zero3", "stage": None},
@@ -180,6 +181,8 @@ def suggest(plan: Any, settings_with: Callable[[dict[str, Any]], Any],
     ``settings_with(changes)``: the job's Settings with those command-line options changed. ``limit``: what
     "fits" means instead of the GPU's capacity (memplan check --max-fraction)."""
     from memplan import accounting
+    from memplan.comm import communication
+    from memplan.units import fmt_bytes
 
     if limit is not None:
         why = "over the limit" if plan.fits is not None and plan.required_bytes > limit else None
@@ -192,6 +195,7 @@ def suggest(plan: Any, settings_with: Callable[[dict[str, Any]], Any],
     cap = plan.settings.cluster.gpu_memory_bytes
     need = limit if limit is not None else cap - (HEADROOM_FRACTION * cap if want_margin else 0)
     inv = plan.inventory
+    comm_now = communication(inv, plan.settings)["total_bytes"]
     for group, first_only in GROUPS:
         for ch in group(plan):
             tried += 1
@@ -207,9 +211,13 @@ def suggest(plan: Any, settings_with: Callable[[dict[str, Any]], Any],
             ok = bool(new.fits) and new.host_fits is not False and new.required_bytes <= need
             if not ok or new.required_bytes >= plan.required_bytes:
                 continue
-            out.append({"change": ch.label, "flags": list(ch.flags), "rank": ch.rank, "cost": ch.cost,
+            cost, comm_after = ch.cost, communication(inv, s)["total_bytes"]
+            if comm_after != comm_now:
+                cost += f"; communication {fmt_bytes(comm_now)} -> {fmt_bytes(comm_after)} per step"
+            out.append({"change": ch.label, "flags": list(ch.flags), "rank": ch.rank, "cost": cost,
                         "required_bytes": new.required_bytes, "headroom_bytes": new.headroom_bytes,
-                        "saves_bytes": plan.required_bytes - new.required_bytes})
+                        "saves_bytes": plan.required_bytes - new.required_bytes,
+                        "communication_bytes": comm_after})
             if first_only:
                 break
     out.sort(key=lambda x: (x["rank"], -x["saves_bytes"]))

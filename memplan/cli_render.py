@@ -69,6 +69,13 @@ def render_plan(rep: dict, summary: str | None = None, explained: dict | None = 
                f"allocated + {res['fragmentation_percent']}%: {res['why']}")
         c.print(f"peak reserved: [bold]{fmt_bytes(pg['reserved_peak_bytes'])}[/bold] ({how}; {ratio:.2f}x allocated)")
     c.print(f"required per GPU: [bold]{fmt_bytes(pg['required_bytes'])}[/bold] (reserved + CUDA context + NCCL)")
+    comm = rep.get("communication")
+    if comm and comm["collectives"]:
+        big = max(comm["collectives"], key=lambda x: x["bytes_per_gpu"])
+        times = f" x{big['times_per_step']}" if big["times_per_step"] > 1 else ""
+        c.print(f"communication per GPU per optimizer step: {fmt_bytes(comm['intra_node_bytes'])} intra-node, "
+                f"{fmt_bytes(comm['inter_node_bytes'])} inter-node (largest: {big['op']} of {big['what']} over "
+                f"{big['group_size']} ranks, {big['dtype_bytes']} B/element{times})", soft_wrap=True)
     if rep["host_bytes_per_node"]:
         per_rank = ", ".join(f"{k.removesuffix('_bytes').replace('_', ' ')} {fmt_bytes(v)}"
                              for k, v in rep.get("host_bytes_per_rank_by_category", {}).items())

@@ -69,11 +69,18 @@ def plan_report(plan: Any, sources: dict[str, str] | None = None, notes: tuple[s
         "host_bytes_per_node": plan.host_bytes_per_node,
         "host_bytes_per_rank_by_category": plan.host_detail,
         "host": host_report(plan),
+        "communication": communication_report(plan),
         "fits": plan.fits,
         "headroom_bytes": plan.headroom_bytes,
         "assumptions": assumptions,
         "notes": list(inv.notes) + list(notes),
     }
+
+
+def communication_report(plan: Any) -> dict[str, Any]:
+    from memplan.comm import communication
+
+    return communication(plan.inventory, plan.settings)
 
 
 def host_report(plan: Any) -> dict[str, Any] | None:

@@ -1,0 +1,106 @@
+"""Communication per GPU per optimizer step: the collectives each framework issues in a step, their groups and
+dtypes, and the bytes one GPU sends over them with ring algorithms (all-reduce 2(n-1)/n x S, reduce-scatter and
+all-gather (n-1)/n x S for a tensor of S bytes over n ranks). A collective whose group spans nodes goes over the
+network (inter-node); one inside a node over NVLink/PCIe (intra-node). Integers; no torch.
+
+What each framework issues (its source):
+- DDP (torch/nn/parallel/distributed.py, reducer.cpp): one all-reduce of every gradient, in the gradient's dtype,
+  per optimizer step (gradient accumulation under no_sync, as Accelerate's accumulate() does).
+- ZeroRedundancyOptimizer: DDP's all-reduce, then each rank broadcasts its updated partition
+  (zero_redundancy_optimizer.py _sync_params): an all-gather's volume.
+- DeepSpeed ZeRO-1/2 (runtime/zero/stage_1_and_2.py): the gradient buckets are all-reduced in the gradients'
+  dtype (average_tensor: with use_multi_rank_bucket_allreduce, the default, each bucket is all-reduced and every
+  rank keeps its partition's slices; with it off, reduced to each slice's owner, a reduce-scatter's volume;
+  reduce_scatter false all-reduces too). ZeRO-2 reduces in every micro-step's backward
+  (partition_gradients), ZeRO-1 at the accumulation boundary only. After the step the updated 16-bit
+  partitions are all-gathered (all_gather_dp_groups).
+- DeepSpeed ZeRO-3 (stage3.py, partitioned_param_coordinator.py): parameters all-gathered in 16 bits in forward
+  and again in backward (with hpZ, zero_hpz_partition_size > 1, the backward gathers within the secondary,
+  intra-node group), gradients reduce-scattered in 16 bits every micro-step; persistent parameters (numel <=
+  param_persistence_threshold) are never gathered.
+- FSDP2 / FSDP1 (torch/distributed/fsdp): unsharded parameters all-gathered in the mixed-precision param dtype
+  in forward and, when resharded after forward, again in backward; gradients reduce-scattered in the reduce
+  dtype every micro-step (no_sync not assumed); NO_SHARD all-reduces; HSDP reduce-scatters within the shard
+  group and all-reduces the shards across replicas.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from memplan.settings import Settings, reshard_after_forward, shard_group_size
+
+
+def _ring(op: str, n: int, nbytes: int) -> int:
+    if n <= 1:
+        return 0
+    return (2 if op == "all-reduce" else 1) * (n - 1) * nbytes // n
+
+
+def communication(inv: Any, s: Settings) -> dict[str, Any]:
+    """Per GPU, per optimizer step: each collective (op, what, group size, dtype bytes, times per step, bytes
+    sent, network) and the totals intra- and inter-node."""
+    from memplan import layouts
+
+    st, rc, c = s.strategy, s.recipe, s.cluster
+    persistent_numel = 0
+    if st.memory_model == "zero3":
+        persistent_numel = layouts.layout_sizes(inv, st.layout, shard_group_size(s),
+                                                s.ds.param_persistence_threshold).persistent_numel
+    psi, ga = inv.num_params, s.grad_accum
+    out: list[dict[str, Any]] = []
+
+    def add(op: str, what: str, group: int, width: int, numel: int, times: int, within_node: bool = False,
+            across_nodes: bool = False) -> None:
+        """``within_node``: the group is one node's ranks; ``across_nodes``: one rank per node (HSDP replicas);
+        else ranks in order, spanning nodes once the group is larger than a node."""
+        if group <= 1 or times <= 0 or numel <= 0:
+            return
+        per = _ring(op, group, width * numel)
+        inter = across_nodes or (not within_node and group > c.ranks_per_node)
+        out.append({"op": op, "what": what, "group_size": group, "dtype_bytes": width, "times_per_step": times,
+                    "bytes_per_gpu": per * times, "network": "inter-node" if inter else "intra-node"})
+
+    n_all = c.gpus
+    mm = st.memory_model
+    if st.one_gpu or n_all <= 1:
+        pass
+    elif mm == "ddp":
+        add("all-reduce", "gradients (DDP buckets)", n_all, rc.grad_bytes, psi, 1)
+        if st.shard_optimizer:  # ZeroRedundancyOptimizer's parameter broadcast
+            add("all-gather", "updated parameters (partition broadcast)", n_all, rc.param_bytes, psi, 1)
+    elif mm == "zero12":
+        times = ga if st.shard_grads else 1
+        add("all-reduce", "gradients (ZeRO buckets)", n_all, rc.grad_bytes, psi, times)
+        if st.shard_optimizer:
+            add("all-gather", "updated 16-bit partitions", n_all, rc.param_bytes, psi, 1)
+    elif mm == "zero3":
+        gathered = psi - persistent_numel
+        hpz = s.ds.hpz_partition_size
+        add("all-gather", "parameters, forward", n_all, rc.param_bytes, gathered, ga)
+        if hpz > 1:
+            add("all-gather", "parameters, backward (hpZ secondary group)", hpz, rc.param_bytes, gathered, ga,
+                within_node=True)
+        else:
+            add("all-gather", "parameters, backward", n_all, rc.param_bytes, gathered, ga)
+        add("reduce-scatter", "gradients", n_all, rc.grad_bytes, psi, ga)
+    else:  # fsdp2 / fsdp1
+        n = shard_group_size(s)
+        within = st.shard_within_node
+        if not st.shard_params:  # NO_SHARD
+            add("all-reduce", "gradients", n_all, rc.reduced_grad_bytes, psi, ga)
+        else:
+            raf = reshard_after_forward(s)
+            add("all-gather", "parameters, forward", n, rc.compute_bytes, psi, ga, within)
+            if raf is True:
+                add("all-gather", "parameters, backward", n, rc.compute_bytes, psi, ga, within)
+            elif raf not in (False, None, 1):
+                add("all-gather", f"parameters, backward (from groups of {raf})", int(raf), rc.compute_bytes, psi,
+                    ga, True)
+            add("reduce-scatter", "gradients", n, rc.reduced_grad_bytes, psi, ga, within)
+            if n_all > n:  # HSDP: the reduced shards all-reduced across replicas
+                add("all-reduce", "gradient shards across replicas", n_all // n, rc.reduced_grad_bytes,
+                    -(-psi // n), ga, across_nodes=n >= c.ranks_per_node)
+    totals = {"intra_node_bytes": sum(x["bytes_per_gpu"] for x in out if x["network"] == "intra-node"),
+              "inter_node_bytes": sum(x["bytes_per_gpu"] for x in out if x["network"] == "inter-node")}
+    return {**totals, "total_bytes": totals["intra_node_bytes"] + totals["inter_node_bytes"], "collectives": out}

@@ -1,0 +1,65 @@
+"""Communication per GPU per optimizer step (memplan/comm.py): each framework's collectives, ring volumes, exact
+integers, and which of them cross nodes."""
+
+from __future__ import annotations
+
+from memplan import options
+from memplan.comm import communication
+from memplan.model import sources
+
+
+def _comm(name: str = "llama-3-8b", **kw):
+    src = sources.resolve(name)
+    inv = sources.build_inventory(src)
+    s = options.resolve(inv, activations="analytic", **kw).settings
+    return inv, communication(inv, s)
+
+
+def test_ddp_all_reduces_fp32_gradients_once_per_step():
+    inv, c = _comm(gpus=8, strategy="ddp", grad_accum=4)
+    psi = inv.num_params
+    (x,) = c["collectives"]
+    assert (x["op"], x["group_size"], x["dtype_bytes"], x["times_per_step"]) == ("all-reduce", 8, 4, 1)
+    assert x["bytes_per_gpu"] == 2 * 7 * 4 * psi // 8 == c["intra_node_bytes"] and c["inter_node_bytes"] == 0
+
+
+def test_zero2_reduces_every_micro_step_zero1_once():
+    inv, z1 = _comm(gpus=16, stage=1, grad_accum=4)
+    _, z2 = _comm(gpus=16, stage=2, grad_accum=4)
+    psi = inv.num_params
+    grad = 2 * 15 * 2 * psi // 16  # DeepSpeed all-reduces each bf16 bucket (use_multi_rank_bucket_allreduce)
+    gather = 15 * 2 * psi // 16
+    assert z1["total_bytes"] == grad + gather and z1["inter_node_bytes"] == grad + gather  # 16 ranks: 2 nodes
+    assert z2["total_bytes"] == 4 * grad + gather
+
+
+def test_zero3_gathers_twice_and_hpz_keeps_the_backward_gather_in_the_node():
+    from memplan import layouts
+
+    inv, c = _comm(gpus=16, stage=3)
+    persistent = layouts.layout_sizes(inv, "per-param-numel", 16, 100_000).persistent_numel
+    gathered = 15 * 2 * (inv.num_params - persistent) // 16
+    assert [x["bytes_per_gpu"] for x in c["collectives"]] == [gathered, gathered, 15 * 2 * inv.num_params // 16]
+    _, h = _comm(gpus=16, stage=3, ds_overrides={"hpz_partition_size": 8})
+    back = h["collectives"][1]
+    assert back["group_size"] == 8 and back["network"] == "intra-node"
+    assert back["bytes_per_gpu"] == 7 * 2 * (inv.num_params - persistent) // 8
+
+
+def test_fsdp_gathers_in_bf16_and_reduces_in_fp32_hsdp_across_replicas():
+    inv, c = _comm(gpus=8, strategy="fsdp-full")
+    psi = inv.num_params
+    assert [(x["op"], x["dtype_bytes"]) for x in c["collectives"]] == [
+        ("all-gather", 2), ("all-gather", 2), ("reduce-scatter", 4)]
+    _, g = _comm(gpus=8, strategy="fsdp-grad-op")
+    assert [x["what"] for x in g["collectives"]] == ["parameters, forward", "gradients"]
+    _, h = _comm(gpus=32, strategy="hsdp")
+    last = h["collectives"][-1]
+    assert (last["op"], last["group_size"], last["network"]) == ("all-reduce", 4, "inter-node")
+    assert last["bytes_per_gpu"] == 2 * 3 * 4 * (-(-psi // 8)) // 4
+    assert h["inter_node_bytes"] == last["bytes_per_gpu"]  # the shard group stays in the node
+
+
+def test_one_gpu_sends_nothing():
+    _, c = _comm(gpus=1)
+    assert c == {"intra_node_bytes": 0, "inter_node_bytes": 0, "total_bytes": 0, "collectives": []}

@@ -10,8 +10,8 @@ At the fewest GPUs any candidate needs, every candidate that fits there gets its
 batched evaluator (accounting.required_bytes), and the candidates are ranked:
   1. no recompute before selective before full (recompute costs a forward pass),
   2. the largest micro-batch,
-  3. the least communication per step (Strategy.comm_volume: 2 Psi for DDP / ZeRO-1/2, 3 Psi for ZeRO-3 /
-     FSDP full shard), offload last,
+  3. offload last, then the least communication per GPU per step (memplan/comm.py: the bytes that cross nodes,
+     then all of them, from each framework's collectives at that GPU count),
   4. the most headroom.
 Pure: no torch import when the activation profiles are shipped or cached; no printing.
 """
@@ -22,6 +22,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from memplan import accounting, options
+from memplan.comm import communication
 from memplan.errors import SettingsError
 from memplan.model.inventory import ParamInventory
 from memplan.settings import MAX_GPUS, Settings, with_gpus
@@ -35,9 +36,9 @@ OFFLOAD_VARIANTS = {
     "zero3+offload-all": ("zero3", {"offload_optimizer": True, "offload_param": True}),
 }
 DEFAULT_STRATEGIES = ("single", "ddp", "zero1", "zero2", "zero3", "zero-optimizer", "fsdp-full", "fsdp-grad-op", "hsdp")
-RANKING = ("the fewest GPUs first; at that count no recompute before full recompute, then the largest micro-batch, then the least communication per step "
-           "(2 Psi: DDP, ZeRO-1/2, FSDP grad-op; 3 Psi: ZeRO-3, FSDP full shard, HSDP, ZeRO optimizer), "
-           "offload last, then the most headroom")
+RANKING = ("the fewest GPUs first; at that count no recompute before full recompute, then the largest micro-batch, "
+           "offload last, then the least communication per GPU per step (inter-node bytes, then all bytes: "
+           "memplan/comm.py), then the most headroom")
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,8 @@ class Candidate:
     #: False: min_gpus and micro_batch are bounds from the allocated peak (the caching allocator's segments left
     #: out: the true micro-batch is at most this one) - a candidate the search did not need to replay
     exact: bool = True
+    #: (inter-node, all) bytes per GPU per optimizer step at the recommended count (memplan/comm.py)
+    comm: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -209,7 +212,7 @@ def _fewest_gpus(inv: ParamInventory, c: Candidate, counts: list[int], gpus_per_
 
 def _rank(c: Candidate) -> tuple:
     """No recompute before full, the largest micro-batch, no offload, the least communication, the most headroom."""
-    return (RECOMPUTE_ORDER.index(c.recompute), -(c.micro_batch or 0), c.offload, c.settings.strategy.comm_volume,
+    return (RECOMPUTE_ORDER.index(c.recompute), -(c.micro_batch or 0), c.offload, c.comm or (0, 0),
             -(c.headroom_bytes or 0))
 
 
@@ -237,8 +240,9 @@ def _at_count(inv: ParamInventory, with_min: list[Candidate], gpus: int, mbs: tu
             done.append(replace(c, exact=False))
             continue
         peak, req = bound[hi]
+        volume = communication(inv, s)
         done.append(replace(c, micro_batch=mbs[hi], peak_bytes=peak, required_bytes=req, headroom_bytes=budget - req,
-                            exact=False))
+                            exact=False, comm=(volume["inter_node_bytes"], volume["total_bytes"])))
         bounds[id(done[-1])] = (s, bound, hi)
     best: Candidate | None = None
     for c in sorted((c for c in done if c.micro_batch is not None), key=_rank):

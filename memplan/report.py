@@ -122,7 +122,8 @@ def search_report(found: Any, inv: ParamInventory, best_plan: Any, command: str 
                 "exact": c.exact,
                 "at_recommended_gpus": None if c.micro_batch is None else {
                     "micro_batch": c.micro_batch, "peak_bytes": c.peak_bytes, "required_bytes": c.required_bytes,
-                    "headroom_bytes": c.headroom_bytes}}
+                    "headroom_bytes": c.headroom_bytes,
+                    "communication_bytes": None if c.comm is None else {"inter_node": c.comm[0], "total": c.comm[1]}}}
 
     b = found.best
     return {

@@ -16,14 +16,17 @@ from memplan import cli_render as R
 from memplan.errors import MemplanError
 from memplan.units import fmt_bytes
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
+app = typer.Typer(add_completion=True, no_args_is_help=True, rich_markup_mode=None,
                   help="Per-GPU memory of distributed training jobs, before you launch them. "
                        "Sizes are shown in binary units (GiB = 2^30 bytes).")
 
 
 @app.command()
 def presets(as_json: bool = typer.Option(False, "--json", help="Print JSON on stdout.")) -> None:
-    """List the shipped model presets and GPU presets."""
+    """List the shipped model presets and GPU presets.
+
+    Example: memplan presets --json
+    """
     from memplan.model import sources
 
     models = []
@@ -53,7 +56,10 @@ def inspect(
     builder: str = typer.Option("auto", help="auto | analytic (from config, no torch) | meta (instantiate on meta)."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON on stdout."),
 ) -> None:
-    """Parameters of a model: counts, bytes per dtype, categories, blocks, largest block and tensor, ties."""
+    """Parameters of a model: counts, bytes per dtype, categories, blocks, largest block and tensor, ties.
+
+    Example: memplan inspect ./my-model-dir --json
+    """
     from memplan.model import sources
     from memplan.report import inspect_report
 
@@ -255,6 +261,8 @@ def plan(
     """The fewest GPUs, the largest micro-batch and the best strategy for a model on a GPU size.
 
     Exit code 1 when nothing fits within --max-gpus.
+
+    Example: memplan plan llama-70b --gpu h100-80g --min-headroom 10%
     """
     from memplan import accounting, planner, progress
     from memplan.model import sources
@@ -340,6 +348,8 @@ def validate(
     """Run the job for real (torch.distributed, real DeepSpeed / FSDP2 / FSDP1 / DDP), measure every rank, compare.
 
     Exit code 3 when the peak error exceeds --tolerance.
+
+    Example: memplan validate llama-7b --layers 2 --hidden 256 --vocab 2048 --gpus 2 --stage 2 --device cpu
     """
     from memplan.validation import validate as run_validate, validation_report
 

@@ -253,3 +253,20 @@ def test_deepspeed_legacy_and_unmodelled_keys(tmp_path):
     assert [n.split(":")[0] for n in d.notes] == ["zero_optimization.zero_quantized_gradients"]
     p.write_text(json.dumps({"zero_optimization": {"stage": 2, "cpu_offload": False}}))
     assert "offload_optimizer" not in dsconfig.load(str(p)).knobs
+
+
+def test_every_option_is_in_the_readme_and_every_command_has_an_example():
+    import typer
+
+    from memplan.cli import app
+
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    cmd = typer.main.get_command(app)
+    missing = [f"{name} {opt}" for name, sub in cmd.commands.items() for p in sub.params
+               for opt in (*p.opts, *p.secondary_opts) if opt.startswith("--") and opt not in readme]
+    assert not missing, missing
+    for name, sub in cmd.commands.items():
+        assert "Example: memplan " + name in " ".join((sub.help or "").split()), name
+    assert "--install-completion" in [o for p in cmd.params for o in p.opts]

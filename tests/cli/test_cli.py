@@ -260,9 +260,7 @@ def test_every_option_is_in_the_readme_and_every_command_has_an_example():
 
     from memplan.cli import app
 
-    from pathlib import Path
-
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    readme = (ROOT / "README.md").read_text()
     cmd = typer.main.get_command(app)
     missing = [f"{name} {opt}" for name, sub in cmd.commands.items() for p in sub.params
                for opt in (*p.opts, *p.secondary_opts) if opt.startswith("--") and opt not in readme]

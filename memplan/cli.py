@@ -143,6 +143,7 @@ def estimate(
     cpu_isa: O.CpuIsa = None,
     training_args: O.TrainingArgs = None,
     accelerate_config: O.AccelerateConfig = None,
+    plot: O.Plot = None,
     explain: bool = typer.Option(False, "--explain", help="What the peak is made of: its bytes by category and "
                                  "its activations by module and operator (the largest groups, with their share)."),
     no_suggestions: bool = typer.Option(False, "--no-suggestions", help="Skip the 'to fit' suggestions (made when "
@@ -162,6 +163,13 @@ def estimate(
     given.pop("ctx")
     O.progress_for(as_json)
     est = cli_estimate.run(given, O.explicit(ctx), O.overheads_of, suggestions=not no_suggestions)
+    if plot:
+        from memplan import plot as P
+
+        s = est.plan.settings
+        P.draw(plot, P.bars_across_gpus(est.plan.inventory, s), s.cluster.gpu_memory_bytes,
+               f"{est.report['model']['name']}: {s.strategy.name}, micro-batch {s.micro_batch} x seq {s.seq_len}, "
+               f"{s.recipe.name}, recompute {s.recompute}", "GPUs")
     if as_json:
         R.emit_json(est.report)
     else:
@@ -244,6 +252,7 @@ def plan(
                                   "(asked for: refused where the device cannot run it) | eager."),
     allow_offload: bool = typer.Option(False, "--allow-offload", help="Also consider DeepSpeed ZeRO-Offload "
                                        "(optimizer, or optimizer and parameters, on the host)."),
+    plot: O.Plot = None,
     min_headroom: Optional[str] = typer.Option(None, "--min-headroom", help="What every candidate must leave free: "
                                                "a size (8GiB, 8GB) or a fraction of the GPU (0.1 or 10%) "
                                                "[default: 0]."),
@@ -280,6 +289,11 @@ def plan(
                                device=device, activations=activations, cpu_isa=cpu_isa, allocator_conf=allocator_conf,
                                host_memory_size=host_memory, min_headroom=min_headroom)
     best = planner.best_settings(found)
+    if plot:
+        from memplan import plot as P
+
+        P.draw(plot, P.bars_across_candidates(inv, found), found.gpu_memory_bytes,
+               f"{inv.model_name}: the candidates at {found.gpus or found.max_gpus} GPUs", "candidate")
     extra = [f"--gpu {gpu}" if gpu else f"--gpu-memory {gpu_memory}"]
     for flag, value in (("--seq-len", seq_len), ("--grad-accum", grad_accum), ("--precision", precision),
                         ("--optimizer", optimizer)):

@@ -64,6 +64,10 @@ BucketCapMb = Annotated[Optional[int], typer.Option(help="DDP bucket_cap_mb [def
 GradientAsBucketView = Annotated[bool, typer.Option("--gradient-as-bucket-view",
                                                     help="DDP gradient_as_bucket_view.")]
 
+Plot = Annotated[Optional[str], typer.Option("--plot", help="Draw stacked bars of per-GPU bytes by category to "
+                                            "FILE.svg or FILE.png (estimate: across GPU counts; plan: across the "
+                                            "candidates), the GPU's capacity as a line (needs matplotlib: "
+                                            "pip install 'memplan[plot]').")]
 TrainingArgs = Annotated[Optional[str], typer.Option("--training-args", help="The job's Hugging Face "
                                                     "TrainingArguments as JSON or YAML (batch size, accumulation, "
                                                     "bf16/fp16, checkpointing, optim, fsdp, deepspeed).")]

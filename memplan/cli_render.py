@@ -54,6 +54,14 @@ def render_plan(rep: dict, summary: str | None = None, explained: dict | None = 
     rows.append(["[bold]total allocated[/bold]"] + [f"[bold]{fmt_bytes(p['total_bytes'])}[/bold]" for p in phases])
     c.print(table("Bytes per GPU by phase (worst rank); buffers = buckets, gathered params, step scratch",
                    cols, rows))
+    from memplan.plot import terminal_bar
+
+    seg = {k: pg[k] for k, _ in category_labels()}
+    seg["overhead_bytes"] = pg["overhead_bytes"] or 0
+    cap = cl["gpu_memory_bytes"]
+    c.print(f"[{terminal_bar(seg, cap)}] W weights, M master, G grads, O optimizer, A activations, B buffers, "
+            f"+ allocator/CUDA/NCCL" + (", · free, | the GPU's end" if cap else ""), soft_wrap=True,
+            markup=False)
     od = rep["overhead_detail"]
     over = ", ".join(f"{k.removesuffix('_bytes').replace('_', ' ')} {fmt_bytes(v)}" for k, v in od.items()) or "none"
     c.print(f"peak allocated: [bold]{fmt_bytes(pg['peak_bytes'])}[/bold] ({pg['peak_bytes']:,} B) in "

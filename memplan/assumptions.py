@@ -18,10 +18,10 @@ _DERIVED = {"shard_group": "shard group", "layout": "parameter layout", "optimiz
             "zero3_unreduced_grad_numel": "unreduced gradient buffer (params)"}
 #: shown elsewhere or only in the JSON
 _SKIP = {"recipe", "optimizer", "overheads", "device", "builder", "setting_sources", "activations", "blas_workspace",
-         "overlap_comm", "zero3_gathered_numel", "strategy"}
+         "overlap_comm", "zero3_gathered_numel", "strategy", "horovod_fusion_buffer"}
 #: knobs shown even at their default (the ones that size the largest buffers)
 _ALWAYS = {"reduce_bucket_size", "allgather_bucket_size", "overlap_comm", "prefetch_bucket_size", "bucket_cap_mb",
-           "offload_optimizer", "offload_param", "cpu_offload", "fsdp_version"}
+           "offload_optimizer", "offload_param", "cpu_offload", "fsdp_version", "fusion_threshold", "compression"}
 #: knobs whose value is a byte count or an element count (shown with thousands separators)
 _COUNTS = ("_size", "_numel", "_parameters", "_distance", "_threshold")
 
@@ -60,7 +60,7 @@ def by_topic(rep: dict[str, Any]) -> list[tuple[str, list[str]]]:
     """[(topic, ["name value (source)", ...])] for the table; every figure is the report's own."""
     a, st = rep["assumptions"], rep["strategy"]
     src = a.get("setting_sources") or {}
-    knobs = st.get("deepspeed") or st.get("torch") or {}
+    knobs = st.get("deepspeed") or st.get("torch") or st.get("horovod") or {}
     framework = [_item("strategy", f"{st['name']} ({st['framework']})", src.get("strategy", "default"))]
     defaults = 0
     for k, v in knobs.items():

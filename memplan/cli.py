@@ -141,6 +141,8 @@ def estimate(
     builder: O.Builder = "auto",
     activations: O.Activations = "auto",
     cpu_isa: O.CpuIsa = None,
+    horovod_fusion_threshold: O.HorovodFusionThreshold = None,
+    horovod_compression: O.HorovodCompression = None,
     training_args: O.TrainingArgs = None,
     accelerate_config: O.AccelerateConfig = None,
     plot: O.Plot = None,

@@ -93,7 +93,7 @@ def run(given: dict[str, Any], explicit: set[str], overheads: Any, suggestions: 
             gpu=g["gpu"], gpu_memory_size=g["gpu_memory"], device=g["device"], deepspeed=g["deepspeed"],
             allocator_conf=g["allocator_conf"], host_memory_size=g["host_memory"], pin_memory=g["pin_memory"],
             ds_overrides=O.ds_overrides(g), torch_overrides=O.torch_overrides(g),
-            overhead_overrides=overheads(g))
+            horovod_overrides=O.horovod_overrides(g), overhead_overrides=overheads(g))
 
     resolved = resolve({})
     plan = accounting.estimate(inv, resolved.settings)

@@ -68,6 +68,11 @@ Plot = Annotated[Optional[str], typer.Option("--plot", help="Draw stacked bars o
                                             "FILE.svg or FILE.png (estimate: across GPU counts; plan: across the "
                                             "candidates), the GPU's capacity as a line (needs matplotlib: "
                                             "pip install 'memplan[plot]').")]
+HorovodFusionThreshold = Annotated[Optional[str], typer.Option("--horovod-fusion-threshold", help="Horovod's "
+                                                               "HOROVOD_FUSION_THRESHOLD, e.g. 64MiB [default: "
+                                                               "the environment's, else 128MiB].")]
+HorovodCompression = Annotated[Optional[str], typer.Option("--horovod-compression", help="Horovod gradient "
+                                                           "compression: none | fp16 [default: none].")]
 TrainingArgs = Annotated[Optional[str], typer.Option("--training-args", help="The job's Hugging Face "
                                                     "TrainingArguments as JSON or YAML (batch size, accumulation, "
                                                     "bf16/fp16, checkpointing, optim, fsdp, deepspeed).")]
@@ -142,3 +147,10 @@ def csv(value: str, name: str) -> tuple[str, ...]:
     if not items:
         raise MemplanError(f"{name} needs at least one value")
     return items
+
+
+def horovod_overrides(values: dict[str, Any]) -> dict[str, Any]:
+    """Horovod's knobs a command was given (sizes read as the other size options)."""
+    return {"fusion_threshold": size_option(values.get("horovod_fusion_threshold"), "--horovod-fusion-threshold",
+                                            allow_zero=True),
+            "compression": values.get("horovod_compression")}

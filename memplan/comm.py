@@ -5,7 +5,8 @@ network (inter-node); one inside a node over NVLink/PCIe (intra-node). Integers;
 
 What each framework issues (its source):
 - DDP (torch/nn/parallel/distributed.py, reducer.cpp): one all-reduce of every gradient, in the gradient's dtype,
-  per optimizer step (gradient accumulation under no_sync, as Accelerate's accumulate() does).
+  per optimizer step (gradient accumulation under no_sync, as Accelerate's accumulate() does). Horovod
+  (horovod/torch/optimizer.py): the same all-reduce, through its fusion buffer, in fp16 with fp16 compression.
 - ZeroRedundancyOptimizer: DDP's all-reduce, then each rank broadcasts its updated partition
   (zero_redundancy_optimizer.py _sync_params): an all-gather's volume.
 - DeepSpeed ZeRO-1/2 (runtime/zero/stage_1_and_2.py): the gradient buckets are all-reduced in the gradients'
@@ -65,6 +66,9 @@ def communication(inv: Any, s: Settings) -> dict[str, Any]:
     mm = st.memory_model
     if st.one_gpu or n_all <= 1:
         pass
+    elif mm == "ddp" and st.framework == "horovod":  # in place through the fusion buffer, fp16 if compressed
+        width = 2 if s.horovod.compression == "fp16" else rc.grad_bytes
+        add("all-reduce", "gradients (Horovod fusion buffer)", n_all, width, psi, 1)
     elif mm == "ddp":
         add("all-reduce", "gradients (DDP buckets)", n_all, rc.grad_bytes, psi, 1)
         if st.shard_optimizer:  # ZeroRedundancyOptimizer's parameter broadcast

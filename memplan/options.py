@@ -242,6 +242,33 @@ def _torch_knobs(overrides: dict[str, Any], strat: Any) -> TorchKnobs:
     return tk
 
 
+def _horovod_knobs(overrides: dict[str, Any], strat: Any, sources: dict[str, str], notes: list[str]) -> Any:
+    """Horovod's fusion threshold (the command line, else HOROVOD_FUSION_THRESHOLD as Horovod reads it at init,
+    else 128 MiB) and its gradient compression."""
+    import os
+
+    from memplan.settings import HorovodKnobs
+
+    given = {k: v for k, v in overrides.items() if v is not None}
+    if given and strat.framework != "horovod":
+        raise SettingsError(f"--horovod-* options are Horovod's, not for --strategy {strat.name}")
+    if strat.framework != "horovod":
+        return HorovodKnobs()
+    env = os.environ.get("HOROVOD_FUSION_THRESHOLD")
+    if "fusion_threshold" not in given and env is not None:
+        try:
+            given["fusion_threshold"] = int(env)  # std::strtol in operations.cc: bytes
+        except ValueError:
+            raise SettingsError(f"HOROVOD_FUSION_THRESHOLD={env!r} is not a byte count") from None
+        sources["horovod_fusion_threshold"] = "environment (HOROVOD_FUSION_THRESHOLD)"
+        notes.append(f"Horovod fusion threshold {given['fusion_threshold']:,} B from HOROVOD_FUSION_THRESHOLD")
+    if given.get("fusion_threshold", 0) < 0:
+        raise SettingsError(f"Horovod fusion threshold must not be negative, got {given['fusion_threshold']}")
+    if given.get("compression", "none") not in ("none", "fp16"):
+        raise SettingsError(f"--horovod-compression must be none or fp16, got {given['compression']!r}")
+    return HorovodKnobs(**given)
+
+
 def _overheads(overrides: dict[str, Any]) -> tuple[Overheads, int | None]:
     """The overheads given, and the cuBLAS workspace if given (it goes to the cluster)."""
     given = {k: v for k, v in overrides.items() if v is not None}
@@ -317,7 +344,7 @@ def resolve(inv: ParamInventory, *, gpus: int = 1, gpus_per_node: int | None = N
             overhead_overrides: dict[str, Any] | None = None, config: dict[str, Any] | None = None,
             activations: str = "auto", cpu_isa: str | None = None, gpu_arch: str | None = None,
             allocator_conf: str | None = None, host_memory_size: str | None = None,
-            pin_memory: bool | None = None) -> Resolved:
+            pin_memory: bool | None = None, horovod_overrides: dict[str, Any] | None = None) -> Resolved:
     pick = _Picker(deepspeed)
     notes = pick.notes
     ds_file = dsconfig.load(deepspeed) if deepspeed else None
@@ -354,6 +381,7 @@ def resolve(inv: ParamInventory, *, gpus: int = 1, gpus_per_node: int | None = N
         ds_overrides["offload_pin_memory"] = torch_overrides["cpu_offload_pin_memory"] = pin_memory
     ds = _ds_knobs(pick, ds_file, inv, ds_overrides, strat)
     tk = _torch_knobs(torch_overrides, strat)
+    hv = _horovod_knobs(horovod_overrides or {}, strat, pick.sources, notes)
     strat = get_strategy(strat.name, tk.fsdp_version)
     ov, workspace = _overheads(overhead_overrides or {})
     cluster = _cluster(gpus=gpus, gpus_per_node=gpus_per_node, gpu=gpu, gpu_memory_size=gpu_memory_size,
@@ -362,7 +390,7 @@ def resolve(inv: ParamInventory, *, gpus: int = 1, gpus_per_node: int | None = N
     conf = _allocator_conf(allocator_conf, device, notes, pick.sources)
     settings = Settings(strategy=strat, recipe=recipe, optimizer=opt, cluster=cluster, optimizer_impl=optimizer_impl,
                         micro_batch=mb, seq_len=seq, grad_accum=ga, recompute=recompute, attention=attention,
-                        ds=ds, torch=tk, overheads=ov, allocator_conf=conf)
+                        ds=ds, torch=tk, horovod=hv, overheads=ov, allocator_conf=conf)
     notes.extend(_dim0_padding_note(inv, settings))
     settings = replace(settings, activation_profile=activation_profile(config, settings, activations, notes))
     max_pos = inv.dims.get("max_positions")

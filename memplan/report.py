@@ -44,6 +44,8 @@ def plan_report(plan: Any, sources: dict[str, str] | None = None, notes: tuple[s
     if st.framework == "deepspeed":
         # each value once, as used: overlap_comm as DeepSpeed resolves its default (True for stage 3)
         strategy["deepspeed"] = dict(asdict(s.ds), overlap_comm=plan.assumptions.get("overlap_comm", s.ds.overlap_comm))
+    elif st.framework == "horovod":
+        strategy["horovod"] = asdict(s.horovod)
     else:
         strategy["torch"] = asdict(s.torch)
     per_gpu = {k: getattr(peak, k) for k in CATEGORY_KEYS}

@@ -54,6 +54,16 @@ class TorchKnobs:
 
 
 @dataclass(frozen=True, kw_only=True)
+class HorovodKnobs:
+    #: HOROVOD_FUSION_THRESHOLD: the fusion buffer's bytes, allocated at the first fused all-reduce and kept
+    #: (horovod/common/operations.cc: 128 MiB unless the variable sets it)
+    fusion_threshold: int = 128 * MiB
+    #: hvd.DistributedOptimizer(compression=...): "none", or "fp16" (an fp16 copy of every gradient from its hook
+    #: to the step: horovod/torch/compression.py FP16Compressor, optimizer.py synchronize)
+    compression: str = "none"
+
+
+@dataclass(frozen=True, kw_only=True)
 class Overheads:
     """Terms outside the allocator's count, added for the fit verdict only (device cuda)."""
 
@@ -162,6 +172,7 @@ class Settings:
     attention: str = "sdpa"  #: sdpa: the device's own kernel choice; flash: flash asked for; eager
     ds: DeepSpeedKnobs = field(default_factory=DeepSpeedKnobs)
     torch: TorchKnobs = field(default_factory=TorchKnobs)
+    horovod: HorovodKnobs = field(default_factory=HorovodKnobs)
     overheads: Overheads = field(default_factory=Overheads)
     #: the traced activation profile (activations.TracedProfile); None -> the analytic profile
     activation_profile: Any = None

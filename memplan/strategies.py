@@ -31,7 +31,7 @@ REPLICATED = "replicated"
 @dataclass(frozen=True, kw_only=True)
 class Strategy:
     name: str
-    framework: str  #: deepspeed | torch-ddp | fsdp2 | fsdp1 (chooses the default recipe and optimizer impl)
+    framework: str  #: deepspeed | torch-ddp | torch | horovod | fsdp2 | fsdp1 (the default recipe, optimizer impl)
     description: str
     shard_optimizer: bool  #: optimizer states and master weights split across the shard group
     shard_grads: bool  #: reduced gradients kept only for the rank's shard
@@ -77,6 +77,13 @@ STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
     Strategy(name="ddp", framework="torch-ddp", memory_model="ddp",
              layout=REPLICATED, shard_optimizer=False, shard_grads=False, shard_params=False, ddp_buckets=True,
              description="PyTorch DistributedDataParallel (what Horovod does too): everything replicated"),
+    # Horovod's DistributedOptimizer (horovod/torch/optimizer.py): each gradient all-reduced in place from its
+    # accumulate hook through the persistent fusion buffer (horovod/common/fusion_buffer_manager.cc), no
+    # reducer buckets; gradients kept to the step as under DDP
+    Strategy(name="horovod", framework="horovod", memory_model="ddp",
+             layout=REPLICATED, shard_optimizer=False, shard_grads=False, shard_params=False,
+             description="Horovod DistributedOptimizer: everything replicated, gradients all-reduced through its "
+                         "fusion buffer"),
     Strategy(name="zero0", framework="deepspeed", memory_model="zero12",
              layout=FLAT_ALIGNED, shard_optimizer=False, shard_grads=False,
              shard_params=False, zero_stage=0, fp32_grad_accumulation=True, persistent_grads=True,
@@ -129,7 +136,7 @@ STAGE_TO_STRATEGY = {0: "zero0", 1: "zero1", 2: "zero2", 3: "zero3"}
 
 #: Default recipe per framework (DESIGN.md: DeepSpeed -> deepspeed-bf16, FSDP -> fsdp-bf16, DDP -> torch-amp).
 DEFAULT_RECIPE = {"deepspeed": "deepspeed-bf16", "fsdp2": "fsdp-bf16", "fsdp1": "fsdp-bf16",
-                  "torch-ddp": "torch-amp", "torch": "torch-amp"}
+                  "torch-ddp": "torch-amp", "torch": "torch-amp", "horovod": "torch-amp"}
 
 
 def get_strategy(name: str, fsdp_version: int = 2) -> Strategy:

@@ -23,6 +23,8 @@ CASES = [
     "estimate llama-7b --gpus 4 --strategy fsdp-full --fsdp-version 1 --recompute full --json",
     "estimate gpt2 --gpus 2 --strategy zero-optimizer --device cpu --json",
     "estimate llama-7b --gpus 64 --gpu a100-40g --json",
+    "estimate llama-7b --gpus 8 --strategy horovod --horovod-compression fp16 --gpu h100-80g --explain --json",
+    "estimate llama-3-8b --gpus 8 --strategy ddp --gpu h100-80g --json",
 ]
 
 

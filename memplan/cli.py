@@ -283,7 +283,7 @@ def plan(
     src = sources.resolve(model)
     inv = sources.build_inventory(src, builder=builder)
     with progress.task(f"searching layouts for {inv.model_name} (strategies x recompute x GPU counts)"):
-        found = planner.search(inv, gpu=gpu, gpu_memory_size=gpu_memory, config=src.config,
+        found = planner.search(inv, gpu=gpu, gpu_memory_size=gpu_memory, config=sources.trace_config(src, inv),
                                gpus_per_node=gpus_per_node, max_gpus=max_gpus, strategies=O.csv(strategies, "--strategies"),
                                recomputes=O.csv(recompute, "--recompute"), micro_batch=micro_batch,
                                max_micro_batch=max_micro_batch, allow_offload=allow_offload, seq_len=seq_len,

@@ -82,11 +82,12 @@ def run(given: dict[str, Any], explicit: set[str], overheads: Any, suggestions: 
     given, file_sources, file_notes, files = _with_files(given, explicit)
     src = sources.resolve(given["model"])
     inv = sources.build_inventory(src, builder=given["builder"])
+    config = sources.trace_config(src, inv)
 
     def resolve(changes: dict[str, Any]) -> Any:
         g = {**given, **changes}
         return options.resolve(
-            inv, config=src.config, activations=g["activations"], cpu_isa=g["cpu_isa"], gpus=g["gpus"],
+            inv, config=config, activations=g["activations"], cpu_isa=g["cpu_isa"], gpus=g["gpus"],
             gpus_per_node=g["gpus_per_node"], stage=g["stage"], strategy=g["strategy"], precision=g["precision"],
             optimizer=g["optimizer"], optimizer_impl=g["optimizer_impl"], micro_batch=g["micro_batch"],
             seq_len=g["seq_len"], grad_accum=g["grad_accum"], recompute=g["recompute"], attention=g["attention"],

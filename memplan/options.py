@@ -102,7 +102,7 @@ def activation_profile(config: dict[str, Any] | None, s: Settings, mode: str, no
                                  attention=attention, recompute=recompute, device=s.cluster.device,
                                  linear=linear, target=target)
     except SettingsError as exc:
-        if mode == "traced":
+        if mode == "traced" or config.get("factory"):  # the user's own module has no analytic profile
             raise
         notes.append(f"activations: analytic, because {exc}")
         return None

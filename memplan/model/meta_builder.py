@@ -165,8 +165,13 @@ def _time_limit(spec: str, doing: str, limit: float) -> Iterator[None]:
         signal.signal(signal.SIGALRM, old)
 
 
-def build_meta_from_factory(spec: str) -> ParamInventory:
-    """``pkg.module:callable`` returning an nn.Module, called under ``torch.device("meta")``."""
+def call_factory(spec: str, device: Any = None) -> tuple[Any, Any]:
+    """``pkg.module:callable`` called (under ``device``, a context: torch.device("meta") or a FakeTensorMode):
+    (the nn.Module, its input builder or None). The factory returns the module, or (module, input_builder)
+    where input_builder(batch, seq) gives the forward's inputs (a tensor, a tuple, or a dict of keyword
+    arguments)."""
+    import contextlib
+
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr:
         raise ModelSourceError(f"factory {spec!r} must look like pkg.module:callable")
@@ -199,16 +204,29 @@ def build_meta_from_factory(spec: str) -> ParamInventory:
     if not callable(fn):
         raise ModelSourceError(f"factory {spec!r}: {attr!r} is not callable")
     try:
-        with _time_limit(spec, "building the model", limit), torch.device("meta"):
-            model = fn()
+        with _time_limit(spec, "building the model", limit), (device or contextlib.nullcontext()):
+            made = fn()
     except KeyboardInterrupt:
         raise
     except _FactoryTimeout as exc:
         raise ModelSourceError(str(exc)) from None
     except BaseException as exc:
         raise ModelSourceError(f"factory {spec!r} raised {first_line(exc)}") from None
+    model, inputs = (made if isinstance(made, tuple) and len(made) == 2 else (made, None))
     if not isinstance(model, torch.nn.Module):
-        raise ModelSourceError(f"factory {spec!r} returned {type(model).__name__}, not a torch.nn.Module")
+        raise ModelSourceError(f"factory {spec!r} returned {type(model).__name__}, not a torch.nn.Module (or a "
+                               "(module, input_builder) pair)")
+    if inputs is not None and not callable(inputs):
+        raise ModelSourceError(f"factory {spec!r}: its input builder is not callable (input_builder(batch, seq))")
+    return model, inputs
+
+
+def build_meta_from_factory(spec: str) -> ParamInventory:
+    """``pkg.module:callable`` returning an nn.Module (or (module, input_builder)), called under
+    ``torch.device("meta")``."""
+    import torch
+
+    model, _ = call_factory(spec, torch.device("meta"))
     cfg = getattr(model, "config", None)
     dims = model_dims(cfg.to_dict()) if hasattr(cfg, "to_dict") else {}
     return inventory_from_module(model, model_name=spec, source=f"factory {spec}", family=type(model).__name__,

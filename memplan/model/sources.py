@@ -361,3 +361,23 @@ def _numel(shape: tuple[int, ...]) -> int:
     for s in shape:
         n *= s
     return n
+
+
+def trace_config(source: ModelSource, inv: ParamInventory) -> dict[str, Any] | None:
+    """The config the activation trace is keyed by and built from: the model's config.json, or for a factory
+    (the user's own module) its name, a digest of its source file (an edit traces again) and its block count."""
+    if source.kind != "factory":
+        return source.config
+    import hashlib
+    import importlib.util
+
+    module_name = (source.factory or "").partition(":")[0]
+    digest = "unknown"
+    try:
+        spec = importlib.util.find_spec(module_name)
+        if spec is not None and spec.origin and Path(spec.origin).is_file():
+            digest = hashlib.sha256(Path(spec.origin).read_bytes()).hexdigest()[:16]
+    except (ImportError, ValueError, OSError):
+        pass
+    return {"factory": source.factory, "factory_source_sha256": digest, "model_type": inv.family,
+            "num_hidden_layers": max(len(inv.layer_blocks), 1)}

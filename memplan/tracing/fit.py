@@ -103,7 +103,8 @@ def _layers(config: dict[str, Any]) -> int | None:
 def _heterogeneous(config: dict[str, Any], layers: int) -> bool:
     """Blocks that differ are traced at full depth; a one-block model too (there is no second depth to
     subtract)."""
-    return layers < 2 or any(config.get(k) for k in _HETEROGENEOUS_KEYS)
+    # the user's own module (a factory) has no config to scale: traced at its own depth
+    return layers < 2 or bool(config.get("factory")) or any(config.get(k) for k in _HETEROGENEOUS_KEYS)
 
 
 def traced_steps(config: dict[str, Any]) -> int:

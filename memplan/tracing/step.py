@@ -11,6 +11,7 @@ from typing import Any
 from memplan import kernels as K
 from memplan import substitutes as sub
 from memplan.kernels import Target
+from memplan.tracing import user_module
 from memplan.tracing.explain import ModuleStack
 from memplan.tracing.live import LiveBytes, dispatch_mode
 from memplan.tracing.segments import block_hooks, block_segments, loss_segment, root_hooks_done
@@ -184,17 +185,22 @@ def one_step(config: dict[str, Any], batch: int, seq: int, recipe: str, attentio
     policy = sub.CudaAutocast("bfloat16") if cuda and autocast else contextlib.nullcontext()
     with _substitutions(config, dtype, attention, target, linear, kernels), \
             FakeTensorMode(allow_non_fake_inputs=True), policy:
-        model = AutoModelForCausalLM.from_config(hf_config(config), dtype=getattr(torch, dtype),
-                                                 attn_implementation="eager" if attention == "eager" else "sdpa")
-        if recompute == "full":
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if user_module.is_user_module(config):  # the user's own module (a factory)
+            model, user_blocks, run = user_module.build(config, batch, seq, dtype, recompute)
+        else:
+            model = AutoModelForCausalLM.from_config(hf_config(config), dtype=getattr(torch, dtype),
+                                                     attn_implementation="eager" if attention == "eager" else "sdpa")
+            if recompute == "full":
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            user_blocks, ids = None, torch.zeros(batch, seq, dtype=torch.long)
+            run = (lambda m: m(input_ids=ids, labels=ids).loss)  # noqa: E731
         model.train()
         params = list(model.parameters())
         live = LiveBytes(K.CUDA_BLOCK if cuda else 1)
         for t in params + list(model.buffers()):
             live.ignore(t)
         param_storages = {id(p.untyped_storage()) for p in params}
-        block_of, block_list = block_index(model)
+        block_of, block_list = block_index(model, user_blocks)
         moments = _BlockMoments(live)
         moments.install(block_list)
         hooks = _GradientHooks(live, block_of)
@@ -214,13 +220,12 @@ def one_step(config: dict[str, Any], batch: int, seq: int, recipe: str, attentio
                     saved_ids.add(sid)
             return t
 
-        ids = torch.zeros(batch, seq, dtype=torch.long)
         stack.install()
         try:
             with dispatch_mode(live, None if cuda else sub.gemm_scratch(target.cpu_isa, target.cpu_threads)):
                 with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-                        loss = model(input_ids=ids, labels=ids).loss
+                        loss = run(model)
                 live.tick()
                 forward_end = len(live.timeline)
                 moments.regions["forward_end"] = len(live.events)
@@ -258,11 +263,14 @@ def _result(live: LiveBytes, m: _BlockMoments, h: _GradientHooks, kernels: dict[
             "last_block_forward": timeline[last_start[1]:m.forward_ends.get(nblocks - 1, 0) + 1]}
 
 
-def block_index(model: Any) -> tuple[dict[int, int], list[Any]]:
-    """id(parameter) -> index of the decoder block that owns it (the longest ModuleList of the model: the unit
-    FSDP and DeepSpeed wrap; parameters outside it are not in the map), and the blocks."""
+def block_index(model: Any, blocks: list[Any] | None = None) -> tuple[dict[int, int], list[Any]]:
+    """id(parameter) -> index of the decoder block that owns it (the longest ModuleList of the model, or the
+    ``blocks`` given: the unit FSDP and DeepSpeed wrap; parameters outside it are not in the map), and the
+    blocks."""
     import torch
 
+    if blocks is not None:
+        return {id(p): i for i, blk in enumerate(blocks) for p in blk.parameters()}, list(blocks)
     lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]
     if not lists:
         return {}, []

@@ -1,0 +1,96 @@
+"""The user's own nn.Module in the traced step (a factory ``pkg.module:callable``): built under the trace's
+FakeTensorMode, fed by its input builder (or token ids when it starts with an embedding), its loss taken as a
+training script takes it, and its blocks (the FSDP / ZeRO-3 units: the inventory's rule, memplan/model/
+meta_builder.py _block_names) checkpointed for --recompute full with torch.utils.checkpoint (non-reentrant, as
+transformers' gradient_checkpointing_enable)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from memplan.errors import SettingsError
+
+
+def is_user_module(config: dict[str, Any]) -> bool:
+    return bool(config.get("factory"))
+
+
+def build(config: dict[str, Any], batch: int, seq: int, dtype: str, recompute: str) -> tuple[Any, list[Any],
+                                                                                            Callable[[Any], Any]]:
+    """(model, its blocks, run(model) -> loss), under the caller's FakeTensorMode."""
+    import torch
+
+    from memplan.model.meta_builder import _block_names, call_factory
+
+    # the parameters made in the trace's dtype, as from_config(dtype=...) makes transformers' (the default dtype
+    # set around the factory's call; a module cast afterwards cannot swap fake parameters)
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(getattr(torch, dtype))
+    try:
+        model, make_inputs = call_factory(config["factory"])
+    finally:
+        torch.set_default_dtype(before)
+    names = _block_names(model)
+    blocks = [m for n, m in model.named_modules() if n in names]
+    if recompute == "full":
+        for blk in blocks:
+            _checkpointed(blk)
+    # floating inputs in the parameters' dtype (what a bf16 job feeds a bf16 model)
+    torch.set_default_dtype(getattr(torch, dtype))
+    try:
+        inputs = _inputs(config["factory"], model, make_inputs, batch, seq)
+    finally:
+        torch.set_default_dtype(before)
+
+    def run(m: Any) -> Any:
+        out = m(**inputs) if isinstance(inputs, dict) else m(*inputs)
+        return loss_of(out)
+
+    return model, blocks, run
+
+
+def _checkpointed(block: Any) -> None:
+    from torch.utils.checkpoint import checkpoint
+
+    forward = block.forward
+
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    block.forward = wrapped
+
+
+def _inputs(spec: str, model: Any, make_inputs: Any, batch: int, seq: int) -> Any:
+    import torch
+
+    if make_inputs is not None:
+        x = make_inputs(batch, seq)
+        return x if isinstance(x, (tuple, dict)) else (x,)
+    if any(isinstance(m, torch.nn.Embedding) for m in model.modules()):
+        return (torch.zeros(batch, seq, dtype=torch.long),)  # token ids
+    raise SettingsError(f"factory {spec!r}: memplan cannot guess this model's inputs; return (module, "
+                        "lambda batch, seq: inputs) from the factory")
+
+
+def loss_of(out: Any) -> Any:
+    """The loss a training script takes from the output: its ``loss``; else a scalar output; else cross-entropy
+    over the last dimension in fp32 (a language model's or a classifier's loss, upcast as transformers' loss
+    functions upcast the logits); else the sum."""
+    import torch
+    import torch.nn.functional as F
+
+    if getattr(out, "loss", None) is not None:
+        return out.loss
+    if isinstance(out, dict):
+        out = out.get("loss") if out.get("loss") is not None else out.get("logits", next(iter(out.values())))
+    if isinstance(out, (tuple, list)):
+        out = out[0]
+    if not isinstance(out, torch.Tensor):
+        raise SettingsError(f"the model's output is a {type(out).__name__}, not a tensor memplan can take a loss of")
+    if out.dim() == 0:
+        return out
+    if out.is_floating_point() and out.dim() >= 2:
+        logits = out.float()
+        target = torch.zeros(logits.shape[:-1], dtype=torch.long)
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
+    return out.float().sum()

@@ -60,9 +60,16 @@ def predict(model: str, *, layers: int | None = None, hidden: int | None = None,
     """The prediction validate compares with: (plan, resolved options, scaled config, its changes, the
     original model's parameter count). bench/accuracy.py --repredict re-evaluates stored runs with it."""
     src = sources.resolve(model)
+    if src.kind == "factory":  # the user's own module: run as its factory builds it (no scaling)
+        if layers or hidden or vocab:
+            raise SettingsError("--layers, --hidden and --vocab scale a config.json; a factory module runs as built")
+        inv = sources.build_inventory(src)
+        config = sources.trace_config(src, inv)
+        resolved = options.resolve(inv, device=device, config=config, **resolve_kwargs)
+        return accounting.estimate(inv, resolved.settings), resolved, config, [], inv.num_params
     if src.config is None:
-        raise SettingsError("validate needs a model with a config.json (preset, config file or model directory); "
-                            "factory modules are not run by the harness")
+        raise SettingsError("validate needs a model with a config.json (preset, config file or model directory) "
+                            "or a factory module")
     original = sources.build_inventory(src)
     config, changes = scale_config(src.config, layers=layers, hidden=hidden, vocab=vocab)
     scaled = replace(src, config=config, checkpoint=(), description=src.description + (

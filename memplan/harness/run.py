@@ -102,14 +102,23 @@ def _train(rank: int, spec: dict[str, Any], out: str, device: Any, module: Any, 
     from memplan.harness.measure import attribute
 
     on_gpu = device.type == "cuda"
-    vocab = spec["config"]["vocab_size"]
-    gen = torch.Generator().manual_seed(1234 + rank)
-    batch = torch.randint(0, vocab, (spec["micro_batch"], spec["seq_len"]), generator=gen).to(device)
     autocast = spec["recipe"] == "torch-amp"
     steps = spec["warmup_steps"] + spec["measured_steps"]
     attributions: list[dict[str, int]] = []
     gpu_steps: list[dict[str, Any]] = []
     inner_model = module.module if hasattr(module, "module") else module
+    factory = spec["config"].get("factory")
+    if factory:  # the user's own module: its inputs and its loss as the trace takes them (model/user_module.py)
+        from memplan.model import user_module
+
+        inputs = user_module.inputs_for(factory, inner_model, getattr(inner_model, "memplan_inputs", None),
+                                        spec["micro_batch"], spec["seq_len"], device)
+        run = (lambda m: user_module.loss_of(m(**inputs) if isinstance(inputs, dict) else m(*inputs)))  # noqa
+    else:
+        gen = torch.Generator().manual_seed(1234 + rank)
+        batch = torch.randint(0, spec["config"]["vocab_size"], (spec["micro_batch"], spec["seq_len"]),
+                              generator=gen).to(device)
+        run = (lambda m: m(input_ids=batch, labels=batch).loss)  # noqa: E731
     for step in range(1, steps + 1):
         _status(out, rank, f"step {step}/{steps}")
         if step > spec["warmup_steps"]:
@@ -122,7 +131,7 @@ def _train(rank: int, spec: dict[str, Any], out: str, device: Any, module: Any, 
             for _ in range(spec["grad_accum"]):
                 with record_function("memplan:forward"):
                     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
-                        loss = module(input_ids=batch, labels=batch).loss
+                        loss = run(module)
                 with record_function("memplan:backward"):
                     if engine is not None:
                         engine.backward(loss)

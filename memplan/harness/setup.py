@@ -16,6 +16,19 @@ def _build_model(spec: dict[str, Any], on_meta: bool) -> Any:
 
     from memplan.model.meta_builder import hf_config
 
+    if spec["config"].get("factory"):  # the user's own module, built by its factory in fp32
+        from memplan.model import user_module
+        from memplan.model.meta_builder import call_factory
+
+        torch.manual_seed(spec.get("seed", 0))
+        model, make_inputs = call_factory(spec["config"]["factory"], torch.device("meta") if on_meta else None)
+        if spec["recompute"] == "full":
+            for blk in user_module.blocks_of(model):
+                user_module.checkpointed(blk)
+        model.memplan_inputs = make_inputs  # the input builder, for the step (memplan/harness/run.py)
+        model.train()
+        return model
+
     cfg = hf_config(spec["config"])
     torch.manual_seed(spec.get("seed", 0))
     with torch.device("meta") if on_meta else contextlib.nullcontext():
@@ -29,6 +42,10 @@ def _build_model(spec: dict[str, Any], on_meta: bool) -> Any:
 
 def _blocks(model: Any) -> list[Any]:
     no_split = set(getattr(model, "_no_split_modules", None) or [])
+    if not no_split:  # the user's own module: the inventory's rule
+        from memplan.model.user_module import blocks_of
+
+        return blocks_of(model)
     return [m for m in model.modules() if type(m).__name__ in no_split]
 
 

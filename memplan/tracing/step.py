@@ -11,7 +11,7 @@ from typing import Any
 from memplan import kernels as K
 from memplan import substitutes as sub
 from memplan.kernels import Target
-from memplan.tracing import user_module
+from memplan.model import user_module
 from memplan.tracing.explain import ModuleStack
 from memplan.tracing.live import LiveBytes, dispatch_mode
 from memplan.tracing.segments import block_hooks, block_segments, loss_segment, root_hooks_done

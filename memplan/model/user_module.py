@@ -1,8 +1,9 @@
-"""The user's own nn.Module in the traced step (a factory ``pkg.module:callable``): built under the trace's
-FakeTensorMode, fed by its input builder (or token ids when it starts with an embedding), its loss taken as a
-training script takes it, and its blocks (the FSDP / ZeRO-3 units: the inventory's rule, memplan/model/
-meta_builder.py _block_names) checkpointed for --recompute full with torch.utils.checkpoint (non-reentrant, as
-transformers' gradient_checkpointing_enable)."""
+"""The user's own nn.Module (a factory ``pkg.module:callable``) in a training step, the same way for the traced
+step (under FakeTensorMode, memplan/tracing/step.py) and for the harness's real ranks (memplan/harness/): built
+in the step's dtype, fed by its input builder (or token ids when it starts with an embedding), its loss taken as
+a training script takes it, and its blocks (the FSDP / ZeRO-3 units: the inventory's rule, meta_builder.py
+_block_names) checkpointed for --recompute full with torch.utils.checkpoint (non-reentrant, as transformers'
+gradient_checkpointing_enable)."""
 
 from __future__ import annotations
 
@@ -17,10 +18,10 @@ def is_user_module(config: dict[str, Any]) -> bool:
 
 def build(config: dict[str, Any], batch: int, seq: int, dtype: str, recompute: str) -> tuple[Any, list[Any],
                                                                                             Callable[[Any], Any]]:
-    """(model, its blocks, run(model) -> loss), under the caller's FakeTensorMode."""
+    """(model, its blocks, run(model) -> loss), under the caller's device context (FakeTensorMode in a trace)."""
     import torch
 
-    from memplan.model.meta_builder import _block_names, call_factory
+    from memplan.model.meta_builder import call_factory
 
     # the parameters made in the trace's dtype, as from_config(dtype=...) makes transformers' (the default dtype
     # set around the factory's call; a module cast afterwards cannot swap fake parameters)
@@ -30,15 +31,14 @@ def build(config: dict[str, Any], batch: int, seq: int, dtype: str, recompute: s
         model, make_inputs = call_factory(config["factory"])
     finally:
         torch.set_default_dtype(before)
-    names = _block_names(model)
-    blocks = [m for n, m in model.named_modules() if n in names]
+    blocks = blocks_of(model)
     if recompute == "full":
         for blk in blocks:
-            _checkpointed(blk)
+            checkpointed(blk)
     # floating inputs in the parameters' dtype (what a bf16 job feeds a bf16 model)
     torch.set_default_dtype(getattr(torch, dtype))
     try:
-        inputs = _inputs(config["factory"], model, make_inputs, batch, seq)
+        inputs = inputs_for(config["factory"], model, make_inputs, batch, seq)
     finally:
         torch.set_default_dtype(before)
 
@@ -49,7 +49,7 @@ def build(config: dict[str, Any], batch: int, seq: int, dtype: str, recompute: s
     return model, blocks, run
 
 
-def _checkpointed(block: Any) -> None:
+def checkpointed(block: Any) -> None:
     from torch.utils.checkpoint import checkpoint
 
     forward = block.forward
@@ -60,14 +60,30 @@ def _checkpointed(block: Any) -> None:
     block.forward = wrapped
 
 
-def _inputs(spec: str, model: Any, make_inputs: Any, batch: int, seq: int) -> Any:
+def blocks_of(model: Any) -> list[Any]:
+    from memplan.model.meta_builder import _block_names
+
+    names = _block_names(model)
+    return [m for n, m in model.named_modules() if n in names]
+
+
+def inputs_for(spec: str, model: Any, make_inputs: Any, batch: int, seq: int, device: Any = None) -> Any:
+    """The forward's inputs: the builder's (moved to ``device``), else token ids for a module that starts with
+    an embedding (random ids below its vocabulary on a real device, zeros in a trace)."""
     import torch
 
     if make_inputs is not None:
         x = make_inputs(batch, seq)
-        return x if isinstance(x, (tuple, dict)) else (x,)
-    if any(isinstance(m, torch.nn.Embedding) for m in model.modules()):
-        return (torch.zeros(batch, seq, dtype=torch.long),)  # token ids
+        move = (lambda t: t.to(device) if device is not None and isinstance(t, torch.Tensor) else t)  # noqa: E731
+        if isinstance(x, dict):
+            return {k: move(v) for k, v in x.items()}
+        return tuple(move(t) for t in x) if isinstance(x, tuple) else (move(x),)
+    emb = next((m for m in model.modules() if isinstance(m, torch.nn.Embedding)), None)
+    if emb is not None:
+        if device is None:
+            return (torch.zeros(batch, seq, dtype=torch.long),)
+        return (torch.randint(0, emb.num_embeddings, (batch, seq), generator=torch.Generator().manual_seed(1234)
+                              ).to(device),)
     raise SettingsError(f"factory {spec!r}: memplan cannot guess this model's inputs; return (module, "
                         "lambda batch, seq: inputs) from the factory")
 

@@ -243,8 +243,7 @@ def _torch_knobs(overrides: dict[str, Any], strat: Any) -> TorchKnobs:
 
 
 def _horovod_knobs(overrides: dict[str, Any], strat: Any, sources: dict[str, str], notes: list[str]) -> Any:
-    """Horovod's fusion threshold (the command line, else HOROVOD_FUSION_THRESHOLD as Horovod reads it at init,
-    else 128 MiB) and its gradient compression."""
+    """Horovod's fusion threshold (command line, else HOROVOD_FUSION_THRESHOLD, else 128 MiB), compression."""
     import os
 
     from memplan.settings import HorovodKnobs
@@ -392,9 +391,8 @@ def resolve(inv: ParamInventory, *, gpus: int = 1, gpus_per_node: int | None = N
                         micro_batch=mb, seq_len=seq, grad_accum=ga, recompute=recompute, attention=attention,
                         ds=ds, torch=tk, horovod=hv, overheads=ov, allocator_conf=conf)
     notes.extend(_dim0_padding_note(inv, settings))
-    if any(len(t.shape) >= 4 for t in inv.tensors):  # Conv2d/Conv3d kernels
-        notes.append("convolutions: the scratch their kernels take (cuDNN workspaces, oneDNN buffers) is not "
-                     "modelled; a small CNN measured 10.6% above the prediction on CPU (docs/accuracy.md)")
+    if any(len(t.shape) >= 4 for t in inv.tensors):  # Conv2d/Conv3d kernels: a small CNN, -10.6% on CPU
+        notes.append("convolutions: their kernels' scratch (cuDNN, oneDNN) is not modelled (docs/accuracy.md)")
     settings = replace(settings, activation_profile=activation_profile(config, settings, activations, notes))
     max_pos = inv.dims.get("max_positions")
     if max_pos and seq > max_pos:

@@ -183,3 +183,24 @@ def test_validate_json_leaves_only_progress_on_stderr():
     assert r.returncode == 0, r.stderr
     json.loads(r.stdout)
     assert all(line.startswith("rank ") for line in r.stderr.splitlines() if line.strip()), r.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("factory,args,tolerance", [
+    ("tiny_gpt:make", ["--strategy", "ddp"], 0.01),       # measured -0.01% (docs/accuracy.md, session 12)
+    ("tiny_moe:make", ["--stage", "3"], 0.01),            # measured -0.00%
+    ("tiny_gpt:make", ["--strategy", "fsdp-full"], 0.01),  # measured -0.45%
+])
+def test_validate_a_user_module(factory, args, tolerance):
+    # the user's own module (tests/data/user_modules), run by the harness as its factory builds it and traced
+    # the same way (memplan/model/user_module.py): model states exact, the peak within the tolerance
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    modules = Path(__file__).resolve().parents[1] / "data" / "user_modules"
+    r = subprocess.run([sys.executable, "-m", "memplan", "validate", factory, "--gpus", "2", "--micro-batch", "2",
+                        "--seq-len", "64", "--device", "cpu", "--json", *args], capture_output=True, text=True,
+                       timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(modules)})
+    assert r.returncode in (0, 3), r.stderr[-2000:]
+    _check(json.loads(r.stdout), tolerance)

@@ -195,6 +195,9 @@ def check(
     strategy: O.Strategy = None,
     micro_batch: O.MicroBatch = None,
     seq_len: O.SeqLen = None,
+    grad_accum: O.GradAccum = None,
+    precision: O.Precision = None,
+    optimizer: O.Optimizer = None,
     recompute: str = typer.Option("none", "--recompute", help="none | selective | full."),
     allocator_conf: O.AllocatorConf = None,
     max_fraction: float = typer.Option(1.0, "--max-fraction", help="Pass only if the required bytes are at most "

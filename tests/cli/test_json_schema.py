@@ -62,3 +62,19 @@ def test_estimate_json_is_the_same_bytes_every_run():
     outs = {subprocess.run(args, capture_output=True, text=True, env={**os.environ, "PYTHONHASHSEED": seed}).stdout
             for seed in ("1", "2", "3")}
     assert len(outs) == 1 and json.loads(outs.pop())["strategy"]["name"] == "zero3"
+
+
+@pytest.mark.parametrize("args", ["check llama-3-8b --gpus 8 --stage 2 --gpu h100-80g --json",
+                                  "check llama-3-8b --gpus 8 --strategy ddp --gpu h100-80g --max-fraction 0.9 --json"])
+def test_check_json_follows_the_schema(args):
+    from referencing import Registry, Resource
+
+    base = Path(__file__).resolve().parents[2] / "memplan" / "schema"
+    check_schema = json.loads((base / "check-v1.schema.json").read_text())
+    registry = Registry().with_resource("https://memplan.dev/schema/estimate-v1.schema.json",
+                                        Resource.from_contents(SCHEMA))
+    code, out, err = run_cli(args.split())
+    assert code in (0, 1), err
+    d = json.loads(out)
+    jsonschema.Draft202012Validator(check_schema, registry=registry).validate(d)
+    assert d["check"]["pass"] == (code == 0)

@@ -211,6 +211,7 @@ def check(
     """
     import math
 
+    params = {k: v for k, v in locals().items() if k not in ("ctx", "max_fraction", "math")}
     from memplan import cli_estimate
     from memplan.estimate_check import verdict
 
@@ -218,10 +219,7 @@ def check(
         raise MemplanError(f"--max-fraction must be in (0, 1], got {max_fraction}")
     if gpu is None and gpu_memory is None:
         raise MemplanError("check needs the GPU: --gpu NAME (memplan presets) or --gpu-memory SIZE (80GB, 80GiB)")
-    given = {**cli_estimate.defaults(estimate), **{k: v for k, v in locals().items()
-                                                   if k not in ("ctx", "max_fraction", "math", "cli_estimate",
-                                                                "verdict")}}
-    given.pop("ctx", None)
+    given = {**cli_estimate.defaults(estimate), **params}  # estimate's defaults, check's own options over them
     O.progress_for(as_json)
     est = cli_estimate.run(given, O.explicit(ctx), O.overheads_of, progress_text="looking for changes that would fit",
                            max_fraction=max_fraction)

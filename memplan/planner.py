@@ -11,7 +11,7 @@ batched evaluator (accounting.required_bytes), and the candidates are ranked:
   1. no recompute before selective before full (recompute costs a forward pass),
   2. the largest micro-batch,
   3. offload last, then the least communication per GPU per step (memplan/comm.py: the bytes that cross nodes,
-     then all of them, from each framework's collectives at that GPU count),
+     then all of them, from each framework's collectives at that GPU count), then the simpler strategy,
   4. the most headroom.
 Pure: no torch import when the activation profiles are shipped or cached; no printing.
 """
@@ -38,7 +38,7 @@ OFFLOAD_VARIANTS = {
 DEFAULT_STRATEGIES = ("single", "ddp", "zero1", "zero2", "zero3", "zero-optimizer", "fsdp-full", "fsdp-grad-op", "hsdp")
 RANKING = ("the fewest GPUs first; at that count no recompute before full recompute, then the largest micro-batch, "
            "offload last, then the least communication per GPU per step (inter-node bytes, then all bytes: "
-           "memplan/comm.py), then the most headroom")
+           "memplan/comm.py), then the simpler strategy, then the most headroom")
 
 
 @dataclass(frozen=True)
@@ -212,7 +212,10 @@ def _fewest_gpus(inv: ParamInventory, c: Candidate, counts: list[int], gpus_per_
 
 def _rank(c: Candidate) -> tuple:
     """No recompute before full, the largest micro-batch, no offload, the least communication, the most headroom."""
+    # equal bytes (one GPU: none at all) prefer the simpler strategy (Strategy.comm_volume: plain PyTorch, then
+    # DDP / ZeRO-1/2, then the fully sharded ones)
     return (RECOMPUTE_ORDER.index(c.recompute), -(c.micro_batch or 0), c.offload, c.comm or (0, 0),
+            c.settings.strategy.comm_volume,
             -(c.headroom_bytes or 0))
 
 

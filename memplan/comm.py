@@ -66,7 +66,7 @@ def communication(inv: Any, s: Settings) -> dict[str, Any]:
     mm = st.memory_model
     if st.one_gpu or n_all <= 1:
         pass
-    elif mm == "ddp" and st.framework == "horovod":  # in place through the fusion buffer, fp16 if compressed
+    elif mm == "ddp" and st.fusion_buffer:  # in place through the fusion buffer, fp16 if compressed
         width = 2 if s.horovod.compression == "fp16" else rc.grad_bytes
         add("all-reduce", "gradients (Horovod fusion buffer)", n_all, width, psi, 1)
     elif mm == "ddp":

@@ -46,6 +46,9 @@ class Strategy:
     fp32_grad_accumulation: bool = False
     #: DDP reducer buckets: one flat buffer per bucket covering every gradient, allocated at construction.
     ddp_buckets: bool = False
+    #: Horovod's tensor fusion: gradients all-reduced in place through one persistent fusion buffer (its knobs:
+    #: Settings.horovod), each gradient's compressed copy held from its hook to the step.
+    fusion_buffer: bool = False
     #: DeepSpeed's ipg reduce buckets (reduce_bucket_size elements, doubled with overlap_comm).
     ds_ipg_buckets: bool = False
     #: The optimizer keeps its own fp32 copy of the parameters it updates, whatever their dtype (DeepSpeed's
@@ -81,7 +84,7 @@ STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
     # accumulate hook through the persistent fusion buffer (horovod/common/fusion_buffer_manager.cc), no
     # reducer buckets; gradients kept to the step as under DDP
     Strategy(name="horovod", framework="horovod", memory_model="ddp",
-             layout=REPLICATED, shard_optimizer=False, shard_grads=False, shard_params=False,
+             layout=REPLICATED, shard_optimizer=False, shard_grads=False, shard_params=False, fusion_buffer=True,
              description="Horovod DistributedOptimizer: everything replicated, gradients all-reduced through its "
                          "fusion buffer"),
     Strategy(name="zero0", framework="deepspeed", memory_model="zero12",

@@ -19,7 +19,7 @@ def buffers(job: Job, grads: Grads) -> BufferTimeline:
     # inside the last block, all but the embedding's and the first block's inside the first block
     moments = unreduced_grad_moments(job.gathers, rc.grad_bytes, job.psi)
     epilogue, assumptions = 0, {}
-    if st.framework == "horovod" and job.s.cluster.gpus > 1:
+    if st.fusion_buffer and job.s.cluster.gpus > 1:
         hv = job.s.horovod
         persistent += hv.fusion_threshold  # torch::empty of the threshold's bytes (torch/adapter_v2.cc), kept
         assumptions["horovod_fusion_buffer"] = hv.fusion_threshold

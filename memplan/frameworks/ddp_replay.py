@@ -95,7 +95,7 @@ def replay_ddp(job: ReplayJob, config: AllocatorConfig | None = None, release: s
 def why_not(s: Any) -> str | None:
     if s.strategy.shard_optimizer:
         return "ZeroRedundancyOptimizer not modelled yet"
-    if s.strategy.framework == "horovod" and s.cluster.gpus > 1:
+    if s.strategy.fusion_buffer and s.cluster.gpus > 1:
         return "Horovod's allocation order (fusion buffer, compression copies) not replayed yet"
     return None
 

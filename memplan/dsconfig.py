@@ -9,7 +9,6 @@ values are errors.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -128,15 +127,9 @@ def _precision_enabled(data: dict[str, Any], key: str, path: str) -> bool | None
 
 
 def load(path: str) -> DsConfig:
-    from memplan.units import read_small_text
+    from memplan.units import parse_json, read_small_text
 
-    text = read_small_text(Path(path), "DeepSpeed config")
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{path} is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
-    except RecursionError:
-        raise ConfigError(f"{path} is nested too deeply to be a DeepSpeed config") from None
+    data = parse_json(read_small_text(Path(path), "DeepSpeed config"), path, "DeepSpeed config")
     if not isinstance(data, dict):
         raise ConfigError(f"{path} must hold a JSON object")
     unknown = [k for k in data if k not in KNOWN_TOP]

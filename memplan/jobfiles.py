@@ -17,7 +17,6 @@ PyYAML (a transformers dependency) is imported only to read YAML.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -49,12 +48,9 @@ def _load(path: str, what: str) -> dict[str, Any]:
         except RecursionError:
             raise ConfigError(f"{path} is nested too deeply to be a {what}") from None
     else:
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"{path} is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
-        except RecursionError:
-            raise ConfigError(f"{path} is nested too deeply to be a {what}") from None
+        from memplan.units import parse_json
+
+        data = parse_json(text, path, what)
     if not isinstance(data, dict):
         raise ConfigError(f"{path} must hold a mapping of settings (a JSON object or YAML mapping)")
     return data

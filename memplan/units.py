@@ -6,6 +6,7 @@ Units: GiB = 2**30 bytes (binary), GB = 10**9 bytes (decimal). Display is always
 from __future__ import annotations
 
 import re
+from typing import Any
 
 from memplan.errors import SettingsError
 
@@ -135,3 +136,18 @@ def read_small_text(path, what: str, limit: int = 16 << 20) -> str:  # noqa: ANN
         return raw.decode("utf-8")
     except UnicodeDecodeError:
         raise SettingsError(f"{what} {p} is not UTF-8 text") from None
+
+
+def parse_json(text: str, path: Any, what: str) -> Any:
+    """JSON text of a file, or a one-line ConfigError naming the file and where the text breaks (never its
+    content); nesting deep enough to exhaust the parser is refused too."""
+    import json
+
+    from memplan.errors import ConfigError
+
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path} is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
+    except RecursionError:
+        raise ConfigError(f"{path} is nested too deeply to be a {what}") from None

@@ -75,17 +75,12 @@ def gpu_presets() -> dict[str, dict[str, Any]]:
 
 def read_config(path: Path) -> dict[str, Any]:
     """Read and check a config.json: exists, not empty, a JSON object with a model_type."""
-    from memplan.units import read_small_text
+    from memplan.units import parse_json, read_small_text
 
     text = read_small_text(path, "config", MAX_CONFIG_BYTES)
     if not text:
         raise ConfigError(f"{path} is empty")
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{path} is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
-    except RecursionError:
-        raise ConfigError(f"{path} is nested too deeply to be a config.json") from None
+    data = parse_json(text, path, "config.json")
     if not isinstance(data, dict):
         raise ConfigError(f"{path} must hold a JSON object, not {type(data).__name__}")
     if "model_type" not in data:

@@ -48,7 +48,8 @@ def communication(inv: Any, s: Settings) -> dict[str, Any]:
     if st.memory_model == "zero3":
         persistent_numel = layouts.layout_sizes(inv, st.layout, shard_group_size(s),
                                                 s.ds.param_persistence_threshold).persistent_numel
-    psi, ga = inv.num_params, s.grad_accum
+    # gradients are reduced for the trainable parameters only; all-gathers move every parameter (frozen too)
+    psi, every, ga = inv.trainable_params, inv.num_params, s.grad_accum
     out: list[dict[str, Any]] = []
 
     def add(op: str, what: str, group: int, width: int, numel: int, times: int, within_node: bool = False,
@@ -79,7 +80,7 @@ def communication(inv: Any, s: Settings) -> dict[str, Any]:
         if st.shard_optimizer:
             add("all-gather", "updated 16-bit partitions", n_all, rc.param_bytes, psi, 1)
     elif mm == "zero3":
-        gathered = psi - persistent_numel
+        gathered = every - persistent_numel
         hpz = s.ds.hpz_partition_size
         add("all-gather", "parameters, forward", n_all, rc.param_bytes, gathered, ga)
         if hpz > 1:
@@ -95,11 +96,11 @@ def communication(inv: Any, s: Settings) -> dict[str, Any]:
             add("all-reduce", "gradients", n_all, rc.reduced_grad_bytes, psi, ga)
         else:
             raf = reshard_after_forward(s)
-            add("all-gather", "parameters, forward", n, rc.compute_bytes, psi, ga, within)
+            add("all-gather", "parameters, forward", n, rc.compute_bytes, every, ga, within)
             if raf is True:
-                add("all-gather", "parameters, backward", n, rc.compute_bytes, psi, ga, within)
+                add("all-gather", "parameters, backward", n, rc.compute_bytes, every, ga, within)
             elif raf not in (False, None, 1):
-                add("all-gather", f"parameters, backward (from groups of {raf})", int(raf), rc.compute_bytes, psi,
+                add("all-gather", f"parameters, backward (from groups of {raf})", int(raf), rc.compute_bytes, every,
                     ga, True)
             add("reduce-scatter", "gradients", n, rc.reduced_grad_bytes, psi, ga, within)
             if n_all > n:  # HSDP: the reduced shards all-reduced across replicas

@@ -33,6 +33,13 @@ class LayoutSizes:
     #: ZeRO-1/2 (flat aligned): the most elements, over ranks, of the whole parameters that overlap a rank's
     #: partition; stage_1_and_2.py sizes grads_in_partition as sum(p.numel() for p in params_in_partition)
     partition_params_numel: int = 0
+    #: gradient elements a rank holds where gradients are sharded as the parameters are (FSDP, ZeRO-3): its
+    #: shard of the trainable parameters (-1: the same as shard_numel, nothing frozen)
+    trainable_shard_numel: int = -1
+
+    @property
+    def grad_shard_numel(self) -> int:
+        return self.shard_numel if self.trainable_shard_numel < 0 else self.trainable_shard_numel
 
 
 @dataclass(frozen=True)
@@ -52,6 +59,13 @@ class GatherSizes:
     #: (the head), unpadded
     tied: int = 0
     head_largest_tensor: int = 0
+    #: padded elements of each layer block's trainable parameters, the blocks as in block_numels (() : the same
+    #: as block_numels, nothing frozen): what a block's gradients and reduce-scatter input hold under LoRA
+    trainable_block_numels: tuple[int, ...] = ()
+
+    @property
+    def grad_block_numels(self) -> tuple[int, ...]:
+        return self.trainable_block_numels or self.block_numels
 
 
 _cache: dict[tuple, tuple[ParamInventory, object]] = {}
@@ -88,8 +102,30 @@ def _dim0_shard(shape: tuple[int, ...], n: int) -> int:
 
 
 def layout_sizes(inv: ParamInventory, layout: str, n: int, persistence_threshold: int = 0) -> LayoutSizes:
+    make = _with_frozen if inv.frozen else _layout_sizes
     return cached(inv, ("layout", layout, n, persistence_threshold),
-                   lambda: _layout_sizes(inv, layout, n, persistence_threshold))
+                  lambda: make(inv, layout, n, persistence_threshold))
+
+
+def _with_frozen(inv: ParamInventory, layout: str, n: int, threshold: int) -> LayoutSizes:
+    """A model with frozen parameters (LoRA): every framework stores them as it stores the others, but gives
+    gradients, reduce buffers and optimizer states to the trainable ones only:
+    - DDP's reducer buckets and torch.optim's states cover parameters that require grad
+      (torch/nn/parallel/distributed.py _build_params_for_reducer; Adam makes state only for p.grad);
+    - FSDP2 shards every parameter and reduce-scatters those with a gradient (_fsdp_param_group.py
+      foreach_reduce over fsdp_params_with_grad);
+    - DeepSpeed ZeRO-1/2 flattens and partitions only the trainable parameters
+      (stage_1_and_2.py: trainable_parameters = [p for p in param_group['params'] if p.requires_grad]); the frozen
+      ones stay whole module parameters, cast to the 16-bit dtype like the rest (engine.py module.bfloat16());
+    - ZeRO-3 partitions every parameter (zero.Init / _convert_to_zero_parameters) and builds its fp16 and fp32
+      groups from the trainable ones (stage3.py _get_trainable_parameter_groups)."""
+    full = _layout_sizes(inv, layout, n, threshold)
+    tr = _layout_sizes(inv.trainable_inventory, layout, n, threshold)
+    shard = full.shard_numel
+    if layout == S.FLAT_ALIGNED:
+        shard = tr.shard_numel + inv.num_params - inv.trainable_params
+    return LayoutSizes(shard, tr.optimizer_numel, tr.single_step_scratch, full.persistent_numel, full.matmul_numel,
+                       tr.shard_shapes, tr.partition_params_numel, trainable_shard_numel=tr.shard_numel)
 
 
 def _layout_sizes(inv: ParamInventory, layout: str, n: int, threshold: int) -> LayoutSizes:
@@ -165,6 +201,7 @@ def gather_sizes(inv: ParamInventory, layout: str, n: int) -> GatherSizes:
 
 def _gather_sizes(inv: ParamInventory, layout: str, n: int) -> GatherSizes:
     per_block: dict[str, int] = {}
+    per_block_trainable: dict[str, int] = {}
     root_head = tied = head_largest = 0
     largest = {True: 0, False: 0}  # root?: the largest padded tensor
     seen_block = False
@@ -181,17 +218,21 @@ def _gather_sizes(inv: ParamInventory, layout: str, n: int) -> GatherSizes:
         else:
             padded = t.numel
         per_block[t.block] = per_block.get(t.block, 0) + padded
+        per_block_trainable[t.block] = per_block_trainable.get(t.block, 0) + (padded if t.trainable else 0)
         largest[t.block == ROOT_BLOCK] = max(largest[t.block == ROOT_BLOCK], padded)
         if t.block == ROOT_BLOCK and (seen_block or t.tied_names):
             root_head += padded
     if layout == S.FLAT_PER_BLOCK:
         per_block = {b: round_up(v, n) for b, v in per_block.items()}
+        per_block_trainable = {b: round_up(v, n) for b, v in per_block_trainable.items()}
     root = per_block.pop(ROOT_BLOCK, 0)
+    per_block_trainable.pop(ROOT_BLOCK, 0)
     blocks = tuple(per_block.values())
+    trainable_blocks = tuple(per_block_trainable.values()) if inv.frozen else ()
     return GatherSizes(largest_block=max(blocks, default=root), root=root, total_blocks=sum(blocks),
                        block_numels=blocks, total_sharded=inv.num_params, root_head=root_head,
                        largest_tensor=largest[False], root_largest_tensor=largest[True], tied=tied,
-                       head_largest_tensor=head_largest)
+                       head_largest_tensor=head_largest, trainable_block_numels=trainable_blocks)
 
 
 def ceil_sum(numels: tuple[int, ...], r: int) -> int:

@@ -83,6 +83,8 @@ def activation_profile(config: dict[str, Any] | None, s: Settings, mode: str, no
         raise SettingsError(f"unknown attention {s.attention!r}; valid: {', '.join(act.ATTENTION)}")
     if s.recompute not in act.RECOMPUTE:
         raise SettingsError(f"unknown recompute {s.recompute!r}; valid: {', '.join(act.RECOMPUTE)}")
+    if s.lora is not None and (mode == "analytic" or config is None):
+        notes.append("activations: analytic, as for full training; LoRA's frozen weights save less (an upper bound)")
     if mode == "analytic":
         return None
     if config is None:
@@ -90,6 +92,7 @@ def activation_profile(config: dict[str, Any] | None, s: Settings, mode: str, no
             raise SettingsError("--activations traced needs a model config (preset, config.json or directory)")
         notes.append("activations: analytic (no config.json to trace)")
         return None
+
     attention = "flash" if s.attention != "eager" or s.recompute == "selective" else "eager"
     recompute = "full" if s.recompute == "full" else "none"
     # DeepSpeed ZeRO-3 replaces F.linear with its own autograd function (tracing._deepspeed_zero3_linear)
@@ -333,6 +336,25 @@ def _dim0_padding_note(inv: ParamInventory, s: Settings) -> list[str]:
             "avoids it"]
 
 
+def _with_lora(config: dict[str, Any] | None, inv: ParamInventory, s: Settings, spec: Any,
+               notes: list[str]) -> dict[str, Any] | None:
+    """LoRA's checks and notes; the config the traced step adds the same adapters from."""
+    from memplan import frameworks
+
+    why = frameworks.model(s.strategy.memory_model).frozen_why_not
+    if why:
+        raise SettingsError(why)
+    if not inv.frozen:
+        raise SettingsError("internal: a LoRA job needs the adapted inventory (memplan.model.lora.apply)")
+    notes.extend(spec.notes)
+    notes.append(f"{spec.describe()} ({spec.source}): frozen base weights stored as the recipe stores parameters, "
+                 "no gradients or optimizer states for them; adapters train in the recipe's dtypes")
+    if s.recipe.name == "pure-bf16":
+        notes.append("LoRA under pure-bf16: adapters taken in bf16; PEFT's default (autocast_adapter_dtype=True) "
+                     "upcasts them to fp32, 2 bytes more per adapter element for weights, grads and each state")
+    return None if config is None else {**config, "lora": spec.trace_fields()}
+
+
 def resolve(inv: ParamInventory, *, gpus: int = 1, gpus_per_node: int | None = None, stage: int | None = None,
             strategy: str | None = None, precision: str | None = None, optimizer: str | None = None,
             optimizer_impl: str | None = None, micro_batch: int | None = None, seq_len: int | None = None,
@@ -343,7 +365,11 @@ def resolve(inv: ParamInventory, *, gpus: int = 1, gpus_per_node: int | None = N
             overhead_overrides: dict[str, Any] | None = None, config: dict[str, Any] | None = None,
             activations: str = "auto", cpu_isa: str | None = None, gpu_arch: str | None = None,
             allocator_conf: str | None = None, host_memory_size: str | None = None,
-            pin_memory: bool | None = None, horovod_overrides: dict[str, Any] | None = None) -> Resolved:
+            pin_memory: bool | None = None, horovod_overrides: dict[str, Any] | None = None,
+            lora: Any = None) -> Resolved:
+    """The job's Settings from the options given, each from the command line, the job's files or a default
+    (``sources`` says which). ``lora``: the LoRA adapter (model/lora.py LoraSpec) ``inv`` already carries
+    (lora.apply), which the traced step adds too."""
     pick = _Picker(deepspeed)
     notes = pick.notes
     ds_file = dsconfig.load(deepspeed) if deepspeed else None
@@ -389,7 +415,9 @@ def resolve(inv: ParamInventory, *, gpus: int = 1, gpus_per_node: int | None = N
     conf = _allocator_conf(allocator_conf, device, notes, pick.sources)
     settings = Settings(strategy=strat, recipe=recipe, optimizer=opt, cluster=cluster, optimizer_impl=optimizer_impl,
                         micro_batch=mb, seq_len=seq, grad_accum=ga, recompute=recompute, attention=attention,
-                        ds=ds, torch=tk, horovod=hv, overheads=ov, allocator_conf=conf)
+                        ds=ds, torch=tk, horovod=hv, overheads=ov, allocator_conf=conf, lora=lora)
+    if lora is not None:
+        config = _with_lora(config, inv, settings, lora, notes)
     notes.extend(_dim0_padding_note(inv, settings))
     if any(len(t.shape) >= 4 for t in inv.tensors):  # Conv2d/Conv3d kernels: a small CNN, -10.6% on CPU
         notes.append("convolutions: their kernels' scratch (cuDNN, oneDNN) is not modelled (docs/accuracy.md)")

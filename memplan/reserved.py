@@ -42,6 +42,8 @@ def why_not(s: Any) -> str | None:
     data = getattr(prof, "data", None)
     if not data or not data.get("alloc_events"):
         return "no traced step (analytic activations, or a profile traced before allocations were recorded)"
+    if getattr(s, "lora", None) is not None:
+        return "LoRA: the frameworks' setup with frozen parameters is not replayed yet"
     mod = _replayer(s)
     if mod is None:
         return f"{s.strategy.framework} setup not modelled yet"

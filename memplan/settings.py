@@ -178,6 +178,9 @@ class Settings:
     activation_profile: Any = None
     #: PYTORCH_CUDA_ALLOC_CONF for the caching allocator's replay ("" : PyTorch's defaults)
     allocator_conf: str = ""
+    #: the LoRA adapter the inventory carries (memplan/model/lora.py LoraSpec; the inventory is lora.apply's);
+    #: None: every parameter trains
+    lora: Any = None
 
     def __post_init__(self) -> None:
         for name, most in (("micro_batch", MAX_MICRO_BATCH), ("seq_len", MAX_SEQ_LEN), ("grad_accum", MAX_GRAD_ACCUM)):

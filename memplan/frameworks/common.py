@@ -41,12 +41,19 @@ class Job:
 
     @property
     def psi(self) -> int:
-        return self.inv.num_params
+        """Elements that get gradients: every parameter, or the trainable ones where some are frozen (LoRA)."""
+        return self.inv.trainable_params
 
     @property
     def gathers(self) -> Any:
-        """Gathered sizes by block (layouts.gather_sizes)."""
+        """Gathered sizes by block (layouts.gather_sizes): every parameter, frozen or not."""
         return layouts.gather_sizes(self.inv, self.s.strategy.layout, self.n)
+
+    @property
+    def grad_gathers(self) -> Any:
+        """The same sizes over the parameters that get gradients (the reduce side): ``gathers`` unless some
+        parameters are frozen."""
+        return layouts.gather_sizes(self.inv.trainable_inventory, self.s.strategy.layout, self.n)
 
 
 @dataclass(frozen=True)
@@ -90,7 +97,7 @@ def grads_at_end(job: Job) -> int:
     reduce dtype (FSDP's padded shards)."""
     st, rc = job.s.strategy, job.s.recipe
     if st.full_grads_in_backward:
-        return rc.grad_bytes * (job.psi if not st.shard_params else job.lay.shard_numel)
+        return rc.grad_bytes * (job.psi if not st.shard_params else job.lay.grad_shard_numel)
     return rc.reduced_grad_bytes * job.lay.optimizer_numel
 
 
@@ -142,6 +149,8 @@ class FrameworkModel:
     cpu_offload_policy: bool = False
     #: the buffers the framework pins on the host (bytes each, as requested; memplan/host.py rounds them)
     pinned_host: Callable[[ParamInventory, Settings, int], list[int]] = no_pinned
+    #: why the model cannot take frozen parameters (LoRA), or None where it can (layouts._with_frozen)
+    frozen_why_not: str | None = None
     #: the module that replays the framework's allocations for the reserved peak (memplan/reserved.py): its
     #: replay(inv, s, config) and why_not(s); None where the framework's setup is not written down yet
     replay: str | None = None

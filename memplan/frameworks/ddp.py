@@ -17,7 +17,7 @@ def buffers(job: Job, grads: Grads) -> BufferTimeline:
     # every parameter's grad is allocated by autograd when produced and kept to the step (the Reducer copies
     # buckets back into them), so inside a block's backward the grads of everything after it exist: the head's
     # inside the last block, all but the embedding's and the first block's inside the first block
-    moments = unreduced_grad_moments(job.gathers, rc.grad_bytes, job.psi)
+    moments = unreduced_grad_moments(job.grad_gathers, rc.grad_bytes, job.psi)
     epilogue, assumptions = 0, {}
     if st.fusion_buffer and job.s.cluster.gpus > 1:
         hv = job.s.horovod
@@ -28,7 +28,7 @@ def buffers(job: Job, grads: Grads) -> BufferTimeline:
             # (decompress) before the old gradient goes: at backward's end all copies, plus one tensor's
             copies = [BufferMoment(m.buffers + 2 * m.grads // rc.grad_bytes, m.grads, m.at) for m in moments]
             moments = copies
-            g = job.gathers
+            g = job.grad_gathers
             epilogue = 2 * job.psi + rc.grad_bytes * max(g.largest_tensor, g.root_largest_tensor)
     return BufferTimeline(persistent=persistent, moments=(LOSS, *moments), end_epilogue=epilogue,
                           assumptions=assumptions)

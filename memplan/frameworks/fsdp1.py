@@ -128,4 +128,8 @@ def _end(s: Any, g: Any, n: int, root: int, head_grads: int, grads_end: int) -> 
 
 
 MODEL = FrameworkModel(name="fsdp1", buffers=buffers, grads_at_end=grads_at_end, cpu_offload_policy=True,
+                       # with use_orig_params=True a FlatParameter mixes frozen and trainable parameters and its
+                       # gradient covers all of them (frozen parts zero-filled): not modelled
+                       frozen_why_not="FSDP1 with frozen parameters (use_orig_params=True FlatParameters) is not "
+                                      "modelled; --fsdp-version 2 (fully_shard) is",
                        pinned_host=fsdp2_pinned)

@@ -24,7 +24,7 @@ def pinned_host(inv: ParamInventory, s: Settings, n: int) -> list[int]:
     for t in inv.tensors:
         rows = t.shape[0] if t.shape else 1
         shard = ceil_div(rows, n) * (t.numel // rows if rows else 0)
-        out += [rc.param_bytes * shard, rc.reduced_grad_bytes * shard]
+        out += [rc.param_bytes * shard] + ([rc.reduced_grad_bytes * shard] if t.trainable else [])
     return out
 
 
@@ -88,10 +88,18 @@ class _Units:
     pf: int  #: 1 where a prefetch allocates (an all-gather), else 0
     chunk_tmp: int  #: the CPU chunk_cat temporary of the largest gradient (0 on CUDA)
     root_chunk_tmp: int
+    #: the same blocks' trainable elements (what their gradients and reduce-scatter inputs hold: foreach_reduce
+    #: takes the parameters with a gradient, _fsdp_param_group.py post_backward); equal to last, prev, first,
+    #: second unless parameters are frozen (LoRA)
+    tlast: int = 0
+    tprev: int = 0
+    tfirst: int = 0
+    tsecond: int = 0
+    troot: int = 0  #: the root's trainable elements
 
 
 def _units(job: Job) -> _Units:
-    s, rc, g = job.s, job.s.recipe, job.gathers
+    s, rc, g, gg = job.s, job.s.recipe, job.gathers, job.grad_gathers
     # FSDP2 unshards into MixedPrecisionPolicy.param_dtype (else the parameters' dtype), and autograd's unsharded
     # grads come out in that same dtype: the recipe's grad_bytes (fsdp-bf16: bf16; torch-amp, fp32: fp32, with
     # autocast making its own bf16 copies from the unsharded fp32 weights). With a shard group of one (NO_SHARD)
@@ -100,6 +108,7 @@ def _units(job: Job) -> _Units:
     cb = gb = rc.grad_bytes
     rb = rc.reduced_grad_bytes
     sizes = g.block_numels or (0,)
+    tsizes = g.grad_block_numels or (0,)
     nblocks = len(g.block_numels)
     # all-gathers with more than one rank go through a flat output buffer. In forward the output is kept
     # (FSDPCommContext.all_gather_state) until the next block's wait_for_unshard returns: the local
@@ -116,14 +125,16 @@ def _units(job: Job) -> _Units:
     cpu_chunk = s.cluster.device == "cpu" and gb != rb
     return _Units(root=cb * g.root, last=sizes[-1], prev=sizes[-2] if nblocks >= 2 else 0,
                   prev2=sizes[-3] if nblocks >= 3 else 0, first=sizes[0], second=sizes[1] if nblocks >= 2 else 0,
-                  nblocks=nblocks, blocks=g.total_blocks, cb=cb, gb=gb, rb=rb, head_grads=gb * g.root_head, flat=flat,
+                  nblocks=nblocks, blocks=g.total_blocks, cb=cb, gb=gb, rb=rb, head_grads=gb * gg.root_head, flat=flat,
                   # a prefetch (unshard) allocates only where there is an all-gather: with a shard group of one,
                   # unshard() records an empty result and wait_for_unshard() allocates and copies when the block
                   # runs (_fsdp_param_group.py, world_size == 1; measured with the harness: gpt2 at 1 rank was
                   # +5.35%)
                   pf=1 if flat else 0,
-                  chunk_tmp=gb * g.largest_tensor if cpu_chunk else 0,
-                  root_chunk_tmp=gb * g.root_largest_tensor if cpu_chunk else 0)
+                  chunk_tmp=gb * gg.largest_tensor if cpu_chunk else 0,
+                  root_chunk_tmp=gb * gg.root_largest_tensor if cpu_chunk else 0,
+                  tlast=tsizes[-1], tprev=tsizes[-2] if nblocks >= 2 else 0, tfirst=tsizes[0],
+                  tsecond=tsizes[1] if nblocks >= 2 else 0, troot=gg.root)
 
 
 @dataclass(frozen=True)
@@ -154,9 +165,9 @@ def _kept(u: _Units) -> _Held:
         unshard_last=0, unshard_prev=0,
         inside_last=u.root + u.head_grads + kept,
         # all blocks unsharded and the last one's grads; then (resharded) its reduce-scatter input
-        last_end=u.root + u.head_grads + kept + u.gb * u.last + max(0, u.rb - u.cb) * u.last + u.chunk_tmp,
+        last_end=u.root + u.head_grads + kept + u.gb * u.tlast + max(0, u.rb * u.tlast - u.cb * u.last) + u.chunk_tmp,
         # one block fewer unsharded, the last block's reduce-scatter input
-        inside_two=u.root + u.head_grads + kept - u.cb * u.last + u.rb * u.last)
+        inside_two=u.root + u.head_grads + kept - u.cb * u.last + u.rb * u.tlast)
 
 
 def _resharded(u: _Units, raf: bool | int, block_numels: tuple[int, ...]) -> _Held:
@@ -183,13 +194,13 @@ def _resharded(u: _Units, raf: bool | int, block_numels: tuple[int, ...]) -> _He
         # inside the last block's backward: itself, the next block prefetched by its pre-backward
         inside_last=root + hg + kept - share_last + prefetched + cb * u.last,
         # at the end of its backward: that, and its grads; then resharded, its reduce-scatter input
-        last_end=(root + hg + kept - share_last + prefetched + u.gb * u.last + max(cb, u.rb) * u.last
+        last_end=(root + hg + kept - share_last + prefetched + u.gb * u.tlast + max(cb * u.last, u.rb * u.tlast)
                   + u.chunk_tmp),
         # the block before it, copied out of its prefetched all-gather: the last block's reduce-scatter input
         # still held (reduce_scatter_max_input_buffers = 1) and the next block prefetched after
-        unshard_prev=root + hg + kept - share_last + copies * cb * u.prev + u.rb * u.last,
+        unshard_prev=root + hg + kept - share_last + copies * cb * u.prev + u.rb * u.tlast,
         # inside the block before it: itself, the next prefetched (if any), the last block's input
-        inside_two=root + hg + kept - share_last - share_prev + cb * (u.prev + u.pf * u.prev2) + u.rb * u.last)
+        inside_two=root + hg + kept - share_last - share_prev + cb * (u.prev + u.pf * u.prev2) + u.rb * u.tlast)
 
 
 def _forward_moments(u: _Units, h: _Held, raf: bool | int) -> list[BufferMoment]:
@@ -218,18 +229,18 @@ def _backward_moments(u: _Units, h: _Held, raf: bool | int, n: int) -> list[Buff
     if u.nblocks < 2:
         return out
     # and the last block's reduced grad shard
-    last_shard = u.rb * ceil_div(u.last, n)
+    last_shard = u.rb * ceil_div(u.tlast, n)
     if h.unshard_prev:
         out.append(BufferMoment(h.unshard_prev, last_shard, Moment.PREVIOUS_BLOCK_BACKWARD_BEGINS))
     # the block before, its grads complete
-    out.append(BufferMoment(h.inside_two + u.gb * u.prev, last_shard, Moment.PREVIOUS_BLOCK_BACKWARD_ENDS))
+    out.append(BufferMoment(h.inside_two + u.gb * u.tprev, last_shard, Moment.PREVIOUS_BLOCK_BACKWARD_ENDS))
     if u.chunk_tmp:
         # then resharded, the last block's input freed, its own input filled: the CPU temporary (SHARD_GRAD_OP:
         # both blocks resharded after their backward, the rest still unsharded; measured with the harness:
         # llama-3-8b fsdp-bf16 was +1.25..+2.86% counting them unsharded)
         after_two = (h.kept - u.cb * (u.last + u.prev) if raf is False
                      else h.kept - h.share_last - h.share_prev + u.pf * u.cb * u.prev2)
-        out.append(BufferMoment(u.root + u.head_grads + after_two + (u.gb + u.rb) * u.prev + u.chunk_tmp,
+        out.append(BufferMoment(u.root + u.head_grads + after_two + (u.gb + u.rb) * u.tprev + u.chunk_tmp,
                                 last_shard, Moment.PREVIOUS_BLOCK_BACKWARD_ENDS))
     out.append(BufferMoment(h.inside_two, last_shard, Moment.INSIDE_PREVIOUS_BLOCK_BACKWARD))
     return out
@@ -241,17 +252,17 @@ def _end(u: _Units, job: Job, grads_end: int) -> tuple[tuple[int, int], BufferMo
     and the root), and the root's reduce (its grads, and either its unsharded params with the first block's
     reduce-scatter input or, resharded, its own reduce-scatter input; every block's shard reduced); and the
     moment inside the first block's backward."""
-    g, n, root, first = job.gathers, job.n, u.root, u.first
-    first_block = (root + u.head_grads + (u.cb + u.gb) * first
-                   + (u.rb * u.second if u.nblocks >= 2 else max(0, u.rb - u.cb) * first),
-                   u.rb * (ceil_div(g.root, n) + ceil_div(first, n)))
+    n, root, first, tfirst, troot = job.n, u.root, u.first, u.tfirst, u.troot
+    first_block = (root + u.head_grads + u.cb * first + u.gb * tfirst
+                   + (u.rb * u.tsecond if u.nblocks >= 2 else max(0, u.rb * tfirst - u.cb * first)),
+                   u.rb * (ceil_div(troot, n) + ceil_div(tfirst, n)))
     # then resharded, its own reduce-scatter input filled (on CPU through the chunk_cat temporary)
-    first_fill = (root + u.head_grads + (u.gb + u.rb) * first + u.chunk_tmp, first_block[1])
-    root_reduce = (u.gb * g.root + max(root + u.rb * first, u.rb * g.root) + u.root_chunk_tmp,
-                   u.rb * ceil_div(g.root, n))
+    first_fill = (root + u.head_grads + (u.gb + u.rb) * tfirst + u.chunk_tmp, first_block[1])
+    root_reduce = (u.gb * troot + max(root + u.rb * tfirst, u.rb * troot) + u.root_chunk_tmp,
+                   u.rb * ceil_div(troot, n))
     end = max(first_block, first_fill, root_reduce, key=lambda m: m[0] - m[1])
     # inside the first block's backward: itself unsharded, the second block's reduce-scatter input
-    inside = BufferMoment(root + u.head_grads + u.cb * first + (u.rb * u.second if u.nblocks >= 2 else 0),
+    inside = BufferMoment(root + u.head_grads + u.cb * first + (u.rb * u.tsecond if u.nblocks >= 2 else 0),
                           grads_end - first_block[1], Moment.INSIDE_FIRST_BLOCK_BACKWARD)
     return end, inside
 

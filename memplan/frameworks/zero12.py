@@ -31,7 +31,7 @@ def offload(job: Job, grads: Grads, host_by: dict[str, int]) -> OffloadedGrads:
     device and host share the allocator)."""
     rc, opt_numel = job.s.recipe, job.lay.optimizer_numel
     host_by["grads_bytes"] += 4 * opt_numel
-    largest = max((t.numel for t in job.inv.tensors), default=0)
+    largest = max((t.numel for t in job.inv.trainable_inventory.tensors), default=0)
     host_by["buffers_bytes"] += rc.param_bytes * opt_numel + rc.grad_bytes * largest
     return OffloadedGrads(device_buffer=rc.grad_bytes * largest)
 
@@ -42,7 +42,7 @@ def pinned_host(inv: ParamInventory, s: Settings, n: int) -> list[int]:
     .pin_memory)."""
     if not (s.ds.offload_optimizer and s.ds.offload_pin_memory):
         return []
-    rc = s.recipe
+    rc, inv = s.recipe, inv.trainable_inventory  # the trainable parameters' partition (layouts._with_frozen)
     part = ceil_div(ceil_div(inv.num_params, 2 * n) * 2 * n, n)
     largest = max((t.numel for t in inv.tensors), default=0)
     return [4 * part, 4 * part, rc.param_bytes * part, rc.grad_bytes * largest]
@@ -67,7 +67,7 @@ def buffers(job: Job, grads: Grads) -> BufferTimeline:
             # grads_in_partition (the whole parameters overlapping the rank's partition, in the grad dtype)
             # exists, and a tied weight's first contribution waits for the embedding's (measured with the harness:
             # gpt2 ZeRO-2 at 4 ranks with full recompute was -13% without these)
-            tied = job.gathers.tied
+            tied = job.grad_gathers.tied
             in_part = job.lay.partition_params_numel if ds.reduce_bucket_size < job.psi else 0
             for at in (Moment.INSIDE_LAST_BLOCK_BACKWARD, Moment.INSIDE_PREVIOUS_BLOCK_BACKWARD,
                        Moment.INSIDE_FIRST_BLOCK_BACKWARD):
@@ -78,7 +78,7 @@ def buffers(job: Job, grads: Grads) -> BufferTimeline:
             # autograd made it until reduce_gradients after backward, as under DDP. After backward, the first
             # bucket's reduce allocates grads_in_partition beside all of them (copy_grads_in_partition).
             # Measured with the harness: gpt2, fp32, 2 ranks: +8.24% before.
-            moments += unreduced_grad_moments(job.gathers, rc.grad_bytes, job.psi)
+            moments += unreduced_grad_moments(job.grad_gathers, rc.grad_bytes, job.psi)
             if ds.contiguous_gradients:
                 epilogue = rc.grad_bytes * job.lay.partition_params_numel
     moments.append(LOSS)

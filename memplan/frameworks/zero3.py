@@ -255,8 +255,9 @@ def buffers(job: Job, grads: Grads) -> BufferTimeline:
     # contiguous_gradients each is copied into the ipg bucket (counted above) and freed, or reduced at once when
     # larger than the bucket, so one parameter's; without, the bucket's parameters keep their grads until it is
     # reduced (measured: the whole block's, assumed before, was +1..+3% over)
-    unreduced = (g.largest_tensor if ds.contiguous_gradients
-                 else min(g.largest_block, max(ds.reduce_bucket_size, g.largest_tensor)))
+    gg = job.grad_gathers  # what gets gradients (the trainable parameters under LoRA)
+    unreduced = (gg.largest_tensor if ds.contiguous_gradients
+                 else min(gg.largest_block, max(ds.reduce_bucket_size, gg.largest_tensor)))
     # inside the last block's forward: the most gathered in forward, with a coalesced prefetch's flat buffer and
     # its copies both alive (AllGatherCoalescedHandle keeps the flat buffer until every member is waited on;
     # measured with the harness: at DeepSpeed's default buckets, 4 ranks, one 17.3 MB flat buffer held from the first
@@ -269,7 +270,7 @@ def buffers(job: Job, grads: Grads) -> BufferTimeline:
     # with full recompute peaks at the last block's weight-gradient GEMM during its recomputed backward, 1.58 MB
     # above the loss (-6.63% without these moments). A tied weight's first contribution (the head's) waits for
     # the embedding's: its hook runs last.
-    tied_bytes = rc.grad_bytes * g.tied
+    tied_bytes = rc.grad_bytes * gg.tied
     for at in (Moment.INSIDE_LAST_BLOCK_BACKWARD, Moment.INSIDE_PREVIOUS_BLOCK_BACKWARD,
                Moment.INSIDE_FIRST_BLOCK_BACKWARD):
         moments.append(BufferMoment(cb * z.blocks, grads.persist + tied_bytes, at))
@@ -289,11 +290,11 @@ def buffers(job: Job, grads: Grads) -> BufferTimeline:
         # weight hook) (a tied head's hook runs at the embedding's backward, after every block); each block
         # parameter's at its own hook, with the activations of that moment (profile.block_hooks); the
         # embedding's at backward's end.
-        moments.append(BufferMoment(cb * z.loss + per * ceil_div(g.head_largest_tensor, n), grads.persist + tied_bytes,
+        moments.append(BufferMoment(cb * z.loss + per * ceil_div(gg.head_largest_tensor, n), grads.persist + tied_bytes,
                                     Moment.ROOT_LAST_HOOK_BEFORE_BLOCKS))
         hook_transient = (per, n)
         moments.append(BufferMoment(cb * z.blocks, grads.persist + tied_bytes, Moment.BLOCK_GRADIENT_HOOK))
-        gathered_end += per * ceil_div(g.root_largest_tensor, n)
+        gathered_end += per * ceil_div(gg.root_largest_tensor, n)
     return BufferTimeline(
         persistent=persistent, gathered_forward_most=cb * z.forward, gathered_forward_end=cb * z.forward_end,
         gathered_loss=cb * z.loss, gathered_backward=cb * z.backward + rc.grad_bytes * unreduced,
@@ -321,7 +322,7 @@ def sub_groups(parts: list[int], size: int) -> list[int]:
 def pinned_host(inv: ParamInventory, s: Settings, n: int) -> list[int]:
     """ZeRO-Offload with pin_memory: per sub-group the fp32 partition and its fp32 gradient, and the flat gradient
     buffer (offload_optimizer); each non-persistent parameter's partition (offload_param)."""
-    rc, parts = s.recipe, [ceil_div(t.numel, n) for t in inv.tensors]
+    rc, parts = s.recipe, [ceil_div(t.numel, n) for t in inv.trainable_inventory.tensors]
     out: list[int] = []
     if s.ds.offload_optimizer and s.ds.offload_pin_memory:
         out += [4 * g for g in sub_groups(parts, s.ds.sub_group_size)] * 2
@@ -335,7 +336,7 @@ def pinned_host(inv: ParamInventory, s: Settings, n: int) -> list[int]:
 def _largest_sub_group(job: Job) -> int:
     """Elements of the largest optimizer sub-group on a rank (stage3.py _create_fp16_sub_groups): each parameter's
     partition (ceil(numel / n)) in module order, a sub-group closed once it reaches sub_group_size."""
-    parts = [ceil_div(t.numel, job.n) for t in job.inv.tensors]
+    parts = [ceil_div(t.numel, job.n) for t in job.inv.trainable_inventory.tensors]
     size = job.s.ds.sub_group_size
     if size <= 0 or size >= sum(parts):
         return sum(parts)

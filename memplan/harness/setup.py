@@ -36,8 +36,28 @@ def _build_model(spec: dict[str, Any], on_meta: bool) -> Any:
                                                  dtype=torch.float32)
     if spec["recompute"] == "full":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if spec.get("lora"):
+        model = _peft(model, spec["lora"])
     model.train()
     return model
+
+
+def _peft(model: Any, fields: dict[str, Any]) -> Any:
+    """PEFT's LoRA on the built model (get_peft_model), with the job's adapter config: what memplan's inventory
+    (model/lora.py) and traced step (tracing/lora.py) model."""
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError:
+        from memplan.errors import SettingsError
+
+        raise SettingsError("the harness runs LoRA with PEFT: pip install peft") from None
+    targets = fields["targets"]
+    cfg = LoraConfig(r=fields["r"], lora_alpha=fields["r"], target_modules=targets if targets else None,
+                     lora_dropout=fields["dropout"], bias=fields["bias"],
+                     modules_to_save=fields["modules_to_save"] or None,
+                     layers_to_transform=fields["layers_to_transform"] or None,
+                     exclude_modules=fields["exclude"] or None, rank_pattern=dict(fields["rank_pattern"]))
+    return get_peft_model(model, cfg)
 
 
 def _blocks(model: Any) -> list[Any]:

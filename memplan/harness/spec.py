@@ -99,6 +99,8 @@ def build_spec(config: dict[str, Any], s: Settings, *, warmup_steps: int = 2, me
         "bucket_cap_mb": s.torch.bucket_cap_mb, "gradient_as_bucket_view": s.torch.gradient_as_bucket_view,
         "zero_optimizer": st.layout == GREEDY_WHOLE,  # whole params per rank: ZeroRedundancyOptimizer
         "shard_size": n, "reshard_after_forward": raf if not isinstance(raf, bool) or st.shard_params else False,
+        # LoRA: PEFT adds the adapters to the built model (harness/setup.py), as the job's script does
+        "lora": s.lora.trace_fields() if s.lora is not None else None,
     }
     if fw == "deepspeed":
         spec["ds_config"] = ds_config(s)

@@ -113,19 +113,20 @@ class _Emitter:
         self.tensors: list[ParamTensor] = []
         self.block = ROOT_BLOCK
 
-    def param(self, name: str, *shape: int, tied_names: tuple[str, ...] = ()) -> None:
-        self.tensors.append(ParamTensor(name, tuple(shape), self.dtype, self.block, classify(name), tied_names))
+    def param(self, name: str, *shape: int, tied_names: tuple[str, ...] = (), layer: str = "") -> None:
+        self.tensors.append(ParamTensor(name, tuple(shape), self.dtype, self.block, classify(name), tied_names,
+                                        layer))
 
     def linear(self, name: str, fan_in: int, fan_out: int, bias: bool = False) -> None:
         """nn.Linear: weight [out, in], bias [out]."""
-        self.param(f"{name}.weight", fan_out, fan_in)
+        self.param(f"{name}.weight", fan_out, fan_in, layer="linear")
         if bias:
-            self.param(f"{name}.bias", fan_out)
+            self.param(f"{name}.bias", fan_out, layer="linear")
 
     def conv1d(self, name: str, fan_in: int, fan_out: int) -> None:
         """transformers' GPT-2 Conv1D: weight [in, out] and always a bias."""
-        self.param(f"{name}.weight", fan_in, fan_out)
-        self.param(f"{name}.bias", fan_out)
+        self.param(f"{name}.weight", fan_in, fan_out, layer="conv1d")
+        self.param(f"{name}.bias", fan_out, layer="conv1d")
 
     def norm(self, name: str, dim: int, bias: bool = False) -> None:
         self.param(f"{name}.weight", dim)
@@ -134,7 +135,7 @@ class _Emitter:
 
     def embedding_and_head(self, embed: str, head: str, vocab: int, hidden: int, tied: bool) -> None:
         """The input embedding; the head either aliases it (tied) or is emitted later by ``head``."""
-        self.param(f"{embed}.weight", vocab, hidden, tied_names=(f"{head}.weight",) if tied else ())
+        self.param(f"{embed}.weight", vocab, hidden, tied_names=(f"{head}.weight",) if tied else (), layer="embedding")
 
 
 def _gated_mlp(e: _Emitter, p: str, hidden: int, inter: int, bias: bool = False) -> None:
@@ -287,7 +288,7 @@ def _gpt2(c: _Cfg, e: _Emitter) -> None:
     inner = c["n_inner"] or 4 * hidden
     tied = bool(c["tie_word_embeddings"])
     e.embedding_and_head("transformer.wte", "lm_head", vocab, hidden, tied)
-    e.param("transformer.wpe.weight", c.pos("n_positions"), hidden)
+    e.param("transformer.wpe.weight", c.pos("n_positions"), hidden, layer="embedding")
     for i in range(layers):
         p = e.block = f"transformer.h.{i}"
         e.norm(f"{p}.ln_1", hidden, bias=True)

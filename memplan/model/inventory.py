@@ -60,6 +60,11 @@ class ParamTensor:
     block: str  #: owning block, ROOT_BLOCK for the root
     category: str  #: one of CATEGORIES
     tied_names: tuple[str, ...] = ()  #: other names that alias this same storage
+    #: the layer class that holds it where the builder knows it: "linear" (nn.Linear, weight [out, in]), "conv1d"
+    #: (transformers' Conv1D, weight [in, out]), "embedding"; "" otherwise (what LoRA may target: model/lora.py)
+    layer: str = ""
+    #: requires_grad: False for a frozen base weight under LoRA (no gradient, no optimizer state)
+    trainable: bool = True
 
     @property
     def numel(self) -> int:
@@ -98,6 +103,25 @@ class ParamInventory:
     @cached_property
     def num_params(self) -> int:
         return sum(t.numel for t in self.tensors)
+
+    @cached_property
+    def trainable_params(self) -> int:
+        """Elements that get gradients and optimizer states (all of them unless some are frozen)."""
+        return sum(t.numel for t in self.tensors if t.trainable)
+
+    @cached_property
+    def frozen(self) -> bool:
+        return any(not t.trainable for t in self.tensors)
+
+    @cached_property
+    def trainable_inventory(self) -> ParamInventory:
+        """The same model with only its trainable tensors (itself when nothing is frozen): what gradients, reduce
+        buffers and optimizer states are sized from."""
+        if not self.frozen:
+            return self
+        from dataclasses import replace
+
+        return replace(self, tensors=tuple(t for t in self.tensors if t.trainable))
 
     @cached_property
     def blocks(self) -> tuple[BlockInfo, ...]:

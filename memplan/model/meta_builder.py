@@ -40,10 +40,25 @@ def _block_names(model: Any) -> set[str]:
     return {f"{best_name}.{i}" if best_name else str(i) for i in range(len(best))}
 
 
+def _layer_kind(module: Any) -> str:
+    """What LoRA can target in a module (memplan/model/lora.py): PEFT's linear classes (nn.Linear and
+    transformers' Conv1D: peft/tuners/tuners_utils.py _maybe_include_all_linear_layers) and embeddings."""
+    import torch.nn as nn
+
+    if isinstance(module, nn.Linear):
+        return "linear"
+    if type(module).__name__ == "Conv1D" and type(module).__module__.startswith("transformers"):
+        return "conv1d"
+    if isinstance(module, nn.Embedding):
+        return "embedding"
+    return ""
+
+
 def inventory_from_module(model: Any, *, model_name: str, source: str, family: str, dtype: str | None = None,
                           dims: Mapping[str, int] | None = None, notes: tuple[str, ...] = ()) -> ParamInventory:
     """Walk ``named_parameters(remove_duplicate=False)``: first occurrence owns the tensor, later ones are ties."""
     blocks = _block_names(model)
+    kinds = {name: _layer_kind(m) for name, m in model.named_modules()}
     seen: dict[int, int] = {}
     tensors: list[dict[str, Any]] = []
     for name, p in model.named_parameters(remove_duplicate=False):
@@ -60,7 +75,7 @@ def inventory_from_module(model: Any, *, model_name: str, source: str, family: s
         seen[key] = len(tensors)
         tensors.append({"name": name, "shape": tuple(int(s) for s in p.shape),
                         "dtype": dtype or str(p.dtype).removeprefix("torch."), "block": owner,
-                        "category": classify(name), "tied_names": ()})
+                        "category": classify(name), "tied_names": (), "layer": kinds.get(name.rpartition(".")[0], "")})
     return ParamInventory(model_name=model_name, source=source, builder="meta", family=family,
                           tensors=tuple(ParamTensor(**t) for t in tensors), notes=notes, dims=dict(dims or {}))
 

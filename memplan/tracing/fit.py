@@ -104,7 +104,10 @@ def _heterogeneous(config: dict[str, Any], layers: int) -> bool:
     """Blocks that differ are traced at full depth; a one-block model too (there is no second depth to
     subtract)."""
     # the user's own module (a factory) has no config to scale: traced at its own depth
-    return layers < 2 or bool(config.get("factory")) or any(config.get(k) for k in _HETEROGENEOUS_KEYS)
+    # LoRA on some layers only (layers_to_transform) makes the blocks differ
+    lora_layers = bool((config.get("lora") or {}).get("layers_to_transform"))
+    return layers < 2 or bool(config.get("factory")) or lora_layers or \
+        any(config.get(k) for k in _HETEROGENEOUS_KEYS)
 
 
 def traced_steps(config: dict[str, Any]) -> int:

@@ -178,6 +178,9 @@ def one_step(config: dict[str, Any], batch: int, seq: int, recipe: str, attentio
     from memplan.model.meta_builder import hf_config
 
     dtype, autocast = trace_dtypes(recipe)
+    lora = config.get("lora")
+    if lora is not None:
+        config = {k: v for k, v in config.items() if k != "lora"}
     target = target or Target(device="cuda")
     cuda = target.device == "cuda"
     kernels: dict[str, str] = {}
@@ -194,6 +197,10 @@ def one_step(config: dict[str, Any], batch: int, seq: int, recipe: str, attentio
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             user_blocks, ids = None, torch.zeros(batch, seq, dtype=torch.long)
             run = (lambda m: m(input_ids=ids, labels=ids).loss)  # noqa: E731
+        if lora is not None:  # PEFT's adapters, after gradient checkpointing as a Trainer enables it
+            from memplan.tracing.lora import inject
+
+            inject(model, lora, str(config.get("model_type") or ""))
         model.train()
         params = list(model.parameters())
         live = LiveBytes(K.CUDA_BLOCK if cuda else 1)
@@ -205,7 +212,8 @@ def one_step(config: dict[str, Any], batch: int, seq: int, recipe: str, attentio
         moments.install(block_list)
         hooks = _GradientHooks(live, block_of)
         for p in params:
-            p.register_post_accumulate_grad_hook(hooks.drop)
+            if p.requires_grad:  # a frozen parameter (LoRA) gets no gradient
+                p.register_post_accumulate_grad_hook(hooks.drop)
         saved: dict[int, int] = {}
         saved_ids: set[int] = set()
         stack = ModuleStack(model)

@@ -20,7 +20,7 @@ ANCHORS = {
 
 
 def _key(inv):
-    return [(t.name, t.shape, t.block, t.tied_names, t.category) for t in inv.tensors]
+    return [(t.name, t.shape, t.block, t.tied_names, t.category, t.layer) for t in inv.tensors]
 
 
 @pytest.mark.parametrize("name,count", sorted(ANCHORS.items()))

@@ -1,0 +1,301 @@
+"""LoRA adapters as PEFT adds them (peft 0.21, peft/tuners/lora): which modules get adapters, the tensors each
+adds and which parameters stay frozen. Pure Python on the ParamInventory (no torch), so the preset path stays
+fast; the traced step injects the same adapters (memplan/tracing/lora.py) and the harness runs PEFT itself.
+
+What PEFT does, and therefore what this module models:
+- target matching (peft/tuners/tuners_utils.py check_target_module_exists): a string is a regular expression
+  that must match a module's whole name (re.fullmatch); a list matches a module whose name equals an entry or
+  ends with "." + entry; "all-linear" is every nn.Linear and transformers Conv1D but the output embedding
+  (_maybe_include_all_linear_layers); modules in modules_to_save are never targeted; layers_to_transform keeps
+  the matches inside the listed layer indices. No match is an error ("Target modules ... not found").
+- a targeted layer keeps its weight as ``<module>.base_layer.weight`` and gains ``lora_A.default.weight``
+  [r, in_features] and ``lora_B.default.weight`` [out_features, r], registered after the base layer
+  (peft/tuners/lora/layer.py LoraLayer.update_layer; Conv1D's in/out come from its [in, out] weight);
+- every base parameter is frozen (_mark_only_adapters_as_trainable), except biases with bias="all" (every
+  bias) or "lora_only" (the targeted layers'); modules_to_save keep the original frozen and add a trainable
+  copy (ModulesToSaveWrapper: ``<module>.modules_to_save.default.*``);
+- rank_pattern / alpha_pattern give some modules another rank (the same key matching as PEFT's get_pattern_key).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from memplan.errors import ConfigError, SettingsError
+from memplan.model.inventory import ParamInventory, ParamTensor
+
+ALL_LINEAR = "all-linear"
+
+#: peft/utils/constants.py TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING: PEFT's targets when the adapter
+#: config names none (the families memplan builds)
+DEFAULT_TARGETS = {
+    "gpt2": ("c_attn",), "gpt_neox": ("query_key_value",), "falcon": ("query_key_value",),
+    "llama": ("q_proj", "v_proj"), "mistral": ("q_proj", "v_proj"), "mixtral": ("q_proj", "v_proj"),
+    "gemma": ("q_proj", "v_proj"), "gemma2": ("q_proj", "v_proj"), "qwen2": ("q_proj", "v_proj"),
+    "qwen3": ("q_proj", "v_proj"), "phi": ("q_proj", "v_proj", "fc1", "fc2"),
+}
+
+#: adapter_config.json keys that change what memplan computes, and those that do not change memory
+_READ = {"r", "lora_alpha", "lora_dropout", "target_modules", "bias", "modules_to_save", "layers_to_transform",
+         "rank_pattern", "alpha_pattern", "peft_type", "exclude_modules"}
+_NO_MEMORY = {"base_model_name_or_path", "task_type", "inference_mode", "use_rslora", "init_lora_weights",
+              "fan_in_fan_out", "revision", "auto_mapping", "layers_pattern", "megatron_config", "megatron_core",
+              "loftq_config", "layer_replication", "lora_bias", "target_parameters", "trainable_token_indices",
+              "eva_config", "corda_config", "runtime_config", "qalora_group_size", "peft_version",
+              "alora_invocation_tokens", "use_qalora", "arrow_config", "ensure_weight_tying", "lora_ga_config",
+              "use_bdlora", "bdlora_config"}
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    """One LoRA adapter as PEFT's LoraConfig describes it."""
+
+    rank: int = 8
+    alpha: float = 8
+    #: module names (PEFT's list matching), one regular expression (str), or "all-linear"; () -> PEFT's default
+    #: for the model type
+    targets: tuple[str, ...] | str = ()
+    dropout: float = 0.0
+    bias: str = "none"  #: none | all | lora_only
+    modules_to_save: tuple[str, ...] = ()
+    layers_to_transform: tuple[int, ...] = ()
+    exclude_modules: tuple[str, ...] = ()
+    rank_pattern: tuple[tuple[str, int], ...] = ()
+    #: where it came from ("--lora-rank", or the adapter_config.json path)
+    source: str = "--lora-rank"
+    notes: tuple[str, ...] = field(default=(), compare=False)
+
+    def __post_init__(self) -> None:
+        if self.rank < 1:
+            raise SettingsError(f"--lora-rank must be at least 1, got {self.rank}")
+        if self.bias not in ("none", "all", "lora_only"):
+            raise SettingsError(f"LoRA bias must be none, all or lora_only, got {self.bias!r}")
+        if not 0 <= self.dropout < 1:
+            raise SettingsError(f"LoRA dropout must be in [0, 1), got {self.dropout}")
+
+    def trace_fields(self) -> dict[str, Any]:
+        """What the traced step needs (and its cache key holds): the adapted modules are resolved by the trace
+        from the same spec."""
+        return {"r": self.rank, "targets": list(self.targets) if isinstance(self.targets, tuple) else self.targets,
+                "dropout": self.dropout, "bias": self.bias, "modules_to_save": list(self.modules_to_save),
+                "layers_to_transform": list(self.layers_to_transform), "exclude": list(self.exclude_modules),
+                "rank_pattern": [list(p) for p in self.rank_pattern]}
+
+    @classmethod
+    def from_trace_fields(cls, d: dict[str, Any]) -> LoraSpec:
+        t = d.get("targets")
+        return cls(rank=d["r"], targets=t if isinstance(t, str) else tuple(t or ()), dropout=d.get("dropout", 0.0),
+                   bias=d.get("bias", "none"), modules_to_save=tuple(d.get("modules_to_save") or ()),
+                   layers_to_transform=tuple(d.get("layers_to_transform") or ()),
+                   exclude_modules=tuple(d.get("exclude") or ()),
+                   rank_pattern=tuple((k, int(v)) for k, v in d.get("rank_pattern") or ()))
+
+    def describe(self) -> str:
+        t = self.targets if isinstance(self.targets, str) else ",".join(self.targets) or "PEFT's default"
+        return f"LoRA r={self.rank} on {t}" + (f", bias={self.bias}" if self.bias != "none" else "") + \
+            (f", modules_to_save={','.join(self.modules_to_save)}" if self.modules_to_save else "")
+
+
+def _ends(key: str, names: tuple[str, ...]) -> bool:
+    return key in names or any(key.endswith("." + n) for n in names)
+
+
+def _layer_index(key: str) -> int | None:
+    m = re.match(r".*?\.[^.]*\.(?P<idx>\d+)\.", key)  # PEFT: the first numbered segment
+    return int(m.group("idx")) if m else None
+
+
+def resolve_targets(spec: LoraSpec, modules: list[tuple[str, str]], family: str, output_module: str | None
+                    ) -> list[str]:
+    """The modules PEFT adds adapters to, in module order, from (module name, layer kind) pairs."""
+    targets = spec.targets or DEFAULT_TARGETS.get(family, ())
+    if not targets:
+        raise SettingsError(f"PEFT has no default LoRA targets for model type {family!r}: give --lora-targets")
+    out = []
+    for name, kind in modules:
+        if spec.exclude_modules and _ends(name, spec.exclude_modules):
+            continue
+        if spec.modules_to_save and any(re.match(rf"(^|.*\.){m}($|\..*)", name) for m in spec.modules_to_save):
+            continue
+        if targets == ALL_LINEAR:
+            hit = kind in ("linear", "conv1d") and name != output_module
+        elif isinstance(targets, str):
+            try:
+                hit = re.fullmatch(targets, name) is not None
+            except re.error as exc:
+                raise SettingsError(f"LoRA target_modules {targets!r} is not a regular expression: {exc}") from None
+        else:
+            hit = _ends(name, targets)
+            if hit and spec.layers_to_transform:
+                hit = _layer_index(name) in spec.layers_to_transform
+        if not hit:
+            continue
+        if kind not in ("linear", "conv1d"):
+            what = {"embedding": "an embedding", "": "not a Linear or Conv1D layer"}.get(kind, kind)
+            raise SettingsError(f"LoRA target {name} is {what}: memplan models LoRA on linear layers "
+                                "(PEFT's lora.Linear); put it in modules_to_save to train it whole")
+        out.append(name)
+    if not out:
+        shown = targets if isinstance(targets, str) else ", ".join(targets)
+        raise SettingsError(f"LoRA target modules {shown} match no linear layer of this model (PEFT: 'Target "
+                            "modules not found in the base model')")
+    return out
+
+
+def _rank_for(spec: LoraSpec, name: str) -> int:
+    for key, r in spec.rank_pattern:  # peft/utils/other.py get_pattern_key: the key's own end, or a regex
+        if name == key or name.endswith("." + key) or re.fullmatch(rf"(.*\.)?{key}", name):
+            return r
+    return spec.rank
+
+
+def output_module(inv: ParamInventory) -> str | None:
+    """The output embedding's module (PEFT's all-linear leaves it out): the head, tied or not."""
+    for t in inv.tensors:
+        if t.category == "head":
+            return t.module
+        for alias in t.tied_names:
+            if alias.startswith(("lm_head.", "embed_out.", "output.")):
+                return alias.rpartition(".")[0]
+    return None
+
+
+def apply(inv: ParamInventory, spec: LoraSpec) -> ParamInventory:
+    """The inventory as PEFT leaves the model: base parameters frozen (renamed under base_layer where adapted),
+    adapters after each adapted layer's own parameters, trainable copies of modules_to_save."""
+    modules: dict[str, str] = {}
+    for t in inv.tensors:
+        modules.setdefault(t.module, t.layer)
+        for alias in t.tied_names:
+            modules.setdefault(alias.rpartition(".")[0], t.layer if t.layer != "embedding" else "linear")
+    chosen = set(resolve_targets(spec, list(modules.items()), inv.family, output_module(inv)))
+    save = spec.modules_to_save
+
+    def saved(module: str) -> bool:
+        return bool(save) and any(re.match(rf"(^|.*\.){m}($|\..*)", module) for m in save)
+
+    by_module: dict[str, list[ParamTensor]] = {}
+    for t in inv.tensors:
+        by_module.setdefault(t.module, []).append(t)
+    out: list[ParamTensor] = []
+    tail: list[ParamTensor] = []  # trainable copies of tied aliases (a tied head), with the root's last tensors
+    for t in inv.tensors:
+        mod, leaf = t.module, t.name.rpartition(".")[2]
+        if mod in chosen:
+            trainable = leaf == "bias" and spec.bias in ("all", "lora_only")
+            out.append(replace(t, name=f"{mod}.base_layer.{leaf}", trainable=trainable))
+            if t is by_module[mod][-1]:
+                w = next(x for x in by_module[mod] if x.name.endswith(".weight"))
+                fan_in, fan_out = (w.shape[0], w.shape[1]) if w.layer == "conv1d" else (w.shape[1], w.shape[0])
+                r = _rank_for(spec, mod)
+                out.append(ParamTensor(f"{mod}.lora_A.default.weight", (r, fan_in), w.dtype, w.block, w.category,
+                                       layer="linear"))
+                out.append(ParamTensor(f"{mod}.lora_B.default.weight", (fan_out, r), w.dtype, w.block, w.category,
+                                       layer="linear"))
+            continue
+        for alias in t.tied_names:  # PEFT deep-copies the module it wraps: the copy is no longer tied
+            amod = alias.rpartition(".")[0]
+            if saved(amod):
+                tail.append(replace(t, name=f"{amod}.modules_to_save.default.{alias.rpartition('.')[2]}",
+                                    trainable=True, tied_names=(), category="head"))
+        if saved(mod):
+            out.append(replace(t, name=f"{mod}.original_module.{leaf}", trainable=False))
+            out.append(replace(t, name=f"{mod}.modules_to_save.default.{leaf}", trainable=True, tied_names=()))
+            continue
+        out.append(replace(t, trainable=spec.bias == "all" and leaf == "bias"))
+    out += tail
+    notes = inv.notes + (f"{spec.describe()}: {len(chosen)} adapted layers, "
+                         f"{sum(t.numel for t in out if t.trainable):,} trainable parameters",)
+    return replace(inv, tensors=tuple(out), notes=notes)
+
+
+def read_adapter_config(path: str) -> LoraSpec:
+    """A PEFT adapter_config.json (or the directory that holds one) as a LoraSpec."""
+    from memplan.units import parse_json
+
+    p = Path(path)
+    if p.is_dir():
+        p = p / "adapter_config.json"
+    try:
+        text = p.read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read adapter config {path}: {exc.strerror or exc}") from None
+    data = parse_json(text, str(p))
+    if not isinstance(data, dict):
+        raise ConfigError(f"{p}: an adapter config is a JSON object")
+    kind = str(data.get("peft_type", "LORA")).upper()
+    if kind != "LORA":
+        raise ConfigError(f"{p}: peft_type {kind} is not modelled (memplan models LoRA and QLoRA)")
+    if data.get("use_dora"):
+        raise ConfigError(f"{p}: use_dora (DoRA) is not modelled: its magnitude vector and weight-norm step keep "
+                          "other tensors than LoRA's")
+    notes = []
+    unknown = sorted(k for k in data if k not in _READ | _NO_MEMORY | {"use_dora"})
+    if unknown:
+        notes.append(f"adapter config keys not modelled: {', '.join(unknown)}")
+
+    def num(key: str, default: Any, kind: type) -> Any:
+        v = data.get(key, default)
+        if v is None:
+            return default
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or (kind is int and not float(v).is_integer()):
+            raise ConfigError(f"{p}: {key} must be a number, got {v!r}")
+        return kind(v)
+
+    targets = data.get("target_modules")
+    if isinstance(targets, list):
+        if not all(isinstance(x, str) for x in targets):
+            raise ConfigError(f"{p}: target_modules must be a list of module names or one pattern")
+        targets = tuple(targets)
+    elif targets is None:
+        targets = ()
+    elif not isinstance(targets, str):
+        raise ConfigError(f"{p}: target_modules must be a list of module names or one pattern")
+    elif targets.lower() == ALL_LINEAR:
+        targets = ALL_LINEAR
+
+    def names(key: str) -> tuple[str, ...]:
+        v = data.get(key) or ()
+        if isinstance(v, str):
+            v = [v]
+        if not isinstance(v, (list, tuple)) or not all(isinstance(x, str) for x in v):
+            raise ConfigError(f"{p}: {key} must be a list of module names")
+        return tuple(v)
+
+    layers = data.get("layers_to_transform") or ()
+    if isinstance(layers, int) and not isinstance(layers, bool):
+        layers = (layers,)
+    if not isinstance(layers, (list, tuple)) or not all(isinstance(x, int) for x in layers):
+        raise ConfigError(f"{p}: layers_to_transform must be a layer index or a list of them")
+    pattern = data.get("rank_pattern") or {}
+    if not isinstance(pattern, dict) or not all(isinstance(v, int) and v > 0 for v in pattern.values()):
+        raise ConfigError(f"{p}: rank_pattern must map module names to ranks")
+    try:
+        return LoraSpec(rank=num("r", 8, int), alpha=num("lora_alpha", 8, float), targets=targets,
+                        dropout=num("lora_dropout", 0.0, float), bias=str(data.get("bias", "none")),
+                        modules_to_save=names("modules_to_save"), layers_to_transform=tuple(layers),
+                        exclude_modules=names("exclude_modules"),
+                        rank_pattern=tuple(sorted(pattern.items())), source=str(p), notes=tuple(notes))
+    except SettingsError as exc:
+        raise ConfigError(f"{p}: {exc}") from None
+
+
+def parse_targets(value: str | None) -> tuple[str, ...] | str:
+    """--lora-targets: a comma-separated list of module names, or all-linear."""
+    if value is None:
+        return ()
+    v = value.strip()
+    if v.lower() == ALL_LINEAR:
+        return ALL_LINEAR
+    names = tuple(x.strip() for x in v.split(",") if x.strip())
+    if not names:
+        raise SettingsError("--lora-targets is empty; give module names (q_proj,v_proj) or all-linear")
+    return names
+
+
+def json_dumps(spec: LoraSpec) -> str:
+    return json.dumps(spec.trace_fields(), sort_keys=True)

@@ -145,6 +145,11 @@ def estimate(
     horovod_compression: O.HorovodCompression = None,
     training_args: O.TrainingArgs = None,
     accelerate_config: O.AccelerateConfig = None,
+    lora_rank: O.LoraRank = None,
+    lora_alpha: O.LoraAlpha = None,
+    lora_targets: O.LoraTargets = None,
+    lora_dropout: O.LoraDropout = None,
+    adapter_config: O.AdapterConfig = None,
     plot: O.Plot = None,
     explain: bool = typer.Option(False, "--explain", help="What the peak is made of: its bytes by category and "
                                  "its activations by module and operator (the largest groups, with their share)."),
@@ -200,6 +205,11 @@ def check(
     optimizer: O.Optimizer = None,
     recompute: str = typer.Option("none", "--recompute", help="none | selective | full."),
     allocator_conf: O.AllocatorConf = None,
+    lora_rank: O.LoraRank = None,
+    lora_alpha: O.LoraAlpha = None,
+    lora_targets: O.LoraTargets = None,
+    lora_dropout: O.LoraDropout = None,
+    adapter_config: O.AdapterConfig = None,
     max_fraction: float = typer.Option(1.0, "--max-fraction", help="Pass only if the required bytes are at most "
                                        "this fraction of the GPU (0.9 keeps 10% free)."),
     as_json: O.Json = False,
@@ -268,6 +278,11 @@ def plan(
     activations: str = typer.Option("auto", "--activations", help="auto | traced | analytic."),
     cpu_isa: Optional[str] = typer.Option(None, "--cpu-isa", help="device cpu: the instruction set the CPU kernels "
                                           "follow, avx2 | avx512 | avx512_bf16 | amx [default: this machine's]."),
+    lora_rank: O.LoraRank = None,
+    lora_alpha: O.LoraAlpha = None,
+    lora_targets: O.LoraTargets = None,
+    lora_dropout: O.LoraDropout = None,
+    adapter_config: O.AdapterConfig = None,
     as_json: bool = typer.Option(False, "--json", help="Print JSON on stdout."),
 ) -> None:
     """The fewest GPUs, the largest micro-batch and the best strategy for a model on a GPU size.
@@ -281,10 +296,16 @@ def plan(
     from memplan.report import search_report
 
     O.progress_for(as_json)
+    spec = O.lora_spec(dict(locals()))
     src = sources.resolve(model)
     inv = sources.build_inventory(src, builder=builder)
+    config = sources.trace_config(src, inv)
+    if spec is not None:
+        from memplan.model import lora
+
+        inv = lora.apply(inv, spec)
     with progress.task(f"searching layouts for {inv.model_name} (strategies x recompute x GPU counts)"):
-        found = planner.search(inv, gpu=gpu, gpu_memory_size=gpu_memory, config=sources.trace_config(src, inv),
+        found = planner.search(inv, gpu=gpu, gpu_memory_size=gpu_memory, config=config, lora=spec,
                                gpus_per_node=gpus_per_node, max_gpus=max_gpus, strategies=O.csv(strategies, "--strategies"),
                                recomputes=O.csv(recompute, "--recompute"), micro_batch=micro_batch,
                                max_micro_batch=max_micro_batch, allow_offload=allow_offload, seq_len=seq_len,
@@ -360,6 +381,11 @@ def validate(
     timeout: float = typer.Option(600.0, "--timeout", help="Seconds before a hung run is stopped."),
     tolerance: float = typer.Option(0.03, "--tolerance", help="Allowed |relative error| on the peak."),
     cpu_isa: O.CpuIsa = None,
+    lora_rank: O.LoraRank = None,
+    lora_alpha: O.LoraAlpha = None,
+    lora_targets: O.LoraTargets = None,
+    lora_dropout: O.LoraDropout = None,
+    adapter_config: O.AdapterConfig = None,
     as_json: O.Json = False,
 ) -> None:
     """Run the job for real (torch.distributed, real DeepSpeed / FSDP2 / FSDP1 / DDP), measure every rank, compare.
@@ -379,7 +405,7 @@ def validate(
         gpus=gpus, gpus_per_node=gpus_per_node if gpus_per_node is not None else gpus, stage=stage,
         strategy=strategy, precision=precision, optimizer=optimizer, optimizer_impl=optimizer_impl,
         micro_batch=micro_batch, seq_len=seq_len, grad_accum=grad_accum, recompute=recompute, deepspeed=deepspeed,
-        **({"cpu_isa": cpu_isa} if cpu_isa else {}),
+        **({"cpu_isa": cpu_isa} if cpu_isa else {}), lora=O.lora_spec(given),
         ds_overrides=O.ds_overrides(given), torch_overrides=O.torch_overrides(given))
     rep = validation_report(v)
     if as_json:

@@ -83,6 +83,11 @@ def run(given: dict[str, Any], explicit: set[str], overheads: Any, suggestions: 
     src = sources.resolve(given["model"])
     inv = sources.build_inventory(src, builder=given["builder"])
     config = sources.trace_config(src, inv)
+    spec = O.lora_spec(given, file_notes)
+    if spec is not None:  # the adapters as PEFT adds them; the traced step adds the same (options._with_lora)
+        from memplan.model import lora
+
+        inv = lora.apply(inv, spec)
 
     def resolve(changes: dict[str, Any]) -> Any:
         g = {**given, **changes}
@@ -94,7 +99,7 @@ def run(given: dict[str, Any], explicit: set[str], overheads: Any, suggestions: 
             gpu=g["gpu"], gpu_memory_size=g["gpu_memory"], device=g["device"], deepspeed=g["deepspeed"],
             allocator_conf=g["allocator_conf"], host_memory_size=g["host_memory"], pin_memory=g["pin_memory"],
             ds_overrides=O.ds_overrides(g), torch_overrides=O.torch_overrides(g),
-            horovod_overrides=O.horovod_overrides(g), overhead_overrides=overheads(g))
+            horovod_overrides=O.horovod_overrides(g), overhead_overrides=overheads(g), lora=spec)
 
     resolved = resolve({})
     plan = accounting.estimate(inv, resolved.settings)

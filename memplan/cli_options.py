@@ -80,6 +80,50 @@ AccelerateConfig = Annotated[Optional[str], typer.Option("--accelerate-config", 
                                                          "YAML (processes, machines, mixed precision, FSDP or "
                                                          "DeepSpeed plugin).")]
 
+LoraRank = Annotated[Optional[int], typer.Option("--lora-rank", help="LoRA fine-tuning (PEFT): rank-R adapters "
+                                                 "train, the base weights are frozen.")]
+LoraAlpha = Annotated[Optional[float], typer.Option("--lora-alpha", help="LoRA alpha (a scale: no effect on memory).")]
+LoraTargets = Annotated[Optional[str], typer.Option("--lora-targets", help="LoRA target modules, q_proj,v_proj,... or "
+                                                    "all-linear [default: PEFT's for the model type].")]
+LoraDropout = Annotated[Optional[float], typer.Option("--lora-dropout", help="LoRA dropout (above 0 it keeps a mask "
+                                                      "per adapted layer) [default: 0].")]
+AdapterConfig = Annotated[Optional[str], typer.Option("--adapter-config", help="The job's PEFT adapter_config.json "
+                                                      "(or its directory); --lora-* options override it.")]
+LORA = ("lora_rank", "lora_alpha", "lora_targets", "lora_dropout", "adapter_config")
+
+
+def lora_spec(values: dict[str, Any], notes: list[str] | None = None) -> Any:
+    """The job's LoRA adapter (memplan/model/lora.py LoraSpec) from --adapter-config and the --lora-* options,
+    the options over the file; None for full fine-tuning."""
+    from dataclasses import replace
+
+    from memplan.errors import SettingsError
+    from memplan.model import lora
+
+    rank, alpha, targets, dropout = (values.get(k) for k in ("lora_rank", "lora_alpha", "lora_targets",
+                                                              "lora_dropout"))
+    path = values.get("adapter_config")
+    if path is None and rank is None:
+        given = [f"--{k.replace('_', '-')}" for k in ("lora_alpha", "lora_targets", "lora_dropout")
+                 if values.get(k) is not None]
+        if given:
+            raise SettingsError(f"{', '.join(given)} without --lora-rank (or --adapter-config): give the rank")
+        return None
+    spec = lora.read_adapter_config(path) if path else lora.LoraSpec(rank=rank, alpha=alpha or rank)
+    changes: dict[str, Any] = {}
+    if rank is not None:
+        changes["rank"] = rank
+    if alpha is not None:
+        changes["alpha"] = alpha
+    if targets is not None:
+        changes["targets"] = lora.parse_targets(targets)
+    if dropout is not None:
+        changes["dropout"] = dropout
+    if path and changes and notes is not None:
+        notes.append(f"LoRA: the command line's {', '.join(sorted(changes))} override {path}")
+    return replace(spec, **changes) if changes else spec
+
+
 DS_KNOBS = ("reduce_bucket_size", "allgather_bucket_size", "overlap_comm", "contiguous_gradients",
             "prefetch_bucket_size", "param_persistence_threshold", "max_live_parameters", "max_reuse_distance",
             "hpz_partition_size", "offload_optimizer", "offload_param")

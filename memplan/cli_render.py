@@ -47,6 +47,12 @@ def render_plan(rep: dict, summary: str | None = None, explained: dict | None = 
             f"{st['precision']} · {st['optimizer']}")
     c.print(f"micro-batch {st['micro_batch']} × seq {st['seq_len']}, grad-accum {st['grad_accum']}, "
             f"recompute {st['recompute']}, attention {st['attention']}, device {cl['device']}")
+    if st.get("lora"):
+        lo = st["lora"]
+        t = lo["targets"] if isinstance(lo["targets"], str) else ",".join(lo["targets"]) or "PEFT's default"
+        c.print(f"LoRA r={lo['rank']} on {t}: {lo['adapted_layers']} layers adapted, {lo['trainable_params']:,} of "
+                f"{m['num_params']:,} parameters train ({100 * lo['trainable_params'] / max(m['num_params'], 1):.2f}%); "
+                "the base is frozen (no gradients, no optimizer states)")
     phases = rep["phases"]
     cols = [("per GPU (GiB = 2^30 B)", "left")] + [(p["name"] + (" ◀ peak" if p["name"] == pg["peak_phase"] else ""),
                                                     "right") for p in phases]

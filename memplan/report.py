@@ -30,6 +30,15 @@ def inspect_report(inv: ParamInventory) -> dict[str, Any]:
     }
 
 
+def lora_report(spec: Any, inv: Any) -> dict[str, Any]:
+    """The LoRA adapter a plan was made for (memplan/model/lora.py), and what it adapted."""
+    adapted = sorted({t.name.rsplit(".lora_A.", 1)[0] for t in inv.tensors if ".lora_A." in t.name})
+    return {"rank": spec.rank, "alpha": spec.alpha,
+            "targets": spec.targets if isinstance(spec.targets, str) else list(spec.targets),
+            "dropout": spec.dropout, "bias": spec.bias, "modules_to_save": list(spec.modules_to_save),
+            "adapted_layers": len(adapted), "trainable_params": inv.trainable_params, "source": spec.source}
+
+
 def plan_report(plan: Any, sources: dict[str, str] | None = None, notes: tuple[str, ...] = ()) -> dict[str, Any]:
     """The schema-v1 JSON object of an estimate (DESIGN.md, Contracts)."""
     from dataclasses import asdict
@@ -59,8 +68,9 @@ def plan_report(plan: Any, sources: dict[str, str] | None = None, notes: tuple[s
         assumptions["setting_sources"] = sources
     return {
         "schema_version": SCHEMA_VERSION,
-        "model": {"name": inv.model_name, "source": inv.source, "num_params": inv.num_params, "family": inv.family},
-        "strategy": strategy,
+        "model": {"name": inv.model_name, "source": inv.source, "num_params": inv.num_params, "family": inv.family,
+                  **({"trainable_params": inv.trainable_params} if inv.frozen else {})},
+        "strategy": {**strategy, **({"lora": lora_report(s.lora, inv)} if s.lora is not None else {})},
         "cluster": {"gpus": s.cluster.gpus, "gpus_per_node": s.cluster.gpus_per_node,
                     "gpu_memory_bytes": s.cluster.gpu_memory_bytes, "device": s.cluster.device},
         "per_gpu": per_gpu,

@@ -38,12 +38,12 @@ def why_not(s: Any) -> str | None:
     """Why the reserved peak cannot be replayed for these settings (None: it can)."""
     if s.cluster.device != "cuda":
         return "device cpu (no caching allocator)"
+    if getattr(s, "lora", None) is not None:
+        return "LoRA: the frameworks' setup with frozen parameters is not replayed yet"
     prof = s.activation_profile
     data = getattr(prof, "data", None)
     if not data or not data.get("alloc_events"):
         return "no traced step (analytic activations, or a profile traced before allocations were recorded)"
-    if getattr(s, "lora", None) is not None:
-        return "LoRA: the frameworks' setup with frozen parameters is not replayed yet"
     mod = _replayer(s)
     if mod is None:
         return f"{s.strategy.framework} setup not modelled yet"

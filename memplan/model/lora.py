@@ -109,12 +109,24 @@ def _layer_index(key: str) -> int | None:
     return int(m.group("idx")) if m else None
 
 
+#: PEFT remaps these targets of transformers v4 onto v5's fused expert parameters (target_parameters: a
+#: ParamWrapper per fused 3-D weight; peft/utils/transformers_weight_conversion.py _MOE_TARGET_MODULE_MAPPING),
+#: for these model types, and "all-linear" or a pattern reaches them too (_resolve_string_target_modules)
+_FUSED_EXPERT_TARGETS = {"mixtral": ("gate", "w1", "w2", "w3"),
+                         "qwen2_moe": ("gate", "gate_proj", "up_proj", "down_proj")}
+
+
 def resolve_targets(spec: LoraSpec, modules: list[tuple[str, str]], family: str, output_module: str | None
                     ) -> list[str]:
     """The modules PEFT adds adapters to, in module order, from (module name, layer kind) pairs."""
     targets = spec.targets or DEFAULT_TARGETS.get(family, ())
     if not targets:
         raise SettingsError(f"PEFT has no default LoRA targets for model type {family!r}: give --lora-targets")
+    fused = _FUSED_EXPERT_TARGETS.get(family, ())
+    if fused and (isinstance(targets, str) or set(targets) & set(fused)):
+        raise SettingsError(f"PEFT adapts {family}'s fused experts and router as parameters (target_parameters, "
+                            "ParamWrapper) for these targets: not modelled; name the attention projections "
+                            "(--lora-targets q_proj,k_proj,v_proj,o_proj)")
     out = []
     for name, kind in modules:
         if spec.exclude_modules and _ends(name, spec.exclude_modules):
@@ -224,7 +236,7 @@ def read_adapter_config(path: str) -> LoraSpec:
         text = p.read_text()
     except OSError as exc:
         raise ConfigError(f"cannot read adapter config {path}: {exc.strerror or exc}") from None
-    data = parse_json(text, str(p))
+    data = parse_json(text, str(p), "PEFT adapter config")
     if not isinstance(data, dict):
         raise ConfigError(f"{p}: an adapter config is a JSON object")
     kind = str(data.get("peft_type", "LORA")).upper()

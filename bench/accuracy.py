@@ -106,6 +106,40 @@ CASES = [
 ]
 QUICK = [CASES[5], CASES[11]]
 
+
+def lora_cases() -> list[tuple]:
+    """LoRA fine-tuning (PEFT's get_peft_model in the harness): frozen base weights, adapters trained; to
+    docs/accuracy-lora.md (session 13)."""
+    from memplan.model.lora import LoraSpec
+
+    qv = LoraSpec(rank=16, targets=("q_proj", "v_proj"))
+    lin = LoraSpec(rank=16, targets="all-linear")
+    return [
+        ("lora q,v single", LLAMA3, dict(strategy="single", gpus=1, lora=qv), {}, {}, "none"),
+        ("lora q,v ddp", LLAMA3, dict(strategy="ddp", lora=qv), {}, {}, "none"),
+        ("lora all-linear ddp", LLAMA3, dict(strategy="ddp", lora=lin), {}, {}, "none"),
+        ("lora all-linear ddp", LLAMA3, dict(strategy="ddp", lora=lin), {}, {}, "full"),
+        ("lora all-linear ddp, pure-bf16", LLAMA3, dict(strategy="ddp", precision="pure-bf16",
+                                                        lora=LoraSpec(rank=16, targets="all-linear")), {}, {}, "none"),
+        ("lora q,v dropout 0.1 ddp", LLAMA3, dict(strategy="ddp", lora=LoraSpec(rank=16, targets=("q_proj", "v_proj"),
+                                                                                dropout=0.1)), {}, {}, "none"),
+        ("lora q,v fsdp-full", LLAMA3, dict(strategy="fsdp-full", lora=qv), {}, {}, "none"),
+        ("lora all-linear fsdp-full", LLAMA3, dict(strategy="fsdp-full", lora=lin), {}, {}, "none"),
+        ("lora q,v fsdp-full, 4 ranks", LLAMA3, dict(strategy="fsdp-full", gpus=4, lora=qv), {}, {}, "full"),
+        ("lora all-linear fsdp-grad-op", LLAMA3, dict(strategy="fsdp-grad-op", lora=lin), {}, {}, "none"),
+        ("lora all-linear zero1", LLAMA3, dict(stage=1, lora=lin), {}, {}, "none"),
+        ("lora all-linear zero2 small buckets", LLAMA3, dict(stage=2, lora=lin), SMALL_DS, {}, "none"),
+        ("lora q,v zero3", LLAMA3, dict(stage=3, lora=qv), {}, {}, "none"),
+        ("lora all-linear zero3 small buckets", LLAMA3, dict(stage=3, lora=lin), SMALL_DS, {}, "full"),
+        ("lora all-linear, bias all, ddp", GPT2, dict(strategy="ddp", lora=LoraSpec(rank=8, targets="all-linear",
+                                                                                    bias="all")), {}, {}, "none"),
+        ("lora c_attn fsdp-full", GPT2, dict(strategy="fsdp-full", lora=LoraSpec(rank=8)), {}, {}, "full"),
+        ("lora q,k,v,o fsdp-full", MIXTRAL, dict(strategy="fsdp-full", lora=LoraSpec(
+            rank=8, targets=("q_proj", "k_proj", "v_proj", "o_proj"))), {}, {}, "none"),
+        ("lora q,v + lm_head saved, ddp", LLAMA3, dict(strategy="ddp", lora=LoraSpec(
+            rank=8, targets=("q_proj", "v_proj"), modules_to_save=("lm_head",))), {}, {}, "none"),
+    ]
+
 # The cross product the harness issue asks for: every strategy at 1, 2 and 4 ranks, with and without full
 # recompute, under two recipes each, on a GQA llama (untied head) and gpt2 (tied embeddings). Strategies that
 # need several shard groups run at 4 ranks only.
@@ -173,14 +207,16 @@ def main() -> None:
                     help="the instruction set the CPU kernels follow (memplan.kernels.CPU_ISAS): for --repredict, "
                          "that of the machine the kept measurements came from (they were made on AVX512 CPUs "
                          "without bf16 instructions: the default); for runs, this machine's")
+    ap.add_argument("--lora", action="store_true", help="the LoRA cases (PEFT), to docs/accuracy-lora.md")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    args.out = args.out or str(ROOT / "docs" / ("accuracy-cross.md" if args.cross else "accuracy.md"))
+    args.out = args.out or str(ROOT / "docs" / ("accuracy-cross.md" if args.cross else
+                                                "accuracy-lora.md" if args.lora else "accuracy.md"))
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     from memplan.kernels import host_cpu_isa
 
     args.cpu_isa = args.cpu_isa or ("avx512" if args.repredict else host_cpu_isa())
-    cases = cross_cases() if args.cross else QUICK if args.quick else CASES
+    cases = cross_cases() if args.cross else lora_cases() if args.lora else QUICK if args.quick else CASES
     keys = [(c[0], c[1][0], c[1][1]["layers"], c[5]) for c in cases]
     assert len(set(keys)) == len(keys), "two cases share a label, model and recompute: rows would be confused"
     # every finished row goes to a .jsonl beside the output, with what each rank measured: a long run that is
@@ -258,7 +294,8 @@ def write(args, rows, errors) -> None:  # noqa: ANN001
     lines = [
         "# Accuracy: memplan's prediction against real runs",
         "",
-        f"Produced by `python bench/accuracy.py{' --quick' if args.quick else ' --cross' if args.cross else ''}"
+        f"Produced by `python bench/accuracy.py"
+        f"{' --quick' if args.quick else ' --cross' if args.cross else ' --lora' if args.lora else ''}"
         f"{' --repredict' if args.repredict else ''}` on {platform.machine()} "
         f"({os.cpu_count()} cores), CPU only: {args.gpus} gloo ranks spawned on one host, torch {torch.__version__}, "
         f"transformers {transformers.__version__}, deepspeed {dsv} (cases marked 1 or 4 ranks use that many). Each "

@@ -112,6 +112,13 @@ FILES = {
                 _safetensors({"a": {"dtype": "BF16", "shape": [10], "data_offsets": [0, 40]}}, b"\0" * 40)),
     "st_garbage_cfg": ("st_garbage/config.json", _config()),
     "st_garbage": ("st_garbage/model.safetensors", _safetensors(b"\xff\xfe garbage")),
+    # PEFT adapter configs
+    "ad_dora": ("ad_dora/adapter_config.json", '{"peft_type": "LORA", "r": 8, "use_dora": true}'),
+    "ad_ia3": ("ad_ia3.json", '{"peft_type": "IA3", "target_modules": ["k_proj"]}'),
+    "ad_broken": ("ad_broken.json", '{"peft_type": "LORA",\n "r": 8,'),
+    "ad_r": ("ad_r.json", '{"peft_type": "LORA", "r": -4}'),
+    "ad_targets": ("ad_targets.json", '{"peft_type": "LORA", "r": 8, "target_modules": {"q": 1}}'),
+    "ad_list": ("ad_list.json", '[1, 2]'),
 }
 
 #: (arguments with {dir} for the files' directory, what the one line must name)
@@ -244,6 +251,23 @@ CASES = [
     ("validate gpt2 --device cpu --tolerance nan", "--tolerance must be a positive number"),
     ("validate gpt2 --device cpu --layers 2 --hidden 63", "--hidden 63"),
     ("validate gpt2 --device cpu --layers 0", "--layers must be at least 1"),
+    # LoRA: what PEFT itself refuses, and what memplan does not model
+    ("estimate llama-3-8b --lora-rank 8 --lora-targets nope_proj", "match no linear layer"),
+    ("estimate llama-3-8b --lora-rank 8 --lora-targets embed_tokens", "is an embedding"),
+    ("estimate llama-3-8b --lora-rank 0", "--lora-rank must be at least 1"),
+    ("estimate llama-3-8b --lora-rank 8 --lora-dropout 1.5", "LoRA dropout must be in [0, 1)"),
+    ("estimate llama-3-8b --lora-targets q_proj", "without --lora-rank"),
+    ("estimate llama-3-8b --lora-rank 8 --lora-targets ,", "--lora-targets is empty"),
+    ("estimate mixtral-8x7b --lora-rank 8 --lora-targets all-linear", "fused experts"),
+    ("estimate llama-3-8b --lora-rank 8 --gpus 8 --strategy fsdp-full --fsdp-version 1", "FSDP1 with frozen"),
+    ("estimate llama-3-8b --adapter-config {dir}/ad_dora", "DoRA"),
+    ("estimate llama-3-8b --adapter-config {dir}/ad_ia3.json", "peft_type IA3 is not modelled"),
+    ("estimate llama-3-8b --adapter-config {dir}/ad_broken.json", "not valid JSON: Expecting property name enclosed in double quotes at line 2 column 9"),
+    ("estimate llama-3-8b --adapter-config {dir}/ad_r.json", "at least 1"),
+    ("estimate llama-3-8b --adapter-config {dir}/ad_targets.json", "target_modules must be"),
+    ("estimate llama-3-8b --adapter-config {dir}/ad_list.json", "an adapter config is a JSON object"),
+    ("estimate llama-3-8b --adapter-config {dir}/missing.json", "cannot read adapter config"),
+    ("plan llama-3-8b --gpu h100-80g --lora-rank 8 --lora-targets nope_proj", "match no linear layer"),
 ]
 
 

@@ -80,7 +80,7 @@ def test_model_states_follow_the_trainable_parameters(inventories, strategy, gpu
     s = _settings(inv, spec, strategy, gpus)
     p = accounting.estimate(inv, s)
     rc, n = s.recipe, accounting.shard_group_size(s)
-    trainable = inv.tensors_trainable if hasattr(inv, "tensors_trainable") else [t for t in inv.tensors if t.trainable]
+    trainable = [t for t in inv.tensors if t.trainable]
     if strategy in ("single", "ddp", "zero-optimizer"):
         assert p.peak.weights_bytes == rc.param_bytes * inv.num_params
     if strategy in ("single", "ddp"):

@@ -20,6 +20,7 @@ What PEFT does, and therefore what this module models:
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -74,6 +75,8 @@ class LoraSpec:
             raise SettingsError(f"--lora-rank must be at least 1, got {self.rank}")
         if self.bias not in ("none", "all", "lora_only"):
             raise SettingsError(f"LoRA bias must be none, all or lora_only, got {self.bias!r}")
+        if not (isinstance(self.alpha, (int, float)) and math.isfinite(self.alpha) and self.alpha > 0):
+            raise SettingsError(f"--lora-alpha must be a positive number, got {self.alpha}")
         if not 0 <= self.dropout < 1:
             raise SettingsError(f"LoRA dropout must be in [0, 1), got {self.dropout}")
 

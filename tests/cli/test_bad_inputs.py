@@ -255,6 +255,7 @@ CASES = [
     ("estimate llama-3-8b --lora-rank 8 --lora-targets nope_proj", "match no linear layer"),
     ("estimate llama-3-8b --lora-rank 8 --lora-targets embed_tokens", "is an embedding"),
     ("estimate llama-3-8b --lora-rank 0", "--lora-rank must be at least 1"),
+    ("estimate llama-3-8b --lora-rank 8 --lora-alpha nan", "--lora-alpha must be a positive number"),
     ("estimate llama-3-8b --lora-rank 8 --lora-dropout 1.5", "LoRA dropout must be in [0, 1)"),
     ("estimate llama-3-8b --lora-targets q_proj", "without --lora-rank"),
     ("estimate llama-3-8b --lora-rank 8 --lora-targets ,", "--lora-targets is empty"),

@@ -216,6 +216,9 @@ def test_fsdp2_buffer_lifetimes_per_phase():
         (0, root + 4 * b, M.INSIDE_LAST_BLOCK_FORWARD),
         # the last block's copy-out in backward: its prefetched output and its copies; everything saved
         (0, root + 2 * hd + 4 * b, M.LAST_BLOCK_BACKWARD_BEGINS),
+        # then its prefetch of the block before: itself, that block's all-gather output and the flat bf16 cast
+        # of this rank's fp32 shard, the all-gather's copy-in source (_get_param_all_gather_inputs)
+        (0, root + 2 * hd + 2 * b + 2 * b + 2 * b // 4, M.LAST_BLOCK_BACKWARD_BEGINS),
         # the last block's reduce: the next one prefetched, its grads, and itself (2B) or, once resharded, its
         # fp32 reduce-scatter input (4B); activations as when the next block's backward begins
         (0, root + 2 * hd + 2 * b + 2 * b + max(2 * b, 4 * b), M.PREVIOUS_BLOCK_BACKWARD_BEGINS),
@@ -223,6 +226,8 @@ def test_fsdp2_buffer_lifetimes_per_phase():
         (0, root + 2 * hd + 4 * b, M.INSIDE_LAST_BLOCK_BACKWARD),
         # the block before, copied out: the last block's fp32 reduce-scatter input held, its grad shard reduced
         (b, root + 2 * hd + 8 * b, M.PREVIOUS_BLOCK_BACKWARD_BEGINS),
+        # and its prefetch of the next: itself, that one's output and cast copy-in, the last block's input
+        (b, root + 2 * hd + 2 * b + 2 * b + 2 * b // 4 + 4 * b, M.PREVIOUS_BLOCK_BACKWARD_BEGINS),
         # one block further with its grads complete: itself, the next, its grads, the last block's input
         (b, root + 2 * hd + 4 * b + 2 * b + 4 * b, M.PREVIOUS_BLOCK_BACKWARD_ENDS),
         # inside it

@@ -150,6 +150,9 @@ def estimate(
     lora_targets: O.LoraTargets = None,
     lora_dropout: O.LoraDropout = None,
     adapter_config: O.AdapterConfig = None,
+    quantize_base: O.QuantizeBase = None,
+    double_quant: O.DoubleQuant = False,
+    quant_compute_dtype: O.QuantComputeDtype = None,
     plot: O.Plot = None,
     explain: bool = typer.Option(False, "--explain", help="What the peak is made of: its bytes by category and "
                                  "its activations by module and operator (the largest groups, with their share)."),
@@ -210,6 +213,9 @@ def check(
     lora_targets: O.LoraTargets = None,
     lora_dropout: O.LoraDropout = None,
     adapter_config: O.AdapterConfig = None,
+    quantize_base: O.QuantizeBase = None,
+    double_quant: O.DoubleQuant = False,
+    quant_compute_dtype: O.QuantComputeDtype = None,
     max_fraction: float = typer.Option(1.0, "--max-fraction", help="Pass only if the required bytes are at most "
                                        "this fraction of the GPU (0.9 keeps 10% free)."),
     as_json: O.Json = False,
@@ -283,6 +289,9 @@ def plan(
     lora_targets: O.LoraTargets = None,
     lora_dropout: O.LoraDropout = None,
     adapter_config: O.AdapterConfig = None,
+    quantize_base: O.QuantizeBase = None,
+    double_quant: O.DoubleQuant = False,
+    quant_compute_dtype: O.QuantComputeDtype = None,
     as_json: bool = typer.Option(False, "--json", help="Print JSON on stdout."),
 ) -> None:
     """The fewest GPUs, the largest micro-batch and the best strategy for a model on a GPU size.
@@ -386,6 +395,9 @@ def validate(
     lora_targets: O.LoraTargets = None,
     lora_dropout: O.LoraDropout = None,
     adapter_config: O.AdapterConfig = None,
+    quantize_base: O.QuantizeBase = None,
+    double_quant: O.DoubleQuant = False,
+    quant_compute_dtype: O.QuantComputeDtype = None,
     as_json: O.Json = False,
 ) -> None:
     """Run the job for real (torch.distributed, real DeepSpeed / FSDP2 / FSDP1 / DDP), measure every rank, compare.

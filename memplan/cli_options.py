@@ -89,7 +89,16 @@ LoraDropout = Annotated[Optional[float], typer.Option("--lora-dropout", help="Lo
                                                       "per adapted layer) [default: 0].")]
 AdapterConfig = Annotated[Optional[str], typer.Option("--adapter-config", help="The job's PEFT adapter_config.json "
                                                       "(or its directory); --lora-* options override it.")]
-LORA = ("lora_rank", "lora_alpha", "lora_targets", "lora_dropout", "adapter_config")
+QuantizeBase = Annotated[Optional[str], typer.Option("--quantize-base", help="QLoRA: the base's linear layers "
+                                                     "stored 4-bit by bitsandbytes, nf4 or fp4 (needs --lora-rank "
+                                                     "or --adapter-config).")]
+DoubleQuant = Annotated[bool, typer.Option("--double-quant", help="QLoRA: bnb_4bit_use_double_quant (the 4-bit "
+                                           "scales quantized to 8 bits too).")]
+QuantComputeDtype = Annotated[Optional[str], typer.Option("--quant-compute-dtype", help="QLoRA: "
+                                                          "bnb_4bit_compute_dtype, bfloat16, float16 or float32 "
+                                                          "[default: bfloat16, as QLoRA recipes set it].")]
+LORA = ("lora_rank", "lora_alpha", "lora_targets", "lora_dropout", "adapter_config", "quantize_base",
+        "double_quant", "quant_compute_dtype")
 
 
 def lora_spec(values: dict[str, Any], notes: list[str] | None = None) -> Any:
@@ -104,8 +113,9 @@ def lora_spec(values: dict[str, Any], notes: list[str] | None = None) -> Any:
                                                               "lora_dropout"))
     path = values.get("adapter_config")
     if path is None and rank is None:
-        given = [f"--{k.replace('_', '-')}" for k in ("lora_alpha", "lora_targets", "lora_dropout")
-                 if values.get(k) is not None]
+        given = [f"--{k.replace('_', '-')}" for k in ("lora_alpha", "lora_targets", "lora_dropout", "quantize_base",
+                                                      "quant_compute_dtype")
+                 if values.get(k) is not None] + (["--double-quant"] if values.get("double_quant") else [])
         if given:
             raise SettingsError(f"{', '.join(given)} without --lora-rank (or --adapter-config): give the rank")
         return None
@@ -119,8 +129,17 @@ def lora_spec(values: dict[str, Any], notes: list[str] | None = None) -> Any:
         changes["targets"] = lora.parse_targets(targets)
     if dropout is not None:
         changes["dropout"] = dropout
-    if path and changes and notes is not None:
-        notes.append(f"LoRA: the command line's {', '.join(sorted(changes))} override {path}")
+    if values.get("quantize_base") is not None:
+        changes["quantize"] = str(values["quantize_base"]).lower()
+    if values.get("double_quant"):
+        changes["double_quant"] = True
+    if values.get("quant_compute_dtype") is not None:
+        from memplan.units import normalize_dtype
+
+        changes["compute_dtype"] = normalize_dtype(values["quant_compute_dtype"])
+    quant = {"quantize", "double_quant", "compute_dtype"}
+    if path and set(changes) - quant and notes is not None:
+        notes.append(f"LoRA: the command line's {', '.join(sorted(set(changes) - quant))} override {path}")
     return replace(spec, **changes) if changes else spec
 
 

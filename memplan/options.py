@@ -347,12 +347,34 @@ def _with_lora(config: dict[str, Any] | None, inv: ParamInventory, s: Settings, 
     if not inv.frozen:
         raise SettingsError("internal: a LoRA job needs the adapted inventory (memplan.model.lora.apply)")
     notes.extend(spec.notes)
-    notes.append(f"{spec.describe()} ({spec.source}): frozen base weights stored as the recipe stores parameters, "
+    stored = "4-bit (below)" if spec.quantize else "as the recipe stores parameters"
+    notes.append(f"{spec.describe()} ({spec.source}): frozen base weights stored {stored}, "
                  "no gradients or optimizer states for them; adapters train in the recipe's dtypes")
+    if spec.quantize:
+        notes.extend(_qlora_notes(inv, s, spec))
     if s.recipe.name == "pure-bf16":
         notes.append("LoRA under pure-bf16: adapters taken in bf16; PEFT's default (autocast_adapter_dtype=True) "
                      "upcasts them to fp32, 2 bytes more per adapter element for weights, grads and each state")
     return None if config is None else {**config, "lora": spec.trace_fields()}
+
+
+def _qlora_notes(inv: ParamInventory, s: Settings, spec: Any) -> list[str]:
+    """A 4-bit base (QLoRA): where memplan models it, and what it assumes."""
+    if s.strategy.memory_model in ("fsdp2", "fsdp1", "zero3"):
+        raise SettingsError(f"--quantize-base under --strategy {s.strategy.name}: FSDP and ZeRO-3 shard a 4-bit base "
+                            "only through bnb_4bit_quant_storage (a float storage dtype), which memplan does not "
+                            "model; single, ddp, zero1 or zero2 keep it whole on every GPU")
+    if not inv.quantized:
+        raise SettingsError("internal: a QLoRA job needs the quantized inventory (memplan.model.lora.apply)")
+    return [f"{spec.quantize} base: bitsandbytes 0.50 Linear4bit storage, blocksize 64"
+            f"{', double quantization' if spec.double_quant else ''}, kept whole on every GPU; "
+            f"the other parameters (embeddings, norms, head, adapters) in the recipe's dtype ({s.recipe.name}: "
+            "fp32 is what peft's prepare_model_for_kbit_training leaves)",
+            f"4-bit layers: bnb_4bit_compute_dtype {spec.compute_dtype} (BitsAndBytesConfig's own default is "
+            "float32: --quant-compute-dtype); each casts its input to it, dequantizes its weight into it for its "
+            "forward GEMM and again for its backward (bitsandbytes MatMul4Bit), and saves nothing of its input; on CUDA the forward dequantization is counted for any "
+            "token count, though bitsandbytes' fused kernel skips it for up to 1,536 tokens on some GPUs (an "
+            "upper bound there)"]
 
 
 def resolve(inv: ParamInventory, *, gpus: int = 1, gpus_per_node: int | None = None, stage: int | None = None,

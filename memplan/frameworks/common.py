@@ -89,7 +89,8 @@ class StepIn:
 
 def device_weights(job: Job) -> int:
     """The parameters a rank stores: its shard in the parameter dtype."""
-    return job.s.recipe.param_bytes * job.lay.shard_numel
+    # a 4-bit base's storage (QLoRA) is kept whole and in its own dtypes (uint8 and fp32 quantisation state)
+    return job.s.recipe.param_bytes * job.lay.shard_numel + job.inv.quantized_bytes
 
 
 def grads_at_end(job: Job) -> int:

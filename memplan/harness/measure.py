@@ -82,6 +82,14 @@ def attribute(model: Any, optimizer: Any) -> dict[str, int]:
         add("weights_bytes", p)
         if hasattr(p, "ds_tensor"):  # ZeRO-3: the partition above, and the whole tensor of a persistent param
             add("weights_bytes", p.data)
+        qs = getattr(p, "quant_state", None)  # a bitsandbytes 4-bit weight: its quantisation state is weights too
+        for q in (qs, getattr(qs, "state2", None)):
+            for attr in ("absmax", "code", "offset"):
+                add("weights_bytes", getattr(q, attr, None))
+    if any(getattr(getattr(p, "quant_state", None), "state2", None) is not None for p in params):
+        import bitsandbytes.functional as bnbf  # double quantization's shared dynamic map
+
+        add("weights_bytes", bnbf.name2qmap.get("dynamic"))
     for p in params:
         add("grads_bytes", getattr(p, "grad", None))
     inner = optimizer

@@ -37,9 +37,48 @@ def _build_model(spec: dict[str, Any], on_meta: bool) -> Any:
     if spec["recompute"] == "full":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if spec.get("lora"):
+        if spec["lora"].get("quantize"):
+            _bnb_4bit(model, spec["lora"])
         model = _peft(model, spec["lora"])
     model.train()
     return model
+
+
+def _bnb_4bit(model: Any, fields: dict[str, Any]) -> None:
+    """QLoRA's base as transformers loads it with BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type,
+    bnb_4bit_use_double_quant): each nn.Linear (and Conv1D, transposed) transformers' replace_with_bnb_linear
+    converts, outside get_keys_to_not_convert, becomes a bitsandbytes Linear4bit whose weight is quantized from
+    a bf16 copy (a bf16 load) when it is moved to the device. bitsandbytes runs this on the CPU too."""
+    try:
+        import bitsandbytes as bnb
+    except ImportError:
+        from memplan.errors import SettingsError
+
+        raise SettingsError("the harness runs QLoRA with bitsandbytes: pip install bitsandbytes") from None
+    import torch
+    from transformers.pytorch_utils import Conv1D
+    from transformers.quantizers.base import get_keys_to_not_convert
+    from transformers.quantizers.quantizers_utils import should_convert_module
+
+    skip = get_keys_to_not_convert(model)
+    for name, m in list(model.named_modules()):
+        if not name or not should_convert_module(name, skip):
+            continue
+        if not (type(m) is torch.nn.Linear or isinstance(m, Conv1D)):
+            continue
+        w = m.weight.detach().t() if isinstance(m, Conv1D) else m.weight.detach()
+        q = bnb.nn.Linear4bit(w.shape[1], w.shape[0], bias=m.bias is not None,
+                              compute_dtype=getattr(torch, fields.get("compute_dtype", "bfloat16")),
+                              compress_statistics=bool(fields.get("double_quant")), quant_type=fields["quantize"],
+                              quant_storage=torch.uint8, device="meta")
+        q.weight = bnb.nn.Params4bit(w.to(torch.bfloat16).contiguous(), requires_grad=False,
+                                     compress_statistics=bool(fields.get("double_quant")),
+                                     quant_type=fields["quantize"], module=q)
+        if m.bias is not None:
+            q.bias = torch.nn.Parameter(m.bias.detach().clone(), requires_grad=False)
+        q = q.to(w.device)  # Params4bit._quantize
+        q.requires_grad_(False)
+        model.set_submodule(name, q)
 
 
 def _peft(model: Any, fields: dict[str, Any]) -> Any:

@@ -99,10 +99,19 @@ class ParamInventory:
     notes: tuple[str, ...] = ()
     #: Model dimensions the activation and buffer terms need (hidden size, layers, vocab, ...), when known.
     dims: dict = field(default_factory=dict, compare=False)
+    #: a 4-bit base (QLoRA, model/lora.py): the bitsandbytes storage of each quantized linear weight (packed
+    #: uint8 and its quantisation state) in its own dtypes. Frozen, kept whole on every rank and never cast by a
+    #: recipe; the float tensors above no longer hold those weights
+    quantized: tuple[ParamTensor, ...] = ()
+    quantized_params: int = 0  #: the elements those weights had before quantization
 
     @cached_property
     def num_params(self) -> int:
         return sum(t.numel for t in self.tensors)
+
+    @cached_property
+    def quantized_bytes(self) -> int:
+        return sum(t.nbytes for t in self.quantized)
 
     @cached_property
     def trainable_params(self) -> int:

@@ -27,9 +27,14 @@ from pathlib import Path
 from typing import Any
 
 from memplan.errors import ConfigError, SettingsError
-from memplan.model.inventory import ParamInventory, ParamTensor
+from memplan.model.inventory import ROOT_BLOCK, ParamInventory, ParamTensor
 
 ALL_LINEAR = "all-linear"
+QUANT_TYPES = ("", "nf4", "fp4")
+#: bitsandbytes' 4-bit block size (functional.py quantize_4bit: blocksize None -> 64; transformers'
+#: BitsAndBytesConfig passes none) and the block size of double quantization's second level (256)
+QUANT_BLOCK = 64
+QUANT_BLOCK2 = 256
 
 #: peft/utils/constants.py TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING: PEFT's targets when the adapter
 #: config names none (the families memplan builds)
@@ -68,6 +73,13 @@ class LoraSpec:
     rank_pattern: tuple[tuple[str, int], ...] = ()
     #: where it came from ("--lora-rank", or the adapter_config.json path)
     source: str = "--lora-rank"
+    #: QLoRA: the base's linear weights stored 4-bit by bitsandbytes ("nf4" or "fp4"; "" keeps them as the recipe
+    #: stores parameters), with BitsAndBytesConfig's bnb_4bit_use_double_quant; see quantize_base
+    quantize: str = ""
+    double_quant: bool = False
+    #: BitsAndBytesConfig.bnb_4bit_compute_dtype: what each 4-bit layer casts its input to and dequantizes into
+    #: (transformers always passes one, so Linear4bit.set_compute_type never picks the input's)
+    compute_dtype: str = "bfloat16"
     notes: tuple[str, ...] = field(default=(), compare=False)
 
     def __post_init__(self) -> None:
@@ -79,11 +91,24 @@ class LoraSpec:
             raise SettingsError(f"--lora-alpha must be a positive number, got {self.alpha}")
         if not 0 <= self.dropout < 1:
             raise SettingsError(f"LoRA dropout must be in [0, 1), got {self.dropout}")
+        if self.quantize == "int8":
+            raise SettingsError("--quantize-base int8 (bitsandbytes LLM.int8, Linear8bitLt) is not modelled; "
+                                "nf4 or fp4 (Linear4bit) are")
+        if self.quantize not in QUANT_TYPES:
+            raise SettingsError(f"--quantize-base must be nf4 or fp4, got {self.quantize!r}")
+        if self.compute_dtype not in ("bfloat16", "float16", "float32"):
+            raise SettingsError(f"--quant-compute-dtype must be bfloat16, float16 or float32, got "
+                                f"{self.compute_dtype!r}")
+        if self.double_quant and not self.quantize:
+            raise SettingsError("--double-quant quantizes a 4-bit base's scales: give --quantize-base nf4|fp4")
 
     def trace_fields(self) -> dict[str, Any]:
         """What the traced step needs (and its cache key holds): the adapted modules are resolved by the trace
         from the same spec."""
-        return {"r": self.rank, "targets": list(self.targets) if isinstance(self.targets, tuple) else self.targets,
+        quant = {"quantize": self.quantize, "double_quant": self.double_quant,
+                 "compute_dtype": self.compute_dtype} if self.quantize else {}
+        return {**quant, "r": self.rank,
+                "targets": list(self.targets) if isinstance(self.targets, tuple) else self.targets,
                 "dropout": self.dropout, "bias": self.bias, "modules_to_save": list(self.modules_to_save),
                 "layers_to_transform": list(self.layers_to_transform), "exclude": list(self.exclude_modules),
                 "rank_pattern": [list(p) for p in self.rank_pattern]}
@@ -95,12 +120,17 @@ class LoraSpec:
                    bias=d.get("bias", "none"), modules_to_save=tuple(d.get("modules_to_save") or ()),
                    layers_to_transform=tuple(d.get("layers_to_transform") or ()),
                    exclude_modules=tuple(d.get("exclude") or ()),
-                   rank_pattern=tuple((k, int(v)) for k, v in d.get("rank_pattern") or ()))
+                   rank_pattern=tuple((k, int(v)) for k, v in d.get("rank_pattern") or ()),
+                   quantize=d.get("quantize", ""), double_quant=bool(d.get("double_quant", False)),
+                   compute_dtype=d.get("compute_dtype", "bfloat16"))
 
     def describe(self) -> str:
         t = self.targets if isinstance(self.targets, str) else ",".join(self.targets) or "PEFT's default"
-        return f"LoRA r={self.rank} on {t}" + (f", bias={self.bias}" if self.bias != "none" else "") + \
-            (f", modules_to_save={','.join(self.modules_to_save)}" if self.modules_to_save else "")
+        return ("QLoRA" if self.quantize else "LoRA") + f" r={self.rank} on {t}" + \
+            (f", bias={self.bias}" if self.bias != "none" else "") + \
+            (f", modules_to_save={','.join(self.modules_to_save)}" if self.modules_to_save else "") + \
+            (f", base in {self.quantize}" + (" with double quantization" if self.double_quant else "")
+             if self.quantize else "")
 
 
 def _ends(key: str, names: tuple[str, ...]) -> bool:
@@ -225,7 +255,74 @@ def apply(inv: ParamInventory, spec: LoraSpec) -> ParamInventory:
     out += tail
     notes = inv.notes + (f"{spec.describe()}: {len(chosen)} adapted layers, "
                          f"{sum(t.numel for t in out if t.trainable):,} trainable parameters",)
-    return replace(inv, tensors=tuple(out), notes=notes)
+    adapted = replace(inv, tensors=tuple(out), notes=notes)
+    return quantize_base(adapted, spec, _quantized_modules(inv, spec, saved)) if spec.quantize else adapted
+
+
+def _quantized_modules(inv: ParamInventory, spec: LoraSpec, saved: Any) -> set[str]:
+    """The modules whose weight bitsandbytes stores 4-bit, as transformers picks them at load, before PEFT
+    (integrations/bitsandbytes.py replace_with_bnb_linear: every ``type(m) is nn.Linear`` and Conv1D, but
+    quantizers/base.py get_keys_to_not_convert: tied weights, the module of the model's last parameter and the
+    output embedding). Routers and fused MoE experts are not nn.Linear and stay as they are."""
+    out_mod = output_module(inv)
+    last = inv.tensors[-1].module if inv.tensors else None
+    tied = {a.rpartition(".")[0] for t in inv.tensors for a in t.tied_names} | \
+        {t.module for t in inv.tensors if t.tied_names}
+    mods = {t.module for t in inv.tensors if t.layer in ("linear", "conv1d") and t.name.endswith(".weight")
+            and t.module not in tied and t.module != out_mod and t.module != last}
+    for m in sorted(mods):
+        if saved(m):
+            raise SettingsError(f"modules_to_save {m!r} is a 4-bit layer under --quantize-base: PEFT would train a "
+                                "copy of its quantized weight, which has no gradient")
+    if not mods:
+        raise SettingsError("--quantize-base: the model has no nn.Linear layer bitsandbytes would quantize")
+    return mods
+
+
+def quantized_weight(name: str, shape: tuple[int, ...], spec: LoraSpec, block: str,
+                     category: str) -> list[ParamTensor]:
+    """One linear weight as bitsandbytes 0.50 stores it 4-bit (functional.py quantize_4bit): the packed
+    uint8 data ((n + 1) // 2 bytes, Params4bit [(n + 1) // 2, 1]) and its QuantState: the 16-entry nf4/fp4 code
+    (get_4bit_type, fp32) and one absmax per 64-element block, fp32; with double quantization
+    (compress_statistics) the absmax are themselves quantized to uint8 in 256-element blocks (quantize_blockwise),
+    leaving state2's fp32 absmax, its own copy of the 256-entry dynamic code (code.to(device, copy=True)) and the
+    fp32 offset (absmax.mean())."""
+    n = math.prod(shape)
+    blocks = -(-n // QUANT_BLOCK)
+    q = f"{name}.quant_state"
+    out = [ParamTensor(name, ((n + 1) // 2, 1), "uint8", block, category, layer="linear", trainable=False),
+           ParamTensor(f"{q}.code", (16,), "float32", block, category, trainable=False)]
+    if not spec.double_quant:
+        return out + [ParamTensor(f"{q}.absmax", (blocks,), "float32", block, category, trainable=False)]
+    return out + [ParamTensor(f"{q}.absmax", (blocks,), "uint8", block, category, trainable=False),
+                  ParamTensor(f"{q}.offset", (), "float32", block, category, trainable=False),
+                  ParamTensor(f"{q}.state2.absmax", (-(-blocks // QUANT_BLOCK2),), "float32", block, category,
+                              trainable=False),
+                  ParamTensor(f"{q}.state2.code", (256,), "float32", block, category, trainable=False)]
+
+
+def quantize_base(inv: ParamInventory, spec: LoraSpec, modules: set[str]) -> ParamInventory:
+    """The adapted inventory with ``modules``' weights (by their names before PEFT) moved to bitsandbytes'
+    4-bit storage (inv.quantized). Their biases stay float parameters. With double quantization the process also
+    holds bitsandbytes' one 256-entry fp32 dynamic map (functional.py name2qmap["dynamic"])."""
+    keep: list[ParamTensor] = []
+    quant: list[ParamTensor] = []
+    numel = 0
+    for t in inv.tensors:
+        mod, leaf = t.module, t.name.rpartition(".")[2]
+        orig = mod[:-len(".base_layer")] if mod.endswith(".base_layer") else mod
+        if leaf == "weight" and orig in modules and not t.trainable:
+            quant += quantized_weight(t.name, t.shape, spec, t.block, t.category)
+            numel += t.numel
+        else:
+            keep.append(t)
+    if spec.double_quant:
+        quant.append(ParamTensor("bitsandbytes.functional.name2qmap.dynamic", (256,), "float32", ROOT_BLOCK,
+                                 "other", trainable=False))
+    note = (f"{spec.quantize} base (bitsandbytes Linear4bit{', double quantization' if spec.double_quant else ''}): "
+            f"{len(modules)} linear layers, {numel:,} parameters in {sum(t.nbytes for t in quant):,} bytes")
+    return replace(inv, tensors=tuple(keep), quantized=tuple(quant), quantized_params=numel,
+                   notes=inv.notes + (note,))
 
 
 def read_adapter_config(path: str) -> LoraSpec:

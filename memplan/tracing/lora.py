@@ -54,6 +54,144 @@ def _module_class() -> Any:
     return LoraLinear
 
 
+_QUANT_CLASSES: dict[str, Any] = {}
+
+
+def _quant_classes() -> tuple[Any, Any]:
+    """bitsandbytes 0.50's Linear4bit (nn/modules.py) and PEFT's LoRA layer over it (peft/tuners/lora/bnb.py
+    Linear4bit), as stand-ins the fake tensors can run: the same tensors are allocated and saved, no 4-bit
+    arithmetic is done."""
+    if _QUANT_CLASSES:
+        return _QUANT_CLASSES["base"], _QUANT_CLASSES["lora"]
+    import torch
+    from torch import nn
+
+    class MatMul4Bit(torch.autograd.Function):
+        """autograd/_functions.py MatMul4Bit with gemm_4bit's dequantize-then-F.linear path (backends/cuda/ops.py
+        _dequant_linear_fallback; the CPU's default _gemm_4bit_default_impl): the absmax dequantized to fp32
+        when doubly quantized (plus the offset: a second [blocks] fp32 tensor; the CUDA path keeps both to its
+        end), the weight dequantized into the input's dtype for the GEMM. ctx keeps only the packed weight (a
+        parameter): nothing of the input is saved. Backward dequantizes again, into the quantized weight's
+        dtype (QuantState.dtype), casts to the gradient's dtype and multiplies."""
+
+        @staticmethod
+        def forward(ctx: Any, a: Any, packed: Any, bias: Any, layer: Any) -> Any:
+            absmax = None
+            if layer.double_quant:
+                absmax_dq = torch.empty(layer.blocks, dtype=torch.float32)
+                absmax = absmax_dq + 0.0
+                if not layer.cuda_path:
+                    del absmax_dq
+            w = torch.empty((layer.out_features, layer.in_features), dtype=a.dtype)
+            out = torch.nn.functional.linear(a, w, bias)
+            del w, absmax
+            ctx.layer = layer
+            ctx.bias_dtype = None if bias is None else bias.dtype
+            return out
+
+        @staticmethod
+        def backward(ctx: Any, grad: Any) -> Any:
+            layer = ctx.layer
+            grad_a = grad_bias = None
+            if ctx.needs_input_grad[2]:
+                grad_bias = grad.sum(0, dtype=ctx.bias_dtype)
+            if ctx.needs_input_grad[0]:
+                absmax = torch.empty(layer.blocks, dtype=torch.float32) if layer.double_quant else None
+                w = torch.empty((layer.out_features, layer.in_features), dtype=layer.quant_dtype).to(grad.dtype)
+                del absmax
+                grad_a = torch.matmul(grad, w)
+            return grad_a, None, grad_bias, None
+
+    class Linear4bit(nn.Linear):
+        """nn/modules.py Linear4bit.forward: the input cast to the compute dtype (BitsAndBytesConfig's
+        bnb_4bit_compute_dtype, which transformers always passes: set_compute_type never runs), the bias too, the
+        output cast back to the input's dtype."""
+
+        def __init__(self, base: nn.Module, double_quant: bool, cuda_path: bool, conv1d: bool,
+                     compute_dtype: Any) -> None:
+            nn.Module.__init__(self)
+            w = base.weight
+            self.out_features, self.in_features = (w.shape[1], w.shape[0]) if conv1d else (w.shape[0], w.shape[1])
+            n = self.out_features * self.in_features
+            self.weight = nn.Parameter(torch.empty(((n + 1) // 2, 1), dtype=torch.uint8), requires_grad=False)
+            self.bias = base.bias
+            self.blocks = -(-n // 64)
+            self.double_quant, self.cuda_path = double_quant, cuda_path
+            # quantized from a bf16 load (transformers 5 loads in the config's dtype, dtype="auto")
+            self.quant_dtype = torch.bfloat16
+            self.compute_dtype = compute_dtype
+
+        def forward(self, x: Any) -> Any:
+            inp_dtype = x.dtype
+            x = x.to(self.compute_dtype)
+            bias = self.bias
+            if bias is not None:
+                bias = bias.to(self.compute_dtype)
+            return MatMul4Bit.apply(x, self.weight, bias, self).to(inp_dtype)
+
+    class LoraLinear4bit(nn.Module):
+        """peft/tuners/lora/bnb.py Linear4bit.forward: the base's result cloned ("defensively", as PEFT says),
+        the adapters in their own dtype (fp32: PEFT keeps them as created next to a uint8 weight) unless
+        autocast is on (torch.is_autocast_enabled(), CUDA's: off on the CPU harness), their output cast to the
+        result's dtype and added."""
+
+        def __init__(self, base: nn.Module, r: int, dropout: float, scaling: float, conv1d: bool) -> None:
+            super().__init__()
+            self.base_layer = base
+            self.lora_dropout = nn.Dropout(p=dropout) if dropout > 0 else nn.Identity()
+            self.lora_A = nn.Linear(base.in_features, r, bias=False, dtype=torch.float32)
+            self.lora_B = nn.Linear(r, base.out_features, bias=False, dtype=torch.float32)
+            self.scaling = scaling
+
+        def forward(self, x: Any, *args: Any, **kwargs: Any) -> Any:
+            result = self.base_layer(x, *args, **kwargs).clone()
+            conversion = not (self.base_layer.cuda_path and torch.is_autocast_enabled("cpu"))
+            if conversion:
+                expected = result.dtype
+                if x.dtype != self.lora_A.weight.dtype:
+                    x = x.to(self.lora_A.weight.dtype)
+            output = self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling
+            if conversion:
+                output = output.to(expected)
+            return result + output
+
+    _QUANT_CLASSES.update(base=Linear4bit, lora=LoraLinear4bit)
+    return Linear4bit, LoraLinear4bit
+
+
+def quantize(model: Any, fields: dict[str, Any], cuda: bool) -> int:
+    """bitsandbytes' 4-bit base in place, as transformers quantizes at load (integrations/bitsandbytes.py
+    replace_with_bnb_linear: every ``type(m) is nn.Linear`` and Conv1D but quantizers/base.py
+    get_keys_to_not_convert's: tied weights, the last parameter's module, the output embedding); the number of
+    layers replaced."""
+    import torch
+    from torch import nn
+
+    cls, _ = _quant_classes()
+    out_emb = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    unique = list(model.named_parameters())
+    last = unique[-1][0].rpartition(".")[0] if unique else None
+    named = list(model.named_parameters(remove_duplicate=False))
+    seen: dict[int, int] = {}
+    for _, p in named:
+        seen[id(p)] = seen.get(id(p), 0) + 1
+    tied = {n.rpartition(".")[0] for n, p in named if seen[id(p)] > 1}
+    modules = dict(model.named_modules())
+    count = 0
+    for name, m in list(modules.items()):
+        kind = _layer_kind(m)
+        if not name or m is out_emb or name in tied or name == last:
+            continue
+        if type(m) is not nn.Linear and kind != "conv1d":
+            continue
+        parent_name, _, leaf = name.rpartition(".")
+        parent = modules[parent_name] if parent_name else model
+        setattr(parent, leaf, cls(m, bool(fields.get("double_quant")), cuda, kind == "conv1d",
+                                  getattr(torch, fields.get("compute_dtype", "bfloat16"))))
+        count += 1
+    return count
+
+
 def inject(model: Any, fields: dict[str, Any], family: str) -> int:
     """Add the adapters to ``model`` in place and freeze what PEFT freezes; the number of adapted layers."""
     spec = LoraSpec.from_trace_fields(fields)
@@ -84,5 +222,7 @@ def inject(model: Any, fields: dict[str, Any], family: str) -> int:
             if name == key or name.endswith("." + key) or re.fullmatch(rf"(.*\.)?{key}", name):
                 r = rank
                 break
-        setattr(parent, leaf, cls(base, r, spec.dropout, 1.0, _layer_kind(base) == "conv1d"))
+        four_bit = _QUANT_CLASSES and isinstance(base, _QUANT_CLASSES["base"])
+        make = _QUANT_CLASSES["lora"] if four_bit else cls
+        setattr(parent, leaf, make(base, r, spec.dropout, 1.0, _layer_kind(base) == "conv1d"))
     return len(chosen)

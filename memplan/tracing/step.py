@@ -198,8 +198,10 @@ def one_step(config: dict[str, Any], batch: int, seq: int, recipe: str, attentio
             user_blocks, ids = None, torch.zeros(batch, seq, dtype=torch.long)
             run = (lambda m: m(input_ids=ids, labels=ids).loss)  # noqa: E731
         if lora is not None:  # PEFT's adapters, after gradient checkpointing as a Trainer enables it
-            from memplan.tracing.lora import inject
+            from memplan.tracing.lora import inject, quantize
 
+            if lora.get("quantize"):  # QLoRA: the 4-bit base transformers loads, before PEFT adds adapters
+                quantize(model, lora, cuda)
             inject(model, lora, str(config.get("model_type") or ""))
         model.train()
         params = list(model.parameters())

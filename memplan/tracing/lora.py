@@ -96,9 +96,11 @@ def _quant_classes() -> tuple[Any, Any]:
             if ctx.needs_input_grad[2]:
                 grad_bias = grad.sum(0, dtype=ctx.bias_dtype)
             if ctx.needs_input_grad[0]:
-                absmax = torch.empty(layer.blocks, dtype=torch.float32) if layer.double_quant else None
-                w = torch.empty((layer.out_features, layer.in_features), dtype=layer.quant_dtype).to(grad.dtype)
-                del absmax
+                # functional.py dequantize_4bit: the absmax dequantized (fp32) and freed on its return
+                held = [torch.empty(layer.blocks, dtype=torch.float32)] if layer.double_quant else []
+                w = torch.empty((layer.out_features, layer.in_features), dtype=layer.quant_dtype)
+                held.clear()
+                w = w.to(grad.dtype)  # the dequantized copy freed once cast (a temporary in bitsandbytes)
                 grad_a = torch.matmul(grad, w)
             return grad_a, None, grad_bias, None
 

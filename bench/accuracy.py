@@ -110,6 +110,8 @@ QUICK = [CASES[5], CASES[11]]
 def lora_cases() -> list[tuple]:
     """LoRA fine-tuning (PEFT's get_peft_model in the harness): frozen base weights, adapters trained; to
     docs/accuracy-lora.md (session 13)."""
+    from dataclasses import replace
+
     from memplan.model.lora import LoraSpec
 
     qv = LoraSpec(rank=16, targets=("q_proj", "v_proj"))
@@ -138,6 +140,21 @@ def lora_cases() -> list[tuple]:
             rank=8, targets=("q_proj", "k_proj", "v_proj", "o_proj"))), {}, {}, "none"),
         ("lora q,v + lm_head saved, ddp", LLAMA3, dict(strategy="ddp", lora=LoraSpec(
             rank=8, targets=("q_proj", "v_proj"), modules_to_save=("lm_head",))), {}, {}, "none"),
+        # QLoRA: bitsandbytes 0.50's 4-bit base, quantized on the CPU (session 14)
+        ("qlora nf4 dq q,v single", LLAMA3, dict(strategy="single", gpus=1, lora=replace(qv, quantize="nf4",
+                                                                                      double_quant=True)),
+         {}, {}, "none"),
+        ("qlora nf4 dq all-linear single", LLAMA3, dict(strategy="single", gpus=1, lora=replace(
+            lin, quantize="nf4", double_quant=True)), {}, {}, "full"),
+        ("qlora nf4 q,v ddp", LLAMA3, dict(strategy="ddp", lora=replace(qv, quantize="nf4")), {}, {}, "none"),
+        ("qlora fp4 all-linear ddp", LLAMA3, dict(strategy="ddp", lora=replace(lin, quantize="fp4")), {}, {},
+         "none"),
+        ("qlora nf4 dq q,v single, fp32 compute", LLAMA3, dict(strategy="single", gpus=1, lora=replace(
+            qv, quantize="nf4", double_quant=True, compute_dtype="float32")), {}, {}, "none"),
+        ("qlora nf4 dq all-linear zero2", LLAMA3, dict(stage=2, lora=replace(lin, quantize="nf4",
+                                                                             double_quant=True)), {}, {}, "none"),
+        ("qlora nf4 c_attn single", GPT2, dict(strategy="single", gpus=1, lora=LoraSpec(rank=8, quantize="nf4")),
+         {}, {}, "full"),
     ]
 
 # The cross product the harness issue asks for: every strategy at 1, 2 and 4 ranks, with and without full

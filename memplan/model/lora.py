@@ -303,7 +303,8 @@ def quantized_weight(name: str, shape: tuple[int, ...], spec: LoraSpec, block: s
 
 def quantize_base(inv: ParamInventory, spec: LoraSpec, modules: set[str]) -> ParamInventory:
     """The adapted inventory with ``modules``' weights (by their names before PEFT) moved to bitsandbytes'
-    4-bit storage (inv.quantized). Their biases stay float parameters. With double quantization the process also
+    4-bit storage (inv.quantized), with their frozen biases in the compute dtype (each 4-bit layer's first
+    forward casts its bias). With double quantization the process also
     holds bitsandbytes' one 256-entry fp32 dynamic map (functional.py name2qmap["dynamic"])."""
     keep: list[ParamTensor] = []
     quant: list[ParamTensor] = []
@@ -314,6 +315,9 @@ def quantize_base(inv: ParamInventory, spec: LoraSpec, modules: set[str]) -> Par
         if leaf == "weight" and orig in modules and not t.trainable:
             quant += quantized_weight(t.name, t.shape, spec, t.block, t.category)
             numel += t.numel
+        elif leaf == "bias" and orig in modules and not t.trainable:
+            # Linear4bit.forward casts a bias to the compute dtype in place (bias.data = bias.data.to(x.dtype))
+            quant.append(replace(t, dtype=spec.compute_dtype))
         else:
             keep.append(t)
     if spec.double_quant:

@@ -116,7 +116,9 @@ def _quant_classes() -> tuple[Any, Any]:
             self.out_features, self.in_features = (w.shape[1], w.shape[0]) if conv1d else (w.shape[0], w.shape[1])
             n = self.out_features * self.in_features
             self.weight = nn.Parameter(torch.empty(((n + 1) // 2, 1), dtype=torch.uint8), requires_grad=False)
-            self.bias = base.bias
+            # forward casts the bias to the compute dtype in place on its first call; from then on it is that
+            self.bias = None if base.bias is None else nn.Parameter(base.bias.detach().to(compute_dtype),
+                                                                    requires_grad=base.bias.requires_grad)
             self.blocks = -(-n // 64)
             self.double_quant, self.cuda_path = double_quant, cuda_path
             # quantized from a bf16 load (transformers 5 loads in the config's dtype, dtype="auto")

@@ -50,9 +50,13 @@ def render_plan(rep: dict, summary: str | None = None, explained: dict | None = 
     if st.get("lora"):
         lo = st["lora"]
         t = lo["targets"] if isinstance(lo["targets"], str) else ",".join(lo["targets"]) or "PEFT's default"
-        c.print(f"LoRA r={lo['rank']} on {t}: {lo['adapted_layers']} layers adapted, {lo['trainable_params']:,} of "
-                f"{m['num_params']:,} parameters train ({100 * lo['trainable_params'] / max(m['num_params'], 1):.2f}%); "
-                "the base is frozen (no gradients, no optimizer states)")
+        q = lo.get("quantize_base")
+        base = (f"the base is frozen, {q['quantized_params']:,} of its parameters stored {q['type']} "
+                f"({fmt_bytes(q['quantized_bytes'])})" if q else "the base is frozen")
+        c.print(f"{'QLoRA' if q else 'LoRA'} r={lo['rank']} on {t}: {lo['adapted_layers']} layers adapted, "
+                f"{lo['trainable_params']:,} of {m['num_params']:,} parameters train "
+                f"({100 * lo['trainable_params'] / max(m['num_params'], 1):.2f}%); {base} (no gradients, no "
+                "optimizer states)")
     phases = rep["phases"]
     cols = [("per GPU (GiB = 2^30 B)", "left")] + [(p["name"] + (" ◀ peak" if p["name"] == pg["peak_phase"] else ""),
                                                     "right") for p in phases]

@@ -374,7 +374,9 @@ def _qlora_notes(inv: ParamInventory, s: Settings, spec: Any) -> list[str]:
             "float32: --quant-compute-dtype); each casts its input to it, dequantizes its weight into it for its "
             "forward GEMM and again for its backward (bitsandbytes MatMul4Bit), and saves nothing of its input; on CUDA the forward dequantization is counted for any "
             "token count, though bitsandbytes' fused kernel skips it for up to 1,536 tokens on some GPUs (an "
-            "upper bound there)"]
+            "upper bound there)"] + ([] if s.recompute != "none" else [
+                "QLoRA without recompute: peft's prepare_model_for_kbit_training turns gradient checkpointing on "
+                "unless told not to (use_gradient_checkpointing=True); --recompute full models that"])
 
 
 def resolve(inv: ParamInventory, *, gpus: int = 1, gpus_per_node: int | None = None, stage: int | None = None,

@@ -36,7 +36,10 @@ def lora_report(spec: Any, inv: Any) -> dict[str, Any]:
     return {"rank": spec.rank, "alpha": spec.alpha,
             "targets": spec.targets if isinstance(spec.targets, str) else list(spec.targets),
             "dropout": spec.dropout, "bias": spec.bias, "modules_to_save": list(spec.modules_to_save),
-            "adapted_layers": len(adapted), "trainable_params": inv.trainable_params, "source": spec.source}
+            "adapted_layers": len(adapted), "trainable_params": inv.trainable_params, "source": spec.source,
+            **({"quantize_base": {"type": spec.quantize, "double_quant": spec.double_quant,
+                                  "compute_dtype": spec.compute_dtype, "quantized_params": inv.quantized_params,
+                                  "quantized_bytes": inv.quantized_bytes}} if spec.quantize else {})}
 
 
 def plan_report(plan: Any, sources: dict[str, str] | None = None, notes: tuple[str, ...] = ()) -> dict[str, Any]:
@@ -68,7 +71,8 @@ def plan_report(plan: Any, sources: dict[str, str] | None = None, notes: tuple[s
         assumptions["setting_sources"] = sources
     return {
         "schema_version": SCHEMA_VERSION,
-        "model": {"name": inv.model_name, "source": inv.source, "num_params": inv.num_params, "family": inv.family,
+        "model": {"name": inv.model_name, "source": inv.source, "num_params": inv.num_params + inv.quantized_params,
+                  "family": inv.family,
                   **({"trainable_params": inv.trainable_params} if inv.frozen else {})},
         "strategy": {**strategy, **({"lora": lora_report(s.lora, inv)} if s.lora is not None else {})},
         "cluster": {"gpus": s.cluster.gpus, "gpus_per_node": s.cluster.gpus_per_node,

@@ -218,3 +218,90 @@ def test_fsdp2_backward_prefetch_holds_the_cast_copy_in(inventories, recipe, cas
     begins = sorted(m.buffers for m in tl.moments if m.at == Moment.LAST_BLOCK_BACKWARD_BEGINS)
     assert len(begins) == 2
     assert begins[1] - begins[0] == (cb * prev // 8 if cast else 0)
+
+
+# ---- QLoRA: bitsandbytes' 4-bit base ----
+
+def _q_bytes(n, dq):
+    """bitsandbytes 0.50 quantize_4bit's storage for n elements (blocksize 64): packed uint8, the 16-entry fp32
+    code, and fp32 absmax per block, or with double quantization uint8 absmax, an fp32 offset and state2's fp32
+    absmax per 256 blocks and its 256-entry fp32 code."""
+    blocks = -(-n // 64)
+    base = (n + 1) // 2 + 16 * 4
+    return base + (blocks + 4 + 4 * -(-blocks // 256) + 256 * 4 if dq else 4 * blocks)
+
+
+@pytest.mark.parametrize("dq", [False, True])
+def test_qlora_storage_llama3_8b(inventories, dq):
+    base = inventories("llama-3-8b")
+    inv = lora.apply(base, lora.LoraSpec(rank=16, quantize="nf4", double_quant=dq))
+    layer = {"q": 4096 * 4096, "k": 1024 * 4096, "v": 1024 * 4096, "o": 4096 * 4096, "mlp": 14336 * 4096}
+    per_block = [layer["q"], layer["k"], layer["v"], layer["o"]] + [layer["mlp"]] * 3
+    assert inv.quantized_params == 32 * sum(per_block) == 6_979_321_856
+    assert inv.quantized_bytes == 32 * sum(_q_bytes(n, dq) for n in per_block) + (256 * 4 if dq else 0)
+    assert inv.quantized_bytes == (3_600_662_400 if dq else 3_925_882_880)
+    # the head, embeddings and norms stay float parameters; adapters train
+    assert inv.num_params + inv.quantized_params == base.num_params + inv.trainable_params
+    assert any(t.name == "lm_head.weight" for t in inv.tensors)
+    assert not any(t.name.endswith("proj.weight") for t in inv.tensors)
+
+
+def test_qlora_model_states(inventories):
+    base = inventories("llama-3-8b")
+    spec = lora.LoraSpec(rank=16, targets="all-linear", quantize="nf4", double_quant=True)
+    inv = lora.apply(base, spec)
+    for strategy, gpus in (("single", 1), ("ddp", 8), ("zero2", 8)):
+        s = options.resolve(inv, gpus=gpus, strategy=strategy, lora=spec, activations="analytic").settings
+        p = accounting.estimate(inv, s)
+        float_numel = accounting.layouts.layout_sizes(inv, s.strategy.layout, gpus, 0).shard_numel \
+            if strategy == "zero2" else inv.num_params
+        assert p.peak.weights_bytes == s.recipe.param_bytes * float_numel + inv.quantized_bytes
+        if strategy != "zero2":  # AdamW's two fp32 states, for the adapters only
+            assert p.peak.optimizer_states_bytes == 2 * 4 * inv.trainable_params
+
+
+@pytest.mark.parametrize("strategy,gpus", [("fsdp-full", 8), ("zero3", 8), ("hsdp", 8)])
+def test_qlora_under_sharded_parameters_is_refused(inventories, strategy, gpus):
+    spec = lora.LoraSpec(rank=8, quantize="nf4")
+    inv = lora.apply(inventories("llama-3-8b"), spec)
+    with pytest.raises(SettingsError, match="bnb_4bit_quant_storage"):
+        options.resolve(inv, gpus=gpus, strategy=strategy, lora=spec, activations="analytic")
+
+
+def test_qlora_refuses_a_saved_4bit_module(inventories):
+    with pytest.raises(SettingsError, match="4-bit layer"):
+        lora.apply(inventories("llama-3-8b"), lora.LoraSpec(rank=8, quantize="nf4",
+                                                           modules_to_save=("gate_proj",)))
+
+
+@pytest.mark.parametrize("name,targets", [("llama-3-8b", ("q_proj", "v_proj")), ("gpt2", "all-linear"),
+                                          ("mixtral-8x7b", ("q_proj", "v_proj")), ("qwen2.5-7b", "all-linear")])
+def test_qlora_inventory_equals_bitsandbytes_and_peft(name, targets):
+    """Built as the harness builds a QLoRA job (transformers' choice of layers, bitsandbytes Linear4bit quantized
+    on the CPU, PEFT's get_peft_model): every parameter and quantisation-state byte as memplan counts it."""
+    pytest.importorskip("bitsandbytes")
+    pytest.importorskip("peft")
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from memplan.harness.measure import attribute
+    from memplan.harness.setup import _bnb_4bit, _peft
+    from memplan.model.meta_builder import hf_config
+
+    cfg, inv = _tiny(name)
+    spec = lora.LoraSpec(rank=8, targets=targets, quantize="nf4", double_quant=True)
+    q = lora.apply(inv, spec)
+    model = AutoModelForCausalLM.from_config(hf_config(cfg), dtype=torch.float32)
+    fields = spec.trace_fields()
+    _bnb_4bit(model, fields)
+    model = _peft(model, fields)
+    import bitsandbytes as bnb
+
+    with torch.no_grad():  # a first forward: Linear4bit casts its bias to the compute dtype, as in every step after
+        model(input_ids=torch.zeros(1, 8, dtype=torch.long))
+    quantized = {n.removeprefix("base_model.model.").removesuffix(".weight") for n, p in model.named_parameters()
+                 if isinstance(p, bnb.nn.Params4bit)}
+    assert quantized == {t.name.removesuffix(".weight") for t in q.quantized if t.name.endswith(".weight")}
+    # fp32 float parameters (torch-amp, what prepare_model_for_kbit_training leaves) + the 4-bit storage
+    assert attribute(model, None)["weights_bytes"] == 4 * q.num_params + q.quantized_bytes
+    assert sum(p.numel() for p in model.parameters() if p.requires_grad) == q.trainable_params

@@ -153,6 +153,11 @@ def lora_cases() -> list[tuple]:
             qv, quantize="nf4", double_quant=True, compute_dtype="float32")), {}, {}, "none"),
         ("qlora nf4 dq all-linear zero2", LLAMA3, dict(stage=2, lora=replace(lin, quantize="nf4",
                                                                              double_quant=True)), {}, {}, "none"),
+        ("qlora nf4 dq q,v single, pure-bf16", LLAMA3, dict(strategy="single", gpus=1, precision="pure-bf16",
+                                                             lora=replace(qv, quantize="nf4", double_quant=True)),
+         {}, {}, "none"),
+        ("lora q,v single, pure-bf16", LLAMA3, dict(strategy="single", gpus=1, precision="pure-bf16", lora=qv), {},
+         {}, "full"),
         ("qlora nf4 c_attn single", GPT2, dict(strategy="single", gpus=1, lora=LoraSpec(rank=8, quantize="nf4")),
          {}, {}, "full"),
     ]

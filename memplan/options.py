@@ -352,10 +352,29 @@ def _with_lora(config: dict[str, Any] | None, inv: ParamInventory, s: Settings, 
                  "no gradients or optimizer states for them; adapters train in the recipe's dtypes")
     if spec.quantize:
         notes.extend(_qlora_notes(inv, s, spec))
-    if s.recipe.name == "pure-bf16":
+    if s.recipe.adapter_bytes:
+        notes.append("LoRA on a bf16 base: PEFT upcasts the adapters to fp32 (get_peft_model's "
+                     "autocast_adapter_dtype=True), so their weights, gradients, reduce buckets and optimizer states "
+                     "are fp32 (the other trainable tensors, modules_to_save copies and biases, stay bf16 and are "
+                     "counted fp32: an upper bound), and each adapted layer casts its input to fp32 for them")
+    elif s.recipe.name == "pure-bf16":
         notes.append("LoRA under pure-bf16: adapters taken in bf16; PEFT's default (autocast_adapter_dtype=True) "
                      "upcasts them to fp32, 2 bytes more per adapter element for weights, grads and each state")
-    return None if config is None else {**config, "lora": spec.trace_fields()}
+    lora_fields = {**spec.trace_fields(), **({"adapter_dtype": "float32"} if s.recipe.adapter_bytes else {})}
+    return None if config is None else {**config, "lora": lora_fields}
+
+
+def lora_recipe(recipe: Any, strategy: Any) -> Any:
+    """The recipe of a LoRA job: on a half-precision base without a wrapper that casts the module (pure-bf16 under
+    DDP or one GPU), PEFT's get_peft_model upcasts the adapters to fp32 (autocast_adapter_dtype=True,
+    peft/tuners/tuners_utils.py cast_adapter_dtype: lora_A/lora_B only); torch.optim keeps their states and
+    DDP its buckets in their dtype, so the trainable side is fp32. DeepSpeed casts the whole module to its 16-bit
+    dtype after PEFT (engine.py), FSDP's MixedPrecisionPolicy casts for compute: they keep the recipe."""
+    if recipe.param_bytes != 2 or recipe.master_bytes or strategy.memory_model != "ddp":
+        return recipe
+    return replace(recipe, grad_bytes=4, reduced_grad_bytes=4, state_bytes=4, adapter_bytes=4,
+                   description=recipe.description + "; LoRA adapters fp32 (PEFT's upcast), with fp32 grads and "
+                                                    "states")
 
 
 def _qlora_notes(inv: ParamInventory, s: Settings, spec: Any) -> list[str]:
@@ -437,6 +456,8 @@ def resolve(inv: ParamInventory, *, gpus: int = 1, gpus_per_node: int | None = N
                        device=device, gpu_arch=gpu_arch, cpu_isa=cpu_isa, host_memory_size=host_memory_size,
                        workspace=workspace, notes=notes)
     conf = _allocator_conf(allocator_conf, device, notes, pick.sources)
+    if lora is not None:
+        recipe = lora_recipe(recipe, strat)
     settings = Settings(strategy=strat, recipe=recipe, optimizer=opt, cluster=cluster, optimizer_impl=optimizer_impl,
                         micro_batch=mb, seq_len=seq, grad_accum=ga, recompute=recompute, attention=attention,
                         ds=ds, torch=tk, horovod=hv, overheads=ov, allocator_conf=conf, lora=lora)

@@ -33,6 +33,9 @@ class Recipe:
     description: str
     #: True when the step checks the grads for inf/nan first (dynamic loss scaling)
     loss_scaling: bool = False
+    #: Bytes of a LoRA adapter's weight where it differs from param_bytes (0: the same): PEFT upcasts adapters
+    #: on a bf16/fp16 base to fp32 (get_peft_model's autocast_adapter_dtype=True)
+    adapter_bytes: int = 0
 
 
 RECIPES: dict[str, Recipe] = {r.name: r for r in (

@@ -90,7 +90,10 @@ class StepIn:
 def device_weights(job: Job) -> int:
     """The parameters a rank stores: its shard in the parameter dtype."""
     # a 4-bit base's storage (QLoRA) is kept whole and in its own dtypes (uint8 and fp32 quantisation state)
-    return job.s.recipe.param_bytes * job.lay.shard_numel + job.inv.quantized_bytes
+    rc = job.s.recipe
+    # PEFT's fp32 adapters on a half-precision base (set only where parameters are replicated: options.py)
+    upcast = (rc.adapter_bytes - rc.param_bytes) * job.inv.adapter_params if rc.adapter_bytes else 0
+    return rc.param_bytes * job.lay.shard_numel + job.inv.quantized_bytes + upcast
 
 
 def grads_at_end(job: Job) -> int:

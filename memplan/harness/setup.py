@@ -37,6 +37,8 @@ def _build_model(spec: dict[str, Any], on_meta: bool) -> Any:
     if spec["recompute"] == "full":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if spec.get("lora"):
+        if spec["lora"].get("adapter_dtype"):  # a bf16 load, then PEFT (which upcasts the adapters to fp32)
+            model = model.to(torch.bfloat16)
         if spec["lora"].get("quantize"):
             _bnb_4bit(model, spec["lora"])
         model = _peft(model, spec["lora"])
@@ -171,7 +173,7 @@ def _setup_single(spec: dict[str, Any], device: Any) -> tuple[Any, Any, Any]:
     import torch
 
     model = _build_model(spec, on_meta=False).to(device)
-    if spec["recipe"] == "pure-bf16":
+    if spec["recipe"] == "pure-bf16" and not (spec.get("lora") or {}).get("adapter_dtype"):
         model = model.to(torch.bfloat16)
     return model, _torch_optimizer(spec, model.parameters()), None
 
@@ -182,7 +184,7 @@ def _setup_ddp(spec: dict[str, Any], device: Any) -> tuple[Any, Any, Any]:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     model = _build_model(spec, on_meta=False).to(device)
-    if spec["recipe"] == "pure-bf16":
+    if spec["recipe"] == "pure-bf16" and not (spec.get("lora") or {}).get("adapter_dtype"):
         model = model.to(torch.bfloat16)
     ddp = DDP(model, bucket_cap_mb=spec["bucket_cap_mb"],
               gradient_as_bucket_view=spec["gradient_as_bucket_view"],

@@ -100,7 +100,8 @@ def build_spec(config: dict[str, Any], s: Settings, *, warmup_steps: int = 2, me
         "zero_optimizer": st.layout == GREEDY_WHOLE,  # whole params per rank: ZeroRedundancyOptimizer
         "shard_size": n, "reshard_after_forward": raf if not isinstance(raf, bool) or st.shard_params else False,
         # LoRA: PEFT adds the adapters to the built model (harness/setup.py), as the job's script does
-        "lora": s.lora.trace_fields() if s.lora is not None else None,
+        "lora": None if s.lora is None else {**s.lora.trace_fields(),
+                                             **({"adapter_dtype": "float32"} if s.recipe.adapter_bytes else {})},
     }
     if fw == "deepspeed":
         spec["ds_config"] = ds_config(s)

@@ -110,6 +110,11 @@ class ParamInventory:
         return sum(t.numel for t in self.tensors)
 
     @cached_property
+    def adapter_params(self) -> int:
+        """Elements of LoRA adapter weights (lora_A, lora_B: what PEFT upcasts on a half-precision base)."""
+        return sum(t.numel for t in self.tensors if ".lora_A." in t.name or ".lora_B." in t.name)
+
+    @cached_property
     def quantized_bytes(self) -> int:
         return sum(t.nbytes for t in self.quantized)
 

@@ -33,14 +33,15 @@ def _module_class() -> Any:
     class LoraLinear(nn.Module):
         """peft.tuners.lora.Linear's forward for one adapter (named "default", as PEFT names it)."""
 
-        def __init__(self, base: nn.Module, r: int, dropout: float, scaling: float, conv1d: bool) -> None:
+        def __init__(self, base: nn.Module, r: int, dropout: float, scaling: float, conv1d: bool,
+                     dtype: Any = None) -> None:
             super().__init__()
             self.base_layer = base
             w = base.weight
             fan_in, fan_out = (w.shape[0], w.shape[1]) if conv1d else (w.shape[1], w.shape[0])
             self.lora_dropout = nn.Dropout(p=dropout) if dropout > 0 else nn.Identity()
-            self.lora_A = nn.Linear(fan_in, r, bias=False, dtype=w.dtype)
-            self.lora_B = nn.Linear(r, fan_out, bias=False, dtype=w.dtype)
+            self.lora_A = nn.Linear(fan_in, r, bias=False, dtype=dtype or w.dtype)
+            self.lora_B = nn.Linear(r, fan_out, bias=False, dtype=dtype or w.dtype)
             self.scaling = scaling
 
         def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -216,6 +217,9 @@ def inject(model: Any, fields: dict[str, Any], family: str) -> int:
                 spec.bias == "all" or (spec.bias == "lora_only" and name in chosen)):
             bias.requires_grad_(True)
     cls = _module_class()
+    import torch
+
+    adapter_dtype = getattr(torch, fields["adapter_dtype"]) if fields.get("adapter_dtype") else None
     modules = dict(model.named_modules())
     for name in chosen:
         parent_name, _, leaf = name.rpartition(".")
@@ -227,6 +231,9 @@ def inject(model: Any, fields: dict[str, Any], family: str) -> int:
                 r = rank
                 break
         four_bit = _QUANT_CLASSES and isinstance(base, _QUANT_CLASSES["base"])
-        make = _QUANT_CLASSES["lora"] if four_bit else cls
-        setattr(parent, leaf, make(base, r, spec.dropout, 1.0, _layer_kind(base) == "conv1d"))
+        conv1d = _layer_kind(base) == "conv1d"
+        if four_bit:
+            setattr(parent, leaf, _QUANT_CLASSES["lora"](base, r, spec.dropout, 1.0, conv1d))
+        else:  # PEFT's fp32 adapters on a bf16 base (get_peft_model's autocast_adapter_dtype)
+            setattr(parent, leaf, cls(base, r, spec.dropout, 1.0, conv1d, adapter_dtype))
     return len(chosen)

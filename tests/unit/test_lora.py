@@ -305,3 +305,23 @@ def test_qlora_inventory_equals_bitsandbytes_and_peft(name, targets):
     # fp32 float parameters (torch-amp, what prepare_model_for_kbit_training leaves) + the 4-bit storage
     assert attribute(model, None)["weights_bytes"] == 4 * q.num_params + q.quantized_bytes
     assert sum(p.numel() for p in model.parameters() if p.requires_grad) == q.trainable_params
+
+
+@pytest.mark.parametrize("strategy,gpus,upcast", [("single", 1, True), ("ddp", 8, True), ("zero2", 8, False),
+                                                  ("fsdp-full", 8, False)])
+def test_adapters_on_a_bf16_base_are_fp32(inventories, strategy, gpus, upcast):
+    # get_peft_model(autocast_adapter_dtype=True) upcasts lora_A/lora_B on a bf16 base to fp32 (measured: PEFT
+    # 0.21 on a bf16 llama, modules_to_save copies stay bf16); DeepSpeed casts the module after PEFT, FSDP keeps
+    # the recipe
+    spec = lora.LoraSpec(rank=16, targets="all-linear")
+    inv = lora.apply(inventories("llama-3-8b"), spec)
+    precision = "deepspeed-bf16" if strategy == "zero2" else "pure-bf16"
+    s = options.resolve(inv, gpus=gpus, strategy=strategy, precision=precision, lora=spec,
+                        activations="analytic").settings
+    assert bool(s.recipe.adapter_bytes) == upcast
+    if upcast:
+        p = accounting.estimate(inv, s)
+        assert inv.adapter_params == inv.trainable_params == 41_943_040
+        assert p.peak.weights_bytes == 2 * inv.num_params + 2 * inv.adapter_params
+        assert p.peak.optimizer_states_bytes == 2 * 4 * inv.trainable_params
+        assert (s.recipe.grad_bytes, s.recipe.state_bytes) == (4, 4)

@@ -266,7 +266,8 @@ def plan(
     grad_accum: Optional[int] = typer.Option(None, "--grad-accum", help="Gradient accumulation steps [default: 1]."),
     precision: Optional[str] = typer.Option(None, "--precision", help="Recipe for every strategy [default: each "
                                             "strategy's framework's]."),
-    optimizer: Optional[str] = typer.Option(None, "--optimizer", help="adamw, adam, sgd, adafactor, adam8bit."),
+    optimizer: Optional[str] = typer.Option(None, "--optimizer", help="adamw, adam, sgd, adafactor, adam8bit, "
+                                                       "paged_adamw_8bit, paged_adamw_32bit."),
     attention: str = typer.Option("sdpa", "--attention", help="sdpa (the device's own kernel choice) | flash "
                                   "(asked for: refused where the device cannot run it) | eager."),
     allow_offload: bool = typer.Option(False, "--allow-offload", help="Also consider DeepSpeed ZeRO-Offload "

@@ -20,7 +20,8 @@ GradAccum = Annotated[Optional[int], typer.Option("--grad-accum", help="Gradient
 Precision = Annotated[Optional[str], typer.Option("--precision", help="deepspeed-bf16, deepspeed-fp16, torch-amp, "
                                                   "fsdp-bf16, pure-bf16, fp32 [default: the strategy's "
                                                   "framework's].")]
-Optimizer = Annotated[Optional[str], typer.Option("--optimizer", help="adamw, adam, sgd, adafactor, adam8bit.")]
+Optimizer = Annotated[Optional[str], typer.Option("--optimizer", help="adamw, adam, sgd, adafactor, adam8bit, "
+                                                  "paged_adamw_8bit, paged_adamw_32bit.")]
 OptimizerImpl = Annotated[Optional[str], typer.Option("--optimizer-impl", help="foreach, fused, single-tensor "
                                                       "[default: fused for DeepSpeed, foreach for torch; cpu: "
                                                       "single-tensor].")]

@@ -84,12 +84,11 @@ def _near(path: str, ref: str) -> str:
 
 
 #: TrainingArguments.optim (transformers 5.x OptimizerNames) -> (memplan optimizer, optimizer impl, note)
-_PAGED = ("bitsandbytes' paged optimizers keep their states in CUDA unified memory, outside PyTorch's allocator; "
-          "counted on the GPU (they move to the host only under memory pressure)")
 OPTIM = {"adamw_torch": ("adamw", "foreach", None), "adamw_torch_fused": ("adamw", "fused", None),
          "adafactor": ("adafactor", None, None),
          "adamw_bnb_8bit": ("adam8bit", None, None), "adamw_8bit": ("adam8bit", None, None),
-         "paged_adamw_8bit": ("adam8bit", None, _PAGED), "paged_adamw_32bit": ("adamw", "fused", _PAGED),
+         "paged_adamw_8bit": ("paged_adamw_8bit", None, None),
+         "paged_adamw_32bit": ("paged_adamw_32bit", None, None),
          "sgd": ("sgd", None, "optim sgd: torch.optim.SGD without momentum unless optim_args sets it; a momentum "
                              "buffer is counted (an upper bound)")}
 #: the names transformers accepts that memplan does not model (a clear error, not a guess)

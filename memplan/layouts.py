@@ -190,8 +190,8 @@ def optimizer_state_bytes(inv: ParamInventory, opt: Optimizer, recipe: Recipe, l
     """Optimizer-state bytes on the worst rank. Exact for Adam/SGD (states x elements)."""
     if not opt.factored and opt.state_bytes_override is None:
         return opt.states_per_param * recipe.state_bytes * lay.optimizer_numel
-    if not sharded:
-        return sum(state_bytes_for(opt, recipe, t.shape, t.numel) for t in inv.tensors)
+    if not sharded:  # the trainable tensors only (a frozen parameter gets no state: LoRA)
+        return sum(state_bytes_for(opt, recipe, t.shape, t.numel) for t in inv.trainable_inventory.tensors)
     return sum(state_bytes_for(opt, recipe, shape, numel) for shape, numel in lay.shard_shapes)
 
 

@@ -437,6 +437,10 @@ def resolve(inv: ParamInventory, *, gpus: int = 1, gpus_per_node: int | None = N
     recipe = get_recipe(pick("precision", precision, ds_file.recipe if ds_file else None,
                              DEFAULT_RECIPE[strat.framework]))
     opt = get_optimizer(pick("optimizer", optimizer, ds_file.optimizer if ds_file else None, "adamw"))
+    if opt.paged:
+        notes.append(f"{opt.name}: bitsandbytes keeps the states in CUDA unified memory (cudaMallocManaged), outside "
+                     "PyTorch's allocator; counted on the GPU, where they stay unless memory runs short (then the "
+                     "driver pages them to the host and the step slows): an upper bound on what must fit")
     file_mb = ds_file.micro_batch if ds_file and ds_file.micro_batch != "auto" else None
     file_ga = ds_file.grad_accum if ds_file and ds_file.grad_accum != "auto" else None
     mb = pick("micro_batch", micro_batch, file_mb, 1)

@@ -78,6 +78,13 @@ class Optimizer:
     #: bitsandbytes keeps tensors with fewer elements than this in 32-bit states (min_8bit_size=4096).
     min_8bit_numel: int = 0
     description: str = ""
+    #: the step's kernel on CUDA when the optimizer has only one: bitsandbytes updates each parameter in one
+    #: kernel (optim/optimizer.py update_step -> functional.optimizer_update_32bit / _8bit_blockwise), no
+    #: temporaries, whatever torch.optim's default would be
+    kernel: str | None = None
+    #: bitsandbytes' paged optimizers: states in CUDA unified memory (functional.py get_paged, cudaMallocManaged),
+    #: outside PyTorch's allocator
+    paged: bool = False
 
 
 OPTIMIZERS: dict[str, Optimizer] = {o.name: o for o in (
@@ -87,7 +94,13 @@ OPTIMIZERS: dict[str, Optimizer] = {o.name: o for o in (
     Optimizer(name="adafactor", states_per_param=1, factored=True,
               description="Adafactor (no first moment): row + column factors for matrices, full for vectors"),
     Optimizer(name="adam8bit", states_per_param=2, state_bytes_override=1, quant_block=2048, min_8bit_numel=4096,
-              description="bitsandbytes AdamW8bit: uint8 states + fp32 absmax per 2048-element block"),
+              description="bitsandbytes AdamW8bit: uint8 states + fp32 absmax per 2048-element block",
+              kernel="fused"),
+    Optimizer(name="paged_adamw_8bit", states_per_param=2, state_bytes_override=1, quant_block=2048,
+              min_8bit_numel=4096, kernel="fused", paged=True,
+              description="bitsandbytes PagedAdamW8bit: AdamW8bit's states in CUDA unified memory"),
+    Optimizer(name="paged_adamw_32bit", states_per_param=2, state_bytes_override=4, kernel="fused", paged=True,
+              description="bitsandbytes PagedAdamW32bit: fp32 exp_avg + exp_avg_sq in CUDA unified memory"),
 )}
 
 #: How an optimizer's step allocates scratch (torch.optim's implementations and DeepSpeed's kernels).
@@ -121,6 +134,6 @@ def state_bytes_for(opt: Optimizer, recipe: Recipe, shape: tuple[int, ...], nume
         lead = numel // (rows * cols) if rows * cols else 0
         return recipe.state_bytes * lead * (rows + cols)
     if opt.state_bytes_override is not None and numel >= opt.min_8bit_numel:
-        blocks = -(-numel // opt.quant_block)
+        blocks = -(-numel // opt.quant_block) if opt.quant_block else 0
         return opt.states_per_param * (numel * opt.state_bytes_override + 4 * blocks)
     return opt.states_per_param * numel * recipe.state_bytes

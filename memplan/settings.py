@@ -218,6 +218,8 @@ def optimizer_impl(s: Settings) -> str:
     """The optimizer implementation the job runs: the one given, else the framework's default on the device."""
     if s.optimizer_impl:
         return s.optimizer_impl
+    if s.optimizer.kernel and s.cluster.device == "cuda":
+        return s.optimizer.kernel
     if s.cluster.device == "cpu":
         # torch.optim's default off CUDA (_default_to_fused_or_foreach -> single tensor). DeepSpeed on CPU
         # (DS_BUILD_OPS=0) steps a torch optimizer on its flat fp32 partition, so the two temporaries of

@@ -84,7 +84,8 @@ def test_accelerate_deepspeed_plugin_and_defaults(tmp_path):
 
 
 def test_optimizer_names(tmp_path):
-    for optim, want in (("adamw_torch", ("adamw", "foreach")), ("paged_adamw_8bit", ("adam8bit", None)),
+    for optim, want in (("adamw_torch", ("adamw", "foreach")), ("paged_adamw_8bit", ("paged_adamw_8bit", "fused")),
+                        ("paged_adamw_32bit", ("paged_adamw_32bit", "fused")), ("adamw_bnb_8bit", ("adam8bit", "fused")),
                         ("adafactor", ("adafactor", None))):
         ta = _write(tmp_path, f"{optim}.json", json.dumps({"optim": optim, "per_device_train_batch_size": 1}))
         code, rep = _json(["estimate", "llama-7b", "--gpus", "2", "--training-args", ta])

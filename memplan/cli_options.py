@@ -53,6 +53,11 @@ ParamPersistenceThreshold = Annotated[Optional[int], typer.Option(help="stage3_p
 MaxLiveParameters = Annotated[Optional[int], typer.Option(help="stage3_max_live_parameters (elements).")]
 MaxReuseDistance = Annotated[Optional[int], typer.Option(help="stage3_max_reuse_distance (elements).")]
 HpzPartitionSize = Annotated[Optional[int], typer.Option(help="ZeRO++ hpZ zero_hpz_partition_size.")]
+ZeroQuantizedWeights = Annotated[Optional[bool], typer.Option(
+    "--zero-quantized-weights/--no-zero-quantized-weights", help="ZeRO++ qwZ: ZeRO-3 all-gathers int8 weights.")]
+ZeroQuantizedGradients = Annotated[Optional[bool], typer.Option(
+    "--zero-quantized-gradients/--no-zero-quantized-gradients",
+    help="ZeRO++ qgZ: ZeRO-3 reduces gradients in int4 across nodes.")]
 OffloadOptimizer = Annotated[Optional[bool], typer.Option("--offload-optimizer/--no-offload-optimizer",
                                                           help="DeepSpeed ZeRO-Offload of the optimizer.")]
 OffloadParam = Annotated[Optional[bool], typer.Option("--offload-param/--no-offload-param",
@@ -146,7 +151,7 @@ def lora_spec(values: dict[str, Any], notes: list[str] | None = None) -> Any:
 
 DS_KNOBS = ("reduce_bucket_size", "allgather_bucket_size", "overlap_comm", "contiguous_gradients",
             "prefetch_bucket_size", "param_persistence_threshold", "max_live_parameters", "max_reuse_distance",
-            "hpz_partition_size", "offload_optimizer", "offload_param")
+            "hpz_partition_size", "offload_optimizer", "offload_param", "quantized_weights", "quantized_gradients")
 TORCH_KNOBS = ("reshard_after_forward", "hsdp_shard_size", "fsdp_version", "cpu_offload", "bucket_cap_mb",
                "gradient_as_bucket_view")
 

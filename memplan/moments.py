@@ -47,7 +47,7 @@ def phases(f: Fixed, recompute: str, micro_batch: int) -> list[tuple[int, int, i
     best = {0: f.non_activation[0] + fwd, 1: -1 if loss_covered(f, moments) else f.non_activation[1] + bwd,
             2: f.non_activation[2] + saved}
     for m, x, gx in moments:
-        phase = 0 if m.at.in_forward else 1 if m.at == Moment.LOSS_BACKWARD else 2
+        phase = 0 if m.at.in_forward else 1 if m.at in (Moment.LOSS_BACKWARD, Moment.ALL_SAVED) else 2
         if m.total + x + gx > best[phase]:
             best[phase], out[phase] = m.total + x + gx, (m.grads + gx, x, m.buffers)
     return out

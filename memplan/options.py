@@ -231,6 +231,30 @@ def _ds_knobs(pick: _Picker, ds_file: Any, inv: ParamInventory, overrides: dict[
     return ds
 
 
+def _zeropp_notes(ds: DeepSpeedKnobs, strat: Any, gpus: int, per_node: int) -> list[str]:
+    """What ZeRO++'s quantized collectives change, and what memplan's figures for them rest on."""
+    out = []
+    if (ds.quantized_weights or ds.quantized_gradients) and strat.zero_stage != 3:
+        out.append("zero_quantized_weights / zero_quantized_gradients act in ZeRO stage 3 only (stage3.py, "
+                   "partition_parameters.py); this job does not use them")
+        return out
+    if ds.quantized_weights:
+        out.append("ZeRO++ qwZ: each all-gather moves int8 weights with an fp32 scale per group, dequantizes to "
+                   "fp16 and casts each parameter to its dtype (partition_parameters.py, DeepSpeed 0.19.8): the "
+                   "gathered parameters hold what they hold without it, plus the int8 buffers, the fp16 copy and "
+                   "the casts while a gather is in flight; derived from the source, not measured (its quantizer "
+                   "kernels need CUDA)")
+    if ds.quantized_gradients:
+        if gpus // max(per_node, 1) <= 1:
+            out.append("ZeRO++ qgZ acts across nodes only (stage3.py __avg_scatter_grads: num_nodes > 1): on one "
+                       "node gradients are reduced as without it")
+        else:
+            out.append("ZeRO++ qgZ: the int4 all-to-all buffers of the largest gradient are added where gradients "
+                       "are reduced (coalesced_collectives.py all_to_all_quant_reduce); derived from the source, "
+                       "not measured (CUDA kernels)")
+    return out
+
+
 def _torch_knobs(overrides: dict[str, Any], strat: Any) -> TorchKnobs:
     tk = TorchKnobs(**{k: v for k, v in overrides.items() if v is not None})
     if tk.hsdp_shard_size is not None and tk.hsdp_shard_size < 1:
@@ -452,6 +476,7 @@ def resolve(inv: ParamInventory, *, gpus: int = 1, gpus_per_node: int | None = N
     if pin_memory is not None:  # DeepSpeed offload's pin_memory, and FSDP CPUOffloadPolicy's
         ds_overrides["offload_pin_memory"] = torch_overrides["cpu_offload_pin_memory"] = pin_memory
     ds = _ds_knobs(pick, ds_file, inv, ds_overrides, strat)
+    notes.extend(_zeropp_notes(ds, strat, gpus, gpus_per_node or gpus))
     tk = _torch_knobs(torch_overrides, strat)
     hv = _horovod_knobs(horovod_overrides or {}, strat, pick.sources, notes)
     strat = get_strategy(strat.name, tk.fsdp_version)

@@ -32,6 +32,10 @@ class DeepSpeedKnobs:
     max_reuse_distance: int = 1_000_000_000  #: stage3_max_reuse_distance, elements
     sub_group_size: int = 1_000_000_000
     hpz_partition_size: int = 1  #: zero_hpz_partition_size (ZeRO++ secondary partition within a node)
+    #: ZeRO++ qwZ (zero_quantized_weights): ZeRO-3 all-gathers int8 weights with fp32 group scales
+    quantized_weights: bool = False
+    #: ZeRO++ qgZ (zero_quantized_gradients): int4 all-to-all gradient reduce, across nodes only
+    quantized_gradients: bool = False
     offload_optimizer: bool = False  #: offload_optimizer.device == "cpu"
     offload_param: bool = False  #: offload_param.device == "cpu" (stage 3 only)
     #: offload_optimizer / offload_param .pin_memory (DeepSpeed's default: false): pinned host buffers, which

@@ -30,7 +30,7 @@ class Moment(IntEnum):
     INSIDE_FIRST_BLOCK_BACKWARD = 2
     #: everything saved but the last two blocks'
     SAVED_BUT_LAST_TWO = -1
-    #: everything saved
+    #: everything saved: all forward left alive, as backward starts (a backward-start moment)
     ALL_SAVED = -2
     #: forward, the embedding's output alone saved (the first all-gather copy-outs)
     EMBEDDING_OUTPUT = -3

@@ -63,6 +63,8 @@ def buffers(job: Job, grads: Grads) -> BufferTimeline:
     h = _kept(u) if raf is False else _resharded(u, raf, g.block_numels)
     end, inside_first = _end(u, job, grads.end)
     moments = [LOSS, *_forward_moments(u, h, raf), *_backward_moments(u, h, raf, job.n), inside_first]
+    if h.prefetch_root:  # with everything forward left alive (the traced live bytes after forward)
+        moments.append(BufferMoment(h.prefetch_root, 0, Moment.ALL_SAVED))
     return BufferTimeline(gathered_forward_end=h.forward_end, gathered_loss=h.loss, end=end, moments=tuple(moments),
                           assumptions={"reshard_after_forward": raf, "largest_gathered_block_numel": g.largest_block})
 
@@ -101,9 +103,11 @@ class _Units:
     #: param_dtype buffer (flat_foreach_copy_input) that lives through the all-gather (0: no cast)
     cin: int = 0
 
-    def copy_in(self, numel: int) -> int:
-        """The cast copy of one block's shard alive during its all-gather: 1/n of its padded elements."""
-        return self.cin * numel // self.n if self.n else 0
+    def copy_in(self, numel: int, world: int = 0) -> int:
+        """The cast copy of one block's shard alive during its all-gather over ``world`` ranks (default: the
+        shard group; a reshard_after_forward group size for a block in its post-forward shards)."""
+        world = world or self.n
+        return self.cin * ceil_div(numel, world) if world else 0
 
     n: int = 0
 
@@ -172,6 +176,8 @@ class _Held:
     #: copy-in): the last block's, and the one before it's (0: nothing gathered in backward)
     prefetch_last: int = 0
     prefetch_prev: int = 0
+    #: the root's pre-backward (everything forward left alive): the last block's prefetch, output and copy-in
+    prefetch_root: int = 0
 
 
 def _kept(u: _Units) -> _Held:
@@ -202,6 +208,7 @@ def _resharded(u: _Units, raf: bool | int, block_numels: tuple[int, ...]) -> _He
         share_last, share_prev = cb * ceil_div(u.last, raf), cb * ceil_div(u.prev, raf)
     prefetched = u.pf * cb * u.prev
     copies = 2 if u.flat else 1
+    world = raf if raf is not True else u.n  # a block in its post-forward shards all-gathers over raf ranks
     return _Held(
         kept=kept, share_last=share_last, share_prev=share_prev,
         forward_end=root + kept + (cb * u.last if u.flat else 0),
@@ -223,11 +230,13 @@ def _resharded(u: _Units, raf: bool | int, block_numels: tuple[int, ...]) -> _He
         inside_two=root + hg + kept - share_last - share_prev + cb * (u.prev + u.pf * u.prev2) + u.rb * u.tlast,
         # the last block's pre-backward, after its copy-out: _backward_prefetch all-gathers the block before it
         # (_fsdp_param_group.py pre_backward), its output and cast copy-in alive together
-        prefetch_last=(root + hg + kept - share_last + cb * u.last + u.pf * (cb * u.prev + u.copy_in(u.prev))
-                       if u.nblocks >= 2 else 0),
+        prefetch_last=(root + hg + kept - share_last + cb * u.last
+                       + u.pf * (cb * u.prev + u.copy_in(u.prev, world)) if u.nblocks >= 2 else 0),
         # and the block before it's, the last block's reduce-scatter input still held
         prefetch_prev=(root + hg + kept - share_last - share_prev + cb * u.prev
-                       + u.pf * (cb * u.prev2 + u.copy_in(u.prev2)) + u.rb * u.tlast if u.nblocks >= 3 else 0))
+                       + u.pf * (cb * u.prev2 + u.copy_in(u.prev2, world)) + u.rb * u.tlast if u.nblocks >= 3 else 0),
+        # the root's pre-backward prefetches the last block (its output then held through the loss: `loss`)
+        prefetch_root=root + kept + u.pf * (cb * u.last + u.copy_in(u.last, world)) if u.cin else 0)
 
 
 def _forward_moments(u: _Units, h: _Held, raf: bool | int) -> list[BufferMoment]:

@@ -31,13 +31,28 @@ class Zero3Schedule:
 
 
 def zero3_schedule(inv: ParamInventory, n: int, prefetch: int, max_live: int, max_reuse: int,
-                   threshold: int) -> Zero3Schedule:
-    return layouts.cached(inv, ("zero3", n, prefetch, max_live, max_reuse, threshold),
-                   lambda: _zero3_schedule(inv, n, prefetch, max_live, max_reuse, threshold))
+                   threshold: int, qw: tuple[int, bool] | None = None) -> Zero3Schedule:
+    """Elements gathered at each point; with ``qw`` (ZeRO++ qwZ: the parameter bytes and whether they are fp16),
+    bytes, the int8 buffers and dequantized copies included."""
+    return layouts.cached(inv, ("zero3", n, prefetch, max_live, max_reuse, threshold, qw),
+                   lambda: _zero3_schedule(inv, n, prefetch, max_live, max_reuse, threshold, qw))
+
+
+def quant_groups(numel: int) -> int:
+    """CUDAQuantizer.quantize's group count for a tensor of ``numel`` elements (partition_parameters.py,
+    target_group_size 8000): one fp32 scale per group."""
+    groups = ceil_div(numel, 8000)
+    while groups < numel:
+        if numel % (8 * groups) == 0:
+            break
+        groups += 1
+    while numel % (8 * groups * 2) == 0 and numel / groups > 8000:
+        groups *= 2
+    return groups
 
 
 def _zero3_schedule(inv: ParamInventory, n: int, prefetch: int, max_live: int, max_reuse: int,
-                    threshold: int) -> Zero3Schedule:
+                    threshold: int, qw: tuple[int, bool] | None = None) -> Zero3Schedule:
     """Replays DeepSpeed's PartitionedParameterCoordinator (deepspeed/runtime/zero/partitioned_param_coordinator.py,
     0.19) over the module trace of one step, once the trace is complete (every step after the first):
 
@@ -56,7 +71,7 @@ def _zero3_schedule(inv: ParamInventory, n: int, prefetch: int, max_live: int, m
     - stage3.py step() releases everything (partition_all_parameters), and reset_step() zeroes the available
       count at the next forward.
     """
-    c = _Coordinator(inv, n, prefetch, max_live, max_reuse, threshold)
+    c = _Coordinator(inv, n, prefetch, max_live, max_reuse, threshold, qw)
     for k in range(len(c.trace)):
         c.run_module(k)
     nf, block_of, at = c.nf, c.block_of, c.at_step
@@ -77,9 +92,14 @@ class _Coordinator:
     module (at_step: the most while it ran; settled: after its waits and prefetch; after_release)."""
 
     def __init__(self, inv: ParamInventory, n: int, prefetch: int, max_live: int, max_reuse: int,
-                 threshold: int) -> None:
+                 threshold: int, qw: tuple[int, bool] | None = None) -> None:
         from collections import deque
 
+        # ZeRO++ qwZ: count bytes (pb per unsharded element) instead of elements; fp16 parameters skip the casts
+        self.pb, self.fp16 = qw if qw else (1, False)
+        self.qw = qw is not None
+        self.transient = 0  # the most a gather or a wait holds for a moment beyond what stays (bytes, qwZ)
+        self.deq: dict[int, int] = {}  # qwZ: coalesced group -> bytes of its dequantized fp16 flat copy
         tensors = inv.tensors
         self.n, self.prefetch, self.max_live, self.max_reuse = n, prefetch, max_live, max_reuse
         self.numel = [t.numel for t in tensors]
@@ -124,6 +144,9 @@ class _Coordinator:
         several go through one flat buffer that lives while any of them is still in the in-flight registry."""
         self.avail.update(ps)
         self.n_avail += sum(self.numel[p] for p in ps)
+        if self.qw:
+            self._gather_quantized(ps, gid)
+            return
         if len(ps) == 1:
             self.copied.add(ps[0])
             self.copies += self.numel[ps[0]]
@@ -132,6 +155,26 @@ class _Coordinator:
         self.members[gid] = set(ps)
         for p in ps:
             self.group_of[p] = gid
+
+    def _gather_quantized(self, ps: list[int], gid: int) -> None:
+        """qwZ's all-gather (partition_parameters.py _all_gather_coalesced / _all_gather_sequential with
+        quantize): the rank's partitions concatenated (torch.cat, parameter dtype; one parameter: its partition
+        itself), cast to fp16 (CUDAQuantizer.quantize: param.to(torch.half)), quantized to int8 with one fp32
+        scale per group; the int8 output buffer over every rank and the gathered scales (fp32) stay with the
+        handle, the int8 input with the collective, until the group's last member is waited on."""
+        part = sum(ceil_div(self.numel[p], self.n) for p in ps)
+        groups = quant_groups(part)
+        cat = self.pb * part if len(ps) > 1 else 0
+        half = 0 if self.fp16 else 2 * part
+        held = part * self.n + 4 * groups * self.n + part + 4 * groups
+        self.transient = max(self.transient, self.total() + cat + half + held)
+        self.flats[gid] = held
+        self.members[gid] = set(ps)
+        for p in ps:
+            self.group_of[p] = gid
+
+    def total(self) -> int:
+        return self.copies + sum(self.flats.values()) + sum(self.deq.values())
 
     def wait(self, params: list[int]) -> None:
         """The first wait on a group copies every member out of its flat buffer."""
@@ -142,9 +185,29 @@ class _Coordinator:
             if gid not in self.waited:
                 self.waited.add(gid)
                 fresh_copies = [q for q in self.members[gid] | {p} if q in self.avail and q not in self.copied]
+                if self.qw:
+                    self._dequantize(gid, sorted(self.members[gid] | {p}), fresh_copies)
+                else:
+                    self.copies += sum(self.numel[q] for q in fresh_copies)
                 self.copied.update(fresh_copies)
-                self.copies += sum(self.numel[q] for q in fresh_copies)
             self.members[gid].discard(p)
+
+    def _dequantize(self, gid: int, members: list[int], fresh: list[int]) -> None:
+        """qwZ's wait (AllGatherCoalescedHandle.wait / AllGatherHandle.wait): the int8 buffer dequantized into
+        an fp16 flat copy (held by the handle's partitions), then each parameter in ds_id order torch.cat out of
+        it (fp16) and cast to its own dtype (.to(ds_tensor.dtype): a second tensor unless fp16); one parameter
+        is dequantized straight into an fp16 tensor and cast."""
+        flat = sum(ceil_div(self.numel[p], self.n) for p in members) * self.n
+        if len(members) > 1:
+            self.deq[gid] = 2 * flat
+        base = self.total()
+        for q in members:
+            if q not in fresh:
+                continue
+            cast = 0 if self.fp16 else self.pb * self.numel[q]
+            self.transient = max(self.transient, base + 2 * self.numel[q] + cast)
+            base += self.pb * self.numel[q] if not self.fp16 else 2 * self.numel[q]
+            self.copies += self.pb * self.numel[q]
 
     def prefetch_after(self, k: int, params: list[int]) -> None:
         fresh = {p for p in params if self.most_recent.get(p, -1 << 62) < k}
@@ -181,22 +244,24 @@ class _Coordinator:
             self.n_avail -= self.numel[p]
             if p in self.copied:
                 self.copied.discard(p)
-                self.copies -= self.numel[p]
+                self.copies -= self.pb * self.numel[p] if self.qw else self.numel[p]
 
     def run_module(self, k: int) -> None:
         params = self.trace[k]
         to_fetch = [p for p in dict.fromkeys(params) if not self.persist[p] and p not in self.avail]
+        self.transient = 0
         if to_fetch:
             self.gather(to_fetch, 2 * k)
         self.wait(params)
-        peak = self.copies + sum(self.flats.values())
+        peak = self.total()
         for gid in [g for g, m in self.members.items() if not m]:
             del self.members[gid], self.flats[gid]
+            self.deq.pop(gid, None)
         self.prefetch_after(k, params)
-        self.settled.append(self.copies + sum(self.flats.values()))
-        self.at_step.append(max(peak, self.settled[-1]))
+        self.settled.append(self.total())
+        self.at_step.append(max(peak, self.settled[-1], self.transient))
         self.release_after(k, params)
-        self.after_release.append(self.copies + sum(self.flats.values()))
+        self.after_release.append(self.total())
 
 
 def weights(job: Job) -> int:
@@ -213,9 +278,33 @@ def weights(job: Job) -> int:
     if hpz > 1:
         if n % hpz:
             raise SettingsError(f"shard group({n}) is not a multiple of zero_hpz_partition_size({hpz})")
+        # (qwZ leaves the secondary partition in the parameter dtype: _partition_param_sec quantizes it only for
+        # frozen parameters under zero_quantized_nontrainable_weights)
         out += rc.param_bytes * layouts.layout_sizes(job.inv, s.strategy.layout, hpz,
                                                      s.ds.param_persistence_threshold).shard_numel
     return out
+
+
+def qgz_transient(job: Job) -> int:
+    """ZeRO++ qgZ's buffers for the largest gradient it reduces (coalesced_collectives.py all_to_all_quant_reduce,
+    DeepSpeed 0.19.8; derived from the source, not measured: its kernels need CUDA): only across nodes
+    (stage3.py uses it when num_nodes > 1) and for 2-D gradients whose size divides by 2 x the world size (others
+    take reduce_scatter_coalesced). Per gradient of N elements with G = max(rows, cols, world) groups and L GPUs
+    per node: the int4 swizzled copy and the intra-node all-to-all output (N / 2 bytes and G fp32 scales each),
+    the intra-node reduction and the inter-node all-to-all output (N / 2L bytes and G / L scales each), and the
+    dequantized fp16 result (2N / L bytes), all alive until the loop moves to the next gradient."""
+    c = job.s.cluster
+    world, local = c.gpus, c.gpus_per_node
+    if world // max(local, 1) <= 1:
+        return 0
+    best = 0
+    for t in job.inv.tensors:
+        if not t.trainable or len(t.shape) != 2 or t.numel % (2 * world):
+            continue
+        n_el, groups = t.numel, max(t.shape[0], t.shape[1], world)
+        best = max(best, 2 * (n_el // 2 + 4 * groups) + 2 * (n_el // (2 * local) + 4 * ceil_div(groups, local))
+                   + 2 * n_el // local)
+    return best
 
 
 def offload(job: Job, grads: Grads, host_by: dict[str, int]) -> OffloadedGrads:
@@ -243,8 +332,12 @@ def buffers(job: Job, grads: Grads) -> BufferTimeline:
     persistent = ds.reduce_bucket_size * rc.grad_bytes if s.strategy.ds_ipg_buckets and ds.contiguous_gradients else 0
     g = job.gathers
     cb = rc.param_bytes
+    # ZeRO++ qwZ: the schedule counts bytes (int8 buffers, fp16 dequantized copies, the parameters' own copies)
+    qw = (rc.param_bytes, s.recipe.name == "deepspeed-fp16") if ds.quantized_weights and n > 1 else None
     z = zero3_schedule(job.inv, n, ds.prefetch_bucket_size, ds.max_live_parameters, ds.max_reuse_distance,
-                               ds.param_persistence_threshold)
+                       ds.param_persistence_threshold, qw)
+    if qw:
+        cb = 1
     if n == 1 and not (ds.offload_param and s.cluster.device != "cpu"):
         # a partition group of one gathers nothing: each parameter is pointed at its partition
         # (partition_parameters.py all_gather_coalesced -> _no_gather_coalesced, NoGatherHandle: param.data =
@@ -274,7 +367,11 @@ def buffers(job: Job, grads: Grads) -> BufferTimeline:
     for at in (Moment.INSIDE_LAST_BLOCK_BACKWARD, Moment.INSIDE_PREVIOUS_BLOCK_BACKWARD,
                Moment.INSIDE_FIRST_BLOCK_BACKWARD):
         moments.append(BufferMoment(cb * z.blocks, grads.persist + tied_bytes, at))
-    gathered_end = cb * z.end + rc.grad_bytes * unreduced
+    # ZeRO++ qgZ: across nodes stage3.py __avg_scatter_grads reduces each gradient through
+    # coalesced_collectives.py all_to_all_quant_reduce instead of reduce_scatter_coalesced
+    qgz = qgz_transient(job) if ds.quantized_gradients else 0
+    unreduced_bytes = rc.grad_bytes * unreduced + qgz
+    gathered_end = cb * z.end + unreduced_bytes
     hook_transient = (0, 1)
     if job.offload_optimizer:
         # at the gradient-accumulation boundary, per reduced parameter (stage3.py partition_grads ->
@@ -297,10 +394,10 @@ def buffers(job: Job, grads: Grads) -> BufferTimeline:
         gathered_end += per * ceil_div(gg.root_largest_tensor, n)
     return BufferTimeline(
         persistent=persistent, gathered_forward_most=cb * z.forward, gathered_forward_end=cb * z.forward_end,
-        gathered_loss=cb * z.loss, gathered_backward=cb * z.backward + rc.grad_bytes * unreduced,
+        gathered_loss=cb * z.loss, gathered_backward=cb * z.backward + unreduced_bytes,
         gathered_end=gathered_end, moments=tuple(moments), grads_held=True, hook_transient=hook_transient,
         assumptions={"zero3_unreduced_grad_numel": unreduced,
-                     "zero3_gathered_numel": {"forward": z.forward, "forward_end": z.forward_end, "loss": z.loss,
+                     ("zero3_gathered_bytes" if qw else "zero3_gathered_numel"): {"forward": z.forward, "forward_end": z.forward_end, "loss": z.loss,
                                               "backward": z.backward, "end": z.end, "blocks": z.blocks},
                      "largest_gathered_block_numel": g.largest_block})
 

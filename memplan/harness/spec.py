@@ -74,6 +74,9 @@ def build_spec(config: dict[str, Any], s: Settings, *, warmup_steps: int = 2, me
                             f"not {s.recipe.name}")
     if s.optimizer.name not in ("adamw", "adam", "sgd"):
         raise SettingsError(f"the harness runs adamw, adam and sgd, not {s.optimizer.name}")
+    if st.zero_stage == 3 and (s.ds.quantized_weights or s.ds.quantized_gradients):
+        raise SettingsError("the harness does not run ZeRO++ qwZ/qgZ: DeepSpeed's quantizer kernels need CUDA "
+                            "and a DeepSpeed build with its ops")
     # DeepSpeed's offload runs on CPU (DeepSpeedCPUAdam, JIT-built): device and host memory are one allocator
     # there, so the comparison adds what the plan keeps on the host (harness/compare.py). FSDP's CPUOffloadPolicy
     # needs a device other than the host.

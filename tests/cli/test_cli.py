@@ -245,12 +245,14 @@ def test_deepspeed_legacy_and_unmodelled_keys(tmp_path):
 
     p = tmp_path / "ds.json"
     p.write_text(json.dumps({"zero_optimization": {"stage": 3, "cpu_offload": True, "cpu_offload_param": "true",
-                                                   "zero_quantized_gradients": True, "reduce_scatter": True}}))
+                                                   "zero_quantized_gradients": True, "reduce_scatter": True,
+                                                   "use_multi_rank_bucket_allreduce": False}}))
     d = dsconfig.load(str(p))
     assert d.knobs["offload_optimizer"] is True and d.knobs["offload_param"] is True
+    assert d.knobs["quantized_gradients"] is True  # ZeRO++ qgZ is read (frameworks/zero3.py qgz_transient)
     assert not d.unknown_keys
     # keys that change memory and are not modelled are said, at a value other than DeepSpeed's default only
-    assert [n.split(":")[0] for n in d.notes] == ["zero_optimization.zero_quantized_gradients"]
+    assert [n.split(":")[0] for n in d.notes] == ["zero_optimization.use_multi_rank_bucket_allreduce"]
     p.write_text(json.dumps({"zero_optimization": {"stage": 2, "cpu_offload": False}}))
     assert "offload_optimizer" not in dsconfig.load(str(p)).knobs
 

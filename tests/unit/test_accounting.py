@@ -235,6 +235,9 @@ def test_fsdp2_buffer_lifetimes_per_phase():
         # inside the first block: itself, the second block's reduce-scatter input; the other blocks' shards
         # reduced (the root's grads wait for its reduce at the very end)
         (3 * b, root + 2 * hd + 2 * b + 4 * b, M.INSIDE_FIRST_BLOCK_BACKWARD),
+        # the root's pre-backward, with everything forward left alive: the last block's prefetch, its output and
+        # the cast copy-in of this rank's shard
+        (0, root + 2 * b + 2 * b // 4, M.ALL_SAVED),
     ]
     assert f.grad_width == 2
     # the first block's end: itself, its grads, the second block's reduce-scatter input
@@ -573,3 +576,48 @@ def test_fsdp2_dim0_padding_is_noted():
     assert note(8) == []
     (n16,) = note(16)
     assert "shard group (16): 49.1% of each rank's shard is padding" in n16 and "shard_placement_fn" in n16
+
+
+def test_zero3_quantized_weights_gather_in_bytes():
+    # ZeRO++ qwZ (partition_parameters.py, DeepSpeed 0.19.8; derived from the source): one module of two
+    # 10,000-element bf16 parameters, 2 ranks, no prefetch. The gather: the partitions concatenated (2 x 10,000
+    # bytes) and cast to fp16 (20,000), quantized (10,000 int8 + 2 fp32 scales: CUDAQuantizer's groups for
+    # 10,000 elements), into an int8 buffer over both ranks (20,000) with their scales (16); the wait: an fp16
+    # dequantized flat copy (40,000), then each parameter torch.cat out of it in fp16 and cast to bf16.
+    from memplan.frameworks.zero3 import quant_groups
+
+    t = (ParamTensor("layers.0.lin.weight", (100, 100), "bfloat16", "layers.0", "mlp"),
+         ParamTensor("layers.0.lin.bias", (10000,), "bfloat16", "layers.0", "mlp"))
+    inv = ParamInventory(model_name="toy", source="test", builder="test", family="llama", tensors=t, dims=DIMS)
+    assert quant_groups(10000) == 2
+    held = 2 * 10000 + 4 * 2 * 2 + 10000 + 4 * 2
+    assert held == 30024
+    z = zero3_schedule(inv, 2, 0, 10**9, 0, 0, (2, False))
+    # the second parameter's cast: the int8 buffers, the fp16 flat, the first parameter's bf16 copy, the second's
+    # fp16 cat and its bf16 cast
+    assert z.forward == held + 40000 + 20000 + 20000 + 20000 == 130024
+    plain = zero3_schedule(inv, 2, 0, 10**9, 0, 0)
+    assert plain.forward == 2 * 20000  # elements: the flat buffer and the copies out of it
+    # fp16 parameters: no cast on the way in or out
+    assert zero3_schedule(inv, 2, 0, 10**9, 0, 0, (2, True)).forward == max(
+        0 + 2 * 10000 + held, held + 40000 + 20000 + 20000)
+
+
+def test_zero_quantized_gradients_act_across_nodes_only(inventories):
+    # stage3.py __avg_scatter_grads takes all_to_all_quant_reduce only when num_nodes > 1
+    from memplan import options
+
+    inv = inventories("llama-3-8b")
+    plain = options.resolve(inv, gpus=16, gpus_per_node=8, stage=3, activations="analytic")
+    one_node = options.resolve(inv, gpus=8, stage=3, activations="analytic",
+                               ds_overrides={"quantized_gradients": True})
+    two_nodes = options.resolve(inv, gpus=16, gpus_per_node=8, stage=3, activations="analytic",
+                                ds_overrides={"quantized_gradients": True})
+    assert any("across nodes only" in n for n in one_node.notes)
+    base = A.estimate(inv, plain.settings)
+    q = A.estimate(inv, two_nodes.settings)
+    # the head (128256 x 4096) is the largest 2-D gradient: its int4 copies (N/2 each, with 128256 fp32 scales),
+    # the intra-node reduction and inter-node outputs (N/16 each, scales / 8) and the fp16 result (2N/8)
+    n_el, g = 128256 * 4096, 128256
+    extra = 2 * (n_el // 2 + 4 * g) + 2 * (n_el // 16 + 4 * -(-g // 8)) + 2 * n_el // 8
+    assert q.phases[3].buffers_bytes - base.phases[3].buffers_bytes == extra

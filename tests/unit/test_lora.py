@@ -341,3 +341,4 @@ def test_per_tensor_optimizers_keep_states_for_the_adapters_only(inventories, op
     if optimizer == "paged_adamw_32bit":  # fp32 states whatever the recipe, one fused kernel (no scratch)
         assert p.peak.optimizer_states_bytes == 2 * 4 * inv.trainable_params
         assert accounting.optimizer_impl(s) == "fused"
+

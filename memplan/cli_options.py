@@ -53,6 +53,9 @@ ParamPersistenceThreshold = Annotated[Optional[int], typer.Option(help="stage3_p
 MaxLiveParameters = Annotated[Optional[int], typer.Option(help="stage3_max_live_parameters (elements).")]
 MaxReuseDistance = Annotated[Optional[int], typer.Option(help="stage3_max_reuse_distance (elements).")]
 HpzPartitionSize = Annotated[Optional[int], typer.Option(help="ZeRO++ hpZ zero_hpz_partition_size.")]
+Z3LeafModules = Annotated[Optional[str], typer.Option(
+    "--z3-leaf-modules", help="ZeRO-3 leaf modules, fetched whole: class names (ClassName,...) or none "
+    "[default: DeepSpeed's, the Mixtral/Qwen2-MoE/Qwen3-MoE sparse MoE blocks].")]
 ZeroQuantizedWeights = Annotated[Optional[bool], typer.Option(
     "--zero-quantized-weights/--no-zero-quantized-weights", help="ZeRO++ qwZ: ZeRO-3 all-gathers int8 weights.")]
 ZeroQuantizedGradients = Annotated[Optional[bool], typer.Option(
@@ -158,7 +161,11 @@ TORCH_KNOBS = ("reshard_after_forward", "hsdp_shard_size", "fsdp_version", "cpu_
 
 def ds_overrides(values: dict[str, Any]) -> dict[str, Any]:
     """The DeepSpeed knobs a command was given (its parameters by name)."""
-    return {k: values[k] for k in DS_KNOBS if k in values}
+    out = {k: values[k] for k in DS_KNOBS if k in values}
+    if values.get("z3_leaf_modules") is not None:  # --z3-leaf-modules A,B | none
+        raw = str(values["z3_leaf_modules"]).strip()
+        out["leaf_classes"] = () if raw.lower() == "none" else tuple(x.strip() for x in raw.split(",") if x.strip())
+    return out
 
 
 def torch_overrides(values: dict[str, Any]) -> dict[str, Any]:

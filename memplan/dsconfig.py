@@ -43,9 +43,7 @@ NOT_MODELLED = {"reduce_scatter": (True, "reduce_scatter false (each bucket all-
                                          "the default path (the two measured alike on CPU, docs/accuracy.md)"),
                 "use_multi_rank_bucket_allreduce": (True, "use_multi_rank_bucket_allreduce false (per-rank "
                                                           "reduces) is modelled as the default path (the two "
-                                                          "measured alike on CPU, docs/accuracy.md)"),
-                "stage3_module_granularity_threshold": (0, "ZeRO-3 module grouping (leaf modules fetched as one "
-                                                           "unit) is not modelled; per-module gathering assumed")}
+                                                          "measured alike on CPU, docs/accuracy.md)")}
 #: zero_optimization key -> memplan DeepSpeedKnobs field.
 ZERO_KEYS = {"reduce_bucket_size": "reduce_bucket_size", "allgather_bucket_size": "allgather_bucket_size",
              "overlap_comm": "overlap_comm", "contiguous_gradients": "contiguous_gradients",
@@ -56,12 +54,13 @@ ZERO_KEYS = {"reduce_bucket_size": "reduce_bucket_size", "allgather_bucket_size"
              "stage3_max_reuse_distance": "max_reuse_distance", "max_reuse_distance": "max_reuse_distance",
              "sub_group_size": "sub_group_size", "zero_hpz_partition_size": "hpz_partition_size",
              "memory_efficient_linear": "memory_efficient_linear",
-             "zero_quantized_weights": "quantized_weights", "zero_quantized_gradients": "quantized_gradients"}
+             "zero_quantized_weights": "quantized_weights", "zero_quantized_gradients": "quantized_gradients",
+             "stage3_module_granularity_threshold": "module_granularity_threshold"}
 #: keys read elsewhere in load(), or that do not change memory
 ZERO_IGNORED = {"stage", "offload_optimizer", "offload_param", "allgather_partitions", "round_robin_gradients",
                 "stage3_gather_16bit_weights_on_model_save", "gather_16bit_weights_on_model_save",
                 "elastic_checkpoint", "ignore_unused_parameters", "load_from_fp32_weights", "log_trace_cache_warnings",
-                "cpu_offload_use_pin_memory"} | set(DEPRECATED_ZERO) | set(NOT_MODELLED)
+                "cpu_offload_use_pin_memory", "leaf_module"} | set(DEPRECATED_ZERO) | set(NOT_MODELLED)
 BOOL_KEYS = {"overlap_comm", "contiguous_gradients", "memory_efficient_linear", "zero_quantized_weights",
              "zero_quantized_gradients"}
 
@@ -172,6 +171,18 @@ def load(path: str) -> DsConfig:
         pin = _bool(sub.get("pin_memory", False), f"zero_optimization.{key}.pin_memory", path)
         if device != "none" and pin:
             knobs["offload_pin_memory"] = True
+    leaf = zero.get("leaf_module")
+    if leaf is not None:  # runtime/zero/leaf_module_config.py: classes (replacing the defaults), names, suffixes
+        if not isinstance(leaf, dict):
+            raise ConfigError(f"{path}: zero_optimization.leaf_module must be an object")
+        for key, field_name in (("classes", "leaf_classes"), ("names", "leaf_names"),
+                                ("name_suffixes", "leaf_name_suffixes")):
+            if key in leaf:
+                v = leaf[key]
+                v = [v] if isinstance(v, str) else v
+                if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
+                    raise ConfigError(f"{path}: zero_optimization.leaf_module.{key} must be a list of strings")
+                knobs[field_name] = tuple(dict.fromkeys(v))
     for key, (default, note) in NOT_MODELLED.items():
         if key in zero and zero[key] != default:
             notes.append(f"zero_optimization.{key}: {note}")

@@ -231,6 +231,22 @@ def _ds_knobs(pick: _Picker, ds_file: Any, inv: ParamInventory, overrides: dict[
     return ds
 
 
+def _with_z3_leaves(s: Settings, inv: ParamInventory, config: dict[str, Any] | None, notes: list[str]) -> Settings:
+    """ZeRO-3's leaf modules (memplan/model/z3_leaf.py), each fetched and released whole by the coordinator."""
+    from memplan.model import z3_leaf
+
+    ds = s.ds
+    leaves = z3_leaf.resolve(inv, ds.leaf_classes, ds.leaf_names, ds.leaf_name_suffixes,
+                             ds.module_granularity_threshold, config)
+    if leaves:
+        why = ("DeepSpeed's default leaf classes (the sparse MoE blocks: leaf_module_config.py)"
+               if ds.leaf_classes is None and not (ds.leaf_names or ds.leaf_name_suffixes
+                                                   or ds.module_granularity_threshold) else "the job's leaf modules")
+        notes.append(f"ZeRO-3 leaf modules: {len(leaves)} ({leaves[0]}{', ...' if len(leaves) > 1 else ''}), each "
+                     f"fetched and released whole, from {why}")
+    return replace(s, z3_leaves=leaves)
+
+
 def _zeropp_notes(ds: DeepSpeedKnobs, strat: Any, gpus: int, per_node: int) -> list[str]:
     """What ZeRO++'s quantized collectives change, and what memplan's figures for them rest on."""
     out = []
@@ -490,6 +506,8 @@ def resolve(inv: ParamInventory, *, gpus: int = 1, gpus_per_node: int | None = N
     settings = Settings(strategy=strat, recipe=recipe, optimizer=opt, cluster=cluster, optimizer_impl=optimizer_impl,
                         micro_batch=mb, seq_len=seq, grad_accum=ga, recompute=recompute, attention=attention,
                         ds=ds, torch=tk, horovod=hv, overheads=ov, allocator_conf=conf, lora=lora)
+    if strat.zero_stage == 3:
+        settings = _with_z3_leaves(settings, inv, config, notes)
     if lora is not None:
         config = _with_lora(config, inv, settings, lora, notes)
     notes.extend(_dim0_padding_note(inv, settings))

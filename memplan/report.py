@@ -55,7 +55,10 @@ def plan_report(plan: Any, sources: dict[str, str] | None = None, notes: tuple[s
                                 "recompute": s.recompute, "attention": s.attention}
     if st.framework == "deepspeed":
         # each value once, as used: overlap_comm as DeepSpeed resolves its default (True for stage 3)
-        strategy["deepspeed"] = dict(asdict(s.ds), overlap_comm=plan.assumptions.get("overlap_comm", s.ds.overlap_comm))
+        knobs = {k: v for k, v in asdict(s.ds).items() if not k.startswith("leaf_")}  # the leaves: their paths below
+        strategy["deepspeed"] = dict(knobs, overlap_comm=plan.assumptions.get("overlap_comm", s.ds.overlap_comm))
+        if s.z3_leaves:
+            strategy["zero3_leaf_modules"] = list(s.z3_leaves)
     elif st.framework == "horovod":
         strategy["horovod"] = asdict(s.horovod)
     else:

@@ -36,6 +36,13 @@ class DeepSpeedKnobs:
     quantized_weights: bool = False
     #: ZeRO++ qgZ (zero_quantized_gradients): int4 all-to-all gradient reduce, across nodes only
     quantized_gradients: bool = False
+    #: ZeRO-3 leaf modules (zero_optimization.leaf_module; memplan/model/z3_leaf.py): classes (None: DeepSpeed's
+    #: defaults, the Mixtral/Qwen2-MoE/Qwen3-MoE sparse MoE blocks), module names, name suffixes
+    leaf_classes: tuple[str, ...] | None = None
+    leaf_names: tuple[str, ...] = ()
+    leaf_name_suffixes: tuple[str, ...] = ()
+    #: stage3_module_granularity_threshold: modules with at most this many parameters per layer become leaves
+    module_granularity_threshold: int = 0
     offload_optimizer: bool = False  #: offload_optimizer.device == "cpu"
     offload_param: bool = False  #: offload_param.device == "cpu" (stage 3 only)
     #: offload_optimizer / offload_param .pin_memory (DeepSpeed's default: false): pinned host buffers, which
@@ -185,6 +192,8 @@ class Settings:
     #: the LoRA adapter the inventory carries (memplan/model/lora.py LoraSpec; the inventory is lora.apply's);
     #: None: every parameter trains
     lora: Any = None
+    #: DeepSpeed ZeRO-3 leaf modules' paths (memplan/model/z3_leaf.py), each fetched and released whole
+    z3_leaves: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for name, most in (("micro_batch", MAX_MICRO_BATCH), ("seq_len", MAX_SEQ_LEN), ("grad_accum", MAX_GRAD_ACCUM)):

@@ -31,11 +31,11 @@ class Zero3Schedule:
 
 
 def zero3_schedule(inv: ParamInventory, n: int, prefetch: int, max_live: int, max_reuse: int,
-                   threshold: int, qw: tuple[int, bool] | None = None) -> Zero3Schedule:
+                   threshold: int, qw: tuple[int, bool] | None = None, leaves: tuple[str, ...] = ()) -> Zero3Schedule:
     """Elements gathered at each point; with ``qw`` (ZeRO++ qwZ: the parameter bytes and whether they are fp16),
     bytes, the int8 buffers and dequantized copies included."""
-    return layouts.cached(inv, ("zero3", n, prefetch, max_live, max_reuse, threshold, qw),
-                   lambda: _zero3_schedule(inv, n, prefetch, max_live, max_reuse, threshold, qw))
+    return layouts.cached(inv, ("zero3", n, prefetch, max_live, max_reuse, threshold, qw, leaves),
+                   lambda: _zero3_schedule(inv, n, prefetch, max_live, max_reuse, threshold, qw, leaves))
 
 
 def quant_groups(numel: int) -> int:
@@ -52,7 +52,7 @@ def quant_groups(numel: int) -> int:
 
 
 def _zero3_schedule(inv: ParamInventory, n: int, prefetch: int, max_live: int, max_reuse: int,
-                    threshold: int, qw: tuple[int, bool] | None = None) -> Zero3Schedule:
+                    threshold: int, qw: tuple[int, bool] | None = None, leaves: tuple[str, ...] = ()) -> Zero3Schedule:
     """Replays DeepSpeed's PartitionedParameterCoordinator (deepspeed/runtime/zero/partitioned_param_coordinator.py,
     0.19) over the module trace of one step, once the trace is complete (every step after the first):
 
@@ -71,7 +71,7 @@ def _zero3_schedule(inv: ParamInventory, n: int, prefetch: int, max_live: int, m
     - stage3.py step() releases everything (partition_all_parameters), and reset_step() zeroes the available
       count at the next forward.
     """
-    c = _Coordinator(inv, n, prefetch, max_live, max_reuse, threshold, qw)
+    c = _Coordinator(inv, n, prefetch, max_live, max_reuse, threshold, qw, leaves)
     for k in range(len(c.trace)):
         c.run_module(k)
     nf, block_of, at = c.nf, c.block_of, c.at_step
@@ -92,7 +92,7 @@ class _Coordinator:
     module (at_step: the most while it ran; settled: after its waits and prefetch; after_release)."""
 
     def __init__(self, inv: ParamInventory, n: int, prefetch: int, max_live: int, max_reuse: int,
-                 threshold: int, qw: tuple[int, bool] | None = None) -> None:
+                 threshold: int, qw: tuple[int, bool] | None = None, leaves: tuple[str, ...] = ()) -> None:
         from collections import deque
 
         # ZeRO++ qwZ: count bytes (pb per unsharded element) instead of elements; fp16 parameters skip the casts
@@ -105,8 +105,17 @@ class _Coordinator:
         self.numel = [t.numel for t in tensors]
         self.persist = [t.numel <= threshold for t in tensors]
         modules: dict[str, list[int]] = {}
+
+        def owner(name: str) -> str:
+            """The module whose hooks fetch this tensor: its own, or the ZeRO-3 leaf module around it."""
+            path = name.rsplit(".", 1)[0]
+            for leaf in leaves:
+                if path == leaf or path.startswith(leaf + "."):
+                    return leaf
+            return path
+
         for i, t in enumerate(tensors):
-            modules.setdefault(t.name.rsplit(".", 1)[0], []).append(i)
+            modules.setdefault(owner(t.name), []).append(i)
         for i, t in enumerate(tensors):
             for alias in t.tied_names:
                 modules.setdefault("tied:" + alias.rsplit(".", 1)[0], []).append(i)
@@ -335,7 +344,7 @@ def buffers(job: Job, grads: Grads) -> BufferTimeline:
     # ZeRO++ qwZ: the schedule counts bytes (int8 buffers, fp16 dequantized copies, the parameters' own copies)
     qw = (rc.param_bytes, s.recipe.name == "deepspeed-fp16") if ds.quantized_weights and n > 1 else None
     z = zero3_schedule(job.inv, n, ds.prefetch_bucket_size, ds.max_live_parameters, ds.max_reuse_distance,
-                       ds.param_persistence_threshold, qw)
+                       ds.param_persistence_threshold, qw, s.z3_leaves)
     if qw:
         cb = 1
     if n == 1 and not (ds.offload_param and s.cluster.device != "cpu"):

@@ -32,6 +32,12 @@ def ds_config(s: Settings) -> dict[str, Any]:
                      "memory_efficient_linear": ds.memory_efficient_linear})
         if ds.hpz_partition_size > 1:
             zero["zero_hpz_partition_size"] = ds.hpz_partition_size
+        leaf = {k: list(v) for k, v in (("classes", ds.leaf_classes), ("names", ds.leaf_names),
+                                         ("name_suffixes", ds.leaf_name_suffixes)) if v is not None and (v or k == "classes")}
+        if leaf:
+            zero["leaf_module"] = leaf
+        if ds.module_granularity_threshold:
+            zero["stage3_module_granularity_threshold"] = ds.module_granularity_threshold
     if ds.offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu"}
     if ds.offload_param:

@@ -105,6 +105,13 @@ def hf_config(config: Mapping[str, Any], model_name: str = "model") -> Any:
 
 def build_meta_from_config(config: Mapping[str, Any], model_name: str, source: str) -> ParamInventory:
     """Instantiate the transformers model for a config.json dict on the meta device."""
+    model = meta_model(config, model_name)
+    return inventory_from_module(model, model_name=model_name, source=source, family=str(config["model_type"]),
+                                 dtype=config_dtype(config), dims=model_dims(config))
+
+
+def meta_model(config: Mapping[str, Any], model_name: str = "model") -> Any:
+    """The transformers model for a config.json dict, on the meta device."""
     try:
         import torch
         import transformers
@@ -128,8 +135,7 @@ def build_meta_from_config(config: Mapping[str, Any], model_name: str, source: s
             last = exc
     else:
         raise ConfigError(f"transformers could not build {config.get('model_type')} from this config: {last}")
-    return inventory_from_module(model, model_name=model_name, source=source, family=str(config["model_type"]),
-                                 dtype=config_dtype(config), dims=model_dims(config))
+    return model
 
 
 #: seconds a factory's import and call may take (MEMPLAN_FACTORY_TIMEOUT): building a module on the meta device

@@ -67,6 +67,8 @@ OffloadParam = Annotated[Optional[bool], typer.Option("--offload-param/--no-offl
                                                       help="DeepSpeed ZeRO-Offload of the parameters (stage 3).")]
 # PyTorch's knobs (TorchKnobs)
 ReshardAfterForward = Annotated[Optional[str], typer.Option(help="FSDP2: true, false, or a group size (int).")]
+FsdpWrap = Annotated[Optional[str], typer.Option(help="FSDP2 units: block (each decoder block, then the root) or "
+                                                 "none (only the root) [default: block].")]
 HsdpShardSize = Annotated[Optional[int], typer.Option(help="HSDP shard group size [default: gpus per node].")]
 FsdpVersion = Annotated[int, typer.Option(help="FSDP version: 2 (fully_shard) or 1 (FlatParameter).")]
 BucketCapMb = Annotated[Optional[int], typer.Option(help="DDP bucket_cap_mb [default: 25].")]
@@ -155,7 +157,7 @@ def lora_spec(values: dict[str, Any], notes: list[str] | None = None) -> Any:
 DS_KNOBS = ("reduce_bucket_size", "allgather_bucket_size", "overlap_comm", "contiguous_gradients",
             "prefetch_bucket_size", "param_persistence_threshold", "max_live_parameters", "max_reuse_distance",
             "hpz_partition_size", "offload_optimizer", "offload_param", "quantized_weights", "quantized_gradients")
-TORCH_KNOBS = ("reshard_after_forward", "hsdp_shard_size", "fsdp_version", "cpu_offload", "bucket_cap_mb",
+TORCH_KNOBS = ("reshard_after_forward", "fsdp_wrap", "hsdp_shard_size", "fsdp_version", "cpu_offload", "bucket_cap_mb",
                "gradient_as_bucket_view")
 
 

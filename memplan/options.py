@@ -279,6 +279,11 @@ def _torch_knobs(overrides: dict[str, Any], strat: Any) -> TorchKnobs:
         raise SettingsError(f"--bucket-cap-mb must be positive, got {tk.bucket_cap_mb}")
     if tk.fsdp_version not in (1, 2):
         raise SettingsError(f"--fsdp-version must be 1 or 2, got {tk.fsdp_version}")
+    if tk.fsdp_wrap not in ("block", "none"):
+        raise SettingsError(f"--fsdp-wrap must be block or none, got {tk.fsdp_wrap!r}")
+    if tk.fsdp_wrap != "block" and not (strat.framework.startswith("fsdp") and tk.fsdp_version == 2):
+        raise SettingsError(f"--fsdp-wrap {tk.fsdp_wrap} is for FSDP2 (--strategy fsdp-*, hsdp), not {strat.name}"
+                            + (" with --fsdp-version 1" if strat.framework.startswith("fsdp") else ""))
     if tk.cpu_offload and not strat.framework.startswith("fsdp"):
         raise SettingsError(f"--cpu-offload is FSDP's CPUOffloadPolicy, not for {strat.name} (DeepSpeed offloads "
                             "with --offload-optimizer / --offload-param)")

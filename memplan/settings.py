@@ -62,6 +62,9 @@ class TorchKnobs:
     fsdp_version: int = 2
     cpu_offload: bool = False  #: FSDP CPUOffloadPolicy: sharded params, grads and states on the host
     cpu_offload_pin_memory: bool = True  #: CPUOffloadPolicy(pin_memory=True), its default
+    #: FSDP2 units: "block" (each decoder block fully_shard-ed, then the root: Accelerate's transformer-based wrap,
+    #: torchtitan's blocks) or "none" (only the root: the whole model one group)
+    fsdp_wrap: str = "block"
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -58,6 +58,8 @@ def buffers(job: Job, grads: Grads) -> BufferTimeline:
     reshard to and stay until the block's backward. Each term was checked against the harness's
     allocator timeline (fsdp-full, 2 and 4 blocks; docs/accuracy.md).
     """
+    if job.s.torch.fsdp_wrap == "none":
+        return _root_only(job, grads)
     g, raf = job.gathers, reshard_after_forward(job)
     u = _units(job)
     h = _kept(u) if raf is False else _resharded(u, raf, g.block_numels)
@@ -305,6 +307,42 @@ def _end(u: _Units, job: Job, grads_end: int) -> tuple[tuple[int, int], BufferMo
     inside = BufferMoment(root + u.head_grads + u.cb * first + (u.rb * u.tsecond if u.nblocks >= 2 else 0),
                           grads_end - first_block[1], Moment.INSIDE_FIRST_BLOCK_BACKWARD)
     return end, inside
+
+
+def _root_only(job: Job, grads: Grads) -> BufferTimeline:
+    """Only the root fully_shard-ed (--fsdp-wrap none): one parameter group, all-gathered at the root's
+    pre-forward and never resharded before its post-backward (reshard_after_forward=None is False for the root,
+    _fully_shard.py). Its all-gather output is held (FSDPCommContext.all_gather_state) until the root's
+    post-forward, i.e. through the loss the model computes; every gradient stays unsharded until the root's
+    post-backward, which runs in the final callback (the root's inputs need no gradient): the gradients saved,
+    the parameters resharded, the reduce-scatter input filled (_fsdp_param_group.py post_backward,
+    foreach_reduce). Measured with the harness (docs/accuracy.md)."""
+    u = _units(job)
+    g, gg = job.gathers, job.grad_gathers
+    total = g.root + g.total_blocks
+    ttotal = gg.root + sum(g.grad_block_numels)
+    root = u.cb * total
+    flat = u.cb * total if u.flat else 0
+    hg = u.head_grads
+    tsizes = g.grad_block_numels or (0,)
+    # the blocks' unsharded grads, accumulated in backward: those after the block being run
+    after_last = 0
+    after_prev = u.gb * tsizes[-1] if len(tsizes) >= 2 else 0
+    after_first = u.gb * sum(tsizes[1:])
+    moments = [LOSS,
+               BufferMoment(root + flat, 0, Moment.EMBEDDING_OUTPUT),
+               BufferMoment(root + flat, 0, Moment.INSIDE_LAST_BLOCK_FORWARD),
+               BufferMoment(root + hg + after_last, 0, Moment.INSIDE_LAST_BLOCK_BACKWARD)]
+    if len(tsizes) >= 2:
+        moments.append(BufferMoment(root + hg + after_prev, 0, Moment.INSIDE_PREVIOUS_BLOCK_BACKWARD))
+    cpu_chunk = job.s.cluster.device == "cpu" and u.gb != u.rb
+    chunk = u.gb * max(gg.largest_tensor, gg.root_largest_tensor) if cpu_chunk else 0
+    end = (u.gb * ttotal + max(root, u.rb * ttotal) + chunk, u.rb * ceil_div(ttotal, job.n))
+    inside_first = BufferMoment(root + hg + after_first, grads.end - end[1], Moment.INSIDE_FIRST_BLOCK_BACKWARD)
+    moments.append(inside_first)
+    return BufferTimeline(gathered_forward_end=root + flat, gathered_loss=root, end=end, moments=tuple(moments),
+                          assumptions={"reshard_after_forward": False, "fsdp_wrap": "none",
+                                       "largest_gathered_block_numel": total})
 
 
 MODEL = FrameworkModel(name="fsdp2", replay="memplan.frameworks.fsdp2_replay", buffers=buffers,

@@ -257,7 +257,7 @@ def _setup_fsdp2(spec: dict[str, Any], device: Any) -> tuple[Any, Any, Any]:
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
         if spec["recipe"] == "fsdp-bf16" else MixedPrecisionPolicy()
     raf = spec["reshard_after_forward"]
-    for block in _blocks(model):
+    for block in _blocks(model) if spec.get("fsdp_wrap", "block") == "block" else ():
         fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=raf)
     # the root keeps FSDP2's default (reshard_after_forward=None: True for the blocks, False for the root,
     # _fully_shard.py), as `fully_shard(model)` in a training script does; the engine assumes it

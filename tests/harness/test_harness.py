@@ -235,3 +235,16 @@ def test_validate_qlora_with_bitsandbytes(argv):
     pytest.importorskip("bitsandbytes")
     rc, rep = _validate(["--model", "llama-3-8b", *argv])
     _check(rep, 0.005)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("argv", [
+    ["--model", "llama-3-8b", "--recompute", "none"],
+    ["--model", "gpt2", "--recompute", "full"],
+], ids=["llama-none", "gpt2-full"])
+def test_validate_fsdp2_root_only(argv):
+    """FSDP2 with only the root fully_shard-ed (--fsdp-wrap none): the whole model gathered at the root's
+    pre-forward, its all-gather output held through the loss, every gradient unsharded until the root's
+    post-backward (frameworks/fsdp2.py _root_only). docs/accuracy.md session 14: -0.00% on llama-3-8b and gpt2."""
+    rc, rep = _validate(["--gpus", "2", "--strategy", "fsdp-full", "--fsdp-wrap", "none", *argv])
+    _check(rep, 0.005)

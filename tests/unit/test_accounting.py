@@ -621,3 +621,15 @@ def test_zero_quantized_gradients_act_across_nodes_only(inventories):
     n_el, g = 128256 * 4096, 128256
     extra = 2 * (n_el // 2 + 4 * g) + 2 * (n_el // 16 + 4 * -(-g // 8)) + 2 * n_el // 8
     assert q.phases[3].buffers_bytes - base.phases[3].buffers_bytes == extra
+
+
+def test_fsdp2_root_only_holds_everything():
+    # --fsdp-wrap none (_fully_shard.py: the root's reshard_after_forward=None is False): the whole model unsharded
+    # (bf16) with its flat all-gather output held to the root's post-forward, then at the root's post-backward every
+    # grad unsharded with, once resharded, the fp32 reduce-scatter input (docs/accuracy.md session 14: -0.00%)
+    s = settings("fsdp-full", 4)
+    s = A.Settings(**{**s.__dict__, "torch": A.TorchKnobs(fsdp_wrap="none")})
+    f = A.timeline(TOY, s)
+    forward, loss, backward, end, _ = f.buffers.values()
+    assert forward == 2 * 2 * PSI and loss == 2 * PSI
+    assert end == 2 * PSI + max(2 * PSI, 4 * PSI)

@@ -151,7 +151,9 @@ def _fsdp(job: JobFile, path: str, version: int, reshard: Any, strategy: Any, of
         job.values["cpu_offload"] = True
     if checkpointing:
         job.values["recompute"] = "full"
-    if wrap not in (None, "TRANSFORMER_BASED_WRAP"):
+    if wrap == "NO_WRAP" and version == 2:  # Accelerate's fsdp2_prepare_auto_wrap_policy: only the root
+        job.values["fsdp_wrap"] = "none"
+    elif wrap not in (None, "TRANSFORMER_BASED_WRAP"):
         job.notes.append(f"{path}: FSDP auto-wrap policy {wrap}: memplan wraps each decoder block (as "
                          "TRANSFORMER_BASED_WRAP) and the root")
 

@@ -137,3 +137,13 @@ def test_check_fails_with_the_cheapest_fix_and_json(tmp_path):
     assert code == 2 and "check needs the GPU" in err
     code, out, err = run_cli("check llama-3-8b --gpu h100-80g --max-fraction 1.5".split())
     assert code == 2 and "--max-fraction" in err
+
+
+def test_accelerate_fsdp2_no_wrap_is_root_only(tmp_path):
+    # Accelerate's fsdp2_prepare_model with fsdp_auto_wrap_policy NO_WRAP fully_shards only the model
+    acc = _write(tmp_path, "acc.yaml", "distributed_type: FSDP\nmixed_precision: bf16\nnum_processes: 8\n"
+                                       "fsdp_config:\n  fsdp_version: 2\n  fsdp_auto_wrap_policy: NO_WRAP\n")
+    code, rep = _json(["estimate", "llama-7b", "--accelerate-config", acc])
+    assert rep["strategy"]["torch"]["fsdp_wrap"] == "none"
+    code, block = _json(["estimate", "llama-7b", "--gpus", "8", "--strategy", "fsdp-full"])
+    assert rep["per_gpu"]["peak_bytes"] > block["per_gpu"]["peak_bytes"]

@@ -432,8 +432,9 @@ def _qlora_notes(inv: ParamInventory, s: Settings, spec: Any) -> list[str]:
         raise SettingsError("internal: a QLoRA job needs the quantized inventory (memplan.model.lora.apply)")
     return [f"{spec.quantize} base: bitsandbytes 0.50 Linear4bit storage, blocksize 64"
             f"{', double quantization' if spec.double_quant else ''}, kept whole on every GPU; "
-            f"the other parameters (embeddings, norms, head, adapters) in the recipe's dtype ({s.recipe.name}: "
-            "fp32 is what peft's prepare_model_for_kbit_training leaves)",
+            f"the other parameters (embeddings, norms, head, adapters) in the recipe's dtype ({s.recipe.name}, "
+            f"{8 * s.recipe.param_bytes}-bit; peft's prepare_model_for_kbit_training leaves them fp32, as torch-amp "
+            "does)",
             f"4-bit layers: bnb_4bit_compute_dtype {spec.compute_dtype} (BitsAndBytesConfig's own default is "
             "float32: --quant-compute-dtype); each casts its input to it, dequantizes its weight into it for its "
             "forward GEMM and again for its backward (bitsandbytes MatMul4Bit), and saves nothing of its input; on CUDA the forward dequantization is counted for any "

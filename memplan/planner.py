@@ -101,16 +101,26 @@ def _candidates(inv: ParamInventory, config: dict | None, strategies: tuple[str,
         labels += [(label, st, knobs) for label, (st, knobs) in OFFLOAD_VARIANTS.items()]
     out = []
     seen_notes: set[str] = set()
+    refused: dict[str, SettingsError] = {}
     for label, st, knobs in labels:
         for rec in recomputes:
             gpus = 1 if STRATEGIES[st].one_gpu else gpus_per_node  # a one-GPU strategy is resolved at its one GPU
-            r = options.resolve(inv, gpus=gpus, gpus_per_node=gpus_per_node, strategy=st, recompute=rec,
-                                gpu=gpu, gpu_memory_size=gpu_memory_size, config=config, ds_overrides=knobs, **common)
+            try:
+                r = options.resolve(inv, gpus=gpus, gpus_per_node=gpus_per_node, strategy=st, recompute=rec,
+                                    gpu=gpu, gpu_memory_size=gpu_memory_size, config=config, ds_overrides=knobs,
+                                    **common)
+            except SettingsError as exc:  # a strategy this job cannot run (QLoRA under FSDP/ZeRO-3, ...)
+                refused.setdefault(label, exc)
+                continue
             for n in r.notes:
                 if n not in seen_notes and not n.startswith("GPU memory"):
                     seen_notes.add(n)
                     notes.append(n)
             out.append(Candidate(label=label, strategy=st, recompute=rec, settings=r.settings, offload=bool(knobs)))
+    if not out and refused:
+        raise next(iter(refused.values()))
+    for label, exc in refused.items():
+        notes.append(f"plan: {label} not considered: {exc}")
     return out
 
 

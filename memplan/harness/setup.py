@@ -14,7 +14,7 @@ def _build_model(spec: dict[str, Any], on_meta: bool) -> Any:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from memplan.model.meta_builder import hf_config
+    from memplan.model.meta_builder import checkpointing_on, hf_config
 
     if spec["config"].get("factory"):  # the user's own module, built by its factory in fp32
         from memplan.model import user_module
@@ -35,7 +35,7 @@ def _build_model(spec: dict[str, Any], on_meta: bool) -> Any:
         model = AutoModelForCausalLM.from_config(cfg, attn_implementation=spec["attn_implementation"],
                                                  dtype=torch.float32)
     if spec["recompute"] == "full":
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        checkpointing_on(model)
     if spec.get("lora"):
         if spec["lora"].get("adapter_dtype"):  # a bf16 load, then PEFT (which upcasts the adapters to fp32)
             model = model.to(torch.bfloat16)

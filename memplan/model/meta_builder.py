@@ -110,12 +110,23 @@ def build_meta_from_config(config: Mapping[str, Any], model_name: str, source: s
                                  dtype=config_dtype(config), dims=model_dims(config))
 
 
+def checkpointing_on(model: Any) -> None:
+    """Non-reentrant activation checkpointing as a Trainer turns it on: transformers 5.23's
+    activation_checkpointing_enable (gradient_checkpointing_enable, its deprecated alias, warns), or the alias on
+    older versions."""
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
 def meta_model(config: Mapping[str, Any], model_name: str = "model") -> Any:
     """The transformers model for a config.json dict, on the meta device."""
     try:
         import torch
         import transformers
-        from transformers import AutoConfig, AutoModelForCausalLM, AutoModel
+        from transformers import AutoModelForCausalLM, AutoModel
     except ImportError as exc:  # pragma: no cover - depends on the environment
         raise ModelSourceError(f"building {model_name} needs torch and transformers ({exc})") from exc
     cfg = hf_config(config, model_name)

@@ -175,7 +175,7 @@ def one_step(config: dict[str, Any], batch: int, seq: int, recipe: str, attentio
     from torch._subclasses.fake_tensor import FakeTensorMode
     from transformers import AutoModelForCausalLM
 
-    from memplan.model.meta_builder import hf_config
+    from memplan.model.meta_builder import checkpointing_on, hf_config
 
     dtype, autocast = trace_dtypes(recipe)
     lora = config.get("lora")
@@ -194,7 +194,7 @@ def one_step(config: dict[str, Any], batch: int, seq: int, recipe: str, attentio
             model = AutoModelForCausalLM.from_config(hf_config(config), dtype=getattr(torch, dtype),
                                                      attn_implementation="eager" if attention == "eager" else "sdpa")
             if recompute == "full":
-                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+                checkpointing_on(model)
             user_blocks, ids = None, torch.zeros(batch, seq, dtype=torch.long)
             run = (lambda m: m(input_ids=ids, labels=ids).loss)  # noqa: E731
         if lora is not None:  # PEFT's adapters, after gradient checkpointing as a Trainer enables it

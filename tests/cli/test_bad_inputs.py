@@ -329,3 +329,13 @@ def test_bad_input(args, needle, bad_dir, tmp_path, monkeypatch):
     assert out == ""
     assert not cache.exists() or not any(cache.rglob("*")), list(cache.rglob("*"))  # nothing cached
     assert not any(Path(work).iterdir())  # nothing written where it ran
+
+
+def test_plan_skips_the_strategies_a_job_cannot_run():
+    # QLoRA cannot run under FSDP or ZeRO-3 here: plan leaves them out with a note instead of failing
+    code, out, err = run_cli(["plan", "llama-3-8b", "--gpu", "h100-80g", "--lora-rank", "16", "--quantize-base", "nf4",
+                              "--max-gpus", "2", "--json"])
+    assert code in (0, 1), err
+    rep = json.loads(out)
+    text = json.dumps(rep)
+    assert "zero3 not considered" in text and "fsdp-full not considered" in text

@@ -167,6 +167,10 @@ def ds_overrides(values: dict[str, Any]) -> dict[str, Any]:
     if values.get("z3_leaf_modules") is not None:  # --z3-leaf-modules A,B | none
         raw = str(values["z3_leaf_modules"]).strip()
         out["leaf_classes"] = () if raw.lower() == "none" else tuple(x.strip() for x in raw.split(",") if x.strip())
+        if raw.lower() != "none" and not out["leaf_classes"]:
+            from memplan.errors import SettingsError
+
+            raise SettingsError("--z3-leaf-modules is empty: give class names (ClassName,...) or none")
     return out
 
 

@@ -226,6 +226,8 @@ def _ds_knobs(pick: _Picker, ds_file: Any, inv: ParamInventory, overrides: dict[
     if ds.offload_optimizer and not (strat.framework == "deepspeed" and strat.zero_stage >= 1):
         raise SettingsError(f"optimizer offload (offload_optimizer) is DeepSpeed ZeRO-Offload: it needs ZeRO stage "
                             f"1, 2 or 3, not {strat.name} (FSDP offloads with --cpu-offload)")
+    if overrides.get("leaf_classes") is not None and strat.zero_stage != 3:
+        raise SettingsError(f"--z3-leaf-modules is DeepSpeed ZeRO-3's, not for --strategy {strat.name}")
     if ds.hpz_partition_size < 1:
         raise SettingsError(f"zero_hpz_partition_size must be at least 1, got {ds.hpz_partition_size}")
     return ds

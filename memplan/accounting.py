@@ -18,6 +18,7 @@ from memplan import activations as act
 from memplan import frameworks, layouts
 from memplan.frameworks.common import FrameworkModel, Grads, Job, OffloadedGrads, StepIn
 from memplan.model.inventory import ParamInventory
+from memplan.precision import step_temporaries
 from memplan.settings import (  # noqa: F401  (re-exported: the library's names for the settings types)
     BLAS_HANDLES, FALLBACK_FRAGMENTATION, FALLBACK_FRAGMENTATION_PERCENT, Cluster, DeepSpeedKnobs, Overheads,
     Settings, TorchKnobs, default_blas_workspace, fallback_fragmentation, optimizer_impl, shard_group_size, with_gpus)
@@ -33,7 +34,8 @@ def _model_states(job: Job, fw: FrameworkModel, host_by: dict[str, int]) -> tupl
     weights = fw.weights(job)
     master_bytes = 4 if st.fp32_master_copy else rc.master_bytes
     master = master_bytes * job.lay.optimizer_numel
-    states = layouts.optimizer_state_bytes(job.inv, s.optimizer, rc, job.lay, st.shard_optimizer)
+    states = layouts.optimizer_state_bytes(s.optimizer, rc, job.lay,
+                                           fw.optimizer_tensors(job) if s.optimizer.shape_dependent else ())
     if job.offload_param:
         # the partitioned parameters live on the host (offload_param.device "cpu"); persistent ones stay
         host_by["weights_bytes"] += weights - rc.param_bytes * job.lay.persistent_numel
@@ -76,9 +78,14 @@ def _step(job: Job, fw: FrameworkModel, grads: Grads, persistent: int, master_by
     impl = optimizer_impl(job.s)
     scratch = 0
     if not (job.offload_optimizer or job.cpu_offload):
-        state_dtype_numel = lay.optimizer_numel if impl == "foreach" else (
-            lay.single_step_scratch if impl == "single-tensor" else 0)
-        scratch = rc.state_bytes * state_dtype_numel
+        if impl == "foreach":
+            scratch = rc.state_bytes * lay.optimizer_numel
+        elif impl == "single-tensor" and job.s.optimizer.shape_dependent:
+            stepped = 4 if master_bytes == 4 else rc.param_bytes  # DeepSpeed's fp32 partitions, else the params
+            scratch = step_temporaries(job.s.optimizer, impl, stepped, rc,
+                                       [n for _, n in fw.optimizer_tensors(job)], job.s.cluster.device)
+        elif impl == "single-tensor":
+            scratch = rc.state_bytes * lay.single_step_scratch
     scratch = max(scratch, off.step_scratch)
     # with a master copy, the grads are copied into an fp32 partition for the step (DeepSpeed:
     # single_partition_of_fp32_groups[i].grad), after which the low-precision grads are freed

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 from memplan import strategies as S
 from memplan.model.inventory import ROOT_BLOCK, ParamInventory
-from memplan.precision import Optimizer, Recipe, state_bytes_for
+from memplan.precision import Optimizer, Recipe
+from memplan.precision import state_bytes as precision_state_bytes
 from memplan.units import ceil_div, round_up
 
 #: DeepSpeed ZeRO-1/2 pads each flat group to a multiple of nccl_start_alignment_factor * dp_size, factor 2
@@ -29,7 +30,13 @@ class LayoutSizes:
     single_step_scratch: int
     persistent_numel: int  #: ZeRO-3 params kept whole (numel <= persistence threshold), elements
     matmul_numel: int  #: weights read by matmuls (autocast casts these), elements
-    shard_shapes: tuple[tuple[tuple[int, ...], int], ...]  #: (full shape, this rank's elements) per tensor
+    #: the tensors the worst rank's optimizer steps, as the layout hands them to it: (their shape, elements) each.
+    #: Whole tensors when replicated or placed whole (ZeroRedundancyOptimizer); FSDP2's dim-0 shards keep their
+    #: other dims; DeepSpeed ZeRO-1/2's one flat fp32 partition (stage_1_and_2.py
+    #: single_partition_of_fp32_groups); ZeRO-3's 1-D partitions, which its framework model flattens per
+    #: sub-group (stage3.py _create_fp32_partitions); FSDP1's FlatParameter shard per unit
+    #: (use_orig_params=False). What Adafactor factors and bitsandbytes quantizes depends on it.
+    shard_shapes: tuple[tuple[tuple[int, ...], int], ...]
     #: ZeRO-1/2 (flat aligned): the most elements, over ranks, of the whole parameters that overlap a rank's
     #: partition; stage_1_and_2.py sizes grads_in_partition as sum(p.numel() for p in params_in_partition)
     partition_params_numel: int = 0
@@ -101,6 +108,16 @@ def _dim0_shard(shape: tuple[int, ...], n: int) -> int:
     return ceil_div(shape[0], n) * rest
 
 
+def _local_dim0(shape: tuple[int, ...], part: int) -> tuple[int, ...]:
+    """The shape of a dim-0 shard of ``part`` elements (FSDP2's padded local tensor)."""
+    if len(shape) < 2:
+        return (part,) if shape else ()
+    rest = 1
+    for d in shape[1:]:
+        rest *= d
+    return (part // rest if rest else 0, *shape[1:])
+
+
 def layout_sizes(inv: ParamInventory, layout: str, n: int, persistence_threshold: int = 0) -> LayoutSizes:
     make = _with_frozen if inv.frozen else _layout_sizes
     return cached(inv, ("layout", layout, n, persistence_threshold),
@@ -142,7 +159,7 @@ def _layout_sizes(inv: ParamInventory, layout: str, n: int, threshold: int) -> L
         # every rank keeps the whole (padded) bf16 flat buffer; master, states and fp32 grads are partitioned
         shard = round_up(psi, DS_NCCL_START_ALIGNMENT_FACTOR * n)
         opt = shard // n
-        shapes = tuple((t.shape, ceil_div(t.numel, n)) for t in tensors)
+        shapes = (((opt,), opt),)
         largest = 2 * opt  # the optimizer steps on one flat fp32 partition
         in_partition = [0] * n
         start = 0
@@ -156,16 +173,16 @@ def _layout_sizes(inv: ParamInventory, layout: str, n: int, threshold: int) -> L
         parts = [ceil_div(t.numel, n) for t in tensors]
         shard = opt = sum(parts)
         persistent = sum(t.numel for t in tensors if t.numel <= threshold)
-        shapes = tuple((t.shape, p) for t, p in zip(tensors, parts))
+        shapes = tuple(((p,), p) for p in parts)
         largest = 2 * opt  # fp32 partitions are flattened per sub group (sub_group_size 1e9 by default)
     elif layout == S.PER_PARAM_DIM0:
         parts = [_dim0_shard(t.shape, n) for t in tensors]
         shard = opt = sum(parts)
-        shapes = tuple((t.shape, p) for t, p in zip(tensors, parts))
+        shapes = tuple((_local_dim0(t.shape, p), p) for t, p in zip(tensors, parts))
         largest = _pairs(parts)
     elif layout == S.FLAT_PER_BLOCK:
         shard = opt = sum(round_up(b.numel, n) // n for b in inv.blocks if b.numel)
-        shapes = tuple((t.shape, ceil_div(t.numel, n)) for t in tensors)
+        shapes = tuple(((round_up(b.numel, n) // n,), round_up(b.numel, n) // n) for b in inv.blocks if b.numel)
         largest = _pairs([round_up(b.numel, n) // n for b in inv.blocks if b.numel])  # the root's first
     elif layout == S.GREEDY_WHOLE:
         # ZeroRedundancyOptimizer._partition_parameters: sorted by numel (stable, largest first), each to the
@@ -185,14 +202,13 @@ def _layout_sizes(inv: ParamInventory, layout: str, n: int, threshold: int) -> L
     return LayoutSizes(shard, opt, largest, persistent, matmul, shapes, partition_params)
 
 
-def optimizer_state_bytes(inv: ParamInventory, opt: Optimizer, recipe: Recipe, lay: LayoutSizes,
-                          sharded: bool) -> int:
-    """Optimizer-state bytes on the worst rank. Exact for Adam/SGD (states x elements)."""
-    if not opt.factored and opt.state_bytes_override is None:
-        return opt.states_per_param * recipe.state_bytes * lay.optimizer_numel
-    if not sharded:  # the trainable tensors only (a frozen parameter gets no state: LoRA)
-        return sum(state_bytes_for(opt, recipe, t.shape, t.numel) for t in inv.trainable_inventory.tensors)
-    return sum(state_bytes_for(opt, recipe, shape, numel) for shape, numel in lay.shard_shapes)
+def optimizer_state_bytes(opt: Optimizer, recipe: Recipe, lay: LayoutSizes,
+                          tensors: tuple[tuple[tuple[int, ...], int], ...]) -> int:
+    """Optimizer-state bytes on the worst rank, ``tensors`` what its optimizer steps (FrameworkModel.
+    optimizer_tensors). Adam/SGD: states x elements, whatever the shapes."""
+    if not opt.shape_dependent:
+        return opt.states_per_param * (opt.state_bytes_override or recipe.state_bytes) * lay.optimizer_numel
+    return precision_state_bytes(opt, recipe, tensors)
 
 
 def gather_sizes(inv: ParamInventory, layout: str, n: int) -> GatherSizes:

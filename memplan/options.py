@@ -424,6 +424,26 @@ def lora_recipe(recipe: Any, strategy: Any) -> Any:
                                                     "states")
 
 
+def _optimizer_notes(inv: ParamInventory, s: Settings) -> list[str]:
+    """An optimizer whose states follow its tensors' shapes (Adafactor, bitsandbytes 8-bit): what the framework
+    hands it, or why it cannot step them."""
+    from memplan import frameworks
+
+    opt, fw = s.optimizer, frameworks.model(s.strategy.memory_model)
+    if not opt.shape_dependent:
+        return []
+    if fw.shaped_optimizer_why_not:
+        raise SettingsError(f"--optimizer {opt.name} under --strategy {s.strategy.name}: "
+                            f"{fw.shaped_optimizer_why_not}")
+    handed = fw.optimizer_tensors(frameworks.Job.of(inv, s, fw))
+    if any(len(shape) > 1 for shape, _ in handed) or not any(len(t.shape) > 1 for t in inv.tensors):
+        return []
+    what = ("Adafactor cannot factor them: a full fp32 second moment, 4 B per element" if opt.factored else
+            "bitsandbytes quantizes each as one tensor (256-element blocks)")
+    return [f"{opt.name} under {s.strategy.name}: the optimizer is handed flat 1-D tensors (DeepSpeed's fp32 "
+            f"partitions, FSDP1's FlatParameter shards), so {what}"]
+
+
 def _qlora_notes(inv: ParamInventory, s: Settings, spec: Any) -> list[str]:
     """A 4-bit base (QLoRA): where memplan models it, and what it assumes."""
     if s.strategy.memory_model in ("fsdp2", "fsdp1", "zero3"):
@@ -514,6 +534,7 @@ def resolve(inv: ParamInventory, *, gpus: int = 1, gpus_per_node: int | None = N
     settings = Settings(strategy=strat, recipe=recipe, optimizer=opt, cluster=cluster, optimizer_impl=optimizer_impl,
                         micro_batch=mb, seq_len=seq, grad_accum=ga, recompute=recompute, attention=attention,
                         ds=ds, torch=tk, horovod=hv, overheads=ov, allocator_conf=conf, lora=lora)
+    notes.extend(_optimizer_notes(inv, settings))
     if strat.zero_stage == 3:
         settings = _with_z3_leaves(settings, inv, config, notes)
     if lora is not None:

@@ -73,7 +73,9 @@ class Optimizer:
     state_bytes_override: int | None = None
     #: Adafactor: second moment factored into row and column vectors for matrices.
     factored: bool = False
-    #: bitsandbytes 8-bit: per-block absmax (fp32 per `quant_block` elements, per state) for large tensors.
+    #: bitsandbytes 8-bit: per-block absmax (fp32 per `quant_block` elements, per state) for large tensors, and
+    #: the optimizer's two shared 256-entry fp32 quantization maps (Optimizer2State.init_state: blocksize 256,
+    #: qmap1 = name2qmap["dynamic"], qmap2 = name2qmap["udynamic"]; bitsandbytes 0.50 optim/optimizer.py)
     quant_block: int = 0
     #: bitsandbytes keeps tensors with fewer elements than this in 32-bit states (min_8bit_size=4096).
     min_8bit_numel: int = 0
@@ -85,19 +87,33 @@ class Optimizer:
     #: bitsandbytes' paged optimizers: states in CUDA unified memory (functional.py get_paged, cudaMallocManaged),
     #: outside PyTorch's allocator
     paged: bool = False
+    #: the optimizer's states depend on each tensor's shape and size (Adafactor's factored second moment,
+    #: bitsandbytes' 8-bit threshold and blocks): what it is handed matters (FrameworkModel.optimizer_tensors)
+    shape_dependent: bool = False
+    #: a per-tensor step that first copies a 16-bit parameter and its gradient to fp32 (transformers' Adafactor:
+    #: grad.float(), p.float(), then p.copy_): two more fp32 tensors of the one being stepped
+    upcasts_half: bool = False
+    #: bitsandbytes' CPU kernels (backends/cpu/ops.py _optimizer_update_8bit_blockwise_cpu, 0.50): per tensor, its
+    #: states dequantized to fp32 (two), grad.float() * gnorm_scale, and sqrt() / correction2 at once, and
+    #: p.float() where the parameter is 16-bit: fp32 tensor-sized temporaries of the tensor being stepped,
+    #: freed when its update returns
+    cpu_step_copies: int = 0
 
 
 OPTIMIZERS: dict[str, Optimizer] = {o.name: o for o in (
     Optimizer(name="adamw", states_per_param=2, description="AdamW: exp_avg + exp_avg_sq"),
     Optimizer(name="adam", states_per_param=2, description="Adam: exp_avg + exp_avg_sq"),
     Optimizer(name="sgd", states_per_param=1, description="SGD with momentum: momentum_buffer"),
-    Optimizer(name="adafactor", states_per_param=1, factored=True,
+    # transformers' Adafactor (optimization.py): states are created .to(grad) after grad.float(), so fp32 whatever
+    # the parameters' dtype; one implementation, a Python loop over the tensors (single-tensor temporaries)
+    Optimizer(name="adafactor", states_per_param=1, factored=True, state_bytes_override=4, kernel="single-tensor",
+              shape_dependent=True, upcasts_half=True,
               description="Adafactor (no first moment): row + column factors for matrices, full for vectors"),
-    Optimizer(name="adam8bit", states_per_param=2, state_bytes_override=1, quant_block=2048, min_8bit_numel=4096,
-              description="bitsandbytes AdamW8bit: uint8 states + fp32 absmax per 2048-element block",
-              kernel="fused"),
-    Optimizer(name="paged_adamw_8bit", states_per_param=2, state_bytes_override=1, quant_block=2048,
-              min_8bit_numel=4096, kernel="fused", paged=True,
+    Optimizer(name="adam8bit", states_per_param=2, state_bytes_override=1, quant_block=256, min_8bit_numel=4096,
+              description="bitsandbytes AdamW8bit: uint8 states + fp32 absmax per 256-element block",
+              kernel="fused", shape_dependent=True, cpu_step_copies=5),
+    Optimizer(name="paged_adamw_8bit", states_per_param=2, state_bytes_override=1, quant_block=256,
+              min_8bit_numel=4096, kernel="fused", paged=True, shape_dependent=True, cpu_step_copies=5,
               description="bitsandbytes PagedAdamW8bit: AdamW8bit's states in CUDA unified memory"),
     Optimizer(name="paged_adamw_32bit", states_per_param=2, state_bytes_override=4, kernel="fused", paged=True,
               description="bitsandbytes PagedAdamW32bit: fp32 exp_avg + exp_avg_sq in CUDA unified memory"),
@@ -126,14 +142,59 @@ def get_optimizer(name: str) -> Optimizer:
         raise SettingsError(f"unknown optimizer {name!r}; valid: {', '.join(OPTIMIZERS)}") from None
 
 
-def state_bytes_for(opt: Optimizer, recipe: Recipe, shape: tuple[int, ...], numel: int) -> int:
-    """Optimizer-state bytes for one tensor (or one shard of ``numel`` elements with this full ``shape``)."""
+#: bitsandbytes' two shared quantization maps (create_dynamic_map: 256 fp32 entries each), once per optimizer
+QMAP_BYTES = 2 * 256 * 4
+
+
+def state_allocations(opt: Optimizer, recipe: Recipe, shape: tuple[int, ...], numel: int) -> tuple[int, ...]:
+    """The state tensors (bytes each, in the order they are made) for one tensor of ``shape`` (``numel``
+    elements) as the optimizer is handed it."""
     if opt.factored and len(shape) >= 2:
-        # Adafactor: exp_avg_sq_row [rows] + exp_avg_sq_col [cols] per matrix (transformers' Adafactor, fp32).
+        # Adafactor: exp_avg_sq_row (shape[:-1]) then exp_avg_sq_col (shape[:-2] + shape[-1:]), fp32
         rows, cols = shape[-2], shape[-1]
         lead = numel // (rows * cols) if rows * cols else 0
-        return recipe.state_bytes * lead * (rows + cols)
+        b = opt.state_bytes_override or recipe.state_bytes
+        return (b * lead * rows, b * lead * cols)
     if opt.state_bytes_override is not None and numel >= opt.min_8bit_numel:
-        blocks = -(-numel // opt.quant_block) if opt.quant_block else 0
-        return opt.states_per_param * (numel * opt.state_bytes_override + 4 * blocks)
-    return opt.states_per_param * numel * recipe.state_bytes
+        if not opt.quant_block:
+            return (numel * opt.state_bytes_override,) * opt.states_per_param
+        # bitsandbytes 8-bit: state1, state2 (uint8), then absmax1, absmax2 (fp32 per 256-element block)
+        blocks = -(-numel // opt.quant_block)
+        return (numel * opt.state_bytes_override,) * opt.states_per_param + (4 * blocks,) * opt.states_per_param
+    return (numel * (4 if opt.quant_block else opt.state_bytes_override or recipe.state_bytes),) * \
+        opt.states_per_param
+
+
+def state_bytes_for(opt: Optimizer, recipe: Recipe, shape: tuple[int, ...], numel: int) -> int:
+    """Optimizer-state bytes for one tensor of ``shape`` (``numel`` elements) as the optimizer is handed it."""
+    return sum(state_allocations(opt, recipe, shape, numel))
+
+
+def state_bytes(opt: Optimizer, recipe: Recipe, tensors: tuple[tuple[tuple[int, ...], int], ...]) -> int:
+    """Optimizer-state bytes for the tensors the optimizer steps ((shape, elements) each); bitsandbytes 8-bit
+    adds its two shared quantization maps where any tensor gets 8-bit states."""
+    out = sum(state_bytes_for(opt, recipe, shape, numel) for shape, numel in tensors)
+    if opt.quant_block and any(numel >= opt.min_8bit_numel for _, numel in tensors):
+        out += QMAP_BYTES
+    return out
+
+
+def step_temporaries(opt: Optimizer, impl: str, stepped_bytes: int, recipe: Recipe, numels: list[int],
+                     device: str = "cuda") -> int:
+    """Bytes of the single-tensor step's temporaries at their worst: per tensor in the optimizer's order, two
+    tensor-sized temporaries (Adam's exp_avg_sq.sqrt() and its division; Adafactor's grad**2 + eps, its
+    approximation or rsqrt, and -update) while the previous tensor's is still bound to the loop's local
+    (torch/optim/adam.py _single_tensor_adam; transformers optimization.py Adafactor.step); Adafactor also holds
+    fp32 copies of a 16-bit parameter and its gradient (``stepped_bytes``: bytes per element of what it
+    steps). max over i of n[i-1] + k n[i], in state bytes."""
+    if impl != "single-tensor":
+        return 0
+    if opt.cpu_step_copies and device == "cpu":
+        return 4 * (opt.cpu_step_copies + (stepped_bytes < 4)) * max(numels, default=0)
+    k = 2 + (2 if opt.upcasts_half and stepped_bytes < 4 else 0)
+    best = prev = 0
+    for x in numels:
+        best = max(best, prev + k * x)
+        prev = x
+    return (opt.state_bytes_override or recipe.state_bytes) * best if not opt.quant_block else \
+        recipe.state_bytes * best

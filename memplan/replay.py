@@ -272,10 +272,28 @@ class ReplayJob:
     converted: tuple[int, ...] | None = None
     grad_accum: int = 1  #: micro-steps per optimizer step (the later ones add into the kept gradients)
     micro_batch: int = 1
+    #: the optimizer and recipe, for its state tensors (precision.state_allocations)
+    optimizer: Any = None
+    recipe: Any = None
+    #: the shape of each optimizer tensor (() each: 1-D, as numels)
+    shapes: tuple[tuple[int, ...], ...] = ()
+
+    def state_allocs(self, numel: int, shape: tuple[int, ...] = ()) -> tuple[int, ...]:
+        """The state tensors the optimizer makes for one tensor at its first step, bytes each, in order."""
+        from memplan.precision import state_allocations
+
+        return state_allocations(self.optimizer, self.recipe, shape or (numel,), numel)
+
+    def first_states(self, run: Run, states: list[Any]) -> None:
+        """bitsandbytes' two quantization maps, moved to the device at its first 8-bit state (init_state)."""
+        opt = self.optimizer
+        if opt is not None and opt.quant_block and any(n >= opt.min_8bit_numel for n in self.numels):
+            states.extend(run.alloc(1024) for _ in range(2))
 
 
-def replay_job(inv: Any, s: Any, numels: list[int]) -> ReplayJob:
-    """What a replay needs from the model and the settings, ``numels`` the elements of each optimizer tensor."""
+def replay_job(inv: Any, s: Any, numels: list[int], shapes: list[tuple[int, ...]] | None = None) -> ReplayJob:
+    """What a replay needs from the model and the settings, ``numels`` the elements of each optimizer tensor
+    (``shapes`` their shapes where they are not 1-D)."""
 
     d = s.activation_profile.data
     build = []
@@ -284,12 +302,14 @@ def replay_job(inv: Any, s: Any, numels: list[int]) -> ReplayJob:
         build.extend((t.numel * 4, True) for _ in t.tied_names)
     # a recipe that stores bf16 parameters converts the built model (model.to(torch.bfloat16) before wrapping)
     converted = tuple(t.numel * s.recipe.param_bytes for t in inv.tensors) if s.recipe.param_bytes != 4 else None
-    return ReplayJob(build=tuple(build), numels=tuple(numels), state_bytes=s.recipe.state_bytes, converted=converted,
+    return ReplayJob(build=tuple(build), numels=tuple(numels), state_bytes=4 if s.optimizer.factored else s.recipe.state_bytes,
+               converted=converted,
                grad_accum=s.grad_accum,
                states_per_param=s.optimizer.states_per_param if not s.optimizer.factored else 1,
                optimizer_impl=optimizer_impl(s), input_bytes=s.micro_batch * s.seq_len * 8,
                workspace_bytes=s.cluster.blas_workspace_bytes,
-               step=_expand(d["alloc_events"], d["num_layers"]), micro_batch=s.micro_batch)
+               step=_expand(d["alloc_events"], d["num_layers"]), micro_batch=s.micro_batch,
+               optimizer=s.optimizer, recipe=s.recipe, shapes=tuple(shapes or ()))
 
 
 def build_model(run: Run, job: ReplayJob) -> list[Any]:
@@ -358,15 +378,21 @@ def micro_step(run: Run, job: ReplayJob, n: int, keep_grads: bool, at: Any = Non
 def optimizer_step(run: Run, job: ReplayJob, first: bool, states: list[Any]) -> None:
     sizes = [n * job.state_bytes for n in job.numels]
     if first:
-        for n in sizes:  # _init_group: zeros_like per state, parameter by parameter
-            for _ in range(job.states_per_param):
-                states.append(run.alloc(n))
+        job.first_states(run, states)
+        for i, n in enumerate(job.numels):  # _init_group: zeros_like per state, parameter by parameter
+            for b in job.state_allocs(n, job.shapes[i] if job.shapes else ()):
+                states.append(run.alloc(b))
     if job.optimizer_impl == "foreach":
         _adam_foreach_temporaries(run, sizes)
     elif job.optimizer_impl == "single-tensor":
-        # exp_avg_sq.sqrt() / bias_correction2_sqrt: two temporaries per tensor
+        # exp_avg_sq.sqrt() / bias_correction2_sqrt: two temporaries per tensor; Adafactor's fp32 copies of a
+        # 16-bit parameter and its gradient first (precision.step_temporaries)
+        upcast = job.optimizer is not None and job.optimizer.upcasts_half and job.converted is not None
         for n in sizes:
+            copies = [run.alloc(n), run.alloc(n)] if upcast else []
             a = run.alloc(n)
             b = run.alloc(n)
             run.free(a)
             run.free(b)
+            for c in copies:
+                run.free(c)

@@ -105,6 +105,11 @@ def grads_at_end(job: Job) -> int:
     return rc.reduced_grad_bytes * job.lay.optimizer_numel
 
 
+def layout_tensors(job: Job) -> tuple[tuple[tuple[int, ...], int], ...]:
+    """The tensors the optimizer steps as the layout hands them (layouts.LayoutSizes.shard_shapes)."""
+    return job.lay.shard_shapes
+
+
 def no_offload(job: Job, grads: Grads, host_by: dict[str, int]) -> OffloadedGrads:
     return OffloadedGrads()
 
@@ -155,6 +160,12 @@ class FrameworkModel:
     pinned_host: Callable[[ParamInventory, Settings, int], list[int]] = no_pinned
     #: why the model cannot take frozen parameters (LoRA), or None where it can (layouts._with_frozen)
     frozen_why_not: str | None = None
+    #: the tensors the worst rank's optimizer steps, (shape, elements) each, as the framework hands them: what
+    #: Adafactor factors and bitsandbytes quantizes (precision.Optimizer.shape_dependent)
+    optimizer_tensors: Callable[[Job], tuple[tuple[tuple[int, ...], int], ...]] = layout_tensors
+    #: why an optimizer whose step depends on its tensors (precision.Optimizer.shape_dependent) cannot step what
+    #: the framework hands it, or None where it can
+    shaped_optimizer_why_not: str | None = None
     #: the module that replays the framework's allocations for the reserved peak (memplan/reserved.py): its
     #: replay(inv, s, config) and why_not(s); None where the framework's setup is not written down yet
     replay: str | None = None

@@ -104,7 +104,7 @@ def replay(inv: Any, s: Any, config: AllocatorConfig) -> tuple[str, dict[str, Al
     """The two release orders DDP's first buckets can take (replay_ddp ``release``)."""
     from memplan.replay import replay_job
 
-    job = replay_job(inv, s, [t.numel for t in inv.tensors])
+    job = replay_job(inv, s, [t.numel for t in inv.tensors], [t.shape for t in inv.tensors])
     if not s.strategy.ddp_buckets:
         return "PyTorch", {"": replay_ddp(job, config, reducer=False)}
     return "DDP", {"buckets released at the rebuild": replay_ddp(job, config, "pre"),

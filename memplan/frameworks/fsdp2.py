@@ -347,4 +347,11 @@ def _root_only(job: Job, grads: Grads) -> BufferTimeline:
 
 MODEL = FrameworkModel(name="fsdp2", replay="memplan.frameworks.fsdp2_replay", buffers=buffers,
                        cpu_offload_policy=True,
+                       # measured (torch 2.13, gloo, 2 ranks): transformers' Adafactor fails in its first step
+                       # (torch.zeros(grad_shape[:-1]).to(grad) is a plain tensor beside DTensor grads: "aten.add_
+                       # got mixed torch.Tensor and DTensor"), and so do bitsandbytes' optimizer kernels
+                       shaped_optimizer_why_not="FSDP2 hands the optimizer DTensor shards, which transformers' "
+                                                "Adafactor and bitsandbytes' optimizers cannot step (they mix "
+                                                "plain tensors with DTensors: measured with torch 2.13); "
+                                                "--fsdp-version 1, zero1-3 or ddp can run it",
                        pinned_host=pinned_host)

@@ -104,6 +104,17 @@ def step(job: Job, s: StepIn) -> tuple[int, int, dict[str, int]]:
     return s.grads, s.buffers, {}
 
 
+def optimizer_tensors(job: Job) -> tuple[tuple[tuple[int, ...], int], ...]:
+    """What the optimizer steps: ZeRO-1/2's one flat fp32 partition (single_partition_of_fp32_groups), stage 0's
+    flat fp32 group under its 16-bit wrappers (bf16_optimizer.py fp32_groups_flat_partition, fp16/fused_optimizer.py
+    fp32_groups_flat); stage 0 in fp32 has no wrapper and hands the module's parameters as they are (engine.py
+    _do_optimizer_sanity_check returns None: the client optimizer itself)."""
+    st, rc = job.s.strategy, job.s.recipe
+    if st.zero_stage == 0 and rc.param_bytes == 4 and not st.fp32_master_copy and not rc.master_bytes:
+        return tuple((t.shape, t.numel) for t in job.inv.trainable_inventory.tensors)
+    return job.lay.shard_shapes
+
+
 MODEL = FrameworkModel(name="zero12", replay="memplan.frameworks.zero12_replay", buffers=buffers,
                        grads_at_end=grads_at_end, offload=offload, step=step, zero_offload=True,
-                       pinned_host=pinned_host)
+                       pinned_host=pinned_host, optimizer_tensors=optimizer_tensors)

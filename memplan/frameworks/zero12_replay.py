@@ -121,8 +121,9 @@ def _optimizer_step(run: Run, job: ReplayJob, norms: tuple[int, ...], partition:
     if grads_flat is not None:
         run.free(grads_flat)
     if first:
-        for _ in range(job.states_per_param):
-            run.alloc(partition * job.state_bytes)
+        job.first_states(run, [])
+        for b in job.state_allocs(partition):
+            run.alloc(b)
     run.free(fp32_grad)
 
 

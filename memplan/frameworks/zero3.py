@@ -473,6 +473,13 @@ def step(job: Job, s: StepIn) -> tuple[int, int, dict[str, int]]:
     return grads, s.persistent + max(flat, sg_scratch), {"zero3_largest_sub_group_numel": sg}
 
 
+def optimizer_tensors(job: Job) -> tuple[tuple[tuple[int, ...], int], ...]:
+    """What the optimizer steps: one flat fp32 partition per sub-group (stage3.py _create_fp32_partitions:
+    fp32_partitioned_groups_flat, 1-D), so Adafactor keeps a full second moment and bitsandbytes quantizes
+    each sub-group as one tensor."""
+    return tuple(((g,), g) for g in sub_groups([n for _, n in job.lay.shard_shapes], job.s.ds.sub_group_size))
+
+
 MODEL = FrameworkModel(name="zero3", replay="memplan.frameworks.zero3_replay", buffers=buffers, weights=weights,
                        grads_at_end=grads_at_end, offload=offload, step=step, zero_offload=True,
-                       pinned_host=pinned_host)
+                       pinned_host=pinned_host, optimizer_tensors=optimizer_tensors)

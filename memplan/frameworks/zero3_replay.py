@@ -127,13 +127,15 @@ def _optimizer_step(run: Run, job: ReplayJob, partitions: tuple[int, ...], sub_g
     the first step, the step."""
     for numel in partitions:  # the norm: each gradient partition in fp64, one after another
         run.free(run.alloc(numel * 8))
-    for g in sub_groups:
+    for i, g in enumerate(sub_groups):
         copy = run.alloc(g * half)  # flatten(averaged_gradients)
         fp32 = run.alloc(g * 4)
         run.free(copy)
         if first:  # the optimizer's states, made at its first step
-            for _ in range(job.states_per_param):
-                run.alloc(g * job.state_bytes)
+            if i == 0:
+                job.first_states(run, [])
+            for b in job.state_allocs(g):
+                run.alloc(b)
         run.free(fp32)  # after the sub-group's step
 
 

@@ -128,7 +128,15 @@ def _torch_optimizer(spec: dict[str, Any], params: Any) -> Any:
         return torch.optim.Adam(params, **kw)
     if name == "sgd":
         return torch.optim.SGD(params, momentum=0.9, **kw)
-    raise ValueError(f"the harness runs adamw, adam and sgd; not {name}")
+    if name == "adafactor":  # as the HF Trainer builds optim="adafactor" (trainer.py get_optimizer_cls_and_kwargs)
+        from transformers.optimization import Adafactor
+
+        return Adafactor(params, lr=1e-4, scale_parameter=False, relative_step=False, warmup_init=False)
+    if name == "adam8bit":  # optim="adamw_bnb_8bit": bitsandbytes' AdamW with 8-bit states
+        import bitsandbytes as bnb
+
+        return bnb.optim.AdamW8bit(params, lr=1e-4)
+    raise ValueError(f"the harness runs adamw, adam, sgd, adafactor and adam8bit; not {name}")
 
 
 def setup(spec: dict[str, Any], device: Any) -> tuple[Any, Any, Any]:

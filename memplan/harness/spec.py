@@ -66,6 +66,10 @@ _HARNESS_RECIPES = {"deepspeed": ("deepspeed-bf16", "deepspeed-fp16", "torch-amp
                     "fsdp2": ("fsdp-bf16", "torch-amp", "fp32"), "fsdp1": ("fsdp-bf16", "torch-amp", "fp32")}
 
 
+#: torch.optim's, transformers' Adafactor, bitsandbytes' AdamW8bit (harness/setup.py _torch_optimizer)
+HARNESS_OPTIMIZERS = ("adamw", "adam", "sgd", "adafactor", "adam8bit")
+
+
 def build_spec(config: dict[str, Any], s: Settings, *, warmup_steps: int = 2, measured_steps: int = 1,
                attn_implementation: str = "sdpa") -> dict[str, Any]:
     """The rank's instructions for this job. Raises SettingsError for what the harness cannot run."""
@@ -78,8 +82,9 @@ def build_spec(config: dict[str, Any], s: Settings, *, warmup_steps: int = 2, me
     if s.recipe.name not in _HARNESS_RECIPES[fw]:
         raise SettingsError(f"the harness runs {st.name} with precision {', '.join(_HARNESS_RECIPES[fw])}, "
                             f"not {s.recipe.name}")
-    if s.optimizer.name not in ("adamw", "adam", "sgd"):
-        raise SettingsError(f"the harness runs adamw, adam and sgd, not {s.optimizer.name}")
+    if s.optimizer.name not in HARNESS_OPTIMIZERS:
+        raise SettingsError(f"the harness runs {', '.join(HARNESS_OPTIMIZERS)}, not {s.optimizer.name}"
+                            + (" (paged optimizers need CUDA unified memory)" if s.optimizer.paged else ""))
     if st.zero_stage == 3 and (s.ds.quantized_weights or s.ds.quantized_gradients):
         raise SettingsError("the harness does not run ZeRO++ qwZ/qgZ: DeepSpeed's quantizer kernels need CUDA "
                             "and a DeepSpeed build with its ops")

@@ -3,6 +3,7 @@
 import pytest
 
 from memplan import accounting as A
+from memplan import options
 from memplan import layouts
 from memplan.errors import SettingsError
 from memplan.model.inventory import ParamInventory, ParamTensor, classify
@@ -125,8 +126,44 @@ def test_adafactor_and_8bit_states():
     ada = A.estimate(inv, settings("ddp", 1, optimizer="adafactor"))
     assert ada.peak.optimizer_states_bytes == 4 * (100 + 50) + 4 * 8000
     b8 = A.estimate(inv, settings("ddp", 1, optimizer="adam8bit"))
-    # 5000 < 4096? no: 5000 >= 4096 -> 8-bit with one 2048-block absmax per 2048 elements; 8000 too
-    assert b8.peak.optimizer_states_bytes == 2 * (5000 + 4 * 3) + 2 * (8000 + 4 * 4)
+    # 5000 >= 4096 -> 8-bit with an fp32 absmax per 256-element block (bitsandbytes 0.50 init_state); 8000
+    # too; the two shared 256-entry fp32 quantization maps once
+    assert b8.peak.optimizer_states_bytes == 2 * (5000 + 4 * 20) + 2 * (8000 + 4 * 32) + 2 * 1024
+
+
+def test_shape_dependent_optimizers_see_what_the_framework_hands_them():
+    """DeepSpeed hands its flat fp32 partition (Adafactor cannot factor it: 4 B per element, as measured with
+    transformers' Adafactor under ZeRO-2), ZeRO-3 one flat tensor per sub-group, FSDP1 its FlatParameter shards;
+    FSDP2's DTensors are refused."""
+    from memplan.units import round_up
+
+    from dataclasses import replace
+
+    inv = TOY
+    fsdp1 = replace(settings("ddp", 4, optimizer="adafactor", recipe="fsdp-bf16"),
+                    strategy=get_strategy("fsdp-full", 1))
+    for st in (settings("zero1", 4, optimizer="adafactor"), settings("zero2", 4, optimizer="adafactor"),
+               settings("zero3", 4, optimizer="adafactor"), fsdp1):
+        opt_numel = A.layouts.layout_sizes(inv, st.strategy.layout, 4).optimizer_numel
+        assert A.estimate(inv, st).peak.optimizer_states_bytes == 4 * opt_numel, st.strategy.name
+    z2 = A.layouts.layout_sizes(inv, "flat-aligned", 4).optimizer_numel
+    assert z2 == round_up(PSI, 2 * 4) // 4
+    # ZeRO-3 sub-groups: 8-bit states quantized per sub-group (blocks rounded per group)
+    z3 = A.estimate(inv, settings("zero3", 4, optimizer="adam8bit",
+                                  ds={"param_persistence_threshold": 0, "sub_group_size": 300_000}))
+    parts = [-(-t.numel // 4) for t in inv.tensors]
+    from memplan.frameworks.zero3 import sub_groups
+
+    groups = sub_groups(parts, 300_000)
+    assert len(groups) > 1
+    assert z3.peak.optimizer_states_bytes == sum(2 * (g + 4 * -(-g // 256)) for g in groups) + 2 * 1024
+    # DDP keeps shapes: factored
+    ddp = A.estimate(inv, settings("ddp", 4, optimizer="adafactor"))
+    assert ddp.peak.optimizer_states_bytes == 4 * (8 + 1024) + 4 * 4 * (1024 + 1024)
+    with pytest.raises(SettingsError, match="DTensor"):
+        options.resolve(inv, gpus=4, strategy="fsdp-full", optimizer="adafactor", activations="analytic")
+    with pytest.raises(SettingsError, match="DTensor"):
+        options.resolve(inv, gpus=4, strategy="hsdp", optimizer="adam8bit", activations="analytic")
 
 
 def test_overheads_separate_and_cpu_has_none():

@@ -329,15 +329,15 @@ def test_adapters_on_a_bf16_base_are_fp32(inventories, strategy, gpus, upcast):
 
 @pytest.mark.parametrize("optimizer", ["adam8bit", "paged_adamw_8bit", "paged_adamw_32bit", "adafactor"])
 def test_per_tensor_optimizers_keep_states_for_the_adapters_only(inventories, optimizer):
-    from memplan.precision import get_optimizer, state_bytes_for
+    from memplan.precision import get_optimizer, state_bytes
 
     spec = lora.LoraSpec(rank=16, quantize="nf4")
     inv = lora.apply(inventories("llama-3-8b"), spec)
     s = options.resolve(inv, gpus=1, optimizer=optimizer, lora=spec, activations="analytic").settings
     p = accounting.estimate(inv, s)
     opt = get_optimizer(optimizer)
-    assert p.peak.optimizer_states_bytes == sum(state_bytes_for(opt, s.recipe, t.shape, t.numel)
-                                                for t in inv.tensors if t.trainable)
+    assert p.peak.optimizer_states_bytes == state_bytes(opt, s.recipe, tuple((t.shape, t.numel)
+                                                                             for t in inv.tensors if t.trainable))
     if optimizer == "paged_adamw_32bit":  # fp32 states whatever the recipe, one fused kernel (no scratch)
         assert p.peak.optimizer_states_bytes == 2 * 4 * inv.trainable_params
         assert accounting.optimizer_impl(s) == "fused"

@@ -270,7 +270,8 @@ class TracedProfile:
         """Activations when the last block's backward begins (-5), when the one before it begins (-6), when
         the last block's forward begins (-7) and at the most inside it (-8), when the one before the last
         has finished its backward (-9), at the last hook of a parameter outside the blocks before them (-12),
-        read off the traced timeline, untraced blocks below added."""
+        read off the traced timeline, untraced blocks below added; when the first block's backward begins
+        (-13), the other blocks' activations freed."""
         key = ("named", micro_batch)
         hit = self._memo.get(key)
         if hit is None:
@@ -291,6 +292,9 @@ class TracedProfile:
             out[-9] = at(segs[1]["end"])
         if d.get("root_hooks_done") is not None:
             out[-12] = at(d["root_hooks_done"])
+        first = d.get("first_block_backward")
+        if first and "start" in first:  # the other blocks' activations freed: no untraced blocks below
+            out[-13] = first["start"][0] + first["start"][1] * b
         return out
 
     @property

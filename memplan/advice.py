@@ -117,8 +117,12 @@ def _recompute(plan: Any) -> list[Change]:
 
 
 def _optimizer(plan: Any) -> list[Change]:
+    from memplan import frameworks
+
     s = plan.settings
     if s.optimizer.name not in ("adam", "adamw"):
+        return []
+    if frameworks.model(s.strategy.memory_model).shaped_optimizer_why_not:  # FSDP2's DTensors
         return []
     return [Change("8-bit Adam states", ("--optimizer", "adam8bit"), {"optimizer": "adam8bit"},
                    "bitsandbytes 8-bit Adam: the optimizer's numerics change", 5)]

@@ -100,7 +100,7 @@ def kind_values(f: Fixed, micro_batch: int, saved: int, block: int, emb: int,
             M.SAVED_BUT_LAST: saved, M.LAST_BLOCK_BACKWARD_BEGINS: saved + block,
             M.PREVIOUS_BLOCK_BACKWARD_BEGINS: saved, M.LAST_BLOCK_FORWARD_BEGINS: saved,
             M.INSIDE_LAST_BLOCK_FORWARD: fwd, M.PREVIOUS_BLOCK_BACKWARD_ENDS: saved - block,
-            M.ROOT_LAST_HOOK_BEFORE_BLOCKS: saved + block}
+            M.ROOT_LAST_HOOK_BEFORE_BLOCKS: saved + block, M.FIRST_BLOCK_BACKWARD_BEGINS: saved}
     if M.PREVIOUS_BLOCK_BACKWARD_BEGINS in named and M.PREVIOUS_BLOCK_BACKWARD_ENDS not in named:
         acts[M.PREVIOUS_BLOCK_BACKWARD_ENDS] = named[M.PREVIOUS_BLOCK_BACKWARD_BEGINS] - block
     acts.update(named)

@@ -281,8 +281,8 @@ def _torch_knobs(overrides: dict[str, Any], strat: Any) -> TorchKnobs:
         raise SettingsError(f"--bucket-cap-mb must be positive, got {tk.bucket_cap_mb}")
     if tk.fsdp_version not in (1, 2):
         raise SettingsError(f"--fsdp-version must be 1 or 2, got {tk.fsdp_version}")
-    if tk.fsdp_wrap not in ("block", "none"):
-        raise SettingsError(f"--fsdp-wrap must be block or none, got {tk.fsdp_wrap!r}")
+    if tk.fsdp_wrap not in FSDP_WRAPS:
+        raise SettingsError(f"--fsdp-wrap must be one of {', '.join(FSDP_WRAPS)}, got {tk.fsdp_wrap!r}")
     if tk.fsdp_wrap != "block" and not (strat.framework.startswith("fsdp") and tk.fsdp_version == 2):
         raise SettingsError(f"--fsdp-wrap {tk.fsdp_wrap} is for FSDP2 (--strategy fsdp-*, hsdp), not {strat.name}"
                             + (" with --fsdp-version 1" if strat.framework.startswith("fsdp") else ""))
@@ -424,6 +424,11 @@ def lora_recipe(recipe: Any, strategy: Any) -> Any:
                                                     "states")
 
 
+#: FSDP2's units (--fsdp-wrap): each decoder block then the root; torchtitan's (the input embedding, each block,
+#: the final norm with the head, the root); only the root
+FSDP_WRAPS = ("block", "block+embeddings", "none")
+
+
 def _optimizer_notes(inv: ParamInventory, s: Settings) -> list[str]:
     """An optimizer whose states follow its tensors' shapes (Adafactor, bitsandbytes 8-bit): what the framework
     hands it, or why it cannot step them."""
@@ -535,6 +540,12 @@ def resolve(inv: ParamInventory, *, gpus: int = 1, gpus_per_node: int | None = N
                         micro_batch=mb, seq_len=seq, grad_accum=ga, recompute=recompute, attention=attention,
                         ds=ds, torch=tk, horovod=hv, overheads=ov, allocator_conf=conf, lora=lora)
     notes.extend(_optimizer_notes(inv, settings))
+    if strat.memory_model == "fsdp2":
+        from memplan.frameworks.fsdp2 import wrap_why_not
+
+        why = wrap_why_not(inv, settings)
+        if why:
+            raise SettingsError(why)
     if strat.zero_stage == 3:
         settings = _with_z3_leaves(settings, inv, config, notes)
     if lora is not None:

@@ -52,6 +52,8 @@ class Moment(IntEnum):
     BLOCK_GRADIENT_HOOK = -11
     #: the last hook of a parameter outside the blocks before them (the final norm's)
     ROOT_LAST_HOOK_BEFORE_BLOCKS = -12
+    #: the first block's backward begins (the last block backward runs; the others' activations freed)
+    FIRST_BLOCK_BACKWARD_BEGINS = -13
 
     @property
     def in_forward(self) -> bool:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from memplan import layouts
 from memplan.errors import SettingsError
 from memplan.frameworks.common import LOSS, FrameworkModel, Grads, Job
-from memplan.model.inventory import ParamInventory
+from memplan.model.inventory import ROOT_BLOCK, ParamInventory
 from memplan.settings import Settings
 from memplan.settings import reshard_after_forward as requested_reshard_after_forward
 from memplan.timeline import BufferMoment, BufferTimeline, Moment
@@ -26,6 +26,27 @@ def pinned_host(inv: ParamInventory, s: Settings, n: int) -> list[int]:
         shard = ceil_div(rows, n) * (t.numel // rows if rows else 0)
         out += [rc.param_bytes * shard] + ([rc.reduced_grad_bytes * shard] if t.trainable else [])
     return out
+
+
+def wrap_why_not(inv: ParamInventory, s: Settings) -> str | None:
+    """Why --fsdp-wrap cannot wrap this model as asked (None: it can). block+embeddings needs the parameters
+    outside the blocks to be one input embedding before them and the final norm and head after them, untied
+    (torchtitan's layout: a tied weight cannot belong to two fully_shard units)."""
+    if s.torch.fsdp_wrap != "block+embeddings":
+        return None
+    if any(t.tied_names for t in inv.tensors):
+        return ("--fsdp-wrap block+embeddings: the model ties its input and output embeddings, and a tied weight "
+                "cannot be sharded by two fully_shard units (torchtitan unties them); use block or none")
+    seen_block, before = False, []
+    for t in inv.tensors:
+        seen_block = seen_block or t.block != ROOT_BLOCK
+        if t.block == ROOT_BLOCK and not seen_block:
+            before.append(t)
+    if len(before) != 1 or before[0].category != "embedding" or not seen_block:
+        names = ", ".join(t.name for t in before) or "none"
+        return ("--fsdp-wrap block+embeddings: expected one input embedding before the blocks (torchtitan's "
+                f"units), found {names}; use block or none")
+    return None
 
 
 def reshard_after_forward(job: Job) -> bool | int:
@@ -64,7 +85,8 @@ def buffers(job: Job, grads: Grads) -> BufferTimeline:
     u = _units(job)
     h = _kept(u) if raf is False else _resharded(u, raf, g.block_numels)
     end, inside_first = _end(u, job, grads.end)
-    moments = [LOSS, *_forward_moments(u, h, raf), *_backward_moments(u, h, raf, job.n), inside_first]
+    moments = [LOSS, *_forward_moments(u, h, raf), *_backward_moments(u, h, raf, job.n), inside_first,
+               *_embedding_prefetch(u, grads.end, grads.end - inside_first.grads)]
     if h.prefetch_root:  # with everything forward left alive (the traced live bytes after forward)
         moments.append(BufferMoment(h.prefetch_root, 0, Moment.ALL_SAVED))
     return BufferTimeline(gathered_forward_end=h.forward_end, gathered_loss=h.loss, end=end, moments=tuple(moments),
@@ -104,6 +126,45 @@ class _Units:
     #: set and unlike the stored dtype), _get_param_all_gather_inputs first casts the whole shard into one flat
     #: param_dtype buffer (flat_foreach_copy_input) that lives through the all-gather (0: no cast)
     cin: int = 0
+    #: --fsdp-wrap block+embeddings (torchtitan's units): the input embedding its own unit (resharded after
+    #: forward as the blocks are), the final norm with the head one unit not resharded after forward; nothing in
+    #: the root. ``root`` is then what the embedding's unit keeps between its forward and its backward (its
+    #: post-forward share), ``head_grads`` 0 (the head's unit reduces right after its own backward).
+    be: bool = False
+    emb: int = 0  #: the embedding unit unsharded, bytes
+    temb: int = 0  #: its trainable elements
+    head: int = 0  #: the norm + head unit unsharded, bytes
+    thead: int = 0  #: its trainable elements
+    emb_pf: int = 0  #: the embedding's all-gather output, prefetched by the first block's pre-backward
+    emb_chunk: int = 0  #: the CPU chunk_cat temporaries of the two units' reduces
+    head_chunk: int = 0
+
+    @property
+    def fwd_out(self) -> int:
+        """The all-gather output still held at the first block's copy-out: the root's, or the embedding's."""
+        return 0 if not self.flat else self.emb if self.be else self.root
+
+    def end_out(self, last: int) -> int:
+        """Unsharded at forward's end beyond the root and the blocks kept: the last block's all-gather output
+        (held to the root's post-forward), or the head unit unsharded with its all-gather output."""
+        if self.be:
+            return self.head * (2 if self.flat else 1)
+        return self.cb * last if self.flat else 0
+
+    @property
+    def head_held(self) -> int:
+        """The head unit, unsharded from its forward to its post-backward (reshard_after_forward False)."""
+        return self.head if self.be else 0
+
+    @property
+    def head_rs(self) -> int:
+        """The head unit's reduce-scatter input, held until the last block's reduce-scatter waits on it."""
+        return self.rb * self.thead if self.be else 0
+
+    @property
+    def head_shard(self) -> int:
+        """The head unit's reduced gradient shard, present from its reduce on."""
+        return self.rb * ceil_div(self.thead, self.n) if self.be else 0
 
     def copy_in(self, numel: int, world: int = 0) -> int:
         """The cast copy of one block's shard alive during its all-gather over ``world`` ranks (default: the
@@ -145,9 +206,22 @@ def _units(job: Job) -> _Units:
     # param_dtype, alive through foreach_all_gather (measured: LoRA fsdp-full, the last block's pre-backward
     # prefetching the one before it was -1.40% without it)
     cin = cb if flat and rc.param_bytes != cb and not s.torch.cpu_offload else 0
-    return _Units(root=cb * g.root, last=sizes[-1], prev=sizes[-2] if nblocks >= 2 else 0,
+    be: dict = {}
+    root = cb * g.root
+    head_grads = gb * gg.root_head
+    if s.torch.fsdp_wrap == "block+embeddings":
+        emb, temb = g.root - g.root_head, gg.root - gg.root_head
+        raf = reshard_after_forward(job)
+        # what the embedding's unit keeps after its forward: nothing, a 1/raf share, or all of it
+        root = 0 if raf is True else cb * emb if raf is False else cb * ceil_div(emb, raf)
+        head_grads = 0
+        be = dict(be=True, emb=cb * emb, temb=temb, head=cb * g.root_head, thead=gg.root_head,
+                  emb_pf=cb * emb if flat and raf is not False else 0,
+                  emb_chunk=gb * temb if cpu_chunk else 0,
+                  head_chunk=gb * gg.head_largest_tensor if cpu_chunk else 0)
+    return _Units(root=root, **be, last=sizes[-1], prev=sizes[-2] if nblocks >= 2 else 0,
                   prev2=sizes[-3] if nblocks >= 3 else 0, first=sizes[0], second=sizes[1] if nblocks >= 2 else 0,
-                  nblocks=nblocks, blocks=g.total_blocks, cb=cb, gb=gb, rb=rb, head_grads=gb * gg.root_head, flat=flat,
+                  nblocks=nblocks, blocks=g.total_blocks, cb=cb, gb=gb, rb=rb, head_grads=head_grads, flat=flat,
                   # a prefetch (unshard) allocates only where there is an all-gather: with a shard group of one,
                   # unshard() records an empty result and wait_for_unshard() allocates and copies when the block
                   # runs (_fsdp_param_group.py, world_size == 1; measured with the harness: gpt2 at 1 rank was
@@ -187,13 +261,14 @@ def _kept(u: _Units) -> _Held:
     kept = u.cb * u.blocks
     return _Held(
         kept=kept, share_last=0, share_prev=0,
-        forward_end=u.root + kept + (u.cb * u.last if u.flat else 0), loss=u.root + kept,
+        forward_end=u.root + kept + u.end_out(u.last), loss=u.root + u.head_held + kept,
         # every block before the last unsharded, and its all-gather output
         fwd_last=u.root + kept + u.cb * (u.prev + u.last) if u.flat else 0,
         unshard_last=0, unshard_prev=0,
-        inside_last=u.root + u.head_grads + kept,
+        inside_last=u.root + u.head_grads + kept + u.head_rs,
         # all blocks unsharded and the last one's grads; then (resharded) its reduce-scatter input
-        last_end=u.root + u.head_grads + kept + u.gb * u.tlast + max(0, u.rb * u.tlast - u.cb * u.last) + u.chunk_tmp,
+        last_end=(u.root + u.head_grads + kept + u.gb * u.tlast + max(u.head_rs, u.rb * u.tlast - u.cb * u.last)
+                  + u.chunk_tmp),
         # one block fewer unsharded, the last block's reduce-scatter input
         inside_two=u.root + u.head_grads + kept - u.cb * u.last + u.rb * u.tlast)
 
@@ -213,18 +288,20 @@ def _resharded(u: _Units, raf: bool | int, block_numels: tuple[int, ...]) -> _He
     world = raf if raf is not True else u.n  # a block in its post-forward shards all-gathers over raf ranks
     return _Held(
         kept=kept, share_last=share_last, share_prev=share_prev,
-        forward_end=root + kept + (cb * u.last if u.flat else 0),
-        # the loss backward: the root's pre-backward has prefetched the last block's all-gather
-        loss=root + u.pf * cb * u.last + kept,
+        forward_end=root + kept + u.end_out(u.last),
+        # the loss backward: the root's pre-backward has prefetched the last block's all-gather (the head unit's
+        # pre-backward, where it is its own unit)
+        loss=root + u.head_held + u.pf * cb * u.last + kept,
         # the last block's copy-out in forward: the previous block's all-gather output, its own, its copies
         fwd_last=root + kept - share_last + cb * (u.prev + 2 * u.last) if u.flat else 0,
         # the last block's copy-out in backward (its all-gather prefetched at the loss): output and copies
-        unshard_last=root + hg + kept + copies * cb * u.last,
+        unshard_last=root + hg + kept + copies * cb * u.last + u.head_rs,
         # inside the last block's backward: itself, the next block prefetched by its pre-backward
-        inside_last=root + hg + kept - share_last + prefetched + cb * u.last,
-        # at the end of its backward: that, and its grads; then resharded, its reduce-scatter input
-        last_end=(root + hg + kept - share_last + prefetched + u.gb * u.tlast + max(cb * u.last, u.rb * u.tlast)
-                  + u.chunk_tmp),
+        inside_last=root + hg + kept - share_last + prefetched + cb * u.last + u.head_rs,
+        # at the end of its backward: that, and its grads; then resharded, its reduce-scatter input (the head
+        # unit's input waited on and freed first: post_backward_rs_wait)
+        last_end=(root + hg + kept - share_last + prefetched + u.gb * u.tlast
+                  + max(cb * u.last + u.head_rs, u.rb * u.tlast) + u.chunk_tmp),
         # the block before it, copied out of its prefetched all-gather: the last block's reduce-scatter input
         # still held (reduce_scatter_max_input_buffers = 1) and the next block prefetched after
         unshard_prev=root + hg + kept - share_last + copies * cb * u.prev + u.rb * u.tlast,
@@ -232,19 +309,19 @@ def _resharded(u: _Units, raf: bool | int, block_numels: tuple[int, ...]) -> _He
         inside_two=root + hg + kept - share_last - share_prev + cb * (u.prev + u.pf * u.prev2) + u.rb * u.tlast,
         # the last block's pre-backward, after its copy-out: _backward_prefetch all-gathers the block before it
         # (_fsdp_param_group.py pre_backward), its output and cast copy-in alive together
-        prefetch_last=(root + hg + kept - share_last + cb * u.last
+        prefetch_last=(root + hg + kept - share_last + cb * u.last + u.head_rs
                        + u.pf * (cb * u.prev + u.copy_in(u.prev, world)) if u.nblocks >= 2 else 0),
         # and the block before it's, the last block's reduce-scatter input still held
         prefetch_prev=(root + hg + kept - share_last - share_prev + cb * u.prev
                        + u.pf * (cb * u.prev2 + u.copy_in(u.prev2, world)) + u.rb * u.tlast if u.nblocks >= 3 else 0),
         # the root's pre-backward prefetches the last block (its output then held through the loss: `loss`)
-        prefetch_root=root + kept + u.pf * (cb * u.last + u.copy_in(u.last, world)) if u.cin else 0)
+        prefetch_root=root + u.head_held + kept + u.pf * (cb * u.last + u.copy_in(u.last, world)) if u.cin else 0)
 
 
 def _forward_moments(u: _Units, h: _Held, raf: bool | int) -> list[BufferMoment]:
     # the first block's copy-out: the root's all-gather output is held through it (the root stays unsharded:
     # fully_shard's default for the root), with block 0's output and copies
-    out = [BufferMoment(u.root + (u.root if u.flat else 0) + (2 if u.flat else 1) * u.cb * u.first, 0,
+    out = [BufferMoment(u.root + u.fwd_out + (2 if u.flat else 1) * u.cb * u.first, 0,
                         Moment.EMBEDDING_OUTPUT)]
     if u.nblocks >= 2:
         out.append(BufferMoment(h.fwd_last, 0, Moment.LAST_BLOCK_FORWARD_BEGINS))
@@ -257,19 +334,27 @@ def _forward_moments(u: _Units, h: _Held, raf: bool | int) -> list[BufferMoment]
 
 def _backward_moments(u: _Units, h: _Held, raf: bool | int, n: int) -> list[BufferMoment]:
     out = []
+    hs = u.head_shard  # the head unit's reduced shard (block+embeddings): present all through the blocks' backward
+    if u.be:
+        # the head unit's post-backward: resharded, its grads copied into its reduce-scatter input (on CPU through
+        # the chunk_cat temporary), then its reduced shard; the last block prefetched by its pre-backward (where
+        # it was resharded after forward)
+        prefetched = u.pf * u.cb * u.last if raf is not False else 0
+        out.append(BufferMoment(u.root + h.kept + prefetched + (u.gb + u.rb) * u.thead
+                                + max(0, u.head_chunk - hs), hs, Moment.LAST_BLOCK_BACKWARD_BEGINS))
     if h.unshard_last:
-        out.append(BufferMoment(h.unshard_last, 0, Moment.LAST_BLOCK_BACKWARD_BEGINS))
+        out.append(BufferMoment(h.unshard_last, hs, Moment.LAST_BLOCK_BACKWARD_BEGINS))
     if h.prefetch_last:
-        out.append(BufferMoment(h.prefetch_last, 0, Moment.LAST_BLOCK_BACKWARD_BEGINS))
+        out.append(BufferMoment(h.prefetch_last, hs, Moment.LAST_BLOCK_BACKWARD_BEGINS))
     # the last block's reduce: its activations and the loss's gone, as when the next block's begins
-    out.append(BufferMoment(h.last_end, 0, Moment.PREVIOUS_BLOCK_BACKWARD_BEGINS))
+    out.append(BufferMoment(h.last_end, hs, Moment.PREVIOUS_BLOCK_BACKWARD_BEGINS))
     # inside a block's backward its unsharded grads grow while its activations are freed: the profile follows
     # both (block_moments); the grads are counted at the unsharded grad dtype
-    out.append(BufferMoment(h.inside_last, 0, Moment.INSIDE_LAST_BLOCK_BACKWARD))
+    out.append(BufferMoment(h.inside_last, hs, Moment.INSIDE_LAST_BLOCK_BACKWARD))
     if u.nblocks < 2:
         return out
     # and the last block's reduced grad shard
-    last_shard = u.rb * ceil_div(u.tlast, n)
+    last_shard = u.rb * ceil_div(u.tlast, n) + hs
     if h.unshard_prev:
         out.append(BufferMoment(h.unshard_prev, last_shard, Moment.PREVIOUS_BLOCK_BACKWARD_BEGINS))
     if h.prefetch_prev:
@@ -293,20 +378,39 @@ def _end(u: _Units, job: Job, grads_end: int) -> tuple[tuple[int, int], BufferMo
     backward (itself, its grads, the next block's reduce-scatter input; the reduced shards of all blocks but it
     and the root), and the root's reduce (its grads, and either its unsharded params with the first block's
     reduce-scatter input or, resharded, its own reduce-scatter input; every block's shard reduced); and the
-    moment inside the first block's backward."""
-    n, root, first, tfirst, troot = job.n, u.root, u.first, u.tfirst, u.troot
-    first_block = (root + u.head_grads + u.cb * first + u.gb * tfirst
+    moment inside the first block's backward. With the embedding its own unit (block+embeddings), the unit
+    reduced last is the embedding's: the first block's pre-backward prefetches it (its all-gather output held
+    through that block's backward), its copy-out unshards it, its reduce follows its backward."""
+    n, first, tfirst = job.n, u.first, u.tfirst
+    # held through the first block's backward, unsharded at the last unit's reduce, and that unit's elements
+    held, unsharded, troot = ((u.root + u.emb_pf, u.emb, u.temb) if u.be
+                              else (u.root + u.head_grads, u.root, u.troot))
+    root_chunk = u.emb_chunk if u.be else u.root_chunk_tmp
+    first_block = (held + u.cb * first + u.gb * tfirst
                    + (u.rb * u.tsecond if u.nblocks >= 2 else max(0, u.rb * tfirst - u.cb * first)),
                    u.rb * (ceil_div(troot, n) + ceil_div(tfirst, n)))
     # then resharded, its own reduce-scatter input filled (on CPU through the chunk_cat temporary)
-    first_fill = (root + u.head_grads + (u.gb + u.rb) * tfirst + u.chunk_tmp, first_block[1])
-    root_reduce = (u.gb * troot + max(root + u.rb * tfirst, u.rb * troot) + u.root_chunk_tmp,
+    first_fill = (held + (u.gb + u.rb) * tfirst + u.chunk_tmp, first_block[1])
+    root_reduce = (u.gb * troot + max(unsharded + u.rb * tfirst, u.rb * troot) + root_chunk,
                    u.rb * ceil_div(troot, n))
-    end = max(first_block, first_fill, root_reduce, key=lambda m: m[0] - m[1])
+    ends = [first_block, first_fill, root_reduce]
+    if u.be and u.emb_pf:  # the embedding's copy-out: its all-gather output and its unsharded copy
+        ends.append((u.root + u.emb_pf + u.emb + u.rb * tfirst, root_reduce[1]))
+    end = max(ends, key=lambda m: m[0] - m[1])
     # inside the first block's backward: itself unsharded, the second block's reduce-scatter input
-    inside = BufferMoment(root + u.head_grads + u.cb * first + (u.rb * u.tsecond if u.nblocks >= 2 else 0),
+    inside = BufferMoment(held + u.cb * first + (u.rb * u.tsecond if u.nblocks >= 2 else 0),
                           grads_end - first_block[1], Moment.INSIDE_FIRST_BLOCK_BACKWARD)
     return end, inside
+
+
+def _embedding_prefetch(u: _Units, grads_end: int, first_missing: int) -> list[BufferMoment]:
+    """block+embeddings: the first block's pre-backward, after its copy-out, all-gathers the embedding's unit
+    (_backward_prefetch): its output and its cast copy-in alive together."""
+    if not (u.be and u.emb_pf):
+        return []
+    emb_numel = u.emb // u.cb if u.cb else 0
+    return [BufferMoment(u.root + u.cb * u.first + (u.rb * u.tsecond if u.nblocks >= 2 else 0) + u.emb_pf
+                         + u.copy_in(emb_numel), grads_end - first_missing, Moment.FIRST_BLOCK_BACKWARD_BEGINS)]
 
 
 def _root_only(job: Job, grads: Grads) -> BufferTimeline:

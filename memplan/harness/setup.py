@@ -101,6 +101,15 @@ def _peft(model: Any, fields: dict[str, Any]) -> Any:
     return get_peft_model(model, cfg)
 
 
+def _head_unit(model: Any) -> list[Any]:
+    """The final norm and the output embedding (torchtitan's [model.norm, model.output]): the model's last
+    norm module outside the blocks, and its head."""
+    blocks = {id(m) for b in _blocks(model) for m in b.modules()}
+    norms = [m for name, m in model.named_modules() if id(m) not in blocks and "norm" in type(m).__name__.lower()
+             and any(True for _ in m.parameters(recurse=False))]
+    return norms[-1:] + [model.get_output_embeddings()]
+
+
 def _blocks(model: Any) -> list[Any]:
     no_split = set(getattr(model, "_no_split_modules", None) or [])
     if not no_split:  # the user's own module: the inventory's rule
@@ -265,8 +274,15 @@ def _setup_fsdp2(spec: dict[str, Any], device: Any) -> tuple[Any, Any, Any]:
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
         if spec["recipe"] == "fsdp-bf16" else MixedPrecisionPolicy()
     raf = spec["reshard_after_forward"]
-    for block in _blocks(model) if spec.get("fsdp_wrap", "block") == "block" else ():
+    wrap = spec.get("fsdp_wrap", "block")
+    if wrap == "block+embeddings":
+        # torchtitan's units (parallelize.py apply_fsdp): the input embedding, each block, then the final norm
+        # with the head as one unit not resharded after forward (its default policy), then the root
+        fully_shard(model.get_input_embeddings(), mesh=mesh, mp_policy=mp, reshard_after_forward=raf)
+    for block in _blocks(model) if wrap != "none" else ():
         fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=raf)
+    if wrap == "block+embeddings":
+        fully_shard(_head_unit(model), mesh=mesh, mp_policy=mp, reshard_after_forward=False)
     # the root keeps FSDP2's default (reshard_after_forward=None: True for the blocks, False for the root,
     # _fully_shard.py), as `fully_shard(model)` in a training script does; the engine assumes it
     fully_shard(model, mesh=mesh, mp_policy=mp)

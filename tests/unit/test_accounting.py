@@ -660,6 +660,39 @@ def test_zero_quantized_gradients_act_across_nodes_only(inventories):
     assert q.phases[3].buffers_bytes - base.phases[3].buffers_bytes == extra
 
 
+def test_fsdp2_block_and_embeddings_units():
+    """--fsdp-wrap block+embeddings (torchtitan's units): the input embedding resharded after its forward, the
+    final norm with the head unsharded from its forward to its post-backward, its reduce right after its own
+    backward (docs/accuracy.md session 15: -0.00% on seven harness runs)."""
+    v, h, blk = 4096, 1024, 1024 * 1024
+    tensors = [ParamTensor("model.embed_tokens.weight", (v, h), "bfloat16", "", "embedding")]
+    tensors += [ParamTensor(f"model.layers.{i}.w.weight", (1024, 1024), "bfloat16", f"model.layers.{i}", "mlp")
+                for i in range(4)]
+    tensors += [ParamTensor("model.norm.weight", (h,), "bfloat16", "", "norm"),
+                ParamTensor("lm_head.weight", (v, h), "bfloat16", "", "head")]
+    inv = ParamInventory(model_name="toy", source="test", builder="test", family="llama", tensors=tuple(tensors),
+                         dims=DIMS)
+    base = settings("fsdp-full", 4)
+    be = A.Settings(**{**base.__dict__, "torch": A.TorchKnobs(fsdp_wrap="block+embeddings")})
+    f_block, f_be = A.timeline(inv, base), A.timeline(inv, be)
+    head = 2 * (v * h + h)  # the norm + head unit unsharded, bf16
+    # forward's end: the head unit and its all-gather output (the last block's output freed at its copy-out);
+    # the block layout holds the whole root and the last block's output instead
+    assert f_be.buffers["forward"] == 2 * head
+    assert f_block.buffers["forward"] == 2 * (2 * v * h + h) + 2 * blk
+    # at the head's reduce: its grads (bf16) and fp32 reduce-scatter input beside the prefetched last block
+    reduce = [m for m in f_be.moments if m.at == Moment.LAST_BLOCK_BACKWARD_BEGINS][0]
+    assert reduce.buffers == 2 * blk + (2 + 4) * (v * h + h)
+    assert reduce.grads == 4 * (v * h + h) // 4  # its reduced shard
+    assert any(m.at == Moment.FIRST_BLOCK_BACKWARD_BEGINS for m in f_be.moments)
+    assert not any(m.at == Moment.FIRST_BLOCK_BACKWARD_BEGINS for m in f_block.moments)
+    # mid-backward nothing of the root is held: below the block layout at every block moment
+    for at in (Moment.INSIDE_PREVIOUS_BLOCK_BACKWARD, Moment.INSIDE_FIRST_BLOCK_BACKWARD):
+        b = max(m.buffers for m in f_block.moments if m.at == at)
+        e = max(m.buffers for m in f_be.moments if m.at == at)
+        assert e < b
+
+
 def test_fsdp2_root_only_holds_everything():
     # --fsdp-wrap none (_fully_shard.py: the root's reshard_after_forward=None is False): the whole model unsharded
     # (bf16) with its flat all-gather output held to the root's post-forward, then at the root's post-backward every

@@ -87,8 +87,13 @@ def buffers(job: Job, grads: Grads) -> BufferTimeline:
     end, inside_first = _end(u, job, grads.end)
     moments = [LOSS, *_forward_moments(u, h, raf), *_backward_moments(u, h, raf, job.n), inside_first,
                *_embedding_prefetch(u, grads.end, grads.end - inside_first.grads)]
-    if h.prefetch_root:  # with everything forward left alive (the traced live bytes after forward)
+    if h.prefetch_root and not u.be:  # with everything forward left alive (the traced live bytes after forward)
         moments.append(BufferMoment(h.prefetch_root, 0, Moment.ALL_SAVED))
+    if h.head_bwd:
+        # the head unit's backward, its grads made (at the activations of backward's start, everything forward
+        # left alive: an upper bound, the loss's fp32 tensors are freed by then and the head's grad of the logits
+        # is half their size)
+        moments.append(BufferMoment(h.head_bwd, u.gb * u.thead, Moment.ALL_SAVED))
     return BufferTimeline(gathered_forward_end=h.forward_end, gathered_loss=h.loss, end=end, moments=tuple(moments),
                           assumptions={"reshard_after_forward": raf, "largest_gathered_block_numel": g.largest_block})
 
@@ -254,6 +259,9 @@ class _Held:
     prefetch_prev: int = 0
     #: the root's pre-backward (everything forward left alive): the last block's prefetch, output and copy-in
     prefetch_root: int = 0
+    #: block+embeddings: the head unit's pre-backward and backward, after the loss's: the head unit unsharded, the
+    #: last block prefetched (output and copy-in), the head's grads being made
+    head_bwd: int = 0
 
 
 def _kept(u: _Units) -> _Held:
@@ -262,6 +270,7 @@ def _kept(u: _Units) -> _Held:
     return _Held(
         kept=kept, share_last=0, share_prev=0,
         forward_end=u.root + kept + u.end_out(u.last), loss=u.root + u.head_held + kept,
+        head_bwd=u.root + u.head_held + kept if u.be else 0,
         # every block before the last unsharded, and its all-gather output
         fwd_last=u.root + kept + u.cb * (u.prev + u.last) if u.flat else 0,
         unshard_last=0, unshard_prev=0,
@@ -291,7 +300,8 @@ def _resharded(u: _Units, raf: bool | int, block_numels: tuple[int, ...]) -> _He
         forward_end=root + kept + u.end_out(u.last),
         # the loss backward: the root's pre-backward has prefetched the last block's all-gather (the head unit's
         # pre-backward, where it is its own unit)
-        loss=root + u.head_held + u.pf * cb * u.last + kept,
+        # (its own unit's pre-backward runs after the loss's backward: no prefetch yet, see head_bwd)
+        loss=root + u.head_held + (0 if u.be else u.pf * cb * u.last) + kept,
         # the last block's copy-out in forward: the previous block's all-gather output, its own, its copies
         fwd_last=root + kept - share_last + cb * (u.prev + 2 * u.last) if u.flat else 0,
         # the last block's copy-out in backward (its all-gather prefetched at the loss): output and copies
@@ -315,7 +325,8 @@ def _resharded(u: _Units, raf: bool | int, block_numels: tuple[int, ...]) -> _He
         prefetch_prev=(root + hg + kept - share_last - share_prev + cb * u.prev
                        + u.pf * (cb * u.prev2 + u.copy_in(u.prev2, world)) + u.rb * u.tlast if u.nblocks >= 3 else 0),
         # the root's pre-backward prefetches the last block (its output then held through the loss: `loss`)
-        prefetch_root=root + u.head_held + kept + u.pf * (cb * u.last + u.copy_in(u.last, world)) if u.cin else 0)
+        prefetch_root=root + u.head_held + kept + u.pf * (cb * u.last + u.copy_in(u.last, world)) if u.cin else 0,
+        head_bwd=root + u.head_held + kept + u.pf * (cb * u.last + u.copy_in(u.last, world)) if u.be else 0)
 
 
 def _forward_moments(u: _Units, h: _Held, raf: bool | int) -> list[BufferMoment]:

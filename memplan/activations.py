@@ -153,7 +153,9 @@ class TracedProfile:
 
     data: dict  #: the traced profile: lines c0 + c1*b
     micro_batch: int
-    origin: str  #: "shipped", "cache" or "traced now"
+    #: "shipped", "cache", "traced now", or for a profile fitted at another length the traces it was fitted from
+    #: (profile_cache._fitted: "shipped traces at seq 1024, 2048, 4096")
+    origin: str
     #: evaluations by (what, micro-batch, ...): the planner asks the same micro-batches for many configurations
     _memo: dict = field(default_factory=dict, compare=False, repr=False)
 
@@ -300,7 +302,8 @@ class TracedProfile:
     @property
     def source(self) -> str:
         d = self.data
-        return (f"traced ({self.origin}; transformers {d['transformers']}, {d['traced_layers']} of "
+        kind = "fitted from" if d.get("fitted_from") else "traced"
+        return (f"{kind} ({self.origin}; transformers {d['transformers']}, {d['traced_layers']} of "
                 f"{d['num_layers']} blocks traced, attention {d['attention']}, seq {d['seq_len']})")
 
 

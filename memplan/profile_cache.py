@@ -54,19 +54,21 @@ def load_or_trace(config: dict, *, seq_len: int, micro_batch: int, recipe: str, 
     target = target or host_target(device)
     key = profile_key(config, seq_len=seq_len, recipe=recipe, attention=attention, recompute=recompute,
                       device=device, linear=linear, target=target)
-    for where, origin in ((shipped_dir(), "shipped"), (cache_dir(), "cache")):
-        try:
-            data = _read_profile(where, key)
-        except (OSError, ValueError, TypeError, EOFError):
-            continue
-        if data is not None:
-            if "alias" in data:  # the same bytes as another target's profile (tools/ship_activation_...)
-                own = {k: v for k, v in data.items() if k != "alias"}
-                base = _read_profile(where, data["alias"])
-                if base is None:
-                    continue
-                data = {**base, **own}
-            return TracedProfile(data, micro_batch, origin)
+    found = _stored(key)
+    if found is not None:
+        data, origin = found
+        if data.get("fitted_from"):  # a fit made before, kept in the cache
+            origin = f"{data.get('fitted_origin', 'traces')}, kept in the cache"
+        return TracedProfile(data, micro_batch, origin)
+    fitted = _fitted(config, seq_len=seq_len, recipe=recipe, attention=attention, recompute=recompute,
+                     device=device, linear=linear, target=target)
+    if fitted is not None:
+        data, origin = fitted
+        # kept: the next estimate at this length reads it (a model traced at full depth takes ~1 s to fit)
+        from memplan.profile_fit import pack
+
+        _write_atomic(cache_dir() / f"{key}.json", json.dumps(pack({**data, "fitted_origin": origin})))
+        return TracedProfile(data, micro_batch, origin)
     if not allow_trace:
         return None
     failed = cache_dir() / f"{key}.failed"
@@ -96,8 +98,83 @@ def load_or_trace(config: dict, *, seq_len: int, micro_batch: int, recipe: str, 
     except SettingsError as exc:
         _write_atomic(failed, json.dumps({"reason": str(exc), "versions": _versions()}))
         raise
-    _write_atomic(cache_dir() / f"{key}.json", json.dumps(data))
+    from memplan.profile_fit import pack
+
+    _write_atomic(cache_dir() / f"{key}.json", json.dumps(pack(data)))
     return TracedProfile(data, micro_batch, "traced now")
+
+
+def _stored(key: str) -> tuple[dict, str] | None:
+    """(profile, origin) from the shipped set or the disk cache; None when neither has it."""
+    for where, origin in ((shipped_dir(), "shipped"), (cache_dir(), "cache")):
+        try:
+            data = _read_profile(where, key)
+        except (OSError, ValueError, TypeError, EOFError):
+            continue
+        if data is not None:
+            if "alias" in data:  # the same bytes as another target's profile (tools/ship_activation_...)
+                own = {k: v for k, v in data.items() if k != "alias"}
+                try:
+                    base = _read_profile(where, data["alias"])
+                except (OSError, ValueError, TypeError, EOFError):
+                    base = None
+                if base is None:
+                    continue
+                data = {**base, **own}
+            return data, origin
+    return None
+
+
+def _fitted(config: dict, *, seq_len: int, **kw: Any) -> tuple[dict, str] | None:
+    """A profile at ``seq_len`` fitted from the same configuration's profiles at other lengths (shipped at
+    profile_fit.fit_seqs for every preset, or cached from earlier traces), without tracing: (profile, origin),
+    or None where no three around it are stored or they differ in more than their numbers. Only the profiles a
+    fit tries are read."""
+    from memplan.profile_fit import fit_profile, fit_seqs
+
+    keys = {s: profile_key(config, seq_len=s, **kw) for s in fit_seqs(config) if s != seq_len}
+    present = {s: k for s, k in keys.items() if _exists(k)}
+    if len(present) < 3:
+        return None
+    origins: set[str] = set()
+    data = fit_profile(_LazyProfiles(present, {}, origins), seq_len)
+    if data is None:
+        return None
+    src = "shipped" if origins == {"shipped"} else "shipped and cached" if "shipped" in origins else "cached"
+    return data, f"{src} traces at seq {', '.join(map(str, data['fitted_from']))}"
+
+
+class _LazyProfiles(dict):
+    """length -> profile, read from disk the first time it is asked for (the keys: the lengths stored)."""
+
+    def __init__(self, present: dict[int, str], loaded: dict[int, dict | None], origins: set[str]) -> None:
+        super().__init__()
+        self._present, self._loaded, self._origins = present, loaded, origins
+
+    def __iter__(self):  # type: ignore[override]
+        return iter(self._present)
+
+    def __len__(self) -> int:
+        return len(self._present)
+
+    def __contains__(self, s: object) -> bool:
+        return s in self._present
+
+    def keys(self):  # type: ignore[override]
+        return self._present.keys()
+
+    def __getitem__(self, s: int) -> dict | None:  # type: ignore[override]
+        if s not in self._loaded:
+            found = _stored(self._present[s])
+            if found is not None:
+                self._origins.add(found[1])
+            self._loaded[s] = found[0] if found is not None else None
+        return self._loaded[s]
+
+
+def _exists(key: str) -> bool:
+    return any((where / f"{key}{ext}").is_file() for where in (shipped_dir(), cache_dir())
+               for ext in (".json", ".json.gz"))
 
 
 def _read_profile(where: Path, key: str) -> dict | None:

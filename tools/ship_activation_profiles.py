@@ -2,7 +2,10 @@
 so that `memplan estimate <preset>` with default sequence length never imports torch on an H100/H200/B200 or an
 A100 (other GPU classes trace on first use).
 
-Run: python tools/ship_activation_profiles.py  (writes memplan/presets/activations/<key>.json)
+Run: python tools/ship_activation_profiles.py [PRESET ...]  (writes memplan/presets/activations/<key>.json.gz)
+
+Each preset is traced at the default length and at the lengths a profile at any other length is fitted from
+(memplan/profile_fit.py fit_seqs: 512 to 8192 and the model's maximum), so that `--seq-len N` never traces either.
 
 A GPU class whose profile holds the same bytes as another's is stored as {"alias": "<key>", "target": ...,
 "attention_kernels": ...}: the first's numbers with its own kernels' names.
@@ -23,10 +26,12 @@ from memplan import profile_cache  # noqa: E402
 from memplan.errors import MemplanError  # noqa: E402
 from memplan.kernels import Target  # noqa: E402
 from memplan.model import sources  # noqa: E402
+from memplan.profile_fit import fit_seqs, pack  # noqa: E402
 from memplan.tracing import trace_profile  # noqa: E402
 from memplan.tracing_keys import LINEARS, trace_linear, trace_recipe  # noqa: E402
 
-SEQ = (2048,)
+#: the default length, and those a profile at any other length is fitted from (memplan/profile_fit.py fit_seqs)
+DEFAULT_SEQ = 2048
 RECIPES = ("deepspeed-bf16", "torch-amp")
 RECOMPUTE = ("none", "full")
 
@@ -55,15 +60,21 @@ def _same(a: dict, b: dict) -> bool:
 def main() -> None:
     out = profile_cache.shipped_dir()
     out.mkdir(parents=True, exist_ok=True)
-    jobs = [(name, seq, recipe, rc, lin) for name in sources.preset_names() for seq in SEQ for recipe in RECIPES
+    names = sources.preset_names()
+    only = set(sys.argv[1:])  # trace only these presets (e.g. to run two processes); stale files are kept then
+    # the default length first (what `memplan estimate <preset>` reads), then the fitting grid
+    seqs = {n: [DEFAULT_SEQ] + sorted(set(fit_seqs(sources.resolve(n).config)) - {DEFAULT_SEQ}) for n in names}
+    jobs = [(name, seq, recipe, rc, lin) for name in names for seq in seqs[name] for recipe in RECIPES
             for rc in RECOMPUTE for lin in linears(recipe)]
     key = lambda cfg, seq, recipe, rc, lin, tg: profile_cache.profile_key(  # noqa: E731
         cfg, seq_len=seq, recipe=recipe, attention="flash", recompute=rc, linear=lin, target=tg)
     wanted = {key(sources.resolve(n).config, seq, r, rc, lin, tg) for n, seq, r, rc, lin in jobs for tg in targets()}
     for old in list(out.glob("*.json")) + list(out.glob("*.json.gz")):  # earlier keys are never looked up again
-        if old.name.split(".")[0] not in wanted:
+        if old.name.split(".")[0] not in wanted and not only:
             old.unlink()
     for name, seq, recipe, rc, lin in jobs:
+        if only and name not in only:
+            continue
         config = sources.resolve(name).config
         first: tuple[str, dict] | None = None
         for tg in targets():
@@ -90,7 +101,7 @@ def main() -> None:
             else:
                 # gzip: the allocation events of a model traced at full depth run to megabytes as text
                 with gzip.open(packed, "wt", compresslevel=9) as f:
-                    f.write(json.dumps(data, separators=(",", ":")))
+                    f.write(json.dumps(pack(data), separators=(",", ":")))
                 first = first or (k, data)
                 how = "stored"
             print(f"{name} seq {seq} {recipe} recompute {rc} linear {lin} {tg.key}: {time.perf_counter() - t:.1f} s, "

@@ -34,7 +34,8 @@ read at the step's moments), ``fit`` (lines in the micro-batch, the profile).
 
 from __future__ import annotations
 
-from memplan.tracing.fit import GRAD_WIDTHS, trace_profile
+from memplan.profile_fit import GRAD_WIDTHS
+from memplan.tracing.fit import trace_profile
 from memplan.tracing.step import moe_experts
 
 __all__ = ["GRAD_WIDTHS", "moe_experts", "trace_profile"]

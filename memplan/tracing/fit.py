@@ -8,31 +8,13 @@ from typing import Any
 from memplan import kernels as K
 from memplan.errors import SettingsError
 from memplan.kernels import Target
+from memplan.profile_fit import envelope, envelopes
 from memplan.tracing.segments import alloc_events
 from memplan.tracing.step import one_step
 from memplan.tracing_keys import PROFILE_VERSION, trace_dtypes
 
 
-def _envelope(lines: list[tuple[int, ...]]) -> list[list[int]]:
-    """The lines (c0 + c1*b, then any payload) that are the maximum for some micro-batch b >= 1 (upper
-    envelope)."""
-    best: dict[int, tuple[int, ...]] = {}
-    for line in lines:
-        c0, c1 = line[0], line[1]
-        if c1 not in best or best[c1][0] < c0:
-            best[c1] = tuple(line)
-    keep: list[tuple[int, ...]] = []
-    for c1 in sorted(best):  # by slope
-        line = best[c1]
-        # drop lines below this one for every b >= 1 (smaller slope and smaller value at b=1)
-        while keep and keep[-1][0] + keep[-1][1] <= line[0] + line[1]:
-            keep.pop()
-        keep.append(line)
-    return [list(x) for x in keep]
-
-
-#: the gradient widths (bytes per element) a strategy may keep a block's unsharded gradients in
-GRAD_WIDTHS = (2, 4)
+_envelope = envelope  # tracing/explain.py's name for it
 
 
 _HETEROGENEOUS_KEYS = ("first_k_dense_replace", "layer_types", "mlp_only_layers", "decoder_sparse_step",
@@ -66,26 +48,27 @@ def _two_batches(config: dict[str, Any], depth: int | None, seq_len: int, recipe
     return a, b
 
 
-def _block_backward(seg_a: list[list[int]], seg_b: list[list[int]]) -> dict[str, Any]:
-    """One block's backward: per gradient width w, the envelope of [c0, c1, g] where activations are
-    c0 + c1*b and the block's gradients so far g elements, ranked by c0 + c1*b + w*g."""
+def _block_points(seg_a: list[list[int]], seg_b: list[list[int]]) -> list[list[int]]:
+    """One block's backward as per-operation points [c0, c1, g(, h)]: activations c0 + c1*b, the block's
+    gradients so far g elements, and h those whose hook has not run yet where the trace records it
+    (profile_fit.segment builds the envelopes from them)."""
     if len(seg_a) != len(seg_b) or any(x[1] != y[1] for x, y in zip(seg_a, seg_b)):
         raise SettingsError("the traced backward runs different operations at micro-batch 2 and 4; "
                             "use --activations analytic")
     pts = [_line(x[0], y[0]) + [x[1]] for x, y in zip(seg_a, seg_b)]
-    # activations when the block's backward begins and when it ends (its input's gradient complete)
-    out: dict[str, Any] = {"start": pts[0][:2], "end": pts[-1][:2]}
-    for w in GRAD_WIDTHS:
-        env = _envelope([(c0 + w * g, c1, c0, g) for c0, c1, g in pts])
-        out[str(w)] = [[c0, c1, g] for _, c1, c0, g in env]
     if all(len(x) > 2 for x in seg_a):
-        # the same with only the gradients whose hook has not run yet ("held2", "held4": ZeRO takes each
-        # gradient in its hook)
-        held = [p[:2] + [x[2]] for p, x in zip(pts, seg_a)]
-        for w in GRAD_WIDTHS:
-            env = _envelope([(c0 + w * g, c1, c0, g) for c0, c1, g in held])
-            out[f"held{w}"] = [[c0, c1, g] for _, c1, c0, g in env]
-    return out
+        pts = [p + [x[2]] for p, x in zip(pts, seg_a)]
+    return pts
+
+
+def _most(a: Any, b: Any) -> Any:
+    """The larger of two counts, element by element (None where either is)."""
+    if isinstance(a, list) and isinstance(b, list):
+        if len(a) != len(b):
+            raise SettingsError("the traced step runs different operations at micro-batch 2 and 4; "
+                                "use --activations analytic")
+        return [_most(x, y) for x, y in zip(a, b)]
+    return None if a is None or b is None else max(a, b)
 
 
 def _hooks(a: list[list[int]], b: list[list[int]]) -> list[list[int]]:
@@ -161,22 +144,36 @@ def _profile(top: tuple[dict[str, Any], dict[str, Any]], low: tuple[dict[str, An
              seq_len: int, recipe: str, attention: str, recompute: str, device: str, target: Target, layers: int,
              heterogeneous: bool, transformers_version: str) -> dict[str, Any]:
     """The profile from the step traced at micro-batch 2 and 4 (``top``; ``low``: one block fewer, or None)."""
-    def envelope(key: str) -> list[list[int]]:
-        return _envelope([tuple(_line(a, b)) for a, b in zip(top[0][key], top[1][key])])  # type: ignore[misc]
+    def lines(key: str) -> list[list[int]]:
+        return [_line(a, b) for a, b in zip(top[0][key], top[1][key])]
 
     live = _line(top[0]["live"], top[1]["live"])
     per_layer = [0, 0] if low is None else [x - y for x, y in zip(live, _line(low[0]["live"], low[1]["live"]))]
 
-    segs = [(x, y) for x, y in zip(top[0]["blocks"], top[1]["blocks"])]
-    blocks = [_block_backward(x, y) for x, y in segs[:2]]
-    first = _block_backward(*segs[-1]) if segs else None
-    loss_bwd = _block_backward(top[0]["loss_backward"], top[1]["loss_backward"])
-
+    segs = [_block_points(x, y) for x, y in zip(top[0]["blocks"], top[1]["blocks"])]
     hk = [_hooks(x, y) for x, y in zip(top[0]["hooks"], top[1]["hooks"])]
-    for blk, h in zip(blocks, hk[:2]):
-        blk["hooks"] = h
-    if first is not None and hk:
-        first["hooks"] = hk[-1]
+    # each timeline point as a line in the micro-batch: the envelopes below are rebuilt from these, at this
+    # length or at another one fitted from several (memplan/profile_fit.py)
+    raw = {"forward": lines("forward"), "backward": lines("backward"),
+           "last_block_forward": lines("last_block_forward") if top[0]["last_block_forward"] else [],
+           "blocks": segs[:2], "hooks": hk[:2], "first": segs[-1] if segs else None,
+           "first_hooks": hk[-1] if segs and hk else None,
+           "loss": _block_points(top[0]["loss_backward"], top[1]["loss_backward"])}
+    # how many storages each point's bytes are made of (the larger of the two runs'): a profile fitted at another
+    # length bounds the allocator's 512-byte rounding with it (profile_fit._round_up_margin)
+    ca, cb = top[0]["counts"], top[1]["counts"]
+    n = {k: _most(ca[k], cb[k]) for k in ("saved", "live", "root_hooks_done", "last_block_forward_start")}
+    n.update(forward=_most(ca["forward"], cb["forward"]), backward=_most(ca["backward"], cb["backward"]),
+             last_block_forward=_most(ca["last_block_forward"], cb["last_block_forward"]) if raw["last_block_forward"] else [],
+             blocks=[_most(x, y) for x, y in zip(ca["blocks"], cb["blocks"])][:2],
+             first=_most(ca["blocks"][-1], cb["blocks"][-1]) if ca["blocks"] else None,
+             hooks=[_most(x, y) for x, y in zip(ca["hooks"], cb["hooks"])][:2],
+             first_hooks=_most(ca["hooks"][-1], cb["hooks"][-1]) if ca["blocks"] and ca["hooks"] else None,
+             loss=_most(ca["loss_backward"], cb["loss_backward"]),
+             per_layer=0 if low is None else max(0, _most(ca["live"], cb["live"]) - min(low[0]["counts"]["live"],
+                                                                                        low[1]["counts"]["live"])))
+    raw["n"] = n
+    env = envelopes(raw)
     return {
         "version": PROFILE_VERSION,
         "seq_len": seq_len, "recipe": recipe, "attention": attention, "recompute": recompute, "device": device,
@@ -185,15 +182,15 @@ def _profile(top: tuple[dict[str, Any], dict[str, Any]], low: tuple[dict[str, An
         "live_after_forward": live,  #: at the traced depth
         "per_layer": per_layer,  #: one more block (zero when traced at full depth)
         "saved_for_backward": _line(top[0]["saved"], top[1]["saved"]),
-        "forward_peak": envelope("forward"),
-        "backward_peak": envelope("backward"),
+        "forward_peak": env["forward_peak"],
+        "backward_peak": env["backward_peak"],
         #: the last and the one-before-last block's backward with their own gradients (see _block_segments)
-        "block_backward": blocks,
+        "block_backward": env["block_backward"],
         #: the first block's backward (the last to run), with no block below it
-        "first_block_backward": first,
+        "first_block_backward": env["first_block_backward"],
         #: the loss's and the head's backward with the gradients of the parameters outside the blocks (see
         #: _loss_segment), every block's saved activations below it
-        "loss_backward": loss_bwd,
+        "loss_backward": env["loss_backward"],
         #: live bytes at the last hook of a parameter outside the blocks before them (see _root_hooks_done)
         "root_hooks_done": (_line(top[0]["root_hooks_done"], top[1]["root_hooks_done"])
                             if top[0]["root_hooks_done"] is not None and top[1]["root_hooks_done"] is not None
@@ -201,13 +198,15 @@ def _profile(top: tuple[dict[str, Any], dict[str, Any]], low: tuple[dict[str, An
         #: live bytes when the last block's forward begins (everything before it saved, nothing of the loss)
         "last_block_forward_start": _line(top[0]["last_block_forward_start"], top[1]["last_block_forward_start"]),
         #: the most live during the last block's forward (its own activations and temporaries)
-        "last_block_forward_peak": envelope("last_block_forward") if top[0]["last_block_forward"] else [[0, 0]],
+        "last_block_forward_peak": env["last_block_forward_peak"],
         #: the SDPA kernels the step ran ("fused", "math") and why the math one
         "attention_kernels": top[0]["attention_kernels"],
         #: the step's storages in order, for the caching allocator (see _alloc_events; None: not linear in b)
         "alloc_events": alloc_events(*top, expand=not heterogeneous),
         #: what is alive at the moments the phases peak, grouped by module and operator (--explain)
         "explain": _explain(top),
+        #: the per-operation lines the envelopes are made of (memplan/profile_fit.py)
+        "raw": raw,
         "transformers": transformers_version,
     }
 

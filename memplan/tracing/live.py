@@ -20,6 +20,9 @@ class LiveBytes:
         self._refs: dict[int, Any] = {}
         self._born: dict[int, int] = {}
         self.timeline: list[int] = [0]
+        #: storages alive at each timeline point (memplan/profile_fit.py bounds the allocator's rounding with it)
+        self.count = 0
+        self.counts: list[int] = [0]
         self._corrections: list[tuple[int, int, int]] = []  # (from index, to index, bytes)
         #: the step as the caching allocator sees it: a birth is [bytes] (the storage's id is the number of births
         #: before it), a death the dead storage's id; mark_grad appends the block to a gradient's birth
@@ -53,12 +56,14 @@ class LiveBytes:
             self._sid.pop(key, None)
             self.events.append(sid)
             self.live -= n
+            self.count -= 1
             if sid < len(self.origins):
                 self.origins[sid][5] = len(self.timeline)
 
         self._refs[key] = weakref.ref(st, gone)
         self._born[key] = len(self.timeline)
         self.live += n
+        self.count += 1
 
     def nbytes(self, st: Any) -> int:
         """What the allocator counts for an untyped storage."""
@@ -71,6 +76,7 @@ class LiveBytes:
 
     def tick(self) -> None:
         self.timeline.append(self.live)
+        self.counts.append(self.count)
 
     def not_activation(self, t: Any) -> int | None:
         """``t`` is a parameter gradient: remove it from the timeline since it was created; returns the timeline

@@ -248,11 +248,29 @@ def one_step(config: dict[str, Any], batch: int, seq: int, recipe: str, attentio
             stack.remove()
         names = {id(m): n for n, m in model.named_modules()}
     out = _result(live, moments, hooks, kernels, sum(saved.values()), after_forward, forward_end, len(block_list))
+    out["counts"] = _counts(live, moments, hooks, len(saved), forward_end, len(block_list))
     out["origins"] = {"origins": live.origins, "grads": live.grad_ids, "saved": saved_ids,
                       "blocks": [names.get(id(b), "") for b in block_list],
                       "last_backward_start": moments.backward_starts.get(len(block_list) - 1),
                       "timeline": live.corrected()}
     return out
+
+
+def _counts(live: LiveBytes, m: _BlockMoments, h: _GradientHooks, saved: int, forward_end: int,
+            nblocks: int) -> dict[str, Any]:
+    """The storages alive at the same points as _result's bytes (the same readers over the count timeline):
+    how many allocator blocks each point's bytes are made of, at most (memplan/profile_fit.py)."""
+    counts = live.counts
+    blocks = block_segments(counts, h.grads, forward_end, m.backward_ends, h.hooked, m.backward_starts)
+    last_start = m.forward_starts.get(nblocks - 1, (0, 0))
+    return {"saved": saved, "live": counts[forward_end - 1], "forward": counts[:forward_end],
+            "backward": counts[forward_end - 1:], "blocks": [[p[0] for p in seg] for seg in blocks],
+            "hooks": [[p[0] for p in hk] for hk in block_hooks(counts, h.grads, h.hook_points)],
+            "root_hooks_done": root_hooks_done(counts, h.grads, h.hook_points, forward_end, m.backward_starts),
+            "loss_backward": [p[0] for p in loss_segment(counts, h.grads, h.root_firsts, forward_end, blocks,
+                                                         m.backward_starts)],
+            "last_block_forward_start": max(counts[max(0, last_start[1] - 1):last_start[1] + 1] or [0]),
+            "last_block_forward": counts[last_start[1]:m.forward_ends.get(nblocks - 1, 0) + 1]}
 
 
 def _result(live: LiveBytes, m: _BlockMoments, h: _GradientHooks, kernels: dict[str, str], saved: int,

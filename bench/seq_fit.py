@@ -76,7 +76,11 @@ def main() -> None:
             "against a trace at that length: every value the engine reads off a profile (terms, named moments, "
             "block moments, the head's backward) at micro-batch 1, 2, 4 and 8, as (fitted - traced) / traced. The "
             "fit is exact at shipped lengths; elsewhere it rounds each point up by one 512-byte allocator block per "
-            "storage alive, so it is never below the trace.\n\n"
+            "storage alive, so it is never below the trace. The last column is wall time in this process (other "
+            "work may share the cores); a fit is kept in the cache, so only the first estimate at a length pays it "
+            "(docs/performance.md). Lengths past a model's maximum are skipped; a model with a sliding window "
+            "(mistral-7b: 4,096 tokens) is fitted from lengths on one side of it (its traces run other operations "
+            "from the window on).\n\n"
             f"**{n} fits; lowest {100 * worst_under:+.4f}%, highest {100 * worst_over:+.4f}%**\n\n"
             "| preset | recompute | seq | fitted from | lowest | highest | fit (load + fit) |\n"
             "|---|---|---:|---|---:|---:|---:|\n")

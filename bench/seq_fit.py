@@ -19,22 +19,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from memplan import profile_cache  # noqa: E402
-from memplan.activations import TracedProfile  # noqa: E402
 from memplan.kernels import Target  # noqa: E402
 from memplan.model import sources  # noqa: E402
-from memplan.profile_fit import fit_seqs  # noqa: E402
+from memplan.profile_fit import engine_values, fit_seqs  # noqa: E402
 from memplan.tracing import trace_profile  # noqa: E402
 
 LENGTHS = (700, 1500, 3000, 6000, 20000, 100000)
 TARGET = Target(device="cuda", arch="sm90")
-
-
-def values(p: dict, recompute: str, b: int) -> list[int]:
-    tp = TracedProfile(p, 1, "bench")
-    out = list(tp.terms(recompute, b)) + list(tp.moment_activations(b).values())
-    out += [x for pair in tp.block_moments(b, 2, False) for x in pair]
-    head = tp.loss_moment(b, 2)
-    return out + (list(head) if head else [])
 
 
 def main() -> None:
@@ -62,7 +53,8 @@ def main() -> None:
                                        recompute=recompute, target=TARGET)
                 errs = []
                 for b in (1, 2, 4, 8):
-                    for f, d in zip(values(fitted.data, recompute, b), values(direct, recompute, b)):
+                    pairs = zip(engine_values(fitted.data, recompute, b), engine_values(direct, recompute, b))
+                    for f, d in pairs:
                         if d:
                             errs.append((f - d) / d)
                 lo, hi = min(errs), max(errs)

@@ -312,3 +312,15 @@ def _round_up_margin(p: dict[str, Any]) -> None:
     for k in ("first", "first_hooks"):
         for line, count in zip(raw.get(k) or (), n.get(k) or ()):
             lift(line, count)
+
+
+def engine_values(profile: dict[str, Any], recompute: str, micro_batch: int) -> list[int]:
+    """Every value the engine reads off a profile at ``micro_batch``: its terms, named moments, block moments and
+    the head's backward (what tests and bench/seq_fit.py compare a fit with a trace on)."""
+    from memplan.activations import TracedProfile
+
+    tp = TracedProfile(profile, 1, "compare")
+    out = list(tp.terms(recompute, micro_batch)) + list(tp.moment_activations(micro_batch).values())
+    out += [x for pair in tp.block_moments(micro_batch, 2, False) for x in pair]
+    head = tp.loss_moment(micro_batch, 2)
+    return out + (list(head) if head else [])

@@ -11,10 +11,9 @@ from pathlib import Path
 import pytest
 
 from memplan import profile_cache
-from memplan.activations import TracedProfile
 from memplan.model import sources
 from memplan.model.scaling import scale_config
-from memplan.profile_fit import envelopes, fit_profile, fit_seqs
+from memplan.profile_fit import engine_values, envelopes, fit_profile, fit_seqs
 from memplan.tracing import trace_profile
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -26,15 +25,6 @@ def tiny(name: str) -> dict:
 
 def trace(cfg: dict, seq: int, recompute: str = "none", attention: str = "flash") -> dict:
     return trace_profile(cfg, seq_len=seq, recipe="deepspeed-bf16", attention=attention, recompute=recompute)
-
-
-def values(p: dict, recompute: str, b: int) -> list[int]:
-    """What the engine reads off a profile at micro-batch b: its terms, named moments and block moments."""
-    tp = TracedProfile(p, 1, "test")
-    out = list(tp.terms(recompute, b)) + list(tp.moment_activations(b).values())
-    out += [x for pair in tp.block_moments(b, 2, False) for x in pair]
-    head = tp.loss_moment(b, 2)
-    return out + (list(head) if head else [])
 
 
 def test_envelopes_rebuild_the_traced_ones():
@@ -51,13 +41,13 @@ def test_fit_at_an_untraced_length(name, recompute, attention):
     traced = {s: trace(cfg, s, recompute, attention) for s in (256, 512, 1024)}
     # at a traced length the fit is that trace
     at = fit_profile({s: p for s, p in traced.items()} | {768: trace(cfg, 768, recompute, attention)}, 512)
-    assert at is not None and values(at, recompute, 3) == values(traced[512], recompute, 3)
+    assert at is not None and engine_values(at, recompute, 3) == engine_values(traced[512], recompute, 3)
     for s in (384, 700, 1000):  # 700: a length whose per-token tensors are not whole 512-byte blocks
         fitted = fit_profile(traced, s)
         assert fitted is not None and fitted["fitted_from"] == [256, 512, 1024]
         direct = trace(cfg, s, recompute, attention)
         for b in (1, 4):
-            f, d = values(fitted, recompute, b), values(direct, recompute, b)
+            f, d = engine_values(fitted, recompute, b), engine_values(direct, recompute, b)
             assert all(x >= y for x, y in zip(f, d)), (s, b)  # never under a trace at that length
             assert all(x - y <= 1e-3 * y + 65536 for x, y in zip(f, d)), (s, b)
     assert fit_profile(traced, 2048) is None  # not extrapolated

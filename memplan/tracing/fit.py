@@ -164,7 +164,8 @@ def _profile(top: tuple[dict[str, Any], dict[str, Any]], low: tuple[dict[str, An
     ca, cb = top[0]["counts"], top[1]["counts"]
     n = {k: _most(ca[k], cb[k]) for k in ("saved", "live", "root_hooks_done", "last_block_forward_start")}
     n.update(forward=_most(ca["forward"], cb["forward"]), backward=_most(ca["backward"], cb["backward"]),
-             last_block_forward=_most(ca["last_block_forward"], cb["last_block_forward"]) if raw["last_block_forward"] else [],
+             last_block_forward=(_most(ca["last_block_forward"], cb["last_block_forward"])
+                                 if raw["last_block_forward"] else []),
              blocks=[_most(x, y) for x, y in zip(ca["blocks"], cb["blocks"])][:2],
              first=_most(ca["blocks"][-1], cb["blocks"][-1]) if ca["blocks"] else None,
              hooks=[_most(x, y) for x, y in zip(ca["hooks"], cb["hooks"])][:2],

@@ -69,7 +69,8 @@ OffloadParam = Annotated[Optional[bool], typer.Option("--offload-param/--no-offl
 ReshardAfterForward = Annotated[Optional[str], typer.Option(help="FSDP2: true, false, or a group size (int).")]
 FsdpWrap = Annotated[Optional[str], typer.Option(help="FSDP2 units: block (each decoder block, then the root), "
                                                  "block+embeddings (torchtitan's: the input embedding, each block, "
-                                                 "the final norm with the head) or none (only the root) "
+                                                 "the final norm with the head) or none (only the root; FSDP1 "
+                                                 "too: one FlatParameter) "
                                                  "[default: block].")]
 HsdpShardSize = Annotated[Optional[int], typer.Option(help="HSDP shard group size [default: gpus per node].")]
 FsdpVersion = Annotated[int, typer.Option(help="FSDP version: 2 (fully_shard) or 1 (FlatParameter).")]

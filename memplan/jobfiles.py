@@ -151,7 +151,7 @@ def _fsdp(job: JobFile, path: str, version: int, reshard: Any, strategy: Any, of
         job.values["cpu_offload"] = True
     if checkpointing:
         job.values["recompute"] = "full"
-    if wrap == "NO_WRAP" and version == 2:  # Accelerate's fsdp2_prepare_auto_wrap_policy: only the root
+    if wrap == "NO_WRAP":  # only the root (FSDP2: fsdp2_prepare_auto_wrap_policy; FSDP1: no auto_wrap_policy)
         job.values["fsdp_wrap"] = "none"
     elif wrap not in (None, "TRANSFORMER_BASED_WRAP"):
         job.notes.append(f"{path}: FSDP auto-wrap policy {wrap}: memplan wraps each decoder block (as "

@@ -184,6 +184,10 @@ def _layout_sizes(inv: ParamInventory, layout: str, n: int, threshold: int) -> L
         shard = opt = sum(round_up(b.numel, n) // n for b in inv.blocks if b.numel)
         shapes = tuple(((round_up(b.numel, n) // n,), round_up(b.numel, n) // n) for b in inv.blocks if b.numel)
         largest = _pairs([round_up(b.numel, n) // n for b in inv.blocks if b.numel])  # the root's first
+    elif layout == S.FLAT_WHOLE:
+        shard = opt = round_up(psi, n) // n
+        shapes = (((shard,), shard),)
+        largest = 2 * shard
     elif layout == S.GREEDY_WHOLE:
         # ZeroRedundancyOptimizer._partition_parameters: sorted by numel (stable, largest first), each to the
         # first rank with the smallest total so far; the worst rank is predicted.

@@ -283,9 +283,11 @@ def _torch_knobs(overrides: dict[str, Any], strat: Any) -> TorchKnobs:
         raise SettingsError(f"--fsdp-version must be 1 or 2, got {tk.fsdp_version}")
     if tk.fsdp_wrap not in FSDP_WRAPS:
         raise SettingsError(f"--fsdp-wrap must be one of {', '.join(FSDP_WRAPS)}, got {tk.fsdp_wrap!r}")
-    if tk.fsdp_wrap != "block" and not (strat.framework.startswith("fsdp") and tk.fsdp_version == 2):
-        raise SettingsError(f"--fsdp-wrap {tk.fsdp_wrap} is for FSDP2 (--strategy fsdp-*, hsdp), not {strat.name}"
-                            + (" with --fsdp-version 1" if strat.framework.startswith("fsdp") else ""))
+    fsdp = strat.framework.startswith("fsdp")
+    if tk.fsdp_wrap != "block" and not (fsdp and (tk.fsdp_version == 2 or tk.fsdp_wrap == "none")):
+        raise SettingsError(f"--fsdp-wrap {tk.fsdp_wrap} is for "
+                            + ("FSDP2 (--strategy fsdp-*, hsdp)" if tk.fsdp_wrap != "none" else "FSDP")
+                            + f", not {strat.name}" + (" with --fsdp-version 1" if fsdp else ""))
     if tk.cpu_offload and not strat.framework.startswith("fsdp"):
         raise SettingsError(f"--cpu-offload is FSDP's CPUOffloadPolicy, not for {strat.name} (DeepSpeed offloads "
                             "with --offload-optimizer / --offload-param)")
@@ -528,7 +530,7 @@ def resolve(inv: ParamInventory, *, gpus: int = 1, gpus_per_node: int | None = N
     notes.extend(_zeropp_notes(ds, strat, gpus, gpus_per_node or gpus))
     tk = _torch_knobs(torch_overrides, strat)
     hv = _horovod_knobs(horovod_overrides or {}, strat, pick.sources, notes)
-    strat = get_strategy(strat.name, tk.fsdp_version)
+    strat = get_strategy(strat.name, tk.fsdp_version, tk.fsdp_wrap)
     ov, workspace = _overheads(overhead_overrides or {})
     cluster = _cluster(gpus=gpus, gpus_per_node=gpus_per_node, gpu=gpu, gpu_memory_size=gpu_memory_size,
                        device=device, gpu_arch=gpu_arch, cpu_isa=cpu_isa, host_memory_size=host_memory_size,

@@ -22,6 +22,9 @@ PER_PARAM_NUMEL = "per-param-numel"
 PER_PARAM_DIM0 = "per-param-dim0"
 #: FSDP1: one FlatParameter per wrapped block, padded to a multiple of the shard count (_flat_param.py).
 FLAT_PER_BLOCK = "flat-per-block"
+#: FSDP1 with no auto-wrap policy: one FlatParameter for the whole model, the root's (_flat_param.py pads it to
+#: a multiple of the shard count)
+FLAT_WHOLE = "flat-whole"
 #: torch ZeroRedundancyOptimizer: whole parameters assigned greedily, largest first, to the least loaded rank
 #: (torch/distributed/optim/zero_redundancy_optimizer.py, _partition_parameters); the worst rank is predicted.
 GREEDY_WHOLE = "greedy-whole"
@@ -142,10 +145,14 @@ DEFAULT_RECIPE = {"deepspeed": "deepspeed-bf16", "fsdp2": "fsdp-bf16", "fsdp1": 
                   "torch-ddp": "torch-amp", "torch": "torch-amp", "horovod": "torch-amp"}
 
 
-def get_strategy(name: str, fsdp_version: int = 2) -> Strategy:
-    """A row of the table; with fsdp_version 1, the FSDP rows' FSDP1 form (other rows are the same)."""
+def get_strategy(name: str, fsdp_version: int = 2, fsdp_wrap: str = "block") -> Strategy:
+    """A row of the table; with fsdp_version 1, the FSDP rows' FSDP1 form (other rows are the same), whose
+    FlatParameters are one per block, or one for the whole model without wrapping (``fsdp_wrap`` "none")."""
     try:
         row = STRATEGIES[name]
     except KeyError:
         raise SettingsError(f"unknown strategy {name!r}; valid: {', '.join(STRATEGIES)}") from None
-    return FSDP1_STRATEGIES.get(name, row) if fsdp_version == 1 else row
+    if fsdp_version != 1 or name not in FSDP1_STRATEGIES:
+        return row
+    row = FSDP1_STRATEGIES[name]
+    return replace(row, layout=FLAT_WHOLE) if fsdp_wrap == "none" else row

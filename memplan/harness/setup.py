@@ -250,7 +250,10 @@ def _setup_fsdp1(spec: dict[str, Any], device: Any) -> tuple[Any, Any, Any]:
     # FSDP1 as accelerate / the HF Trainer configure it by default: one FlatParameter per decoder block
     # (ModuleWrapPolicy on the block class) and one for the root, use_orig_params=False, BACKWARD_PRE
     # prefetch, limit_all_gathers; the harness's blocks are those of _no_split_modules
-    fsdp = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({type(b) for b in _blocks(model)}),
+    # ("none": no auto-wrap policy, one FlatParameter for the whole model, the root's)
+    policy = ModuleWrapPolicy({type(b) for b in _blocks(model)}) if spec.get("fsdp_wrap", "block") == "block" \
+        else None
+    fsdp = FSDP(model, auto_wrap_policy=policy,
                 sharding_strategy=strategy, mixed_precision=mp, device_id=device, use_orig_params=False, **kw)
     opt = _torch_optimizer(spec, fsdp.parameters())
     return fsdp, opt, None

@@ -277,3 +277,17 @@ def test_validate_fsdp2_block_and_embeddings(argv):
     right after it (frameworks/fsdp2.py _Units.be). docs/accuracy.md session 15: within 0.01% on ten runs."""
     rc, rep = _validate(["--model", "llama-3-8b", "--gpus", "2", "--fsdp-wrap", "block+embeddings", *argv])
     _check(rep, 0.005)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("argv", [["--recompute", "none"], ["--recompute", "full", "--model", "gpt2"]],
+                         ids=["llama-none", "gpt2-full"])
+def test_validate_fsdp1_without_wrapping(argv):
+    """FSDP1 with no auto-wrap policy (--fsdp-version 1 --fsdp-wrap none): one FlatParameter held from the root's
+    pre-forward to backward's end, the view grads concatenated, cast and reduce-scattered there
+    (frameworks/fsdp1.py _root_only). docs/accuracy.md session 15: -0.00% on eight runs."""
+    if "--model" not in argv:
+        argv = [*argv, "--model", "llama-3-8b"]
+    rc, rep = _validate(["--gpus", "2", "--strategy", "fsdp-full", "--fsdp-version", "1", "--fsdp-wrap", "none",
+                         *argv])
+    _check(rep, 0.005)

@@ -693,6 +693,24 @@ def test_fsdp2_block_and_embeddings_units():
         assert e < b
 
 
+def test_fsdp1_without_wrapping_is_one_flat_parameter():
+    # --fsdp-version 1 --fsdp-wrap none: one FlatParameter padded to the shard group; at backward's end the view
+    # grads are concatenated (both alive with the unsharded parameter), then resharded, cast to fp32 and
+    # reduce-scattered into the new shard (docs/accuracy.md session 15: -0.00% on eight harness runs)
+    from dataclasses import replace
+
+    s = settings("fsdp-full", 3, recipe="fsdp-bf16")
+    s = replace(s, strategy=get_strategy("fsdp-full", 1, "none"), torch=A.TorchKnobs(fsdp_version=1, fsdp_wrap="none"))
+    lay = layouts.layout_sizes(TOY, s.strategy.layout, 3)
+    whole = -(-PSI // 3) * 3
+    assert lay.shard_numel == lay.optimizer_numel == whole // 3 and lay.shard_shapes == (((whole // 3,), whole // 3),)
+    f = A.timeline(TOY, s)
+    # unsharded bf16 forward on (the _mp_shard cast beside it at the unshard); at the end the bf16 flat grad, its
+    # fp32 cast and the fp32 shard reduce-scattered into (6 B + 4 B / 3 per element)
+    assert f.buffers["forward"] == 2 * whole
+    assert f.buffers["backward-end"] == (2 + 4) * whole + 4 * (whole // 3)
+
+
 def test_fsdp2_root_only_holds_everything():
     # --fsdp-wrap none (_fully_shard.py: the root's reshard_after_forward=None is False): the whole model unsharded
     # (bf16) with its flat all-gather output held to the root's post-forward, then at the root's post-backward every

@@ -542,12 +542,11 @@ def resolve(inv: ParamInventory, *, gpus: int = 1, gpus_per_node: int | None = N
                         micro_batch=mb, seq_len=seq, grad_accum=ga, recompute=recompute, attention=attention,
                         ds=ds, torch=tk, horovod=hv, overheads=ov, allocator_conf=conf, lora=lora)
     notes.extend(_optimizer_notes(inv, settings))
-    if strat.memory_model == "fsdp2":
-        from memplan.frameworks.fsdp2 import wrap_why_not
+    from memplan import frameworks
 
-        why = wrap_why_not(inv, settings)
-        if why:
-            raise SettingsError(why)
+    why = frameworks.model(strat.memory_model).wrap_why_not(inv, settings)
+    if why:
+        raise SettingsError(why)
     if strat.zero_stage == 3:
         settings = _with_z3_leaves(settings, inv, config, notes)
     if lora is not None:

@@ -196,5 +196,7 @@ def step_temporaries(opt: Optimizer, impl: str, stepped_bytes: int, recipe: Reci
     for x in numels:
         best = max(best, prev + k * x)
         prev = x
-    return (opt.state_bytes_override or recipe.state_bytes) * best if not opt.quant_block else \
-        recipe.state_bytes * best
+    # the temporaries are in the states' dtype (Adafactor's fp32; an 8-bit optimizer's kernel off CUDA in the
+    # recipe's, as torch.optim's)
+    width = opt.state_bytes_override if opt.state_bytes_override and not opt.quant_block else recipe.state_bytes
+    return width * best

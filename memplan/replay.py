@@ -262,7 +262,6 @@ class ReplayJob:
     build: tuple[tuple[int, bool], ...]  #: bytes of each parameter as built, and whether it is a tied alias
     numels: tuple[int, ...]  #: elements of each parameter the optimizer steps, module order
     state_bytes: int  #: bytes per optimizer-state element
-    states_per_param: int
     optimizer_impl: str  #: foreach | fused | single-tensor
     input_bytes: int  #: the batch's input ids (labels are the same tensor)
     workspace_bytes: int  #: cuBLAS workspace per handle (two handles: forward and autograd's thread)
@@ -305,7 +304,6 @@ def replay_job(inv: Any, s: Any, numels: list[int], shapes: list[tuple[int, ...]
     return ReplayJob(build=tuple(build), numels=tuple(numels), state_bytes=4 if s.optimizer.factored else s.recipe.state_bytes,
                converted=converted,
                grad_accum=s.grad_accum,
-               states_per_param=s.optimizer.states_per_param if not s.optimizer.factored else 1,
                optimizer_impl=optimizer_impl(s), input_bytes=s.micro_batch * s.seq_len * 8,
                workspace_bytes=s.cluster.blas_workspace_bytes,
                step=_expand(d["alloc_events"], d["num_layers"]), micro_batch=s.micro_batch,

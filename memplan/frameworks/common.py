@@ -166,6 +166,8 @@ class FrameworkModel:
     #: why an optimizer whose step depends on its tensors (precision.Optimizer.shape_dependent) cannot step what
     #: the framework hands it, or None where it can
     shaped_optimizer_why_not: str | None = None
+    #: why the job's wrapping (--fsdp-wrap) cannot wrap this model, or None where it can
+    wrap_why_not: Callable[[ParamInventory, Settings], str | None] = lambda inv, s: None
     #: the module that replays the framework's allocations for the reserved peak (memplan/reserved.py): its
     #: replay(inv, s, config) and why_not(s); None where the framework's setup is not written down yet
     replay: str | None = None

@@ -1,5 +1,5 @@
 """A profile at an untraced sequence length, fitted from traced ones (memplan/profile_fit.py): exact at the traced
-lengths, never below a trace at another length and within 1e-3 of it, never extrapolated, refused where the
+lengths, never below a trace at another length and within its rounding bound, never extrapolated, refused where the
 traces run different operations; shipped presets fit any length without importing torch."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 from memplan import profile_cache
 from memplan.model import sources
 from memplan.model.scaling import scale_config
-from memplan.profile_fit import engine_values, envelopes, fit_profile, fit_seqs
+from memplan.profile_fit import ROUNDING, engine_values, envelopes, fit_profile, fit_seqs
 from memplan.tracing import trace_profile
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -46,10 +46,15 @@ def test_fit_at_an_untraced_length(name, recompute, attention):
         fitted = fit_profile(traced, s)
         assert fitted is not None and fitted["fitted_from"] == [256, 512, 1024]
         direct = trace(cfg, s, recompute, attention)
+        # the fit's own bound: one 512-byte block per storage alive, at most the most alive anywhere in the traced
+        # step, for each traced depth the model is scaled by (measured: at most 35,840 B here, 70 blocks)
+        n = fitted["raw"]["n"]
+        depth = -(-fitted["num_layers"] // fitted["traced_layers"])
+        bound = ROUNDING * max(n["forward"] + n["backward"]) * (depth + 1)
         for b in (1, 4):
             f, d = engine_values(fitted, recompute, b), engine_values(direct, recompute, b)
             assert all(x >= y for x, y in zip(f, d)), (s, b)  # never under a trace at that length
-            assert all(x - y <= 1e-3 * y + 65536 for x, y in zip(f, d)), (s, b)
+            assert all(x - y <= bound for x, y in zip(f, d)), (s, b, bound)
     assert fit_profile(traced, 2048) is None  # not extrapolated
     assert fit_profile({256: traced[256], 512: traced[512]}, 384) is None  # three needed
 

@@ -27,6 +27,7 @@ GPT2 = ("gpt2", dict(layers=2, hidden=256, vocab=2048))  # tied embeddings, Laye
 LLAMA3 = ("llama-3-8b", dict(layers=2, hidden=512, vocab=2048))  # GQA (4 query heads per kv head)
 LLAMA4 = ("llama-7b", dict(layers=4, hidden=256, vocab=2048))  # more blocks: retention and prefetch matter
 MIXTRAL = ("mixtral-8x7b", dict(layers=2, hidden=256, vocab=2048))  # MoE: 8 experts, top-2, grouped_mm
+GPT2_4 = ("gpt2", dict(layers=4, hidden=256, vocab=2048))  # tied embeddings, four blocks
 DEEPSEEK = ("deepseek-v3", dict(layers=4, hidden=256, vocab=2048))  # MLA; 3 dense blocks then a 256-expert one
 NO_REUSE = dict(max_reuse_distance=0, param_persistence_threshold=0)
 
@@ -103,6 +104,16 @@ CASES = [
     ("zero3 small buckets, fp32", GPT2, dict(stage=3, precision="fp32"), SMALL_DS, {}, "none"),
     ("zero2 small buckets, torch-amp", LLAMA3, dict(stage=2, precision="torch-amp"), SMALL_DS, {}, "full"),
     ("zero1 small buckets, fp32", GPT2, dict(stage=1, precision="fp32"), SMALL_DS, {}, "none"),
+    # session 16: transformers' every_n_layers (Trainer activation_checkpointing_kwargs): blocks 0, N, 2N, ...
+    # checkpointed, the others keep their activations; every:2 of four blocks leaves the last one kept, every:3
+    # checkpoints it
+    ("ddp", LLAMA4, dict(strategy="ddp"), {}, {}, "every:2"),
+    ("ddp", LLAMA4, dict(strategy="ddp"), {}, {}, "every:3"),
+    ("fsdp-full", LLAMA4, dict(strategy="fsdp-full"), {}, {}, "every:2"),
+    ("fsdp1 full", LLAMA4, dict(strategy="fsdp-full"), {}, dict(fsdp_version=1), "every:2"),
+    ("zero2 small buckets", LLAMA4, dict(stage=2), SMALL_DS, {}, "every:2"),
+    ("zero3 small buckets", LLAMA4, dict(stage=3), SMALL_DS, {}, "every:3"),
+    ("fsdp-full", GPT2_4, dict(strategy="fsdp-full"), {}, {}, "every:2"),
 ]
 QUICK = [CASES[5], CASES[11]]
 

@@ -32,6 +32,43 @@ from functools import lru_cache
 from memplan.errors import SettingsError
 
 RECOMPUTE = ("none", "selective", "full")
+#: and "every:N": transformers' activation_checkpointing_enable(every_n_layers=N) (modeling_utils.py
+#: _set_gradient_checkpointing, transformers 5.23): the decoder layers counted in module order, layer i
+#: checkpointed when i % N == 0 (layers 0, N, 2N, ...), the rest keep their activations
+EVERY = "every:"
+
+
+def valid_recompute(recompute: str) -> str:
+    """``recompute`` checked and normalised (every:1 is full); SettingsError naming the valid values."""
+    if recompute in RECOMPUTE:
+        return recompute
+    if isinstance(recompute, str) and recompute.startswith(EVERY):
+        n = recompute[len(EVERY):]
+        if not n.isdigit() or int(n) < 1:
+            raise SettingsError(f"--recompute every:N takes a whole number of layers N >= 1, got {recompute!r}")
+        return "full" if int(n) == 1 else f"{EVERY}{int(n)}"
+    raise SettingsError(f"unknown recompute {recompute!r}; valid: {', '.join(RECOMPUTE)}, every:N")
+
+
+def checkpoint_every(recompute: str) -> int | None:
+    """N when every N-th block is checkpointed (1: full recompute), None without checkpointing."""
+    if recompute == "full":
+        return 1
+    if recompute.startswith(EVERY):
+        return int(recompute[len(EVERY):])
+    return None
+
+
+def checkpointed_blocks(recompute: str, layers: int) -> int:
+    """How many of ``layers`` blocks are checkpointed."""
+    every = checkpoint_every(recompute)
+    return 0 if every is None else -(-layers // every)
+
+
+def last_checkpointed(recompute: str, layers: int) -> bool:
+    """Whether the last block (index layers - 1) is checkpointed."""
+    every = checkpoint_every(recompute)
+    return every is not None and (layers - 1) % every == 0
 ATTENTION = ("flash", "sdpa", "eager")
 ACTIVATION_SOURCES = ("traced", "analytic")
 
@@ -62,9 +99,9 @@ class ActivationProfile:
 
     def saved_bytes(self, recompute: str) -> int:
         """Activations alive at the end of forward."""
-        if recompute == "full":
-            return self.num_layers * self.layer_input_bytes + self.embedding_bytes
-        return self.num_layers * self.per_layer_bytes + self.embedding_bytes
+        k = checkpointed_blocks(recompute, self.num_layers)
+        return (k * self.layer_input_bytes + (self.num_layers - k) * self.per_layer_bytes
+                + self.embedding_bytes)
 
     def block_moments(self, micro_batch: int, grad_width: int, held: bool = False) -> tuple[tuple[int, int], ...]:
         """Inside a block's backward (see TracedProfile.block_moments): the analytic profile has no timeline."""
@@ -83,8 +120,8 @@ class ActivationProfile:
         return ()
 
     def recompute_transient_bytes(self, recompute: str) -> int:
-        """Extra bytes while one block is recomputed in backward (full recompute only)."""
-        return self.per_layer_bytes if recompute == "full" else 0
+        """Extra bytes while one block is recomputed in backward (a checkpointed block's)."""
+        return self.per_layer_bytes if checkpoint_every(recompute) else 0
 
     def terms(self, recompute: str, micro_batch: int) -> tuple[int, int, int, int, int]:
         """(forward peak, backward-start peak, alive when the last block's grads are complete, left at backward
@@ -95,7 +132,7 @@ class ActivationProfile:
         Every term is a count of tokens times bytes per token, so it scales exactly with the micro-batch; this
         profile must have been built for a micro-batch of 1 (accounting builds it so).
         """
-        block = self.layer_input_bytes if recompute == "full" else self.per_layer_bytes
+        block = self.layer_input_bytes if last_checkpointed(recompute, self.num_layers) else self.per_layer_bytes
         return (micro_batch * self.forward_bytes(recompute), micro_batch * self.backward_bytes(recompute),
                 micro_batch * (self.saved_bytes(recompute) - block), micro_batch * self.embedding_bytes,
                 micro_batch * block)
@@ -105,8 +142,7 @@ def analytic_profile(dims: dict, *, micro_batch: int, seq_len: int, compute_byte
                      attention: str, recompute: str, gated_mlp: bool) -> ActivationProfile:
     if attention not in ATTENTION:
         raise SettingsError(f"unknown attention {attention!r}; valid: {', '.join(ATTENTION)}")
-    if recompute not in RECOMPUTE:
-        raise SettingsError(f"unknown recompute {recompute!r}; valid: {', '.join(RECOMPUTE)}")
+    recompute = valid_recompute(recompute)
     h = dims.get("hidden_size")
     layers = dims.get("num_layers")
     heads = dims.get("num_heads")
@@ -121,7 +157,7 @@ def analytic_profile(dims: dict, *, micro_batch: int, seq_len: int, compute_byte
     attn_bytes = tokens * (attn_elems * compute_bytes + h * residual_bytes)
     # "sdpa" on a GPU dispatches to flash / memory-efficient kernels for causal training (no quadratic term);
     # only eager (or math) attention keeps the probabilities.
-    if attention == "eager" and recompute == "none":
+    if attention == "eager" and (recompute == "none" or recompute.startswith(EVERY)):
         attn_bytes += micro_batch * heads * seq_len * seq_len * compute_bytes
     else:
         attn_bytes += micro_batch * heads * seq_len * 4  # logsumexp, fp32

@@ -102,7 +102,8 @@ def estimate(
     precision: O.Precision = None,
     optimizer: O.Optimizer = None,
     optimizer_impl: O.OptimizerImpl = None,
-    recompute: str = typer.Option("none", "--recompute", help="none | selective | full."),
+    recompute: str = typer.Option("none", "--recompute", help="none | selective | full | every:N (transformers' "
+                                  "every_n_layers: blocks 0, N, 2N, ... checkpointed)."),
     attention: O.Attention = "sdpa",
     gpu: O.Gpu = None,
     gpu_memory: O.GpuMemory = None,
@@ -210,7 +211,8 @@ def check(
     grad_accum: O.GradAccum = None,
     precision: O.Precision = None,
     optimizer: O.Optimizer = None,
-    recompute: str = typer.Option("none", "--recompute", help="none | selective | full."),
+    recompute: str = typer.Option("none", "--recompute", help="none | selective | full | every:N (transformers' "
+                                  "every_n_layers: blocks 0, N, 2N, ... checkpointed)."),
     allocator_conf: O.AllocatorConf = None,
     lora_rank: O.LoraRank = None,
     lora_alpha: O.LoraAlpha = None,
@@ -262,7 +264,7 @@ def plan(
     strategies: str = typer.Option(",".join(("single", "ddp", "zero1", "zero2", "zero3", "zero-optimizer", "fsdp-full",
                                              "fsdp-grad-op", "hsdp")), "--strategies",
                                    help="Comma-separated strategies to consider."),
-    recompute: str = typer.Option("none,full", "--recompute", help="Comma-separated: none, selective, full."),
+    recompute: str = typer.Option("none,full", "--recompute", help="Comma-separated: none, selective, full, every:N."),
     micro_batch: Optional[int] = typer.Option(None, "--micro-batch", help="Fix the micro-batch (else the largest "
                                               "that fits, up to --max-micro-batch)."),
     max_micro_batch: int = typer.Option(64, "--max-micro-batch", help="Largest micro-batch to consider."),
@@ -368,7 +370,7 @@ def validate(
     precision: O.Precision = None,
     optimizer: Optional[str] = typer.Option(None, "--optimizer", help="adamw, adam, sgd."),
     optimizer_impl: O.OptimizerImpl = None,
-    recompute: str = typer.Option("none", "--recompute", help="none | full."),
+    recompute: str = typer.Option("none", "--recompute", help="none | full | every:N."),
     deepspeed: O.DeepSpeedConfig = None,
     reduce_bucket_size: O.ReduceBucketSize = None,
     allgather_bucket_size: O.AllgatherBucketSize = None,

@@ -5,7 +5,8 @@
   (accelerate/utils/dataclasses.py FullyShardedDataParallelPlugin.__post_init__, set_mixed_precision,
   DeepSpeedPlugin);
 - Hugging Face TrainingArguments as JSON or YAML (per_device_train_batch_size, gradient_accumulation_steps,
-  bf16/fp16, gradient_checkpointing / activation_checkpointing, optim, fsdp, fsdp_config, deepspeed), with
+  bf16/fp16, gradient_checkpointing / activation_checkpointing and its kwargs' every_n_layers, optim, fsdp,
+  fsdp_config, deepspeed), with
   transformers 5.x's defaults and rules (training_args.py: _process_fsdp_args, _apply_legacy_fsdp_to_config;
   the optimizer names of OptimizerNames).
 
@@ -158,6 +159,33 @@ def _fsdp(job: JobFile, path: str, version: int, reshard: Any, strategy: Any, of
                          "TRANSFORMER_BASED_WRAP) and the root")
 
 
+def _checkpointing_kwargs(job: JobFile, path: str, kw: Any) -> str:
+    """The recompute the Trainer's activation_checkpointing_kwargs ask for (trainer.py: every_n_layers and offload
+    popped for activation_checkpointing_enable, the rest passed to torch.utils.checkpoint.checkpoint): every
+    every_n_layers-th decoder layer checkpointed; offload's pinned host copies are noted (the figure keeps the
+    checkpointed inputs on the device, an upper bound)."""
+    if kw is None:
+        return "full"
+    if isinstance(kw, str):  # TrainingArguments takes a JSON string too
+        import json
+
+        try:
+            kw = json.loads(kw)
+        except ValueError:
+            raise ConfigError(f"{path}: activation_checkpointing_kwargs is not a JSON object: {kw!r}") from None
+    if not isinstance(kw, dict):
+        raise ConfigError(f"{path}: activation_checkpointing_kwargs must be a mapping, got {kw!r}")
+    every = _count(kw.get("every_n_layers", 1), "activation_checkpointing_kwargs.every_n_layers", path)
+    if kw.get("offload") is not None and _flag(kw["offload"], "activation_checkpointing_kwargs.offload", path):
+        job.notes.append(f"{path}: activation_checkpointing_kwargs.offload holds the checkpointed layers' inputs in "
+                         "pinned host memory (torch.autograd.graph.save_on_cpu); memplan keeps them on the GPU, "
+                         "an upper bound by about layers x micro-batch x sequence x hidden x 2 bytes")
+    if kw.get("use_reentrant") is not None and _flag(kw["use_reentrant"], "use_reentrant", path):
+        job.notes.append(f"{path}: use_reentrant=True checkpointing is modelled as the non-reentrant kind the "
+                         "Trainer uses by default (the same saved inputs; the recompute's transients may differ)")
+    return "full" if every == 1 else f"every:{every}"
+
+
 def read_accelerate(path: str) -> JobFile:
     """An `accelerate config` YAML (or JSON) file."""
     d = _load(path, "Accelerate config")
@@ -234,7 +262,8 @@ def read_training_args(path: str) -> JobFile:
         raise ConfigError(f"{path}: bf16 and fp16 are both set (TrainingArguments refuses them together)")
     ckpt = d.get("activation_checkpointing", d.get("gradient_checkpointing"))
     if ckpt is not None and _flag(ckpt, "gradient_checkpointing", path):
-        job.values["recompute"] = "full"
+        job.values["recompute"] = _checkpointing_kwargs(job, path, d.get(
+            "activation_checkpointing_kwargs", d.get("gradient_checkpointing_kwargs")))
     _optim(d.get("optim", "adamw_torch_fused"), path, job)
     fsdp, ds = d.get("fsdp"), d.get("deepspeed")
     if fsdp and ds:

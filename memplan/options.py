@@ -81,8 +81,7 @@ def activation_profile(config: dict[str, Any] | None, s: Settings, mode: str, no
         raise SettingsError(f"--activations must be auto, traced or analytic, got {mode!r}")
     if s.attention not in act.ATTENTION:
         raise SettingsError(f"unknown attention {s.attention!r}; valid: {', '.join(act.ATTENTION)}")
-    if s.recompute not in act.RECOMPUTE:
-        raise SettingsError(f"unknown recompute {s.recompute!r}; valid: {', '.join(act.RECOMPUTE)}")
+    act.valid_recompute(s.recompute)
     if s.lora is not None and (mode == "analytic" or config is None):
         notes.append("activations: analytic, as for full training; LoRA's frozen weights save less (an upper bound)")
     if mode == "analytic":
@@ -94,7 +93,7 @@ def activation_profile(config: dict[str, Any] | None, s: Settings, mode: str, no
         return None
 
     attention = "flash" if s.attention != "eager" or s.recompute == "selective" else "eager"
-    recompute = "full" if s.recompute == "full" else "none"
+    recompute = "none" if s.recompute == "selective" else s.recompute
     # DeepSpeed ZeRO-3 replaces F.linear with its own autograd function (tracing._deepspeed_zero3_linear)
     linear = "deepspeed-zero3" if s.strategy.zero_stage == 3 and s.ds.memory_efficient_linear else "aten"
     target = kernel_target(s.cluster)
@@ -538,6 +537,9 @@ def resolve(inv: ParamInventory, *, gpus: int = 1, gpus_per_node: int | None = N
     conf = _allocator_conf(allocator_conf, device, notes, pick.sources)
     if lora is not None:
         recipe = lora_recipe(recipe, strat)
+    from memplan.activations import valid_recompute
+
+    recompute = valid_recompute(recompute)
     settings = Settings(strategy=strat, recipe=recipe, optimizer=opt, cluster=cluster, optimizer_impl=optimizer_impl,
                         micro_batch=mb, seq_len=seq, grad_accum=ga, recompute=recompute, attention=attention,
                         ds=ds, torch=tk, horovod=hv, overheads=ov, allocator_conf=conf, lora=lora)

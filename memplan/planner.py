@@ -89,9 +89,9 @@ def gpu_counts(gpus_per_node: int, max_gpus: int) -> list[int]:
 def _candidates(inv: ParamInventory, config: dict | None, strategies: tuple[str, ...], recomputes: tuple[str, ...],
                 allow_offload: bool, gpus_per_node: int, gpu: str | None, gpu_memory_size: str | None,
                 common: dict[str, Any], notes: list[str]) -> list[Candidate]:
-    for r in recomputes:
-        if r not in RECOMPUTE_ORDER:
-            raise SettingsError(f"unknown recompute {r!r}; valid: {', '.join(RECOMPUTE_ORDER)}")
+    from memplan.activations import valid_recompute
+
+    recomputes = tuple(dict.fromkeys(valid_recompute(r) for r in recomputes))
     labels: list[tuple[str, str, dict[str, Any]]] = []
     for name in strategies:
         if name not in STRATEGIES:
@@ -220,11 +220,20 @@ def _fewest_gpus(inv: ParamInventory, c: Candidate, counts: list[int], gpus_per_
     return found, evaluations
 
 
+def recompute_rank(recompute: str) -> tuple[int, int]:
+    """Less recompute first: none, selective, every:N (the larger N, the fewer blocks recomputed), full."""
+    from memplan.activations import checkpoint_every
+
+    if recompute in RECOMPUTE_ORDER:
+        return (RECOMPUTE_ORDER.index(recompute) + (recompute == "full"), 0)
+    return (2, -(checkpoint_every(recompute) or 0))
+
+
 def _rank(c: Candidate) -> tuple:
     """No recompute before full, the largest micro-batch, no offload, the least communication, the most headroom."""
     # equal bytes (one GPU: none at all) prefer the simpler strategy (Strategy.comm_volume: plain PyTorch, then
     # DDP / ZeRO-1/2, then the fully sharded ones)
-    return (RECOMPUTE_ORDER.index(c.recompute), -(c.micro_batch or 0), c.offload, c.comm or (0, 0),
+    return (recompute_rank(c.recompute), -(c.micro_batch or 0), c.offload, c.comm or (0, 0),
             c.settings.strategy.comm_volume,
             -(c.headroom_bytes or 0))
 
@@ -355,7 +364,7 @@ def _search(inv: ParamInventory, budget: int, config: dict | None, gpus_per_node
     if best is None:
         return Search(budget, gpus_per_node, max_gpus, mbs, tuple(done), None, None, tuple(notes), evaluations)
     ordered = sorted(done, key=lambda c: (c.micro_batch is None, _rank(c) if c.micro_batch else (),
-                                          c.min_gpus or 1 << 60, c.label, RECOMPUTE_ORDER.index(c.recompute)))
+                                          c.min_gpus or 1 << 60, c.label, recompute_rank(c.recompute)))
     return Search(budget, gpus_per_node, max_gpus, mbs, tuple(ordered), best, gpus, tuple(notes), evaluations)
 
 

@@ -90,7 +90,7 @@ def load_or_trace(config: dict, *, seq_len: int, micro_batch: int, recipe: str, 
     what = (f"tracing {config.get('model_type') or 'the model'}'s activations at seq {seq_len} "
             f"({trace_recipe(recipe)}, recompute {recompute}; once, then cached)")
     try:
-        with progress.task(what, total=traced_steps(config)):
+        with progress.task(what, total=traced_steps(config, recompute)):
             data = trace_profile(config, seq_len=seq_len, recipe=trace_recipe(recipe),
                                  attention="flash" if attention == "sdpa" else attention, recompute=recompute,
                                  device=device, linear=trace_linear(linear, device=device, recipe=recipe),

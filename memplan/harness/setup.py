@@ -14,6 +14,7 @@ def _build_model(spec: dict[str, Any], on_meta: bool) -> Any:
     import torch
     from transformers import AutoModelForCausalLM
 
+    from memplan.activations import checkpoint_every
     from memplan.model.meta_builder import checkpointing_on, hf_config
 
     if spec["config"].get("factory"):  # the user's own module, built by its factory in fp32
@@ -22,8 +23,9 @@ def _build_model(spec: dict[str, Any], on_meta: bool) -> Any:
 
         torch.manual_seed(spec.get("seed", 0))
         model, make_inputs = call_factory(spec["config"]["factory"], torch.device("meta") if on_meta else None)
-        if spec["recompute"] == "full":
-            for blk in user_module.blocks_of(model):
+        every = checkpoint_every(spec["recompute"])
+        for i, blk in enumerate(user_module.blocks_of(model) if every else ()):
+            if i % every == 0:  # every:N as transformers' every_n_layers
                 user_module.checkpointed(blk)
         model.memplan_inputs = make_inputs  # the input builder, for the step (memplan/harness/run.py)
         model.train()
@@ -34,8 +36,9 @@ def _build_model(spec: dict[str, Any], on_meta: bool) -> Any:
     with torch.device("meta") if on_meta else contextlib.nullcontext():
         model = AutoModelForCausalLM.from_config(cfg, attn_implementation=spec["attn_implementation"],
                                                  dtype=torch.float32)
-    if spec["recompute"] == "full":
-        checkpointing_on(model)
+    every = checkpoint_every(spec["recompute"])
+    if every:
+        checkpointing_on(model, every)
     if spec.get("lora"):
         if spec["lora"].get("adapter_dtype"):  # a bf16 load, then PEFT (which upcasts the adapters to fp32)
             model = model.to(torch.bfloat16)

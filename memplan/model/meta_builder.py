@@ -110,15 +110,29 @@ def build_meta_from_config(config: Mapping[str, Any], model_name: str, source: s
                                  dtype=config_dtype(config), dims=model_dims(config))
 
 
-def checkpointing_on(model: Any) -> None:
+def checkpointing_on(model: Any, every: int = 1) -> None:
     """Non-reentrant activation checkpointing as a Trainer turns it on: transformers 5.23's
     activation_checkpointing_enable (gradient_checkpointing_enable, its deprecated alias, warns), or the alias on
-    older versions."""
+    older versions. ``every`` > 1 checkpoints every ``every``-th decoder layer (its every_n_layers: layer i when
+    i % every == 0, the GradientCheckpointingLayer modules counted in module order; modeling_utils.py
+    _set_gradient_checkpointing); a transformers without that argument gets the same flags set here."""
+    import inspect
+
     enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None and (every == 1 or "every_n_layers" in inspect.signature(enable).parameters):
+        enable(activation_checkpointing_kwargs={"use_reentrant": False},
+               **({"every_n_layers": every} if every != 1 else {}))
+        return
     if enable is not None:
         enable(activation_checkpointing_kwargs={"use_reentrant": False})
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if every != 1:
+        from transformers.modeling_layers import GradientCheckpointingLayer
+
+        layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+        for i, m in enumerate(layers):
+            m.gradient_checkpointing = i % every == 0
 
 
 def meta_model(config: Mapping[str, Any], model_name: str = "model") -> Any:

@@ -21,6 +21,7 @@ def build(config: dict[str, Any], batch: int, seq: int, dtype: str, recompute: s
     """(model, its blocks, run(model) -> loss), under the caller's device context (FakeTensorMode in a trace)."""
     import torch
 
+    from memplan.activations import checkpoint_every
     from memplan.model.meta_builder import call_factory
 
     # the parameters made in the trace's dtype, as from_config(dtype=...) makes transformers' (the default dtype
@@ -32,8 +33,9 @@ def build(config: dict[str, Any], batch: int, seq: int, dtype: str, recompute: s
     finally:
         torch.set_default_dtype(before)
     blocks = blocks_of(model)
-    if recompute == "full":
-        for blk in blocks:
+    every = checkpoint_every(recompute)
+    for i, blk in enumerate(blocks if every else ()):
+        if i % every == 0:  # every:N as transformers' every_n_layers
             checkpointed(blk)
     # floating inputs in the parameters' dtype (what a bf16 job feeds a bf16 model)
     torch.set_default_dtype(getattr(torch, dtype))

@@ -83,9 +83,13 @@ def _layers(config: dict[str, Any]) -> int | None:
     return None if key is None else int(config[key])
 
 
-def _heterogeneous(config: dict[str, Any], layers: int) -> bool:
+def _heterogeneous(config: dict[str, Any], layers: int, recompute: str = "none") -> bool:
     """Blocks that differ are traced at full depth; a one-block model too (there is no second depth to
-    subtract)."""
+    subtract); and every:N recompute, whose checkpointed blocks alternate with kept ones."""
+    from memplan.activations import checkpoint_every
+
+    if (checkpoint_every(recompute) or 1) > 1:
+        return True
     # the user's own module (a factory) has no config to scale: traced at its own depth
     # LoRA on some layers only (layers_to_transform) makes the blocks differ
     lora_layers = bool((config.get("lora") or {}).get("layers_to_transform"))
@@ -93,10 +97,10 @@ def _heterogeneous(config: dict[str, Any], layers: int) -> bool:
         any(config.get(k) for k in _HETEROGENEOUS_KEYS)
 
 
-def traced_steps(config: dict[str, Any]) -> int:
+def traced_steps(config: dict[str, Any], recompute: str = "none") -> int:
     """How many micro-steps trace_profile runs: two micro-batches at one depth, or at two."""
     layers = _layers(config)
-    return 2 if layers is None or _heterogeneous(config, layers) else 4
+    return 2 if layers is None or _heterogeneous(config, layers, recompute) else 4
 
 
 def trace_profile(config: dict[str, Any], *, seq_len: int, recipe: str, attention: str,
@@ -119,7 +123,7 @@ def trace_profile(config: dict[str, Any], *, seq_len: int, recipe: str, attentio
     layers = _layers(config)
     if layers is None:
         raise SettingsError("the config has no layer count; use --activations analytic")
-    heterogeneous = _heterogeneous(config, layers)
+    heterogeneous = _heterogeneous(config, layers, recompute)
 
     try:
         run = (lambda depth: _two_batches(config, depth, seq_len, recipe, attention, recompute, target, linear))

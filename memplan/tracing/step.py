@@ -175,6 +175,7 @@ def one_step(config: dict[str, Any], batch: int, seq: int, recipe: str, attentio
     from torch._subclasses.fake_tensor import FakeTensorMode
     from transformers import AutoModelForCausalLM
 
+    from memplan.activations import checkpoint_every
     from memplan.model.meta_builder import checkpointing_on, hf_config
 
     dtype, autocast = trace_dtypes(recipe)
@@ -193,8 +194,9 @@ def one_step(config: dict[str, Any], batch: int, seq: int, recipe: str, attentio
         else:
             model = AutoModelForCausalLM.from_config(hf_config(config), dtype=getattr(torch, dtype),
                                                      attn_implementation="eager" if attention == "eager" else "sdpa")
-            if recompute == "full":
-                checkpointing_on(model)
+            every = checkpoint_every(recompute)
+            if every:
+                checkpointing_on(model, every)
             user_blocks, ids = None, torch.zeros(batch, seq, dtype=torch.long)
             run = (lambda m: m(input_ids=ids, labels=ids).loss)  # noqa: E731
         if lora is not None:  # PEFT's adapters, after gradient checkpointing as a Trainer enables it

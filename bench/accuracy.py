@@ -274,15 +274,18 @@ def main() -> None:
         if args.repredict:
             if row is None or row[3] is None:
                 continue  # never run (or failed): nothing measured to compare with
-            plan = predict(model, **scale, device="cpu", cpu_isa=args.cpu_isa, **kw)[0]
-            row = _row(label, shown, rc, plan, row[9] if len(row) > 9 else None, old=row)
+            # a row measured on another instruction set than the table's is predicted with its own (index 10)
+            isa = row[10] if len(row) > 10 else args.cpu_isa
+            plan = predict(model, **scale, device="cpu", cpu_isa=isa, **kw)[0]
+            row = _row(label, shown, rc, plan, row[9] if len(row) > 9 else None, old=row) + (
+                [isa] if len(row) > 10 else [])
         elif row is None:
             try:
                 v = validate(model, **scale, device="cpu", cpu_isa=args.cpu_isa, **kw)
             except MemplanError as exc:
                 row = [label, shown, rc, None, None, None, None, None, str(exc), None]
             else:
-                row = _row(label, shown, rc, v.plan, v.ranks)
+                row = _row(label, shown, rc, v.plan, v.ranks) + [args.cpu_isa]
             with log.open("a") as f:
                 f.write(json.dumps(row) + "\n")
         rows.append(row)
@@ -310,6 +313,16 @@ def _cpu_name() -> str:
     import torch
 
     return f"predicted on {name}, ATen CPU capability {torch.backends.cpu.get_cpu_capability()}"
+
+
+def _other_isas(args, rows) -> str:  # noqa: ANN001
+    """The rows measured (and so predicted) on another instruction set than the table's, named."""
+    other: dict[str, list[str]] = {}
+    for r in rows:
+        if len(r) > 10 and r[10] != args.cpu_isa:
+            other.setdefault(r[10], []).append(f"{r[0]} ({r[1]}, {r[2]})")
+    return "".join(f" Measured on {isa} and predicted with `--cpu-isa {isa}`: {'; '.join(names)}."
+                   for isa, names in sorted(other.items()))
 
 
 def write(args, rows, errors) -> None:  # noqa: ANN001
@@ -340,7 +353,7 @@ def write(args, rows, errors) -> None:  # noqa: ANN001
         f"instruction set, `--cpu-isa {args.cpu_isa}` (memplan/kernels.py `cpu_gemm_scratch`; "
         f"{_cpu_name()}). Measured = the CPU allocator's live bytes from the profiler's "
         "memory events (see memplan/harness/measure.py); worst rank. Error = (predicted - measured) / measured; "
-        "a negative error is an under-estimate." + (
+        "a negative error is an under-estimate." + _other_isas(args, rows) + (
             " --repredict: the predictions are this code's, the measurements those kept in the .jsonl beside this "
             "file from the run that made them (rows kept without the ranks' data keep their model-state check)."
             if args.repredict else ""),

@@ -114,6 +114,24 @@ CASES = [
     ("zero2 small buckets", LLAMA4, dict(stage=2), SMALL_DS, {}, "every:2"),
     ("zero3 small buckets", LLAMA4, dict(stage=3), SMALL_DS, {}, "every:3"),
     ("fsdp-full", GPT2_4, dict(strategy="fsdp-full"), {}, {}, "every:2"),
+    # session 16: torchtitan's layer SAC (blocks N-1, 2N-1, ...) and per-op SAC (each block checkpointed, the
+    # outputs of all but every second aten.mm kept; gpt2's Conv1D is addmm, not on the list; Mixtral's experts run
+    # grouped_mm, not on it either)
+    ("ddp", LLAMA4, dict(strategy="ddp"), {}, {}, "layer-sac:2"),
+    ("fsdp-full", LLAMA4, dict(strategy="fsdp-full"), {}, {}, "layer-sac:3"),
+    ("ddp", LLAMA4, dict(strategy="ddp"), {}, {}, "op-sac"),
+    ("fsdp-full", LLAMA4, dict(strategy="fsdp-full"), {}, {}, "op-sac"),
+    ("zero3 small buckets", LLAMA4, dict(stage=3), SMALL_DS, {}, "op-sac"),
+    ("fsdp-full", GPT2_4, dict(strategy="fsdp-full"), {}, {}, "op-sac"),
+    ("fsdp-full", MIXTRAL, dict(strategy="fsdp-full"), {}, {}, "op-sac"),
+    # session 16: full recompute over four blocks, where each block's sharded gradients outweigh its
+    # activations: memory grows through backward and peaks inside the second block's (the first prefetched)
+    ("fsdp-full", LLAMA4, dict(strategy="fsdp-full"), {}, {}, "full"),
+    ("fsdp-full, 4 ranks", LLAMA4, dict(strategy="fsdp-full", gpus=4), {}, {}, "full"),
+    ("fsdp-full reshard 2 (hpZ-like), 4 ranks", LLAMA4, dict(strategy="fsdp-full", gpus=4), {},
+     dict(reshard_after_forward=2), "full"),
+    ("fsdp-grad-op", LLAMA4, dict(strategy="fsdp-grad-op"), {}, {}, "full"),
+    ("fsdp1 full", LLAMA4, dict(strategy="fsdp-full"), {}, dict(fsdp_version=1), "full"),
 ]
 QUICK = [CASES[5], CASES[11]]
 

@@ -31,46 +31,73 @@ from functools import lru_cache
 
 from memplan.errors import SettingsError
 
-RECOMPUTE = ("none", "selective", "full")
+RECOMPUTE = ("none", "selective", "op-sac", "full")
+#: "op-sac": torchtitan's per-op selective activation checkpointing (activation_checkpoint.mode "selective",
+#: selective_ac_option "op"; torchtitan 54aeddf5 distributed/activation_checkpoint.py _apply_op_sac with the llama3
+#: _op_sac_save_list of models/llama3/infra/parallelize.py): every block checkpointed, but the outputs of its
+#: matmuls (all but every second aten.mm) and of the fused attention kernels kept (memplan/model/meta_builder.py
+#: op_sac_context_fn)
+OP_SAC = "op-sac"
+ATTENTION = ("flash", "sdpa", "eager")
+ACTIVATION_SOURCES = ("traced", "analytic")
 #: and "every:N": transformers' activation_checkpointing_enable(every_n_layers=N) (modeling_utils.py
 #: _set_gradient_checkpointing, transformers 5.23): the decoder layers counted in module order, layer i
 #: checkpointed when i % N == 0 (layers 0, N, 2N, ...), the rest keep their activations
 EVERY = "every:"
+#: and "layer-sac:N": torchtitan's layer-wise selective activation checkpointing (activation_checkpoint.mode
+#: "selective", selective_ac_option "N"; torchtitan/distributed/activation_checkpoint.py _apply_layer_sac: a
+#: counter incremented before the test, a block wrapped when count % N == 0): blocks N-1, 2N-1, ...
+LAYER_SAC = "layer-sac:"
 
 
 def valid_recompute(recompute: str) -> str:
-    """``recompute`` checked and normalised (every:1 is full); SettingsError naming the valid values."""
+    """``recompute`` checked and normalised (every:1 and layer-sac:1 are full); SettingsError naming the valid
+    values."""
     if recompute in RECOMPUTE:
         return recompute
-    if isinstance(recompute, str) and recompute.startswith(EVERY):
-        n = recompute[len(EVERY):]
-        if not n.isdigit() or int(n) < 1:
-            raise SettingsError(f"--recompute every:N takes a whole number of layers N >= 1, got {recompute!r}")
-        return "full" if int(n) == 1 else f"{EVERY}{int(n)}"
-    raise SettingsError(f"unknown recompute {recompute!r}; valid: {', '.join(RECOMPUTE)}, every:N")
+    for prefix in (EVERY, LAYER_SAC):
+        if isinstance(recompute, str) and recompute.startswith(prefix):
+            n = recompute[len(prefix):]
+            if not n.isdigit() or int(n) < 1:
+                raise SettingsError(f"--recompute {prefix}N takes a whole number of layers N >= 1, "
+                                    f"got {recompute!r}")
+            return "full" if int(n) == 1 else f"{prefix}{int(n)}"
+    raise SettingsError(f"unknown recompute {recompute!r}; valid: {', '.join(RECOMPUTE)}, every:N, layer-sac:N")
 
 
 def checkpoint_every(recompute: str) -> int | None:
-    """N when every N-th block is checkpointed (1: full recompute), None without checkpointing."""
-    if recompute == "full":
+    """N when every N-th block is checkpointed (1: full recompute, op-sac), None without checkpointing."""
+    if recompute in ("full", OP_SAC):
         return 1
-    if recompute.startswith(EVERY):
-        return int(recompute[len(EVERY):])
+    for prefix in (EVERY, LAYER_SAC):
+        if recompute.startswith(prefix):
+            return int(recompute[len(prefix):])
     return None
+
+
+def checkpoint_offset(recompute: str) -> int:
+    """The first checkpointed block: 0 (transformers' every_n_layers, full), N - 1 (torchtitan's layer SAC)."""
+    return int(recompute[len(LAYER_SAC):]) - 1 if recompute.startswith(LAYER_SAC) else 0
+
+
+def is_checkpointed(recompute: str, block: int) -> bool:
+    """Whether block ``block`` (0-based, module order) is checkpointed."""
+    every = checkpoint_every(recompute)
+    return every is not None and block % every == checkpoint_offset(recompute)
 
 
 def checkpointed_blocks(recompute: str, layers: int) -> int:
     """How many of ``layers`` blocks are checkpointed."""
     every = checkpoint_every(recompute)
-    return 0 if every is None else -(-layers // every)
+    if every is None:
+        return 0
+    off = checkpoint_offset(recompute)
+    return 0 if layers <= off else (layers - 1 - off) // every + 1
 
 
 def last_checkpointed(recompute: str, layers: int) -> bool:
     """Whether the last block (index layers - 1) is checkpointed."""
-    every = checkpoint_every(recompute)
-    return every is not None and (layers - 1) % every == 0
-ATTENTION = ("flash", "sdpa", "eager")
-ACTIVATION_SOURCES = ("traced", "analytic")
+    return is_checkpointed(recompute, layers - 1)
 
 
 @dataclass(frozen=True)
@@ -98,7 +125,10 @@ class ActivationProfile:
     includes_autocast_copies = False
 
     def saved_bytes(self, recompute: str) -> int:
-        """Activations alive at the end of forward."""
+        """Activations alive at the end of forward (op-sac: what no recompute keeps, an upper bound: this
+        profile does not know which operations its policy keeps)."""
+        if recompute == OP_SAC:
+            return self.num_layers * self.per_layer_bytes + self.embedding_bytes
         k = checkpointed_blocks(recompute, self.num_layers)
         return (k * self.layer_input_bytes + (self.num_layers - k) * self.per_layer_bytes
                 + self.embedding_bytes)
@@ -132,7 +162,8 @@ class ActivationProfile:
         Every term is a count of tokens times bytes per token, so it scales exactly with the micro-batch; this
         profile must have been built for a micro-batch of 1 (accounting builds it so).
         """
-        block = self.layer_input_bytes if last_checkpointed(recompute, self.num_layers) else self.per_layer_bytes
+        block = self.layer_input_bytes if last_checkpointed(recompute, self.num_layers) and recompute != OP_SAC \
+            else self.per_layer_bytes
         return (micro_batch * self.forward_bytes(recompute), micro_batch * self.backward_bytes(recompute),
                 micro_batch * (self.saved_bytes(recompute) - block), micro_batch * self.embedding_bytes,
                 micro_batch * block)
@@ -157,7 +188,7 @@ def analytic_profile(dims: dict, *, micro_batch: int, seq_len: int, compute_byte
     attn_bytes = tokens * (attn_elems * compute_bytes + h * residual_bytes)
     # "sdpa" on a GPU dispatches to flash / memory-efficient kernels for causal training (no quadratic term);
     # only eager (or math) attention keeps the probabilities.
-    if attention == "eager" and (recompute == "none" or recompute.startswith(EVERY)):
+    if attention == "eager" and (recompute in ("none", OP_SAC) or recompute.startswith((EVERY, LAYER_SAC))):
         attn_bytes += micro_batch * heads * seq_len * seq_len * compute_bytes
     else:
         attn_bytes += micro_batch * heads * seq_len * 4  # logsumexp, fp32
@@ -242,7 +273,7 @@ class TracedProfile:
                 d["live_after_forward"][0] + d["live_after_forward"][1] * b + extra - block, 0, block)
 
     def block_moments(self, micro_batch: int, grad_width: int, held: bool = False) -> tuple[tuple[int, int], ...]:
-        """Inside the backward of the last block, of the one before it, and of the first block: (activation
+        """Inside the backward of the last block, of the one before it, of the first and of the second: (activation
         bytes, the block's parameter-gradient elements created so far) at the moment where activations plus those
         gradients at ``grad_width`` bytes each peak; ``held``: only the gradients whose post-accumulate hook has
         not run yet (a strategy that takes each gradient in that hook). The last two traced blocks stand for the
@@ -264,7 +295,15 @@ class TracedProfile:
         extra = self._extra_at(b)
         out = []
         grad_width = int(width_key.removeprefix("held"))
-        for seg, below in ((segs[0], extra), (segs[-1], extra), (first, 0)):
+        # the second block (index 1): traced at full depth, its own backward; two alike traced blocks, the first
+        # one's with one block saved below it; else (traced at full depth before it was recorded) not evaluated
+        per = d.get("per_layer") or (0, 0)
+        rows = [(segs[0], extra), (segs[-1], extra), (first, 0)]
+        if d.get("second_block_backward"):
+            rows.append((d["second_block_backward"], 0))
+        elif d.get("traced_layers", 0) < d.get("num_layers", 0):
+            rows.append((segs[-1], per[0] + per[1] * b))
+        for seg, below in rows:
             env = seg.get(width_key)
             if not env:
                 return ()

@@ -103,7 +103,8 @@ def estimate(
     optimizer: O.Optimizer = None,
     optimizer_impl: O.OptimizerImpl = None,
     recompute: str = typer.Option("none", "--recompute", help="none | selective | full | every:N (transformers' "
-                                  "every_n_layers: blocks 0, N, 2N, ... checkpointed)."),
+                                  "every_n_layers: blocks 0, N, 2N, ...) | layer-sac:N (torchtitan's: blocks N-1, "
+                                  "2N-1, ...)."),
     attention: O.Attention = "sdpa",
     gpu: O.Gpu = None,
     gpu_memory: O.GpuMemory = None,
@@ -212,7 +213,8 @@ def check(
     precision: O.Precision = None,
     optimizer: O.Optimizer = None,
     recompute: str = typer.Option("none", "--recompute", help="none | selective | full | every:N (transformers' "
-                                  "every_n_layers: blocks 0, N, 2N, ... checkpointed)."),
+                                  "every_n_layers: blocks 0, N, 2N, ...) | layer-sac:N (torchtitan's: blocks N-1, "
+                                  "2N-1, ...)."),
     allocator_conf: O.AllocatorConf = None,
     lora_rank: O.LoraRank = None,
     lora_alpha: O.LoraAlpha = None,
@@ -264,7 +266,8 @@ def plan(
     strategies: str = typer.Option(",".join(("single", "ddp", "zero1", "zero2", "zero3", "zero-optimizer", "fsdp-full",
                                              "fsdp-grad-op", "hsdp")), "--strategies",
                                    help="Comma-separated strategies to consider."),
-    recompute: str = typer.Option("none,full", "--recompute", help="Comma-separated: none, selective, full, every:N."),
+    recompute: str = typer.Option("none,full", "--recompute", help="Comma-separated: none, selective, full, every:N, "
+                                                                 "layer-sac:N."),
     micro_batch: Optional[int] = typer.Option(None, "--micro-batch", help="Fix the micro-batch (else the largest "
                                               "that fits, up to --max-micro-batch)."),
     max_micro_batch: int = typer.Option(64, "--max-micro-batch", help="Largest micro-batch to consider."),
@@ -370,7 +373,7 @@ def validate(
     precision: O.Precision = None,
     optimizer: Optional[str] = typer.Option(None, "--optimizer", help="adamw, adam, sgd."),
     optimizer_impl: O.OptimizerImpl = None,
-    recompute: str = typer.Option("none", "--recompute", help="none | full | every:N."),
+    recompute: str = typer.Option("none", "--recompute", help="none | full | every:N | layer-sac:N."),
     deepspeed: O.DeepSpeedConfig = None,
     reduce_bucket_size: O.ReduceBucketSize = None,
     allgather_bucket_size: O.AllgatherBucketSize = None,

@@ -221,9 +221,11 @@ def _fewest_gpus(inv: ParamInventory, c: Candidate, counts: list[int], gpus_per_
 
 
 def recompute_rank(recompute: str) -> tuple[int, int]:
-    """Less recompute first: none, selective, every:N (the larger N, the fewer blocks recomputed), full."""
-    from memplan.activations import checkpoint_every
+    """Less recompute first: none, selective, op-sac, every:N (the larger N, the fewer blocks recomputed), full."""
+    from memplan.activations import OP_SAC, checkpoint_every
 
+    if recompute == OP_SAC:
+        return (1, 1)
     if recompute in RECOMPUTE_ORDER:
         return (RECOMPUTE_ORDER.index(recompute) + (recompute == "full"), 0)
     return (2, -(checkpoint_every(recompute) or 0))

@@ -9,6 +9,12 @@ from typing import Any
 from memplan import kernels as K
 
 
+#: on while the CUDA fused-attention stand-in allocates the kernel's outputs (the output, its logsumexp or
+#: statistics and philox state): torchtitan's per-op checkpoint policy keeps those ops' outputs
+#: (model/meta_builder.py op_sac_context_fn); a converted mask or the scratch are not outputs
+SAC_KERNEL_OUTPUTS = {"on": False}
+
+
 def _fused(target: K.Target) -> Any:
     """An autograd function that allocates and saves what a fused kernel does on ``target``."""
     import torch
@@ -21,12 +27,18 @@ def _fused(target: K.Target) -> Any:
             # layout; flash and cuDNN follow q: (b, s, h, d) for q viewed from a projection's output, (b, h, s, d)
             # for a q made contiguous in that order (GPT-NeoX's rotary cat), which the model's
             # transpose(1, 2).contiguous() then copies
-            if backend == "efficient" or q.stride(1) < q.stride(2):
-                out = torch.empty(b, s, h, v.shape[-1], dtype=q.dtype, device=q.device).transpose(1, 2)
-            else:
-                out = torch.empty(b, h, s, v.shape[-1], dtype=q.dtype, device=q.device)
-            extra = [torch.empty(shape, dtype=getattr(torch, dt), device=q.device)
-                     for shape, dt in K.saved_extra(backend, call, target.device)]
+            SAC_KERNEL_OUTPUTS["on"] = target.device == "cuda"
+            try:
+                if backend == "efficient" or q.stride(1) < q.stride(2):
+                    out = torch.empty(b, s, h, v.shape[-1], dtype=q.dtype, device=q.device).transpose(1, 2)
+                else:
+                    out = torch.empty(b, h, s, v.shape[-1], dtype=q.dtype, device=q.device)
+                extra = []
+                for i, (shape, dt) in enumerate(K.saved_extra(backend, call, target.device)):
+                    SAC_KERNEL_OUTPUTS["on"] = target.device == "cuda" and i < 3  # a 4th: the converted mask
+                    extra.append(torch.empty(shape, dtype=getattr(torch, dt), device=q.device))
+            finally:
+                SAC_KERNEL_OUTPUTS["on"] = False
             scratch = K.forward_scratch(backend, call, target.device)
             if scratch:
                 del_me = torch.empty(scratch, dtype=torch.uint8, device=q.device)

@@ -24,10 +24,13 @@ class Moment(IntEnum):
     without a traced timeline, the bound that contains the moment). Values are the profile's own keys."""
 
     #: inside a block's backward, its own gradients growing while its activations are freed
-    #: (profile.block_moments: the last block, the one before it, the first)
+    #: (profile.block_moments: the last block, the one before it, the first, the second)
     INSIDE_LAST_BLOCK_BACKWARD = 0
     INSIDE_PREVIOUS_BLOCK_BACKWARD = 1
     INSIDE_FIRST_BLOCK_BACKWARD = 2
+    #: inside the second block's backward (index 1): one block's activations saved below it, every later block's
+    #: gradients reduced, the first block prefetched (profile.block_moments' fourth)
+    INSIDE_SECOND_BLOCK_BACKWARD = 3
     #: everything saved but the last two blocks'
     SAVED_BUT_LAST_TWO = -1
     #: everything saved: all forward left alive, as backward starts (a backward-start moment)

@@ -14,7 +14,7 @@ def _build_model(spec: dict[str, Any], on_meta: bool) -> Any:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from memplan.activations import checkpoint_every
+    from memplan.activations import checkpoint_every, is_checkpointed
     from memplan.model.meta_builder import checkpointing_on, hf_config
 
     if spec["config"].get("factory"):  # the user's own module, built by its factory in fp32
@@ -23,10 +23,9 @@ def _build_model(spec: dict[str, Any], on_meta: bool) -> Any:
 
         torch.manual_seed(spec.get("seed", 0))
         model, make_inputs = call_factory(spec["config"]["factory"], torch.device("meta") if on_meta else None)
-        every = checkpoint_every(spec["recompute"])
-        for i, blk in enumerate(user_module.blocks_of(model) if every else ()):
-            if i % every == 0:  # every:N as transformers' every_n_layers
-                user_module.checkpointed(blk)
+        for i, blk in enumerate(user_module.blocks_of(model)):
+            if is_checkpointed(spec["recompute"], i):  # full, every:N, layer-sac:N, op-sac
+                user_module.checkpointed(blk, spec["recompute"])
         model.memplan_inputs = make_inputs  # the input builder, for the step (memplan/harness/run.py)
         model.train()
         return model
@@ -36,9 +35,8 @@ def _build_model(spec: dict[str, Any], on_meta: bool) -> Any:
     with torch.device("meta") if on_meta else contextlib.nullcontext():
         model = AutoModelForCausalLM.from_config(cfg, attn_implementation=spec["attn_implementation"],
                                                  dtype=torch.float32)
-    every = checkpoint_every(spec["recompute"])
-    if every:
-        checkpointing_on(model, every)
+    if checkpoint_every(spec["recompute"]):
+        checkpointing_on(model, spec["recompute"])
     if spec.get("lora"):
         if spec["lora"].get("adapter_dtype"):  # a bf16 load, then PEFT (which upcasts the adapters to fp32)
             model = model.to(torch.bfloat16)

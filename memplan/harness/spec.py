@@ -95,8 +95,8 @@ def build_spec(config: dict[str, Any], s: Settings, *, warmup_steps: int = 2, me
         raise SettingsError("FSDP CPU offload cannot be measured on CPU: its parameters would be offloaded to "
                             "the device they are on (run validate on a GPU machine)")
     if s.recompute == "selective":
-        raise SettingsError("the harness runs --recompute none, full or every:N (transformers has no selective "
-                            "recompute)")
+        raise SettingsError("the harness runs --recompute none, full, op-sac, every:N or layer-sac:N (transformers "
+                            "has no selective recompute)")
     if warmup_steps < 1 or measured_steps < 1:
         raise SettingsError("warm-up and measured steps must be at least 1")
     from memplan.settings import reshard_after_forward, shard_group_size

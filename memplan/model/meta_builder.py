@@ -110,16 +110,28 @@ def build_meta_from_config(config: Mapping[str, Any], model_name: str, source: s
                                  dtype=config_dtype(config), dims=model_dims(config))
 
 
-def checkpointing_on(model: Any, every: int = 1) -> None:
+def checkpointing_on(model: Any, recompute: str = "full") -> None:
     """Non-reentrant activation checkpointing as a Trainer turns it on: transformers 5.23's
     activation_checkpointing_enable (gradient_checkpointing_enable, its deprecated alias, warns), or the alias on
-    older versions. ``every`` > 1 checkpoints every ``every``-th decoder layer (its every_n_layers: layer i when
-    i % every == 0, the GradientCheckpointingLayer modules counted in module order; modeling_utils.py
-    _set_gradient_checkpointing); a transformers without that argument gets the same flags set here."""
+    older versions. every:N checkpoints every N-th decoder layer as its every_n_layers does (layer i when
+    i % N == 0, the GradientCheckpointingLayer modules counted in module order; modeling_utils.py
+    _set_gradient_checkpointing); layer-sac:N, torchtitan's layers N-1, 2N-1, ..., and every:N on a transformers
+    without that argument, get the layers' flags set here the same way."""
     import inspect
 
+    from memplan.activations import EVERY, OP_SAC, checkpoint_every, is_checkpointed
+
+    every = checkpoint_every(recompute) or 1
     enable = getattr(model, "activation_checkpointing_enable", None)
-    if enable is not None and (every == 1 or "every_n_layers" in inspect.signature(enable).parameters):
+    if recompute == OP_SAC:  # torchtitan's per-op policy in each block's checkpoint
+        kwargs = {"use_reentrant": False, "context_fn": op_sac_context_fn()}
+        if enable is not None:
+            enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        return
+    if enable is not None and (every == 1 or (recompute.startswith(EVERY)
+                                              and "every_n_layers" in inspect.signature(enable).parameters)):
         enable(activation_checkpointing_kwargs={"use_reentrant": False},
                **({"every_n_layers": every} if every != 1 else {}))
         return
@@ -132,7 +144,49 @@ def checkpointing_on(model: Any, every: int = 1) -> None:
 
         layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
         for i, m in enumerate(layers):
-            m.gradient_checkpointing = i % every == 0
+            m.gradient_checkpointing = is_checkpointed(recompute, i)
+
+
+def op_sac_context_fn() -> Any:
+    """torchtitan's per-op selective activation checkpointing as a torch.utils.checkpoint context_fn (torchtitan
+    54aeddf5, distributed/activation_checkpoint.py _apply_op_sac, with models/llama3/infra/parallelize.py's
+    _op_sac_save_list): in each checkpointed block the outputs of aten.mm are kept but every second one (counted
+    per block, forward and recompute apart), and those of the fused attention kernels, reduce_scatter and max;
+    everything else is recomputed in backward. The trace's stand-in for a CUDA fused attention kernel
+    (substitutes_sdpa) marks the allocations that are that kernel's outputs; on a CPU the flash kernel
+    (_scaled_dot_product_flash_attention_for_cpu) is not on the list, and the real CPU run recomputes it too."""
+    from collections import defaultdict
+
+    import torch
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    from memplan import substitutes_sdpa
+
+    aten = torch.ops.aten
+    names = ("_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention",
+             "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_attention_math",
+             "_scaled_dot_product_fused_attention_overrideable", "max")
+    save = {aten.mm.default} | {getattr(aten, n).default for n in names if hasattr(aten, n)}
+    c10d = getattr(torch.ops, "_c10d_functional", None)
+    if c10d is not None and hasattr(c10d, "reduce_scatter_tensor"):
+        save.add(c10d.reduce_scatter_tensor.default)
+    mm = aten.mm.default
+
+    def context_fn() -> Any:
+        meta: dict[str, int] = defaultdict(int)
+
+        def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> Any:
+            mode = "recompute" if ctx.is_recompute else "forward"
+            if func == mm:
+                meta[mode] += 1
+            if substitutes_sdpa.SAC_KERNEL_OUTPUTS["on"]:
+                return CheckpointPolicy.MUST_SAVE
+            keep = func in save and not (func == mm and meta[mode] % 2 == 0)
+            return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+        return create_selective_checkpoint_contexts(policy)
+
+    return context_fn
 
 
 def meta_model(config: Mapping[str, Any], model_name: str = "model") -> Any:

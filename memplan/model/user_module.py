@@ -21,7 +21,7 @@ def build(config: dict[str, Any], batch: int, seq: int, dtype: str, recompute: s
     """(model, its blocks, run(model) -> loss), under the caller's device context (FakeTensorMode in a trace)."""
     import torch
 
-    from memplan.activations import checkpoint_every
+    from memplan.activations import is_checkpointed
     from memplan.model.meta_builder import call_factory
 
     # the parameters made in the trace's dtype, as from_config(dtype=...) makes transformers' (the default dtype
@@ -33,10 +33,9 @@ def build(config: dict[str, Any], batch: int, seq: int, dtype: str, recompute: s
     finally:
         torch.set_default_dtype(before)
     blocks = blocks_of(model)
-    every = checkpoint_every(recompute)
-    for i, blk in enumerate(blocks if every else ()):
-        if i % every == 0:  # every:N as transformers' every_n_layers
-            checkpointed(blk)
+    for i, blk in enumerate(blocks):
+        if is_checkpointed(recompute, i):  # full, every:N, layer-sac:N, op-sac
+            checkpointed(blk, recompute)
     # floating inputs in the parameters' dtype (what a bf16 job feeds a bf16 model)
     torch.set_default_dtype(getattr(torch, dtype))
     try:
@@ -51,13 +50,21 @@ def build(config: dict[str, Any], batch: int, seq: int, dtype: str, recompute: s
     return model, blocks, run
 
 
-def checkpointed(block: Any) -> None:
+def checkpointed(block: Any, recompute: str = "full") -> None:
+    """The block's forward in a non-reentrant checkpoint (with torchtitan's per-op policy for op-sac)."""
     from torch.utils.checkpoint import checkpoint
 
+    from memplan.activations import OP_SAC
+
     forward = block.forward
+    extra: dict[str, Any] = {}
+    if recompute == OP_SAC:
+        from memplan.model.meta_builder import op_sac_context_fn
+
+        extra["context_fn"] = op_sac_context_fn()
 
     def wrapped(*args: Any, **kwargs: Any) -> Any:
-        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+        return checkpoint(forward, *args, use_reentrant=False, **extra, **kwargs)
 
     block.forward = wrapped
 

@@ -85,7 +85,7 @@ def _layers(config: dict[str, Any]) -> int | None:
 
 def _heterogeneous(config: dict[str, Any], layers: int, recompute: str = "none") -> bool:
     """Blocks that differ are traced at full depth; a one-block model too (there is no second depth to
-    subtract); and every:N recompute, whose checkpointed blocks alternate with kept ones."""
+    subtract); and every:N / layer-sac:N recompute, whose checkpointed blocks alternate with kept ones."""
     from memplan.activations import checkpoint_every
 
     if (checkpoint_every(recompute) or 1) > 1:
@@ -161,6 +161,9 @@ def _profile(top: tuple[dict[str, Any], dict[str, Any]], low: tuple[dict[str, An
     raw = {"forward": lines("forward"), "backward": lines("backward"),
            "last_block_forward": lines("last_block_forward") if top[0]["last_block_forward"] else [],
            "blocks": segs[:2], "hooks": hk[:2], "first": segs[-1] if segs else None,
+           # traced at full depth, the second block (index 1) apart: FSDP's moment inside its backward
+           # (frameworks/fsdp2.py _inside_second); two alike traced blocks give it from the one before the last
+           **({"second": segs[-2]} if heterogeneous and len(segs) >= 4 else {}),
            "first_hooks": hk[-1] if segs and hk else None,
            "loss": _block_points(top[0]["loss_backward"], top[1]["loss_backward"])}
     # how many storages each point's bytes are made of (the larger of the two runs'): a profile fitted at another
@@ -172,6 +175,7 @@ def _profile(top: tuple[dict[str, Any], dict[str, Any]], low: tuple[dict[str, An
                                  if raw["last_block_forward"] else []),
              blocks=[_most(x, y) for x, y in zip(ca["blocks"], cb["blocks"])][:2],
              first=_most(ca["blocks"][-1], cb["blocks"][-1]) if ca["blocks"] else None,
+             **({"second": _most(ca["blocks"][-2], cb["blocks"][-2])} if "second" in raw else {}),
              hooks=[_most(x, y) for x, y in zip(ca["hooks"], cb["hooks"])][:2],
              first_hooks=_most(ca["hooks"][-1], cb["hooks"][-1]) if ca["blocks"] and ca["hooks"] else None,
              loss=_most(ca["loss_backward"], cb["loss_backward"]),
@@ -193,6 +197,7 @@ def _profile(top: tuple[dict[str, Any], dict[str, Any]], low: tuple[dict[str, An
         "block_backward": env["block_backward"],
         #: the first block's backward (the last to run), with no block below it
         "first_block_backward": env["first_block_backward"],
+        **({"second_block_backward": env["second_block_backward"]} if "second_block_backward" in env else {}),
         #: the loss's and the head's backward with the gradients of the parameters outside the blocks (see
         #: _loss_segment), every block's saved activations below it
         "loss_backward": env["loss_backward"],

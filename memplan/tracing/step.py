@@ -194,9 +194,8 @@ def one_step(config: dict[str, Any], batch: int, seq: int, recipe: str, attentio
         else:
             model = AutoModelForCausalLM.from_config(hf_config(config), dtype=getattr(torch, dtype),
                                                      attn_implementation="eager" if attention == "eager" else "sdpa")
-            every = checkpoint_every(recompute)
-            if every:
-                checkpointing_on(model, every)
+            if checkpoint_every(recompute):
+                checkpointing_on(model, recompute)
             user_blocks, ids = None, torch.zeros(batch, seq, dtype=torch.long)
             run = (lambda m: m(input_ids=ids, labels=ids).loss)  # noqa: E731
         if lora is not None:  # PEFT's adapters, after gradient checkpointing as a Trainer enables it

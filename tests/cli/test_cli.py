@@ -132,7 +132,7 @@ def test_a_factory_that_never_returns_is_stopped(tmp_path):
     (["validate", "gpt2", "--device", "cpu", "--vocab", "1"], "--vocab must be at least 2"),
     (["validate", "gpt2", "--device", "cpu", "--tolerance", "0"], "--tolerance must be a positive number"),
     (["validate", "gpt2", "--device", "cpu", "--steps", "0"], "steps must be at least 1"),
-    (["validate", "gpt2", "--device", "cpu", "--recompute", "selective"], "--recompute none or full"),
+    (["validate", "gpt2", "--device", "cpu", "--recompute", "selective"], "--recompute none, full, op-sac, every:N or layer-sac:N"),
     (["validate", "gpt2", "--device", "cpu", "--optimizer", "paged_adamw_8bit"], "paged optimizers need CUDA"),
     (["estimate", "gpt2", "--gpus", "2", "--strategy", "fsdp-full", "--optimizer", "adafactor"],
      "cannot step (they mix plain tensors with DTensors"),

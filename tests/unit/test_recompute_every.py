@@ -22,6 +22,10 @@ def test_values_are_checked_and_every_1_is_full():
     assert [act.checkpointed_blocks(f"every:{n}", 32) for n in (2, 3, 5, 32, 40)] == [16, 11, 7, 1, 1]
     assert act.checkpointed_blocks("full", 32) == 32 and act.checkpointed_blocks("none", 32) == 0
     assert [act.last_checkpointed(f"every:{n}", 4) for n in (2, 3)] == [False, True]
+    # torchtitan's layer SAC: blocks N-1, 2N-1, ... (its counter is incremented before the test)
+    assert act.valid_recompute("layer-sac:1") == "full"
+    assert [act.is_checkpointed("layer-sac:3", i) for i in range(7)] == [False, False, True] * 2 + [False]
+    assert [act.checkpointed_blocks(f"layer-sac:{n}", 32) for n in (2, 3, 32, 40)] == [16, 10, 1, 0]
 
 
 def test_analytic_profile_keeps_inputs_of_the_checkpointed_blocks_only():
@@ -57,5 +61,23 @@ def test_traced_every_2_is_full_depth_and_adds_up_block_by_block():
 def test_plan_ranks_fewer_recomputed_blocks_first():
     from memplan.planner import recompute_rank
 
-    order = ["none", "selective", "every:8", "every:2", "full"]
+    order = ["none", "selective", "layer-sac:8", "every:2", "full"]
     assert sorted(reversed(order), key=recompute_rank) == order
+
+
+def test_layer_sac_and_op_sac_traces():
+    """torchtitan's layer SAC checkpoints blocks N-1, 2N-1, ...; its per-op SAC keeps, per checkpointed block, the
+    outputs of all but every second aten.mm (q, v, gate and down of a llama block) besides the block's input."""
+    from memplan.tracing import trace_profile
+
+    cfg = scale_config(sources.resolve("llama-7b").config, layers=4, hidden=256, vocab=1024)[0]
+    t = {r: trace_profile(cfg, seq_len=128, recipe="deepspeed-bf16", attention="flash", recompute=r)
+         for r in ("every:2", "layer-sac:2", "op-sac")}
+    # layer-sac:2 checkpoints blocks 1 and 3: as many as every:2 (0 and 2), but the last one, recomputed first
+    assert t["layer-sac:2"]["live_after_forward"][1] == t["every:2"]["live_after_forward"][1]
+    assert t["layer-sac:2"]["backward_peak"][0][1] > t["every:2"]["backward_peak"][0][1]
+    # per sequence of 128 tokens in bf16, hidden 256, MLP 688: the input, q, v, down (hidden each), gate (688),
+    # and the flash kernel's output with its fp32 logsumexp (2 heads): the CUDA fused kernels are on the list
+    h, inter, s = 256, cfg["intermediate_size"], 128
+    assert t["op-sac"]["traced_layers"] == 2
+    assert t["op-sac"]["per_layer"][1] == s * 2 * (4 * h + inter) + s * 2 * h + 2 * s * 4

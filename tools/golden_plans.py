@@ -112,10 +112,31 @@ def _write(path: Path, got: dict[str, str]) -> None:
         fh.write(json.dumps(got, sort_keys=True, indent=0).encode())
 
 
+def _print_diff(want: dict[str, str], got: dict[str, str], bad: list[str]) -> None:
+    """The differing plans' peaks (per_gpu.peak_bytes), stored and now, the largest relative change first."""
+    rows = []
+    for k in bad:
+        if k not in want or k not in got:
+            print("only in one:", k)
+            continue
+        a, b = json.loads(want[k])["per_gpu"], json.loads(got[k])["per_gpu"]
+        rows.append((abs(b["peak_bytes"] - a["peak_bytes"]) / a["peak_bytes"], k, a, b))
+    rows.sort(reverse=True)
+    for rel, k, a, b in rows[:25]:
+        sign = "+" if b["peak_bytes"] >= a["peak_bytes"] else "-"
+        print(f"{k}: peak {a['peak_bytes']:,} -> {b['peak_bytes']:,} ({sign}{100 * rel:.3f}%), "
+              f"{a['peak_phase']} -> {b['peak_phase']}")
+    up = sum(1 for _, _, a, b in rows if b["peak_bytes"] > a["peak_bytes"])
+    down = sum(1 for _, _, a, b in rows if b["peak_bytes"] < a["peak_bytes"])
+    print(f"peaks up: {up}, down: {down}, unchanged: {len(rows) - up - down}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--check", action="store_true")
     ap.add_argument("--accuracy", action="store_true", help="the measured cases' predictions instead")
+    ap.add_argument("--diff", action="store_true",
+                    help="with --check: each differing plan's peak, stored and now, the largest changes first")
     args = ap.parse_args()
     path = GOLDEN_ACCURACY if args.accuracy else GOLDEN
     t0 = time.perf_counter()
@@ -124,6 +145,8 @@ def main() -> None:
     if args.check:
         want = load(path)
         bad = [k for k in want if got.get(k) != want[k]] + [k for k in got if k not in want]
+        if args.diff and not args.accuracy:
+            _print_diff(want, got, bad)
         for k in bad[:10]:
             print("differs:", k)
         print(f"{len(got)} plans in {dt:.1f} s; {len(bad)} differ")

@@ -269,6 +269,9 @@ def test_fsdp2_buffer_lifetimes_per_phase():
         (b, root + 2 * hd + 4 * b + 2 * b + 4 * b, M.PREVIOUS_BLOCK_BACKWARD_ENDS),
         # inside it
         (b, root + 2 * hd + 8 * b, M.INSIDE_PREVIOUS_BLOCK_BACKWARD),
+        # inside the second block (of four or more): itself, the first prefetched, the third's reduce-scatter
+        # input; the third's and the last's shards reduced
+        (2 * b, root + 2 * hd + 4 * b + 4 * b, M.INSIDE_SECOND_BLOCK_BACKWARD),
         # inside the first block: itself, the second block's reduce-scatter input; the other blocks' shards
         # reduced (the root's grads wait for its reduce at the very end)
         (3 * b, root + 2 * hd + 2 * b + 4 * b, M.INSIDE_FIRST_BLOCK_BACKWARD),
@@ -353,6 +356,7 @@ def test_fsdp1_buffer_lifetimes_per_phase():
         (0, root + 2 * hd + 2 * b + max(2 * b + 4 * b, 2 * b + 4 * b + b), M.PREVIOUS_BLOCK_BACKWARD_BEGINS),
         (b, root + 2 * hd + 4 * b, M.INSIDE_PREVIOUS_BLOCK_BACKWARD),  # inside the block before (the last block's fp32 shard reduced)
         (b, root + 2 * hd + 2 * b + 7 * b, M.PREVIOUS_BLOCK_BACKWARD_ENDS),  # the block before, its grads complete
+        (2 * b, root + 2 * hd + 4 * b, M.INSIDE_SECOND_BLOCK_BACKWARD),  # inside the second: itself, the first prefetched
         (3 * b, root + 2 * hd + 2 * b, M.INSIDE_FIRST_BLOCK_BACKWARD),  # inside the first block: the other blocks' shards reduced
         (0, root + 2 * hd + 2 * b + b, M.PREVIOUS_BLOCK_BACKWARD_BEGINS),  # after the last block's reduce: the prefetched block and its shard
     ]

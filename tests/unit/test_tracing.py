@@ -315,11 +315,13 @@ def test_block_moments_pair_activations_with_the_blocks_grads():
     src = sources.ModelSource(name="tiny", kind="config", description="test", config=cfg)
     block_numel = sources.build_inventory(src).largest_layer_block.numel
     for width in (2, 4):
-        (x0, g0), (x1, g1), (x2, g2) = prof.block_moments(3, width)
-        assert all(0 <= g <= block_numel for g in (g0, g1, g2))
+        (x0, g0), (x1, g1), (x2, g2), (x3, g3) = prof.block_moments(3, width)
+        assert all(0 <= g <= block_numel for g in (g0, g1, g2, g3))
         # inside the last block's backward every block below it still holds its activations; the one before it
         # (3 blocks: one untraced block below it) holds more than the first, which has none below
         assert x0 > x1 > x2 > 0
+        # the second block has one block below it: of three, it is the one before the last
+        assert (x3, g3) == (x1, g1)
     named = prof.moment_activations(3)
     fwd, _, saved, _, block = prof.terms("none", 3)
     # the last block's forward begins with everything but its own activations and the loss's saved

@@ -65,12 +65,6 @@ def parse_reshard(value: str | None) -> bool | int | None:
     return n
 
 
-def act_op_sac() -> str:
-    from memplan.activations import OP_SAC
-
-    return OP_SAC
-
-
 def activation_profile(config: dict[str, Any] | None, s: Settings, mode: str, notes: list[str]) -> Any:
     """The traced profile for these settings (shipped, cached or traced now), or None for the analytic one.
 
@@ -543,7 +537,7 @@ def resolve(inv: ParamInventory, *, gpus: int = 1, gpus_per_node: int | None = N
     conf = _allocator_conf(allocator_conf, device, notes, pick.sources)
     if lora is not None:
         recipe = lora_recipe(recipe, strat)
-    from memplan.activations import valid_recompute
+    from memplan.activations import OP_SAC, valid_recompute
 
     recompute = valid_recompute(recompute)
     settings = Settings(strategy=strat, recipe=recipe, optimizer=opt, cluster=cluster, optimizer_impl=optimizer_impl,
@@ -563,7 +557,7 @@ def resolve(inv: ParamInventory, *, gpus: int = 1, gpus_per_node: int | None = N
     if any(len(t.shape) >= 4 for t in inv.tensors):  # Conv2d/Conv3d kernels: a small CNN, -10.6% on CPU
         notes.append("convolutions: their kernels' scratch (cuDNN, oneDNN) is not modelled (docs/accuracy.md)")
     settings = replace(settings, activation_profile=activation_profile(config, settings, activations, notes))
-    if settings.activation_profile is None and settings.recompute == act_op_sac():
+    if settings.activation_profile is None and settings.recompute == OP_SAC:
         notes.append("recompute op-sac: the analytic activations do not know which operations torchtitan's policy "
                      "keeps; counted as without recompute (an upper bound)")
     max_pos = inv.dims.get("max_positions")

@@ -152,9 +152,21 @@ def _fsdp(job: JobFile, path: str, version: int, reshard: Any, strategy: Any, of
         job.values["cpu_offload"] = True
     if checkpointing:
         job.values["recompute"] = "full"
+    wrap = str(wrap).upper()
     if wrap == "NO_WRAP":  # only the root (FSDP2: fsdp2_prepare_auto_wrap_policy; FSDP1: no auto_wrap_policy)
         job.values["fsdp_wrap"] = "none"
-    elif wrap not in (None, "TRANSFORMER_BASED_WRAP"):
+        if version == 2:
+            job.notes.append(f"{path}: FSDP2 NO_WRAP: Accelerate 1.15 (fsdp2_prepare_model) still makes the input "
+                             "embedding and the final norm with the head their own units; memplan keeps them in the "
+                             "root (--fsdp-wrap none), which over-counts the embedding after forward")
+    elif wrap == "TRANSFORMER_BASED_WRAP" and version == 2:
+        # Accelerate 1.15's fsdp2_prepare_model: each decoder layer, then the input embedding its own unit
+        # (resharded after forward) and [final norm, head] one unit not resharded after forward (a tied embedding
+        # joins that unit); kept as the root's units here, where the reserved replay covers them
+        job.notes.append(f"{path}: Accelerate 1.15's FSDP2 makes an untied input embedding its own unit, resharded "
+                         "after forward; memplan keeps it in the root (--fsdp-wrap block, whose reserved peak is "
+                         "replayed), over-counting it after forward; --fsdp-wrap block+embeddings models those units")
+    elif wrap != "TRANSFORMER_BASED_WRAP":
         job.notes.append(f"{path}: FSDP auto-wrap policy {wrap}: memplan wraps each decoder block (as "
                          "TRANSFORMER_BASED_WRAP) and the root")
 
@@ -210,7 +222,9 @@ def read_accelerate(path: str) -> JobFile:
         _fsdp(job, path, int(f.get("version", 1)), f.get("reshard_after_forward"), f.get("sharding_strategy"),
               _flag(f.get("offload_params", False), "fsdp_offload_params", path),
               _flag(f.get("activation_checkpointing", False), "fsdp_activation_checkpointing", path),
-              f.get("auto_wrap_policy"))
+              # unset: accelerate's FullyShardedDataParallelPlugin.__post_init__ reads FSDP_AUTO_WRAP_POLICY,
+              # which the launcher sets only from the config, default "NO_WRAP"
+              f.get("auto_wrap_policy", "NO_WRAP"))
         job.values["precision"] = "fp32" if mixed == "no" else "fsdp-bf16"
         if mixed != "no":
             job.notes.append(f"{path}: {_FSDP_MIXED}")
@@ -322,7 +336,8 @@ def _training_fsdp(job: JobFile, path: str, fsdp: Any, cfg: Any, mixed: bool) ->
     _fsdp(job, path, version, f.get("reshard_after_forward"), None,
           _flag(f.get("cpu_offload", False), "fsdp_config.cpu_offload", path),
           _flag(f.get("activation_checkpointing", False), "fsdp_config.activation_checkpointing", path),
-          f.get("auto_wrap_policy"))
+          # unset: transformers' _process_fsdp_args defaults it to FSDP_AUTO_WRAP_POLICY[0], TRANSFORMER_BASED_WRAP
+          f.get("auto_wrap_policy", "TRANSFORMER_BASED_WRAP"))
     job.values["precision"] = "fsdp-bf16" if mixed else "fp32"
     if mixed:
         job.notes.append(f"{path}: {_FSDP_MIXED}")

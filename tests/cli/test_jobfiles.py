@@ -147,3 +147,13 @@ def test_accelerate_fsdp2_no_wrap_is_root_only(tmp_path):
     assert rep["strategy"]["torch"]["fsdp_wrap"] == "none"
     code, block = _json(["estimate", "llama-7b", "--gpus", "8", "--strategy", "fsdp-full"])
     assert rep["per_gpu"]["peak_bytes"] > block["per_gpu"]["peak_bytes"]
+    # no fsdp_auto_wrap_policy at all: accelerate's plugin defaults to NO_WRAP (FSDP_AUTO_WRAP_POLICY unset), for
+    # FSDP1 too; the Trainer's fsdp_config defaults to TRANSFORMER_BASED_WRAP
+    for version, wrap in ((2, "none"), (1, "none")):
+        acc = _write(tmp_path, f"acc{version}.yaml", "distributed_type: FSDP\nmixed_precision: bf16\nnum_processes: 8\n"
+                                                     f"fsdp_config:\n  fsdp_version: {version}\n")
+        code, rep = _json(["estimate", "llama-7b", "--accelerate-config", acc, "--activations", "analytic"])
+        assert rep["strategy"]["torch"]["fsdp_wrap"] == wrap
+    ta = _write(tmp_path, "ta.json", json.dumps({"fsdp": "full_shard", "bf16": True}))
+    code, rep = _json(["estimate", "llama-7b", "--gpus", "8", "--training-args", ta, "--activations", "analytic"])
+    assert rep["strategy"]["torch"]["fsdp_wrap"] == "block"

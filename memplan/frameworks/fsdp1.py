@@ -99,7 +99,8 @@ def buffers(job: Job, grads: Grads) -> BufferTimeline:
         # inside the second block's backward (index 1): itself and the first block unsharded (prefetched by its
         # pre-backward, BACKWARD_PRE; or kept since forward), every later block's new shard reduced, one block's
         # activations below it. Where a block's sharded gradients outweigh its activations memory grows through
-        # backward and peaks here (measured: llama-7b with 4 blocks, full recompute, -4.99% without it)
+        # backward and peaks here (the FSDP2 pattern, measured there: frameworks/fsdp2.py _inside_second; no FSDP1
+        # harness run yet where it is the peak)
         later = shard * sum(ceil_div(x, n) for x in sizes[2:])
         moments.append(BufferMoment(root + head_grads + cb * (sizes[0] + sizes[1]), later,
                                     Moment.INSIDE_SECOND_BLOCK_BACKWARD))

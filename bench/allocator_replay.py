@@ -30,6 +30,19 @@ STREAMS = {
     "phi3_fsdp_full": ("phi3-mini-4l.json", "fsdp2", "full", 4, 2048, "none"),
     "phi2_ddp_amp": ("phi-2-6l.json", "ddp", "amp", 4, 2048, "none"),
     "olmo2_fsdp_gradop_rc": ("olmo2-1b.json", "fsdp2", "gradop", 4, 2048, "full"),
+    # session 17 (.whl/go.sh with bench/gpu/device/case.py, SNAPSHOT=full): the runs whose reserved peak the
+    # replay missed, and three ZeRO-Offload runs
+    "gpt2_z2": ("gpt2.json", "deepspeed", '{"stage": 2}', 16, 1024, "none"),
+    "smollm2_ddp": ("smollm2-135m.json", "ddp", "amp", 8, 4096, "none"),
+    "olmoe_z3": ("olmoe-2l.json", "deepspeed", '{"stage": 3}', 2, 2048, "full"),
+    "l8b_z3": ("llama-3-8b-4l.json", "deepspeed", '{"stage": 3}', 2, 4096, "full"),
+    "l1b_z2off": ("llama-3.2-1b.json", "deepspeed",
+                  '{"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": true}}', 4, 2048, "full"),
+    "q05_z2off": ("qwen2.5-0.5b.json", "deepspeed",
+                  '{"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": true}}', 8, 2048, "none"),
+    "q05_z3offpo": ("qwen2.5-0.5b.json", "deepspeed",
+                    '{"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": true}, "offload_param": '
+                    '{"device": "cpu", "pin_memory": true}}', 4, 2048, "none"),
 }
 
 

@@ -132,6 +132,12 @@ def _expand_now(d: dict[str, Any], layers: int) -> list[tuple]:
     for sid, b in enumerate(births):
         by_region.setdefault(b.region, []).append(sid)
     counter = iter(range(1 << 62))
+    # the forward's and the backward's first cuBLAS call, after the births before it: ("m", "ws", thread) there
+    # (micro_step makes the thread's workspace at its first; a marker repeated with its block is ignored)
+    marks = {n - 1: thread for thread, n in (d.get("blas") or {}).items() if n > 0}
+    for thread, n in (d.get("blas") or {}).items():
+        if n <= 0:
+            out.append(("m", "ws", thread))
     for j, (kind, blk, r) in enumerate(full):
         out.append(("m", kind, blk))  # where each region begins, for the framework's own moments
         waiting = pending.setdefault(j, [])  # a heap of (slot, template position, key)
@@ -147,6 +153,8 @@ def _expand_now(d: dict[str, Any], layers: int) -> list[tuple]:
             size = b.size
             grad = b.grad if b.grad is None or b.grad < 0 else (blk if expand else b.grad)
             out.append(("a", key, size, grad))
+            if sid in marks:
+                out.append(("m", "ws", marks[sid]))
             death = deaths.get(sid)
             if death is None:
                 continue  # lives past the step (none in a traced step but what it returns)
@@ -195,6 +203,7 @@ class Run:
         self.n = 0
         self.anon = 0  #: keys of what the frameworks allocate (positive; a step's are negative)
         self.a.steps = self.steps = []  # type: ignore[attr-defined]
+        self.workspaces: set[str] = set()  #: threads whose cuBLAS workspace is made (_workspace)
 
     #: set by predict: stop (raise OverLimit) once the reserved bytes pass it
     limit: int | None = None
@@ -276,6 +285,8 @@ class ReplayJob:
     recipe: Any = None
     #: the shape of each optimizer tensor (() each: 1-D, as numels)
     shapes: tuple[tuple[int, ...], ...] = ()
+    #: the step marks its threads' first cuBLAS calls (("m", "ws", thread) events; see _workspace)
+    blas_marked: bool = False
 
     def state_allocs(self, numel: int, shape: tuple[int, ...] = ()) -> tuple[int, ...]:
         """The state tensors the optimizer makes for one tensor at its first step, bytes each, in order."""
@@ -307,6 +318,7 @@ def replay_job(inv: Any, s: Any, numels: list[int], shapes: list[tuple[int, ...]
                optimizer_impl=optimizer_impl(s), input_bytes=s.micro_batch * s.seq_len * 8,
                workspace_bytes=s.cluster.blas_workspace_bytes,
                step=_expand(d["alloc_events"], d["num_layers"]), micro_batch=s.micro_batch,
+               blas_marked=bool(d["alloc_events"].get("blas")),
                optimizer=s.optimizer, recipe=s.recipe, shapes=tuple(shapes or ()))
 
 
@@ -348,6 +360,8 @@ def micro_step(run: Run, job: ReplayJob, n: int, keep_grads: bool, at: Any = Non
     live, malloc, afree = run.live, a.malloc, a.free
     limit = Run.limit if Run.limit is not None else 1 << 62
     mb = job.micro_batch
+    if not job.blas_marked:
+        _workspace(run, job, "f")
     for e in job.step:
         kind = e[0]
         if kind == "a":
@@ -368,9 +382,25 @@ def micro_step(run: Run, job: ReplayJob, n: int, keep_grads: bool, at: Any = Non
                 b = live.pop(key, None)
                 if b is not None:
                     afree(b)
-        elif at is not None:
-            at(e[1], e[2])
+        elif e[1] == "ws":
+            _workspace(run, job, e[2])
+        else:
+            if e[1] == "mid" and not job.blas_marked:
+                _workspace(run, job, "b")
+            if at is not None:
+                at(e[1], e[2])
     return grads
+
+
+def _workspace(run: Run, job: ReplayJob, thread: str) -> None:
+    """A thread's cuBLAS workspace (the forward's "f", autograd's "b"), at its first cuBLAS call, kept for the
+    run: at::cuda::getCurrentCUDABlasHandle gives each thread its handle and, at its first use on a stream, a
+    workspace from the caching allocator (CUDABlas / CublasHandlePool.cpp), which lands in whatever block fits
+    at that moment. A profile traced without the calls marked (LiveBytes.blas) places them at the step's start
+    and where the head's backward begins."""
+    if thread not in run.workspaces:
+        run.workspaces.add(thread)
+        run.alloc(job.workspace_bytes)
 
 
 def optimizer_step(run: Run, job: ReplayJob, first: bool, states: list[Any]) -> None:

@@ -61,9 +61,6 @@ def replay_ddp(job: ReplayJob, config: AllocatorConfig | None = None, release: s
         grads: list[tuple[Any, int]] = []
         for m in range(job.grad_accum):
             ids = run.alloc(job.input_bytes)
-            if forwards == 0:
-                run.alloc(job.workspace_bytes)
-                run.alloc(job.workspace_bytes)
             if forwards == 1 and reducer:
                 old = buckets
                 ready = [size for _, size in first_grads]

@@ -90,8 +90,6 @@ def replay_fsdp2(job: ReplayJob, groups: tuple[FsdpGroup, ...], world: int, resh
         outputs: list[Any] = []
         for m in range(job.grad_accum):
             ids = run.alloc(job.input_bytes)
-            if n == 0 and m == 0:
-                run.alloc(job.workspace_bytes)
             _fsdp_micro_step(run, job, (n, m), blocks, root, world, reshard_after_forward, outputs,
                              first=n == 0 and m == 0, keep=m == 0)
             run.free(ids)
@@ -186,8 +184,6 @@ class _MicroStep:
             for k in self.held:  # the root's post-forward
                 self.run.free(k)
             self.held.clear()
-            if self.first:
-                self.run.alloc(self.job.workspace_bytes)  # autograd's thread's cuBLAS handle
             self.prefetch(nblocks - 1)
         if kind in ("B", "post") and self.bwd is not None:
             self.post_backward(self.bwd)

@@ -47,8 +47,6 @@ def replay_zero12(job: ReplayJob, stage: int, partition: int, flat: int, bucket:
         grads_flat = None
         for m in range(job.grad_accum):
             ids = run.alloc(job.input_bytes)
-            if n == 0 and m == 0:
-                run.alloc(job.workspace_bytes)
             ipg: list[Any] = []
             in_bucket = [0]
             # process_gradients: every hook sets up the bucket buffer(s); ZeRO-2 (partition_gradients) and
@@ -72,12 +70,7 @@ def replay_zero12(job: ReplayJob, stage: int, partition: int, flat: int, bucket:
                     ipg.extend(run.alloc(bucket * half) for _ in range(buffers))
                 if in_hooks:
                     reduce(nbytes)
-            first = n == 0 and m == 0
-
-            def at(kind: str, blk: int, first: bool = first) -> None:
-                if kind == "mid" and first:
-                    run.alloc(job.workspace_bytes)  # autograd's thread's cuBLAS handle
-            kept = micro_step(run, job, (n, m), keep_grads=not in_hooks, at=at, on_grad=on_grad)
+            kept = micro_step(run, job, (n, m), keep_grads=not in_hooks, on_grad=on_grad)
             for key, nbytes in reversed(kept):  # reduce_gradients, in the group's (module) order
                 reduce(nbytes)
                 run.free(key)  # copied into the bucket: the gradient is a view of it now

@@ -34,10 +34,10 @@ def replay_zero3(job: ReplayJob, world: int, partitions: tuple[int, ...], sub_gr
         before = run.a.peak_reserved
         for m in range(job.grad_accum):
             ids = run.alloc(job.input_bytes)
-            if n == 0 and m == 0:
-                run.alloc(job.workspace_bytes)
             at, gathered = _gathers(run, world, blocks, half, job, n == 0 and m == 0)
-            micro_step(run, job, (n, m), keep_grads=False, at=at)
+            on_grad, flush = _ipg_bucket(run, world, bucket, half)
+            micro_step(run, job, (n, m), keep_grads=False, at=at, on_grad=on_grad)
+            flush()  # independent_gradient_partition_epilogue: the bucket's rest
             for k in gathered.values():
                 run.free(k)
             gathered.clear()
@@ -75,15 +75,51 @@ def _setup(job: ReplayJob, world: int, partitions: tuple[int, ...], sub_groups: 
         run.free(k)
     run.empty_cache()
     run.alloc(total * half)  # fp16_partitioned_groups_flat; the partitions are views of it
-    for g in sub_groups:  # _create_fp32_partitions
-        clone = run.alloc(g * half)
+    # _create_fp32_partitions: ``converted = flat.to(device, dtype=fp32)``, then its ``.clone()`` kept; the local
+    # ``converted`` lets the previous sub-group's copy go only when it is rebound, the last at the return
+    converted = None
+    for g in sub_groups:
+        new = run.alloc(g * 4)
+        if converted is not None:
+            run.free(converted)
+        converted = new
         run.alloc(g * 4)
-        run.free(clone)
+    if converted is not None:
+        run.free(converted)
     for g in sub_groups:  # initialize_optimizer_states: a zero fp32 gradient per sub-group, dropped (the fused
         run.free(run.alloc(g * 4))  # Adam makes its states at the first real step: measured, step 1's peak)
     run.alloc(bucket * half)  # the ipg bucket buffer
     run.alloc(total * half)  # grad_partitions_flat_buffer
     return run
+
+
+#: the stream DeepSpeed reduces and partitions gradients on (reduce_and_partition_stream): its own pool
+REDUCE_STREAM = 1
+
+
+def _ipg_bucket(run: Run, world: int, bucket: int, half: int) -> tuple[Any, Any]:
+    """The gradient hooks' bucket (stage3.py reduce_independent_p_g_buckets_and_remove_grads): a gradient that
+    would take the bucket past reduce_bucket_size reduces it first (__reduce_and_partition_ipg_grads ->
+    __avg_scatter_grads -> comm/coalesced_collectives.py reduce_scatter_coalesced, on the reduce stream), which
+    torch.cat's the bucket's gradients, each padded to a multiple of the ranks, into one buffer (none where the
+    bucket holds one gradient that needs no padding), freed once the partitions are copied out. Returns the
+    hook (on_grad) and the flush."""
+    state = {"elements": 0, "padded": 0, "count": 0, "exact": True}
+
+    def flush() -> None:
+        if state["count"] > 1 or (state["count"] == 1 and not state["exact"]):
+            run.free(run.alloc(state["padded"] * half, stream=REDUCE_STREAM))
+        state.update(elements=0, padded=0, count=0, exact=True)
+
+    def on_grad(nbytes: int, *_: Any) -> None:
+        numel = nbytes // half
+        if state["elements"] + numel > bucket and state["elements"] > 0:
+            flush()
+        state["elements"] += numel
+        state["padded"] += -(-numel // world) * world
+        state["count"] += 1
+        state["exact"] = numel % world == 0
+    return on_grad, flush
 
 
 def _gathers(run: Run, world: int, blocks: tuple[int, ...], half: int, job: ReplayJob,
@@ -116,8 +152,6 @@ def _gathers(run: Run, world: int, blocks: tuple[int, ...], half: int, job: Repl
             gather(blk)
             gather(blk - 1)
             state["b"] = blk
-        if kind == "mid" and first:
-            run.alloc(job.workspace_bytes)
     return at, gathered
 
 

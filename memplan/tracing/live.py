@@ -35,6 +35,10 @@ class LiveBytes:
         self.op = ""
         self.origins: list[list[Any]] = []
         self.grad_ids: set[int] = set()
+        #: births before the first cuBLAS call's outputs are tracked and counted, in forward ("f") and after it
+        #: ("b"): where the forward thread's and autograd's thread's cuBLAS workspaces are allocated (BLAS_OPS)
+        self.blas: dict[str, int] = {}
+        self.phase = "f"
 
     def track(self, t: Any) -> None:
         st = t.untyped_storage()
@@ -112,6 +116,13 @@ class LiveBytes:
         return out
 
 
+#: the ATen operators a CUDA build runs through cuBLAS(Lt) (aten/src/ATen/native/cuda/Blas.cpp): the first one a
+#: thread calls creates that thread's handle and its workspace (at::cuda::getCurrentCUDABlasHandle ->
+#: getCUDABlasLtWorkspace / cublasSetWorkspace, allocated by the caching allocator), after the op's output
+BLAS_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm", "addbmm", "mv", "addmv", "dot", "vdot", "addr",
+                      "_addmm_activation", "_scaled_mm", "_int_mm"})
+
+
 def dispatch_mode(live: LiveBytes, scratch: Any = None) -> Any:
     """Follows every storage created under it; ``scratch(func, args, out)`` adds an op's own temporary bytes
     (allocated and freed inside the kernel) as one extra point of the timeline after the op."""
@@ -126,6 +137,8 @@ def dispatch_mode(live: LiveBytes, scratch: Any = None) -> Any:
             for t in tree_leaves(out):
                 if isinstance(t, torch.Tensor):
                     live.track(t)
+            if live.phase not in live.blas and live.op.split(".")[0] in BLAS_OPS:
+                live.blas[live.phase] = len(live._births_list)
             if scratch is not None:
                 extra = scratch(func, args, out)
                 if extra:

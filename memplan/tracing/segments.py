@@ -115,7 +115,9 @@ def alloc_events(a: dict[str, Any], b: dict[str, Any], *, expand: bool) -> dict[
     gradient it is, -1 outside the blocks) or a death (the id of the storage: the number of births before its
     own). "fs", "fe", "bs", "be": per traced block, the event index at which its forward starts and ends and its
     backward starts and ends (the gradient of its output, then of its input, complete); "expand": the blocks
-    are alike and memplan/reserved.py repeats them to the model's depth. None where the two runs differ."""
+    are alike and memplan/reserved.py repeats them to the model's depth; "blas": {"f": n, "b": n}, the births
+    before the forward's and the backward's first cuBLAS call (where its thread's workspace is allocated). None
+    where the two runs differ."""
     ea, eb = a["events"], b["events"]
     if len(ea) != len(eb) or a["regions"] != b["regions"]:
         return None
@@ -134,5 +136,9 @@ def alloc_events(a: dict[str, Any], b: dict[str, Any], *, expand: bool) -> dict[
     n = len(r["fs"])
     if any(sorted(r[k]) != list(range(n)) for k in ("fs", "fe", "bs", "be")):
         return None
+    # births before the forward's and the backward's first cuBLAS call (LiveBytes.blas), where both runs agree
+    blas = a.get("blas") or {}
+    blas = {k: v for k, v in blas.items() if (b.get("blas") or {}).get(k) == v}
     return {"events": out, "expand": expand, "forward_end": r["forward_end"],
+            **({"blas": blas} if blas else {}),
             **{k: [r[k][i] for i in range(n)] for k in ("fs", "fe", "bs", "be")}}

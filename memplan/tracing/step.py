@@ -240,6 +240,7 @@ def one_step(config: dict[str, Any], batch: int, seq: int, recipe: str, attentio
                 live.tick()
                 forward_end = len(live.timeline)
                 moments.regions["forward_end"] = len(live.events)
+                live.phase = "b"  # the backward's ops run on autograd's device thread, with its own cuBLAS handle
                 after_forward = live.live
                 first_contributions(loss, live, hooks.first_contrib)
                 loss.backward()
@@ -287,7 +288,7 @@ def _result(live: LiveBytes, m: _BlockMoments, h: _GradientHooks, kernels: dict[
             "root_hooks_done": root_hooks_done(timeline, h.grads, h.hook_points, forward_end, m.backward_starts),
             "loss_backward": loss_segment(timeline, h.grads, h.root_firsts, forward_end, blocks, m.backward_starts),
             "attention_kernels": kernels,
-            "events": live.events, "regions": m.regions,
+            "events": live.events, "regions": m.regions, "blas": dict(live.blas),
             "last_block_forward_start": last_start[0],
             "last_block_forward": timeline[last_start[1]:m.forward_ends.get(nblocks - 1, 0) + 1]}
 

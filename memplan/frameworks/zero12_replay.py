@@ -25,7 +25,8 @@ def _partition_params(inv: Any, n: int) -> tuple[int, ...]:
 
 
 def replay_zero12(job: ReplayJob, stage: int, partition: int, flat: int, bucket: int, buffers: int,
-                  norms: tuple[int, ...], half: int = 2, config: AllocatorConfig | None = None) -> Allocator:
+                  norms: tuple[int, ...], half: int = 2, config: AllocatorConfig | None = None,
+                  offload: Offload | None = None) -> Allocator:
     """DeepSpeed ZeRO-1/2 (deepspeed/runtime/zero/stage_1_and_2.py, DeepSpeedZeroOptimizer) with a fused Adam,
     per rank, in its elements: ``flat`` (the aligned flat bit16 group), ``partition`` (this rank's), ``bucket``
     (reduce_bucket_size), ``buffers`` (2 with overlap_comm), ``norms`` (the elements of each parameter whose
@@ -40,8 +41,10 @@ def replay_zero12(job: ReplayJob, stage: int, partition: int, flat: int, bucket:
     and takes them then; the first reduce (a full bucket, or the last) makes grads_in_partition; the bucket goes
     at the end of backward; the norm takes each gradient in fp64 (get_grad_norm_direct:
     vector_norm(g.data.to(get_norm_dtype()))); the step flattens the partition's gradients again and converts them to fp32
-    (single_grad_partition), Adam makes its states at the first step, and the fp32 gradient goes."""
-    run = _setup(job, partition, flat, half, config)
+    (single_grad_partition), Adam makes its states at the first step, and the fp32 gradient goes.
+
+    ZeRO-Offload (``offload``): see Offload; the optimizer and its states live on the host."""
+    run = _setup(job, partition, flat, half, config, offload)
     for n in range(MAX_STEPS):
         before = run.a.peak_reserved
         grads_flat = None
@@ -54,16 +57,30 @@ def replay_zero12(job: ReplayJob, stage: int, partition: int, flat: int, bucket:
             # takes them one by one at the end of backward (stage_1_and_2.py process_gradients)
             in_hooks = stage == 2 or buffers > 1
 
+            pending: list[int] = []  # the bucket's gradients (elements), for the offload's copies
+            if offload is not None:
+                offload.seen = 0
+
+            def flush() -> None:
+                """reduce_ipg_grads: the first reduce makes grads_in_partition (copy_grads_in_partition); with
+                ZeRO-Offload each gradient in the rank's partition is copied to the host instead (Offload)."""
+                nonlocal grads_flat
+                if offload is not None:
+                    for numel in pending:
+                        offload.copy_to_host(run, numel)
+                elif grads_flat is None:
+                    grads_flat = run.alloc(partition * half)
+                pending.clear()
+                in_bucket[0] = 0
+
             def reduce(nbytes: int) -> None:
                 """reduce_independent_p_g_buckets_and_remove_grads: a gradient that would overflow the bucket
-                reduces it first, and the first reduce makes grads_in_partition (copy_grads_in_partition)."""
-                nonlocal grads_flat
+                reduces it first."""
                 numel = nbytes // half
                 if in_bucket[0] + numel > bucket:
-                    in_bucket[0] = 0
-                    if grads_flat is None:
-                        grads_flat = run.alloc(partition * half)
+                    flush()
                 in_bucket[0] += numel
+                pending.append(numel)
 
             def on_grad(nbytes: int, *_: Any) -> None:
                 if not ipg:
@@ -74,27 +91,62 @@ def replay_zero12(job: ReplayJob, stage: int, partition: int, flat: int, bucket:
             for key, nbytes in reversed(kept):  # reduce_gradients, in the group's (module) order
                 reduce(nbytes)
                 run.free(key)  # copied into the bucket: the gradient is a view of it now
-            if grads_flat is None:  # the epilogue's reduce
-                grads_flat = run.alloc(partition * half)
+            if pending or (grads_flat is None and offload is None):  # the epilogue's reduce
+                flush()
             for k in ipg:
                 run.free(k)
             run.free(ids)
-        _optimizer_step(run, job, norms, partition, half, grads_flat, first=n == 0)
+        if offload is None:
+            _optimizer_step(run, job, norms, partition, half, grads_flat, first=n == 0)
         run.end_step()
         if n >= 1 and run.a.peak_reserved == before:
             break
     return run.a
 
 
-def _setup(job: ReplayJob, partition: int, flat: int, half: int, config: AllocatorConfig | None) -> Run:
+class Offload:
+    """ZeRO-Offload of the optimizer (offload_optimizer.device cpu), DeepSpeed 0.19.8 stage_1_and_2.py, on the
+    device: the fp32 master partition is made on the host from a device clone of the bit16 partition
+    (``.detach().clone().to(device="cpu", dtype=fp32)``: the clone is a device temporary), and
+    temp_grad_buffer_for_gpu_offload (zeros of the largest parameter, bit16) stays; in each reduce every gradient
+    in the rank's partition is copied to the host's fp32 gradient: copy_grads_in_partition ->
+    set_norm_for_param_grad_in_gpu (``.to(float64).norm(2)``: an fp64 temporary) and
+    async_inplace_copy_grad_to_fp32_buffer_from_gpu (``src.to(fp32)`` then a non-blocking copy: an fp32
+    temporary); the step runs on the host and copies the bit16 partition back (same dtype: no temporary).
+    Measured: bench/gpu/traces/l1b_z2off and q05_z2off.
+
+    ``largest``: elements of the largest parameter; ``psi``: the model's elements; ``partition``: this rank's
+    (the first rank's, which holds the first elements in module order: the gradients that come last in
+    backward)."""
+
+    def __init__(self, largest: int, psi: int, partition: int, half: int) -> None:
+        self.largest, self.psi, self.partition, self.half = largest, psi, partition, half
+        self.seen = 0  # gradient elements reduced so far in this backward (the replay resets it)
+
+    def copy_to_host(self, run: Run, numel: int) -> None:
+        self.seen += numel
+        inside = max(0, min(numel, self.seen - (self.psi - self.partition)))
+        if inside:
+            run.free(run.alloc(inside * 8))  # the norm's fp64 copy
+            if self.half != 4:
+                run.free(run.alloc(inside * 4))  # the fp32 copy sent to the host
+
+
+def _setup(job: ReplayJob, partition: int, flat: int, half: int, config: AllocatorConfig | None,
+           offload: Offload | None = None) -> Run:
     """The model built and converted, the cache emptied, the flat bit16 group (the parameters become views of it),
-    the fp32 master partition (a clone made fp32) and initialize_optimizer_states' zero gradient."""
+    the fp32 master partition (a clone made fp32) and initialize_optimizer_states' zero gradient; with
+    ZeRO-Offload the partition's device clone and the largest parameter's gradient buffer."""
     run = Run(config or AllocatorConfig())
     keys = build_model(run, job)
     run.empty_cache()
     run.alloc(flat * half)  # bit16_groups_flat
     for k in keys:
         run.free(k)
+    if offload is not None:
+        run.free(run.alloc(partition * half))  # .detach().clone(), then .to("cpu", fp32)
+        run.alloc(offload.largest * half)  # temp_grad_buffer_for_gpu_offload
+        return run
     clone = run.alloc(partition * half)
     run.alloc(partition * 4)  # single_partition_of_fp32_groups
     run.free(clone)
@@ -123,6 +175,9 @@ def _optimizer_step(run: Run, job: ReplayJob, norms: tuple[int, ...], partition:
 def why_not(s: Any) -> str | None:
     """DeepSpeed setups not written down yet (stage 0's BF16_Optimizer, ZeRO-Offload, ZeRO++ hpZ)."""
     st = s.strategy
+    if st.zero_stage in (1, 2) and s.ds.offload_optimizer and not s.ds.offload_param \
+            and s.ds.hpz_partition_size <= 1:
+        return None
     if st.zero_stage not in (1, 2, 3) or s.ds.offload_optimizer or s.ds.offload_param or s.ds.hpz_partition_size > 1:
         what = "ZeRO-Offload" if s.ds.offload_optimizer or s.ds.offload_param else (
             "ZeRO++ hpZ" if s.ds.hpz_partition_size > 1 else f"stage {st.zero_stage}")
@@ -139,6 +194,10 @@ def replay(inv: Any, s: Any, config: AllocatorConfig) -> tuple[str, dict[str, Al
     flat = ceil_div(inv.num_params, 2 * n) * 2 * n  # flatten_dense_tensors_aligned(..., 2 * dp_size)
     part = flat // n
     job = replay_job(inv, s, [part])
+    offload = None
+    if s.ds.offload_optimizer:
+        largest = max((t.numel for t in inv.tensors), default=0)
+        offload = Offload(largest, inv.num_params, part, s.recipe.param_bytes)
     a = replay_zero12(job, st.zero_stage, part, flat, s.ds.reduce_bucket_size, 2 if s.ds.overlap_comm else 1,
-                      _partition_params(inv, n), s.recipe.param_bytes, config)
-    return f"ZeRO-{st.zero_stage}", {"": a}
+                      _partition_params(inv, n), s.recipe.param_bytes, config, offload)
+    return f"ZeRO-{st.zero_stage}" + (" Offload" if offload else ""), {"": a}

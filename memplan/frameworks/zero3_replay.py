@@ -5,13 +5,12 @@ from __future__ import annotations
 from typing import Any
 
 from memplan.allocator import Allocator, AllocatorConfig
-from memplan.frameworks.zero12_replay import why_not  # noqa: F401  (DeepSpeed's, shared)
 from memplan.replay import MAX_STEPS, ReplayJob, Run, micro_step
 
 
 def replay_zero3(job: ReplayJob, world: int, partitions: tuple[int, ...], sub_groups: tuple[int, ...],
                  blocks: tuple[int, ...], bucket: int, half: int = 2,
-                 config: AllocatorConfig | None = None) -> Allocator:
+                 config: AllocatorConfig | None = None, offload: bool = False) -> Allocator:
     """DeepSpeed ZeRO-3 (deepspeed/runtime/zero/stage3.py, partition_parameters.py) with a fused Adam, per rank:
     ``partitions`` (each parameter's partition, elements, module order), ``sub_groups`` (the optimizer's
     sub-groups, elements), ``blocks`` (each block's gathered elements, with more than one rank), ``bucket``
@@ -28,21 +27,27 @@ def replay_zero3(job: ReplayJob, world: int, partitions: tuple[int, ...], sub_gr
     prefetched) and freed after it, and again in backward. Each gradient goes into the bucket in its hook and is
     freed; full buckets are reduced into the flat gradient buffer. The optimizer, sub-group by sub-group,
     flattens the gradients (bit16), converts them to fp32, steps and frees them; the norm reads each gradient in
-    fp64 first."""
-    run = _setup(job, world, partitions, sub_groups, bucket, half, config)
+    fp64 first.
+
+    ``offload`` (offload_optimizer to the host): the fp32 partitions, their gradients and the flat gradient buffer
+    are on the host (made there: a blocking copy converts on the host), the optimizer steps there; each bucket's
+    reduce copies every gradient partition to the host through the device (see _ipg_bucket).
+    Measured: ../shared/gpu/traces/zero3_offload."""
+    run = _setup(job, world, partitions, sub_groups, bucket, half, config, offload)
     for n in range(MAX_STEPS):
         before = run.a.peak_reserved
         for m in range(job.grad_accum):
             ids = run.alloc(job.input_bytes)
             at, gathered = _gathers(run, world, blocks, half, job, n == 0 and m == 0)
-            on_grad, flush = _ipg_bucket(run, world, bucket, half)
+            on_grad, flush = _ipg_bucket(run, world, bucket, half, offload)
             micro_step(run, job, (n, m), keep_grads=False, at=at, on_grad=on_grad)
             flush()  # independent_gradient_partition_epilogue: the bucket's rest
             for k in gathered.values():
                 run.free(k)
             gathered.clear()
             run.free(ids)
-        _optimizer_step(run, job, partitions, sub_groups, half, n == 0)
+        if not offload:
+            _optimizer_step(run, job, partitions, sub_groups, half, n == 0)
         run.end_step()
         if n >= 1 and run.a.peak_reserved == before:
             break
@@ -50,8 +55,9 @@ def replay_zero3(job: ReplayJob, world: int, partitions: tuple[int, ...], sub_gr
 
 
 def _setup(job: ReplayJob, world: int, partitions: tuple[int, ...], sub_groups: tuple[int, ...], bucket: int,
-           half: int, config: AllocatorConfig | None) -> Run:
-    """The partitions made, defragmented, the fp32 sub-group partitions, the bucket and the flat gradient buffer."""
+           half: int, config: AllocatorConfig | None, offload: bool = False) -> Run:
+    """The partitions made, defragmented, the fp32 sub-group partitions, the bucket and the flat gradient buffer
+    (with the optimizer offloaded, only the flat bit16 buffer and the bucket are on the device)."""
     run = Run(config or AllocatorConfig())
     total = sum(partitions)
     if world == 1:
@@ -75,6 +81,10 @@ def _setup(job: ReplayJob, world: int, partitions: tuple[int, ...], sub_groups: 
         run.free(k)
     run.empty_cache()
     run.alloc(total * half)  # fp16_partitioned_groups_flat; the partitions are views of it
+    if offload:
+        run.alloc(bucket * half)  # the ipg bucket buffer
+        _hook_gathers(run, job, half)
+        return run
     # _create_fp32_partitions: ``converted = flat.to(device, dtype=fp32)``, then its ``.clone()`` kept; the local
     # ``converted`` lets the previous sub-group's copy go only when it is rebound, the last at the return
     converted = None
@@ -86,30 +96,67 @@ def _setup(job: ReplayJob, world: int, partitions: tuple[int, ...], sub_groups: 
         run.alloc(g * 4)
     if converted is not None:
         run.free(converted)
-    for g in sub_groups:  # initialize_optimizer_states: a zero fp32 gradient per sub-group, dropped (the fused
-        run.free(run.alloc(g * 4))  # Adam makes its states at the first real step: measured, step 1's peak)
+    # initialize_optimizer_states: one zero fp32 gradient of the largest sub-group, narrowed for each and dropped
+    # (the fused Adam makes its states at the first real step: measured, step 1's peak)
+    if sub_groups:
+        run.free(run.alloc(max(sub_groups) * 4))
     run.alloc(bucket * half)  # the ipg bucket buffer
     run.alloc(total * half)  # grad_partitions_flat_buffer
+    _hook_gathers(run, job, half)
     return run
+
+
+def _hook_gathers(run: Run, job: ReplayJob, half: int) -> None:
+    """create_reduce_and_remove_grad_hooks (stage3.py): each parameter, in module order, is gathered whole
+    (``param.all_gather()``: "the hook must be created in un-partitioned parameter") and partitioned again.
+    Measured on the H100 (bench/gpu/traces/l8b_z3, olmoe_z3; ../shared/gpu/traces/zero3_offload): one transient
+    of each parameter's full size after the flat gradient buffer."""
+    for n, alias in job.build:
+        if not alias:
+            run.free(run.alloc(n // 4 * half))  # built in fp32: n // 4 elements
 
 
 #: the stream DeepSpeed reduces and partitions gradients on (reduce_and_partition_stream): its own pool
 REDUCE_STREAM = 1
 
 
-def _ipg_bucket(run: Run, world: int, bucket: int, half: int) -> tuple[Any, Any]:
+#: _constant_buffered_norm2's chunk (stage3.py: the norm of a gradient partition, in fp64, 250M elements at a time)
+NORM_CHUNK = 250_000_000
+
+
+def _ipg_bucket(run: Run, world: int, bucket: int, half: int, offload: bool = False) -> tuple[Any, Any]:
     """The gradient hooks' bucket (stage3.py reduce_independent_p_g_buckets_and_remove_grads): a gradient that
     would take the bucket past reduce_bucket_size reduces it first (__reduce_and_partition_ipg_grads ->
     __avg_scatter_grads -> comm/coalesced_collectives.py reduce_scatter_coalesced, on the reduce stream), which
     torch.cat's the bucket's gradients, each padded to a multiple of the ranks, into one buffer (none where the
     bucket holds one gradient that needs no padding), freed once the partitions are copied out. Returns the
-    hook (on_grad) and the flush."""
-    state = {"elements": 0, "padded": 0, "count": 0, "exact": True}
+    hook (on_grad) and the flush.
+
+    With the optimizer offloaded, partition_grads then takes the bucket's gradients in ds_id (module) order, each
+    on the reduce stream: its partition copied to the host's flat gradient buffer and back to the device
+    (``grad_buffer.to(device)``: a bit16 copy, dropped when the loop takes the next), its norm in fp64 chunks
+    (_constant_buffered_norm2) and an fp32 copy for the host's fp32 gradient (_offload_grad_partition_at_boundary)."""
+    state: dict[str, Any] = {"elements": 0, "padded": 0, "count": 0, "exact": True, "parts": []}
 
     def flush() -> None:
+        cat = None
         if state["count"] > 1 or (state["count"] == 1 and not state["exact"]):
-            run.free(run.alloc(state["padded"] * half, stream=REDUCE_STREAM))
-        state.update(elements=0, padded=0, count=0, exact=True)
+            cat = run.alloc(state["padded"] * half, stream=REDUCE_STREAM)
+        if offload:
+            copy = None
+            for part in reversed(state["parts"]):
+                if copy is not None:
+                    run.free(copy)
+                copy = run.alloc(part * half, stream=REDUCE_STREAM)
+                for start in range(0, part, NORM_CHUNK):
+                    run.free(run.alloc(min(NORM_CHUNK, part - start) * 8, stream=REDUCE_STREAM))
+                if half != 4:
+                    run.free(run.alloc(part * 4, stream=REDUCE_STREAM))
+            if copy is not None:
+                run.free(copy)
+        if cat is not None:
+            run.free(cat)
+        state.update(elements=0, padded=0, count=0, exact=True, parts=[])
 
     def on_grad(nbytes: int, *_: Any) -> None:
         numel = nbytes // half
@@ -119,6 +166,7 @@ def _ipg_bucket(run: Run, world: int, bucket: int, half: int) -> tuple[Any, Any]
         state["padded"] += -(-numel // world) * world
         state["count"] += 1
         state["exact"] = numel % world == 0
+        state["parts"].append(-(-numel // world))
     return on_grad, flush
 
 
@@ -185,5 +233,16 @@ def replay(inv: Any, s: Any, config: AllocatorConfig) -> tuple[str, dict[str, Al
     groups = sub_groups(list(parts), s.ds.sub_group_size)
     blocks = tuple(b.numel for b in inv.layer_blocks)
     job = replay_job(inv, s, [sum(parts)])
-    return "ZeRO-3", {"": replay_zero3(job, n, parts, tuple(groups), blocks, s.ds.reduce_bucket_size,
-                                       s.recipe.param_bytes, config)}
+    offload = bool(s.ds.offload_optimizer)
+    return "ZeRO-3" + (" Offload" if offload else ""), {
+        "": replay_zero3(job, n, parts, tuple(groups), blocks, s.ds.reduce_bucket_size, s.recipe.param_bytes, config,
+                         offload)}
+
+
+def why_not(s: Any) -> str | None:
+    """DeepSpeed setups not written down yet: parameters offloaded (offload_param), ZeRO++ hpZ."""
+    if s.ds.offload_param:
+        return "DeepSpeed ZeRO-3 with offload_param not modelled yet"
+    if s.ds.hpz_partition_size > 1:
+        return "DeepSpeed ZeRO++ hpZ not modelled yet"
+    return None

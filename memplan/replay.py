@@ -88,6 +88,29 @@ def _full_regions(regions: list[tuple[str, int, int, int]], expand: bool, depth:
     return full
 
 
+def _blas_guess(d: dict[str, Any], births: list[_Birth], region_of: list[int],
+               regions: list[tuple[str, int, int, int]]) -> dict[str, int]:
+    """Where a profile traced before the first cuBLAS calls were marked (LiveBytes.blas) has them: the forward's
+    where the first block's forward begins; the backward's after the first birth of backward that does not grow
+    with the micro-batch and holds at least 1 MiB (the head's weight gradient, a matmul's output: measured on the
+    H100, the autograd thread's workspace comes right after it), else at backward's first birth."""
+    f0 = next((r for r, (k, t, _, _) in enumerate(regions) if k == "F" and t == 0), None)
+    out: dict[str, int] = {}
+    fe = d.get("forward_end", 0)
+    count = 0
+    for i, e in enumerate(d["events"]):
+        if not isinstance(e, list):
+            continue
+        if "f" not in out and region_of[i] == f0:
+            out["f"] = count
+        if "b" not in out and i >= fe and e[1] == 0 and e[0] >= 1 << 20:
+            out["b"] = count + 1
+        count += 1
+    if "b" not in out:
+        out["b"] = min(sum(1 for e in d["events"][:fe] if isinstance(e, list)) + 1, len(births))
+    return out
+
+
 def _expand_now(d: dict[str, Any], layers: int) -> list[tuple]:
     events = d["events"]
     n = len(events)
@@ -134,8 +157,9 @@ def _expand_now(d: dict[str, Any], layers: int) -> list[tuple]:
     counter = iter(range(1 << 62))
     # the forward's and the backward's first cuBLAS call, after the births before it: ("m", "ws", thread) there
     # (micro_step makes the thread's workspace at its first; a marker repeated with its block is ignored)
-    marks = {n - 1: thread for thread, n in (d.get("blas") or {}).items() if n > 0}
-    for thread, n in (d.get("blas") or {}).items():
+    blas = d.get("blas") or _blas_guess(d, births, region_of, regions)
+    marks = {n - 1: thread for thread, n in blas.items() if n > 0}
+    for thread, n in blas.items():
         if n <= 0:
             out.append(("m", "ws", thread))
     for j, (kind, blk, r) in enumerate(full):
@@ -285,8 +309,6 @@ class ReplayJob:
     recipe: Any = None
     #: the shape of each optimizer tensor (() each: 1-D, as numels)
     shapes: tuple[tuple[int, ...], ...] = ()
-    #: the step marks its threads' first cuBLAS calls (("m", "ws", thread) events; see _workspace)
-    blas_marked: bool = False
 
     def state_allocs(self, numel: int, shape: tuple[int, ...] = ()) -> tuple[int, ...]:
         """The state tensors the optimizer makes for one tensor at its first step, bytes each, in order."""
@@ -318,7 +340,6 @@ def replay_job(inv: Any, s: Any, numels: list[int], shapes: list[tuple[int, ...]
                optimizer_impl=optimizer_impl(s), input_bytes=s.micro_batch * s.seq_len * 8,
                workspace_bytes=s.cluster.blas_workspace_bytes,
                step=_expand(d["alloc_events"], d["num_layers"]), micro_batch=s.micro_batch,
-               blas_marked=bool(d["alloc_events"].get("blas")),
                optimizer=s.optimizer, recipe=s.recipe, shapes=tuple(shapes or ()))
 
 
@@ -360,8 +381,6 @@ def micro_step(run: Run, job: ReplayJob, n: int, keep_grads: bool, at: Any = Non
     live, malloc, afree = run.live, a.malloc, a.free
     limit = Run.limit if Run.limit is not None else 1 << 62
     mb = job.micro_batch
-    if not job.blas_marked:
-        _workspace(run, job, "f")
     for e in job.step:
         kind = e[0]
         if kind == "a":
@@ -384,11 +403,8 @@ def micro_step(run: Run, job: ReplayJob, n: int, keep_grads: bool, at: Any = Non
                     afree(b)
         elif e[1] == "ws":
             _workspace(run, job, e[2])
-        else:
-            if e[1] == "mid" and not job.blas_marked:
-                _workspace(run, job, "b")
-            if at is not None:
-                at(e[1], e[2])
+        elif at is not None:
+            at(e[1], e[2])
     return grads
 
 
@@ -396,8 +412,8 @@ def _workspace(run: Run, job: ReplayJob, thread: str) -> None:
     """A thread's cuBLAS workspace (the forward's "f", autograd's "b"), at its first cuBLAS call, kept for the
     run: at::cuda::getCurrentCUDABlasHandle gives each thread its handle and, at its first use on a stream, a
     workspace from the caching allocator (CUDABlas / CublasHandlePool.cpp), which lands in whatever block fits
-    at that moment. A profile traced without the calls marked (LiveBytes.blas) places them at the step's start
-    and where the head's backward begins."""
+    at that moment (where the step marks a thread's first call: ("m", "ws", thread); _blas_guess for a profile
+    traced before the calls were marked)."""
     if thread not in run.workspaces:
         run.workspaces.add(thread)
         run.alloc(job.workspace_bytes)

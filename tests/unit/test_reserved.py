@@ -44,10 +44,9 @@ def test_ddp_llama_1b_matches_the_h100(tmp_path: Path) -> None:
                        strategy="ddp")
     r = reserved.predict(inv, s)
     assert r is not None and r.model == "DDP"
-    assert r.variants == {"buckets released at the rebuild": 56_931_385_344,
+    # the run's own release order to the byte, since the cuBLAS workspaces come at the threads' first calls
+    assert r.variants == {"buckets released at the rebuild": 56_897_830_912,
                           "buckets held into step 2's backward": 59_592_671_232}
-    early = r.variants["buckets released at the rebuild"]
-    assert abs(early - 56_897_830_912) < 56_897_830_912 // 1000  # within 0.1%
     assert abs(r.allocated_bytes - 52_017_908_224) < 1 << 20
     plan = accounting.estimate(inv, s)
     assert plan.reserved_peak_bytes == r.peak_bytes == max(r.variants.values())
@@ -166,9 +165,13 @@ def test_deepspeed_zero1_and_zero3_llama_1b_match_the_h100(tmp_path: Path) -> No
     inv, s = _settings(tmp_path, profile, 4, stage=3)
     r = reserved.predict(inv, s)
     assert r.model == "ZeRO-3" and abs(r.allocated_bytes - 34_120_864_256) < 1 << 20
-    assert abs(r.peak_bytes - 39_541_800_960) < 39_541_800_960 // 100  # within 1% (+0.73%)
-    # offload is not replayed: the flat term, and the JSON says why
+    assert r.peak_bytes == 39_541_800_960  # the measured figure, to the byte
+    # the optimizer offloaded (../shared/gpu/traces/zero3_offload: reserved 22,684,893,184 B at micro-batch 4)
     inv, s = _settings(tmp_path, profile, 4, stage=3, ds_overrides={"offload_optimizer": True})
-    assert reserved.why_not(s) == "DeepSpeed ZeRO-Offload not modelled yet"
+    r = reserved.predict(inv, s)
+    assert r.model == "ZeRO-3 Offload" and r.peak_bytes == 22_684_893_184
+    # parameters offloaded are not replayed: the flat term, and the JSON says why
+    inv, s = _settings(tmp_path, profile, 4, stage=3, ds_overrides={"offload_optimizer": True, "offload_param": True})
+    assert reserved.why_not(s) == "DeepSpeed ZeRO-3 with offload_param not modelled yet"
     plan = accounting.estimate(inv, s)
     assert plan.reserved is None and plan.reserved_peak_bytes == plan.peak_bytes + plan.peak_bytes * 40 // 100

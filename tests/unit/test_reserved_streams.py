@@ -1,0 +1,78 @@
+"""The reserved-peak replay against the H100 runs whose allocator event streams showed what the replay missed
+(bench/gpu/traces, session 17): where the cuBLAS workspaces land, ZeRO-3's bucket flushes on the reduce stream,
+and ZeRO-Offload's device allocations. Each measured figure is torch.cuda.max_memory_reserved of that run
+(bench/gpu/truth-extra.jsonl, ../shared/gpu/truth.jsonl)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from memplan import options, reserved
+from memplan.allocator import Allocator, AllocatorConfig
+from memplan.frameworks.zero3_replay import REDUCE_STREAM, _ipg_bucket
+from memplan.model.sources import build_inventory, resolve
+from memplan.replay import Run
+
+CONFIGS = Path(__file__).resolve().parents[2] / "bench" / "gpu" / "configs"
+
+
+def _replay(model: str, micro_batch: int, seq_len: int, **kw):  # noqa: ANN003, ANN202
+    src = resolve(model)
+    inv = build_inventory(src, builder="auto")
+    s = options.resolve(inv, config=src.config, gpus=1, gpus_per_node=1, gpu="h100-80g", device="cuda",
+                        optimizer="adamw", attention="sdpa", micro_batch=micro_batch, seq_len=seq_len,
+                        allocator_conf="", **kw).settings
+    return reserved.predict(inv, s), s
+
+
+def test_the_traced_step_marks_the_first_cublas_calls() -> None:
+    r, s = _replay("gpt2", 2, 256, stage=2, precision="deepspeed-bf16", optimizer_impl="fused")
+    d = s.activation_profile.data["alloc_events"]
+    # births before the forward's first matmul (the first block's c_attn) and the backward's (the head's)
+    assert set(d["blas"]) == {"f", "b"} and 0 < d["blas"]["f"] < d["blas"]["b"]
+    step = reserved.step_events(d, s.activation_profile.data["num_layers"], 2)
+    marks = [e for e in step if e[0] == "m" and e[1] == "ws"]
+    assert [m[2] for m in marks][:1] == ["f"] and "b" in {m[2] for m in marks}
+
+
+def test_gpt2_zero2_workspace_in_a_logits_segment() -> None:
+    # autograd's workspace lands in a freed logits segment in step 1, so step 2 reserves one more: measured
+    # 24,635,244,544 B (21,393,047,552 B predicted when the workspaces came at the step's start: -13.16%)
+    r, _ = _replay("gpt2", 16, 1024, stage=2, precision="deepspeed-bf16", optimizer_impl="fused")
+    assert r.model == "ZeRO-2"
+    assert abs(r.peak_bytes - 24_635_244_544) < 24_635_244_544 // 1000
+
+
+def test_smollm2_ddp_reserved_to_the_byte() -> None:
+    r, _ = _replay(str(CONFIGS / "smollm2-135m.json"), 8, 4096, strategy="ddp", precision="torch-amp")
+    assert r.variants["buckets released at the rebuild"] == 60_624_470_016  # -10.59% before
+
+
+def test_zero3_bucket_flush_concatenates_on_the_reduce_stream() -> None:
+    run = Run(AllocatorConfig())
+    on_grad, flush = _ipg_bucket(run, world=1, bucket=10 << 20, half=2)
+    for _ in range(3):
+        on_grad(8 << 20)  # 4M elements each: the third takes the bucket past 10M, so the first two are reduced
+    a: Allocator = run.a
+    pool = a._free[REDUCE_STREAM * 2]
+    assert [size for size, _, _ in pool] == [16 << 20]  # their torch.cat, freed into the reduce stream's pool
+    before = a.reserved
+    flush()  # the epilogue: one gradient, nothing to pad: reduced in place
+    assert a.reserved == before and a.allocated == 0
+
+
+def test_olmoe_zero3_bucket_flushes() -> None:
+    # the bucket flushes' concatenations on the reduce stream (474,484,736 and 839,139,328 B in the stream)
+    r, _ = _replay(str(CONFIGS / "olmoe-2l.json"), 2, 2048, stage=3, precision="deepspeed-bf16",
+                   optimizer_impl="fused", recompute="full")
+    assert abs(r.peak_bytes - 28_118_614_016) < 28_118_614_016 // 1000  # -3.10% before
+
+
+def test_zero2_offload_llama_1b_to_the_byte(tmp_path: Path) -> None:
+    from tests.unit.test_reserved import LLAMA_1B
+
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_1B))
+    r, _ = _replay(str(tmp_path / "config.json"), 4, 2048, stage=2, precision="deepspeed-bf16", optimizer_impl="fused",
+                   recompute="full", ds_overrides={"offload_optimizer": True})
+    assert r.model == "ZeRO-2 Offload" and r.peak_bytes == 20_562_575_360

@@ -252,7 +252,8 @@ def write_doc(rows: list, summary: str, vrows: list, rsum: str = "", oom: list |
         "",
         "`predicted reserved (verdict)` is `per_gpu.reserved_peak_bytes`: the caching allocator (memplan/allocator.py, "
         "every recorded event stream replayed to the byte by bench/allocator_replay.py) replayed over the run's "
-        "allocations as memplan/reserved.py writes them down (DDP, FSDP2, ZeRO-1/2/3), or, for offload, the "
+        "allocations as memplan/reserved.py writes them down (DDP, FSDP2, ZeRO-1/2/3, ZeRO-Offload of the optimizer), "
+        "or, for ZeRO-3 with its parameters offloaded, the "
         "allocated peak + 40% (`how`: flat: accounting.FALLBACK_FRAGMENTATION, the largest ratio of that kind plus 5 "
         "points). DDP's first buckets come back either at the Reducer's rebuild or, "
         "held by NCCL until its watchdog sees the last all-reduce done, in step 2's backward: the same "
@@ -265,6 +266,27 @@ def write_doc(rows: list, summary: str, vrows: list, rsum: str = "", oom: list |
         "overlap_comm takes its gradients into the bucket only at the end of backward (stage_1_and_2.py "
         "process_gradients / reduce_gradients), so a model larger than the bucket makes grads_in_partition while "
         "every gradient is still alive; with that rule from the source the row is exact and no other row moved.",
+        "",
+        "Session 17 recorded the allocator's whole event stream of the runs the replay missed most (bench/gpu/traces: "
+        "gpt2_z2, smollm2_ddp, olmoe_z3, l8b_z3, and three ZeRO-Offload runs; every stream replays to its measured "
+        "reserved peak exactly, `python bench/allocator_replay.py`) and compared them with the replay, event by "
+        "event. What they showed, each now written from the source: (1) each thread's cuBLAS workspace (32 MiB on the "
+        "H100) is allocated at that thread's first cuBLAS call, right after the call's output: the forward's at the "
+        "first block's first matmul, autograd's after the head's weight-gradient matmul, where it lands in a freed "
+        "logits segment and splits it, so the next step reserves one logits-sized segment more (gpt2 ZeRO-2 -13.16% and "
+        "smollm2 DDP -10.59% before; the tracer now marks the first cuBLAS op of each pass, memplan/tracing/live.py "
+        "BLAS_OPS); (2) ZeRO-3 reduces a full bucket with torch.cat of its gradients on the reduce stream "
+        "(coalesced_collectives.py reduce_scatter_coalesced), a transient in that stream's own pool (llama-3-8b-4l "
+        "-1.35%, olmoe -3.10% before); (3) DeepSpeed 0.19.8 makes ZeRO-3's fp32 partition as `.to(fp32)` then "
+        "`.clone()`, keeps one zero gradient of the largest sub-group in initialize_optimizer_states, and gathers "
+        "every parameter whole once while it registers the gradient hooks; (4) ZeRO-Offload's device side: the "
+        "partition's device clone, the largest parameter's gradient buffer, and per reduced gradient an fp64 norm "
+        "and an fp32 host copy (ZeRO-3: on the reduce stream, the norm in 250M-element chunks). ZeRO-3 with "
+        "offload_param (parameters fetched from the host on side streams) is not replayed.",
+        "",
+        "bench/gpu/blind-session17.json holds predictions for 15 more cases (bench/gpu/device/cases17.tsv: ZeRO-3 "
+        "with and without offload, ZeRO-1/2 offload, DDP, FSDP2) made before measuring them; the device was not lent "
+        "again in that session, so they are still to be run (bench/gpu/device/run17.sh).",
         "",
         "The jobs that ran out of memory (../shared/gpu/oom.jsonl):",
         "",

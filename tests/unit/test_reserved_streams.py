@@ -76,3 +76,21 @@ def test_zero2_offload_llama_1b_to_the_byte(tmp_path: Path) -> None:
     r, _ = _replay(str(tmp_path / "config.json"), 4, 2048, stage=2, precision="deepspeed-bf16", optimizer_impl="fused",
                    recompute="full", ds_overrides={"offload_optimizer": True})
     assert r.model == "ZeRO-2 Offload" and r.peak_bytes == 20_562_575_360
+
+
+def test_profiles_without_marks_guess_autograds_first_cublas_call() -> None:
+    # shipped or cached profiles traced before LiveBytes.blas: the backward's mark is guessed after the first
+    # parameter-sized birth of backward (the head's weight gradient); the forward's where the first block begins
+    from memplan import replay
+
+    _, s = _replay("gpt2", 2, 256, stage=2, precision="deepspeed-bf16", optimizer_impl="fused")
+    d = s.activation_profile.data["alloc_events"]
+    n = len(d["events"])
+    regions = replay._regions(d, n)
+    region_of = [0] * n
+    for r, (_, _, a, b) in enumerate(regions):
+        for i in range(a, min(b, n)):
+            region_of[i] = r
+    births = [e for e in d["events"] if isinstance(e, list)]
+    guess = replay._blas_guess(d, births, region_of, regions)
+    assert guess["b"] == d["blas"]["b"] and guess["f"] <= d["blas"]["f"]

@@ -127,6 +127,10 @@ _FSDP_MIXED = ("Accelerate's FSDP mixed precision reduces in bf16 (MixedPrecisio
                "fp32 reduce-scatter buffers are twice as large")
 
 
+#: the units Accelerate's FSDP2 makes with TRANSFORMER_BASED_WRAP, resolved by options.py with the model
+ACCELERATE_FSDP2_WRAP = "accelerate"
+
+
 def _fsdp(job: JobFile, path: str, version: int, reshard: Any, strategy: Any, offload: bool, checkpointing: bool,
           wrap: Any) -> None:
     if version not in (1, 2):
@@ -162,10 +166,9 @@ def _fsdp(job: JobFile, path: str, version: int, reshard: Any, strategy: Any, of
     elif wrap == "TRANSFORMER_BASED_WRAP" and version == 2:
         # Accelerate 1.15's fsdp2_prepare_model: each decoder layer, then the input embedding its own unit
         # (resharded after forward) and [final norm, head] one unit not resharded after forward (a tied embedding
-        # joins that unit); kept as the root's units here, where the reserved replay covers them
-        job.notes.append(f"{path}: Accelerate 1.15's FSDP2 makes an untied input embedding its own unit, resharded "
-                         "after forward; memplan keeps it in the root (--fsdp-wrap block, whose reserved peak is "
-                         "replayed), over-counting it after forward; --fsdp-wrap block+embeddings models those units")
+        # joins that unit): --fsdp-wrap block+embeddings for an untied model, block for a tied one (options.py
+        # resolves ACCELERATE_FSDP2_WRAP once the model is known)
+        job.values["fsdp_wrap"] = ACCELERATE_FSDP2_WRAP
     elif wrap != "TRANSFORMER_BASED_WRAP":
         job.notes.append(f"{path}: FSDP auto-wrap policy {wrap}: memplan wraps each decoder block (as "
                          "TRANSFORMER_BASED_WRAP) and the root")

@@ -427,7 +427,35 @@ def lora_recipe(recipe: Any, strategy: Any) -> Any:
 
 #: FSDP2's units (--fsdp-wrap): each decoder block then the root; torchtitan's (the input embedding, each block,
 #: the final norm with the head, the root); only the root
+from memplan.jobfiles import ACCELERATE_FSDP2_WRAP  # noqa: E402
+
 FSDP_WRAPS = ("block", "block+embeddings", "none")
+
+
+def _accelerate_fsdp2_wrap(inv: ParamInventory, notes: list[str]) -> str:
+    """Accelerate 1.15's FSDP2 units with TRANSFORMER_BASED_WRAP (utils/fsdp_utils.py fsdp2_prepare_model): each
+    decoder layer, the input embedding its own unit resharded after forward, the final norm with the head one unit
+    not resharded after forward: --fsdp-wrap block+embeddings. A tied input embedding joins the head's unit,
+    which then runs from the embedding's forward to its backward as the root does: --fsdp-wrap block."""
+    from memplan.model.inventory import ROOT_BLOCK
+
+    if any(t.tied_names for t in inv.tensors):
+        notes.append("Accelerate FSDP2 (TRANSFORMER_BASED_WRAP): the tied input embedding joins the final norm and "
+                     "head's unit, unsharded from the embedding's forward to its backward (--fsdp-wrap block)")
+        return "block"
+    before = []
+    for t in inv.tensors:
+        if t.block != ROOT_BLOCK:
+            break
+        before.append(t)
+    if len(before) != 1 or before[0].category != "embedding":
+        notes.append("Accelerate FSDP2 (TRANSFORMER_BASED_WRAP): parameters before the decoder layers besides the "
+                     f"input embedding ({', '.join(t.name for t in before)}) stay in the root; memplan keeps the "
+                     "embedding there too (--fsdp-wrap block), over-counting it after forward")
+        return "block"
+    notes.append("Accelerate FSDP2 (TRANSFORMER_BASED_WRAP): each decoder layer, the input embedding and the final "
+                 "norm with the head are fully_shard units (--fsdp-wrap block+embeddings)")
+    return "block+embeddings"
 
 
 def _optimizer_notes(inv: ParamInventory, s: Settings) -> list[str]:
@@ -527,6 +555,8 @@ def resolve(inv: ParamInventory, *, gpus: int = 1, gpus_per_node: int | None = N
         ds_overrides["offload_pin_memory"] = torch_overrides["cpu_offload_pin_memory"] = pin_memory
     ds = _ds_knobs(pick, ds_file, inv, ds_overrides, strat)
     notes.extend(_zeropp_notes(ds, strat, gpus, gpus_per_node or gpus))
+    if torch_overrides.get("fsdp_wrap") == ACCELERATE_FSDP2_WRAP:
+        torch_overrides["fsdp_wrap"] = _accelerate_fsdp2_wrap(inv, notes)
     tk = _torch_knobs(torch_overrides, strat)
     hv = _horovod_knobs(horovod_overrides or {}, strat, pick.sources, notes)
     strat = get_strategy(strat.name, tk.fsdp_version, tk.fsdp_wrap)

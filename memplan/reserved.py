@@ -40,8 +40,6 @@ def why_not(s: Any) -> str | None:
         return "device cpu (no caching allocator)"
     if getattr(s, "lora", None) is not None:
         return "LoRA: the frameworks' setup with frozen parameters is not replayed yet"
-    if s.torch.fsdp_wrap != "block" and s.strategy.framework == "fsdp2":
-        return f"FSDP2 with --fsdp-wrap {s.torch.fsdp_wrap} is not replayed yet"
     prof = s.activation_profile
     data = getattr(prof, "data", None)
     if not data or not data.get("alloc_events"):

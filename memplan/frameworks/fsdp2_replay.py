@@ -44,12 +44,15 @@ def _unshard(run: Run, g: FsdpGroup, world: int) -> list[Any]:
 
 
 def _all_gather(run: Run, g: FsdpGroup, world: int) -> Any:
-    """FSDPParamGroup.unshard with more ranks (_fsdp_collectives.py foreach_all_gather): every shard cast on the
-    copy-in stream into one flat all-gather output; the output is returned, the casts freed."""
-    casts = [run.alloc(-(-n // world), stream=AG_STREAM) for n in g.unsharded] if g.cast else []
-    flat = run.alloc(sum(-(-n // world) for n in g.unsharded) * world, stream=AG_STREAM)
-    for k in casts:
-        run.free(k)
+    """FSDPParamGroup.unshard with more ranks (_fsdp_collectives.py foreach_all_gather), on the copy-in stream:
+    the shards cast into one flat buffer in param_dtype (_get_param_all_gather_inputs' fast path,
+    flat_foreach_copy_input), then the flat all-gather output they are copied into; the output is returned,
+    the cast buffer freed."""
+    shards = sum(-(-n // world) for n in g.unsharded)
+    cast = run.alloc(shards, stream=AG_STREAM) if g.cast else None
+    flat = run.alloc(shards * world, stream=AG_STREAM)
+    if cast is not None:
+        run.free(cast)
     return flat
 
 
@@ -58,8 +61,13 @@ def _copy_out(run: Run, g: FsdpGroup) -> list[Any]:
     return [run.alloc(n) for n in g.unsharded]
 
 
+#: unit keys beside the blocks' positions (--fsdp-wrap block+embeddings: torchtitan's embedding and head units)
+ROOT, EMB, HEAD = -1, -2, -3
+
+
 def replay_fsdp2(job: ReplayJob, groups: tuple[FsdpGroup, ...], world: int, reshard_after_forward: bool,
-                 config: AllocatorConfig | None = None) -> Allocator:
+                 config: AllocatorConfig | None = None, emb: FsdpGroup | None = None,
+                 head: FsdpGroup | None = None) -> Allocator:
     """FSDP2 (torch/distributed/fsdp/_fully_shard): fully_shard on each block then the root. Setup replaces each
     parameter by its padded shard, a group's new shards made before its old parameters go (_fsdp_param.py
     _init_sharded_param). In a step the root unshards at the forward's start and stays unsharded; each block
@@ -67,12 +75,18 @@ def replay_fsdp2(job: ReplayJob, groups: tuple[FsdpGroup, ...], world: int, resh
     backward (post_backward) its gradients go into one reduce-scatter input in the reduce dtype, then the
     unsharded gradients are freed and the output (on the reduce-scatter stream) is allocated, whose views
     are the sharded .grad until zero_grad; the optimizer steps the shards. ``groups``: the blocks in order,
-    the root last."""
+    the root last (--fsdp-wrap none: the root alone, holding every parameter; its gradients are reduced at the
+    end). ``emb``, ``head``: --fsdp-wrap block+embeddings (torchtitan's parallelize: the input embedding
+    fully_shard-ed first, resharded after its forward like a block, unsharded again before its backward,
+    prefetched by the first block's pre-backward, reduced last; the final norm with the head one unit not
+    resharded after forward, reduced right after its backward; the root then holds nothing)."""
     run = Run(config or AllocatorConfig())
+    order = [g for g in (emb,) if g is not None] + list(groups[:-1]) + [g for g in (head,) if g is not None] \
+        + [groups[-1]]
     if world == 1:
         # one rank: built on the device, then each group's shards made and its parameters freed (measured)
         built = build_model(run, job)
-        for g in groups:
+        for g in order:
             for n in g.shard:
                 run.alloc(n)
             for i in g.params:
@@ -80,7 +94,7 @@ def replay_fsdp2(job: ReplayJob, groups: tuple[FsdpGroup, ...], world: int, resh
     else:
         # more ranks: the full model never fits one device at the sizes FSDP is for; it is built on the meta
         # device, sharded, then materialized shard by shard (to_empty + init, torchtitan's recipe)
-        for g in groups:
+        for g in order:
             for n in g.shard:
                 run.alloc(n)
     blocks, root = groups[:-1], groups[-1]
@@ -91,7 +105,7 @@ def replay_fsdp2(job: ReplayJob, groups: tuple[FsdpGroup, ...], world: int, resh
         for m in range(job.grad_accum):
             ids = run.alloc(job.input_bytes)
             _fsdp_micro_step(run, job, (n, m), blocks, root, world, reshard_after_forward, outputs,
-                             first=n == 0 and m == 0, keep=m == 0)
+                             first=n == 0 and m == 0, keep=m == 0, emb=emb, head=head)
             run.free(ids)
         optimizer_step(run, job, n == 0, states)
         for k in outputs:
@@ -103,7 +117,8 @@ def replay_fsdp2(job: ReplayJob, groups: tuple[FsdpGroup, ...], world: int, resh
 
 
 def _fsdp_micro_step(run: Run, job: ReplayJob, n: Any, blocks: tuple[FsdpGroup, ...], root: FsdpGroup, world: int,
-                     reshard_after_forward: bool, outputs: list[Any], first: bool, keep: bool) -> None:
+                     reshard_after_forward: bool, outputs: list[Any], first: bool, keep: bool,
+                     emb: FsdpGroup | None = None, head: FsdpGroup | None = None) -> None:
     """One micro-step under FSDP2; the reduce-scatter outputs go to ``outputs`` (``keep``), or, in a later
     micro-step, are added into the sharded gradients and freed. With more than one rank (frameworks/fsdp2.py's
     notes, each checked on the harness): in forward a block's all-gather output is held until the next block's
@@ -111,12 +126,15 @@ def _fsdp_micro_step(run: Run, job: ReplayJob, n: Any, blocks: tuple[FsdpGroup, 
     pre-backward prefetches the last block, a block's pre-backward copies out of its prefetched output (then
     frees it) and prefetches the next; a post-backward frees the previous reduce-scatter input
     (reduce_scatter_max_input_buffers = 1)."""
-    st = _MicroStep(run, job, blocks, root, world, reshard_after_forward, outputs, first, keep)
-    st.unshard(-1, hold=True)
-    # each gradient kept, by block, for its post-backward
+    st = _MicroStep(run, job, blocks, root, world, reshard_after_forward, outputs, first, keep, emb, head)
+    st.unshard(ROOT, hold=True)
+    # each gradient kept, by its unit, for that unit's post-backward
     micro_step(run, job, n, keep_grads=True, at=st.region,
-               on_grad=lambda _size, key, blk: st.grads_of.setdefault(blk, []).append(key))
-    st.post_backward(-1)
+               on_grad=lambda _size, key, blk: st.grads_of.setdefault(st.unit_of(blk), []).append(key))
+    if st.bwd is not None:  # the embedding's unit, the last to run backward
+        st.post_backward(st.bwd)
+        st.bwd = None
+    st.post_backward(ROOT)
     for k in st.held:
         run.free(k)
 
@@ -125,8 +143,17 @@ class _MicroStep:
     """FSDP2's state through one micro-step: what is unsharded, prefetched, held, and each block's gradients."""
 
     def __init__(self, run: Run, job: ReplayJob, blocks: tuple[FsdpGroup, ...], root: FsdpGroup, world: int,
-                 reshard_after_forward: bool, outputs: list[Any], first: bool, keep: bool) -> None:
+                 reshard_after_forward: bool, outputs: list[Any], first: bool, keep: bool,
+                 emb: FsdpGroup | None = None, head: FsdpGroup | None = None) -> None:
         self.run, self.job, self.blocks, self.root, self.world = run, job, blocks, root, world
+        self.units: dict[int, FsdpGroup] = dict(enumerate(blocks))
+        self.units[ROOT] = root
+        if emb is not None:
+            self.units[EMB] = emb
+        if head is not None:
+            self.units[HEAD] = head
+        self.be = emb is not None or head is not None
+        self.kind = ""  #: the traced step's region running
         self.reshard_after_forward, self.outputs, self.first, self.keep = reshard_after_forward, outputs, first, keep
         self.flat = world > 1
         self.unsharded: dict[int, list[Any]] = {}
@@ -136,9 +163,21 @@ class _MicroStep:
         self.bwd: int | None = None
         self.forward: int | None = None  #: the block whose forward runs (it ends where the next region begins)
 
+    def unit_of(self, blk: int) -> int:
+        """The unit whose post-backward reduces a gradient of this block (-1: outside the blocks)."""
+        if not self.blocks:
+            return ROOT  # --fsdp-wrap none: the root holds every parameter
+        if blk >= 0 or not self.be:
+            return blk
+        if self.kind == "mid" and HEAD in self.units:
+            return HEAD
+        return EMB if EMB in self.units else ROOT
+
     def unshard(self, i: int, hold: bool) -> None:
         run = self.run
-        g = self.root if i < 0 else self.blocks[i]
+        g = self.units[i]
+        if not g.params:
+            return
         if not self.flat:
             self.unsharded[i] = _unshard(run, g, self.world)
             return
@@ -152,17 +191,22 @@ class _MicroStep:
             run.free(out)
 
     def prefetch(self, i: int) -> None:
-        if self.flat and 0 <= i < len(self.blocks) and i not in self.unsharded and i not in self.gathered:
-            self.gathered[i] = _all_gather(self.run, self.blocks[i], self.world)
+        if i == ROOT and self.be:
+            i = EMB  # the first block's pre-backward prefetches the embedding's unit
+        g = self.units.get(i)
+        if self.flat and g is not None and g.params and i not in self.unsharded and i not in self.gathered:
+            self.gathered[i] = _all_gather(self.run, g, self.world)
 
     def post_backward(self, i: int) -> None:
         run = self.run
-        g = self.root if i < 0 else self.blocks[i]
+        g = self.units[i]
         for k in self.unsharded.pop(i, []):  # reshard
             run.free(k)
         for k in self.held:
             run.free(k)
         self.held.clear()
+        if not g.params:
+            return
         rs_in = run.alloc(g.reduce_in)
         for k in self.grads_of.pop(i, []):
             run.free(k)
@@ -178,30 +222,44 @@ class _MicroStep:
 
     def at(self, kind: str, blk: int) -> None:
         nblocks = len(self.blocks)
-        if kind == "F" and blk < nblocks and blk not in self.unsharded:
+        if kind == "pre" and EMB in self.units:
+            self.unshard(EMB, hold=True)
+        elif kind == "F" and 0 <= blk < nblocks and blk not in self.unsharded:
             self.unshard(blk, hold=True)
         elif kind == "mid":
+            if HEAD in self.units:  # the head's unit: its all-gather frees the last block's held output
+                self.unshard(HEAD, hold=True)
             for k in self.held:  # the root's post-forward
                 self.run.free(k)
             self.held.clear()
-            self.prefetch(nblocks - 1)
+            if nblocks:
+                self.prefetch(nblocks - 1)
         if kind in ("B", "post") and self.bwd is not None:
             self.post_backward(self.bwd)
             self.bwd = None
-        if kind == "B" and blk < nblocks:
+        if kind == "B" and 0 <= blk < nblocks:
             if blk not in self.unsharded:
                 self.unshard(blk, hold=False)
             self.prefetch(blk - 1)
             self.bwd = blk
+        elif kind == "post" and EMB in self.units:
+            if EMB not in self.unsharded:
+                self.unshard(EMB, hold=False)
+            self.bwd = EMB
 
     def region(self, kind: str, blk: int) -> None:
         """Where a region of the traced step begins: the forward before it has ended."""
         if self.forward is not None:
             self.on_forward_end(self.forward)
             self.forward = None
+        if self.kind == "mid" and HEAD in self.units and kind != "mid":
+            self.bwd = HEAD  # the head's backward is over: its post-backward comes before the last block's
+        self.kind = kind
         self.at(kind, blk)
         if kind == "F":
             self.forward = blk
+        elif kind == "pre" and EMB in self.units:
+            self.forward = EMB
 
     def on_forward_end(self, blk: int) -> None:
         if self.reshard_after_forward and blk in self.unsharded:
@@ -215,6 +273,26 @@ def why_not(s: Any) -> str | None:
     return None
 
 
+def _units(inv: Any, wrap: str) -> tuple[list[list[Any]], list[Any], list[Any] | None, list[Any] | None]:
+    """The tensors of each fully_shard unit as --fsdp-wrap makes them: the blocks', the root's, and with
+    block+embeddings the input embedding's and the final norm's with the head's (frameworks/fsdp2.py
+    wrap_why_not: one untied embedding before the blocks)."""
+    from memplan.model.inventory import ROOT_BLOCK
+
+    if wrap == "none":
+        return [], list(inv.tensors), None, None
+    blocks = [list(inv.block_tensors(b.name)) for b in inv.layer_blocks]
+    root = [t for t in inv.tensors if t.block == ROOT_BLOCK]
+    if wrap != "block+embeddings":
+        return blocks, root, None, None
+    seen, emb, head = False, [], []
+    for t in inv.tensors:
+        seen = seen or t.block != ROOT_BLOCK
+        if t.block == ROOT_BLOCK:
+            (head if seen or t.tied_names else emb).append(t)
+    return blocks, [], emb, head
+
+
 def replay(inv: Any, s: Any, config: AllocatorConfig) -> tuple[str, dict[str, Allocator]]:
     """fully_shard on each block, then the root (whatever no block holds), shards padded on dim 0."""
     from memplan.frameworks.common import Job
@@ -224,20 +302,24 @@ def replay(inv: Any, s: Any, config: AllocatorConfig) -> tuple[str, dict[str, Al
     from memplan.units import ceil_div
 
     n, r = shard_group_size(s), s.recipe
-    groups = []
-    numels = []
+    numels: list[int] = []
     position = {t.name: i for i, t in enumerate(inv.tensors)}
-    for block in [b.name for b in inv.layer_blocks] + [inv.blocks[0].name]:
-        ts = inv.block_tensors(block)
+
+    def group(ts: list[Any]) -> FsdpGroup:
         padded = [ceil_div(t.shape[0], n) * (t.numel // t.shape[0]) * n if t.shape and t.shape[0] else t.numel
                   for t in ts]
-        numels += [p // n for p in padded]
-        groups.append(FsdpGroup(params=tuple(position[t.name] for t in ts),
-                                shard=tuple(p // n * r.param_bytes for p in padded),
-                                unsharded=tuple(t.numel * r.compute_bytes for t in ts),
-                                cast=r.param_bytes != r.compute_bytes,
-                                reduce_in=sum(padded) * r.reduced_grad_bytes,
-                                reduce_out=sum(padded) // n * r.reduced_grad_bytes))
+        numels.extend(p // n for p in padded)
+        return FsdpGroup(params=tuple(position[t.name] for t in ts),
+                         shard=tuple(p // n * r.param_bytes for p in padded),
+                         unsharded=tuple(t.numel * r.compute_bytes for t in ts),
+                         cast=r.param_bytes != r.compute_bytes,
+                         reduce_in=sum(padded) * r.reduced_grad_bytes,
+                         reduce_out=sum(padded) // n * r.reduced_grad_bytes)
+    blocks, root, emb, head = _units(inv, s.torch.fsdp_wrap)
+    emb_g = group(emb) if emb else None
+    groups = [group(ts) for ts in blocks]
+    head_g = group(head) if head else None
+    groups.append(group(root))
     job = replay_job(inv, s, numels)
     raf = reshard_after_forward(Job.of(inv, s, MODEL))
-    return "FSDP2", {"": replay_fsdp2(job, tuple(groups), n, bool(raf), config)}
+    return "FSDP2", {"": replay_fsdp2(job, tuple(groups), n, bool(raf), config, emb=emb_g, head=head_g)}

@@ -128,11 +128,11 @@ def test_training_args_the_trainer_refuses(tmp_path):
 def test_check_fails_with_the_cheapest_fix_and_json(tmp_path):
     code, out, _ = run_cli("check llama-3-8b --gpus 8 --strategy ddp --gpu h100-80g".split())
     assert code == 1 and out.startswith("FAIL llama-3-8b: needs ") and "cheapest change that fits: --strategy" in out
-    code, rep = _json("check llama-3-8b --gpus 8 --stage 2 --gpu h100-80g --max-fraction 0.5".split())
+    code, rep = _json("check llama-3-8b --gpus 8 --stage 2 --gpu h100-80g --max-fraction 0.6".split())
     chk = rep["check"]
-    assert code == 1 and chk["pass"] is False and chk["limit_bytes"] == int(0.5 * chk["gpu_memory_bytes"])
+    assert code == 1 and chk["pass"] is False and chk["limit_bytes"] == int(0.6 * chk["gpu_memory_bytes"])
     assert chk["required_bytes"] == rep["estimate"]["per_gpu"]["required_bytes"] > chk["limit_bytes"]
-    assert "--stage 3" in chk["line"]  # ZeRO-3 fits within half the card
+    assert "--stage 3" in chk["line"]  # ZeRO-3 fits within 60% of the card (its reserved peak: 51%)
     code, out, err = run_cli("check llama-3-8b --gpus 8".split())
     assert code == 2 and "check needs the GPU" in err
     code, out, err = run_cli("check llama-3-8b --gpu h100-80g --max-fraction 1.5".split())
@@ -156,4 +156,18 @@ def test_accelerate_fsdp2_no_wrap_is_root_only(tmp_path):
         assert rep["strategy"]["torch"]["fsdp_wrap"] == wrap
     ta = _write(tmp_path, "ta.json", json.dumps({"fsdp": "full_shard", "bf16": True}))
     code, rep = _json(["estimate", "llama-7b", "--gpus", "8", "--training-args", ta, "--activations", "analytic"])
+    assert rep["strategy"]["torch"]["fsdp_wrap"] == "block+embeddings"  # FSDP2 through Accelerate, untied
+
+
+def test_accelerate_fsdp2_transformer_wrap_units(tmp_path):
+    # Accelerate 1.15's fsdp2_prepare_model: the decoder layers, the input embedding and [final norm, head] are
+    # units (--fsdp-wrap block+embeddings); a tied embedding joins the head's unit, which then behaves as the root
+    acc = _write(tmp_path, "acc.yaml", "distributed_type: FSDP\nmixed_precision: bf16\nnum_processes: 8\n"
+                                       "fsdp_config:\n  fsdp_version: 2\n  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP\n")
+    code, rep = _json(["estimate", "llama-7b", "--accelerate-config", acc])
+    assert rep["strategy"]["torch"]["fsdp_wrap"] == "block+embeddings"
+    assert any("block+embeddings" in n for n in rep["notes"])
+    assert rep["reserved"]["method"] == "replayed"
+    code, rep = _json(["estimate", "gpt2", "--accelerate-config", acc])
     assert rep["strategy"]["torch"]["fsdp_wrap"] == "block"
+    assert any("tied input embedding" in n for n in rep["notes"])

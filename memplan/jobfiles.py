@@ -127,8 +127,13 @@ _FSDP_MIXED = ("Accelerate's FSDP mixed precision reduces in bf16 (MixedPrecisio
                "fp32 reduce-scatter buffers are twice as large")
 
 
+class _JobFileValue(str):
+    """A value only a job file sets (options.py resolves it once the model is known; the same text given on the
+    command line is a plain str and is refused as any unknown value is)."""
+
+
 #: the units Accelerate's FSDP2 makes with TRANSFORMER_BASED_WRAP, resolved by options.py with the model
-ACCELERATE_FSDP2_WRAP = "accelerate"
+ACCELERATE_FSDP2_WRAP = _JobFileValue("accelerate-fsdp2")
 
 
 def _fsdp(job: JobFile, path: str, version: int, reshard: Any, strategy: Any, offload: bool, checkpointing: bool,

@@ -555,7 +555,7 @@ def resolve(inv: ParamInventory, *, gpus: int = 1, gpus_per_node: int | None = N
         ds_overrides["offload_pin_memory"] = torch_overrides["cpu_offload_pin_memory"] = pin_memory
     ds = _ds_knobs(pick, ds_file, inv, ds_overrides, strat)
     notes.extend(_zeropp_notes(ds, strat, gpus, gpus_per_node or gpus))
-    if torch_overrides.get("fsdp_wrap") == ACCELERATE_FSDP2_WRAP:
+    if torch_overrides.get("fsdp_wrap") is ACCELERATE_FSDP2_WRAP:
         torch_overrides["fsdp_wrap"] = _accelerate_fsdp2_wrap(inv, notes)
     tk = _torch_knobs(torch_overrides, strat)
     hv = _horovod_knobs(horovod_overrides or {}, strat, pick.sources, notes)

@@ -171,3 +171,6 @@ def test_accelerate_fsdp2_transformer_wrap_units(tmp_path):
     code, rep = _json(["estimate", "gpt2", "--accelerate-config", acc])
     assert rep["strategy"]["torch"]["fsdp_wrap"] == "block"
     assert any("tied input embedding" in n for n in rep["notes"])
+    # the job file's marker is not a command-line value
+    code, out, err = run_cli("estimate llama-7b --gpus 8 --strategy fsdp-full --fsdp-wrap accelerate-fsdp2".split())
+    assert code == 2 and "--fsdp-wrap must be one of" in err and len(err.strip().splitlines()) == 1

@@ -108,6 +108,7 @@ def _blas_guess(d: dict[str, Any], births: list[_Birth], region_of: list[int],
         count += 1
     if "b" not in out:
         out["b"] = min(sum(1 for e in d["events"][:fe] if isinstance(e, list)) + 1, len(births))
+    out.setdefault("f", 0)  # no first block: at the step's start
     return out
 
 
@@ -157,7 +158,7 @@ def _expand_now(d: dict[str, Any], layers: int) -> list[tuple]:
     counter = iter(range(1 << 62))
     # the forward's and the backward's first cuBLAS call, after the births before it: ("m", "ws", thread) there
     # (micro_step makes the thread's workspace at its first; a marker repeated with its block is ignored)
-    blas = d.get("blas") or _blas_guess(d, births, region_of, regions)
+    blas = {**_blas_guess(d, births, region_of, regions), **(d.get("blas") or {})}  # traced marks win
     marks = {n - 1: thread for thread, n in blas.items() if n > 0}
     for thread, n in blas.items():
         if n <= 0:

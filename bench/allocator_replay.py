@@ -3,8 +3,9 @@ peak with the run's measured torch.cuda.max_memory_reserved.
 
     python bench/allocator_replay.py [--shared ../shared/gpu]
 
-Streams: ../shared/gpu/traces/*.jsonl.gz (4 runs) and bench/gpu/traces/*.jsonl.gz (4 runs of session 10), one
-JSON array per event, [action, address, size, stream], from before the model is built to the end of step 4.
+Streams: ../shared/gpu/traces/*.jsonl.gz (4 runs) and bench/gpu/traces/*.jsonl.gz (4 runs of session 10, 7 of
+session 17), one JSON array per event, [action, address, size, stream], from before the model is built to the
+end of step 4 (bench/gpu/device/case.py with SNAPSHOT=full:PATH).
 """
 
 from __future__ import annotations

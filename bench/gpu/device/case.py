@@ -12,7 +12,7 @@ usage: gpu_case.py CONFIG_JSON FRAMEWORK MODE MICRO_BATCH SEQ_LEN RECOMPUTE ATTN
   FRAMEWORK ddp:       MODE amp (fp32 params, bf16 autocast) | fp32; AdamW (foreach)
   RECOMPUTE none|full (HF gradient_checkpointing_enable, use_reentrant=False); ATTN sdpa|eager
 SNAPSHOT=summary adds "peak_sites" (allocations of step 3 alive at its peak, by model-code line);
-SNAPSHOT=full:PATH dumps the allocator's events of the whole run (torch.cuda.memory._dump_snapshot).
+SNAPSHOT=full:PATH writes the allocator's events of the whole run to PATH (gzip), one [action, address, size, stream] per line.
 """
 import json, os, sys, time
 

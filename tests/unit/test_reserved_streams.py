@@ -112,3 +112,18 @@ def test_fsdp2_wrap_replays_agree_with_the_engine() -> None:
         assert r is not None and r.model == "FSDP2"
         assert abs(r.allocated_bytes - plan.peak_bytes) < plan.peak_bytes // 1000
         assert plan.reserved_peak_bytes == r.peak_bytes >= r.allocated_bytes
+
+
+def test_zero_offload_copies_only_the_ranks_partition() -> None:
+    # ZeRO-1/2 offload: the first rank's partition is the first elements in module order, whose gradients come last
+    # in backward; only they get the fp64 norm and fp32 host copies (copy_grads_in_partition)
+    from memplan.frameworks.zero12_replay import Offload
+
+    run = Run(AllocatorConfig())
+    sizes: list[int] = []
+    orig = run.a.malloc
+    run.a.malloc = lambda size, stream=0: (sizes.append(size), orig(size, stream))[1]  # type: ignore[method-assign]
+    off = Offload(largest=1 << 20, psi=4 << 20, partition=1 << 20, half=2)
+    for numel in (1 << 20, 1 << 20, 1 << 20, 1 << 20):  # the last one is the rank's whole partition
+        off.copy_to_host(run, numel)
+    assert sizes == [8 << 20, 4 << 20]

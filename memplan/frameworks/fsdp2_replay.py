@@ -302,13 +302,13 @@ def replay(inv: Any, s: Any, config: AllocatorConfig) -> tuple[str, dict[str, Al
     from memplan.units import ceil_div
 
     n, r = shard_group_size(s), s.recipe
-    numels: list[int] = []
+    numels: list[tuple[int, int]] = []  # (position in module order, shard elements)
     position = {t.name: i for i, t in enumerate(inv.tensors)}
 
     def group(ts: list[Any]) -> FsdpGroup:
         padded = [ceil_div(t.shape[0], n) * (t.numel // t.shape[0]) * n if t.shape and t.shape[0] else t.numel
                   for t in ts]
-        numels.extend(p // n for p in padded)
+        numels.extend((position[t.name], p // n) for t, p in zip(ts, padded))
         return FsdpGroup(params=tuple(position[t.name] for t in ts),
                          shard=tuple(p // n * r.param_bytes for p in padded),
                          unsharded=tuple(t.numel * r.compute_bytes for t in ts),
@@ -320,6 +320,7 @@ def replay(inv: Any, s: Any, config: AllocatorConfig) -> tuple[str, dict[str, Al
     groups = [group(ts) for ts in blocks]
     head_g = group(head) if head else None
     groups.append(group(root))
-    job = replay_job(inv, s, numels)
+    # the optimizer is made on model.parameters(): its states come in module order, whatever the units
+    job = replay_job(inv, s, [k for _, k in sorted(numels)])
     raf = reshard_after_forward(Job.of(inv, s, MODEL))
     return "FSDP2", {"": replay_fsdp2(job, tuple(groups), n, bool(raf), config, emb=emb_g, head=head_g)}

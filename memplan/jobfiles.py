@@ -136,8 +136,20 @@ class _JobFileValue(str):
 ACCELERATE_FSDP2_WRAP = _JobFileValue("accelerate-fsdp2")
 
 
+class _Fsdp2SizeWrap(_JobFileValue):
+    """Accelerate's FSDP2 SIZE_BASED_WRAP with min_num_params (options.py resolves it with the model)."""
+
+    min_num_params: int
+
+
+def accelerate_fsdp2_size(n: int) -> _Fsdp2SizeWrap:
+    v = _Fsdp2SizeWrap(f"accelerate-fsdp2-size:{n}")
+    v.min_num_params = n
+    return v
+
+
 def _fsdp(job: JobFile, path: str, version: int, reshard: Any, strategy: Any, offload: bool, checkpointing: bool,
-          wrap: Any) -> None:
+          wrap: Any, min_params: Any = 0) -> None:
     if version not in (1, 2):
         raise ConfigError(f"{path}: fsdp version must be 1 or 2, got {version!r}")
     job.values["fsdp_version"] = version
@@ -174,9 +186,21 @@ def _fsdp(job: JobFile, path: str, version: int, reshard: Any, strategy: Any, of
         # joins that unit): --fsdp-wrap block+embeddings for an untied model, block for a tied one (options.py
         # resolves ACCELERATE_FSDP2_WRAP once the model is known)
         job.values["fsdp_wrap"] = ACCELERATE_FSDP2_WRAP
+    elif wrap == "SIZE_BASED_WRAP":
+        # FullyShardedDataParallelPlugin.set_auto_wrap_policy: size_based_auto_wrap_policy with min_num_params
+        # when it is above zero, else no policy at all ("If zero, we silently ignore it")
+        n = _count(min_params, "min_num_params", path, low=0)
+        if n == 0:
+            job.values["fsdp_wrap"] = "none"
+            job.notes.append(f"{path}: SIZE_BASED_WRAP with min_num_params 0: Accelerate sets no auto-wrap policy "
+                             "(only the root is wrapped)")
+        elif version == 1:
+            job.values["fsdp_wrap"] = f"size:{n}"
+        else:
+            job.values["fsdp_wrap"] = accelerate_fsdp2_size(n)
     elif wrap != "TRANSFORMER_BASED_WRAP":
-        job.notes.append(f"{path}: FSDP auto-wrap policy {wrap}: memplan wraps each decoder block (as "
-                         "TRANSFORMER_BASED_WRAP) and the root")
+        raise ConfigError(f"{path}: FSDP auto-wrap policy {wrap!r} is not one of TRANSFORMER_BASED_WRAP, "
+                          "SIZE_BASED_WRAP, NO_WRAP")
 
 
 def _checkpointing_kwargs(job: JobFile, path: str, kw: Any) -> str:
@@ -232,7 +256,9 @@ def read_accelerate(path: str) -> JobFile:
               _flag(f.get("activation_checkpointing", False), "fsdp_activation_checkpointing", path),
               # unset: accelerate's FullyShardedDataParallelPlugin.__post_init__ reads FSDP_AUTO_WRAP_POLICY,
               # which the launcher sets only from the config, default "NO_WRAP"
-              f.get("auto_wrap_policy", "NO_WRAP"))
+              f.get("auto_wrap_policy", "NO_WRAP"),
+              # the launcher's --fsdp_min_num_params default (commands/launch.py: int(1e8))
+              f.get("min_num_params", 100_000_000))
         job.values["precision"] = "fp32" if mixed == "no" else "fsdp-bf16"
         if mixed != "no":
             job.notes.append(f"{path}: {_FSDP_MIXED}")
@@ -345,7 +371,9 @@ def _training_fsdp(job: JobFile, path: str, fsdp: Any, cfg: Any, mixed: bool) ->
           _flag(f.get("cpu_offload", False), "fsdp_config.cpu_offload", path),
           _flag(f.get("activation_checkpointing", False), "fsdp_config.activation_checkpointing", path),
           # unset: transformers' _process_fsdp_args defaults it to FSDP_AUTO_WRAP_POLICY[0], TRANSFORMER_BASED_WRAP
-          f.get("auto_wrap_policy", "TRANSFORMER_BASED_WRAP"))
+          f.get("auto_wrap_policy", "TRANSFORMER_BASED_WRAP"),
+          # training_args.py: fsdp_config["min_num_params"] defaults to 0
+          f.get("min_num_params", 0))
     job.values["precision"] = "fsdp-bf16" if mixed else "fp32"
     if mixed:
         job.notes.append(f"{path}: {_FSDP_MIXED}")

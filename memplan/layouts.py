@@ -181,9 +181,10 @@ def _layout_sizes(inv: ParamInventory, layout: str, n: int, threshold: int) -> L
         shapes = tuple((_local_dim0(t.shape, p), p) for t, p in zip(tensors, parts))
         largest = _pairs(parts)
     elif layout == S.FLAT_PER_BLOCK:
-        shard = opt = sum(round_up(b.numel, n) // n for b in inv.blocks if b.numel)
-        shapes = tuple(((round_up(b.numel, n) // n,), round_up(b.numel, n) // n) for b in inv.blocks if b.numel)
-        largest = _pairs([round_up(b.numel, n) // n for b in inv.blocks if b.numel])  # the root's first
+        parts = [round_up(u, n) // n for u in _unit_numels(inv).values() if u]
+        shard = opt = sum(parts)
+        shapes = tuple(((p,), p) for p in parts)
+        largest = _pairs(parts)  # the root's first
     elif layout == S.FLAT_WHOLE:
         shard = opt = round_up(psi, n) // n
         shapes = (((shard,), shard),)
@@ -206,6 +207,18 @@ def _layout_sizes(inv: ParamInventory, layout: str, n: int, threshold: int) -> L
     return LayoutSizes(shard, opt, largest, persistent, matmul, shapes, partition_params)
 
 
+def _unit_numels(inv: ParamInventory) -> dict[str, int]:
+    """Elements of each FSDP1 FlatParameter: one per unit (ParamTensor.unit where a size-based policy set it, else
+    the block), the root's first (FSDP1's root unit is made last, but its optimizer sees model.parameters(); the
+    order only moves the single-tensor step's scratch pair)."""
+    out: dict[str, int] = {ROOT_BLOCK: 0}
+    for t in inv.tensors:
+        key = t.unit or t.block
+        key = ROOT_BLOCK if key.endswith("<root>") else key
+        out[key] = out.get(key, 0) + t.numel
+    return out
+
+
 def optimizer_state_bytes(opt: Optimizer, recipe: Recipe, lay: LayoutSizes,
                           tensors: tuple[tuple[tuple[int, ...], int], ...]) -> int:
     """Optimizer-state bytes on the worst rank, ``tensors`` what its optimizer steps (FrameworkModel.
@@ -220,13 +233,19 @@ def gather_sizes(inv: ParamInventory, layout: str, n: int) -> GatherSizes:
 
 
 def _gather_sizes(inv: ParamInventory, layout: str, n: int) -> GatherSizes:
+    """Gathered sizes by group (ParamTensor.group: the block, or the root group for the root and any unit above
+    the blocks). A root-group tensor of a block (a size-based unit above the blocks holds it) counts with the
+    head's: its gradient is made in its block's backward and kept to that unit's reduce after all of them, so
+    from the head's backward on is its upper bound."""
     per_block: dict[str, int] = {}
     per_block_trainable: dict[str, int] = {}
     root_head = tied = head_largest = 0
     largest = {True: 0, False: 0}  # root?: the largest padded tensor
     seen_block = False
+    units: dict[tuple[str, str], list[int]] = {}  # FLAT_PER_BLOCK: (group, unit) -> [elements, trainable]
     for t in inv.tensors:
         seen_block = seen_block or t.block != ROOT_BLOCK
+        group = t.group
         if t.tied_names:
             tied += t.numel
         elif t.block == ROOT_BLOCK and seen_block:
@@ -237,14 +256,21 @@ def _gather_sizes(inv: ParamInventory, layout: str, n: int) -> GatherSizes:
             padded = ceil_div(t.numel, n) * n
         else:
             padded = t.numel
-        per_block[t.block] = per_block.get(t.block, 0) + padded
-        per_block_trainable[t.block] = per_block_trainable.get(t.block, 0) + (padded if t.trainable else 0)
-        largest[t.block == ROOT_BLOCK] = max(largest[t.block == ROOT_BLOCK], padded)
-        if t.block == ROOT_BLOCK and (seen_block or t.tied_names):
+        if layout == S.FLAT_PER_BLOCK:
+            u = units.setdefault((group, t.unit or t.block), [0, 0])
+            u[0] += padded
+            u[1] += padded if t.trainable else 0
+        per_block[group] = per_block.get(group, 0) + padded
+        per_block_trainable[group] = per_block_trainable.get(group, 0) + (padded if t.trainable else 0)
+        largest[group == ROOT_BLOCK] = max(largest[group == ROOT_BLOCK], padded)
+        if group == ROOT_BLOCK and (seen_block or t.tied_names):
             root_head += padded
-    if layout == S.FLAT_PER_BLOCK:
-        per_block = {b: round_up(v, n) for b, v in per_block.items()}
-        per_block_trainable = {b: round_up(v, n) for b, v in per_block_trainable.items()}
+    if layout == S.FLAT_PER_BLOCK:  # each unit's FlatParameter padded to the shard group
+        per_block = {b: 0 for b in per_block}
+        per_block_trainable = {b: 0 for b in per_block}
+        for (b, _), (numel, trainable) in units.items():
+            per_block[b] += round_up(numel, n)
+            per_block_trainable[b] += round_up(trainable, n)
     root = per_block.pop(ROOT_BLOCK, 0)
     per_block_trainable.pop(ROOT_BLOCK, 0)
     blocks = tuple(per_block.values())

@@ -281,11 +281,12 @@ def _torch_knobs(overrides: dict[str, Any], strat: Any) -> TorchKnobs:
     if tk.fsdp_version not in (1, 2):
         raise SettingsError(f"--fsdp-version must be 1 or 2, got {tk.fsdp_version}")
     if tk.fsdp_wrap not in FSDP_WRAPS:
-        raise SettingsError(f"--fsdp-wrap must be one of {', '.join(FSDP_WRAPS)}, got {tk.fsdp_wrap!r}")
+        tk = replace(tk, fsdp_wrap=_size_wrap(tk.fsdp_wrap))
     fsdp = strat.framework.startswith("fsdp")
-    if tk.fsdp_wrap != "block" and not (fsdp and (tk.fsdp_version == 2 or tk.fsdp_wrap == "none")):
+    either = tk.fsdp_wrap == "none" or tk.fsdp_wrap.startswith("size:")  # FSDP1 and FSDP2
+    if tk.fsdp_wrap != "block" and not (fsdp and (tk.fsdp_version == 2 or either)):
         raise SettingsError(f"--fsdp-wrap {tk.fsdp_wrap} is for "
-                            + ("FSDP2 (--strategy fsdp-*, hsdp)" if tk.fsdp_wrap != "none" else "FSDP")
+                            + ("FSDP2 (--strategy fsdp-*, hsdp)" if not either else "FSDP")
                             + f", not {strat.name}" + (" with --fsdp-version 1" if fsdp else ""))
     if tk.cpu_offload and not strat.framework.startswith("fsdp"):
         raise SettingsError(f"--cpu-offload is FSDP's CPUOffloadPolicy, not for {strat.name} (DeepSpeed offloads "
@@ -427,9 +428,73 @@ def lora_recipe(recipe: Any, strategy: Any) -> Any:
 
 #: FSDP2's units (--fsdp-wrap): each decoder block then the root; torchtitan's (the input embedding, each block,
 #: the final norm with the head, the root); only the root
-from memplan.jobfiles import ACCELERATE_FSDP2_WRAP  # noqa: E402
+from memplan.jobfiles import ACCELERATE_FSDP2_WRAP, _Fsdp2SizeWrap  # noqa: E402
 
 FSDP_WRAPS = ("block", "block+embeddings", "none")
+_SUFFIX = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9}
+
+
+def _size_wrap(text: str) -> str:
+    """``size:N`` (torch's size_based_auto_wrap_policy, min_num_params=N; model/wrap_units.py) in its one spelling,
+    N an integer number of parameters: 100000000, 1e8 or 100M."""
+    head, _, num = str(text).partition(":")
+    valid = f"one of {', '.join(FSDP_WRAPS)} or size:N (N parameters)"
+    if head != "size" or not num:
+        raise SettingsError(f"--fsdp-wrap must be {valid}, got {text!r}")
+    low = num.strip().lower()
+    mult = _SUFFIX.get(low[-1:], None) if low[-1:].isalpha() else 1
+    try:
+        value = float(low[:-1] if low[-1:].isalpha() else low) * (mult or 0)
+    except ValueError:
+        value = float("nan")
+    if not mult or value != value or value != int(value):
+        raise SettingsError(f"--fsdp-wrap size:N needs N a whole number of parameters (100000000, 1e8, 100M), "
+                            f"got {text!r}")
+    if value <= 0:
+        raise SettingsError(f"--fsdp-wrap size:N needs N above zero (min_num_params), got {text!r}")
+    return f"size:{int(value)}"
+
+
+def _size_wrap_notes(inv: ParamInventory, s: Settings) -> list[str]:
+    """What --fsdp-wrap size:N makes of this model, and where the figure is an upper bound (docs/accuracy.md)."""
+    if not s.torch.fsdp_wrap.startswith("size:") or not s.strategy.framework.startswith("fsdp"):
+        return []
+    from memplan.model import wrap_units
+
+    n = int(s.torch.fsdp_wrap[5:])
+    units = wrap_units.units_for(inv, s)
+    made = sorted({t.unit.removeprefix(wrap_units.HELD) for t in units.tensors}, key=len)
+    head = f"--fsdp-wrap {s.torch.fsdp_wrap}: {len(made)} unit(s) ({', '.join(made[:3])}{', ...' if len(made) > 3 else ''})"
+    split = wrap_units.split_tied(inv, n)
+    if split:
+        return [f"{head}; the tied weight {split[0]} is split between {split[1]} and {split[2]} (FSDP1's limited "
+                "shared-parameter support): counted as the root alone (--fsdp-wrap none's timeline), an upper bound"]
+    if wrap_units.root_only(units):
+        return [f"{head}; no unit inside a decoder block, so every unit is held from the forward to the end of "
+                "backward: counted as the root alone (--fsdp-wrap none's timeline)"]
+    return [f"{head}; units above the blocks are counted as the root (held from forward to backward's end) and the "
+            "units inside a block as the whole block gathered at once: an upper bound where a block holds several"]
+
+
+def _accelerate_fsdp2_size(inv: ParamInventory, n: int, notes: list[str]) -> str:
+    """Accelerate 1.15's FSDP2 SIZE_BASED_WRAP (utils/fsdp_utils.py fsdp2_prepare_auto_wrap_policy and
+    fsdp2_prepare_model): fully_shard on every module but the root, bottom up, whose parameters number more than
+    min_num_params. That includes the decoder stack's nn.ModuleList as soon as it is that large, and fully_shard
+    refuses containers without a forward (torch _fsdp_init.py _validate_module: "fully_shard does not support
+    containers that do not implement forward"), so such a job fails in accelerator.prepare. Below that size no
+    block is a unit: modelled as the root alone (its embedding and head units counted in the root)."""
+    from memplan.model.wrap_units import containers
+
+    big = [(path, numel) for path, numel in containers(inv) if numel > n]
+    if big:
+        path, numel = big[0]
+        raise SettingsError(f"Accelerate FSDP2 SIZE_BASED_WRAP with min_num_params {n:,} fails: it calls fully_shard "
+                            f"on {path} (an nn.ModuleList of {numel:,} parameters), which fully_shard refuses "
+                            "(containers without forward); use TRANSFORMER_BASED_WRAP, or FSDP1 (fsdp_version 1)")
+    notes.append(f"Accelerate FSDP2 SIZE_BASED_WRAP (min_num_params {n:,}): no decoder block is large enough to be a "
+                 "unit; modelled as the root alone (--fsdp-wrap none), which counts the modules Accelerate shards "
+                 "apart (the embedding, the head) in the root: an upper bound")
+    return "none"
 
 
 def _accelerate_fsdp2_wrap(inv: ParamInventory, notes: list[str]) -> str:
@@ -557,6 +622,9 @@ def resolve(inv: ParamInventory, *, gpus: int = 1, gpus_per_node: int | None = N
     notes.extend(_zeropp_notes(ds, strat, gpus, gpus_per_node or gpus))
     if torch_overrides.get("fsdp_wrap") is ACCELERATE_FSDP2_WRAP:
         torch_overrides["fsdp_wrap"] = _accelerate_fsdp2_wrap(inv, notes)
+    elif isinstance(torch_overrides.get("fsdp_wrap"), _Fsdp2SizeWrap):
+        torch_overrides["fsdp_wrap"] = _accelerate_fsdp2_size(inv, torch_overrides["fsdp_wrap"].min_num_params,
+                                                              notes)
     tk = _torch_knobs(torch_overrides, strat)
     hv = _horovod_knobs(horovod_overrides or {}, strat, pick.sources, notes)
     strat = get_strategy(strat.name, tk.fsdp_version, tk.fsdp_wrap)
@@ -579,6 +647,7 @@ def resolve(inv: ParamInventory, *, gpus: int = 1, gpus_per_node: int | None = N
     why = frameworks.model(strat.memory_model).wrap_why_not(inv, settings)
     if why:
         raise SettingsError(why)
+    notes.extend(_size_wrap_notes(inv, settings))
     if strat.zero_stage == 3:
         settings = _with_z3_leaves(settings, inv, config, notes)
     if lora is not None:

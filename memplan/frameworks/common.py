@@ -33,6 +33,7 @@ class Job:
     @classmethod
     def of(cls, inv: ParamInventory, s: Settings, model: FrameworkModel) -> Job:
         st, n = s.strategy, shard_group_size(s)
+        inv = model.units(inv, s)
         return cls(inv=inv, s=s, n=n, lay=layouts.layout_sizes(inv, st.layout, n, s.ds.param_persistence_threshold),
                    offload_optimizer=model.zero_offload and s.ds.offload_optimizer,
                    offload_param=st.zero_stage == 3 and s.ds.offload_param,
@@ -166,6 +167,9 @@ class FrameworkModel:
     #: why an optimizer whose step depends on its tensors (precision.Optimizer.shape_dependent) cannot step what
     #: the framework hands it, or None where it can
     shaped_optimizer_why_not: str | None = None
+    #: the inventory with each tensor's unit as the job's wrapping makes them (ParamTensor.unit; the inventory
+    #: itself where the blocks are the units)
+    units: Callable[[ParamInventory, Settings], ParamInventory] = lambda inv, s: inv
     #: why the job's wrapping (--fsdp-wrap) cannot wrap this model, or None where it can
     wrap_why_not: Callable[[ParamInventory, Settings], str | None] = lambda inv, s: None
     #: the module that replays the framework's allocations for the reserved peak (memplan/reserved.py): its

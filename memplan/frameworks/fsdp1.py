@@ -11,6 +11,7 @@ from memplan.frameworks.common import LOSS, FrameworkModel, Grads, Job, unreduce
 from memplan.frameworks.fsdp2 import pinned_host as fsdp2_pinned
 from memplan.settings import reshard_after_forward
 from memplan.timeline import BufferMoment, BufferTimeline, Moment
+from memplan.model import wrap_units
 from memplan.units import ceil_div
 
 
@@ -38,7 +39,7 @@ def buffers(job: Job, grads: Grads) -> BufferTimeline:
       root's views take grads from the head's backward on; the root is reduced after the embedding's backward.
     """
     s, n, g, grads_end = job.s, job.n, job.gathers, grads.end
-    if s.torch.fsdp_wrap == "none":
+    if s.torch.fsdp_wrap == "none" or wrap_units.root_only(job.inv):
         return _root_only(job, grads)
     rc = s.recipe
     # the unsharded flat parameters are in MixedPrecision's param_dtype, as autograd's grads are
@@ -135,7 +136,7 @@ def _root_only(job: Job, grads: Grads) -> BufferTimeline:
                                     Moment.INSIDE_PREVIOUS_BLOCK_BACKWARD))
     _, end = _end(s, replace(g, root=whole, block_numels=()), n, root, 0, grads.end)
     return BufferTimeline(gathered_forward_end=root, gathered_loss=root, end=end, moments=tuple(moments),
-                          assumptions={"reshard_after_forward": False, "fsdp_wrap": "none",
+                          assumptions={"reshard_after_forward": False, "fsdp_wrap": job.s.torch.fsdp_wrap,
                                        "largest_gathered_block_numel": whole})
 
 
@@ -167,6 +168,7 @@ def _end(s: Any, g: Any, n: int, root: int, head_grads: int, grads_end: int) -> 
 
 
 MODEL = FrameworkModel(name="fsdp1", buffers=buffers, grads_at_end=grads_at_end, cpu_offload_policy=True,
+                       units=wrap_units.units_for,
                        # with use_orig_params=True a FlatParameter mixes frozen and trainable parameters and its
                        # gradient covers all of them (frozen parts zero-filled): not modelled
                        frozen_why_not="FSDP1 with frozen parameters (use_orig_params=True FlatParameters) is not "

@@ -13,6 +13,7 @@ from memplan.model.inventory import ROOT_BLOCK, ParamInventory
 from memplan.settings import Settings
 from memplan.settings import reshard_after_forward as requested_reshard_after_forward
 from memplan.timeline import BufferMoment, BufferTimeline, Moment
+from memplan.model import wrap_units
 from memplan.units import ceil_div
 
 
@@ -32,6 +33,13 @@ def wrap_why_not(inv: ParamInventory, s: Settings) -> str | None:
     """Why --fsdp-wrap cannot wrap this model as asked (None: it can). block+embeddings needs the parameters
     outside the blocks to be one input embedding before them and the final norm and head after them, untied
     (torchtitan's layout: a tied weight cannot belong to two fully_shard units)."""
+    if s.torch.fsdp_wrap.startswith("size:"):
+        split = wrap_units.split_tied(inv, int(s.torch.fsdp_wrap[5:]))
+        if split:
+            return (f"--fsdp-wrap {s.torch.fsdp_wrap}: the tied weight {split[0]} would be in two fully_shard units "
+                    f"({split[1]} and {split[2]}), which fully_shard refuses (\"shared with a parameter already "
+                    "managed by another FSDP group\"); choose another size, or block")
+        return None
     if s.torch.fsdp_wrap != "block+embeddings":
         return None
     if any(t.tied_names for t in inv.tensors):
@@ -79,7 +87,7 @@ def buffers(job: Job, grads: Grads) -> BufferTimeline:
     reshard to and stay until the block's backward. Each term was checked against the harness's
     allocator timeline (fsdp-full, 2 and 4 blocks; docs/accuracy.md).
     """
-    if job.s.torch.fsdp_wrap == "none":
+    if job.s.torch.fsdp_wrap == "none" or wrap_units.root_only(job.inv):
         return _root_only(job, grads)
     g, raf = job.gathers, reshard_after_forward(job)
     u = _units(job)
@@ -482,12 +490,12 @@ def _root_only(job: Job, grads: Grads) -> BufferTimeline:
     inside_first = BufferMoment(root + hg + after_first, grads.end - end[1], Moment.INSIDE_FIRST_BLOCK_BACKWARD)
     moments.append(inside_first)
     return BufferTimeline(gathered_forward_end=root + flat, gathered_loss=root, end=end, moments=tuple(moments),
-                          assumptions={"reshard_after_forward": False, "fsdp_wrap": "none",
+                          assumptions={"reshard_after_forward": False, "fsdp_wrap": job.s.torch.fsdp_wrap,
                                        "largest_gathered_block_numel": total})
 
 
 MODEL = FrameworkModel(name="fsdp2", replay="memplan.frameworks.fsdp2_replay", buffers=buffers,
-                       cpu_offload_policy=True, wrap_why_not=wrap_why_not,
+                       cpu_offload_policy=True, wrap_why_not=wrap_why_not, units=wrap_units.units_for,
                        # measured (torch 2.13, gloo, 2 ranks): transformers' Adafactor fails in its first step
                        # (torch.zeros(grad_shape[:-1]).to(grad) is a plain tensor beside DTensor grads: "aten.add_
                        # got mixed torch.Tensor and DTensor"), and so do bitsandbytes' optimizer kernels

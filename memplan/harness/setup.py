@@ -252,12 +252,22 @@ def _setup_fsdp1(spec: dict[str, Any], device: Any) -> tuple[Any, Any, Any]:
     # (ModuleWrapPolicy on the block class) and one for the root, use_orig_params=False, BACKWARD_PRE
     # prefetch, limit_all_gathers; the harness's blocks are those of _no_split_modules
     # ("none": no auto-wrap policy, one FlatParameter for the whole model, the root's)
-    policy = ModuleWrapPolicy({type(b) for b in _blocks(model)}) if spec.get("fsdp_wrap", "block") == "block" \
-        else None
+    # ("size:N": torch's size_based_auto_wrap_policy with min_num_params=N, as Accelerate's SIZE_BASED_WRAP sets it)
+    wrap = spec.get("fsdp_wrap", "block")
+    policy = ModuleWrapPolicy({type(b) for b in _blocks(model)}) if wrap == "block" \
+        else _size_policy(wrap) if wrap.startswith("size:") else None
     fsdp = FSDP(model, auto_wrap_policy=policy,
                 sharding_strategy=strategy, mixed_precision=mp, device_id=device, use_orig_params=False, **kw)
     opt = _torch_optimizer(spec, fsdp.parameters())
     return fsdp, opt, None
+
+
+def _size_policy(wrap: str) -> Any:
+    import functools
+
+    from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy
+
+    return functools.partial(size_based_auto_wrap_policy, min_num_params=int(wrap.partition(":")[2]))
 
 
 def _setup_fsdp2(spec: dict[str, Any], device: Any) -> tuple[Any, Any, Any]:
@@ -283,8 +293,19 @@ def _setup_fsdp2(spec: dict[str, Any], device: Any) -> tuple[Any, Any, Any]:
         # torchtitan's units (parallelize.py apply_fsdp): the input embedding, each block, then the final norm
         # with the head as one unit not resharded after forward (its default policy), then the root
         fully_shard(model.get_input_embeddings(), mesh=mesh, mp_policy=mp, reshard_after_forward=raf)
-    for block in _blocks(model) if wrap != "none" else ():
+    for block in _blocks(model) if wrap in ("block", "block+embeddings") else ():
         fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=raf)
+    if wrap.startswith("size:"):
+        # torch's own size-based walk (wrap.py _recursive_wrap with size_based_auto_wrap_policy) applying
+        # fully_shard to each module it would wrap, children first, then the root below
+        from torch.distributed.fsdp.wrap import _recursive_wrap
+
+        def shard(module: Any, **_: Any) -> Any:
+            fully_shard(module, mesh=mesh, mp_policy=mp, reshard_after_forward=raf)
+            return module
+
+        _recursive_wrap(model, auto_wrap_policy=_size_policy(wrap), wrapper_cls=shard, ignored_modules=set(),
+                        ignored_params=set(), only_wrap_children=True)
     if wrap == "block+embeddings":
         fully_shard(_head_unit(model), mesh=mesh, mp_policy=mp, reshard_after_forward=False)
     # the root keeps FSDP2's default (reshard_after_forward=None: True for the blocks, False for the root,

@@ -19,6 +19,8 @@ from math import prod
 from memplan.units import dtype_bytes
 
 ROOT_BLOCK = ""  # owner of parameters outside every wrapped block (embeddings, final norm, head)
+#: ParamTensor.unit's prefix for units of a job the FSDP models take as the root alone (model/wrap_units.py)
+HELD_UNIT = "<held>/"
 
 CATEGORIES = ("embedding", "attention", "mlp", "experts", "router", "norm", "head", "other")
 
@@ -65,6 +67,9 @@ class ParamTensor:
     layer: str = ""
     #: requires_grad: False for a frozen base weight under LoRA (no gradient, no optimizer state)
     trainable: bool = True
+    #: the FSDP unit that holds it where a size-based wrap policy makes units other than the blocks
+    #: (model/wrap_units.py: the unit's module path, "<root>" for the root); "" otherwise: the block is the unit
+    unit: str = ""
 
     @property
     def numel(self) -> int:
@@ -73,6 +78,15 @@ class ParamTensor:
     @property
     def nbytes(self) -> int:
         return self.numel * dtype_bytes(self.dtype)
+
+    @property
+    def group(self) -> str:
+        """The block it is gathered with: its block, or the root group when its FSDP unit lies above the blocks
+        (a size-based unit around the decoder stack, or the root)."""
+        if not self.unit or self.unit.startswith(HELD_UNIT) or (
+                self.block != ROOT_BLOCK and (self.unit == self.block or self.unit.startswith(self.block + "."))):
+            return self.block
+        return ROOT_BLOCK
 
     @property
     def module(self) -> str:

@@ -174,3 +174,42 @@ def test_accelerate_fsdp2_transformer_wrap_units(tmp_path):
     # the job file's marker is not a command-line value
     code, out, err = run_cli("estimate llama-7b --gpus 8 --strategy fsdp-full --fsdp-wrap accelerate-fsdp2".split())
     assert code == 2 and "--fsdp-wrap must be one of" in err and len(err.strip().splitlines()) == 1
+
+
+def test_accelerate_size_based_wrap(tmp_path):
+    # FSDP1: FullyShardedDataParallelPlugin wraps with size_based_auto_wrap_policy(min_num_params) when it is above
+    # zero; the launcher's default is int(1e8) (commands/launch.py --fsdp_min_num_params)
+    head = "distributed_type: FSDP\nmixed_precision: bf16\nnum_processes: 8\nfsdp_config:\n"
+    acc = _write(tmp_path, "a1.yaml", head + "  fsdp_version: 1\n  fsdp_auto_wrap_policy: SIZE_BASED_WRAP\n")
+    code, rep = _json(["estimate", "llama-3-8b", "--accelerate-config", acc, "--activations", "analytic"])
+    assert rep["strategy"]["torch"]["fsdp_wrap"] == "size:100000000"
+    acc = _write(tmp_path, "a2.yaml", head + "  fsdp_version: 1\n  fsdp_auto_wrap_policy: SIZE_BASED_WRAP\n"
+                                             "  fsdp_min_num_params: 0\n")
+    code, rep = _json(["estimate", "llama-3-8b", "--accelerate-config", acc, "--activations", "analytic"])
+    assert rep["strategy"]["torch"]["fsdp_wrap"] == "none"  # zero: no policy ("silently ignored")
+    # FSDP2: Accelerate 1.15 fully_shards every module above min_num_params, the decoder's nn.ModuleList too,
+    # which fully_shard refuses: the job fails in prepare
+    acc = _write(tmp_path, "a3.yaml", head + "  fsdp_version: 2\n  fsdp_auto_wrap_policy: SIZE_BASED_WRAP\n")
+    code, out, err = run_cli(["estimate", "llama-3-8b", "--accelerate-config", acc])
+    assert code == 2 and "model.layers" in err and "fully_shard" in err and len(err.strip().splitlines()) == 1
+    # an unknown policy is one line too
+    acc = _write(tmp_path, "a4.yaml", head + "  fsdp_version: 1\n  fsdp_auto_wrap_policy: LAMBDA_WRAP\n")
+    code, out, err = run_cli(["estimate", "llama-3-8b", "--accelerate-config", acc])
+    assert code == 2 and "LAMBDA_WRAP" in err and len(err.strip().splitlines()) == 1
+
+
+def test_size_wrap_on_the_command_line():
+    # llama-3-8b at 1e8: the attention of every block goes to the unit around the decoder stack, held through
+    # forward and backward; counted in the root group, more than the block-wise units hold
+    code, size = _json(["estimate", "llama-3-8b", "--gpus", "8", "--strategy", "fsdp-full", "--fsdp-version", "1",
+                        "--fsdp-wrap", "size:1e8", "--activations", "analytic"])
+    code, block = _json(["estimate", "llama-3-8b", "--gpus", "8", "--strategy", "fsdp-full", "--fsdp-version", "1",
+                         "--activations", "analytic"])
+    assert size["strategy"]["torch"]["fsdp_wrap"] == "size:100000000"
+    assert size["per_gpu"]["peak_bytes"] > block["per_gpu"]["peak_bytes"]
+    for bad in ("size:0", "size:abc"):
+        code, out, err = run_cli(["estimate", "llama-3-8b", "--gpus", "8", "--strategy", "fsdp-full",
+                                  "--fsdp-wrap", bad])
+        assert code == 2 and "size:N" in err and len(err.strip().splitlines()) == 1
+    code, out, err = run_cli("estimate llama-3-8b --gpus 8 --stage 3 --fsdp-wrap size:1e8".split())
+    assert code == 2 and "is for FSDP" in err

@@ -67,10 +67,11 @@ OffloadParam = Annotated[Optional[bool], typer.Option("--offload-param/--no-offl
                                                       help="DeepSpeed ZeRO-Offload of the parameters (stage 3).")]
 # PyTorch's knobs (TorchKnobs)
 ReshardAfterForward = Annotated[Optional[str], typer.Option(help="FSDP2: true, false, or a group size (int).")]
-FsdpWrap = Annotated[Optional[str], typer.Option(help="FSDP2 units: block (each decoder block, then the root), "
-                                                 "block+embeddings (torchtitan's: the input embedding, each block, "
-                                                 "the final norm with the head) or none (only the root; FSDP1 "
-                                                 "too: one FlatParameter) "
+FsdpWrap = Annotated[Optional[str], typer.Option(help="FSDP units: block (each decoder block, then the root), "
+                                                 "block+embeddings (FSDP2, torchtitan's: the input embedding, each "
+                                                 "block, the final norm with the head), size:N (torch's "
+                                                 "size_based_auto_wrap_policy, min_num_params N, e.g. size:1e8) or "
+                                                 "none (only the root; FSDP1: one FlatParameter) "
                                                  "[default: block].")]
 HsdpShardSize = Annotated[Optional[int], typer.Option(help="HSDP shard group size [default: gpus per node].")]
 FsdpVersion = Annotated[int, typer.Option(help="FSDP version: 2 (fully_shard) or 1 (FlatParameter).")]

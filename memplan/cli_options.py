@@ -48,6 +48,13 @@ AllgatherBucketSize = Annotated[Optional[int], typer.Option(help="DeepSpeed allg
 OverlapComm = Annotated[Optional[bool], typer.Option("--overlap-comm/--no-overlap-comm",
                                                      help="DeepSpeed overlap_comm.")]
 ContiguousGradients = Annotated[Optional[bool], typer.Option("--contiguous-gradients/--no-contiguous-gradients")]
+ReduceScatter = Annotated[Optional[bool], typer.Option(
+    "--reduce-scatter/--no-reduce-scatter", help="DeepSpeed ZeRO-1/2 reduce_scatter: off, each gradient bucket is "
+    "all-reduced in place [default: on].")]
+MultiRankBucketAllreduce = Annotated[Optional[bool], typer.Option(
+    "--multi-rank-bucket-allreduce/--no-multi-rank-bucket-allreduce", help="DeepSpeed ZeRO-1/2 "
+    "use_multi_rank_bucket_allreduce: off, each bucket's slices are reduced to their owner rank (a reduce-scatter's "
+    "volume, not an all-reduce's) [default: on].")]
 PrefetchBucketSize = Annotated[Optional[int], typer.Option(help="stage3_prefetch_bucket_size (elements).")]
 ParamPersistenceThreshold = Annotated[Optional[int], typer.Option(help="stage3_param_persistence_threshold.")]
 MaxLiveParameters = Annotated[Optional[int], typer.Option(help="stage3_max_live_parameters (elements).")]
@@ -160,7 +167,8 @@ def lora_spec(values: dict[str, Any], notes: list[str] | None = None) -> Any:
 
 DS_KNOBS = ("reduce_bucket_size", "allgather_bucket_size", "overlap_comm", "contiguous_gradients",
             "prefetch_bucket_size", "param_persistence_threshold", "max_live_parameters", "max_reuse_distance",
-            "hpz_partition_size", "offload_optimizer", "offload_param", "quantized_weights", "quantized_gradients")
+            "hpz_partition_size", "offload_optimizer", "offload_param", "quantized_weights", "quantized_gradients",
+            "reduce_scatter", "multi_rank_bucket_allreduce")
 TORCH_KNOBS = ("reshard_after_forward", "fsdp_wrap", "hsdp_shard_size", "fsdp_version", "cpu_offload", "bucket_cap_mb",
                "gradient_as_bucket_view")
 

@@ -76,7 +76,12 @@ def communication(inv: Any, s: Settings) -> dict[str, Any]:
             add("all-gather", "updated parameters (partition broadcast)", n_all, rc.param_bytes, psi, 1)
     elif mm == "zero12":
         times = ga if st.shard_grads else 1
-        add("all-reduce", "gradients (ZeRO buckets)", n_all, rc.grad_bytes, psi, times)
+        if st.zero_stage in (1, 2) and s.ds.reduce_scatter and not s.ds.multi_rank_bucket_allreduce:
+            # average_tensor: each bucket's slices go to their owner with dist.reduce (allreduce_no_retain)
+            add("reduce-scatter", "gradients (ZeRO buckets, each slice reduced to its owner rank)", n_all,
+                rc.grad_bytes, psi, times)
+        else:
+            add("all-reduce", "gradients (ZeRO buckets)", n_all, rc.grad_bytes, psi, times)
         if st.shard_optimizer:
             add("all-gather", "updated 16-bit partitions", n_all, rc.param_bytes, psi, 1)
     elif mm == "zero3":

@@ -39,11 +39,7 @@ REMOVED_ZERO = {"mics_shard_size": "MiCS ZeRO-3 sharding has been removed",
 DEPRECATED_ZERO = {"cpu_offload": "offload_optimizer", "cpu_offload_param": "offload_param"}
 #: keys that change what DeepSpeed allocates and that memplan does not model, with DeepSpeed's default: a value
 #: other than the default gets a note saying what the estimate assumes instead
-NOT_MODELLED = {"reduce_scatter": (True, "reduce_scatter false (each bucket all-reduced in place) is modelled as "
-                                         "the default path (the two measured alike on CPU, docs/accuracy.md)"),
-                "use_multi_rank_bucket_allreduce": (True, "use_multi_rank_bucket_allreduce false (per-rank "
-                                                          "reduces) is modelled as the default path (the two "
-                                                          "measured alike on CPU, docs/accuracy.md)")}
+NOT_MODELLED: dict[str, tuple[object, str]] = {}
 #: zero_optimization key -> memplan DeepSpeedKnobs field.
 ZERO_KEYS = {"reduce_bucket_size": "reduce_bucket_size", "allgather_bucket_size": "allgather_bucket_size",
              "overlap_comm": "overlap_comm", "contiguous_gradients": "contiguous_gradients",
@@ -55,14 +51,15 @@ ZERO_KEYS = {"reduce_bucket_size": "reduce_bucket_size", "allgather_bucket_size"
              "sub_group_size": "sub_group_size", "zero_hpz_partition_size": "hpz_partition_size",
              "memory_efficient_linear": "memory_efficient_linear",
              "zero_quantized_weights": "quantized_weights", "zero_quantized_gradients": "quantized_gradients",
-             "stage3_module_granularity_threshold": "module_granularity_threshold"}
+             "stage3_module_granularity_threshold": "module_granularity_threshold",
+             "reduce_scatter": "reduce_scatter", "use_multi_rank_bucket_allreduce": "multi_rank_bucket_allreduce"}
 #: keys read elsewhere in load(), or that do not change memory
 ZERO_IGNORED = {"stage", "offload_optimizer", "offload_param", "allgather_partitions", "round_robin_gradients",
                 "stage3_gather_16bit_weights_on_model_save", "gather_16bit_weights_on_model_save",
                 "elastic_checkpoint", "ignore_unused_parameters", "load_from_fp32_weights", "log_trace_cache_warnings",
                 "cpu_offload_use_pin_memory", "leaf_module"} | set(DEPRECATED_ZERO) | set(NOT_MODELLED)
 BOOL_KEYS = {"overlap_comm", "contiguous_gradients", "memory_efficient_linear", "zero_quantized_weights",
-             "zero_quantized_gradients"}
+             "zero_quantized_gradients", "reduce_scatter", "use_multi_rank_bucket_allreduce"}
 
 
 @dataclass(frozen=True)

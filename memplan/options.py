@@ -248,6 +248,32 @@ def _with_z3_leaves(s: Settings, inv: ParamInventory, config: dict[str, Any] | N
     return replace(s, z3_leaves=leaves)
 
 
+def _reduce_path_notes(ds: DeepSpeedKnobs, strat: Any) -> list[str]:
+    """DeepSpeed ZeRO-1/2's reduce path off its defaults (stage_1_and_2.py average_tensor, 0.19.8). The default
+    flattens the bucket's slices into one copy to all-reduce (allreduce_and_scatter -> allreduce_bucket);
+    reduce_scatter false all-reduces the bucket in place (gradient_reduction_w_predivide: a copy only to change
+    dtype); use_multi_rank_bucket_allreduce false flattens each owner's slices and reduces them to it
+    (allreduce_no_retain), one owner at a time. Neither allocates more than the default path, which the figure
+    models; measured alike on CPU (docs/accuracy.md session 12)."""
+    off = [k for k, v in (("reduce_scatter", ds.reduce_scatter),
+                          ("use_multi_rank_bucket_allreduce", ds.multi_rank_bucket_allreduce)) if not v]
+    if not off or strat.framework != "deepspeed":
+        return []
+    if strat.zero_stage not in (1, 2):
+        return [f"{' and '.join(off)} false: DeepSpeed reads it in ZeRO stages 1 and 2 only (stage_1_and_2.py); "
+                f"no effect under {strat.name}"]
+    if not ds.reduce_scatter:
+        return ["reduce_scatter false: each gradient bucket is all-reduced in place (no flattened copy, "
+                "stage_1_and_2.py gradient_reduction_w_predivide); memory counted as the default path's, which holds "
+                "the same or more (measured alike on CPU); communication: an all-reduce, as the default"
+                + ("; use_multi_rank_bucket_allreduce has no effect then" if not ds.multi_rank_bucket_allreduce
+                   else "")]
+    return ["use_multi_rank_bucket_allreduce false: each bucket's slices are reduced to their owner rank, one "
+            "flattened copy per owner (stage_1_and_2.py allreduce_no_retain): memory counted as the default path's "
+            "one flattened copy of the whole bucket, the same or more (measured alike on CPU); communication: a "
+            "reduce-scatter's volume, half the default's all-reduce"]
+
+
 def _zeropp_notes(ds: DeepSpeedKnobs, strat: Any, gpus: int, per_node: int) -> list[str]:
     """What ZeRO++'s quantized collectives change, and what memplan's figures for them rest on."""
     out = []
@@ -620,6 +646,7 @@ def resolve(inv: ParamInventory, *, gpus: int = 1, gpus_per_node: int | None = N
         ds_overrides["offload_pin_memory"] = torch_overrides["cpu_offload_pin_memory"] = pin_memory
     ds = _ds_knobs(pick, ds_file, inv, ds_overrides, strat)
     notes.extend(_zeropp_notes(ds, strat, gpus, gpus_per_node or gpus))
+    notes.extend(_reduce_path_notes(ds, strat))
     if torch_overrides.get("fsdp_wrap") is ACCELERATE_FSDP2_WRAP:
         torch_overrides["fsdp_wrap"] = _accelerate_fsdp2_wrap(inv, notes)
     elif isinstance(torch_overrides.get("fsdp_wrap"), _Fsdp2SizeWrap):

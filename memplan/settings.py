@@ -48,6 +48,11 @@ class DeepSpeedKnobs:
     #: offload_optimizer / offload_param .pin_memory (DeepSpeed's default: false): pinned host buffers, which
     #: PyTorch's pinned allocator rounds up to a power of two (memplan/host.py)
     offload_pin_memory: bool = False
+    #: ZeRO-1/2's reduce path (stage_1_and_2.py average_tensor): reduce_scatter false all-reduces each bucket in
+    #: place; with it (the default) the bucket's slices are all-reduced through a flattened copy
+    #: (use_multi_rank_bucket_allreduce, the default) or reduced to each slice's owner rank (false)
+    reduce_scatter: bool = True
+    multi_rank_bucket_allreduce: bool = True
     #: stage 3 replaces torch.nn.functional.linear with LinearFunctionForZeroStage3 (changes the traced
     #: activations on CPU and under autocast: memplan/tracing_keys.py trace_linear)
     memory_efficient_linear: bool = True

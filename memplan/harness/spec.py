@@ -24,6 +24,10 @@ def ds_config(s: Settings) -> dict[str, Any]:
     }
     if ds.overlap_comm is not None:
         zero["overlap_comm"] = ds.overlap_comm
+    if not ds.reduce_scatter:
+        zero["reduce_scatter"] = False
+    if not ds.multi_rank_bucket_allreduce:
+        zero["use_multi_rank_bucket_allreduce"] = False
     if st.zero_stage == 3:
         zero.update({"stage3_prefetch_bucket_size": ds.prefetch_bucket_size,
                      "stage3_param_persistence_threshold": ds.param_persistence_threshold,

@@ -253,8 +253,9 @@ def test_deepspeed_legacy_and_unmodelled_keys(tmp_path):
     assert d.knobs["offload_optimizer"] is True and d.knobs["offload_param"] is True
     assert d.knobs["quantized_gradients"] is True  # ZeRO++ qgZ is read (frameworks/zero3.py qgz_transient)
     assert not d.unknown_keys
-    # keys that change memory and are not modelled are said, at a value other than DeepSpeed's default only
-    assert [n.split(":")[0] for n in d.notes] == ["zero_optimization.use_multi_rank_bucket_allreduce"]
+    # the reduce path's keys are read (their notes come with the settings: options._reduce_path_notes)
+    assert d.knobs["reduce_scatter"] is True and d.knobs["multi_rank_bucket_allreduce"] is False
+    assert d.notes == ()
     p.write_text(json.dumps({"zero_optimization": {"stage": 2, "cpu_offload": False}}))
     assert "offload_optimizer" not in dsconfig.load(str(p)).knobs
 

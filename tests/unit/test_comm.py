@@ -63,3 +63,22 @@ def test_fsdp_gathers_in_bf16_and_reduces_in_fp32_hsdp_across_replicas():
 def test_one_gpu_sends_nothing():
     _, c = _comm(gpus=1)
     assert c == {"intra_node_bytes": 0, "inter_node_bytes": 0, "total_bytes": 0, "collectives": []}
+
+
+def test_zero12_reduce_paths():
+    # stage_1_and_2.py average_tensor: use_multi_rank_bucket_allreduce false reduces each slice to its owner (a
+    # reduce-scatter's volume); reduce_scatter false all-reduces in place (an all-reduce, as the default)
+    inv, base = _comm(gpus=8, stage=2)
+    psi = inv.num_params
+    _, per_rank = _comm(gpus=8, stage=2, ds_overrides={"multi_rank_bucket_allreduce": False})
+    _, in_place = _comm(gpus=8, stage=2, ds_overrides={"reduce_scatter": False})
+    _, both = _comm(gpus=8, stage=2, ds_overrides={"reduce_scatter": False, "multi_rank_bucket_allreduce": False})
+    grads = [x for x in per_rank["collectives"] if x["what"].startswith("gradients")]
+    assert grads[0]["op"] == "reduce-scatter" and grads[0]["bytes_per_gpu"] == 7 * 2 * psi // 8
+    assert in_place == base == both
+    # notes say what the memory figure assumes, and that stage 3 does not read the keys
+    r = options.resolve(inv, activations="analytic", gpus=8, stage=2, ds_overrides={"reduce_scatter": False})
+    assert any(n.startswith("reduce_scatter false") for n in r.notes)
+    r = options.resolve(inv, activations="analytic", gpus=8, stage=3,
+                        ds_overrides={"multi_rank_bucket_allreduce": False})
+    assert any("stages 1 and 2 only" in n for n in r.notes)

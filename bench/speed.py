@@ -141,6 +141,30 @@ def explain_and_suggest_ms(repeat: int = 20) -> tuple[float, float]:
     return 1000 * statistics.median(ex_t), 1000 * statistics.median(sug_t)
 
 
+PLAN_SEARCH = (
+    "import sys, time\n"
+    "from memplan import planner\n"
+    "from memplan.model import sources\n"
+    "src = sources.resolve(sys.argv[1]); inv = sources.build_inventory(src); config = sources.trace_config(src, inv)\n"
+    "if sys.argv[2] == 'bound':  # the search without the allocator's replay: each candidate's bound answer\n"
+    "    planner._exact_largest = lambda inv, s, mbs, budget, bound, hi: (hi, 0)\n"
+    "t = time.perf_counter(); found = planner.search(inv, gpu='h100-80g', config=config)\n"
+    "print(time.perf_counter() - t, found.gpus)\n")
+
+
+def plan_replay_cost(model: str, repeat: int) -> tuple[float, float, int, int]:
+    """Issue 23's bound: `memplan plan MODEL --gpu h100-80g`'s search (in process, after the imports and the
+    profile load, a fresh process each time), with the reserved replay and with each candidate's allocated bound
+    taken as its answer instead (what the search cost before the replay). Medians of ``repeat``; and the GPU
+    counts each answers."""
+    out = {}
+    for mode in ("replay", "bound"):
+        runs = [subprocess.run([sys.executable, "-c", PLAN_SEARCH, model, mode], capture_output=True, text=True,
+                               cwd=ROOT, check=True).stdout.split() for _ in range(repeat)]
+        out[mode] = (statistics.median(float(r[0]) for r in runs), int(runs[0][1]))
+    return out["replay"][0], out["bound"][0], out["replay"][1], out["bound"][1]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeat", type=int, default=5)
@@ -189,6 +213,11 @@ def main() -> None:
     print(f"in-process batched evaluator (accounting.required_bytes, the planner's path) evaluations per second: "
           f"{batched_evals_per_second():,.0f} as the search bisects (the allocated bound, no replay); "
           f"{batched_evals_per_second(lower_bound=False):,.0f} with every micro-batch replayed")
+    for model in ("llama-70b", "llama-3-8b"):
+        rep, bound, g_rep, g_bound = plan_replay_cost(model, args.repeat)
+        print(f"plan {model} --gpu h100-80g, the search in process (median of {args.repeat} fresh processes): "
+              f"{rep:.3f} s with the reserved replay ({g_rep} GPUs), {bound:.3f} s on the allocated bound alone "
+              f"({g_bound} GPUs): {rep / bound:.2f}x (issue 23: at most 2x)")
     ex_ms, sug_ms = explain_and_suggest_ms()
     print(f"in-process, llama-3-8b DDP on 8 x h100-80g (does not fit), profile cached: --explain adds {ex_ms:.1f} ms "
           f"(target < 50 ms); the 'to fit' suggestions add {sug_ms:.0f} ms (target < 1 s)")

@@ -221,10 +221,9 @@ class Allocator:
     # ---- requests ----
     def malloc(self, size: int, stream: int = 0) -> _Block:
         """A request of ``size`` bytes on ``stream``: the block that serves it."""
-        if self._plain:  # round_size without roundup_power2_divisions
-            size = MIN_BLOCK if size < MIN_BLOCK else (size + MIN_BLOCK - 1) // MIN_BLOCK * MIN_BLOCK
-        else:
-            size = self.config.round_size(size)
+        if self._plain:
+            return self._malloc_plain(size, stream)
+        size = self.config.round_size(size)
         small = size <= SMALL_SIZE
         b = self._best_fit(size, small, stream)
         if b is None and self.config.expandable_segments:
@@ -246,13 +245,50 @@ class Allocator:
             self.peak_allocated = self.allocated
         return b
 
+    def _malloc_plain(self, size: int, stream: int) -> _Block:
+        """malloc with the default configuration (no max_split_size, roundup divisions, expandable segments or
+        garbage collection): the same steps as malloc, inlined (the replay's hot path)."""
+        size = MIN_BLOCK if size < MIN_BLOCK else (size + MIN_BLOCK - 1) // MIN_BLOCK * MIN_BLOCK
+        small = size <= SMALL_SIZE
+        key = stream * 2 + small
+        lst = self._free.get(key)
+        b = None
+        if lst:
+            j = bisect_left(lst, (size,))
+            if j < len(lst):
+                b = lst.pop(j)[2]
+                b.cached = False
+        if b is None:
+            b = self._new_segment(SMALL_BUFFER if small else LARGE_BUFFER if size < MIN_LARGE_ALLOC
+                                  else -(-size // ROUND_LARGE) * ROUND_LARGE, small, stream)
+        remaining = b.size - size
+        if remaining >= MIN_BLOCK if small else remaining > SMALL_SIZE:
+            rest = _Block(b.ptr + size, remaining, stream, small, b.segment, b, b.next)
+            if b.next is not None:
+                b.next.prev = rest
+            b.next = rest
+            b.size = size
+            if lst is None:
+                lst = self._free[key] = []
+            insort(lst, (remaining, rest.ptr, rest))
+            rest.cached = True
+        b.allocated = True
+        self.allocated += b.size
+        if self.allocated > self.peak_allocated:
+            self.peak_allocated = self.allocated
+        return b
+
     def free(self, b: _Block) -> None:
         """The block's memory is reusable (free_completed): merged with free neighbours, back to its pool."""
         b.allocated = False
         self.allocated -= b.size
+        lst = self._free.get(b.stream * 2 + b.small)
+        if lst is None:
+            lst = self._free[b.stream * 2 + b.small] = []
         nb = b.prev
-        if nb is not None and nb.cached:
-            self._remove(nb)
+        if nb is not None and nb.cached:  # _remove, inlined: a neighbour is in the same pool
+            del lst[bisect_left(lst, (nb.size, nb.ptr))]
+            nb.cached = False
             b.ptr, b.size, b.prev = nb.ptr, nb.size + b.size, nb.prev
             if nb.prev is not None:
                 nb.prev.next = b
@@ -260,11 +296,13 @@ class Allocator:
                 self._segment_heads[b.segment] = b
         nb = b.next
         if nb is not None and nb.cached:
-            self._remove(nb)
+            del lst[bisect_left(lst, (nb.size, nb.ptr))]
+            nb.cached = False
             b.size, b.next = b.size + nb.size, nb.next
             if nb.next is not None:
                 nb.next.prev = b
-        self._insert(b)
+        insort(lst, (b.size, b.ptr, b))
+        b.cached = True
 
     def empty_cache(self) -> None:
         """release_cached_blocks: every segment with no allocated block goes back to CUDA."""

@@ -16,11 +16,40 @@ from typing import Any
 
 from memplan.errors import ConfigError
 
-KNOWN_TOP = {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "optimizer",
-             "scheduler", "bf16", "fp16", "zero_optimization", "gradient_clipping", "steps_per_print",
-             "wall_clock_breakdown", "zero_allow_untested_optimizer", "activation_checkpointing", "prescale_gradients",
-             "communication_data_type", "comms_logger", "flops_profiler", "tensorboard", "wandb", "csv_monitor",
-             "data_types", "seq_parallel_communication_data_type", "torch_autocast", "zero_force_ds_cpu_optimizer"}
+#: top-level keys memplan reads
+READ_TOP = {"train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "optimizer", "bf16", "fp16",
+            "zero_optimization", "data_types"}
+#: top-level keys DeepSpeed 0.19.8 reads that memplan does not model: (changes memory, why). A key that changes
+#: memory gets a note when the file sets it; the others are listed with their reason
+IGNORED_TOP: dict[str, tuple[bool, str]] = {
+    "train_batch_size": (False, "the global batch, micro-batch x accumulation x data-parallel GPUs: memplan takes "
+                                "the micro-batch and the accumulation"),
+    "scheduler": (False, "the learning-rate schedule allocates no device memory"),
+    "gradient_clipping": (False, "clips the fp32 gradients in place (the norm they need is counted)"),
+    "prescale_gradients": (False, "scales the gradients in place before their reduce"),
+    "gradient_predivide_factor": (False, "scales the gradients in place"),
+    "steps_per_print": (False, "logging"), "wall_clock_breakdown": (False, "timers"),
+    "memory_breakdown": (False, "logging"), "dump_state": (False, "logging"), "comms_logger": (False, "logging"),
+    "flops_profiler": (False, "profiling, outside the step"), "tensorboard": (False, "logging"),
+    "wandb": (False, "logging"), "csv_monitor": (False, "logging"), "comet": (False, "logging"),
+    "zero_allow_untested_optimizer": (False, "permits an optimizer; the optimizer is read from the job"),
+    "zero_force_ds_cpu_optimizer": (False, "permits a non-DeepSpeed optimizer under ZeRO-Offload"),
+    "checkpoint": (False, "checkpoint saving and loading, outside the step"),
+    "dataloader_drop_last": (False, "the data loader's batches"),
+    "communication_data_type": (True, "reduces the gradients in another dtype: a cast copy of each bucket (each "
+                                      "gradient under stage 0) in that dtype beside it, not counted"),
+    "seq_parallel_communication_data_type": (True, "Ulysses sequence parallelism, not modelled"),
+    "torch_autocast": (True, "DeepSpeed's torch.autocast mode keeps fp32 parameters and autocasts the forward, "
+                             "not modelled (the recipe follows bf16/fp16)"),
+    "activation_checkpointing": (True, "DeepSpeed's own checkpointing API (deepspeed.checkpointing), which "
+                                       "transformers' models do not call (they checkpoint with torch's; "
+                                       "--recompute sets it)"),
+    "compile": (True, "torch.compile of the engine's module: its kernels and buffers are not modelled"),
+    "aio": (True, "NVMe offload's I/O buffers, not counted"),
+    "pipeline": (True, "pipeline parallelism, not modelled"),
+    "hybrid_engine": (True, "the RLHF hybrid engine's inference containers, not modelled"),
+    "tensor_parallel": (True, "AutoTP tensor parallelism, not modelled"),
+}
 #: keys DeepSpeed 0.19.8 refuses outright (runtime/config.py _REMOVED_TOP_LEVEL_CONFIG_KEYS and
 #: _REMOVED_ZERO_CONFIG_KEYS, raised by _reject_removed_config_keys when the engine reads the config): what it says
 REMOVED_TOP = {"nebula": "Nebula checkpointing has been removed", "compression_training": "the DeepSpeed "
@@ -37,9 +66,6 @@ REMOVED_ZERO = {"mics_shard_size": "MiCS ZeRO-3 sharding has been removed",
 #: deprecated zero_optimization keys DeepSpeed still reads (zero/config.py, config_utils
 #: _process_deprecated_field): the key they set; giving both is DeepSpeed's error
 DEPRECATED_ZERO = {"cpu_offload": "offload_optimizer", "cpu_offload_param": "offload_param"}
-#: keys that change what DeepSpeed allocates and that memplan does not model, with DeepSpeed's default: a value
-#: other than the default gets a note saying what the estimate assumes instead
-NOT_MODELLED: dict[str, tuple[object, str]] = {}
 #: zero_optimization key -> memplan DeepSpeedKnobs field.
 ZERO_KEYS = {"reduce_bucket_size": "reduce_bucket_size", "allgather_bucket_size": "allgather_bucket_size",
              "overlap_comm": "overlap_comm", "contiguous_gradients": "contiguous_gradients",
@@ -53,11 +79,41 @@ ZERO_KEYS = {"reduce_bucket_size": "reduce_bucket_size", "allgather_bucket_size"
              "zero_quantized_weights": "quantized_weights", "zero_quantized_gradients": "quantized_gradients",
              "stage3_module_granularity_threshold": "module_granularity_threshold",
              "reduce_scatter": "reduce_scatter", "use_multi_rank_bucket_allreduce": "multi_rank_bucket_allreduce"}
-#: keys read elsewhere in load(), or that do not change memory
-ZERO_IGNORED = {"stage", "offload_optimizer", "offload_param", "allgather_partitions", "round_robin_gradients",
-                "stage3_gather_16bit_weights_on_model_save", "gather_16bit_weights_on_model_save",
-                "elastic_checkpoint", "ignore_unused_parameters", "load_from_fp32_weights", "log_trace_cache_warnings",
-                "cpu_offload_use_pin_memory", "leaf_module"} | set(DEPRECATED_ZERO) | set(NOT_MODELLED)
+#: zero_optimization keys read in load() itself
+ZERO_READ_ELSEWHERE = {"stage", "offload_optimizer", "offload_param", "leaf_module"} | set(DEPRECATED_ZERO)
+#: zero_optimization keys DeepSpeed 0.19.8 reads (zero/config.py DeepSpeedZeroConfig) that memplan does not model:
+#: (changes memory, why), as IGNORED_TOP
+ZERO_IGNORED: dict[str, tuple[bool, str]] = {
+    "allgather_partitions": (False, "no ZeRO optimizer reads it in 0.19.8 (engine.py zero_allgather_partitions has "
+                                    "no caller)"),
+    "round_robin_gradients": (False, "reorders the partition's gradients, the same sizes"),
+    "ignore_unused_parameters": (False, "a check on gradients that never arrive"),
+    "load_from_fp32_weights": (False, "checkpoint loading"), "elastic_checkpoint": (False, "checkpoint loading"),
+    "pipeline_loading_checkpoint": (False, "checkpoint loading"),
+    "stage3_gather_16bit_weights_on_model_save": (False, "at a checkpoint save, outside the step"),
+    "gather_16bit_weights_on_model_save": (False, "at a checkpoint save, outside the step"),
+    "stage3_gather_fp16_weights_on_model_save": (False, "at a checkpoint save, outside the step"),
+    "log_trace_cache_warnings": (False, "logging"), "enable_sanity_checks": (False, "debug checks"),
+    "override_module_apply": (False, "how ZeRO-3 wraps Module.apply"),
+    "legacy_stage1": (False, "removed: stage 1 runs the same optimizer as stage 2"),
+    "cpu_offload_use_pin_memory": (False, "deprecated and not forwarded: DeepSpeed sets no pin_memory from it "
+                                          "(zero/config.py: set_new_param False)"),
+    "compute_grad_norm": (True, "false skips the gradient norm (its temporaries stay counted: an upper bound)"),
+    "parameter_alignment": (True, "pads each parameter in the flat buffer to 16 bytes, not counted"),
+    "stage3_model_persistence_threshold": (True, "caps the parameters ZeRO-3 keeps whole model-wide; memplan keeps "
+                                                 "every one under stage3_param_persistence_threshold (an upper "
+                                                 "bound)"),
+    "model_persistence_threshold": (True, "as stage3_model_persistence_threshold"),
+    "stage3_use_all_reduce_for_fetch_params": (True, "ZeRO-3 fetches parameters with an all-reduce of a whole "
+                                                     "zeroed buffer instead of an all-gather, not modelled"),
+    "use_all_reduce_for_fetch_params": (True, "as stage3_use_all_reduce_for_fetch_params"),
+    "stage3_allgather_sequential": (True, "ZeRO-3 gathers one parameter at a time (fewer at once: an upper "
+                                          "bound)"),
+    "allgather_sequential": (True, "as stage3_allgather_sequential"),
+    "zero_quantized_nontrainable_weights": (True, "ZeRO-3 keeps frozen weights int8-quantized, not modelled"),
+    "zenflow": (True, "ZenFlow's offload and its buffers, not modelled"),
+    "save_muon_momentum_buffer_in_memory": (True, "the Muon optimizer, not modelled"),
+}
 BOOL_KEYS = {"overlap_comm", "contiguous_gradients", "memory_efficient_linear", "zero_quantized_weights",
              "zero_quantized_gradients", "reduce_scatter", "use_multi_rank_bucket_allreduce"}
 
@@ -73,6 +129,8 @@ class DsConfig:
     grad_accum: int | str | None
     unknown_keys: tuple[str, ...]
     notes: tuple[str, ...] = ()
+    #: data_types.grad_accum_dtype ("fp32", "bf16", "fp16"), None where the file leaves it to the model's dtype
+    grad_accum_dtype: str | None = None
 
 
 #: the largest count a ds_config value may hold (2^62): beyond it no buffer or batch is real
@@ -126,7 +184,7 @@ def load(path: str) -> DsConfig:
     data = parse_json(read_small_text(Path(path), "DeepSpeed config"), path, "DeepSpeed config")
     if not isinstance(data, dict):
         raise ConfigError(f"{path} must hold a JSON object")
-    unknown = [k for k in data if k not in KNOWN_TOP]
+    unknown = [k for k in data if k not in READ_TOP and k not in IGNORED_TOP]
     zero = data.get("zero_optimization") or {}
     if not isinstance(zero, dict):
         raise ConfigError(f"{path}: zero_optimization must be an object")
@@ -150,7 +208,7 @@ def load(path: str) -> DsConfig:
                 knobs[ZERO_KEYS[key]] = _bool(value, f"zero_optimization.{key}", path)
             else:
                 knobs[ZERO_KEYS[key]] = _int(value, f"zero_optimization.{key}", path)
-        elif key not in ZERO_IGNORED:
+        elif key not in ZERO_IGNORED and key not in ZERO_READ_ELSEWHERE:
             unknown.append(f"zero_optimization.{key}")
     for key, field_name in (("offload_optimizer", "offload_optimizer"), ("offload_param", "offload_param")):
         sub = zero.get(key)
@@ -180,9 +238,18 @@ def load(path: str) -> DsConfig:
                 if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
                     raise ConfigError(f"{path}: zero_optimization.leaf_module.{key} must be a list of strings")
                 knobs[field_name] = tuple(dict.fromkeys(v))
-    for key, (default, note) in NOT_MODELLED.items():
-        if key in zero and zero[key] != default:
-            notes.append(f"zero_optimization.{key}: {note}")
+    ignored = []
+    for where, table, prefix in ((data, IGNORED_TOP, ""), (zero, ZERO_IGNORED, "zero_optimization.")):
+        for key in where:
+            if key in table:
+                memory, why = table[key]
+                if memory:
+                    notes.append(f"{prefix}{key} not modelled: {why}")
+                else:
+                    ignored.append(f"{prefix}{key} ({why})")
+    if ignored:
+        notes.append("ds_config keys without a memory effect: " + "; ".join(ignored))
+
     recipe = None
     bf16, fp16 = _precision_enabled(data, "bf16", path), _precision_enabled(data, "fp16", path)
     auto = any(isinstance(data.get(k), dict) and data[k].get("enabled") == "auto" for k in ("bf16", "fp16"))
@@ -212,7 +279,29 @@ def load(path: str) -> DsConfig:
     if ga not in (None, "auto"):
         ga = _int(ga, "gradient_accumulation_steps", path)
     return DsConfig(path=str(path), stage=stage, knobs=knobs, recipe=recipe, optimizer=optimizer,
-                    micro_batch=mb, grad_accum=ga, unknown_keys=tuple(unknown), notes=tuple(notes))
+                    micro_batch=mb, grad_accum=ga, unknown_keys=tuple(unknown), notes=tuple(notes),
+                    grad_accum_dtype=_grad_accum_dtype(data, path, unknown))
+
+
+#: DtypeEnum's spellings (runtime/config_utils / utils/types.py): what data_types.grad_accum_dtype may say
+_DTYPES = {"fp32": "fp32", "float32": "fp32", "float": "fp32", "torch.float32": "fp32", "fp16": "fp16",
+           "float16": "fp16", "half": "fp16", "torch.float16": "fp16", "bf16": "bf16", "bfloat16": "bf16",
+           "torch.bfloat16": "bf16"}
+
+
+def _grad_accum_dtype(data: dict[str, Any], path: str, unknown: list[str]) -> str | None:
+    section = data.get("data_types")
+    if section is None:
+        return None
+    if not isinstance(section, dict):
+        raise ConfigError(f"{path}: data_types must be an object")
+    unknown.extend(f"data_types.{k}" for k in section if k != "grad_accum_dtype")
+    value = section.get("grad_accum_dtype")
+    if value is None:
+        return None
+    if str(value).lower() not in _DTYPES:
+        raise ConfigError(f"{path}: data_types.grad_accum_dtype must be fp32, fp16 or bf16, got {value!r}")
+    return _DTYPES[str(value).lower()]
 
 
 def _deprecated(zero: dict[str, Any], path: str) -> dict[str, Any]:

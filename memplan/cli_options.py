@@ -51,6 +51,9 @@ ContiguousGradients = Annotated[Optional[bool], typer.Option("--contiguous-gradi
 ReduceScatter = Annotated[Optional[bool], typer.Option(
     "--reduce-scatter/--no-reduce-scatter", help="DeepSpeed ZeRO-1/2 reduce_scatter: off, each gradient bucket is "
     "all-reduced in place [default: on].")]
+GradAccumDtype = Annotated[Optional[str], typer.Option(
+    help="DeepSpeed data_types.grad_accum_dtype: fp32 | bf16 | fp16 [default: the parameters' dtype]; with bf16, "
+    "fp32 makes stage 0 run BF16_Optimizer (fp32 gradient buffers).")]
 MultiRankBucketAllreduce = Annotated[Optional[bool], typer.Option(
     "--multi-rank-bucket-allreduce/--no-multi-rank-bucket-allreduce", help="DeepSpeed ZeRO-1/2 "
     "use_multi_rank_bucket_allreduce: off, each bucket's slices are reduced to their owner rank (a reduce-scatter's "
@@ -168,7 +171,7 @@ def lora_spec(values: dict[str, Any], notes: list[str] | None = None) -> Any:
 DS_KNOBS = ("reduce_bucket_size", "allgather_bucket_size", "overlap_comm", "contiguous_gradients",
             "prefetch_bucket_size", "param_persistence_threshold", "max_live_parameters", "max_reuse_distance",
             "hpz_partition_size", "offload_optimizer", "offload_param", "quantized_weights", "quantized_gradients",
-            "reduce_scatter", "multi_rank_bucket_allreduce")
+            "reduce_scatter", "multi_rank_bucket_allreduce", "grad_accum_dtype")
 TORCH_KNOBS = ("reshard_after_forward", "fsdp_wrap", "hsdp_shard_size", "fsdp_version", "cpu_offload", "bucket_cap_mb",
                "gradient_as_bucket_view")
 

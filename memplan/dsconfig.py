@@ -129,8 +129,6 @@ class DsConfig:
     grad_accum: int | str | None
     unknown_keys: tuple[str, ...]
     notes: tuple[str, ...] = ()
-    #: data_types.grad_accum_dtype ("fp32", "bf16", "fp16"), None where the file leaves it to the model's dtype
-    grad_accum_dtype: str | None = None
 
 
 #: the largest count a ds_config value may hold (2^62): beyond it no buffer or batch is real
@@ -278,9 +276,11 @@ def load(path: str) -> DsConfig:
         mb = _int(mb, "train_micro_batch_size_per_gpu", path)
     if ga not in (None, "auto"):
         ga = _int(ga, "gradient_accumulation_steps", path)
+    acc = _grad_accum_dtype(data, path, unknown)
+    if acc is not None:
+        knobs["grad_accum_dtype"] = acc
     return DsConfig(path=str(path), stage=stage, knobs=knobs, recipe=recipe, optimizer=optimizer,
-                    micro_batch=mb, grad_accum=ga, unknown_keys=tuple(unknown), notes=tuple(notes),
-                    grad_accum_dtype=_grad_accum_dtype(data, path, unknown))
+                    micro_batch=mb, grad_accum=ga, unknown_keys=tuple(unknown), notes=tuple(notes))
 
 
 #: DtypeEnum's spellings (runtime/config_utils / utils/types.py): what data_types.grad_accum_dtype may say

@@ -248,25 +248,31 @@ def _with_z3_leaves(s: Settings, inv: ParamInventory, config: dict[str, Any] | N
     return replace(s, z3_leaves=leaves)
 
 
-def _grad_accum_notes(ds_file: Any, strat: Any, recipe: Any, ds: DeepSpeedKnobs) -> list[str]:
+def _deepspeed_wrapper(strat: Any, recipe: Any, ds: DeepSpeedKnobs, notes: list[str]) -> None:
     """DeepSpeed 0.19.8 picks its optimizer wrapper from the parameters' dtype and data_types.grad_accum_dtype
-    (engine.py _do_optimizer_sanity_check, the accumulation dtype defaulting to the parameters'): ZeRO stage 1 with
-    bf16 parameters and fp32 accumulation runs BF16_Optimizer (fp32 gradients of the whole model), not the ZeRO
-    optimizer; stage 0 with bf16 runs BF16_Optimizer only with fp32 accumulation, else its FP16_Optimizer in bf16
-    (DDP_BFLOAT16: bf16 gradients, an fp32 flat copy of them at the step)."""
-    if strat.framework != "deepspeed" or recipe.name != "deepspeed-bf16":
-        return []
-    acc = ds_file.grad_accum_dtype if ds_file is not None else None
-    if acc == "fp32" and strat.zero_stage == 1 and not ds.offload_optimizer:
+    (engine.py _do_optimizer_sanity_check, the accumulation dtype defaulting to the parameters'). Under ZeRO, bf16
+    parameters with fp32 accumulation at stage 1 run BF16_Optimizer (fp32 gradients of the whole model) instead
+    of the ZeRO optimizer: not modelled, refused. Without ZeRO (stage 0) the two dtypes must be equal (else its
+    NotImplementedError): 16-bit parameters take FP16_Optimizer, fp32 ones the torch optimizer itself."""
+    acc = ds.grad_accum_dtype
+    if acc is not None and acc not in ("fp32", "bf16", "fp16"):
+        raise SettingsError(f"grad_accum_dtype must be fp32, bf16 or fp16, got {acc!r}")
+    if strat.framework != "deepspeed":
+        if acc is not None:
+            raise SettingsError(f"--grad-accum-dtype is DeepSpeed's data_types.grad_accum_dtype, not for {strat.name}")
+        return
+    model = {"deepspeed-bf16": "bf16", "deepspeed-fp16": "fp16"}.get(recipe.name, "fp32")
+    acc = acc or model
+    if acc == "fp32" and model == "bf16" and strat.zero_stage == 1 and not ds.offload_optimizer:
         raise SettingsError("data_types.grad_accum_dtype fp32 with bf16 and ZeRO stage 1: DeepSpeed 0.19.8 runs "
                             "BF16_Optimizer there (engine.py _do_optimizer_sanity_check), which memplan does not "
-                            "model; use stage 0 or 2, or bf16 accumulation")
-    if strat.zero_stage == 0 and acc != "fp32":
-        return ["stage 0 with bf16: DeepSpeed 0.19.8 runs its FP16_Optimizer in bf16 unless "
-                "data_types.grad_accum_dtype is fp32 (engine.py _do_optimizer_sanity_check: DDP_BFLOAT16); memplan "
-                "models BF16_Optimizer (fp32 gradient accumulation), an upper bound (measured +11.13%, "
-                "docs/accuracy.md)"]
-    return []
+                            "model; use stage 2, or bf16 accumulation")
+    if strat.zero_stage == 0 and acc != model:
+        raise SettingsError(f"stage 0 with {model} parameters and {acc} gradient accumulation: DeepSpeed 0.19.8 "
+                            "refuses the mix (engine.py _do_optimizer_sanity_check: NotImplementedError)")
+    if strat.zero_stage == 0 and model != "fp32":
+        notes.append(f"stage 0 with {model}: DeepSpeed's FP16_Optimizer ({model} gradients copied to fp32 for the "
+                     "step, engine.py _do_optimizer_sanity_check); FP16_UnfusedOptimizer with a torch optimizer")
 
 
 def _reduce_path_notes(ds: DeepSpeedKnobs, strat: Any) -> list[str]:
@@ -668,7 +674,7 @@ def resolve(inv: ParamInventory, *, gpus: int = 1, gpus_per_node: int | None = N
     ds = _ds_knobs(pick, ds_file, inv, ds_overrides, strat)
     notes.extend(_zeropp_notes(ds, strat, gpus, gpus_per_node or gpus))
     notes.extend(_reduce_path_notes(ds, strat))
-    notes.extend(_grad_accum_notes(ds_file, strat, recipe, ds))
+    _deepspeed_wrapper(strat, recipe, ds, notes)
     if torch_overrides.get("fsdp_wrap") is ACCELERATE_FSDP2_WRAP:
         torch_overrides["fsdp_wrap"] = _accelerate_fsdp2_wrap(inv, notes)
     elif isinstance(torch_overrides.get("fsdp_wrap"), _Fsdp2SizeWrap):

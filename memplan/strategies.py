@@ -90,10 +90,17 @@ STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
              layout=REPLICATED, shard_optimizer=False, shard_grads=False, shard_params=False, fusion_buffer=True,
              description="Horovod DistributedOptimizer: everything replicated, gradients all-reduced through its "
                          "fusion buffer"),
+    # DeepSpeed stage 0 as 0.19.8 runs it (engine.py _do_optimizer_sanity_check: without ZeRO the gradients
+    # accumulate in the parameters' dtype, fp32 accumulation of bf16 parameters being its NotImplementedError):
+    # 16-bit parameters go to FP16_Optimizer (DeepSpeed's FusedAdam: one flat fp32 master group) or
+    # FP16_UnfusedOptimizer (a torch optimizer: an fp32 copy per parameter), fp32 ones to the torch optimizer
+    # itself; the gradients all-reduced after backward (buffered_allreduce_fallback) and, with a 16-bit wrapper,
+    # copied to fp32 for the step. Every tensor whole.
     Strategy(name="zero0", framework="deepspeed", memory_model="zero12",
-             layout=FLAT_ALIGNED, shard_optimizer=False, shard_grads=False,
-             shard_params=False, zero_stage=0, fp32_grad_accumulation=True, persistent_grads=True,
-             description="DeepSpeed stage 0: data parallel with its BF16_Optimizer (fp32 master, grads, states)"),
+             layout=REPLICATED, shard_optimizer=False, shard_grads=False,
+             shard_params=False, zero_stage=0,
+             description="DeepSpeed stage 0: data parallel with its FP16_Optimizer (16-bit gradients copied to fp32 "
+                         "at the step; fp32 master and states)"),
     # ZeRO-1 runs DeepSpeedZeroOptimizer too: with contiguous_gradients (the default) its gradient hooks set up
     # the ipg bucket buffer(s) in every backward (stage_1_and_2.py setup_buckets), as ZeRO-2 does (measured:
     # 1 GB at the default reduce_bucket_size, docs/accuracy.md)

@@ -7,7 +7,7 @@ from __future__ import annotations
 from memplan.frameworks.common import (LOSS, FrameworkModel, Grads, Job, OffloadedGrads, StepIn,
                                        unreduced_grad_moments)
 from memplan.model.inventory import ParamInventory
-from memplan.settings import Settings
+from memplan.settings import Settings, optimizer_impl
 from memplan.timeline import BufferMoment, BufferTimeline, Moment
 from memplan.units import ceil_div
 
@@ -81,8 +81,27 @@ def buffers(job: Job, grads: Grads) -> BufferTimeline:
             moments += unreduced_grad_moments(job.grad_gathers, rc.grad_bytes, job.psi)
             if ds.contiguous_gradients:
                 epilogue = rc.grad_bytes * job.lay.partition_params_numel
+    if st.zero_stage == 0:
+        epilogue = rc.grad_bytes * allreduce_chunk(job)
     moments.append(LOSS)
     return BufferTimeline(backward=backward, end_epilogue=epilogue, moments=tuple(moments))
+
+
+#: engine.py MEMORY_OPT_ALLREDUCE_SIZE: allreduce_gradients' elements per flattened chunk
+ALLREDUCE_CHUNK = 500_000_000
+
+
+def allreduce_chunk(job: Job) -> int:
+    """Stage 0's all-reduce after backward (engine.py allreduce_gradients -> buffered_allreduce_fallback ->
+    allreduce_no_retain): the gradients, in module order, are flattened into a copy chunk by chunk, a chunk closed
+    once it holds more than 500M elements, all-reduced and copied back; the largest chunk, in elements, exists
+    beside every gradient (measured on CPU in fp32, where it is the peak: docs/accuracy.md session 18)."""
+    best = cur = 0
+    for t in job.inv.trainable_inventory.tensors:
+        cur += t.numel
+        if cur > ALLREDUCE_CHUNK:
+            best, cur = max(best, cur), 0
+    return max(best, cur)
 
 
 def step(job: Job, s: StepIn) -> tuple[int, int, dict[str, int]]:
@@ -93,6 +112,8 @@ def step(job: Job, s: StepIn) -> tuple[int, int, dict[str, int]]:
     under ZeRO-2 peaks there, a 6.85 GB fp32 partition beside the 3.43 GB flat copy and the 3.43 GB grads (-11.9%
     without this moment). Grads already fp32 (under torch.autocast): the cast returns the flat copy itself."""
     st, rc = job.s.strategy, job.s.recipe
+    if st.zero_stage == 0 and not st.fp32_grad_accumulation and s.master_bytes:
+        return _fp16_optimizer_step(job, s)
     if not (st.ds_ipg_buckets and s.master_bytes and not st.fp32_grad_accumulation and not job.offload_optimizer):
         return s.grads, s.buffers, {}
     opt_numel = job.lay.optimizer_numel
@@ -104,6 +125,24 @@ def step(job: Job, s: StepIn) -> tuple[int, int, dict[str, int]]:
     return s.grads, s.buffers, {}
 
 
+def _fp16_optimizer_step(job: Job, s: StepIn) -> tuple[int, int, dict[str, int]]:
+    """Stage 0's 16-bit wrappers at the step (deepspeed/runtime/fp16, 0.19.8), the 16-bit gradients on the
+    parameters:
+    - FP16_Optimizer (DeepSpeed's FusedAdam, fused_optimizer.py step): every gradient cast to fp32 in a list, then
+      flattened into the fp32 group's gradient (_flatten_dense_tensors: both alive), the 16-bit gradients freed;
+      FusedAdam steps the flat group;
+    - FP16_UnfusedOptimizer (a torch optimizer, unfused_optimizer.py step): each fp32 master's gradient is its
+      16-bit gradient cast to fp32, all of them alive with the 16-bit ones through the torch optimizer's step.
+    Measured (CPU, the unfused one): docs/accuracy.md session 18."""
+    rc, psi = job.s.recipe, job.psi
+    half = rc.grad_bytes * psi
+    if s.impl == "fused":
+        flatten = (half + 2 * 4 * psi, s.persistent)
+        stepping = (4 * psi, s.persistent + s.scratch)
+        return (*max(flatten, stepping, key=sum), {})
+    return half + 4 * psi, s.persistent + s.scratch, {}
+
+
 def optimizer_tensors(job: Job) -> tuple[tuple[tuple[int, ...], int], ...]:
     """What the optimizer steps: ZeRO-1/2's one flat fp32 partition (single_partition_of_fp32_groups), stage 0's
     flat fp32 group under its 16-bit wrappers (bf16_optimizer.py fp32_groups_flat_partition, fp16/fused_optimizer.py
@@ -112,6 +151,8 @@ def optimizer_tensors(job: Job) -> tuple[tuple[tuple[int, ...], int], ...]:
     st, rc = job.s.strategy, job.s.recipe
     if st.zero_stage == 0 and rc.param_bytes == 4 and not st.fp32_master_copy and not rc.master_bytes:
         return tuple((t.shape, t.numel) for t in job.inv.trainable_inventory.tensors)
+    if st.zero_stage == 0 and not st.fp32_grad_accumulation and optimizer_impl(job.s) == "fused":
+        return (((job.psi,), job.psi),)  # FP16_Optimizer's one flat fp32 group
     return job.lay.shard_shapes
 
 

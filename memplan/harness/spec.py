@@ -46,7 +46,9 @@ def ds_config(s: Settings) -> dict[str, Any]:
         zero["offload_optimizer"] = {"device": "cpu"}
     if ds.offload_param:
         zero["offload_param"] = {"device": "cpu"}
+    extra = {"data_types": {"grad_accum_dtype": ds.grad_accum_dtype}} if ds.grad_accum_dtype else {}
     return {
+        **extra,
         "train_micro_batch_size_per_gpu": s.micro_batch,
         "gradient_accumulation_steps": s.grad_accum,
         "train_batch_size": s.micro_batch * s.grad_accum * s.cluster.gpus,

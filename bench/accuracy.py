@@ -132,6 +132,13 @@ CASES = [
      dict(reshard_after_forward=2), "full"),
     ("fsdp-grad-op", LLAMA4, dict(strategy="fsdp-grad-op"), {}, {}, "full"),
     ("fsdp1 full", LLAMA4, dict(strategy="fsdp-full"), {}, dict(fsdp_version=1), "full"),
+    # session 18: DeepSpeed stage 0 as 0.19.8 runs it (FP16_UnfusedOptimizer; the torch optimizer in fp32), and
+    # size-based FSDP units (each MLP a unit, the attention with the decoder stack's unit: an upper bound)
+    ("zero0", LLAMA, dict(stage=0), {}, {}, "none"),
+    ("zero0 fp32", LLAMA, dict(stage=0, precision="fp32"), {}, {}, "none"),
+    ("fsdp1 size:300000", LLAMA, dict(strategy="fsdp-full"), {}, dict(fsdp_version=1, fsdp_wrap="size:300000"),
+     "none"),
+    ("fsdp-full size:300000", LLAMA, dict(strategy="fsdp-full"), {}, dict(fsdp_wrap="size:300000"), "none"),
 ]
 QUICK = [CASES[5], CASES[11]]
 

@@ -80,7 +80,9 @@ ReshardAfterForward = Annotated[Optional[str], typer.Option(help="FSDP2: true, f
 FsdpWrap = Annotated[Optional[str], typer.Option(help="FSDP units: block (each decoder block, then the root), "
                                                  "block+embeddings (FSDP2, torchtitan's: the input embedding, each "
                                                  "block, the final norm with the head), size:N (torch's "
-                                                 "size_based_auto_wrap_policy, min_num_params N, e.g. size:1e8) or "
+                                                 "size_based_auto_wrap_policy, min_num_params N, e.g. size:1e8), "
+                                                 "class:NAME[,NAME] (transformer_auto_wrap_policy over those module "
+                                                 "classes) or "
                                                  "none (only the root; FSDP1: one FlatParameter) "
                                                  "[default: block].")]
 HsdpShardSize = Annotated[Optional[int], typer.Option(help="HSDP shard group size [default: gpus per node].")]

@@ -142,6 +142,29 @@ class _Fsdp2SizeWrap(_JobFileValue):
     min_num_params: int
 
 
+class _Fsdp2ClassWrap(_JobFileValue):
+    """Accelerate's FSDP2 TRANSFORMER_BASED_WRAP with fsdp_transformer_layer_cls_to_wrap (options.py resolves it)."""
+
+    classes: list[str]
+
+
+def accelerate_fsdp2_classes(classes: list[str]) -> _Fsdp2ClassWrap:
+    v = _Fsdp2ClassWrap("accelerate-fsdp2-class:" + ",".join(classes))
+    v.classes = classes
+    return v
+
+
+def _class_names(value: Any, path: str) -> list[str]:
+    """fsdp_transformer_layer_cls_to_wrap: a comma-separated string (Accelerate) or a list (the Trainer's)."""
+    items = value.split(",") if isinstance(value, str) else value if isinstance(value, list) else None
+    if items is None or not all(isinstance(x, str) for x in items):
+        raise ConfigError(f"{path}: transformer_layer_cls_to_wrap must be class names, got {value!r}")
+    names = list(dict.fromkeys(x.strip() for x in items if x.strip()))
+    if not names:
+        raise ConfigError(f"{path}: transformer_layer_cls_to_wrap names no class")
+    return names
+
+
 def accelerate_fsdp2_size(n: int) -> _Fsdp2SizeWrap:
     v = _Fsdp2SizeWrap(f"accelerate-fsdp2-size:{n}")
     v.min_num_params = n
@@ -149,7 +172,7 @@ def accelerate_fsdp2_size(n: int) -> _Fsdp2SizeWrap:
 
 
 def _fsdp(job: JobFile, path: str, version: int, reshard: Any, strategy: Any, offload: bool, checkpointing: bool,
-          wrap: Any, min_params: Any = 0) -> None:
+          wrap: Any, min_params: Any = 0, classes: Any = None) -> None:
     if version not in (1, 2):
         raise ConfigError(f"{path}: fsdp version must be 1 or 2, got {version!r}")
     job.values["fsdp_version"] = version
@@ -180,6 +203,11 @@ def _fsdp(job: JobFile, path: str, version: int, reshard: Any, strategy: Any, of
             job.notes.append(f"{path}: FSDP2 NO_WRAP: Accelerate 1.15 (fsdp2_prepare_model) still makes the input "
                              "embedding and the final norm with the head their own units; memplan keeps them in the "
                              "root (--fsdp-wrap none), which over-counts the embedding after forward")
+    elif wrap == "TRANSFORMER_BASED_WRAP" and classes is not None:
+        # fsdp_transformer_layer_cls_to_wrap (Accelerate: comma-separated; the Trainer's list): those classes'
+        # modules, resolved with the model by options.py (the decoder layer's class is --fsdp-wrap block)
+        names = _class_names(classes, path)
+        job.values["fsdp_wrap"] = accelerate_fsdp2_classes(names) if version == 2 else "class:" + ",".join(names)
     elif wrap == "TRANSFORMER_BASED_WRAP" and version == 2:
         # Accelerate 1.15's fsdp2_prepare_model: each decoder layer, then the input embedding its own unit
         # (resharded after forward) and [final norm, head] one unit not resharded after forward (a tied embedding
@@ -258,7 +286,7 @@ def read_accelerate(path: str) -> JobFile:
               # which the launcher sets only from the config, default "NO_WRAP"
               f.get("auto_wrap_policy", "NO_WRAP"),
               # the launcher's --fsdp_min_num_params default (commands/launch.py: int(1e8))
-              f.get("min_num_params", 100_000_000))
+              f.get("min_num_params", 100_000_000), f.get("transformer_layer_cls_to_wrap"))
         job.values["precision"] = "fp32" if mixed == "no" else "fsdp-bf16"
         if mixed != "no":
             job.notes.append(f"{path}: {_FSDP_MIXED}")
@@ -373,7 +401,7 @@ def _training_fsdp(job: JobFile, path: str, fsdp: Any, cfg: Any, mixed: bool) ->
           # unset: transformers' _process_fsdp_args defaults it to FSDP_AUTO_WRAP_POLICY[0], TRANSFORMER_BASED_WRAP
           f.get("auto_wrap_policy", "TRANSFORMER_BASED_WRAP"),
           # training_args.py: fsdp_config["min_num_params"] defaults to 0
-          f.get("min_num_params", 0))
+          f.get("min_num_params", 0), f.get("transformer_layer_cls_to_wrap"))
     job.values["precision"] = "fsdp-bf16" if mixed else "fp32"
     if mixed:
         job.notes.append(f"{path}: {_FSDP_MIXED}")

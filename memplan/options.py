@@ -334,9 +334,10 @@ def _torch_knobs(overrides: dict[str, Any], strat: Any) -> TorchKnobs:
     if tk.fsdp_version not in (1, 2):
         raise SettingsError(f"--fsdp-version must be 1 or 2, got {tk.fsdp_version}")
     if tk.fsdp_wrap not in FSDP_WRAPS:
-        tk = replace(tk, fsdp_wrap=_size_wrap(tk.fsdp_wrap))
+        tk = replace(tk, fsdp_wrap=_class_wrap_text(tk.fsdp_wrap) if str(tk.fsdp_wrap).startswith("class:")
+                     else _size_wrap(tk.fsdp_wrap))
     fsdp = strat.framework.startswith("fsdp")
-    either = tk.fsdp_wrap == "none" or tk.fsdp_wrap.startswith("size:")  # FSDP1 and FSDP2
+    either = tk.fsdp_wrap == "none" or tk.fsdp_wrap.startswith(("size:", "class:"))  # FSDP1 and FSDP2
     if tk.fsdp_wrap != "block" and not (fsdp and (tk.fsdp_version == 2 or either)):
         raise SettingsError(f"--fsdp-wrap {tk.fsdp_wrap} is for "
                             + ("FSDP2 (--strategy fsdp-*, hsdp)" if not either else "FSDP")
@@ -481,10 +482,49 @@ def lora_recipe(recipe: Any, strategy: Any) -> Any:
 
 #: FSDP2's units (--fsdp-wrap): each decoder block then the root; torchtitan's (the input embedding, each block,
 #: the final norm with the head, the root); only the root
-from memplan.jobfiles import ACCELERATE_FSDP2_WRAP, _Fsdp2SizeWrap  # noqa: E402
+from memplan.jobfiles import ACCELERATE_FSDP2_WRAP, _Fsdp2ClassWrap, _Fsdp2SizeWrap  # noqa: E402
 
 FSDP_WRAPS = ("block", "block+embeddings", "none")
 _SUFFIX = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9}
+
+
+def _class_wrap_text(text: str) -> str:
+    """``class:A,B`` (transformer_auto_wrap_policy / ModuleWrapPolicy over those module classes) in one spelling."""
+    names = list(dict.fromkeys(x.strip() for x in str(text)[6:].split(",") if x.strip()))
+    if not names:
+        raise SettingsError(f"--fsdp-wrap class:NAME[,NAME] needs at least one module class, got {text!r}")
+    return "class:" + ",".join(names)
+
+
+def _with_class_wrap(s: Settings, inv: ParamInventory, config: Any, notes: list[str]) -> Settings:
+    """Resolve ``--fsdp-wrap class:A,B`` with the model's module tree (transformers' model on the meta device):
+    every module of those classes is a unit, nested ones too (torch's transformer_auto_wrap_policy). A class no
+    module has is an error naming the classes the model has (Accelerate: "Could not find the transformer layer
+    class"); exactly the decoder blocks is --fsdp-wrap block."""
+    if not s.torch.fsdp_wrap.startswith("class:"):
+        return s
+    paths = _class_paths(inv, config, s.torch.fsdp_wrap[6:].split(","))
+    if set(paths) == {b.name for b in inv.layer_blocks}:
+        notes.append(f"--fsdp-wrap {s.torch.fsdp_wrap}: the decoder blocks, as --fsdp-wrap block")
+        return replace(s, torch=replace(s.torch, fsdp_wrap="block"))
+    return replace(s, torch=replace(s.torch, fsdp_wrap_modules=paths))
+
+
+def _class_paths(inv: ParamInventory, config: Any, wanted: list[str]) -> tuple[str, ...]:
+    """The paths of the modules of the ``wanted`` classes (transformers' model on the meta device); a class no
+    module has is an error naming the classes the model has."""
+    from memplan.model import z3_leaf
+
+    model = z3_leaf._model(config, "--fsdp-wrap class:...")
+    by_class: dict[str, list[str]] = {}
+    for name, m in model.named_modules():
+        if name and any(True for _ in m.parameters(recurse=True)):
+            by_class.setdefault(type(m).__name__, []).append(name)
+    missing = [w for w in wanted if w not in by_class]
+    if missing:
+        raise SettingsError(f"FSDP wrap class {', '.join(missing)}: no such module in {inv.model_name}; its classes "
+                            f"with parameters: {', '.join(sorted(by_class))}")
+    return tuple(sorted({p for w in wanted for p in by_class[w]}))
 
 
 def _size_wrap(text: str) -> str:
@@ -509,12 +549,13 @@ def _size_wrap(text: str) -> str:
 
 
 def _size_wrap_notes(inv: ParamInventory, s: Settings) -> list[str]:
-    """What --fsdp-wrap size:N makes of this model, and where the figure is an upper bound (docs/accuracy.md)."""
-    if not s.torch.fsdp_wrap.startswith("size:") or not s.strategy.framework.startswith("fsdp"):
-        return []
+    """What --fsdp-wrap size:N / class:... makes of this model, and where the figure is an upper bound
+    (docs/accuracy.md)."""
     from memplan.model import wrap_units
 
-    n = int(s.torch.fsdp_wrap[5:])
+    n = wrap_units.policy_of(s)
+    if n is None or not s.strategy.framework.startswith("fsdp"):
+        return []
     units = wrap_units.units_for(inv, s)
     made = sorted({t.unit.removeprefix(wrap_units.HELD) for t in units.tensors}, key=len)
     head = f"--fsdp-wrap {s.torch.fsdp_wrap}: {len(made)} unit(s) ({', '.join(made[:3])}{', ...' if len(made) > 3 else ''})"
@@ -675,6 +716,16 @@ def resolve(inv: ParamInventory, *, gpus: int = 1, gpus_per_node: int | None = N
     notes.extend(_zeropp_notes(ds, strat, gpus, gpus_per_node or gpus))
     notes.extend(_reduce_path_notes(ds, strat))
     _deepspeed_wrapper(strat, recipe, ds, notes)
+    if isinstance(torch_overrides.get("fsdp_wrap"), _Fsdp2ClassWrap):  # Accelerate FSDP2 with named classes
+        classes = torch_overrides["fsdp_wrap"].classes
+        if set(_class_paths(inv, config, classes)) == {b.name for b in inv.layer_blocks}:
+            torch_overrides["fsdp_wrap"] = ACCELERATE_FSDP2_WRAP
+        else:
+            torch_overrides["fsdp_wrap"] = "class:" + ",".join(classes)
+            notes.append("Accelerate FSDP2 TRANSFORMER_BASED_WRAP with fsdp_transformer_layer_cls_to_wrap "
+                         f"{','.join(classes)}: those modules are units; the input embedding and the final norm with "
+                         "the head, which Accelerate 1.15 makes units of their own, are counted in the root (an "
+                         "upper bound)")
     if torch_overrides.get("fsdp_wrap") is ACCELERATE_FSDP2_WRAP:
         torch_overrides["fsdp_wrap"] = _accelerate_fsdp2_wrap(inv, notes)
     elif isinstance(torch_overrides.get("fsdp_wrap"), _Fsdp2SizeWrap):
@@ -699,6 +750,7 @@ def resolve(inv: ParamInventory, *, gpus: int = 1, gpus_per_node: int | None = N
     notes.extend(_optimizer_notes(inv, settings))
     from memplan import frameworks
 
+    settings = _with_class_wrap(settings, inv, config, notes)
     why = frameworks.model(strat.memory_model).wrap_why_not(inv, settings)
     if why:
         raise SettingsError(why)

@@ -66,7 +66,7 @@ def plan_report(plan: Any, sources: dict[str, str] | None = None, notes: tuple[s
     elif st.framework == "horovod":
         strategy["horovod"] = asdict(s.horovod)
     else:
-        strategy["torch"] = asdict(s.torch)
+        strategy["torch"] = {k: v for k, v in asdict(s.torch).items() if k != "fsdp_wrap_modules"}
     per_gpu = {k: getattr(peak, k) for k in CATEGORY_KEYS}
     per_gpu.update(overhead_bytes=plan.overhead_bytes, peak_bytes=plan.peak_bytes, peak_phase=peak.name,
                    reserved_peak_bytes=plan.reserved_peak_bytes, required_bytes=plan.required_bytes)

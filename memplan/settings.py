@@ -73,6 +73,8 @@ class TorchKnobs:
     #: FSDP2 units: "block" (each decoder block fully_shard-ed, then the root: Accelerate's transformer-based wrap,
     #: torchtitan's blocks) or "none" (only the root: the whole model one group)
     fsdp_wrap: str = "block"
+    #: the module paths of a class wrap (fsdp_wrap "class:A,B"), resolved with the model by options.py
+    fsdp_wrap_modules: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -33,8 +33,9 @@ def wrap_why_not(inv: ParamInventory, s: Settings) -> str | None:
     """Why --fsdp-wrap cannot wrap this model as asked (None: it can). block+embeddings needs the parameters
     outside the blocks to be one input embedding before them and the final norm and head after them, untied
     (torchtitan's layout: a tied weight cannot belong to two fully_shard units)."""
-    if s.torch.fsdp_wrap.startswith("size:"):
-        split = wrap_units.split_tied(inv, int(s.torch.fsdp_wrap[5:]))
+    policy = wrap_units.policy_of(s)
+    if policy is not None:
+        split = wrap_units.split_tied(inv, policy)
         if split:
             return (f"--fsdp-wrap {s.torch.fsdp_wrap}: the tied weight {split[0]} would be in two fully_shard units "
                     f"({split[1]} and {split[2]}), which fully_shard refuses (\"shared with a parameter already "

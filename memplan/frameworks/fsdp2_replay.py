@@ -270,8 +270,8 @@ class _MicroStep:
 def why_not(s: Any) -> str | None:
     if not s.strategy.shard_params or s.torch.cpu_offload:
         return "FSDP2 without sharding or with CPU offload not modelled yet"
-    if s.torch.fsdp_wrap.startswith("size:"):
-        return "FSDP2 with size-based units (--fsdp-wrap size:N) not modelled yet"
+    if s.torch.fsdp_wrap.startswith(("size:", "class:")):
+        return "FSDP2 with size- or class-based units (--fsdp-wrap size:N, class:...) not modelled yet"
     return None
 
 

@@ -255,11 +255,17 @@ def _setup_fsdp1(spec: dict[str, Any], device: Any) -> tuple[Any, Any, Any]:
     # ("size:N": torch's size_based_auto_wrap_policy with min_num_params=N, as Accelerate's SIZE_BASED_WRAP sets it)
     wrap = spec.get("fsdp_wrap", "block")
     policy = ModuleWrapPolicy({type(b) for b in _blocks(model)}) if wrap == "block" \
-        else _size_policy(wrap) if wrap.startswith("size:") else None
+        else _size_policy(wrap) if wrap.startswith("size:") \
+        else ModuleWrapPolicy(_classes(model, wrap)) if wrap.startswith("class:") else None
     fsdp = FSDP(model, auto_wrap_policy=policy,
                 sharding_strategy=strategy, mixed_precision=mp, device_id=device, use_orig_params=False, **kw)
     opt = _torch_optimizer(spec, fsdp.parameters())
     return fsdp, opt, None
+
+
+def _classes(model: Any, wrap: str) -> set[type]:
+    names = set(wrap[6:].split(","))
+    return {type(m) for m in model.modules() if type(m).__name__ in names}
 
 
 def _size_policy(wrap: str) -> Any:
@@ -295,6 +301,12 @@ def _setup_fsdp2(spec: dict[str, Any], device: Any) -> tuple[Any, Any, Any]:
         fully_shard(model.get_input_embeddings(), mesh=mesh, mp_policy=mp, reshard_after_forward=raf)
     for block in _blocks(model) if wrap in ("block", "block+embeddings") else ():
         fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=raf)
+    if wrap.startswith("class:"):
+        # transformer_auto_wrap_policy's units with fully_shard: every module of the classes, children first
+        classes = tuple(_classes(model, wrap))
+        for m in reversed(list(model.modules())[1:]):
+            if isinstance(m, classes):
+                fully_shard(m, mesh=mesh, mp_policy=mp, reshard_after_forward=raf)
     if wrap.startswith("size:"):
         # torch's own size-based walk (wrap.py _recursive_wrap with size_based_auto_wrap_policy) applying
         # fully_shard to each module it would wrap, children first, then the root below

@@ -68,16 +68,21 @@ def _is_container(node: _Node) -> bool:
     return bool(node.children) and not node.own and all(k.isdigit() for k in node.children)
 
 
-def size_units(inv: ParamInventory, min_num_params: int) -> tuple[str, ...]:
-    """The unit (module path, "" for the root) each tensor of ``inv`` belongs to, in the inventory's order."""
-    return _size_units(inv, min_num_params)[0]
+Policy = "int | frozenset[str]"  #: a size (min_num_params) or the module paths a class policy wraps
 
 
-def split_tied(inv: ParamInventory, min_num_params: int) -> tuple[str, str, str] | None:
+def size_units(inv: ParamInventory, policy: int | frozenset[str]) -> tuple[str, ...]:
+    """The unit (module path, "" for the root) each tensor of ``inv`` belongs to, in the inventory's order, under a
+    size policy (an int: min_num_params) or a module-class policy (the paths of the modules of the wrapped
+    classes: transformer_auto_wrap_policy / ModuleWrapPolicy wrap every such module, nested ones too)."""
+    return _units(inv, policy)[0]
+
+
+def split_tied(inv: ParamInventory, policy: int | frozenset[str]) -> tuple[str, str, str] | None:
     """A tied weight whose holders run under different units (its name, its unit, the other holder's unit), or
     None. FSDP has "limited support for shared parameters" (FullyShardedDataParallel's docstring): the unit that
     owns the weight reshards it after its own forward while the other holder still computes with it."""
-    owners, paths = _size_units(inv, min_num_params)
+    owners, paths = _units(inv, policy)
     for t, owner in zip(inv.tensors, owners):
         for alias in t.tied_names:
             module = alias.rpartition(".")[0]
@@ -87,23 +92,33 @@ def split_tied(inv: ParamInventory, min_num_params: int) -> tuple[str, str, str]
     return None
 
 
-def _size_units(inv: ParamInventory, min_num_params: int) -> tuple[tuple[str, ...], list[str]]:
+def _units(inv: ParamInventory, policy: int | frozenset[str]) -> tuple[tuple[str, ...], list[str]]:
     numel = [t.numel for t in inv.tensors]
     units: list[_Node] = []
 
     def visit(node: _Node, root: bool) -> int:
         members = _subtree(node, set())
         nonwrapped = sum(numel[i] for i in members)
-        if nonwrapped < min_num_params:
+        if nonwrapped < policy:
             return 0
         wrapped = sum(visit(c, False) for c in node.children.values())
-        if not root and nonwrapped - wrapped >= min_num_params and not _is_container(node):
+        if not root and nonwrapped - wrapped >= policy and not _is_container(node):
             units.append(node)
             return nonwrapped
         return wrapped
 
+    def visit_classes(node: _Node) -> None:  # _recursive_wrap with _module_wrap_policy: always descends
+        for c in node.children.values():
+            visit_classes(c)
+        if node.path in policy:
+            units.append(node)
+
     tree = _tree(inv)
-    visit(tree, True)
+    if isinstance(policy, int):
+        visit(tree, True)
+    else:
+        for c in tree.children.values():
+            visit_classes(c)
     units.append(tree)
     owner: list[str | None] = [None] * len(inv.tensors)
     for u in units:
@@ -125,7 +140,7 @@ def root_only(inv: ParamInventory) -> bool:
     return bool(inv.tensors) and inv.tensors[0].unit.startswith(HELD)
 
 
-def with_size_units(inv: ParamInventory, min_num_params: int, held: bool = False) -> ParamInventory:
+def with_size_units(inv: ParamInventory, min_num_params: int | frozenset[str], held: bool = False) -> ParamInventory:
     """``inv`` with each tensor's FSDP unit set (ParamTensor.unit) for ``size:N``: a unit inside a decoder block is
     gathered within that block; a unit above the blocks (the decoder stack's parent, or the root) holds its
     parameters across all of them, so those tensors join the root group (ParamTensor.group). ``held``: the FSDP
@@ -136,16 +151,27 @@ def with_size_units(inv: ParamInventory, min_num_params: int, held: bool = False
     return replace(inv, tensors=tensors)
 
 
-_cache: dict[tuple[int, int, int], tuple[ParamInventory, ParamInventory]] = {}
+_cache: dict[tuple, tuple[ParamInventory, ParamInventory]] = {}
+
+
+def policy_of(s) -> int | frozenset[str] | None:
+    """The wrap policy of ``--fsdp-wrap``: size:N's min_num_params, class:...'s module paths (resolved with the
+    model: TorchKnobs.fsdp_wrap_modules), or None where the blocks and the root are the units."""
+    wrap = s.torch.fsdp_wrap
+    if wrap.startswith("size:"):
+        return int(wrap[5:])
+    if wrap.startswith("class:"):
+        return frozenset(s.torch.fsdp_wrap_modules)
+    return None
 
 
 def units_for(inv: ParamInventory, s) -> ParamInventory:
-    """FrameworkModel.units for FSDP1 and FSDP2: the size-based units of ``--fsdp-wrap size:N``, else ``inv`` (the
-    blocks and the root are the units). Cached per inventory: the planner asks for every configuration."""
-    wrap = s.torch.fsdp_wrap
-    if not wrap.startswith("size:"):
+    """FrameworkModel.units for FSDP1 and FSDP2: the units of ``--fsdp-wrap size:N`` or ``class:...``, else ``inv``
+    (the blocks and the root are the units). Cached per inventory: the planner asks for every configuration."""
+    policy = policy_of(s)
+    if policy is None:
         return inv
-    key = (id(inv), int(wrap[5:]), s.torch.fsdp_version)
+    key = (id(inv), policy, s.torch.fsdp_version)
     hit = _cache.get(key)
     if hit is not None and hit[0] is inv:
         return hit[1]
@@ -153,10 +179,10 @@ def units_for(inv: ParamInventory, s) -> ParamInventory:
         _cache.clear()
     # no unit inside a block, or (FSDP1) a tied weight split between units: counted as the root alone (options.py
     # says so; measured: docs/accuracy.md)
-    out = with_size_units(inv, key[1])
+    out = with_size_units(inv, policy)
     if not any(t.group != ROOT_BLOCK for t in out.tensors) or (
-            s.torch.fsdp_version == 1 and split_tied(inv, key[1]) is not None):
-        out = with_size_units(inv, key[1], held=True)
+            s.torch.fsdp_version == 1 and split_tied(inv, policy) is not None):
+        out = with_size_units(inv, policy, held=True)
     _cache[key] = (inv, out)
     return out
 

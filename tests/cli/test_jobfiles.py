@@ -213,3 +213,31 @@ def test_size_wrap_on_the_command_line():
         assert code == 2 and "size:N" in err and len(err.strip().splitlines()) == 1
     code, out, err = run_cli("estimate llama-3-8b --gpus 8 --stage 3 --fsdp-wrap size:1e8".split())
     assert code == 2 and "is for FSDP" in err
+
+
+def test_wrap_classes(tmp_path):
+    # fsdp_transformer_layer_cls_to_wrap (Accelerate's comma-separated string): the decoder layer's class is the
+    # block-wise wrap; another class makes those modules the units; a class the model lacks is Accelerate's error
+    head = "distributed_type: FSDP\nmixed_precision: bf16\nnum_processes: 8\nfsdp_config:\n"
+    pol = "  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP\n"
+    acc = _write(tmp_path, "c1.yaml", head + "  fsdp_version: 1\n" + pol
+                 + "  fsdp_transformer_layer_cls_to_wrap: LlamaDecoderLayer\n")
+    code, rep = _json(["estimate", "llama-3-8b", "--accelerate-config", acc, "--activations", "analytic"])
+    assert rep["strategy"]["torch"]["fsdp_wrap"] == "block"
+    acc = _write(tmp_path, "c2.yaml", head + "  fsdp_version: 1\n" + pol
+                 + "  fsdp_transformer_layer_cls_to_wrap: LlamaMLP\n")
+    code, rep = _json(["estimate", "llama-3-8b", "--accelerate-config", acc, "--activations", "analytic"])
+    assert rep["strategy"]["torch"]["fsdp_wrap"] == "class:LlamaMLP"
+    acc = _write(tmp_path, "c3.yaml", head + "  fsdp_version: 2\n" + pol
+                 + "  fsdp_transformer_layer_cls_to_wrap: LlamaDecoderLayer\n")
+    code, rep = _json(["estimate", "llama-3-8b", "--accelerate-config", acc, "--activations", "analytic"])
+    assert rep["strategy"]["torch"]["fsdp_wrap"] == "block+embeddings"
+    acc = _write(tmp_path, "c4.yaml", head + "  fsdp_version: 2\n" + pol
+                 + "  fsdp_transformer_layer_cls_to_wrap: GPT2Block\n")
+    code, out, err = run_cli(["estimate", "llama-3-8b", "--accelerate-config", acc])
+    assert code == 2 and "GPT2Block" in err and "LlamaDecoderLayer" in err and len(err.strip().splitlines()) == 1
+    # on the command line too
+    code, out, err = run_cli("estimate llama-3-8b --gpus 8 --strategy fsdp-full --fsdp-wrap class:Nope".split())
+    assert code == 2 and "Nope" in err and "LlamaMLP" in err
+    code, out, err = run_cli("estimate llama-3-8b --gpus 8 --strategy fsdp-full --fsdp-wrap class:".split())
+    assert code == 2 and "class:NAME" in err

@@ -61,6 +61,39 @@ def test_units_are_torchs(name, scale, sizes):
         assert got == want, n
 
 
+@pytest.mark.parametrize("classes", [("LlamaMLP",), ("LlamaAttention", "LlamaMLP"), ("LlamaDecoderLayer", "LlamaMLP")])
+def test_class_units_are_torchs(classes):
+    # transformer_auto_wrap_policy / ModuleWrapPolicy: every module of the classes, nested ones too, then the root
+    import torch
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy, _recursive_wrap
+    from transformers import AutoModelForCausalLM
+
+    from memplan.model.meta_builder import hf_config
+
+    src = _source("llama-3-8b", layers=2, hidden=512, vocab=2048)
+    inv = sources.build_inventory(src)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config(src.config), dtype=torch.float32)
+    made = []
+
+    def record(module, **_):
+        made.append(module)
+        return module
+
+    types = {type(m) for m in model.modules() if type(m).__name__ in classes}
+    _recursive_wrap(model, ModuleWrapPolicy(types), wrapper_cls=record, ignored_modules=set(), ignored_params=set(),
+                    only_wrap_children=True)
+    names = {m: n for n, m in model.named_modules()}
+    first = {p: n for n, p in model.named_parameters()}
+    want = {}
+    for m in made + [model]:
+        for p in m.parameters():
+            want.setdefault(first[p], names[m])
+    paths = frozenset(names[m] for m in made)
+    got = dict(zip((t.name for t in inv.tensors), wrap_units.size_units(inv, paths)))
+    assert got == want
+
+
 def test_llama_units_at_1e8():
     # llama-3-8b at torch's default min_num_params: each MLP (176M) is a unit; an attention (42M) is too small and
     # its block's remainder too, so every attention and norm goes to the decoder stack's parent (model); the

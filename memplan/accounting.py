@@ -54,9 +54,7 @@ def _gradients(job: Job, fw: FrameworkModel, host_by: dict[str, int]) -> tuple[G
     """Gradients on the device at backward's end and between steps, after what offload moves to the host."""
     st, rc, opt_numel = job.s.strategy, job.s.recipe, job.lay.optimizer_numel
     end, persist = fw.grads_at_end(job), 0
-    if st.fp32_grad_accumulation:
-        persist = rc.reduced_grad_bytes * opt_numel  # BF16_Optimizer's fp32_groups_gradients_flat
-    elif st.persistent_grads:
+    if st.persistent_grads:
         persist = rc.grad_bytes * opt_numel  # ZeRO-3 grad_partitions_flat_buffer (accumulation dtype)
         end = persist
     if job.s.grad_accum > 1:
@@ -74,7 +72,7 @@ def _gradients(job: Job, fw: FrameworkModel, host_by: dict[str, int]) -> tuple[G
 def _step(job: Job, fw: FrameworkModel, grads: Grads, persistent: int, master_bytes: int,
           a: dict[str, Any], off: OffloadedGrads) -> tuple[int, int]:
     """(grads, buffers) at the optimizer step: the optimizer's scratch, then the framework's own step."""
-    st, rc, lay = job.s.strategy, job.s.recipe, job.lay
+    rc, lay = job.s.recipe, job.lay
     impl = optimizer_impl(job.s)
     scratch = 0
     if not (job.offload_optimizer or job.cpu_offload):
@@ -90,7 +88,7 @@ def _step(job: Job, fw: FrameworkModel, grads: Grads, persistent: int, master_by
     # with a master copy, the grads are copied into an fp32 partition for the step (DeepSpeed:
     # single_partition_of_fp32_groups[i].grad), after which the low-precision grads are freed
     step_grads = grads.end
-    if master_bytes and not st.fp32_grad_accumulation and not job.offload_optimizer:
+    if master_bytes and not job.offload_optimizer:
         step_grads = rc.reduced_grad_bytes * lay.optimizer_numel + grads.persist
     step_grads, step_buffers, notes = fw.step(job, StepIn(grads=step_grads, buffers=persistent + scratch,
                                                           persistent=persistent, scratch=scratch, impl=impl,

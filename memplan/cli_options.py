@@ -53,7 +53,7 @@ ReduceScatter = Annotated[Optional[bool], typer.Option(
     "all-reduced in place [default: on].")]
 GradAccumDtype = Annotated[Optional[str], typer.Option(
     help="DeepSpeed data_types.grad_accum_dtype: fp32 | bf16 | fp16 [default: the parameters' dtype]; with bf16, "
-    "fp32 makes stage 0 run BF16_Optimizer (fp32 gradient buffers).")]
+    "fp32 makes ZeRO stage 1 run BF16_Optimizer (refused); stage 0 takes only the parameters' dtype.")]
 MultiRankBucketAllreduce = Annotated[Optional[bool], typer.Option(
     "--multi-rank-bucket-allreduce/--no-multi-rank-bucket-allreduce", help="DeepSpeed ZeRO-1/2 "
     "use_multi_rank_bucket_allreduce: off, each bucket's slices are reduced to their owner rank (a reduce-scatter's "

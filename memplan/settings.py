@@ -54,7 +54,8 @@ class DeepSpeedKnobs:
     reduce_scatter: bool = True
     multi_rank_bucket_allreduce: bool = True
     #: data_types.grad_accum_dtype (fp32 | bf16 | fp16; None: the parameters' dtype, DeepSpeed's default): with
-    #: bf16, fp32 makes stage 0 run BF16_Optimizer (engine.py _do_optimizer_sanity_check)
+    #: bf16, fp32 makes ZeRO stage 1 run BF16_Optimizer, and stage 0 takes only the parameters' own dtype
+    #: (engine.py _do_optimizer_sanity_check)
     grad_accum_dtype: str | None = None
     #: stage 3 replaces torch.nn.functional.linear with LinearFunctionForZeroStage3 (changes the traced
     #: activations on CPU and under autocast: memplan/tracing_keys.py trace_linear)

@@ -40,13 +40,10 @@ class Strategy:
     shard_grads: bool  #: reduced gradients kept only for the rank's shard
     shard_params: bool  #: parameters split; gathered block by block for compute
     layout: str  #: how shards are sized (see the constants above)
-    #: Reduced grads stay allocated between steps (ZeRO-3's grad_partitions_flat_buffer; DeepSpeed stage 0's
-    #: fp32 accumulation buffer).
+    #: Reduced grads stay allocated between steps (ZeRO-3's grad_partitions_flat_buffer).
     persistent_grads: bool = False
     #: Full-size grads exist at the end of backward before any sharding (DDP, ZeRO-1, ZeRO-0).
     full_grads_in_backward: bool = True
-    #: Grads are kept in an fp32 buffer for the whole model (BF16_Optimizer, ZeRO stage 0).
-    fp32_grad_accumulation: bool = False
     #: DDP reducer buckets: one flat buffer per bucket covering every gradient, allocated at construction.
     ddp_buckets: bool = False
     #: Horovod's tensor fusion: gradients all-reduced in place through one persistent fusion buffer (its knobs:

@@ -2,7 +2,7 @@
 moment of a step (memplan/timeline.py), and how it changes model states, gradients and the optimizer step.
 
     ddp       PyTorch DDP's Reducer (and DDP + ZeroRedundancyOptimizer)
-    zero12    DeepSpeed stages 0-2 (DeepSpeedZeroOptimizer, BF16_Optimizer), with ZeRO-Offload
+    zero12    DeepSpeed stages 0-2 (DeepSpeedZeroOptimizer; stage 0's FP16_Optimizer), with ZeRO-Offload
     zero3     DeepSpeed ZeRO-3 (the parameter coordinator's gathers and prefetch), with ZeRO-Offload
     fsdp2     FSDP2 fully_shard (and its NO_SHARD and HSDP rows)
     fsdp1     FSDP1 FullyShardedDataParallel (FlatParameter per block)

@@ -1,6 +1,7 @@
 """DeepSpeed stages 0, 1 and 2 (deepspeed/runtime/zero/stage_1_and_2.py DeepSpeedZeroOptimizer; stage 0's
-BF16_Optimizer), DeepSpeed 0.19.8: the ipg reduce bucket, the gradients in the rank's partition, ZeRO-1's reduce
-after backward, the step's flatten, and ZeRO-Offload's host buffers."""
+FP16_Optimizer / FP16_UnfusedOptimizer, deepspeed/runtime/fp16), DeepSpeed 0.19.8: the ipg reduce bucket, the
+gradients in the rank's partition, ZeRO-1's reduce after backward, the step's flatten, stage 0's all-reduce chunks
+and fp32 gradient copies, and ZeRO-Offload's host buffers."""
 
 from __future__ import annotations
 
@@ -112,9 +113,9 @@ def step(job: Job, s: StepIn) -> tuple[int, int, dict[str, int]]:
     under ZeRO-2 peaks there, a 6.85 GB fp32 partition beside the 3.43 GB flat copy and the 3.43 GB grads (-11.9%
     without this moment). Grads already fp32 (under torch.autocast): the cast returns the flat copy itself."""
     st, rc = job.s.strategy, job.s.recipe
-    if st.zero_stage == 0 and not st.fp32_grad_accumulation and s.master_bytes:
+    if st.zero_stage == 0 and s.master_bytes:
         return _fp16_optimizer_step(job, s)
-    if not (st.ds_ipg_buckets and s.master_bytes and not st.fp32_grad_accumulation and not job.offload_optimizer):
+    if not (st.ds_ipg_buckets and s.master_bytes and not job.offload_optimizer):
         return s.grads, s.buffers, {}
     opt_numel = job.lay.optimizer_numel
     cast = rc.reduced_grad_bytes * opt_numel if rc.grad_bytes != rc.reduced_grad_bytes else 0
@@ -151,7 +152,7 @@ def optimizer_tensors(job: Job) -> tuple[tuple[tuple[int, ...], int], ...]:
     st, rc = job.s.strategy, job.s.recipe
     if st.zero_stage == 0 and rc.param_bytes == 4 and not st.fp32_master_copy and not rc.master_bytes:
         return tuple((t.shape, t.numel) for t in job.inv.trainable_inventory.tensors)
-    if st.zero_stage == 0 and not st.fp32_grad_accumulation and optimizer_impl(job.s) == "fused":
+    if st.zero_stage == 0 and optimizer_impl(job.s) == "fused":
         return (((job.psi,), job.psi),)  # FP16_Optimizer's one flat fp32 group
     return job.lay.shard_shapes
 

@@ -173,7 +173,7 @@ def _optimizer_step(run: Run, job: ReplayJob, norms: tuple[int, ...], partition:
 
 
 def why_not(s: Any) -> str | None:
-    """DeepSpeed setups not written down yet (stage 0's BF16_Optimizer, ZeRO-Offload, ZeRO++ hpZ)."""
+    """DeepSpeed setups not written down yet (stage 0's FP16_Optimizer, ZeRO-Offload of parameters, ZeRO++ hpZ)."""
     st = s.strategy
     if st.zero_stage in (1, 2) and s.ds.offload_optimizer and not s.ds.offload_param \
             and s.ds.hpz_partition_size <= 1:

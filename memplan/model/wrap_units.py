@@ -68,9 +68,6 @@ def _is_container(node: _Node) -> bool:
     return bool(node.children) and not node.own and all(k.isdigit() for k in node.children)
 
 
-Policy = "int | frozenset[str]"  #: a size (min_num_params) or the module paths a class policy wraps
-
-
 def size_units(inv: ParamInventory, policy: int | frozenset[str]) -> tuple[str, ...]:
     """The unit (module path, "" for the root) each tensor of ``inv`` belongs to, in the inventory's order, under a
     size policy (an int: min_num_params) or a module-class policy (the paths of the modules of the wrapped

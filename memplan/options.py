@@ -253,7 +253,9 @@ def _deepspeed_wrapper(strat: Any, recipe: Any, ds: DeepSpeedKnobs, notes: list[
     (engine.py _do_optimizer_sanity_check, the accumulation dtype defaulting to the parameters'). Under ZeRO, bf16
     parameters with fp32 accumulation at stage 1 run BF16_Optimizer (fp32 gradients of the whole model) instead
     of the ZeRO optimizer: not modelled, refused. Without ZeRO (stage 0) the two dtypes must be equal (else its
-    NotImplementedError): 16-bit parameters take FP16_Optimizer, fp32 ones the torch optimizer itself."""
+    NotImplementedError): 16-bit parameters take FP16_Optimizer, fp32 ones the torch optimizer itself. Under ZeRO
+    stages 2 and 3 another accumulation dtype than the parameters' keeps a per-parameter accumulator in it: not
+    modelled, refused."""
     acc = ds.grad_accum_dtype
     if acc is not None and acc not in ("fp32", "bf16", "fp16"):
         raise SettingsError(f"grad_accum_dtype must be fp32, bf16 or fp16, got {acc!r}")
@@ -267,6 +269,11 @@ def _deepspeed_wrapper(strat: Any, recipe: Any, ds: DeepSpeedKnobs, notes: list[
         raise SettingsError("data_types.grad_accum_dtype fp32 with bf16 and ZeRO stage 1: DeepSpeed 0.19.8 runs "
                             "BF16_Optimizer there (engine.py _do_optimizer_sanity_check), which memplan does not "
                             "model; use stage 2, or bf16 accumulation")
+    if strat.zero_stage and acc != model:
+        raise SettingsError(f"data_types.grad_accum_dtype {acc} with {model} parameters under ZeRO stage "
+                            f"{strat.zero_stage}: DeepSpeed 0.19.8 then accumulates each gradient in its own {acc} "
+                            "copy (stage_1_and_2.py use_grad_accum_attribute; stage3.py gradient_accumulation_dtype), "
+                            "which memplan does not model; leave it to the parameters' dtype")
     if strat.zero_stage == 0 and acc != model:
         raise SettingsError(f"stage 0 with {model} parameters and {acc} gradient accumulation: DeepSpeed 0.19.8 "
                             "refuses the mix (engine.py _do_optimizer_sanity_check: NotImplementedError)")

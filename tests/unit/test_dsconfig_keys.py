@@ -71,12 +71,16 @@ def test_grad_accum_dtype(tmp_path):
                              "zero_optimization": {"stage": 1}}))
     assert dsconfig.load(str(p)).knobs["grad_accum_dtype"] == "fp32"
     # engine.py _do_optimizer_sanity_check: bf16 with fp32 accumulation at stage 1 runs BF16_Optimizer (refused);
-    # at stage 0 it is DeepSpeed's own NotImplementedError (measured: "unsupported mix of model_dtype"); stage 2
-    # runs the ZeRO optimizer whatever the accumulation dtype
+    # at stage 0 it is DeepSpeed's own NotImplementedError (measured: "unsupported mix of model_dtype"); stages 2
+    # and 3 keep an fp32 accumulator per parameter (use_grad_accum_attribute): not modelled, refused
     with pytest.raises(SettingsError, match="BF16_Optimizer"):
         options.resolve(inv, gpus=8, deepspeed=str(p), activations="analytic")
     with pytest.raises(SettingsError, match="NotImplementedError"):
         options.resolve(inv, gpus=8, deepspeed=str(p), stage=0, activations="analytic")
+    for stage in (2, 3):
+        with pytest.raises(SettingsError, match="use_grad_accum_attribute"):
+            options.resolve(inv, gpus=8, deepspeed=str(p), stage=stage, activations="analytic")
+    p.write_text(json.dumps({"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "bf16"}}))
     options.resolve(inv, gpus=8, deepspeed=str(p), stage=2, activations="analytic")
     r = options.resolve(inv, gpus=8, stage=0, activations="analytic")
     assert any("FP16_Optimizer" in n for n in r.notes)

@@ -54,6 +54,9 @@ ReduceScatter = Annotated[Optional[bool], typer.Option(
 GradAccumDtype = Annotated[Optional[str], typer.Option(
     help="DeepSpeed data_types.grad_accum_dtype: fp32 | bf16 | fp16 [default: the parameters' dtype]; with bf16, "
     "fp32 makes ZeRO stage 1 run BF16_Optimizer (refused); stage 0 takes only the parameters' dtype.")]
+CommunicationDataType = Annotated[Optional[str], typer.Option(
+    help="DeepSpeed communication_data_type: fp32 | bf16 | fp16, the dtype gradients are reduced in [default: the "
+    "parameters' dtype].")]
 MultiRankBucketAllreduce = Annotated[Optional[bool], typer.Option(
     "--multi-rank-bucket-allreduce/--no-multi-rank-bucket-allreduce", help="DeepSpeed ZeRO-1/2 "
     "use_multi_rank_bucket_allreduce: off, each bucket's slices are reduced to their owner rank (a reduce-scatter's "
@@ -173,7 +176,7 @@ def lora_spec(values: dict[str, Any], notes: list[str] | None = None) -> Any:
 DS_KNOBS = ("reduce_bucket_size", "allgather_bucket_size", "overlap_comm", "contiguous_gradients",
             "prefetch_bucket_size", "param_persistence_threshold", "max_live_parameters", "max_reuse_distance",
             "hpz_partition_size", "offload_optimizer", "offload_param", "quantized_weights", "quantized_gradients",
-            "reduce_scatter", "multi_rank_bucket_allreduce", "grad_accum_dtype")
+            "reduce_scatter", "multi_rank_bucket_allreduce", "grad_accum_dtype", "communication_data_type")
 TORCH_KNOBS = ("reshard_after_forward", "fsdp_wrap", "hsdp_shard_size", "fsdp_version", "cpu_offload", "bucket_cap_mb",
                "gradient_as_bucket_view")
 

@@ -18,7 +18,7 @@ from memplan.errors import ConfigError
 
 #: top-level keys memplan reads
 READ_TOP = {"train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "optimizer", "bf16", "fp16",
-            "zero_optimization", "data_types"}
+            "zero_optimization", "data_types", "communication_data_type"}
 #: top-level keys DeepSpeed 0.19.8 reads that memplan does not model: (changes memory, why). A key that changes
 #: memory gets a note when the file sets it; the others are listed with their reason
 IGNORED_TOP: dict[str, tuple[bool, str]] = {
@@ -36,8 +36,6 @@ IGNORED_TOP: dict[str, tuple[bool, str]] = {
     "zero_force_ds_cpu_optimizer": (False, "permits a non-DeepSpeed optimizer under ZeRO-Offload"),
     "checkpoint": (False, "checkpoint saving and loading, outside the step"),
     "dataloader_drop_last": (False, "the data loader's batches"),
-    "communication_data_type": (True, "reduces the gradients in another dtype: a cast copy of each bucket (each "
-                                      "gradient under stage 0) in that dtype beside it, not counted"),
     "seq_parallel_communication_data_type": (True, "Ulysses sequence parallelism, not modelled"),
     "torch_autocast": (True, "DeepSpeed's torch.autocast mode keeps fp32 parameters and autocasts the forward, "
                              "not modelled (the recipe follows bf16/fp16)"),
@@ -279,6 +277,11 @@ def load(path: str) -> DsConfig:
     acc = _grad_accum_dtype(data, path, unknown)
     if acc is not None:
         knobs["grad_accum_dtype"] = acc
+    comm = data.get("communication_data_type")
+    if comm is not None:
+        if str(comm).lower() not in _DTYPES:
+            raise ConfigError(f"{path}: communication_data_type must be fp32, fp16 or bf16, got {comm!r}")
+        knobs["communication_data_type"] = _DTYPES[str(comm).lower()]
     return DsConfig(path=str(path), stage=stage, knobs=knobs, recipe=recipe, optimizer=optimizer,
                     micro_batch=mb, grad_accum=ga, unknown_keys=tuple(unknown), notes=tuple(notes))
 

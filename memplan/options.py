@@ -260,8 +260,9 @@ def _deepspeed_wrapper(strat: Any, recipe: Any, ds: DeepSpeedKnobs, notes: list[
     if acc is not None and acc not in ("fp32", "bf16", "fp16"):
         raise SettingsError(f"grad_accum_dtype must be fp32, bf16 or fp16, got {acc!r}")
     if strat.framework != "deepspeed":
-        if acc is not None:
-            raise SettingsError(f"--grad-accum-dtype is DeepSpeed's data_types.grad_accum_dtype, not for {strat.name}")
+        if acc is not None or ds.communication_data_type is not None:
+            flag = "--grad-accum-dtype" if acc is not None else "--communication-data-type"
+            raise SettingsError(f"{flag} is DeepSpeed's, not for {strat.name}")
         return
     model = {"deepspeed-bf16": "bf16", "deepspeed-fp16": "fp16"}.get(recipe.name, "fp32")
     acc = acc or model
@@ -277,6 +278,14 @@ def _deepspeed_wrapper(strat: Any, recipe: Any, ds: DeepSpeedKnobs, notes: list[
     if strat.zero_stage == 0 and acc != model:
         raise SettingsError(f"stage 0 with {model} parameters and {acc} gradient accumulation: DeepSpeed 0.19.8 "
                             "refuses the mix (engine.py _do_optimizer_sanity_check: NotImplementedError)")
+    comm = ds.communication_data_type
+    if comm is not None and comm not in ("fp32", "bf16", "fp16"):
+        raise SettingsError(f"communication_data_type must be fp32, bf16 or fp16, got {comm!r}")
+    if comm is not None and comm != model and strat.zero_stage:
+        notes.append(f"communication_data_type {comm}: ZeRO stage {strat.zero_stage} reduces each bucket through a "
+                     f"{comm} copy (stage_1_and_2.py allreduce_bucket / gradient_reduction_w_predivide, stage3.py "
+                     "__avg_scatter_grads), a transient of up to reduce_bucket_size elements not counted (measured "
+                     "with the harness at small buckets: no change to the peak, docs/accuracy.md)")
     if strat.zero_stage == 0 and model != "fp32":
         notes.append(f"stage 0 with {model}: DeepSpeed's FP16_Optimizer ({model} gradients copied to fp32 for the "
                      "step, engine.py _do_optimizer_sanity_check); FP16_UnfusedOptimizer with a torch optimizer")

@@ -56,11 +56,11 @@ def plan_report(plan: Any, sources: dict[str, str] | None = None, notes: tuple[s
     if st.framework == "deepspeed":
         # each value once, as used: overlap_comm as DeepSpeed resolves its default (True for stage 3)
         knobs = {k: v for k, v in asdict(s.ds).items() if not k.startswith("leaf_")}  # the leaves: their paths below
+        # data_types.grad_accum_dtype and communication_data_type as DeepSpeed resolves them: the parameters' dtype
+        own = {"deepspeed-bf16": "bf16", "deepspeed-fp16": "fp16"}.get(s.recipe.name, "fp32")
         strategy["deepspeed"] = dict(knobs, overlap_comm=plan.assumptions.get("overlap_comm", s.ds.overlap_comm),
-                                     # data_types.grad_accum_dtype as DeepSpeed resolves it: the parameters' dtype
-                                     grad_accum_dtype=s.ds.grad_accum_dtype or {"deepspeed-bf16": "bf16",
-                                                                                "deepspeed-fp16": "fp16"}.get(
-                                                                                    s.recipe.name, "fp32"))
+                                     grad_accum_dtype=s.ds.grad_accum_dtype or own,
+                                     communication_data_type=s.ds.communication_data_type or own)
         if s.z3_leaves:
             strategy["zero3_leaf_modules"] = list(s.z3_leaves)
     elif st.framework == "horovod":

@@ -57,6 +57,10 @@ class DeepSpeedKnobs:
     #: bf16, fp32 makes ZeRO stage 1 run BF16_Optimizer, and stage 0 takes only the parameters' own dtype
     #: (engine.py _do_optimizer_sanity_check)
     grad_accum_dtype: str | None = None
+    #: communication_data_type (fp32 | bf16 | fp16; None: the parameters' dtype, DeepSpeed's default): the dtype the
+    #: gradients are reduced in, a cast copy of each reduced bucket where it differs (stage_1_and_2.py
+    #: allreduce_bucket, stage3.py __avg_scatter_grads)
+    communication_data_type: str | None = None
     #: stage 3 replaces torch.nn.functional.linear with LinearFunctionForZeroStage3 (changes the traced
     #: activations on CPU and under autocast: memplan/tracing_keys.py trace_linear)
     memory_efficient_linear: bool = True

@@ -83,9 +83,20 @@ def buffers(job: Job, grads: Grads) -> BufferTimeline:
             if ds.contiguous_gradients:
                 epilogue = rc.grad_bytes * job.lay.partition_params_numel
     if st.zero_stage == 0:
-        epilogue = rc.grad_bytes * allreduce_chunk(job)
+        # allreduce_bucket: the chunk flattened, then cast when communication_data_type differs (both alive)
+        comm = comm_bytes(job.s)
+        epilogue = (rc.grad_bytes + (comm if comm != rc.grad_bytes else 0)) * allreduce_chunk(job)
     moments.append(LOSS)
     return BufferTimeline(backward=backward, end_epilogue=epilogue, moments=tuple(moments))
+
+
+def comm_bytes(s: Settings) -> int:
+    """Bytes per element of the dtype DeepSpeed reduces gradients in: communication_data_type, else the
+    parameters' (engine.py communication_data_type: fp16 or bf16 when enabled, else fp32)."""
+    named = s.ds.communication_data_type
+    if named is not None:
+        return 4 if named == "fp32" else 2
+    return s.recipe.grad_bytes
 
 
 #: engine.py MEMORY_OPT_ALLREDUCE_SIZE: allreduce_gradients' elements per flattened chunk

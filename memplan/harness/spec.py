@@ -46,7 +46,9 @@ def ds_config(s: Settings) -> dict[str, Any]:
         zero["offload_optimizer"] = {"device": "cpu"}
     if ds.offload_param:
         zero["offload_param"] = {"device": "cpu"}
-    extra = {"data_types": {"grad_accum_dtype": ds.grad_accum_dtype}} if ds.grad_accum_dtype else {}
+    extra: dict[str, Any] = {"data_types": {"grad_accum_dtype": ds.grad_accum_dtype}} if ds.grad_accum_dtype else {}
+    if ds.communication_data_type:
+        extra["communication_data_type"] = ds.communication_data_type
     return {
         **extra,
         "train_micro_batch_size_per_gpu": s.micro_batch,

@@ -280,8 +280,9 @@ def test_validate_fsdp2_block_and_embeddings(argv):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("argv", [[], ["--precision", "fp32"], ["--precision", "deepspeed-fp16"]],
-                         ids=["bf16", "fp32", "fp16"])
+@pytest.mark.parametrize("argv", [[], ["--precision", "fp32"], ["--precision", "deepspeed-fp16"],
+                                  ["--communication-data-type", "fp32"]],
+                         ids=["bf16", "fp32", "fp16", "bf16-comm-fp32"])
 def test_validate_deepspeed_stage0(argv):
     """DeepSpeed stage 0 as 0.19.8 runs it: FP16_UnfusedOptimizer for a torch optimizer with 16-bit parameters
     (their gradients copied to fp32 for the step), the torch optimizer itself in fp32, the gradients flattened

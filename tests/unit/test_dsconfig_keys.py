@@ -48,13 +48,13 @@ def test_every_zero_key_of_deepspeed_is_read_or_ignored():
 
 def test_ignored_keys_are_said_with_their_reason(tmp_path):
     p = tmp_path / "ds.json"
-    p.write_text(json.dumps({"scheduler": {"type": "WarmupLR"}, "communication_data_type": "fp32",
+    p.write_text(json.dumps({"scheduler": {"type": "WarmupLR"}, "torch_autocast": {"enabled": True},
                              "zero_optimization": {"stage": 2, "round_robin_gradients": True,
                                                    "stage3_model_persistence_threshold": 10},
                              "made_up": 1}))
     d = dsconfig.load(str(p))
     assert d.unknown_keys == ("made_up",)
-    assert any(n.startswith("communication_data_type not modelled: reduces the gradients") for n in d.notes)
+    assert any(n.startswith("torch_autocast not modelled: DeepSpeed's torch.autocast") for n in d.notes)
     assert any(n.startswith("zero_optimization.stage3_model_persistence_threshold not modelled") for n in d.notes)
     quiet = [n for n in d.notes if n.startswith("ds_config keys without a memory effect")]
     assert len(quiet) == 1 and "scheduler (the learning-rate" in quiet[0] and "round_robin_gradients" in quiet[0]

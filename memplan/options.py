@@ -547,7 +547,7 @@ def _size_wrap(text: str) -> str:
     """``size:N`` (torch's size_based_auto_wrap_policy, min_num_params=N; model/wrap_units.py) in its one spelling,
     N an integer number of parameters: 100000000, 1e8 or 100M."""
     head, _, num = str(text).partition(":")
-    valid = f"one of {', '.join(FSDP_WRAPS)} or size:N (N parameters)"
+    valid = f"one of {', '.join(FSDP_WRAPS)}, size:N (N parameters) or class:NAME[,NAME]"
     if head != "size" or not num:
         raise SettingsError(f"--fsdp-wrap must be {valid}, got {text!r}")
     low = num.strip().lower()

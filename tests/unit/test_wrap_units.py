@@ -13,12 +13,13 @@ from memplan.model.inventory import ROOT_BLOCK
 from memplan.model.scaling import scale_config
 
 
-def _torch_units(src, min_num_params):
+def _torch_units(src, policy):
     """Each parameter's unit as FSDP1 makes them: torch's _recursive_wrap (only_wrap_children, as
     FullyShardedDataParallel's _auto_wrap calls it) recording the modules it wraps, children first, then the root;
-    each unit takes the parameters of its subtree not taken before (FlatParamHandle skips flattened ones)."""
+    each unit takes the parameters of its subtree not taken before (FlatParamHandle skips flattened ones).
+    ``policy(model)``: the auto-wrap policy for the built model. Returns (owner by parameter name, wrapped paths)."""
     import torch
-    from torch.distributed.fsdp.wrap import _recursive_wrap, size_based_auto_wrap_policy
+    from torch.distributed.fsdp.wrap import _recursive_wrap
     from transformers import AutoModelForCausalLM
 
     from memplan.model.meta_builder import hf_config
@@ -31,15 +32,15 @@ def _torch_units(src, min_num_params):
         made.append(module)
         return module
 
-    _recursive_wrap(model, functools.partial(size_based_auto_wrap_policy, min_num_params=min_num_params),
-                    wrapper_cls=record, ignored_modules=set(), ignored_params=set(), only_wrap_children=True)
+    _recursive_wrap(model, policy(model), wrapper_cls=record, ignored_modules=set(), ignored_params=set(),
+                    only_wrap_children=True)
     names = {m: n for n, m in model.named_modules()}
     first = {p: n for n, p in model.named_parameters()}
     owner = {}
     for m in made + [model]:
         for p in m.parameters():
             owner.setdefault(first[p], names[m])
-    return owner
+    return owner, frozenset(names[m] for m in made)
 
 
 def _source(name, **scale):
@@ -53,10 +54,12 @@ def _source(name, **scale):
     ("mixtral-8x7b", {"layers": 2, "hidden": 256, "vocab": 1024}, (10**4, 10**5, 10**6, 4 * 10**6)),
 ])
 def test_units_are_torchs(name, scale, sizes):
+    from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy
+
     src = _source(name, **scale)
     inv = sources.build_inventory(src)
     for n in sizes:
-        want = _torch_units(src, n)
+        want, _ = _torch_units(src, lambda _: functools.partial(size_based_auto_wrap_policy, min_num_params=n))
         got = dict(zip((t.name for t in inv.tensors), wrap_units.size_units(inv, n)))
         assert got == want, n
 
@@ -64,32 +67,12 @@ def test_units_are_torchs(name, scale, sizes):
 @pytest.mark.parametrize("classes", [("LlamaMLP",), ("LlamaAttention", "LlamaMLP"), ("LlamaDecoderLayer", "LlamaMLP")])
 def test_class_units_are_torchs(classes):
     # transformer_auto_wrap_policy / ModuleWrapPolicy: every module of the classes, nested ones too, then the root
-    import torch
-    from torch.distributed.fsdp.wrap import ModuleWrapPolicy, _recursive_wrap
-    from transformers import AutoModelForCausalLM
-
-    from memplan.model.meta_builder import hf_config
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
     src = _source("llama-3-8b", layers=2, hidden=512, vocab=2048)
     inv = sources.build_inventory(src)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(hf_config(src.config), dtype=torch.float32)
-    made = []
-
-    def record(module, **_):
-        made.append(module)
-        return module
-
-    types = {type(m) for m in model.modules() if type(m).__name__ in classes}
-    _recursive_wrap(model, ModuleWrapPolicy(types), wrapper_cls=record, ignored_modules=set(), ignored_params=set(),
-                    only_wrap_children=True)
-    names = {m: n for n, m in model.named_modules()}
-    first = {p: n for n, p in model.named_parameters()}
-    want = {}
-    for m in made + [model]:
-        for p in m.parameters():
-            want.setdefault(first[p], names[m])
-    paths = frozenset(names[m] for m in made)
+    want, paths = _torch_units(src, lambda model: ModuleWrapPolicy(
+        {type(m) for m in model.modules() if type(m).__name__ in classes}))
     got = dict(zip((t.name for t in inv.tensors), wrap_units.size_units(inv, paths)))
     assert got == want
 

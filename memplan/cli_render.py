@@ -186,7 +186,8 @@ def render_search(rep: dict) -> None:
                 f"{fmt_bytes(rec['required_bytes'])}, headroom {fmt_bytes(rec['headroom_bytes'])}")
         c.print(f"headroom: the GPU's {fmt_bytes(se['gpu_memory_bytes'])} less the required bytes (the caching "
                 "allocator's reserved peak, replayed, plus CUDA context and NCCL); the replay was within 3% of the measured "
-                "reserved peak on 68 of 79 H100 runs and 13.2% under at worst (docs/accuracy-gpu.md)"
+                "reserved peak on 77 of 82 H100 runs, and the figure the verdict uses 0.82% under at worst "
+                "(docs/accuracy-gpu.md)"
                 + (f"; every candidate was asked to leave {fmt_bytes(margin)} free (--min-headroom)" if margin else
                    "; --min-headroom SIZE|FRACTION keeps a margin"), soft_wrap=True)
         c.print(f"details: {rec['command']}", soft_wrap=True)

@@ -1,5 +1,7 @@
-"""FSDP units by size (``--fsdp-wrap size:N``): which module each parameter's FlatParameter / fully_shard group
-belongs to under torch's ``size_based_auto_wrap_policy(min_num_params=N)``.
+"""FSDP units by size (``--fsdp-wrap size:N``) or by module class (``--fsdp-wrap class:A,B``): which module each
+parameter's FlatParameter / fully_shard group belongs to under torch's ``size_based_auto_wrap_policy(
+min_num_params=N)`` or ``transformer_auto_wrap_policy`` / ``ModuleWrapPolicy`` (every module of the classes, nested
+ones too: the class policy always descends).
 
 The rule is torch 2.13's (torch/distributed/fsdp/wrap.py ``_recursive_wrap`` with ``size_based_auto_wrap_policy``),
 walked over the module tree the parameter names spell:
@@ -68,7 +70,7 @@ def _is_container(node: _Node) -> bool:
     return bool(node.children) and not node.own and all(k.isdigit() for k in node.children)
 
 
-def size_units(inv: ParamInventory, policy: int | frozenset[str]) -> tuple[str, ...]:
+def unit_owners(inv: ParamInventory, policy: int | frozenset[str]) -> tuple[str, ...]:
     """The unit (module path, "" for the root) each tensor of ``inv`` belongs to, in the inventory's order, under a
     size policy (an int: min_num_params) or a module-class policy (the paths of the modules of the wrapped
     classes: transformer_auto_wrap_policy / ModuleWrapPolicy wrap every such module, nested ones too)."""
@@ -133,16 +135,17 @@ HELD = HELD_UNIT
 
 
 def root_only(inv: ParamInventory) -> bool:
-    """The job's units are modelled as the root alone (with_size_units held=True)."""
+    """The job's units are modelled as the root alone (with_units held=True)."""
     return bool(inv.tensors) and inv.tensors[0].unit.startswith(HELD)
 
 
-def with_size_units(inv: ParamInventory, min_num_params: int | frozenset[str], held: bool = False) -> ParamInventory:
-    """``inv`` with each tensor's FSDP unit set (ParamTensor.unit) for ``size:N``: a unit inside a decoder block is
-    gathered within that block; a unit above the blocks (the decoder stack's parent, or the root) holds its
-    parameters across all of them, so those tensors join the root group (ParamTensor.group). ``held``: the FSDP
-    models take the job as the root alone (--fsdp-wrap none's timeline), each unit still its own FlatParameter."""
-    units = size_units(inv, min_num_params)
+def with_units(inv: ParamInventory, policy: int | frozenset[str], held: bool = False) -> ParamInventory:
+    """``inv`` with each tensor's FSDP unit set (ParamTensor.unit) under ``policy`` (unit_owners): a unit inside a
+    decoder block is gathered within that block; a unit above the blocks (the decoder stack's parent, or the root)
+    holds its parameters across all of them, so those tensors join the root group (ParamTensor.group). ``held``: the
+    FSDP models take the job as the root alone (--fsdp-wrap none's timeline), each unit still its own
+    FlatParameter."""
+    units = unit_owners(inv, policy)
     tensors = tuple(replace(t, unit=(HELD + (u or "<root>")) if held else u if _inside(u, t.block)
                             else (u or "<root>")) for t, u in zip(inv.tensors, units))
     return replace(inv, tensors=tensors)
@@ -176,10 +179,10 @@ def units_for(inv: ParamInventory, s) -> ParamInventory:
         _cache.clear()
     # no unit inside a block, or (FSDP1) a tied weight split between units: counted as the root alone (options.py
     # says so; measured: docs/accuracy.md)
-    out = with_size_units(inv, policy)
+    out = with_units(inv, policy)
     if not any(t.group != ROOT_BLOCK for t in out.tensors) or (
             s.torch.fsdp_version == 1 and split_tied(inv, policy) is not None):
-        out = with_size_units(inv, policy, held=True)
+        out = with_units(inv, policy, held=True)
     _cache[key] = (inv, out)
     return out
 

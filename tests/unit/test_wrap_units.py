@@ -60,7 +60,7 @@ def test_units_are_torchs(name, scale, sizes):
     inv = sources.build_inventory(src)
     for n in sizes:
         want, _ = _torch_units(src, lambda _: functools.partial(size_based_auto_wrap_policy, min_num_params=n))
-        got = dict(zip((t.name for t in inv.tensors), wrap_units.size_units(inv, n)))
+        got = dict(zip((t.name for t in inv.tensors), wrap_units.unit_owners(inv, n)))
         assert got == want, n
 
 
@@ -73,7 +73,7 @@ def test_class_units_are_torchs(classes):
     inv = sources.build_inventory(src)
     want, paths = _torch_units(src, lambda model: ModuleWrapPolicy(
         {type(m) for m in model.modules() if type(m).__name__ in classes}))
-    got = dict(zip((t.name for t in inv.tensors), wrap_units.size_units(inv, paths)))
+    got = dict(zip((t.name for t in inv.tensors), wrap_units.unit_owners(inv, paths)))
     assert got == want
 
 
@@ -82,7 +82,7 @@ def test_llama_units_at_1e8():
     # its block's remainder too, so every attention and norm goes to the decoder stack's parent (model); the
     # embedding and the head are units of their own
     inv = sources.build_inventory(sources.resolve("llama-3-8b"))
-    units = wrap_units.size_units(inv, wrap_units.DEFAULT_MIN_NUM_PARAMS)
+    units = wrap_units.unit_owners(inv, wrap_units.DEFAULT_MIN_NUM_PARAMS)
     by = {}
     for t, u in zip(inv.tensors, units):
         by[u] = by.get(u, 0) + t.numel
@@ -90,7 +90,7 @@ def test_llama_units_at_1e8():
     assert by["model.layers.0.mlp"] == 3 * 4096 * 14336
     assert by["model.embed_tokens"] == by["lm_head"] == 128256 * 4096
     assert "" not in by  # the root keeps nothing
-    reunit = wrap_units.with_size_units(inv, wrap_units.DEFAULT_MIN_NUM_PARAMS)
+    reunit = wrap_units.with_units(inv, wrap_units.DEFAULT_MIN_NUM_PARAMS)
     g = layouts.gather_sizes(reunit, strategies.FLAT_PER_BLOCK, 8)
     # gathered per block: its MLP only; the attention of every block is gathered with the root group
     assert g.block_numels == (3 * 4096 * 14336,) * 32
@@ -111,5 +111,5 @@ def test_size_argument():
 
 def test_no_units_keeps_the_inventory():
     inv = sources.build_inventory(sources.resolve("gpt2"))
-    assert all(t.group == t.block for t in wrap_units.with_size_units(inv, 10**12).tensors
+    assert all(t.group == t.block for t in wrap_units.with_units(inv, 10**12).tensors
                if t.block == ROOT_BLOCK)

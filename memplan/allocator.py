@@ -245,7 +245,7 @@ class Allocator:
             self.peak_allocated = self.allocated
         return b
 
-    def _malloc_plain(self, size: int, stream: int) -> _Block:
+    def _malloc_plain(self, size: int, stream: int = 0) -> _Block:
         """malloc with the default configuration (no max_split_size, roundup divisions, expandable segments or
         garbage collection): the same steps as malloc, inlined (the replay's hot path)."""
         size = MIN_BLOCK if size < MIN_BLOCK else (size + MIN_BLOCK - 1) // MIN_BLOCK * MIN_BLOCK

@@ -379,7 +379,8 @@ def micro_step(run: Run, job: ReplayJob, n: int, keep_grads: bool, at: Any = Non
     kept: set[Any] = set()
     off = run.offset()
     a = run.a
-    live, malloc, afree = run.live, a.malloc, a.free
+    live, afree = run.live, a.free
+    malloc = a._malloc_plain if a._plain else a.malloc  # the default configuration's path, one call fewer
     limit = Run.limit if Run.limit is not None else 1 << 62
     mb = job.micro_batch
     for e in job.step:

@@ -237,6 +237,8 @@ def _reserved(inv: ParamInventory, s: Settings, limit: int | None = None) -> tup
 def estimate(inv: ParamInventory, s: Settings, reserved_limit: int | None = None) -> Plan:
     """The Plan for one configuration. ``reserved_limit``: the replay may stop once the reserved bytes pass it,
     and the Plan then holds a reserved peak that is only known to be above it (enough to say it does not fit)."""
+    if _parallel(s):
+        return _estimate_layout(inv, s, reserved_limit)
     f = _fixed(inv, s)
     rows = tuple(Phase(name, weights_bytes=f.weights, master_weights_bytes=f.master, grads_bytes=g,
                        optimizer_states_bytes=f.states, activations_bytes=x, buffers_bytes=b)
@@ -263,6 +265,11 @@ def required_bytes(inv: ParamInventory, s: Settings, micro_batches: Any,
     narrows with before it replays; ``budget``: a replay may stop once the required bytes pass it (the
     figure returned is then only known to be above it).
     """
+    if _parallel(s):  # the most loaded pipeline rank's, at each micro-batch
+        lay = layout(inv, s)
+        return [max(rows, key=lambda r: r[1]) for rows in zip(*(
+            required_bytes(r_inv, r_s, micro_batches, lower_bound, budget)
+            for _, r_inv, r_s in lay.ranks))]
     f = _fixed(inv, s)
     rec, o = s.recompute, s.overheads
     fixed_over = (o.cuda_context_bytes + f.comms * o.nccl_bytes_per_communicator) if s.cluster.device == "cuda" else 0
@@ -301,3 +308,97 @@ def host_fits(inv: ParamInventory, s: Settings) -> bool | None:
     f = _fixed(inv, s)
     rep = host_report(SimpleNamespace(settings=s, inventory=inv, host_detail=f.host_detail, shard_group=f.shard_group))
     return None if rep is None else rep["fits"]
+
+
+# ---- tensor and pipeline parallelism: each pipeline rank's share, sized as a model of its own ----
+
+class Layout:
+    """A model-parallel job as given (``inventory``, ``settings``) and each pipeline rank's share with the settings
+    its data-parallel group runs (memplan/parallel.py)."""
+
+    __slots__ = ("inventory", "settings", "name", "dp", "dp_per_node", "ranks", "plans", "worst")
+
+    def __init__(self, inv: ParamInventory, s: Settings) -> None:
+        from math import gcd
+
+        from memplan import parallel as par
+
+        p = s.parallel
+        self.inventory, self.settings = inv, s
+        self.name = par.check(p, inv, s.strategy, s.cluster.gpus, s.grad_accum)
+        dp = s.cluster.gpus // p.model_ranks
+        per_node = gcd(dp, max(1, s.cluster.gpus_per_node // p.tp))
+        self.dp, self.dp_per_node = dp, per_node
+        loss_prof, bare_prof = p.profiles or (None, None)
+        rc = s.recipe
+        out = []
+        for share in par.shares(inv, p, self.name, s.grad_accum):
+            r_inv = share.inventory
+            base = loss_prof if share.last else bare_prof
+            if base is not None:
+                inner = act.at_layers(base, share.layers)
+            else:
+                dims = dict(r_inv.dims, num_layers=share.layers)
+                if not share.last:
+                    dims["vocab_size"] = 0
+                gated = bool(dims.get("gated_mlp", 1))
+                inner = act.cached_profile(tuple(sorted(dims.items())), 1, s.seq_len, rc.compute_bytes,
+                                           rc.residual_bytes, s.attention, s.recompute, gated)
+            per_block = par.sp_saving(inv.dims, p, self.name, rc.residual_bytes, rc.compute_bytes)
+            k = act.checkpointed_blocks(s.recompute, share.layers)
+            h = inv.dims.get("hidden_size", 0)
+            ckpt = (h * rc.residual_bytes - h * rc.residual_bytes // p.tp) if per_block else 0
+            less = s.seq_len * ((share.layers - k) * per_block + k * ckpt)
+            prof = act.HeldProfile(inner, share.in_flight, less, recompute=s.recompute)
+            cluster = replace(s.cluster, gpus=dp, gpus_per_node=per_node)
+            out.append((share, r_inv, replace(s, parallel=None, cluster=cluster, activation_profile=prof)))
+        self.ranks = tuple(out)
+        self.plans: tuple[Plan, ...] = ()
+        self.worst = 0
+
+    def report(self) -> dict[str, Any]:
+        """The layout and every pipeline rank's figures (the JSON's "parallel")."""
+        p = self.settings.parallel
+        return {"layout": self.name, "tp": p.tp, "pp": p.pp, "dp": self.dp, "sp": p.sp,
+                "virtual_stages": p.virtual if p.schedule == "interleaved" and p.pp > 1 else 1,
+                "schedule": p.schedule if p.pp > 1 else None, "micro_batches": self.settings.grad_accum,
+                "worst_pipeline_rank": self.worst,
+                "ranks": [{"pipeline_rank": share.rank, "holds": share.describe(),
+                           "blocks": list(share.blocks), "params": r_inv.num_params,
+                           "micro_batches_in_flight": share.in_flight,
+                           "peak_bytes": plan.peak_bytes, "peak_phase": plan.peak.name,
+                           "required_bytes": plan.required_bytes,
+                           **{k: getattr(plan.peak, k) for k in CATEGORY_KEYS}}
+                          for (share, r_inv, _), plan in zip(self.ranks, self.plans)]}
+
+
+_LAYOUTS: dict[tuple[int, int], Layout] = {}
+
+
+def layout(inv: ParamInventory, s: Settings) -> Layout:
+    """The pipeline ranks' shares of this job (cached: the planner and the micro-batch search ask again)."""
+    key = (id(inv), hash(repr(replace(s, activation_profile=None, micro_batch=1,
+                                      parallel=replace(s.parallel, profiles=None)))), id(s.parallel.profiles))
+    hit = _LAYOUTS.get(key)
+    if hit is None or hit.inventory is not inv:
+        if len(_LAYOUTS) > 64:
+            _LAYOUTS.clear()
+        hit = _LAYOUTS[key] = Layout(inv, s)
+    return hit
+
+
+def _parallel(s: Settings) -> bool:
+    return s.parallel is not None and s.parallel.active
+
+
+def _estimate_layout(inv: ParamInventory, s: Settings, reserved_limit: int | None) -> Plan:
+    """The most loaded pipeline rank's Plan (by the bytes the fit verdict needs), every rank's in its layout."""
+    lay = layout(inv, s)
+    plans = tuple(estimate(r_inv, replace(r_s, micro_batch=s.micro_batch), reserved_limit)
+                  for _, r_inv, r_s in lay.ranks)
+    worst = max(range(len(plans)), key=lambda i: (plans[i].required_bytes, plans[i].peak_bytes))
+    view = Layout.__new__(Layout)
+    for k in Layout.__slots__:
+        setattr(view, k, getattr(lay, k))
+    view.plans, view.worst = plans, worst
+    return replace(plans[worst], layout=view)

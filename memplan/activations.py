@@ -26,8 +26,9 @@ log-softmax kept by cross-entropy: vocab * (compute + 4 + 4) bytes; in backward 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
+from typing import Any
 
 from memplan.errors import SettingsError
 
@@ -183,8 +184,11 @@ def analytic_profile(dims: dict, *, micro_batch: int, seq_len: int, compute_byte
                             "this model does not declare them")
     inter = dims.get("intermediate_size") or 4 * h
     kv_dim = h * dims.get("num_kv_heads", heads) // heads
+    q_dim = h
+    if dims.get("head_dim"):  # a tensor-parallel rank's heads (memplan/parallel.py rank_dims)
+        q_dim, kv_dim = heads * dims["head_dim"], dims.get("num_kv_heads", heads) * dims["head_dim"]
     tokens = micro_batch * seq_len
-    attn_elems = h + (h + 2 * kv_dim) + h  # normed input, q/k/v, output
+    attn_elems = h + (q_dim + 2 * kv_dim) + q_dim  # normed input, q/k/v, output
     attn_bytes = tokens * (attn_elems * compute_bytes + h * residual_bytes)
     # "sdpa" on a GPU dispatches to flash / memory-efficient kernels for causal training (no quadratic term);
     # only eager (or math) attention keeps the probabilities.
@@ -386,3 +390,66 @@ def has_dropout(config: dict) -> bool:
     """Whether the config trains with any dropout (its names differ by family: attn_pdrop, hidden_dropout, ...)."""
     return any(("dropout" in k or "pdrop" in k) and isinstance(v, (int, float)) and not isinstance(v, bool)
                and v > 0 for k, v in config.items())
+
+
+def at_layers(prof: Any, layers: int, with_loss: bool = True) -> Any:
+    """The same profile for a model of ``layers`` blocks (a pipeline rank's): the traced one's untraced blocks
+    follow its per-block line; the analytic one counts its blocks (and its loss only where ``with_loss``)."""
+    if isinstance(prof, TracedProfile):
+        return TracedProfile({**prof.data, "num_layers": layers}, prof.micro_batch, prof.origin)
+    return replace(prof, num_layers=layers, **({} if with_loss else {"loss_forward_bytes": 0,
+                                                                      "loss_backward_bytes": 0}))
+
+
+@dataclass(frozen=True)
+class HeldProfile:
+    """A pipeline rank's activations: its own micro-batch's (``inner``, the profile of its blocks) with what the
+    micro-batches still in flight on it hold (``held - 1`` finished forwards, each what a forward leaves saved),
+    less ``saved_less`` bytes per micro-batch (sequence parallelism's share of the tensors outside the TP regions,
+    on every micro-batch in flight). Every activation figure of the inner profile moves by the same amount."""
+
+    inner: Any
+    held: int  #: micro-batches in flight, the current one included
+    saved_less: int = 0  #: bytes per micro-batch of 1, each micro-batch in flight
+    _memo: dict = field(default_factory=dict, compare=False, repr=False)
+
+    includes_autocast_copies = property(lambda self: self.inner.includes_autocast_copies)
+
+    def extra(self, recompute: str, micro_batch: int) -> int:
+        key = ("extra", recompute, micro_batch)
+        if key not in self._memo:
+            _, _, saved, _, block = self.inner.terms(recompute, micro_batch)
+            self._memo[key] = (self.held - 1) * (saved + block) - self.held * self.saved_less * micro_batch
+        return self._memo[key]
+
+    def terms(self, recompute: str, micro_batch: int) -> tuple[int, int, int, int, int]:
+        fwd, bwd, saved, emb, block = self.inner.terms(recompute, micro_batch)
+        x = self.extra(recompute, micro_batch)
+        return fwd + x, bwd + x, saved + x, emb + x, block
+
+    # the timeline's moments: the same shift (the recompute the plan uses is the settings'; these profiles are
+    # built per settings, so the recompute is fixed here)
+    recompute: str = "none"
+
+    def _x(self, micro_batch: int) -> int:
+        return self.extra(self.recompute, micro_batch)
+
+    def block_moments(self, micro_batch: int, grad_width: int, held: bool = False) -> tuple[tuple[int, int], ...]:
+        x = self._x(micro_batch)
+        return tuple((a + x, g) for a, g in self.inner.block_moments(micro_batch, grad_width, held))
+
+    def block_hooks(self, micro_batch: int) -> tuple:
+        x = self._x(micro_batch)
+        return tuple(tuple((a + x, g) for a, g in blk) for blk in self.inner.block_hooks(micro_batch))
+
+    def loss_moment(self, micro_batch: int, grad_width: int) -> tuple[int, int] | None:
+        m = self.inner.loss_moment(micro_batch, grad_width)
+        return None if m is None else (m[0] + self._x(micro_batch), m[1])
+
+    def moment_activations(self, micro_batch: int) -> dict[int, int]:
+        x = self._x(micro_batch)
+        return {k: v + x for k, v in self.inner.moment_activations(micro_batch).items()}
+
+    @property
+    def source(self) -> str:
+        return self.inner.source + (f"; {self.held} micro-batches in flight" if self.held > 1 else "")

@@ -135,6 +135,11 @@ def estimate(
     cpu_offload: bool = typer.Option(False, "--cpu-offload", help="FSDP CPUOffloadPolicy."),
     bucket_cap_mb: O.BucketCapMb = None,
     gradient_as_bucket_view: O.GradientAsBucketView = False,
+    tp: O.Tp = None,
+    pp: O.Pp = None,
+    vpp: O.Vpp = None,
+    sp: O.Sp = False,
+    schedule: O.Schedule = None,
     cuda_context: Optional[str] = typer.Option(None, help="CUDA context size [default: 512MiB]."),
     nccl_per_communicator: Optional[str] = typer.Option(None, help="NCCL buffers per communicator [default: 1GiB]."),
     fragmentation_percent: Optional[int] = typer.Option(None, help="A flat allocator overhead, % of the allocated "

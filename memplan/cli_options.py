@@ -42,6 +42,26 @@ CpuIsa = Annotated[Optional[str], typer.Option("--cpu-isa", help="device cpu: th
                                                "machine's].")]
 Json = Annotated[bool, typer.Option("--json", help="Print JSON on stdout.")]
 
+# model parallelism (memplan/parallel.py)
+Tp = Annotated[Optional[int], typer.Option("--tp", help="Tensor-parallel degree [default: 1].")]
+Pp = Annotated[Optional[int], typer.Option("--pp", help="Pipeline-parallel degree (stages) [default: 1].")]
+Vpp = Annotated[Optional[int], typer.Option("--vpp", help="Virtual pipeline stages per rank, --schedule interleaved "
+                                            "[default: 2].")]
+Sp = Annotated[bool, typer.Option("--sp/--no-sp", help="Sequence parallelism with --tp.")]
+Schedule = Annotated[Optional[str], typer.Option("--schedule", help="Pipeline schedule: 1f1b | gpipe | interleaved "
+                                                 "[default: 1f1b]; the micro-batches per step are --grad-accum.")]
+
+
+def parallel_of(values: dict[str, Any]) -> Any:
+    """The model-parallel degrees the options give (memplan/parallel.py Parallel), None when none is given."""
+    tp, pp, vpp, sp, schedule = (values.get(k) for k in ("tp", "pp", "vpp", "sp", "schedule"))
+    if tp is None and pp is None and vpp is None and not sp and schedule is None:
+        return None
+    from memplan.parallel import Parallel
+
+    return Parallel(tp=1 if tp is None else tp, pp=1 if pp is None else pp, vpp=vpp, sp=bool(sp),
+                    schedule=schedule or "1f1b")
+
 # DeepSpeed's knobs (DeepSpeedKnobs), as ds_config names them
 ReduceBucketSize = Annotated[Optional[int], typer.Option(help="DeepSpeed reduce_bucket_size (elements).")]
 AllgatherBucketSize = Annotated[Optional[int], typer.Option(help="DeepSpeed allgather_bucket_size (elements).")]

@@ -39,6 +39,22 @@ def category_labels() -> tuple[tuple[str, str], ...]:
     return tuple(CATEGORIES.items())
 
 
+def _render_layout(c: Any, par: dict) -> None:
+    """The model-parallel layout and each pipeline rank's share and peak."""
+    pipe = (f" · pp {par['pp']} ({par['schedule']}" + (f", {par['virtual_stages']} stages per rank"
+                                                       if par["virtual_stages"] > 1 else "")
+            + f", {par['micro_batches']} micro-batches)") if par["pp"] > 1 else ""
+    c.print(f"{par['layout']} layout: tp {par['tp']}" + (" + sequence parallel" if par["sp"] and par["tp"] > 1 else "")
+            + pipe + f" · dp {par['dp']} (the data-parallel strategy runs over these)")
+    if par["pp"] > 1:
+        cols = [("pipeline rank", "right"), ("holds", "left"), ("params per TP rank", "right"), ("in flight", "right"),
+                ("peak", "right"), ("phase", "left"), ("required", "right")]
+        rows = [[("▶ " if r["pipeline_rank"] == par["worst_pipeline_rank"] else "") + str(r["pipeline_rank"]),
+                 r["holds"], f"{r['params']:,}", str(r["micro_batches_in_flight"]), fmt_bytes(r["peak_bytes"]),
+                 r["peak_phase"], fmt_bytes(r["required_bytes"])] for r in par["ranks"]]
+        c.print(table("Per pipeline rank (▶ the most loaded; the table below is its)", cols, rows))
+
+
 def render_plan(rep: dict, summary: str | None = None, explained: dict | None = None) -> None:
     c = console()
     m, st, cl, pg = rep["model"], rep["strategy"], rep["cluster"], rep["per_gpu"]
@@ -57,6 +73,9 @@ def render_plan(rep: dict, summary: str | None = None, explained: dict | None = 
                 f"{lo['trainable_params']:,} of {m['num_params']:,} parameters train "
                 f"({100 * lo['trainable_params'] / max(m['num_params'], 1):.2f}%); {base} (no gradients, no "
                 "optimizer states)")
+    par = rep.get("parallel")
+    if par:
+        _render_layout(c, par)
     phases = rep["phases"]
     cols = [("per GPU (GiB = 2^30 B)", "left")] + [(p["name"] + (" ◀ peak" if p["name"] == pg["peak_phase"] else ""),
                                                     "right") for p in phases]

@@ -686,7 +686,7 @@ def resolve(inv: ParamInventory, *, gpus: int = 1, gpus_per_node: int | None = N
             activations: str = "auto", cpu_isa: str | None = None, gpu_arch: str | None = None,
             allocator_conf: str | None = None, host_memory_size: str | None = None,
             pin_memory: bool | None = None, horovod_overrides: dict[str, Any] | None = None,
-            lora: Any = None) -> Resolved:
+            lora: Any = None, parallel: Any = None) -> Resolved:
     """The job's Settings from the options given, each from the command line, the job's files or a default
     (``sources`` says which). ``lora``: the LoRA adapter (model/lora.py LoraSpec) ``inv`` already carries
     (lora.apply), which the traced step adds too."""
@@ -778,7 +778,10 @@ def resolve(inv: ParamInventory, *, gpus: int = 1, gpus_per_node: int | None = N
     notes.extend(_dim0_padding_note(inv, settings))
     if any(len(t.shape) >= 4 for t in inv.tensors):  # Conv2d/Conv3d kernels: a small CNN, -10.6% on CPU
         notes.append("convolutions: their kernels' scratch (cuDNN, oneDNN) is not modelled (docs/accuracy.md)")
-    settings = replace(settings, activation_profile=activation_profile(config, settings, activations, notes))
+    if parallel is not None and parallel.active:
+        settings = _with_parallel(settings, inv, config, parallel, activations, notes)
+    else:
+        settings = replace(settings, activation_profile=activation_profile(config, settings, activations, notes))
     if settings.activation_profile is None and settings.recompute == OP_SAC:
         notes.append("recompute op-sac: the analytic activations do not know which operations torchtitan's policy "
                      "keeps; counted as without recompute (an upper bound)")
@@ -786,3 +789,61 @@ def resolve(inv: ParamInventory, *, gpus: int = 1, gpus_per_node: int | None = N
     if max_pos and seq > max_pos:
         notes.append(f"warning: seq-len {seq} exceeds the model's max_position_embeddings {max_pos}")
     return Resolved(settings=settings, sources=pick.sources, notes=tuple(notes))
+
+
+def _honours_head_dim(model_type: str) -> bool:
+    """Whether transformers' modeling code for ``model_type`` takes head_dim from the config (a TP rank's config
+    keeps it while its head count shrinks); the others derive it from hidden_size / heads."""
+    import importlib
+    import inspect
+
+    try:
+        mod = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+        src = inspect.getsource(mod)
+    except (ImportError, OSError, TypeError):
+        return False
+    return 'getattr(config, "head_dim"' in src or "config.head_dim" in src
+
+
+def _with_parallel(s: Settings, inv: ParamInventory, config: dict[str, Any] | None, p: Any, mode: str,
+                   notes: list[str]) -> Settings:
+    """The settings with tensor / pipeline parallelism: the degrees checked, and the activation profiles of a TP
+    rank's model with and without the head traced (memplan/parallel.py rank_config), or analytic."""
+    from memplan import parallel as par
+
+    if s.lora is not None:
+        raise SettingsError("--tp/--pp with LoRA: not modelled")
+    layout = par.check(p, inv, s.strategy, s.cluster.gpus, s.grad_accum)
+    s = replace(s, parallel=p)
+    profiles = None
+    if mode != "analytic" and config is not None:
+        wanted = [True] + ([False] if p.pp > 1 else [])
+        cfgs = [par.rank_config(config, p, layout, w) for w in wanted]
+        why = None
+        if any(c is None for c in cfgs):
+            why = "the config does not name its heads and MLP features as transformers' decoders do"
+        elif p.tp > 1 and not _honours_head_dim(str(config.get("model_type"))):
+            why = f"transformers' {config.get('model_type')} derives head_dim from hidden_size, so a TP rank's " \
+                  "model cannot be built from its config"
+        if why is None:
+            got, seen = [], set()
+            for c in cfgs:
+                own: list[str] = []
+                got.append(activation_profile(c, replace(s, lora=None), mode, own))
+                notes.extend(n for n in own if n not in seen and not seen.add(n))
+            if all(g is not None for g in got):
+                profiles = (got[0], got[1] if len(got) > 1 else got[0])
+        elif mode == "traced":
+            raise SettingsError(f"--activations traced with --tp/--pp: {why}")
+        else:
+            notes.append(f"activations: analytic for each rank's share, because {why}")
+    p = replace(p, profiles=profiles)
+    notes.append(f"model parallelism: {layout} layout, tp {p.tp} x pp {p.pp} x dp {s.cluster.gpus // p.model_ranks}"
+                 + (f", schedule {p.schedule}" + (f" with {p.virtual} stages per rank" if p.schedule == "interleaved"
+                                                 else "") + f", {s.grad_accum} micro-batches per step"
+                    if p.pp > 1 else "") + (", sequence parallel" if p.sp and p.tp > 1 else "")
+                 + "; the plan is the most loaded pipeline rank's (parallel.ranks in the JSON has each)")
+    if p.pp > 1 and s.grad_accum < p.pp:
+        notes.append(f"pipeline: {s.grad_accum} micro-batches for {p.pp} stages (--grad-accum sets the micro-batches "
+                     "per step): most of the step is bubble")
+    return replace(s, parallel=p, activation_profile=None)

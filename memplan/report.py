@@ -76,15 +76,19 @@ def plan_report(plan: Any, sources: dict[str, str] | None = None, notes: tuple[s
                        device=s.cluster.device, builder=inv.builder)
     if sources:
         assumptions["setting_sources"] = sources
+    cluster = s.cluster
+    if plan.layout is not None:  # the most loaded rank's plan: the model and the cluster as the job gives them
+        inv, cluster = plan.layout.inventory, plan.layout.settings.cluster
     return {
         "schema_version": SCHEMA_VERSION,
         "model": {"name": inv.model_name, "source": inv.source, "num_params": inv.num_params + inv.quantized_params,
                   "family": inv.family,
                   **({"trainable_params": inv.trainable_params} if inv.frozen else {})},
         "strategy": {**strategy, **({"lora": lora_report(s.lora, inv)} if s.lora is not None else {})},
-        "cluster": {"gpus": s.cluster.gpus, "gpus_per_node": s.cluster.gpus_per_node,
-                    "gpu_memory_bytes": s.cluster.gpu_memory_bytes, "device": s.cluster.device},
+        "cluster": {"gpus": cluster.gpus, "gpus_per_node": cluster.gpus_per_node,
+                    "gpu_memory_bytes": cluster.gpu_memory_bytes, "device": cluster.device},
         "per_gpu": per_gpu,
+        **({"parallel": plan.layout.report()} if plan.layout is not None else {}),
         "phases": [{"name": p.name, **{k: getattr(p, k) for k in per_gpu if k.endswith("_bytes")
                                        and hasattr(p, k)}, "total_bytes": p.total_bytes} for p in plan.phases],
         "overhead_detail": plan.overhead_detail,

@@ -212,6 +212,8 @@ class Settings:
     lora: Any = None
     #: DeepSpeed ZeRO-3 leaf modules' paths (memplan/model/z3_leaf.py), each fetched and released whole
     z3_leaves: tuple[str, ...] = ()
+    #: tensor / sequence / pipeline parallelism (memplan/parallel.py Parallel); None: data parallelism alone
+    parallel: Any = None
 
     def __post_init__(self) -> None:
         for name, most in (("micro_batch", MAX_MICRO_BATCH), ("seq_len", MAX_SEQ_LEN), ("grad_accum", MAX_GRAD_ACCUM)):

@@ -1,0 +1,463 @@
+"""Model parallelism: tensor (TP), sequence (SP) and pipeline (PP) parallelism, as the frameworks lay them out.
+
+A job on ``gpus = dp x tp x pp`` GPUs runs its data-parallel strategy (DDP, ZeRO, FSDP2/HSDP) over the dp ranks
+that hold the same share of the model. That share is a smaller model: the pipeline stage's blocks (with the
+embedding on the first stage, the final norm and the head on the last) with every tensor-parallel linear cut to
+its TP rank's rows or columns. This module computes that share per pipeline rank, exactly, as a ParamInventory the
+engine sizes like any other model, and how many micro-batches each stage holds in flight. Pure Python: it imports
+neither torch nor transformers.
+
+Two layouts, chosen by the data-parallel strategy's framework:
+
+- ``torchtitan`` (FSDP2, HSDP, DDP): DTensor tensor parallelism (torch.distributed.tensor.parallel: ColwiseParallel
+  and RowwiseParallel on the attention and MLP projections, the embedding and the head split by vocabulary rows
+  with torch.chunk's sizes, ceil(V / tp) on the first ranks), torch.distributed.pipelining's schedules, and
+  torchtitan's stage split (torchtitan/distributed/pipeline_parallel.py generate_llm_fqn_per_model_part: the
+  embedding and the head each count as one layer, the effective layers spread evenly, the first stages one more;
+  looped virtual stages, rank r holding stages r, r + pp, ...; multi-stage schedules two per rank by default).
+- ``megatron-deepspeed`` (DeepSpeed ZeRO-0/1, and ZeRO-2/3 without PP): Megatron's tensor-parallel layers
+  (ColumnParallelLinear / RowParallelLinear; the vocabulary padded to a multiple of 128 x tp,
+  megatron/training/tokenizer ``_vocab_size_with_padding``, make_vocab_size_divisible_by 128; key/value heads
+  replicated when there are fewer of them than TP ranks) and DeepSpeed's PipelineEngine (1F1B only,
+  deepspeed/runtime/pipe/schedule.py TrainSchedule; PipelineModule's default partition_method "parameters":
+  deepspeed/runtime/utils.py partition_balanced over the layers' parameter counts, layers = [embedding, blocks...,
+  final norm, head]; ZeRO-2 and -3 refused with PP, as engine.py's PipelineEngine asserts).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from math import prod
+from typing import Any
+
+from memplan.errors import SettingsError
+from memplan.model.inventory import ROOT_BLOCK, ParamInventory, ParamTensor
+from memplan.units import ceil_div
+
+SCHEDULES = ("1f1b", "gpipe", "interleaved")
+TORCHTITAN = "torchtitan"
+MEGATRON_DEEPSPEED = "megatron-deepspeed"
+#: the schedules each layout runs (torch.distributed.pipelining get_schedule_class: 1F1B, GPipe,
+#: Interleaved1F1B; DeepSpeed's PipelineEngine: TrainSchedule, a 1F1B)
+LAYOUT_SCHEDULES = {TORCHTITAN: ("1f1b", "gpipe", "interleaved"), MEGATRON_DEEPSPEED: ("1f1b",)}
+#: Megatron's make_vocab_size_divisible_by default
+MEGATRON_VOCAB_MULTIPLE = 128
+
+#: projections split by output features (ColumnParallelLinear / ColwiseParallel), by the module's name
+COLUMN = frozenset({"q_proj", "k_proj", "v_proj", "qkv_proj", "gate_proj", "up_proj", "gate_up_proj", "c_attn",
+                    "c_fc", "fc1", "query_key_value", "dense_h_to_4h", "w1", "w3", "wq", "wk", "wv", "wqkv",
+                    "query", "key", "value", "Wqkv"})
+#: projections split by input features (RowParallelLinear / RowwiseParallel); their bias stays whole
+ROW = frozenset({"o_proj", "down_proj", "c_proj", "dense", "dense_4h_to_h", "fc2", "w2", "wo", "out_proj"})
+KV = frozenset({"k_proj", "v_proj", "wk", "wv", "key", "value"})
+
+
+@dataclass(frozen=True, kw_only=True)
+class Parallel:
+    """The model-parallel degrees of a job (--tp, --pp, --vpp, --sp, --schedule)."""
+
+    tp: int = 1
+    pp: int = 1
+    #: virtual stages per pipeline rank (interleaved); None: the layout's default (torchtitan: 2 when interleaved)
+    vpp: int | None = None
+    sp: bool = False  #: sequence parallelism: the norms' and residuals' activations split over the TP ranks
+    schedule: str = "1f1b"
+    #: the activation profiles options.py made for the ranks' shares: (with the loss, without it)
+    profiles: Any = field(default=None, compare=False)
+
+    @property
+    def active(self) -> bool:
+        return self.tp * self.pp > 1
+
+    @property
+    def model_ranks(self) -> int:
+        return self.tp * self.pp
+
+    @property
+    def virtual(self) -> int:
+        return self.vpp or (2 if self.schedule == "interleaved" else 1)
+
+
+def layout_of(strategy: Any, pp: int) -> str:
+    """The layout a data-parallel strategy runs model parallelism with; SettingsError for those none does."""
+    if strategy.framework == "deepspeed":
+        if pp > 1 and (strategy.zero_stage or 0) >= 2:
+            raise SettingsError(f"--pp {pp} with ZeRO stage {strategy.zero_stage}: DeepSpeed's PipelineEngine takes "
+                                "ZeRO stage 0 or 1 only (deepspeed/runtime/pipe/engine.py: \"ZeRO-2 and ZeRO-3 are "
+                                "incompatible with pipeline parallelism\")")
+        return MEGATRON_DEEPSPEED
+    if strategy.framework == "fsdp2" or strategy.name == "ddp":
+        return TORCHTITAN
+    raise SettingsError(f"--tp/--pp with --strategy {strategy.name}: memplan models model parallelism under FSDP2, "
+                        "HSDP and DDP (torchtitan's DTensor layout) and DeepSpeed ZeRO (Megatron-DeepSpeed)")
+
+
+def check(p: Parallel, inv: ParamInventory, strategy: Any, gpus: int, grad_accum: int) -> str:
+    """The layout after checking the degrees against the model and the GPU count (SettingsError naming the
+    numbers otherwise)."""
+    for name in ("tp", "pp"):
+        if getattr(p, name) < 1:
+            raise SettingsError(f"--{name} must be at least 1, got {getattr(p, name)}")
+    if p.vpp is not None and p.vpp < 1:
+        raise SettingsError(f"--vpp must be at least 1, got {p.vpp}")
+    if p.schedule not in SCHEDULES:
+        raise SettingsError(f"unknown pipeline schedule {p.schedule!r}; valid: {', '.join(SCHEDULES)}")
+    if gpus % p.model_ranks:
+        raise SettingsError(f"--gpus {gpus} is not a multiple of tp({p.tp}) x pp({p.pp}) = {p.model_ranks}: the "
+                            "data-parallel size gpus / (tp x pp) must be whole")
+    layout = layout_of(strategy, p.pp)
+    if p.pp > 1 and p.schedule not in LAYOUT_SCHEDULES[layout]:
+        raise SettingsError(f"--schedule {p.schedule}: {layout} runs {', '.join(LAYOUT_SCHEDULES[layout])}")
+    if p.vpp not in (None, 1) and p.schedule != "interleaved":
+        raise SettingsError(f"--vpp {p.vpp} needs --schedule interleaved (one stage per rank otherwise)")
+    if p.schedule == "interleaved" and p.pp > 1 and p.virtual < 2:
+        raise SettingsError("--schedule interleaved needs at least 2 virtual stages per rank (--vpp)")
+    d = inv.dims
+    layers = len(inv.layer_blocks)
+    if p.pp > 1:
+        if not layers:
+            raise SettingsError("--pp needs a model of repeated blocks; this one has none")
+        stages = p.pp * (p.virtual if p.schedule == "interleaved" else 1)
+        effective = layers + (2 if layout == TORCHTITAN else 0)
+        if stages > effective or (layout == MEGATRON_DEEPSPEED and p.pp > layers):
+            raise SettingsError(f"--pp {p.pp}" + (f" x --vpp {p.virtual}" if stages != p.pp else "")
+                                + f" = {stages} stages for {layers} blocks: more stages than "
+                                + ("blocks" if layout == MEGATRON_DEEPSPEED else
+                                   "blocks + 2 (torchtitan counts the embedding and the head as one block each)"))
+        if layout == TORCHTITAN and p.schedule == "interleaved":
+            rounds = max(1, grad_accum // p.pp)
+            if grad_accum % rounds:
+                raise SettingsError(f"--grad-accum {grad_accum} micro-batches: torch's Interleaved1F1B needs a "
+                                    f"multiple of its rounds ({rounds} = max(1, micro-batches // pp))")
+    if p.tp > 1:
+        heads, kv = d.get("num_heads"), d.get("num_kv_heads", d.get("num_heads"))
+        inter = d.get("intermediate_size")
+        if not heads:
+            raise SettingsError("--tp needs the model's attention head count; this model does not declare it")
+        if heads % p.tp:
+            raise SettingsError(f"--tp {p.tp} does not divide the {heads} attention heads")
+        if kv and kv % p.tp:
+            if layout == TORCHTITAN or p.tp % kv:
+                raise SettingsError(f"--tp {p.tp} does not divide the {kv} key/value heads" + (
+                    " (Megatron replicates them only when tp is a multiple of their count)"
+                    if layout != TORCHTITAN else " (DTensor's ColwiseParallel would split a head)"))
+        if inter and inter % p.tp:
+            raise SettingsError(f"--tp {p.tp} does not divide the MLP's {inter} intermediate features")
+    return layout
+
+
+# ---- pipeline stages ----
+
+@dataclass(frozen=True)
+class Chunk:
+    """One pipeline stage (a virtual stage under interleaving): its blocks, and whether it holds the embedding
+    (first) or the final norm and the head (last)."""
+
+    layers: tuple[int, ...]
+    first: bool
+    last: bool
+
+
+def torchtitan_stages(num_stages: int, layers: int) -> list[Chunk]:
+    """torchtitan's generate_llm_fqn_per_model_part(num_stages, layers, input_weight=1, output_weight=1)."""
+    if num_stages == 1:
+        return [Chunk(tuple(range(layers)), True, True)]
+    effective = layers + 2
+    per, extra = divmod(effective, num_stages)
+    out, cur = [], 0
+    for i in range(num_stages):
+        n = per + (1 if i < extra else 0) - (1 if i in (0, num_stages - 1) else 0)
+        take = tuple(range(cur, min(cur + max(n, 0), layers)))
+        cur += len(take)
+        out.append(Chunk(take, i == 0, i == num_stages - 1))
+    return out
+
+
+def partition_balanced(weights: list[int], parts: int) -> list[int]:
+    """DeepSpeed's partition_balanced (deepspeed/runtime/utils.py, 0.19.8): the linear partition minimising
+    max - min of the parts' sums, ties to the later split; boundaries, parts + 1 of them."""
+    n, m = len(weights), parts
+    if n <= m:
+        return [min(p, n) for p in range(m + 1)]
+    inf = float("inf")
+    dp_max = [[inf] * (m + 1) for _ in range(n + 1)]
+    dp_min = [[inf] * (m + 1) for _ in range(n + 1)]
+    dp_cost = [[inf] * (m + 1) for _ in range(n + 1)]
+    pos = [[0] * (m + 1) for _ in range(n + 1)]
+    prefix = [0] * (n + 1)
+    for i, w in enumerate(weights):
+        prefix[i + 1] = prefix[i] + w
+    dp_max[0][0] = dp_cost[0][0] = 0
+    for i in range(1, n + 1):
+        for j in range(1, min(i, m) + 1):
+            for k in range(i):
+                s = prefix[i] - prefix[k]
+                hi, lo = max(dp_max[k][j - 1], s), min(dp_min[k][j - 1], s)
+                if dp_cost[i][j] >= hi - lo:
+                    dp_cost[i][j], dp_max[i][j], dp_min[i][j], pos[i][j] = hi - lo, hi, lo, k
+    out = [n]
+    for i in range(m, 0, -1):
+        out.append(pos[out[-1]][i])
+    return out[::-1]
+
+
+def _layer_sizes(inv: ParamInventory) -> tuple[int, list[int], int]:
+    """(embedding, per block, final norm + head) trainable elements, as PipelineModule's layers count them."""
+    index = {b.name: i for i, b in enumerate(inv.layer_blocks)}
+    blocks = [0] * len(index)
+    emb = head = 0
+    for t in inv.tensors:
+        if not t.trainable:
+            continue
+        if t.block != ROOT_BLOCK:
+            blocks[index[t.block]] += t.numel
+        elif _at_end(t):
+            head += t.numel
+        else:
+            emb += t.numel
+            if t.tied_names:  # a tied head is the embedding again on the last stage (TiedLayerSpec)
+                head += t.numel
+    return emb, blocks, head
+
+
+def _at_end(t: ParamTensor) -> bool:
+    """A root tensor of the last stage (the final norm, the head); the others go with the embedding."""
+    return t.category in ("head", "norm")
+
+
+def rank_chunks(p: Parallel, layout: str, inv: ParamInventory) -> list[list[Chunk]]:
+    """Per pipeline rank, its stages in the order it runs them."""
+    layers = len(inv.layer_blocks)
+    if p.pp == 1:
+        return [[Chunk(tuple(range(layers)), True, True)]]
+    if layout == TORCHTITAN:
+        v = p.virtual if p.schedule == "interleaved" else 1
+        stages = torchtitan_stages(p.pp * v, layers)
+        return [[stages[r + s * p.pp] for s in range(v)] for r in range(p.pp)]
+    emb, blocks, head = _layer_sizes(tp_inventory(inv, p, layout))
+    weights = [emb] + blocks + [head]
+    bounds = partition_balanced(weights, p.pp)
+    out = []
+    for r in range(p.pp):
+        lo, hi = bounds[r], bounds[r + 1]
+        out.append([Chunk(tuple(i - 1 for i in range(lo, hi) if 1 <= i <= layers), lo == 0, hi == len(weights))])
+    return out
+
+
+def in_flight(p: Parallel, layout: str, rank: int, micro_batches: int) -> int:
+    """Micro-batches (stages' micro-batches under interleaving) whose activations a pipeline rank holds at once,
+    the one in its backward included.
+
+    1F1B: min(m, pp - rank): torch's Schedule1F1B warms up with min(m, num_stages - stage_index) forwards before its
+    first backward; Megatron's forward_backward_pipelining_without_interleaving pp - rank - 1 and one more before
+    the first backward; DeepSpeed's TrainSchedule num_pipe_buffers min(stages - stage_id, micro_batches).
+    GPipe: every micro-batch's forward before the first backward. Interleaved: torch's _get_warmup_ops,
+    (v - 1) x micro-batches per round + 2 x (pp - 1 - rank), capped at m x v, and the one after it."""
+    m, pp = micro_batches, p.pp
+    if pp == 1:
+        return 1
+    if p.schedule == "gpipe":
+        return m
+    if p.schedule == "interleaved":
+        v = p.virtual
+        per_round = m // max(1, m // pp)
+        warmup = min((v - 1) * per_round + 2 * (pp - 1 - rank), m * v)
+        return min(warmup + 1, m * v)
+    return min(m, pp - rank)
+
+
+# ---- tensor parallelism ----
+
+def padded_vocab(vocab: int, p: Parallel, layout: str) -> int:
+    """The vocabulary rows a TP rank's embedding and head hold at the most."""
+    if layout == MEGATRON_DEEPSPEED:
+        multiple = MEGATRON_VOCAB_MULTIPLE * p.tp
+        return ceil_div(vocab, multiple) * multiple // p.tp
+    return ceil_div(vocab, p.tp)  # torch.chunk: the first ranks hold ceil(V / tp)
+
+
+def _tp_shape(t: ParamTensor, p: Parallel, layout: str, dims: dict[str, Any]) -> tuple[int, ...]:
+    """The tensor's shape on the TP rank that holds the most of it."""
+    tp, shape = p.tp, t.shape
+    if tp == 1 or not shape:
+        return shape
+    parts = t.name.split(".")
+    module = parts[-2] if len(parts) >= 2 else ""
+    vocab = dims.get("vocab_size")
+    if t.category in ("embedding", "head") and vocab and shape[0] == vocab:
+        return (padded_vocab(vocab, p, layout),) + shape[1:]
+    if t.category == "experts" and len(shape) == 3:  # fused experts [E, out, in]: the projection's own rule
+        if module == "experts" and parts[-1] in ("gate_up_proj", "w13"):
+            return (shape[0], ceil_div(shape[1], tp), shape[2])
+        if module == "experts" and parts[-1] in ("down_proj", "w2"):
+            return (shape[0], shape[1], ceil_div(shape[2], tp))
+        return shape
+    conv1d = t.layer == "conv1d"  # transformers' Conv1D: weight [in, out]
+    is_weight = parts[-1] == "weight"
+    if module in COLUMN:
+        out_dim = 1 if conv1d and is_weight else 0
+        n = shape[out_dim]
+        if module in KV and layout == MEGATRON_DEEPSPEED:
+            kv = dims.get("num_kv_heads") or dims.get("num_heads")
+            if kv and kv < tp:  # Megatron replicates the key/value heads: one per rank
+                return tuple(n // kv if i == out_dim else s for i, s in enumerate(shape))
+        return tuple(ceil_div(n, tp) if i == out_dim else s for i, s in enumerate(shape))
+    if module in ROW and is_weight:
+        in_dim = 0 if conv1d else 1
+        if len(shape) > in_dim:
+            return tuple(ceil_div(s, tp) if i == in_dim else s for i, s in enumerate(shape))
+    return shape
+
+
+def tp_inventory(inv: ParamInventory, p: Parallel, layout: str) -> ParamInventory:
+    """The model as one TP rank holds it (the rank holding the most: the first, under uneven vocabulary splits)."""
+    if p.tp == 1:
+        return inv
+    tensors = tuple(replace(t, shape=_tp_shape(t, p, layout, inv.dims)) for t in inv.tensors)
+    return replace(inv, tensors=tensors, dims=rank_dims(inv.dims, p, layout))
+
+
+def rank_dims(dims: dict[str, Any], p: Parallel, layout: str) -> dict[str, Any]:
+    """The dimensions one TP rank computes with: its heads, key/value heads, MLP features and vocabulary rows."""
+    out = dict(dims)
+    tp = p.tp
+    if tp == 1:
+        return out
+    heads = dims.get("num_heads")
+    if heads:
+        h = dims.get("hidden_size", 0)
+        head_dim = dims.get("head_dim") or (h // heads if h else 0)
+        out["num_heads"] = heads // tp
+        out["head_dim"] = head_dim
+        kv = dims.get("num_kv_heads")
+        if kv:
+            out["num_kv_heads"] = max(kv // tp, 1)
+    if dims.get("intermediate_size"):
+        out["intermediate_size"] = dims["intermediate_size"] // tp
+    if dims.get("vocab_size"):
+        out["vocab_size"] = padded_vocab(dims["vocab_size"], p, layout)
+    out["tp"] = tp
+    return out
+
+
+def stage_inventory(inv: ParamInventory, chunks: list[Chunk]) -> ParamInventory:
+    """The tensors a pipeline rank holds: its chunks' blocks, the embedding where it runs the first stage, the
+    final norm and the head where it runs the last (a tied embedding on both: Megatron and DeepSpeed's
+    TiedLayerSpec keep a copy on each end; torchtitan's models are untied)."""
+    keep = {i for c in chunks for i in c.layers}
+    first, last = any(c.first for c in chunks), any(c.last for c in chunks)
+    names = {b.name: i for i, b in enumerate(inv.layer_blocks)}
+    tensors = []
+    for t in inv.tensors:
+        if t.block != ROOT_BLOCK:
+            if names[t.block] in keep:
+                tensors.append(t)
+        elif _at_end(t):
+            if last:
+                tensors.append(t)
+        elif first or (last and t.tied_names):
+            tensors.append(replace(t, tied_names=()) if not first else t)
+    dims = dict(inv.dims)
+    dims["num_layers"] = max(len(c.layers) for c in chunks)
+    return replace(inv, tensors=tuple(tensors), dims=dims)
+
+
+@dataclass(frozen=True)
+class RankShare:
+    """One pipeline rank's share: its chunks, tensors, and micro-batches in flight."""
+
+    rank: int
+    chunks: tuple[Chunk, ...]
+    inventory: ParamInventory
+    in_flight: int
+
+    @property
+    def first(self) -> bool:
+        return any(c.first for c in self.chunks)
+
+    @property
+    def last(self) -> bool:
+        return any(c.last for c in self.chunks)
+
+    @property
+    def layers(self) -> int:
+        """Blocks of its largest chunk (what one micro-batch's activations on the rank are traced for)."""
+        return max(len(c.layers) for c in self.chunks)
+
+    @property
+    def blocks(self) -> tuple[int, ...]:
+        return tuple(i for c in self.chunks for i in c.layers)
+
+    def describe(self) -> str:
+        b = self.blocks
+        span = "no blocks" if not b else f"block {b[0]}" if len(b) == 1 else (
+            f"blocks {b[0]}-{b[-1]}" if len(self.chunks) == 1 else
+            ", ".join(f"{c.layers[0]}-{c.layers[-1]}" if c.layers else "-" for c in self.chunks))
+        ends = [x for x, on in (("embedding", self.first), ("head", self.last)) if on]
+        return span + (f" + {' + '.join(ends)}" if ends else "")
+
+
+def shares(inv: ParamInventory, p: Parallel, layout: str, micro_batches: int) -> tuple[RankShare, ...]:
+    """Every pipeline rank's share (TP applied), in rank order."""
+    chunks = rank_chunks(p, layout, inv)
+    tpi = tp_inventory(inv, p, layout)
+    return tuple(RankShare(r, tuple(c), stage_inventory(tpi, c), in_flight(p, layout, r, micro_batches))
+                 for r, c in enumerate(chunks))
+
+
+def data_parallel(gpus: int, gpus_per_node: int, p: Parallel) -> tuple[int, int]:
+    """(dp ranks, of them per node): TP innermost, then data parallelism, PP outermost (torchtitan's mesh
+    [pp, dp, tp]; Megatron's default order tp-dp-pp)."""
+    dp = gpus // p.model_ranks
+    per_node = max(1, min(dp, gpus_per_node // p.tp if gpus_per_node >= p.tp else 1))
+    return dp, per_node
+
+
+def sp_saving(dims: dict[str, Any], p: Parallel, layout: str, residual_bytes: int, compute_bytes: int) -> int:
+    """Bytes per token and block that sequence parallelism takes off a TP rank's activations: the tensors outside
+    the TP regions, kept for backward at full hidden size without it. Megatron's SP splits the norms' inputs and
+    the projections' inputs (its linears save the sequence-sharded input and gather it again in backward:
+    tensor_parallel/layers.py LinearWithGradAccumulationAndAsyncCommunication); DTensor's SequenceParallel splits
+    the norms' inputs, and the projections save the gathered input (PrepareModuleInput redistributes to
+    Replicate before them)."""
+    if not p.sp or p.tp == 1:
+        return 0
+    h = dims.get("hidden_size", 0)
+    per = 2 * h * residual_bytes  # the two norms' inputs
+    if layout == MEGATRON_DEEPSPEED:
+        per += 2 * h * compute_bytes  # the attention and MLP inputs
+    return per - per // p.tp
+
+
+def tp_numel(inv: ParamInventory) -> int:
+    return sum(prod(t.shape) if t.shape else 1 for t in inv.tensors)
+
+
+#: a non-last pipeline stage's trace: the model with this many vocabulary rows, so its loss is negligible (the
+#: stage sends its output on; what it keeps is its blocks' activations and its input, the embedding's output size)
+BARE_VOCAB = 16
+
+
+def rank_config(config: dict[str, Any], p: Parallel, layout: str, with_loss: bool) -> dict[str, Any] | None:
+    """The config of the model one TP rank computes (its heads, key/value heads, MLP features and vocabulary
+    rows; head_dim kept), traced for its activations; ``with_loss`` False: a stage without the head. None where
+    the config does not name those sizes the way transformers' decoder models do."""
+    need = ("hidden_size", "num_attention_heads", "intermediate_size", "vocab_size")
+    if config.get("factory") or any(not isinstance(config.get(k), int) for k in need):
+        return None
+    c = dict(config)
+    heads = c["num_attention_heads"]
+    c["head_dim"] = c.get("head_dim") or c["hidden_size"] // heads
+    if p.tp > 1:
+        c["num_attention_heads"] = heads // p.tp
+        kv = c.get("num_key_value_heads")
+        if isinstance(kv, int):
+            c["num_key_value_heads"] = max(kv // p.tp, 1)
+        for k in ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size"):
+            if isinstance(c.get(k), int):
+                c[k] = c[k] // p.tp
+    c["vocab_size"] = padded_vocab(config["vocab_size"], p, layout) if with_loss else BARE_VOCAB
+    for k in ("pad_token_id", "bos_token_id", "eos_token_id"):  # ids past the smaller vocabulary
+        if isinstance(c.get(k), int) and c[k] >= c["vocab_size"]:
+            c[k] = None
+    return c

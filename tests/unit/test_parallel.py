@@ -1,0 +1,189 @@
+"""Tensor and pipeline parallelism (memplan/parallel.py): each rank's tensors as the frameworks cut them, the
+stage splits as torchtitan and DeepSpeed make them, the micro-batches in flight, and the bad input refused."""
+
+import json
+import re
+from dataclasses import replace
+
+import pytest
+
+from memplan import accounting, options, parallel as par
+from memplan.errors import SettingsError
+from memplan.model import sources
+from memplan.strategies import get_strategy
+
+
+def _inv(tmp_path, **cfg):
+    base = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 96,
+            "num_attention_heads": 6, "num_key_value_heads": 6, "intermediate_size": 192, "num_hidden_layers": 4,
+            "vocab_size": 1000, "max_position_embeddings": 256, "torch_dtype": "float32",
+            "tie_word_embeddings": False}
+    base.update(cfg)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(base))
+    return sources.build_inventory(sources.resolve(str(path)), builder="analytic"), base
+
+
+def _dtensor_shapes(config, tp):
+    """Each parameter's local shape on TP rank 0 after torch's own parallelize_module with torchtitan's llama plan
+    (ColwiseParallel on q/k/v, gate/up and the head; RowwiseParallel on o/down and the embedding), in one process
+    over the fake process group."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    from transformers import AutoModelForCausalLM
+
+    from memplan.model.meta_builder import hf_config
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=tp)
+    try:
+        mesh = init_device_mesh("cpu", (tp,))
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(hf_config(config), dtype=torch.float32)
+        plan = {"model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+                "lm_head": ColwiseParallel()}
+        for i in range(config["num_hidden_layers"]):
+            pre = f"model.layers.{i}."
+            plan.update({pre + "self_attn.q_proj": ColwiseParallel(), pre + "self_attn.k_proj": ColwiseParallel(),
+                         pre + "self_attn.v_proj": ColwiseParallel(), pre + "self_attn.o_proj": RowwiseParallel(),
+                         pre + "mlp.gate_proj": ColwiseParallel(), pre + "mlp.up_proj": ColwiseParallel(),
+                         pre + "mlp.down_proj": RowwiseParallel()})
+        parallelize_module(model, mesh, plan)
+        return {n: tuple(p.to_local().shape if hasattr(p, "to_local") else p.shape)
+                for n, p in model.named_parameters()}
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("cfg,tp", [({"num_key_value_heads": 3}, 3), ({"attention_bias": True, "vocab_size": 1001}, 3),
+                                    ({}, 2)])
+def test_tp_shapes_are_dtensors(tmp_path, cfg, tp):
+    """torchtitan layout: every tensor's shape on the TP rank holding the most is DTensor's own local shape (the
+    vocabulary by torch.chunk: ceil(V / tp) rows on rank 0; biases of column-parallel projections split)."""
+    inv, config = _inv(tmp_path, **cfg)
+    p = par.Parallel(tp=tp)
+    got = {t.name: t.shape for t in par.tp_inventory(inv, p, par.TORCHTITAN).tensors}
+    want = _dtensor_shapes(config, tp)
+    assert got == want
+
+
+def test_megatron_vocab_padding_and_kv_replication(tmp_path):
+    """Megatron pads the vocabulary to a multiple of 128 x tp (_vocab_size_with_padding) and, with fewer key/value
+    heads than TP ranks, gives each rank one head (replicated)."""
+    inv, _ = _inv(tmp_path, num_attention_heads=8, num_key_value_heads=2, hidden_size=128)
+    p = par.Parallel(tp=4)
+    shapes = {t.name: t.shape for t in par.tp_inventory(inv, p, par.MEGATRON_DEEPSPEED).tensors}
+    assert shapes["model.embed_tokens.weight"] == (1024 // 4, 128)  # 1000 -> 1024 = 2 x 512
+    assert shapes["lm_head.weight"] == (256, 128)
+    assert shapes["model.layers.0.self_attn.k_proj.weight"] == (16, 128)  # one head of 16
+    assert shapes["model.layers.0.self_attn.q_proj.weight"] == (32, 128)
+    assert shapes["model.layers.0.self_attn.o_proj.weight"] == (128, 32)
+    assert par.padded_vocab(128256, par.Parallel(tp=8), par.MEGATRON_DEEPSPEED) == 16128  # 129024 / 8
+    assert par.padded_vocab(128256, par.Parallel(tp=8), par.TORCHTITAN) == 16032
+    assert par.padded_vocab(50257, par.Parallel(tp=2), par.MEGATRON_DEEPSPEED) == 25216  # 50432 / 2
+
+
+def test_torchtitan_stage_split():
+    """generate_llm_fqn_per_model_part: the embedding and the head count as one layer each, the first stages
+    take the remainder."""
+    ch = par.torchtitan_stages(2, 32)
+    assert [len(c.layers) for c in ch] == [16, 16] and ch[0].first and ch[1].last
+    ch = par.torchtitan_stages(4, 30)
+    assert [len(c.layers) for c in ch] == [7, 8, 8, 7]
+    assert [c.layers[0] for c in ch] == [0, 7, 15, 23]
+    ch = par.torchtitan_stages(8, 6)  # 8 effective layers: the end stages hold only the embedding / the head
+    assert ch[0].layers == () and ch[-1].layers == () and sum(len(c.layers) for c in ch) == 6
+
+
+def test_partition_balanced_is_deepspeeds():
+    from deepspeed.runtime.utils import partition_balanced
+
+    for weights, parts in (([5, 3, 3, 3, 3, 7], 2), ([131, 54, 54, 54, 54, 54, 54, 131], 3), ([1] * 10, 4),
+                           ([10, 1, 1, 1, 1, 1, 1, 1, 10], 4), ([3, 4], 4)):
+        assert par.partition_balanced(weights, parts) == [int(x) for x in partition_balanced(weights, parts)]
+
+
+@pytest.mark.parametrize("schedule,m,want", [("1f1b", 8, [4, 3, 2, 1]), ("1f1b", 2, [2, 2, 2, 1]),
+                                             ("gpipe", 8, [8, 8, 8, 8])])
+def test_in_flight(schedule, m, want):
+    p = par.Parallel(pp=4, schedule=schedule)
+    assert [par.in_flight(p, par.TORCHTITAN, r, m) for r in range(4)] == want
+
+
+def test_interleaved_in_flight_follows_torch():
+    """torch's _get_warmup_ops for Interleaved1F1B: (v - 1) x micro-batches per round + 2 x (pp - 1 - rank), and
+    the one after it."""
+    p = par.Parallel(pp=4, schedule="interleaved", vpp=2)
+    assert [par.in_flight(p, par.TORCHTITAN, r, 8) for r in range(4)] == [11, 9, 7, 5]
+
+
+def _settings(inv, **kw):
+    p = kw.pop("parallel")
+    return options.resolve(inv, activations="analytic", device="cpu", parallel=p, **kw).settings
+
+
+def test_model_states_per_rank(tmp_path):
+    """FSDP2 over the dp ranks of a TP x PP job shards each pipeline rank's share: its weights are exactly the
+    share's fp32 elements padded per tensor to the dp ranks."""
+    inv, _ = _inv(tmp_path)
+    s = _settings(inv, gpus=8, strategy="fsdp-full", grad_accum=4, parallel=par.Parallel(tp=2, pp=2))
+    plan = accounting.estimate(inv, s)
+    lay = plan.layout
+    assert lay.dp == 2 and [len(sh.blocks) for sh, _, _ in lay.ranks] == [2, 2]
+    for (share, r_inv, _), rp in zip(lay.ranks, lay.plans):
+        want = sum(4 * -(-t.shape[0] // 2) * (t.numel // t.shape[0]) for t in r_inv.tensors)
+        assert rp.peak.weights_bytes == want
+    rep = accounting.estimate(inv, s)
+    assert rep.peak_bytes == max(p.peak_bytes for p in lay.plans)
+
+
+def test_stages_hold_their_micro_batches_in_flight(tmp_path):
+    """1F1B on 4 stages of torchtitan's split of 8 blocks (2, 3, 2, 1 blocks: the embedding and the head count as
+    one each): rank r holds 4 - r micro-batches, so rank 1 (3 blocks x 3 in flight) is the most loaded, and each
+    rank's activations are its in-flight micro-batches' blocks."""
+    inv, _ = _inv(tmp_path, num_hidden_layers=8, vocab_size=64)
+    s = _settings(inv, gpus=4, strategy="ddp", grad_accum=8, seq_len=256, parallel=par.Parallel(pp=4))
+    plan = accounting.estimate(inv, s)
+    lay = plan.layout
+    assert [len(sh.blocks) for sh, _, _ in lay.ranks] == [2, 3, 2, 1]
+    assert [sh.in_flight for sh, _, _ in lay.ranks] == [4, 3, 2, 1]
+    acts = [p.peak.activations_bytes for p in lay.plans]
+    assert acts[1] > acts[0] > acts[2] > acts[3] and lay.worst == 1
+    assert plan.peak_bytes == lay.plans[1].peak_bytes
+
+
+def test_sequence_parallel_saves(tmp_path):
+    """DTensor's SequenceParallel keeps the two norms' inputs split over the TP ranks: each block saves
+    2 x hidden x residual bytes per token less (1 - 1/tp of them)."""
+    inv, _ = _inv(tmp_path)
+    base = dict(gpus=2, strategy="fsdp-full", seq_len=256)
+    s = _settings(inv, parallel=par.Parallel(tp=2), **base)
+    a = accounting.estimate(inv, s)
+    b = accounting.estimate(inv, _settings(inv, parallel=par.Parallel(tp=2, sp=True), **base))
+    per = 2 * 96 * s.recipe.residual_bytes
+    assert a.peak.activations_bytes - b.peak.activations_bytes == 4 * 256 * (per - per // 2)
+
+
+@pytest.mark.parametrize("kw,msg", [
+    (dict(gpus=6, parallel=par.Parallel(tp=4)), "not a multiple of tp(4)"),
+    (dict(gpus=4, parallel=par.Parallel(tp=4)), "does not divide the 6 attention heads"),
+    (dict(gpus=3, parallel=par.Parallel(tp=3), num_key_value_heads=2), "does not divide the 2 key/value heads"),
+    (dict(gpus=8, parallel=par.Parallel(pp=8)), "more stages than blocks + 2"),
+    (dict(gpus=2, parallel=par.Parallel(pp=2, schedule="zb")), "unknown pipeline schedule"),
+    (dict(gpus=2, parallel=par.Parallel(pp=2, vpp=2)), "needs --schedule interleaved"),
+    (dict(gpus=2, parallel=par.Parallel(pp=2, schedule="gpipe"), stage=1), "megatron-deepspeed runs 1f1b"),
+    (dict(gpus=2, parallel=par.Parallel(pp=2), stage=2), "ZeRO-2 and ZeRO-3 are incompatible"),
+    (dict(gpus=2, parallel=par.Parallel(tp=2), strategy="zero-optimizer"), "--strategy zero-optimizer"),
+])
+def test_bad_layouts(tmp_path, kw, msg):
+    kw = dict(kw)
+    extra = {k: kw.pop(k) for k in ("num_key_value_heads",) if k in kw}
+    if "num_key_value_heads" in extra:
+        extra["num_attention_heads"] = 6
+    inv, _ = _inv(tmp_path, num_hidden_layers=4, **extra)
+    kw.setdefault("strategy", None if "stage" in kw else "fsdp-full")
+    with pytest.raises(SettingsError, match=re.escape(msg)):
+        _settings(inv, **kw)

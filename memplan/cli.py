@@ -408,6 +408,11 @@ def validate(
     fsdp_version: O.FsdpVersion = 2,
     bucket_cap_mb: O.BucketCapMb = None,
     gradient_as_bucket_view: O.GradientAsBucketView = False,
+    tp: O.Tp = None,
+    pp: O.Pp = None,
+    vpp: O.Vpp = None,
+    sp: O.Sp = False,
+    schedule: O.Schedule = None,
     layers: Optional[int] = typer.Option(None, "--layers", help="Scale the model down to this many blocks."),
     hidden: Optional[int] = typer.Option(None, "--hidden", help="Scale the hidden size down (head_dim kept)."),
     vocab: Optional[int] = typer.Option(None, "--vocab", help="Scale the vocabulary down."),
@@ -445,7 +450,7 @@ def validate(
         strategy=strategy, precision=precision, optimizer=optimizer, optimizer_impl=optimizer_impl,
         micro_batch=micro_batch, seq_len=seq_len, grad_accum=grad_accum, recompute=recompute, deepspeed=deepspeed,
         **({"cpu_isa": cpu_isa} if cpu_isa else {}), lora=O.lora_spec(given),
-        ds_overrides=O.ds_overrides(given), torch_overrides=O.torch_overrides(given))
+        ds_overrides=O.ds_overrides(given), torch_overrides=O.torch_overrides(given), parallel=O.parallel_of(given))
     rep = validation_report(v)
     if as_json:
         R.emit_json(rep)

@@ -118,7 +118,8 @@ def validate(model: str, *, layers: int | None = None, hidden: int | None = None
             resolve_kwargs["overhead_overrides"] = ov
     plan, resolved, config, changes, original_params = predict(model, layers=layers, hidden=hidden, vocab=vocab,
                                                                device=device, **resolve_kwargs)
-    spec = hs.build_spec(config, resolved.settings, warmup_steps=warmup_steps, measured_steps=measured_steps)
+    spec = hs.build_spec(config, resolved.settings, warmup_steps=warmup_steps, measured_steps=measured_steps,
+                         layout=plan.layout)
     run = ln.launch(spec, resolved.settings.cluster.gpus, timeout_s=timeout_s, progress=progress)
     comparison = cmp.compare(plan, run.ranks, tolerance)
     return Validation(plan=plan, resolved=resolved, comparison=comparison, config_changes=tuple(changes),

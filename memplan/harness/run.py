@@ -12,6 +12,7 @@ traceback); progress lines to ``DIR/rank<R>.status``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -119,6 +120,15 @@ def _train(rank: int, spec: dict[str, Any], out: str, device: Any, module: Any, 
         batch = torch.randint(0, spec["config"]["vocab_size"], (spec["micro_batch"], spec["seq_len"]),
                               generator=gen).to(device)
         run = (lambda m: m(input_ids=batch, labels=batch).loss)  # noqa: E731
+    pipe = engine if isinstance(engine, dict) else None
+    if pipe is not None:  # torch.distributed.pipelining: the schedule runs the step's micro-batches
+        engine = None
+        gen = torch.Generator().manual_seed(1234)
+        whole = torch.randint(0, spec["config"]["vocab_size"], (spec["micro_batch"] * spec["grad_accum"],
+                                                                spec["seq_len"]), generator=gen).to(device)
+    parallel_loss = spec.get("tp", 1) > 1  # the head's logits stay split over the TP ranks (loss_parallel)
+    if parallel_loss:
+        from torch.distributed.tensor.parallel import loss_parallel
     for step in range(1, steps + 1):
         _status(out, rank, f"step {step}/{steps}")
         if step > spec["warmup_steps"]:
@@ -128,16 +138,23 @@ def _train(rank: int, spec: dict[str, Any], out: str, device: Any, module: Any, 
                 torch.cuda.reset_peak_memory_stats()
                 gstart = torch.cuda.memory_allocated()
         with record_function(f"memplan:step{step}"):
-            for _ in range(spec["grad_accum"]):
+            if pipe is not None:
                 with record_function("memplan:forward"):
-                    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
-                        loss = run(module)
-                with record_function("memplan:backward"):
-                    if engine is not None:
-                        engine.backward(loss)
-                    else:
-                        loss.backward()
-                del loss
+                    kw: dict[str, Any] = {"target": whole, "losses": []} if pipe["last"] else {}
+                    pipe["schedule"].step(*((whole,) if pipe["first"] else ()), **kw)
+            for _ in range(spec["grad_accum"] if pipe is None else 0):
+                with contextlib.ExitStack() as ctx:
+                    if parallel_loss:
+                        ctx.enter_context(loss_parallel())
+                    with record_function("memplan:forward"):
+                        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+                            loss = run(module)
+                    with record_function("memplan:backward"):
+                        if engine is not None:
+                            engine.backward(loss)
+                        else:
+                            loss.backward()
+                    del loss
             with record_function("memplan:optimizer-step"):
                 if engine is not None:
                     engine.step()

@@ -150,7 +150,12 @@ def _torch_optimizer(spec: dict[str, Any], params: Any) -> Any:
 
 
 def setup(spec: dict[str, Any], device: Any) -> tuple[Any, Any, Any]:
-    """(module to call, optimizer, engine-or-None) for the spec's strategy."""
+    """(module to call, optimizer, engine-or-None) for the spec's strategy (with --tp/--pp: the pipeline's
+    schedule in place of the engine, harness/model_parallel.py)."""
+    if spec.get("tp", 1) > 1 or spec.get("pp", 1) > 1:
+        from memplan.harness import model_parallel
+
+        return model_parallel.setup(spec, device, _build_model, _torch_optimizer, _reinit_buffers)
     setups = {"deepspeed": _setup_deepspeed, "torch-ddp": _setup_ddp, "torch": _setup_single, "fsdp1": _setup_fsdp1,
               "fsdp2": _setup_fsdp2}
     if spec["framework"] not in setups:

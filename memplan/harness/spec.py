@@ -5,6 +5,7 @@ Built from the same Settings the estimate uses, so the prediction and the run de
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from memplan.errors import SettingsError
@@ -79,8 +80,11 @@ HARNESS_OPTIMIZERS = ("adamw", "adam", "sgd", "adafactor", "adam8bit")
 
 
 def build_spec(config: dict[str, Any], s: Settings, *, warmup_steps: int = 2, measured_steps: int = 1,
-               attn_implementation: str = "sdpa") -> dict[str, Any]:
-    """The rank's instructions for this job. Raises SettingsError for what the harness cannot run."""
+               attn_implementation: str = "sdpa", layout: Any = None) -> dict[str, Any]:
+    """The rank's instructions for this job. Raises SettingsError for what the harness cannot run. ``layout``:
+    the plan's model-parallel layout (accounting.Layout), whose stage split the ranks build."""
+    if layout is not None:
+        return _parallel_spec(config, s, layout, warmup_steps, measured_steps, attn_implementation)
     st, c = s.strategy, s.cluster
     fw = st.framework
     if fw not in _HARNESS_RECIPES:
@@ -129,4 +133,35 @@ def build_spec(config: dict[str, Any], s: Settings, *, warmup_steps: int = 2, me
     }
     if fw == "deepspeed":
         spec["ds_config"] = ds_config(s)
+    return spec
+
+
+def _parallel_spec(config: dict[str, Any], s: Settings, layout: Any, warmup_steps: int, measured_steps: int,
+                   attn_implementation: str) -> dict[str, Any]:
+    """A tensor / pipeline-parallel job's spec (harness/model_parallel.py): torchtitan's layout under FSDP2 (or
+    DDP without TP), a transformers decoder with q/k/v, o, gate/up/down projections."""
+    from memplan.parallel import TORCHTITAN
+
+    job = layout.settings
+    p = job.parallel
+    if layout.name != TORCHTITAN or job.strategy.name not in ("fsdp-full", "fsdp-grad-op"):
+        raise SettingsError("the harness runs tensor and pipeline parallelism under FSDP2 (fsdp-full, "
+                            "fsdp-grad-op: torchtitan's layout); Megatron-DeepSpeed's needs Megatron")
+    if p.tp > 1 and p.pp > 1:
+        raise SettingsError("the harness runs --tp or --pp, not both at once yet")
+    if job.recipe.name not in ("fsdp-bf16", "fp32"):
+        raise SettingsError(f"the harness runs tensor and pipeline parallelism with fsdp-bf16 or fp32, not "
+                            f"{job.recipe.name}")
+    if job.recompute != "none" and p.pp > 1:
+        raise SettingsError("the harness's pipeline stages run without recompute")
+    if config.get("model_type") not in ("llama", "mistral", "qwen2", "qwen3"):
+        raise SettingsError("the harness applies tensor and pipeline parallelism to llama-style decoders "
+                            "(llama, mistral, qwen2, qwen3)")
+    one = replace(s, parallel=None, cluster=replace(s.cluster, gpus=layout.dp))
+    spec = build_spec(config, one, warmup_steps=warmup_steps, measured_steps=measured_steps,
+                      attn_implementation=attn_implementation)
+    v = len(layout.ranks[0][0].chunks)
+    spec.update(tp=p.tp, pp=p.pp, vpp=p.vpp, sp=p.sp, schedule=p.schedule, gpus_per_node=job.cluster.ranks_per_node,
+                chunks=[[(list(c.layers), c.first, c.last) for c in share.chunks] for share, _, _ in layout.ranks],
+                stage_ids=[[r + k * p.pp for k in range(v)] for r in range(p.pp)])
     return spec

@@ -1,0 +1,151 @@
+"""Tensor and pipeline parallelism applied as torchtitan applies them (the rank's side of validate with --tp/--pp):
+a device mesh [pp, dp, tp]; each pipeline rank keeps its stages' modules (memplan/parallel.py's split, the same
+the estimate sizes); DTensor tensor parallelism on each block (torchtitan's llama plan: ColwiseParallel on
+q/k/v and gate/up, RowwiseParallel on o/down, the embedding split by vocabulary rows, the head column-parallel
+with its logits left sharded for loss_parallel); FSDP2 over the dp ranks (each block, then the stage's root);
+torch.distributed.pipelining's schedules with the micro-batches of a step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def _stage_class() -> Any:
+    import torch
+    from torch import nn
+
+    class Stage(nn.Module):
+        """One pipeline stage of a transformers decoder: the embedding (first stage), its blocks, the final norm and
+        the head (last stage); rotary embeddings computed per stage, causal attention without a mask."""
+
+        def __init__(self, model: Any, layers: list[int], first: bool, last: bool) -> None:
+            super().__init__()
+            inner = model.model
+            self.embed_tokens = inner.embed_tokens if first else None
+            self.layers = nn.ModuleList([inner.layers[i] for i in layers])
+            self.rotary_emb = inner.rotary_emb
+            self.norm = inner.norm if last else None
+            self.lm_head = model.lm_head if last else None
+
+        def forward(self, x: Any) -> Any:
+            h = self.embed_tokens(x) if self.embed_tokens is not None else x
+            pos = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
+            pe = self.rotary_emb(h, pos)
+            for layer in self.layers:
+                h = layer(h, attention_mask=None, position_ids=pos, position_embeddings=pe)
+                h = h[0] if isinstance(h, tuple) else h
+            if self.lm_head is not None:
+                h = self.lm_head(self.norm(h))
+            return h
+
+    return Stage
+
+
+def _tp(model: Any, blocks: list[Any], mesh: Any, sp: bool, whole: bool) -> None:
+    """torchtitan's llama tensor-parallel plan (torchtitan/models/llama3/infra/parallelize.py apply_tp) on the
+    transformers module names; ``whole``: the model itself (not a stage) holds the embedding and the head."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel, parallelize_module)
+
+    root: dict[str, Any] = {}
+    holder = model.model if whole else model
+    if getattr(holder, "embed_tokens", None) is not None:
+        root[("model." if whole else "") + "embed_tokens"] = RowwiseParallel(
+            input_layouts=Replicate(), output_layouts=Shard(1) if sp else Replicate())
+    if getattr(model, "lm_head", None) is not None:
+        if sp:
+            root[("model." if whole else "") + "norm"] = SequenceParallel()
+        root["lm_head"] = ColwiseParallel(input_layouts=Shard(1) if sp else Replicate(), output_layouts=Shard(-1),
+                                          use_local_output=False)
+    if root:
+        parallelize_module(model, mesh, root)
+    for blk in blocks:
+        plan: dict[str, Any] = {
+            "self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
+            "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(
+                output_layouts=Shard(1) if sp else Replicate()),
+            "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
+            "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1) if sp else Replicate())}
+        if sp:
+            plan.update({
+                "input_layernorm": SequenceParallel(), "post_attention_layernorm": SequenceParallel(),
+                "self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
+                                                desired_input_kwarg_layouts={"hidden_states": Replicate()}),
+                "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))})
+        parallelize_module(blk, mesh, plan)
+
+
+def setup(spec: dict[str, Any], device: Any, build: Any, optimizer: Any, reinit: Any) -> tuple[Any, Any, Any]:
+    """(module, optimizer, pipeline) for an FSDP2 / DDP job with tensor and pipeline parallelism. ``build``,
+    ``optimizer`` and ``reinit``: harness/setup.py's model builder, optimizer and buffer re-initialisation."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from memplan import parallel as par
+    from memplan.harness import gloo
+
+    tp, pp = spec["tp"], spec["pp"]
+    world = dist.get_world_size()
+    dp = world // (tp * pp)
+    mesh = init_device_mesh("cuda" if device.type == "cuda" else "cpu", (pp, dp, tp),
+                            mesh_dim_names=("pp", "dp", "tp"))
+    model = build(spec, on_meta=True)
+    p = par.Parallel(tp=tp, pp=pp, vpp=spec.get("vpp"), sp=spec.get("sp", False), schedule=spec["schedule"])
+    rank = dist.get_rank()
+    pp_rank = rank // (dp * tp)
+    parts: list[Any] = []
+    if pp > 1:
+        chunks_by_rank = spec["chunks"]
+        Stage = _stage_class()
+        for layers, first, last in chunks_by_rank[pp_rank]:
+            parts.append(Stage(model, list(layers), first, last))
+    else:
+        parts.append(model)
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+        if spec["recipe"] == "fsdp-bf16" else MixedPrecisionPolicy()
+    for part in parts:
+        blocks = list(part.layers) if pp > 1 else list(part.model.layers)
+        if tp > 1:
+            _tp(part, blocks, mesh["tp"], p.sp, whole=pp == 1)
+        if spec["framework"] == "fsdp2":
+            for blk in blocks:
+                fully_shard(blk, mesh=mesh["dp"], mp_policy=mp, reshard_after_forward=spec["reshard_after_forward"])
+            fully_shard(part, mesh=mesh["dp"], mp_policy=mp)
+        if device.type == "cpu":
+            gloo.collectives_in_place(part)
+        part.to_empty(device=device)
+        with torch.no_grad():
+            for prm in part.parameters():
+                prm.normal_(0.0, 0.02)
+        reinit(part)
+    params = [prm for part in parts for prm in part.parameters()]
+    opt = optimizer(spec, params)
+    if pp == 1:
+        return parts[0], opt, None
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining.schedules import ScheduleGPipe, ScheduleInterleaved1F1B, Schedule1F1B
+
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    vocab = spec["config"]["vocab_size"]
+    stage_ids = spec["stage_ids"][pp_rank]
+    total = pp * len(stage_ids)
+    stages = [PipelineStage(part, sid, total, device, group=mesh["pp"].get_group()) for part, sid in
+              zip(parts, stage_ids)]
+
+    def loss_fn(logits: Any, target: Any) -> Any:
+        return ForCausalLMLoss(logits, target, vocab)
+
+    m = spec["grad_accum"]
+    if spec["schedule"] == "interleaved":
+        sched = ScheduleInterleaved1F1B(stages, n_microbatches=m, loss_fn=loss_fn)
+    else:
+        cls = ScheduleGPipe if spec["schedule"] == "gpipe" else Schedule1F1B
+        sched = cls(stages[0], n_microbatches=m, loss_fn=loss_fn)
+    pipe = {"schedule": sched, "first": any(s.is_first for s in stages), "last": any(s.is_last for s in stages),
+            "parts": parts}
+    return parts[0], opt, pipe

@@ -349,7 +349,8 @@ class Layout:
             h = inv.dims.get("hidden_size", 0)
             ckpt = (h * rc.residual_bytes - h * rc.residual_bytes // p.tp) if per_block else 0
             less = s.seq_len * ((share.layers - k) * per_block + k * ckpt)
-            prof = act.HeldProfile(inner, share.in_flight, less, recompute=s.recompute)
+            loss = par.loss_parallel_extra(inv.dims, p, self.name, s.seq_len) if share.last else 0
+            prof = act.HeldProfile(inner, share.in_flight, less, loss, recompute=s.recompute)
             cluster = replace(s.cluster, gpus=dp, gpus_per_node=per_node)
             out.append((share, r_inv, replace(s, parallel=None, cluster=cluster, activation_profile=prof)))
         self.ranks = tuple(out)

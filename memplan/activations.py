@@ -411,6 +411,9 @@ class HeldProfile:
     inner: Any
     held: int  #: micro-batches in flight, the current one included
     saved_less: int = 0  #: bytes per micro-batch of 1, each micro-batch in flight
+    #: bytes per micro-batch of 1 more in the loss's backward (DTensor's loss_parallel: memplan/parallel.py
+    #: loss_parallel_extra)
+    loss_extra: int = 0
     _memo: dict = field(default_factory=dict, compare=False, repr=False)
 
     includes_autocast_copies = property(lambda self: self.inner.includes_autocast_copies)
@@ -425,7 +428,7 @@ class HeldProfile:
     def terms(self, recompute: str, micro_batch: int) -> tuple[int, int, int, int, int]:
         fwd, bwd, saved, emb, block = self.inner.terms(recompute, micro_batch)
         x = self.extra(recompute, micro_batch)
-        return fwd + x, bwd + x, saved + x, emb + x, block
+        return fwd + x, bwd + x + self.loss_extra * micro_batch, saved + x, emb + x, block
 
     # the timeline's moments: the same shift (the recompute the plan uses is the settings'; these profiles are
     # built per settings, so the recompute is fixed here)
@@ -444,7 +447,7 @@ class HeldProfile:
 
     def loss_moment(self, micro_batch: int, grad_width: int) -> tuple[int, int] | None:
         m = self.inner.loss_moment(micro_batch, grad_width)
-        return None if m is None else (m[0] + self._x(micro_batch), m[1])
+        return None if m is None else (m[0] + self._x(micro_batch) + self.loss_extra * micro_batch, m[1])
 
     def moment_activations(self, micro_batch: int) -> dict[int, int]:
         x = self._x(micro_batch)

@@ -461,3 +461,15 @@ def rank_config(config: dict[str, Any], p: Parallel, layout: str, with_loss: boo
         if isinstance(c.get(k), int) and c[k] >= c["vocab_size"]:
             c[k] = None
     return c
+
+
+def loss_parallel_extra(dims: dict[str, Any], p: Parallel, layout: str, seq_len: int) -> int:
+    """Bytes per micro-batch of 1 that a TP rank's loss backward holds beyond the plain cross-entropy's, under
+    torchtitan's loss parallelism (the head's logits left split by vocabulary, cross-entropy under
+    torch.distributed.tensor.parallel.loss_parallel): its _nll_loss_and_log_softmax_backward computes
+    ``(grad_input + torch.exp(x)) * grad_output`` over the rank's fp32 log-probabilities, one logits-sized fp32
+    tensor more than aten's nll_loss_backward followed by _log_softmax_backward_data (measured on CPU: 2 ranks,
+    +1,048,576 B at the loss's backward for 256 tokens x 1,024 local vocabulary rows)."""
+    if p.tp == 1 or layout != TORCHTITAN:
+        return 0
+    return 4 * seq_len * padded_vocab(dims.get("vocab_size", 0), p, layout)

@@ -349,6 +349,9 @@ class Layout:
             h = inv.dims.get("hidden_size", 0)
             ckpt = (h * rc.residual_bytes - h * rc.residual_bytes // p.tp) if per_block else 0
             less = s.seq_len * ((share.layers - k) * per_block + k * ckpt)
+            if per_block and share.last and self.name == par.TORCHTITAN:  # the final norm, SequenceParallel too
+                final = par.norm_saved(h, rc.residual_bytes)
+                less += s.seq_len * (final - final // p.tp)
             loss = par.loss_parallel_extra(inv.dims, p, self.name, s.seq_len) if share.last else 0
             prof = act.HeldProfile(inner, share.in_flight, less, loss, recompute=s.recompute)
             cluster = replace(s.cluster, gpus=dp, gpus_per_node=per_node)

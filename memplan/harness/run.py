@@ -119,7 +119,9 @@ def _train(rank: int, spec: dict[str, Any], out: str, device: Any, module: Any, 
         gen = torch.Generator().manual_seed(1234 + rank)
         batch = torch.randint(0, spec["config"]["vocab_size"], (spec["micro_batch"], spec["seq_len"]),
                               generator=gen).to(device)
-        run = (lambda m: m(input_ids=batch, labels=batch).loss)  # noqa: E731
+        # sequence parallelism: the blocks see a sequence shard, so the rotary positions are given whole
+        where = {"position_ids": torch.arange(spec["seq_len"], device=device).unsqueeze(0)} if spec.get("sp") else {}
+        run = (lambda m: m(input_ids=batch, labels=batch, **where).loss)  # noqa: E731
     pipe = engine if isinstance(engine, dict) else None
     if pipe is not None:  # torch.distributed.pipelining: the schedule runs the step's micro-batches
         engine = None
@@ -140,7 +142,10 @@ def _train(rank: int, spec: dict[str, Any], out: str, device: Any, module: Any, 
         with record_function(f"memplan:step{step}"):
             if pipe is not None:
                 with record_function("memplan:forward"):
-                    kw: dict[str, Any] = {"target": whole, "losses": []} if pipe["last"] else {}
+                    # as torchtitan's trainer calls it: the last stage keeps no micro-batch's output
+                    kw: dict[str, Any] = {"return_outputs": False}
+                    if pipe["last"]:
+                        kw.update(target=whole, losses=[])
                     pipe["schedule"].step(*((whole,) if pipe["first"] else ()), **kw)
             for _ in range(spec["grad_accum"] if pipe is None else 0):
                 with contextlib.ExitStack() as ctx:

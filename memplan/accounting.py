@@ -114,7 +114,7 @@ def _fixed(inv: ParamInventory, s: Settings) -> Fixed:
     # ---- buffers: the framework's timeline, and what every job on a GPU keeps ----
     tl = fw.buffers(job, g)
     a["overlap_comm"] = job.overlap
-    buf_persist, buf_bwd = tl.persistent + off.device_buffer, tl.backward
+    buf_persist, buf_bwd = tl.persistent + off.device_buffer + s.pipeline_buffer_bytes, tl.backward
     if c.device == "cuda":
         # one cuBLAS handle per thread that runs GEMMs: forward (and the optimizer) on the main thread, backward
         # (recomputation too) on the autograd engine's device thread; each gets its own workspace on the stream
@@ -267,9 +267,8 @@ def required_bytes(inv: ParamInventory, s: Settings, micro_batches: Any,
     """
     if _parallel(s):  # the most loaded pipeline rank's, at each micro-batch
         lay = layout(inv, s)
-        return [max(rows, key=lambda r: r[1]) for rows in zip(*(
-            required_bytes(r_inv, r_s, micro_batches, lower_bound, budget)
-            for _, r_inv, r_s in lay.ranks))]
+        return [max((required_bytes(r_inv, lay.at(i, b), [b], lower_bound, budget)[0]
+                     for i, (_, r_inv, _) in enumerate(lay.ranks)), key=lambda r: r[1]) for b in micro_batches]
     f = _fixed(inv, s)
     rec, o = s.recompute, s.overheads
     fixed_over = (o.cuda_context_bytes + f.comms * o.nccl_bytes_per_communicator) if s.cluster.device == "cuda" else 0
@@ -353,12 +352,26 @@ class Layout:
                 final = par.norm_saved(h, rc.residual_bytes)
                 less += s.seq_len * (final - final // p.tp)
             loss = par.loss_parallel_extra(inv.dims, p, self.name, s.seq_len) if share.last else 0
-            prof = act.HeldProfile(inner, share.in_flight, less, loss, recompute=s.recompute)
+            output = 0
+            if p.pp > 1:
+                if not share.last:  # the bare trace's final norm, which this stage does not run
+                    less += s.seq_len * par.norm_saved(h, rc.residual_bytes)
+                output = s.seq_len * par.stage_output(inv.dims, p, self.name, share.last, rc)
+            prof = act.HeldProfile(inner, share.in_flight, less, loss, output, recompute=s.recompute)
             cluster = replace(s.cluster, gpus=dp, gpus_per_node=per_node)
             out.append((share, r_inv, replace(s, parallel=None, cluster=cluster, activation_profile=prof)))
         self.ranks = tuple(out)
         self.plans: tuple[Plan, ...] = ()
         self.worst = 0
+
+    def at(self, i: int, micro_batch: int) -> Settings:
+        """Pipeline rank i's settings at ``micro_batch`` (its receive buffers follow the micro-batch)."""
+        from memplan import parallel as par
+
+        share, _, r_s = self.ranks[i]
+        buffers = par.recv_buffers(self.inventory.dims, self.settings.parallel, share, self.settings.grad_accum,
+                                   micro_batch * self.settings.seq_len, self.settings.recipe)
+        return replace(r_s, micro_batch=micro_batch, pipeline_buffer_bytes=buffers)
 
     def report(self) -> dict[str, Any]:
         """The layout and every pipeline rank's figures (the JSON's "parallel")."""
@@ -398,8 +411,8 @@ def _parallel(s: Settings) -> bool:
 def _estimate_layout(inv: ParamInventory, s: Settings, reserved_limit: int | None) -> Plan:
     """The most loaded pipeline rank's Plan (by the bytes the fit verdict needs), every rank's in its layout."""
     lay = layout(inv, s)
-    plans = tuple(estimate(r_inv, replace(r_s, micro_batch=s.micro_batch), reserved_limit)
-                  for _, r_inv, r_s in lay.ranks)
+    plans = tuple(estimate(r_inv, lay.at(i, s.micro_batch), reserved_limit) for i, (_, r_inv, _) in
+                  enumerate(lay.ranks))
     worst = max(range(len(plans)), key=lambda i: (plans[i].required_bytes, plans[i].peak_bytes))
     view = Layout.__new__(Layout)
     for k in Layout.__slots__:

@@ -414,6 +414,10 @@ class HeldProfile:
     #: bytes per micro-batch of 1 more in the loss's backward (DTensor's loss_parallel: memplan/parallel.py
     #: loss_parallel_extra)
     loss_extra: int = 0
+    #: bytes per micro-batch of 1 of the stage's output, which torch.distributed.pipelining keeps from the end of a
+    #: micro-batch's forward to its backward (PipelineStage.fwd_cache): on every micro-batch in flight, the one in
+    #: its forward excepted
+    output: int = 0
     _memo: dict = field(default_factory=dict, compare=False, repr=False)
 
     includes_autocast_copies = property(lambda self: self.inner.includes_autocast_copies)
@@ -422,13 +426,15 @@ class HeldProfile:
         key = ("extra", recompute, micro_batch)
         if key not in self._memo:
             _, _, saved, _, block = self.inner.terms(recompute, micro_batch)
-            self._memo[key] = (self.held - 1) * (saved + block) - self.held * self.saved_less * micro_batch
+            self._memo[key] = ((self.held - 1) * (saved + block) - self.held * self.saved_less * micro_batch
+                               + self.held * self.output * micro_batch)
         return self._memo[key]
 
     def terms(self, recompute: str, micro_batch: int) -> tuple[int, int, int, int, int]:
         fwd, bwd, saved, emb, block = self.inner.terms(recompute, micro_batch)
         x = self.extra(recompute, micro_batch)
-        return fwd + x, bwd + x + self.loss_extra * micro_batch, saved + x, emb + x, block
+        return (fwd + x - self.output * micro_batch, bwd + x + self.loss_extra * micro_batch, saved + x, emb + x,
+                block)
 
     # the timeline's moments: the same shift (the recompute the plan uses is the settings'; these profiles are
     # built per settings, so the recompute is fixed here)

@@ -214,6 +214,8 @@ class Settings:
     z3_leaves: tuple[str, ...] = ()
     #: tensor / sequence / pipeline parallelism (memplan/parallel.py Parallel); None: data parallelism alone
     parallel: Any = None
+    #: a pipeline rank's receive buffers, allocated once and kept (memplan/parallel.py recv_buffers)
+    pipeline_buffer_bytes: int = 0
 
     def __post_init__(self) -> None:
         for name, most in (("micro_batch", MAX_MICRO_BATCH), ("seq_len", MAX_SEQ_LEN), ("grad_accum", MAX_GRAD_ACCUM)):

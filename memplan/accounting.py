@@ -267,8 +267,9 @@ def required_bytes(inv: ParamInventory, s: Settings, micro_batches: Any,
     """
     if _parallel(s):  # the most loaded pipeline rank's, at each micro-batch
         lay = layout(inv, s)
-        return [max((required_bytes(r_inv, lay.at(i, b), [b], lower_bound, budget)[0]
-                     for i, (_, r_inv, _) in enumerate(lay.ranks)), key=lambda r: r[1]) for b in micro_batches]
+        return [max((required_bytes(r_inv, v, [b], lower_bound, budget)[0]
+                     for i, (_, r_inv, _) in enumerate(lay.ranks) for v in lay.at(i, b)), key=lambda r: r[1])
+                for b in micro_batches]
     f = _fixed(inv, s)
     rec, o = s.recompute, s.overheads
     fixed_over = (o.cuda_context_bytes + f.comms * o.nccl_bytes_per_communicator) if s.cluster.device == "cuda" else 0
@@ -364,14 +365,23 @@ class Layout:
         self.plans: tuple[Plan, ...] = ()
         self.worst = 0
 
-    def at(self, i: int, micro_batch: int) -> Settings:
-        """Pipeline rank i's settings at ``micro_batch`` (its receive buffers follow the micro-batch)."""
+    def at(self, i: int, micro_batch: int) -> list[Settings]:
+        """Pipeline rank i's settings at ``micro_batch`` (its receive buffers follow the micro-batch): one, or
+        where every micro-batch's forward runs before the first backward (GPipe; 1F1B with no more micro-batches
+        than the rank holds in flight), the two moments that can peak: the first backward, with every
+        micro-batch in flight and no gradient accumulated yet, and the second, one micro-batch fewer and the
+        gradients accumulated."""
         from memplan import parallel as par
 
         share, _, r_s = self.ranks[i]
         buffers = par.recv_buffers(self.inventory.dims, self.settings.parallel, share, self.settings.grad_accum,
                                    micro_batch * self.settings.seq_len, self.settings.recipe)
-        return replace(r_s, micro_batch=micro_batch, pipeline_buffer_bytes=buffers)
+        one = replace(r_s, micro_batch=micro_batch, pipeline_buffer_bytes=buffers)
+        m = r_s.grad_accum
+        prof = r_s.activation_profile
+        if m == 1 or prof.held < m:
+            return [one]
+        return [replace(one, grad_accum=1), replace(one, activation_profile=replace(prof, held=m - 1, _memo={}))]
 
     def report(self) -> dict[str, Any]:
         """The layout and every pipeline rank's figures (the JSON's "parallel")."""
@@ -411,8 +421,9 @@ def _parallel(s: Settings) -> bool:
 def _estimate_layout(inv: ParamInventory, s: Settings, reserved_limit: int | None) -> Plan:
     """The most loaded pipeline rank's Plan (by the bytes the fit verdict needs), every rank's in its layout."""
     lay = layout(inv, s)
-    plans = tuple(estimate(r_inv, lay.at(i, s.micro_batch), reserved_limit) for i, (_, r_inv, _) in
-                  enumerate(lay.ranks))
+    plans = tuple(max((estimate(r_inv, v, reserved_limit) for v in lay.at(i, s.micro_batch)),
+                      key=lambda p: (p.required_bytes, p.peak_bytes))
+                  for i, (_, r_inv, _) in enumerate(lay.ranks))
     worst = max(range(len(plans)), key=lambda i: (plans[i].required_bytes, plans[i].peak_bytes))
     view = Layout.__new__(Layout)
     for k in Layout.__slots__:

@@ -216,6 +216,12 @@ class Settings:
     parallel: Any = None
     #: a pipeline rank's receive buffers, allocated once and kept (memplan/parallel.py recv_buffers)
     pipeline_buffer_bytes: int = 0
+    #: FSDP2's unsharded gradient accumulators of a pipeline rank, from its first backward to the reduce after its
+    #: last (accounting.Layout.at): held through the micro-batches, not between steps
+    pipeline_accumulator_bytes: int = 0
+    #: a pipeline stage: the schedule computes the loss outside the stage's module, after its root's forward has
+    #: ended and before its root's backward begins (torch.distributed.pipelining _maybe_compute_loss)
+    pipeline_stage: bool = False
 
     def __post_init__(self) -> None:
         for name, most in (("micro_batch", MAX_MICRO_BATCH), ("seq_len", MAX_SEQ_LEN), ("grad_accum", MAX_GRAD_ACCUM)):

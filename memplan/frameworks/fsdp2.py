@@ -190,6 +190,9 @@ class _Units:
         return self.cin * ceil_div(numel, world) if world else 0
 
     n: int = 0
+    #: a pipeline stage (Settings.pipeline_stage): the loss runs after the root's post-forward (the last block's
+    #: all-gather output already freed) and before its pre-backward (nothing prefetched yet)
+    outside: bool = False
 
 
 def _units(job: Job) -> _Units:
@@ -249,7 +252,7 @@ def _units(job: Job) -> _Units:
                   tlast=tsizes[-1], tprev=tsizes[-2] if nblocks >= 2 else 0, tfirst=tsizes[0],
                   tsecond=tsizes[1] if nblocks >= 2 else 0, tthird=tsizes[2] if nblocks >= 3 else 0,
                   mid_shards=rb * sum(ceil_div(t, job.n) for t in tsizes[2:]) if job.n else 0,
-                  troot=gg.root, cin=cin, n=job.n)
+                  troot=gg.root, cin=cin, n=job.n, outside=s.pipeline_stage)
 
 
 @dataclass(frozen=True)
@@ -283,7 +286,7 @@ def _kept(u: _Units) -> _Held:
     kept = u.cb * u.blocks
     return _Held(
         kept=kept, share_last=0, share_prev=0,
-        forward_end=u.root + kept + u.end_out(u.last), loss=u.root + u.head_held + kept,
+        forward_end=u.root + kept + (0 if u.outside else u.end_out(u.last)), loss=u.root + u.head_held + kept,
         head_bwd=u.root + u.head_held + kept if u.be else 0,
         # every block before the last unsharded, and its all-gather output
         fwd_last=u.root + kept + u.cb * (u.prev + u.last) if u.flat else 0,
@@ -311,11 +314,12 @@ def _resharded(u: _Units, raf: bool | int, block_numels: tuple[int, ...]) -> _He
     world = raf if raf is not True else u.n  # a block in its post-forward shards all-gathers over raf ranks
     return _Held(
         kept=kept, share_last=share_last, share_prev=share_prev,
-        forward_end=root + kept + u.end_out(u.last),
+        forward_end=root + kept + (0 if u.outside else u.end_out(u.last)),
         # the loss backward: the root's pre-backward has prefetched the last block's all-gather (the head unit's
         # pre-backward, where it is its own unit)
-        # (its own unit's pre-backward runs after the loss's backward: no prefetch yet, see head_bwd)
-        loss=root + u.head_held + (0 if u.be else u.pf * cb * u.last) + kept,
+        # (its own unit's pre-backward runs after the loss's backward: no prefetch yet, see head_bwd; nor under
+        # pipelining, whose loss runs outside the root and before its backward)
+        loss=root + u.head_held + (0 if u.be or u.outside else u.pf * cb * u.last) + kept,
         # the last block's copy-out in forward: the previous block's all-gather output, its own, its copies
         fwd_last=root + kept - share_last + cb * (u.prev + 2 * u.last) if u.flat else 0,
         # the last block's copy-out in backward (its all-gather prefetched at the loss): output and copies

@@ -319,7 +319,8 @@ class Layout:
     """A model-parallel job as given (``inventory``, ``settings``) and each pipeline rank's share with the settings
     its data-parallel group runs (memplan/parallel.py)."""
 
-    __slots__ = ("inventory", "settings", "name", "dp", "dp_per_node", "ranks", "plans", "worst", "accumulators")
+    __slots__ = ("inventory", "settings", "name", "dp", "dp_per_node", "ranks", "plans", "worst", "accumulators",
+                 "unsharded")
 
     def __init__(self, inv: ParamInventory, s: Settings) -> None:
         from math import gcd
@@ -363,12 +364,20 @@ class Layout:
                 output = s.seq_len * par.stage_output(inv.dims, p, self.name, share.last, rc)
             prof = act.HeldProfile(inner, share.in_flight, less, loss, output, recompute=s.recompute)
             cluster = replace(s.cluster, gpus=dp, gpus_per_node=per_node)
+            knobs = s.torch
+            if p.pp > 1 and s.strategy.framework == "fsdp2" and knobs.reshard_after_forward is None:
+                # torchtitan keeps the blocks unsharded after forward under pipelining (llama3/infra/
+                # parallelize.py apply_fsdp: reshard_after_forward_policy "default" -> not pp_enabled): one
+                # all-gather per block per step, not one per micro-batch
+                knobs = replace(knobs, reshard_after_forward=False)
             out.append((share, r_inv, replace(s, parallel=None, cluster=cluster, activation_profile=prof,
-                                               pipeline_stage=p.pp > 1)))
+                                               pipeline_stage=p.pp > 1, torch=knobs)))
         self.ranks = tuple(out)
         #: per pipeline rank, FSDP2's unsharded gradient accumulators beyond the reduced shards a synced
         #: accumulation keeps (see at())
         self.accumulators = tuple(self._accumulators(r_inv, r_s) for _, r_inv, r_s in out)
+        #: per pipeline rank, its blocks unsharded (FSDP2 resharding them after forward; 0 where it keeps them)
+        self.unsharded = tuple(self._unsharded(r_inv, r_s) for _, r_inv, r_s in out)
         self.plans: tuple[Plan, ...] = ()
         self.worst = 0
 
@@ -380,6 +389,16 @@ class Layout:
         rb = r_s.recipe.reduced_grad_bytes
         whole = rb * r_inv.trainable_params
         return max(whole - _fixed(r_inv, r_s).grads[0], 0)
+
+    @staticmethod
+    def _unsharded(r_inv: ParamInventory, r_s: Settings) -> int:
+        from memplan.settings import reshard_after_forward
+
+        st = r_s.strategy
+        if st.framework != "fsdp2" or not st.shard_params or r_s.grad_accum == 1 or \
+                reshard_after_forward(r_s) is False:
+            return 0
+        return r_s.recipe.grad_bytes * sum(t.numel for t in r_inv.tensors if t.block)
 
     def at(self, i: int, micro_batch: int) -> list[Settings]:
         """Pipeline rank i's settings at ``micro_batch`` (its receive buffers follow the micro-batch): one, or
@@ -403,9 +422,16 @@ class Layout:
         # stage.py), so FSDPParam keeps an unsharded accumulator in the reduce dtype (fp32 under fsdp-bf16;
         # measured: 3,164,160 B per block of 791,040 parameters) where a synced step keeps the reduced shard
         acc = replace(one, pipeline_accumulator_bytes=self.accumulators[i])
+        # the backwards with no forward between them (GPipe's after the first; 1F1B's cooldown on ranks holding
+        # more than one micro-batch): FSDP2 does not reshard after a backward under pipelining
+        # (set_reshard_after_backward(False)), so every block stays unsharded through them, one micro-batch fewer
+        # in flight each time
+        unsharded = self.unsharded[i]
+        later = replace(acc, pipeline_accumulator_bytes=self.accumulators[i] + unsharded,
+                        activation_profile=replace(prof, held=prof.held - 1, _memo={}))
         if prof.held < m:
-            return [acc]
-        return [replace(one, grad_accum=1), replace(acc, activation_profile=replace(prof, held=m - 1, _memo={}))]
+            return [acc, later] if prof.held > 1 and unsharded else [acc]
+        return [replace(one, grad_accum=1), later]
 
     def report(self) -> dict[str, Any]:
         """The layout and every pipeline rank's figures (the JSON's "parallel")."""

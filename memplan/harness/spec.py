@@ -160,6 +160,9 @@ def _parallel_spec(config: dict[str, Any], s: Settings, layout: Any, warmup_step
     one = replace(s, parallel=None, cluster=replace(s.cluster, gpus=layout.dp))
     spec = build_spec(config, one, warmup_steps=warmup_steps, measured_steps=measured_steps,
                       attn_implementation=attn_implementation)
+    from memplan.settings import reshard_after_forward
+
+    spec["reshard_after_forward"] = reshard_after_forward(layout.ranks[0][2])  # the layout's (torchtitan's) default
     v = len(layout.ranks[0][0].chunks)
     spec.update(tp=p.tp, pp=p.pp, vpp=p.vpp, sp=p.sp, schedule=p.schedule, gpus_per_node=job.cluster.ranks_per_node,
                 chunks=[[(list(c.layers), c.first, c.last) for c in share.chunks] for share, _, _ in layout.ranks],

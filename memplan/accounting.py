@@ -338,16 +338,40 @@ class Layout:
         out = []
         for share in par.shares(inv, p, self.name, s.grad_accum):
             r_inv = share.inventory
-            base = loss_prof if share.last else bare_prof
-            if base is not None:
-                inner = act.at_layers(base, share.layers)
-            else:
-                dims = dict(r_inv.dims, num_layers=share.layers)
-                if not share.last:
+
+            def chunk_profile(layers: int, last: bool) -> Any:
+                base = loss_prof if last else bare_prof
+                if base is not None:
+                    return act.at_layers(base, layers)
+                dims = dict(r_inv.dims, num_layers=layers)
+                if not last:
                     dims["vocab_size"] = 0
                 gated = bool(dims.get("gated_mlp", 1))
-                inner = act.cached_profile(tuple(sorted(dims.items())), 1, s.seq_len, rc.compute_bytes,
-                                           rc.residual_bytes, s.attention, s.recompute, gated)
+                return act.cached_profile(tuple(sorted(dims.items())), 1, s.seq_len, rc.compute_bytes,
+                                          rc.residual_bytes, s.attention, s.recompute, gated)
+
+            v = len(share.chunks)
+            if v > 1:  # interleaved: each stage's micro-batches in flight with that stage's own profile, at the
+                # backward where they hold the most (at a micro-batch of 1)
+                profs = [chunk_profile(len(c.layers), c.last) for c in share.chunks]
+                kept = [pr.terms(s.recompute, 1) for pr in profs]
+
+                def load(moment: tuple[list[int], int]) -> int:
+                    counts, cur = moment
+                    return kept[cur][1] + sum((n - (c == cur)) * (kept[c][2] + kept[c][4])
+                                              for c, n in enumerate(counts))
+
+                counts, cur = max(par.interleaved_moments(p, share.rank, s.grad_accum, v), key=load)
+                counts = list(counts)
+                # the current micro-batch's profile at all the rank's blocks (what its buffers' timeline walks,
+                # one model of the rank's blocks): it runs through one stage's, so this counts the other stages'
+                # blocks once more (an upper bound by those blocks' activations of one micro-batch)
+                inner = chunk_profile(len(share.blocks), share.chunks[cur].last)
+                fewer = 0
+                counts[cur] -= 1
+                others = tuple((pr, n) for pr, n in zip(profs, counts) if n)
+            else:
+                inner, others, fewer = chunk_profile(share.layers, share.last), (), 0
             per_block = par.sp_saving(inv.dims, p, self.name, rc.residual_bytes, rc.compute_bytes)
             k = act.checkpointed_blocks(s.recompute, share.layers)
             h = inv.dims.get("hidden_size", 0)
@@ -362,7 +386,8 @@ class Layout:
                 if not share.last:  # the bare trace's final norm, which this stage does not run
                     less += s.seq_len * par.norm_saved(h, rc.residual_bytes)
                 output = s.seq_len * par.stage_output(inv.dims, p, self.name, share.last, rc)
-            prof = act.HeldProfile(inner, share.in_flight, less, loss, output, recompute=s.recompute)
+            prof = act.HeldProfile(inner, share.in_flight, less, loss, output, others, fewer,
+                                   recompute=s.recompute)
             cluster = replace(s.cluster, gpus=dp, gpus_per_node=per_node)
             knobs = s.torch
             if p.pp > 1 and s.strategy.framework == "fsdp2" and knobs.reshard_after_forward is None:
@@ -428,7 +453,7 @@ class Layout:
         # in flight each time
         unsharded = self.unsharded[i]
         later = replace(acc, pipeline_accumulator_bytes=self.accumulators[i] + unsharded,
-                        activation_profile=replace(prof, held=prof.held - 1, _memo={}))
+                        activation_profile=prof.fewer())
         if prof.held < m:
             return [acc, later] if prof.held > 1 and unsharded else [acc]
         return [replace(one, grad_accum=1), later]

@@ -418,6 +418,12 @@ class HeldProfile:
     #: micro-batch's forward to its backward (PipelineStage.fwd_cache): on every micro-batch in flight, the one in
     #: its forward excepted
     output: int = 0
+    #: the micro-batches held besides the current one, as (profile, count) by the stage they ran through (an
+    #: interleaved rank's stages differ); empty: ``held - 1`` of the inner profile's
+    others: tuple = ()
+    #: blocks the inner profile counts beyond the current micro-batch's own (an interleaved rank's inner profile
+    #: has all its blocks, as its buffers' timeline does; the micro-batch runs through one stage's)
+    fewer_layers: int = 0
     _memo: dict = field(default_factory=dict, compare=False, repr=False)
 
     includes_autocast_copies = property(lambda self: self.inner.includes_autocast_copies)
@@ -425,10 +431,22 @@ class HeldProfile:
     def extra(self, recompute: str, micro_batch: int) -> int:
         key = ("extra", recompute, micro_batch)
         if key not in self._memo:
-            _, _, saved, _, block = self.inner.terms(recompute, micro_batch)
-            self._memo[key] = ((self.held - 1) * (saved + block) - self.held * self.saved_less * micro_batch
-                               + self.held * self.output * micro_batch)
+            held = 0
+            for prof, count in self.others or ((self.inner, self.held - 1),):
+                _, _, saved, _, block = prof.terms(recompute, micro_batch)
+                held += count * (saved + block)
+            block = self.inner.terms(recompute, micro_batch)[4]
+            self._memo[key] = (held - self.held * self.saved_less * micro_batch
+                               + self.held * self.output * micro_batch - self.fewer_layers * block)
         return self._memo[key]
+
+    def fewer(self) -> HeldProfile:
+        """The same rank with one micro-batch fewer in flight (one of the held ones gone)."""
+        others = self.others
+        if others:
+            i = max(range(len(others)), key=lambda k: others[k][1])
+            others = others[:i] + ((others[i][0], others[i][1] - 1),) + others[i + 1:]
+        return replace(self, held=self.held - 1, others=others, _memo={})
 
     def terms(self, recompute: str, micro_batch: int) -> tuple[int, int, int, int, int]:
         fwd, bwd, saved, emb, block = self.inner.terms(recompute, micro_batch)

@@ -266,6 +266,30 @@ def in_flight(p: Parallel, layout: str, rank: int, micro_batches: int) -> int:
     return min(m, pp - rank)
 
 
+def interleaved_moments(p: Parallel, rank: int, micro_batches: int, chunks: int) -> list[tuple[list[int], int]]:
+    """Each backward of an interleaved rank, in torch's order (ScheduleInterleaved1F1B
+    _calculate_single_rank_operations: the warm-up forwards, then a forward and a backward per step, then the
+    cooldown's backwards; forward op i on local stage (i // micro-batches per round) % stages, backward op i on
+    stages - 1 - ((i - warm-up) // micro-batches per round) % stages): (micro-batches in flight per local stage,
+    the one about to run its backward included; that stage)."""
+    m, v = micro_batches, chunks
+    per_round = m // max(1, m // p.pp)
+    warm = min((v - 1) * per_round + 2 * (p.pp - 1 - rank), m * v)
+    total = m * v
+    fwd = [0] * v
+    bwd = [0] * v
+    out = []
+    for i in range(warm):
+        fwd[(i // per_round) % v] += 1
+    for i in range(warm, total + warm):
+        if i < total:
+            fwd[(i // per_round) % v] += 1
+        c = v - 1 - ((i - warm) // per_round) % v
+        out.append(([f - b for f, b in zip(fwd, bwd)], c))
+        bwd[c] += 1
+    return out
+
+
 # ---- tensor parallelism ----
 
 def padded_vocab(vocab: int, p: Parallel, layout: str) -> int:

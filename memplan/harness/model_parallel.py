@@ -148,4 +148,4 @@ def setup(spec: dict[str, Any], device: Any, build: Any, optimizer: Any, reinit:
         sched = cls(stages[0], n_microbatches=m, loss_fn=loss_fn)
     pipe = {"schedule": sched, "first": any(s.is_first for s in stages), "last": any(s.is_last for s in stages),
             "parts": parts}
-    return parts[0], opt, pipe
+    return torch.nn.ModuleList(parts), opt, pipe  # every stage's parameters attributed as weights

@@ -30,6 +30,8 @@ MIXTRAL = ("mixtral-8x7b", dict(layers=2, hidden=256, vocab=2048))  # MoE: 8 exp
 GPT2_4 = ("gpt2", dict(layers=4, hidden=256, vocab=2048))  # tied embeddings, four blocks
 DEEPSEEK = ("deepseek-v3", dict(layers=4, hidden=256, vocab=2048))  # MLA; 3 dense blocks then a 256-expert one
 NO_REUSE = dict(max_reuse_distance=0, param_persistence_threshold=0)
+LLAMA3_TP = ("llama-3-8b", dict(layers=2, hidden=1024, vocab=2048))  # GQA with 2 key/value heads: TP 2 divides them
+Parallel = __import__("memplan.parallel", fromlist=["Parallel"]).Parallel
 
 CASES = [
     # (label, model, strategy kwargs, ds overrides, torch overrides, recompute)
@@ -139,6 +141,26 @@ CASES = [
     ("fsdp1 size:300000", LLAMA, dict(strategy="fsdp-full"), {}, dict(fsdp_version=1, fsdp_wrap="size:300000"),
      "none"),
     ("fsdp-full size:300000", LLAMA, dict(strategy="fsdp-full"), {}, dict(fsdp_wrap="size:300000"), "none"),
+    # session 19: tensor, sequence and pipeline parallelism in torchtitan's layout (DTensor TP with loss
+    # parallelism, torch.distributed.pipelining), FSDP2 over the data-parallel ranks
+    ("fsdp-full tp 2", LLAMA, dict(strategy="fsdp-full", parallel=Parallel(tp=2)), {}, {}, "none"),
+    ("fsdp-full tp 2 + sp", LLAMA, dict(strategy="fsdp-full", parallel=Parallel(tp=2, sp=True)), {}, {}, "none"),
+    ("fsdp-full tp 2", LLAMA, dict(strategy="fsdp-full", parallel=Parallel(tp=2)), {}, {}, "full"),
+    ("fsdp-full tp 2, GQA", LLAMA3_TP, dict(strategy="fsdp-full", parallel=Parallel(tp=2)), {}, {}, "none"),
+    ("fsdp-full tp 2 x dp 2", LLAMA, dict(strategy="fsdp-full", gpus=4, parallel=Parallel(tp=2)), {}, {}, "none"),
+    ("fsdp-full pp 2 1f1b, 4 micro-batches", LLAMA4,
+     dict(strategy="fsdp-full", grad_accum=4, parallel=Parallel(pp=2)), {}, {}, "none"),
+    ("fsdp-full pp 2 gpipe, 4 micro-batches", LLAMA4,
+     dict(strategy="fsdp-full", grad_accum=4, parallel=Parallel(pp=2, schedule="gpipe")), {}, {}, "none"),
+    ("fsdp-full pp 2 interleaved, 4 micro-batches", LLAMA4,
+     dict(strategy="fsdp-full", grad_accum=4, parallel=Parallel(pp=2, schedule="interleaved")), {}, {}, "none"),
+    ("fsdp-full pp 2 x dp 2 1f1b, 4 micro-batches", LLAMA4,
+     dict(strategy="fsdp-full", gpus=4, grad_accum=4, parallel=Parallel(pp=2)), {}, {}, "none"),
+    ("fsdp-full pp 2 x dp 2 gpipe, 4 micro-batches", LLAMA4,
+     dict(strategy="fsdp-full", gpus=4, grad_accum=4, parallel=Parallel(pp=2, schedule="gpipe")), {}, {}, "none"),
+    ("fsdp-full pp 2 x dp 2 1f1b reshard after forward", LLAMA4,
+     dict(strategy="fsdp-full", gpus=4, grad_accum=4, parallel=Parallel(pp=2)), {}, dict(reshard_after_forward=True),
+     "none"),
 ]
 QUICK = [CASES[5], CASES[11]]
 

@@ -100,6 +100,9 @@ def check(p: Parallel, inv: ParamInventory, strategy: Any, gpus: int, grad_accum
             raise SettingsError(f"--{name} must be at least 1, got {getattr(p, name)}")
     if p.vpp is not None and p.vpp < 1:
         raise SettingsError(f"--vpp must be at least 1, got {p.vpp}")
+    if p.schedule == "zero-bubble":
+        raise SettingsError("--schedule zero-bubble (torch's InterleavedZeroBubble / ZBVZeroBubble, Megatron's): not "
+                            "modelled yet; valid: " + ", ".join(SCHEDULES))
     if p.schedule not in SCHEDULES:
         raise SettingsError(f"unknown pipeline schedule {p.schedule!r}; valid: {', '.join(SCHEDULES)}")
     if gpus % p.model_ranks:

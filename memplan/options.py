@@ -794,13 +794,14 @@ def resolve(inv: ParamInventory, *, gpus: int = 1, gpus_per_node: int | None = N
 def _honours_head_dim(model_type: str) -> bool:
     """Whether transformers' modeling code for ``model_type`` takes head_dim from the config (a TP rank's config
     keeps it while its head count shrinks); the others derive it from hidden_size / heads."""
-    import importlib
-    import inspect
+    import importlib.util
+    from pathlib import Path
 
-    try:
-        mod = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
-        src = inspect.getsource(mod)
-    except (ImportError, OSError, TypeError):
+    try:  # the modeling file's text, without importing transformers (seconds) for it
+        spec = importlib.util.find_spec("transformers")
+        root = Path(next(iter(spec.submodule_search_locations)))  # type: ignore[union-attr, arg-type]
+        src = (root / "models" / model_type / f"modeling_{model_type}.py").read_text()
+    except (ImportError, OSError, TypeError, ValueError, StopIteration, AttributeError):
         return False
     return 'getattr(config, "head_dim"' in src or "config.head_dim" in src
 

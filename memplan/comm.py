@@ -97,20 +97,71 @@ def communication(inv: Any, s: Settings) -> dict[str, Any]:
     else:  # fsdp2 / fsdp1
         n = shard_group_size(s)
         within = st.shard_within_node
+        # a pipeline stage: gradients accumulate unsharded and are reduced once per step, and parameters stay
+        # unsharded after each backward (torch.distributed.pipelining's no-sync backwards)
+        reduces = 1 if s.pipeline_stage else ga
         if not st.shard_params:  # NO_SHARD
-            add("all-reduce", "gradients", n_all, rc.reduced_grad_bytes, psi, ga)
+            add("all-reduce", "gradients", n_all, rc.reduced_grad_bytes, psi, reduces)
         else:
             raf = reshard_after_forward(s)
-            add("all-gather", "parameters, forward", n, rc.compute_bytes, every, ga, within)
+            gathers = (1 if raf is False else ga + 1) if s.pipeline_stage else ga
+            add("all-gather", "parameters, forward", n, rc.compute_bytes, every, 1 if s.pipeline_stage else ga,
+                within)
             if raf is True:
-                add("all-gather", "parameters, backward", n, rc.compute_bytes, every, ga, within)
+                add("all-gather", "parameters, backward", n, rc.compute_bytes, every, gathers - 1 if
+                    s.pipeline_stage else ga, within)
             elif raf not in (False, None, 1):
                 add("all-gather", f"parameters, backward (from groups of {raf})", int(raf), rc.compute_bytes, every,
-                    ga, True)
-            add("reduce-scatter", "gradients", n, rc.reduced_grad_bytes, psi, ga, within)
+                    gathers - 1 if s.pipeline_stage else ga, True)
+            add("reduce-scatter", "gradients", n, rc.reduced_grad_bytes, psi, reduces, within)
             if n_all > n:  # HSDP: the reduced shards all-reduced across replicas
                 add("all-reduce", "gradient shards across replicas", n_all // n, rc.reduced_grad_bytes,
                     -(-psi // n), ga, across_nodes=n >= c.ranks_per_node)
     totals = {"intra_node_bytes": sum(x["bytes_per_gpu"] for x in out if x["network"] == "intra-node"),
               "inter_node_bytes": sum(x["bytes_per_gpu"] for x in out if x["network"] == "inter-node")}
     return {**totals, "total_bytes": totals["intra_node_bytes"] + totals["inter_node_bytes"], "collectives": out}
+
+
+def model_parallel(layout: Any, rank: int) -> list[dict[str, Any]]:
+    """A pipeline rank's tensor- and pipeline-parallel traffic per optimizer step (accounting.Layout), as the
+    collectives above: per micro-batch, each block's two forward and two backward all-reduces of its [micro-batch,
+    seq, hidden] activations in the compute dtype over the TP group (Megatron's ColumnParallel/RowParallel
+    linears, DTensor's Colwise/Rowwise: with sequence parallelism an all-gather and a reduce-scatter each, the same
+    bytes), two more in forward under full recompute; the vocabulary-parallel embedding's forward all-reduce on the
+    first stage, the head's backward all-reduce on the last; and the pipeline's sends, each stage's output forward
+    and its input's gradient backward, point to point (the bytes sent)."""
+    from memplan.activations import checkpointed_blocks
+
+    s = layout.settings
+    p, c, rc = s.parallel, s.cluster, s.recipe
+    share = layout.ranks[rank][0]
+    h = layout.inventory.dims.get("hidden_size", 0)
+    m = s.grad_accum
+    act = s.micro_batch * s.seq_len * h
+    out: list[dict[str, Any]] = []
+    tp_inter = p.tp > c.ranks_per_node
+
+    def add(op: str, what: str, group: int, nbytes: int, times: int, inter: bool) -> None:
+        if group <= 1 or times <= 0 or nbytes <= 0:
+            return
+        per = nbytes if op == "send" else _ring(op, group, nbytes)
+        out.append({"op": op, "what": what, "group_size": group, "dtype_bytes": rc.compute_bytes if op != "send"
+                    else rc.residual_bytes, "times_per_step": times, "bytes_per_gpu": per * times,
+                    "network": "inter-node" if inter else "intra-node"})
+
+    if p.tp > 1:
+        blocks = len(share.blocks)
+        again = checkpointed_blocks(s.recompute, blocks)
+        add("all-reduce", "tensor parallel: blocks' activations and their gradients (2 forward, 2 backward each"
+            + (", 2 more where recomputed" if again else "") + ")", p.tp, rc.compute_bytes * act,
+            m * (4 * blocks + 2 * again), tp_inter)
+        ends = (1 if share.first else 0) + (1 if share.last else 0)
+        add("all-reduce", "tensor parallel: the vocabulary-parallel embedding's output and the head's input gradient",
+            p.tp, rc.compute_bytes * act, m * ends, tp_inter)
+    if p.pp > 1:
+        sends = sum((0 if ch.last else 1) + (0 if ch.first else 1) for ch in share.chunks)
+        # consecutive stages are dp x tp ranks apart (the mesh [pp, dp, tp])
+        inter = layout.dp * p.tp >= c.ranks_per_node and c.gpus > c.ranks_per_node
+        add("send", "pipeline: stage outputs forward, input gradients backward", 2, rc.residual_bytes * act,
+            m * sends, inter)
+    return out

@@ -105,9 +105,19 @@ def plan_report(plan: Any, sources: dict[str, str] | None = None, notes: tuple[s
 
 
 def communication_report(plan: Any) -> dict[str, Any]:
-    from memplan.comm import communication
+    """Per GPU per optimizer step; under model parallelism the most loaded rank's, its data-parallel group's
+    collectives with its tensor- and pipeline-parallel traffic."""
+    from memplan.comm import communication, model_parallel
 
-    return communication(plan.inventory, plan.settings)
+    out = communication(plan.inventory, plan.settings)
+    if plan.layout is not None:
+        extra = model_parallel(plan.layout, plan.layout.worst)
+        out["collectives"] = out["collectives"] + extra
+        for x in extra:
+            key = "inter_node_bytes" if x["network"] == "inter-node" else "intra_node_bytes"
+            out[key] += x["bytes_per_gpu"]
+            out["total_bytes"] += x["bytes_per_gpu"]
+    return out
 
 
 def host_report(plan: Any) -> dict[str, Any] | None:

@@ -201,3 +201,20 @@ def test_interleaved_order_is_torchs():
                                                    ([2, 1], 1), ([2, 0], 0), ([1, 0], 0)]
     # rank 1: 1F0 1F1 3F0 3B0 3F1 3B1 1F2 1B0 1F3 1B1 3F2 3B2 3F3 3B3 1B2 1B3
     assert [c for _, c in par.interleaved_moments(p, 1, 4, 2)] == [1, 1, 0, 0, 1, 1, 0, 0]
+
+
+def test_model_parallel_communication(tmp_path):
+    """Per micro-batch: four all-reduces of [micro-batch, seq, hidden] per block over the TP ranks (ring: 2(n-1)/n
+    of the bytes), one more at each end of the model; the pipeline sends each stage's output and input gradient."""
+    from memplan.comm import model_parallel
+
+    inv, _ = _inv(tmp_path)
+    s = _settings(inv, gpus=4, strategy="fsdp-full", grad_accum=4, seq_len=256, parallel=par.Parallel(tp=2, pp=2))
+    plan = accounting.estimate(inv, s)
+    act = 1 * 256 * 96 * s.recipe.compute_bytes
+    rows = {(x["op"], x["what"].split(":")[1].split()[0]): x for x in model_parallel(plan.layout, 0)}
+    blocks = rows[("all-reduce", "blocks'")]
+    assert rows[("all-reduce", "the")]["times_per_step"] == 4  # the embedding on this (first) stage
+    assert blocks["times_per_step"] == 4 * 4 * 2 and blocks["bytes_per_gpu"] == 32 * act  # 2(n-1)/n = 1 at n=2
+    send = rows[("send", "stage")]
+    assert send["times_per_step"] == 4 and send["bytes_per_gpu"] == 4 * 256 * 96 * s.recipe.residual_bytes

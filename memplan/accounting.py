@@ -114,7 +114,7 @@ def _fixed(inv: ParamInventory, s: Settings) -> Fixed:
     # ---- buffers: the framework's timeline, and what every job on a GPU keeps ----
     tl = fw.buffers(job, g)
     a["overlap_comm"] = job.overlap
-    buf_persist = tl.persistent + off.device_buffer + s.pipeline_buffer_bytes + s.pipeline_accumulator_bytes
+    buf_persist = tl.persistent + off.device_buffer + s.pipeline_accumulator_bytes
     buf_bwd = tl.backward
     if c.device == "cuda":
         # one cuBLAS handle per thread that runs GEMMs: forward (and the optimizer) on the main thread, backward
@@ -139,7 +139,8 @@ def _fixed(inv: ParamInventory, s: Settings) -> Fixed:
         amp_copies = rc.compute_bytes * lay.matmul_numel
     f = _assemble(s, tl, g, (weights, master, states), (buf_persist, buf_bwd, amp_copies),
                   (step_grads, step_buffers), prof, a, host_by, host)
-    f.between -= s.pipeline_accumulator_bytes
+    f.between += s.pipeline_buffer_bytes * s.micro_batch - s.pipeline_accumulator_bytes
+    f.per_sample = s.pipeline_buffer_bytes
     return f
 
 
@@ -270,9 +271,10 @@ def required_bytes(inv: ParamInventory, s: Settings, micro_batches: Any,
     """
     if _parallel(s):  # the most loaded pipeline rank's, at each micro-batch
         lay = layout(inv, s)
-        return [max((required_bytes(r_inv, v, [b], lower_bound, budget)[0]
-                     for i, (_, r_inv, _) in enumerate(lay.ranks) for v in lay.at(i, b)), key=lambda r: r[1])
-                for b in micro_batches]
+        micro_batches = list(micro_batches)
+        per_rank = [required_bytes(r_inv, v, micro_batches, lower_bound, budget)
+                    for i, (_, r_inv, _) in enumerate(lay.ranks) for v in lay.at(i)]
+        return [max(rows, key=lambda r: r[1]) for rows in zip(*per_rank)]
     f = _fixed(inv, s)
     rec, o = s.recompute, s.overheads
     fixed_over = (o.cuda_context_bytes + f.comms * o.nccl_bytes_per_communicator) if s.cluster.device == "cuda" else 0
@@ -425,8 +427,8 @@ class Layout:
             return 0
         return r_s.recipe.grad_bytes * sum(t.numel for t in r_inv.tensors if t.block)
 
-    def at(self, i: int, micro_batch: int) -> list[Settings]:
-        """Pipeline rank i's settings at ``micro_batch`` (its receive buffers follow the micro-batch): one, or
+    def at(self, i: int) -> list[Settings]:
+        """Pipeline rank i's settings: one, or
         where every micro-batch's forward runs before the first backward (GPipe; 1F1B with no more micro-batches
         than the rank holds in flight), the two moments that can peak: the first backward, with every
         micro-batch in flight and no gradient accumulated yet, and the second, one micro-batch fewer and the
@@ -435,8 +437,8 @@ class Layout:
 
         share, _, r_s = self.ranks[i]
         buffers = par.recv_buffers(self.inventory.dims, self.settings.parallel, share, self.settings.grad_accum,
-                                   micro_batch * self.settings.seq_len, self.settings.recipe)
-        one = replace(r_s, micro_batch=micro_batch, pipeline_buffer_bytes=buffers)
+                                   self.settings.seq_len, self.settings.recipe)
+        one = replace(r_s, pipeline_buffer_bytes=buffers)
         m = r_s.grad_accum
         prof = r_s.activation_profile
         if m == 1:
@@ -496,7 +498,7 @@ def _parallel(s: Settings) -> bool:
 def _estimate_layout(inv: ParamInventory, s: Settings, reserved_limit: int | None) -> Plan:
     """The most loaded pipeline rank's Plan (by the bytes the fit verdict needs), every rank's in its layout."""
     lay = layout(inv, s)
-    plans = tuple(max((estimate(r_inv, v, reserved_limit) for v in lay.at(i, s.micro_batch)),
+    plans = tuple(max((estimate(r_inv, replace(v, micro_batch=s.micro_batch), reserved_limit) for v in lay.at(i)),
                       key=lambda p: (p.required_bytes, p.peak_bytes))
                   for i, (_, r_inv, _) in enumerate(lay.ranks))
     worst = max(range(len(plans)), key=lambda i: (plans[i].required_bytes, plans[i].peak_bytes))

@@ -15,7 +15,7 @@ class Fixed:
 
     __slots__ = ("weights", "master", "states", "grads", "buffers", "non_activation", "profile", "host_per_node",
                  "shard_group", "between", "comms", "assumptions", "moments", "grad_width", "_blocks", "host_detail",
-                 "grads_held", "hook_transient", "kinds")
+                 "grads_held", "hook_transient", "kinds", "per_sample")
 
     def __init__(self, weights: int, master: int, states: int, grads: tuple[int, ...], buffers: tuple[int, ...],
                  non_activation: tuple[int, ...], profile: Any, host_per_node: int, shard_group: int, between: int,
@@ -24,6 +24,9 @@ class Fixed:
         #: per rank, by category: the bytes offload keeps in host memory (their sum x ranks per node is
         #: host_per_node)
         self.host_detail = host_detail or {}
+        #: buffers held through the whole step in proportion to the micro-batch, bytes per sample (a pipeline
+        #: rank's receive buffers): added to every phase
+        self.per_sample = 0
         #: the step's named moments (timeline.StepMoment): each is evaluated with the activations of its moment;
         #: inside a block's backward the block's own grads are added at ``grad_width`` bytes. Each phase is the
         #: largest of its moments and its base.
@@ -41,6 +44,12 @@ class Fixed:
 
 def phases(f: Fixed, recompute: str, micro_batch: int) -> list[tuple[int, int, int]]:
     """(grads, activations, buffers) per phase at ``micro_batch``."""
+    if f.per_sample:
+        return [(g, x, b + f.per_sample * micro_batch) for g, x, b in _phases(f, recompute, micro_batch)]
+    return _phases(f, recompute, micro_batch)
+
+
+def _phases(f: Fixed, recompute: str, micro_batch: int) -> list[tuple[int, int, int]]:
     fwd, bwd, saved, emb, block = f.profile.terms(recompute, micro_batch)
     out = [(g, x, b) for g, x, b in zip(f.grads, (fwd, bwd, saved, emb, 0), f.buffers)]
     moments = moments_at(f, micro_batch, saved, block, emb, fwd)

@@ -214,7 +214,8 @@ class Settings:
     z3_leaves: tuple[str, ...] = ()
     #: tensor / sequence / pipeline parallelism (memplan/parallel.py Parallel); None: data parallelism alone
     parallel: Any = None
-    #: a pipeline rank's receive buffers, allocated once and kept (memplan/parallel.py recv_buffers)
+    #: a pipeline rank's receive buffers per sample of the micro-batch, allocated once and kept (memplan/
+    #: parallel.py recv_buffers)
     pipeline_buffer_bytes: int = 0
     #: FSDP2's unsharded gradient accumulators of a pipeline rank, from its first backward to the reduce after its
     #: last (accounting.Layout.at): held through the micro-batches, not between steps

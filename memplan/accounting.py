@@ -273,7 +273,7 @@ def required_bytes(inv: ParamInventory, s: Settings, micro_batches: Any,
         lay = layout(inv, s)
         micro_batches = list(micro_batches)
         per_rank = [required_bytes(r_inv, v, micro_batches, lower_bound, budget)
-                    for i, (_, r_inv, _) in enumerate(lay.ranks) for v in lay.at(i)]
+                    for i, (_, r_inv, _) in enumerate(lay.ranks) if i not in lay.dominated for v in lay.at(i)]
         return [max(rows, key=lambda r: r[1]) for rows in zip(*per_rank)]
     f = _fixed(inv, s)
     rec, o = s.recompute, s.overheads
@@ -321,8 +321,8 @@ class Layout:
     """A model-parallel job as given (``inventory``, ``settings``) and each pipeline rank's share with the settings
     its data-parallel group runs (memplan/parallel.py)."""
 
-    __slots__ = ("inventory", "settings", "name", "dp", "dp_per_node", "ranks", "plans", "worst", "accumulators",
-                 "unsharded")
+    __slots__ = ("inventory", "settings", "name", "dp", "dp_per_node", "ranks", "plans", "worst", "unsharded",
+                 "dominated", "_at")
 
     def __init__(self, inv: ParamInventory, s: Settings) -> None:
         from math import gcd
@@ -400,9 +400,9 @@ class Layout:
             out.append((share, r_inv, replace(s, parallel=None, cluster=cluster, activation_profile=prof,
                                                pipeline_stage=p.pp > 1, torch=knobs)))
         self.ranks = tuple(out)
-        #: per pipeline rank, FSDP2's unsharded gradient accumulators beyond the reduced shards a synced
-        #: accumulation keeps (see at())
-        self.accumulators = tuple(self._accumulators(r_inv, r_s) for _, r_inv, r_s in out)
+        #: ranks another one bounds (parallel.dominated): a search skips them
+        self.dominated = par.dominated(tuple(share for share, _, _ in out))
+        self._at: dict[int, list[Settings]] = {}
         #: per pipeline rank, its blocks unsharded (FSDP2 resharding them after forward; 0 where it keeps them)
         self.unsharded = tuple(self._unsharded(r_inv, r_s) for _, r_inv, r_s in out)
         self.plans: tuple[Plan, ...] = ()
@@ -428,6 +428,13 @@ class Layout:
         return r_s.recipe.grad_bytes * sum(t.numel for t in r_inv.tensors if t.block)
 
     def at(self, i: int) -> list[Settings]:
+        """Pipeline rank i's settings (cached): see _at_rank."""
+        hit = self._at.get(i)
+        if hit is None:
+            hit = self._at[i] = self._at_rank(i)
+        return hit
+
+    def _at_rank(self, i: int) -> list[Settings]:
         """Pipeline rank i's settings: one, or
         where every micro-batch's forward runs before the first backward (GPipe; 1F1B with no more micro-batches
         than the rank holds in flight), the two moments that can peak: the first backward, with every
@@ -435,7 +442,7 @@ class Layout:
         gradients accumulated."""
         from memplan import parallel as par
 
-        share, _, r_s = self.ranks[i]
+        share, r_inv, r_s = self.ranks[i]
         buffers = par.recv_buffers(self.inventory.dims, self.settings.parallel, share, self.settings.grad_accum,
                                    self.settings.seq_len, self.settings.recipe)
         one = replace(r_s, pipeline_buffer_bytes=buffers)
@@ -448,13 +455,14 @@ class Layout:
         # set_reshard_after_backward(False) on every backward but the last (torch/distributed/pipelining/
         # stage.py), so FSDPParam keeps an unsharded accumulator in the reduce dtype (fp32 under fsdp-bf16;
         # measured: 3,164,160 B per block of 791,040 parameters) where a synced step keeps the reduced shard
-        acc = replace(one, pipeline_accumulator_bytes=self.accumulators[i])
+        accumulators = self._accumulators(r_inv, r_s)  # FSDP2's unsharded accumulators beyond the reduced shards
+        acc = replace(one, pipeline_accumulator_bytes=accumulators)
         # the backwards with no forward between them (GPipe's after the first; 1F1B's cooldown on ranks holding
         # more than one micro-batch): FSDP2 does not reshard after a backward under pipelining
         # (set_reshard_after_backward(False)), so every block stays unsharded through them, one micro-batch fewer
         # in flight each time
         unsharded = self.unsharded[i]
-        later = replace(acc, pipeline_accumulator_bytes=self.accumulators[i] + unsharded,
+        later = replace(acc, pipeline_accumulator_bytes=accumulators + unsharded,
                         activation_profile=prof.fewer())
         if prof.held < m:
             return [acc, later] if prof.held > 1 and unsharded else [acc]

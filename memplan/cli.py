@@ -290,6 +290,8 @@ def plan(
                                   "(asked for: refused where the device cannot run it) | eager."),
     allow_offload: bool = typer.Option(False, "--allow-offload", help="Also consider DeepSpeed ZeRO-Offload "
                                        "(optimizer, or optimizer and parameters, on the host)."),
+    layouts: bool = typer.Option(False, "--layouts", help="Also consider tensor parallelism within a node and "
+                                 "pipeline stages across nodes (fsdp-full, ddp, zero1)."),
     plot: O.Plot = None,
     min_headroom: Optional[str] = typer.Option(None, "--min-headroom", help="What every candidate must leave free: "
                                                "a size (8GiB, 8GB) or a fraction of the GPU (0.1 or 10%) "
@@ -339,7 +341,7 @@ def plan(
                                max_micro_batch=max_micro_batch, allow_offload=allow_offload, seq_len=seq_len,
                                grad_accum=grad_accum, precision=precision, optimizer=optimizer, attention=attention,
                                device=device, activations=activations, cpu_isa=cpu_isa, allocator_conf=allocator_conf,
-                               host_memory_size=host_memory, min_headroom=min_headroom)
+                               host_memory_size=host_memory, min_headroom=min_headroom, layouts=layouts)
     best = planner.best_settings(found)
     if plot:
         from memplan import plot as P

@@ -27,6 +27,7 @@ Two layouts, chosen by the data-parallel strategy's framework:
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from functools import lru_cache
 from math import prod
 from typing import Any
 
@@ -179,9 +180,14 @@ def torchtitan_stages(num_stages: int, layers: int) -> list[Chunk]:
 def partition_balanced(weights: list[int], parts: int) -> list[int]:
     """DeepSpeed's partition_balanced (deepspeed/runtime/utils.py, 0.19.8): the linear partition minimising
     max - min of the parts' sums, ties to the later split; boundaries, parts + 1 of them."""
+    return list(_partition_balanced(tuple(weights), parts))
+
+
+@lru_cache(maxsize=256)
+def _partition_balanced(weights: tuple[int, ...], parts: int) -> tuple[int, ...]:
     n, m = len(weights), parts
     if n <= m:
-        return [min(p, n) for p in range(m + 1)]
+        return tuple(min(p, n) for p in range(m + 1))
     inf = float("inf")
     dp_max = [[inf] * (m + 1) for _ in range(n + 1)]
     dp_min = [[inf] * (m + 1) for _ in range(n + 1)]
@@ -201,7 +207,7 @@ def partition_balanced(weights: list[int], parts: int) -> list[int]:
     out = [n]
     for i in range(m, 0, -1):
         out.append(pos[out[-1]][i])
-    return out[::-1]
+    return tuple(out[::-1])
 
 
 def _layer_sizes(inv: ParamInventory) -> tuple[int, list[int], int]:
@@ -424,12 +430,41 @@ class RankShare:
         return span + (f" + {' + '.join(ends)}" if ends else "")
 
 
+_SHARES: dict[tuple, tuple[ParamInventory, tuple[RankShare, ...]]] = {}
+
+
 def shares(inv: ParamInventory, p: Parallel, layout: str, micro_batches: int) -> tuple[RankShare, ...]:
-    """Every pipeline rank's share (TP applied), in rank order."""
+    """Every pipeline rank's share (TP applied), in rank order (cached: a search asks for the same layout at
+    every GPU count)."""
+    key = (id(inv), p.tp, p.pp, p.vpp, p.schedule, layout, micro_batches)
+    hit = _SHARES.get(key)
+    if hit is not None and hit[0] is inv:
+        return hit[1]
     chunks = rank_chunks(p, layout, inv)
     tpi = tp_inventory(inv, p, layout)
-    return tuple(RankShare(r, tuple(c), stage_inventory(tpi, c), in_flight(p, layout, r, micro_batches))
-                 for r, c in enumerate(chunks))
+    out = tuple(RankShare(r, tuple(c), stage_inventory(tpi, c), in_flight(p, layout, r, micro_batches))
+                for r, c in enumerate(chunks))
+    if len(_SHARES) > 256:
+        _SHARES.clear()
+    _SHARES[key] = (inv, out)
+    return out
+
+
+def dominated(shares: tuple[RankShare, ...]) -> set[int]:
+    """Pipeline ranks no more loaded than another: the same stages' shapes (blocks of the same sizes, the same ends)
+    with no more micro-batches in flight (1F1B's later middle ranks); their figures are never the most."""
+    def shape(sh: RankShare) -> tuple:
+        return (tuple((tuple(sorted(b.numel for b in sh.inventory.layer_blocks)), c.first, c.last)
+                      for c in sh.chunks[:1]) if len(sh.chunks) == 1 else id(sh),
+                sh.first, sh.last, tuple(sorted((t.shape, t.trainable) for t in sh.inventory.tensors
+                                                if t.block == ROOT_BLOCK)))
+    best: dict[tuple, int] = {}
+    for sh in shares:
+        k = shape(sh)
+        if k not in best or sh.in_flight > shares[best[k]].in_flight:
+            best[k] = sh.rank
+    keep = set(best.values())
+    return {sh.rank for sh in shares if sh.rank not in keep}
 
 
 def data_parallel(gpus: int, gpus_per_node: int, p: Parallel) -> tuple[int, int]:

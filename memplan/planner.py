@@ -41,6 +41,13 @@ RANKING = ("the fewest GPUs first; at that count no recompute before full recomp
            "memplan/comm.py), then the simpler strategy, then the most headroom")
 
 
+#: the strategies a layout search combines with tensor and pipeline parallelism (memplan/parallel.py layout_of):
+#: torchtitan's layout under FSDP2 and DDP, Megatron-DeepSpeed's under ZeRO-1
+LAYOUT_STRATEGIES = ("fsdp-full", "ddp", "zero1")
+#: the pipeline stages a layout search tries (torchtitan's and Megatron's largest published runs use up to 16)
+LAYOUT_STAGES = (1, 2, 4, 8, 16)
+
+
 @dataclass(frozen=True)
 class Candidate:
     label: str  #: strategy name, or an offload variant's label
@@ -58,6 +65,8 @@ class Candidate:
     exact: bool = True
     #: (inter-node, all) bytes per GPU per optimizer step at the recommended count (memplan/comm.py)
     comm: tuple[int, int] | None = None
+    tp: int = 1  #: tensor-parallel degree (a layout search's candidates)
+    pp: int = 1  #: pipeline stages
 
 
 @dataclass(frozen=True)
@@ -86,9 +95,41 @@ def gpu_counts(gpus_per_node: int, max_gpus: int) -> list[int]:
     return sorted(set(out))
 
 
+def _layout_candidates(inv: ParamInventory, config: dict | None, strategies: tuple[str, ...],
+                       recomputes: tuple[str, ...], gpus_per_node: int, gpu: str | None, gpu_memory_size: str | None,
+                       common: dict[str, Any]) -> list[Candidate]:
+    """Tensor parallelism within a node (powers of two up to its GPUs), pipeline stages across nodes (powers of two
+    up to the blocks), with each strategy that runs them; a layout the model refuses (tp not dividing its heads,
+    ...) is left out. Under PP the micro-batches per step are --grad-accum, else as many as stages."""
+    from memplan.parallel import Parallel
+
+    blocks = len(inv.layer_blocks)
+    tps = [t for t in (1, 2, 4, 8, 16, 32, 64) if t <= gpus_per_node]
+    pps = [q for q in LAYOUT_STAGES if q <= max(blocks // 2, 1)]  # two blocks a stage at the least
+    out = []
+    for name in (n for n in strategies if n in LAYOUT_STRATEGIES):
+        for tp in tps:
+            for pp in pps:
+                if tp * pp == 1:
+                    continue
+                for rec in recomputes:
+                    kw = dict(common)
+                    if pp > 1:
+                        kw["grad_accum"] = kw.get("grad_accum") or pp
+                    try:
+                        r = options.resolve(inv, gpus=tp * pp, gpus_per_node=gpus_per_node, strategy=name,
+                                            recompute=rec, gpu=gpu, gpu_memory_size=gpu_memory_size, config=config,
+                                            parallel=Parallel(tp=tp, pp=pp), **kw)
+                    except SettingsError:
+                        continue
+                    out.append(Candidate(label=f"{name} tp{tp} pp{pp}", strategy=name, recompute=rec,
+                                         settings=r.settings, offload=False, tp=tp, pp=pp))
+    return out
+
+
 def _candidates(inv: ParamInventory, config: dict | None, strategies: tuple[str, ...], recomputes: tuple[str, ...],
                 allow_offload: bool, gpus_per_node: int, gpu: str | None, gpu_memory_size: str | None,
-                common: dict[str, Any], notes: list[str]) -> list[Candidate]:
+                common: dict[str, Any], notes: list[str], layouts: bool = False) -> list[Candidate]:
     from memplan.activations import valid_recompute
 
     recomputes = tuple(dict.fromkeys(valid_recompute(r) for r in recomputes))
@@ -99,7 +140,8 @@ def _candidates(inv: ParamInventory, config: dict | None, strategies: tuple[str,
         labels.append((name, name, {}))
     if allow_offload:
         labels += [(label, st, knobs) for label, (st, knobs) in OFFLOAD_VARIANTS.items()]
-    out = []
+    out = _layout_candidates(inv, config, strategies, recomputes, gpus_per_node, gpu, gpu_memory_size, common) \
+        if layouts else []
     seen_notes: set[str] = set()
     refused: dict[str, SettingsError] = {}
     for label, st, knobs in labels:
@@ -201,6 +243,8 @@ def _fewest_gpus(inv: ParamInventory, c: Candidate, counts: list[int], gpus_per_
     # HSDP within one node is FSDP full shard
     st = c.settings.strategy
     usable = [1] if st.one_gpu else [g for g in counts if g > gpus_per_node] if st.shard_within_node else counts
+    if c.tp * c.pp > 1:  # whole data-parallel groups of the layout
+        usable = [g for g in usable if g % (c.tp * c.pp) == 0]
     evaluations = 0
     lo, hi = 0, len(usable)
     while lo < hi:
@@ -240,6 +284,23 @@ def _rank(c: Candidate) -> tuple:
             -(c.headroom_bytes or 0))
 
 
+def _volume(inv: ParamInventory, s: Settings) -> dict[str, Any]:
+    """Communication per GPU per step; under model parallelism the first pipeline rank's (it holds the most
+    micro-batches in flight): its data-parallel collectives and its tensor- and pipeline-parallel traffic."""
+    if s.parallel is None or not s.parallel.active:
+        return communication(inv, s)
+    from memplan.comm import model_parallel
+
+    lay = accounting.layout(inv, s)
+    _, r_inv, r_s = lay.ranks[0]
+    out = dict(communication(r_inv, r_s))
+    for x in model_parallel(lay, 0):
+        key = "inter_node_bytes" if x["network"] == "inter-node" else "intra_node_bytes"
+        out[key] += x["bytes_per_gpu"]
+        out["total_bytes"] += x["bytes_per_gpu"]
+    return out
+
+
 def _at_count(inv: ParamInventory, with_min: list[Candidate], gpus: int, mbs: tuple[int, ...],
               budget: int) -> tuple[list[Candidate], Candidate | None, int]:
     """At ``gpus``: each candidate's largest micro-batch by the allocated bound; then, in the order the bounds rank
@@ -264,7 +325,7 @@ def _at_count(inv: ParamInventory, with_min: list[Candidate], gpus: int, mbs: tu
             done.append(replace(c, exact=False))
             continue
         peak, req = bound[hi]
-        volume = communication(inv, s)
+        volume = _volume(inv, s)
         done.append(replace(c, micro_batch=mbs[hi], peak_bytes=peak, required_bytes=req, headroom_bytes=budget - req,
                             exact=False, comm=(volume["inter_node_bytes"], volume["total_bytes"])))
         bounds[id(done[-1])] = (s, bound, hi)
@@ -291,7 +352,7 @@ def search(inv: ParamInventory, *, gpu: str | None = None, gpu_memory_size: str 
            config: dict | None = None, gpus_per_node: int = 8, max_gpus: int = 1024,
            strategies: tuple[str, ...] = DEFAULT_STRATEGIES, recomputes: tuple[str, ...] = ("none", "full"),
            micro_batch: int | None = None, max_micro_batch: int = 64, allow_offload: bool = False,
-           min_headroom: str | None = None, **common: Any) -> Search:
+           min_headroom: str | None = None, layouts: bool = False, **common: Any) -> Search:
     """The search described in the module docstring. ``common``: options.resolve's other options;
     ``min_headroom``: a size (8GiB) or a fraction of the GPU (0.1, 10%) every candidate must leave free."""
     _check_bounds(gpus_per_node, max_gpus, micro_batch, max_micro_batch)
@@ -302,8 +363,12 @@ def search(inv: ParamInventory, *, gpu: str | None = None, gpu_memory_size: str 
     margin = parse_headroom(min_headroom, capacity)
     if margin:
         notes.append(f"--min-headroom {min_headroom}: every candidate leaves {margin:,} B free")
+    if layouts:
+        notes.append("layouts: tensor parallelism within a node, pipeline stages across nodes, with "
+                     + ", ".join(n for n in strategies if n in LAYOUT_STRATEGIES)
+                     + "; under PP the micro-batches per step are --grad-accum, else as many as stages")
     found = _search(inv, capacity - margin, config, gpus_per_node, max_gpus, strategies, recomputes, micro_batch,
-                    max_micro_batch, allow_offload, gpu, gpu_memory_size, common, notes)
+                    max_micro_batch, allow_offload, gpu, gpu_memory_size, common, notes, layouts)
     # headroom is against the whole GPU; the search fitted each candidate into it less the margin
     more = lambda c: c if c.headroom_bytes is None else replace(c, headroom_bytes=c.headroom_bytes + margin)  # noqa
     return replace(found, gpu_memory_bytes=capacity, min_headroom_bytes=margin,
@@ -339,9 +404,9 @@ def parse_headroom(text: str | None, capacity: int) -> int:
 def _search(inv: ParamInventory, budget: int, config: dict | None, gpus_per_node: int, max_gpus: int,
             strategies: tuple[str, ...], recomputes: tuple[str, ...], micro_batch: int | None,
             max_micro_batch: int, allow_offload: bool, gpu: str | None, gpu_memory_size: str | None,
-            common: dict[str, Any], notes: list[str]) -> Search:
+            common: dict[str, Any], notes: list[str], layouts: bool = False) -> Search:
     cands = _candidates(inv, config, strategies, recomputes, allow_offload, gpus_per_node, gpu, gpu_memory_size,
-                        common, notes)
+                        common, notes, layouts)
     counts = gpu_counts(gpus_per_node, max_gpus)
     mbs = (micro_batch,) if micro_batch is not None else tuple(range(1, max_micro_batch + 1))
     evaluations = 0
@@ -388,4 +453,10 @@ def command_line(model: str, found: Search, extra: list[str]) -> str | None:
         parts.append(f"--recompute {b.recompute}")
     for k, v in OFFLOAD_VARIANTS.get(b.label, ("", {}))[1].items():
         parts.append(f"--{k.replace('_', '-')}" if v else f"--no-{k.replace('_', '-')}")
+    if b.tp > 1:
+        parts.append(f"--tp {b.tp}")
+    if b.pp > 1:
+        parts.append(f"--pp {b.pp}")
+        if not any(x.startswith("--grad-accum") for x in extra):
+            parts.append(f"--grad-accum {b.settings.grad_accum}")
     return " ".join(parts + extra)

@@ -104,8 +104,25 @@ def load_or_trace(config: dict, *, seq_len: int, micro_batch: int, recipe: str, 
     return TracedProfile(data, micro_batch, "traced now")
 
 
+#: profiles read in this process, by key and directory (a search resolves the same configuration many times)
+_READ: dict[tuple[str, str], tuple[dict, str]] = {}
+
+
 def _stored(key: str) -> tuple[dict, str] | None:
     """(profile, origin) from the shipped set or the disk cache; None when neither has it."""
+    memo = (key, str(cache_dir()))
+    hit = _READ.get(memo)
+    if hit is not None:
+        return hit
+    found = _stored_on_disk(key)
+    if found is not None:
+        if len(_READ) > 512:
+            _READ.clear()
+        _READ[memo] = found
+    return found
+
+
+def _stored_on_disk(key: str) -> tuple[dict, str] | None:
     for where, origin in ((shipped_dir(), "shipped"), (cache_dir(), "cache")):
         try:
             data = _read_profile(where, key)

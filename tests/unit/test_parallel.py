@@ -218,3 +218,20 @@ def test_model_parallel_communication(tmp_path):
     assert blocks["times_per_step"] == 4 * 4 * 2 and blocks["bytes_per_gpu"] == 32 * act  # 2(n-1)/n = 1 at n=2
     send = rows[("send", "stage")]
     assert send["times_per_step"] == 4 and send["bytes_per_gpu"] == 4 * 256 * 96 * s.recipe.residual_bytes
+
+
+def test_plan_searches_layouts(inventories):
+    """memplan plan --layouts: TP within a node and PP across nodes join the candidates; the recommendation's
+    command reproduces its layout."""
+    from memplan import planner
+
+    inv = inventories("llama-3-8b")
+    found = planner.search(inv, gpu_memory_size="40GiB", strategies=("fsdp-full",), recomputes=("full",),
+                           max_gpus=64, max_micro_batch=4, layouts=True, activations="analytic")
+    layouts = {(c.tp, c.pp) for c in found.candidates}
+    assert (1, 1) in layouts and (8, 1) in layouts and (2, 2) in layouts and (1, 16) in layouts
+    assert all(c.min_gpus is None or c.min_gpus % (c.tp * c.pp) == 0 for c in found.candidates)
+    pp = next(c for c in found.candidates if c.pp == 4 and c.tp == 1)
+    assert pp.settings.grad_accum == 4  # as many micro-batches as stages unless --grad-accum says
+    line = planner.command_line("llama-3-8b", replace(found, best=pp, gpus=pp.min_gpus), [])
+    assert "--pp 4" in line and "--grad-accum 4" in line

@@ -387,7 +387,8 @@ class Layout:
             if p.pp > 1:
                 if not share.last:  # the bare trace's final norm, which this stage does not run
                     less += s.seq_len * par.norm_saved(h, rc.residual_bytes)
-                output = s.seq_len * par.stage_output(inv.dims, p, self.name, share.last, rc)
+                output = s.seq_len * (par.stage_output(inv.dims, p, self.name, share.last, rc)
+                                      + par.stage_input(inv.dims, p, self.name, share.first, rc))
             prof = act.HeldProfile(inner, share.in_flight, less, loss, output, others, fewer,
                                    recompute=s.recompute)
             cluster = replace(s.cluster, gpus=dp, gpus_per_node=per_node)
@@ -444,7 +445,7 @@ class Layout:
 
         share, r_inv, r_s = self.ranks[i]
         buffers = par.recv_buffers(self.inventory.dims, self.settings.parallel, share, self.settings.grad_accum,
-                                   self.settings.seq_len, self.settings.recipe)
+                                   self.settings.seq_len, self.settings.recipe, self.name)
         one = replace(r_s, pipeline_buffer_bytes=buffers)
         m = r_s.grad_accum
         prof = r_s.activation_profile

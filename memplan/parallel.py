@@ -563,7 +563,7 @@ def stage_output(dims: dict[str, Any], p: Parallel, layout: str, last: bool, rec
 
 
 def recv_buffers(dims: dict[str, Any], p: Parallel, share: RankShare, micro_batches: int, tokens: int,
-                 recipe: Any) -> int:
+                 recipe: Any, layout: str = TORCHTITAN) -> int:
     """A pipeline rank's receive buffers, made once for every micro-batch of a step and kept
     (torch/distributed/pipelining/stage.py _setup_forward_recv_info: a buffer per micro-batch for the
     activations a stage after the first receives; _create_grad_recv_info / _setup_backward_recv_info: one per
@@ -575,4 +575,17 @@ def recv_buffers(dims: dict[str, Any], p: Parallel, share: RankShare, micro_batc
     each = tokens * dims.get("hidden_size", 0) * recipe.residual_bytes
     chunks = len(share.chunks)
     n = sum((0 if c.first else 1) + (0 if c.last else 1) for c in share.chunks) if chunks else 0
+    if layout == MEGATRON_DEEPSPEED:
+        # DeepSpeed's PipelineEngine keeps one of each (engine.py pipe_recv_buf, grad_layer) and clones each
+        # received activation (_exec_recv_activations: pipe_recv_buf.clone()): the clones are in stage_input
+        return n * each
     return n * micro_batches * each
+
+
+def stage_input(dims: dict[str, Any], p: Parallel, layout: str, first: bool, recipe: Any) -> int:
+    """Bytes per token of a received stage input each in-flight micro-batch keeps beyond the blocks' saved
+    tensors: DeepSpeed's clone of its receive buffer (torch's pipelining receives into a buffer per micro-batch,
+    counted in recv_buffers)."""
+    if p.pp == 1 or first or layout != MEGATRON_DEEPSPEED:
+        return 0
+    return dims.get("hidden_size", 0) * recipe.residual_bytes

@@ -149,3 +149,64 @@ def setup(spec: dict[str, Any], device: Any, build: Any, optimizer: Any, reinit:
     pipe = {"schedule": sched, "first": any(s.is_first for s in stages), "last": any(s.is_last for s in stages),
             "parts": parts}
     return torch.nn.ModuleList(parts), opt, pipe  # every stage's parameters attributed as weights
+
+
+def setup_deepspeed_pipe(spec: dict[str, Any], device: Any, optimizer: Any) -> tuple[Any, Any, Any]:
+    """DeepSpeed's PipelineEngine over a PipelineModule of the transformers decoder's own layers, as
+    Megatron-DeepSpeed lays a GPT out: [embedding, each block, final norm + head], partition_method "parameters"
+    (DeepSpeed's default; memplan predicts the same split), the loss on the last stage; each rank builds only its
+    stage's layers (LayerSpec)."""
+    import deepspeed
+    import torch
+    from deepspeed.pipe import LayerSpec, PipelineModule
+    from torch import nn
+    from transformers import AutoModelForCausalLM
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    from memplan.model.meta_builder import hf_config
+
+    cfg = hf_config(spec["config"])
+    with torch.device("meta"):
+        probe = AutoModelForCausalLM.from_config(cfg)
+    block_cls, rotary_cls, norm_cls = (type(probe.model.layers[0]), type(probe.model.rotary_emb),
+                                       type(probe.model.norm))
+    del probe
+    vocab, hidden = cfg.vocab_size, cfg.hidden_size
+
+    class Embed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed_tokens = nn.Embedding(vocab, hidden)
+
+        def forward(self, ids: Any) -> Any:
+            return self.embed_tokens(ids)
+
+    class Block(nn.Module):
+        def __init__(self, i: int) -> None:
+            super().__init__()
+            self.layer = block_cls(cfg, i)
+            self.rotary_emb = rotary_cls(cfg)
+
+        def forward(self, h: Any) -> Any:
+            pos = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
+            out = self.layer(h, attention_mask=None, position_ids=pos, position_embeddings=self.rotary_emb(h, pos))
+            return out[0] if isinstance(out, tuple) else out
+
+    class Head(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm = norm_cls(hidden, eps=getattr(cfg, "rms_norm_eps", 1e-6))
+            self.lm_head = nn.Linear(hidden, vocab, bias=False)
+
+        def forward(self, h: Any) -> Any:
+            return self.lm_head(self.norm(h))
+
+    def loss_fn(logits: Any, labels: Any) -> Any:
+        return ForCausalLMLoss(logits, labels, vocab)
+
+    torch.manual_seed(spec.get("seed", 0))
+    layers = [LayerSpec(Embed)] + [LayerSpec(Block, i) for i in range(cfg.num_hidden_layers)] + [LayerSpec(Head)]
+    module = PipelineModule(layers=layers, num_stages=spec["pp"], loss_fn=loss_fn, partition_method="parameters")
+    opt = optimizer(spec, module.parameters())
+    engine, ds_opt, _, _ = deepspeed.initialize(model=module, optimizer=opt, config=spec["ds_config"])
+    return engine, ds_opt, {"deepspeed": engine, "first": engine.is_first_stage(), "last": engine.is_last_stage()}

@@ -123,7 +123,7 @@ def _train(rank: int, spec: dict[str, Any], out: str, device: Any, module: Any, 
         where = {"position_ids": torch.arange(spec["seq_len"], device=device).unsqueeze(0)} if spec.get("sp") else {}
         run = (lambda m: m(input_ids=batch, labels=batch, **where).loss)  # noqa: E731
     pipe = engine if isinstance(engine, dict) else None
-    if pipe is not None:  # torch.distributed.pipelining: the schedule runs the step's micro-batches
+    if pipe is not None:  # torch.distributed.pipelining (or DeepSpeed's PipelineEngine) runs the micro-batches
         engine = None
         gen = torch.Generator().manual_seed(1234)
         whole = torch.randint(0, spec["config"]["vocab_size"], (spec["micro_batch"] * spec["grad_accum"],
@@ -140,7 +140,12 @@ def _train(rank: int, spec: dict[str, Any], out: str, device: Any, module: Any, 
                 torch.cuda.reset_peak_memory_stats()
                 gstart = torch.cuda.memory_allocated()
         with record_function(f"memplan:step{step}"):
-            if pipe is not None:
+            if pipe is not None and "deepspeed" in pipe:  # the engine runs the micro-batches and the step
+                with record_function("memplan:forward"):
+                    mb = spec["micro_batch"]
+                    pipe["deepspeed"].train_batch(iter([(whole[i * mb:(i + 1) * mb], whole[i * mb:(i + 1) * mb])
+                                                        for i in range(spec["grad_accum"])]))
+            elif pipe is not None:
                 with record_function("memplan:forward"):
                     # as torchtitan's trainer calls it: the last stage keeps no micro-batch's output
                     kw: dict[str, Any] = {"return_outputs": False}
@@ -161,7 +166,9 @@ def _train(rank: int, spec: dict[str, Any], out: str, device: Any, module: Any, 
                             loss.backward()
                     del loss
             with record_function("memplan:optimizer-step"):
-                if engine is not None:
+                if pipe is not None and "deepspeed" in pipe:
+                    pass  # train_batch stepped
+                elif engine is not None:
                     engine.step()
                 else:
                     optimizer.step()

@@ -155,6 +155,8 @@ def setup(spec: dict[str, Any], device: Any) -> tuple[Any, Any, Any]:
     if spec.get("tp", 1) > 1 or spec.get("pp", 1) > 1:
         from memplan.harness import model_parallel
 
+        if spec["framework"] == "deepspeed":
+            return model_parallel.setup_deepspeed_pipe(spec, device, _torch_optimizer)
         return model_parallel.setup(spec, device, _build_model, _torch_optimizer, _reinit_buffers)
     setups = {"deepspeed": _setup_deepspeed, "torch-ddp": _setup_ddp, "torch": _setup_single, "fsdp1": _setup_fsdp1,
               "fsdp2": _setup_fsdp2}

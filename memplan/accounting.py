@@ -412,6 +412,13 @@ class Layout:
     @staticmethod
     def _accumulators(r_inv: ParamInventory, r_s: Settings) -> int:
         st = r_s.strategy
+        if st.zero_stage in (1, 2) and r_s.ds.contiguous_gradients and r_s.pipeline_stage:
+            # DeepSpeed's PipelineEngine reduces the gradients itself after the last micro-batch:
+            # stage_1_and_2.py reduce_gradients(pipeline_parallel=True) appends one more reduce bucket of
+            # reduce_bucket_size elements to the ipg buffers ("with PP we must create ipg buffer, since backward
+            # is handled outside zero"), released at the step; counted through the step (an upper bound: it is
+            # made after the last backward). Measured on CPU, pp 2, default buckets: -48.8% without it.
+            return r_s.ds.reduce_bucket_size * r_s.recipe.grad_bytes
         if r_s.parallel is not None or st.framework != "fsdp2" or not st.shard_grads or r_s.grad_accum == 1:
             return 0
         rb = r_s.recipe.reduced_grad_bytes

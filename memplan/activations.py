@@ -451,7 +451,10 @@ class HeldProfile:
     def terms(self, recompute: str, micro_batch: int) -> tuple[int, int, int, int, int]:
         fwd, bwd, saved, emb, block = self.inner.terms(recompute, micro_batch)
         x = self.extra(recompute, micro_batch)
-        return (fwd + x - self.output * micro_batch, bwd + x + self.loss_extra * micro_batch, saved + x, emb + x,
+        # left at backward's end: the current micro-batch's activations are gone, so neither its share of the
+        # sequence-parallel saving nor its output apply; the held micro-batches' do
+        end = x + (self.saved_less - self.output) * micro_batch
+        return (fwd + x - self.output * micro_batch, bwd + x + self.loss_extra * micro_batch, saved + x, emb + end,
                 block)
 
     # the timeline's moments: the same shift (the recompute the plan uses is the settings'; these profiles are

@@ -25,6 +25,9 @@ CASES = [
     "estimate llama-7b --gpus 64 --gpu a100-40g --json",
     "estimate llama-7b --gpus 8 --strategy horovod --horovod-compression fp16 --gpu h100-80g --explain --json",
     "estimate llama-3-8b --gpus 8 --strategy ddp --gpu h100-80g --json",
+    "estimate llama-3-8b --gpus 16 --tp 4 --pp 2 --sp --strategy fsdp-full --grad-accum 4 --activations analytic "
+    "--gpu h100-80g --json",
+    "estimate llama-3-8b --gpus 8 --pp 4 --stage 1 --grad-accum 8 --activations analytic --json",
 ]
 
 
@@ -35,7 +38,9 @@ def test_estimate_json_follows_the_schema(args):
     jsonschema.validate(json.loads(out), SCHEMA)
 
 
-@pytest.mark.parametrize("args", ["plan gpt2 --gpu h100-80g --json", "plan llama-7b --gpu a100-40g --max-gpus 2 --json"])
+@pytest.mark.parametrize("args", ["plan gpt2 --gpu h100-80g --json", "plan llama-7b --gpu a100-40g --max-gpus 2 --json",
+                                  "plan llama-3-8b --gpu a100-40g --max-gpus 16 --layouts --strategies fsdp-full "
+                                  "--recompute full --activations analytic --json"])
 def test_plan_json_follows_the_schema(args):
     # plan-v1 refers to estimate-v1 for the recommended configuration's estimate
     from referencing import Registry, Resource

@@ -235,3 +235,17 @@ def test_plan_searches_layouts(inventories):
     assert pp.settings.grad_accum == 4  # as many micro-batches as stages unless --grad-accum says
     line = planner.command_line("llama-3-8b", replace(found, best=pp, gpus=pp.min_gpus), [])
     assert "--pp 4" in line and "--grad-accum 4" in line
+
+
+@pytest.mark.parametrize("par_kw,strategy", [(dict(tp=2, sp=True), "fsdp-full"), (dict(pp=2), "fsdp-full"),
+                                             (dict(pp=2, schedule="gpipe"), "ddp"),
+                                             (dict(pp=2, schedule="interleaved"), "fsdp-full"), (dict(pp=2), None)])
+def test_every_phase_of_every_rank_is_whole_bytes(tmp_path, par_kw, strategy):
+    inv, _ = _inv(tmp_path, num_hidden_layers=6)
+    p = par.Parallel(**par_kw)
+    kw = dict(strategy=strategy) if strategy else dict(stage=1)
+    s = _settings(inv, gpus=4, grad_accum=4, seq_len=128, parallel=p, **kw)
+    plan = accounting.estimate(inv, s)
+    for rp in plan.layout.plans:
+        for ph in rp.phases:
+            assert all(getattr(ph, k) >= 0 for k in ("grads_bytes", "activations_bytes", "buffers_bytes")), ph

@@ -425,6 +425,20 @@ class Layout:
         whole = rb * r_inv.trainable_params
         return max(whole - _fixed(r_inv, r_s).grads[0], 0)
 
+    def _embedding_whole(self, r_inv: ParamInventory) -> int:
+        """Under DTensor tensor parallelism the vocabulary-parallel embedding's gradient comes out whole: DTensor has
+        no row-wise strategy for embedding_dense_backward (torch/distributed/tensor/_ops/_embedding_ops.py: colwise,
+        batch-sharded and partial only), so each TP rank computes the full [vocab, hidden] gradient, and FSDP2's
+        unsharded accumulator under pipelining keeps it (measured: tp 2 x pp 2, 2,097,152 B where the local rows
+        are 1,048,576). The elements beyond the rank's rows."""
+        p = self.settings.parallel
+        if p.tp == 1 or self.name != "torchtitan":
+            return 0
+        vocab = self.inventory.dims.get("vocab_size")
+        return sum(
+            (vocab - t.shape[0]) * (t.numel // t.shape[0]) for t in r_inv.tensors
+            if t.category == "embedding" and t.shape and vocab and t.shape[0] < vocab and t.trainable)
+
     @staticmethod
     def _unsharded(r_inv: ParamInventory, r_s: Settings) -> int:
         from memplan.settings import reshard_after_forward
@@ -464,6 +478,8 @@ class Layout:
         # stage.py), so FSDPParam keeps an unsharded accumulator in the reduce dtype (fp32 under fsdp-bf16;
         # measured: 3,164,160 B per block of 791,040 parameters) where a synced step keeps the reduced shard
         accumulators = self._accumulators(r_inv, r_s)  # FSDP2's unsharded accumulators beyond the reduced shards
+        if r_s.strategy.framework == "fsdp2" and r_s.pipeline_stage:
+            accumulators += r_s.recipe.reduced_grad_bytes * self._embedding_whole(r_inv)
         acc = replace(one, pipeline_accumulator_bytes=accumulators)
         # the backwards with no forward between them (GPipe's after the first; 1F1B's cooldown on ranks holding
         # more than one micro-batch): FSDP2 does not reshard after a backward under pipelining

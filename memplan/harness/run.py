@@ -146,7 +146,8 @@ def _train(rank: int, spec: dict[str, Any], out: str, device: Any, module: Any, 
                     pipe["deepspeed"].train_batch(iter([(whole[i * mb:(i + 1) * mb], whole[i * mb:(i + 1) * mb])
                                                         for i in range(spec["grad_accum"])]))
             elif pipe is not None:
-                with record_function("memplan:forward"):
+                with record_function("memplan:forward"), (loss_parallel() if parallel_loss else
+                                                           contextlib.nullcontext()):
                     # as torchtitan's trainer calls it: the last stage keeps no micro-batch's output
                     kw: dict[str, Any] = {"return_outputs": False}
                     if pipe["last"]:

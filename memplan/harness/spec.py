@@ -149,8 +149,6 @@ def _parallel_spec(config: dict[str, Any], s: Settings, layout: Any, warmup_step
         raise SettingsError("the harness runs tensor and pipeline parallelism under FSDP2 (fsdp-full, "
                             "fsdp-grad-op: torchtitan's layout) and DeepSpeed's PipelineEngine (ZeRO 0-1, --pp); "
                             "Megatron's tensor parallelism needs Megatron")
-    if p.tp > 1 and p.pp > 1:
-        raise SettingsError("the harness runs --tp or --pp, not both at once yet")
     if deepspeed_pipe and job.recipe.name != "deepspeed-bf16":
         raise SettingsError(f"the harness runs DeepSpeed's PipelineEngine with deepspeed-bf16, not {job.recipe.name}")
     if not deepspeed_pipe and job.recipe.name not in ("fsdp-bf16", "fp32"):

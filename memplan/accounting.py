@@ -345,12 +345,13 @@ class Layout:
                 base = loss_prof if last else bare_prof
                 if base is not None:
                     return act.at_layers(base, layers)
-                dims = dict(r_inv.dims, num_layers=layers)
+                dims = dict(r_inv.dims, num_layers=max(layers, 1))  # a stage of the embedding or head alone: 0
                 if not last:
                     dims["vocab_size"] = 0
                 gated = bool(dims.get("gated_mlp", 1))
-                return act.cached_profile(tuple(sorted(dims.items())), 1, s.seq_len, rc.compute_bytes,
+                prof = act.cached_profile(tuple(sorted(dims.items())), 1, s.seq_len, rc.compute_bytes,
                                           rc.residual_bytes, s.attention, s.recompute, gated)
+                return prof if layers else act.at_layers(prof, 0)
 
             v = len(share.chunks)
             if v > 1:  # interleaved: each stage's micro-batches in flight with that stage's own profile, at the

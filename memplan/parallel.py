@@ -423,9 +423,13 @@ class RankShare:
 
     def describe(self) -> str:
         b = self.blocks
+        def run(c: Chunk) -> str:
+            return "-" if not c.layers else str(c.layers[0]) if len(c.layers) == 1 else \
+                f"{c.layers[0]}-{c.layers[-1]}"
+
         span = "no blocks" if not b else f"block {b[0]}" if len(b) == 1 else (
             f"blocks {b[0]}-{b[-1]}" if len(self.chunks) == 1 else
-            ", ".join(f"{c.layers[0]}-{c.layers[-1]}" if c.layers else "-" for c in self.chunks))
+            "blocks " + ", ".join(run(c) for c in self.chunks))
         ends = [x for x, on in (("embedding", self.first), ("head", self.last)) if on]
         return span + (f" + {' + '.join(ends)}" if ends else "")
 

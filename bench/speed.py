@@ -134,6 +134,11 @@ def explain_and_suggest_ms(repeat: int = 20) -> tuple[float, float]:
             kw.pop("strategy", None)
         ds = {k: kw.pop(k) for k in ("offload_optimizer", "offload_param") if k in kw}
         torch_knobs = {k: kw.pop(k) for k in ("cpu_offload",) if k in kw}
+        kw["trace"] = kw.pop("_trace", True)
+        if "tp" in kw or "pp" in kw:  # the model-parallel suggestions (advice._model_parallel)
+            from memplan.parallel import Parallel
+
+            kw["parallel"] = Parallel(tp=kw.pop("tp", 1), pp=kw.pop("pp", 1))
         return options.resolve(inv, config=src.config, ds_overrides=ds, torch_overrides=torch_knobs, **kw).settings
 
     plan = A.estimate(inv, settings({}))

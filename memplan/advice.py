@@ -155,6 +155,32 @@ def _offload(plan: Any) -> list[Change]:
     return []
 
 
+def _model_parallel(plan: Any) -> list[Change]:
+    """Twice the pipeline stages, or twice the tensor-parallel ranks within a node, on the same GPUs (the
+    data-parallel size halves): where the strategy runs them (memplan/parallel.py layout_of). Estimated only where
+    their ranks' activation profiles are cached (``_trace`` False: a suggestion never imports torch to trace)."""
+    from memplan import parallel as par
+
+    s = plan.settings
+    p = s.parallel or par.Parallel()
+    try:
+        par.layout_of(s.strategy, 2)
+    except MemplanError:
+        return []
+    c, out = s.cluster, []
+    blocks = plan.inventory.dims.get("num_layers") or 0
+    if c.gpus % (p.model_ranks * 2) == 0 and p.pp * 2 <= blocks:
+        ga = max(s.grad_accum, p.pp * 2)
+        out.append(Change(f"{p.pp * 2} pipeline stages", ("--pp", str(p.pp * 2), "--grad-accum", str(ga)),
+                          {"pp": p.pp * 2, "grad_accum": ga, "_trace": False},
+                          "a pipeline bubble, stage outputs sent between nodes", 6))
+    if c.gpus % (p.model_ranks * 2) == 0 and p.tp * 2 <= c.ranks_per_node:
+        out.append(Change(f"tensor parallelism over {p.tp * 2} GPUs", ("--tp", str(p.tp * 2)),
+                          {"tp": p.tp * 2, "_trace": False},
+                          "four all-reduces of each block's activations per micro-batch within a node", 6))
+    return out
+
+
 def _more_gpus(plan: Any) -> list[Change]:
     from memplan.settings import MAX_GPUS
 
@@ -174,8 +200,8 @@ def _more_gpus(plan: Any) -> list[Change]:
 #: the kinds of change, each with whether only its first fitting change is kept (the least change of its kind:
 #: the largest micro-batch, the fewest GPUs, the least offloaded) or every one that fits
 GROUPS: tuple[tuple[Callable[[Any], list[Change]], bool], ...] = (
-    (_sharding, False), (_micro_batches, True), (_recompute, False), (_optimizer, True), (_offload, True),
-    (_more_gpus, True))
+    (_sharding, False), (_micro_batches, True), (_recompute, False), (_optimizer, True), (_model_parallel, False),
+    (_offload, True), (_more_gpus, True))
 
 
 def suggest(plan: Any, settings_with: Callable[[dict[str, Any]], Any],
@@ -184,9 +210,15 @@ def suggest(plan: Any, settings_with: Callable[[dict[str, Any]], Any],
     with its required bytes, headroom and the bytes it saves; ``tried``: how many changes were estimated.
     ``settings_with(changes)``: the job's Settings with those command-line options changed. ``limit``: what
     "fits" means instead of the GPU's capacity (memplan check --max-fraction)."""
+    from types import SimpleNamespace
+
     from memplan import accounting
-    from memplan.comm import communication
+    from memplan.comm import job_volume as communication
     from memplan.units import fmt_bytes
+
+    if plan.layout is not None:  # the most loaded rank's plan: the changes apply to the job as given
+        plan = SimpleNamespace(settings=plan.layout.settings, inventory=plan.layout.inventory, fits=plan.fits,
+                               headroom_bytes=plan.headroom_bytes, required_bytes=plan.required_bytes)
 
     if limit is not None:
         why = "over the limit" if plan.fits is not None and plan.required_bytes > limit else None

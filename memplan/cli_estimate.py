@@ -100,7 +100,7 @@ def run(given: dict[str, Any], explicit: set[str], overheads: Any, suggestions: 
             allocator_conf=g["allocator_conf"], host_memory_size=g["host_memory"], pin_memory=g["pin_memory"],
             ds_overrides=O.ds_overrides(g), torch_overrides=O.torch_overrides(g),
             horovod_overrides=O.horovod_overrides(g), overhead_overrides=overheads(g), lora=spec,
-            parallel=O.parallel_of(g))
+            parallel=O.parallel_of(g), trace=g.get("_trace", True))
 
     resolved = resolve({})
     plan = accounting.estimate(inv, resolved.settings)

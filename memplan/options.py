@@ -65,7 +65,12 @@ def parse_reshard(value: str | None) -> bool | int | None:
     return n
 
 
-def activation_profile(config: dict[str, Any] | None, s: Settings, mode: str, notes: list[str]) -> Any:
+class _NotCached(SettingsError):
+    """A profile that would have to be traced where tracing is not allowed (``trace`` False)."""
+
+
+def activation_profile(config: dict[str, Any] | None, s: Settings, mode: str, notes: list[str],
+                       trace: bool = True) -> Any:
     """The traced profile for these settings (shipped, cached or traced now), or None for the analytic one.
 
     ``auto`` traces and falls back to analytic with a note when the model cannot be traced (data-dependent MoE
@@ -102,7 +107,11 @@ def activation_profile(config: dict[str, Any] | None, s: Settings, mode: str, no
     try:
         prof = profile_cache.load_or_trace(config, seq_len=s.seq_len, micro_batch=s.micro_batch, recipe=s.recipe.name,
                                  attention=attention, recompute=recompute, device=s.cluster.device,
-                                 linear=linear, target=target)
+                                 linear=linear, target=target, allow_trace=trace)
+        if prof is None and not trace:
+            raise _NotCached("no cached activation profile for this configuration (not traced here)")
+    except _NotCached:
+        raise
     except SettingsError as exc:
         if mode == "traced" or config.get("factory"):  # the user's own module has no analytic profile
             raise
@@ -686,10 +695,11 @@ def resolve(inv: ParamInventory, *, gpus: int = 1, gpus_per_node: int | None = N
             activations: str = "auto", cpu_isa: str | None = None, gpu_arch: str | None = None,
             allocator_conf: str | None = None, host_memory_size: str | None = None,
             pin_memory: bool | None = None, horovod_overrides: dict[str, Any] | None = None,
-            lora: Any = None, parallel: Any = None) -> Resolved:
+            lora: Any = None, parallel: Any = None, trace: bool = True) -> Resolved:
     """The job's Settings from the options given, each from the command line, the job's files or a default
     (``sources`` says which). ``lora``: the LoRA adapter (model/lora.py LoraSpec) ``inv`` already carries
-    (lora.apply), which the traced step adds too."""
+    (lora.apply), which the traced step adds too. ``trace`` False: a model-parallel job whose rank profiles are not
+    cached is refused instead of traced (the 'to fit' suggestions keep an estimate free of torch)."""
     pick = _Picker(deepspeed)
     notes = pick.notes
     ds_file = dsconfig.load(deepspeed) if deepspeed else None
@@ -779,7 +789,7 @@ def resolve(inv: ParamInventory, *, gpus: int = 1, gpus_per_node: int | None = N
     if any(len(t.shape) >= 4 for t in inv.tensors):  # Conv2d/Conv3d kernels: a small CNN, -10.6% on CPU
         notes.append("convolutions: their kernels' scratch (cuDNN, oneDNN) is not modelled (docs/accuracy.md)")
     if parallel is not None and parallel.active:
-        settings = _with_parallel(settings, inv, config, parallel, activations, notes)
+        settings = _with_parallel(settings, inv, config, parallel, activations, notes, trace)
     else:
         settings = replace(settings, activation_profile=activation_profile(config, settings, activations, notes))
     if settings.activation_profile is None and settings.recompute == OP_SAC:
@@ -807,7 +817,7 @@ def _honours_head_dim(model_type: str) -> bool:
 
 
 def _with_parallel(s: Settings, inv: ParamInventory, config: dict[str, Any] | None, p: Any, mode: str,
-                   notes: list[str]) -> Settings:
+                   notes: list[str], trace: bool = True) -> Settings:
     """The settings with tensor / pipeline parallelism: the degrees checked, and the activation profiles of a TP
     rank's model with and without the head traced (memplan/parallel.py rank_config), or analytic."""
     from memplan import parallel as par
@@ -830,7 +840,7 @@ def _with_parallel(s: Settings, inv: ParamInventory, config: dict[str, Any] | No
             got, seen = [], set()
             for c in cfgs:
                 own: list[str] = []
-                got.append(activation_profile(c, replace(s, lora=None), mode, own))
+                got.append(activation_profile(c, replace(s, lora=None), mode, own, trace))
                 notes.extend(n for n in own if n not in seen and not seen.add(n))
             if all(g is not None for g in got):
                 profiles = (got[0], got[1] if len(got) > 1 else got[0])

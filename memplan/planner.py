@@ -285,20 +285,9 @@ def _rank(c: Candidate) -> tuple:
 
 
 def _volume(inv: ParamInventory, s: Settings) -> dict[str, Any]:
-    """Communication per GPU per step; under model parallelism the first pipeline rank's (it holds the most
-    micro-batches in flight): its data-parallel collectives and its tensor- and pipeline-parallel traffic."""
-    if s.parallel is None or not s.parallel.active:
-        return communication(inv, s)
-    from memplan.comm import model_parallel
+    from memplan.comm import job_volume
 
-    lay = accounting.layout(inv, s)
-    _, r_inv, r_s = lay.ranks[0]
-    out = dict(communication(r_inv, r_s))
-    for x in model_parallel(lay, 0):
-        key = "inter_node_bytes" if x["network"] == "inter-node" else "intra_node_bytes"
-        out[key] += x["bytes_per_gpu"]
-        out["total_bytes"] += x["bytes_per_gpu"]
-    return out
+    return job_volume(inv, s)
 
 
 def _at_count(inv: ParamInventory, with_min: list[Candidate], gpus: int, mbs: tuple[int, ...],

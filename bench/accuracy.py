@@ -145,6 +145,8 @@ CASES = [
     # parallelism, torch.distributed.pipelining), FSDP2 over the data-parallel ranks
     ("fsdp-full tp 2", LLAMA, dict(strategy="fsdp-full", parallel=Parallel(tp=2)), {}, {}, "none"),
     ("fsdp-full tp 2 + sp", LLAMA, dict(strategy="fsdp-full", parallel=Parallel(tp=2, sp=True)), {}, {}, "none"),
+    ("fsdp-full tp 2, logits gathered (no loss parallel)", LLAMA,
+     dict(strategy="fsdp-full", parallel=Parallel(tp=2, loss_parallel=False)), {}, {}, "none"),
     ("fsdp-full tp 2", LLAMA, dict(strategy="fsdp-full", parallel=Parallel(tp=2)), {}, {}, "full"),
     ("fsdp-full tp 2, GQA", LLAMA3_TP, dict(strategy="fsdp-full", parallel=Parallel(tp=2)), {}, {}, "none"),
     ("fsdp-full tp 2 x dp 2", LLAMA, dict(strategy="fsdp-full", gpus=4, parallel=Parallel(tp=2)), {}, {}, "none"),

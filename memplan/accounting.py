@@ -348,6 +348,8 @@ class Layout:
                 dims = dict(r_inv.dims, num_layers=max(layers, 1))  # a stage of the embedding or head alone: 0
                 if not last:
                     dims["vocab_size"] = 0
+                elif not p.loss_parallel and self.name == par.TORCHTITAN:  # the loss on the gathered logits
+                    dims["vocab_size"] = inv.dims.get("vocab_size", 0)
                 gated = bool(dims.get("gated_mlp", 1))
                 prof = act.cached_profile(tuple(sorted(dims.items())), 1, s.seq_len, rc.compute_bytes,
                                           rc.residual_bytes, s.attention, s.recompute, gated)

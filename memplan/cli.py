@@ -140,6 +140,7 @@ def estimate(
     vpp: O.Vpp = None,
     sp: O.Sp = False,
     schedule: O.Schedule = None,
+    loss_parallel: O.LossParallel = None,
     cuda_context: Optional[str] = typer.Option(None, help="CUDA context size [default: 512MiB]."),
     nccl_per_communicator: Optional[str] = typer.Option(None, help="NCCL buffers per communicator [default: 1GiB]."),
     fragmentation_percent: Optional[int] = typer.Option(None, help="A flat allocator overhead, % of the allocated "
@@ -415,6 +416,7 @@ def validate(
     vpp: O.Vpp = None,
     sp: O.Sp = False,
     schedule: O.Schedule = None,
+    loss_parallel: O.LossParallel = None,
     layers: Optional[int] = typer.Option(None, "--layers", help="Scale the model down to this many blocks."),
     hidden: Optional[int] = typer.Option(None, "--hidden", help="Scale the hidden size down (head_dim kept)."),
     vocab: Optional[int] = typer.Option(None, "--vocab", help="Scale the vocabulary down."),

@@ -48,6 +48,9 @@ Pp = Annotated[Optional[int], typer.Option("--pp", help="Pipeline-parallel degre
 Vpp = Annotated[Optional[int], typer.Option("--vpp", help="Virtual pipeline stages per rank, --schedule interleaved "
                                             "[default: 2].")]
 Sp = Annotated[bool, typer.Option("--sp/--no-sp", help="Sequence parallelism with --tp.")]
+LossParallel = Annotated[Optional[bool], typer.Option(
+    "--loss-parallel/--no-loss-parallel", help="With --tp under FSDP/DDP: the loss on each rank's vocabulary rows "
+    "(torchtitan's default), or on the gathered logits (transformers' own TP, Accelerate's tp_size) [default: on].")]
 Schedule = Annotated[Optional[str], typer.Option("--schedule", help="Pipeline schedule: 1f1b | gpipe | interleaved "
                                                  "[default: 1f1b]; the micro-batches per step are --grad-accum.")]
 
@@ -55,12 +58,13 @@ Schedule = Annotated[Optional[str], typer.Option("--schedule", help="Pipeline sc
 def parallel_of(values: dict[str, Any]) -> Any:
     """The model-parallel degrees the options give (memplan/parallel.py Parallel), None when none is given."""
     tp, pp, vpp, sp, schedule = (values.get(k) for k in ("tp", "pp", "vpp", "sp", "schedule"))
-    if tp is None and pp is None and vpp is None and not sp and schedule is None:
+    lp = values.get("loss_parallel")
+    if tp is None and pp is None and vpp is None and not sp and schedule is None and lp is None:
         return None
     from memplan.parallel import Parallel
 
     return Parallel(tp=1 if tp is None else tp, pp=1 if pp is None else pp, vpp=vpp, sp=bool(sp),
-                    schedule=schedule or "1f1b")
+                    schedule=schedule or "1f1b", loss_parallel=True if lp is None else bool(lp))
 
 # DeepSpeed's knobs (DeepSpeedKnobs), as ds_config names them
 ReduceBucketSize = Annotated[Optional[int], typer.Option(help="DeepSpeed reduce_bucket_size (elements).")]

@@ -17,7 +17,12 @@ def verdict(est: Any, max_fraction: float) -> dict[str, Any]:
     host_ok = plan.host_fits is not False
     ok = need <= limit and host_ok
     st = rep["strategy"]
-    what = (f"{st['name']} on {s.cluster.gpus} GPU(s), micro-batch {s.micro_batch} x seq {s.seq_len}, "
+    layout = ""
+    if plan.layout is not None:  # the most loaded rank's plan: the job's GPUs and layout
+        p = plan.layout.settings.parallel
+        s = plan.layout.settings
+        layout = f" (tp {p.tp} x pp {p.pp} x dp {plan.layout.dp})"
+    what = (f"{st['name']} on {s.cluster.gpus} GPU(s){layout}, micro-batch {s.micro_batch} x seq {s.seq_len}, "
             f"grad-accum {s.grad_accum}, recompute {s.recompute}, {st['precision']}")
     files = f" [{', '.join(est.files)}]" if est.files else ""
     share = f"{100 * need / cap:.1f}%" if cap else "-"

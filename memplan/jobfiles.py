@@ -297,7 +297,31 @@ def read_accelerate(path: str) -> JobFile:
                           "FSDP, DEEPSPEED are)")
     if mixed == "fp16" and dist != "DEEPSPEED":
         job.notes.append(f"{path}: fp16 autocast is modelled as bf16's (the same bytes)")
+    _parallelism(job, path, d.get("parallelism_config") or {})
     return job
+
+
+def _parallelism(job: JobFile, path: str, pc: dict[str, Any]) -> None:
+    """Accelerate's parallelism_config (accelerate/parallelism_config.py ParallelismConfig; the keys as `accelerate
+    config` writes them, parallelism_config_tp_size, or bare): tp_size runs transformers' own tensor parallelism
+    (the model's tp_plan; its head is colwise_gather_output: the logits gathered whole, no loss parallelism),
+    dp_replicate_size > 1 with dp_shard_size is HSDP; cp_size > 1 is refused (context parallelism is not modelled)."""
+    if not isinstance(pc, dict):
+        raise ConfigError(f"{path}: parallelism_config must be a mapping")
+    get = lambda k: pc.get(f"parallelism_config_{k}", pc.get(k))  # noqa: E731
+    tp, cp = get("tp_size"), get("cp_size")
+    rep, shard = get("dp_replicate_size"), get("dp_shard_size")
+    if cp is not None and _count(cp, "parallelism_config.cp_size", path) > 1:
+        raise ConfigError(f"{path}: parallelism_config cp_size {cp}: context parallelism is not modelled yet")
+    if tp is not None and _count(tp, "parallelism_config.tp_size", path) > 1:
+        job.values["tp"] = int(tp)
+        job.values["loss_parallel"] = False
+        job.notes.append(f"{path}: tp_size {tp}: transformers' tensor parallelism (the model's tp_plan; the logits "
+                         "gathered whole for the loss)")
+    if rep is not None and _count(rep, "parallelism_config.dp_replicate_size", path) > 1:
+        job.values["strategy"] = "hsdp"
+        if shard is not None:
+            job.values["hsdp_shard_size"] = _count(shard, "parallelism_config.dp_shard_size", path)
 
 
 def _deepspeed_plugin(job: JobFile, path: str, ds: dict[str, Any], mixed: str) -> None:

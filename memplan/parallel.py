@@ -63,6 +63,11 @@ class Parallel:
     vpp: int | None = None
     sp: bool = False  #: sequence parallelism: the norms' and residuals' activations split over the TP ranks
     schedule: str = "1f1b"
+    #: torchtitan's loss parallelism (its default): the head's logits stay split by vocabulary and the loss runs
+    #: on each rank's share; False: they are gathered whole first (torchtitan's disable_loss_parallel, and
+    #: transformers' own tensor parallelism, which Accelerate's parallelism_config runs: the head's plan is
+    #: colwise_gather_output)
+    loss_parallel: bool = True
     #: the activation profiles options.py made for the ranks' shares: (with the loss, without it)
     profiles: Any = field(default=None, compare=False)
 
@@ -533,7 +538,10 @@ def rank_config(config: dict[str, Any], p: Parallel, layout: str, with_loss: boo
         for k in ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size"):
             if isinstance(c.get(k), int):
                 c[k] = c[k] // p.tp
-    c["vocab_size"] = padded_vocab(config["vocab_size"], p, layout) if with_loss else BARE_VOCAB
+    # the loss runs on the rank's vocabulary rows, or on the whole gathered logits
+    whole = layout == TORCHTITAN and not p.loss_parallel
+    c["vocab_size"] = (config["vocab_size"] if whole else padded_vocab(config["vocab_size"], p, layout)) \
+        if with_loss else BARE_VOCAB
     for k in ("pad_token_id", "bos_token_id", "eos_token_id"):  # ids past the smaller vocabulary
         if isinstance(c.get(k), int) and c[k] >= c["vocab_size"]:
             c[k] = None
@@ -547,7 +555,7 @@ def loss_parallel_extra(dims: dict[str, Any], p: Parallel, layout: str, seq_len:
     ``(grad_input + torch.exp(x)) * grad_output`` over the rank's fp32 log-probabilities, one logits-sized fp32
     tensor more than aten's nll_loss_backward followed by _log_softmax_backward_data (measured on CPU: 2 ranks,
     +1,048,576 B at the loss's backward for 256 tokens x 1,024 local vocabulary rows)."""
-    if p.tp == 1 or layout != TORCHTITAN:
+    if p.tp == 1 or layout != TORCHTITAN or not p.loss_parallel:
         return 0
     return 4 * seq_len * padded_vocab(dims.get("vocab_size", 0), p, layout)
 

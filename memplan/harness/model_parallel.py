@@ -42,7 +42,7 @@ def _stage_class() -> Any:
     return Stage
 
 
-def _tp(model: Any, blocks: list[Any], mesh: Any, sp: bool, whole: bool) -> None:
+def _tp(model: Any, blocks: list[Any], mesh: Any, sp: bool, whole: bool, loss_parallel: bool = True) -> None:
     """torchtitan's llama tensor-parallel plan (torchtitan/models/llama3/infra/parallelize.py apply_tp) on the
     transformers module names; ``whole``: the model itself (not a stage) holds the embedding and the head."""
     from torch.distributed.tensor import Replicate, Shard
@@ -57,8 +57,11 @@ def _tp(model: Any, blocks: list[Any], mesh: Any, sp: bool, whole: bool) -> None
     if getattr(model, "lm_head", None) is not None:
         if sp:
             root[("model." if whole else "") + "norm"] = SequenceParallel()
-        root["lm_head"] = ColwiseParallel(input_layouts=Shard(1) if sp else Replicate(), output_layouts=Shard(-1),
-                                          use_local_output=False)
+        # loss parallelism keeps the logits split (torchtitan); without it they are gathered whole, as transformers'
+        # colwise_gather_output does
+        root["lm_head"] = ColwiseParallel(input_layouts=Shard(1) if sp else Replicate(),
+                                          output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                                          use_local_output=not loss_parallel)
     if root:
         parallelize_module(model, mesh, root)
     for blk in blocks:
@@ -110,7 +113,7 @@ def setup(spec: dict[str, Any], device: Any, build: Any, optimizer: Any, reinit:
     for part in parts:
         blocks = list(part.layers) if pp > 1 else list(part.model.layers)
         if tp > 1:
-            _tp(part, blocks, mesh["tp"], p.sp, whole=pp == 1)
+            _tp(part, blocks, mesh["tp"], p.sp, whole=pp == 1, loss_parallel=spec.get("loss_parallel", True))
         if spec["framework"] == "fsdp2":
             for blk in blocks:
                 fully_shard(blk, mesh=mesh["dp"], mp_policy=mp, reshard_after_forward=spec["reshard_after_forward"])

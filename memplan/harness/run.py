@@ -128,7 +128,8 @@ def _train(rank: int, spec: dict[str, Any], out: str, device: Any, module: Any, 
         gen = torch.Generator().manual_seed(1234)
         whole = torch.randint(0, spec["config"]["vocab_size"], (spec["micro_batch"] * spec["grad_accum"],
                                                                 spec["seq_len"]), generator=gen).to(device)
-    parallel_loss = spec.get("tp", 1) > 1  # the head's logits stay split over the TP ranks (loss_parallel)
+    # the head's logits stay split over the TP ranks (loss_parallel), unless gathered whole
+    parallel_loss = spec.get("tp", 1) > 1 and spec.get("loss_parallel", True)
     if parallel_loss:
         from torch.distributed.tensor.parallel import loss_parallel
     for step in range(1, steps + 1):

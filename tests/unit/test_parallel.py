@@ -249,3 +249,32 @@ def test_every_phase_of_every_rank_is_whole_bytes(tmp_path, par_kw, strategy):
     for rp in plan.layout.plans:
         for ph in rp.phases:
             assert all(getattr(ph, k) >= 0 for k in ("grads_bytes", "activations_bytes", "buffers_bytes")), ph
+
+
+def test_accelerate_parallelism_config(tmp_path):
+    """Accelerate's parallelism_config: tp_size runs transformers' tensor parallelism (logits gathered whole),
+    dp_replicate_size > 1 is HSDP over dp_shard_size, cp_size > 1 is refused."""
+    from memplan import jobfiles
+    from memplan.errors import ConfigError
+
+    path = tmp_path / "acc.yaml"
+    path.write_text("distributed_type: FSDP\nmixed_precision: bf16\nnum_processes: 16\nnum_machines: 2\n"
+                    "fsdp_config:\n  fsdp_version: 2\nparallelism_config:\n  parallelism_config_tp_size: 2\n"
+                    "  parallelism_config_dp_shard_size: 4\n  parallelism_config_dp_replicate_size: 2\n")
+    job = jobfiles.read_accelerate(str(path))
+    assert job.values["tp"] == 2 and job.values["loss_parallel"] is False
+    assert job.values["strategy"] == "hsdp" and job.values["hsdp_shard_size"] == 4
+    path.write_text("distributed_type: FSDP\nnum_processes: 8\nparallelism_config:\n  cp_size: 2\n")
+    with pytest.raises(ConfigError, match="context parallelism"):
+        jobfiles.read_accelerate(str(path))
+
+
+def test_gathered_logits_hold_the_whole_vocabulary(tmp_path):
+    """Without loss parallelism the last stage's loss runs on the gathered [tokens, vocab] logits: more than on the
+    rank's rows, and the loss-parallel backward's extra tensor is gone."""
+    inv, _ = _inv(tmp_path, vocab_size=8192)
+    kw = dict(gpus=2, strategy="fsdp-full", seq_len=256)
+    split = accounting.estimate(inv, _settings(inv, parallel=par.Parallel(tp=2), **kw))
+    whole = accounting.estimate(inv, _settings(inv, parallel=par.Parallel(tp=2, loss_parallel=False), **kw))
+    assert whole.peak.activations_bytes > split.peak.activations_bytes
+    assert split.peak.weights_bytes == whole.peak.weights_bytes

@@ -44,9 +44,9 @@ IGNORED_TOP: dict[str, tuple[bool, str]] = {
                                        "--recompute sets it)"),
     "compile": (True, "torch.compile of the engine's module: its kernels and buffers are not modelled"),
     "aio": (True, "NVMe offload's I/O buffers, not counted"),
-    "pipeline": (True, "pipeline parallelism, not modelled"),
+    "pipeline": (True, "PipelineEngine knobs; the stages are PipelineModule's num_stages, in code: give --pp"),
     "hybrid_engine": (True, "the RLHF hybrid engine's inference containers, not modelled"),
-    "tensor_parallel": (True, "AutoTP tensor parallelism, not modelled"),
+    "tensor_parallel": (True, "AutoTP tensor parallelism, not modelled (--tp models Megatron's layers)"),
 }
 #: keys DeepSpeed 0.19.8 refuses outright (runtime/config.py _REMOVED_TOP_LEVEL_CONFIG_KEYS and
 #: _REMOVED_ZERO_CONFIG_KEYS, raised by _reject_removed_config_keys when the engine reads the config): what it says

@@ -396,7 +396,16 @@ def at_layers(prof: Any, layers: int, with_loss: bool = True) -> Any:
     """The same profile for a model of ``layers`` blocks (a pipeline rank's): the traced one's untraced blocks
     follow its per-block line; the analytic one counts its blocks (and its loss only where ``with_loss``)."""
     if isinstance(prof, TracedProfile):
-        return TracedProfile({**prof.data, "num_layers": layers}, prof.micro_batch, prof.origin)
+        d = prof.data
+        data = {**d, "num_layers": layers}
+        if d.get("traced_layers") == d.get("num_layers") and not any(d.get("per_layer") or (0, 0)) \
+                and layers != d.get("num_layers") and d.get("num_layers"):
+            # traced at full depth (blocks that differ: dense then MoE, sliding then global attention): no
+            # per-block line to add or take blocks with, so the average block's (an approximation: which blocks a
+            # stage holds is not known here)
+            n = d["num_layers"]
+            data["per_layer"] = [x // n for x in d["live_after_forward"]]
+        return TracedProfile(data, prof.micro_batch, prof.origin)
     return replace(prof, num_layers=layers, **({} if with_loss else {"loss_forward_bytes": 0,
                                                                       "loss_backward_bytes": 0}))
 

@@ -278,3 +278,15 @@ def test_gathered_logits_hold_the_whole_vocabulary(tmp_path):
     whole = accounting.estimate(inv, _settings(inv, parallel=par.Parallel(tp=2, loss_parallel=False), **kw))
     assert whole.peak.activations_bytes > split.peak.activations_bytes
     assert split.peak.weights_bytes == whole.peak.weights_bytes
+
+
+def test_a_stage_of_a_model_traced_at_full_depth_takes_its_share():
+    """A model traced at full depth (blocks that differ) has no per-block line: a pipeline stage of half its blocks
+    keeps about half its saved activations (the average block's), not all of them."""
+    from memplan.activations import TracedProfile, at_layers
+
+    d = {"num_layers": 10, "traced_layers": 10, "per_layer": [0, 0], "live_after_forward": [1000, 5000],
+         "forward_peak": [[1200, 6000]], "backward_peak": [[1300, 6500]]}
+    whole = TracedProfile(d, 1, "test").terms("none", 2)
+    half = at_layers(TracedProfile(d, 1, "test"), 5).terms("none", 2)
+    assert half[2] + half[4] == (whole[2] + whole[4]) - 5 * (11000 // 10)

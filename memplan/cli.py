@@ -192,10 +192,13 @@ def estimate(
     if plot:
         from memplan import plot as P
 
-        s = est.plan.settings
-        P.draw(plot, P.bars_across_gpus(est.plan.inventory, s), s.cluster.gpu_memory_bytes,
-               f"{est.report['model']['name']}: {s.strategy.name}, micro-batch {s.micro_batch} x seq {s.seq_len}, "
-               f"{s.recipe.name}, recompute {s.recompute}", "GPUs")
+        s, inv_p, lay = est.plan.settings, est.plan.inventory, ""
+        if est.plan.layout is not None:  # the job as given, at each GPU count its layout runs at
+            s, inv_p = est.plan.layout.settings, est.plan.layout.inventory
+            lay = f" tp {s.parallel.tp} x pp {s.parallel.pp} (the most loaded rank),"
+        P.draw(plot, P.bars_across_gpus(inv_p, s), s.cluster.gpu_memory_bytes,
+               f"{est.report['model']['name']}: {s.strategy.name},{lay} micro-batch {s.micro_batch} x seq "
+               f"{s.seq_len}, {s.recipe.name}, recompute {s.recompute}", "GPUs")
     if as_json:
         R.emit_json(est.report)
     else:

@@ -162,6 +162,8 @@ CASES = [
      dict(strategy="fsdp-full", gpus=4, grad_accum=4, parallel=Parallel(pp=2, schedule="gpipe")), {}, {}, "none"),
     ("fsdp-full tp 2 x pp 2 1f1b, 4 micro-batches", LLAMA4,
      dict(strategy="fsdp-full", gpus=4, grad_accum=4, parallel=Parallel(tp=2, pp=2)), {}, {}, "none"),
+    ("ddp pp 2 1f1b, torch-amp, 4 micro-batches", LLAMA4, dict(strategy="ddp", grad_accum=4, parallel=Parallel(pp=2)),
+     {}, {}, "none"),
     ("zero1 pp 2 (PipelineEngine), 4 micro-batches", LLAMA4, dict(stage=1, grad_accum=4, parallel=Parallel(pp=2)),
      {}, {}, "none"),
     ("zero1 pp 2 (PipelineEngine) small buckets, 4 micro-batches", LLAMA4,

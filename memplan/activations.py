@@ -433,6 +433,9 @@ class HeldProfile:
     #: blocks the inner profile counts beyond the current micro-batch's own (an interleaved rank's inner profile
     #: has all its blocks, as its buffers' timeline does; the micro-batch runs through one stage's)
     fewer_layers: int = 0
+    #: bytes each held micro-batch's saved tensors count that the micro-batches in flight share, once (autocast's
+    #: weight casts, cached for the autocast region a pipeline step runs in)
+    shared: int = 0
     _memo: dict = field(default_factory=dict, compare=False, repr=False)
 
     includes_autocast_copies = property(lambda self: self.inner.includes_autocast_copies)
@@ -446,7 +449,8 @@ class HeldProfile:
                 held += count * (saved + block)
             block = self.inner.terms(recompute, micro_batch)[4]
             self._memo[key] = (held - self.held * self.saved_less * micro_batch
-                               + self.held * self.output * micro_batch - self.fewer_layers * block)
+                               + self.held * self.output * micro_batch - self.fewer_layers * block
+                               - (self.held - 1) * self.shared)
         return self._memo[key]
 
     def fewer(self) -> HeldProfile:

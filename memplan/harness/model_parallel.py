@@ -110,6 +110,8 @@ def setup(spec: dict[str, Any], device: Any, build: Any, optimizer: Any, reinit:
         parts.append(model)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
         if spec["recipe"] == "fsdp-bf16" else MixedPrecisionPolicy()
+    if spec["framework"] == "torch-ddp" and tp > 1:
+        raise ValueError("the harness runs DDP with pipeline parallelism only")
     for part in parts:
         blocks = list(part.layers) if pp > 1 else list(part.model.layers)
         if tp > 1:
@@ -118,13 +120,18 @@ def setup(spec: dict[str, Any], device: Any, build: Any, optimizer: Any, reinit:
             for blk in blocks:
                 fully_shard(blk, mesh=mesh["dp"], mp_policy=mp, reshard_after_forward=spec["reshard_after_forward"])
             fully_shard(part, mesh=mesh["dp"], mp_policy=mp)
-        if device.type == "cpu":
+        if device.type == "cpu" and spec["framework"] == "fsdp2":
             gloo.collectives_in_place(part)
         part.to_empty(device=device)
         with torch.no_grad():
             for prm in part.parameters():
                 prm.normal_(0.0, 0.02)
         reinit(part)
+    if spec["framework"] == "torch-ddp":  # DDP over the dp ranks of each stage (torchtitan's data_parallel_replicate)
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        parts = [DDP(part, process_group=mesh["dp"].get_group(), bucket_cap_mb=spec["bucket_cap_mb"],
+                     gradient_as_bucket_view=spec["gradient_as_bucket_view"], init_sync=False) for part in parts]
     params = [prm for part in parts for prm in part.parameters()]
     opt = optimizer(spec, params)
     if pp == 1:
@@ -151,7 +158,8 @@ def setup(spec: dict[str, Any], device: Any, build: Any, optimizer: Any, reinit:
         sched = cls(stages[0], n_microbatches=m, loss_fn=loss_fn)
     pipe = {"schedule": sched, "first": any(s.is_first for s in stages), "last": any(s.is_last for s in stages),
             "parts": parts}
-    return torch.nn.ModuleList(parts), opt, pipe  # every stage's parameters attributed as weights
+    inner = [x.module if hasattr(x, "module") else x for x in parts]
+    return torch.nn.ModuleList(inner), opt, pipe  # every stage's parameters attributed as weights
 
 
 def setup_deepspeed_pipe(spec: dict[str, Any], device: Any, optimizer: Any) -> tuple[Any, Any, Any]:

@@ -148,7 +148,8 @@ def _train(rank: int, spec: dict[str, Any], out: str, device: Any, module: Any, 
                                                         for i in range(spec["grad_accum"])]))
             elif pipe is not None:
                 with record_function("memplan:forward"), (loss_parallel() if parallel_loss else
-                                                           contextlib.nullcontext()):
+                                                           contextlib.nullcontext()), \
+                        torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
                     # as torchtitan's trainer calls it: the last stage keeps no micro-batch's output
                     kw: dict[str, Any] = {"return_outputs": False}
                     if pipe["last"]:

@@ -145,13 +145,15 @@ def _parallel_spec(config: dict[str, Any], s: Settings, layout: Any, warmup_step
     job = layout.settings
     p = job.parallel
     deepspeed_pipe = layout.name != TORCHTITAN and p.tp == 1
-    if not deepspeed_pipe and (layout.name != TORCHTITAN or job.strategy.name not in ("fsdp-full", "fsdp-grad-op")):
+    ddp_pipe = job.strategy.name == "ddp" and p.tp == 1
+    if not (deepspeed_pipe or ddp_pipe) and (layout.name != TORCHTITAN or
+                                             job.strategy.name not in ("fsdp-full", "fsdp-grad-op")):
         raise SettingsError("the harness runs tensor and pipeline parallelism under FSDP2 (fsdp-full, "
                             "fsdp-grad-op: torchtitan's layout) and DeepSpeed's PipelineEngine (ZeRO 0-1, --pp); "
                             "Megatron's tensor parallelism needs Megatron")
     if deepspeed_pipe and job.recipe.name != "deepspeed-bf16":
         raise SettingsError(f"the harness runs DeepSpeed's PipelineEngine with deepspeed-bf16, not {job.recipe.name}")
-    if not deepspeed_pipe and job.recipe.name not in ("fsdp-bf16", "fp32"):
+    if not deepspeed_pipe and job.recipe.name not in ("fsdp-bf16", "fp32", "torch-amp"):
         raise SettingsError(f"the harness runs tensor and pipeline parallelism with fsdp-bf16 or fp32, not "
                             f"{job.recipe.name}")
     if job.recompute != "none" and p.pp > 1:

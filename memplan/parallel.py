@@ -28,7 +28,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
-from math import prod
 from typing import Any
 
 from memplan.errors import SettingsError
@@ -476,14 +475,6 @@ def dominated(shares: tuple[RankShare, ...]) -> set[int]:
     return {sh.rank for sh in shares if sh.rank not in keep}
 
 
-def data_parallel(gpus: int, gpus_per_node: int, p: Parallel) -> tuple[int, int]:
-    """(dp ranks, of them per node): TP innermost, then data parallelism, PP outermost (torchtitan's mesh
-    [pp, dp, tp]; Megatron's default order tp-dp-pp)."""
-    dp = gpus // p.model_ranks
-    per_node = max(1, min(dp, gpus_per_node // p.tp if gpus_per_node >= p.tp else 1))
-    return dp, per_node
-
-
 def sp_saving(dims: dict[str, Any], p: Parallel, layout: str, residual_bytes: int, compute_bytes: int) -> int:
     """Bytes per token and block that sequence parallelism takes off a TP rank's activations: what is kept for
     backward outside the TP regions, at full hidden size without it.
@@ -509,10 +500,6 @@ def norm_saved(h: int, residual_bytes: int) -> int:
     """Bytes per token one transformers RMSNorm keeps for backward (hidden_states.to(float32); the normalised
     input cast back to the residual dtype for ``weight * hidden``; rsqrt of the variance)."""
     return 4 * h + residual_bytes * h + 4
-
-
-def tp_numel(inv: ParamInventory) -> int:
-    return sum(prod(t.shape) if t.shape else 1 for t in inv.tensors)
 
 
 #: a non-last pipeline stage's trace: the model with this many vocabulary rows, so its loss is negligible (the

@@ -176,6 +176,7 @@ def _assemble(s: Settings, tl: BufferTimeline, g: Grads, model_states: tuple[int
     if c.device == "cuda":
         comms = (1 + (1 if s.strategy.shard_within_node else 0) + (1 if s.ds.hpz_partition_size > 1 else 0)) \
             if c.gpus > 1 else 0
+        comms += s.model_parallel_groups  # a model-parallel rank's TP and PP groups (each its own communicator)
         a["nccl_communicators"] = comms
     moments = []
     for m in tl.moments:
@@ -409,7 +410,8 @@ class Layout:
                 # all-gather per block per step, not one per micro-batch
                 knobs = replace(knobs, reshard_after_forward=False)
             out.append((share, r_inv, replace(s, parallel=None, cluster=cluster, activation_profile=prof,
-                                               pipeline_stage=p.pp > 1, torch=knobs)))
+                                               pipeline_stage=p.pp > 1, torch=knobs,
+                                               model_parallel_groups=(p.tp > 1) + (p.pp > 1))))
         self.ranks = tuple(out)
         #: ranks another one bounds (parallel.dominated): a search skips them
         self.dominated = par.dominated(tuple(share for share, _, _ in out))

@@ -223,6 +223,8 @@ class Settings:
     #: a pipeline stage: the schedule computes the loss outside the stage's module, after its root's forward has
     #: ended and before its root's backward begins (torch.distributed.pipelining _maybe_compute_loss)
     pipeline_stage: bool = False
+    #: NCCL communicators a model-parallel rank adds to its data-parallel group's: its TP group, its PP group
+    model_parallel_groups: int = 0
 
     def __post_init__(self) -> None:
         for name, most in (("micro_batch", MAX_MICRO_BATCH), ("seq_len", MAX_SEQ_LEN), ("grad_accum", MAX_GRAD_ACCUM)):

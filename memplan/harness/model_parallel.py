@@ -80,9 +80,9 @@ def _tp(model: Any, blocks: list[Any], mesh: Any, sp: bool, whole: bool, loss_pa
         parallelize_module(blk, mesh, plan)
 
 
-def setup(spec: dict[str, Any], device: Any, build: Any, optimizer: Any, reinit: Any) -> tuple[Any, Any, Any]:
+def setup(spec: dict[str, Any], device: Any, build: Any, optimizer: Any, materialize: Any) -> tuple[Any, Any, Any]:
     """(module, optimizer, pipeline) for an FSDP2 / DDP job with tensor and pipeline parallelism. ``build``,
-    ``optimizer`` and ``reinit``: harness/setup.py's model builder, optimizer and buffer re-initialisation."""
+    ``optimizer`` and ``materialize``: harness/setup.py's model builder, optimizer, and storage on the device."""
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -122,11 +122,7 @@ def setup(spec: dict[str, Any], device: Any, build: Any, optimizer: Any, reinit:
             fully_shard(part, mesh=mesh["dp"], mp_policy=mp)
         if device.type == "cpu" and spec["framework"] == "fsdp2":
             gloo.collectives_in_place(part)
-        part.to_empty(device=device)
-        with torch.no_grad():
-            for prm in part.parameters():
-                prm.normal_(0.0, 0.02)
-        reinit(part)
+        materialize(part, device)
     if spec["framework"] == "torch-ddp":  # DDP over the dp ranks of each stage (torchtitan's data_parallel_replicate)
         from torch.nn.parallel import DistributedDataParallel as DDP
 

@@ -157,7 +157,7 @@ def setup(spec: dict[str, Any], device: Any) -> tuple[Any, Any, Any]:
 
         if spec["framework"] == "deepspeed":
             return model_parallel.setup_deepspeed_pipe(spec, device, _torch_optimizer)
-        return model_parallel.setup(spec, device, _build_model, _torch_optimizer, _reinit_buffers)
+        return model_parallel.setup(spec, device, _build_model, _torch_optimizer, materialize)
     setups = {"deepspeed": _setup_deepspeed, "torch-ddp": _setup_ddp, "torch": _setup_single, "fsdp1": _setup_fsdp1,
               "fsdp2": _setup_fsdp2}
     if spec["framework"] not in setups:
@@ -332,13 +332,21 @@ def _setup_fsdp2(spec: dict[str, Any], device: Any) -> tuple[Any, Any, Any]:
     fully_shard(model, mesh=mesh, mp_policy=mp)
     if device.type == "cpu":
         gloo.collectives_in_place(model)
+    materialize(model, device)
+    opt = _torch_optimizer(spec, model.parameters())
+    return model, opt, None
+
+
+def materialize(model: Any, device: Any) -> None:
+    """A model built on the meta device (and wrapped) given storage on ``device``: random weights, buffers made
+    again (what every FSDP2 and model-parallel setup does after wrapping)."""
+    import torch
+
     model.to_empty(device=device)
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0.0, 0.02)
     _reinit_buffers(model)
-    opt = _torch_optimizer(spec, model.parameters())
-    return model, opt, None
 
 
 def _reinit_buffers(model: Any) -> None:

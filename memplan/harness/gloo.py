@@ -11,9 +11,16 @@ def _all_gather_in_place(output: Any, input: Any, group: Any = None, async_op: b
     import torch
     import torch.distributed as dist
 
+    rows = output.view(dist.get_world_size(group), -1)
+    me = dist.get_rank(group)
     with torch.no_grad():
-        output.zero_()
-        output.view(dist.get_world_size(group), -1)[dist.get_rank(group)].copy_(input.view(-1))
+        # FSDP2 passes its all-gather input as this rank's slice of the output (in place, as NCCL takes it:
+        # _fsdp_collectives.py foreach_all_gather), so that slice is not zeroed; the others are
+        if input.data_ptr() != rows[me].data_ptr():
+            rows[me].copy_(input.view(-1))
+        for i in range(rows.shape[0]):
+            if i != me:
+                rows[i].zero_()
     return dist.all_reduce(output, group=group, async_op=async_op)
 
 

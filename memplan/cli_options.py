@@ -47,6 +47,8 @@ Tp = Annotated[Optional[int], typer.Option("--tp", help="Tensor-parallel degree 
 Pp = Annotated[Optional[int], typer.Option("--pp", help="Pipeline-parallel degree (stages) [default: 1].")]
 Vpp = Annotated[Optional[int], typer.Option("--vpp", help="Virtual pipeline stages per rank, --schedule interleaved "
                                             "[default: 2].")]
+Ep = Annotated[Optional[int], typer.Option("--ep", help="Expert-parallel degree: each MoE layer's routed experts split "
+                                          "over ep of the data-parallel ranks (FSDP2) [default: 1].")]
 Sp = Annotated[bool, typer.Option("--sp/--no-sp", help="Sequence parallelism with --tp.")]
 LossParallel = Annotated[Optional[bool], typer.Option(
     "--loss-parallel/--no-loss-parallel", help="With --tp under FSDP/DDP: the loss on each rank's vocabulary rows "
@@ -57,13 +59,14 @@ Schedule = Annotated[Optional[str], typer.Option("--schedule", help="Pipeline sc
 
 def parallel_of(values: dict[str, Any]) -> Any:
     """The model-parallel degrees the options give (memplan/parallel.py Parallel), None when none is given."""
-    tp, pp, vpp, sp, schedule = (values.get(k) for k in ("tp", "pp", "vpp", "sp", "schedule"))
+    tp, pp, vpp, sp, schedule, ep = (values.get(k) for k in ("tp", "pp", "vpp", "sp", "schedule", "ep"))
     lp = values.get("loss_parallel")
-    if tp is None and pp is None and vpp is None and not sp and schedule is None and lp is None:
+    if tp is None and pp is None and vpp is None and not sp and schedule is None and lp is None and ep is None:
         return None
     from memplan.parallel import Parallel
 
-    return Parallel(tp=1 if tp is None else tp, pp=1 if pp is None else pp, vpp=vpp, sp=bool(sp),
+    return Parallel(tp=1 if tp is None else tp, pp=1 if pp is None else pp, ep=1 if ep is None else ep,
+                    vpp=vpp, sp=bool(sp),
                     schedule=schedule or "1f1b", loss_parallel=True if lp is None else bool(lp))
 
 # DeepSpeed's knobs (DeepSpeedKnobs), as ds_config names them

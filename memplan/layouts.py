@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from memplan import strategies as S
-from memplan.model.inventory import ROOT_BLOCK, ParamInventory
+from memplan.model.inventory import ROOT_BLOCK, ParamInventory, ParamTensor
 from memplan.precision import Optimizer, Recipe
 from memplan.precision import state_bytes as precision_state_bytes
 from memplan.units import ceil_div, round_up
@@ -69,6 +69,16 @@ class GatherSizes:
     #: padded elements of each layer block's trainable parameters, the blocks as in block_numels (() : the same
     #: as block_numels, nothing frozen): what a block's gradients and reduce-scatter input hold under LoRA
     trainable_block_numels: tuple[int, ...] = ()
+    #: expert parallelism (ParamTensor.shard_split): per layer block, the padded elements of its experts (the
+    #: experts module is its own FSDP2 unit, over its own shard group), the shard elements of the whole block and
+    #: of its experts (each tensor over its own group), the experts' shard group, and the largest expert tensor;
+    #: () and 0 without
+    block_experts: tuple[int, ...] = ()
+    block_shards: tuple[int, ...] = ()
+    block_expert_shards: tuple[int, ...] = ()
+    block_expert_numels: tuple[int, ...] = ()  #: the experts' elements per block, unpadded
+    expert_world: int = 0
+    largest_expert_tensor: int = 0
 
     @property
     def grad_block_numels(self) -> tuple[int, ...]:
@@ -97,6 +107,11 @@ def _pairs(numels: list[int]) -> int:
         best = max(best, prev + 2 * x)
         prev = x
     return best
+
+
+def _group(t: ParamTensor, n: int) -> int:
+    """The FSDP shard group of one tensor in a data-parallel group of n (ParamTensor.shard_split)."""
+    return n if t.shard_split == 1 else max(1, n // t.shard_split)
 
 
 def _dim0_shard(shape: tuple[int, ...], n: int) -> int:
@@ -176,7 +191,7 @@ def _layout_sizes(inv: ParamInventory, layout: str, n: int, threshold: int) -> L
         shapes = tuple(((p,), p) for p in parts)
         largest = 2 * opt  # fp32 partitions are flattened per sub group (sub_group_size 1e9 by default)
     elif layout == S.PER_PARAM_DIM0:
-        parts = [_dim0_shard(t.shape, n) for t in tensors]
+        parts = [_dim0_shard(t.shape, _group(t, n)) for t in tensors]
         shard = opt = sum(parts)
         shapes = tuple((_local_dim0(t.shape, p), p) for t, p in zip(tensors, parts))
         largest = _pairs(parts)
@@ -243,6 +258,10 @@ def _gather_sizes(inv: ParamInventory, layout: str, n: int) -> GatherSizes:
     largest = {True: 0, False: 0}  # root?: the largest padded tensor
     seen_block = False
     units: dict[tuple[str, str], list[int]] = {}  # FLAT_PER_BLOCK: (group, unit) -> [elements, trainable]
+    # expert parallelism: group -> [expert elements, block shard, expert shard, expert elements unpadded]
+    experts: dict[str, list[int]] = {}
+    expert_world = largest_expert = 0
+    has_ep = any(t.shard_split > 1 for t in inv.tensors)
     for t in inv.tensors:
         seen_block = seen_block or t.block != ROOT_BLOCK
         group = t.group
@@ -251,7 +270,16 @@ def _gather_sizes(inv: ParamInventory, layout: str, n: int) -> GatherSizes:
         elif t.block == ROOT_BLOCK and seen_block:
             head_largest = max(head_largest, t.numel)
         if layout == S.PER_PARAM_DIM0:
-            padded = _dim0_shard(t.shape, n) * n
+            padded = _dim0_shard(t.shape, _group(t, n)) * _group(t, n)
+            if has_ep:
+                row = experts.setdefault(group, [0, 0, 0, 0])
+                row[1] += padded // _group(t, n)
+                if t.shard_split > 1:
+                    row[0] += padded
+                    row[2] += padded // _group(t, n)
+                    row[3] += t.numel
+                    expert_world = _group(t, n)
+                    largest_expert = max(largest_expert, padded)
         elif layout == S.PER_PARAM_NUMEL:
             padded = ceil_div(t.numel, n) * n
         else:
@@ -274,11 +302,18 @@ def _gather_sizes(inv: ParamInventory, layout: str, n: int) -> GatherSizes:
     root = per_block.pop(ROOT_BLOCK, 0)
     per_block_trainable.pop(ROOT_BLOCK, 0)
     blocks = tuple(per_block.values())
+    ep: dict = {}
+    if expert_world:
+        rows = [experts.get(b, [0, 0, 0, 0]) for b in per_block]
+        ep = dict(block_experts=tuple(r[0] for r in rows), block_shards=tuple(r[1] for r in rows),
+                  block_expert_shards=tuple(r[2] for r in rows), block_expert_numels=tuple(r[3] for r in rows),
+                  expert_world=expert_world,
+                  largest_expert_tensor=largest_expert)
     trainable_blocks = tuple(per_block_trainable.values()) if inv.frozen else ()
     return GatherSizes(largest_block=max(blocks, default=root), root=root, total_blocks=sum(blocks),
                        block_numels=blocks, total_sharded=inv.num_params, root_head=root_head,
                        largest_tensor=largest[False], root_largest_tensor=largest[True], tied=tied,
-                       head_largest_tensor=head_largest, trainable_block_numels=trainable_blocks)
+                       head_largest_tensor=head_largest, trainable_block_numels=trainable_blocks, **ep)
 
 
 def ceil_sum(numels: tuple[int, ...], r: int) -> int:

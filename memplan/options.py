@@ -850,6 +850,8 @@ def _with_parallel(s: Settings, inv: ParamInventory, config: dict[str, Any] | No
             notes.append(f"activations: analytic for each rank's share, because {why}")
     p = replace(p, profiles=profiles)
     notes.append(f"model parallelism: {layout} layout, tp {p.tp} x pp {p.pp} x dp {s.cluster.gpus // p.model_ranks}"
+                 + (f", experts over ep {p.ep} x efsdp {s.cluster.gpus // p.model_ranks * p.tp // p.ep} "
+                    "(balanced routing: tokens x top_k rows received)" if p.ep > 1 else "")
                  + (f", schedule {p.schedule}" + (f" with {p.virtual} stages per rank" if p.schedule == "interleaved"
                                                  else "") + f", {s.grad_accum} micro-batches per step"
                     if p.pp > 1 else "") + (", sequence parallel" if p.sp and p.tp > 1 else "")

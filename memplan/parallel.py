@@ -40,6 +40,9 @@ MEGATRON_DEEPSPEED = "megatron-deepspeed"
 #: the schedules each layout runs (torch.distributed.pipelining get_schedule_class: 1F1B, GPipe,
 #: Interleaved1F1B; DeepSpeed's PipelineEngine: TrainSchedule, a 1F1B)
 LAYOUT_SCHEDULES = {TORCHTITAN: ("1f1b", "gpipe", "interleaved"), MEGATRON_DEEPSPEED: ("1f1b",)}
+#: a rank config's key (rank_config) telling the tracer to run one expert-parallel rank (memplan/substitutes.py
+#: expert_parallel)
+EP_KEY = "memplan_expert_parallel"
 #: Megatron's make_vocab_size_divisible_by default
 MEGATRON_VOCAB_MULTIPLE = 128
 
@@ -67,12 +70,16 @@ class Parallel:
     #: transformers' own tensor parallelism, which Accelerate's parallelism_config runs: the head's plan is
     #: colwise_gather_output)
     loss_parallel: bool = True
+    #: expert parallelism: each MoE layer's routed experts split over ep ranks of the data-parallel x TP group
+    #: (whole experts per rank, tokens exchanged by all-to-all); their FSDP2 group is the rest, efsdp =
+    #: dp x tp / ep (torchtitan's dp_shard_mod_ep; transformers' DistributedConfig efsdp_size)
+    ep: int = 1
     #: the activation profiles options.py made for the ranks' shares: (with the loss, without it)
     profiles: Any = field(default=None, compare=False)
 
     @property
     def active(self) -> bool:
-        return self.tp * self.pp > 1
+        return self.tp * self.pp * self.ep > 1
 
     @property
     def model_ranks(self) -> int:
@@ -100,7 +107,7 @@ def layout_of(strategy: Any, pp: int) -> str:
 def check(p: Parallel, inv: ParamInventory, strategy: Any, gpus: int, grad_accum: int) -> str:
     """The layout after checking the degrees against the model and the GPU count (SettingsError naming the
     numbers otherwise)."""
-    for name in ("tp", "pp"):
+    for name in ("tp", "pp", "ep"):
         if getattr(p, name) < 1:
             raise SettingsError(f"--{name} must be at least 1, got {getattr(p, name)}")
     if p.vpp is not None and p.vpp < 1:
@@ -151,7 +158,35 @@ def check(p: Parallel, inv: ParamInventory, strategy: Any, gpus: int, grad_accum
                     if layout != TORCHTITAN else " (DTensor's ColwiseParallel would split a head)"))
         if inter and inter % p.tp:
             raise SettingsError(f"--tp {p.tp} does not divide the MLP's {inter} intermediate features")
+    if p.ep > 1:
+        _check_ep(p, inv, strategy, gpus // p.model_ranks, layout)
     return layout
+
+
+def routed_experts(inv: ParamInventory) -> int:
+    """The routed experts of each MoE layer (0 for a dense model): dim 0 of the fused expert weights."""
+    return max((t.shape[0] for t in inv.tensors if t.category == "experts" and len(t.shape) == 3), default=0)
+
+
+def _check_ep(p: Parallel, inv: ParamInventory, strategy: Any, dp: int, layout: str) -> None:
+    """Expert parallelism as torchtitan and transformers' native FSDP2 + EP lay it out (see Parallel.ep)."""
+    experts = routed_experts(inv)
+    if not experts:
+        raise SettingsError(f"--ep {p.ep}: the model has no routed experts (fused [experts, out, in] weights); expert "
+                            "parallelism splits MoE layers")
+    if experts % p.ep:
+        raise SettingsError(f"--ep {p.ep} does not divide the {experts} routed experts of each MoE layer")
+    if layout != TORCHTITAN or strategy.framework != "fsdp2" or strategy.name not in ("fsdp-full", "fsdp-grad-op"):
+        raise SettingsError(f"--ep with --strategy {strategy.name}: memplan models expert parallelism under FSDP2 "
+                            "(fsdp-full, fsdp-grad-op), as torchtitan and transformers' DistributedConfig(ep_size) "
+                            "run it; DeepSpeed's needs its own MoE layer (deepspeed.moe), which transformers' models "
+                            "do not use")
+    if p.tp > 1:
+        raise SettingsError(f"--ep {p.ep} with --tp {p.tp}: expert parallelism is modelled without tensor "
+                            "parallelism for now (experts over ep x efsdp = dp ranks)")
+    if (dp * p.tp) % p.ep:
+        raise SettingsError(f"--ep {p.ep} does not divide the data-parallel ranks dp x tp = {dp * p.tp} it borrows "
+                            "from (each expert's FSDP group is dp x tp / ep ranks)")
 
 
 # ---- pipeline stages ----
@@ -347,10 +382,16 @@ def _tp_shape(t: ParamTensor, p: Parallel, layout: str, dims: dict[str, Any]) ->
 
 
 def tp_inventory(inv: ParamInventory, p: Parallel, layout: str) -> ParamInventory:
-    """The model as one TP rank holds it (the rank holding the most: the first, under uneven vocabulary splits)."""
-    if p.tp == 1:
+    """The model as one TP rank holds it (the rank holding the most: the first, under uneven vocabulary splits),
+    with its EP rank's experts: E / ep whole experts of each fused expert weight (transformers' MoEParamShard,
+    Shard(0) over the EP mesh; torchtitan's ExpertParallel), FSDP-sharded over the dp / ep ranks that hold the
+    same experts (ParamTensor.shard_split)."""
+    if p.tp == 1 and p.ep == 1:
         return inv
     tensors = tuple(replace(t, shape=_tp_shape(t, p, layout, inv.dims)) for t in inv.tensors)
+    if p.ep > 1:
+        tensors = tuple(replace(t, shape=(t.shape[0] // p.ep,) + t.shape[1:], shard_split=p.ep)
+                        if t.category == "experts" and len(t.shape) == 3 else t for t in tensors)
     return replace(inv, tensors=tensors, dims=rank_dims(inv.dims, p, layout))
 
 
@@ -444,7 +485,7 @@ _SHARES: dict[tuple, tuple[ParamInventory, tuple[RankShare, ...]]] = {}
 def shares(inv: ParamInventory, p: Parallel, layout: str, micro_batches: int) -> tuple[RankShare, ...]:
     """Every pipeline rank's share (TP applied), in rank order (cached: a search asks for the same layout at
     every GPU count)."""
-    key = (id(inv), p.tp, p.pp, p.vpp, p.schedule, layout, micro_batches)
+    key = (id(inv), p.tp, p.pp, p.vpp, p.ep, p.schedule, layout, micro_batches)
     hit = _SHARES.get(key)
     if hit is not None and hit[0] is inv:
         return hit[1]
@@ -532,6 +573,8 @@ def rank_config(config: dict[str, Any], p: Parallel, layout: str, with_loss: boo
     for k in ("pad_token_id", "bos_token_id", "eos_token_id"):  # ids past the smaller vocabulary
         if isinstance(c.get(k), int) and c[k] >= c["vocab_size"]:
             c[k] = None
+    if p.ep > 1:
+        c[EP_KEY] = p.ep
     return c
 
 

@@ -301,3 +301,65 @@ def gemm_scratch(isa: str, threads: int = 1):  # noqa: ANN201
         return K.cpu_gemm_scratch(isa, m, n, k, names.get(out.dtype, "other"), threads)
 
     return scratch
+
+
+# ---- expert parallelism: transformers' AllToAllEP with the collectives taken out ---------------------------------
+
+
+def expert_parallel(model: Any, ep: int) -> int:
+    """The model as one EP rank runs it (transformers/distributed/expert_parallel.py, transformers 5.23): each
+    MoE layer's fused expert weights cut to this rank's E / ep experts (MoEParamShard, Shard(0)) and its experts
+    module reached through AllToAllEP's dispatch and combine, with each all-to-all a copy of what it sends: the
+    rank receives as many (token, expert) rows as it sends, tokens x top_k, the balanced routing a load-balanced
+    router aims at. What AllToAllEP allocates and saves is kept: the sorted send rows (an index whose backward
+    keeps the order), the received rows (a new buffer, the functional all-to-all's output), the experts run top-1
+    with unit weights, the combined rows scattered back into token order (index_put, the order kept) and weighted
+    (the weighted product keeps the rows and the weights). Returns the experts modules changed."""
+    import torch
+
+    class _AllToAll(torch.autograd.Function):
+        """all_to_all_single_autograd: a new output buffer; its backward is the reverse all-to-all (another new
+        buffer) and saves nothing."""
+
+        @staticmethod
+        def forward(ctx: Any, x: Any) -> Any:
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx: Any, g: Any) -> Any:
+            return g.clone()
+
+    changed = 0
+    for name, mod in model.named_modules():
+        if not name.endswith(".experts"):
+            continue
+        gate_up = getattr(mod, "gate_up_proj", None)
+        if gate_up is None or gate_up.dim() != 3:
+            continue
+        experts = gate_up.shape[0]
+        local = experts // ep
+        for pname in ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias"):
+            p = getattr(mod, pname, None)
+            if p is not None:
+                setattr(mod, pname, torch.nn.Parameter(p.detach()[:local].clone(), requires_grad=p.requires_grad))
+        mod.num_experts = local
+        forward = mod.forward
+
+        def ep_forward(hidden_states: Any, top_k_index: Any, top_k_weights: Any, forward: Any = forward,
+                       local: int = local) -> Any:
+            num_tokens, num_top_k = top_k_index.shape
+            order = torch.argsort(top_k_index.reshape(-1))
+            send = hidden_states[order // num_top_k]
+            recv = _AllToAll.apply(send)
+            ids = torch.zeros(recv.shape[0], 1, dtype=torch.long, device=recv.device)
+            weights = torch.ones(recv.shape[0], 1, dtype=recv.dtype, device=recv.device)
+            out = forward(recv, ids, weights)
+            back = _AllToAll.apply(out)
+            rows = torch.empty_like(back)
+            rows[order] = back
+            rows = rows.view(num_tokens, num_top_k, out.shape[-1])
+            return (rows * top_k_weights.unsqueeze(-1)).sum(dim=1).to(hidden_states.dtype)
+
+        mod.forward = ep_forward
+        changed += 1
+    return changed

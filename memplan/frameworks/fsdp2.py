@@ -92,6 +92,8 @@ def buffers(job: Job, grads: Grads) -> BufferTimeline:
         return _root_only(job, grads)
     g, raf = job.gathers, reshard_after_forward(job)
     u = _units(job)
+    if g.expert_world:
+        return _nested_experts(job, grads, u, raf)
     h = _kept(u) if raf is False else _resharded(u, raf, g.block_numels)
     end, inside_first = _end(u, job, grads.end)
     moments = [LOSS, *_forward_moments(u, h, raf), *_backward_moments(u, h, raf, job.n), inside_first,
@@ -105,6 +107,93 @@ def buffers(job: Job, grads: Grads) -> BufferTimeline:
         moments.append(BufferMoment(h.head_bwd, u.gb * u.thead, Moment.ALL_SAVED))
     return BufferTimeline(gathered_forward_end=h.forward_end, gathered_loss=h.loss, end=end, moments=tuple(moments),
                           assumptions={"reshard_after_forward": raf, "largest_gathered_block_numel": g.largest_block})
+
+
+def _nested_experts(job: Job, grads: Grads, u: _Units, raf: bool | int) -> BufferTimeline:
+    """Expert parallelism: each MoE block's experts module is an FSDP2 unit of its own inside the block's, over the
+    experts' shard group of e = dp x tp / ep ranks (transformers' apply_fully_sharded_data_parallelism and
+    torchtitan's apply_fsdp: fully_shard(experts, efsdp mesh, reshard_after_forward=True) before the block's),
+    so the block's unit B holds the rest. The units' order is FSDP2's: forward B_i then X_i (post-forward X_i then
+    B_i); backward in reverse post-forward order, each pre-backward prefetching the next unit (B_i's prefetches
+    X_i, X_i's prefetches B_(i-1)), each post-backward resharding, freeing the previous reduce-scatter input
+    (reduce_scatter_max_input_buffers = 1) and filling its own. With e = 1 the experts have no all-gather: their
+    unsharded weights are cast one parameter at a time from the shard (wait_for_unshard's world-1 path), nothing
+    prefetched. Simulated over every block; each block's moments are labelled with its inside-block moment (the
+    last, the one before it, the second, the first: profile.block_moments adds that block's activations and
+    gradients at their worst, an upper bound for each of its moments). Measured: harness, mixtral 2 blocks, ep 2
+    (docs/accuracy.md)."""
+    if raf is not True or u.be or job.s.pipeline_stage:
+        raise SettingsError("--ep: modelled with the blocks resharded after forward (fsdp-full's default), "
+                            "--fsdp-wrap block and no pipeline stages")
+    g, n, cb, gb, rb = job.gathers, job.n, u.cb, u.gb, u.rb
+    e = g.expert_world
+    flat, flatx = n > 1, e > 1
+    pf, pfx = int(flat), int(flatx)
+    xs = g.block_experts
+    bs = tuple(t - x for t, x in zip(g.block_numels, xs))
+    sx = g.block_expert_shards
+    sb = tuple(t - x for t, x in zip(g.block_shards, sx))
+    nb = len(bs)
+    # the world-1 unshard casts one parameter at a time when the shard's dtype differs from the compute dtype
+    cast = cb * g.largest_expert_tensor if not flatx and job.s.recipe.param_bytes != cb else 0
+    root, hg = u.root, u.head_grads
+    last = nb - 1
+    M = Moment
+    moments: list[BufferMoment] = [LOSS]
+    # forward: the embedding's unit and block 0's B copied out; the last block's B then its experts copied out
+    # (B's all-gather output held through the experts' copy-out; the unit before B, the previous experts, held
+    # through B's); inside the last block, its B and its experts unsharded, the experts' output held to the
+    # root's post-forward
+    moments.append(BufferMoment(root + u.fwd_out + (1 + pf) * cb * bs[0], 0, M.EMBEDDING_OUTPUT))
+    before = pfx * cb * xs[last - 1] if nb >= 2 else (pf * cb * 0)
+    moments.append(BufferMoment(root + max(before + (1 + pf) * cb * bs[last],
+                                           (1 + pf) * cb * bs[last] + (1 + pfx) * cb * xs[last] + cast),
+                                0, M.LAST_BLOCK_FORWARD_BEGINS))
+    moments.append(BufferMoment(root + cb * bs[last] + max(pf * cb * bs[last], (1 + pfx) * cb * xs[last]), 0,
+                                M.INSIDE_LAST_BLOCK_FORWARD))
+    forward_end = root + (cb * xs[last] if flatx else pf * cb * bs[last])
+    loss = root + pf * cb * bs[last]  # the root's pre-backward prefetches the last unit: the last block's B
+    if u.cin:
+        moments.append(BufferMoment(root + pf * (cb * bs[last] + u.copy_in(bs[last])), 0, M.ALL_SAVED))
+    labels = {last: M.INSIDE_LAST_BLOCK_BACKWARD, last - 1: M.INSIDE_PREVIOUS_BLOCK_BACKWARD,
+              0: M.INSIDE_FIRST_BLOCK_BACKWARD}
+    if nb >= 4:
+        labels[1] = M.INSIDE_SECOND_BLOCK_BACKWARD
+    shards = held = 0
+    base = root + hg
+    for i in range(last, -1, -1):
+        b, x = cb * bs[i], cb * xs[i]
+        nxt = pf * cb * bs[i - 1] if i else 0
+        nxt_in = pf * u.copy_in(bs[i - 1]) if i else 0
+        at = [
+            (base + held + (1 + pf) * b, shards),  # B_i copied out of its prefetched all-gather
+            (base + held + b + pfx * (x + u.copy_in(xs[i], e)), shards),  # B_i's pre-backward prefetches X_i
+            (base + held + b + (1 + pfx) * x + cast, shards),  # X_i copied out
+            (base + held + b + x + nxt + nxt_in, shards),  # X_i's pre-backward prefetches B_(i-1); its backward
+        ]
+        # X_i's post-backward: resharded, the previous input freed, its grads into its reduce-scatter input (the
+        # CPU chunk_cat temporary), then its reduced shard; its input held to the next reduce
+        at.append((base + b + nxt + rb * xs[i] + u.chunk_tmp, shards))
+        shards += rb * sx[i]
+        held = rb * xs[i]
+        # the rest of the block's backward, and B_i's post-backward (resharded, X_i's input freed, its own filled):
+        # the experts' unsharded grads are gone (reduced), which profile.block_moments still counts at their
+        # worst; where its worst falls after them, they are taken out here (gx: their elements, unpadded)
+        gx = gb * g.block_expert_numels[i]
+        at.append((base + b + nxt + held - gx, shards))
+        at.append((base + nxt + rb * bs[i] + u.chunk_tmp - gx, shards))
+        shards += rb * sb[i]
+        held = rb * bs[i]
+        if i in labels:
+            buf, grd = max(at, key=lambda m: m[0] + m[1])
+            moments.append(BufferMoment(buf, grd, labels[i]))
+    # the root's reduce at backward's end: its grads, its unsharded parameters with block 0's input, or its own
+    # input; every block's shard reduced, the root's missing
+    troot = u.troot
+    end = (gb * troot + max(root + held, rb * troot) + u.root_chunk_tmp, rb * ceil_div(troot, n))
+    return BufferTimeline(gathered_forward_end=forward_end, gathered_loss=loss, end=end, moments=tuple(moments),
+                          assumptions={"reshard_after_forward": raf, "largest_gathered_block_numel": g.largest_block,
+                                       "experts_shard_group": e})
 
 
 @dataclass(frozen=True)

@@ -80,6 +80,30 @@ def _tp(model: Any, blocks: list[Any], mesh: Any, sp: bool, whole: bool, loss_pa
         parallelize_module(blk, mesh, plan)
 
 
+def experts_modules(model: Any) -> list[Any]:
+    """The MoE layers' routed-experts modules (transformers' fused experts: 3-D gate_up_proj / down_proj)."""
+    return [m for name, m in model.named_modules() if name.endswith(".experts")
+            and getattr(getattr(m, "gate_up_proj", None), "dim", lambda: 0)() == 3]
+
+
+def _ep(model: Any, ep_mesh: Any, tp_mesh: Any) -> list[Any]:
+    """transformers' expert-parallel plan (base_model_ep_plan: "grouped_gemm" on the fused weights, Shard(0) over
+    the EP mesh, "ep_dispatch_experts" on the module: AllToAllEP in training; transformers/distributed/
+    expert_parallel.py), as DistributedConfig(ep_size) applies it; the experts modules."""
+    from torch.distributed.tensor import Shard
+    from transformers.distributed.expert_parallel import EpDispatchExpertsParallel, MoEParamShard
+
+    mods = experts_modules(model)
+    for m in mods:
+        for name in ("gate_up_proj", "down_proj"):
+            MoEParamShard(Shard(0), shards_expert_dim=True).shard_param(m, name, ep_mesh)
+        for name in ("gate_up_proj_bias", "down_proj_bias"):
+            if getattr(m, name, None) is not None:
+                MoEParamShard(Shard(0), shards_expert_dim=True).shard_param(m, name, ep_mesh)
+        EpDispatchExpertsParallel().install_forward(m, ep_mesh=ep_mesh, tp_mesh=tp_mesh)
+    return mods
+
+
 def setup(spec: dict[str, Any], device: Any, build: Any, optimizer: Any, materialize: Any) -> tuple[Any, Any, Any]:
     """(module, optimizer, pipeline) for an FSDP2 / DDP job with tensor and pipeline parallelism. ``build``,
     ``optimizer`` and ``materialize``: harness/setup.py's model builder, optimizer, and storage on the device."""
@@ -91,12 +115,15 @@ def setup(spec: dict[str, Any], device: Any, build: Any, optimizer: Any, materia
     from memplan import parallel as par
     from memplan.harness import gloo
 
-    tp, pp = spec["tp"], spec["pp"]
+    tp, pp, ep = spec["tp"], spec["pp"], spec.get("ep", 1)
     world = dist.get_world_size()
     dp = world // (tp * pp)
-    mesh = init_device_mesh("cuda" if device.type == "cuda" else "cpu", (pp, dp, tp),
-                            mesh_dim_names=("pp", "dp", "tp"))
+    kind = "cuda" if device.type == "cuda" else "cpu"
+    mesh = init_device_mesh(kind, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
+    # experts: transformers' expert mesh (pp, efsdp, ep), efsdp = dp x tp / ep (distributed/utils.py)
+    emesh = init_device_mesh(kind, (pp, dp * tp // ep, ep), mesh_dim_names=("pp", "efsdp", "ep")) if ep > 1 else None
     model = build(spec, on_meta=True)
+    experts = _ep(model, emesh["ep"], mesh["tp"]) if ep > 1 else []
     p = par.Parallel(tp=tp, pp=pp, vpp=spec.get("vpp"), sp=spec.get("sp", False), schedule=spec["schedule"])
     rank = dist.get_rank()
     pp_rank = rank // (dp * tp)
@@ -117,6 +144,11 @@ def setup(spec: dict[str, Any], device: Any, build: Any, optimizer: Any, materia
         if tp > 1:
             _tp(part, blocks, mesh["tp"], p.sp, whole=pp == 1, loss_parallel=spec.get("loss_parallel", True))
         if spec["framework"] == "fsdp2":
+            # the experts first, on their own mesh (transformers' apply_fully_sharded_data_parallelism; torchtitan's
+            # apply_fsdp with ep: transformer_block.moe.experts on dp_mod_ep), resharded after forward
+            for m in experts:
+                if any(m is x for x in part.modules()):
+                    fully_shard(m, mesh=emesh["efsdp"], mp_policy=mp, reshard_after_forward=True)
             for blk in blocks:
                 fully_shard(blk, mesh=mesh["dp"], mp_policy=mp, reshard_after_forward=spec["reshard_after_forward"])
             fully_shard(part, mesh=mesh["dp"], mp_policy=mp)

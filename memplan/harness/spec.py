@@ -158,9 +158,10 @@ def _parallel_spec(config: dict[str, Any], s: Settings, layout: Any, warmup_step
                             f"{job.recipe.name}")
     if job.recompute != "none" and p.pp > 1:
         raise SettingsError("the harness's pipeline stages run without recompute")
-    if config.get("model_type") not in ("llama", "mistral", "qwen2", "qwen3"):
+    if config.get("model_type") not in ("llama", "mistral", "qwen2", "qwen3") + (
+            ("mixtral", "qwen2_moe", "qwen3_moe") if p.tp == 1 else ()):
         raise SettingsError("the harness applies tensor and pipeline parallelism to llama-style decoders "
-                            "(llama, mistral, qwen2, qwen3)")
+                            "(llama, mistral, qwen2, qwen3; mixtral, qwen2_moe, qwen3_moe without --tp)")
     one = replace(s, parallel=None, cluster=replace(s.cluster, gpus=layout.dp))
     spec = build_spec(config, one, warmup_steps=warmup_steps, measured_steps=measured_steps,
                       attn_implementation=attn_implementation)
@@ -168,7 +169,7 @@ def _parallel_spec(config: dict[str, Any], s: Settings, layout: Any, warmup_step
 
     spec["reshard_after_forward"] = reshard_after_forward(layout.ranks[0][2])  # the layout's (torchtitan's) default
     v = len(layout.ranks[0][0].chunks)
-    spec.update(tp=p.tp, pp=p.pp, vpp=p.vpp, sp=p.sp, schedule=p.schedule, gpus_per_node=job.cluster.ranks_per_node,
+    spec.update(tp=p.tp, pp=p.pp, ep=p.ep, vpp=p.vpp, sp=p.sp, schedule=p.schedule, gpus_per_node=job.cluster.ranks_per_node,
                 loss_parallel=p.loss_parallel,
                 chunks=[[(list(c.layers), c.first, c.last) for c in share.chunks] for share, _, _ in layout.ranks],
                 stage_ids=[[r + k * p.pp for k in range(v)] for r in range(p.pp)])

@@ -12,6 +12,7 @@ from memplan import kernels as K
 from memplan import substitutes as sub
 from memplan.kernels import Target
 from memplan.model import user_module
+from memplan.parallel import EP_KEY
 from memplan.tracing.explain import ModuleStack
 from memplan.tracing.live import LiveBytes, dispatch_mode
 from memplan.tracing.segments import block_hooks, block_segments, loss_segment, root_hooks_done
@@ -182,6 +183,9 @@ def one_step(config: dict[str, Any], batch: int, seq: int, recipe: str, attentio
     lora = config.get("lora")
     if lora is not None:
         config = {k: v for k, v in config.items() if k != "lora"}
+    ep = config.get(EP_KEY, 1)
+    if EP_KEY in config:
+        config = {k: v for k, v in config.items() if k != EP_KEY}
     target = target or Target(device="cuda")
     cuda = target.device == "cuda"
     kernels: dict[str, str] = {}
@@ -194,6 +198,8 @@ def one_step(config: dict[str, Any], batch: int, seq: int, recipe: str, attentio
         else:
             model = AutoModelForCausalLM.from_config(hf_config(config), dtype=getattr(torch, dtype),
                                                      attn_implementation="eager" if attention == "eager" else "sdpa")
+            if ep > 1:  # an expert-parallel rank: its experts, reached through AllToAllEP's dispatch
+                sub.expert_parallel(model, ep)
             if checkpoint_every(recompute):
                 checkpointing_on(model, recompute)
             user_blocks, ids = None, torch.zeros(batch, seq, dtype=torch.long)

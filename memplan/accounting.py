@@ -507,7 +507,8 @@ class Layout:
     def report(self) -> dict[str, Any]:
         """The layout and every pipeline rank's figures (the JSON's "parallel")."""
         p = self.settings.parallel
-        return {"layout": self.name, "tp": p.tp, "pp": p.pp, "dp": self.dp, "sp": p.sp,
+        return {"layout": self.name, "tp": p.tp, "pp": p.pp, "dp": self.dp, "sp": p.sp, "ep": p.ep,
+                "efsdp": self.dp * p.tp // p.ep,
                 "virtual_stages": p.virtual if p.schedule == "interleaved" and p.pp > 1 else 1,
                 "schedule": p.schedule if p.pp > 1 else None, "micro_batches": self.settings.grad_accum,
                 "worst_pipeline_rank": self.worst,

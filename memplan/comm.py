@@ -35,7 +35,7 @@ from memplan.settings import Settings, reshard_after_forward, shard_group_size
 def _ring(op: str, n: int, nbytes: int) -> int:
     if n <= 1:
         return 0
-    return (2 if op == "all-reduce" else 1) * (n - 1) * nbytes // n
+    return (2 if op == "all-reduce" else 1) * (n - 1) * nbytes // n  # all-to-all: (n - 1) / n of it leaves
 
 
 def communication(inv: Any, s: Settings) -> dict[str, Any]:
@@ -105,6 +105,18 @@ def communication(inv: Any, s: Settings) -> dict[str, Any]:
         else:
             raf = reshard_after_forward(s)
             gathers = (1 if raf is False else ga + 1) if s.pipeline_stage else ga
+            # expert parallelism: the experts' FSDP2 unit gathers and reduces over its own group (efsdp)
+            experts = sum(t.numel for t in inv.tensors if t.shard_split > 1)
+            if experts:
+                e = max(1, n // next(t.shard_split for t in inv.tensors if t.shard_split > 1))
+                # its ranks are ep apart (the expert mesh [efsdp, ep], ep innermost): across nodes once the
+                # data-parallel group is
+                across = n > c.ranks_per_node
+                add("all-gather", "experts, forward and backward (efsdp group)", e, rc.compute_bytes, experts,
+                    2 * ga, within, across)
+                add("reduce-scatter", "experts' gradients (efsdp group)", e, rc.reduced_grad_bytes, experts, ga,
+                    within, across)
+                every, psi = every - experts, psi - experts
             add("all-gather", "parameters, forward", n, rc.compute_bytes, every, 1 if s.pipeline_stage else ga,
                 within)
             if raf is True:
@@ -158,6 +170,14 @@ def model_parallel(layout: Any, rank: int) -> list[dict[str, Any]]:
         ends = (1 if share.first else 0) + (1 if share.last else 0)
         add("all-reduce", "tensor parallel: the vocabulary-parallel embedding's output and the head's input gradient",
             p.tp, rc.compute_bytes * act, m * ends, tp_inter)
+    if p.ep > 1:
+        # AllToAllEP: per MoE block and micro-batch, the routed (token, expert) rows out and the experts' outputs
+        # back, in forward and again (their gradients) in backward; each rank keeps 1/ep of what it exchanges
+        moe = len({t.block for t in share.inventory.tensors if t.shard_split > 1})
+        rows = s.micro_batch * s.seq_len * layout.inventory.dims.get("experts_per_token", 1)
+        inter = layout.dp * p.tp > c.ranks_per_node and p.ep > c.ranks_per_node
+        add("all-to-all", "expert parallel: routed tokens to the experts and their outputs back (2 forward, 2 "
+            "backward per MoE block)", p.ep, rc.compute_bytes * rows * h, m * 4 * moe, inter)
     if p.pp > 1:
         sends = sum((0 if ch.last else 1) + (0 if ch.first else 1) for ch in share.chunks)
         # consecutive stages are dp x tp ranks apart (the mesh [pp, dp, tp])

@@ -79,7 +79,7 @@ class Parallel:
 
     @property
     def active(self) -> bool:
-        return self.tp * self.pp * self.ep > 1
+        return (self.tp, self.pp, self.ep) != (1, 1, 1)
 
     @property
     def model_ranks(self) -> int:

@@ -43,6 +43,9 @@ def model_dims(config: Mapping[str, Any]) -> dict[str, int]:
     kv = config.get("num_key_value_heads")
     if isinstance(kv, int):
         dims["num_kv_heads"] = kv
+    k = config.get("num_experts_per_tok")  # MoE: the routed experts each token goes to (top-k)
+    if isinstance(k, int) and not isinstance(k, bool):
+        dims["experts_per_token"] = k
     return dims
 
 

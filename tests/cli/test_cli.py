@@ -145,6 +145,10 @@ def test_a_factory_that_never_returns_is_stopped(tmp_path):
     (["plan", "gpt2", "--gpu", "h100-80g", "--max-micro-batch", "1000000"], "more than the 4,096"),
     (["estimate", "gpt2", "--deepspeed", "/dev/zero"], "is not a regular file"),
     (["estimate", "gpt2", "--deepspeed", "/"], "is not a regular file"),
+    (["estimate", "mixtral-8x7b", "--gpus", "6", "--ep", "3", "--strategy", "fsdp-full"],
+     "--ep 3 does not divide the 8 routed experts"),
+    (["estimate", "llama-7b", "--gpus", "2", "--ep", "2", "--strategy", "fsdp-full"], "has no routed experts"),
+    (["estimate", "mixtral-8x7b", "--gpus", "8", "--ep", "2", "--stage", "3"], "--ep with --strategy zero3"),
 ])
 def test_bad_input_one_line_exit_2(args, needle):
     r = run(*args)

@@ -1,0 +1,140 @@
+"""Expert parallelism (--ep) under FSDP2: each rank's experts, their shards, the bad inputs, and the traffic."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from memplan import accounting, layouts, options, parallel as par
+from memplan import strategies as S
+from memplan.comm import job_volume, model_parallel
+from memplan.errors import SettingsError
+from memplan.model import sources
+
+MIXTRAL = {"model_type": "mixtral", "architectures": ["MixtralForCausalLM"], "hidden_size": 256,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "intermediate_size": 448,
+           "num_hidden_layers": 2, "num_local_experts": 8, "num_experts_per_tok": 2, "vocab_size": 1024,
+           "max_position_embeddings": 512, "torch_dtype": "bfloat16", "tie_word_embeddings": False}
+
+
+def _inv(tmp_path, **cfg):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**MIXTRAL, **cfg}))
+    return sources.build_inventory(sources.resolve(str(path)), builder="analytic")
+
+
+def _settings(inv, p, **kw):
+    kw.setdefault("strategy", "fsdp-full")
+    return options.resolve(inv, activations="analytic", device="cpu", parallel=p, **kw).settings
+
+
+def _fsdp2_local_shapes(config, dp, ep):
+    """Each parameter's local shape on rank 0 after transformers' expert-parallel plan (the harness's _ep:
+    MoEParamShard Shard(0) over the EP mesh, AllToAllEP) and FSDP2: the experts fully_shard-ed over the efsdp mesh,
+    then each block and the root over dp (transformers' apply_fully_sharded_data_parallelism), in one process over
+    the fake process group."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    from transformers import AutoModelForCausalLM
+
+    from memplan.harness.model_parallel import _ep
+    from memplan.model.meta_builder import hf_config
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=dp)
+    try:
+        mesh = init_device_mesh("cpu", (1, dp, 1), mesh_dim_names=("pp", "dp", "tp"))
+        emesh = init_device_mesh("cpu", (1, dp // ep, ep), mesh_dim_names=("pp", "efsdp", "ep"))
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(hf_config(config), dtype=torch.float32)
+        for m in _ep(model, emesh["ep"], mesh["tp"]):
+            fully_shard(m, mesh=emesh["efsdp"])
+        for block in model.model.layers:
+            fully_shard(block, mesh=mesh["dp"])
+        fully_shard(model, mesh=mesh["dp"])
+        return {n: tuple(p.to_local().shape) for n, p in model.named_parameters()}
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("dp,ep", [(4, 2), (4, 4), (2, 2), (8, 2)])
+def test_each_tensors_shard_is_fsdp2s(tmp_path, dp, ep):
+    """Every parameter's shard on a rank, experts included (E / ep whole experts, dim 0 padded over efsdp =
+    dp / ep), is the local tensor torch and transformers give it."""
+    inv = _inv(tmp_path)
+    s = _settings(inv, par.Parallel(ep=ep), gpus=dp)
+    lay = accounting.layout(inv, s)
+    _, r_inv, r_s = lay.ranks[0]
+    assert [t.shape[0] for t in r_inv.tensors if t.category == "experts"] == [8 // ep] * 4
+    sizes = layouts.layout_sizes(r_inv, S.PER_PARAM_DIM0, dp)
+    want = _fsdp2_local_shapes({**MIXTRAL, "torch_dtype": "float32"}, dp, ep)
+    got = {t.name: shape for t, (shape, _) in zip(r_inv.tensors, sizes.shard_shapes)}
+    assert got == want
+
+
+def test_model_states_equal_the_data_parallel_ones(tmp_path):
+    """Without TP, E / ep experts over dp / ep ranks leave each rank the same elements as E over dp
+    (ceil((E / ep) / (dp / ep)) = ceil(E / dp) rows), so the model states do not move; the gathered experts do."""
+    inv = _inv(tmp_path)
+    plain = accounting.estimate(inv, _settings(inv, None, gpus=4))
+    ep = accounting.estimate(inv, _settings(inv, par.Parallel(ep=4), gpus=4))
+    for k in ("weights_bytes", "optimizer_states_bytes"):
+        assert getattr(ep.peak, k) == getattr(plain.peak, k)
+    assert ep.phases[-1].grads_bytes == plain.phases[-1].grads_bytes
+    # the largest gathered unit: the block with a quarter of its experts
+    g_plain = layouts.gather_sizes(inv, S.PER_PARAM_DIM0, 4)
+    r_inv = accounting.layout(inv, _settings(inv, par.Parallel(ep=4), gpus=4)).ranks[0][1]
+    g_ep = layouts.gather_sizes(r_inv, S.PER_PARAM_DIM0, 4)
+    experts = sum(t.numel for t in inv.tensors if t.category == "experts" and t.block == inv.layer_blocks[0].name)
+    assert g_plain.largest_block - g_ep.largest_block == experts - experts // 4
+    assert g_ep.expert_world == 1 and g_ep.block_experts == (experts // 4,) * 2
+
+
+@pytest.mark.parametrize("kw,msg", [
+    (dict(gpus=4, p=par.Parallel(ep=3)), "--ep 3 does not divide the 8 routed experts"),
+    (dict(gpus=2, p=par.Parallel(ep=4)), "does not divide the data-parallel ranks dp x tp = 2"),
+    (dict(gpus=4, p=par.Parallel(ep=2), stage=3, strategy=None), "--ep with --strategy zero3"),
+    (dict(gpus=4, p=par.Parallel(ep=2), strategy="ddp"), "--ep with --strategy ddp"),
+    (dict(gpus=4, p=par.Parallel(ep=2, tp=2)), "--ep 2 with --tp 2"),
+    (dict(gpus=4, p=par.Parallel(ep=0)), "--ep must be at least 1"),
+])
+def test_bad_expert_layouts(tmp_path, kw, msg):
+    inv = _inv(tmp_path)
+    p = kw.pop("p")
+    with pytest.raises(SettingsError, match=re.escape(msg)):
+        _settings(inv, p, **kw)
+
+
+def test_a_dense_model_has_no_experts_to_split(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**MIXTRAL, "model_type": "llama", "architectures": ["LlamaForCausalLM"]}))
+    inv = sources.build_inventory(sources.resolve(str(path)), builder="analytic")
+    with pytest.raises(SettingsError, match="the model has no routed experts"):
+        _settings(inv, par.Parallel(ep=2), gpus=2)
+
+
+def test_expert_parallel_traffic(tmp_path):
+    """AllToAllEP per MoE block and micro-batch: tokens x top_k rows of hidden out and back, forward and backward,
+    (ep - 1) / ep of them leaving the rank; the experts' FSDP2 collectives over efsdp, the rest over dp."""
+    inv = _inv(tmp_path)
+    s = _settings(inv, par.Parallel(ep=2), gpus=4, seq_len=128, micro_batch=2, grad_accum=3)
+    lay = accounting.estimate(inv, s).layout
+    rows = {x["what"].split(":")[0].split(",")[0]: x for x in job_volume(inv, s)["collectives"]
+            + model_parallel(lay, 0)}
+    a2a = rows["expert parallel"]
+    assert a2a["op"] == "all-to-all" and a2a["group_size"] == 2 and a2a["times_per_step"] == 3 * 4 * 2
+    assert a2a["bytes_per_gpu"] == 3 * 4 * 2 * (2 * 128 * 2 * 256 * s.recipe.compute_bytes) // 2
+    assert rows["experts"]["group_size"] == 2 and rows["parameters"]["group_size"] == 4
+
+
+def test_every_moment_is_whole_bytes_and_the_peak_is_below_one_unit_per_block(tmp_path):
+    """The experts as their own unit never hold more than the block as one unit with the same experts would."""
+    inv = _inv(tmp_path, num_hidden_layers=4)
+    s = _settings(inv, par.Parallel(ep=2), gpus=4)
+    plan = accounting.estimate(inv, s)
+    assert all(isinstance(v, int) and v >= 0 for ph in plan.phases for v in vars(ph).values() if isinstance(v, int))
+    assert plan.assumptions.get("experts_shard_group") == 2

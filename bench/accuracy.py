@@ -27,6 +27,9 @@ GPT2 = ("gpt2", dict(layers=2, hidden=256, vocab=2048))  # tied embeddings, Laye
 LLAMA3 = ("llama-3-8b", dict(layers=2, hidden=512, vocab=2048))  # GQA (4 query heads per kv head)
 LLAMA4 = ("llama-7b", dict(layers=4, hidden=256, vocab=2048))  # more blocks: retention and prefetch matter
 MIXTRAL = ("mixtral-8x7b", dict(layers=2, hidden=256, vocab=2048))  # MoE: 8 experts, top-2, grouped_mm
+MIXTRAL4 = ("mixtral-8x7b", dict(layers=4, hidden=256, vocab=2048))
+QWEN2_MOE = ("bench/configs/qwen2-moe-tiny/config.json", dict(layers=2))  # 8 experts top-2 and a shared expert
+QWEN3_MOE = ("bench/configs/qwen3-moe-tiny/config.json", dict(layers=2))  # 16 experts, top-4, normalised
 GPT2_4 = ("gpt2", dict(layers=4, hidden=256, vocab=2048))  # tied embeddings, four blocks
 DEEPSEEK = ("deepseek-v3", dict(layers=4, hidden=256, vocab=2048))  # MLA; 3 dense blocks then a 256-expert one
 NO_REUSE = dict(max_reuse_distance=0, param_persistence_threshold=0)
@@ -171,6 +174,19 @@ CASES = [
     ("fsdp-full pp 2 x dp 2 1f1b reshard after forward", LLAMA4,
      dict(strategy="fsdp-full", gpus=4, grad_accum=4, parallel=Parallel(pp=2)), {}, dict(reshard_after_forward=True),
      "none"),
+    # session 20: expert parallelism as transformers' DistributedConfig(ep_size) runs it (AllToAllEP; the experts
+    # FSDP2-sharded over efsdp = dp / ep, their own unit inside each block's)
+    ("fsdp-full ep 2", MIXTRAL, dict(strategy="fsdp-full", parallel=Parallel(ep=2)), {}, {}, "none"),
+    ("fsdp-full ep 2", MIXTRAL, dict(strategy="fsdp-full", parallel=Parallel(ep=2)), {}, {}, "full"),
+    ("fsdp-full ep 2", MIXTRAL4, dict(strategy="fsdp-full", parallel=Parallel(ep=2)), {}, {}, "none"),
+    ("fsdp-full ep 2 x efsdp 2, 4 ranks", MIXTRAL, dict(strategy="fsdp-full", gpus=4, parallel=Parallel(ep=2)), {}, {},
+     "none"),
+    ("fsdp-full ep 4, 4 ranks", MIXTRAL, dict(strategy="fsdp-full", gpus=4, parallel=Parallel(ep=4)), {}, {}, "none"),
+    ("fsdp-full ep 2, fp32", MIXTRAL, dict(strategy="fsdp-full", precision="fp32", parallel=Parallel(ep=2)), {}, {},
+     "none"),
+    ("fsdp-full ep 2", DEEPSEEK, dict(strategy="fsdp-full", parallel=Parallel(ep=2)), {}, {}, "none"),
+    ("fsdp-full ep 2", QWEN2_MOE, dict(strategy="fsdp-full", parallel=Parallel(ep=2)), {}, {}, "none"),
+    ("fsdp-full ep 2", QWEN3_MOE, dict(strategy="fsdp-full", parallel=Parallel(ep=2)), {}, {}, "none"),
 ]
 QUICK = [CASES[5], CASES[11]]
 

@@ -176,14 +176,15 @@ def _check_ep(p: Parallel, inv: ParamInventory, strategy: Any, dp: int, layout: 
                             "parallelism splits MoE layers")
     if experts % p.ep:
         raise SettingsError(f"--ep {p.ep} does not divide the {experts} routed experts of each MoE layer")
-    if layout != TORCHTITAN or strategy.framework != "fsdp2" or strategy.name not in ("fsdp-full", "fsdp-grad-op"):
+    if layout != TORCHTITAN or strategy.name != "fsdp-full":
         raise SettingsError(f"--ep with --strategy {strategy.name}: memplan models expert parallelism under FSDP2 "
-                            "(fsdp-full, fsdp-grad-op), as torchtitan and transformers' DistributedConfig(ep_size) "
-                            "run it; DeepSpeed's needs its own MoE layer (deepspeed.moe), which transformers' models "
-                            "do not use")
-    if p.tp > 1:
-        raise SettingsError(f"--ep {p.ep} with --tp {p.tp}: expert parallelism is modelled without tensor "
-                            "parallelism for now (experts over ep x efsdp = dp ranks)")
+                            "fsdp-full, as torchtitan and transformers' DistributedConfig(ep_size) run it; "
+                            "DeepSpeed's needs its own MoE layer (deepspeed.moe), which transformers' models do not "
+                            "use")
+    if p.tp > 1 or p.pp > 1:
+        raise SettingsError(f"--ep {p.ep} with --{'tp' if p.tp > 1 else 'pp'} {p.tp if p.tp > 1 else p.pp}: expert "
+                            "parallelism is modelled with data parallelism alone for now (experts over ep x efsdp = "
+                            "dp ranks)")
     if (dp * p.tp) % p.ep:
         raise SettingsError(f"--ep {p.ep} does not divide the data-parallel ranks dp x tp = {dp * p.tp} it borrows "
                             "from (each expert's FSDP group is dp x tp / ep ranks)")

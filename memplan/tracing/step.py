@@ -198,8 +198,8 @@ def one_step(config: dict[str, Any], batch: int, seq: int, recipe: str, attentio
         else:
             model = AutoModelForCausalLM.from_config(hf_config(config), dtype=getattr(torch, dtype),
                                                      attn_implementation="eager" if attention == "eager" else "sdpa")
-            if ep > 1:  # an expert-parallel rank: its experts, reached through AllToAllEP's dispatch
-                sub.expert_parallel(model, ep)
+            if ep > 1 and not sub.expert_parallel(model, ep):  # an EP rank: its experts, through AllToAllEP
+                raise ValueError("no fused experts module (.experts with 3-D gate_up_proj) to split over --ep")
             if checkpoint_every(recompute):
                 checkpointing_on(model, recompute)
             user_blocks, ids = None, torch.zeros(batch, seq, dtype=torch.long)

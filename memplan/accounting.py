@@ -333,6 +333,9 @@ class Layout:
         p = s.parallel
         self.inventory, self.settings = inv, s
         self.name = par.check(p, inv, s.strategy, s.cluster.gpus, s.grad_accum)
+        # context parallelism: a rank computes seq / cp tokens of each sequence (its data-parallel group, dp x cp,
+        # is what shards the parameters: gpus / (tp x pp))
+        s = replace(s, seq_len=s.seq_len // p.cp)
         dp = s.cluster.gpus // p.model_ranks
         per_node = gcd(dp, max(1, s.cluster.gpus_per_node // p.tp))
         self.dp, self.dp_per_node = dp, per_node
@@ -400,8 +403,13 @@ class Layout:
                 # flight share one bf16 copy of each weight (measured: DDP x PP, torch-amp, +4.85% before)
                 shared = rc.compute_bytes * sum(t.numel for t in r_inv.tensors if len(t.shape) >= 2 and
                                                 (t.category != "embedding" or t.tied_names))
+            # context parallelism: a traced profile ran the ring (memplan/substitutes_sdpa.py _ring); the analytic
+            # one adds its bound
+            ring_f, ring_b = (0, 0) if loss_prof is not None else par.ring_attention(share.inventory.dims, p,
+                                                                                      s.seq_len, rc.compute_bytes)
             prof = act.HeldProfile(inner, share.in_flight, less, loss, output, others, fewer, shared,
-                                   recompute=s.recompute)
+                                   recompute=s.recompute, ring_forward=ring_f,
+                                   ring_backward=ring_b)
             cluster = replace(s.cluster, gpus=dp, gpus_per_node=per_node)
             knobs = s.torch
             if p.pp > 1 and s.strategy.framework == "fsdp2" and knobs.reshard_after_forward is None:
@@ -478,7 +486,8 @@ class Layout:
 
         share, r_inv, r_s = self.ranks[i]
         buffers = par.recv_buffers(self.inventory.dims, self.settings.parallel, share, self.settings.grad_accum,
-                                   self.settings.seq_len, self.settings.recipe, self.name)
+                                   self.settings.seq_len // self.settings.parallel.cp, self.settings.recipe,
+                                   self.name)
         one = replace(r_s, pipeline_buffer_bytes=buffers)
         m = r_s.grad_accum
         prof = r_s.activation_profile
@@ -507,7 +516,8 @@ class Layout:
     def report(self) -> dict[str, Any]:
         """The layout and every pipeline rank's figures (the JSON's "parallel")."""
         p = self.settings.parallel
-        return {"layout": self.name, "tp": p.tp, "pp": p.pp, "dp": self.dp, "sp": p.sp, "ep": p.ep,
+        return {"layout": self.name, "tp": p.tp, "pp": p.pp, "dp": self.dp // p.cp, "cp": p.cp, "sp": p.sp,
+                "ep": p.ep,
                 "efsdp": self.dp * p.tp // p.ep,
                 "virtual_stages": p.virtual if p.schedule == "interleaved" and p.pp > 1 else 1,
                 "schedule": p.schedule if p.pp > 1 else None, "micro_batches": self.settings.grad_accum,

@@ -33,6 +33,8 @@ from typing import Any
 from memplan.errors import SettingsError
 
 RECOMPUTE = ("none", "selective", "op-sac", "full")
+#: timeline.Moment.INSIDE_LAST_BLOCK_FORWARD (its value: the profile's key for that moment)
+INSIDE_LAST_BLOCK_FORWARD = -8
 #: "op-sac": torchtitan's per-op selective activation checkpointing (activation_checkpoint.mode "selective",
 #: selective_ac_option "op"; torchtitan 54aeddf5 distributed/activation_checkpoint.py _apply_op_sac with the llama3
 #: _op_sac_save_list of models/llama3/infra/parallelize.py): every block checkpointed, but the outputs of its
@@ -436,6 +438,11 @@ class HeldProfile:
     #: bytes each held micro-batch's saved tensors count that the micro-batches in flight share, once (autocast's
     #: weight casts, cached for the autocast region a pipeline step runs in)
     shared: int = 0
+    #: context parallelism's ring attention (memplan/parallel.py ring_attention): bytes per micro-batch of 1 alive
+    #: during a block's attention beyond the local kernel's own, in forward (and in a recomputed forward) and in
+    #: backward; transients, so on the forward peak and the moments inside a block, not on what is saved
+    ring_forward: int = 0
+    ring_backward: int = 0
     _memo: dict = field(default_factory=dict, compare=False, repr=False)
 
     includes_autocast_copies = property(lambda self: self.inner.includes_autocast_copies)
@@ -467,8 +474,13 @@ class HeldProfile:
         # left at backward's end: the current micro-batch's activations are gone, so neither its share of the
         # sequence-parallel saving nor its output apply; the held micro-batches' do
         end = x + (self.saved_less - self.output) * micro_batch
-        return (fwd + x - self.output * micro_batch, bwd + x + self.loss_extra * micro_batch, saved + x, emb + end,
+        return (fwd + x - self.output * micro_batch + self.ring_forward * micro_batch,
+                bwd + x + self.loss_extra * micro_batch + self._ring_inside() * micro_batch, saved + x, emb + end,
                 block)
+
+    def _ring_inside(self) -> int:
+        """The ring's transient inside a block's backward: its backward's, or under recompute its forward's again."""
+        return max(self.ring_backward, self.ring_forward if self.recompute != "none" else 0)
 
     # the timeline's moments: the same shift (the recompute the plan uses is the settings'; these profiles are
     # built per settings, so the recompute is fixed here)
@@ -478,7 +490,7 @@ class HeldProfile:
         return self.extra(self.recompute, micro_batch)
 
     def block_moments(self, micro_batch: int, grad_width: int, held: bool = False) -> tuple[tuple[int, int], ...]:
-        x = self._x(micro_batch)
+        x = self._x(micro_batch) + self._ring_inside() * micro_batch
         return tuple((a + x, g) for a, g in self.inner.block_moments(micro_batch, grad_width, held))
 
     def block_hooks(self, micro_batch: int) -> tuple:
@@ -491,7 +503,10 @@ class HeldProfile:
 
     def moment_activations(self, micro_batch: int) -> dict[int, int]:
         x = self._x(micro_batch)
-        return {k: v + x for k, v in self.inner.moment_activations(micro_batch).items()}
+        out = {k: v + x for k, v in self.inner.moment_activations(micro_batch).items()}
+        if self.ring_forward and INSIDE_LAST_BLOCK_FORWARD in out:
+            out[INSIDE_LAST_BLOCK_FORWARD] += self.ring_forward * micro_batch
+        return out
 
     @property
     def source(self) -> str:

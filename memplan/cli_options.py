@@ -47,6 +47,8 @@ Tp = Annotated[Optional[int], typer.Option("--tp", help="Tensor-parallel degree 
 Pp = Annotated[Optional[int], typer.Option("--pp", help="Pipeline-parallel degree (stages) [default: 1].")]
 Vpp = Annotated[Optional[int], typer.Option("--vpp", help="Virtual pipeline stages per rank, --schedule interleaved "
                                             "[default: 2].")]
+Cp = Annotated[Optional[int], typer.Option("--cp", help="Context-parallel degree: each sequence split over cp ranks "
+                                          "with ring attention (torchtitan) [default: 1].")]
 Ep = Annotated[Optional[int], typer.Option("--ep", help="Expert-parallel degree: each MoE layer's routed experts split "
                                           "over ep of the data-parallel ranks (FSDP2) [default: 1].")]
 Sp = Annotated[bool, typer.Option("--sp/--no-sp", help="Sequence parallelism with --tp.")]
@@ -59,13 +61,15 @@ Schedule = Annotated[Optional[str], typer.Option("--schedule", help="Pipeline sc
 
 def parallel_of(values: dict[str, Any]) -> Any:
     """The model-parallel degrees the options give (memplan/parallel.py Parallel), None when none is given."""
-    tp, pp, vpp, sp, schedule, ep = (values.get(k) for k in ("tp", "pp", "vpp", "sp", "schedule", "ep"))
+    tp, pp, vpp, sp, schedule, ep, cp = (values.get(k) for k in ("tp", "pp", "vpp", "sp", "schedule", "ep", "cp"))
     lp = values.get("loss_parallel")
-    if tp is None and pp is None and vpp is None and not sp and schedule is None and lp is None and ep is None:
+    if tp is None and pp is None and vpp is None and not sp and schedule is None and lp is None and ep is None \
+            and cp is None:
         return None
     from memplan.parallel import Parallel
 
     return Parallel(tp=1 if tp is None else tp, pp=1 if pp is None else pp, ep=1 if ep is None else ep,
+                    cp=1 if cp is None else cp,
                     vpp=vpp, sp=bool(sp),
                     schedule=schedule or "1f1b", loss_parallel=True if lp is None else bool(lp))
 

@@ -45,7 +45,10 @@ def _render_layout(c: Any, par: dict) -> None:
                                                        if par["virtual_stages"] > 1 else "")
             + f", {par['micro_batches']} micro-batches)") if par["pp"] > 1 else ""
     c.print(f"{par['layout']} layout: tp {par['tp']}" + (" + sequence parallel" if par["sp"] and par["tp"] > 1 else "")
-            + pipe + f" · dp {par['dp']} (the data-parallel strategy runs over these)"
+            + pipe + (f" · cp {par['cp']} (ring attention, seq / {par['cp']} per rank)" if par.get("cp", 1) > 1
+                      else "")
+            + f" · dp {par['dp']} (the data-parallel strategy runs over " + ("these" if par.get("cp", 1) == 1
+                                                                             else "dp x cp") + ")"
             + (f" · ep {par['ep']}: experts over ep x efsdp {par['efsdp']}" if par.get("ep", 1) > 1 else ""))
     if par["pp"] > 1:
         cols = [("pipeline rank", "right"), ("holds", "left"), ("params per TP rank", "right"), ("in flight", "right"),

@@ -825,6 +825,13 @@ def _with_parallel(s: Settings, inv: ParamInventory, config: dict[str, Any] | No
     if s.lora is not None:
         raise SettingsError("--tp/--pp with LoRA: not modelled")
     layout = par.check(p, inv, s.strategy, s.cluster.gpus, s.grad_accum)
+    if p.cp > 1:
+        if s.seq_len % (2 * p.cp):
+            raise SettingsError(f"--cp {p.cp} does not divide the sequence: --seq-len {s.seq_len} must be a multiple of "
+                                f"2 x cp = {2 * p.cp} (torchtitan's load balancing gives each rank two chunks)")
+        if s.attention == "eager":
+            raise SettingsError("--cp runs ring attention over SDPA's fused kernels (flash, efficient, cuDNN); "
+                                "--attention eager has none")
     s = replace(s, parallel=p)
     profiles = None
     if mode != "analytic" and config is not None:
@@ -840,7 +847,7 @@ def _with_parallel(s: Settings, inv: ParamInventory, config: dict[str, Any] | No
             got, seen = [], set()
             for c in cfgs:
                 own: list[str] = []
-                got.append(activation_profile(c, replace(s, lora=None), mode, own, trace))
+                got.append(activation_profile(c, replace(s, lora=None, seq_len=s.seq_len // p.cp), mode, own, trace))
                 notes.extend(n for n in own if n not in seen and not seen.add(n))
             if all(g is not None for g in got):
                 profiles = (got[0], got[1] if len(got) > 1 else got[0])
@@ -849,7 +856,10 @@ def _with_parallel(s: Settings, inv: ParamInventory, config: dict[str, Any] | No
         else:
             notes.append(f"activations: analytic for each rank's share, because {why}")
     p = replace(p, profiles=profiles)
-    notes.append(f"model parallelism: {layout} layout, tp {p.tp} x pp {p.pp} x dp {s.cluster.gpus // p.model_ranks}"
+    notes.append(f"model parallelism: {layout} layout, tp {p.tp} x pp {p.pp} x dp "
+                 f"{s.cluster.gpus // p.model_ranks // p.cp}" + (f" x cp {p.cp} (each rank {s.seq_len // p.cp} "
+                                                                 "tokens of each sequence, ring attention)"
+                                                                 if p.cp > 1 else "")
                  + (f", experts over ep {p.ep} x efsdp {s.cluster.gpus // p.model_ranks * p.tp // p.ep} "
                     "(balanced routing: tokens x top_k rows received)" if p.ep > 1 else "")
                  + (f", schedule {p.schedule}" + (f" with {p.virtual} stages per rank" if p.schedule == "interleaved"

@@ -43,6 +43,8 @@ LAYOUT_SCHEDULES = {TORCHTITAN: ("1f1b", "gpipe", "interleaved"), MEGATRON_DEEPS
 #: a rank config's key (rank_config) telling the tracer to run one expert-parallel rank (memplan/substitutes.py
 #: expert_parallel)
 EP_KEY = "memplan_expert_parallel"
+#: ... and one context-parallel rank (memplan/substitutes_sdpa.py _ring)
+CP_KEY = "memplan_context_parallel"
 #: Megatron's make_vocab_size_divisible_by default
 MEGATRON_VOCAB_MULTIPLE = 128
 
@@ -74,12 +76,16 @@ class Parallel:
     #: (whole experts per rank, tokens exchanged by all-to-all); their FSDP2 group is the rest, efsdp =
     #: dp x tp / ep (torchtitan's dp_shard_mod_ep; transformers' DistributedConfig efsdp_size)
     ep: int = 1
+    #: context parallelism: each rank of a cp group holds 1/cp of every sequence (torchtitan's load-balanced
+    #: chunks) and runs ring attention over the group (torch's context_parallel); the parameters are sharded (or
+    #: replicated) over dp x cp, as torchtitan folds cp into its FSDP mesh (dp_shard_cp)
+    cp: int = 1
     #: the activation profiles options.py made for the ranks' shares: (with the loss, without it)
     profiles: Any = field(default=None, compare=False)
 
     @property
     def active(self) -> bool:
-        return (self.tp, self.pp, self.ep) != (1, 1, 1)
+        return (self.tp, self.pp, self.ep, self.cp) != (1, 1, 1, 1)
 
     @property
     def model_ranks(self) -> int:
@@ -107,7 +113,7 @@ def layout_of(strategy: Any, pp: int) -> str:
 def check(p: Parallel, inv: ParamInventory, strategy: Any, gpus: int, grad_accum: int) -> str:
     """The layout after checking the degrees against the model and the GPU count (SettingsError naming the
     numbers otherwise)."""
-    for name in ("tp", "pp", "ep"):
+    for name in ("tp", "pp", "ep", "cp"):
         if getattr(p, name) < 1:
             raise SettingsError(f"--{name} must be at least 1, got {getattr(p, name)}")
     if p.vpp is not None and p.vpp < 1:
@@ -117,10 +123,17 @@ def check(p: Parallel, inv: ParamInventory, strategy: Any, gpus: int, grad_accum
                             "modelled yet; valid: " + ", ".join(SCHEDULES))
     if p.schedule not in SCHEDULES:
         raise SettingsError(f"unknown pipeline schedule {p.schedule!r}; valid: {', '.join(SCHEDULES)}")
-    if gpus % p.model_ranks:
+    if gpus % (p.model_ranks * p.cp):
+        if p.cp > 1:
+            raise SettingsError(f"--gpus {gpus} is not a multiple of tp({p.tp}) x pp({p.pp}) x cp({p.cp}) = "
+                                f"{p.model_ranks * p.cp}: the data-parallel size gpus / (tp x pp x cp) must be whole")
         raise SettingsError(f"--gpus {gpus} is not a multiple of tp({p.tp}) x pp({p.pp}) = {p.model_ranks}: the "
                             "data-parallel size gpus / (tp x pp) must be whole")
     layout = layout_of(strategy, p.pp)
+    if p.cp > 1 and layout != TORCHTITAN:
+        raise SettingsError(f"--cp with --strategy {strategy.name}: memplan models context parallelism as torchtitan "
+                            "runs it (torch's ring attention, FSDP2, HSDP or DDP); DeepSpeed's Ulysses sequence "
+                            "parallelism is another scheme")
     if p.pp > 1 and p.schedule not in LAYOUT_SCHEDULES[layout]:
         raise SettingsError(f"--schedule {p.schedule}: {layout} runs {', '.join(LAYOUT_SCHEDULES[layout])}")
     if p.vpp not in (None, 1) and p.schedule != "interleaved":
@@ -576,6 +589,8 @@ def rank_config(config: dict[str, Any], p: Parallel, layout: str, with_loss: boo
             c[k] = None
     if p.ep > 1:
         c[EP_KEY] = p.ep
+    if p.cp > 1:
+        c[CP_KEY] = p.cp
     return c
 
 
@@ -632,3 +647,34 @@ def stage_input(dims: dict[str, Any], p: Parallel, layout: str, first: bool, rec
     if p.pp == 1 or first or layout != MEGATRON_DEEPSPEED:
         return 0
     return dims.get("hidden_size", 0) * recipe.residual_bytes
+
+
+# ---- context parallelism ----
+
+def ring_attention(dims: dict[str, Any], p: Parallel, seq_local: int, compute_bytes: int) -> tuple[int, int]:
+    """Bytes per micro-batch of 1 that torch's ring attention holds during one attention beyond the local kernel's own
+    (torch/distributed/tensor/experimental/_context_parallel/_attention.py, torch 2.13, its defaults: all-gather
+    rotation, fp32 merge and accumulators), for seq_local = seq / cp tokens; (forward, backward). With K the bytes of
+    a local key (or value), Q of the local query, and fp32 copies Kf, Qf:
+    - forward (_templated_ring_attention): key and value made contiguous (2K), concatenated (2K) and all-gathered
+      once (_AllGatherRotater: cp x 2K); each step's output (Q) and logsumexp merged in fp32 (_SDPAMerger: the out
+      Qf and one temporary of it, and the logsumexps);
+    - backward (_templated_ring_attention_backward): the fp32 accumulators of dq, dk, dv (Qf + 2Kf), key and value
+      contiguous again (2K), concatenated and all-gathered (2K + cp x 2K), a step's dq, dk, dv (Q + 2K) and dk, dv
+      cast to fp32 to accumulate (2Kf), the accumulated dk, dv concatenated (2Kf) and passed on (_AllToAllRotater's
+      permute: 2Kf).
+    An upper bound of each: measured with the CPU harness over gloo (docs/accuracy.md, Session 20)."""
+    if p.cp <= 1:
+        return 0, 0
+    h = dims.get("hidden_size", 0)
+    heads = dims.get("num_heads") or 0
+    if not heads:
+        return 0, 0
+    hd = dims.get("head_dim") or h // heads
+    kv = dims.get("num_kv_heads") or heads
+    K = seq_local * kv * hd * compute_bytes
+    Q = seq_local * heads * hd * compute_bytes
+    Kf, Qf, lse = 4 * K // compute_bytes, 4 * Q // compute_bytes, 4 * seq_local * heads
+    forward = 4 * K + 2 * p.cp * K + Q + 2 * Qf + 2 * lse
+    backward = Qf + 2 * Kf + 2 * K + 2 * K + 2 * p.cp * K + Q + 2 * K + 2 * Kf + 2 * Kf + 2 * Kf
+    return forward, backward

@@ -79,6 +79,7 @@ def plan_report(plan: Any, sources: dict[str, str] | None = None, notes: tuple[s
     cluster = s.cluster
     if plan.layout is not None:  # the most loaded rank's plan: the model and the cluster as the job gives them
         inv, cluster = plan.layout.inventory, plan.layout.settings.cluster
+        strategy["seq_len"] = plan.layout.settings.seq_len  # the job's (a CP rank computes 1/cp of it)
     return {
         "schema_version": SCHEMA_VERSION,
         "model": {"name": inv.model_name, "source": inv.source, "num_params": inv.num_params + inv.quantized_params,

@@ -59,6 +59,97 @@ def _fused(target: K.Target) -> Any:
     return Fused
 
 
+def _ring(target: K.Target, cp: int) -> Any:
+    """Context parallelism: one CP rank's attention as torch's ring attention runs it over ``cp`` ranks
+    (torch/distributed/tensor/experimental/_context_parallel/_attention.py, torch 2.13, its defaults: the all-gather
+    rotation, fp32 merge and accumulators, load balancing), on its local q, k, v (seq / cp tokens), with every
+    collective's output a new buffer of its size. Forward (_templated_ring_attention): k and v made contiguous
+    (copies of the model's transposed views) and concatenated, all-gathered once (cp x that); each of the cp steps
+    runs the fused kernel (its output and what it saves beside it: kernels.saved_extra) and the merger
+    (_SDPAMerger) converts both to fp32 and folds them in (out - sigmoid(lse_i - lse) * (out - out_i)); the result
+    cast back is the output, saved with q, k, v and the kernel's extras as the aten op saves them. Backward
+    (_templated_ring_attention_backward): fp32 accumulators of dq, dk, dv, k and v contiguous, concatenated and
+    all-gathered again, and per step the kernel's dq, dk, dv, their fp32 sums, the accumulated dk, dv concatenated
+    in fp32 and passed on (the all-to-all rotation's permute: a new buffer); at the end dq cast back and the last
+    received dk, dv cast back. Each step at the whole local sequence (load balancing halves some steps' q or k/v:
+    an upper bound). Measured with the CPU harness (harness/cp.py: the same functions with the CPU flash kernel)."""
+    import torch
+    import torch.nn.functional as F
+
+    class Ring(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v, mask, backend, call):  # noqa: ANN001
+            def kernel() -> tuple[Any, list[Any]]:
+                out = torch.empty(q.shape[:-1] + (v.shape[-1],), dtype=q.dtype, device=q.device)
+                extra = [torch.empty(shape, dtype=getattr(torch, dt), device=q.device)
+                         for shape, dt in K.saved_extra(backend, call, target.device)]
+                scratch = K.forward_scratch(backend, call, target.device)
+                if scratch:
+                    tmp = torch.empty(scratch, dtype=torch.uint8, device=q.device)
+                    del tmp
+                return out, extra
+
+            kc, vc = k.contiguous(), v.contiguous()
+            next_kv = torch.cat([kc.flatten(), vc.flatten()])
+            gathered = torch.empty(cp * next_kv.numel(), dtype=k.dtype, device=k.device)
+            merged = lse = None
+            for i in range(cp):
+                if i == 1:
+                    del next_kv  # the loop's variable now views the gathered buffer
+                out_i, extra_i = kernel()
+                o32 = out_i.to(torch.float32)
+                l32 = extra_i[0].to(torch.float32).unsqueeze(-1) if extra_i and extra_i[0].dim() == 3 else None
+                del out_i, extra_i
+                if merged is None:
+                    merged, lse = o32, l32
+                else:
+                    merged = merged - F.sigmoid(l32 - lse) * (merged - o32) if l32 is not None else merged - o32
+                    lse = lse - F.logsigmoid(lse - l32) if l32 is not None else lse
+                del o32, l32
+            del gathered, kc, vc
+            out = merged.to(q.dtype)
+            extra = [torch.empty(shape, dtype=getattr(torch, dt), device=q.device)
+                     for shape, dt in K.saved_extra(backend, call, target.device)]
+            del merged, lse
+            ctx.backend, ctx.call = backend, call
+            ctx.save_for_backward(q, k, v, out, *extra)
+            return out
+
+        @staticmethod
+        def backward(ctx, grad):  # noqa: ANN001
+            q, k, v, *_ = ctx.saved_tensors
+            f32 = torch.float32
+            dq, dk, dv = (torch.zeros_like(t, dtype=f32) for t in (q, k, v))
+            kc, vc = k.contiguous(), v.contiguous()
+            next_kv = torch.cat([kc.flatten(), vc.flatten()])
+            gathered = torch.empty(cp * next_kv.numel(), dtype=k.dtype, device=k.device)
+            passed = None
+            for i in range(cp):
+                if i == 1:
+                    del next_kv
+                dq_i, dk_i, dv_i = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+                scratch = K.backward_scratch(ctx.backend, ctx.call, target.device)
+                if scratch:
+                    tmp = torch.empty(scratch, dtype=torch.uint8, device=q.device)
+                    del tmp
+                if passed is not None:  # the accumulated dk, dv received from the previous rank
+                    dk, dv = (passed[:dk.numel()].view(dk.shape), passed[dk.numel():].view(dv.shape))
+                dk = dk + dk_i.to(f32)
+                dv = dv + dv_i.to(f32)
+                send = torch.cat([dk.flatten(), dv.flatten()])
+                passed = torch.empty_like(send)  # the permute's output
+                del send
+                dq = dq + dq_i.to(f32)
+                del dq_i, dk_i, dv_i
+            del gathered, kc, vc
+            dq_out = dq.to(q.dtype)
+            del dq
+            back = passed.to(k.dtype)
+            del passed, dk, dv
+            return dq_out, back[:k.numel()].view(k.shape), back[k.numel():].view(v.shape), None, None, None
+    return Ring
+
+
 def _math_extra() -> tuple[Any, Any]:
     """(MathBefore, MathAfter): the extra bytes of the math kernel's CUDA kernels around its composite."""
     import torch
@@ -109,7 +200,7 @@ def _call_of(q: Any, k: Any, v: Any, mask: Any, dropout_p: float, is_causal: boo
                       dropout=float(dropout_p), is_causal=bool(is_causal), enable_gqa=bool(enable_gqa))
 
 
-def sdpa(real_sdpa: Any, target: K.Target, kernels: dict[str, str]):  # noqa: ANN201
+def sdpa(real_sdpa: Any, target: K.Target, kernels: dict[str, str], cp: int = 1):  # noqa: ANN201
     """scaled_dot_product_attention as ``target`` runs it: each call's backend is chosen by memplan.kernels
     (the device's own rules); a fused backend is replaced by a function that allocates and saves what that
     kernel does (kernels.saved_extra, forward_scratch, backward_scratch), the math kernel runs as PyTorch's
@@ -117,7 +208,7 @@ def sdpa(real_sdpa: Any, target: K.Target, kernels: dict[str, str]):  # noqa: AN
     ``kernels`` collects backend -> why."""
     import torch
 
-    Fused = _fused(target)
+    Fused = _fused(target) if cp == 1 else _ring(target, cp)
     MathBefore, MathAfter = _math_extra()
 
     def run(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,  # noqa: ANN001
@@ -138,6 +229,8 @@ def sdpa(real_sdpa: Any, target: K.Target, kernels: dict[str, str]):  # noqa: AN
         with torch.autocast(dev, enabled=False):
             if backend != "math":
                 return Fused.apply(query, key, value, attn_mask, backend, call)
+            if cp > 1:
+                raise ValueError(f"context parallelism needs a fused attention kernel; this call runs math ({why})")
             if target.device == "cpu":
                 return real_sdpa(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                                  scale=scale, enable_gqa=enable_gqa)

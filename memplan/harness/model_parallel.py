@@ -115,11 +115,22 @@ def setup(spec: dict[str, Any], device: Any, build: Any, optimizer: Any, materia
     from memplan import parallel as par
     from memplan.harness import gloo
 
-    tp, pp, ep = spec["tp"], spec["pp"], spec.get("ep", 1)
+    tp, pp, ep, cp = spec["tp"], spec["pp"], spec.get("ep", 1), spec.get("cp", 1)
     world = dist.get_world_size()
-    dp = world // (tp * pp)
+    dp = world // (tp * pp * cp)
     kind = "cuda" if device.type == "cuda" else "cpu"
-    mesh = init_device_mesh(kind, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
+    if cp > 1:
+        # torchtitan's mesh [pp, dp, cp, tp]: the parameters FSDP-sharded over dp x cp (its dp_shard_cp), the
+        # sequence over cp
+        full = init_device_mesh(kind, (pp, dp, cp, tp), mesh_dim_names=("pp", "dp_only", "cp", "tp"))
+        mesh = {"pp": full["pp"], "tp": full["tp"], "cp": full["cp"], "dp": full["dp_only", "cp"]._flatten("dp")}
+        if device.type == "cpu":
+            from memplan.harness.cp import enable_cpu_ring_attention
+
+            enable_cpu_ring_attention(full["cp"])
+        dp = dp * cp
+    else:
+        mesh = init_device_mesh(kind, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
     # experts: transformers' expert mesh (pp, efsdp, ep), efsdp = dp x tp / ep (distributed/utils.py)
     emesh = init_device_mesh(kind, (pp, dp * tp // ep, ep), mesh_dim_names=("pp", "efsdp", "ep")) if ep > 1 else None
     model = build(spec, on_meta=True)
@@ -163,6 +174,8 @@ def setup(spec: dict[str, Any], device: Any, build: Any, optimizer: Any, materia
     params = [prm for part in parts for prm in part.parameters()]
     opt = optimizer(spec, params)
     if pp == 1:
+        if cp > 1:
+            parts[0].memplan_cp_mesh = mesh["cp"]  # the step runs inside context_parallel over it (harness/run.py)
         return parts[0], opt, None
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining.schedules import ScheduleGPipe, ScheduleInterleaved1F1B, Schedule1F1B

@@ -117,8 +117,10 @@ def _train(rank: int, spec: dict[str, Any], out: str, device: Any, module: Any, 
         run = (lambda m: user_module.loss_of(m(**inputs) if isinstance(inputs, dict) else m(*inputs)))  # noqa
     else:
         gen = torch.Generator().manual_seed(1234 + rank)
-        batch = torch.randint(0, spec["config"]["vocab_size"], (spec["micro_batch"], spec["seq_len"]),
-                              generator=gen).to(device)
+        # context parallelism: each rank holds its 1/cp of the sequence (torchtitan shards the batch's sequence
+        # dim; the token ids do not change the bytes)
+        batch = torch.randint(0, spec["config"]["vocab_size"], (spec["micro_batch"], spec["seq_len"] //
+                                                               spec.get("cp", 1)), generator=gen).to(device)
         # sequence parallelism: the blocks see a sequence shard, so the rotary positions are given whole
         where = {"position_ids": torch.arange(spec["seq_len"], device=device).unsqueeze(0)} if spec.get("sp") else {}
         run = (lambda m: m(input_ids=batch, labels=batch, **where).loss)  # noqa: E731
@@ -132,6 +134,9 @@ def _train(rank: int, spec: dict[str, Any], out: str, device: Any, module: Any, 
     parallel_loss = spec.get("tp", 1) > 1 and spec.get("loss_parallel", True)
     if parallel_loss:
         from torch.distributed.tensor.parallel import loss_parallel
+    cp_mesh = getattr(inner_model, "memplan_cp_mesh", None)
+    if cp_mesh is not None:  # ring attention over the CP ranks (harness/cp.py)
+        from torch.distributed.tensor.experimental import context_parallel
     for step in range(1, steps + 1):
         _status(out, rank, f"step {step}/{steps}")
         if step > spec["warmup_steps"]:
@@ -159,6 +164,10 @@ def _train(rank: int, spec: dict[str, Any], out: str, device: Any, module: Any, 
                 with contextlib.ExitStack() as ctx:
                     if parallel_loss:
                         ctx.enter_context(loss_parallel())
+                    if cp_mesh is not None:  # the inputs are already this rank's chunk: a token buffer to shard
+                        ctx.enter_context(context_parallel(cp_mesh, buffers=[torch.zeros(2 * cp_mesh.size(),
+                                                                                          device=device)],
+                                                           buffer_seq_dims=[0]))
                     with record_function("memplan:forward"):
                         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
                             loss = run(module)

@@ -152,7 +152,7 @@ def _torch_optimizer(spec: dict[str, Any], params: Any) -> Any:
 def setup(spec: dict[str, Any], device: Any) -> tuple[Any, Any, Any]:
     """(module to call, optimizer, engine-or-None) for the spec's strategy (with --tp/--pp: the pipeline's
     schedule in place of the engine, harness/model_parallel.py)."""
-    if spec.get("tp", 1) > 1 or spec.get("pp", 1) > 1 or spec.get("ep", 1) > 1:
+    if any(spec.get(k, 1) > 1 for k in ("tp", "pp", "ep", "cp")):
         from memplan.harness import model_parallel
 
         if spec["framework"] == "deepspeed":

@@ -171,7 +171,10 @@ def _parallel_spec(config: dict[str, Any], s: Settings, layout: Any, warmup_step
 
     spec["reshard_after_forward"] = reshard_after_forward(layout.ranks[0][2])  # the layout's (torchtitan's) default
     v = len(layout.ranks[0][0].chunks)
-    spec.update(tp=p.tp, pp=p.pp, ep=p.ep, vpp=p.vpp, sp=p.sp, schedule=p.schedule, gpus_per_node=job.cluster.ranks_per_node,
+    if p.cp > 1 and (p.tp > 1 or p.pp > 1 or p.ep > 1 or config.get("model_type") not in ("llama", "mistral", "qwen2", "qwen3")):
+        raise SettingsError("the harness runs context parallelism alone (with FSDP2 or DDP over dp x cp) on llama-style "
+                            "decoders")
+    spec.update(tp=p.tp, pp=p.pp, ep=p.ep, cp=p.cp, vpp=p.vpp, sp=p.sp, schedule=p.schedule, gpus_per_node=job.cluster.ranks_per_node,
                 loss_parallel=p.loss_parallel,
                 chunks=[[(list(c.layers), c.first, c.last) for c in share.chunks] for share, _, _ in layout.ranks],
                 stage_ids=[[r + k * p.pp for k in range(v)] for r in range(p.pp)])

@@ -12,7 +12,7 @@ from memplan import kernels as K
 from memplan import substitutes as sub
 from memplan.kernels import Target
 from memplan.model import user_module
-from memplan.parallel import EP_KEY
+from memplan.parallel import CP_KEY, EP_KEY
 from memplan.tracing.explain import ModuleStack
 from memplan.tracing.live import LiveBytes, dispatch_mode
 from memplan.tracing.segments import block_hooks, block_segments, loss_segment, root_hooks_done
@@ -21,7 +21,7 @@ from memplan.tracing_keys import trace_dtypes
 
 @contextlib.contextmanager
 def _substitutions(config: dict[str, Any], dtype: str, attention: str, target: Target, linear: str,
-                   kernels: dict[str, str]) -> Iterator[None]:
+                   kernels: dict[str, str], cp: int = 1) -> Iterator[None]:
     """What runs in place of the fake CPU tensors' kernels for the target (memplan/substitutes.py), installed
     for the step and restored after it."""
     import logging
@@ -50,7 +50,7 @@ def _substitutions(config: dict[str, Any], dtype: str, attention: str, target: T
         if real_can_grouped is not None:
             moe._can_use_grouped_mm = lambda *a, **k: False
         if attention in ("flash", "sdpa"):
-            F.scaled_dot_product_attention = sub.sdpa(real_sdpa, target, kernels)
+            F.scaled_dot_product_attention = sub.sdpa(real_sdpa, target, kernels, cp)
         if target.device == "cuda":
             F.dropout = sub.cuda_dropout()
         if linear == "deepspeed-zero3":
@@ -183,15 +183,15 @@ def one_step(config: dict[str, Any], batch: int, seq: int, recipe: str, attentio
     lora = config.get("lora")
     if lora is not None:
         config = {k: v for k, v in config.items() if k != "lora"}
-    ep = config.get(EP_KEY, 1)
-    if EP_KEY in config:
-        config = {k: v for k, v in config.items() if k != EP_KEY}
+    ep, cp = config.get(EP_KEY, 1), config.get(CP_KEY, 1)
+    if EP_KEY in config or CP_KEY in config:
+        config = {k: v for k, v in config.items() if k not in (EP_KEY, CP_KEY)}
     target = target or Target(device="cuda")
     cuda = target.device == "cuda"
     kernels: dict[str, str] = {}
     # a GPU job's autocast is CUDA's (substitutes.CudaAutocast), on the CPU tensors the trace runs
     policy = sub.CudaAutocast("bfloat16") if cuda and autocast else contextlib.nullcontext()
-    with _substitutions(config, dtype, attention, target, linear, kernels), \
+    with _substitutions(config, dtype, attention, target, linear, kernels, cp), \
             FakeTensorMode(allow_non_fake_inputs=True), policy:
         if user_module.is_user_module(config):  # the user's own module (a factory)
             model, user_blocks, run = user_module.build(config, batch, seq, dtype, recompute)

@@ -28,6 +28,7 @@ LLAMA3 = ("llama-3-8b", dict(layers=2, hidden=512, vocab=2048))  # GQA (4 query 
 LLAMA4 = ("llama-7b", dict(layers=4, hidden=256, vocab=2048))  # more blocks: retention and prefetch matter
 MIXTRAL = ("mixtral-8x7b", dict(layers=2, hidden=256, vocab=2048))  # MoE: 8 experts, top-2, grouped_mm
 MIXTRAL4 = ("mixtral-8x7b", dict(layers=4, hidden=256, vocab=2048))
+LLAMA_CP = ("llama-7b", dict(layers=2, hidden=256, vocab=512))  # a small vocabulary: attention, not the loss
 QWEN2_MOE = ("bench/configs/qwen2-moe-tiny/config.json", dict(layers=2))  # 8 experts top-2 and a shared expert
 QWEN3_MOE = ("bench/configs/qwen3-moe-tiny/config.json", dict(layers=2))  # 16 experts, top-4, normalised
 GPT2_4 = ("gpt2", dict(layers=4, hidden=256, vocab=2048))  # tied embeddings, four blocks
@@ -187,6 +188,19 @@ CASES = [
     ("fsdp-full ep 2", DEEPSEEK, dict(strategy="fsdp-full", parallel=Parallel(ep=2)), {}, {}, "none"),
     ("fsdp-full ep 2", QWEN2_MOE, dict(strategy="fsdp-full", parallel=Parallel(ep=2)), {}, {}, "none"),
     ("fsdp-full ep 2", QWEN3_MOE, dict(strategy="fsdp-full", parallel=Parallel(ep=2)), {}, {}, "none"),
+    # context parallelism: torch's context_parallel ring attention (harness/cp.py), sequence 1024 over the CP ranks
+    ("fsdp-full cp 2, seq 1024", LLAMA_CP, dict(strategy="fsdp-full", seq_len=1024, parallel=Parallel(cp=2)), {}, {},
+     "none"),
+    ("fsdp-full cp 2, seq 1024", LLAMA_CP, dict(strategy="fsdp-full", seq_len=1024, parallel=Parallel(cp=2)), {}, {},
+     "full"),
+    ("fsdp-full cp 4, seq 1024, 4 ranks", LLAMA_CP,
+     dict(strategy="fsdp-full", gpus=4, seq_len=1024, parallel=Parallel(cp=4)), {}, {}, "none"),
+    ("fsdp-full cp 2 x dp 2, seq 1024, 4 ranks", LLAMA_CP,
+     dict(strategy="fsdp-full", gpus=4, seq_len=1024, parallel=Parallel(cp=2)), {}, {}, "none"),
+    ("fsdp-full cp 2, seq 1024, fp32", LLAMA_CP,
+     dict(strategy="fsdp-full", precision="fp32", seq_len=1024, parallel=Parallel(cp=2)), {}, {}, "none"),
+    ("fsdp-full cp 2, seq 1024, GQA", LLAMA3,
+     dict(strategy="fsdp-full", seq_len=1024, parallel=Parallel(cp=2)), {}, {}, "none"),
 ]
 QUICK = [CASES[5], CASES[11]]
 
@@ -341,7 +355,8 @@ def main() -> None:
         strat = dict(strat)
         gpus = strat.pop("gpus", args.gpus)
         shown = f"{model}, {scale['layers']} blocks"
-        kw = dict(gpus=gpus, gpus_per_node=gpus, micro_batch=2, seq_len=128, recompute=rc, ds_overrides=ds,
+        kw = dict(gpus=gpus, gpus_per_node=gpus, micro_batch=2, seq_len=strat.pop("seq_len", 128), recompute=rc,
+                  ds_overrides=ds,
                   torch_overrides=tk, **strat)
         row = done.get((label, shown, rc))
         if args.repredict:

@@ -149,7 +149,7 @@ def model_parallel(layout: Any, rank: int) -> list[dict[str, Any]]:
     share = layout.ranks[rank][0]
     h = layout.inventory.dims.get("hidden_size", 0)
     m = s.grad_accum
-    act = s.micro_batch * s.seq_len * h
+    act = s.micro_batch * (s.seq_len // p.cp) * h  # a CP rank's tokens
     out: list[dict[str, Any]] = []
     tp_inter = p.tp > c.ranks_per_node
 
@@ -170,6 +170,22 @@ def model_parallel(layout: Any, rank: int) -> list[dict[str, Any]]:
         ends = (1 if share.first else 0) + (1 if share.last else 0)
         add("all-reduce", "tensor parallel: the vocabulary-parallel embedding's output and the head's input gradient",
             p.tp, rc.compute_bytes * act, m * ends, tp_inter)
+    if p.cp > 1:
+        # ring attention (torch's context_parallel, its defaults): per attention layer and micro-batch the local
+        # k and v all-gathered over the CP ranks in forward, again in backward (and in a recomputed forward), and
+        # the fp32 dk, dv passed on at each of the cp steps of backward (the all-to-all rotation's permute)
+        d = share.inventory.dims
+        heads = d.get("num_heads") or 1
+        hd = d.get("head_dim") or h // heads
+        kv = s.micro_batch * (s.seq_len // p.cp) * (d.get("num_kv_heads") or heads) * hd
+        blocks = len(share.blocks)
+        again = checkpointed_blocks(s.recompute, blocks)
+        inter = p.cp * p.tp > c.ranks_per_node
+        add("all-gather", "context parallel: each attention's k and v over the CP ranks (forward, backward"
+            + (", recomputed forward" if again else "") + ")", p.cp, p.cp * 2 * kv * rc.compute_bytes,
+            m * (2 * blocks + again), inter)
+        add("send", "context parallel: each attention's fp32 dk, dv passed on at each ring step (backward)", 2,
+            2 * kv * 4, m * blocks * p.cp, inter)
     if p.ep > 1:
         # AllToAllEP: per MoE block and micro-batch, the routed (token, expert) rows out and the experts' outputs
         # back, in forward and again (their gradients) in backward; each rank keeps 1/ep of what it exchanges

@@ -149,6 +149,9 @@ def test_a_factory_that_never_returns_is_stopped(tmp_path):
      "--ep 3 does not divide the 8 routed experts"),
     (["estimate", "llama-7b", "--gpus", "2", "--ep", "2", "--strategy", "fsdp-full"], "has no routed experts"),
     (["estimate", "mixtral-8x7b", "--gpus", "8", "--ep", "2", "--stage", "3"], "--ep with --strategy zero3"),
+    (["estimate", "llama-7b", "--gpus", "4", "--cp", "4", "--seq-len", "1004", "--strategy", "fsdp-full"],
+     "--cp 4 does not divide the sequence"),
+    (["estimate", "llama-7b", "--gpus", "6", "--cp", "4", "--strategy", "fsdp-full"], "x cp(4) = 4"),
 ])
 def test_bad_input_one_line_exit_2(args, needle):
     r = run(*args)

@@ -29,6 +29,7 @@ CASES = [
     "--gpu h100-80g --json",
     "estimate llama-3-8b --gpus 8 --pp 4 --stage 1 --grad-accum 8 --activations analytic --json",
     "estimate mixtral-8x7b --gpus 16 --ep 8 --strategy fsdp-full --activations analytic --gpu h100-80g --json",
+    "estimate llama-3-8b --gpus 16 --cp 4 --seq-len 32768 --strategy fsdp-full --activations analytic --json",
 ]
 
 

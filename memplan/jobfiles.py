@@ -305,14 +305,20 @@ def _parallelism(job: JobFile, path: str, pc: dict[str, Any]) -> None:
     """Accelerate's parallelism_config (accelerate/parallelism_config.py ParallelismConfig; the keys as `accelerate
     config` writes them, parallelism_config_tp_size, or bare): tp_size runs transformers' own tensor parallelism
     (the model's tp_plan; its head is colwise_gather_output: the logits gathered whole, no loss parallelism),
-    dp_replicate_size > 1 with dp_shard_size is HSDP; cp_size > 1 is refused (context parallelism is not modelled)."""
+    dp_replicate_size > 1 with dp_shard_size is HSDP; cp_size runs torch's context_parallel ring attention over
+    that many ranks (Accelerate's TorchContextParallelConfig; FSDP over dp_shard x cp, as memplan's --cp)."""
     if not isinstance(pc, dict):
         raise ConfigError(f"{path}: parallelism_config must be a mapping")
     get = lambda k: pc.get(f"parallelism_config_{k}", pc.get(k))  # noqa: E731
     tp, cp = get("tp_size"), get("cp_size")
     rep, shard = get("dp_replicate_size"), get("dp_shard_size")
     if cp is not None and _count(cp, "parallelism_config.cp_size", path) > 1:
-        raise ConfigError(f"{path}: parallelism_config cp_size {cp}: context parallelism is not modelled yet")
+        job.values["cp"] = int(cp)
+        strategy = str((pc.get("cp_handler") or {}).get("cp_comm_strategy", "allgather")
+                       if isinstance(pc.get("cp_handler"), dict) else "allgather")
+        job.notes.append(f"{path}: cp_size {cp}: torch's ring attention over {cp} ranks (k/v all-gathered"
+                         + ("; cp_comm_strategy alltoall passes them rank to rank instead: the all-gathered buffer "
+                            "counted is an upper bound)" if strategy == "alltoall" else ")"))
     if tp is not None and _count(tp, "parallelism_config.tp_size", path) > 1:
         job.values["tp"] = int(tp)
         job.values["loss_parallel"] = False

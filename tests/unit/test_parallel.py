@@ -253,7 +253,7 @@ def test_every_phase_of_every_rank_is_whole_bytes(tmp_path, par_kw, strategy):
 
 def test_accelerate_parallelism_config(tmp_path):
     """Accelerate's parallelism_config: tp_size runs transformers' tensor parallelism (logits gathered whole),
-    dp_replicate_size > 1 is HSDP over dp_shard_size, cp_size > 1 is refused."""
+    dp_replicate_size > 1 is HSDP over dp_shard_size, cp_size runs context parallelism."""
     from memplan import jobfiles
     from memplan.errors import ConfigError
 
@@ -265,7 +265,9 @@ def test_accelerate_parallelism_config(tmp_path):
     assert job.values["tp"] == 2 and job.values["loss_parallel"] is False
     assert job.values["strategy"] == "hsdp" and job.values["hsdp_shard_size"] == 4
     path.write_text("distributed_type: FSDP\nnum_processes: 8\nparallelism_config:\n  cp_size: 2\n")
-    with pytest.raises(ConfigError, match="context parallelism"):
+    assert jobfiles.read_accelerate(str(path)).values["cp"] == 2
+    path.write_text("distributed_type: FSDP\nnum_processes: 8\nparallelism_config:\n  cp_size: zero\n")
+    with pytest.raises(ConfigError, match="cp_size"):
         jobfiles.read_accelerate(str(path))
 
 

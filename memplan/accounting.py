@@ -233,7 +233,7 @@ def _reserved(inv: ParamInventory, s: Settings, limit: int | None = None) -> tup
         return None, None
     from memplan import reserved
 
-    why = reserved.why_not(s)
+    why = reserved.why_not(s, inv)
     if why is not None:
         return None, why
     return reserved.predict(inv, s, limit=limit), None
@@ -286,11 +286,11 @@ def required_bytes(inv: ParamInventory, s: Settings, micro_batches: Any,
         elif lower_bound:
             from memplan.reserved import why_not
 
-            frag = 0 if why_not(s) is None else fallback_fragmentation(s)
+            frag = 0 if why_not(s, inv) is None else fallback_fragmentation(s)
         else:
             from memplan.reserved import why_not
 
-            if why_not(s) is None:  # the replay, one micro-batch at a time
+            if why_not(s, inv) is None:  # the replay, one micro-batch at a time
                 limit = None if budget is None else budget - fixed_over
                 return [(p, r) for p, r in ((e.peak_bytes, e.required_bytes) for e in
                                             (estimate(inv, replace(s, micro_batch=b), limit)
@@ -410,6 +410,10 @@ class Layout:
             prof = act.HeldProfile(inner, share.in_flight, less, loss, output, others, fewer, shared,
                                    recompute=s.recompute, ring_forward=ring_f,
                                    ring_backward=ring_b)
+            if p.tp == 1 and p.pp == 1 and prof.adds_nothing:
+                # context (or expert) parallelism alone: the rank's own traced step, as a data-parallel job's (its
+                # allocation events let the reserved peak be replayed)
+                prof = inner
             cluster = replace(s.cluster, gpus=dp, gpus_per_node=per_node)
             knobs = s.torch
             if p.pp > 1 and s.strategy.framework == "fsdp2" and knobs.reshard_after_forward is None:
@@ -419,7 +423,8 @@ class Layout:
                 knobs = replace(knobs, reshard_after_forward=False)
             out.append((share, r_inv, replace(s, parallel=None, cluster=cluster, activation_profile=prof,
                                                pipeline_stage=p.pp > 1, torch=knobs,
-                                               model_parallel_groups=(p.tp > 1) + (p.pp > 1))))
+                                               model_parallel_groups=(p.tp > 1) + (p.pp > 1) + (p.cp > 1)
+                                               + (p.ep > 1))))
         self.ranks = tuple(out)
         #: ranks another one bounds (parallel.dominated): a search skips them
         self.dominated = par.dominated(tuple(share for share, _, _ in out))

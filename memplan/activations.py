@@ -478,6 +478,13 @@ class HeldProfile:
                 bwd + x + self.loss_extra * micro_batch + self._ring_inside() * micro_batch, saved + x, emb + end,
                 block)
 
+    @property
+    def adds_nothing(self) -> bool:
+        """One micro-batch in flight and nothing added to the inner profile's figures."""
+        return (self.held == 1 and not (self.saved_less or self.loss_extra or self.output or self.others
+                                        or self.fewer_layers or self.shared or self.ring_forward
+                                        or self.ring_backward))
+
     def _ring_inside(self) -> int:
         """The ring's transient inside a block's backward: its backward's, or under recompute its forward's again."""
         return max(self.ring_backward, self.ring_forward if self.recompute != "none" else 0)

@@ -34,10 +34,13 @@ def _replayer(s: Any) -> Any:
     return importlib.import_module(name) if name else None
 
 
-def why_not(s: Any) -> str | None:
-    """Why the reserved peak cannot be replayed for these settings (None: it can)."""
+def why_not(s: Any, inv: Any = None) -> str | None:
+    """Why the reserved peak cannot be replayed for these settings (None: it can); ``inv``: the rank's inventory,
+    where it decides."""
     if s.cluster.device != "cuda":
         return "device cpu (no caching allocator)"
+    if inv is not None and any(t.shard_split > 1 for t in inv.tensors):
+        return "expert parallelism: the experts' own FSDP2 units are not replayed yet"
     if getattr(s, "lora", None) is not None:
         return "LoRA: the frameworks' setup with frozen parameters is not replayed yet"
     prof = s.activation_profile
@@ -59,7 +62,7 @@ _PARTIAL: dict[tuple, Reserved] = {}
 def predict(inv: Any, s: Any, config: AllocatorConfig | None = None, limit: int | None = None) -> Reserved | None:
     """The reserved peak of one configuration, or None where why_not(s) says why not. ``limit``: stop once the
     reserved bytes pass it; the answer's peak is then only a bound from below (``complete`` False)."""
-    if why_not(s) is not None:
+    if why_not(s, inv) is not None:
         return None
     key = (id(inv), id(s.activation_profile.data), repr(replace(s, activation_profile=None)), repr(config))
     hit = _CACHE.get(key)

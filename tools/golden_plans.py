@@ -85,8 +85,9 @@ def accuracy_predictions(shared: Path | None = None) -> dict[str, str]:
         for label, (model, scale), strat, ds, tk, rc in cases:
             strat = dict(strat)
             gpus = strat.pop("gpus", 2)
+            seq = strat.pop("seq_len", 128)
             plan = predict(model, **scale, device="cpu", cpu_isa="avx512", gpus=gpus, gpus_per_node=gpus,
-                           micro_batch=2, seq_len=128, recompute=rc, ds_overrides=ds, torch_overrides=tk,
+                           micro_batch=2, seq_len=seq, recompute=rc, ds_overrides=ds, torch_overrides=tk,
                            **strat)[0]
             out[f"cpu|{label}|{model}|{scale['layers']}|{rc}"] = json.dumps(
                 [plan.peak_bytes, plan.peak.name, [p.total_bytes for p in plan.phases]])

@@ -566,8 +566,17 @@ def rank_config(config: dict[str, Any], p: Parallel, layout: str, with_loss: boo
     """The config of the model one TP rank computes (its heads, key/value heads, MLP features and vocabulary
     rows; head_dim kept), traced for its activations; ``with_loss`` False: a stage without the head. None where
     the config does not name those sizes the way transformers' decoder models do."""
+    if config.get("factory"):
+        return None
+    if p.tp == 1 and p.pp == 1:  # context or expert parallelism alone: the whole model, run as one such rank
+        c = dict(config)
+        if p.ep > 1:
+            c[EP_KEY] = p.ep
+        if p.cp > 1:
+            c[CP_KEY] = p.cp
+        return c
     need = ("hidden_size", "num_attention_heads", "intermediate_size", "vocab_size")
-    if config.get("factory") or any(not isinstance(config.get(k), int) for k in need):
+    if any(not isinstance(config.get(k), int) for k in need):
         return None
     c = dict(config)
     heads = c["num_attention_heads"]

@@ -230,6 +230,9 @@ def sdpa(real_sdpa: Any, target: K.Target, kernels: dict[str, str], cp: int = 1)
         backend, why = K.backend_for(call, target)
         kernels.setdefault(backend, why)
         with torch.autocast(dev, enabled=False):
+            if cp > 1 and attn_mask is not None:
+                raise ValueError("context parallelism runs torch's ring attention, which takes causal attention "
+                                 "without a mask; this model's attention passes one (a sliding window or padding)")
             if backend != "math":
                 return Fused.apply(query, key, value, attn_mask, backend, call)
             if cp > 1:

@@ -495,6 +495,10 @@ class Layout:
                                    self.name)
         one = replace(r_s, pipeline_buffer_bytes=buffers)
         m = r_s.grad_accum
+        if self.settings.parallel.pp == 1:
+            # no pipeline: the micro-batches run one after the other as in a data-parallel job (FSDP2 reduces each
+            # one's gradients; the engine accumulates them as it does there)
+            return [one]
         prof = r_s.activation_profile
         if m == 1:
             return [one]

@@ -201,6 +201,8 @@ CASES = [
      dict(strategy="fsdp-full", precision="fp32", seq_len=1024, parallel=Parallel(cp=2)), {}, {}, "none"),
     ("fsdp-full cp 2, seq 1024, GQA", LLAMA3,
      dict(strategy="fsdp-full", seq_len=1024, parallel=Parallel(cp=2)), {}, {}, "none"),
+    ("ddp cp 2, seq 1024, torch-amp", LLAMA_CP, dict(strategy="ddp", seq_len=1024, parallel=Parallel(cp=2)), {}, {},
+     "none"),
 ]
 QUICK = [CASES[5], CASES[11]]
 

@@ -107,9 +107,14 @@ def _ring(target: K.Target, cp: int) -> Any:
                     lse = lse - F.logsigmoid(lse - l32) if l32 is not None else lse
                 del o32, l32
             del gathered, kc, vc
-            out = merged.to(q.dtype)
-            extra = [torch.empty(shape, dtype=getattr(torch, dt), device=q.device)
-                     for shape, dt in K.saved_extra(backend, call, target.device)]
+            # the op's outputs (what torchtitan's per-op checkpoint policy keeps: the aten op is the same under CP)
+            SAC_KERNEL_OUTPUTS["on"] = target.device == "cuda"
+            try:
+                out = merged.to(q.dtype)
+                extra = [torch.empty(shape, dtype=getattr(torch, dt), device=q.device)
+                         for shape, dt in K.saved_extra(backend, call, target.device)[:3]]
+            finally:
+                SAC_KERNEL_OUTPUTS["on"] = False
             del merged, lse
             ctx.backend, ctx.call = backend, call
             ctx.save_for_backward(q, k, v, out, *extra)

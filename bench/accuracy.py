@@ -188,6 +188,13 @@ CASES = [
     ("fsdp-full ep 2", DEEPSEEK, dict(strategy="fsdp-full", parallel=Parallel(ep=2)), {}, {}, "none"),
     ("fsdp-full ep 2", QWEN2_MOE, dict(strategy="fsdp-full", parallel=Parallel(ep=2)), {}, {}, "none"),
     ("fsdp-full ep 2", QWEN3_MOE, dict(strategy="fsdp-full", parallel=Parallel(ep=2)), {}, {}, "none"),
+    # EP with TP on the attention (and the shared expert): ep a multiple of tp, experts over efsdp = dp x tp / ep
+    ("fsdp-full tp 2 x ep 2", QWEN3_MOE, dict(strategy="fsdp-full", parallel=Parallel(tp=2, ep=2)), {}, {}, "none"),
+    ("fsdp-full tp 2 x ep 2, 4 ranks", QWEN3_MOE, dict(strategy="fsdp-full", gpus=4, parallel=Parallel(tp=2, ep=2)),
+     {}, {}, "none"),
+    ("fsdp-full tp 2 x ep 4, 4 ranks", QWEN3_MOE, dict(strategy="fsdp-full", gpus=4, parallel=Parallel(tp=2, ep=4)),
+     {}, {}, "none"),
+    ("fsdp-full tp 2 x ep 2", QWEN2_MOE, dict(strategy="fsdp-full", parallel=Parallel(tp=2, ep=2)), {}, {}, "none"),
     # context parallelism: torch's context_parallel ring attention (harness/cp.py), sequence 1024 over the CP ranks
     ("fsdp-full cp 2, seq 1024", LLAMA_CP, dict(strategy="fsdp-full", seq_len=1024, parallel=Parallel(cp=2)), {}, {},
      "none"),

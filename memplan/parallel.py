@@ -194,10 +194,12 @@ def _check_ep(p: Parallel, inv: ParamInventory, strategy: Any, dp: int, layout: 
                             "fsdp-full, as torchtitan and transformers' DistributedConfig(ep_size) run it; "
                             "DeepSpeed's needs its own MoE layer (deepspeed.moe), which transformers' models do not "
                             "use")
-    if p.tp > 1 or p.pp > 1:
-        raise SettingsError(f"--ep {p.ep} with --{'tp' if p.tp > 1 else 'pp'} {p.tp if p.tp > 1 else p.pp}: expert "
-                            "parallelism is modelled with data parallelism alone for now (experts over ep x efsdp = "
-                            "dp ranks)")
+    if p.pp > 1:
+        raise SettingsError(f"--ep {p.ep} with --pp {p.pp}: expert parallelism is modelled without pipeline "
+                            "parallelism for now")
+    if p.ep % p.tp:
+        raise SettingsError(f"--ep {p.ep} with --tp {p.tp}: ep must be a multiple of tp (transformers' "
+                            "DistributedConfig: each EP group holds whole TP groups, which share their batch)")
     if (dp * p.tp) % p.ep:
         raise SettingsError(f"--ep {p.ep} does not divide the data-parallel ranks dp x tp = {dp * p.tp} it borrows "
                             "from (each expert's FSDP group is dp x tp / ep ranks)")
@@ -402,10 +404,14 @@ def tp_inventory(inv: ParamInventory, p: Parallel, layout: str) -> ParamInventor
     same experts (ParamTensor.shard_split)."""
     if p.tp == 1 and p.ep == 1:
         return inv
-    tensors = tuple(replace(t, shape=_tp_shape(t, p, layout, inv.dims)) for t in inv.tensors)
     if p.ep > 1:
-        tensors = tuple(replace(t, shape=(t.shape[0] // p.ep,) + t.shape[1:], shard_split=p.ep)
-                        if t.category == "experts" and len(t.shape) == 3 else t for t in tensors)
+        # the routed experts: whole experts per EP rank, not TP-split (the EP plan takes precedence over the TP
+        # plan for the same modules), FSDP-sharded over efsdp = dp x tp / ep, i.e. the rank's dp / (ep / tp)
+        tensors = tuple(replace(t, shape=(t.shape[0] // p.ep,) + t.shape[1:], shard_split=p.ep // p.tp)
+                        if t.category == "experts" and len(t.shape) == 3 else
+                        replace(t, shape=_tp_shape(t, p, layout, inv.dims)) for t in inv.tensors)
+    else:
+        tensors = tuple(replace(t, shape=_tp_shape(t, p, layout, inv.dims)) for t in inv.tensors)
     return replace(inv, tensors=tensors, dims=rank_dims(inv.dims, p, layout))
 
 
@@ -586,8 +592,12 @@ def rank_config(config: dict[str, Any], p: Parallel, layout: str, with_loss: boo
         kv = c.get("num_key_value_heads")
         if isinstance(kv, int):
             c["num_key_value_heads"] = max(kv // p.tp, 1)
+        # under EP the routed experts keep their size: moe_intermediate_size where the config has one, else (Mixtral)
+        # intermediate_size is theirs
+        experts_size = ("moe_intermediate_size" if "moe_intermediate_size" in c else "intermediate_size") \
+            if p.ep > 1 else None
         for k in ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size"):
-            if isinstance(c.get(k), int):
+            if isinstance(c.get(k), int) and k != experts_size:
                 c[k] = c[k] // p.tp
     # the loss runs on the rank's vocabulary rows, or on the whole gathered logits
     whole = layout == TORCHTITAN and not p.loss_parallel
@@ -597,7 +607,7 @@ def rank_config(config: dict[str, Any], p: Parallel, layout: str, with_loss: boo
         if isinstance(c.get(k), int) and c[k] >= c["vocab_size"]:
             c[k] = None
     if p.ep > 1:
-        c[EP_KEY] = p.ep
+        c[EP_KEY] = [p.ep, p.tp]
     if p.cp > 1:
         c[CP_KEY] = p.cp
     return c

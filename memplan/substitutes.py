@@ -306,7 +306,7 @@ def gemm_scratch(isa: str, threads: int = 1):  # noqa: ANN201
 # ---- expert parallelism: transformers' AllToAllEP with the collectives taken out ---------------------------------
 
 
-def expert_parallel(model: Any, ep: int) -> int:
+def expert_parallel(model: Any, ep: int, tp: int = 1) -> int:
     """The model as one EP rank runs it (transformers/distributed/expert_parallel.py, transformers 5.23): each
     MoE layer's fused expert weights cut to this rank's E / ep experts (MoEParamShard, Shard(0)) and its experts
     module reached through AllToAllEP's dispatch and combine, with each all-to-all a copy of what it sends: the
@@ -314,7 +314,9 @@ def expert_parallel(model: Any, ep: int) -> int:
     router aims at. What AllToAllEP allocates and saves is kept: the sorted send rows (an index whose backward
     keeps the order), the received rows (a new buffer, the functional all-to-all's output), the experts run top-1
     with unit weights, the combined rows scattered back into token order (index_put, the order kept) and weighted
-    (the weighted product keeps the rows and the weights). Returns the experts modules changed."""
+    (the weighted product keeps the rows and the weights). With TP (``tp`` ranks sharing a batch) each takes its
+    1/tp of the tokens first (Replicate -> Shard(0): a chunk) and the combined outputs are all-gathered back over
+    the TP ranks (Shard(0) -> Replicate: a new [tokens, hidden] buffer). Returns the experts modules changed."""
     import torch
 
     class _AllToAll(torch.autograd.Function):
@@ -347,6 +349,11 @@ def expert_parallel(model: Any, ep: int) -> int:
 
         def ep_forward(hidden_states: Any, top_k_index: Any, top_k_weights: Any, forward: Any = forward,
                        local: int = local) -> Any:
+            whole = hidden_states.shape[0]
+            if tp > 1:  # this TP rank's slice of the batch the TP group shares
+                rows_tp = -(-whole // tp)
+                hidden_states, top_k_index, top_k_weights = (t[:rows_tp] for t in (hidden_states, top_k_index,
+                                                                                    top_k_weights))
             num_tokens, num_top_k = top_k_index.shape
             order = torch.argsort(top_k_index.reshape(-1))
             send = hidden_states[order // num_top_k]
@@ -358,7 +365,10 @@ def expert_parallel(model: Any, ep: int) -> int:
             rows = torch.empty_like(back)
             rows[order] = back
             rows = rows.view(num_tokens, num_top_k, out.shape[-1])
-            return (rows * top_k_weights.unsqueeze(-1)).sum(dim=1).to(hidden_states.dtype)
+            output = (rows * top_k_weights.unsqueeze(-1)).sum(dim=1).to(hidden_states.dtype)
+            if tp > 1:  # all-gathered back over the TP ranks
+                output = torch.cat([output] * tp)[:whole]
+            return output
 
         mod.forward = ep_forward
         changed += 1

@@ -71,13 +71,18 @@ def _tp(model: Any, blocks: list[Any], mesh: Any, sp: bool, whole: bool, loss_pa
                 output_layouts=Shard(1) if sp else Replicate()),
             "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
             "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1) if sp else Replicate())}
+        for shared in ("mlp.shared_expert", "mlp.shared_experts"):  # a MoE block's shared expert, as a dense MLP
+            plan.update({f"{shared}.gate_proj": ColwiseParallel(), f"{shared}.up_proj": ColwiseParallel(),
+                         f"{shared}.down_proj": RowwiseParallel()})
         if sp:
             plan.update({
                 "input_layernorm": SequenceParallel(), "post_attention_layernorm": SequenceParallel(),
                 "self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
                                                 desired_input_kwarg_layouts={"hidden_states": Replicate()}),
                 "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))})
-        parallelize_module(blk, mesh, plan)
+        # a MoE block's mlp has no gate/up/down projections: its experts run expert parallelism (_ep)
+        names = {n for n, _ in blk.named_modules()}
+        parallelize_module(blk, mesh, {k: v for k, v in plan.items() if k in names})
 
 
 def experts_modules(model: Any) -> list[Any]:

@@ -198,7 +198,8 @@ def one_step(config: dict[str, Any], batch: int, seq: int, recipe: str, attentio
         else:
             model = AutoModelForCausalLM.from_config(hf_config(config), dtype=getattr(torch, dtype),
                                                      attn_implementation="eager" if attention == "eager" else "sdpa")
-            if ep > 1 and not sub.expert_parallel(model, ep):  # an EP rank: its experts, through AllToAllEP
+            ep, ep_tp = (ep, 1) if isinstance(ep, int) else ep
+            if ep > 1 and not sub.expert_parallel(model, ep, ep_tp):  # an EP rank: its experts, via AllToAllEP
                 raise ValueError("no fused experts module (.experts with 3-D gate_up_proj) to split over --ep")
             if checkpoint_every(recompute):
                 checkpointing_on(model, recompute)

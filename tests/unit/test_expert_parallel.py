@@ -30,7 +30,7 @@ def _settings(inv, p, **kw):
     return options.resolve(inv, activations="analytic", device="cpu", parallel=p, **kw).settings
 
 
-def _fsdp2_local_shapes(config, dp, ep):
+def _fsdp2_local_shapes(config, dp, ep, tp=1):
     """Each parameter's local shape on rank 0 after transformers' expert-parallel plan (the harness's _ep:
     MoEParamShard Shard(0) over the EP mesh, AllToAllEP) and FSDP2: the experts fully_shard-ed over the efsdp mesh,
     then each block and the root over dp (transformers' apply_fully_sharded_data_parallelism), in one process over
@@ -45,13 +45,18 @@ def _fsdp2_local_shapes(config, dp, ep):
     from memplan.harness.model_parallel import _ep
     from memplan.model.meta_builder import hf_config
 
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=dp)
+    from memplan.harness.model_parallel import _tp
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=dp * tp)
     try:
-        mesh = init_device_mesh("cpu", (1, dp, 1), mesh_dim_names=("pp", "dp", "tp"))
-        emesh = init_device_mesh("cpu", (1, dp // ep, ep), mesh_dim_names=("pp", "efsdp", "ep"))
+        mesh = init_device_mesh("cpu", (1, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
+        emesh = init_device_mesh("cpu", (1, dp * tp // ep, ep), mesh_dim_names=("pp", "efsdp", "ep"))
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(hf_config(config), dtype=torch.float32)
-        for m in _ep(model, emesh["ep"], mesh["tp"]):
+        experts = _ep(model, emesh["ep"], mesh["tp"])
+        if tp > 1:  # torchtitan's TP plan on the attention (and any dense MLP), the experts left to EP
+            _tp(model, list(model.model.layers), mesh["tp"], False, whole=True)
+        for m in experts:
             fully_shard(m, mesh=emesh["efsdp"])
         for block in model.model.layers:
             fully_shard(block, mesh=mesh["dp"])
@@ -74,6 +79,24 @@ def test_each_tensors_shard_is_fsdp2s(tmp_path, dp, ep):
     want = _fsdp2_local_shapes({**MIXTRAL, "torch_dtype": "float32"}, dp, ep)
     got = {t.name: shape for t, (shape, _) in zip(r_inv.tensors, sizes.shard_shapes)}
     assert got == want
+
+
+@pytest.mark.parametrize("dp,tp,ep", [(1, 2, 2), (2, 2, 2), (2, 2, 4)])
+def test_tp_by_ep_shards_are_torchs(tmp_path, dp, tp, ep):
+    """EP with TP (transformers: ep a multiple of tp): the attention split by TP, the experts whole per EP rank and
+    FSDP2-sharded over efsdp = dp x tp / ep: every local tensor as torch makes it."""
+    inv = _inv(tmp_path)
+    s = _settings(inv, par.Parallel(ep=ep, tp=tp), gpus=dp * tp)
+    _, r_inv, _ = accounting.layout(inv, s).ranks[0]
+    sizes = layouts.layout_sizes(r_inv, S.PER_PARAM_DIM0, dp)
+    got = {t.name: shape for t, (shape, _) in zip(r_inv.tensors, sizes.shard_shapes)}
+    assert got == _fsdp2_local_shapes({**MIXTRAL, "torch_dtype": "float32"}, dp, ep, tp)
+
+
+def test_ep_must_be_a_multiple_of_tp(tmp_path):
+    inv = _inv(tmp_path, num_key_value_heads=4)
+    with pytest.raises(SettingsError, match="ep must be a multiple of tp"):
+        _settings(inv, par.Parallel(ep=2, tp=4), gpus=8)
 
 
 def test_model_states_equal_the_data_parallel_ones(tmp_path):
@@ -99,7 +122,7 @@ def test_model_states_equal_the_data_parallel_ones(tmp_path):
     (dict(gpus=2, p=par.Parallel(ep=4)), "does not divide the data-parallel ranks dp x tp = 2"),
     (dict(gpus=4, p=par.Parallel(ep=2), stage=3, strategy=None), "--ep with --strategy zero3"),
     (dict(gpus=4, p=par.Parallel(ep=2), strategy="ddp"), "--ep with --strategy ddp"),
-    (dict(gpus=4, p=par.Parallel(ep=2, tp=2)), "--ep 2 with --tp 2"),
+    (dict(gpus=4, p=par.Parallel(ep=2, pp=2)), "--ep 2 with --pp 2"),
     (dict(gpus=4, p=par.Parallel(ep=0)), "--ep must be at least 1"),
 ])
 def test_bad_expert_layouts(tmp_path, kw, msg):

@@ -162,7 +162,8 @@ def _model_parallel(plan: Any) -> list[Change]:
     from memplan import parallel as par
 
     s = plan.settings
-    p = (plan.layout.settings.parallel if plan.layout is not None else s.parallel) or par.Parallel()
+    lay = getattr(plan, "layout", None)
+    p = (lay.settings.parallel if lay is not None else s.parallel) or par.Parallel()
     try:
         par.layout_of(s.strategy, 2)
     except MemplanError:
@@ -178,7 +179,7 @@ def _model_parallel(plan: Any) -> list[Change]:
         out.append(Change(f"tensor parallelism over {p.tp * 2} GPUs", ("--tp", str(p.tp * 2)),
                           {"tp": p.tp * 2, "_trace": False},
                           "four all-reduces of each block's activations per micro-batch within a node", 6))
-    seq = plan.layout.settings.seq_len if plan.layout is not None else s.seq_len
+    seq = lay.settings.seq_len if lay is not None else s.seq_len
     if p.ep == 1 and c.gpus % (p.model_ranks * p.cp * 2) == 0 and seq % (4 * p.cp) == 0 and s.attention != "eager" \
             and par.layout_of(s.strategy, 1) == par.TORCHTITAN:
         out.append(Change(f"context parallelism over {p.cp * 2} GPUs", ("--cp", str(p.cp * 2)),

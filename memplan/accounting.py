@@ -370,7 +370,9 @@ class Layout:
                     return kept[cur][1] + sum((n - (c == cur)) * (kept[c][2] + kept[c][4])
                                               for c, n in enumerate(counts))
 
-                counts, cur = max(par.interleaved_moments(p, share.rank, s.grad_accum, v), key=load)
+                moments = (par.zbv_moments(p, share.rank, s.grad_accum) if p.schedule == par.ZERO_BUBBLE else
+                           par.interleaved_moments(p, share.rank, s.grad_accum, v))
+                counts, cur = max(moments, key=load)
                 counts = list(counts)
                 # the current micro-batch's profile at all the rank's blocks (what its buffers' timeline walks,
                 # one model of the rank's blocks): it runs through one stage's, so this counts the other stages'
@@ -407,6 +409,14 @@ class Layout:
             # one adds its bound
             ring_f, ring_b = (0, 0) if loss_prof is not None else par.ring_attention(share.inventory.dims, p,
                                                                                       s.seq_len, rc.compute_bytes)
+            if p.schedule == par.ZERO_BUBBLE and p.pp > 1:
+                # the input-gradient step keeps its linears' output gradients for the weight-gradient step, while
+                # the stage's largest chunk runs its backward (per micro-batch of 1)
+                # ... and frees none of the micro-batch's activations until then (the graph retained): the
+                # chunk's blocks' saved activations stay through the whole input-gradient step
+                most = max(len(c.layers) for c in share.chunks)
+                ring_b += par.zero_bubble_grads(share.inventory.dims, most, s.seq_len, rc.compute_bytes) \
+                    + most * inner.terms(s.recompute, 1)[4]
             prof = act.HeldProfile(inner, share.in_flight, less, loss, output, others, fewer, shared,
                                    recompute=s.recompute, ring_forward=ring_f,
                                    ring_backward=ring_b)
@@ -528,7 +538,7 @@ class Layout:
         return {"layout": self.name, "tp": p.tp, "pp": p.pp, "dp": self.dp // p.cp, "cp": p.cp, "sp": p.sp,
                 "ep": p.ep,
                 "efsdp": self.dp * p.tp // p.ep,
-                "virtual_stages": p.virtual if p.schedule == "interleaved" and p.pp > 1 else 1,
+                "virtual_stages": p.virtual if p.multi_stage and p.pp > 1 else 1,
                 "schedule": p.schedule if p.pp > 1 else None, "micro_batches": self.settings.grad_accum,
                 "worst_pipeline_rank": self.worst,
                 "ranks": [{"pipeline_rank": share.rank, "holds": share.describe(),

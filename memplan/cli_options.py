@@ -55,7 +55,7 @@ Sp = Annotated[bool, typer.Option("--sp/--no-sp", help="Sequence parallelism wit
 LossParallel = Annotated[Optional[bool], typer.Option(
     "--loss-parallel/--no-loss-parallel", help="With --tp under FSDP/DDP: the loss on each rank's vocabulary rows "
     "(torchtitan's default), or on the gathered logits (transformers' own TP, Accelerate's tp_size) [default: on].")]
-Schedule = Annotated[Optional[str], typer.Option("--schedule", help="Pipeline schedule: 1f1b | gpipe | interleaved "
+Schedule = Annotated[Optional[str], typer.Option("--schedule", help="Pipeline schedule: 1f1b | gpipe | interleaved | zbv (zero-bubble) "
                                                  "[default: 1f1b]; the micro-batches per step are --grad-accum.")]
 
 
@@ -68,6 +68,8 @@ def parallel_of(values: dict[str, Any]) -> Any:
         return None
     from memplan.parallel import Parallel
 
+    if schedule == "zero-bubble":  # torch's ZB-V (ScheduleZBVZeroBubble), torchtitan's "ZBVZeroBubble"
+        schedule = "zbv"
     return Parallel(tp=1 if tp is None else tp, pp=1 if pp is None else pp, ep=1 if ep is None else ep,
                     cp=1 if cp is None else cp,
                     vpp=vpp, sp=bool(sp),

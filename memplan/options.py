@@ -862,7 +862,7 @@ def _with_parallel(s: Settings, inv: ParamInventory, config: dict[str, Any] | No
                                                                  if p.cp > 1 else "")
                  + (f", experts over ep {p.ep} x efsdp {s.cluster.gpus // p.model_ranks * p.tp // p.ep} "
                     "(balanced routing: tokens x top_k rows received)" if p.ep > 1 else "")
-                 + (f", schedule {p.schedule}" + (f" with {p.virtual} stages per rank" if p.schedule == "interleaved"
+                 + (f", schedule {p.schedule}" + (f" with {p.virtual} stages per rank" if p.multi_stage
                                                  else "") + f", {s.grad_accum} micro-batches per step"
                     if p.pp > 1 else "") + (", sequence parallel" if p.sp and p.tp > 1 else "")
                  + "; the plan is the most loaded pipeline rank's (parallel.ranks in the JSON has each)")

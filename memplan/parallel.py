@@ -34,12 +34,14 @@ from memplan.errors import SettingsError
 from memplan.model.inventory import ROOT_BLOCK, ParamInventory, ParamTensor
 from memplan.units import ceil_div
 
-SCHEDULES = ("1f1b", "gpipe", "interleaved")
+SCHEDULES = ("1f1b", "gpipe", "interleaved", "zbv")
+#: torch's ScheduleZBVZeroBubble, what --schedule zero-bubble names (the ZB-V schedule of Qi et al. 2024)
+ZERO_BUBBLE = "zbv"
 TORCHTITAN = "torchtitan"
 MEGATRON_DEEPSPEED = "megatron-deepspeed"
 #: the schedules each layout runs (torch.distributed.pipelining get_schedule_class: 1F1B, GPipe,
 #: Interleaved1F1B; DeepSpeed's PipelineEngine: TrainSchedule, a 1F1B)
-LAYOUT_SCHEDULES = {TORCHTITAN: ("1f1b", "gpipe", "interleaved"), MEGATRON_DEEPSPEED: ("1f1b",)}
+LAYOUT_SCHEDULES = {TORCHTITAN: ("1f1b", "gpipe", "interleaved", "zbv"), MEGATRON_DEEPSPEED: ("1f1b",)}
 #: a rank config's key (rank_config) telling the tracer to run one expert-parallel rank (memplan/substitutes.py
 #: expert_parallel)
 EP_KEY = "memplan_expert_parallel"
@@ -93,7 +95,14 @@ class Parallel:
 
     @property
     def virtual(self) -> int:
+        if self.schedule == ZERO_BUBBLE:
+            return 2  # ZB-V: exactly two stages per rank, in a V
         return self.vpp or (2 if self.schedule == "interleaved" else 1)
+
+    @property
+    def multi_stage(self) -> bool:
+        """A schedule that runs more than one stage per rank."""
+        return self.schedule in ("interleaved", ZERO_BUBBLE)
 
 
 def layout_of(strategy: Any, pp: int) -> str:
@@ -118,9 +127,6 @@ def check(p: Parallel, inv: ParamInventory, strategy: Any, gpus: int, grad_accum
             raise SettingsError(f"--{name} must be at least 1, got {getattr(p, name)}")
     if p.vpp is not None and p.vpp < 1:
         raise SettingsError(f"--vpp must be at least 1, got {p.vpp}")
-    if p.schedule == "zero-bubble":
-        raise SettingsError("--schedule zero-bubble (torch's InterleavedZeroBubble / ZBVZeroBubble, Megatron's): not "
-                            "modelled yet; valid: " + ", ".join(SCHEDULES))
     if p.schedule not in SCHEDULES:
         raise SettingsError(f"unknown pipeline schedule {p.schedule!r}; valid: {', '.join(SCHEDULES)}")
     if gpus % (p.model_ranks * p.cp):
@@ -136,7 +142,9 @@ def check(p: Parallel, inv: ParamInventory, strategy: Any, gpus: int, grad_accum
                             "parallelism is another scheme")
     if p.pp > 1 and p.schedule not in LAYOUT_SCHEDULES[layout]:
         raise SettingsError(f"--schedule {p.schedule}: {layout} runs {', '.join(LAYOUT_SCHEDULES[layout])}")
-    if p.vpp not in (None, 1) and p.schedule != "interleaved":
+    if p.schedule == ZERO_BUBBLE and p.vpp not in (None, 2):
+        raise SettingsError(f"--vpp {p.vpp} with --schedule zbv: ZB-V runs exactly two stages per rank")
+    if p.vpp not in (None, 1) and not p.multi_stage:
         raise SettingsError(f"--vpp {p.vpp} needs --schedule interleaved (one stage per rank otherwise)")
     if p.schedule == "interleaved" and p.pp > 1 and p.virtual < 2:
         raise SettingsError("--schedule interleaved needs at least 2 virtual stages per rank (--vpp)")
@@ -145,7 +153,7 @@ def check(p: Parallel, inv: ParamInventory, strategy: Any, gpus: int, grad_accum
     if p.pp > 1:
         if not layers:
             raise SettingsError("--pp needs a model of repeated blocks; this one has none")
-        stages = p.pp * (p.virtual if p.schedule == "interleaved" else 1)
+        stages = p.pp * (p.virtual if p.multi_stage else 1)
         effective = layers + (2 if layout == TORCHTITAN else 0)
         if stages > effective or (layout == MEGATRON_DEEPSPEED and p.pp > layers):
             raise SettingsError(f"--pp {p.pp}" + (f" x --vpp {p.virtual}" if stages != p.pp else "")
@@ -295,8 +303,10 @@ def rank_chunks(p: Parallel, layout: str, inv: ParamInventory) -> list[list[Chun
     if p.pp == 1:
         return [[Chunk(tuple(range(layers)), True, True)]]
     if layout == TORCHTITAN:
-        v = p.virtual if p.schedule == "interleaved" else 1
+        v = p.virtual if p.multi_stage else 1
         stages = torchtitan_stages(p.pp * v, layers)
+        if p.schedule == ZERO_BUBBLE:  # the V: rank r runs stages r and 2 pp - 1 - r (generate_stage_to_rank_mapping)
+            return [[stages[r], stages[2 * p.pp - 1 - r]] for r in range(p.pp)]
         return [[stages[r + s * p.pp] for s in range(v)] for r in range(p.pp)]
     emb, blocks, head = _layer_sizes(tp_inventory(inv, p, layout))
     weights = [emb] + blocks + [head]
@@ -327,7 +337,61 @@ def in_flight(p: Parallel, layout: str, rank: int, micro_batches: int) -> int:
         per_round = m // max(1, m // pp)
         warmup = min((v - 1) * per_round + 2 * (pp - 1 - rank), m * v)
         return min(warmup + 1, m * v)
+    if p.schedule == ZERO_BUBBLE:
+        return max(sum(counts) for counts, _ in zbv_moments(p, rank, m))
     return min(m, pp - rank)
+
+
+def zbv_moments(p: Parallel, rank: int, micro_batches: int) -> list[tuple[list[int], int]]:
+    """Each input-gradient step (I) of a ZB-V rank, in torch's order (ScheduleZBVZeroBubble
+    _calculate_single_rank_operations: 2 (pp - rank) - 1 forwards on its first stage, rank pairs of forwards,
+    pp - rank forwards of its second stage each with its I and W, then per step a forward, I and W on each stage,
+    then the cooldown's I's with the W's deferred), with (micro-batches whose activations the rank holds per local
+    stage: forwarded and not yet through their weight-gradient step W, since the input-gradient step keeps the
+    graph for it (torch/distributed/pipelining/_backward.py stage_backward_input); that stage)."""
+    pp, n = p.pp, max(2 * p.pp - 1, micro_batches)
+    ops: list[tuple[str, int, int]] = []  # (kind, local stage, micro-batch)
+    f, b = [0, 0], [0, 0]
+    for _ in range(2 * (pp - rank) - 1):
+        ops.append(("F", 0, f[0]))
+        f[0] += 1
+    for _ in range(rank):
+        ops += [("F", 1, f[1]), ("F", 0, f[0])]
+        f[1] += 1
+        f[0] += 1
+    for _ in range(pp - rank):
+        ops += [("F", 1, f[1]), ("I", 1, b[1]), ("W", 1, b[1])]
+        f[1] += 1
+        b[1] += 1
+    while f[1] < f[0] or f[0] < n:
+        if f[0] < n:
+            ops.append(("F", 0, f[0]))
+            f[0] += 1
+        ops += [("I", 0, b[0]), ("W", 0, b[0]), ("F", 1, f[1]), ("I", 1, b[1]), ("W", 1, b[1])]
+        b[0] += 1
+        f[1] += 1
+        b[1] += 1
+    w = list(b)
+    for _ in range(rank):
+        ops += [("I", 0, b[0]), ("I", 1, b[1])]
+        b[0] += 1
+        b[1] += 1
+    for _ in range(pp - rank):
+        ops += [("I", 0, b[0]), ("W", 0, w[0])]
+        b[0] += 1
+        w[0] += 1
+    ops += [("W", 1, i) for i in range(w[1], b[1])] + [("W", 0, i) for i in range(w[0], b[0])]
+    held, out = [0, 0], []
+    for kind, c, mb in ops:
+        if mb >= micro_batches:  # torch drops the micro-batches past the real ones
+            continue
+        if kind == "F":
+            held[c] += 1
+        elif kind == "W":
+            held[c] -= 1
+        else:
+            out.append((list(held), c))
+    return out
 
 
 def interleaved_moments(p: Parallel, rank: int, micro_batches: int, chunks: int) -> list[tuple[list[int], int]]:
@@ -697,3 +761,21 @@ def ring_attention(dims: dict[str, Any], p: Parallel, seq_local: int, compute_by
     forward = 4 * K + 2 * p.cp * K + Q + 2 * Qf + 2 * lse
     backward = Qf + 2 * Kf + 2 * K + 2 * K + 2 * p.cp * K + Q + 2 * K + 2 * Kf + 2 * Kf + 2 * Kf
     return forward, backward
+
+
+# ---- zero-bubble schedules ----
+
+def zero_bubble_grads(dims: dict[str, Any], layers: int, tokens: int, compute_bytes: int) -> int:
+    """Bytes per micro-batch (of ``tokens`` tokens) that a zero-bubble schedule's input-gradient step keeps for its
+    weight-gradient step, beyond a backward's: torch's stage_backward_input (torch/distributed/pipelining/
+    _backward.py) computes the input's gradient with the graph retained and stores, per parameter group, the
+    gradients flowing into the weight-gradient subgraphs (param_group["grads"]): of each linear's output, the
+    q, k, v, o, gate, up and down projections' outputs of every block of the stage, in the compute dtype."""
+    h = dims.get("hidden_size", 0)
+    heads = dims.get("num_heads") or 1
+    hd = dims.get("head_dim") or h // heads
+    kv = dims.get("num_kv_heads") or heads
+    inter = dims.get("intermediate_size", 4 * h)
+    gated = dims.get("gated_mlp", 1)
+    per_token = heads * hd + 2 * kv * hd + h + (2 if gated else 1) * inter + h
+    return layers * tokens * per_token * compute_bytes

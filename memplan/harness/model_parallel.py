@@ -199,6 +199,10 @@ def setup(spec: dict[str, Any], device: Any, build: Any, optimizer: Any, materia
     m = spec["grad_accum"]
     if spec["schedule"] == "interleaved":
         sched = ScheduleInterleaved1F1B(stages, n_microbatches=m, loss_fn=loss_fn)
+    elif spec["schedule"] == "zbv":
+        from torch.distributed.pipelining.schedules import ScheduleZBVZeroBubble
+
+        sched = ScheduleZBVZeroBubble(stages, n_microbatches=m, loss_fn=loss_fn)
     else:
         cls = ScheduleGPipe if spec["schedule"] == "gpipe" else Schedule1F1B
         sched = cls(stages[0], n_microbatches=m, loss_fn=loss_fn)

@@ -177,5 +177,6 @@ def _parallel_spec(config: dict[str, Any], s: Settings, layout: Any, warmup_step
     spec.update(tp=p.tp, pp=p.pp, ep=p.ep, cp=p.cp, vpp=p.vpp, sp=p.sp, schedule=p.schedule, gpus_per_node=job.cluster.ranks_per_node,
                 loss_parallel=p.loss_parallel,
                 chunks=[[(list(c.layers), c.first, c.last) for c in share.chunks] for share, _, _ in layout.ranks],
-                stage_ids=[[r + k * p.pp for k in range(v)] for r in range(p.pp)])
+                stage_ids=[[r, 2 * p.pp - 1 - r] if p.schedule == "zbv" else [r + k * p.pp for k in range(v)]
+                           for r in range(p.pp)])
     return spec

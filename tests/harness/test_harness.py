@@ -359,8 +359,10 @@ def test_validate_torchtitan_sac_and_the_second_block(argv):
     (["--gpus", "2", "--layers", "4", "--stage", "1", "--pp", "2", "--grad-accum", "4"], 0.01),
     (["--gpus", "4", "--layers", "4", "--strategy", "fsdp-full", "--tp", "2", "--pp", "2", "--grad-accum", "4"], 0.02),
     (["--gpus", "2", "--layers", "4", "--strategy", "ddp", "--pp", "2", "--grad-accum", "4"], 0.01),
+    (["--gpus", "2", "--layers", "4", "--strategy", "fsdp-full", "--pp", "2", "--schedule", "zbv",
+      "--grad-accum", "4"], 0.03),
 ], ids=["tp2", "tp2-sp", "tp2-dp2", "pp2-1f1b", "pp2-gpipe", "pp2-dp2", "zero1-pipeline-engine", "tp2-pp2",
-        "ddp-pp2-torch-amp"])
+        "ddp-pp2-torch-amp", "pp2-zbv"])
 def test_validate_model_parallel(argv, tolerance):
     """Tensor, sequence and pipeline parallelism as torchtitan lays them out under FSDP2, and DeepSpeed's
     PipelineEngine; every rank against its pipeline rank's prediction, model states exact (docs/accuracy.md,

@@ -292,3 +292,40 @@ def test_a_stage_of_a_model_traced_at_full_depth_takes_its_share():
     whole = TracedProfile(d, 1, "test").terms("none", 2)
     half = at_layers(TracedProfile(d, 1, "test"), 5).terms("none", 2)
     assert half[2] + half[4] == (whole[2] + whole[4]) - 5 * (11000 // 10)
+
+
+@pytest.mark.parametrize("pp", [2, 3, 4])
+@pytest.mark.parametrize("m", [1, 2, 4, 6, 8])
+def test_zbv_order_is_torchs(pp, m):
+    """ZB-V's input-gradient steps in torch's own order (ScheduleZBVZeroBubble._calculate_single_rank_operations),
+    with the micro-batches each local stage holds (forwarded, not yet through their weight-gradient step)."""
+    from torch.distributed.pipelining.schedules import ScheduleZBVZeroBubble
+
+    sched = ScheduleZBVZeroBubble.__new__(ScheduleZBVZeroBubble)
+    sched.pp_group_size, sched._n_microbatches, sched.num_stages = pp, m, 2 * pp
+    for rank in range(pp):
+        held, want = [0, 0], []
+        for a in sched._calculate_single_rank_operations(rank):
+            if a is None:
+                continue
+            c = 0 if a.stage_index == rank else 1
+            kind = a.computation_type.value
+            if kind == "F":
+                held[c] += 1
+            elif kind == "W":
+                held[c] -= 1
+            else:
+                want.append((list(held), c))
+        assert par.zbv_moments(par.Parallel(pp=pp, schedule="zbv"), rank, m) == want
+
+
+def test_zbv_layout(tmp_path):
+    """ZB-V: two stages per rank in a V (rank 0 the first and the last: the embedding and the head), --vpp other
+    than 2 refused."""
+    inv, _ = _inv(tmp_path, num_hidden_layers=6)
+    p = par.Parallel(pp=2, schedule="zbv")
+    chunks = par.rank_chunks(p, par.TORCHTITAN, inv)
+    assert chunks[0][0].first and chunks[0][1].last and not chunks[1][0].first and not chunks[1][1].last
+    with pytest.raises(SettingsError, match="ZB-V runs exactly two stages per rank"):
+        _settings(inv, gpus=2, strategy="fsdp-full", grad_accum=4, parallel=par.Parallel(pp=2, vpp=3,
+                                                                                       schedule="zbv"))

@@ -15,6 +15,24 @@ from memplan import kernels as K
 SAC_KERNEL_OUTPUTS = {"on": False}
 
 
+def _extras(backend: str, call: K.SdpaCall, target: K.Target, device: Any, lo: int = 0,
+            hi: int | None = None) -> list[Any]:
+    """What a fused kernel saves beside q, k, v and its output (kernels.saved_extra[lo:hi]), allocated."""
+    import torch
+
+    return [torch.empty(shape, dtype=getattr(torch, dt), device=device)
+            for shape, dt in K.saved_extra(backend, call, target.device)[lo:hi]]
+
+
+def _scratch(nbytes: int, device: Any) -> None:
+    """A kernel's scratch: allocated and freed before it returns."""
+    if nbytes:
+        import torch
+
+        tmp = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        del tmp
+
+
 def _fused(target: K.Target) -> Any:
     """An autograd function that allocates and saves what a fused kernel does on ``target``."""
     import torch
@@ -33,16 +51,12 @@ def _fused(target: K.Target) -> Any:
                     out = torch.empty(b, s, h, v.shape[-1], dtype=q.dtype, device=q.device).transpose(1, 2)
                 else:
                     out = torch.empty(b, h, s, v.shape[-1], dtype=q.dtype, device=q.device)
-                extra = []
-                for i, (shape, dt) in enumerate(K.saved_extra(backend, call, target.device)):
-                    SAC_KERNEL_OUTPUTS["on"] = target.device == "cuda" and i < 3  # a 4th: the converted mask
-                    extra.append(torch.empty(shape, dtype=getattr(torch, dt), device=q.device))
+                extra = _extras(backend, call, target, q.device, 0, 3)  # the kernel's outputs
+                SAC_KERNEL_OUTPUTS["on"] = False  # a 4th: the converted mask
+                extra += _extras(backend, call, target, q.device, 3)
             finally:
                 SAC_KERNEL_OUTPUTS["on"] = False
-            scratch = K.forward_scratch(backend, call, target.device)
-            if scratch:
-                del_me = torch.empty(scratch, dtype=torch.uint8, device=q.device)
-                del del_me
+            _scratch(K.forward_scratch(backend, call, target.device), q.device)
             ctx.backend, ctx.call = backend, call
             ctx.save_for_backward(q, k, v, out, *extra)
             return out
@@ -51,10 +65,7 @@ def _fused(target: K.Target) -> Any:
         def backward(ctx, grad):  # noqa: ANN001
             q, k, v, *_ = ctx.saved_tensors
             dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-            scratch = K.backward_scratch(ctx.backend, ctx.call, target.device)
-            if scratch:
-                tmp = torch.empty(scratch, dtype=torch.uint8, device=q.device)
-                del tmp
+            _scratch(K.backward_scratch(ctx.backend, ctx.call, target.device), q.device)
             return dq, dk, dv, None, None, None
     return Fused
 
@@ -81,12 +92,8 @@ def _ring(target: K.Target, cp: int) -> Any:
         def forward(ctx, q, k, v, mask, backend, call):  # noqa: ANN001
             def kernel() -> tuple[Any, list[Any]]:
                 out = torch.empty(q.shape[:-1] + (v.shape[-1],), dtype=q.dtype, device=q.device)
-                extra = [torch.empty(shape, dtype=getattr(torch, dt), device=q.device)
-                         for shape, dt in K.saved_extra(backend, call, target.device)]
-                scratch = K.forward_scratch(backend, call, target.device)
-                if scratch:
-                    tmp = torch.empty(scratch, dtype=torch.uint8, device=q.device)
-                    del tmp
+                extra = _extras(backend, call, target, q.device)
+                _scratch(K.forward_scratch(backend, call, target.device), q.device)
                 return out, extra
 
             kc, vc = k.contiguous(), v.contiguous()
@@ -111,8 +118,7 @@ def _ring(target: K.Target, cp: int) -> Any:
             SAC_KERNEL_OUTPUTS["on"] = target.device == "cuda"
             try:
                 out = merged.to(q.dtype)
-                extra = [torch.empty(shape, dtype=getattr(torch, dt), device=q.device)
-                         for shape, dt in K.saved_extra(backend, call, target.device)[:3]]
+                extra = _extras(backend, call, target, q.device, 0, 3)
             finally:
                 SAC_KERNEL_OUTPUTS["on"] = False
             del merged, lse
@@ -136,10 +142,7 @@ def _ring(target: K.Target, cp: int) -> Any:
                 # a load-balanced step on half the query (i > rank) hands the kernel q.chunk(2)[1], which the CPU
                 # flash kernel copies to make contiguous (measured: rank 0 of cp 2 in fp32 held one more, -1.78%)
                 half = torch.empty_like(q) if target.device == "cpu" and i else None
-                scratch = K.backward_scratch(ctx.backend, ctx.call, target.device)
-                if scratch:
-                    tmp = torch.empty(scratch, dtype=torch.uint8, device=q.device)
-                    del tmp
+                _scratch(K.backward_scratch(ctx.backend, ctx.call, target.device), q.device)
                 if passed is not None:  # the accumulated dk, dv received from the previous rank
                     dk, dv = (passed[:dk.numel()].view(dk.shape), passed[dk.numel():].view(dv.shape))
                 dk = dk + dk_i.to(f32)

@@ -197,7 +197,8 @@ def estimate(
         s, inv_p, lay = est.plan.settings, est.plan.inventory, ""
         if est.plan.layout is not None:  # the job as given, at each GPU count its layout runs at
             s, inv_p = est.plan.layout.settings, est.plan.layout.inventory
-            lay = f" tp {s.parallel.tp} x pp {s.parallel.pp} (the most loaded rank),"
+            lay = f" tp {s.parallel.tp} x pp {s.parallel.pp}" + (f" x cp {s.parallel.cp}" if s.parallel.cp > 1 else "") \
+                + " (the most loaded rank),"
         P.draw(plot, P.bars_across_gpus(inv_p, s), s.cluster.gpu_memory_bytes,
                f"{est.report['model']['name']}: {s.strategy.name},{lay} micro-batch {s.micro_batch} x seq "
                f"{s.seq_len}, {s.recipe.name}, recompute {s.recompute}", "GPUs")

@@ -46,6 +46,8 @@ RANKING = ("the fewest GPUs first; at that count no recompute before full recomp
 LAYOUT_STRATEGIES = ("fsdp-full", "ddp", "zero1")
 #: the pipeline stages a layout search tries (torchtitan's and Megatron's largest published runs use up to 16)
 LAYOUT_STAGES = (1, 2, 4, 8, 16)
+#: the sequence length from which a layout search adds context parallelism
+LAYOUT_CP_FROM = 16384
 
 
 @dataclass(frozen=True)
@@ -66,6 +68,7 @@ class Candidate:
     #: (inter-node, all) bytes per GPU per optimizer step at the recommended count (memplan/comm.py)
     comm: tuple[int, int] | None = None
     tp: int = 1  #: tensor-parallel degree (a layout search's candidates)
+    cp: int = 1  #: context-parallel degree (a layout search's candidates, for long sequences)
     pp: int = 1  #: pipeline stages
 
 
@@ -106,24 +109,30 @@ def _layout_candidates(inv: ParamInventory, config: dict | None, strategies: tup
     blocks = len(inv.layer_blocks)
     tps = [t for t in (1, 2, 4, 8, 16, 32, 64) if t <= gpus_per_node]
     pps = [q for q in LAYOUT_STAGES if q <= max(blocks // 2, 1)]  # two blocks a stage at the least
+    seq = common.get("seq_len") or 0
+    # context parallelism for long sequences (LAYOUT_CP_FROM tokens on): within a node with the TP ranks, each CP
+    # rank at least 4,096 tokens, torchtitan's layouts only (its ring attention)
+    cps = [1] + [c for c in (2, 4, 8) if seq >= LAYOUT_CP_FROM and seq % (2 * c) == 0 and seq // c >= 4096]
     out = []
     for name in (n for n in strategies if n in LAYOUT_STRATEGIES):
         for tp in tps:
             for pp in pps:
-                if tp * pp == 1:
-                    continue
-                for rec in recomputes:
-                    kw = dict(common)
-                    if pp > 1:
-                        kw["grad_accum"] = kw.get("grad_accum") or pp
-                    try:
-                        r = options.resolve(inv, gpus=tp * pp, gpus_per_node=gpus_per_node, strategy=name,
-                                            recompute=rec, gpu=gpu, gpu_memory_size=gpu_memory_size, config=config,
-                                            parallel=Parallel(tp=tp, pp=pp), **kw)
-                    except SettingsError:
+                for cp in cps:
+                    if tp * pp * cp == 1 or tp * cp > gpus_per_node or (cp > 1 and name == "zero1"):
                         continue
-                    out.append(Candidate(label=f"{name} tp{tp} pp{pp}", strategy=name, recompute=rec,
-                                         settings=r.settings, offload=False, tp=tp, pp=pp))
+                    for rec in recomputes:
+                        kw = dict(common)
+                        if pp > 1:
+                            kw["grad_accum"] = kw.get("grad_accum") or pp
+                        try:
+                            r = options.resolve(inv, gpus=tp * pp * cp, gpus_per_node=gpus_per_node, strategy=name,
+                                                recompute=rec, gpu=gpu, gpu_memory_size=gpu_memory_size,
+                                                config=config, parallel=Parallel(tp=tp, pp=pp, cp=cp), **kw)
+                        except SettingsError:
+                            continue
+                        out.append(Candidate(label=f"{name} tp{tp} pp{pp}" + (f" cp{cp}" if cp > 1 else ""),
+                                             strategy=name, recompute=rec, settings=r.settings, offload=False,
+                                             tp=tp, pp=pp, cp=cp))
     return out
 
 
@@ -243,8 +252,8 @@ def _fewest_gpus(inv: ParamInventory, c: Candidate, counts: list[int], gpus_per_
     # HSDP within one node is FSDP full shard
     st = c.settings.strategy
     usable = [1] if st.one_gpu else [g for g in counts if g > gpus_per_node] if st.shard_within_node else counts
-    if c.tp * c.pp > 1:  # whole data-parallel groups of the layout
-        usable = [g for g in usable if g % (c.tp * c.pp) == 0]
+    if c.tp * c.pp * c.cp > 1:  # whole data-parallel groups of the layout
+        usable = [g for g in usable if g % (c.tp * c.pp * c.cp) == 0]
     evaluations = 0
     lo, hi = 0, len(usable)
     while lo < hi:
@@ -353,7 +362,8 @@ def search(inv: ParamInventory, *, gpu: str | None = None, gpu_memory_size: str 
     if margin:
         notes.append(f"--min-headroom {min_headroom}: every candidate leaves {margin:,} B free")
     if layouts:
-        notes.append("layouts: tensor parallelism within a node, pipeline stages across nodes, with "
+        notes.append("layouts: tensor parallelism within a node, pipeline stages across nodes (context parallelism "
+                     f"within a node too from --seq-len {LAYOUT_CP_FROM} on), with "
                      + ", ".join(n for n in strategies if n in LAYOUT_STRATEGIES)
                      + "; under PP the micro-batches per step are --grad-accum, else as many as stages")
     found = _search(inv, capacity - margin, config, gpus_per_node, max_gpus, strategies, recomputes, micro_batch,
@@ -444,6 +454,8 @@ def command_line(model: str, found: Search, extra: list[str]) -> str | None:
         parts.append(f"--{k.replace('_', '-')}" if v else f"--no-{k.replace('_', '-')}")
     if b.tp > 1:
         parts.append(f"--tp {b.tp}")
+    if b.cp > 1:
+        parts.append(f"--cp {b.cp}")
     if b.pp > 1:
         parts.append(f"--pp {b.pp}")
         if not any(x.startswith("--grad-accum") for x in extra):

@@ -235,6 +235,23 @@ def test_plan_searches_layouts(inventories):
     assert pp.settings.grad_accum == 4  # as many micro-batches as stages unless --grad-accum says
     line = planner.command_line("llama-3-8b", replace(found, best=pp, gpus=pp.min_gpus), [])
     assert "--pp 4" in line and "--grad-accum 4" in line
+    assert all(c.cp == 1 for c in found.candidates)  # a short sequence: no context parallelism
+
+
+def test_plan_adds_context_parallelism_for_long_sequences(inventories):
+    """From --seq-len 16384 on the layouts add CP within a node (each CP rank at least 4,096 tokens), never with
+    DeepSpeed; the recommendation's command carries --cp."""
+    from memplan import planner
+
+    inv = inventories("llama-3-8b")
+    found = planner.search(inv, gpu_memory_size="80GiB", strategies=("fsdp-full", "zero1"), recomputes=("full",),
+                           max_gpus=64, max_micro_batch=2, layouts=True, activations="analytic", seq_len=32768)
+    cps = {(c.strategy, c.tp, c.cp) for c in found.candidates if c.cp > 1}
+    assert ("fsdp-full", 1, 2) in cps and ("fsdp-full", 2, 4) in cps and ("fsdp-full", 1, 8) in cps
+    assert not any(st == "zero1" for st, _, _ in cps) and all(tp * cp <= 8 for _, tp, cp in cps)
+    assert all(c.min_gpus is None or c.min_gpus % (c.tp * c.pp * c.cp) == 0 for c in found.candidates)
+    cp = next(c for c in found.candidates if c.cp == 4 and c.tp == 1 and c.pp == 1)
+    assert "--cp 4" in planner.command_line("llama-3-8b", replace(found, best=cp, gpus=cp.min_gpus or 4), [])
 
 
 @pytest.mark.parametrize("par_kw,strategy", [(dict(tp=2, sp=True), "fsdp-full"), (dict(pp=2), "fsdp-full"),

@@ -115,8 +115,9 @@ def layout_of(strategy: Any, pp: int) -> str:
         return MEGATRON_DEEPSPEED
     if strategy.framework == "fsdp2" or strategy.name == "ddp":
         return TORCHTITAN
-    raise SettingsError(f"--tp/--pp with --strategy {strategy.name}: memplan models model parallelism under FSDP2, "
-                        "HSDP and DDP (torchtitan's DTensor layout) and DeepSpeed ZeRO (Megatron-DeepSpeed)")
+    raise SettingsError(f"--tp/--pp/--cp/--ep with --strategy {strategy.name}: memplan models model parallelism "
+                        "under FSDP2, HSDP and DDP (torchtitan's DTensor layout) and DeepSpeed ZeRO "
+                        "(Megatron-DeepSpeed)")
 
 
 def check(p: Parallel, inv: ParamInventory, strategy: Any, gpus: int, grad_accum: int) -> str:

@@ -31,6 +31,9 @@ MIXTRAL4 = ("mixtral-8x7b", dict(layers=4, hidden=256, vocab=2048))
 LLAMA_CP = ("llama-7b", dict(layers=2, hidden=256, vocab=512))  # a small vocabulary: attention, not the loss
 QWEN2_MOE = ("bench/configs/qwen2-moe-tiny/config.json", dict(layers=2))  # 8 experts top-2 and a shared expert
 QWEN3_MOE = ("bench/configs/qwen3-moe-tiny/config.json", dict(layers=2))  # 16 experts, top-4, normalised
+#: transformers' own defaults for these MoE families, scaled to hidden 256, 2 blocks, 8 experts top-2
+OTHER_MOE = [(f"bench/configs/{n}-tiny/config.json", dict(layers=2)) for n in ("olmoe", "phimoe", "granitemoe",
+                                                                               "glm4-moe")]
 GPT2_4 = ("gpt2", dict(layers=4, hidden=256, vocab=2048))  # tied embeddings, four blocks
 DEEPSEEK = ("deepseek-v3", dict(layers=4, hidden=256, vocab=2048))  # MLA; 3 dense blocks then a 256-expert one
 NO_REUSE = dict(max_reuse_distance=0, param_persistence_threshold=0)
@@ -194,6 +197,7 @@ CASES = [
     ("fsdp-full ep 2", DEEPSEEK, dict(strategy="fsdp-full", parallel=Parallel(ep=2)), {}, {}, "none"),
     ("fsdp-full ep 2", QWEN2_MOE, dict(strategy="fsdp-full", parallel=Parallel(ep=2)), {}, {}, "none"),
     ("fsdp-full ep 2", QWEN3_MOE, dict(strategy="fsdp-full", parallel=Parallel(ep=2)), {}, {}, "none"),
+    *[("fsdp-full ep 2", m, dict(strategy="fsdp-full", parallel=Parallel(ep=2)), {}, {}, "none") for m in OTHER_MOE],
     # EP with TP on the attention (and the shared expert): ep a multiple of tp, experts over efsdp = dp x tp / ep
     ("fsdp-full tp 2 x ep 2", QWEN3_MOE, dict(strategy="fsdp-full", parallel=Parallel(tp=2, ep=2)), {}, {}, "none"),
     ("fsdp-full tp 2 x ep 2, 4 ranks", QWEN3_MOE, dict(strategy="fsdp-full", gpus=4, parallel=Parallel(tp=2, ep=2)),

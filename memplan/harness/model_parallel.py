@@ -140,6 +140,8 @@ def setup(spec: dict[str, Any], device: Any, build: Any, optimizer: Any, materia
     emesh = init_device_mesh(kind, (pp, dp * tp // ep, ep), mesh_dim_names=("pp", "efsdp", "ep")) if ep > 1 else None
     model = build(spec, on_meta=True)
     experts = _ep(model, emesh["ep"], mesh["tp"]) if ep > 1 else []
+    if ep > 1 and not experts:
+        raise ValueError("--ep: the model has no fused experts module (.experts with a 3-D gate_up_proj) to split")
     p = par.Parallel(tp=tp, pp=pp, vpp=spec.get("vpp"), sp=spec.get("sp", False), schedule=spec["schedule"])
     rank = dist.get_rank()
     pp_rank = rank // (dp * tp)

@@ -158,12 +158,13 @@ def _parallel_spec(config: dict[str, Any], s: Settings, layout: Any, warmup_step
                             f"{job.recipe.name}")
     if job.recompute != "none" and p.pp > 1:
         raise SettingsError("the harness's pipeline stages run without recompute")
-    if config.get("model_type") not in ("llama", "mistral", "qwen2", "qwen3") + (
+    ep_alone = p.ep > 1 and p.tp == 1 and p.pp == 1 and p.cp == 1  # the whole model: any family with fused experts
+    if not ep_alone and config.get("model_type") not in ("llama", "mistral", "qwen2", "qwen3") + (
             ("mixtral", "qwen2_moe", "qwen3_moe") if p.tp == 1 or p.ep > 1 else ()) + (
             ("deepseek_v3",) if p.tp == 1 and p.pp == 1 else ()):
         raise SettingsError("the harness applies tensor and pipeline parallelism to llama-style decoders "
                             "(llama, mistral, qwen2, qwen3; mixtral, qwen2_moe, qwen3_moe without --tp or with --ep; "
-                            "deepseek_v3 with --ep alone)")
+                            "any MoE family with --ep alone)")
     one = replace(s, parallel=None, cluster=replace(s.cluster, gpus=layout.dp))
     spec = build_spec(config, one, warmup_steps=warmup_steps, measured_steps=measured_steps,
                       attn_implementation=attn_implementation)

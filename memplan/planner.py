@@ -69,6 +69,7 @@ class Candidate:
     comm: tuple[int, int] | None = None
     tp: int = 1  #: tensor-parallel degree (a layout search's candidates)
     cp: int = 1  #: context-parallel degree (a layout search's candidates, for long sequences)
+    ep: int = 1  #: expert-parallel degree (a layout search's candidates, for MoE models)
     pp: int = 1  #: pipeline stages
 
 
@@ -113,7 +114,27 @@ def _layout_candidates(inv: ParamInventory, config: dict | None, strategies: tup
     # context parallelism for long sequences (LAYOUT_CP_FROM tokens on): within a node with the TP ranks, each CP
     # rank at least 4,096 tokens, torchtitan's layouts only (its ring attention)
     cps = [1] + [c for c in (2, 4, 8) if seq >= LAYOUT_CP_FROM and seq % (2 * c) == 0 and seq // c >= 4096]
+    # expert parallelism for MoE models, FSDP2 without pipelining: ep dividing the routed experts, within a node
+    # (its all-to-alls), a multiple of tp
+    from memplan.parallel import routed_experts
+
+    experts = routed_experts(inv)
+    eps = [e for e in (2, 4, 8) if experts and experts % e == 0 and e <= gpus_per_node]
     out = []
+    for name in ("fsdp-full",) if "fsdp-full" in strategies else ():
+        for tp in tps:
+            for ep in eps:
+                if ep % tp:
+                    continue
+                for rec in recomputes:
+                    try:
+                        r = options.resolve(inv, gpus=ep, gpus_per_node=gpus_per_node, strategy=name, recompute=rec,
+                                            gpu=gpu, gpu_memory_size=gpu_memory_size, config=config,
+                                            parallel=Parallel(tp=tp, ep=ep), **common)
+                    except SettingsError:
+                        continue
+                    out.append(Candidate(label=f"{name} tp{tp} ep{ep}", strategy=name, recompute=rec,
+                                         settings=r.settings, offload=False, tp=tp, ep=ep))
     for name in (n for n in strategies if n in LAYOUT_STRATEGIES):
         for tp in tps:
             for pp in pps:
@@ -254,6 +275,8 @@ def _fewest_gpus(inv: ParamInventory, c: Candidate, counts: list[int], gpus_per_
     usable = [1] if st.one_gpu else [g for g in counts if g > gpus_per_node] if st.shard_within_node else counts
     if c.tp * c.pp * c.cp > 1:  # whole data-parallel groups of the layout
         usable = [g for g in usable if g % (c.tp * c.pp * c.cp) == 0]
+    if c.ep > 1:  # ep divides dp x tp
+        usable = [g for g in usable if g % c.ep == 0]
     evaluations = 0
     lo, hi = 0, len(usable)
     while lo < hi:
@@ -363,7 +386,7 @@ def search(inv: ParamInventory, *, gpu: str | None = None, gpu_memory_size: str 
         notes.append(f"--min-headroom {min_headroom}: every candidate leaves {margin:,} B free")
     if layouts:
         notes.append("layouts: tensor parallelism within a node, pipeline stages across nodes (context parallelism "
-                     f"within a node too from --seq-len {LAYOUT_CP_FROM} on), with "
+                     f"within a node too from --seq-len {LAYOUT_CP_FROM} on; expert parallelism for MoE models), with "
                      + ", ".join(n for n in strategies if n in LAYOUT_STRATEGIES)
                      + "; under PP the micro-batches per step are --grad-accum, else as many as stages")
     found = _search(inv, capacity - margin, config, gpus_per_node, max_gpus, strategies, recomputes, micro_batch,
@@ -456,6 +479,8 @@ def command_line(model: str, found: Search, extra: list[str]) -> str | None:
         parts.append(f"--tp {b.tp}")
     if b.cp > 1:
         parts.append(f"--cp {b.cp}")
+    if b.ep > 1:
+        parts.append(f"--ep {b.ep}")
     if b.pp > 1:
         parts.append(f"--pp {b.pp}")
         if not any(x.startswith("--grad-accum") for x in extra):

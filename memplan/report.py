@@ -154,7 +154,7 @@ def search_report(found: Any, inv: ParamInventory, best_plan: Any, command: str 
 
     def cand(c: Any) -> dict[str, Any]:
         return {"label": c.label, "strategy": c.strategy, "recompute": c.recompute, "offload": c.offload,
-                "tp": c.tp, "pp": c.pp, "cp": c.cp,
+                "tp": c.tp, "pp": c.pp, "cp": c.cp, "ep": c.ep,
                 "precision": c.settings.recipe.name, "min_gpus": c.min_gpus,
                 # False: min_gpus, micro_batch and headroom are bounds from the allocated peak (the true ones are
                 # at least / at most these); the caching allocator was replayed only where it could change the best

@@ -346,3 +346,21 @@ def test_zbv_layout(tmp_path):
     with pytest.raises(SettingsError, match="ZB-V runs exactly two stages per rank"):
         _settings(inv, gpus=2, strategy="fsdp-full", grad_accum=4, parallel=par.Parallel(pp=2, vpp=3,
                                                                                        schedule="zbv"))
+
+
+def test_plan_adds_expert_parallelism_for_moe(inventories):
+    """For a MoE model the layouts add EP under FSDP2 (ep dividing the experts, a multiple of tp); its command
+    carries --ep; a dense model gets none."""
+    from memplan import planner
+
+    inv = inventories("mixtral-8x7b")
+    found = planner.search(inv, gpu_memory_size="80GiB", strategies=("fsdp-full",), recomputes=("full",),
+                           max_gpus=64, max_micro_batch=2, layouts=True, activations="analytic")
+    eps = {(c.tp, c.ep) for c in found.candidates if c.ep > 1}
+    assert {(1, 2), (1, 8), (2, 2), (4, 8), (8, 8)} <= eps and all(ep % tp == 0 for tp, ep in eps)
+    assert all(c.min_gpus is None or c.min_gpus % c.ep == 0 for c in found.candidates)
+    ep = next(c for c in found.candidates if c.ep == 8 and c.tp == 1)
+    assert "--ep 8" in planner.command_line("mixtral-8x7b", replace(found, best=ep, gpus=ep.min_gpus or 8), [])
+    dense = planner.search(inventories("llama-3-8b"), gpu_memory_size="80GiB", strategies=("fsdp-full",),
+                           recomputes=("full",), max_gpus=16, max_micro_batch=1, layouts=True, activations="analytic")
+    assert all(c.ep == 1 for c in dense.candidates)

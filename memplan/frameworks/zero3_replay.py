@@ -10,7 +10,8 @@ from memplan.replay import MAX_STEPS, ReplayJob, Run, micro_step
 
 def replay_zero3(job: ReplayJob, world: int, partitions: tuple[int, ...], sub_groups: tuple[int, ...],
                  blocks: tuple[int, ...], bucket: int, half: int = 2,
-                 config: AllocatorConfig | None = None, offload: bool = False) -> Allocator:
+                 config: AllocatorConfig | None = None, offload: bool = False,
+                 host_params: HostParams | None = None) -> Allocator:
     """DeepSpeed ZeRO-3 (deepspeed/runtime/zero/stage3.py, partition_parameters.py) with a fused Adam, per rank:
     ``partitions`` (each parameter's partition, elements, module order), ``sub_groups`` (the optimizer's
     sub-groups, elements), ``blocks`` (each block's gathered elements, with more than one rank), ``bucket``
@@ -32,19 +33,29 @@ def replay_zero3(job: ReplayJob, world: int, partitions: tuple[int, ...], sub_gr
     ``offload`` (offload_optimizer to the host): the fp32 partitions, their gradients and the flat gradient buffer
     are on the host (made there: a blocking copy converts on the host), the optimizer steps there; each bucket's
     reduce copies every gradient partition to the host through the device (see _ipg_bucket).
-    Measured: ../shared/gpu/traces/zero3_offload."""
-    run = _setup(job, world, partitions, sub_groups, bucket, half, config, offload)
+    Measured: ../shared/gpu/traces/zero3_offload.
+
+    ``host_params`` (offload_param, with the optimizer offloaded): the partitions live on the host too; each
+    parameter is fetched to the device when its module runs and released as the coordinator decides (HostParams).
+    Measured: bench/gpu/traces/q05_z3offpo."""
+    run = _setup(job, world, partitions, sub_groups, bucket, half, config, offload, host_params)
     for n in range(MAX_STEPS):
         before = run.a.peak_reserved
         for m in range(job.grad_accum):
             ids = run.alloc(job.input_bytes)
-            at, gathered = _gathers(run, world, blocks, half, job, n == 0 and m == 0)
+            if host_params is not None:
+                at, end = host_params.micro_step(run, complete=n > 0 or m > 0)
+            else:
+                at, gathered = _gathers(run, world, blocks, half, job, n == 0 and m == 0)
             on_grad, flush = _ipg_bucket(run, world, bucket, half, offload)
             micro_step(run, job, (n, m), keep_grads=False, at=at, on_grad=on_grad)
             flush()  # independent_gradient_partition_epilogue: the bucket's rest
-            for k in gathered.values():
-                run.free(k)
-            gathered.clear()
+            if host_params is not None:
+                end()
+            else:
+                for k in gathered.values():
+                    run.free(k)
+                gathered.clear()
             run.free(ids)
         if not offload:
             _optimizer_step(run, job, partitions, sub_groups, half, n == 0)
@@ -55,9 +66,11 @@ def replay_zero3(job: ReplayJob, world: int, partitions: tuple[int, ...], sub_gr
 
 
 def _setup(job: ReplayJob, world: int, partitions: tuple[int, ...], sub_groups: tuple[int, ...], bucket: int,
-           half: int, config: AllocatorConfig | None, offload: bool = False) -> Run:
+           half: int, config: AllocatorConfig | None, offload: bool = False,
+           host_params: HostParams | None = None) -> Run:
     """The partitions made, defragmented, the fp32 sub-group partitions, the bucket and the flat gradient buffer
-    (with the optimizer offloaded, only the flat bit16 buffer and the bucket are on the device)."""
+    (with the optimizer offloaded, only the flat bit16 buffer and the bucket are on the device; with the
+    parameters offloaded too, the bucket alone)."""
     run = Run(config or AllocatorConfig())
     total = sum(partitions)
     if world == 1:
@@ -73,12 +86,21 @@ def _setup(job: ReplayJob, world: int, partitions: tuple[int, ...], sub_groups: 
         for k, p in zip(params, partitions):
             parts.append(run.alloc(p * half))
             run.free(k)
+    elif host_params is not None:
+        parts = []  # zero.Init with offload_param: each partition made on the host (remote_device cpu)
     else:
         parts = [run.alloc(p * half) for p in partitions]
     # _create_fp16_partitions_with_defragmentation -> zero/utils.py defragment: each partition copied to one
     # host buffer and freed, empty_cache, then the flat buffer back on the device
     for k in parts:
         run.free(k)
+    if host_params is not None:
+        # offload_param: the partitions went to the host (Init's _partition_param: remote_device cpu, pinned);
+        # "if not self.offload_param" guards the defragmentation, so no empty_cache and no device flat buffer
+        # (measured: q05_z3offpo reserves no segment back before the bucket)
+        run.alloc(bucket * half)  # the ipg bucket buffer
+        host_params.hook_gathers(run)
+        return run
     run.empty_cache()
     run.alloc(total * half)  # fp16_partitioned_groups_flat; the partitions are views of it
     if offload:
@@ -118,6 +140,182 @@ def _hook_gathers(run: Run, job: ReplayJob, half: int) -> None:
 
 #: the stream DeepSpeed reduces and partitions gradients on (reduce_and_partition_stream): its own pool
 REDUCE_STREAM = 1
+#: the coordinator's all-gather stream (PartitionedParameterCoordinator.__allgather_stream): its own pool
+FETCH_STREAM = 2
+
+
+class HostParams:
+    """ZeRO-3 with offload_param (ZeRO-Infinity on the host): every partition lives in pinned host memory, so a
+    module's parameters are copied to the device when its hooks fetch them and freed when the coordinator
+    releases them (deepspeed/runtime/zero/partitioned_param_coordinator.py, DeepSpeed 0.19.8).
+
+    - a fetch runs on the coordinator's all-gather stream (``with get_accelerator().stream(self.__allgather_stream)``
+      in __all_gather_params_), so its blocks come from that stream's pool. At one rank all_gather_coalesced
+      takes _no_gather_coalesced: ``param.data = param.ds_tensor.data.to(device)``, one device copy of each
+      parameter; with more, partition_parameters.py _all_gather_dtype: each partition copied to the device
+      (``p.ds_tensor.to(device)``), torch.cat into one flat buffer of the group's padded partitions x ranks
+      (a single parameter: _all_gather_sequential, the flat buffer is its own), which the first wait copies
+      every member out of and frees once every member is waited on;
+    - the first micro-step has no complete trace: each module's parameters are fetched before it runs and all
+      released after it; from the second on, the coordinator prefetches along the recorded trace and keeps what
+      is used again within stage3_max_reuse_distance (frameworks/zero3.py _Coordinator, the same rules the
+      allocated peak uses). Parameters under stage3_param_persistence_threshold stay where they are (a few KiB).
+    - the traced step's regions are blocks: a region's modules are fetched where it begins and released where it
+      ends (a block's parameters alive together; DeepSpeed frees each module's after it).
+
+    Measured on the H100 (bench/gpu/traces/q05_z3offpo): the first step fetches module by module; every later
+    step fetches the whole model (494M elements, under stage3_max_live_parameters) during the first block's
+    forward and releases each block's at the end of its backward."""
+
+    def __init__(self, inv: Any, s: Any, world: int, half: int) -> None:
+        from memplan.frameworks.zero3 import _Coordinator
+        from memplan.model.inventory import ROOT_BLOCK
+
+        ds = s.ds
+        self.args = (inv, world, ds.prefetch_bucket_size, ds.max_live_parameters, ds.max_reuse_distance,
+                     ds.param_persistence_threshold, None, s.z3_leaves)
+        self.world, self.half = world, half
+        c = _Coordinator(*self.args)
+        self.trace, self.numel, self.persist = c.trace, c.numel, c.persist
+        index = {b.name: i for i, b in enumerate(inv.layer_blocks)}
+        nf = c.nf
+        first = next((k for k in range(nf) if c.block_of[k] != ROOT_BLOCK), nf)
+        #: the trace's modules by the traced step's region they run in: (kind, block) -> module indices
+        self.regions: dict[tuple[str, int], list[int]] = {}
+        for k in range(2 * nf):
+            f = k if k < nf else 2 * nf - 1 - k
+            blk = c.block_of[f]
+            if blk == ROOT_BLOCK or blk not in index:
+                key = ("mid" if f >= first else "pre" if k < nf else "post", -1)
+            else:
+                key = ("F" if k < nf else "B", index[blk])
+            self.regions.setdefault(key, []).append(k)
+        #: each parameter's elements and its partition's (padded to the ranks), module order
+        self.params = [t.numel for t in inv.tensors]
+
+    def hook_gathers(self, run: Run) -> None:
+        """create_reduce_and_remove_grad_hooks gathers each parameter once (``param.all_gather()`` ->
+        _allgather_params_sequential): a flat buffer of its padded size and the partition's device copy
+        (``param.ds_tensor.to(device)``: a copy, the partition being on the host), the copy dropped after the
+        collective, the buffer when the parameter is partitioned again (measured: two transients each)."""
+        w, h = self.world, self.half
+        for numel in self.params:
+            part = -(-numel // w)
+            flat = run.alloc(part * w * h)
+            run.free(run.alloc(part * h))
+            run.free(flat)
+
+    def micro_step(self, run: Run, complete: bool) -> tuple[Any, Any]:
+        """The traced step's region callback for one micro-step, and what releases the rest at its end."""
+        c = _Fetching(run, self, complete)
+        open_: list[int] = []
+
+        def at(kind: str, blk: int) -> None:
+            for k in open_:
+                c.release(k)
+            open_[:] = self.regions.get((kind, blk), [])
+            for k in open_:
+                c.fetch(k)
+
+        def end() -> None:
+            for k in open_:
+                c.release(k)
+            open_.clear()
+            c.release_all()
+        return at, end
+
+
+class _Fetching:
+    """One micro-step's fetches and releases (HostParams), emitted into the replay."""
+
+    def __init__(self, run: Run, hp: HostParams, complete: bool) -> None:
+        from memplan.frameworks.zero3 import _Coordinator
+
+        self.run, self.hp, self.complete = run, hp, complete
+        self.keys: dict[int, Any] = {}  # parameter -> its device tensor
+        self.flats: dict[int, Any] = {}  # coalesced group -> its flat buffer (more than one rank)
+        self.pending: dict[int, list[int]] = {}  # coalesced group -> members not yet copied out
+        self.group_of: dict[int, int] = {}
+        self.c = _Coordinator(*hp.args) if complete else None
+        if self.c is not None:
+            self.c.gather = self._gather  # type: ignore[method-assign]
+
+    def _gather(self, ps: list[int], gid: int) -> None:
+        c, run, hp = self.c, self.run, self.hp
+        if c is not None:
+            c.avail.update(ps)
+            c.n_avail += sum(hp.numel[p] for p in ps)
+        w, h = hp.world, hp.half
+        if w == 1:
+            for p in ps:
+                self.keys[p] = run.alloc(hp.numel[p] * h, stream=FETCH_STREAM)
+            return
+        parts = [-(-hp.numel[p] // w) for p in ps]
+        flat = run.alloc(sum(parts) * w * h, stream=FETCH_STREAM)
+        copies = [run.alloc(n * h, stream=FETCH_STREAM) for n in parts]
+        for k in copies:
+            run.free(k)
+        if len(ps) == 1:
+            self.keys[ps[0]] = flat
+            return
+        self.flats[gid] = flat
+        self.pending[gid] = list(ps)
+        for p in ps:
+            self.group_of[p] = gid
+
+    def _wait(self, params: list[int]) -> None:
+        """AllGatherCoalescedHandle.wait: the group's members copied out of its flat buffer at the first wait
+        (on the fetch stream), the buffer freed with it."""
+        for p in params:
+            gid = self.group_of.get(p)
+            if gid is None or gid not in self.flats:
+                continue
+            for q in self.pending.pop(gid):
+                self.keys[q] = self.run.alloc(self.hp.numel[q] * self.hp.half, stream=FETCH_STREAM)
+                self.group_of.pop(q, None)
+            self.run.free(self.flats.pop(gid))
+
+    def fetch(self, k: int) -> None:
+        params = self.hp.trace[k]
+        c = self.c
+        if c is None:  # no complete trace yet: the module's own parameters, nothing prefetched
+            todo = [p for p in dict.fromkeys(params) if not self.hp.persist[p] and p not in self.keys
+                    and p not in self.group_of]
+            if todo:
+                self._gather(todo, 2 * k)
+            self._wait(params)
+            return
+        todo = [p for p in dict.fromkeys(params) if not c.persist[p] and p not in c.avail]
+        if todo:
+            c.gather(todo, 2 * k)
+        self._wait(params)
+        c.prefetch_after(k, params)
+
+    def release(self, k: int) -> None:
+        c = self.c
+        if c is None:
+            for p in dict.fromkeys(self.hp.trace[k]):
+                self._free(p)
+            return
+        c.release_after(k, self.hp.trace[k])
+        for p in [p for p in list(self.keys) + list(self.group_of) if p not in c.avail]:
+            self._free(p)
+
+    def _free(self, p: int) -> None:
+        key = self.keys.pop(p, None)
+        if key is not None:
+            self.run.free(key)
+        gid = self.group_of.pop(p, None)
+        if gid is not None and gid in self.pending:
+            self.pending[gid].remove(p)
+            if not self.pending[gid]:
+                del self.pending[gid]
+                self.run.free(self.flats.pop(gid))
+
+    def release_all(self) -> None:
+        """stage3.py step: every parameter partitioned again (release_and_reset_all)."""
+        for p in list(self.keys) + list(self.group_of):
+            self._free(p)
 
 
 #: _constant_buffered_norm2's chunk (stage3.py: the norm of a gradient partition, in fp64, 250M elements at a time)
@@ -234,15 +432,16 @@ def replay(inv: Any, s: Any, config: AllocatorConfig) -> tuple[str, dict[str, Al
     blocks = tuple(b.numel for b in inv.layer_blocks)
     job = replay_job(inv, s, [sum(parts)])
     offload = bool(s.ds.offload_optimizer)
-    return "ZeRO-3" + (" Offload" if offload else ""), {
+    host = HostParams(inv, s, n, s.recipe.param_bytes) if s.ds.offload_param else None
+    return "ZeRO-3" + (" Offload" if offload else "") + (" (parameters too)" if host else ""), {
         "": replay_zero3(job, n, parts, tuple(groups), blocks, s.ds.reduce_bucket_size, s.recipe.param_bytes, config,
-                         offload)}
+                         offload, host)}
 
 
 def why_not(s: Any) -> str | None:
     """DeepSpeed setups not written down yet: parameters offloaded (offload_param), ZeRO++ hpZ."""
-    if s.ds.offload_param:
-        return "DeepSpeed ZeRO-3 with offload_param not modelled yet"
+    if s.ds.offload_param and not s.ds.offload_optimizer:
+        return "DeepSpeed ZeRO-3 with offload_param but the optimizer on the device not modelled yet"
     if s.ds.hpz_partition_size > 1:
         return "DeepSpeed ZeRO++ hpZ not modelled yet"
     return None

@@ -170,8 +170,15 @@ def test_deepspeed_zero1_and_zero3_llama_1b_match_the_h100(tmp_path: Path) -> No
     inv, s = _settings(tmp_path, profile, 4, stage=3, ds_overrides={"offload_optimizer": True})
     r = reserved.predict(inv, s)
     assert r.model == "ZeRO-3 Offload" and r.peak_bytes == 22_684_893_184
-    # parameters offloaded are not replayed: the flat term, and the JSON says why
+    # the parameters offloaded too (ZeRO-Infinity on the host): replayed, each fetched to the device on the
+    # coordinator's stream (tests/unit/test_reserved_streams.py checks it against a recorded run)
     inv, s = _settings(tmp_path, profile, 4, stage=3, ds_overrides={"offload_optimizer": True, "offload_param": True})
-    assert reserved.why_not(s) == "DeepSpeed ZeRO-3 with offload_param not modelled yet"
+    r = reserved.predict(inv, s)
+    assert r.model == "ZeRO-3 Offload (parameters too)" and r.peak_bytes >= r.allocated_bytes
+    # no device partitions: below the run that keeps them on the device
+    assert r.allocated_bytes < 16_819_802_112
+    # the parameters offloaded with the optimizer on the device is not replayed: the flat term, the JSON says why
+    inv, s = _settings(tmp_path, profile, 4, stage=3, ds_overrides={"offload_param": True})
+    assert reserved.why_not(s) == "DeepSpeed ZeRO-3 with offload_param but the optimizer on the device not modelled yet"
     plan = accounting.estimate(inv, s)
     assert plan.reserved is None and plan.reserved_peak_bytes == plan.peak_bytes + plan.peak_bytes * 40 // 100

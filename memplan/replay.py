@@ -112,6 +112,10 @@ def _blas_guess(d: dict[str, Any], births: list[_Birth], region_of: list[int],
     return out
 
 
+#: a death's slot past every birth of its region: it is placed where the region ends
+END_OF_REGION = 1 << 60
+
+
 def _expand_now(d: dict[str, Any], layers: int) -> list[tuple]:
     events = d["events"]
     n = len(events)
@@ -128,6 +132,13 @@ def _expand_now(d: dict[str, Any], layers: int) -> list[tuple]:
         if isinstance(e, list):
             births.append(_Birth(r, count[r], (e[0], e[1]), e[2] if len(e) > 2 else None))
             count[r] += 1
+        elif count[r] == 0 and r > 0:
+            # a death before the region's first birth happened where the previous region ended: a block's output
+            # dies when the model's loop rebinds its hidden states after the next block returns, just past that
+            # block's forward hook. Placed at the end of the previous region, it follows that region's own block
+            # when the step is repeated to the model's depth (block k's output after block k + 1, not after the
+            # last block, which is the template's second)
+            deaths[e] = (r - 1, END_OF_REGION, i)
         else:
             deaths[e] = (r, count[r], i)
     nb = len(d["fs"])

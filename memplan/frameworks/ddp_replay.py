@@ -63,6 +63,13 @@ def replay_ddp(job: ReplayJob, config: AllocatorConfig | None = None, release: s
             ids = run.alloc(job.input_bytes)
             if forwards == 1 and reducer:
                 old = buckets
+                if release == "pre":
+                    # Reducer::initialize_buckets clears buckets_ before it allocates the new ones: with nothing
+                    # else holding them the old buckets are free for the new (recorded: ../shared/gpu/traces/
+                    # ddp_amp frees its 4,714 MiB bucket, then allocates the rebuilt ones)
+                    for k in old:
+                        run.free(k)
+                    old = []
                 ready = [size for _, size in first_grads]
                 buckets = [run.alloc(sum(ready[i] for i in idx))
                            for idx in bucket_assignment(ready, [DDP_FIRST_BUCKET, 25 * MiB])]

@@ -117,12 +117,10 @@ def test_step_events_repeat_a_block_as_a_deeper_trace_has_it() -> None:
                 head_dim=16, vocab_size=256, max_position_embeddings=512)
     target = Target(device="cuda", arch="sm90")
 
-    def traced(depth: int) -> dict:
+    def traced(depth: int, recipe: str) -> dict:
         cfg = scale_config(tiny, layers=depth)[0]
-        a, b = (one_step(cfg, mb, 64, "torch-amp", "sdpa", "none", target) for mb in (2, 4))
+        a, b = (one_step(cfg, mb, 64, recipe, "sdpa", "none", target) for mb in (2, 4))
         return alloc_events(a, b, expand=True)
-
-    two, four = traced(2), dict(traced(4), expand=False)
 
     def curve(events: list) -> tuple[list[int], list[int]]:
         live, cur, out, sizes = {}, 0, [], []
@@ -133,13 +131,21 @@ def test_step_events_repeat_a_block_as_a_deeper_trace_has_it() -> None:
                 sizes.append(e[2])
             elif e[0] == "f":
                 cur -= live.pop(e[1])
-            out.append(cur)
+            if e[0] in "af":
+                out.append(cur)
         assert not live
         return out, sorted(sizes)
 
-    for mb in (1, 3):
-        (x, xs), (y, ys) = curve(reserved.step_events(two, 4, mb)), curve(reserved.step_events(four, 4, mb))
-        assert xs == ys and max(x) == max(y)
+    # torch-amp keeps an fp32 residual stream; with bf16 parameters a block's output dies when the next block
+    # returns (the model's loop rebinds it), which the two-block template records at the start of the final
+    # norm's region: repeated, it must die after block k + 1, not after the last block (all outputs alive
+    # through the forward before: 6.6 MB of difference over most of the forward's events)
+    for recipe in ("torch-amp", "deepspeed-bf16"):
+        two, four = traced(2, recipe), dict(traced(4, recipe), expand=False)
+        for mb in (1, 3):
+            (x, xs), (y, ys) = curve(reserved.step_events(two, 4, mb)), curve(reserved.step_events(four, 4, mb))
+            assert xs == ys and max(x) == max(y) and len(x) == len(y)
+            assert sum(a != b for a, b in zip(x, y)) <= len(x) // 100
 
 
 def test_allocator_conf_is_checked(tmp_path: Path) -> None:

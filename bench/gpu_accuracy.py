@@ -291,8 +291,8 @@ def write_doc(rows: list, summary: str, vrows: list, rsum: str = "", oom: list |
         "fetches and releases module by module, and every later step, the trace complete, prefetches along it and "
         "keeps what is used again within stage3_max_reuse_distance (the whole 0.5B model from the first block to its "
         "backward). The replay's segments equal the recorded ones on the fetch and reduce streams and in step 2; in "
-        "step 1 it holds a block's parameters together where DeepSpeed frees each module's, and reserves 16 more "
-        "14 MiB activation segments (+0.84%; the flat term gave +2.97%).",
+        "step 1 it reserved 16 more 14 MiB activation segments (+0.84%; the flat term gave +2.97%), which the next "
+        "paragraph explains; with that fixed the run is replayed to the byte.",
         "",
         "That recorded stream also showed a fault of the replay itself, in the traced step's repetition to the model's "
         "depth (memplan/replay.py _expand_now): the model's loop drops block k's output when block k + 1 returns, "

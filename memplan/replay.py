@@ -61,8 +61,10 @@ _EXPANDED: dict[tuple[int, int], tuple[Any, list[tuple]]] = {}
 
 def _expand(d: dict[str, Any], layers: int) -> list[tuple]:
     """The traced step at the model's depth, sizes as (c0, c1) lines in the micro-batch. A profile traced at
-    full depth is taken as it is; one traced with two alike blocks stands for L: the first block's forward (births and what becomes of them, relative to it) for blocks 0..L-2, the
-    last's for block L-1, and in backward the last block's for blocks L-1..1 and the first's for block 0. Each
+    full depth is taken as it is; one traced with two alike blocks stands for L: the first block's forward (births
+    and what becomes of them, relative to it) for blocks 0..L-2, the last's for block L-1, and in backward the last
+    block's for blocks L-1..1 and the first's for block 0; one traced with three (LoRA: the first block unlike the
+    rest, memplan/tracing/fit.py) its first, middle and last block for block 0, blocks 1..L-2 and block L-1. Each
     storage dies where its own template says, relative to its block, after as many of that region's births."""
     hit = _EXPANDED.get((id(d["events"]), layers))
     if hit is not None and hit[0] is d["events"]:
@@ -74,16 +76,27 @@ def _expand(d: dict[str, Any], layers: int) -> list[tuple]:
     return out
 
 
+def _template_block(k: int, depth: int, nb: int, backward: bool) -> int:
+    """The traced block that stands for block ``k`` of ``depth``: a two-block template's first for blocks 0..L-2
+    in forward and its last for L-1, in backward its last for L-1..1 and its first for 0; a three-block one's
+    first for block 0, its middle for 1..L-2, its last for L-1, both ways."""
+    if nb == 3:
+        return 0 if k == 0 else 2 if k == depth - 1 else 1
+    if backward:
+        return 1 if k > 0 else 0
+    return 0 if k < depth - 1 else 1
+
+
 def _full_regions(regions: list[tuple[str, int, int, int]], expand: bool, depth: int) -> list[tuple[str, int, int]]:
-    """The regions at the model's depth as (kind, block, template region): a two-block template's first block
-    stands for blocks 0..L-2 in forward and its last for L-1; in backward the last for L-1..1, the first for 0."""
+    """The regions at the model's depth as (kind, block, template region) (_template_block)."""
     idx = {(k, t): r for r, (k, t, _, _) in enumerate(regions)}
     if not expand:
         return [(k, t, r) for r, (k, t, _, _) in enumerate(regions)]
+    nb = sum(1 for k, _, _, _ in regions if k == "F")
     full = [("pre", -1, idx["pre", -1])]
-    full += [("F", k, idx["F", 0 if k < depth - 1 else 1]) for k in range(depth)]
+    full += [("F", k, idx["F", _template_block(k, depth, nb, False)]) for k in range(depth)]
     full.append(("mid", -1, idx["mid", -1]))
-    full += [("B", k, idx["B", 1 if k > 0 else 0]) for k in range(depth - 1, -1, -1)]
+    full += [("B", k, idx["B", _template_block(k, depth, nb, True)]) for k in range(depth - 1, -1, -1)]
     full.append(("post", -1, idx["post", -1]))
     return full
 
@@ -142,7 +155,7 @@ def _expand_now(d: dict[str, Any], layers: int) -> list[tuple]:
         else:
             deaths[e] = (r, count[r], i)
     nb = len(d["fs"])
-    expand = d.get("expand") and nb == 2 and layers > 2
+    expand = d.get("expand") and nb in (2, 3) and layers > nb
     L = layers if expand else nb
     full = _full_regions(regions, expand, L)
     where = {(k, b): j for j, (k, b, _) in enumerate(full)}
@@ -155,7 +168,7 @@ def _expand_now(d: dict[str, Any], layers: int) -> list[tuple]:
         if not expand:
             return where[kind, t_d]
         if birth_block < 0:  # born outside the blocks: the first traced block is block 0, the last block L-1
-            k = 0 if t_d == 0 else L - 1
+            k = L - 1 if t_d == nb - 1 else t_d
         else:
             k = birth_block + (t_d - birth_tpl)
         return where[kind, min(max(k, 0), L - 1)]
@@ -344,8 +357,12 @@ def replay_job(inv: Any, s: Any, numels: list[int], shapes: list[tuple[int, ...]
     for t in inv.tensors:
         build.append((t.numel * 4, False))  # built in fp32 (transformers' default dtype), module order
         build.extend((t.numel * 4, True) for _ in t.tied_names)
-    # a recipe that stores bf16 parameters converts the built model (model.to(torch.bfloat16) before wrapping)
-    converted = tuple(t.numel * s.recipe.param_bytes for t in inv.tensors) if s.recipe.param_bytes != 4 else None
+    # a recipe that stores bf16 parameters converts the built model (model.to(torch.bfloat16) before wrapping);
+    # LoRA adapters on a half-precision base are upcast to fp32 by PEFT (options.lora_recipe: adapter_bytes)
+    rc = s.recipe
+    converted = tuple(t.numel * (rc.adapter_bytes if rc.adapter_bytes and (".lora_A." in t.name or ".lora_B." in
+                                                                            t.name) else rc.param_bytes)
+                      for t in inv.tensors) if rc.param_bytes != 4 else None
     return ReplayJob(build=tuple(build), numels=tuple(numels), state_bytes=4 if s.optimizer.factored else s.recipe.state_bytes,
                converted=converted,
                grad_accum=s.grad_accum,

@@ -42,7 +42,10 @@ def why_not(s: Any, inv: Any = None) -> str | None:
     if inv is not None and any(t.shard_split > 1 for t in inv.tensors):
         return "expert parallelism: the experts' own FSDP2 units are not replayed yet"
     if getattr(s, "lora", None) is not None:
-        return "LoRA: the frameworks' setup with frozen parameters is not replayed yet"
+        if s.strategy.memory_model != "ddp":
+            return "LoRA: the setup of FSDP and DeepSpeed with frozen parameters is not replayed yet"
+        if s.lora.quantize:
+            return "QLoRA: bitsandbytes' 4-bit quantization at load is not replayed yet"
     prof = s.activation_profile
     data = getattr(prof, "data", None)
     if not data or not data.get("alloc_events"):

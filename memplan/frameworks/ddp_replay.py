@@ -32,7 +32,7 @@ def _broadcast_coalesced(run: Run, sizes: list[int], bucket: int) -> None:
 
 
 def replay_ddp(job: ReplayJob, config: AllocatorConfig | None = None, release: str = "pre",
-               reducer: bool = True) -> Allocator:
+               reducer: bool = True, trainable: tuple[bool, ...] | None = None) -> Allocator:
     """DistributedDataParallel (torch/nn/parallel/distributed.py, c10d reducer.cpp) with a torch.optim optimizer:
     the module states broadcast in 250 MiB buffers; the Reducer's first bucket assignment is one bucket for all
     parameters (no find_unused_parameters: bucket_size_limits = [sys.maxsize]), rebuilt at the second
@@ -44,14 +44,18 @@ def replay_ddp(job: ReplayJob, config: AllocatorConfig | None = None, release: s
     watchdog sees the work complete, torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp), so in a short step the
     memory comes back only in step 2's backward ("grad": at its first gradient). Measured on the H100: 24 of 32
     DDP runs released at the rebuild, 8 in backward (their step 2 peaks by the buckets' size), and one
-    configuration (gpt2) did each in one of two runs."""
+    configuration (gpt2) did each in one of two runs.
+
+    ``trainable`` (LoRA: which parameters require grad, module order): the broadcast takes every module state
+    (_sync_module_states: named_parameters, frozen or not), the Reducer's buckets only the parameters that
+    require grad (_build_params_for_reducer), and the optimizer steps those (job.numels)."""
     run = Run(config or AllocatorConfig())
     build_model(run, job)
     sizes = list(job.converted or [n for n, alias in job.build if not alias])
     buckets: list[Any] = []
     if reducer:  # without DDP (one GPU, plain PyTorch): no broadcast, no buckets
         _broadcast_coalesced(run, sizes, DDP_BROADCAST_BUCKET)
-        buckets = [run.alloc(sum(sizes))]
+        buckets = [run.alloc(sum(n for n, grad in zip(sizes, trainable or [True] * len(sizes)) if grad))]
     old: list[Any] = []
     states: list[Any] = []
     first_grads: list[tuple[Any, int]] = []
@@ -108,8 +112,10 @@ def replay(inv: Any, s: Any, config: AllocatorConfig) -> tuple[str, dict[str, Al
     """The two release orders DDP's first buckets can take (replay_ddp ``release``)."""
     from memplan.replay import replay_job
 
-    job = replay_job(inv, s, [t.numel for t in inv.tensors], [t.shape for t in inv.tensors])
+    steps = [t for t in inv.tensors if t.trainable]  # all of them but under LoRA
+    job = replay_job(inv, s, [t.numel for t in steps], [t.shape for t in steps])
+    trainable = tuple(t.trainable for t in inv.tensors) if inv.frozen else None
     if not s.strategy.ddp_buckets:
         return "PyTorch", {"": replay_ddp(job, config, reducer=False)}
-    return "DDP", {"buckets released at the rebuild": replay_ddp(job, config, "pre"),
-                   "buckets held into step 2's backward": replay_ddp(job, config, "grad")}
+    return "DDP", {"buckets released at the rebuild": replay_ddp(job, config, "pre", trainable=trainable),
+                   "buckets held into step 2's backward": replay_ddp(job, config, "grad", trainable=trainable)}

@@ -127,11 +127,18 @@ def trace_profile(config: dict[str, Any], *, seq_len: int, recipe: str, attentio
 
     try:
         run = (lambda depth: _two_batches(config, depth, seq_len, recipe, attention, recompute, target, linear))
+        third = None
         if heterogeneous:
             top = run(None)
             low = None
         else:
             low, top = run(1), run(2)
+            if config.get("lora") and layers > 2:
+                # the first block's input needs no gradient when the embedding is frozen, so its forward saves
+                # less than the others' (autograd records nothing on it before the adapters): its allocations
+                # cannot stand for the blocks after it. Three traced blocks give the reserved-peak replay a first,
+                # a middle and a last one (memplan/replay.py repeats the middle)
+                third = run(3)
     except SettingsError:
         raise
     except Exception as exc:
@@ -141,13 +148,15 @@ def trace_profile(config: dict[str, Any], *, seq_len: int, recipe: str, attentio
 
     return _profile(top, low, seq_len=seq_len, recipe=recipe, attention=attention, recompute=recompute,
                     device=device, target=target, layers=layers, heterogeneous=heterogeneous,
-                    transformers_version=transformers.__version__)
+                    transformers_version=transformers.__version__, third=third)
 
 
 def _profile(top: tuple[dict[str, Any], dict[str, Any]], low: tuple[dict[str, Any], dict[str, Any]] | None, *,
              seq_len: int, recipe: str, attention: str, recompute: str, device: str, target: Target, layers: int,
-             heterogeneous: bool, transformers_version: str) -> dict[str, Any]:
-    """The profile from the step traced at micro-batch 2 and 4 (``top``; ``low``: one block fewer, or None)."""
+             heterogeneous: bool, transformers_version: str,
+             third: tuple[dict[str, Any], dict[str, Any]] | None = None) -> dict[str, Any]:
+    """The profile from the step traced at micro-batch 2 and 4 (``top``; ``low``: one block fewer, or None;
+    ``third``: three blocks, for the allocation events where the first block is unlike the others)."""
     def lines(key: str) -> list[list[int]]:
         return [_line(a, b) for a, b in zip(top[0][key], top[1][key])]
 
@@ -212,7 +221,7 @@ def _profile(top: tuple[dict[str, Any], dict[str, Any]], low: tuple[dict[str, An
         #: the SDPA kernels the step ran ("fused", "math") and why the math one
         "attention_kernels": top[0]["attention_kernels"],
         #: the step's storages in order, for the caching allocator (see _alloc_events; None: not linear in b)
-        "alloc_events": alloc_events(*top, expand=not heterogeneous),
+        "alloc_events": alloc_events(*(third or top), expand=not heterogeneous),
         #: what is alive at the moments the phases peak, grouped by module and operator (--explain)
         "explain": _explain(top),
         #: the per-operation lines the envelopes are made of (memplan/profile_fit.py)

@@ -252,6 +252,10 @@ def one_step(config: dict[str, Any], batch: int, seq: int, recipe: str, attentio
                 first_contributions(loss, live, hooks.first_contrib)
                 loss.backward()
                 live.tick()
+                # a block whose input needs no gradient (the first one under LoRA: the frozen embedding's output)
+                # gets no hook on it; its backward is over when the whole backward is (nothing runs below it)
+                for i in range(len(block_list)):
+                    moments.regions["be"].setdefault(i, len(live.events))
                 del loss
         finally:
             stack.remove()

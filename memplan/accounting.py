@@ -252,6 +252,8 @@ def estimate(inv: ParamInventory, s: Settings, reserved_limit: int | None = None
     peak = rows[totals.index(max(totals))]
     res, why = (_reserved(inv, s, reserved_limit) if s.overheads.fragmentation_percent is None
                 else (None, "fragmentation given"))
+    if res is not None and getattr(s.activation_profile, "inner", None) is not None:
+        res = res.moved_to(peak.total_bytes)  # a tensor-parallel rank: its share's replay (reserved.py)
     detail = _overheads(s, f, peak.total_bytes, res)
     return Plan(settings=s, inventory=inv, phases=rows, peak=peak, overhead_bytes=sum(detail.values()),
                 overhead_detail=detail, host_bytes_per_node=f.host_per_node, host_detail=f.host_detail,

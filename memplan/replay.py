@@ -7,7 +7,7 @@ model (memplan/frameworks/*_replay.py). Pure Python, no torch.
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from memplan.allocator import Allocator, AllocatorConfig
@@ -237,6 +237,14 @@ class Reserved:
     complete: bool = True  #: False: the replay stopped once it passed a limit (peak_bytes: at least this)
     #: per replayed step of the largest variant: (its allocated peak, the reserved peak so far)
     steps: tuple = ()
+
+    def moved_to(self, allocated: int) -> Reserved:
+        """The same allocator overhead over another allocated peak (a tensor-parallel rank's, whose replay ran its
+        share traced as a model: memplan/reserved.py _replayed_profile)."""
+        d = allocated - self.allocated_bytes
+        return replace(self, peak_bytes=self.peak_bytes + d, allocated_bytes=allocated,
+                       variants={k: v + d for k, v in self.variants.items()},
+                       steps=tuple((a + d, r + d) for a, r in self.steps))
 
 
 class OverLimit(Exception):

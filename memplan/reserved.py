@@ -46,7 +46,9 @@ def why_not(s: Any, inv: Any = None) -> str | None:
             return "LoRA: the setup of FSDP and DeepSpeed with frozen parameters is not replayed yet"
         if s.lora.quantize:
             return "QLoRA: bitsandbytes' 4-bit quantization at load is not replayed yet"
-    prof = s.activation_profile
+    prof = _replayed_profile(s)
+    if getattr(prof, "inner", None) is not None:
+        return "pipeline parallelism: a stage's micro-batches in flight are not replayed yet"
     data = getattr(prof, "data", None)
     if not data or not data.get("alloc_events"):
         return "no traced step (analytic activations, or a profile traced before allocations were recorded)"
@@ -54,6 +56,20 @@ def why_not(s: Any, inv: Any = None) -> str | None:
     if mod is None:
         return f"{s.strategy.framework} setup not modelled yet"
     return mod.why_not(s) if hasattr(mod, "why_not") else None
+
+
+def _replayed_profile(s: Any) -> Any:
+    """The traced step a replay runs. A tensor-parallel rank without pipelining (memplan/accounting.py Layout: one
+    micro-batch in flight) runs its own share traced as a model of its own (HeldProfile.inner); accounting.estimate
+    then stands the replay's allocator overhead on the rank's own allocated peak (Reserved.moved_to), which
+    DTensor's loss_parallel raises and sequence parallelism lowers. Not measured on a GPU (one rank per run there).
+    A pipeline rank (several micro-batches in flight, the stage's own buffers and accumulators) is not replayed:
+    its HeldProfile comes back."""
+    prof = s.activation_profile
+    inner = getattr(prof, "inner", None)
+    if inner is None or prof.held != 1 or prof.others or s.pipeline_stage:
+        return prof
+    return inner
 
 
 #: replays already made in this process, by what they depend on (the planner asks some twice)
@@ -67,7 +83,11 @@ def predict(inv: Any, s: Any, config: AllocatorConfig | None = None, limit: int 
     reserved bytes pass it; the answer's peak is then only a bound from below (``complete`` False)."""
     if why_not(s, inv) is not None:
         return None
-    key = (id(inv), id(s.activation_profile.data), repr(replace(s, activation_profile=None)), repr(config))
+    prof = _replayed_profile(s)
+    if prof is not s.activation_profile:
+        s = replace(s, activation_profile=prof)
+        limit = None  # the figure moves afterwards (accounting.estimate): a bound on it says nothing here
+    key = (id(inv), id(prof.data), repr(replace(s, activation_profile=None)), repr(config))
     hit = _CACHE.get(key)
     if hit is not None:
         return hit

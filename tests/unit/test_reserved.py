@@ -258,3 +258,27 @@ def test_lora_under_ddp_is_replayed(tmp_path: Path) -> None:
     s = options.resolve(inv, config=src.config, gpus=2, gpu="h100-80g", device="cuda", strategy="fsdp-full",
                         micro_batch=2, seq_len=256, lora=spec).settings
     assert reserved.why_not(s, inv).startswith("LoRA: the setup of FSDP and DeepSpeed")
+
+
+def test_tensor_parallel_ranks_are_replayed() -> None:
+    # a TP rank without pipelining runs its own share traced as a model (HeldProfile.inner) under the data-parallel
+    # framework's replay, and the allocator's overhead over that replay stands on the rank's own allocated peak
+    # (loss_parallel raises it, sequence parallelism lowers it). Pipeline ranks keep the flat term and say why.
+    from memplan.parallel import Parallel
+
+    src = resolve("llama-3-8b")
+    inv = build_inventory(src)
+    for strategy, sp in (("fsdp-full", False), ("fsdp-full", True), ("ddp", False)):
+        s = options.resolve(inv, config=src.config, gpus=8, gpus_per_node=8, gpu="h100-80g", device="cuda",
+                            strategy=strategy, micro_batch=1, seq_len=2048,
+                            parallel=Parallel(tp=2, pp=1, sp=sp)).settings
+        plan = accounting.estimate(inv, s)
+        r = plan.reserved
+        assert r is not None and plan.reserved_why is None and r.allocated_bytes == plan.peak_bytes
+        assert plan.reserved_peak_bytes == r.peak_bytes > r.allocated_bytes
+    s = options.resolve(inv, config=src.config, gpus=8, gpus_per_node=8, gpu="h100-80g", device="cuda",
+                        strategy="fsdp-full", micro_batch=1, seq_len=2048, grad_accum=4,
+                        parallel=Parallel(tp=2, pp=2)).settings
+    plan = accounting.estimate(inv, s)
+    assert plan.reserved is None and plan.reserved_why.startswith("pipeline parallelism")
+    assert plan.reserved_peak_bytes == plan.peak_bytes + plan.peak_bytes * 40 // 100

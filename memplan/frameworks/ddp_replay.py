@@ -101,8 +101,6 @@ def replay_ddp(job: ReplayJob, config: AllocatorConfig | None = None, release: s
 
 
 def why_not(s: Any) -> str | None:
-    if s.strategy.shard_optimizer:
-        return "ZeroRedundancyOptimizer not modelled yet"
     if s.strategy.fusion_buffer and s.cluster.gpus > 1:
         return "Horovod's allocation order (fusion buffer, compression copies) not replayed yet"
     return None
@@ -112,8 +110,19 @@ def replay(inv: Any, s: Any, config: AllocatorConfig) -> tuple[str, dict[str, Al
     """The two release orders DDP's first buckets can take (replay_ddp ``release``)."""
     from memplan.replay import replay_job
 
-    steps = [t for t in inv.tensors if t.trainable]  # all of them but under LoRA
-    job = replay_job(inv, s, [t.numel for t in steps], [t.shape for t in steps])
+    if s.strategy.shard_optimizer:
+        # ZeroRedundancyOptimizer: the worst rank's optimizer steps its whole parameters, largest first
+        # (torch/distributed/optim/zero_redundancy_optimizer.py _partition_parameters: sorted by numel, each to
+        # the rank with the fewest elements so far; layouts.GREEDY_WHOLE), so its states are made in that order;
+        # step() then broadcasts each rank's parameters in place (_sync_params, parameters_as_bucket_view False)
+        from memplan.layouts import layout_sizes
+        from memplan.settings import shard_group_size
+
+        lay = layout_sizes(inv, s.strategy.layout, shard_group_size(s), 0)
+        job = replay_job(inv, s, [n for _, n in lay.shard_shapes], [shape for shape, _ in lay.shard_shapes])
+    else:
+        steps = [t for t in inv.tensors if t.trainable]  # all of them but under LoRA
+        job = replay_job(inv, s, [t.numel for t in steps], [t.shape for t in steps])
     trainable = tuple(t.trainable for t in inv.tensors) if inv.frozen else None
     if not s.strategy.ddp_buckets:
         return "PyTorch", {"": replay_ddp(job, config, reducer=False)}

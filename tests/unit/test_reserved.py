@@ -282,3 +282,17 @@ def test_tensor_parallel_ranks_are_replayed() -> None:
     plan = accounting.estimate(inv, s)
     assert plan.reserved is None and plan.reserved_why.startswith("pipeline parallelism")
     assert plan.reserved_peak_bytes == plan.peak_bytes + plan.peak_bytes * 40 // 100
+
+
+def test_zero_redundancy_optimizer_is_replayed() -> None:
+    # DDP + ZeroRedundancyOptimizer: DDP's sequence, the worst rank's optimizer stepping its own whole parameters
+    # (largest first, as _partition_parameters assigns them); the replay's allocated peak is the engine's
+    src = resolve("llama-3-8b")
+    inv = build_inventory(src)
+    s = options.resolve(inv, config=src.config, gpus=8, gpus_per_node=8, gpu="h100-80g", device="cuda",
+                        strategy="zero-optimizer", precision="fp32", micro_batch=1, seq_len=2048).settings
+    plan = accounting.estimate(inv, s)
+    r = plan.reserved
+    assert r is not None and r.model == "DDP" and plan.reserved_why is None
+    assert abs(r.allocated_bytes - plan.peak_bytes) < plan.peak_bytes // 10_000
+    assert plan.reserved_peak_bytes == r.peak_bytes > r.allocated_bytes

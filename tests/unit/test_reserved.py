@@ -105,36 +105,40 @@ def test_bucket_assignment_is_c10d_s() -> None:
                                                             40 * mib + 8192, 8192]
 
 
-def test_step_events_repeat_a_block_as_a_deeper_trace_has_it() -> None:
+def _tiny_events(depth: int, recipe: str, lora_fields: dict | None = None) -> dict | None:
+    """A tiny llama's traced step at ``depth`` blocks as the caching allocator sees it (tracing's alloc_events)."""
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    from memplan.model.scaling import scale_config
     from memplan.kernels import Target
+    from memplan.model.scaling import scale_config
     from memplan.tracing.segments import alloc_events
     from memplan.tracing.step import one_step
 
     tiny = dict(LLAMA_1B, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
                 head_dim=16, vocab_size=256, max_position_embeddings=512)
-    target = Target(device="cuda", arch="sm90")
+    cfg = dict(scale_config(tiny, layers=depth)[0], **({"lora": lora_fields} if lora_fields else {}))
+    a, b = (one_step(cfg, mb, 64, recipe, "sdpa", "none", Target(device="cuda", arch="sm90")) for mb in (2, 4))
+    return alloc_events(a, b, expand=True)
 
-    def traced(depth: int, recipe: str) -> dict:
-        cfg = scale_config(tiny, layers=depth)[0]
-        a, b = (one_step(cfg, mb, 64, recipe, "sdpa", "none", target) for mb in (2, 4))
-        return alloc_events(a, b, expand=True)
 
-    def curve(events: list) -> tuple[list[int], list[int]]:
-        live, cur, out, sizes = {}, 0, [], []
-        for e in events:
-            if e[0] == "a":
-                live[e[1]] = e[2]
-                cur += e[2]
-                sizes.append(e[2])
-            elif e[0] == "f":
-                cur -= live.pop(e[1])
-            if e[0] in "af":
-                out.append(cur)
-        assert not live
-        return out, sorted(sizes)
+def _live_curve(events: list) -> tuple[list[int], list[int]]:
+    """Live bytes after each allocation or free of a replayed step, and its allocations' sizes, sorted."""
+    live, cur, out, sizes = {}, 0, [], []
+    for e in events:
+        if e[0] == "a":
+            live[e[1]] = e[2]
+            cur += e[2]
+            sizes.append(e[2])
+        elif e[0] == "f":
+            cur -= live.pop(e[1])
+        if e[0] in "af":
+            out.append(cur)
+    assert not live
+    return out, sorted(sizes)
+
+
+def test_step_events_repeat_a_block_as_a_deeper_trace_has_it() -> None:
+    traced, curve = _tiny_events, _live_curve
 
     # torch-amp keeps an fp32 residual stream; with bf16 parameters a block's output dies when the next block
     # returns (the model's loop rebinds it), which the two-block template records at the start of the final
@@ -194,40 +198,14 @@ def test_lora_first_block_is_traced_apart() -> None:
     # under LoRA the embedding is frozen, so the first block's input needs no gradient and its forward saves less
     # than the others': a three-block template (first, middle, last) repeated to five blocks is the five-block
     # trace itself, point for point (the two-block one was 1.3% under at its peak)
-    pytest.importorskip("torch")
-    pytest.importorskip("transformers")
-    from memplan.kernels import Target
     from memplan.model import lora
-    from memplan.model.scaling import scale_config
-    from memplan.tracing.segments import alloc_events
-    from memplan.tracing.step import one_step
 
-    tiny = dict(LLAMA_1B, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-                head_dim=16, vocab_size=256, max_position_embeddings=512)
-    target = Target(device="cuda", arch="sm90")
-
-    def traced(depth: int) -> dict:
-        cfg = dict(scale_config(tiny, layers=depth)[0], lora=lora.LoraSpec(rank=4, targets="all-linear").trace_fields())
-        a, b = (one_step(cfg, mb, 64, "pure-bf16", "sdpa", "none", target) for mb in (2, 4))
-        out = alloc_events(a, b, expand=True)
-        assert out is not None  # the first block's backward end is recorded although its input has no hook
-        return out
-
-    def curve(events: list) -> list[int]:
-        live, cur, out = {}, 0, []
-        for e in events:
-            if e[0] == "a":
-                live[e[1]] = e[2]
-                cur += e[2]
-            elif e[0] == "f":
-                cur -= live.pop(e[1])
-            if e[0] in "af":
-                out.append(cur)
-        assert not live
-        return out
-
-    three, five = traced(3), dict(traced(5), expand=False)
-    assert curve(reserved.step_events(three, 5, 3)) == curve(reserved.step_events(five, 5, 3))
+    fields = lora.LoraSpec(rank=4, targets="all-linear").trace_fields()
+    three, five = (_tiny_events(d, "pure-bf16", fields) for d in (3, 5))
+    # the first block's backward end is recorded although its input has no hook
+    assert three is not None and five is not None
+    assert _live_curve(reserved.step_events(three, 5, 3)) == _live_curve(reserved.step_events(dict(five, expand=False),
+                                                                                              5, 3))
 
 
 def test_lora_under_ddp_is_replayed(tmp_path: Path) -> None:

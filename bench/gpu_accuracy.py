@@ -69,6 +69,7 @@ def predict(case: dict, config_dirs: list[Path]) -> dict:
             "reserved_peak_bytes": plan.reserved_peak_bytes,
             "reserved_method": "replayed" if r is not None else "flat",
             "reserved_variants": dict(r.variants) if r is not None else {},
+            "replay_allocated_bytes": r.allocated_bytes if r is not None else None,
             "fits": plan.fits, "required_bytes": plan.required_bytes,
             "attention": "; ".join(f"{k}: {v}" for k, v in sorted(kernels.items())) or "-",
             "notes": list(res.notes)}

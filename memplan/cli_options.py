@@ -22,9 +22,10 @@ Precision = Annotated[Optional[str], typer.Option("--precision", help="deepspeed
                                                   "framework's].")]
 Optimizer = Annotated[Optional[str], typer.Option("--optimizer", help="adamw, adam, sgd, adafactor, adam8bit, "
                                                   "paged_adamw_8bit, paged_adamw_32bit.")]
-OptimizerImpl = Annotated[Optional[str], typer.Option("--optimizer-impl", help="foreach, fused, single-tensor "
-                                                      "[default: fused for DeepSpeed, foreach for torch; cpu: "
-                                                      "single-tensor].")]
+OptimizerImpl = Annotated[Optional[str], typer.Option("--optimizer-impl", help="foreach, fused, single-tensor: "
+                                                      "torch.optim's (under DeepSpeed, a client optimizer) "
+                                                      "[default: DeepSpeed's own FusedAdam for DeepSpeed, foreach "
+                                                      "for torch; cpu: single-tensor].")]
 Attention = Annotated[str, typer.Option("--attention", help="sdpa (the device's own kernel choice) | flash (asked "
                                         "for: refused where the device cannot run it) | eager.")]
 Gpu = Annotated[Optional[str], typer.Option("--gpu", help="GPU preset (memplan presets) for the fit verdict.")]

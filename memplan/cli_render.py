@@ -9,6 +9,11 @@ from typing import Any
 from memplan.units import fmt_bytes
 
 
+#: the reserved peak's accuracy on the H100 runs, as docs/accuracy-gpu.md's summary gives it (written by
+#: bench/gpu_accuracy.py; tests/unit/test_cli_render_accuracy.py keeps the two equal)
+GPU_RESERVED = {"cases": 83, "within_3": 79, "verdict_min_percent": -0.20}
+
+
 def console(stderr: bool = False):
     from rich.console import Console
 
@@ -209,8 +214,8 @@ def render_search(rep: dict) -> None:
                 f"{fmt_bytes(rec['required_bytes'])}, headroom {fmt_bytes(rec['headroom_bytes'])}")
         c.print(f"headroom: the GPU's {fmt_bytes(se['gpu_memory_bytes'])} less the required bytes (the caching "
                 "allocator's reserved peak, replayed, plus CUDA context and NCCL); the replay was within 3% of the measured "
-                "reserved peak on 77 of 82 H100 runs, and the figure the verdict uses 0.82% under at worst "
-                "(docs/accuracy-gpu.md)"
+                f"reserved peak on {GPU_RESERVED['within_3']} of {GPU_RESERVED['cases']} H100 runs, and the figure the "
+                f"verdict uses {-GPU_RESERVED['verdict_min_percent']:.2f}% under at worst (docs/accuracy-gpu.md)"
                 + (f"; every candidate was asked to leave {fmt_bytes(margin)} free (--min-headroom)" if margin else
                    "; --min-headroom SIZE|FRACTION keeps a margin"), soft_wrap=True)
         c.print(f"details: {rec['command']}", soft_wrap=True)

@@ -6,8 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from memplan.timeline import Moment, StepMoment
-from memplan.units import ceil_div
+from memplan.timeline import NO_HOOK_TRANSIENT, Moment, StepMoment
 
 
 class Fixed:
@@ -34,7 +33,7 @@ class Fixed:
         #: the block moments count only the gradients whose hook has not taken them yet (ZeRO-3)
         self.grads_held = False
         #: (bytes per partition element, partitions) a parameter's gradient hook allocates (BLOCK_GRADIENT_HOOK)
-        self.hook_transient = (0, 1)
+        self.hook_transient = NO_HOOK_TRANSIENT
         self._blocks = any(m.at.inside_block for m in moments)
         self.kinds = tuple(sorted({m.at for m in moments}))
         self.weights, self.master, self.states, self.grads, self.buffers = weights, master, states, grads, buffers
@@ -120,14 +119,43 @@ def kind_values(f: Fixed, micro_batch: int, saved: int, block: int, emb: int,
             if head is not None:
                 out[kind] = (head[0], f.grad_width * head[1])
         elif kind == M.BLOCK_GRADIENT_HOOK:
-            per, parts = f.hook_transient
-            hooks = [h for blk in prof.block_hooks(micro_batch) for h in blk]
+            t = f.hook_transient
+            per_block = prof.block_hooks(micro_batch)
+            if per_block and t.bucket:
+                flush = bucket_flushes(t, per_block, t.depth or len(per_block))
+                if flush is not None:
+                    out[kind] = flush
+                continue
+            hooks = [h for blk in per_block for h in blk]
             if hooks:
-                x, numel = max(hooks, key=lambda h: h[0] + per * ceil_div(h[1], parts))
-                out[kind] = (x, per * ceil_div(numel, parts))
+                x, numel = max(hooks, key=lambda h: h[0] + t.bytes(h[1]))
+                out[kind] = (x, t.bytes(numel))
         elif not kind.inside_block:
             out[kind] = (acts[kind], 0)
         elif kind < len(blocks):
             x, g = blocks[kind]
             out[kind] = (x, f.grad_width * g)
     return out
+
+
+def bucket_flushes(t: Any, blocks: tuple, depth: int) -> tuple[int, int] | None:
+    """The gradient hooks of the blocks' backward in order (the last block's, the one before it's for every
+    middle block, the first's: profile.block_hooks), with the reduce bucket filling as DeepSpeed fills it
+    (stage_1_and_2.py / stage3.py reduce_independent_p_g_buckets_and_remove_grads: a gradient that would overflow
+    the bucket reduces it first). Returns (activations, transient) at the reduce that holds the most: the
+    activations at the hook that triggers it with that hook's own gradient, the bucket's concatenation and its
+    largest gradient's copies (HookTransient.bytes); None where no reduce falls inside the blocks."""
+    order = [blocks[0]] + [blocks[1]] * max(depth - 2, 0) + ([blocks[-1]] if depth >= 2 else [])
+    elems, count, largest = t.lead, (1 if t.lead else 0), (t.bytes(t.lead_largest) if t.lead else 0)
+    best: tuple[int, int] | None = None
+    for blk in order:
+        for x, numel in blk:
+            if elems + numel > t.bucket and elems > 0:
+                tr = (t.cat_per * elems if count > 1 else 0) + largest + t.own_per * numel
+                if best is None or x + tr > best[0] + best[1]:
+                    best = (x, tr)
+                elems, count, largest = 0, 0, 0
+            elems += numel
+            count += 1
+            largest = max(largest, t.bytes(numel))
+    return best

@@ -296,8 +296,10 @@ def _deepspeed_wrapper(strat: Any, recipe: Any, ds: DeepSpeedKnobs, notes: list[
                      "__avg_scatter_grads), a transient of up to reduce_bucket_size elements not counted (measured "
                      "with the harness at small buckets: no change to the peak, docs/accuracy.md)")
     if strat.zero_stage == 0 and model != "fp32":
-        notes.append(f"stage 0 with {model}: DeepSpeed's FP16_Optimizer ({model} gradients copied to fp32 for the "
-                     "step, engine.py _do_optimizer_sanity_check); FP16_UnfusedOptimizer with a torch optimizer")
+        notes.append(f"stage 0 with {model}: {model} gradients copied to fp32 for the step (engine.py "
+                     "_do_optimizer_sanity_check), by FP16_Optimizer where DeepSpeed builds its FusedAdam (no "
+                     "--optimizer-impl, on CUDA) and by FP16_UnfusedOptimizer around a torch optimizer (an "
+                     "--optimizer-impl named: torch.optim's; engine.py _configure_fp16_optimizer)")
 
 
 def _reduce_path_notes(ds: DeepSpeedKnobs, strat: Any) -> list[str]:

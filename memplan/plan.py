@@ -108,8 +108,8 @@ class StepTimeline:
     grad_width: int
     #: the block moments count only the gradients whose hook has not taken them yet (ZeRO-3)
     grads_held: bool
-    #: (bytes per partition element, partitions) a parameter's gradient hook allocates (BLOCK_GRADIENT_HOOK)
-    hook_transient: tuple[int, int]
+    #: what a parameter's gradient hook allocates (BLOCK_GRADIENT_HOOK; memplan/timeline.py HookTransient)
+    hook_transient: Any
     assumptions: dict[str, Any]
 
 

@@ -410,7 +410,7 @@ def micro_step(run: Run, job: ReplayJob, n: int, keep_grads: bool, at: Any = Non
                on_grad: Any = None) -> list[tuple[Any, int]]:
     """One traced micro-step; the gradients it makes are kept (their traced death skipped) when ``keep_grads``.
     ``at(kind, block)`` is called where each region begins, ``on_grad(bytes, key, block)`` for each gradient as
-    it is made. Returns the kept gradients (key, bytes) in the order they were made."""
+    it is made (a true answer: the framework keeps that gradient past its traced death and frees it itself). Returns the kept gradients (key, bytes) in the order they were made."""
     grads: list[tuple[Any, int]] = []
     kept: set[Any] = set()
     off = run.offset()
@@ -428,8 +428,8 @@ def micro_step(run: Run, job: ReplayJob, n: int, keep_grads: bool, at: Any = Non
             if a.reserved > limit:
                 run.over()
             if e[3] is not None:
-                if on_grad is not None:
-                    on_grad(size, key, e[3])
+                if on_grad is not None and on_grad(size, key, e[3]):
+                    kept.add(key)  # the framework keeps this gradient's storage and frees it itself
                 if keep_grads:
                     kept.add(key)
                     grads.append((key, size))

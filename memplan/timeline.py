@@ -68,6 +68,62 @@ class Moment(IntEnum):
 
 
 @dataclass(frozen=True, slots=True)
+class HookTransient:
+    """What a gradient's reduce allocates at a parameter's hook (BLOCK_GRADIENT_HOOK), as a function of the
+    parameter's elements: ``per`` bytes a partition element (the parameter over ``parts`` ranks); an fp64 norm
+    taken ``chunk`` elements at a time (``chunk_per`` bytes an element, 0 without), or a copy ``after_per`` bytes an
+    element made once the norm's chunks are freed, whichever is larger; and ``apart_per`` bytes an element of the
+    whole gradient where it is larger than ``apart_over`` elements (kept in its own storage beside its reduce,
+    not in the contiguous bucket)."""
+
+    per: int = 0
+    parts: int = 1
+    chunk: int = 0
+    chunk_per: int = 0
+    after_per: int = 0
+    apart_over: int = 0
+    apart_per: int = 0
+    #: reduce_bucket_size where the copies come at a bucket's reduce (0: each at its parameter's own hook): a
+    #: hook that would overflow the bucket reduces it first, ``cat_per`` bytes a bucket element where it holds
+    #: more than one gradient (ZeRO-3's reduce_scatter_coalesced torch.cat), then each of its gradients' copies
+    #: one after another; ``lead`` elements are in it when the blocks' backward begins (the head's and the
+    #: final norm's), the largest ``lead_largest``
+    bucket: int = 0
+    cat_per: int = 0
+    lead: int = 0
+    lead_largest: int = 0
+    depth: int = 0  #: the rank's layer blocks (the hooks of the middle ones are the traced middle block's)
+    #: bytes an element of the gradient whose hook triggers a reduce, alive beside it (not yet in the bucket)
+    own_per: int = 0
+
+    def bytes(self, numel: int) -> int:
+        part = -(-numel // self.parts)
+        out = self.per * part
+        if self.chunk_per or self.after_per:
+            out += max(self.chunk_per * (min(part, self.chunk) if self.chunk else part), self.after_per * part)
+        if self.apart_per and numel > self.apart_over:
+            out += self.apart_per * numel
+        return out
+
+    def tail(self, numels: list[int]) -> int:
+        """The last reduce of backward (the epilogue's): the bucket filled with ``numels`` (every gradient in
+        backward's order: the module's parameters last first), what is left in it at the end, its
+        concatenation and its largest gradient's copies."""
+        elems = count = largest = 0
+        for numel in numels:
+            if elems + numel > self.bucket and elems > 0:
+                elems = count = largest = 0
+            elems += numel
+            count += 1
+            largest = max(largest, self.bytes(numel))
+        return (self.cat_per * elems if count > 1 else 0) + largest
+
+
+#: no transient at the hooks
+NO_HOOK_TRANSIENT = HookTransient()
+
+
+@dataclass(frozen=True, slots=True)
 class BufferMoment:
     """What a framework holds at one moment beyond model states and activations: its buffers (gathered
     parameters, buckets, reduce inputs, hook transients) and the gradients not yet reduced, per rank."""
@@ -114,6 +170,6 @@ class BufferTimeline:
     moments: tuple[BufferMoment, ...] = ()
     #: the block moments count only the gradients whose hook has not taken them yet (ZeRO-3)
     grads_held: bool = False
-    #: (bytes per partition element, partitions) a parameter's gradient hook allocates (BLOCK_GRADIENT_HOOK)
-    hook_transient: tuple[int, int] = (0, 1)
+    #: what a parameter's gradient hook allocates (BLOCK_GRADIENT_HOOK)
+    hook_transient: HookTransient = NO_HOOK_TRANSIENT
     assumptions: dict[str, Any] = field(default_factory=dict)

@@ -9,7 +9,7 @@ from memplan.frameworks.common import (LOSS, FrameworkModel, Grads, Job, Offload
                                        unreduced_grad_moments)
 from memplan.model.inventory import ParamInventory
 from memplan.settings import Settings, optimizer_impl
-from memplan.timeline import BufferMoment, BufferTimeline, Moment
+from memplan.timeline import NO_HOOK_TRANSIENT, BufferMoment, BufferTimeline, HookTransient, Moment
 from memplan.units import ceil_div
 
 
@@ -63,31 +63,120 @@ def buffers(job: Job, grads: Grads) -> BufferTimeline:
         # the bucket, set up at the first gradient hook (the head's), beside what is alive at the root's last
         # hook before the blocks (the final norm's)
         moments.append(BufferMoment(0, 0, Moment.ROOT_LAST_HOOK_BEFORE_BLOCKS))
-        if not job.offload_optimizer and (st.shard_grads or job.overlap):
+        if st.shard_grads or job.overlap:
             # inside the blocks' backward (a recomputed block is the peak there): once a bucket has been reduced,
             # grads_in_partition (the whole parameters overlapping the rank's partition, in the grad dtype)
             # exists, and a tied weight's first contribution waits for the embedding's (measured with the harness:
-            # gpt2 ZeRO-2 at 4 ranks with full recompute was -13% without these)
+            # gpt2 ZeRO-2 at 4 ranks with full recompute was -13% without these). Under ZeRO-Offload the reduced
+            # gradients go to the host (no grads_in_partition; the replay had these moments up to 20% above
+            # the engine without them: falcon-7b, 4 blocks, full recompute, micro-batch 1)
             tied = job.grad_gathers.tied
-            in_part = job.lay.partition_params_numel if ds.reduce_bucket_size < job.psi else 0
+            in_part = job.lay.partition_params_numel if ds.reduce_bucket_size < job.psi and \
+                not job.offload_optimizer else 0
             for at in (Moment.INSIDE_LAST_BLOCK_BACKWARD, Moment.INSIDE_PREVIOUS_BLOCK_BACKWARD,
                        Moment.INSIDE_FIRST_BLOCK_BACKWARD):
                 moments.append(BufferMoment(0, rc.grad_bytes * (in_part + tied), at))
-        elif st.zero_stage == 1 and not job.offload_optimizer:
+        elif st.zero_stage == 1:
             # ZeRO-1 without overlap_comm reduces nothing in its gradient hooks (process_gradients: only with
             # partition_gradients or overlap_comm; the hook just sets up the bucket): every gradient stays as
             # autograd made it until reduce_gradients after backward, as under DDP. After backward, the first
             # bucket's reduce allocates grads_in_partition beside all of them (copy_grads_in_partition).
             # Measured with the harness: gpt2, fp32, 2 ranks: +8.24% before.
             moments += unreduced_grad_moments(job.grad_gathers, rc.grad_bytes, job.psi)
-            if ds.contiguous_gradients:
+            if ds.contiguous_gradients and not job.offload_optimizer:
                 epilogue = rc.grad_bytes * job.lay.partition_params_numel
+    hook = NO_HOOK_TRANSIENT
+    if job.offload_optimizer and st.ds_ipg_buckets:
+        # ZeRO-Offload: each reduce copies every gradient of the rank's partition to the host
+        # (stage_1_and_2.py copy_grads_in_partition): set_norm_for_param_grad_in_gpu takes its norm through an
+        # fp64 copy (``.to(get_norm_dtype()).norm(2)``), freed before async_inplace_copy_grad_to_fp32_buffer_from_gpu's
+        # fp32 copy: 8 bytes a gradient element at its reduce (the replay, frameworks/zero12_replay.py Offload, has
+        # each in its place; measured there: bench/gpu/traces/l1b_z2off). Reducing in the hooks (ZeRO-2,
+        # overlap_comm) a bucket's gradients are copied at the hook that overflows it: the head's with the final
+        # norm's, a block parameter's about its own hook (profile.block_hooks), the embedding's at backward's end;
+        # ZeRO-1 reduces after backward, every gradient still alive, the largest copy first (module order). A
+        # parameter is whole in the first rank's partition (the largest, which holds the model's first elements).
+        # A gradient larger than the bucket is not copied into it but kept apart to its reduce
+        # (extra_large_param_to_reduce), so it is alive beside its copy.
+        gg = job.grad_gathers
+
+        def copy(numel: int) -> int:
+            return (OFFLOAD_NORM_BYTES + (rc.grad_bytes if numel > ds.reduce_bucket_size else 0)) * numel
+        if st.shard_grads or job.overlap:
+            bucket, head = ds.reduce_bucket_size, gg.head_largest_tensor
+            lead = max(gg.root_head - gg.tied, 0)
+            lead, lead_largest = (lead - head, 0) if head > bucket else (lead, head)
+            moments.append(BufferMoment(copy(head) if head > bucket else 0, 0, Moment.ROOT_LAST_HOOK_BEFORE_BLOCKS))
+            hook = HookTransient(chunk_per=OFFLOAD_NORM_BYTES, apart_over=bucket, apart_per=rc.grad_bytes,
+                                 bucket=bucket, lead=lead, lead_largest=lead_largest,
+                                 depth=len(job.inv.layer_blocks), own_per=rc.grad_bytes)
+            moments.append(BufferMoment(0, 0, Moment.BLOCK_GRADIENT_HOOK))
+            epilogue = hook.tail([t.numel for t in reversed(job.inv.trainable_inventory.tensors)])
+        else:
+            epilogue = offload_reduce_after_backward(job)
     if st.zero_stage == 0:
+        # no gradient hooks: every gradient stays as autograd made it until allreduce_gradients after backward,
+        # as under DDP (the replay, zero12_replay.replay_zero0, peaked inside the first block's backward 8% above
+        # the engine without these: falcon-7b, 4 blocks, full recompute)
+        moments += unreduced_grad_moments(job.grad_gathers, rc.grad_bytes, job.psi)
         # allreduce_bucket: the chunk flattened, then cast when communication_data_type differs (both alive)
         comm = comm_bytes(job.s)
         epilogue = (rc.grad_bytes + (comm if comm != rc.grad_bytes else 0)) * allreduce_chunk(job)
     moments.append(LOSS)
-    return BufferTimeline(backward=backward, end_epilogue=epilogue, moments=tuple(moments))
+    return BufferTimeline(backward=backward, end_epilogue=epilogue, moments=tuple(moments), hook_transient=hook)
+
+
+#: ZeRO-Offload's norm of a gradient before its copy to the host: an fp64 copy (get_norm_dtype), 8 bytes an element
+OFFLOAD_NORM_BYTES = 8
+
+
+def offload_reduce_after_backward(job: Job) -> int:
+    """ZeRO-1 with ZeRO-Offload reduces after backward (stage_1_and_2.py reduce_gradients, module order, every
+    gradient alive until then): reduce_independent_p_g_buckets_and_remove_grads copies a gradient into the bucket
+    (its own storage freed), or, larger than the bucket, keeps it apart as extra_large_param_to_reduce (cloned
+    first under offload: ``grad_reduc.detach().clone()``); a gradient that would overflow the bucket reduces it
+    first, and each reduced gradient in the rank's partition is copied to the host through its fp64 norm copy
+    (copy_grads_in_partition), the extra-large one's freed after it (clear_grad_attribute). The most this holds
+    beyond the parameters and the bucket, in bytes: gradients still alive and the transient."""
+    gb, bucket = job.s.recipe.grad_bytes, job.s.ds.reduce_bucket_size
+    tensors = job.inv.trainable_inventory.tensors
+    numels = [t.numel for t in tensors]
+    inside = partition_overlaps(numels, job.n)
+    alive = most = gb * sum(numels)
+    pending: list[tuple[int, int, bool]] = []
+    in_bucket = 0
+
+    def flush() -> None:
+        nonlocal alive, most
+        for n, copied, extra in pending:
+            most = max(most, alive + OFFLOAD_NORM_BYTES * copied)
+            if extra:
+                alive -= gb * n
+        pending.clear()
+    for n, copied in zip(numels, inside):
+        if in_bucket + n > bucket:
+            flush()
+            in_bucket = 0
+        if n > bucket:
+            most = max(most, alive + gb * n)  # the clone beside the gradient
+            pending.append((n, copied, True))
+        else:
+            alive -= gb * n
+            pending.append((n, copied, False))
+        in_bucket += n
+    flush()
+    return most
+
+
+def partition_overlaps(numels: list[int], n: int) -> list[int]:
+    """Elements of each parameter (module order) inside the first rank's part of the flat group
+    (flatten_dense_tensors_aligned: the group padded to 2 x ranks, each rank a contiguous part)."""
+    part = ceil_div(ceil_div(sum(numels), 2 * n) * 2 * n, n)
+    out, start = [], 0
+    for numel in numels:
+        out.append(max(0, min(start + numel, part) - start))
+        start += numel
+    return out
 
 
 def comm_bytes(s: Settings) -> int:
@@ -148,11 +237,23 @@ def _fp16_optimizer_step(job: Job, s: StepIn) -> tuple[int, int, dict[str, int]]
     Measured (CPU, the unfused one): docs/accuracy.md session 18."""
     rc, psi = job.s.recipe, job.psi
     half = rc.grad_bytes * psi
-    if s.impl == "fused":
+    if fp16_wrapper(job.s) == "fused":
         flatten = (half + 2 * 4 * psi, s.persistent)
         stepping = (4 * psi, s.persistent + s.scratch)
         return (*max(flatten, stepping, key=sum), {})
     return half + 4 * psi, s.persistent + s.scratch, {}
+
+
+def fp16_wrapper(s: Settings) -> str | None:
+    """Stage 0's optimizer wrapper in DeepSpeed 0.19.8 (engine.py _configure_fp16_optimizer): "fused" is
+    FP16_Optimizer, taken only when the basic optimizer is DeepSpeed's own FusedAdam (``isinstance(optimizer,
+    FusedAdam)``), which DeepSpeed builds from its config's optimizer section on CUDA (no --optimizer-impl named);
+    "unfused" is FP16_UnfusedOptimizer, around any torch optimizer the job hands it (an implementation named:
+    foreach, fused or single-tensor are torch.optim's; the HF Trainer's default optim) and on CPU; None with fp32
+    parameters (no wrapper, engine.py _do_optimizer_sanity_check)."""
+    if s.strategy.zero_stage != 0 or not (s.strategy.fp32_master_copy or s.recipe.master_bytes):
+        return None
+    return "fused" if optimizer_impl(s) == "fused" and s.optimizer_impl is None else "unfused"
 
 
 def optimizer_tensors(job: Job) -> tuple[tuple[tuple[int, ...], int], ...]:
@@ -163,7 +264,7 @@ def optimizer_tensors(job: Job) -> tuple[tuple[tuple[int, ...], int], ...]:
     st, rc = job.s.strategy, job.s.recipe
     if st.zero_stage == 0 and rc.param_bytes == 4 and not st.fp32_master_copy and not rc.master_bytes:
         return tuple((t.shape, t.numel) for t in job.inv.trainable_inventory.tensors)
-    if st.zero_stage == 0 and optimizer_impl(job.s) == "fused":
+    if fp16_wrapper(job.s) == "fused":
         return (((job.psi,), job.psi),)  # FP16_Optimizer's one flat fp32 group
     return job.lay.shard_shapes
 

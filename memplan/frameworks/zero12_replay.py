@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from memplan.allocator import Allocator, AllocatorConfig
-from memplan.replay import MAX_STEPS, ReplayJob, Run, build_model, micro_step
+from memplan.replay import MAX_STEPS, ReplayJob, Run, build_model, micro_step, optimizer_step
 
 
 def _partition_params(inv: Any, n: int) -> tuple[int, ...]:
@@ -57,40 +57,55 @@ def replay_zero12(job: ReplayJob, stage: int, partition: int, flat: int, bucket:
             # takes them one by one at the end of backward (stage_1_and_2.py process_gradients)
             in_hooks = stage == 2 or buffers > 1
 
-            pending: list[int] = []  # the bucket's gradients (elements), for the offload's copies
+            #: the bucket's gradients: (elements, the key of one kept apart, larger than the bucket, else None)
+            pending: list[tuple[int, Any]] = []
             if offload is not None:
                 offload.seen = 0
+                offload.module_order = not in_hooks
 
             def flush() -> None:
                 """reduce_ipg_grads: the first reduce makes grads_in_partition (copy_grads_in_partition); with
-                ZeRO-Offload each gradient in the rank's partition is copied to the host instead (Offload)."""
+                ZeRO-Offload each gradient in the rank's partition is copied to the host instead (Offload). A
+                gradient kept apart (extra_large_param_to_reduce) is freed once copied: into grads_in_partition
+                (``grad_reduc.data = new_grad_tensor``), or to the host (clear_grad_attribute)."""
                 nonlocal grads_flat
-                if offload is not None:
-                    for numel in pending:
-                        offload.copy_to_host(run, numel)
-                elif grads_flat is None:
+                if offload is None and grads_flat is None:
                     grads_flat = run.alloc(partition * half)
+                for numel, apart in pending:
+                    if offload is not None:
+                        offload.copy_to_host(run, numel)
+                    if apart is not None:
+                        run.free(apart)
                 pending.clear()
                 in_bucket[0] = 0
 
-            def reduce(nbytes: int) -> None:
+            def reduce(nbytes: int, key: Any) -> bool:
                 """reduce_independent_p_g_buckets_and_remove_grads: a gradient that would overflow the bucket
-                reduces it first."""
+                reduces it first; one larger than the bucket stays apart until its reduce (cloned first under
+                ZeRO-Offload: ``grad_reduc.data = grad_reduc.detach().clone()``), the others are copied into it
+                (their storage freed). Returns whether the gradient's storage is kept apart."""
                 numel = nbytes // half
                 if in_bucket[0] + numel > bucket:
                     flush()
                 in_bucket[0] += numel
-                pending.append(numel)
+                if numel > bucket:
+                    if offload is not None:
+                        clone = run.alloc(nbytes)
+                        run.free(key)
+                        key = clone
+                    pending.append((numel, key))
+                    return True
+                pending.append((numel, None))
+                return False
 
-            def on_grad(nbytes: int, *_: Any) -> None:
+            def on_grad(nbytes: int, key: Any, *_: Any) -> bool:
                 if not ipg:
                     ipg.extend(run.alloc(bucket * half) for _ in range(buffers))
-                if in_hooks:
-                    reduce(nbytes)
+                return in_hooks and reduce(nbytes, key)
             kept = micro_step(run, job, (n, m), keep_grads=not in_hooks, on_grad=on_grad)
             for key, nbytes in reversed(kept):  # reduce_gradients, in the group's (module) order
-                reduce(nbytes)
-                run.free(key)  # copied into the bucket: the gradient is a view of it now
+                if not reduce(nbytes, key):
+                    run.free(key)  # copied into the bucket: the gradient is a view of it now
             if pending or (grads_flat is None and offload is None):  # the epilogue's reduce
                 flush()
             for k in ipg:
@@ -122,10 +137,15 @@ class Offload:
     def __init__(self, largest: int, psi: int, partition: int, half: int) -> None:
         self.largest, self.psi, self.partition, self.half = largest, psi, partition, half
         self.seen = 0  # gradient elements reduced so far in this backward (the replay resets it)
+        #: the reduces come in module order (ZeRO-1's reduce_gradients after backward), else in backward's
+        self.module_order = False
 
     def copy_to_host(self, run: Run, numel: int) -> None:
         self.seen += numel
-        inside = max(0, min(numel, self.seen - (self.psi - self.partition)))
+        if self.module_order:
+            inside = max(0, min(self.seen, self.partition) - (self.seen - numel))
+        else:
+            inside = max(0, min(numel, self.seen - (self.psi - self.partition)))
         if inside:
             run.free(run.alloc(inside * 8))  # the norm's fp64 copy
             if self.half != 4:
@@ -172,9 +192,112 @@ def _optimizer_step(run: Run, job: ReplayJob, norms: tuple[int, ...], partition:
     run.free(fp32_grad)
 
 
+def replay_zero0(job: ReplayJob, wrapper: str | None, grad_numels: tuple[int, ...], grad_bytes: int,
+                 comm_bytes: int, config: AllocatorConfig | None = None) -> Allocator:
+    """DeepSpeed stage 0 (no ZeRO), 0.19.8, per rank. Setup (engine.py __init__): the built model's parameters
+    cast to the 16-bit dtype one by one (_cast_module_mixed_precision: ``p.data = p.data.to(dtype)``; no
+    empty_cache at stage 0), then the optimizer wrapper (zero12.fp16_wrapper):
+
+    - "unfused", FP16_UnfusedOptimizer (deepspeed/runtime/fp16/unfused_optimizer.py): each fp32 master is
+      ``p.clone().float()`` (the clone a temporary); initialize_optimizer_states gives every 16-bit parameter
+      and every master a zero gradient and steps the torch optimizer once (its states made at setup), then drops
+      the gradients, 16-bit ones first;
+    - "fused", FP16_Optimizer (fused_optimizer.py): the 16-bit parameters cloned into a list and flattened into
+      one group, the list dropped (CPython frees a list's items last first) and each parameter's storage replaced
+      by a view of the group; the fp32 master is the group's ``.clone().float()``; initialize_optimizer_states
+      steps FusedAdam once with a zero flat gradient;
+    - None (fp32 parameters): the torch optimizer itself, states at its first step.
+
+    A step: the gradients stay on the parameters to the end of backward, which all-reduces them
+    (allreduce_gradients -> buffered_allreduce_fallback -> allreduce_no_retain: module order, a chunk flattened
+    once it holds more than 500M elements, cast when communication_data_type differs, copied back and dropped);
+    then the wrapper's step:
+
+    - unfused: get_weight_norm takes each gradient ``.float()`` one after another, each master's gradient is its
+      16-bit gradient ``.to(fp32)`` (all alive), the torch optimizer steps, the fp32 gradients go in order, and
+      the engine's zero_grad drops the 16-bit ones;
+    - fused: every gradient ``.to(fp32)`` in a list, flattened into the group's fp32 gradient, the list dropped,
+      the 16-bit gradients set to None in order, FusedAdam steps, the flat gradient goes.
+
+    ``grad_numels``: the elements of each trainable parameter, module order (what the chunks take)."""
+    from memplan.frameworks.zero12 import ALLREDUCE_CHUNK
+
+    run = Run(config or AllocatorConfig())
+    keys = build_model(run, job)
+    half = grad_bytes
+    states: list[Any] = []
+    if wrapper == "unfused":
+        for n in grad_numels:
+            clone = run.alloc(n * half)
+            run.alloc(n * 4)  # the fp32 master
+            run.free(clone)
+        zeros = [run.alloc(n * half) for n in grad_numels] + [run.alloc(n * 4) for n in grad_numels]
+        optimizer_step(run, job, True, states)
+        for k in zeros:
+            run.free(k)
+    elif wrapper == "fused":
+        psi = sum(grad_numels)
+        clones = [run.alloc(n * half) for n in grad_numels]
+        run.alloc(psi * half)  # fp16_groups_flat
+        for k in reversed(clones):
+            run.free(k)
+        for k in keys:
+            run.free(k)  # p.data = the group's view
+        clone = run.alloc(psi * half)
+        run.alloc(psi * 4)  # fp32_groups_flat
+        run.free(clone)
+        zero = run.alloc(psi * 4)
+        optimizer_step(run, job, True, states)
+        run.free(zero)
+    for n in range(MAX_STEPS):
+        before = run.a.peak_reserved
+        grads: list[tuple[Any, int]] = []
+        for m in range(job.grad_accum):
+            ids = run.alloc(job.input_bytes)
+            grads += micro_step(run, job, (n, m), keep_grads=m == 0)
+            run.free(ids)
+        chunk = 0
+        for i, numel in enumerate(grad_numels):  # allreduce_no_retain
+            chunk += numel
+            if chunk > ALLREDUCE_CHUNK or i == len(grad_numels) - 1:
+                flat = run.alloc(chunk * grad_bytes)
+                if comm_bytes != grad_bytes:
+                    run.free(run.alloc(chunk * comm_bytes))
+                run.free(flat)
+                chunk = 0
+        if wrapper == "unfused":
+            if half != 4:
+                for numel in grad_numels:  # get_weight_norm: p.data.float().norm()
+                    run.free(run.alloc(numel * 4))
+            fp32 = [run.alloc(numel * 4) for numel in grad_numels]
+            optimizer_step(run, job, False, states)
+            for k in fp32:
+                run.free(k)
+        elif wrapper == "fused":
+            casts = [run.alloc(numel * 4) for numel in grad_numels]
+            flat = run.alloc(sum(grad_numels) * 4)
+            for k in reversed(casts):
+                run.free(k)
+            for k, _ in reversed(grads):
+                run.free(k)
+            grads = []
+            optimizer_step(run, job, False, states)
+            run.free(flat)
+        else:
+            optimizer_step(run, job, n == 0, states)
+        for k, _ in reversed(grads):  # zero_grad(set_to_none=True)
+            run.free(k)
+        run.end_step()
+        if n >= 1 and run.a.peak_reserved == before:
+            break
+    return run.a
+
+
 def why_not(s: Any) -> str | None:
-    """DeepSpeed setups not written down yet (stage 0's FP16_Optimizer, ZeRO-Offload of parameters, ZeRO++ hpZ)."""
+    """DeepSpeed setups not written down yet (ZeRO-Offload of parameters, ZeRO++ hpZ)."""
     st = s.strategy
+    if st.zero_stage == 0:
+        return None
     if st.zero_stage in (1, 2) and s.ds.offload_optimizer and not s.ds.offload_param \
             and s.ds.hpz_partition_size <= 1:
         return None
@@ -191,6 +314,19 @@ def replay(inv: Any, s: Any, config: AllocatorConfig) -> tuple[str, dict[str, Al
     from memplan.units import ceil_div
 
     st, n = s.strategy, shard_group_size(s)
+    if st.zero_stage == 0:
+        from memplan.frameworks.zero12 import comm_bytes, fp16_wrapper
+
+        wrapper = fp16_wrapper(s)
+        trainable = [t for t in inv.tensors if t.trainable]
+        numels = [t.numel for t in trainable]
+        if wrapper == "fused":
+            job = replay_job(inv, s, [sum(numels)])
+        else:
+            job = replay_job(inv, s, numels, [t.shape for t in trainable])
+        a = replay_zero0(job, wrapper, tuple(numels), s.recipe.grad_bytes, comm_bytes(s), config)
+        names = {"fused": "FP16_Optimizer", "unfused": "FP16_UnfusedOptimizer", None: "no wrapper"}
+        return f"DeepSpeed stage 0 ({names[wrapper]})", {"": a}
     flat = ceil_div(inv.num_params, 2 * n) * 2 * n  # flatten_dense_tensors_aligned(..., 2 * dp_size)
     part = flat // n
     job = replay_job(inv, s, [part])

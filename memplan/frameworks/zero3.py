@@ -13,7 +13,7 @@ from memplan.frameworks.common import LOSS, FrameworkModel, Grads, Job, Offloade
 from memplan.frameworks.zero12 import grads_at_end
 from memplan.model.inventory import ROOT_BLOCK, ParamInventory
 from memplan.settings import Settings
-from memplan.timeline import BufferMoment, BufferTimeline, Moment
+from memplan.timeline import NO_HOOK_TRANSIENT, BufferMoment, BufferTimeline, HookTransient, Moment
 from memplan.units import ceil_div
 
 
@@ -335,6 +335,10 @@ def offload(job: Job, grads: Grads, host_by: dict[str, int]) -> OffloadedGrads:
     return OffloadedGrads()
 
 
+#: stage3.py _constant_buffered_norm2's buffer_size: a gradient partition's fp64 norm, this many elements at a time
+NORM_CHUNK = 250_000_000
+
+
 def buffers(job: Job, grads: Grads) -> BufferTimeline:
     s, rc, n, ds = job.s, job.s.recipe, job.n, job.s.ds
     # the ipg bucket buffer, allocated at init (overlap_comm does not double it in stage 3)
@@ -381,26 +385,40 @@ def buffers(job: Job, grads: Grads) -> BufferTimeline:
     qgz = qgz_transient(job) if ds.quantized_gradients else 0
     unreduced_bytes = rc.grad_bytes * unreduced + qgz
     gathered_end = cb * z.end + unreduced_bytes
-    hook_transient = (0, 1)
+    hook_transient = NO_HOOK_TRANSIENT
     if job.offload_optimizer:
         # at the gradient-accumulation boundary, per reduced parameter (stage3.py partition_grads ->
         # _offload_grad_partition_at_boundary): grad_buffer.to(device) copies the host partition back to a GPU (a
-        # no-op on CPU), then _constant_buffered_norm2 takes its norm in fp64 (part.to(get_norm_dtype()): fp64
-        # wherever the accelerator has it), freed before the fp32 copy to the host (4 bytes); the reduce's output
-        # partition exists beside them. Measured with the harness: llama-3-8b at 1 rank peaks at the head's,
-        # 10,485,760 B for its 1,048,576 elements.
-        per = rc.grad_bytes + 8 + (rc.grad_bytes if s.cluster.device != "cpu" else 0)
+        # no-op on CPU), then _constant_buffered_norm2 takes its norm in fp64 250M elements at a time
+        # (``part.to(get_norm_dtype())`` per split), freed before the fp32 copy for the host
+        # (``grad_buffer.to(fp32)``, 4 bytes; none where the gradients are fp32); the reduce's output partition
+        # exists beside them, and a gradient larger than reduce_bucket_size is not moved into the contiguous
+        # bucket but kept whole to its reduce (__add_grad_to_ipg_bucket). Measured with the harness: llama-3-8b at
+        # 1 rank peaks at the head's, 10,485,760 B for its 1,048,576 elements; the replay (zero3_replay.py
+        # _ipg_bucket, measured on the H100: ../shared/gpu/traces/zero3_offload) has the same sequence.
+        # The bucket's reduce comes at the hook that would overflow it, so its gradients' copies come there, the
+        # bucket's torch.cat beside them (bucket_flushes); the head's (untied, the final norm's with it) are in
+        # the bucket as the blocks' backward begins, unless larger than it (reduced alone at the final norm's
+        # hook).
+        gb, bucket = rc.grad_bytes, ds.reduce_bucket_size
+        head = gg.head_largest_tensor
+        lead = max(gg.root_head - gg.tied, 0)
+        lead, lead_largest = (lead - head, 0) if head > bucket else (lead, head)
+        t = HookTransient(per=gb if s.cluster.device != "cpu" else 0, parts=n, chunk=NORM_CHUNK, chunk_per=8,
+                          after_per=4 if gb != 4 else 0, apart_over=bucket, apart_per=gb, bucket=bucket,
+                          cat_per=gb, lead=lead, lead_largest=lead_largest,
+                          depth=len(job.inv.layer_blocks), own_per=gb)
         # The head's at the root's last hook before the blocks (the final norm's: ZeRO-3 reduces a bucket at the
         # hook of the parameter that would overflow it, stage3.py reduce_independent_p_g_buckets_and_remove_grads;
         # measured with the harness: llama-3-8b at 1 rank, small buckets, the head's fp64 copy inside the final norm's
         # weight hook) (a tied head's hook runs at the embedding's backward, after every block); each block
         # parameter's at its own hook, with the activations of that moment (profile.block_hooks); the
         # embedding's at backward's end.
-        moments.append(BufferMoment(cb * z.loss + per * ceil_div(gg.head_largest_tensor, n), grads.persist + tied_bytes,
-                                    Moment.ROOT_LAST_HOOK_BEFORE_BLOCKS))
-        hook_transient = (per, n)
+        moments.append(BufferMoment(cb * z.loss + (t.bytes(head) if head > bucket else 0),
+                                    grads.persist + tied_bytes, Moment.ROOT_LAST_HOOK_BEFORE_BLOCKS))
+        hook_transient = t
         moments.append(BufferMoment(cb * z.blocks, grads.persist + tied_bytes, Moment.BLOCK_GRADIENT_HOOK))
-        gathered_end += per * ceil_div(gg.root_largest_tensor, n)
+        gathered_end += t.tail([x.numel for x in reversed(job.inv.trainable_inventory.tensors)])
     return BufferTimeline(
         persistent=persistent, gathered_forward_most=cb * z.forward, gathered_forward_end=cb * z.forward_end,
         gathered_loss=cb * z.loss, gathered_backward=cb * z.backward + unreduced_bytes,

@@ -94,21 +94,25 @@ def _setup(job: ReplayJob, world: int, partitions: tuple[int, ...], sub_groups: 
     # host buffer and freed, empty_cache, then the flat buffer back on the device
     for k in parts:
         run.free(k)
-    if host_params is not None:
+    if host_params is not None and offload:
         # offload_param: the partitions went to the host (Init's _partition_param: remote_device cpu, pinned);
         # "if not self.offload_param" guards the defragmentation, so no empty_cache and no device flat buffer
         # (measured: q05_z3offpo reserves no segment back before the bucket)
         run.alloc(bucket * half)  # the ipg bucket buffer
         host_params.hook_gathers(run)
         return run
-    run.empty_cache()
-    run.alloc(total * half)  # fp16_partitioned_groups_flat; the partitions are views of it
+    if host_params is None:
+        run.empty_cache()
+        run.alloc(total * half)  # fp16_partitioned_groups_flat; the partitions are views of it
     if offload:
         run.alloc(bucket * half)  # the ipg bucket buffer
         _hook_gathers(run, job, half)
         return run
     # _create_fp32_partitions: ``converted = flat.to(device, dtype=fp32)``, then its ``.clone()`` kept; the local
-    # ``converted`` lets the previous sub-group's copy go only when it is rebound, the last at the return
+    # ``converted`` lets the previous sub-group's copy go only when it is rebound, the last at the return. With
+    # offload_param and the optimizer on the device (stage3.py: self.device is the accelerator unless the optimizer
+    # is offloaded) the flat groups are the host's pinned partitions (_create_param_groups_fp16_flat_cpu_memory):
+    # the same device copies, converted on the host first (a blocking copy to the device converts on the source)
     converted = None
     for g in sub_groups:
         new = run.alloc(g * 4)
@@ -124,7 +128,10 @@ def _setup(job: ReplayJob, world: int, partitions: tuple[int, ...], sub_groups: 
         run.free(run.alloc(max(sub_groups) * 4))
     run.alloc(bucket * half)  # the ipg bucket buffer
     run.alloc(total * half)  # grad_partitions_flat_buffer
-    _hook_gathers(run, job, half)
+    if host_params is not None:
+        host_params.hook_gathers(run)
+    else:
+        _hook_gathers(run, job, half)
     return run
 
 
@@ -334,7 +341,7 @@ def _ipg_bucket(run: Run, world: int, bucket: int, half: int, offload: bool = Fa
     on the reduce stream: its partition copied to the host's flat gradient buffer and back to the device
     (``grad_buffer.to(device)``: a bit16 copy, dropped when the loop takes the next), its norm in fp64 chunks
     (_constant_buffered_norm2) and an fp32 copy for the host's fp32 gradient (_offload_grad_partition_at_boundary)."""
-    state: dict[str, Any] = {"elements": 0, "padded": 0, "count": 0, "exact": True, "parts": []}
+    state: dict[str, Any] = {"elements": 0, "padded": 0, "count": 0, "exact": True, "parts": [], "apart": []}
 
     def flush() -> None:
         cat = None
@@ -354,9 +361,14 @@ def _ipg_bucket(run: Run, world: int, bucket: int, half: int, offload: bool = Fa
                 run.free(copy)
         if cat is not None:
             run.free(cat)
-        state.update(elements=0, padded=0, count=0, exact=True, parts=[])
+        for k in state["apart"]:  # partition_grads done: the gradient released (param.grad = None)
+            run.free(k)
+        state.update(elements=0, padded=0, count=0, exact=True, parts=[], apart=[])
 
-    def on_grad(nbytes: int, *_: Any) -> None:
+    def on_grad(nbytes: int, key: Any = None, *_: Any) -> bool:
+        """A gradient's hook; True where the gradient stays in its own storage until its bucket is reduced
+        (__add_grad_to_ipg_bucket moves it into the contiguous bucket only when it fits: one larger than
+        reduce_bucket_size is kept where it is)."""
         numel = nbytes // half
         if state["elements"] + numel > bucket and state["elements"] > 0:
             flush()
@@ -365,6 +377,10 @@ def _ipg_bucket(run: Run, world: int, bucket: int, half: int, offload: bool = Fa
         state["count"] += 1
         state["exact"] = numel % world == 0
         state["parts"].append(-(-numel // world))
+        if numel > bucket and key is not None:
+            state["apart"].append(key)
+            return True
+        return False
     return on_grad, flush
 
 
@@ -439,9 +455,7 @@ def replay(inv: Any, s: Any, config: AllocatorConfig) -> tuple[str, dict[str, Al
 
 
 def why_not(s: Any) -> str | None:
-    """DeepSpeed setups not written down yet: parameters offloaded (offload_param), ZeRO++ hpZ."""
-    if s.ds.offload_param and not s.ds.offload_optimizer:
-        return "DeepSpeed ZeRO-3 with offload_param but the optimizer on the device not modelled yet"
+    """DeepSpeed setups not written down yet: ZeRO++ hpZ."""
     if s.ds.hpz_partition_size > 1:
         return "DeepSpeed ZeRO++ hpZ not modelled yet"
     return None

@@ -460,16 +460,17 @@ def test_zero3_offload_norms_each_partition_in_fp64():
     head = ParamTensor("lm_head.weight", (16, 1024), "bfloat16", "", classify("lm_head.weight"))
     inv = ParamInventory(model_name="toy", source="test", builder="test", family="llama",
                          tensors=TOY.tensors + (head,), dims=DIMS)
-    for device, per in (("cpu", 2 + 8), ("cuda", 2 + 2 + 8)):
+    for device, per in (("cpu", 8), ("cuda", 2 + 8)):
         s = settings("zero3", 4, ds={"param_persistence_threshold": 0, "offload_optimizer": True,
                                       "reduce_bucket_size": 1000})
         s = A.Settings(**{**s.__dict__, "cluster": A.Cluster(gpus=4, device=device, blas_workspace_bytes=0)})
         f = A.timeline(inv, s)
         z = f.assumptions["zero3_gathered_numel"]
         ipg = 2 * 1000
-        # the head's (16 x 1024, after the blocks), larger than the bucket: reduced at the next hook, the final
-        # norm's, the root's last before the blocks
-        head_hook = (0, ipg + 2 * z["loss"] + per * (16 * 1024 // 4), M.ROOT_LAST_HOOK_BEFORE_BLOCKS)
+        # the head's (16 x 1024, after the blocks), larger than the bucket: kept whole (not moved into the bucket)
+        # and reduced at the next hook, the final norm's, the root's last before the blocks, its partition copied
+        head_hook = (0, ipg + 2 * z["loss"] + 2 * 16 * 1024 + per * (16 * 1024 // 4),
+                     M.ROOT_LAST_HOOK_BEFORE_BLOCKS)
         assert head_hook in [(m.grads, m.buffers, m.at) for m in f.moments]
 
 
@@ -507,9 +508,15 @@ def test_zero3_schedule_releases_the_head_before_the_blocks_backward():
 
 def test_zero3_offload_hook_transient_at_each_hook():
     f = A.timeline(TOY, settings("zero3", 4, ds={"param_persistence_threshold": 0, "offload_optimizer": True}))
-    assert f.hook_transient == (2 + 2 + 8, 4)  # on a GPU: partition, its copy back from the host, fp64 copy
+    # on a GPU, per partition element: its copy back from the host, its fp64 copy
+    assert f.hook_transient.bytes(4000) == (2 + 8) * 1000
+    # the fp64 norm 250M elements at a time, the fp32 copy after it; a gradient larger than the bucket kept whole
+    big = 4 * 300_000_000
+    assert f.hook_transient.bytes(big) == 2 * 300_000_000 + 8 * 250_000_000 + 2 * big
+    # the copies come at the reduce of the bucket, at the hook that would overflow it, beside its torch.cat
+    assert f.hook_transient.bucket == 500_000_000 and f.hook_transient.cat_per == 2
     assert any(m.at == Moment.BLOCK_GRADIENT_HOOK for m in f.moments)
-    assert A.timeline(TOY, settings("zero3", 4)).hook_transient == (0, 1)
+    assert A.timeline(TOY, settings("zero3", 4)).hook_transient.bytes(4000) == 0
 
 
 class _StubProfile:
@@ -544,12 +551,15 @@ def test_moment_kinds_read_the_profile_exactly():
     from dataclasses import replace
 
     M = Moment
-    s = replace(settings("zero3", 4, ds={"param_persistence_threshold": 0, "offload_optimizer": True}),
+    s = replace(settings("zero3", 4, ds={"param_persistence_threshold": 0, "offload_optimizer": True,
+                                         "reduce_bucket_size": 70}),
                 activation_profile=_StubProfile(), micro_batch=2)
     vals = {e.moment.at: (e.activations, e.own_bytes) for e in A.evaluate_moments(TOY, s)}
-    per = 2 + 2 + 8  # bf16 partition, its copy back on the GPU, the fp64 copy
     assert vals[M.LOSS_BACKWARD] == (600, 2 * 40)
-    assert vals[M.BLOCK_GRADIENT_HOOK] == (10, per * (64 // 4))  # 10 + 192 beats 18 + 48 and 1 + 24
+    # the bucket (70 elements) takes the 64-element gradient, the 16-element one overflows it: its reduce at that
+    # hook (activations 18, its own 16-element gradient beside), the 64-element gradient's partition copied back
+    # on the GPU (2) and in fp64 (8)
+    assert vals[M.BLOCK_GRADIENT_HOOK] == (18, 2 * 16 + (2 + 8) * (64 // 4))
     assert vals[M.ROOT_LAST_HOOK_BEFORE_BLOCKS] == (6, 0)
     assert vals[M.INSIDE_LAST_BLOCK_BACKWARD] == (200, 20) and vals[M.INSIDE_FIRST_BLOCK_BACKWARD] == (40, 20)
     assert [e.moment for e in A.evaluate_moments(TOY, s)] == list(A.timeline(TOY, s).moments)
@@ -570,7 +580,7 @@ def test_backward_start_is_the_loss_moment_where_block_moments_are_evaluated():
         def block_hooks(self, b):
             return ()
 
-    for strategy, covered in (("zero3", True), ("ddp", True), ("zero0", False)):
+    for strategy, covered in (("zero3", True), ("ddp", True), ("zero0", True)):
         s = replace(settings(strategy, 4), activation_profile=Stub(), recompute="full", micro_batch=2,
                     cluster=A.Cluster(gpus=4, device="cpu"))
         start = A.estimate(TOY, s).phases[1]

@@ -144,11 +144,21 @@ def bucket_flushes(t: Any, blocks: tuple, depth: int) -> tuple[int, int] | None:
     (stage_1_and_2.py / stage3.py reduce_independent_p_g_buckets_and_remove_grads: a gradient that would overflow
     the bucket reduces it first). Returns (activations, transient) at the reduce that holds the most: the
     activations at the hook that triggers it with that hook's own gradient, the bucket's concatenation and its
-    largest gradient's copies (HookTransient.bytes); None where no reduce falls inside the blocks."""
-    order = [blocks[0]] + [blocks[1]] * max(depth - 2, 0) + ([blocks[-1]] if depth >= 2 else [])
-    elems, count, largest = t.lead, (1 if t.lead else 0), (t.bytes(t.lead_largest) if t.lead else 0)
+    largest gradient's copies (HookTransient.bytes); None where no reduce falls inside the blocks. The middle
+    blocks are alike, so once the bucket's state at a block's start repeats, the rest repeat that cycle."""
+    sizes: dict[int, int] = {}
+
+    def size(numel: int) -> int:
+        b = sizes.get(numel)
+        if b is None:
+            b = sizes[numel] = t.bytes(numel)
+        return b
     best: tuple[int, int] | None = None
-    for blk in order:
+    state = (t.lead, 1 if t.lead else 0, size(t.lead_largest) if t.lead else 0)
+
+    def run(blk: tuple, state: tuple[int, int, int]) -> tuple[int, int, int]:
+        nonlocal best
+        elems, count, largest = state
         for x, numel in blk:
             if elems + numel > t.bucket and elems > 0:
                 tr = (t.cat_per * elems if count > 1 else 0) + largest + t.own_per * numel
@@ -157,5 +167,20 @@ def bucket_flushes(t: Any, blocks: tuple, depth: int) -> tuple[int, int] | None:
                 elems, count, largest = 0, 0, 0
             elems += numel
             count += 1
-            largest = max(largest, t.bytes(numel))
+            largest = max(largest, size(numel))
+        return elems, count, largest
+    state = run(blocks[0], state)
+    middle = max(depth - 2, 0)
+    seen: dict[tuple[int, int, int], int] = {}
+    history: list[tuple[int, int, int]] = []
+    for i in range(middle):
+        if state in seen:  # a cycle of i - seen[state] blocks: where the remaining ones leave the bucket
+            j = seen[state]
+            state = history[j + (middle - i) % (i - j)]
+            break
+        seen[state] = i
+        history.append(state)
+        state = run(blocks[1], state)
+    if depth >= 2:
+        run(blocks[-1], state)
     return best

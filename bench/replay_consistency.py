@@ -81,7 +81,8 @@ def main() -> None:
         "own and twice its own, and a DeepSpeed case at stages 0-3 with and without offload_optimizer / "
         "offload_param; predicted as bench/gpu_accuracy.py predicts (no GPU measured these). Difference = (replay's "
         "allocated peak - engine's) / engine's: positive, the replay found more than the engine's moments. The "
-        "first run (session 22, the same configurations) showed -36.20% to +103.47%, 541 within 0.05%: ZeRO-Offload's "
+        "first run (session 22, the same configurations, a draft of this script on the code before the fixes) showed "
+        "-36.20% to +103.47%, 541 within 0.05%: ZeRO-Offload's "
         "fp64 norm copies and extra-large gradients (stage_1_and_2.py, stage3.py) and stage 0's kept gradients "
         "were missing from the engine's moments, the extra-large gradients' lifetime from the replay.",
         "",

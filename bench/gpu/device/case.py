@@ -13,6 +13,9 @@ usage: gpu_case.py CONFIG_JSON FRAMEWORK MODE MICRO_BATCH SEQ_LEN RECOMPUTE ATTN
   RECOMPUTE none|full (HF gradient_checkpointing_enable, use_reentrant=False); ATTN sdpa|eager
 SNAPSHOT=summary adds "peak_sites" (allocations of step 3 alive at its peak, by model-code line);
 SNAPSHOT=full:PATH writes the allocator's events of the whole run to PATH (gzip), one [action, address, size, stream] per line.
+NOSYNC=1 runs the four steps as a training loop does, with no torch.cuda.synchronize() or peak reset between them
+(the host may run ahead of the device), and reports the whole run's max_memory_allocated/reserved once at the end
+("nosync": true; every entry of "steps" is that one reading).
 """
 import json, os, sys, time
 
@@ -133,8 +136,13 @@ def main():
         g = torch.Generator(device="cuda").manual_seed(1)
         steps = []
         snap = None if full else os.environ.get("SNAPSHOT")
+        nosync = os.environ.get("NOSYNC") == "1"
         for i in range(4):
             ids = torch.randint(0, cfg.vocab_size, (mb, seq), generator=g, device="cuda")
+            if nosync:
+                step(ids)
+                del ids
+                continue
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             start = torch.cuda.memory_allocated()
@@ -151,6 +159,11 @@ def main():
             steps.append({"start": start, "peak": torch.cuda.max_memory_allocated(),
                           "end": torch.cuda.memory_allocated(), "reserved_peak": torch.cuda.max_memory_reserved()})
             del ids
+        if nosync:
+            torch.cuda.synchronize()
+            steps = [{"start": None, "peak": torch.cuda.max_memory_allocated(), "end": torch.cuda.memory_allocated(),
+                      "reserved_peak": torch.cuda.max_memory_reserved()}] * 4
+            out["nosync"] = True
         out["steps"] = steps
         if full:
             import gzip

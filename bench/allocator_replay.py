@@ -3,8 +3,8 @@ peak with the run's measured torch.cuda.max_memory_reserved.
 
     python bench/allocator_replay.py [--shared ../shared/gpu]
 
-Streams: ../shared/gpu/traces/*.jsonl.gz (4 runs) and bench/gpu/traces/*.jsonl.gz (4 runs of session 10, 7 of
-session 17), one JSON array per event, [action, address, size, stream], from before the model is built to the
+Streams: ../shared/gpu/traces/*.jsonl.gz (4 runs) and bench/gpu/traces/*.jsonl.gz (4 runs of session 10 and 7 of
+session 17 on the H100; session 23's 24 runs of bench/gpu/device/cases23.tsv on an H200), one JSON array per event, [action, address, size, stream], from before the model is built to the
 end of step 4 (bench/gpu/device/case.py with SNAPSHOT=full:PATH).
 """
 
@@ -47,20 +47,34 @@ STREAMS = {
 }
 
 
+def cases_file_streams(path: Path) -> dict[str, tuple]:
+    """A device cases file's runs (bench/gpu/device/run23.sh: name, model, framework, mode, micro-batch, seq,
+    recompute, attention[, PYTORCH_CUDA_ALLOC_CONF]), each stream named as its case."""
+    out = {}
+    for line in path.read_text().splitlines():
+        if line.strip():
+            name, model, fw, mode, mb, seq, rc, _attn, *conf = line.split("\t")
+            out[name] = (f"{model}.json", fw, mode, int(mb), int(seq), rc, *(c for c in conf if c))
+    return out
+
+
+STREAMS.update(cases_file_streams(ROOT / "bench" / "gpu" / "device" / "cases23.tsv"))
+
+
 def measured(shared: Path) -> dict[tuple, int]:
     out = {}
     for path in (shared / "truth.jsonl", ROOT / "bench" / "gpu" / "truth-extra.jsonl"):
         if path.is_file():
             for line in path.read_text().splitlines():
                 d = json.loads(line)
-                if "reserved_peak_bytes" in d and not d.get("alloc_conf"):
-                    out[(d["config"], d["framework"], d["mode"], d["micro_batch"], d["seq_len"],
-                         d["recompute"])] = d["reserved_peak_bytes"]
+                if "reserved_peak_bytes" in d:
+                    key = (d["config"], d["framework"], d["mode"], d["micro_batch"], d["seq_len"], d["recompute"])
+                    out[key + ((d["alloc_conf"],) if d.get("alloc_conf") else ())] = d["reserved_peak_bytes"]
     return out
 
 
 def main() -> int:
-    from memplan.allocator import replay
+    from memplan.allocator import AllocatorConfig, replay
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--shared", default=str(ROOT.parent / "shared" / "gpu"))
@@ -73,8 +87,9 @@ def main() -> int:
             name = path.name.removesuffix(".jsonl.gz")
             events = [json.loads(line) for line in gzip.open(path, "rt")]
             t = time.perf_counter()
-            a = replay(events)
-            want = truth.get(STREAMS.get(name, ()))
+            key = STREAMS.get(name, ())
+            a = replay(events, AllocatorConfig.parse(key[6] if len(key) > 6 else ""))
+            want = truth.get(key)
             ok = want is not None and a.peak_reserved == want
             bad += not ok
             print(f"{name:22} {len(events):6} events  replayed max reserved {a.peak_reserved:>15,}  measured "

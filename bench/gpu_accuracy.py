@@ -25,10 +25,17 @@ sys.path.insert(0, str(ROOT))
 EXTRA = ROOT / "bench" / "gpu"
 
 
+#: torch.cuda.get_device_name of a measured run -> the GPU preset it is predicted with (both sm90: the same kernels,
+#: cuBLAS workspace and allocator; the capacity differs)
+GPU_PRESETS = {"NVIDIA H100 80GB HBM3": "h100-80g", "NVIDIA H200": "h200-141g"}
+
+
 def case_settings(case: dict) -> dict:
-    """The options memplan is given for one measured case (../shared/gpu/README.md, "Settings to predict")."""
+    """The options memplan is given for one measured case (../shared/gpu/README.md, "Settings to predict"), on the
+    GPU the case ran on (an H100 unless the record names another)."""
     fw, mode = case["framework"], case["mode"]
-    kw: dict = dict(gpus=1, gpus_per_node=1, gpu="h100-80g", device="cuda", optimizer="adamw",
+    gpu = GPU_PRESETS[case.get("versions", {}).get("gpu", "NVIDIA H100 80GB HBM3")]
+    kw: dict = dict(gpus=1, gpus_per_node=1, gpu=gpu, device="cuda", optimizer="adamw",
                     attention=case["attn"], recompute=case["recompute"], micro_batch=case["micro_batch"],
                     seq_len=case["seq_len"], allocator_conf=case.get("alloc_conf") or "")
     ds: dict = {}
@@ -137,7 +144,7 @@ def load_cases(shared: Path) -> list[dict]:
             if "peak_bytes" not in d:
                 continue
             key = (d["config"], d["framework"], d["mode"], d["micro_batch"], d["seq_len"], d["recompute"], d["attn"],
-                   d.get("alloc_conf", ""))
+                   d.get("alloc_conf", ""), d.get("versions", {}).get("gpu"))
             d["origin"] = origin
             cases[key] = d  # a case measured twice: the later line
     return list(cases.values())

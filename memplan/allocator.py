@@ -21,8 +21,14 @@ The algorithm is the native allocator's (c10/cuda/CUDACachingAllocator.cpp, Devi
 - ``garbage_collection_threshold``: (with a memory fraction set) cached blocks not reused for a while are
   released before a new segment is reserved; ``release_cached_blocks`` (torch.cuda.empty_cache, or the
   retry after a failed cudaMalloc) frees every segment that holds no allocated block.
-- ``expandable_segments``: one segment per stream and pool that grows by pages (2 MiB small, 20 MiB large)
-  where the last free block cannot serve the request.
+- ``expandable_segments`` (ExpandableSegment, find_expandable_block, map_block, unmap_block): one reserved
+  address range per stream and pool, mapped by pages (2 MiB small, 20 MiB large). A request no cached block
+  serves maps pages at the lowest unmapped range whose free and unmapped run (with the free block before it) is
+  long enough, merged with the free neighbours; best fit ranks a free block by the size it could grow to
+  (get_free_block's ``expandable_size``: its own plus the unmapped range after it), so the free block at the
+  end of the mapped pages is taken only when no other is large enough; ``release_cached_blocks`` unmaps the
+  whole pages inside every free block (release_blocks -> unmap_block), which leaves holes later requests map
+  again.
 """
 
 from __future__ import annotations
@@ -134,10 +140,21 @@ def allocation_size(size: int) -> int:
     return -(-size // ROUND_LARGE) * ROUND_LARGE
 
 
+#: an expandable segment's address space in pages (PyTorch reserves 9/8 of the device's memory; any range far
+#: beyond what a run maps ranks and serves the same)
+ADDRESS_PAGES = 1 << 16
+
+
+def _expandable_size(b: _Block) -> int:
+    """get_free_block's expandable_size: a free block's size and the unmapped range right after it."""
+    nb = b.next
+    return b.size + nb.size if nb is not None and not nb.mapped else b.size
+
+
 class _Block:
     """A block of a segment: handed out (allocated), cached in its pool (cached), or neither (being split)."""
 
-    __slots__ = ("ptr", "size", "stream", "small", "segment", "allocated", "cached", "prev", "next")
+    __slots__ = ("ptr", "size", "stream", "small", "segment", "allocated", "cached", "prev", "next", "mapped")
 
     def __init__(self, ptr: int, size: int, stream: int, small: bool, segment: int, prev: _Block | None = None,
                  next: _Block | None = None) -> None:  # noqa: A002
@@ -145,6 +162,7 @@ class _Block:
         self.allocated = False
         self.cached = False
         self.prev, self.next = prev, next
+        self.mapped = True  #: False: an unmapped range of an expandable segment (never cached, never handed out)
 
 
 @dataclass
@@ -170,7 +188,10 @@ class Allocator:
         #: addresses to give the next new segments (a replay uses the recorded ones)
         self.addresses: list[tuple[int, int]] = []
         self._segment_heads: dict[int, _Block] = {}
-        self._expandable: dict[tuple[bool, int], _Block] = {}  # (small, stream) -> the segment's last block
+        #: expandable segments: (small, stream) -> the unmapped ranges as (address, block), sorted
+        #: (BlockPool::unmapped, ordered by stream then address); segment -> (its base address, its page)
+        self._unmapped: dict[tuple[bool, int], list[tuple[int, _Block]]] = {}
+        self._pages: dict[int, tuple[int, int]] = {}
         c = self.config
         self._plain = c.roundup_power2_divisions <= 1 and c.max_split_size is None and not c.expandable_segments \
             and c.garbage_collection_threshold <= 0
@@ -200,6 +221,10 @@ class Allocator:
         j = bisect_left(lst, (size,))
         if j == len(lst):
             return None
+        if self.config.expandable_segments:
+            # get_free_block: "for the purposes of best fit we consider its size to be the size it can expand to"
+            while j + 1 < len(lst) and _expandable_size(lst[j + 1][2]) < _expandable_size(lst[j][2]):
+                j += 1
         b = lst[j][2]
         mss = self.config.max_split_size
         if mss is not None:
@@ -228,7 +253,7 @@ class Allocator:
         b = self._best_fit(size, small, stream)
         if b is None and self.config.expandable_segments:
             b = self._expand(size, small, stream)
-        if b is None:
+        elif b is None:
             if self.config.garbage_collection_threshold > 0:
                 self._garbage_collect()
             b = self._new_segment(allocation_size(size), small, stream)
@@ -305,16 +330,20 @@ class Allocator:
         b.cached = True
 
     def empty_cache(self) -> None:
-        """release_cached_blocks: every segment with no allocated block goes back to CUDA."""
+        """release_cached_blocks: every segment with no allocated block goes back to CUDA; with expandable segments
+        (release_blocks -> unmap_block) the whole pages inside every free block are unmapped, and a segment left
+        with nothing mapped is released."""
+        if self.config.expandable_segments:
+            for key in sorted(self._free):
+                for _, _, b in list(self._free[key]):
+                    self._unmap(b)
+            return
         for seg, head in list(self._segment_heads.items()):
             if head.prev is None and head.next is None and self._is_cached(head):
                 self._remove(head)
                 self.reserved -= head.size
                 self.segments -= 1
                 del self._segment_heads[seg]
-                for k, last in list(self._expandable.items()):
-                    if last.segment == seg:
-                        del self._expandable[k]
 
     # ---- segments ----
     def _new_segment(self, size: int, small: bool, stream: int) -> _Block:
@@ -329,29 +358,123 @@ class Allocator:
         self.reserved += size
         self.segments += 1
         self.peak_reserved = max(self.peak_reserved, self.reserved)
-        if self.config.expandable_segments:
-            self._expandable[(small, stream)] = b
         return b
 
-    def _expand(self, size: int, small: bool, stream: int) -> _Block | None:
-        """Expandable segments: map pages at the end of the stream's segment, joining its free tail."""
-        tail = self._expandable.get((small, stream))
-        if tail is None:
-            return None
-        while tail.next is not None:
-            tail = tail.next
+    # ---- expandable segments ----
+    def _expand(self, size: int, small: bool, stream: int) -> _Block:
+        """try_allocate_expandable_block: find_expandable_block, then map pages until the candidate holds
+        ``size``; the candidate leaves the free pool."""
+        c = self._find_expandable(size, small, stream)
+        if not c.mapped:
+            c = self._map(c, min(c.size, size))
+        while c.size < size:  # free -> unmapped -> *: map_block maps some of the unmapped and merges the free
+            c = self._map(c.next, min(size - c.size, c.next.size))
+        self._remove(c)
+        return c
+
+    def _find_expandable(self, size: int, small: bool, stream: int) -> _Block:
+        """find_expandable_block: the lowest unmapped range (or the free block right before it) from which free
+        and unmapped blocks run for ``size`` bytes; else a new segment, one unmapped range of the address space."""
+        holes = self._unmapped.setdefault((small, stream), [])
+        for _, c in holes:
+            if c.prev is not None and c.prev.cached:
+                c = c.prev
+            run, b = 0, c
+            while run < size and b is not None and (b.cached or not b.mapped):
+                run += b.size
+                b = b.next
+            if run >= size:
+                return c
+        seg = next(self._ids)
         page = SMALL_BUFFER if small else LARGE_BUFFER
-        free_tail = tail.size if self._is_cached(tail) else 0
-        grow = -(-(size - free_tail) // page) * page
-        self.reserved += grow
+        space = page * ADDRESS_PAGES
+        self._next_ptr -= space + (1 << 30)
+        c = _Block(self._next_ptr, space, stream, small, seg)
+        c.mapped = False
+        self._segment_heads[seg] = c
+        self._pages[seg] = (c.ptr, page)
+        self.segments += 1
+        insort(holes, (c.ptr, c))
+        return c
+
+    def _map(self, b: _Block, size: int) -> _Block:
+        """map_block: the pages covering ``size`` bytes at the start of the unmapped ``b``; the rest stays
+        unmapped after it; the mapped block merges with free neighbours and joins the free pool."""
+        page = self._pages[b.segment][1]
+        mapped = -(-size // page) * page
+        holes = self._unmapped[(b.small, b.stream)]
+        del holes[bisect_left(holes, (b.ptr,))]
+        b.mapped = True
+        if mapped < b.size:
+            rest = _Block(b.ptr + mapped, b.size - mapped, b.stream, b.small, b.segment, prev=b, next=b.next)
+            rest.mapped = False
+            if b.next is not None:
+                b.next.prev = rest
+            b.next = rest
+            b.size = mapped
+            insort(holes, (rest.ptr, rest))
+        self._absorb_free_neighbours(b)
+        self._insert(b)
+        self.reserved += mapped
         self.peak_reserved = max(self.peak_reserved, self.reserved)
-        if free_tail:
-            self._remove(tail)
-            tail.size += grow
-            return tail
-        b = _Block(tail.ptr + tail.size, grow, stream, small, tail.segment, prev=tail)
-        tail.next = b
         return b
+
+    def _unmap(self, b: _Block) -> None:
+        """unmap_block: the whole pages inside the free ``b`` are unmapped; what is left before and after them
+        stays free; the unmapped range merges with unmapped neighbours; a segment with nothing mapped left is
+        released (release_expandable_segment)."""
+        base, page = self._pages[b.segment]
+        begin = base + -(-(b.ptr - base) // page) * page
+        end = base + (b.ptr + b.size - base) // page * page
+        if begin >= end:
+            return
+        self._remove(b)
+        if begin > b.ptr:
+            before = _Block(b.ptr, begin - b.ptr, b.stream, b.small, b.segment, prev=b.prev, next=b)
+            if b.prev is not None:
+                b.prev.next = before
+            else:
+                self._segment_heads[b.segment] = before
+            b.prev = before
+            self._insert(before)
+        if end < b.ptr + b.size:
+            after = _Block(end, b.ptr + b.size - end, b.stream, b.small, b.segment, prev=b, next=b.next)
+            if b.next is not None:
+                b.next.prev = after
+            b.next = after
+            self._insert(after)
+        b.ptr, b.size, b.mapped = begin, end - begin, False
+        self.reserved -= b.size
+        holes = self._unmapped[(b.small, b.stream)]
+        for nb in (b.prev, b.next):
+            if nb is not None and not nb.mapped:
+                del holes[bisect_left(holes, (nb.ptr,))]
+                self._merge(b, nb)
+        if b.prev is None and b.next is None:
+            del self._segment_heads[b.segment], self._pages[b.segment]
+            self.segments -= 1
+            return
+        insort(holes, (b.ptr, b))
+
+    def _absorb_free_neighbours(self, b: _Block) -> None:
+        for nb in (b.prev, b.next):
+            if nb is not None and nb.cached:
+                self._remove(nb)
+                self._merge(b, nb)
+
+    def _merge(self, b: _Block, nb: _Block) -> None:
+        """try_merge_blocks(b, nb): ``b`` takes in its neighbour ``nb``."""
+        if nb is b.prev:
+            b.ptr, b.prev = nb.ptr, nb.prev
+            if nb.prev is not None:
+                nb.prev.next = b
+            else:
+                self._segment_heads[b.segment] = b
+        else:
+            b.next = nb.next
+            if nb.next is not None:
+                nb.next.prev = b
+        b.size += nb.size
 
     def _garbage_collect(self) -> None:
         """garbage_collection_threshold, simplified: without a memory fraction PyTorch never collects; with one,
@@ -362,8 +485,9 @@ class Allocator:
 def replay(events, config: AllocatorConfig | None = None) -> Allocator:  # noqa: ANN001
     """Replay a recorded allocator event stream ([action, address, size, stream] per event, as
     torch.cuda.memory._snapshot()'s device_traces give them): every ``alloc`` is served by this model's
-    decisions, every ``free_completed`` returns its block; a ``segment_free`` the model did not make itself is an
-    empty_cache() (DeepSpeed calls it) and releases the free segments."""
+    decisions, every ``free_completed`` returns its block; a ``segment_free`` (``segment_unmap`` with expandable
+    segments) the model did not make itself is an empty_cache() (DeepSpeed calls it) and releases the free
+    segments (unmaps the free pages)."""
     a = Allocator(config or AllocatorConfig())
     a.addresses = [(addr, size) for action, addr, size, _ in events if action == "segment_alloc"]
     live: dict[int, _Block] = {}
@@ -374,6 +498,6 @@ def replay(events, config: AllocatorConfig | None = None) -> Allocator:  # noqa:
             b = live.pop(addr, None)
             if b is not None:
                 a.free(b)
-        elif action == "segment_free":
+        elif action in ("segment_free", "segment_unmap"):
             a.empty_cache()
     return a

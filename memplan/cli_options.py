@@ -114,6 +114,10 @@ OffloadParam = Annotated[Optional[bool], typer.Option("--offload-param/--no-offl
                                                       help="DeepSpeed ZeRO-Offload of the parameters (stage 3).")]
 # PyTorch's knobs (TorchKnobs)
 ReshardAfterForward = Annotated[Optional[str], typer.Option(help="FSDP2: true, false, or a group size (int).")]
+FsdpRootReshard = Annotated[Optional[str], typer.Option(
+    help="FSDP2's root (the model, fully_shard-ed last): same (given the blocks' reshard_after_forward, as "
+         "Accelerate passes it: resharded after forward and all-gathered again when backward begins) or auto "
+         "(fully_shard(model) without it: kept unsharded from forward to backward) [default: same].")]
 FsdpWrap = Annotated[Optional[str], typer.Option(help="FSDP units: block (each decoder block, then the root), "
                                                  "block+embeddings (FSDP2, torchtitan's: the input embedding, each "
                                                  "block, the final norm with the head), size:N (torch's "
@@ -211,7 +215,7 @@ DS_KNOBS = ("reduce_bucket_size", "allgather_bucket_size", "overlap_comm", "cont
             "prefetch_bucket_size", "param_persistence_threshold", "max_live_parameters", "max_reuse_distance",
             "hpz_partition_size", "offload_optimizer", "offload_param", "quantized_weights", "quantized_gradients",
             "reduce_scatter", "multi_rank_bucket_allreduce", "grad_accum_dtype", "communication_data_type")
-TORCH_KNOBS = ("reshard_after_forward", "fsdp_wrap", "hsdp_shard_size", "fsdp_version", "cpu_offload", "bucket_cap_mb",
+TORCH_KNOBS = ("reshard_after_forward", "fsdp_wrap", "fsdp_root_reshard", "hsdp_shard_size", "fsdp_version", "cpu_offload", "bucket_cap_mb",
                "gradient_as_bucket_view")
 
 

@@ -360,6 +360,8 @@ def _torch_knobs(overrides: dict[str, Any], strat: Any) -> TorchKnobs:
         raise SettingsError(f"--bucket-cap-mb must be positive, got {tk.bucket_cap_mb}")
     if tk.fsdp_version not in (1, 2):
         raise SettingsError(f"--fsdp-version must be 1 or 2, got {tk.fsdp_version}")
+    if tk.fsdp_root_reshard not in ("same", "auto"):
+        raise SettingsError(f"--fsdp-root-reshard must be same or auto, got {tk.fsdp_root_reshard!r}")
     if tk.fsdp_wrap not in FSDP_WRAPS:
         tk = replace(tk, fsdp_wrap=_class_wrap_text(tk.fsdp_wrap) if str(tk.fsdp_wrap).startswith("class:")
                      else _size_wrap(tk.fsdp_wrap))

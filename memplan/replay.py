@@ -187,11 +187,23 @@ def _expand_now(d: dict[str, Any], layers: int) -> list[tuple]:
     for thread, n in blas.items():
         if n <= 0:
             out.append(("m", "ws", thread))
+    # where the model's forward returned (the traced loss in hand, its root module's post-forward hooks run):
+    # ("m", "fwd_end", -1) in the "mid" region after its births and deaths before that event
+    fe = d.get("forward_end")
+    fe_slot = None
+    if fe is not None:
+        mid = next((r for r, (k, _, start, end) in enumerate(regions) if k == "mid" and start <= fe <= end), None)
+        if mid is not None:
+            fe_slot = sum(1 for i in range(regions[mid][2], fe) if isinstance(events[i], list))
     for j, (kind, blk, r) in enumerate(full):
         out.append(("m", kind, blk))  # where each region begins, for the framework's own moments
         waiting = pending.setdefault(j, [])  # a heap of (slot, template position, key)
         sids = by_region.get(r, [])
         for slot in range(len(sids) + 1):
+            if kind == "mid" and slot == fe_slot:
+                while waiting and (waiting[0][0] < slot or (waiting[0][0] == slot and waiting[0][1] < fe)):
+                    out.append(("f", heapq.heappop(waiting)[2]))
+                out.append(("m", "fwd_end", -1))
             while waiting and waiting[0][0] <= slot:
                 out.append(("f", heapq.heappop(waiting)[2]))
             if slot == len(sids):
@@ -407,10 +419,12 @@ def _adam_foreach_temporaries(run: Run, sizes: list[int]) -> None:
 
 
 def micro_step(run: Run, job: ReplayJob, n: int, keep_grads: bool, at: Any = None,
-               on_grad: Any = None) -> list[tuple[Any, int]]:
+               on_grad: Any = None, on_forward_end: Any = None) -> list[tuple[Any, int]]:
     """One traced micro-step; the gradients it makes are kept (their traced death skipped) when ``keep_grads``.
     ``at(kind, block)`` is called where each region begins, ``on_grad(bytes, key, block)`` for each gradient as
-    it is made (a true answer: the framework keeps that gradient past its traced death and frees it itself). Returns the kept gradients (key, bytes) in the order they were made."""
+    it is made (a true answer: the framework keeps that gradient past its traced death and frees it itself),
+    ``on_forward_end()`` where the model's forward returned (its root's post-forward, then backward's start).
+    Returns the kept gradients (key, bytes) in the order they were made."""
     grads: list[tuple[Any, int]] = []
     kept: set[Any] = set()
     off = run.offset()
@@ -441,6 +455,9 @@ def micro_step(run: Run, job: ReplayJob, n: int, keep_grads: bool, at: Any = Non
                     afree(b)
         elif e[1] == "ws":
             _workspace(run, job, e[2])
+        elif e[1] == "fwd_end":
+            if on_forward_end is not None:
+                on_forward_end()
         elif at is not None:
             at(e[1], e[2])
     return grads

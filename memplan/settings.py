@@ -78,6 +78,10 @@ class TorchKnobs:
     #: FSDP2 units: "block" (each decoder block fully_shard-ed, then the root: Accelerate's transformer-based wrap,
     #: torchtitan's blocks) or "none" (only the root: the whole model one group)
     fsdp_wrap: str = "block"
+    #: FSDP2's root: "same" (fully_shard(model, reshard_after_forward=<the blocks' value>), as Accelerate's
+    #: fsdp2_prepare_model calls it: resharded after forward when the blocks are) or "auto" (fully_shard(model)
+    #: without the argument: _lazy_init keeps the root unsharded after forward)
+    fsdp_root_reshard: str = "same"
     #: the module paths of a class wrap (fsdp_wrap "class:A,B"), resolved with the model by options.py
     fsdp_wrap_modules: tuple[str, ...] = ()
 

@@ -58,6 +58,14 @@ def wrap_why_not(inv: ParamInventory, s: Settings) -> str | None:
     return None
 
 
+def root_reshards(s: Settings, raf: bool | int) -> bool:
+    """Whether the root unit is resharded after forward: only when fully_shard(model) is given the blocks'
+    reshard_after_forward (--fsdp-root-reshard same, Accelerate's fsdp2_prepare_model); without the argument
+    FSDPState._lazy_init sets the root's post_forward_mesh_info to None (_fsdp_state.py: "For the root, do not
+    reshard after forward"). torchtitan's units (block+embeddings) leave the root nothing to hold."""
+    return raf is True and s.torch.fsdp_root_reshard == "same" and s.torch.fsdp_wrap != "block+embeddings"
+
+
 def reshard_after_forward(job: Job) -> bool | int:
     """reshard_after_forward as FSDP2 applies it: the strategy's default unless given; False without sharding;
     a group size of 1 keeps whole parameters (False), the shard group's size reshards fully (True)
@@ -100,13 +108,23 @@ def buffers(job: Job, grads: Grads) -> BufferTimeline:
                *_embedding_prefetch(u, grads.end, grads.end - inside_first.grads)]
     if h.prefetch_root and not u.be:  # with everything forward left alive (the traced live bytes after forward)
         moments.append(BufferMoment(h.prefetch_root, 0, Moment.ALL_SAVED))
+    if root_reshards(job.s, raf) and not u.be:
+        # resharded at the root's post-forward, unsharded again by backward's first hook (_pre_backward) with
+        # everything forward left alive: its all-gather output beside its copies (more ranks), or one
+        # parameter's cast beside the copies (one rank, a compute dtype unlike the stored one)
+        cast = 0
+        if not u.flat and job.s.recipe.param_bytes != u.cb:
+            cast = u.cb * max((t.numel for t in job.inv.tensors if t.block == ROOT_BLOCK), default=0)
+        again = 2 * u.root + u.copy_in(g.root) if u.flat else u.root + cast
+        moments.append(BufferMoment(again, 0, Moment.ALL_SAVED))
     if h.head_bwd:
         # the head unit's backward, its grads made (at the activations of backward's start, everything forward
         # left alive: an upper bound, the loss's fp32 tensors are freed by then and the head's grad of the logits
         # is half their size)
         moments.append(BufferMoment(h.head_bwd, u.gb * u.thead, Moment.ALL_SAVED))
     return BufferTimeline(gathered_forward_end=h.forward_end, gathered_loss=h.loss, end=end, moments=tuple(moments),
-                          assumptions={"reshard_after_forward": raf, "largest_gathered_block_numel": g.largest_block})
+                          assumptions={"reshard_after_forward": raf, "largest_gathered_block_numel": g.largest_block,
+                                       "root_reshard_after_forward": root_reshards(job.s, raf)})
 
 
 def _nested_experts(job: Job, grads: Grads, u: _Units, raf: bool | int) -> BufferTimeline:

@@ -67,7 +67,7 @@ ROOT, EMB, HEAD = -1, -2, -3
 
 def replay_fsdp2(job: ReplayJob, groups: tuple[FsdpGroup, ...], world: int, reshard_after_forward: bool,
                  config: AllocatorConfig | None = None, emb: FsdpGroup | None = None,
-                 head: FsdpGroup | None = None) -> Allocator:
+                 head: FsdpGroup | None = None, root_reshards: bool = False) -> Allocator:
     """FSDP2 (torch/distributed/fsdp/_fully_shard): fully_shard on each block then the root. Setup replaces each
     parameter by its padded shard, a group's new shards made before its old parameters go (_fsdp_param.py
     _init_sharded_param). In a step the root unshards at the forward's start and stays unsharded; each block
@@ -79,7 +79,15 @@ def replay_fsdp2(job: ReplayJob, groups: tuple[FsdpGroup, ...], world: int, resh
     end). ``emb``, ``head``: --fsdp-wrap block+embeddings (torchtitan's parallelize: the input embedding
     fully_shard-ed first, resharded after its forward like a block, unsharded again before its backward,
     prefetched by the first block's pre-backward, reduced last; the final norm with the head one unit not
-    resharded after forward, reduced right after its backward; the root then holds nothing)."""
+    resharded after forward, reduced right after its backward; the root then holds nothing).
+
+    Where the model's forward returns (the loss computed inside it, as transformers' models do) the root's
+    _post_forward (_fsdp_state.py) frees the last all-gather result and, when the root reshards after forward
+    (``root_reshards``: fully_shard(model) given reshard_after_forward=True, as Accelerate's fsdp2_prepare_model
+    passes it; without the argument _lazy_init sets the root's post_forward_mesh_info to None and it is kept),
+    its unsharded parameters; backward's first hook, the root's _pre_backward, unshards it again and prefetches
+    the last block (recorded on the H200: bench/gpu/traces/l8b_fsdp, the embedding's and head's 1 GiB copies
+    freed after the loss and made again before the head's backward)."""
     run = Run(config or AllocatorConfig())
     order = [g for g in (emb,) if g is not None] + list(groups[:-1]) + [g for g in (head,) if g is not None] \
         + [groups[-1]]
@@ -105,7 +113,7 @@ def replay_fsdp2(job: ReplayJob, groups: tuple[FsdpGroup, ...], world: int, resh
         for m in range(job.grad_accum):
             ids = run.alloc(job.input_bytes)
             _fsdp_micro_step(run, job, (n, m), blocks, root, world, reshard_after_forward, outputs,
-                             first=n == 0 and m == 0, keep=m == 0, emb=emb, head=head)
+                             first=n == 0 and m == 0, keep=m == 0, emb=emb, head=head, root_reshards=root_reshards)
             run.free(ids)
         optimizer_step(run, job, n == 0, states)
         for k in outputs:
@@ -118,7 +126,7 @@ def replay_fsdp2(job: ReplayJob, groups: tuple[FsdpGroup, ...], world: int, resh
 
 def _fsdp_micro_step(run: Run, job: ReplayJob, n: Any, blocks: tuple[FsdpGroup, ...], root: FsdpGroup, world: int,
                      reshard_after_forward: bool, outputs: list[Any], first: bool, keep: bool,
-                     emb: FsdpGroup | None = None, head: FsdpGroup | None = None) -> None:
+                     emb: FsdpGroup | None = None, head: FsdpGroup | None = None, root_reshards: bool = False) -> None:
     """One micro-step under FSDP2; the reduce-scatter outputs go to ``outputs`` (``keep``), or, in a later
     micro-step, are added into the sharded gradients and freed. With more than one rank (frameworks/fsdp2.py's
     notes, each checked on the harness): in forward a block's all-gather output is held until the next block's
@@ -127,10 +135,14 @@ def _fsdp_micro_step(run: Run, job: ReplayJob, n: Any, blocks: tuple[FsdpGroup, 
     frees it) and prefetches the next; a post-backward frees the previous reduce-scatter input
     (reduce_scatter_max_input_buffers = 1)."""
     st = _MicroStep(run, job, blocks, root, world, reshard_after_forward, outputs, first, keep, emb, head)
+    st.root_reshards = root_reshards
     st.unshard(ROOT, hold=True)
     # each gradient kept, by its unit, for that unit's post-backward
     micro_step(run, job, n, keep_grads=True, at=st.region,
-               on_grad=lambda _size, key, blk: st.grads_of.setdefault(st.unit_of(blk), []).append(key))
+               on_grad=lambda _size, key, blk: st.grads_of.setdefault(st.unit_of(blk), []).append(key),
+               on_forward_end=st.forward_returned)
+    if not st.returned:  # a profile traced before the forward's end was recorded
+        st.forward_returned()
     if st.bwd is not None:  # the embedding's unit, the last to run backward
         st.post_backward(st.bwd)
         st.bwd = None
@@ -162,6 +174,8 @@ class _MicroStep:
         self.grads_of: dict[int, list[Any]] = {}
         self.bwd: int | None = None
         self.forward: int | None = None  #: the block whose forward runs (it ends where the next region begins)
+        self.root_reshards = False
+        self.returned = False  #: the model's forward has returned (the root's post-forward has run)
 
     def unit_of(self, blk: int) -> int:
         """The unit whose post-backward reduces a gradient of this block (-1: outside the blocks)."""
@@ -226,14 +240,8 @@ class _MicroStep:
             self.unshard(EMB, hold=True)
         elif kind == "F" and 0 <= blk < nblocks and blk not in self.unsharded:
             self.unshard(blk, hold=True)
-        elif kind == "mid":
-            if HEAD in self.units:  # the head's unit: its all-gather frees the last block's held output
-                self.unshard(HEAD, hold=True)
-            for k in self.held:  # the root's post-forward
-                self.run.free(k)
-            self.held.clear()
-            if nblocks:
-                self.prefetch(nblocks - 1)
+        elif kind == "mid" and HEAD in self.units:  # the head's unit: its all-gather frees the last block's output
+            self.unshard(HEAD, hold=True)
         if kind in ("B", "post") and self.bwd is not None:
             self.post_backward(self.bwd)
             self.bwd = None
@@ -246,6 +254,24 @@ class _MicroStep:
             if EMB not in self.unsharded:
                 self.unshard(EMB, hold=False)
             self.bwd = EMB
+
+    def forward_returned(self) -> None:
+        """The root's _post_forward (the last all-gather result freed; the root resharded when it reshards after
+        forward), then backward's first hook, the root's _pre_backward (the root unsharded again; the last block
+        prefetched)."""
+        if self.returned:
+            return
+        self.returned = True
+        run = self.run
+        for k in self.held:
+            run.free(k)
+        self.held.clear()
+        if self.root_reshards and ROOT in self.unsharded:
+            for k in self.unsharded.pop(ROOT):
+                run.free(k)
+            self.unshard(ROOT, hold=False)
+        if self.blocks:
+            self.prefetch(len(self.blocks) - 1)
 
     def region(self, kind: str, blk: int) -> None:
         """Where a region of the traced step begins: the forward before it has ended."""
@@ -298,7 +324,7 @@ def _units(inv: Any, wrap: str) -> tuple[list[list[Any]], list[Any], list[Any] |
 def replay(inv: Any, s: Any, config: AllocatorConfig) -> tuple[str, dict[str, Allocator]]:
     """fully_shard on each block, then the root (whatever no block holds), shards padded on dim 0."""
     from memplan.frameworks.common import Job
-    from memplan.frameworks.fsdp2 import MODEL, reshard_after_forward
+    from memplan.frameworks.fsdp2 import MODEL, reshard_after_forward, root_reshards
     from memplan.replay import replay_job
     from memplan.settings import shard_group_size
     from memplan.units import ceil_div
@@ -325,4 +351,5 @@ def replay(inv: Any, s: Any, config: AllocatorConfig) -> tuple[str, dict[str, Al
     # the optimizer is made on model.parameters(): its states come in module order, whatever the units
     job = replay_job(inv, s, [k for _, k in sorted(numels)])
     raf = reshard_after_forward(Job.of(inv, s, MODEL))
-    return "FSDP2", {"": replay_fsdp2(job, tuple(groups), n, bool(raf), config, emb=emb_g, head=head_g)}
+    return "FSDP2", {"": replay_fsdp2(job, tuple(groups), n, bool(raf), config, emb=emb_g, head=head_g,
+                                      root_reshards=root_reshards(s, raf) and not (emb or head))}

@@ -327,9 +327,13 @@ def _setup_fsdp2(spec: dict[str, Any], device: Any) -> tuple[Any, Any, Any]:
                         ignored_params=set(), only_wrap_children=True)
     if wrap == "block+embeddings":
         fully_shard(_head_unit(model), mesh=mesh, mp_policy=mp, reshard_after_forward=False)
-    # the root keeps FSDP2's default (reshard_after_forward=None: True for the blocks, False for the root,
-    # _fully_shard.py), as `fully_shard(model)` in a training script does; the engine assumes it
-    fully_shard(model, mesh=mesh, mp_policy=mp)
+    # the root: given the blocks' reshard_after_forward (--fsdp-root-reshard same, as Accelerate's
+    # fsdp2_prepare_model passes it), or FSDP2's default (auto: reshard_after_forward=None keeps the root unsharded
+    # after forward, _fsdp_state.py _lazy_init), as `fully_shard(model)` in a training script does
+    if spec.get("fsdp_root_reshard", "auto") == "same" and wrap != "block+embeddings":
+        fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=raf)
+    else:
+        fully_shard(model, mesh=mesh, mp_policy=mp)
     if device.type == "cpu":
         gloo.collectives_in_place(model)
     materialize(model, device)

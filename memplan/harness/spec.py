@@ -125,7 +125,7 @@ def build_spec(config: dict[str, Any], s: Settings, *, warmup_steps: int = 2, me
         "warmup_steps": warmup_steps, "measured_steps": measured_steps, "seed": 0,
         "bucket_cap_mb": s.torch.bucket_cap_mb, "gradient_as_bucket_view": s.torch.gradient_as_bucket_view,
         "zero_optimizer": st.layout == GREEDY_WHOLE,  # whole params per rank: ZeroRedundancyOptimizer
-        "fsdp_wrap": s.torch.fsdp_wrap,
+        "fsdp_wrap": s.torch.fsdp_wrap, "fsdp_root_reshard": s.torch.fsdp_root_reshard,
         "shard_size": n, "reshard_after_forward": raf if not isinstance(raf, bool) or st.shard_params else False,
         # LoRA: PEFT adds the adapters to the built model (harness/setup.py), as the job's script does
         "lora": None if s.lora is None else {**s.lora.trace_fields(),

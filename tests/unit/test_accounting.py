@@ -278,6 +278,10 @@ def test_fsdp2_buffer_lifetimes_per_phase():
         # the root's pre-backward, with everything forward left alive: the last block's prefetch, its output and
         # the cast copy-in of this rank's shard
         (0, root + 2 * b + 2 * b // 4, M.ALL_SAVED),
+        # the root, resharded at its post-forward (fully_shard(model) given reshard_after_forward=True, the
+        # default --fsdp-root-reshard same), unsharded again at backward's first hook: its all-gather output,
+        # its copies and the cast copy-in of this rank's shard
+        (0, 2 * root + 2 * (16 * 1024) // 4, M.ALL_SAVED),
     ]
     assert f.grad_width == 2
     # the first block's end: itself, its grads, the second block's reduce-scatter input

@@ -158,3 +158,21 @@ def test_zero3_parameters_offloaded_replay_agrees_with_the_engine() -> None:
     assert r is not None and r.model == "ZeRO-3 Offload (parameters too)"
     assert abs(r.allocated_bytes - plan.peak_bytes) < plan.peak_bytes // 1000
     assert plan.reserved_peak_bytes == r.peak_bytes >= r.allocated_bytes
+
+
+def test_fsdp2_root_resharded_after_forward_when_given_the_blocks_value() -> None:
+    # gpu_case.py (and Accelerate) call fully_shard(model, reshard_after_forward=True): the root's post-forward
+    # frees the embedding's and head's unsharded copies after the loss and backward's first hook makes them again
+    # (recorded: bench/gpu/traces/l8b_fsdp); its 1 GiB copies then land in freed logits segments and step 2
+    # reserves no fifth 4 GiB segment. Measured on the H100 (../shared/gpu/truth.jsonl): 56,681,824,256 B
+    cfg = str(CONFIGS / "llama-3-8b-4l.json")
+    kw = dict(strategy="fsdp-full", precision="fsdp-bf16")
+    same, s = _replay(cfg, 2, 4096, **kw)
+    assert same.peak_bytes == 56_681_824_256
+    auto, _ = _replay(cfg, 2, 4096, torch_overrides={"fsdp_root_reshard": "auto"}, **kw)
+    assert auto.peak_bytes == 60_886_614_016  # fully_shard(model) without the argument keeps the root (+7.42%)
+    # the allocated peak is the same either way: the root is unsharded again before the loss's backward
+    from memplan import accounting
+
+    inv = build_inventory(resolve(cfg), builder="auto")
+    assert accounting.estimate(inv, s).peak_bytes == 44_705_739_776

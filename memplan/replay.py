@@ -383,13 +383,63 @@ def replay_job(inv: Any, s: Any, numels: list[int], shapes: list[tuple[int, ...]
     converted = tuple(t.numel * (rc.adapter_bytes if rc.adapter_bytes and (".lora_A." in t.name or ".lora_B." in
                                                                             t.name) else rc.param_bytes)
                       for t in inv.tensors) if rc.param_bytes != 4 else None
+    step = _expand(d["alloc_events"], d["num_layers"])
+    if _runs_zero3_linear(s, d):
+        step = zero3_linear_order(step)
     return ReplayJob(build=tuple(build), numels=tuple(numels), state_bytes=4 if s.optimizer.factored else s.recipe.state_bytes,
                converted=converted,
                grad_accum=s.grad_accum,
                optimizer_impl=optimizer_impl(s), input_bytes=s.micro_batch * s.seq_len * 8,
                workspace_bytes=s.cluster.blas_workspace_bytes,
-               step=_expand(d["alloc_events"], d["num_layers"]), micro_batch=s.micro_batch,
+               step=step, micro_batch=s.micro_batch,
                optimizer=s.optimizer, recipe=s.recipe, shapes=tuple(shapes or ()))
+
+
+def _runs_zero3_linear(s: Any, d: dict[str, Any]) -> bool:
+    """The job runs DeepSpeed ZeRO-3's LinearFunctionForZeroStage3 (zero_optimization.memory_efficient_linear, its
+    default) but its step was traced with aten's linear (tracing_keys.trace_linear: the two hold the same peak on
+    the GPU, so they share one trace)."""
+    from memplan.tracing_keys import trace_linear
+
+    if s.strategy.zero_stage != 3 or not s.ds.memory_efficient_linear:
+        return False
+    return trace_linear("deepspeed-zero3", device=s.cluster.device, recipe=s.recipe.name) == "aten"
+
+
+#: ZeRO-3's linear order applied to steps already made, by the id of aten's
+_ZERO3_ORDERED: dict[int, tuple[Any, list[tuple]]] = {}
+
+
+def zero3_linear_order(step: list[tuple]) -> list[tuple]:
+    """A step traced with aten's linear, in the order DeepSpeed ZeRO-3's linear allocates its backward:
+    LinearFunctionForZeroStage3.backward (deepspeed/runtime/zero/linear.py) makes the input's gradient
+    (grad_output.matmul(weight)) before the weight's, where aten's MmBackward0 makes the weight's first. Each
+    parameter's gradient (a birth that does not grow with the micro-batch) followed by an activation's gradient
+    (one that does), nothing else made between but a cuBLAS workspace mark, is swapped with it; the mark stays
+    after the first of the two (a thread's workspace comes right after its first GEMM's output; recorded on the
+    H200: bench/gpu/traces/q7_z3mb1, the head's input gradient, the autograd thread's 32 MiB workspace, then the
+    head's weight gradient)."""
+    hit = _ZERO3_ORDERED.get(id(step))
+    if hit is not None and hit[0] is step:
+        return hit[1]
+    out = list(step)
+    i, n = 0, len(out)
+    while i < n:
+        e = out[i]
+        if e[0] == "a" and e[3] is not None and e[2][1] == 0:
+            j = i + 1
+            while j < n and out[j][0] == "m" and out[j][1] == "ws":
+                j += 1
+            x = out[j] if j < n else None
+            if x is not None and x[0] == "a" and x[3] is None and x[2][1] > 0:
+                out[i:j + 1] = [x, *out[i + 1:j], e]
+                i = j + 1
+                continue
+        i += 1
+    if len(_ZERO3_ORDERED) > 16:
+        _ZERO3_ORDERED.clear()
+    _ZERO3_ORDERED[id(step)] = (step, out)
+    return out
 
 
 def build_model(run: Run, job: ReplayJob) -> list[Any]:

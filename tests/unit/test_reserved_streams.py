@@ -176,3 +176,22 @@ def test_fsdp2_root_resharded_after_forward_when_given_the_blocks_value() -> Non
 
     inv = build_inventory(resolve(cfg), builder="auto")
     assert accounting.estimate(inv, s).peak_bytes == 44_705_739_776
+
+
+def test_zero3_linear_makes_the_input_gradient_first() -> None:
+    # DeepSpeed ZeRO-3's LinearFunctionForZeroStage3 (memory_efficient_linear, on by default) makes each linear's
+    # input gradient before its weight's; the GPU step is traced with aten's linear (the reverse). Recorded on the
+    # H200 (bench/gpu/traces/q7_z3mb1): the head's input gradient, autograd's workspace, then the head's 1 GiB
+    # weight gradient. Measured max_memory_reserved (H100, bench/gpu/truth-extra.jsonl): 41,710,256,128 B
+    from memplan.replay import zero3_linear_order
+
+    step = [("a", 1, (1 << 30, 0), -1), ("m", "ws", "b"), ("a", 2, (0, 1 << 20), None), ("f", 1),
+            ("a", 3, (4096, 0), 0), ("a", 4, (4096, 0), 0)]
+    assert zero3_linear_order(step) == [("a", 2, (0, 1 << 20), None), ("m", "ws", "b"), ("a", 1, (1 << 30, 0), -1),
+                                        ("f", 1), ("a", 3, (4096, 0), 0), ("a", 4, (4096, 0), 0)]
+    cfg = str(CONFIGS / "qwen2.5-7b-4l.json")
+    r, _ = _replay(cfg, 1, 512, stage=3, precision="deepspeed-bf16", optimizer_impl="fused")
+    assert r.peak_bytes == 41_710_256_128  # +10.45% in aten's order
+    off, _ = _replay(cfg, 1, 512, stage=3, precision="deepspeed-bf16", optimizer_impl="fused",
+                     ds_overrides={"memory_efficient_linear": False})
+    assert off.peak_bytes == 46_070_235_136  # aten's linear, as memory_efficient_linear false runs it

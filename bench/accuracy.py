@@ -374,9 +374,11 @@ def main() -> None:
         strat = dict(strat)
         gpus = strat.pop("gpus", args.gpus)
         shown = f"{model}, {scale['layers']} blocks"
+        # the harness's FSDP2 root as the kept rows measured it: fully_shard(model) without reshard_after_forward
+        # (--fsdp-root-reshard auto; memplan's default, same, is Accelerate's call, measured on the GPU)
         kw = dict(gpus=gpus, gpus_per_node=gpus, micro_batch=2, seq_len=strat.pop("seq_len", 128), recompute=rc,
                   ds_overrides=ds,
-                  torch_overrides=tk, **strat)
+                  torch_overrides={"fsdp_root_reshard": "auto", **tk}, **strat)
         row = done.get((label, shown, rc))
         if args.repredict:
             if row is None or row[3] is None:

@@ -2,6 +2,7 @@
 
     python bench/gpu_blind.py predict bench/gpu/device/cases23.tsv bench/gpu/blind-session23.json
     python bench/gpu_blind.py compare bench/gpu/blind-session23.json TRUTH_NEW.jsonl
+    python bench/gpu_blind.py compare bench/gpu/blind-session23.json bench/gpu/truth-extra.jsonl
 
 A cases file is run17.sh's: one case a line, tab-separated name, model (a config in ../shared/gpu/configs or
 bench/gpu/configs), framework, mode, micro-batch, sequence length, recompute, attention, and optionally the
@@ -9,7 +10,7 @@ run's PYTORCH_CUDA_ALLOC_CONF. `predict` writes, per name,
 memplan's allocated peak, reserved peak, how the reserved peak was found and the fit verdict's required bytes, as
 bench/gpu_accuracy.py predicts a measured case. `compare` reads the run's output (run17.sh's truth_new.jsonl: one
 {"name", "r": gpu_case.py's result} a line) and prints the blind and the current prediction against each
-measured figure.
+measured figure (truth-extra.jsonl's lines name their case at the end of "source").
 """
 
 from __future__ import annotations
@@ -76,7 +77,12 @@ def main() -> None:
     print("|---|---:|---:|---:|---:|---:|---:|")
     for line in Path(a.truth).read_text().splitlines():
         rec = json.loads(line)
-        name, r = rec["name"], rec["r"]
+        if "name" in rec:
+            name, r = rec["name"], rec["r"]
+        else:  # a bench/gpu/truth-extra.jsonl line: its source ends with ", case NAME"
+            name, r = rec.get("source", "").rpartition(", case ")[2], rec
+        if name not in cases:
+            continue
         if "peak_bytes" not in r:
             print(f"| {name} | {r.get('error', 'no result')} | | | | | |")
             continue

@@ -87,7 +87,8 @@ def accuracy_predictions(shared: Path | None = None) -> dict[str, str]:
             gpus = strat.pop("gpus", 2)
             seq = strat.pop("seq_len", 128)
             plan = predict(model, **scale, device="cpu", cpu_isa="avx512", gpus=gpus, gpus_per_node=gpus,
-                           micro_batch=2, seq_len=seq, recompute=rc, ds_overrides=ds, torch_overrides=tk,
+                           micro_batch=2, seq_len=seq, recompute=rc, ds_overrides=ds,
+                           torch_overrides={"fsdp_root_reshard": "auto", **tk},  # as bench/accuracy.py measures
                            **strat)[0]
             out[f"cpu|{label}|{model}|{scale['layers']}|{rc}"] = json.dumps(
                 [plan.peak_bytes, plan.peak.name, [p.total_bytes for p in plan.phases]])
@@ -96,6 +97,9 @@ def accuracy_predictions(shared: Path | None = None) -> dict[str, str]:
     for case in gpu_bench.load_cases(shared) + gpu_bench.load_oom(shared):
         k = "gpu|" + "|".join(str(case.get(f, "")) for f in ("config", "framework", "mode", "micro_batch",
                                                                "seq_len", "recompute", "attn", "alloc_conf"))
+        gpu = case.get("versions", {}).get("gpu", "")
+        if gpu and "H100" not in gpu:  # a case measured on another GPU (an H200) beside the H100's
+            k += "|" + gpu
         p = gpu_bench.predict(case, dirs)
         out[k] = json.dumps([p["peak_bytes"], p["phase"], p["reserved_peak_bytes"], p["reserved_variants"]],
                             sort_keys=True)

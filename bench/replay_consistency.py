@@ -77,7 +77,7 @@ def main() -> None:
         "# The engine against the replay",
         "",
         f"Made by `python bench/replay_consistency.py` ({dt:.0f} s on {len(seen)} configurations; {flat} not "
-        "replayed, their reserved peak the flat term). Each H100 case of docs/accuracy-gpu.md at micro-batch 1, its "
+        "replayed, their reserved peak the flat term). Each GPU case of docs/accuracy-gpu.md (H100 and H200) at micro-batch 1, its "
         "own and twice its own, and a DeepSpeed case at stages 0-3 with and without offload_optimizer / "
         "offload_param; predicted as bench/gpu_accuracy.py predicts (no GPU measured these). Difference = (replay's "
         "allocated peak - engine's) / engine's: positive, the replay found more than the engine's moments. The "

@@ -13,6 +13,8 @@ usage: gpu_case.py CONFIG_JSON FRAMEWORK MODE MICRO_BATCH SEQ_LEN RECOMPUTE ATTN
   RECOMPUTE none|full (HF gradient_checkpointing_enable, use_reentrant=False); ATTN sdpa|eager
 SNAPSHOT=summary adds "peak_sites" (allocations of step 3 alive at its peak, by model-code line);
 SNAPSHOT=full:PATH writes the allocator's events of the whole run to PATH (gzip), one [action, address, size, stream] per line.
+ROOT_AUTO=1 (fsdp2) calls fully_shard(model) without reshard_after_forward (FSDP2 keeps the root unsharded after
+forward), as a script's bare call does; by default the root gets the blocks' value, as gpu_case.py and Accelerate.
 NOSYNC=1 runs the four steps as a training loop does, with no torch.cuda.synchronize() or peak reset between them
 (the host may run ahead of the device), and reports the whole run's max_memory_allocated/reserved once at the end
 ("nosync": true; every entry of "steps" is that one reading).
@@ -74,7 +76,10 @@ def setup(framework, mode, cfg_path, mb, recompute, attn):
         blocks = max(lists, key=len)
         for layer in blocks:
             fully_shard(layer, reshard_after_forward=reshard, mp_policy=mpp)
-        fully_shard(model, reshard_after_forward=reshard, mp_policy=mpp)
+        if os.environ.get("ROOT_AUTO") == "1":  # fully_shard(model) without the argument: the root kept
+            fully_shard(model, mp_policy=mpp)
+        else:
+            fully_shard(model, reshard_after_forward=reshard, mp_policy=mpp)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0)
 
         def step(ids):

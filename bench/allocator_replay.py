@@ -4,7 +4,7 @@ peak with the run's measured torch.cuda.max_memory_reserved.
     python bench/allocator_replay.py [--shared ../shared/gpu]
 
 Streams: ../shared/gpu/traces/*.jsonl.gz (4 runs) and bench/gpu/traces/*.jsonl.gz (4 runs of session 10 and 7 of
-session 17 on the H100; session 23's 24 runs of bench/gpu/device/cases23.tsv on an H200), one JSON array per event, [action, address, size, stream], from before the model is built to the
+session 17 on the H100; session 23's 26 runs on an H200: bench/gpu/device/cases23.tsv and run23c.sh), one JSON array per event, [action, address, size, stream], from before the model is built to the
 end of step 4 (bench/gpu/device/case.py with SNAPSHOT=full:PATH).
 """
 
@@ -59,6 +59,10 @@ def cases_file_streams(path: Path) -> dict[str, tuple]:
 
 
 STREAMS.update(cases_file_streams(ROOT / "bench" / "gpu" / "device" / "cases23.tsv"))
+# bench/gpu/device/run23c.sh: a bare fully_shard(model), and ZeRO-3 with memory_efficient_linear false
+STREAMS["l8b_fsdp_rootauto"] = ("llama-3-8b-4l.json", "fsdp2", "full", 2, 4096, "none", "root:auto")
+STREAMS["q7_z3mb1_aten"] = ("qwen2.5-7b-4l.json", "deepspeed", '{"stage": 3, "memory_efficient_linear": false}', 1, 512,
+                            "none")
 
 
 def measured(shared: Path) -> dict[tuple, int]:
@@ -69,7 +73,9 @@ def measured(shared: Path) -> dict[tuple, int]:
                 d = json.loads(line)
                 if "reserved_peak_bytes" in d:
                     key = (d["config"], d["framework"], d["mode"], d["micro_batch"], d["seq_len"], d["recompute"])
-                    out[key + ((d["alloc_conf"],) if d.get("alloc_conf") else ())] = d["reserved_peak_bytes"]
+                    key += ((d["alloc_conf"],) if d.get("alloc_conf") else ())
+                    key += ((f"root:{d['fsdp_root_reshard']}",) if d.get("fsdp_root_reshard") else ())
+                    out[key] = d["reserved_peak_bytes"]
     return out
 
 
@@ -88,7 +94,8 @@ def main() -> int:
             events = [json.loads(line) for line in gzip.open(path, "rt")]
             t = time.perf_counter()
             key = STREAMS.get(name, ())
-            a = replay(events, AllocatorConfig.parse(key[6] if len(key) > 6 else ""))
+            conf = key[6] if len(key) > 6 and not key[6].startswith("root:") else ""
+            a = replay(events, AllocatorConfig.parse(conf))
             want = truth.get(key)
             ok = want is not None and a.peak_reserved == want
             bad += not ok

@@ -52,9 +52,13 @@ def case_settings(case: dict) -> dict:
             ds["offload_optimizer"] = True
         if zero.get("offload_param"):
             ds["offload_param"] = True
+        if "memory_efficient_linear" in zero:
+            ds["memory_efficient_linear"] = bool(zero["memory_efficient_linear"])
     else:
         raise ValueError(f"unknown framework {fw}")
     kw["ds_overrides"] = ds
+    if case.get("fsdp_root_reshard"):  # a run whose root fully_shard call was given no reshard_after_forward
+        kw["torch_overrides"] = {"fsdp_root_reshard": case["fsdp_root_reshard"]}
     return kw
 
 
@@ -144,7 +148,7 @@ def load_cases(shared: Path) -> list[dict]:
             if "peak_bytes" not in d:
                 continue
             key = (d["config"], d["framework"], d["mode"], d["micro_batch"], d["seq_len"], d["recompute"], d["attn"],
-                   d.get("alloc_conf", ""), d.get("versions", {}).get("gpu"))
+                   d.get("alloc_conf", ""), d.get("versions", {}).get("gpu"), d.get("fsdp_root_reshard", ""))
             d["origin"] = origin + (" (H200)" if d.get("versions", {}).get("gpu") == "NVIDIA H200" else "")
             cases[key] = d  # a case measured twice on one GPU: the later line
     return list(cases.values())
@@ -270,7 +274,8 @@ def write_doc(rows: list, summary: str, vrows: list, rsum: str = "", oom: list |
         "|---|---|---|---|---:|---:|---|---|---|---:|---:|---:|---|---|---:|---:|---:|---:|---|",
     ]
     for c, p, err, rerr in rows:
-        mode = c["mode"].replace("|", "/")
+        mode = c["mode"].replace("|", "/") + (f"` `--fsdp-root-reshard {c['fsdp_root_reshard']}"
+                                              if c.get("fsdp_root_reshard") else "")
         lines.append(
             f"| {c['origin']} | {c['config'].removesuffix('.json')} | {c['framework']} | `{mode}` | {c['micro_batch']} | "
             f"{c['seq_len']} | {c['recompute']} | {c['attn']} | {c.get('alloc_conf', '') or '-'} | {c['peak_bytes']:,} | "
@@ -374,17 +379,20 @@ def write_doc(rows: list, summary: str, vrows: list, rsum: str = "", oom: list |
         "hook makes them again, into freed logits segments. memplan now marks where the traced forward returned "
         "(a `fwd_end` event), frees and re-makes the root there, and takes `--fsdp-root-reshard same|auto` "
         "(default same; auto for a script's bare fully_shard(model)). The allocated peak does not move; the "
-        "engine adds the re-unshard as a moment.",
+        "engine adds the re-unshard as a moment. Checked the other way (bench/gpu/device/run23c.sh, its "
+        "prediction written in the script before the run): the same job with a bare fully_shard(model) reserved "
+        "60,886,614,016 B, what `--fsdp-root-reshard auto` predicts, to the byte.",
         "- qwen2.5-7b-4l ZeRO-3 micro-batch 1 (q7_z3mb1): DeepSpeed replaces F.linear with "
         "LinearFunctionForZeroStage3 (memory_efficient_linear, on by default), whose backward makes the input's "
         "gradient before the weight's (deepspeed/runtime/zero/linear.py); the GPU step is traced with aten's "
         "linear (the reverse; same allocated peak). The stream shows the head's input gradient, autograd's 32 MiB "
         "workspace, then the head's 1 GiB weight gradient; the replay now reorders each pair "
-        "(replay.zero3_linear_order).",
+        "(replay.zero3_linear_order). Checked the other way: with memory_efficient_linear false the run reserved "
+        "46,070,235,136 B, aten's order, to the byte.",
         "- Both expandable_segments streams replayed off by +1.94% and -0.01%: memplan/allocator.py now follows "
         "CUDACachingAllocator.cpp's expandable segments (get_free_block's expandable_size ranks the free block at "
         "the mapped end last; find_expandable_block maps at the lowest unmapped range; release_blocks unmaps the "
-        "whole pages of free blocks, leaving holes), and all 39 recorded streams replay exactly "
+        "whole pages of free blocks, leaving holes), and all 41 recorded streams replay exactly "
         "(`python bench/allocator_replay.py`).",
         "",
         "The expandable-segments allocator moved the three other expandable_segments rows (phi3-mini-4l FSDP2 "

@@ -100,6 +100,8 @@ def accuracy_predictions(shared: Path | None = None) -> dict[str, str]:
         gpu = case.get("versions", {}).get("gpu", "")
         if gpu and "H100" not in gpu:  # a case measured on another GPU (an H200) beside the H100's
             k += "|" + gpu
+        if case.get("fsdp_root_reshard"):
+            k += "|root:" + case["fsdp_root_reshard"]
         p = gpu_bench.predict(case, dirs)
         out[k] = json.dumps([p["peak_bytes"], p["phase"], p["reserved_peak_bytes"], p["reserved_variants"]],
                             sort_keys=True)

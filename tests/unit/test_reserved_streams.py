@@ -170,7 +170,8 @@ def test_fsdp2_root_resharded_after_forward_when_given_the_blocks_value() -> Non
     same, s = _replay(cfg, 2, 4096, **kw)
     assert same.peak_bytes == 56_681_824_256
     auto, _ = _replay(cfg, 2, 4096, torch_overrides={"fsdp_root_reshard": "auto"}, **kw)
-    assert auto.peak_bytes == 60_886_614_016  # fully_shard(model) without the argument keeps the root (+7.42%)
+    # a bare fully_shard(model) keeps the root: measured so too (H200, bench/gpu/device/run23c.sh, ROOT_AUTO=1)
+    assert auto.peak_bytes == 60_886_614_016
     # the allocated peak is the same either way: the root is unsharded again before the loss's backward
     from memplan import accounting
 
@@ -194,4 +195,4 @@ def test_zero3_linear_makes_the_input_gradient_first() -> None:
     assert r.peak_bytes == 41_710_256_128  # +10.45% in aten's order
     off, _ = _replay(cfg, 1, 512, stage=3, precision="deepspeed-bf16", optimizer_impl="fused",
                      ds_overrides={"memory_efficient_linear": False})
-    assert off.peak_bytes == 46_070_235_136  # aten's linear, as memory_efficient_linear false runs it
+    assert off.peak_bytes == 46_070_235_136  # aten's linear: measured so with memory_efficient_linear false (H200)

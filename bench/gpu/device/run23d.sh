@@ -4,6 +4,7 @@
 # Carrying .whl (prepared as run17.sh says): bash bench/gpu/device/run23d.sh
 # Out: $OUT/truth_ddp.jsonl ({"name", "r"}), $OUT/traces.tar.
 cd "$(dirname "$0")/../../../.whl" || exit 1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site ./*.whl && export PYTHONPATH=/tmp/site || exit 1
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 mkdir -p /tmp/tr
 run() {  # name, port, args...

@@ -61,6 +61,9 @@ def cases_file_streams(path: Path) -> dict[str, tuple]:
 STREAMS.update(cases_file_streams(ROOT / "bench" / "gpu" / "device" / "cases23.tsv"))
 # bench/gpu/device/run23c.sh: a bare fully_shard(model), and ZeRO-3 with memory_efficient_linear false
 STREAMS["l8b_fsdp_rootauto"] = ("llama-3-8b-4l.json", "fsdp2", "full", 2, 4096, "none", "root:auto")
+# bench/gpu/device/run23d.sh: the two DDP runs the replay, as they released their first buckets, is >3% under
+STREAMS["olmoe_ddp_amp"] = ("olmoe-2l.json", "ddp", "amp", 4, 2048, "none")
+STREAMS["phi2_ddp_fp32"] = ("phi-2-6l.json", "ddp", "fp32", 2, 2048, "none")
 STREAMS["q7_z3mb1_aten"] = ("qwen2.5-7b-4l.json", "deepspeed", '{"stage": 3, "memory_efficient_linear": false}', 1, 512,
                             "none")
 

@@ -23,6 +23,7 @@ sys.path.insert(0, str(ROOT))
 SMALL_DS = dict(reduce_bucket_size=100_000, allgather_bucket_size=100_000, prefetch_bucket_size=10_000,
                 max_live_parameters=100_000, param_persistence_threshold=0, overlap_comm=False)
 LLAMA = ("llama-7b", dict(layers=2, hidden=256, vocab=2048))  # GQA-free llama block, untied head
+LLAMA_BIGVOCAB = ("llama-7b", dict(layers=2, hidden=256, vocab=32000))  # the root larger than a block
 GPT2 = ("gpt2", dict(layers=2, hidden=256, vocab=2048))  # tied embeddings, LayerNorm + GELU MLP
 LLAMA3 = ("llama-3-8b", dict(layers=2, hidden=512, vocab=2048))  # GQA (4 query heads per kv head)
 LLAMA4 = ("llama-7b", dict(layers=4, hidden=256, vocab=2048))  # more blocks: retention and prefetch matter
@@ -220,6 +221,13 @@ CASES = [
      dict(strategy="fsdp-full", seq_len=1024, parallel=Parallel(cp=2)), {}, {}, "none"),
     ("ddp cp 2, seq 1024, torch-amp", LLAMA_CP, dict(strategy="ddp", seq_len=1024, parallel=Parallel(cp=2)), {}, {},
      "none"),
+    # session 23: FSDP2's root given the blocks' reshard_after_forward (Accelerate's call, --fsdp-root-reshard
+    # same): resharded after the loss and gathered again at backward's first hook, its all-gather output beside
+    # its copies; against a bare fully_shard(model) (auto). A 32,000-row vocabulary makes the root the largest unit
+    ("fsdp-full root same, seq 64, torch-amp", LLAMA_BIGVOCAB,
+     dict(strategy="fsdp-full", precision="torch-amp", seq_len=64), {}, dict(fsdp_root_reshard="same"), "none"),
+    ("fsdp-full root auto, seq 64, torch-amp", LLAMA_BIGVOCAB,
+     dict(strategy="fsdp-full", precision="torch-amp", seq_len=64), {}, dict(fsdp_root_reshard="auto"), "none"),
 ]
 QUICK = [CASES[5], CASES[11]]
 

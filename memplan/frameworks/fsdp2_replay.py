@@ -278,6 +278,8 @@ class _MicroStep:
         if self.forward is not None:
             self.on_forward_end(self.forward)
             self.forward = None
+        if self.kind == "mid" and kind != "mid" and not self.returned:
+            self.forward_returned()  # a step traced without its forward's end marked: at the latest here
         if self.kind == "mid" and HEAD in self.units and kind != "mid":
             self.bwd = HEAD  # the head's backward is over: its post-backward comes before the last block's
         self.kind = kind

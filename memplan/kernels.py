@@ -3,6 +3,9 @@
 * **SDPA backend choice** on CUDA and CPU, and what each backend keeps for backward and allocates in its
   backward (the attention probabilities for math, an fp32 logsumexp for the fused kernels).
 * **CPU GEMM scratch** by instruction set: what oneDNN takes from the allocator inside a bf16 matmul.
+* **CUDA kernels' own buffers**: a reduction split across blocks (Reduce.cuh's staging buffer: a bias's or a
+  norm weight's gradient), an embedding's backward (its partial-segment sums), the memory-efficient attention
+  backward (its delta and dQ workspace), each from PyTorch's source and the H100's allocator streams.
 
 The tracer (memplan/tracing/) applies them to every call; ``Target`` names the device, part of a profile's key.
 """
@@ -21,6 +24,15 @@ CPU_ISAS = ("avx2", "avx512", "avx512_bf16", "amx")
 #: the default GPU architecture when no GPU is named: the H100's, on which the shared GPU cases were measured
 DEFAULT_ARCH = "sm90"
 
+#: (multiprocessors, max threads per multiprocessor) of each architecture's usual part (cudaDeviceProp
+#: multiProcessorCount and maxThreadsPerMultiProcessor; NVIDIA's datasheets and CUDA programming guide, compute
+#: capability table): H100 SXM5 and H200 132, B200 148, A100 108, A10G 80, L40S 142 (1,536 threads on 8.6 and
+#: 8.9), V100 80; MI300X 304 compute units. A GPU preset's own "multiprocessors" overrides it (H100 PCIe: 114).
+GPU_SHAPES = {"sm90": (132, 2048), "sm100": (148, 2048), "sm80": (108, 2048), "sm86": (80, 1536),
+              "sm89": (142, 1536), "sm70": (80, 2048), "gfx942": (304, 2048)}
+#: the part whose shape each SDPA class's shipped profiles were traced for (a profile's key names any other)
+CLASS_PART = {"sm90": "sm90", "sm80": "sm80", "sm86": "sm86", "sm70": "sm70", "rocm": "gfx942"}
+
 #: CUDA caching allocator: every block is a multiple of 512 bytes (c10/cuda/CUDACachingAllocator.cpp,
 #: kMinBlockSize and round_size), so max_memory_allocated counts each tensor rounded up to it
 CUDA_BLOCK = 512
@@ -34,6 +46,10 @@ class Target:
     arch: str = DEFAULT_ARCH  #: cuda: the GPU's architecture (smXY, or gfxNNN for ROCm)
     cpu_isa: str = "avx512"  #: cpu: one of CPU_ISAS
     cpu_threads: int = 1  #: cpu: threads per rank (oneDNN's AMX scratch is per thread; the harness runs 1)
+    #: cuda: the GPU's multiprocessors and its threads per multiprocessor (0: those of the architecture's usual
+    #: part, GPU_SHAPES), which decide how a CUDA reduction splits across blocks (reduce_scratch)
+    sms: int = 0
+    threads_per_sm: int = 0
 
     def __post_init__(self) -> None:
         if self.device not in ("cuda", "cpu"):
@@ -47,7 +63,10 @@ class Target:
     def key(self) -> str:
         """What of the target changes a trace (the profile cache key's part)."""
         if self.device == "cuda":
-            return f"cuda:{sdpa_class(self.arch)}"
+            cls = sdpa_class(self.arch)
+            sms, threads, _ = self.gpu
+            usual = GPU_SHAPES[CLASS_PART[cls]]
+            return f"cuda:{cls}" + ("" if (sms, threads) == usual else f":{sms}sm{threads}t")
         # "amx" became an upper bound over oneDNN's packing and "avx512_bf16" was re-measured on a native host
         # (cpu_gemm_scratch): their traces are new keys; both rules are per thread
         if self.cpu_isa == "amx":
@@ -55,6 +74,12 @@ class Target:
         if self.cpu_isa == "avx512_bf16":
             return f"cpu:avx512_bf16-zen4 x{self.cpu_threads}"
         return f"cpu:{self.cpu_isa}"
+
+    @property
+    def gpu(self) -> tuple[int, int, int]:
+        """(multiprocessors, max threads per multiprocessor, warp size) of a CUDA target."""
+        sms, threads = GPU_SHAPES.get(self.arch) or GPU_SHAPES[CLASS_PART[sdpa_class(self.arch)]]
+        return self.sms or sms, self.threads_per_sm or threads, 64 if self.arch.startswith("gfx") else 32
 
     def describe(self) -> str:
         if self.device == "cuda":
@@ -263,7 +288,65 @@ def saved_extra(backend: str, c: SdpaCall, device: str = "cuda") -> list[tuple[t
     return out
 
 
-def backward_scratch(backend: str, c: SdpaCall, device: str = "cuda") -> int:
+def _cutlass_backward_kernel(c: SdpaCall, arch: str) -> tuple[int, int, int]:
+    """(kBlockSizeI, kBlockSizeJ, kMaxK) of the memory-efficient backward kernel PyTorch launches: the first of
+    dispatch_cutlassB's list (aten/src/ATen/native/transformers/cuda/mem_eff_attention/kernels/cutlassB.h) whose
+    kMaxK takes max(q, v head dims), as _efficient_attention_backward's launchKernel picks it. sm80 and newer:
+    fp16/bf16 64x64 (k 32, 64), 128x64 k96 on sm86/sm89 only, 128x128 k128, 64x64 k128, 128x64 k65536; fp32 64x64
+    (k 32, 64), 128x64 k128, 64x64 k128, 128x64 k65536. The 128-row fp32 and 128x128 kernels need more than the
+    99 KB of shared memory sm86/sm89 have, so there the 64x64 ones run (from their tile sizes; not measured);
+    below sm80 every kernel is 64x64."""
+    dmax = max(c.dq, c.dv)
+    major, minor = sm_version(arch)
+    cc = major * 10 + minor
+    if cc < 80:
+        kernels = [(64, 64, 32), (64, 64, 64), (64, 64, 128), (64, 64, 65536)]
+    elif c.half:
+        kernels = [(64, 64, 32), (64, 64, 64)] + ([(128, 64, 96)] if cc in (86, 89) else [])
+        kernels += ([] if cc in (86, 89) else [(128, 128, 128)]) + [(64, 64, 128)]
+        kernels += ([] if cc in (86, 89) else [(128, 64, 65536)]) + [(64, 64, 65536)]
+    else:
+        kernels = [(64, 64, 32), (64, 64, 64)] + ([] if cc in (86, 89) else [(128, 64, 128)]) + [(64, 64, 128)]
+        kernels += ([] if cc in (86, 89) else [(128, 64, 65536)]) + [(64, 64, 65536)]
+    return next(k for k in kernels if k[2] >= dmax)
+
+
+def efficient_backward(c: SdpaCall, arch: str) -> tuple[list[int], int, int]:
+    """What the memory-efficient backward allocates beside q, k and v's gradients, in order
+    (attention_backward.cu _efficient_attention_backward, cutlass path): (temporaries, delta, workspace).
+
+    * delta, fp32 [b, h, s_q]: an empty tensor the fp16/bf16 kernels fill (kKernelComputesDelta); in fp32 it is
+      ``(grad_out.float() * out.float()).sum(-1).transpose(-2, -1).contiguous()``, whose temporaries (the
+      product, fp32 [b, s_q, h, d_v], and its sum, fp32 [b, s_q, h]) are freed once delta exists;
+    * the workspace (kernel_backward.h workspace_size): per (batch, head) the dQ accumulator tiles of every query
+      block (GradQTempStorage: a 16-byte lock and counter, then kBlockSizeI x kBlockSizeJ fp32, for
+      ceil(d_q / kBlockSizeJ) column tiles: kNeedsAccumGradQ holds from sm70 on), and, where dK and dV are not
+      kept in registers (fp16/bf16 with kMaxK > kBlockSizeI), their fp32 accumulators for each key split
+      (num_splits_key: the key blocks, at most 200 / (b x h) then), aligned to 4 floats.
+
+    delta is freed when the kernel is launched, the workspace when the op returns. Checked against every
+    memory-efficient backward measured on the H100 (tests/data/sdpa_backend_bytes_h100.json.gz: 13 of 16 to
+    the byte, the rest within 1 MiB, a GQA case under) and phi-2's recorded allocator stream (67,141,632 bytes
+    for b 2, 32 heads, s 2048, head dim 80 in fp32: 128-query tiles, two 64-wide column tiles)."""
+    bi, bj, kmax = _cutlass_backward_kernel(c, arch)
+    b, h = c.batch, c.hq
+    in_registers = c.half and kmax <= bi
+    accum_kv = c.half and not in_registers
+    gq = -(-c.sq // bi) * -(-c.dq // bj) * (4 + bi * bj)
+    splits = -(-c.sk // bj)
+    if b * h >= 256 and c.sk <= 2 * bj:
+        splits = 1
+    if accum_kv:
+        splits = min(splits, 200 // (b * h))
+    splits = max(splits, 1)
+    gk = splits * bj * round_up(c.dq, bi) if accum_kv else 0
+    gv = splits * bj * round_up(c.dv, bi) if accum_kv else 0
+    workspace = b * h * round_up(gk + gv + gq, 4) * 4
+    temps = [] if c.half else [4 * b * c.sq * h * c.dv, 4 * b * c.sq * h]
+    return temps, 4 * b * h * c.sq, workspace
+
+
+def backward_scratch(backend: str, c: SdpaCall, device: str = "cuda", arch: str = DEFAULT_ARCH) -> int:
     """Bytes a fused backend's backward allocates beside q, k and v's gradients and frees before returning:
     measured on the H100 as the peak of the backward less what was alive before it and the three gradients.
     flash (aten/src/ATen/native/transformers/cuda/flash_attn/flash_api.cpp mha_bwd): an fp32 dq accumulator
@@ -282,6 +365,10 @@ def backward_scratch(backend: str, c: SdpaCall, device: str = "cuda") -> int:
         return 4 * b * s * h * d + 4 * b * h * s + gqa + ((1 << 20) if gqa else 0)
     if backend == "cudnn":
         return 4 * b * c.sq * h * c.dq + 4 * b * h * c.sq + CUDA_BLOCK + gqa + ((1 << 20) if gqa else 0)
+    if backend == "efficient" and not arch.startswith("gfx"):
+        temps, delta, work = efficient_backward(c, arch)
+        blk = [round_up(n, CUDA_BLOCK) for n in temps + [delta, work]]
+        return max(sum(blk[:-1]), blk[-2] + blk[-1])
     if backend == "efficient":
         s = round_up(c.sq, 32)
         if c.half and max(c.dq, c.dv) > 128:
@@ -311,6 +398,160 @@ def math_extra(c: SdpaCall) -> tuple[int, int]:
     forward, one fp32 [b, h, s_q, s_k] in the backward."""
     p = c.batch * c.hq * c.sq * c.sk
     return p, 4 * p
+
+
+# ---- CUDA reductions: the cross-block staging buffer ----------------------------------------------------------
+
+def _last_pow2(n: int) -> int:
+    """Reduce.cuh last_pow2: the largest power of two not above ``n`` (at least 1)."""
+    return max(1, 1 << (max(n, 1).bit_length() - 1))
+
+
+def _reduce_iter(shape: tuple[int, ...], strides: tuple[int, ...], reduce: frozenset[int], in_elem: int,
+                 out_elem: int) -> tuple[list[int], list[int], int]:
+    """A reduction's TensorIterator (aten/src/ATen/TensorIterator.cpp): its dims reordered (reorder_dimensions:
+    the reduced dims first, since the output's stride is 0 there, then by the input's strides) and coalesced
+    (coalesce_dimensions); returns (shape, input strides in bytes, number of reduced dims). The output is the
+    contiguous result (the structured kernel's set_output_raw_strided) restrided with 0 in the reduced dims."""
+    n = len(shape)
+    out_strides, acc = [0] * n, out_elem
+    for d in reversed(range(n)):
+        if d not in reduce:
+            out_strides[d] = acc
+            acc *= shape[d]
+    ops = [out_strides, [s * in_elem for s in strides]]
+
+    def should_swap(d0: int, d1: int) -> int:
+        for i, st in enumerate(ops):
+            s0, s1 = st[d0], st[d1]
+            if i == 0 and (s0 == 0) != (s1 == 0):
+                return 1 if s1 == 0 else -1
+            if s0 == 0 or s1 == 0:
+                continue
+            if s0 != s1:
+                return -1 if s0 < s1 else 1
+            if shape[d0] > shape[d1]:
+                return 1
+        return 0
+
+    perm = list(reversed(range(n)))
+    for i in range(1, n):  # reorder_dimensions' insertion sort
+        d1 = i
+        for d0 in range(i - 1, -1, -1):
+            c = should_swap(perm[d0], perm[d1])
+            if c > 0:
+                perm[d0], perm[d1] = perm[d1], perm[d0]
+                d1 = d0
+            elif c < 0:
+                break
+    sh = [shape[p] for p in perm]
+    st = [[o[p] for p in perm] for o in ops]
+    if n:
+        prev = 0
+        for d in range(1, n):  # coalesce_dimensions
+            if sh[prev] == 1 or sh[d] == 1 or all(o[prev] * sh[prev] == o[d] for o in st):
+                if sh[prev] == 1:
+                    for o in st:
+                        o[prev] = o[d]
+                sh[prev] *= sh[d]
+            else:
+                prev += 1
+                if prev != d:
+                    for o in st:
+                        o[prev] = o[d]
+                    sh[prev] = sh[d]
+        sh, st = sh[:prev + 1], [o[:prev + 1] for o in st]
+    nred = sum(1 for s in st[0] if s == 0) if n else 0
+    return sh, st[1], nred
+
+
+def reduce_scratch(shape: tuple[int, ...], strides: tuple[int, ...], dims: tuple[int, ...] | None, in_elem: int,
+                   acc_elem: int, out_elem: int, gpu: tuple[int, int, int]) -> tuple[int, int]:
+    """(buffer, semaphores): the bytes a CUDA reduction (gpu_reduce_kernel, aten/src/ATen/native/cuda/
+    Reduce.cuh: sum, mean, norm, amax...) takes from the caching allocator for itself, after its output and
+    before its kernel, and frees when it returns (semaphores first). Only a reduction split across blocks has
+    them (setReduceConfig: a reduction over outer dims, or a long one, whose outputs are too few to fill the
+    GPU): ``global_memory_size`` (the acc type's size x outputs x blocks per output, x block.x x output_vec_size
+    when the lanes of a warp hold different outputs) and ``semaphore_size`` (an int per block column). A
+    Linear's bias gradient and a norm's weight gradient (a sum over the tokens) are such reductions: phi-2's
+    head bias over 4,096 tokens takes 157,286,400 bytes on an H100, as its recorded allocator stream shows.
+    ``gpu``: (multiprocessors, max threads per multiprocessor, warp size). Not modelled: an iterator too large
+    for 32-bit indexing (split in halves, each reduced on its own)."""
+    sms, threads_per_sm, warp = gpu
+    numel = 1
+    for s in shape:
+        numel *= s
+    if numel <= 1:
+        return 0, 0
+    reduce = frozenset(range(len(shape)) if not dims else (d % len(shape) for d in dims))
+    if numel * in_elem >= 2 ** 31:
+        return 0, 0
+    sh, st, nred = _reduce_iter(tuple(shape), tuple(strides), reduce, in_elem, out_elem)
+    ndim = len(sh)
+    num_outputs = 1
+    for s in sh[nred:]:
+        num_outputs *= s
+    num_inputs = numel // num_outputs
+    if ndim:
+        on_fastest = nred == ndim or st[0] < st[nred]
+        dim0, dim1, fastest = (num_inputs, num_outputs, st[0]) if on_fastest else \
+            (num_outputs, num_inputs, st[nred])
+    else:
+        on_fastest, fastest, dim0, dim1 = True, in_elem, 1, 1
+    out_vec = 1
+    if fastest == in_elem:
+        if on_fastest and dim0 >= 128 and nred == 1:
+            dim0 //= 4  # vectorize along the input (input_vec_size: vt0, 4)
+        elif not on_fastest:
+            out_vec = 4  # get_output_vec_size: 4, halved until it divides the output dim and the other strides
+            for n in [sh[nred]] + [s // in_elem for j, s in enumerate(st) if j != nred]:
+                while n % out_vec:
+                    out_vec //= 2
+            dim0 //= out_vec
+    max_threads = 512 // out_vec  # mnt_wrapper<T>::MAX_NUM_THREADS (256 for complex double: not met here)
+    d0 = _last_pow2(dim0) if dim0 < max_threads else max_threads
+    d1 = _last_pow2(dim1) if dim1 < max_threads else max_threads
+    bw = min(d0, warp)
+    bh = min(d1, max_threads // bw)
+    bw = min(d0, max_threads // bh)
+    step_in = step_out = 1
+    block_x_reduce = ndim == 0 or on_fastest
+    if block_x_reduce:
+        step_in *= bw
+    else:
+        step_out *= bw
+    rocm = warp == 64
+    min_vpt, max_vpt = (128 if rocm else 16), 256
+    split_warps = -(-num_inputs // step_in) >= min(bh * 16, max_vpt)
+    if split_warps:
+        step_in *= bh
+    else:
+        step_out *= bh
+    grid_x = -(-(num_outputs // out_vec) // step_out)
+    target = sms * (threads_per_sm // (bw * bh))
+    vpt = -(-num_inputs // step_in)
+    if not (split_warps and vpt >= max_vpt and grid_x <= target):
+        return 0, 0
+    ctas = max(min(-(-target // grid_x), -(-vpt // min_vpt)), -(-vpt // max_vpt))
+    if ctas > 1 and rocm:
+        ctas = max(ctas, 64)
+    if ctas <= 1:
+        return 0, 0
+    size = acc_elem * num_outputs * ctas * (1 if block_x_reduce else bw * out_vec)
+    return size, 4 * grid_x
+
+
+def embedding_backward_scratch(indices: int, num_weights: int, dim: int, opmath: int, scale_grad_by_freq: bool) -> int:
+    """Bytes an embedding's CUDA backward (aten/src/ATen/native/cuda/Embedding.cu embedding_dense_backward_cuda)
+    allocates after its gradient and frees before returning: above 3,072 indices (or with scale_grad_by_freq) it
+    sorts them and sums each index's rows in partial segments (EmbeddingBackwardKernel.cu
+    embedding_backward_cuda_kernel), whose per-segment sums take max_partial_segment x dim in the opmath type,
+    max_partial_segment = indices / NROWS_PER_THREAD (10) + min(indices, num_weights). The allocator streams
+    recorded on the H100 show it: phi-2 (4,096 tokens, 2,560 wide, fp32) 46,131,200 bytes, llama-3.2-1b (8,192
+    tokens, 2,048 wide) 73,818,112. Its sorting buffers (int64 per index: the small pool) are not counted."""
+    if indices <= 3072 and not scale_grad_by_freq:
+        return 0
+    return (indices // 10 + min(indices, num_weights)) * dim * opmath
 
 
 # ---- CPU GEMM scratch ---------------------------------------------------------------------------------------

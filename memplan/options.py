@@ -191,7 +191,8 @@ def kernel_target(c: Cluster) -> Any:
 
     if c.device == "cpu":
         return Target(device="cpu", cpu_isa=c.cpu_isa or host_cpu_isa())
-    return Target(device="cuda", arch=c.gpu_arch)
+    return Target(device="cuda", arch=c.gpu_arch, sms=c.gpu_multiprocessors,
+                  threads_per_sm=c.gpu_threads_per_multiprocessor)
 
 
 class _Picker:
@@ -426,6 +427,9 @@ def _cluster(*, gpus: int, gpus_per_node: int | None, gpu: str | None, gpu_memor
         notes.append("cuBLAS workspace: 32 MiB per handle assumed (the sm90 default); --gpu NAME or "
                      "--cublas-workspace SIZE sets it")
     arch = gpu_arch or (gpu_presets()[gpu.lower()].get("arch", "sm90") if gpu else "sm90")
+    # the preset's own multiprocessors, unless --gpu-arch names another architecture than the preset's
+    shape = gpu_presets()[gpu.lower()] if gpu and not gpu_arch else {}
+    sms, threads = shape.get("multiprocessors", 0), shape.get("max_threads_per_multiprocessor", 0)
     if device == "cuda" and not gpu and not gpu_arch:
         notes.append("GPU architecture: sm90 assumed (H100-class kernels); --gpu NAME sets it")
     if cpu_isa is not None:
@@ -437,7 +441,8 @@ def _cluster(*, gpus: int, gpus_per_node: int | None, gpu: str | None, gpu_memor
             raise SettingsError("--cpu-isa applies to --device cpu")
     host_mem = parse_size(host_memory_size)[0] if host_memory_size else None
     return Cluster(gpus=gpus, gpus_per_node=gpus_per_node if gpus_per_node is not None else min(gpus, 8) or 1,
-                   gpu_memory_bytes=mem, device=device, gpu_arch=arch, cpu_isa=cpu_isa, host_memory_bytes=host_mem,
+                   gpu_memory_bytes=mem, device=device, gpu_arch=arch, gpu_multiprocessors=sms,
+                   gpu_threads_per_multiprocessor=threads, cpu_isa=cpu_isa, host_memory_bytes=host_mem,
                    **({} if workspace is None else {"blas_workspace_bytes": workspace}))
 
 

@@ -28,6 +28,7 @@ class _Birth:
     slot: int  #: births before it in its region
     size: tuple[int, int]  #: c0, c1
     grad: int | None  #: block of the parameter whose gradient it is (-1: outside the blocks), else None
+    late: int = 0  #: a gradient: how many gradients born after it were ready before it (LiveBytes.ready_order)
 
 
 def _regions(d: dict[str, Any], n: int) -> list[tuple[str, int, int, int]]:
@@ -52,7 +53,18 @@ def step_events(d: dict[str, Any], layers: int, micro_batch: int) -> list[tuple]
     """The traced step's events at the model's depth and ``micro_batch``: ("a", key, bytes, grad block or None),
     ("f", key), and ("m", region kind, block) where each region begins (see _expand)."""
     b = micro_batch
-    return [("a", e[1], max(e[2][0] + e[2][1] * b, 1), e[3]) if e[0] == "a" else e for e in _expand(d, layers)]
+    return [("a", e[1], max(e[2][0] + e[2][1] * b, 1), e[3], e[4]) if e[0] == "a" else e
+            for e in _expand(d, layers)]
+
+
+def ready_order(grads: list[tuple[Any, int]], late: dict[Any, int]) -> list[tuple[Any, int]]:
+    """Gradients in the order they were ready, from the order they were made and, per gradient, how many made
+    after it were ready before it (``late``, by key; LiveBytes.ready_order): each is placed, from the last made
+    to the first, after that many of those already placed."""
+    out: list[tuple[Any, int]] = []
+    for g in reversed(grads):
+        out.insert(min(late.get(g[0], 0), len(out)), g)
+    return out
 
 
 #: expansions already made, by (id of the profile's events, depth): the micro-batch only scales their sizes
@@ -143,7 +155,7 @@ def _expand_now(d: dict[str, Any], layers: int) -> list[tuple]:
     for i, e in enumerate(events):
         r = region_of[i]
         if isinstance(e, list):
-            births.append(_Birth(r, count[r], (e[0], e[1]), e[2] if len(e) > 2 else None))
+            births.append(_Birth(r, count[r], (e[0], e[1]), e[2] if len(e) > 2 else None, e[3] if len(e) > 3 else 0))
             count[r] += 1
         elif count[r] == 0 and r > 0:
             # a death before the region's first birth happened where the previous region ended: a block's output
@@ -213,7 +225,7 @@ def _expand_now(d: dict[str, Any], layers: int) -> list[tuple]:
             key = next(counter)
             size = b.size
             grad = b.grad if b.grad is None or b.grad < 0 else (blk if expand else b.grad)
-            out.append(("a", key, size, grad))
+            out.append(("a", key, size, grad, b.late))
             if sid in marks:
                 out.append(("m", "ws", marks[sid]))
             death = deaths.get(sid)
@@ -273,6 +285,8 @@ class Run:
         self.anon = 0  #: keys of what the frameworks allocate (positive; a step's are negative)
         self.a.steps = self.steps = []  # type: ignore[attr-defined]
         self.workspaces: set[str] = set()  #: threads whose cuBLAS workspace is made (_workspace)
+        #: kept gradients made before others that were ready first: how many (micro_step; ready_order)
+        self.late: dict[Any, int] = {}
 
     #: set by predict: stop (raise OverLimit) once the reserved bytes pass it
     limit: int | None = None
@@ -497,6 +511,8 @@ def micro_step(run: Run, job: ReplayJob, n: int, keep_grads: bool, at: Any = Non
                 if keep_grads:
                     kept.add(key)
                     grads.append((key, size))
+                    if len(e) > 4 and e[4]:
+                        run.late[key] = e[4]
         elif kind == "f":
             key = off + e[1]
             if key not in kept:

@@ -164,6 +164,10 @@ class Cluster:
     blas_workspace_bytes: int = 32 * MiB
     #: the GPU's architecture (smXY, gfxNNN): which SDPA kernels the traced step takes (memplan/kernels.py)
     gpu_arch: str = "sm90"
+    #: the GPU's multiprocessors and threads per multiprocessor (0: the architecture's usual part,
+    #: kernels.GPU_SHAPES): how a CUDA reduction splits across blocks, and so its staging buffer
+    gpu_multiprocessors: int = 0
+    gpu_threads_per_multiprocessor: int = 0
     #: device cpu: the instruction-set class the CPU kernels follow (kernels.CPU_ISAS); None: this machine's
     cpu_isa: str | None = None
     #: a node's host RAM for offloaded states (--host-memory); None: no host verdict

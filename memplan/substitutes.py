@@ -7,7 +7,9 @@ CUDA tensors (AccumulateGrad's InputMetadata asks for a CUDA device guard). So f
 * ``CudaAutocast``: CPU autocast with CUDA's policy, op by op, taken from the installed PyTorch's own
   AutocastCUDA kernels (aten/src/ATen/autocast_mode.cpp);
 * ``sdpa``: scaled_dot_product_attention as the device's backend choice runs it (memplan.kernels);
-* ``cuda_dropout``: the fused dropout's 1-byte mask.
+* ``cuda_dropout``: the fused dropout's 1-byte mask;
+* ``cuda_scratch``: what CUDA kernels allocate for themselves after their output (a reduction's staging buffer,
+  an embedding backward's partial sums), as the trace's dispatch mode records each op.
 
 For a CPU job, ``gemm_scratch`` adds oneDNN's bf16 GEMM scratch for the host's instruction set. DeepSpeed
 ZeRO-3's own linear (``deepspeed_zero3_linear``) is substituted for both.
@@ -154,11 +156,13 @@ class CudaAutocast:
 
         torch = self.torch
         leaves, spec = tree_flatten((args, kwargs))
-        out = []
-        for i, t in enumerate(leaves):
-            if i in casts and isinstance(t, torch.Tensor) and t.dtype != casts[i]:
-                t = self._cast(t, casts[i])
-            out.append(t)
+        out = list(leaves)
+        # in the order the AutocastCUDA kernel cast them (the probe's record: right to left, as the compiled
+        # kernels evaluate their calls' arguments; bench/autocast_cast_order.py): linear's bias, weight, input
+        for i, dtype in casts.items():
+            t = out[i] if i < len(out) else None
+            if isinstance(t, torch.Tensor) and t.dtype != dtype:
+                out[i] = self._cast(t, dtype)
         args, kwargs = tree_unflatten(out, spec)
         if forced is not None:
             if any(a.name == "dtype" for a in op._schema.arguments):
@@ -301,6 +305,59 @@ def gemm_scratch(isa: str, threads: int = 1):  # noqa: ANN201
         return K.cpu_gemm_scratch(isa, m, n, k, names.get(out.dtype, "other"), threads)
 
     return scratch
+
+
+# ---- CUDA reductions' staging buffers -------------------------------------------------------------------------
+
+
+def cuda_scratch(gpu: tuple[int, int, int]):  # noqa: ANN201
+    """transients(func, args, kwargs, out) -> the bytes a CUDA kernel allocates for itself after its output and
+    frees before returning, in allocation order. A reduction's staging buffer and semaphores
+    (memplan.kernels.reduce_scratch): sum, mean, prod, nansum,
+    the vector norm, amax/amin, var/std and argmax/argmin, on ``gpu`` (multiprocessors, threads per
+    multiprocessor, warp size). The accumulator's size is the reduction's arg_t: float for 16- and 32-bit
+    floats (double for double), the input's own type for amax/amin, Welford's (mean, m2, n, nf) for var/std
+    (ReduceMomentKernel.cu), (value, int64 index) for argmax/argmin. An embedding's backward over more than
+    3,072 indices (memplan.kernels.embedding_backward_scratch)."""
+    import torch
+
+    aten = torch.ops.aten
+    acc = {aten.sum.default: "acc", aten.sum.dim_IntList: "acc", aten.mean.default: "acc", aten.mean.dim: "acc",
+           aten.prod.default: "acc", aten.prod.dim_int: "acc", aten.nansum.default: "acc",
+           aten.linalg_vector_norm.default: "acc", aten.amax.default: "self", aten.amin.default: "self",
+           aten.var.correction: 16, aten.std.correction: 16, aten.var_mean.correction: 16,
+           aten.std_mean.correction: 16, aten.argmax.default: 16, aten.argmin.default: 16}
+    dim_at = {aten.linalg_vector_norm.default: 2}
+
+    def transients(func: Any, args: tuple, kwargs: dict, out: Any) -> list[int]:
+        if func is aten.embedding_dense_backward.default:
+            grad, indices, num_weights = args[0], args[1], args[2]
+            scale = args[4] if len(args) > 4 else kwargs.get("scale_grad_by_freq", False)
+            n = K.embedding_backward_scratch(indices.numel(), num_weights, grad.shape[-1],
+                                             8 if grad.dtype == torch.float64 else 4, bool(scale))
+            return [n] if n else []
+        kind = acc.get(func)
+        if kind is None or not args or not isinstance(args[0], torch.Tensor):
+            return []
+        x = args[0]
+        i = dim_at.get(func, 1)
+        dims = kwargs.get("dim", args[i] if len(args) > i else None)
+        if isinstance(dims, int):
+            dims = (dims,)
+        first = out[0] if isinstance(out, (tuple, list)) else out
+        if not isinstance(first, torch.Tensor):
+            return []
+        if kind == "acc":
+            size = 8 if (x.dtype == torch.float64 or not x.dtype.is_floating_point) else 4
+        elif kind == "self":
+            size = x.element_size()
+        else:
+            size = kind
+        buf, sem = K.reduce_scratch(tuple(x.shape), tuple(x.stride()), tuple(dims) if dims else None,
+                                    x.element_size(), size, first.element_size(), gpu)
+        return [buf, sem] if buf else []
+
+    return transients
 
 
 # ---- expert parallelism: transformers' AllToAllEP with the collectives taken out ---------------------------------

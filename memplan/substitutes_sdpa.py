@@ -65,7 +65,16 @@ def _fused(target: K.Target) -> Any:
         def backward(ctx, grad):  # noqa: ANN001
             q, k, v, *_ = ctx.saved_tensors
             dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-            _scratch(K.backward_scratch(ctx.backend, ctx.call, target.device), q.device)
+            if ctx.backend == "efficient" and target.device == "cuda" and not target.arch.startswith("gfx"):
+                # its delta, the temporaries that make it and its workspace, in order (kernels.efficient_backward)
+                temps, delta, work = K.efficient_backward(ctx.call, target.arch)
+                held = [torch.empty(n, dtype=torch.uint8, device=q.device) for n in temps]
+                d = torch.empty(delta, dtype=torch.uint8, device=q.device)
+                del held
+                w = torch.empty(work, dtype=torch.uint8, device=q.device) if work else None
+                del d, w
+            else:
+                _scratch(K.backward_scratch(ctx.backend, ctx.call, target.device, target.arch), q.device)
             return dq, dk, dv, None, None, None
     return Fused
 
@@ -142,7 +151,7 @@ def _ring(target: K.Target, cp: int) -> Any:
                 # a load-balanced step on half the query (i > rank) hands the kernel q.chunk(2)[1], which the CPU
                 # flash kernel copies to make contiguous (measured: rank 0 of cp 2 in fp32 held one more, -1.78%)
                 half = torch.empty_like(q) if target.device == "cpu" and i else None
-                _scratch(K.backward_scratch(ctx.backend, ctx.call, target.device), q.device)
+                _scratch(K.backward_scratch(ctx.backend, ctx.call, target.device, target.arch), q.device)
                 if passed is not None:  # the accumulated dk, dv received from the previous rank
                     dk, dv = (passed[:dk.numel()].view(dk.shape), passed[dk.numel():].view(dv.shape))
                 dk = dk + dk_i.to(f32)

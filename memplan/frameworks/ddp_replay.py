@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from memplan.allocator import Allocator, AllocatorConfig
-from memplan.replay import (MAX_STEPS, MiB, ReplayJob, Run, bucket_assignment, build_model, micro_step,
+from memplan.replay import (MAX_STEPS, MiB, ReplayJob, Run, bucket_assignment, build_model, micro_step, ready_order,
                             optimizer_step)
 
 
@@ -74,7 +74,9 @@ def replay_ddp(job: ReplayJob, config: AllocatorConfig | None = None, release: s
                     for k in old:
                         run.free(k)
                     old = []
-                ready = [size for _, size in first_grads]
+                # the Reducer's rebuilt order is the order the gradients were ready (autograd_hook ->
+                # rebuilt_params_), which a Linear's bias, summed after its weight's matmul, reaches first
+                ready = [size for _, size in ready_order(first_grads, run.late)]
                 buckets = [run.alloc(sum(ready[i] for i in idx))
                            for idx in bucket_assignment(ready, [DDP_FIRST_BUCKET, 25 * MiB])]
             rebuilt = forwards == 1

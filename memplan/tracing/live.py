@@ -35,6 +35,8 @@ class LiveBytes:
         self.op = ""
         self.origins: list[list[Any]] = []
         self.grad_ids: set[int] = set()
+        #: gradient storage ids in the order they were ready (mark_grad)
+        self.ready: list[int] = []
         #: births before the first cuBLAS call's outputs are tracked and counted, in forward ("f") and after it
         #: ("b"): where the forward thread's and autograd's thread's cuBLAS workspaces are allocated (BLAS_OPS)
         self.blas: dict[str, int] = {}
@@ -78,6 +80,29 @@ class LiveBytes:
         """A storage that existed before the step (parameters, buffers): views of it are not new bytes."""
         self._refs[id(t.untyped_storage())] = None
 
+    def transient(self, sizes: list[int]) -> None:
+        """Storages an op allocates for itself, in this order, and frees in the reverse order before it
+        returns (a CUDA reduction's staging buffer and semaphores): births and deaths in the events, and their
+        bytes in the timeline while all are alive."""
+        sids = []
+        for n in sizes:
+            n = -(-n // self.block) * self.block
+            sids.append(len(self._births_list))
+            self._births_list.append([n])
+            self.events.append(self._births_list[-1])
+            if self.labeler is not None:
+                self.origins.append([self.labeler(), self.op, "uint8", [n], len(self.timeline), None, n])
+            self.live += n
+            self.count += 1
+        self.tick()
+        for sid in reversed(sids):
+            n = self._births_list[sid][0]
+            self.events.append(sid)
+            self.live -= n
+            self.count -= 1
+            if sid < len(self.origins):
+                self.origins[sid][5] = len(self.timeline)
+
     def tick(self) -> None:
         self.timeline.append(self.live)
         self.counts.append(self.count)
@@ -95,10 +120,23 @@ class LiveBytes:
         return born
 
     def mark_grad(self, t: Any, block: int) -> None:
-        """``t`` is the gradient of a parameter of ``block`` (-1: outside the blocks): its birth says so."""
+        """``t`` is the gradient of a parameter of ``block`` (-1: outside the blocks): its birth says so. Called
+        when the gradient is ready (its post-accumulate hook), so the calls' order is the order DDP's Reducer
+        sees (ready_order)."""
         sid = self._sid.get(id(t.untyped_storage()))
         if sid is not None and len(self._births_list[sid]) == 1:
             self._births_list[sid].append(block)
+            self.ready.append(sid)
+
+    def ready_order(self) -> None:
+        """Each gradient's birth gets a third item: how many gradients born after it were ready before it (a
+        Linear's bias, summed after its weight's matmul, reaches its AccumulateGrad first: autograd runs
+        AccumulateGrad nodes before any other ready node). The replay rebuilds the ready order from it
+        (replay.ready_order), wherever the step is repeated to the model's depth."""
+        for i, sid in enumerate(self.ready):
+            late = sum(1 for other in self.ready[:i] if other > sid)
+            if len(self._births_list[sid]) == 2:
+                self._births_list[sid].append(late)
 
     def not_activation_between(self, start: int, end: int, nbytes: int) -> None:
         """Bytes that were a gradient, not an activation, from timeline index ``start`` to ``end``."""
@@ -123,22 +161,32 @@ BLAS_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm", "addbmm", "mv", "addmv", 
                       "_addmm_activation", "_scaled_mm", "_int_mm"})
 
 
-def dispatch_mode(live: LiveBytes, scratch: Any = None) -> Any:
+def dispatch_mode(live: LiveBytes, scratch: Any = None, transients: Any = None, accumulate: Any = None) -> Any:
     """Follows every storage created under it; ``scratch(func, args, out)`` adds an op's own temporary bytes
-    (allocated and freed inside the kernel) as one extra point of the timeline after the op."""
+    (allocated and freed inside the kernel) as one extra point of the timeline after the op;
+    ``transients(func, args, kwargs, out)`` the storages a kernel allocates and frees after its output, as
+    allocator events too (LiveBytes.transient); ``accumulate`` (tracing/accumulate.py) redoes in place the
+    autograd engine's gradient accumulations that a real run does in place."""
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_leaves
 
     class Mode(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
-            out = func(*args, **(kwargs or {}))
+            out = accumulate.maybe_inplace(func, args, kwargs or {}) if accumulate is not None else None
+            if out is None:
+                out = func(*args, **(kwargs or {}))
             live.op = getattr(func, "_opname", None) or str(func)
             for t in tree_leaves(out):
                 if isinstance(t, torch.Tensor):
                     live.track(t)
             if live.phase not in live.blas and live.op.split(".")[0] in BLAS_OPS:
                 live.blas[live.phase] = len(live._births_list)
+            if transients is not None:
+                sizes = transients(func, args, kwargs or {}, out)
+                if sizes:
+                    live.tick()
+                    live.transient(sizes)
             if scratch is not None:
                 extra = scratch(func, args, out)
                 if extra:

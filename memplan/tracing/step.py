@@ -13,6 +13,7 @@ from memplan import substitutes as sub
 from memplan.kernels import Target
 from memplan.model import user_module
 from memplan.parallel import CP_KEY, EP_KEY
+from memplan.tracing.accumulate import Accumulations
 from memplan.tracing.explain import ModuleStack
 from memplan.tracing.live import LiveBytes, dispatch_mode
 from memplan.tracing.segments import block_hooks, block_segments, loss_segment, root_hooks_done
@@ -240,7 +241,10 @@ def one_step(config: dict[str, Any], batch: int, seq: int, recipe: str, attentio
 
         stack.install()
         try:
-            with dispatch_mode(live, None if cuda else sub.gemm_scratch(target.cpu_isa, target.cpu_threads)):
+            accumulate = Accumulations()
+            accumulate.calibrate(dispatch_mode(LiveBytes(live.block), accumulate=accumulate))
+            with dispatch_mode(live, None if cuda else sub.gemm_scratch(target.cpu_isa, target.cpu_threads),
+                               sub.cuda_scratch(target.gpu) if cuda else None, accumulate):
                 with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
                         loss = run(model)
@@ -250,6 +254,7 @@ def one_step(config: dict[str, Any], batch: int, seq: int, recipe: str, attentio
                 live.phase = "b"  # the backward's ops run on autograd's device thread, with its own cuBLAS handle
                 after_forward = live.live
                 first_contributions(loss, live, hooks.first_contrib)
+                accumulate.hook(loss)
                 loss.backward()
                 live.tick()
                 # a block whose input needs no gradient (the first one under LoRA: the frozen embedding's output)
@@ -257,6 +262,7 @@ def one_step(config: dict[str, Any], batch: int, seq: int, recipe: str, attentio
                 for i in range(len(block_list)):
                     moments.regions["be"].setdefault(i, len(live.events))
                 del loss
+            live.ready_order()
         finally:
             stack.remove()
         names = {id(m): n for n, m in model.named_modules()}

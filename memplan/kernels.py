@@ -541,6 +541,32 @@ def reduce_scratch(shape: tuple[int, ...], strides: tuple[int, ...], dims: tuple
     return size, 4 * grid_x
 
 
+def scratch_args(shape: tuple[int, ...], strides: tuple[int, ...], dims: tuple[int, ...] | None, in_elem: int,
+                 acc_elem: int, out_elem: int, gpu: tuple[int, int, int]) -> list[int]:
+    """A reduction's reduce_scratch arguments as one list of integers (a traced step's kernel-scratch birth keeps
+    them, each a line in the micro-batch: kernel_scratch evaluates them at any)."""
+    n = len(shape)
+    red = sorted({d % n for d in dims}) if dims else []
+    return [n, *shape, *strides, len(red), *red, in_elem, acc_elem, out_elem, *gpu]
+
+
+@functools.lru_cache(maxsize=4096)
+def kernel_scratch(kind: str, args: tuple[int, ...]) -> int:
+    """The bytes of a traced kernel-scratch birth (tracing/live.py LiveBytes.scratch) from its integer arguments
+    at the micro-batch wanted: "reduce" (a reduction's staging buffer) and "semaphores" (scratch_args, then
+    reduce_scratch), "embedding" (embedding_backward_scratch). Sizes that are not lines in the micro-batch (the
+    blocks a reduction splits into, the embedding's 3,072-index threshold) are so exact at every micro-batch."""
+    if kind == "embedding":
+        return embedding_backward_scratch(*args[:4], bool(args[4]))
+    n = args[0]
+    shape, strides = tuple(args[1:1 + n]), tuple(args[1 + n:1 + 2 * n])
+    k = args[1 + 2 * n]
+    dims = tuple(args[2 + 2 * n:2 + 2 * n + k]) or None
+    in_elem, acc_elem, out_elem, *gpu = args[2 + 2 * n + k:]
+    buf, sem = reduce_scratch(shape, strides, dims, in_elem, acc_elem, out_elem, tuple(gpu))
+    return buf if kind == "reduce" else sem if kind == "semaphores" else 0
+
+
 def embedding_backward_scratch(indices: int, num_weights: int, dim: int, opmath: int, scale_grad_by_freq: bool) -> int:
     """Bytes an embedding's CUDA backward (aten/src/ATen/native/cuda/Embedding.cu embedding_dense_backward_cuda)
     allocates after its gradient and frees before returning: above 3,072 indices (or with scale_grad_by_freq) it

@@ -29,6 +29,8 @@ class _Birth:
     size: tuple[int, int]  #: c0, c1
     grad: int | None  #: block of the parameter whose gradient it is (-1: outside the blocks), else None
     late: int = 0  #: a gradient: how many gradients born after it were ready before it (LiveBytes.ready_order)
+    #: a kernel's own scratch: (kind, its arguments as lines in the micro-batch), sized by kernels.kernel_scratch
+    kernel: tuple[str, tuple[tuple[int, int], ...]] | None = None
 
 
 def _regions(d: dict[str, Any], n: int) -> list[tuple[str, int, int, int]]:
@@ -53,8 +55,17 @@ def step_events(d: dict[str, Any], layers: int, micro_batch: int) -> list[tuple]
     """The traced step's events at the model's depth and ``micro_batch``: ("a", key, bytes, grad block or None),
     ("f", key), and ("m", region kind, block) where each region begins (see _expand)."""
     b = micro_batch
-    return [("a", e[1], max(e[2][0] + e[2][1] * b, 1), e[3], e[4]) if e[0] == "a" else e
-            for e in _expand(d, layers)]
+    return [("a", e[1], max(_size(e, b), 1), e[3], e[4]) if e[0] == "a" else e for e in _expand(d, layers)]
+
+
+def _size(e: tuple, micro_batch: int) -> int:
+    """A birth's bytes at ``micro_batch``: its line, or a kernel's scratch evaluated there."""
+    if e[5] is None:
+        return e[2][0] + e[2][1] * micro_batch
+    from memplan.kernels import kernel_scratch
+
+    kind, lines = e[5]
+    return kernel_scratch(kind, tuple(c0 + c1 * micro_batch for c0, c1 in lines))
 
 
 def ready_order(grads: list[tuple[Any, int]], late: dict[Any, int]) -> list[tuple[Any, int]]:
@@ -155,7 +166,11 @@ def _expand_now(d: dict[str, Any], layers: int) -> list[tuple]:
     for i, e in enumerate(events):
         r = region_of[i]
         if isinstance(e, list):
-            births.append(_Birth(r, count[r], (e[0], e[1]), e[2] if len(e) > 2 else None, e[3] if len(e) > 3 else 0))
+            if len(e) > 2 and e[2] == "k":
+                births.append(_Birth(r, count[r], (e[0], e[1]), None, 0, (e[3], tuple(map(tuple, e[4])))))
+            else:
+                births.append(_Birth(r, count[r], (e[0], e[1]), e[2] if len(e) > 2 else None,
+                                     e[3] if len(e) > 3 else 0))
             count[r] += 1
         elif count[r] == 0 and r > 0:
             # a death before the region's first birth happened where the previous region ended: a block's output
@@ -225,7 +240,7 @@ def _expand_now(d: dict[str, Any], layers: int) -> list[tuple]:
             key = next(counter)
             size = b.size
             grad = b.grad if b.grad is None or b.grad < 0 else (blk if expand else b.grad)
-            out.append(("a", key, size, grad, b.late))
+            out.append(("a", key, size, grad, b.late, b.kernel))
             if sid in marks:
                 out.append(("m", "ws", marks[sid]))
             death = deaths.get(sid)
@@ -501,6 +516,13 @@ def micro_step(run: Run, job: ReplayJob, n: int, keep_grads: bool, at: Any = Non
         kind = e[0]
         if kind == "a":
             key = off + e[1]
+            if e[5] is not None:  # a kernel's own scratch: none at this micro-batch, nothing allocated
+                size = _size(e, mb)
+                if size:
+                    live[key] = malloc(size)
+                    if a.reserved > limit:
+                        run.over()
+                continue
             size = e[2][0] + e[2][1] * mb
             live[key] = malloc(size if size > 0 else 1)
             if a.reserved > limit:

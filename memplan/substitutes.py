@@ -311,8 +311,9 @@ def gemm_scratch(isa: str, threads: int = 1):  # noqa: ANN201
 
 
 def cuda_scratch(gpu: tuple[int, int, int]):  # noqa: ANN201
-    """transients(func, args, kwargs, out) -> the bytes a CUDA kernel allocates for itself after its output and
-    frees before returning, in allocation order. A reduction's staging buffer and semaphores
+    """transients(func, args, kwargs, out) -> what a CUDA kernel allocates for itself after its output and frees
+    before returning, in allocation order, as (kind, integer arguments) for memplan.kernels.kernel_scratch (sizes
+    that are not lines in the micro-batch: the trace keeps their arguments, the replay evaluates them). A reduction's staging buffer and semaphores
     (memplan.kernels.reduce_scratch): sum, mean, prod, nansum,
     the vector norm, amax/amin, var/std and argmax/argmin, on ``gpu`` (multiprocessors, threads per
     multiprocessor, warp size). The accumulator's size is the reduction's arg_t: float for 16- and 32-bit
@@ -329,13 +330,12 @@ def cuda_scratch(gpu: tuple[int, int, int]):  # noqa: ANN201
            aten.std_mean.correction: 16, aten.argmax.default: 16, aten.argmin.default: 16}
     dim_at = {aten.linalg_vector_norm.default: 2}
 
-    def transients(func: Any, args: tuple, kwargs: dict, out: Any) -> list[int]:
+    def transients(func: Any, args: tuple, kwargs: dict, out: Any) -> list[tuple[str, list[int]]]:
         if func is aten.embedding_dense_backward.default:
             grad, indices, num_weights = args[0], args[1], args[2]
             scale = args[4] if len(args) > 4 else kwargs.get("scale_grad_by_freq", False)
-            n = K.embedding_backward_scratch(indices.numel(), num_weights, grad.shape[-1],
-                                             8 if grad.dtype == torch.float64 else 4, bool(scale))
-            return [n] if n else []
+            return [("embedding", [indices.numel(), num_weights, grad.shape[-1],
+                                   8 if grad.dtype == torch.float64 else 4, int(bool(scale))])]
         kind = acc.get(func)
         if kind is None or not args or not isinstance(args[0], torch.Tensor):
             return []
@@ -353,9 +353,9 @@ def cuda_scratch(gpu: tuple[int, int, int]):  # noqa: ANN201
             size = x.element_size()
         else:
             size = kind
-        buf, sem = K.reduce_scratch(tuple(x.shape), tuple(x.stride()), tuple(dims) if dims else None,
-                                    x.element_size(), size, first.element_size(), gpu)
-        return [buf, sem] if buf else []
+        spec = K.scratch_args(tuple(x.shape), tuple(x.stride()), tuple(dims) if dims else None,
+                              x.element_size(), size, first.element_size(), gpu)
+        return [("reduce", spec), ("semaphores", spec)]
 
     return transients
 

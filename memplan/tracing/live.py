@@ -80,28 +80,21 @@ class LiveBytes:
         """A storage that existed before the step (parameters, buffers): views of it are not new bytes."""
         self._refs[id(t.untyped_storage())] = None
 
-    def transient(self, sizes: list[int]) -> None:
-        """Storages an op allocates for itself, in this order, and frees in the reverse order before it
-        returns (a CUDA reduction's staging buffer and semaphores): births and deaths in the events, and their
-        bytes in the timeline while all are alive."""
+    def transient(self, scratch: list[tuple[str, list[int]]]) -> None:
+        """Storages a kernel allocates for itself, in this order, and frees in the reverse order before it returns
+        (a CUDA reduction's staging buffer and semaphores): births [bytes, "k", kind, arguments] and their deaths
+        in the events, for the caching allocator's replay, which sizes them at its own micro-batch
+        (kernels.kernel_scratch). They are left out of the timeline, whose points are lines in the micro-batch."""
+        from memplan.kernels import kernel_scratch
+
         sids = []
-        for n in sizes:
-            n = -(-n // self.block) * self.block
+        for kind, args in scratch:
             sids.append(len(self._births_list))
-            self._births_list.append([n])
+            self._births_list.append([kernel_scratch(kind, tuple(args)), "k", kind, list(args)])
             self.events.append(self._births_list[-1])
             if self.labeler is not None:
-                self.origins.append([self.labeler(), self.op, "uint8", [n], len(self.timeline), None, n])
-            self.live += n
-            self.count += 1
-        self.tick()
-        for sid in reversed(sids):
-            n = self._births_list[sid][0]
-            self.events.append(sid)
-            self.live -= n
-            self.count -= 1
-            if sid < len(self.origins):
-                self.origins[sid][5] = len(self.timeline)
+                self.origins.append([self.labeler(), self.op, "uint8", [], len(self.timeline), len(self.timeline), 0])
+        self.events.extend(reversed(sids))
 
     def tick(self) -> None:
         self.timeline.append(self.live)
@@ -183,10 +176,9 @@ def dispatch_mode(live: LiveBytes, scratch: Any = None, transients: Any = None, 
             if live.phase not in live.blas and live.op.split(".")[0] in BLAS_OPS:
                 live.blas[live.phase] = len(live._births_list)
             if transients is not None:
-                sizes = transients(func, args, kwargs or {}, out)
-                if sizes:
-                    live.tick()
-                    live.transient(sizes)
+                own = transients(func, args, kwargs or {}, out)
+                if own:
+                    live.transient(own)
             if scratch is not None:
                 extra = scratch(func, args, out)
                 if extra:

@@ -123,6 +123,14 @@ def alloc_events(a: dict[str, Any], b: dict[str, Any], *, expand: bool) -> dict[
         return None
     out: list[Any] = []
     for x, y in zip(ea, eb):
+        if isinstance(x, list) and len(x) > 1 and x[1] == "k":
+            # a kernel's own scratch: its arguments as lines in the micro-batch (kernels.kernel_scratch)
+            if not isinstance(y, list) or y[1:3] != x[1:3] or len(y[3]) != len(x[3]) or \
+                    any((q - p) % 2 for p, q in zip(x[3], y[3])):
+                return None
+            lines = [[p - 2 * ((q - p) // 2), (q - p) // 2] for p, q in zip(x[3], y[3])]
+            out.append([x[0], 0, "k", x[2], lines])
+            continue
         if isinstance(x, list):
             if not isinstance(y, list) or x[1:] != y[1:]:
                 return None

@@ -9,11 +9,12 @@ engine never steals, so a fake trace would allocate a new tensor at every accumu
 place: a transient the size of the gradient (phi-2's MLP input and rotary halves, a residual stream's branch),
 which the GPU's allocator stream does not show (bench/gpu/traces/phi2_ddp_fp32).
 
-``Accumulations`` makes the engine's own choice on the fake tensors: the adds made between two nodes (the
-engine's ``InputBuffer::add``: after a node's post-hooks, before the next node's pre-hooks) are redone in place
-where the real engine would. The reference counts it compares are the ones a tensor shows inside the
-dispatch mode for one uniquely held gradient, measured once per trace (``calibrate``): the dispatcher's own
-references to the arguments are the same for every call.
+``Accumulations`` makes the engine's own choice on the fake tensors. The engine's adds are told from a node's
+own by what they add to: a first contribution made before the node now running began (a node's pre-hook marks
+where each begins; post-hooks are not used: the engine keeps a node's inputs alive for them, which would change
+the step), outside AccumulateGrad (a parameter's ``.grad``, accumulated by its own rules). The reference counts
+compared are the ones a uniquely held gradient shows inside the dispatch mode, measured once per trace
+(``calibrate``): the dispatcher's own references to the arguments are the same for every call.
 """
 
 from __future__ import annotations
@@ -23,61 +24,66 @@ from typing import Any
 
 class Accumulations:
     def __init__(self) -> None:
-        self.between = False  #: the engine is between two nodes (distributing a node's outputs)
+        self.active = False  #: the backward is running (hook)
+        self.node_start = 0  #: births before the node now running began
         self.tensor_refs: int | None = None  #: _use_count() of a uniquely held gradient inside the mode
         self.storage_refs: int | None = None  #: the use count of its storage, seen the same way
         self.probing = False
         self.inplace = 0  #: accumulations done in place (for the record)
+        self._live: Any = None
 
-    def hook(self, loss: Any) -> None:
-        """Pre- and post-hooks on every node of ``loss``'s graph: the adds made between them are the engine's."""
+    def hook(self, loss: Any, live: Any) -> None:
+        """A pre-hook on every node of ``loss``'s graph but the AccumulateGrad leaves: where each node begins."""
+        self._live = live
         seen: set[Any] = set()
         stack = [loss.grad_fn]
         while stack:
             fn = stack.pop()
-            if fn is None or fn in seen:
+            if fn is None or fn in seen or hasattr(fn, "variable"):
                 continue
             seen.add(fn)
             fn.register_prehook(self._enter)
-            fn.register_hook(self._leave)
             stack.extend(nxt for nxt, _ in fn.next_functions)
-        self.between = True
+        self.active = True
 
     def _enter(self, *_: Any) -> None:
-        self.between = False
+        self.node_start = len(self._live._births_list)
 
-    def _leave(self, *_: Any) -> None:
-        self.between = True
-
-    def calibrate(self, mode: Any) -> None:
+    def calibrate(self, mode: Any, live: Any) -> None:
         """The counts of a uniquely held first contribution, seen from ``mode`` (a fresh dispatch mode of the
-        kind the trace runs under): y = x * 1; (y * 2 + y * 3).sum() accumulates y's two gradients, the first of
-        which only y's input buffer holds."""
+        kind the trace runs under, following ``live``): y = x * 1; (y * 2 + y * 3).sum() accumulates y's two
+        gradients, the first of which only y's input buffer holds."""
         import torch
 
         x = torch.ones(4, 4, requires_grad=True)
         y = x * 1
         loss = (y * 2 + y * 3).sum()
         self.probing = True
-        self.hook(loss)
-        try:
-            with mode:
+        with mode:
+            self.hook(loss, live)
+            try:
                 loss.backward()
-        finally:
-            self.probing = False
-            self.between = False
+            finally:
+                self.probing = False
+                self.active = False
 
-    def maybe_inplace(self, func: Any, args: tuple, kwargs: dict) -> Any:
+    def maybe_inplace(self, func: Any, args: tuple, kwargs: dict, live: Any) -> Any:
         """The engine's accumulation of ``args``, in place where the real engine would do it; None where the
         op is something else (or an accumulation to do out of place)."""
         import torch
 
-        if not self.between or func is not torch.ops.aten.add.Tensor or kwargs or len(args) != 2:
+        if not self.active or func is not torch.ops.aten.add.Tensor or kwargs or len(args) != 2:
             return None
         old, new = args
         if not (isinstance(old, torch.Tensor) and isinstance(new, torch.Tensor)) or old.shape != new.shape \
                 or old.dtype != new.dtype or old.layout != torch.strided:
             return None
+        sid = live._sid.get(id(old.untyped_storage()))
+        if sid is None or sid >= self.node_start:
+            return None  # made by the node now running: its own add
+        node = torch._C._current_autograd_node()
+        if node is None or hasattr(node, "variable"):
+            return None  # AccumulateGrad's own accumulation into a parameter's .grad
         refs = old._use_count()
         storage_refs = torch._C._storage_Use_Count(old.untyped_storage()._cdata)
         if self.probing:

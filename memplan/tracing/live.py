@@ -166,7 +166,7 @@ def dispatch_mode(live: LiveBytes, scratch: Any = None, transients: Any = None, 
 
     class Mode(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
-            out = accumulate.maybe_inplace(func, args, kwargs or {}) if accumulate is not None else None
+            out = accumulate.maybe_inplace(func, args, kwargs or {}, live) if accumulate is not None else None
             if out is None:
                 out = func(*args, **(kwargs or {}))
             live.op = getattr(func, "_opname", None) or str(func)

@@ -242,7 +242,8 @@ def one_step(config: dict[str, Any], batch: int, seq: int, recipe: str, attentio
         stack.install()
         try:
             accumulate = Accumulations()
-            accumulate.calibrate(dispatch_mode(LiveBytes(live.block), accumulate=accumulate))
+            probe = LiveBytes(live.block)
+            accumulate.calibrate(dispatch_mode(probe, accumulate=accumulate), probe)
             with dispatch_mode(live, None if cuda else sub.gemm_scratch(target.cpu_isa, target.cpu_threads),
                                sub.cuda_scratch(target.gpu) if cuda else None, accumulate):
                 with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -254,7 +255,7 @@ def one_step(config: dict[str, Any], batch: int, seq: int, recipe: str, attentio
                 live.phase = "b"  # the backward's ops run on autograd's device thread, with its own cuBLAS handle
                 after_forward = live.live
                 first_contributions(loss, live, hooks.first_contrib)
-                accumulate.hook(loss)
+                accumulate.hook(loss, live)
                 loss.backward()
                 live.tick()
                 # a block whose input needs no gradient (the first one under LoRA: the frozen embedding's output)

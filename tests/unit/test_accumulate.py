@@ -64,10 +64,12 @@ def _accumulations(cfg: dict, fake: bool) -> collections.Counter:
         return res
     with FakeTensorMode(allow_non_fake_inputs=True):
         acc = Accumulations()
-        acc.calibrate(dispatch_mode(LiveBytes(512), accumulate=acc))
+        probe = LiveBytes(512)
+        acc.calibrate(dispatch_mode(probe, accumulate=acc), probe)
         loss, res = run()
-        with dispatch_mode(LiveBytes(512), accumulate=acc):
-            acc.hook(loss)
+        live = LiveBytes(512)
+        with dispatch_mode(live, accumulate=acc):
+            acc.hook(loss, live)
             loss.backward()
     return res
 

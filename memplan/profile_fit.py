@@ -154,8 +154,9 @@ def _fit_list(values: tuple[Any, Any, Any], w: tuple[int, int, int, int]) -> lis
         if tx is int and type(y) is int and type(z) is int:
             out.append(x if x == y == z else -((-(w0 * x + w1 * y + w2 * z)) // d))
         elif tx is list and type(y) is list and type(z) is list and len(x) == len(y) == len(z) and x and \
-                type(x[0]) is int and type(y[0]) is int and type(z[0]) is int:
-            try:  # a line [c0, c1, ...] of integers (anything else raises: the general path below)
+                all(type(v) is int for v in x) and all(type(v) is int for v in y) and \
+                all(type(v) is int for v in z):
+            try:  # a line [c0, c1, ...] of integers (a kernel's scratch birth, with its kind: the general path)
                 out.append([p if p == q == r else -((-(w0 * p + w1 * q + w2 * r)) // d)
                             for p, q, r in zip(x, y, z)])
             except TypeError:

@@ -334,8 +334,9 @@ def first_contributions(loss: Any, live: LiveBytes, out: dict[int, list[Any]]) -
     accumulate), so the first contribution becomes the gradient: gpt2 under torch-amp, where the profiler shows
     the embedding's 2 MB contribution freed right after its add and no new storage; where it cannot (measured
     with a bf16 weight, or an fp32 weight without autocast) it adds out of place at the end, and the first
-    contribution lives until then. A fake-tensor run always adds out of place (a tensor subclass is never
-    stolen), which would leave the first contribution in the timeline as an activation until the end.
+    contribution lives until then. A fake-tensor run adds in place only where tracing/accumulate.py redoes the
+    engine's choice (a tensor subclass is never stolen); out of place, the first contribution would stay in the
+    timeline as an activation until the end.
     ``out[id(param)]`` = [storage weakref, birth, death, bytes, data_ptr (real tensors only)]."""
     from torch._subclasses.fake_tensor import FakeTensor
 

@@ -113,7 +113,8 @@ def render_plan(rep: dict, summary: str | None = None, explained: dict | None = 
         ratio = pg["reserved_peak_bytes"] / pg["peak_bytes"] if pg["peak_bytes"] else 0
         how = ("allocator segments, replayed" if res["method"] == "replayed" else
                f"allocated + {res['fragmentation_percent']}%: {res['why']}")
-        c.print(f"peak reserved: [bold]{fmt_bytes(pg['reserved_peak_bytes'])}[/bold] ({how}; {ratio:.2f}x allocated)")
+        c.print(f"peak reserved: [bold]{fmt_bytes(pg['reserved_peak_bytes'])}[/bold] ({how}; {ratio:.2f}x allocated)"
+                + release_orders(res.get("variants") or {}, pg["reserved_peak_bytes"]), soft_wrap=True)
     c.print(f"required per GPU: [bold]{fmt_bytes(pg['required_bytes'])}[/bold] (reserved + CUDA context + NCCL)")
     comm = rep.get("communication")
     if comm and comm["collectives"]:
@@ -152,6 +153,18 @@ def render_plan(rep: dict, summary: str | None = None, explained: dict | None = 
         c.print(f"  {topic:<10} " + "; ".join(items), soft_wrap=True)
     for n in rep["notes"]:
         c.print(f"note: {n}", soft_wrap=True)
+
+
+def release_orders(variants: dict[str, int], verdict: int) -> str:
+    """The release orders the replay found besides the verdict's (DDP: the first buckets freed at the rebuild, or
+    held by NCCL's watchdog into step 2's backward; which one a run gets is a race), shown under the table so the
+    user sees the range and which end the verdict takes; empty where there is one order."""
+    others = [(k, v) for k, v in sorted(variants.items()) if v != verdict]
+    if not others:
+        return ""
+    taken = next((k for k, v in sorted(variants.items()) if v == verdict), "")
+    return (f"; the larger of {len(variants)} release orders ({taken}); "
+            + ", ".join(f"{fmt_bytes(v)} with {k}" for k, v in others))
 
 
 def render_explain(c: Any, ex: dict) -> None:

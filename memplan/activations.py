@@ -152,6 +152,10 @@ class ActivationProfile:
         """Activations at each block parameter's hook (see TracedProfile.block_hooks): none without a timeline."""
         return ()
 
+    def root_first_hook(self, micro_batch: int) -> tuple[int, int] | None:
+        """The backward's first gradient hook (see TracedProfile.root_first_hook): none without a timeline."""
+        return None
+
     def recompute_transient_bytes(self, recompute: str) -> int:
         """Extra bytes while one block is recomputed in backward (a checkpointed block's)."""
         return self.per_layer_bytes if checkpoint_every(recompute) else 0
@@ -349,6 +353,16 @@ class TracedProfile:
                 self._memo[key] = (c0 + c1 * b + extra, g)
         return self._memo[key]
 
+    def root_first_hook(self, micro_batch: int) -> tuple[int, int] | None:
+        """(activation bytes, gradient elements of the parameters outside the blocks made so far) at the
+        backward's first gradient hook (the head's weight's, or the final norm's where the head is tied: where
+        DeepSpeed ZeRO-1/2 set their bucket up), every block's saved activations below; None where the profile
+        has not recorded it (traced before profile version 19)."""
+        line = self.data.get("root_first_hook")
+        if line is None:
+            return None
+        return line[0] + line[1] * micro_batch + self._extra_at(micro_batch), line[2]
+
     def moment_activations(self, micro_batch: int) -> dict[int, int]:
         """Activations when the last block's backward begins (-5), when the one before it begins (-6), when
         the last block's forward begins (-7) and at the most inside it (-8), when the one before the last
@@ -506,6 +520,10 @@ class HeldProfile:
 
     def loss_moment(self, micro_batch: int, grad_width: int) -> tuple[int, int] | None:
         m = self.inner.loss_moment(micro_batch, grad_width)
+        return None if m is None else (m[0] + self._x(micro_batch) + self.loss_extra * micro_batch, m[1])
+
+    def root_first_hook(self, micro_batch: int) -> tuple[int, int] | None:
+        m = self.inner.root_first_hook(micro_batch)
         return None if m is None else (m[0] + self._x(micro_batch) + self.loss_extra * micro_batch, m[1])
 
     def moment_activations(self, micro_batch: int) -> dict[int, int]:

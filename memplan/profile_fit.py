@@ -307,6 +307,7 @@ def _round_up_margin(p: dict[str, Any]) -> None:
     lift(p.get("per_layer"), n["per_layer"])
     lift(p.get("saved_for_backward"), n["saved"])
     lift(p.get("root_hooks_done"), n["root_hooks_done"])
+    lift(p.get("root_first_hook"), n.get("root_first_hook"))
     lift(p.get("last_block_forward_start"), n["last_block_forward_start"])
     for k in ("forward", "backward", "last_block_forward", "loss"):
         for line, count in zip(raw[k], n[k] or ()):

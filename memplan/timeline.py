@@ -57,6 +57,9 @@ class Moment(IntEnum):
     ROOT_LAST_HOOK_BEFORE_BLOCKS = -12
     #: the first block's backward begins (the last block backward runs; the others' activations freed)
     FIRST_BLOCK_BACKWARD_BEGINS = -13
+    #: the backward's first gradient hook (a parameter outside the blocks: the head's weight, or the final norm's
+    #: where the head is tied), the root's gradients made so far still whole (profile.root_first_hook)
+    ROOT_FIRST_HOOK = -14
 
     @property
     def in_forward(self) -> bool:

@@ -61,6 +61,14 @@ def _block_points(seg_a: list[list[int]], seg_b: list[list[int]]) -> list[list[i
     return pts
 
 
+def _first_hook(a: list[int] | None, b: list[int] | None) -> list[int] | None:
+    """The first gradient hook's [c0, c1, gradient elements] from its two traced points (None where either has
+    none, or where the hook's parameter differs between them)."""
+    if a is None or b is None or a[1] != b[1]:
+        return None
+    return [*_line(a[0], b[0]), a[1]]
+
+
 def _most(a: Any, b: Any) -> Any:
     """The larger of two counts, element by element (None where either is)."""
     if isinstance(a, list) and isinstance(b, list):
@@ -179,6 +187,7 @@ def _profile(top: tuple[dict[str, Any], dict[str, Any]], low: tuple[dict[str, An
     # length bounds the allocator's 512-byte rounding with it (profile_fit._round_up_margin)
     ca, cb = top[0]["counts"], top[1]["counts"]
     n = {k: _most(ca[k], cb[k]) for k in ("saved", "live", "root_hooks_done", "last_block_forward_start")}
+    n["root_first_hook"] = _most(*((x or [None])[0] for x in (ca["root_first_hook"], cb["root_first_hook"])))
     n.update(forward=_most(ca["forward"], cb["forward"]), backward=_most(ca["backward"], cb["backward"]),
              last_block_forward=(_most(ca["last_block_forward"], cb["last_block_forward"])
                                  if raw["last_block_forward"] else []),
@@ -214,6 +223,9 @@ def _profile(top: tuple[dict[str, Any], dict[str, Any]], low: tuple[dict[str, An
         "root_hooks_done": (_line(top[0]["root_hooks_done"], top[1]["root_hooks_done"])
                             if top[0]["root_hooks_done"] is not None and top[1]["root_hooks_done"] is not None
                             else None),
+        #: [c0, c1, g] at the backward's first gradient hook: live bytes c0 + c1 * micro-batch, and g gradient
+        #: elements of parameters outside the blocks made by then (see segments.root_first_hook)
+        "root_first_hook": _first_hook(top[0]["root_first_hook"], top[1]["root_first_hook"]),
         #: live bytes when the last block's forward begins (everything before it saved, nothing of the loss)
         "last_block_forward_start": _line(top[0]["last_block_forward_start"], top[1]["last_block_forward_start"]),
         #: the most live during the last block's forward (its own activations and temporaries)

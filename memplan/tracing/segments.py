@@ -74,6 +74,24 @@ def root_hooks_done(timeline: list[int], grads: list[tuple[int, int, int]], poin
     return timeline[max(before)] if before else None
 
 
+def root_first_hook(timeline: list[int], grads: list[tuple[int, int, int]], points: list[int],
+                    firsts: list[tuple[int, int]], forward_end: int,
+                    starts: dict[int, int] | None = None) -> tuple[int, int] | None:
+    """(activations, gradient elements outside the blocks made so far) at the backward's first gradient hook, or
+    None where no parameter outside the blocks has a hook before them. DeepSpeed ZeRO-1/2 set their reduce bucket
+    up in it (stage_1_and_2.py process_gradients -> setup_buckets), before that gradient is copied into the bucket
+    and its own storage freed: the head's weight gradient (and a tied weight's first contribution) are alive
+    beside the new bucket. Measured: phi3-mini-4l ZeRO-2 offload at micro-batch 1 peaks there
+    (bench/gpu/traces/phi3_z2off1: the 1,000,000,000-byte bucket beside the head's 197,001,216-byte gradient)."""
+    start = segment_start(grads, forward_end, starts)
+    roots = [at for (born, blk, _), at in zip(grads, points) if blk < 0 and born < start]
+    if not roots:
+        return None
+    at = min(roots)
+    made = sum(numel for born, blk, numel in grads if blk < 0 and born <= at)
+    return timeline[at], made + sum(numel for born, numel in firsts if born <= at)
+
+
 def loss_segment(timeline: list[int], grads: list[tuple[int, int, int]], firsts: list[tuple[int, int]],
                   forward_end: int, blocks: list[list[list[int]]],
                   starts: dict[int, int] | None = None) -> list[list[int]]:

@@ -16,7 +16,7 @@ from memplan.parallel import CP_KEY, EP_KEY
 from memplan.tracing.accumulate import Accumulations
 from memplan.tracing.explain import ModuleStack
 from memplan.tracing.live import LiveBytes, dispatch_mode
-from memplan.tracing.segments import block_hooks, block_segments, loss_segment, root_hooks_done
+from memplan.tracing.segments import block_hooks, block_segments, loss_segment, root_first_hook, root_hooks_done
 from memplan.tracing_keys import trace_dtypes
 
 
@@ -287,10 +287,18 @@ def _counts(live: LiveBytes, m: _BlockMoments, h: _GradientHooks, saved: int, fo
             "backward": counts[forward_end - 1:], "blocks": [[p[0] for p in seg] for seg in blocks],
             "hooks": [[p[0] for p in hk] for hk in block_hooks(counts, h.grads, h.hook_points)],
             "root_hooks_done": root_hooks_done(counts, h.grads, h.hook_points, forward_end, m.backward_starts),
+            "root_first_hook": first_hook_at(counts, h, forward_end, m),
             "loss_backward": [p[0] for p in loss_segment(counts, h.grads, h.root_firsts, forward_end, blocks,
                                                          m.backward_starts)],
             "last_block_forward_start": max(counts[max(0, last_start[1] - 1):last_start[1] + 1] or [0]),
             "last_block_forward": counts[last_start[1]:m.forward_ends.get(nblocks - 1, 0) + 1]}
+
+
+def first_hook_at(timeline: list[int], h: _GradientHooks, forward_end: int, m: _BlockMoments) -> list[int] | None:
+    """[timeline value, gradient elements outside the blocks made so far] at the backward's first gradient hook
+    (segments.root_first_hook), or None."""
+    hit = root_first_hook(timeline, h.grads, h.hook_points, h.root_firsts, forward_end, m.backward_starts)
+    return None if hit is None else list(hit)
 
 
 def _result(live: LiveBytes, m: _BlockMoments, h: _GradientHooks, kernels: dict[str, str], saved: int,
@@ -304,6 +312,7 @@ def _result(live: LiveBytes, m: _BlockMoments, h: _GradientHooks, kernels: dict[
             "blocks": blocks,
             "hooks": block_hooks(timeline, h.grads, h.hook_points),
             "root_hooks_done": root_hooks_done(timeline, h.grads, h.hook_points, forward_end, m.backward_starts),
+            "root_first_hook": first_hook_at(timeline, h, forward_end, m),
             "loss_backward": loss_segment(timeline, h.grads, h.root_firsts, forward_end, blocks, m.backward_starts),
             "attention_kernels": kernels,
             "events": live.events, "regions": m.regions, "blas": dict(live.blas),

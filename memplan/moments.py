@@ -119,9 +119,9 @@ def kind_values(f: Fixed, micro_batch: int, saved: int, block: int, emb: int,
             if head is not None:
                 out[kind] = (head[0], f.grad_width * head[1])
         elif kind == M.ROOT_FIRST_HOOK:
-            # without the hook recorded (a profile traced before version 19), the loss segment's most (the hook
-            # is one of its points): never under the moment
-            hook = prof.root_first_hook(micro_batch) or prof.loss_moment(micro_batch, f.grad_width)
+            # not evaluated where the step has no such hook (every parameter outside the blocks frozen, as under
+            # LoRA: the first hook is a block's, which the blocks' moments hold) or the profile predates it
+            hook = prof.root_first_hook(micro_batch)
             if hook is not None:
                 out[kind] = (hook[0], f.grad_width * hook[1])
         elif kind == M.BLOCK_GRADIENT_HOOK:

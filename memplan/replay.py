@@ -28,7 +28,9 @@ class _Birth:
     slot: int  #: births before it in its region
     size: tuple[int, int]  #: c0, c1
     grad: int | None  #: block of the parameter whose gradient it is (-1: outside the blocks), else None
-    late: int = 0  #: a gradient: how many gradients born after it were ready before it (LiveBytes.ready_order)
+    #: a gradient: how many gradients born after it were ready before it (LiveBytes.ready_order); -1: a tied
+    #: weight's first gradient contribution (LiveBytes.mark_contribution)
+    late: int = 0
     #: a kernel's own scratch: (kind, its arguments as lines in the micro-batch), sized by kernels.kernel_scratch
     kernel: tuple[str, tuple[tuple[int, int], ...]] | None = None
 
@@ -402,10 +404,11 @@ def replay_job(inv: Any, s: Any, numels: list[int], shapes: list[tuple[int, ...]
     (``shapes`` their shapes where they are not 1-D)."""
 
     d = s.activation_profile.data
-    build = []
-    for t in inv.tensors:
-        build.append((t.numel * 4, False))  # built in fp32 (transformers' default dtype), module order
-        build.extend((t.numel * 4, True) for _ in t.tied_names)
+    # built in fp32 (transformers' default dtype), module order; a tied alias is the head a CausalLM's __init__
+    # makes last (``self.lm_head = nn.Linear(...)`` after ``self.model``), with its own weight until post_init
+    # ties it (measured: bench/gpu/traces/q05_z2, sm_z2, g3_z2off and g3_z3 allocate it after every block)
+    build = [(t.numel * 4, False) for t in inv.tensors]
+    build.extend((t.numel * 4, True) for t in inv.tensors for _ in t.tied_names)
     # a recipe that stores bf16 parameters converts the built model (model.to(torch.bfloat16) before wrapping);
     # LoRA adapters on a half-precision base are upcast to fp32 by PEFT (options.lora_recipe: adapter_bytes)
     rc = s.recipe
@@ -443,7 +446,8 @@ def zero3_linear_order(step: list[tuple]) -> list[tuple]:
     """A step traced with aten's linear, in the order DeepSpeed ZeRO-3's linear allocates its backward:
     LinearFunctionForZeroStage3.backward (deepspeed/runtime/zero/linear.py) makes the input's gradient
     (grad_output.matmul(weight)) before the weight's, where aten's MmBackward0 makes the weight's first. Each
-    parameter's gradient (a birth that does not grow with the micro-batch) followed by an activation's gradient
+    parameter's gradient (a birth that does not grow with the micro-batch; a tied weight's first contribution,
+    the head's, too: LiveBytes.mark_contribution) followed by an activation's gradient
     (one that does), nothing else made between but a cuBLAS workspace mark, is swapped with it; the mark stays
     after the first of the two (a thread's workspace comes right after its first GEMM's output; recorded on the
     H200: bench/gpu/traces/q7_z3mb1, the head's input gradient, the autograd thread's 32 MiB workspace, then the
@@ -455,7 +459,7 @@ def zero3_linear_order(step: list[tuple]) -> list[tuple]:
     i, n = 0, len(out)
     while i < n:
         e = out[i]
-        if e[0] == "a" and e[3] is not None and e[2][1] == 0:
+        if e[0] == "a" and (e[3] is not None or e[4] == -1) and e[2][1] == 0:
             j = i + 1
             while j < n and out[j][0] == "m" and out[j][1] == "ws":
                 j += 1

@@ -115,11 +115,20 @@ class LiveBytes:
     def mark_grad(self, t: Any, block: int) -> None:
         """``t`` is the gradient of a parameter of ``block`` (-1: outside the blocks): its birth says so. Called
         when the gradient is ready (its post-accumulate hook), so the calls' order is the order DDP's Reducer
-        sees (ready_order)."""
+        sees (ready_order). A first contribution that became the gradient (added into in place) is a gradient."""
         sid = self._sid.get(id(t.untyped_storage()))
-        if sid is not None and len(self._births_list[sid]) == 1:
+        if sid is not None and (len(self._births_list[sid]) == 1 or self._births_list[sid][1:] == CONTRIBUTION):
+            del self._births_list[sid][1:]
             self._births_list[sid].append(block)
             self.ready.append(sid)
+
+    def mark_contribution(self, t: Any) -> None:
+        """``t`` is the first gradient contribution to a parameter the graph reaches more than once (a tied
+        weight's, from the head's matmul): its birth says so ([bytes, None, -1]: no parameter's gradient yet, and
+        a weight gradient's matmul output all the same, which replay.zero3_linear_order orders as one)."""
+        sid = self._sid.get(id(t.untyped_storage()))
+        if sid is not None and len(self._births_list[sid]) == 1:
+            self._births_list[sid].extend(CONTRIBUTION)
 
     def ready_order(self) -> None:
         """Each gradient's birth gets a third item: how many gradients born after it were ready before it (a
@@ -145,6 +154,11 @@ class LiveBytes:
             run += diff[i]
             out.append(v + run)
         return out
+
+
+#: what a first gradient contribution's birth carries after its bytes (LiveBytes.mark_contribution): no
+#: parameter's block, and "late" -1
+CONTRIBUTION = [None, -1]
 
 
 #: the ATen operators a CUDA build runs through cuBLAS(Lt) (aten/src/ATen/native/cuda/Blas.cpp): the first one a

@@ -382,6 +382,7 @@ def first_contributions(loss: Any, live: LiveBytes, out: dict[int, list[Any]]) -
 
             rec[0] = weakref.ref(st, died)
             out[key] = rec
+            live.mark_contribution(g)
 
         for fn, i in edges:
             fn.register_hook(lambda gi, go, i=i, h=hook: h(gi, go, pos=i))

@@ -234,6 +234,28 @@ def reserved_summary(rows: list) -> str:
            f"{100 * statistics.median(abs(e) for e in me):.2f}%, within 3%: {sum(abs(e) <= 0.03 for e in me)}; "
            f"the verdict's figure (the later release where DDP allows two): min {100 * min(ve):+.2f}%, "
            f"max {100 * max(ve):+.2f}%, within 3%: {sum(abs(e) <= 0.03 for e in ve)}")
+    # DDP's two release orders, run by run (matched_reserved: the step 2 allocated peak says which one it took)
+    held = rebuilt = alike = 0
+    under = over = 0.0
+    for c, p in rep:
+        v = p["reserved_variants"]
+        if len(v) < 2:
+            continue
+        lo, hi = v["buckets released at the rebuild"], v["buckets held into step 2's backward"]
+        m = c["reserved_peak_bytes"]
+        if abs(hi - lo) <= m // 1000:
+            alike += 1
+        elif matched_reserved(c, p) == hi:
+            held += 1
+            under = min(under, (lo - m) / m)
+        else:
+            rebuilt += 1
+            over = max(over, (hi - m) / m)
+    if held + rebuilt + alike:
+        out += (f"; DDP's release, a race with NCCL's watchdog: of {held + rebuilt + alike} synchronized DDP runs "
+                f"{rebuilt} released the first buckets at the rebuild, {held} held them into step 2's backward "
+                f"(there the rebuild's figure is down to {100 * under:+.2f}%) and in {alike} the two orders reserve "
+                f"the same; the later order's figure is up to {100 * over:+.2f}% over the runs that released")
     if fe:
         out += (f"; flat {len(fe)} cases (offload: allocated + 40%): min {100 * min(fe):+.2f}%, "
                 f"max {100 * max(fe):+.2f}%")

@@ -459,7 +459,7 @@ def zero3_linear_order(step: list[tuple]) -> list[tuple]:
     i, n = 0, len(out)
     while i < n:
         e = out[i]
-        if e[0] == "a" and (e[3] is not None or e[4] == -1) and e[2][1] == 0:
+        if e[0] == "a" and (e[3] is not None or (len(e) > 4 and e[4] == -1)) and e[2][1] == 0:
             j = i + 1
             while j < n and out[j][0] == "m" and out[j][1] == "ws":
                 j += 1

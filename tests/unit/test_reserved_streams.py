@@ -179,6 +179,26 @@ def test_fsdp2_root_resharded_after_forward_when_given_the_blocks_value() -> Non
     assert accounting.estimate(inv, s).peak_bytes == 44_705_739_776
 
 
+def test_zero2_bucket_beside_the_heads_gradient_in_its_hook() -> None:
+    # DeepSpeed ZeRO-1/2 set their reduce bucket up in the backward's first gradient hook (stage_1_and_2.py
+    # process_gradients -> setup_buckets), the head's, before its gradient is copied into the bucket: recorded on
+    # the H200 (bench/gpu/traces/phi3_z2off1), the 1,000,000,000-byte bucket beside the head's 197,001,216-byte
+    # gradient. Measured max_memory_allocated 4,139,141,120 B (bench/gpu/truth-extra.jsonl; -2.84% before)
+    from memplan import accounting
+
+    src = resolve(str(CONFIGS / "phi3-mini-4l.json"))
+    inv = build_inventory(src, builder="auto")
+    s = options.resolve(inv, config=src.config, gpus=1, gpus_per_node=1, gpu="h200-141g", device="cuda",
+                        optimizer="adamw", attention="sdpa", micro_batch=1, seq_len=2048, allocator_conf="",
+                        stage=2, precision="deepspeed-bf16", optimizer_impl="fused",
+                        ds_overrides={"offload_optimizer": True}).settings
+    hook = s.activation_profile.root_first_hook(1)
+    assert hook is not None and hook[1] == 32064 * 3072  # the head's weight: the first hook's gradient
+    plan = accounting.estimate(inv, s)
+    assert plan.peak.name == "backward"
+    assert abs(plan.peak_bytes - 4_139_141_120) < 4_139_141_120 // 2000
+
+
 def test_zero3_linear_makes_the_input_gradient_first() -> None:
     # DeepSpeed ZeRO-3's LinearFunctionForZeroStage3 (memory_efficient_linear, on by default) makes each linear's
     # input gradient before its weight's; the GPU step is traced with aten's linear (the reverse). Recorded on the
@@ -193,6 +213,25 @@ def test_zero3_linear_makes_the_input_gradient_first() -> None:
     cfg = str(CONFIGS / "qwen2.5-7b-4l.json")
     r, _ = _replay(cfg, 1, 512, stage=3, precision="deepspeed-bf16", optimizer_impl="fused")
     assert r.peak_bytes == 41_710_256_128  # +10.45% in aten's order
+    # a tied head's weight-gradient contribution (no parameter's gradient yet: late -1) is ordered as one
+    tied = [("a", 1, (1 << 30, 0), None, -1, None), ("m", "ws", "b"), ("a", 2, (0, 1 << 20), None, 0, None)]
+    assert zero3_linear_order(tied) == [tied[2], tied[1], tied[0]]
     off, _ = _replay(cfg, 1, 512, stage=3, precision="deepspeed-bf16", optimizer_impl="fused",
                      ds_overrides={"memory_efficient_linear": False})
     assert off.peak_bytes == 46_070_235_136  # aten's linear: measured so with memory_efficient_linear false (H200)
+
+
+def test_zero3_tied_head_contribution_in_the_linears_order() -> None:
+    # gemma3-1b (tied head) under ZeRO-3: the head's weight-gradient contribution comes after its input gradient
+    # and autograd's workspace, as for an untied head (recorded: bench/gpu/traces/g3_z3); in aten's order the
+    # workspace split a freed logits segment and step 1's optimizer needed a new one. Measured
+    # max_memory_reserved on the H200: 50,432,311,296 B (bench/gpu/truth-extra.jsonl; -0.60% before)
+    src = resolve(str(CONFIGS / "gemma3-1b.json"))
+    inv = build_inventory(src, builder="auto")
+    s = options.resolve(inv, config=src.config, gpus=1, gpus_per_node=1, gpu="h200-141g", device="cuda",
+                        optimizer="adamw", attention="sdpa", micro_batch=2, seq_len=2048, allocator_conf="",
+                        stage=3, precision="deepspeed-bf16", optimizer_impl="fused").settings
+    ev = s.activation_profile.data["alloc_events"]["events"]
+    assert any(isinstance(e, list) and e[2:] == [None, -1] for e in ev)  # the head's contribution, marked
+    r = reserved.predict(inv, s)
+    assert abs(r.peak_bytes - 50_432_311_296) < 50_432_311_296 // 2000

@@ -462,6 +462,29 @@ def write_doc(rows: list, summary: str, vrows: list, rsum: str = "", oom: list |
         "+0.37% and phi3-mini-4l DDP with full recompute +2.43% -> +2.85% (over; no stream recorded). No "
         "allocated peak moved; no FSDP2 or ZeRO row moved.",
         "",
+        "### Session 25: DeepSpeed's first gradient hook, and a tied head under ZeRO-3",
+        "",
+        "No GPU was lent this session either; both fixes come from the recorded streams and DeepSpeed's source.",
+        "",
+        "- ZeRO-1/2 set their reduce bucket up in the backward's first gradient hook (stage_1_and_2.py "
+        "process_gradients -> setup_buckets), the head's, before the head's gradient is copied into it and its own "
+        "storage freed. The stream of phi3-mini-4l ZeRO-2 offload at micro-batch 1 (bench/gpu/traces/phi3_z2off1) "
+        "peaks there: the 1,000,000,000-byte bucket beside the head's 197,001,216-byte gradient. The trace now "
+        "records that hook (profile version 19: root_first_hook, its activations and the gradients made by then) "
+        "and the engine evaluates the bucket there (timeline.Moment.ROOT_FIRST_HOOK): that row went from -2.84% to "
+        "-0.01%, the largest allocated-peak miss of the table.",
+        "- DeepSpeed ZeRO-3's linear makes each input gradient before the weight's (replay.zero3_linear_order), "
+        "which the replay already did for every parameter's gradient but not for a tied head's, whose weight "
+        "gradient is only a first contribution until the embedding's is added. The trace marks that "
+        "contribution's birth (LiveBytes.mark_contribution) and the replay orders it as a weight gradient. In "
+        "gemma3-1b's stream (g3_z3) autograd's 32 MiB workspace comes before the 604 MB contribution, at the "
+        "start of a freed logits segment; in aten's order the contribution took that start and the workspace "
+        "split the segment after it, so step 1's optimizer found no 4 GB block free and reserved a new segment. "
+        "Now the replay's segments before that optimizer step are the run's, block for block, and the verdict's "
+        "worst miss, -0.60%, is -0.02%.",
+        "- A tied head is built after every block (a CausalLM's __init__ makes lm_head after the model; recorded "
+        "in q05_z2, sm_z2, g3_z2off and g3_z3), no longer right after the embedding; no row moved with it alone.",
+        "",
         "### Measured as a training loop runs",
         "",
         "The table's runs synchronize the device after every step (gpu_case.py). A training loop does not, so the "

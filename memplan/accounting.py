@@ -190,6 +190,7 @@ def _assemble(s: Settings, tl: BufferTimeline, g: Grads, model_states: tuple[int
                a["shard_group"], weights + master + states + grads_persist + buf_persist, comms, a, tuple(moments),
                rc.grad_bytes, {k: v for k, v in host_by.items() if v})
     f.grads_held = tl.grads_held
+    f.first_hook_grads_persist = tl.first_hook_grads_persist and grads_persist > 0
     f.hook_transient = tl.hook_transient
     return f
 

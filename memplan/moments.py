@@ -14,7 +14,7 @@ class Fixed:
 
     __slots__ = ("weights", "master", "states", "grads", "buffers", "non_activation", "profile", "host_per_node",
                  "shard_group", "between", "comms", "assumptions", "moments", "grad_width", "_blocks", "host_detail",
-                 "grads_held", "hook_transient", "kinds", "per_sample")
+                 "grads_held", "hook_transient", "kinds", "per_sample", "first_hook_grads_persist")
 
     def __init__(self, weights: int, master: int, states: int, grads: tuple[int, ...], buffers: tuple[int, ...],
                  non_activation: tuple[int, ...], profile: Any, host_per_node: int, shard_group: int, between: int,
@@ -32,6 +32,8 @@ class Fixed:
         self.moments, self.grad_width = moments, grad_width
         #: the block moments count only the gradients whose hook has not taken them yet (ZeRO-3)
         self.grads_held = False
+        #: ROOT_FIRST_HOOK's gradients are inside the persistent ones (BufferTimeline.first_hook_grads_persist)
+        self.first_hook_grads_persist = False
         #: (bytes per partition element, partitions) a parameter's gradient hook allocates (BLOCK_GRADIENT_HOOK)
         self.hook_transient = NO_HOOK_TRANSIENT
         self._blocks = any(m.at.inside_block for m in moments)
@@ -85,7 +87,8 @@ def moments_at(f: Fixed, micro_batch: int, saved: int, block: int, emb: int,
 def kind_values_memo(f: Fixed, micro_batch: int, saved: int, block: int, emb: int,
                       fwd: int) -> dict[int, tuple[int, int]]:
     """_kind_values, memoised on the profile (the planner asks the same micro-batches for many configurations)."""
-    key = ("kinds", micro_batch, saved, block, emb, fwd, f.grad_width, f.grads_held, f.hook_transient, f.kinds)
+    key = ("kinds", micro_batch, saved, block, emb, fwd, f.grad_width, f.grads_held, f.hook_transient, f.kinds,
+           f.first_hook_grads_persist)
     memo = getattr(f.profile, "_memo", None)
     vals = memo.get(key) if memo is not None else None
     if vals is None:
@@ -123,7 +126,7 @@ def kind_values(f: Fixed, micro_batch: int, saved: int, block: int, emb: int,
             # LoRA: the first hook is a block's, which the blocks' moments hold) or the profile predates it
             hook = prof.root_first_hook(micro_batch)
             if hook is not None:
-                out[kind] = (hook[0], f.grad_width * hook[1])
+                out[kind] = (hook[0], 0 if f.first_hook_grads_persist else f.grad_width * hook[1])
         elif kind == M.BLOCK_GRADIENT_HOOK:
             t = f.hook_transient
             per_block = prof.block_hooks(micro_batch)

@@ -173,6 +173,10 @@ class BufferTimeline:
     moments: tuple[BufferMoment, ...] = ()
     #: the block moments count only the gradients whose hook has not taken them yet (ZeRO-3)
     grads_held: bool = False
+    #: the first gradient hook's gradients are among the persistent ones where gradients persist across
+    #: micro-steps: kept in param.grad, a later micro-step's added into them before the hook runs (AccumulateGrad;
+    #: ZeRO-1 without reduction in its hooks), so ROOT_FIRST_HOOK adds none of its own
+    first_hook_grads_persist: bool = False
     #: what a parameter's gradient hook allocates (BLOCK_GRADIENT_HOOK)
     hook_transient: HookTransient = NO_HOOK_TRANSIENT
     assumptions: dict[str, Any] = field(default_factory=dict)

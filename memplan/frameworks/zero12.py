@@ -126,7 +126,8 @@ def buffers(job: Job, grads: Grads) -> BufferTimeline:
         comm = comm_bytes(job.s)
         epilogue = (rc.grad_bytes + (comm if comm != rc.grad_bytes else 0)) * allreduce_chunk(job)
     moments.append(LOSS)
-    return BufferTimeline(backward=backward, end_epilogue=epilogue, moments=tuple(moments), hook_transient=hook)
+    return BufferTimeline(backward=backward, end_epilogue=epilogue, moments=tuple(moments), hook_transient=hook,
+                          first_hook_grads_persist=st.zero_stage == 1 and not (st.shard_grads or job.overlap))
 
 
 #: ZeRO-Offload's norm of a gradient before its copy to the host: an fp64 copy (get_norm_dtype), 8 bytes an element

@@ -293,8 +293,8 @@ def test_zero1_sets_up_the_ipg_bucket_in_backward():
     # the grad dtype per backward (twice with overlap_comm), as stage 2 does (measured: docs/accuracy.md)
     for overlap, buckets in ((False, 1), (True, 2)):
         f = A.timeline(TOY, settings("zero1", 2, ds={"overlap_comm": overlap}))
-        # not yet at the loss backward's peak (it is set up at the first gradient hook, the head's): from the
-        # root's last hook before the blocks (the final norm's: ROOT_LAST_HOOK_BEFORE_BLOCKS) to the end of backward
+        # not yet at the loss backward's peak: set up at the first gradient hook (the head's: ROOT_FIRST_HOOK,
+        # stage_1_and_2.py process_gradients -> setup_buckets), kept from there to the end of backward
         assert f.buffers["backward-start"] == f.buffers["forward"]
         bucket = buckets * 500_000_000 * 2
         moments = [(m.grads, m.buffers - f.buffers["forward"], m.at) for m in f.moments]
@@ -302,7 +302,8 @@ def test_zero1_sets_up_the_ipg_bucket_in_backward():
         assert f.buffers["backward"] - f.buffers["forward"] == bucket
         if overlap:
             # reduced in the hooks; inside the blocks no grads_in_partition: the toy never fills the bucket
-            assert moments == [(0, bucket, k) for k in (M.ROOT_LAST_HOOK_BEFORE_BLOCKS, M.INSIDE_LAST_BLOCK_BACKWARD,
+            assert moments == [(0, bucket, k) for k in (M.ROOT_FIRST_HOOK, M.ROOT_LAST_HOOK_BEFORE_BLOCKS,
+                                                       M.INSIDE_LAST_BLOCK_BACKWARD,
                                                        M.INSIDE_PREVIOUS_BLOCK_BACKWARD,
                                                        M.INSIDE_FIRST_BLOCK_BACKWARD)] + [
                 (0, 0, M.LOSS_BACKWARD)]  # the head's GEMM: none
@@ -312,7 +313,8 @@ def test_zero1_sets_up_the_ipg_bucket_in_backward():
             # last block the root's after the blocks (none in the toy), inside the first all blocks' but its own;
             # after backward the reduce allocates grads_in_partition beside them
             g = layouts.gather_sizes(TOY, "flat-aligned", 2)
-            assert moments == [(0, bucket, M.ROOT_LAST_HOOK_BEFORE_BLOCKS), (0, bucket, M.INSIDE_LAST_BLOCK_BACKWARD),
+            assert moments == [(0, bucket, M.ROOT_FIRST_HOOK), (0, bucket, M.ROOT_LAST_HOOK_BEFORE_BLOCKS),
+                               (0, bucket, M.INSIDE_LAST_BLOCK_BACKWARD),
                                (2 * 3 * 1024 * 1024, bucket, M.INSIDE_FIRST_BLOCK_BACKWARD), (0, 0, M.LOSS_BACKWARD)]
             assert g.root_head == 0
             part = layouts.layout_sizes(TOY, "flat-aligned", 2, 0).partition_params_numel

@@ -162,32 +162,39 @@ def _with_frozen(inv: ParamInventory, layout: str, n: int, threshold: int) -> La
 
 def _layout_sizes(inv: ParamInventory, layout: str, n: int, threshold: int) -> LayoutSizes:
     tensors = inv.tensors
+    numels = inv.numels
     psi = inv.num_params
-    matmul = sum(t.numel for t in tensors if len(t.shape) >= 2 and (t.category != "embedding" or t.tied_names))
+    matmul = sum(x for t, x in zip(tensors, numels) if len(t.shape) >= 2 and (t.category != "embedding" or t.tied_names))
     persistent = 0
     partition_params = 0
     if layout == S.REPLICATED:
         shard = opt = psi
-        shapes = tuple((t.shape, t.numel) for t in tensors)
-        largest = _pairs([t.numel for t in tensors])
+        shapes = tuple((t.shape, x) for t, x in zip(tensors, numels))
+        largest = _pairs(list(numels))
     elif layout == S.FLAT_ALIGNED:
         # every rank keeps the whole (padded) bf16 flat buffer; master, states and fp32 grads are partitioned
         shard = round_up(psi, DS_NCCL_START_ALIGNMENT_FACTOR * n)
         opt = shard // n
         shapes = (((opt,), opt),)
         largest = 2 * opt  # the optimizer steps on one flat fp32 partition
-        in_partition = [0] * n
+        # a parameter belongs to every partition its elements overlap (the flat buffer holds them in order): the
+        # most a partition holds, as range additions swept in partition order
+        changes: dict[int, int] = {}
         start = 0
-        for t in tensors:  # the flat buffer holds the parameters in order; a parameter belongs to every
-            end = start + t.numel  # partition it overlaps
-            for k in range(start // opt, min(n - 1, (end - 1) // opt) + 1) if t.numel else ():
-                in_partition[k] += t.numel
-            start = end
-        partition_params = max(in_partition)
+        for x in numels:
+            if x:
+                first, last = start // opt, min(n - 1, (start + x - 1) // opt)
+                changes[first] = changes.get(first, 0) + x
+                changes[last + 1] = changes.get(last + 1, 0) - x
+            start += x
+        running = partition_params = 0
+        for k in sorted(changes):
+            running += changes[k]
+            partition_params = max(partition_params, running)
     elif layout == S.PER_PARAM_NUMEL:
-        parts = [ceil_div(t.numel, n) for t in tensors]
+        parts = [ceil_div(x, n) for x in numels]
         shard = opt = sum(parts)
-        persistent = sum(t.numel for t in tensors if t.numel <= threshold)
+        persistent = sum(x for x in numels if x <= threshold)
         shapes = tuple(((p,), p) for p in parts)
         largest = 2 * opt  # fp32 partitions are flattened per sub group (sub_group_size 1e9 by default)
     elif layout == S.PER_PARAM_DIM0:
@@ -207,19 +214,42 @@ def _layout_sizes(inv: ParamInventory, layout: str, n: int, threshold: int) -> L
     elif layout == S.GREEDY_WHOLE:
         # ZeroRedundancyOptimizer._partition_parameters: sorted by numel (stable, largest first), each to the
         # first rank with the smallest total so far; the worst rank is predicted.
-        sizes = [0] * n
-        members: list[list[int]] = [[] for _ in range(n)]
-        for i in sorted(range(len(tensors)), key=lambda j: tensors[j].numel, reverse=True):
-            r = sizes.index(min(sizes))
-            sizes[r] += tensors[i].numel
-            members[r].append(i)
-        worst = sizes.index(max(sizes))
-        shard, opt = psi, sizes[worst]
-        shapes = tuple((tensors[i].shape, tensors[i].numel) for i in members[worst])
-        largest = _pairs([tensors[i].numel for i in members[worst]])  # its params, largest first
+        # ``sizes.index(min(sizes))`` is the smallest (total, rank): a heap of the ranks given something, and the
+        # lowest rank given nothing yet (every such rank totals 0), so a million ranks cost what eight do
+        members, worst = _greedy_whole(list(numels), n)
+        shard, opt = psi, sum(numels[i] for i in members)
+        shapes = tuple((tensors[i].shape, numels[i]) for i in members)
+        largest = _pairs([numels[i] for i in members])  # its params, largest first
     else:  # pragma: no cover - the strategy table only uses the layouts above
         raise ValueError(f"unknown layout {layout}")
     return LayoutSizes(shard, opt, largest, persistent, matmul, shapes, partition_params)
+
+
+def _greedy_whole(numels: list[int], n: int) -> tuple[list[int], int]:
+    """ZeroRedundancyOptimizer._partition_parameters over ``n`` ranks: (the worst rank's tensor indices, largest
+    first; that rank). Each tensor, largest first (a stable sort), goes to ``sizes.index(min(sizes))``: the
+    smallest total, the lowest rank among equals; the worst rank is ``sizes.index(max(sizes))``."""
+    import heapq
+
+    heap: list[tuple[int, int]] = []  # (total, rank) of the ranks given a tensor
+    unused = 0  # the lowest rank given nothing (all of them total 0)
+    members: dict[int, list[int]] = {}
+    totals: dict[int, int] = {}
+    for i in sorted(range(len(numels)), key=lambda j: numels[j], reverse=True):
+        if unused < n and (not heap or (0, unused) < heap[0]):
+            r, unused = unused, unused + 1
+        else:
+            r = heapq.heappop(heap)[1]
+        totals[r] = totals.get(r, 0) + numels[i]
+        members.setdefault(r, []).append(i)
+        heapq.heappush(heap, (totals[r], r))
+    if not totals:
+        return [], 0
+    top = max(totals.values())
+    worst = min(r for r, v in totals.items() if v == top)
+    if top == 0 and unused < n:  # every rank totals 0: the first is the worst
+        worst = 0
+    return members.get(worst, []), worst
 
 
 def _unit_numels(inv: ParamInventory) -> dict[str, int]:

@@ -18,8 +18,9 @@ Pure: no torch import when the activation profiles are shipped or cached; no pri
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, overload
 
 from memplan import accounting, options
 from memplan.comm import communication
@@ -88,15 +89,67 @@ class Search:
     min_headroom_bytes: int = 0
 
 
-def gpu_counts(gpus_per_node: int, max_gpus: int) -> list[int]:
-    """Powers of two up to a node, then whole nodes: the GPU counts a job can be given."""
-    out = []
-    g = 1
+class GpuCounts(Sequence[int]):
+    """The GPU counts a job can be given, ascending: powers of two up to a node, then whole nodes up to the most
+    (every ``step``-th node count only: the multiples of a layout's ranks), as a sequence computed on demand, so
+    bisection over a million GPUs costs what it costs over eight."""
+
+    def __init__(self, gpus_per_node: int, max_gpus: int, multiple: int = 1, above_node: bool = False) -> None:
+        from math import gcd
+
+        self.gpn, self.max_gpus = gpus_per_node, max_gpus
+        small = [] if above_node else [g for g in _powers_below(gpus_per_node, max_gpus) if g % multiple == 0]
+        self.step = multiple // gcd(multiple, gpus_per_node)  # node counts k with k * gpn a multiple of ``multiple``
+        first = 2 if above_node else 1
+        first = -(-first // self.step) * self.step
+        self.first = first
+        nodes = max_gpus // gpus_per_node
+        self.n_nodes = (nodes - first) // self.step + 1 if nodes >= first else 0
+        self.small = small  # all below one node, so before every node count
+
+    def __len__(self) -> int:
+        return len(self.small) + self.n_nodes
+
+    @overload
+    def __getitem__(self, i: int) -> int: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> list[int]: ...
+
+    def __getitem__(self, i: int | slice) -> int | list[int]:
+        if isinstance(i, slice):
+            return [self[k] for k in range(*i.indices(len(self)))]
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        if i < len(self.small):
+            return self.small[i]
+        return (self.first + (i - len(self.small)) * self.step) * self.gpn
+
+    def index_at_least(self, g: int) -> int:
+        """The index of the first count at least ``g`` (len(self) when none is)."""
+        lo, hi = 0, len(self)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if self[mid] < g:
+                lo = mid + 1
+            else:
+                hi = mid
+        return lo
+
+
+def _powers_below(gpus_per_node: int, max_gpus: int) -> list[int]:
+    out, g = [], 1
     while g < gpus_per_node and g <= max_gpus:
         out.append(g)
         g *= 2
-    out += [k * gpus_per_node for k in range(1, max_gpus // gpus_per_node + 1)]
-    return sorted(set(out))
+    return out
+
+
+def gpu_counts(gpus_per_node: int, max_gpus: int) -> GpuCounts:
+    """Powers of two up to a node, then whole nodes: the GPU counts a job can be given."""
+    return GpuCounts(gpus_per_node, max_gpus)
 
 
 def _layout_candidates(inv: ParamInventory, config: dict | None, strategies: tuple[str, ...],
@@ -266,17 +319,22 @@ def _check_bounds(gpus_per_node: int, max_gpus: int, micro_batch: int | None, ma
                             f"{MAX_MICRO_BATCH:,} memplan plans for")
 
 
-def _fewest_gpus(inv: ParamInventory, c: Candidate, counts: list[int], gpus_per_node: int, mb: int,
+def _fewest_gpus(inv: ParamInventory, c: Candidate, counts: GpuCounts, gpus_per_node: int, mb: int,
                  budget: int) -> tuple[int | None, int]:
     """(the fewest GPUs the candidate fits at micro-batch ``mb`` by the bound from below, evaluations): bisection
     over the counts (memory never grows with GPUs), then a look below (padding can make it non-monotone)."""
+    from math import gcd
+
     # HSDP within one node is FSDP full shard
     st = c.settings.strategy
-    usable = [1] if st.one_gpu else [g for g in counts if g > gpus_per_node] if st.shard_within_node else counts
-    if c.tp * c.pp * c.cp > 1:  # whole data-parallel groups of the layout
-        usable = [g for g in usable if g % (c.tp * c.pp * c.cp) == 0]
+    multiple = c.tp * c.pp * c.cp  # whole data-parallel groups of the layout
     if c.ep > 1:  # ep divides dp x tp
-        usable = [g for g in usable if g % c.ep == 0]
+        multiple = multiple * c.ep // gcd(multiple, c.ep)
+    if st.one_gpu:
+        usable: Any = [1]
+    else:
+        usable = GpuCounts(gpus_per_node, counts.max_gpus, multiple,
+                           above_node=st.shard_within_node)
     evaluations = 0
     lo, hi = 0, len(usable)
     while lo < hi:
@@ -445,7 +503,8 @@ def _search(inv: ParamInventory, budget: int, config: dict | None, gpus_per_node
     # 2. at the fewest GPUs any candidate needs, the best candidate by its replayed reserved peak; where the
     #    allocator's segments leave none fitting, the next GPU count
     best, done, gpus = None, with_min, None
-    for gpus in sorted(set(g for g in counts if g >= min(fitting))):
+    for i in range(counts.index_at_least(min(fitting)), len(counts)):
+        gpus = counts[i]
         done, best, n = _at_count(inv, with_min, gpus, mbs, budget)
         evaluations += n
         if best is not None:

@@ -124,8 +124,13 @@ class ParamInventory:
     quantized_params: int = 0  #: the elements those weights had before quantization
 
     @cached_property
+    def numels(self) -> tuple[int, ...]:
+        """Each tensor's elements, in order (computed once: the layouts read them for every GPU count)."""
+        return tuple(t.numel for t in self.tensors)
+
+    @cached_property
     def num_params(self) -> int:
-        return sum(t.numel for t in self.tensors)
+        return sum(self.numels)
 
     @cached_property
     def adapter_params(self) -> int:

@@ -62,8 +62,24 @@ def test_search_answers_are_minimal_and_maximal():
 
 
 def test_gpu_counts():
-    assert planner.gpu_counts(8, 40) == [1, 2, 4, 8, 16, 24, 32, 40]
-    assert planner.gpu_counts(4, 3) == [1, 2]
+    assert list(planner.gpu_counts(8, 40)) == [1, 2, 4, 8, 16, 24, 32, 40]
+    assert list(planner.gpu_counts(4, 3)) == [1, 2]
+    # a layout's multiples, above one node (HSDP), and a million GPUs without listing them
+    assert list(planner.GpuCounts(8, 64, multiple=16)) == [16, 32, 48, 64]
+    assert list(planner.GpuCounts(8, 40, multiple=2, above_node=True)) == [16, 24, 32, 40]
+    assert list(planner.GpuCounts(6, 30, multiple=4)) == [4, 12, 24]
+    big = planner.gpu_counts(8, 1 << 20)
+    assert len(big) == 3 + (1 << 17) and big[-1] == 1 << 20 and big.index_at_least(1000) == 3 + 124
+
+
+def test_zero_optimizer_partition_at_many_ranks():
+    # ZeroRedundancyOptimizer's greedy rule (sizes.index(min(sizes))) at more ranks than tensors: one each, in
+    # size order, the largest tensor's rank the worst; at two ranks the usual alternation
+    from memplan.layouts import _greedy_whole
+
+    assert _greedy_whole([5, 9, 7], 1 << 20) == ([1], 0)
+    assert _greedy_whole([5, 9, 7, 3], 2) == ([1, 3], 0)
+    assert _greedy_whole([4, 4, 4], 2) == ([0, 2], 0)
 
 
 def _run(*args):

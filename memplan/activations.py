@@ -31,6 +31,7 @@ from functools import lru_cache
 from typing import Any
 
 from memplan.errors import SettingsError
+from memplan.inputs import quote
 
 RECOMPUTE = ("none", "selective", "op-sac", "full")
 #: timeline.Moment.INSIDE_LAST_BLOCK_FORWARD (its value: the profile's key for that moment)
@@ -63,9 +64,9 @@ def valid_recompute(recompute: str) -> str:
             n = recompute[len(prefix):]
             if not n.isdigit() or int(n) < 1:
                 raise SettingsError(f"--recompute {prefix}N takes a whole number of layers N >= 1, "
-                                    f"got {recompute!r}")
+                                    f"got {quote(recompute)}")
             return "full" if int(n) == 1 else f"{prefix}{int(n)}"
-    raise SettingsError(f"unknown recompute {recompute!r}; valid: {', '.join(RECOMPUTE)}, every:N, layer-sac:N")
+    raise SettingsError(f"unknown recompute {quote(recompute)}; valid: {', '.join(RECOMPUTE)}, every:N, layer-sac:N")
 
 
 def checkpoint_every(recompute: str) -> int | None:
@@ -179,7 +180,7 @@ class ActivationProfile:
 def analytic_profile(dims: dict, *, micro_batch: int, seq_len: int, compute_bytes: int, residual_bytes: int,
                      attention: str, recompute: str, gated_mlp: bool) -> ActivationProfile:
     if attention not in ATTENTION:
-        raise SettingsError(f"unknown attention {attention!r}; valid: {', '.join(ATTENTION)}")
+        raise SettingsError(f"unknown attention {quote(attention)}; valid: {', '.join(ATTENTION)}")
     recompute = valid_recompute(recompute)
     h = dims.get("hidden_size")
     layers = dims.get("num_layers")

@@ -33,9 +33,8 @@ The algorithm is the native allocator's (c10/cuda/CUDACachingAllocator.cpp, Devi
 
 from __future__ import annotations
 
-import bisect
-from bisect import bisect_left, insort
 import itertools
+from bisect import bisect_left, insort
 from dataclasses import dataclass, field
 
 from memplan.errors import SettingsError
@@ -47,88 +46,78 @@ LARGE_BUFFER = 20 << 20  #: kLargeBuffer: the segment for requests between 1 and
 MIN_LARGE_ALLOC = 10 << 20  #: kMinLargeAlloc
 ROUND_LARGE = 2 << 20  #: kRoundLarge
 
-_KNOWN = ("max_split_size_mb", "roundup_power2_divisions", "garbage_collection_threshold", "expandable_segments",
-          "backend", "release_lock_on_cudamalloc", "pinned_use_cuda_host_register", "pinned_num_register_threads",
-          "pinned_use_background_threads", "pinned_reserve_segment_size_mb", "graph_capture_record_stream_reuse",
-          "per_process_memory_fraction")
-
-
 @dataclass(frozen=True, kw_only=True)
 class AllocatorConfig:
-    """PYTORCH_CUDA_ALLOC_CONF, as c10/cuda/CUDAAllocatorConfig.cpp parses it."""
+    """PYTORCH_CUDA_ALLOC_CONF's settings that decide the device's bytes (memplan/allocator_conf.py parses the text
+    exactly as PyTorch does; a setting the replay does not model is refused there)."""
 
     max_split_size: int | None = None  #: bytes; None: unlimited (SIZE_MAX)
-    roundup_power2_divisions: int = 0  #: one value for every size (the per-interval list form is not modelled)
+    #: max_non_split_rounding_mb: how much larger than a request at least max_split_size a cached block may be
+    max_non_split_rounding: int = LARGE_BUFFER
+    #: one power of two for every size, or the 16 intervals' (1 MiB, 2 MiB, ... 32 GiB and above)
+    roundup_power2_divisions: int | tuple[int, ...] = 0
     garbage_collection_threshold: float = 0.0
     expandable_segments: bool = False
+    #: the process's cap as a fraction of the device's memory (torch.cuda.set_per_process_memory_fraction's)
+    per_process_memory_fraction: float = 1.0
     text: str = ""  #: what was parsed, for the output
 
     @staticmethod
     def parse(text: str | None) -> AllocatorConfig:
-        """Parse "key:value,key:value" as PyTorch does; an unknown key or a malformed value is an error naming it
-        (PyTorch rejects them too)."""
+        """Parse "key:value,key:value" as PyTorch does (memplan/allocator_conf.py): what PyTorch refuses is an error
+        naming it; a setting PyTorch honours that the replay does not model is refused too."""
         if not text or not text.strip():
             return AllocatorConfig()
-        values: dict[str, object] = {}
-        for item in text.split(","):
-            item = item.strip()
-            if not item:
-                continue
-            key, sep, value = item.partition(":")
-            key, value = key.strip(), value.strip()
-            if not sep or not value:
-                raise SettingsError(f"allocator config {item!r}: expected key:value")
-            if key not in _KNOWN:
-                raise SettingsError(f"allocator config: unknown key {key!r}; known: {', '.join(_KNOWN)}")
-            if key == "max_split_size_mb":
-                mb = _number(key, value, int)
-                if mb <= LARGE_BUFFER >> 20:
-                    raise SettingsError(f"allocator config max_split_size_mb must be above {LARGE_BUFFER >> 20}, "
-                                        f"got {mb}")
-                values["max_split_size"] = mb << 20
-            elif key == "roundup_power2_divisions":
-                if value.startswith("["):
-                    raise SettingsError("allocator config roundup_power2_divisions: the per-size list form is not "
-                                        "modelled; give one power of two")
-                n = _number(key, value, int)
-                if n != 0 and (n & (n - 1)):
-                    raise SettingsError(f"allocator config roundup_power2_divisions must be a power of two, got {n}")
-                values["roundup_power2_divisions"] = n
-            elif key == "garbage_collection_threshold":
-                t = _number(key, value, float)
-                if not 0.0 < t < 1.0:
-                    raise SettingsError(f"allocator config garbage_collection_threshold must be in (0, 1), got {t}")
-                values["garbage_collection_threshold"] = t
-            elif key == "expandable_segments":
-                if value not in ("True", "False"):
-                    raise SettingsError(f"allocator config expandable_segments must be True or False, got {value!r}")
-                values["expandable_segments"] = value == "True"
-            elif key == "backend":
-                if value not in ("native", "cudaMallocAsync"):
-                    raise SettingsError(f"allocator config backend must be native or cudaMallocAsync, got {value!r}")
-                if value == "cudaMallocAsync":
-                    raise SettingsError("allocator config backend:cudaMallocAsync (CUDA's own pool) is not modelled")
-        return AllocatorConfig(text=text.strip(), **values)  # type: ignore[arg-type]
+        from memplan.allocator_conf import parse
+
+        got = parse(text)
+        if got["backend"] == "cudaMallocAsync":
+            raise SettingsError("allocator config backend:cudaMallocAsync (CUDA's own pool) is not modelled")
+        if got["large_segment_size"] != LARGE_BUFFER:
+            raise SettingsError("allocator config large_segment_size_mb (the segment size for requests of 1-10 MiB) "
+                                "is not modelled; the replay takes PyTorch's 20 MiB")
+        if got["throw_on_cudamalloc_oom"]:
+            raise SettingsError("allocator config throw_on_cudamalloc_oom:True (an OOM raised before cudaMalloc when "
+                                "the device looks full) is not modelled")
+        div = got["roundup_power2_divisions"]
+        assert isinstance(div, tuple)
+        return AllocatorConfig(max_split_size=got["max_split_size"],  # type: ignore[arg-type]
+                               max_non_split_rounding=got["max_non_split_rounding"],  # type: ignore[arg-type]
+                               roundup_power2_divisions=div[0] if len(set(div)) == 1 else div,
+                               garbage_collection_threshold=got["garbage_collection_threshold"],  # type: ignore
+                               expandable_segments=got["expandable_segments"],  # type: ignore[arg-type]
+                               per_process_memory_fraction=got["per_process_memory_fraction"],  # type: ignore
+                               text=text.strip())
+
+    def divisions(self, size: int) -> int:
+        """AcceleratorAllocatorConfig::roundup_power2_divisions(size): the interval of ``size`` (powers of two from
+        1 MiB; below it the first, from 32 GiB the last)."""
+        d = self.roundup_power2_divisions
+        if isinstance(d, int):
+            return d
+        return d[min(max(size.bit_length() - 1 - 20, 0), len(d) - 1)]
+
+    @property
+    def rounds(self) -> bool:
+        """Some size is rounded to power-of-two divisions."""
+        d = self.roundup_power2_divisions
+        return (d > 1) if isinstance(d, int) else any(x > 1 for x in d)
 
     def round_size(self, size: int) -> int:
-        """round_size: 512-byte blocks, or the next of ``roundup_power2_divisions`` steps between powers of two."""
+        """round_size: 512-byte blocks, or the next of ``roundup_power2_divisions`` steps between powers of two
+        (roundup_power2_next_division)."""
         if size < MIN_BLOCK:
             return MIN_BLOCK
-        d = self.roundup_power2_divisions
+        d = self.divisions(size)
         if d > 1 and size > MIN_BLOCK * d:
             floor = 1 << (size.bit_length() - 1)
             if floor == size:
                 return size
-            step = floor // d
-            return -(-size // step) * step if step else size
+            step = floor >> (d.bit_length() - 1)
+            if step == 0:
+                return floor << 1
+            return -(-size // step) * step
         return -(-size // MIN_BLOCK) * MIN_BLOCK
-
-
-def _number(key: str, value: str, kind: type) -> float:
-    try:
-        return kind(value)
-    except ValueError:
-        raise SettingsError(f"allocator config {key}: not a number: {value!r}") from None
 
 
 def allocation_size(size: int) -> int:
@@ -193,7 +182,7 @@ class Allocator:
         self._unmapped: dict[tuple[bool, int], list[tuple[int, _Block]]] = {}
         self._pages: dict[int, tuple[int, int]] = {}
         c = self.config
-        self._plain = c.roundup_power2_divisions <= 1 and c.max_split_size is None and not c.expandable_segments \
+        self._plain = not c.rounds and c.max_split_size is None and not c.expandable_segments \
             and c.garbage_collection_threshold <= 0
 
     # ---- pools ----
@@ -230,7 +219,7 @@ class Allocator:
         if mss is not None:
             if size < mss <= b.size:
                 return None
-            if size >= mss and b.size >= size + LARGE_BUFFER:
+            if size >= mss and b.size >= size + self.config.max_non_split_rounding:
                 return None
         del lst[j]
         b.cached = False

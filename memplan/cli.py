@@ -191,6 +191,10 @@ def estimate(
     given = dict(locals())
     given.pop("ctx")
     O.progress_for(as_json)
+    if plot:
+        from memplan import plot as P
+
+        P.check_path(plot)  # before any work: a bad path is one line, nothing computed or written
     est = cli_estimate.run(given, O.explicit(ctx), O.overheads_of, suggestions=not no_suggestions)
     if plot:
         from memplan import plot as P
@@ -334,6 +338,10 @@ def plan(
     from memplan.report import search_report
 
     O.progress_for(as_json)
+    if plot:
+        from memplan import plot as P
+
+        P.check_path(plot)  # before any work: a bad path is one line, nothing computed or written
     spec = O.lora_spec(dict(locals()))
     src = sources.resolve(model)
     inv = sources.build_inventory(src, builder=builder)
@@ -390,7 +398,8 @@ def validate(
     seq_len: int = typer.Option(128, "--seq-len", help="Sequence length."),
     grad_accum: O.GradAccum = None,
     precision: O.Precision = None,
-    optimizer: Optional[str] = typer.Option(None, "--optimizer", help="adamw, adam, sgd."),
+    optimizer: Optional[str] = typer.Option(None, "--optimizer", help="adamw, adam, sgd, adafactor, adam8bit (the "
+                                            "optimizers the harness runs; adam8bit needs bitsandbytes)."),
     optimizer_impl: O.OptimizerImpl = None,
     recompute: str = typer.Option("none", "--recompute", help="none | full | every:N | layer-sac:N."),
     deepspeed: O.DeepSpeedConfig = None,
@@ -452,7 +461,8 @@ def validate(
 
     Example: memplan validate llama-7b --layers 2 --hidden 256 --vocab 2048 --gpus 2 --stage 2 --device cpu
     """
-    from memplan.validation import validate as run_validate, validation_report
+    from memplan.validation import validate as run_validate
+    from memplan.validation import validation_report
 
     given = dict(locals())
     err = R.console(stderr=True)

@@ -15,8 +15,77 @@ def _one_line(text: str) -> str:
     return "; ".join(part.strip() for part in text.strip().splitlines() if part.strip())
 
 
+#: what memplan's own output prints outside ASCII, and what it prints instead where the stream cannot encode it
+#: (PYTHONIOENCODING=ascii, a C locale): the table and bar characters, arrows, comparison signs
+ASCII_FALLBACK = {"·": ".", "≤": "<=", "≥": ">=", "×": "x", "◀": "<", "▶": ">", "→": "->", "←": "<-", "…": "...",
+                  "—": "-", "–": "-", "≈": "~", "±": "+/-", "µ": "u", "²": "^2", "✓": "ok", "✗": "x", "│": "|",
+                  "─": "-", "┃": "|", "━": "-", "┏": "+", "┓": "+", "┗": "+", "┛": "+", "┡": "+", "┩": "+", "┳": "+",
+                  "┻": "+", "╇": "+", "┣": "+", "┫": "+", "╋": "+", "┌": "+", "┐": "+", "└": "+", "┘": "+", "├": "+",
+                  "┤": "+", "┬": "+", "┴": "+", "┼": "+", "█": "#", "░": ".", "▏": "|", "•": "*", "‘": "'", "’": "'",
+                  "“": '"', "”": '"'}
+
+
+def _ascii_fallback(exc: UnicodeError) -> tuple[str, int]:
+    """A codecs error handler: each character the stream cannot encode becomes its ASCII_FALLBACK, else "?"."""
+    if not isinstance(exc, UnicodeEncodeError):
+        raise exc
+    text = exc.object[exc.start:exc.end]
+    return "".join(ASCII_FALLBACK.get(ch, "?") for ch in text), exc.end
+
+
+def _streams_that_encode() -> None:
+    """stdout and stderr print every character memplan writes: where their encoding lacks one (PYTHONIOENCODING=
+    ascii, LANG=C), it is written as ASCII (ASCII_FALLBACK), never an encoding error."""
+    import codecs
+
+    try:
+        codecs.lookup_error("memplan-ascii")
+    except LookupError:
+        codecs.register_error("memplan-ascii", _ascii_fallback)
+    for stream in (sys.stdout, sys.stderr):
+        enc = getattr(stream, "encoding", None) or "ascii"
+        try:
+            "·≤×◀─".encode(enc)
+            continue
+        except (UnicodeEncodeError, LookupError):
+            pass
+        reconfigure = getattr(stream, "reconfigure", None)
+        if reconfigure is not None:
+            try:
+                reconfigure(errors="memplan-ascii")
+            except (ValueError, OSError):  # a stream already written in another way
+                pass
+
+
+_COMPLETE = "_MEMPLAN_COMPLETE"
+
+
+def _check_completion() -> None:
+    """Shell completion (typer's, asked through _MEMPLAN_COMPLETE): the instruction and the variables the shell
+    sets are checked first, so a bad one is one line and exit 2 (typer would int() COMP_CWORD and fail)."""
+    import os
+    import re
+
+    from memplan.inputs import quote
+
+    inst = os.environ.get(_COMPLETE)
+    if inst is None:
+        return
+    m = re.fullmatch(r"(source|complete)_(bash|zsh|fish|powershell|pwsh)", inst)
+    if not m:
+        raise MemplanError(f"shell completion: {_COMPLETE}={quote(inst)} is not source_SHELL or complete_SHELL "
+                           "(SHELL: bash, zsh, fish, powershell, pwsh)")
+    if m.group(1) == "complete" and m.group(2) == "bash":
+        words, cword = os.environ.get("COMP_WORDS"), os.environ.get("COMP_CWORD")
+        if words is None or cword is None:
+            raise MemplanError("shell completion: bash sets COMP_WORDS and COMP_CWORD; one is missing")
+        if not re.fullmatch(r"[0-9]{1,6}", cword.strip()):
+            raise MemplanError(f"shell completion: COMP_CWORD={quote(cword)} is not a word index")
+
+
 def run(app: typer.Typer, argv: list[str] | None = None) -> None:
     """Run the typer app with one error boundary: every error one line, its exit code."""
+    _streams_that_encode()
     try:  # typer >= 0.26 vendors click as typer._click; its exceptions are not click's, and Abort / Exit
         from typer._click import exceptions as click_exc  # moved to typer.exceptions
         from typer.exceptions import Abort, Exit
@@ -26,6 +95,7 @@ def run(app: typer.Typer, argv: list[str] | None = None) -> None:
 
     command = typer.main.get_command(app)
     try:
+        _check_completion()
         rc = command.main(args=argv, prog_name="memplan", standalone_mode=False)
     except MemplanError as exc:
         sys.stderr.write(f"Error: {_one_line(str(exc))}\n")

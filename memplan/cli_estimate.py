@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from memplan import cli_options as O
+from memplan.inputs import quote
 
 
 @dataclass
@@ -41,15 +42,16 @@ def _with_files(given: dict[str, Any], explicit: set[str]) -> tuple[dict[str, An
     if given.get("training_args"):
         files.append(jobfiles.read_training_args(given["training_args"]))
     values, sources, notes = jobfiles.merge(files)
+    values = _framework_of_command_line(given, explicit, values, sources, notes)
     out = dict(given)
     used: dict[str, str] = {}
     for k, v in values.items():
         strategy_given = k in ("stage", "strategy") and ({"stage", "strategy"} & explicit)
         if k in explicit or strategy_given:
             if not strategy_given and given[k] != v:
-                notes.append(f"{k}: command line {given[k]!r} overrides {sources[k]} {v!r}")
+                notes.append(f"{k}: command line {quote(given[k])} overrides {sources[k]} {quote(v)}")
             elif strategy_given:
-                notes.append(f"strategy: the command line's overrides {sources[k]} {k} {v!r}")
+                notes.append(f"strategy: the command line's overrides {sources[k]} {k} {quote(v)}")
             continue
         out[k], used[k] = v, sources[k]
     if "stage" in used:
@@ -60,14 +62,63 @@ def _with_files(given: dict[str, Any], explicit: set[str]) -> tuple[dict[str, An
         recipe = jobfiles.precision_for({**out, "_mixed": mixed})
         if "precision" in explicit:
             if given["precision"] != recipe:
-                notes.append(f"precision: command line {given['precision']!r} overrides {sources['_mixed']} "
-                             f"{recipe!r}")
+                notes.append(f"precision: command line {quote(given['precision'])} overrides {sources['_mixed']} "
+                             f"{quote(recipe)}")
         else:
             if "precision" in used and out["precision"] != recipe:
-                notes.append(f"precision: {sources['_mixed']} {recipe!r} overrides {used['precision']} "
-                             f"{out['precision']!r}")
+                notes.append(f"precision: {sources['_mixed']} {quote(recipe)} overrides {used['precision']} "
+                             f"{quote(out['precision'])}")
             out["precision"], used["precision"] = recipe, sources["_mixed"]
     return out, used, notes, [f.path for f in files]
+
+
+#: the settings a job file gives that belong to one framework (memplan/jobfiles.py): dropped, with a note, where the
+#: command line's --stage / --strategy runs the job under another framework than the file's
+FRAMEWORK_KEYS = {"fsdp": ("fsdp_wrap", "fsdp_version", "cpu_offload", "hsdp_shard_size"),
+                  "deepspeed": ("deepspeed", "offload_optimizer", "offload_param")}
+
+
+def _family(stage: Any, strategy: Any) -> str:
+    if stage is not None or str(strategy or "").startswith("zero") and strategy != "zero-optimizer":
+        return "deepspeed"
+    if str(strategy or "").startswith("fsdp") or strategy == "hsdp":
+        return "fsdp"
+    return "torch"
+
+
+def _framework_of_command_line(given: dict[str, Any], explicit: set[str], values: dict[str, Any],
+                               sources: dict[str, str], notes: list[str]) -> dict[str, Any]:
+    """Where the command line's --stage / --strategy runs the job under another framework than its files', the
+    files' settings of their framework no longer apply (an Accelerate FSDP config's wrap policy under --stage 3):
+    they are dropped with a note, and a precision the files gave follows the command line's framework with the
+    same mixed precision (jobfiles.precision_for)."""
+    from memplan import jobfiles
+
+    if not ({"stage", "strategy"} & explicit) or not ({"stage", "strategy", "deepspeed"} & set(values)):
+        return values
+    theirs = _family(values.get("stage"), values.get("strategy")) if "deepspeed" not in values else "deepspeed"
+    ours = _family(given.get("stage") if "stage" in explicit else None,
+                   given.get("strategy") if "strategy" in explicit else None)
+    if theirs == ours:
+        return values
+    out = dict(values)
+    dropped = [k for k in FRAMEWORK_KEYS.get(theirs, ()) if k in out]
+    for k in dropped:
+        out.pop(k)
+    if dropped:
+        where = sorted({sources[k] for k in dropped})
+        notes.append(f"{', '.join(where)}: its {theirs} settings ({', '.join(dropped)}) do not apply to the command "
+                     f"line's {ours} strategy; left out")
+    if "precision" in out and "_mixed" not in out:
+        mixed = {"fp32": "no", "deepspeed-fp16": "fp16"}.get(str(out["precision"]), "bf16")
+        recipe = jobfiles.precision_for({"stage": given.get("stage") if "stage" in explicit else None,
+                                         "strategy": given.get("strategy") if "strategy" in explicit else None,
+                                         "_mixed": mixed})
+        if recipe != out["precision"]:
+            notes.append(f"precision: {sources['precision']}'s {quote(out['precision'])} is {theirs}'s; the "
+                         f"command line's {ours} strategy runs the same mixed precision as {quote(recipe)}")
+            out["precision"] = recipe
+    return out
 
 
 def run(given: dict[str, Any], explicit: set[str], overheads: Any, suggestions: bool = True,
@@ -103,6 +154,9 @@ def run(given: dict[str, Any], explicit: set[str], overheads: Any, suggestions: 
             parallel=O.parallel_of(g), trace=g.get("_trace", True))
 
     resolved = resolve({})
+    gpn, gpus = given.get("gpus_per_node"), given.get("gpus")
+    if gpn is not None and gpus is not None and 1 <= gpus < gpn:  # a real setup (plan's rows print it): said
+        file_notes.append(f"{gpus} GPU(s) on part of one {gpn}-GPU node: {gpus} ranks, all within the node")
     plan = accounting.estimate(inv, resolved.settings)
     srcs = dict(resolved.sources)
     for k, path in file_sources.items():

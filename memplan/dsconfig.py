@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from memplan.errors import ConfigError
+from memplan.inputs import quote
 
 #: top-level keys memplan reads
 READ_TOP = {"train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "optimizer", "bf16", "fp16",
@@ -137,7 +138,7 @@ def _int(value: Any, key: str, path: str) -> int:
     """A count, as DeepSpeed's config model reads one (an integer, or a float with an integer value, as 5e8)."""
     if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0
             or int(value) != value or value > _MAX_INT):
-        raise ConfigError(f"{path}: {key} must be a non-negative integer or \"auto\", got {value!r}")
+        raise ConfigError(f"{path}: {key} must be a non-negative integer or \"auto\", got {quote(value)}")
     return int(value)
 
 
@@ -153,7 +154,7 @@ def _bool(value: Any, key: str, path: str) -> bool:
         return bool(value)
     if isinstance(value, str) and value.strip().lower() in _BOOL_STRINGS:
         return _BOOL_STRINGS[value.strip().lower()]
-    raise ConfigError(f"{path}: {key} must be true or false, got {value!r}")
+    raise ConfigError(f"{path}: {key} must be true or false, got {quote(value)}")
 
 
 def _precision_enabled(data: dict[str, Any], key: str, path: str) -> bool | None:
@@ -167,7 +168,7 @@ def _precision_enabled(data: dict[str, Any], key: str, path: str) -> bool | None
         return None
     if not isinstance(section, dict):
         raise ConfigError(f"{path}: \"{key}\" must be an object such as {{\"enabled\": true}} (DeepSpeed builds "
-                          f"its config from the object's keys), got {section!r}")
+                          f"its config from the object's keys), got {quote(section)}")
     enabled = section.get("enabled", False)
     if enabled == "auto":  # filled from the Trainer's / Accelerate's mixed precision (fill_match)
         return None
@@ -175,9 +176,9 @@ def _precision_enabled(data: dict[str, Any], key: str, path: str) -> bool | None
 
 
 def load(path: str) -> DsConfig:
-    from memplan.units import parse_json, read_small_text
+    from memplan.inputs import load_json, read_text
 
-    data = parse_json(read_small_text(Path(path), "DeepSpeed config"), path, "DeepSpeed config")
+    data = load_json(read_text(Path(path), "DeepSpeed config"), path, "DeepSpeed config")
     if not isinstance(data, dict):
         raise ConfigError(f"{path} must hold a JSON object")
     unknown = [k for k in data if k not in READ_TOP and k not in IGNORED_TOP]
@@ -193,7 +194,7 @@ def load(path: str) -> DsConfig:
     zero = _deprecated(zero, path)
     stage = zero.get("stage")
     if stage is not None and (isinstance(stage, bool) or stage not in (0, 1, 2, 3)):
-        raise ConfigError(f"{path}: zero_optimization.stage must be 0, 1, 2 or 3, got {stage!r}")
+        raise ConfigError(f"{path}: zero_optimization.stage must be 0, 1, 2 or 3, got {quote(stage)}")
     knobs: dict[str, Any] = {}
     notes: list[str] = []
     for key, value in zero.items():
@@ -214,7 +215,7 @@ def load(path: str) -> DsConfig:
             raise ConfigError(f"{path}: zero_optimization.{key} must be an object")
         device = sub.get("device", "none")
         if device not in ("cpu", "nvme", "none"):
-            raise ConfigError(f"{path}: zero_optimization.{key}.device must be cpu, nvme or none, got {device!r}")
+            raise ConfigError(f"{path}: zero_optimization.{key}.device must be cpu, nvme or none, got {quote(device)}")
         knobs[field_name] = device != "none"
         if device == "nvme":
             notes.append(f"zero_optimization.{key}.device nvme: modelled as host (cpu) offload; the NVMe swap "
@@ -280,7 +281,7 @@ def load(path: str) -> DsConfig:
     comm = data.get("communication_data_type")
     if comm is not None:
         if str(comm).lower() not in _DTYPES:
-            raise ConfigError(f"{path}: communication_data_type must be fp32, fp16 or bf16, got {comm!r}")
+            raise ConfigError(f"{path}: communication_data_type must be fp32, fp16 or bf16, got {quote(comm)}")
         knobs["communication_data_type"] = _DTYPES[str(comm).lower()]
     return DsConfig(path=str(path), stage=stage, knobs=knobs, recipe=recipe, optimizer=optimizer,
                     micro_batch=mb, grad_accum=ga, unknown_keys=tuple(unknown), notes=tuple(notes))
@@ -303,7 +304,7 @@ def _grad_accum_dtype(data: dict[str, Any], path: str, unknown: list[str]) -> st
     if value is None:
         return None
     if str(value).lower() not in _DTYPES:
-        raise ConfigError(f"{path}: data_types.grad_accum_dtype must be fp32, fp16 or bf16, got {value!r}")
+        raise ConfigError(f"{path}: data_types.grad_accum_dtype must be fp32, fp16 or bf16, got {quote(value)}")
     return _DTYPES[str(value).lower()]
 
 

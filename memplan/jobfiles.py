@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from memplan.errors import ConfigError
+from memplan.inputs import quote
 
 
 @dataclass
@@ -34,27 +35,9 @@ class JobFile:
 
 def _load(path: str, what: str) -> dict[str, Any]:
     """A JSON or YAML object from a regular file (one line naming the problem otherwise)."""
-    from memplan.units import read_small_text
+    from memplan.inputs import load_mapping_file
 
-    text = read_small_text(Path(path), what)
-    if path.endswith((".yaml", ".yml")):
-        import yaml
-
-        try:
-            data = yaml.safe_load(text)
-        except yaml.YAMLError as exc:
-            mark = getattr(exc, "problem_mark", None)
-            where = f" at line {mark.line + 1} column {mark.column + 1}" if mark is not None else ""
-            raise ConfigError(f"{path} is not valid YAML{where}: {getattr(exc, 'problem', None) or exc}") from None
-        except RecursionError:
-            raise ConfigError(f"{path} is nested too deeply to be a {what}") from None
-    else:
-        from memplan.units import parse_json
-
-        data = parse_json(text, path, what)
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path} must hold a mapping of settings (a JSON object or YAML mapping)")
-    return data
+    return load_mapping_file(path, what)
 
 
 def _flag(value: Any, key: str, path: str) -> bool:
@@ -66,12 +49,12 @@ def _flag(value: Any, key: str, path: str) -> bool:
     if isinstance(value, str) and value.strip().lower() in ("true", "false", "yes", "no", "1", "0", "on", "off",
                                                              "y", "n", "t", "f"):
         return value.strip().lower() in ("true", "yes", "1", "on", "y", "t")
-    raise ConfigError(f"{path}: {key} must be true or false, got {value!r}")
+    raise ConfigError(f"{path}: {key} must be true or false, got {quote(value)}")
 
 
 def _count(value: Any, key: str, path: str, low: int = 1) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ConfigError(f"{path}: {key} must be an integer of at least {low}, got {value!r}")
+        raise ConfigError(f"{path}: {key} must be an integer of at least {low}, got {quote(value)}")
     return value
 
 
@@ -105,11 +88,11 @@ OPTIM_NOT_MODELLED = ("adamw_torch_xla", "adamw_torch_npu_fused", "adamw_anyprec
 
 def _optim(name: Any, path: str, job: JobFile) -> None:
     if not isinstance(name, str):
-        raise ConfigError(f"{path}: optim must be an optimizer name, got {name!r}")
+        raise ConfigError(f"{path}: optim must be an optimizer name, got {quote(name)}")
     if name in OPTIM_NOT_MODELLED:
-        raise ConfigError(f"{path}: optim {name!r} is not modelled by memplan; modelled: {', '.join(OPTIM)}")
+        raise ConfigError(f"{path}: optim {quote(name)} is not modelled by memplan; modelled: {', '.join(OPTIM)}")
     if name not in OPTIM:
-        raise ConfigError(f"{path}: optim {name!r} is not an optimizer transformers accepts (OptimizerNames); "
+        raise ConfigError(f"{path}: optim {quote(name)} is not an optimizer transformers accepts (OptimizerNames); "
                           f"memplan models {', '.join(OPTIM)}")
     opt, impl, note = OPTIM[name]
     job.values["optimizer"] = opt
@@ -158,7 +141,7 @@ def _class_names(value: Any, path: str) -> list[str]:
     """fsdp_transformer_layer_cls_to_wrap: a comma-separated string (Accelerate) or a list (the Trainer's)."""
     items = value.split(",") if isinstance(value, str) else value if isinstance(value, list) else None
     if items is None or not all(isinstance(x, str) for x in items):
-        raise ConfigError(f"{path}: transformer_layer_cls_to_wrap must be class names, got {value!r}")
+        raise ConfigError(f"{path}: transformer_layer_cls_to_wrap must be class names, got {quote(value)}")
     names = list(dict.fromkeys(x.strip() for x in items if x.strip()))
     if not names:
         raise ConfigError(f"{path}: transformer_layer_cls_to_wrap names no class")
@@ -171,10 +154,29 @@ def accelerate_fsdp2_size(n: int) -> _Fsdp2SizeWrap:
     return v
 
 
+def _section(d: dict[str, Any], key: str, path: str) -> dict[str, Any]:
+    """A nested mapping of settings (fsdp_config, deepspeed_config, parallelism_config): absent or empty is {}."""
+    value = d.get(key)
+    if value is None or value == "":
+        return {}
+    if not isinstance(value, dict):
+        raise ConfigError(f"{path}: {key} must be a mapping of settings, got {quote(value)}")
+    return value
+
+
+def _version(value: Any, path: str) -> int:
+    """fsdp_version: 1 or 2, as an integer or its digit (accelerate int()s the launcher's string; the Trainer
+    compares with 2); anything else (2.5, "abc", null, a list) is refused."""
+    if isinstance(value, bool) or not (value in (1, 2) and isinstance(value, int)
+                                       or isinstance(value, str) and value.strip() in ("1", "2")):
+        raise ConfigError(f"{path}: fsdp_version must be 1 or 2, got {quote(value)}")
+    return int(value)
+
+
 def _fsdp(job: JobFile, path: str, version: int, reshard: Any, strategy: Any, offload: bool, checkpointing: bool,
           wrap: Any, min_params: Any = 0, classes: Any = None) -> None:
     if version not in (1, 2):
-        raise ConfigError(f"{path}: fsdp version must be 1 or 2, got {version!r}")
+        raise ConfigError(f"{path}: fsdp version must be 1 or 2, got {quote(version)}")
     job.values["fsdp_version"] = version
     if version == 2:
         raf = True if reshard is None else _flag(reshard, "reshard_after_forward", path)
@@ -184,11 +186,11 @@ def _fsdp(job: JobFile, path: str, version: int, reshard: Any, strategy: Any, of
         if isinstance(name, int) or (isinstance(name, str) and name.isdigit()):
             k = int(name)
             if not 1 <= k <= 5:
-                raise ConfigError(f"{path}: FSDP sharding strategy {name!r} is not 1-5")
+                raise ConfigError(f"{path}: FSDP sharding strategy {quote(name)} is not 1-5")
             name = list(_FSDP1)[k - 1]
         key = str(name).upper()
         if key not in _FSDP1:
-            raise ConfigError(f"{path}: FSDP sharding strategy {name!r} is not one of {', '.join(_FSDP1)}")
+            raise ConfigError(f"{path}: FSDP sharding strategy {quote(name)} is not one of {', '.join(_FSDP1)}")
         if _FSDP1[key] is None:
             raise ConfigError(f"{path}: FSDP {key} (HSDP with SHARD_GRAD_OP inside a node) is not modelled")
         job.values["strategy"] = _FSDP1[key]
@@ -227,7 +229,7 @@ def _fsdp(job: JobFile, path: str, version: int, reshard: Any, strategy: Any, of
         else:
             job.values["fsdp_wrap"] = accelerate_fsdp2_size(n)
     elif wrap != "TRANSFORMER_BASED_WRAP":
-        raise ConfigError(f"{path}: FSDP auto-wrap policy {wrap!r} is not one of TRANSFORMER_BASED_WRAP, "
+        raise ConfigError(f"{path}: FSDP auto-wrap policy {quote(wrap)} is not one of TRANSFORMER_BASED_WRAP, "
                           "SIZE_BASED_WRAP, NO_WRAP")
 
 
@@ -239,14 +241,11 @@ def _checkpointing_kwargs(job: JobFile, path: str, kw: Any) -> str:
     if kw is None:
         return "full"
     if isinstance(kw, str):  # TrainingArguments takes a JSON string too
-        import json
+        from memplan.inputs import load_json
 
-        try:
-            kw = json.loads(kw)
-        except ValueError:
-            raise ConfigError(f"{path}: activation_checkpointing_kwargs is not a JSON object: {kw!r}") from None
+        kw = load_json(kw, f"{path}: activation_checkpointing_kwargs", "JSON object")
     if not isinstance(kw, dict):
-        raise ConfigError(f"{path}: activation_checkpointing_kwargs must be a mapping, got {kw!r}")
+        raise ConfigError(f"{path}: activation_checkpointing_kwargs must be a mapping, got {quote(kw)}")
     every = _count(kw.get("every_n_layers", 1), "activation_checkpointing_kwargs.every_n_layers", path)
     if kw.get("offload") is not None and _flag(kw["offload"], "activation_checkpointing_kwargs.offload", path):
         job.notes.append(f"{path}: activation_checkpointing_kwargs.offload holds the checkpointed layers' inputs in "
@@ -265,7 +264,7 @@ def read_accelerate(path: str) -> JobFile:
     dist = str(d.get("distributed_type", "NO")).upper()
     mixed = str(d.get("mixed_precision", "no")).lower()
     if mixed not in ("no", "bf16", "fp16", "fp8"):
-        raise ConfigError(f"{path}: mixed_precision must be no, bf16, fp16 or fp8, got {d.get('mixed_precision')!r}")
+        raise ConfigError(f"{path}: mixed_precision must be no, bf16, fp16 or fp8, got {quote(d.get('mixed_precision'))}")
     if mixed == "fp8":
         raise ConfigError(f"{path}: mixed_precision fp8 (Transformer Engine / MS-AMP) is not modelled")
     procs = _count(d.get("num_processes", 1), "num_processes", path)
@@ -278,8 +277,8 @@ def read_accelerate(path: str) -> JobFile:
         job.values["strategy"] = "single" if procs == 1 else "ddp"
         job.values["precision"] = "fp32" if mixed == "no" else "torch-amp"
     elif dist == "FSDP":
-        f = {k.removeprefix("fsdp_"): v for k, v in (d.get("fsdp_config") or {}).items()}
-        _fsdp(job, path, int(f.get("version", 1)), f.get("reshard_after_forward"), f.get("sharding_strategy"),
+        f = {k.removeprefix("fsdp_"): v for k, v in _section(d, "fsdp_config", path).items()}
+        _fsdp(job, path, _version(f.get("version", 1), path), f.get("reshard_after_forward"), f.get("sharding_strategy"),
               _flag(f.get("offload_params", False), "fsdp_offload_params", path),
               _flag(f.get("activation_checkpointing", False), "fsdp_activation_checkpointing", path),
               # unset: accelerate's FullyShardedDataParallelPlugin.__post_init__ reads FSDP_AUTO_WRAP_POLICY,
@@ -291,13 +290,13 @@ def read_accelerate(path: str) -> JobFile:
         if mixed != "no":
             job.notes.append(f"{path}: {_FSDP_MIXED}")
     elif dist == "DEEPSPEED":
-        _deepspeed_plugin(job, path, d.get("deepspeed_config") or {}, mixed)
+        _deepspeed_plugin(job, path, _section(d, "deepspeed_config", path), mixed)
     else:
-        raise ConfigError(f"{path}: distributed_type {d.get('distributed_type')!r} is not modelled (NO, MULTI_GPU, "
+        raise ConfigError(f"{path}: distributed_type {quote(d.get('distributed_type'))} is not modelled (NO, MULTI_GPU, "
                           "FSDP, DEEPSPEED are)")
     if mixed == "fp16" and dist != "DEEPSPEED":
         job.notes.append(f"{path}: fp16 autocast is modelled as bf16's (the same bytes)")
-    _parallelism(job, path, d.get("parallelism_config") or {})
+    _parallelism(job, path, _section(d, "parallelism_config", path))
     return job
 
 
@@ -342,12 +341,12 @@ def _deepspeed_plugin(job: JobFile, path: str, ds: dict[str, Any], mixed: str) -
     else:
         stage = ds.get("zero_stage", 2)
         if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
-            raise ConfigError(f"{path}: deepspeed_config.zero_stage must be 0, 1, 2 or 3, got {stage!r}")
+            raise ConfigError(f"{path}: deepspeed_config.zero_stage must be 0, 1, 2 or 3, got {quote(stage)}")
         job.values["stage"] = stage
         for key, knob in (("offload_optimizer_device", "offload_optimizer"), ("offload_param_device", "offload_param")):
             dev = str(ds.get(key, "none")).lower()
             if dev not in ("none", "cpu", "nvme"):
-                raise ConfigError(f"{path}: deepspeed_config.{key} must be none, cpu or nvme, got {ds.get(key)!r}")
+                raise ConfigError(f"{path}: deepspeed_config.{key} must be none, cpu or nvme, got {quote(ds.get(key))}")
             if dev != "none":
                 job.values[knob] = True
         if "gradient_accumulation_steps" in ds:
@@ -406,24 +405,25 @@ def _training_fsdp(job: JobFile, path: str, fsdp: Any, cfg: Any, mixed: bool) ->
     if isinstance(cfg, str):
         cfg = _load(_near(path, cfg), "fsdp_config")
     if cfg is not None and not isinstance(cfg, dict):
-        raise ConfigError(f"{path}: fsdp_config must be a mapping or a JSON file, got {cfg!r}")
+        raise ConfigError(f"{path}: fsdp_config must be a mapping or a JSON file, got {quote(cfg)}")
     f = {k.removeprefix("fsdp_"): v for k, v in (cfg or {}).items()}
-    version = f.get("version", 2)
-    version = int(version) if isinstance(version, (int, str)) and str(version).isdigit() else version
+    version = _version(f.get("version", 2), path)
     items = fsdp.split() if isinstance(fsdp, str) else list(fsdp) if isinstance(fsdp, list) else []
+    if not all(isinstance(x, str) for x in items):
+        raise ConfigError(f"{path}: fsdp must be option names (full_shard, offload, auto_wrap, ...), got {quote(fsdp)}")
     for item in items:
         if item in ("offload",):
             f["cpu_offload"] = True
         elif item.upper() in _FSDP1:
             if version == 2:
                 if item not in ("full_shard", "shard_grad_op"):
-                    raise ConfigError(f"{path}: fsdp {item!r} is only available with FSDP1 (transformers: set "
+                    raise ConfigError(f"{path}: fsdp {quote(item)} is only available with FSDP1 (transformers: set "
                                       "fsdp_config version 1)")
                 f.setdefault("reshard_after_forward", item == "full_shard")
             else:
                 f.setdefault("reshard_after_forward", item)
         elif item != "auto_wrap":
-            raise ConfigError(f"{path}: fsdp option {item!r} is not one of full_shard, shard_grad_op, no_shard, "
+            raise ConfigError(f"{path}: fsdp option {quote(item)} is not one of full_shard, shard_grad_op, no_shard, "
                               "hybrid_shard, hybrid_shard_zero2, offload, auto_wrap")
     _fsdp(job, path, version, f.get("reshard_after_forward"), None,
           _flag(f.get("cpu_offload", False), "fsdp_config.cpu_offload", path),
@@ -473,7 +473,7 @@ def merge(files: list[JobFile]) -> tuple[dict[str, Any], dict[str, str], list[st
     for job in files:
         for k, v in job.values.items():
             if k in values and values[k] != v:
-                notes.append(f"{k}: {job.path} {v!r} overrides {sources[k]} {values[k]!r}")
+                notes.append(f"{k}: {job.path} {quote(v)} overrides {sources[k]} {quote(values[k])}")
             values[k], sources[k] = v, job.path
         notes.extend(job.notes)
     if "stage" in values and "strategy" in values:  # the later file decides

@@ -17,6 +17,7 @@ import re
 from dataclasses import dataclass
 
 from memplan.errors import SettingsError
+from memplan.inputs import quote
 from memplan.units import round_up
 
 #: CPU instruction-set classes that decide what a bf16 GEMM allocates (see cpu_gemm_scratch)
@@ -53,11 +54,11 @@ class Target:
 
     def __post_init__(self) -> None:
         if self.device not in ("cuda", "cpu"):
-            raise SettingsError(f"--device must be cuda or cpu, got {self.device!r}")
+            raise SettingsError(f"--device must be cuda or cpu, got {quote(self.device)}")
         if self.device == "cuda" and not re.fullmatch(r"sm\d{2,3}|gfx\w+", self.arch):
-            raise SettingsError(f"unknown GPU architecture {self.arch!r} (smXY or gfxNNN)")
+            raise SettingsError(f"unknown GPU architecture {quote(self.arch)} (smXY or gfxNNN)")
         if self.cpu_isa not in CPU_ISAS:
-            raise SettingsError(f"--cpu-isa must be one of {', '.join(CPU_ISAS)}, got {self.cpu_isa!r}")
+            raise SettingsError(f"--cpu-isa must be one of {', '.join(CPU_ISAS)}, got {quote(self.cpu_isa)}")
 
     @property
     def key(self) -> str:

@@ -10,11 +10,12 @@ from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from memplan import dsconfig
-from memplan.settings import Cluster, DeepSpeedKnobs, Overheads, Settings, TorchKnobs
 from memplan.errors import SettingsError
+from memplan.inputs import quote
 from memplan.model.inventory import ParamInventory
 from memplan.model.sources import gpu_presets
 from memplan.precision import get_optimizer, get_recipe
+from memplan.settings import Cluster, DeepSpeedKnobs, Overheads, Settings, TorchKnobs
 from memplan.strategies import DEFAULT_RECIPE, STAGE_TO_STRATEGY, get_strategy
 from memplan.units import parse_size
 
@@ -34,7 +35,7 @@ def gpu_memory(gpu: str | None, gpu_memory: str | None) -> tuple[int | None, str
         presets = gpu_presets()
         key = gpu.lower()
         if key not in presets:
-            raise SettingsError(f"unknown GPU {gpu!r}; valid: {', '.join(presets)}")
+            raise SettingsError(f"unknown GPU {quote(gpu)}; valid: {', '.join(presets)}")
         g = presets[key]
         if "torch_total_bytes" in g:  # what PyTorch reports and its allocator works within (measured)
             return g["torch_total_bytes"], (f"{key}: {g['name']}, {g['torch_total_bytes']} bytes as torch reports "
@@ -59,7 +60,7 @@ def parse_reshard(value: str | None) -> bool | int | None:
     try:
         n = int(v)
     except ValueError:
-        raise SettingsError(f"--reshard-after-forward must be true, false or a group size, got {value!r}") from None
+        raise SettingsError(f"--reshard-after-forward must be true, false or a group size, got {quote(value)}") from None
     if n < 1:
         raise SettingsError(f"--reshard-after-forward group size must be positive, got {n}")
     return n
@@ -83,9 +84,9 @@ def activation_profile(config: dict[str, Any] | None, s: Settings, mode: str, no
     from memplan.tracing_keys import trace_linear
 
     if mode not in ("auto",) + act.ACTIVATION_SOURCES:
-        raise SettingsError(f"--activations must be auto, traced or analytic, got {mode!r}")
+        raise SettingsError(f"--activations must be auto, traced or analytic, got {quote(mode)}")
     if s.attention not in act.ATTENTION:
-        raise SettingsError(f"unknown attention {s.attention!r}; valid: {', '.join(act.ATTENTION)}")
+        raise SettingsError(f"unknown attention {quote(s.attention)}; valid: {', '.join(act.ATTENTION)}")
     act.valid_recompute(s.recompute)
     if s.lora is not None and (mode == "analytic" or config is None):
         notes.append("activations: analytic, as for full training; LoRA's frozen weights save less (an upper bound)")
@@ -207,7 +208,7 @@ class _Picker:
     def __call__(self, name: str, cli: Any, from_file: Any, default: Any) -> Any:
         if cli is not None:
             if from_file is not None and from_file != cli:
-                self.notes.append(f"{name}: command line {cli!r} overrides {self.deepspeed} {from_file!r}")
+                self.notes.append(f"{name}: command line {quote(cli)} overrides {self.deepspeed} {quote(from_file)}")
             self.sources[name] = "command line"
             return cli
         if from_file is not None:
@@ -268,7 +269,7 @@ def _deepspeed_wrapper(strat: Any, recipe: Any, ds: DeepSpeedKnobs, notes: list[
     modelled, refused."""
     acc = ds.grad_accum_dtype
     if acc is not None and acc not in ("fp32", "bf16", "fp16"):
-        raise SettingsError(f"grad_accum_dtype must be fp32, bf16 or fp16, got {acc!r}")
+        raise SettingsError(f"grad_accum_dtype must be fp32, bf16 or fp16, got {quote(acc)}")
     if strat.framework != "deepspeed":
         if acc is not None or ds.communication_data_type is not None:
             flag = "--grad-accum-dtype" if acc is not None else "--communication-data-type"
@@ -290,7 +291,7 @@ def _deepspeed_wrapper(strat: Any, recipe: Any, ds: DeepSpeedKnobs, notes: list[
                             "refuses the mix (engine.py _do_optimizer_sanity_check: NotImplementedError)")
     comm = ds.communication_data_type
     if comm is not None and comm not in ("fp32", "bf16", "fp16"):
-        raise SettingsError(f"communication_data_type must be fp32, bf16 or fp16, got {comm!r}")
+        raise SettingsError(f"communication_data_type must be fp32, bf16 or fp16, got {quote(comm)}")
     if comm is not None and comm != model and strat.zero_stage:
         notes.append(f"communication_data_type {comm}: ZeRO stage {strat.zero_stage} reduces each bucket through a "
                      f"{comm} copy (stage_1_and_2.py allreduce_bucket / gradient_reduction_w_predivide, stage3.py "
@@ -362,7 +363,7 @@ def _torch_knobs(overrides: dict[str, Any], strat: Any) -> TorchKnobs:
     if tk.fsdp_version not in (1, 2):
         raise SettingsError(f"--fsdp-version must be 1 or 2, got {tk.fsdp_version}")
     if tk.fsdp_root_reshard not in ("same", "auto"):
-        raise SettingsError(f"--fsdp-root-reshard must be same or auto, got {tk.fsdp_root_reshard!r}")
+        raise SettingsError(f"--fsdp-root-reshard must be same or auto, got {quote(tk.fsdp_root_reshard)}")
     if tk.fsdp_wrap not in FSDP_WRAPS:
         tk = replace(tk, fsdp_wrap=_class_wrap_text(tk.fsdp_wrap) if str(tk.fsdp_wrap).startswith("class:")
                      else _size_wrap(tk.fsdp_wrap))
@@ -394,13 +395,13 @@ def _horovod_knobs(overrides: dict[str, Any], strat: Any, sources: dict[str, str
         try:
             given["fusion_threshold"] = int(env)  # std::strtol in operations.cc: bytes
         except ValueError:
-            raise SettingsError(f"HOROVOD_FUSION_THRESHOLD={env!r} is not a byte count") from None
+            raise SettingsError(f"HOROVOD_FUSION_THRESHOLD={quote(env)} is not a byte count") from None
         sources["horovod_fusion_threshold"] = "environment (HOROVOD_FUSION_THRESHOLD)"
         notes.append(f"Horovod fusion threshold {given['fusion_threshold']:,} B from HOROVOD_FUSION_THRESHOLD")
     if given.get("fusion_threshold", 0) < 0:
         raise SettingsError(f"Horovod fusion threshold must not be negative, got {given['fusion_threshold']}")
     if given.get("compression", "none") not in ("none", "fp16"):
-        raise SettingsError(f"--horovod-compression must be none or fp16, got {given['compression']!r}")
+        raise SettingsError(f"--horovod-compression must be none or fp16, got {quote(given['compression'])}")
     return HorovodKnobs(**given)
 
 
@@ -436,7 +437,7 @@ def _cluster(*, gpus: int, gpus_per_node: int | None, gpu: str | None, gpu_memor
         from memplan.kernels import CPU_ISAS
 
         if cpu_isa not in CPU_ISAS:
-            raise SettingsError(f"--cpu-isa must be one of {', '.join(CPU_ISAS)}, got {cpu_isa!r}")
+            raise SettingsError(f"--cpu-isa must be one of {', '.join(CPU_ISAS)}, got {quote(cpu_isa)}")
         if device != "cpu":
             raise SettingsError("--cpu-isa applies to --device cpu")
     host_mem = parse_size(host_memory_size)[0] if host_memory_size else None
@@ -526,7 +527,7 @@ def _class_wrap_text(text: str) -> str:
     """``class:A,B`` (transformer_auto_wrap_policy / ModuleWrapPolicy over those module classes) in one spelling."""
     names = list(dict.fromkeys(x.strip() for x in str(text)[6:].split(",") if x.strip()))
     if not names:
-        raise SettingsError(f"--fsdp-wrap class:NAME[,NAME] needs at least one module class, got {text!r}")
+        raise SettingsError(f"--fsdp-wrap class:NAME[,NAME] needs at least one module class, got {quote(text)}")
     return "class:" + ",".join(names)
 
 
@@ -567,18 +568,22 @@ def _size_wrap(text: str) -> str:
     head, _, num = str(text).partition(":")
     valid = f"one of {', '.join(FSDP_WRAPS)}, size:N (N parameters) or class:NAME[,NAME]"
     if head != "size" or not num:
-        raise SettingsError(f"--fsdp-wrap must be {valid}, got {text!r}")
+        raise SettingsError(f"--fsdp-wrap must be {valid}, got {quote(text)}")
+    import math
+    import re
+
     low = num.strip().lower()
-    mult = _SUFFIX.get(low[-1:], None) if low[-1:].isalpha() else 1
-    try:
-        value = float(low[:-1] if low[-1:].isalpha() else low) * (mult or 0)
-    except ValueError:
-        value = float("nan")
-    if not mult or value != value or value != int(value):
+    m = re.fullmatch(r"([0-9]+(?:\.[0-9]*)?(?:e[+-]?[0-9]{1,4})?)([a-z]?)", low)  # ASCII digits only
+    mult = (_SUFFIX.get(m.group(2)) if m.group(2) else 1) if m else None
+    value = float(m.group(1)) * mult if m and mult else math.nan
+    if not math.isfinite(value) or value != int(value):
         raise SettingsError(f"--fsdp-wrap size:N needs N a whole number of parameters (100000000, 1e8, 100M), "
-                            f"got {text!r}")
+                            f"got {quote(text)}")
     if value <= 0:
-        raise SettingsError(f"--fsdp-wrap size:N needs N above zero (min_num_params), got {text!r}")
+        raise SettingsError(f"--fsdp-wrap size:N needs N above zero (min_num_params), got {quote(text)}")
+    if value > 1e15:
+        raise SettingsError(f"--fsdp-wrap size:N: N {quote(num)} is more parameters than any model has (at most "
+                            "10^15)")
     return f"size:{int(value)}"
 
 

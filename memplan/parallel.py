@@ -31,6 +31,7 @@ from functools import lru_cache
 from typing import Any
 
 from memplan.errors import SettingsError
+from memplan.inputs import quote
 from memplan.model.inventory import ROOT_BLOCK, ParamInventory, ParamTensor
 from memplan.units import ceil_div
 
@@ -129,7 +130,7 @@ def check(p: Parallel, inv: ParamInventory, strategy: Any, gpus: int, grad_accum
     if p.vpp is not None and p.vpp < 1:
         raise SettingsError(f"--vpp must be at least 1, got {p.vpp}")
     if p.schedule not in SCHEDULES:
-        raise SettingsError(f"unknown pipeline schedule {p.schedule!r}; valid: {', '.join(SCHEDULES)}")
+        raise SettingsError(f"unknown pipeline schedule {quote(p.schedule)}; valid: {', '.join(SCHEDULES)}")
     if gpus % (p.model_ranks * p.cp):
         if p.cp > 1:
             raise SettingsError(f"--gpus {gpus} is not a multiple of tp({p.tp}) x pp({p.pp}) x cp({p.cp}) = "

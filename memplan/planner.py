@@ -23,8 +23,8 @@ from dataclasses import dataclass, replace
 from typing import Any, overload
 
 from memplan import accounting, options
-from memplan.comm import communication
 from memplan.errors import SettingsError
+from memplan.inputs import quote
 from memplan.model.inventory import ParamInventory
 from memplan.settings import MAX_GPUS, Settings, with_gpus
 from memplan.strategies import STRATEGIES
@@ -219,7 +219,7 @@ def _candidates(inv: ParamInventory, config: dict | None, strategies: tuple[str,
     labels: list[tuple[str, str, dict[str, Any]]] = []
     for name in strategies:
         if name not in STRATEGIES:
-            raise SettingsError(f"unknown strategy {name!r}; valid: {', '.join(STRATEGIES)}")
+            raise SettingsError(f"unknown strategy {quote(name)}; valid: {', '.join(STRATEGIES)}")
         labels.append((name, name, {}))
     if allow_offload:
         labels += [(label, st, knobs) for label, (st, knobs) in OFFLOAD_VARIANTS.items()]
@@ -472,12 +472,12 @@ def parse_headroom(text: str | None, capacity: int) -> int:
         frac = None
     if frac is not None:
         if not math.isfinite(frac) or not 0 <= frac < 1:
-            raise SettingsError(f"--min-headroom {text!r}: a fraction of the GPU is between 0 and 1 (or 0% to "
+            raise SettingsError(f"--min-headroom {quote(text)}: a fraction of the GPU is between 0 and 1 (or 0% to "
                                 "99%); a size needs a unit (8GiB, 8GB)")
         return int(capacity * frac)
     n, _ = parse_size(t)
     if n >= capacity:
-        raise SettingsError(f"--min-headroom {text!r} is not less than the GPU's {capacity:,} bytes")
+        raise SettingsError(f"--min-headroom {quote(text)} is not less than the GPU's {capacity:,} bytes")
     return n
 
 

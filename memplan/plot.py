@@ -9,6 +9,7 @@ from dataclasses import replace
 from typing import Any
 
 from memplan.errors import SettingsError
+from memplan.inputs import quote
 from memplan.timeline import CATEGORIES
 
 #: the stacked segments, bottom up: the peak phase's categories, then what the fit verdict adds
@@ -63,10 +64,36 @@ def segments(plan: Any) -> dict[str, int]:
     return seg
 
 
-def draw(path: str, bars: list[tuple[str, dict[str, int]]], capacity: int | None, title: str, xlabel: str) -> None:
-    """Stacked bars (GiB) to ``path`` (.svg or .png), the capacity as a dashed line when given."""
+def check_path(path: str) -> None:
+    """--plot's file, checked before any work: it ends in .svg or .png, its directory exists, and it is not a
+    special file (a FIFO or a device is refused, never opened); "-" is refused (stdout carries the table or the
+    JSON). matplotlib must be installed."""
+    import os
+
+    from memplan.inputs import check_regular
+
+    if path == "-":
+        raise SettingsError("--plot -: give a file ending in .svg or .png (stdout carries the table or the JSON)")
     if not path.lower().endswith(FORMATS):
-        raise SettingsError(f"--plot {path!r}: the file must end in .svg or .png")
+        raise SettingsError(f"--plot {quote(path)}: the file must end in .svg or .png")
+    check_regular(path, "--plot")
+    parent = os.path.dirname(path) or "."
+    if not os.path.isdir(parent):
+        raise SettingsError(f"--plot {quote(path)}: no directory {quote(parent)} to write it in")
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise SettingsError("--plot needs matplotlib: pip install 'memplan[plot]'") from None
+
+
+def draw(path: str, bars: list[tuple[str, dict[str, int]]], capacity: int | None, title: str, xlabel: str) -> None:
+    """Stacked bars (GiB) to ``path`` (.svg or .png), the capacity as a dashed line when given; written to a
+    temporary file beside it, then renamed (inputs.write_atomic)."""
+    import io
+
+    from memplan.inputs import write_atomic
+
+    check_path(path)
     try:
         import matplotlib
 
@@ -94,12 +121,12 @@ def draw(path: str, bars: list[tuple[str, dict[str, int]]], capacity: int | None
     ax.set_title(title, fontsize=10)
     ax.legend(fontsize=7, loc="upper right")
     fig.tight_layout()
+    buf = io.BytesIO()
     try:
-        fig.savefig(path)
-    except OSError as exc:
-        raise SettingsError(f"--plot {path!r}: cannot write it ({exc.strerror or exc})") from None
+        fig.savefig(buf, format=path.lower().rsplit(".", 1)[1])
     finally:
         plt.close(fig)
+    write_atomic(path, buf.getvalue(), "--plot")
 
 
 #: the terminal bar's characters per segment (the free part is "·")

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from memplan.errors import SettingsError
+from memplan.inputs import quote
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -132,14 +133,14 @@ def get_recipe(name: str) -> Recipe:
     try:
         return RECIPES[name]
     except KeyError:
-        raise SettingsError(f"unknown precision recipe {name!r}; valid: {', '.join(RECIPES)}") from None
+        raise SettingsError(f"unknown precision recipe {quote(name)}; valid: {', '.join(RECIPES)}") from None
 
 
 def get_optimizer(name: str) -> Optimizer:
     try:
         return OPTIMIZERS[name.lower()]
     except KeyError:
-        raise SettingsError(f"unknown optimizer {name!r}; valid: {', '.join(OPTIMIZERS)}") from None
+        raise SettingsError(f"unknown optimizer {quote(name)}; valid: {', '.join(OPTIMIZERS)}") from None
 
 
 #: bitsandbytes' two shared quantization maps (create_dynamic_map: 256 fp32 entries each), once per optimizer

@@ -81,20 +81,25 @@ def load_or_trace(config: dict, *, seq_len: int, micro_batch: int, recipe: str, 
                 raise SettingsError(record["reason"])
         except (OSError, ValueError, KeyError):
             pass
-    from memplan.tracing import trace_profile
-    from memplan.tracing_keys import trace_linear, trace_recipe
-
     from memplan import progress
+    from memplan.tracing import trace_profile
     from memplan.tracing.fit import traced_steps
+    from memplan.tracing_keys import trace_linear, trace_recipe
 
     what = (f"tracing {config.get('model_type') or 'the model'}'s activations at seq {seq_len} "
             f"({trace_recipe(recipe)}, recompute {recompute}; once, then cached)")
+    args = dict(seq_len=seq_len, recipe=trace_recipe(recipe), attention="flash" if attention == "sdpa" else attention,
+                recompute=recompute, device=device, linear=trace_linear(linear, device=device, recipe=recipe),
+                target=target)
     try:
-        with progress.task(what, total=traced_steps(config, recompute)):
-            data = trace_profile(config, seq_len=seq_len, recipe=trace_recipe(recipe),
-                                 attention="flash" if attention == "sdpa" else attention, recompute=recompute,
-                                 device=device, linear=trace_linear(linear, device=device, recipe=recipe),
-                                 target=target)
+        if config.get("factory"):  # the user's own module: traced in a child process (model/factory_child.py)
+            from memplan.model import factory_child
+
+            with progress.task(what):
+                data = factory_child.run("trace", {"config": config, **args}, config["factory"])
+        else:
+            with progress.task(what, total=traced_steps(config, recompute)):
+                data = trace_profile(config, **args)
     except SettingsError as exc:
         _write_atomic(failed, json.dumps({"reason": str(exc), "versions": _versions()}))
         raise
@@ -218,10 +223,13 @@ def _versions() -> dict[str, str]:
 
 
 def _write_atomic(path: Path, text: str) -> None:
+    """The cache file through a temporary file beside it and a rename (inputs.write_atomic: never a half-written
+    file, never into a FIFO or a device found at its name); a cache that cannot be written is skipped (a read-only
+    home: trace again next time)."""
+    from memplan.inputs import write_atomic
+
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.parent / f".{path.name}.{os.getpid()}.tmp"
-        tmp.write_text(text)
-        os.replace(tmp, path)  # atomic: never a half-written file
-    except OSError:
-        pass  # a read-only home: trace again next time
+        write_atomic(path, text, "profile cache file")
+    except (OSError, SettingsError):
+        pass

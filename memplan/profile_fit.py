@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from memplan.inputs import quote
+
 #: the gradient widths (bytes per element) a strategy may keep a block's unsharded gradients in
 GRAD_WIDTHS = (2, 4)
 
@@ -115,7 +117,7 @@ def _fit(values: tuple[Any, Any, Any], w: tuple[int, int, int, int]) -> Any:
     a = values[0]
     if isinstance(a, bool) or a is None or isinstance(a, str):
         if any(v != a for v in values[1:]):
-            raise NotFittable(f"{a!r} differs")
+            raise NotFittable(f"{quote(a)} differs")
         return a
     if isinstance(a, int):
         if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):

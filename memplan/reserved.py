@@ -52,6 +52,8 @@ def why_not(s: Any, inv: Any = None) -> str | None:
     data = getattr(prof, "data", None)
     if not data or not data.get("alloc_events"):
         return "no traced step (analytic activations, or a profile traced before allocations were recorded)"
+    if not data["alloc_events"].get("fs"):
+        return "the traced step has no blocks (a module without a stack of blocks: nothing to repeat to its depth)"
     mod = _replayer(s)
     if mod is None:
         return f"{s.strategy.framework} setup not modelled yet"

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from memplan.errors import SettingsError
+from memplan.inputs import quote
 from memplan.precision import OPTIMIZER_IMPLS, Optimizer, Recipe
 from memplan.strategies import Strategy
 from memplan.units import GiB, MiB
@@ -186,7 +187,7 @@ class Cluster:
         if self.gpus > self.gpus_per_node and self.gpus % self.gpus_per_node:
             raise SettingsError(f"gpus({self.gpus}) is not a multiple of gpus_per_node({self.gpus_per_node})")
         if self.device not in ("cuda", "cpu"):
-            raise SettingsError(f"--device must be cuda or cpu, got {self.device!r}")
+            raise SettingsError(f"--device must be cuda or cpu, got {quote(self.device)}")
         if self.blas_workspace_bytes < 0:
             raise SettingsError(f"--cublas-workspace must not be negative, got {self.blas_workspace_bytes}")
 
@@ -242,7 +243,7 @@ class Settings:
             if value > most:
                 raise SettingsError(f"{name.replace('_', '-')} {value:,} is more than the {most:,} memplan sizes")
         if self.optimizer_impl is not None and self.optimizer_impl not in OPTIMIZER_IMPLS:
-            raise SettingsError(f"unknown optimizer implementation {self.optimizer_impl!r}; "
+            raise SettingsError(f"unknown optimizer implementation {quote(self.optimizer_impl)}; "
                                 f"valid: {', '.join(OPTIMIZER_IMPLS)}")
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from memplan.errors import SettingsError
+from memplan.inputs import quote
 
 # Parameter layouts (how a shard's size follows from the tensors):
 #: DeepSpeed ZeRO-1/2: every param group flattened, padded to a multiple of 2 * dp_size
@@ -155,7 +156,7 @@ def get_strategy(name: str, fsdp_version: int = 2, fsdp_wrap: str = "block") -> 
     try:
         row = STRATEGIES[name]
     except KeyError:
-        raise SettingsError(f"unknown strategy {name!r}; valid: {', '.join(STRATEGIES)}") from None
+        raise SettingsError(f"unknown strategy {quote(name)}; valid: {', '.join(STRATEGIES)}") from None
     if fsdp_version != 1 or name not in FSDP1_STRATEGIES:
         return row
     row = FSDP1_STRATEGIES[name]

@@ -6,9 +6,9 @@ Units: GiB = 2**30 bytes (binary), GB = 10**9 bytes (decimal). Display is always
 from __future__ import annotations
 
 import re
-from typing import Any
 
 from memplan.errors import SettingsError
+from memplan.inputs import quote
 
 #: Bytes per element of each dtype name used in config.json / safetensors / torch.
 DTYPE_BYTES: dict[str, int] = {
@@ -32,7 +32,7 @@ def normalize_dtype(name: str) -> str:
     key = SAFETENSORS_DTYPES.get(key, key).lower()
     key = _DTYPE_ALIASES.get(key, key)
     if key not in DTYPE_BYTES:
-        raise SettingsError(f"unknown dtype {name!r}; known: {', '.join(sorted(DTYPE_BYTES))}")
+        raise SettingsError(f"unknown dtype {quote(name)}; known: {', '.join(sorted(DTYPE_BYTES))}")
     return key
 
 
@@ -85,69 +85,26 @@ def parse_size(text: str, allow_zero: bool = False) -> tuple[int, str]:
     """
     m = _SIZE_RE.match(str(text))
     if not m:
-        raise SettingsError(f"memory size {text!r} is not a number with an optional unit (e.g. 80GB, 80GiB)")
+        raise SettingsError(f"memory size {quote(text)} is not a number with an optional unit (e.g. 80GB, 80GiB)")
     value, unit = m.group(1), m.group(2).lower()
     if unit == "" and float(value) != 0:
         # "80" would be 80 bytes: almost always a size whose unit was forgotten
-        raise SettingsError(f"memory size {text!r} has no unit: write {value}GB (10^9), {value}GiB (2^30) or "
+        raise SettingsError(f"memory size {quote(text)} has no unit: write {value}GB (10^9), {value}GiB (2^30) or "
                             f"{value}B for bytes")
     if unit in ("k", "m", "g", "t"):
-        raise SettingsError(f"memory size {text!r} is ambiguous: write {value}{unit.upper()}B (10^"
+        raise SettingsError(f"memory size {quote(text)} is ambiguous: write {value}{unit.upper()}B (10^"
                             f"{ {'k': 3, 'm': 6, 'g': 9, 't': 12}[unit]}) or {value}{unit.upper()}iB (2^"
                             f"{ {'k': 10, 'm': 20, 'g': 30, 't': 40}[unit]})")
     if unit not in _SIZE_UNITS:
-        raise SettingsError(f"memory size {text!r}: unknown unit {m.group(2)!r}; use B, KB, MB, GB, TB, KiB, MiB, GiB, TiB")
+        raise SettingsError(f"memory size {quote(text)}: unknown unit {quote(m.group(2))}; use B, KB, MB, GB, TB, KiB, MiB, GiB, TiB")
     x = float(value) * _SIZE_UNITS[unit]
     if not x < MAX_SIZE:  # also inf, from a number too long for a float
-        raise SettingsError(f"memory size {text!r} is more than 1 PiB: not a size for one device")
+        raise SettingsError(f"memory size {quote(text)} is more than 1 PiB: not a size for one device")
     n = int(round(x))
     if n < 0 or (n == 0 and not allow_zero):
-        raise SettingsError(f"memory size {text!r} must be positive")
+        raise SettingsError(f"memory size {quote(text)} must be positive")
     label = {"": "bytes", "b": "bytes"}.get(unit, m.group(2))
     base = "decimal, 10^" + str({"kb": 3, "mb": 6, "gb": 9, "tb": 12}[unit]) if unit in ("kb", "mb", "gb", "tb") else (
         "binary, 2^" + str({"kib": 10, "mib": 20, "gib": 30, "tib": 40, "k": 10, "m": 20, "g": 30, "t": 40}[unit])
         if unit not in ("", "b") else "bytes")
     return n, f"{value} {label} ({base}) = {n} bytes"
-
-
-def read_small_text(path, what: str, limit: int = 16 << 20) -> str:  # noqa: ANN001
-    """The text of a regular file of at most ``limit`` bytes, as UTF-8, or a one-line SettingsError: a FIFO, a
-    device (/dev/zero) or a directory is refused before it is opened (reading one would hang or never end), and
-    nothing of the file's content is echoed in the error."""
-    import os
-    import stat
-    from pathlib import Path
-
-    p = Path(path)
-    try:
-        st = os.stat(p)
-    except OSError as exc:
-        raise SettingsError(f"cannot read {what} {p}: {exc.strerror or exc}") from None
-    if not stat.S_ISREG(st.st_mode):
-        raise SettingsError(f"{what} {p} is not a regular file")
-    if st.st_size > limit:
-        raise SettingsError(f"{what} {p} is {st.st_size} bytes, more than the {limit}-byte limit")
-    try:
-        with open(p, "rb") as fh:
-            raw = fh.read(limit + 1)
-    except OSError as exc:
-        raise SettingsError(f"cannot read {what} {p}: {exc.strerror or exc}") from None
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError:
-        raise SettingsError(f"{what} {p} is not UTF-8 text") from None
-
-
-def parse_json(text: str, path: Any, what: str) -> Any:
-    """JSON text of a file, or a one-line ConfigError naming the file and where the text breaks (never its
-    content); nesting deep enough to exhaust the parser is refused too."""
-    import json
-
-    from memplan.errors import ConfigError
-
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{path} is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
-    except RecursionError:
-        raise ConfigError(f"{path} is nested too deeply to be a {what}") from None

@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from memplan.errors import ConfigError
+from memplan.inputs import quote
 from memplan.units import normalize_dtype
 
 
@@ -16,7 +17,7 @@ def config_dtype(config: Mapping[str, Any]) -> str:
     try:
         return normalize_dtype(raw)
     except Exception as exc:
-        raise ConfigError(f"config dtype {raw!r} is not a known dtype") from exc
+        raise ConfigError(f"config dtype {quote(raw)} is not a known dtype") from exc
 
 
 #: Families whose MLP is fc -> activation -> projection (no gate).
@@ -71,13 +72,13 @@ def check_config(config: Mapping[str, Any]) -> None:
         if v is None:
             continue
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ConfigError(f"config field {key!r} must be a positive integer, got {v!r}")
+            raise ConfigError(f"config field {quote(key)} must be a positive integer, got {quote(v)}")
         if v > most:
-            raise ConfigError(f"config field {key!r} is {v:,}, more than any model memplan can size ({most:,})")
+            raise ConfigError(f"config field {quote(key)} is {v:,}, more than any model memplan can size ({most:,})")
     for key in _FLAGS:
         v = config.get(key)
         if v is not None and not isinstance(v, bool):
-            raise ConfigError(f"config field {key!r} must be true or false, got {v!r}")
+            raise ConfigError(f"config field {quote(key)} must be true or false, got {quote(v)}")
     hidden = next((config[k] for k in ("hidden_size", "n_embd", "d_model") if config.get(k)), None)
     heads = next((config[k] for k in ("num_attention_heads", "n_head") if config.get(k)), None)
     if hidden and heads and not config.get("head_dim") and hidden % heads:
@@ -86,3 +87,57 @@ def check_config(config: Mapping[str, Any]) -> None:
     kv = config.get("num_key_value_heads")
     if heads and kv and heads % kv:
         raise ConfigError(f"num_key_value_heads ({kv}) must divide num_attention_heads ({heads})")
+    _check_core_sizes(config)
+    for key in ("rope_scaling", "rope_parameters"):
+        if config.get(key) is not None:
+            _check_rope(config[key], key)
+
+
+#: the model types memplan builds from their config fields (model/families.py BUILDERS) and the names of the
+#: three sizes every one of them declares
+_CORE = {"hidden size": ("hidden_size", "n_embd", "d_model"), "layer count": ("num_hidden_layers", "n_layer"),
+         "attention head count": ("num_attention_heads", "n_head")}
+
+
+def _check_core_sizes(config: Mapping[str, Any]) -> None:
+    """A config of a family memplan builds itself must give its hidden size, layer count and head count: without
+    them transformers' config class would fill in its defaults (LlamaConfig: a 7B model's 4096 x 32 x 32), which
+    sizes some other model than the file's."""
+    from memplan.model.families import BUILDERS
+
+    if config.get("model_type") not in BUILDERS:
+        return
+    missing = [f"{what} ({' or '.join(names)})" for what, names in _CORE.items()
+               if not any(config.get(n) is not None for n in names)]
+    if missing:
+        raise ConfigError(f"config.json of model_type {quote(config.get('model_type'))} gives no {', '.join(missing)}: "
+                          "memplan will not size the model from transformers' defaults; give them")
+
+
+#: rope types transformers 5 builds (modeling_rope_utils.py ROPE_INIT_FUNCTIONS, with "default" and Qwen2-VL's
+#: "mrope"), and those whose validation requires a "factor" (_validate_linear/dynamic/yarn/llama3_rope_parameters)
+ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3", "proportional", "mrope")
+ROPE_NEEDS_FACTOR = ("linear", "dynamic", "yarn", "llama3")
+
+
+def _check_rope(value: Any, key: str) -> None:
+    """rope_scaling / rope_parameters as transformers 5 takes them: a mapping (its strict dataclass field refuses
+    anything else) with a known rope type and the factor that type requires, or one such mapping per layer type
+    (Gemma 3's full_attention / sliding_attention)."""
+    if not isinstance(value, dict):
+        raise ConfigError(f"config field {key} must be a mapping (rope_type, factor, ...) or null, got {quote(value)}")
+    if value and "rope_type" not in value and "type" not in value and all(isinstance(v, dict) for v in value.values()):
+        for sub in value.values():  # one per layer type
+            _check_rope(sub, key)
+        return
+    kind = value.get("rope_type", value.get("type", "default"))
+    if kind not in ROPE_TYPES:
+        raise ConfigError(f"config field {key}: rope type {quote(kind)} is not one transformers builds "
+                          f"({', '.join(ROPE_TYPES)})")
+    factor = value.get("factor")
+    if kind in ROPE_NEEDS_FACTOR and factor is None:
+        raise ConfigError(f"config field {key}: rope type {kind} needs a factor (transformers: 'Missing required "
+                          "keys')")
+    if factor is not None and (isinstance(factor, bool) or not isinstance(factor, (int, float))
+                               or not 0 < factor < float("inf")):
+        raise ConfigError(f"config field {key}: factor must be a positive number, got {quote(factor)}")

@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from memplan.errors import ConfigError
+from memplan.inputs import quote
 from memplan.model.config import config_dtype, model_dims
 from memplan.model.inventory import ROOT_BLOCK, ParamInventory, ParamTensor, classify
 
@@ -80,18 +81,18 @@ class _Cfg:
             return self.raw[key]
         if key in self.defaults:
             return self.defaults[key]
-        raise ConfigError(f"config for {self.family} has no field {key!r}")
+        raise ConfigError(f"config for {self.family} has no field {quote(key)}")
 
     def int(self, key: str, default: int | None = None) -> int:
         value = self[key] if default is None else (self[key] if self[key] is not None else default)
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ConfigError(f"config field {key!r} must be a non-negative integer, got {value!r}")
+            raise ConfigError(f"config field {quote(key)} must be a non-negative integer, got {quote(value)}")
         return value
 
     def pos(self, key: str, default: int | None = None) -> int:
         value = self.int(key, default)
         if value <= 0:
-            raise ConfigError(f"config field {key!r} must be a positive integer, got {value!r}")
+            raise ConfigError(f"config field {quote(key)} must be a positive integer, got {quote(value)}")
         return value
 
     def head_dim(self) -> int:
@@ -392,7 +393,7 @@ def build_analytic(config: Mapping[str, Any], model_name: str, source: str) -> P
     """Inventory from a config.json dict for a family in BUILDERS; ConfigError on missing or bad fields."""
     family = config.get("model_type")
     if family not in BUILDERS:
-        raise ConfigError(f"no analytic builder for model_type {family!r}")
+        raise ConfigError(f"no analytic builder for model_type {quote(family)}")
     c = _Cfg(config, family)
     e = _Emitter(config_dtype(config))
     BUILDERS[family](c, e)

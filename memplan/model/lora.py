@@ -27,10 +27,14 @@ from pathlib import Path
 from typing import Any
 
 from memplan.errors import ConfigError, SettingsError
+from memplan.inputs import REGEX_SECONDS, compile_pattern, deadline, quote
 from memplan.model.inventory import ROOT_BLOCK, ParamInventory, ParamTensor
 
 ALL_LINEAR = "all-linear"
 QUANT_TYPES = ("", "nf4", "fp4")
+#: the largest LoRA rank memplan sizes: past every real layer's width (a rank above min(in, out) adds nothing PEFT
+#: would not refuse to make useful, and a rank of 10^300 would take the inventory's arithmetic hours)
+MAX_RANK = 1 << 20
 #: bitsandbytes' 4-bit block size (functional.py quantize_4bit: blocksize None -> 64; transformers'
 #: BitsAndBytesConfig passes none) and the block size of double quantization's second level (256)
 QUANT_BLOCK = 64
@@ -85,8 +89,13 @@ class LoraSpec:
     def __post_init__(self) -> None:
         if self.rank < 1:
             raise SettingsError(f"--lora-rank must be at least 1, got {self.rank}")
+        own = "--lora-rank" if self.source == "--lora-rank" else "r"
+        for where, r in ((own, self.rank), *((f"rank_pattern {quote(k)}", v) for k, v in self.rank_pattern)):
+            if r > MAX_RANK:
+                raise SettingsError(f"{where} {quote(r)} is more than any LoRA rank memplan sizes ({MAX_RANK:,}: "
+                                    "past every layer's width)")
         if self.bias not in ("none", "all", "lora_only"):
-            raise SettingsError(f"LoRA bias must be none, all or lora_only, got {self.bias!r}")
+            raise SettingsError(f"LoRA bias must be none, all or lora_only, got {quote(self.bias)}")
         if not (isinstance(self.alpha, (int, float)) and math.isfinite(self.alpha) and self.alpha > 0):
             raise SettingsError(f"--lora-alpha must be a positive number, got {self.alpha}")
         if not 0 <= self.dropout < 1:
@@ -95,10 +104,10 @@ class LoraSpec:
             raise SettingsError("--quantize-base int8 (bitsandbytes LLM.int8, Linear8bitLt) is not modelled; "
                                 "nf4 or fp4 (Linear4bit) are")
         if self.quantize not in QUANT_TYPES:
-            raise SettingsError(f"--quantize-base must be nf4 or fp4, got {self.quantize!r}")
+            raise SettingsError(f"--quantize-base must be nf4 or fp4, got {quote(self.quantize)}")
         if self.compute_dtype not in ("bfloat16", "float16", "float32"):
             raise SettingsError(f"--quant-compute-dtype must be bfloat16, float16 or float32, got "
-                                f"{self.compute_dtype!r}")
+                                f"{quote(self.compute_dtype)}")
         if self.double_quant and not self.quantize:
             raise SettingsError("--double-quant quantizes a 4-bit base's scales: give --quantize-base nf4|fp4")
 
@@ -154,25 +163,23 @@ def resolve_targets(spec: LoraSpec, modules: list[tuple[str, str]], family: str,
     """The modules PEFT adds adapters to, in module order, from (module name, layer kind) pairs."""
     targets = spec.targets or DEFAULT_TARGETS.get(family, ())
     if not targets:
-        raise SettingsError(f"PEFT has no default LoRA targets for model type {family!r}: give --lora-targets")
+        raise SettingsError(f"PEFT has no default LoRA targets for model type {quote(family)}: give --lora-targets")
     fused = _FUSED_EXPERT_TARGETS.get(family, ())
     if fused and (isinstance(targets, str) or set(targets) & set(fused)):
         raise SettingsError(f"PEFT adapts {family}'s fused experts and router as parameters (target_parameters, "
                             "ParamWrapper) for these targets: not modelled; name the attention projections "
                             "(--lora-targets q_proj,k_proj,v_proj,o_proj)")
+    pats = patterns(spec)
     out = []
     for name, kind in modules:
         if spec.exclude_modules and _ends(name, spec.exclude_modules):
             continue
-        if spec.modules_to_save and any(re.match(rf"(^|.*\.){m}($|\..*)", name) for m in spec.modules_to_save):
+        if pats.saved(name):
             continue
         if targets == ALL_LINEAR:
             hit = kind in ("linear", "conv1d") and name != output_module
         elif isinstance(targets, str):
-            try:
-                hit = re.fullmatch(targets, name) is not None
-            except re.error as exc:
-                raise SettingsError(f"LoRA target_modules {targets!r} is not a regular expression: {exc}") from None
+            hit = pats.target(targets).fullmatch(name) is not None
         else:
             hit = _ends(name, targets)
             if hit and spec.layers_to_transform:
@@ -191,11 +198,46 @@ def resolve_targets(spec: LoraSpec, modules: list[tuple[str, str]], family: str,
     return out
 
 
-def _rank_for(spec: LoraSpec, name: str) -> int:
-    for key, r in spec.rank_pattern:  # peft/utils/other.py get_pattern_key: the key's own end, or a regex
-        if name == key or name.endswith("." + key) or re.fullmatch(rf"(.*\.)?{key}", name):
-            return r
-    return spec.rank
+class Patterns:
+    """The user's regular expressions of one LoRA spec, compiled once (an invalid one is a one-line error naming
+    it): target_modules as one pattern (re.fullmatch, peft/tuners/tuners_utils.py check_target_module_exists),
+    modules_to_save entries (a module whose name is the entry or ends with "." + entry, as a pattern:
+    ModulesToSaveWrapper's match) and rank_pattern keys (peft/utils/other.py get_pattern_key: the key's own end, or
+    a regex). Matching runs under inputs.deadline (callers wrap their loops): Python's engine backtracks."""
+
+    def __init__(self, spec: LoraSpec) -> None:
+        self._targets: dict[str, Any] = {}
+        self.save = [compile_pattern(rf"(^|.*\.){m}($|\..*)", f"LoRA modules_to_save entry {quote(m)}:")
+                     for m in spec.modules_to_save]
+        self.ranks = [(key, compile_pattern(rf"(.*\.)?{key}", f"LoRA rank_pattern key {quote(key)}:"), r)
+                      for key, r in spec.rank_pattern]
+        self.default_rank = spec.rank
+
+    def target(self, pattern: str) -> Any:
+        if pattern not in self._targets:
+            self._targets[pattern] = compile_pattern(pattern, "LoRA target_modules")
+        return self._targets[pattern]
+
+    def saved(self, module: str) -> bool:
+        return any(p.match(module) for p in self.save)
+
+    def rank_for(self, name: str) -> int:
+        for key, pattern, r in self.ranks:
+            if name == key or name.endswith("." + key) or pattern.fullmatch(name):
+                return r
+        return self.default_rank
+
+
+def patterns(spec: LoraSpec) -> Patterns:
+    return Patterns(spec)
+
+
+def matching(spec: LoraSpec) -> str:
+    """What a deadline names when LoRA's patterns take too long: the user's patterns."""
+    shown = [f"target_modules {quote(spec.targets, 40)}"] if isinstance(spec.targets, str) else []
+    shown += [f"modules_to_save {quote(list(spec.modules_to_save), 40)}"] if spec.modules_to_save else []
+    shown += [f"rank_pattern {quote([k for k, _ in spec.rank_pattern], 40)}"] if spec.rank_pattern else []
+    return f"matching LoRA's {', '.join(shown) or 'targets'} against the model's module names"
 
 
 def output_module(inv: ParamInventory) -> str | None:
@@ -212,16 +254,19 @@ def output_module(inv: ParamInventory) -> str | None:
 def apply(inv: ParamInventory, spec: LoraSpec) -> ParamInventory:
     """The inventory as PEFT leaves the model: base parameters frozen (renamed under base_layer where adapted),
     adapters after each adapted layer's own parameters, trainable copies of modules_to_save."""
+    with deadline(REGEX_SECONDS, matching(spec)):
+        return _apply(inv, spec)
+
+
+def _apply(inv: ParamInventory, spec: LoraSpec) -> ParamInventory:
     modules: dict[str, str] = {}
     for t in inv.tensors:
         modules.setdefault(t.module, t.layer)
         for alias in t.tied_names:
             modules.setdefault(alias.rpartition(".")[0], t.layer if t.layer != "embedding" else "linear")
     chosen = set(resolve_targets(spec, list(modules.items()), inv.family, output_module(inv)))
-    save = spec.modules_to_save
-
-    def saved(module: str) -> bool:
-        return bool(save) and any(re.match(rf"(^|.*\.){m}($|\..*)", module) for m in save)
+    pats = patterns(spec)
+    saved = pats.saved
 
     by_module: dict[str, list[ParamTensor]] = {}
     for t in inv.tensors:
@@ -236,7 +281,7 @@ def apply(inv: ParamInventory, spec: LoraSpec) -> ParamInventory:
             if t is by_module[mod][-1]:
                 w = next(x for x in by_module[mod] if x.name.endswith(".weight"))
                 fan_in, fan_out = (w.shape[0], w.shape[1]) if w.layer == "conv1d" else (w.shape[1], w.shape[0])
-                r = _rank_for(spec, mod)
+                r = pats.rank_for(mod)
                 out.append(ParamTensor(f"{mod}.lora_A.default.weight", (r, fan_in), w.dtype, w.block, w.category,
                                        layer="linear"))
                 out.append(ParamTensor(f"{mod}.lora_B.default.weight", (fan_out, r), w.dtype, w.block, w.category,
@@ -272,7 +317,7 @@ def _quantized_modules(inv: ParamInventory, spec: LoraSpec, saved: Any) -> set[s
             and t.module not in tied and t.module != out_mod and t.module != last}
     for m in sorted(mods):
         if saved(m):
-            raise SettingsError(f"modules_to_save {m!r} is a 4-bit layer under --quantize-base: PEFT would train a "
+            raise SettingsError(f"modules_to_save {quote(m)} is a 4-bit layer under --quantize-base: PEFT would train a "
                                 "copy of its quantized weight, which has no gradient")
     if not mods:
         raise SettingsError("--quantize-base: the model has no nn.Linear layer bitsandbytes would quantize")
@@ -331,16 +376,12 @@ def quantize_base(inv: ParamInventory, spec: LoraSpec, modules: set[str]) -> Par
 
 def read_adapter_config(path: str) -> LoraSpec:
     """A PEFT adapter_config.json (or the directory that holds one) as a LoraSpec."""
-    from memplan.units import parse_json
+    from memplan.inputs import load_json, read_text
 
     p = Path(path)
     if p.is_dir():
         p = p / "adapter_config.json"
-    try:
-        text = p.read_text()
-    except OSError as exc:
-        raise ConfigError(f"cannot read adapter config {path}: {exc.strerror or exc}") from None
-    data = parse_json(text, str(p), "PEFT adapter config")
+    data = load_json(read_text(p, "adapter config"), str(p), "PEFT adapter config")
     if not isinstance(data, dict):
         raise ConfigError(f"{p}: an adapter config is a JSON object")
     kind = str(data.get("peft_type", "LORA")).upper()
@@ -359,7 +400,7 @@ def read_adapter_config(path: str) -> LoraSpec:
         if v is None:
             return default
         if isinstance(v, bool) or not isinstance(v, (int, float)) or (kind is int and not float(v).is_integer()):
-            raise ConfigError(f"{p}: {key} must be a number, got {v!r}")
+            raise ConfigError(f"{p}: {key} must be a number, got {quote(v)}")
         return kind(v)
 
     targets = data.get("target_modules")

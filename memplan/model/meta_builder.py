@@ -13,14 +13,13 @@ largest ``nn.ModuleList`` (the layer stack of a plain PyTorch module), else the 
 from __future__ import annotations
 
 import contextlib
-
 import copy
-
 import importlib
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 from memplan.errors import ConfigError, ModelSourceError
+from memplan.inputs import quote
 from memplan.model.families import config_dtype, model_dims
 from memplan.model.inventory import ROOT_BLOCK, ParamInventory, ParamTensor, classify
 
@@ -95,7 +94,7 @@ def hf_config(config: Mapping[str, Any], model_name: str = "model") -> Any:
     try:
         cfg = AutoConfig.for_model(model_type, **fields)
     except ValueError as exc:
-        raise ConfigError(f"transformers {transformers.__version__} does not know model_type {model_type!r} "
+        raise ConfigError(f"transformers {transformers.__version__} does not know model_type {quote(model_type)} "
                           "(memplan never runs remote code)") from exc
     except Exception as exc:
         raise ConfigError(f"config for {model_name} is not valid for {model_type}: {exc}") from exc
@@ -194,7 +193,7 @@ def meta_model(config: Mapping[str, Any], model_name: str = "model") -> Any:
     try:
         import torch
         import transformers
-        from transformers import AutoModelForCausalLM, AutoModel
+        from transformers import AutoModel, AutoModelForCausalLM
     except ImportError as exc:  # pragma: no cover - depends on the environment
         raise ModelSourceError(f"building {model_name} needs torch and transformers ({exc})") from exc
     cfg = hf_config(config, model_name)
@@ -238,7 +237,7 @@ def _factory_timeout() -> float:
     except ValueError:
         limit = math.nan
     if not math.isfinite(limit) or limit <= 0:
-        raise ModelSourceError(f"MEMPLAN_FACTORY_TIMEOUT must be a positive number of seconds, got {raw!r}")
+        raise ModelSourceError(f"MEMPLAN_FACTORY_TIMEOUT must be a positive number of seconds, got {quote(raw)}")
     return limit
 
 
@@ -253,7 +252,7 @@ def _time_limit(spec: str, doing: str, limit: float) -> Iterator[None]:
         return
 
     def stop(_signum: int, _frame: Any) -> None:
-        raise _FactoryTimeout(f"factory {spec!r} did not finish {doing} within {limit:g} s "
+        raise _FactoryTimeout(f"factory {quote(spec)} did not finish {doing} within {limit:g} s "
                               "(MEMPLAN_FACTORY_TIMEOUT sets the limit)")
 
     old = signal.signal(signal.SIGALRM, stop)
@@ -274,11 +273,11 @@ def call_factory(spec: str, device: Any = None) -> tuple[Any, Any]:
 
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr:
-        raise ModelSourceError(f"factory {spec!r} must look like pkg.module:callable")
+        raise ModelSourceError(f"factory {quote(spec)} must look like pkg.module:callable")
     try:
         import torch
     except ImportError as exc:  # pragma: no cover
-        raise ModelSourceError(f"factory {spec!r} needs torch ({exc})") from exc
+        raise ModelSourceError(f"factory {quote(spec)} needs torch ({exc})") from exc
     def first_line(exc: BaseException) -> str:
         text = str(exc).strip().splitlines()
         return f"{type(exc).__name__}: {text[0][:200]}" if text else type(exc).__name__
@@ -295,14 +294,14 @@ def call_factory(spec: str, device: Any = None) -> tuple[Any, Any]:
     except _FactoryTimeout as exc:
         raise ModelSourceError(str(exc)) from None
     except BaseException as exc:
-        raise ModelSourceError(f"factory {spec!r}: cannot import {module_name!r}: {first_line(exc)}") from None
+        raise ModelSourceError(f"factory {quote(spec)}: cannot import {quote(module_name)}: {first_line(exc)}") from None
     fn: Any = module
     for part in attr.split("."):
         fn = getattr(fn, part, None)
         if fn is None:
-            raise ModelSourceError(f"factory {spec!r}: {module_name!r} has no attribute {attr!r}")
+            raise ModelSourceError(f"factory {quote(spec)}: {quote(module_name)} has no attribute {quote(attr)}")
     if not callable(fn):
-        raise ModelSourceError(f"factory {spec!r}: {attr!r} is not callable")
+        raise ModelSourceError(f"factory {quote(spec)}: {quote(attr)} is not callable")
     try:
         with _time_limit(spec, "building the model", limit), (device or contextlib.nullcontext()):
             made = fn()
@@ -311,13 +310,13 @@ def call_factory(spec: str, device: Any = None) -> tuple[Any, Any]:
     except _FactoryTimeout as exc:
         raise ModelSourceError(str(exc)) from None
     except BaseException as exc:
-        raise ModelSourceError(f"factory {spec!r} raised {first_line(exc)}") from None
+        raise ModelSourceError(f"factory {quote(spec)} raised {first_line(exc)}") from None
     model, inputs = (made if isinstance(made, tuple) and len(made) == 2 else (made, None))
     if not isinstance(model, torch.nn.Module):
-        raise ModelSourceError(f"factory {spec!r} returned {type(model).__name__}, not a torch.nn.Module (or a "
+        raise ModelSourceError(f"factory {quote(spec)} returned {type(model).__name__}, not a torch.nn.Module (or a "
                                "(module, input_builder) pair)")
     if inputs is not None and not callable(inputs):
-        raise ModelSourceError(f"factory {spec!r}: its input builder is not callable (input_builder(batch, seq))")
+        raise ModelSourceError(f"factory {quote(spec)}: its input builder is not callable (input_builder(batch, seq))")
     return model, inputs
 
 
@@ -327,6 +326,9 @@ def build_meta_from_factory(spec: str) -> ParamInventory:
     import torch
 
     model, _ = call_factory(spec, torch.device("meta"))
+    if not any(True for _ in model.parameters()):
+        raise ModelSourceError(f"factory {quote(spec)} returned a {type(model).__name__} with no parameters: "
+                               "nothing to train")
     cfg = getattr(model, "config", None)
     dims = model_dims(cfg.to_dict()) if hasattr(cfg, "to_dict") else {}
     return inventory_from_module(model, model_name=spec, source=f"factory {spec}", family=type(model).__name__,

@@ -16,6 +16,7 @@ from __future__ import annotations
 import difflib
 import json
 import os
+import re
 import struct
 from dataclasses import dataclass, field, replace
 from importlib import resources
@@ -23,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from memplan.errors import ConfigError, ModelSourceError
+from memplan.inputs import quote
 from memplan.model import families
 from memplan.model.config import check_config
 from memplan.model.inventory import ParamInventory, ParamTensor
@@ -75,12 +77,12 @@ def gpu_presets() -> dict[str, dict[str, Any]]:
 
 def read_config(path: Path) -> dict[str, Any]:
     """Read and check a config.json: exists, not empty, a JSON object with a model_type."""
-    from memplan.units import parse_json, read_small_text
+    from memplan.inputs import load_json, read_text
 
-    text = read_small_text(path, "config", MAX_CONFIG_BYTES)
+    text = read_text(path, "config", MAX_CONFIG_BYTES)
     if not text:
         raise ConfigError(f"{path} is empty")
-    data = parse_json(text, path, "config.json")
+    data = load_json(text, path, "config.json")
     if not isinstance(data, dict):
         raise ConfigError(f"{path} must hold a JSON object, not {type(data).__name__}")
     if "model_type" not in data:
@@ -115,12 +117,13 @@ def read_safetensors_header(path: Path) -> list[CheckpointTensor]:
             raw = f.read(n)
     except OSError as exc:
         raise ModelSourceError(f"cannot read {path}: {exc.strerror or exc}") from exc
+    from memplan.inputs import load_json
+
     try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ConfigError(f"{path}: safetensors header is not valid JSON") from exc
-    except RecursionError:
-        raise ConfigError(f"{path}: safetensors header is nested too deeply to be one") from None
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: safetensors header is not valid JSON (not UTF-8)") from None
+    header = load_json(text, f"{path}: safetensors header", "safetensors header")
     if not isinstance(header, dict):
         raise ConfigError(f"{path}: safetensors header is not a JSON object")
     return _header_tensors(header, path, size - 8 - n)
@@ -138,32 +141,32 @@ def _header_tensors(header: dict[str, Any], path: Path, data_bytes: int) -> list
         if name == "__metadata__":
             continue
         if not isinstance(info, dict) or "shape" not in info or "dtype" not in info:
-            raise ConfigError(f"{path}: safetensors entry {name!r} lacks shape/dtype")
+            raise ConfigError(f"{path}: safetensors entry {quote(name)} lacks shape/dtype")
         raw_dtype = info["dtype"]
         dtype = SAFETENSORS_DTYPES.get(raw_dtype) if isinstance(raw_dtype, str) else None
         if dtype is None:
-            raise ConfigError(f"{path}: tensor {name!r} has an unknown dtype {str(raw_dtype)[:40]!r}")
+            raise ConfigError(f"{path}: tensor {quote(name)} has an unknown dtype {quote(str(raw_dtype)[:40])}")
         shape = info["shape"]
         if (not isinstance(shape, list) or len(shape) > 64
                 or not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 1 << 62 for x in shape)):
-            raise ConfigError(f"{path}: tensor {name!r} has an invalid shape {str(shape)[:60]}")
+            raise ConfigError(f"{path}: tensor {quote(name)} has an invalid shape {str(shape)[:60]}")
         nbytes = dtype_bytes(dtype)
         for x in shape:
             nbytes *= x
         offsets = info.get("data_offsets")
         if (not isinstance(offsets, list) or len(offsets) != 2
                 or not all(isinstance(x, int) and not isinstance(x, bool) for x in offsets)):
-            raise ConfigError(f"{path}: tensor {name!r} has invalid data_offsets")
+            raise ConfigError(f"{path}: tensor {quote(name)} has invalid data_offsets")
         begin, end = offsets
         if not 0 <= begin <= end or end - begin != nbytes or (data_bytes and end > data_bytes):
-            raise ConfigError(f"{path}: tensor {name!r}: data_offsets [{begin}, {end}] do not hold its "
+            raise ConfigError(f"{path}: tensor {quote(name)}: data_offsets [{begin}, {end}] do not hold its "
                               f"{nbytes:,} bytes inside the file's {data_bytes:,}-byte data")
         spans.append((begin, end, name))
         out.append(CheckpointTensor(name, tuple(shape), dtype, path.name))
     at = 0
     for begin, end, name in sorted(spans):
         if begin != at:
-            raise ConfigError(f"{path}: tensor {name!r} {'overlaps another' if begin < at else 'leaves a gap'} "
+            raise ConfigError(f"{path}: tensor {quote(name)} {'overlaps another' if begin < at else 'leaves a gap'} "
                               "in the data buffer (data_offsets must tile it)")
         at = end
     return out
@@ -174,9 +177,10 @@ def _read_checkpoint(directory: Path) -> tuple[CheckpointTensor, ...]:
     files: list[Path]
     if index.is_file():
         try:
-            from memplan.units import read_small_text
+            from memplan.inputs import load_json, read_text
 
-            weight_map = json.loads(read_small_text(index, "safetensors index", MAX_CONFIG_BYTES))["weight_map"]
+            weight_map = load_json(read_text(index, "safetensors index", MAX_CONFIG_BYTES), index,
+                                   "safetensors index")["weight_map"]
             names = set(weight_map.values())
         except (json.JSONDecodeError, KeyError, TypeError, AttributeError, RecursionError) as exc:
             raise ConfigError(f"{index} is not a valid safetensors index (needs a 'weight_map' object)") from exc
@@ -184,7 +188,7 @@ def _read_checkpoint(directory: Path) -> tuple[CheckpointTensor, ...]:
             # shards are files of this directory: a name that is absolute or climbs out of it is refused before
             # anything is opened (a symlinked shard, as in the Hugging Face cache, is fine)
             if not isinstance(f, str) or not f or Path(f).is_absolute() or ".." in Path(f).parts:
-                raise ConfigError(f"{index}: shard {str(f)[:80]!r} is not a file inside {directory}")
+                raise ConfigError(f"{index}: shard {quote(str(f)[:80])} is not a file inside {directory}")
         files = sorted(directory / f for f in names)
         missing = [f.name for f in files if not f.is_file()]
         if missing:
@@ -207,23 +211,53 @@ def _hf_cache_dirs() -> list[Path]:
     return dirs
 
 
+#: a repo id as the Hugging Face hub takes it (huggingface_hub validate_repo_id: letters, digits, "-", "_", "."; no
+#: "--" or ".." ; at most 96 characters), owner/name
+_REPO_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,95}/[A-Za-z0-9][A-Za-z0-9_.-]{0,95}")
+
+
+def _inside(path: Path, root: Path) -> bool:
+    """``path``, every link followed, lies inside ``root`` (also resolved)."""
+    try:
+        return path.resolve().is_relative_to(root.resolve())
+    except (OSError, RuntimeError):  # a symlink loop
+        return False
+
+
 def _find_in_hf_cache(repo_id: str) -> Path | None:
-    """The snapshot directory of ``repo_id`` in the local cache (refs/main first, else the newest)."""
+    """The snapshot directory of ``repo_id`` in the local cache (refs/main first, else the newest). Everything
+    memplan reads there resolves inside the cache: a ref naming another directory (``../../outside``), or a
+    config.json or weight file linked outside it, is refused."""
+    from memplan.inputs import read_text
+
+    if not _REPO_ID.fullmatch(repo_id) or "--" in repo_id or ".." in repo_id:
+        raise ModelSourceError(f"{quote(repo_id)} is not a Hugging Face repo id (owner/name: letters, digits, '-', "
+                               "'_', '.')")
     folder = "models--" + repo_id.replace("/", "--")
     for cache in _hf_cache_dirs():
         repo = cache / folder
         snaps = repo / "snapshots"
         if not snaps.is_dir():
             continue
+        snap = None
         ref = repo / "refs" / "main"
         if ref.is_file():
-            snap = snaps / ref.read_text().strip()
-            if (snap / "config.json").is_file():
-                return snap
-        candidates = sorted((p for p in snaps.iterdir() if (p / "config.json").is_file()),
-                            key=lambda p: p.stat().st_mtime, reverse=True)
-        if candidates:
-            return candidates[0]
+            name = read_text(ref, "Hugging Face cache ref", 4096).strip()
+            if not name or "/" in name or "\\" in name or name in (".", "..") or "\0" in name:
+                raise ModelSourceError(f"{ref} names {quote(name)}, not a snapshot of {repo_id} (a commit hash)")
+            if (snaps / name / "config.json").is_file():
+                snap = snaps / name
+        if snap is None:
+            candidates = sorted((p for p in snaps.iterdir() if (p / "config.json").is_file()),
+                                key=lambda p: p.stat().st_mtime, reverse=True)
+            snap = candidates[0] if candidates else None
+        if snap is None:
+            continue
+        files = [snap, snap / "config.json", *snap.glob("*.safetensors"), *snap.glob("*.safetensors.index.json")]
+        outside = next((f for f in files if not _inside(f, cache)), None)
+        if outside is not None:
+            raise ModelSourceError(f"{outside} lies outside the Hugging Face cache {cache}: refused")
+        return snap
     return None
 
 
@@ -263,13 +297,13 @@ def resolve(model: str) -> ModelSource:
         snap = _find_in_hf_cache(key)
         if snap is not None:
             return _from_directory(snap, key, "hf-cache", f"hf cache {key} ({snap})")
-        raise ModelSourceError(f"{key!r} is not a preset, a path, or a repo in the local Hugging Face cache "
+        raise ModelSourceError(f"{quote(key)} is not a preset, a path, or a repo in the local Hugging Face cache "
                                "(memplan never downloads; put its config.json in a directory and pass the path)")
     if key.endswith(".json") or os.sep in key:
         raise ModelSourceError(f"no such file or directory: {key}")
     close = difflib.get_close_matches(key.lower(), presets + list(PRESET_ALIASES), n=3, cutoff=0.5)
     hint = f"; did you mean {', '.join(close)}?" if close else "; see `memplan presets`"
-    raise ModelSourceError(f"unknown preset {key!r}{hint}")
+    raise ModelSourceError(f"unknown preset {quote(key)}{hint}")
 
 
 def build_inventory(source: ModelSource, builder: str = "auto") -> ParamInventory:
@@ -278,14 +312,12 @@ def build_inventory(source: ModelSource, builder: str = "auto") -> ParamInventor
     ``builder`` is ``auto`` | ``analytic`` | ``meta``.
     """
     if builder not in ("auto", "analytic", "meta"):
-        raise ConfigError(f"unknown builder {builder!r}; use auto, analytic or meta")
+        raise ConfigError(f"unknown builder {quote(builder)}; use auto, analytic or meta")
     notes: list[str] = []
     if source.kind == "factory":
         if builder == "analytic":
             raise ConfigError("a factory module can only be built on the meta device (--builder meta)")
-        from memplan.model.meta_builder import build_meta_from_factory
-
-        return build_meta_from_factory(source.factory or "")
+        return _factory_inventory(source.factory or "")
     config = source.config or {}
     check_config(config)
     notes.extend(families.defaults_note(config))
@@ -293,7 +325,7 @@ def build_inventory(source: ModelSource, builder: str = "auto") -> ParamInventor
         inv = families.build_analytic(config, source.name, source.description)
     else:
         if builder == "auto":
-            notes.append(f"model_type {config.get('model_type')!r} has no analytic builder; "
+            notes.append(f"model_type {quote(config.get('model_type'))} has no analytic builder; "
                          "built on the meta device with transformers")
         from memplan.model.meta_builder import build_meta_from_config
 
@@ -358,21 +390,35 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
+#: inventories of factories built in this process, by (factory, its file's digest, sys.path): a search or a
+#: command's suggestions ask for the same module many times, and each build is a child process
+_FACTORY_INVENTORIES: dict[tuple[str, str, tuple[str, ...]], ParamInventory] = {}
+
+
+def _factory_inventory(spec: str) -> ParamInventory:
+    """The factory's module, built on the meta device in a child process (memplan/model/factory_child.py: the
+    user's code never runs in memplan's own)."""
+    import sys
+
+    from memplan.model import factory_child
+
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise ModelSourceError(f"factory {quote(spec)} must look like pkg.module:callable")
+    key = (spec, factory_child.digest(spec), tuple(sys.path))
+    hit = _FACTORY_INVENTORIES.get(key)
+    if hit is None:
+        hit = _FACTORY_INVENTORIES[key] = factory_child.run("inventory", {}, spec)
+    return hit
+
+
 def trace_config(source: ModelSource, inv: ParamInventory) -> dict[str, Any] | None:
     """The config the activation trace is keyed by and built from: the model's config.json, or for a factory
-    (the user's own module) its name, a digest of its source file (an edit traces again) and its block count."""
+    (the user's own module) its name, a digest of its source file (an edit traces again; found without importing
+    it) and its block count."""
     if source.kind != "factory":
         return source.config
-    import hashlib
-    import importlib.util
+    from memplan.model import factory_child
 
-    module_name = (source.factory or "").partition(":")[0]
-    digest = "unknown"
-    try:
-        spec = importlib.util.find_spec(module_name)
-        if spec is not None and spec.origin and Path(spec.origin).is_file():
-            digest = hashlib.sha256(Path(spec.origin).read_bytes()).hexdigest()[:16]
-    except (ImportError, ValueError, OSError):
-        pass
-    return {"factory": source.factory, "factory_source_sha256": digest, "model_type": inv.family,
-            "num_hidden_layers": max(len(inv.layer_blocks), 1)}
+    return {"factory": source.factory, "factory_source_sha256": factory_child.digest(source.factory or ""),
+            "model_type": inv.family, "num_hidden_layers": max(len(inv.layer_blocks), 1)}

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from memplan.errors import SettingsError
+from memplan.inputs import quote
 
 
 def is_user_module(config: dict[str, Any]) -> bool:
@@ -93,7 +94,7 @@ def inputs_for(spec: str, model: Any, make_inputs: Any, batch: int, seq: int, de
             return (torch.zeros(batch, seq, dtype=torch.long),)
         return (torch.randint(0, emb.num_embeddings, (batch, seq), generator=torch.Generator().manual_seed(1234)
                               ).to(device),)
-    raise SettingsError(f"factory {spec!r}: memplan cannot guess this model's inputs; return (module, "
+    raise SettingsError(f"factory {quote(spec)}: memplan cannot guess this model's inputs; return (module, "
                         "lambda batch, seq: inputs) from the factory")
 
 

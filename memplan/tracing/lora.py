@@ -14,10 +14,10 @@ rules of the spec. The harness runs PEFT itself, which is how this stand-in is c
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
-from memplan.model.lora import LoraSpec, resolve_targets
+from memplan.inputs import REGEX_SECONDS, deadline
+from memplan.model.lora import LoraSpec, matching, patterns, resolve_targets
 
 
 def _layer_kind(m: Any) -> str:
@@ -204,12 +204,15 @@ def inject(model: Any, fields: dict[str, Any], family: str) -> int:
               if any(True for _ in m.parameters(recurse=False))]
     out_emb = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     out_name = next((n for n, m in model.named_modules() if m is out_emb), None) if out_emb is not None else None
-    chosen = resolve_targets(spec, owners, family, out_name)
-    save = spec.modules_to_save
+    with deadline(REGEX_SECONDS, matching(spec)):
+        chosen = resolve_targets(spec, owners, family, out_name)
+        pats = patterns(spec)
+        saved = {name for name, _ in model.named_modules() if pats.saved(name)}
+        ranks = {name: pats.rank_for(name) for name in chosen}
     for p in model.parameters():
         p.requires_grad_(False)
     for name, m in model.named_modules():  # biases PEFT leaves trainable, and modules_to_save (trained whole)
-        if save and any(re.match(rf"(^|.*\.){k}($|\..*)", name) for k in save):
+        if name in saved:
             for p in m.parameters():
                 p.requires_grad_(True)
         bias = getattr(m, "bias", None)
@@ -225,11 +228,7 @@ def inject(model: Any, fields: dict[str, Any], family: str) -> int:
         parent_name, _, leaf = name.rpartition(".")
         parent = modules[parent_name] if parent_name else model
         base = modules[name]
-        r = spec.rank
-        for key, rank in spec.rank_pattern:
-            if name == key or name.endswith("." + key) or re.fullmatch(rf"(.*\.)?{key}", name):
-                r = rank
-                break
+        r = ranks[name]
         four_bit = _QUANT_CLASSES and isinstance(base, _QUANT_CLASSES["base"])
         conv1d = _layer_kind(base) == "conv1d"
         if four_bit:

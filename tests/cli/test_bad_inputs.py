@@ -221,7 +221,7 @@ CASES = [
     ("estimate gpt2 --bucket-cap-mb 0", "--bucket-cap-mb must be positive"),
     ("estimate gpt2 --cuda-context -1GB", "--cuda-context"),
     ("estimate gpt2 --fragmentation-percent -5", "fragmentation-percent must not be negative"),
-    ("estimate gpt2 --allocator-conf max_split_size_mb:-3", "max_split_size_mb"),
+    ("estimate gpt2 --allocator-conf max_split_size_mb:1_000", "max_split_size_mb too small"),
     ("estimate gpt2 --strategy fsdp-full --gpus 2 --fsdp-root-reshard sometimes", "--fsdp-root-reshard"),
     ("estimate gpt2 --stage 3 --offload-optimizer --host-memory abc", "memory size"),
     ("estimate gpt2 --stage 3 --reduce-bucket-size -5", "reduce-bucket-size must not be negative"),

@@ -75,12 +75,23 @@ def test_max_split_size_keeps_oversize_blocks_for_large_requests():
 
 
 @pytest.mark.parametrize("text,message", [
-    ("max_split_size_mb:10", "above 20"), ("foo:1", "unknown key 'foo'"), ("expandable_segments:yes", "True or False"),
-    ("garbage_collection_threshold:1.5", "(0, 1)"), ("roundup_power2_divisions:3", "power of two"),
-    ("max_split_size_mb", "key:value"), ("max_split_size_mb:x", "not a number"),
+    ("max_split_size_mb:10", "too small, must be >= 20"), ("foo:1", "unrecognized key 'foo'"),
+    ("expandable_segments:yes", "expected True or False, got 'yes'"),
+    ("garbage_collection_threshold:1.5", "(0.0, 1.0)"), ("roundup_power2_divisions:3", "power of 2"),
+    ("max_split_size_mb", "the text ends"), ("max_split_size_mb:x", "not a number"),
+    # what PyTorch 2.13's parser refuses (std::stoull and std::stod, its tokenizer, its booleans)
+    ("max_split_size_mb:1_000", "too small"), ("max_split_size_mb:\u0661\u0660\u0660", "not a number"),
+    ("release_lock_on_cudamalloc:banana", "expected True or False"),
+    ("per_process_memory_fraction:1.5", "[0.0, 1.0]"), ("per_process_memory_fraction:nan", "[0.0, 1.0]"),
+    ("garbage_collection_threshold:1e-400", "out of range"), ("roundup_power2_divisions:[256:4,>:2", "the text ends"),
+    ("pinned_num_register_threads:256", "at most 128"), ("backend:magic", "native and cudaMallocAsync"),
+    # honoured by PyTorch, not modelled: refused, never ignored
+    ("backend:cudaMallocAsync", "not modelled"), ("large_segment_size_mb:64", "not modelled"),
+    ("throw_on_cudamalloc_oom:True", "not modelled"),
 ])
 def test_bad_allocator_config_is_refused(text, message):
-    with pytest.raises(SettingsError, match=message.replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(SettingsError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")
+                       .replace("]", r"\]").replace(".", r"\.")):
         AllocatorConfig.parse(text)
 
 
@@ -88,6 +99,56 @@ def test_allocator_config_parses_what_pytorch_takes():
     c = AllocatorConfig.parse("expandable_segments:True,max_split_size_mb:512,garbage_collection_threshold:0.6")
     assert c.expandable_segments and c.max_split_size == 512 << 20 and c.garbage_collection_threshold == 0.6
     assert AllocatorConfig.parse("") == AllocatorConfig()
+    # C's number parsing: the leading digits, a wrapped-around minus, hexadecimal floats; spaces dropped
+    assert AllocatorConfig.parse("max_split_size_mb:100abc").max_split_size == 100 << 20
+    assert AllocatorConfig.parse("max_split_size_mb: 1 00").max_split_size == 100 << 20
+    assert AllocatorConfig.parse("max_split_size_mb:-3").max_split_size == ((1 << 64) - 1) // (1 << 20) << 20
+    assert AllocatorConfig.parse("per_process_memory_fraction:0x1p-2").per_process_memory_fraction == 0.25
+    # the per-interval rounding: 256 MiB to 512 MiB in 4 steps, above it in 2, below it as the first entry says
+    r = AllocatorConfig.parse("roundup_power2_divisions:[256:4,>:2]")
+    assert r.divisions(300 << 20) == 4 and r.divisions(1 << 30) == 2 and r.divisions(2 << 20) == 4
+    assert r.round_size((256 << 20) + 1) == 320 << 20 and r.round_size((1 << 30) + 1) == 1536 << 20
+    # settings that change no device bytes are taken as PyTorch takes them
+    assert AllocatorConfig.parse("release_lock_on_cudamalloc:True,pinned_num_register_threads:8").text
+
+
+def test_allocator_config_parser_agrees_with_torch():
+    # the installed PyTorch parses the device-generic keys on a CPU build too (no CUDA hook: other keys skipped):
+    # memplan's parser, run the same way, accepts exactly what it accepts
+    import random
+
+    import torch
+
+    from memplan import allocator_conf
+
+    setting = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+    if setting is None:  # pragma: no cover - an older torch
+        pytest.skip("this torch has no _accelerator_setAllocatorSettings")
+    keys = ["large_segment_size_mb", "max_split_size_mb", "max_non_split_rounding_mb", "garbage_collection_threshold",
+            "roundup_power2_divisions", "expandable_segments", "pinned_use_background_threads", "foo"]
+    values = ["100", "20", "19", "11", "10", "1_000", "-3", "0", "abc", "\u0661\u0660\u0660", "1e3", "0.5", "nan",
+              "inf", "0x1p-1", "True", "False", "true", "1e-400", "1e400", ".5", "+7", "18446744073709551616",
+              "[256:4,>:2]", "[256:4,>:2", "[]", "[>:4]", "[3:4]", "[256:3]", "[1:2 2:4]", "4", "3", " 1 00 ", "-0"]
+    rng = random.Random(7)
+    cases = [f"{k}:{v}" for k in keys for v in values]
+    for _ in range(1500):
+        parts = [f"{rng.choice(keys)}{rng.choice([':', ':', ',', ''])}{rng.choice(values)}"
+                 for _ in range(rng.randint(1, 3))]
+        cases.append(rng.choice([",", ", "]).join(parts))
+    cases += [",", ":", "", "expandable_segments", "expandable_segments,True", "max_split_size_mb:100,", "[", "]"]
+    for text in cases:
+        setting("large_segment_size_mb:20")  # the one setting parseArgs does not reset
+        try:
+            setting(text)
+            theirs = True
+        except Exception:  # noqa: BLE001 - RuntimeError, ValueError, IndexError (std::out_of_range)
+            theirs = False
+        try:
+            allocator_conf.parse(text, cuda=False)
+            ours = True
+        except SettingsError:
+            ours = False
+        assert ours == theirs, text
 
 
 #: session 23's runs with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (H200; bench/gpu/truth-extra.jsonl)

@@ -155,7 +155,7 @@ def test_step_events_repeat_a_block_as_a_deeper_trace_has_it() -> None:
 def test_allocator_conf_is_checked(tmp_path: Path) -> None:
     from memplan.errors import SettingsError
 
-    with pytest.raises(SettingsError, match="unknown key 'expandable'"):
+    with pytest.raises(SettingsError, match="unrecognized key 'expandable'"):
         _settings(tmp_path, "profile_llama-3.2-1b_torch-amp_2048_sm90.json.gz", 4, precision="torch-amp",
                        strategy="ddp") and \
             options.resolve(build_inventory(resolve(str(tmp_path / "config.json"))), activations="analytic",

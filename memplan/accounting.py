@@ -253,13 +253,45 @@ def estimate(inv: ParamInventory, s: Settings, reserved_limit: int | None = None
     peak = rows[totals.index(max(totals))]
     res, why = (_reserved(inv, s, reserved_limit) if s.overheads.fragmentation_percent is None
                 else (None, "fragmentation given"))
+    shift = 0
     if res is not None and getattr(s.activation_profile, "inner", None) is not None:
+        before = res.allocated_bytes
         res = res.moved_to(peak.total_bytes)  # a tensor-parallel rank: its share's replay (reserved.py)
+        shift = res.allocated_bytes - before
     detail = _overheads(s, f, peak.total_bytes, res)
+    capped, verdict = _verdict(inv, s, res, peak.total_bytes, detail, reserved_limit, shift)
     return Plan(settings=s, inventory=inv, phases=rows, peak=peak, overhead_bytes=sum(detail.values()),
                 overhead_detail=detail, host_bytes_per_node=f.host_per_node, host_detail=f.host_detail,
                 shard_group=f.shard_group,
-                between_steps_bytes=f.between, assumptions=dict(f.assumptions), reserved=res, reserved_why=why)
+                between_steps_bytes=f.between, assumptions=dict(f.assumptions), reserved=res, reserved_why=why,
+                capped=capped, verdict_required_bytes=verdict)
+
+
+def _verdict(inv: ParamInventory, s: Settings, res: Any, allocated: int, detail: dict[str, int],
+             reserved_limit: int | None, shift: int) -> tuple[Any, int | None]:
+    """The replay under the card's limits (reserved.capped) and the card bytes the verdict compares: the capped
+    reserved peak P (on out of memory, the uncapped one, above the limit) plus what the card keeps from the
+    allocator: the memory outside it (CUDA context, NCCL), and under a per_process_memory_fraction the rest of
+    the card past the fraction. It fits exactly when the capped replay runs through. ``reserved_limit``: the
+    allocator's bytes under a search's budget (the card less a margin and the outside memory); else the card's."""
+    mem = s.cluster.gpu_memory_bytes
+    if s.cluster.device != "cuda" or res is None or mem is None:
+        return None, None
+    from memplan import reserved
+    from memplan.allocator import AllocatorConfig
+
+    outside = detail.get("cuda_context_bytes", 0) + detail.get("nccl_bytes", 0)
+    device_limit = reserved_limit if reserved_limit is not None else mem - outside
+    fraction = AllocatorConfig.parse(s.allocator_conf).per_process_memory_fraction
+    fraction_limit = int(fraction * mem) if fraction < 1.0 else None
+    capped = reserved.capped(inv, s, device_limit, fraction_limit, res, shift)
+    if capped is None:
+        return None, None
+    # never below the allocated peak (the engine's, which the replay reaches by another road: reserved >= allocated,
+    # as the uncapped figure keeps it); out of memory: the uncapped reserved peak, above the limit
+    uncapped = allocated + detail.get("allocator_bytes", 0)
+    peak = max(capped.peak_bytes if capped.fits else max(uncapped, capped.limit_bytes + 1), allocated)
+    return capped, peak + device_limit + outside - capped.limit_bytes
 
 
 def required_bytes(inv: ParamInventory, s: Settings, micro_batches: Any,

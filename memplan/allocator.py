@@ -143,7 +143,8 @@ def _expandable_size(b: _Block) -> int:
 class _Block:
     """A block of a segment: handed out (allocated), cached in its pool (cached), or neither (being split)."""
 
-    __slots__ = ("ptr", "size", "stream", "small", "segment", "allocated", "cached", "prev", "next", "mapped")
+    __slots__ = ("ptr", "size", "stream", "small", "segment", "allocated", "cached", "prev", "next", "mapped",
+                 "gc_base")
 
     def __init__(self, ptr: int, size: int, stream: int, small: bool, segment: int, prev: _Block | None = None,
                  next: _Block | None = None) -> None:  # noqa: A002
@@ -152,6 +153,8 @@ class _Block:
         self.cached = False
         self.prev, self.next = prev, next
         self.mapped = True  #: False: an unmapped range of an expandable segment (never cached, never handed out)
+        #: its pool's get_free_block calls when it was cached (BlockPool::insert_into_blocks: gc_count_base)
+        self.gc_base = 0
 
 
 @dataclass
@@ -165,6 +168,16 @@ class Allocator:
     allocated: int = 0
     peak_allocated: int = 0
     segments: int = 0
+    #: the device bytes the allocator can hold: cudaMalloc (or mapping a page) fails past them (the card's capacity
+    #: less what lies outside the allocator: the CUDA context, NCCL's buffers); None: unlimited
+    device_limit: int | None = None
+    #: per_process_memory_fraction's allowed_memory_maximum (fraction x the card's total); None: no fraction set
+    fraction_limit: int | None = None
+    #: cache flushes: a reservation that failed, then release_cached_blocks (a synchronising cudaFree of every
+    #: free segment) and a retry (stats.num_alloc_retries)
+    retries: int = 0
+    #: the retries of each step (Run.end_step)
+    step_retries: list = field(default_factory=list)
 
     def __post_init__(self) -> None:
         #: (small, stream) -> the pool's cached blocks as (size, ptr, block), sorted: best fit is the first entry
@@ -182,8 +195,12 @@ class Allocator:
         self._unmapped: dict[tuple[bool, int], list[tuple[int, _Block]]] = {}
         self._pages: dict[int, tuple[int, int]] = {}
         c = self.config
-        self._plain = not c.rounds and c.max_split_size is None and not c.expandable_segments \
-            and c.garbage_collection_threshold <= 0
+        #: garbage collection runs only with a memory fraction (DeviceCachingAllocator::malloc:
+        #: allowed_memory_maximum.has_value() && garbage_collection_threshold() > 0)
+        self._gc = self.fraction_limit is not None and c.garbage_collection_threshold > 0
+        self._gc_calls = [0, 0]  #: get_free_blocks_call_count of the large and the small pool
+        self._capped = self.device_limit is not None or self.fraction_limit is not None
+        self._plain = not c.rounds and c.max_split_size is None and not c.expandable_segments and not self._gc
 
     # ---- pools ----
     def _insert(self, b: _Block) -> None:
@@ -193,6 +210,7 @@ class Allocator:
             lst = self._free[key] = []
         insort(lst, (b.size, b.ptr, b))
         b.cached = True
+        b.gc_base = self._gc_calls[b.small]
 
     def _is_cached(self, b: _Block) -> bool:
         """Free and in its pool (a block handed out, or split off and handed out, is not)."""
@@ -204,6 +222,8 @@ class Allocator:
         b.cached = False
 
     def _best_fit(self, size: int, small: bool, stream: int) -> _Block | None:
+        if self._gc:  # get_free_block: the pool's call count, the blocks' age (only while collection is on)
+            self._gc_calls[small] += 1
         lst = self._free.get(stream * 2 + small)
         if not lst:
             return None
@@ -240,12 +260,8 @@ class Allocator:
         size = self.config.round_size(size)
         small = size <= SMALL_SIZE
         b = self._best_fit(size, small, stream)
-        if b is None and self.config.expandable_segments:
-            b = self._expand(size, small, stream)
-        elif b is None:
-            if self.config.garbage_collection_threshold > 0:
-                self._garbage_collect()
-            b = self._new_segment(allocation_size(size), small, stream)
+        if b is None:
+            b = self._grow(size, small, stream)
         if self._should_split(b, size):
             rest = _Block(b.ptr + size, b.size - size, stream, small, b.segment, prev=b, next=b.next)
             if b.next is not None:
@@ -273,8 +289,13 @@ class Allocator:
                 b = lst.pop(j)[2]
                 b.cached = False
         if b is None:
-            b = self._new_segment(SMALL_BUFFER if small else LARGE_BUFFER if size < MIN_LARGE_ALLOC
-                                  else -(-size // ROUND_LARGE) * ROUND_LARGE, small, stream)
+            alloc = (SMALL_BUFFER if small else LARGE_BUFFER if size < MIN_LARGE_ALLOC
+                     else -(-size // ROUND_LARGE) * ROUND_LARGE)
+            if self._capped and not self._room(alloc):
+                b = self._grow(size, small, stream)
+                lst = self._free.get(key)
+            else:
+                b = self._new_segment(alloc, small, stream)
         remaining = b.size - size
         if remaining >= MIN_BLOCK if small else remaining > SMALL_SIZE:
             rest = _Block(b.ptr + size, remaining, stream, small, b.segment, b, b.next)
@@ -286,6 +307,7 @@ class Allocator:
                 lst = self._free[key] = []
             insort(lst, (remaining, rest.ptr, rest))
             rest.cached = True
+            rest.gc_base = self._gc_calls[small]
         b.allocated = True
         self.allocated += b.size
         if self.allocated > self.peak_allocated:
@@ -317,6 +339,7 @@ class Allocator:
                 nb.next.prev = b
         insort(lst, (b.size, b.ptr, b))
         b.cached = True
+        b.gc_base = self._gc_calls[b.small]
 
     def empty_cache(self) -> None:
         """release_cached_blocks: every segment with no allocated block goes back to CUDA; with expandable segments
@@ -391,6 +414,8 @@ class Allocator:
         unmapped after it; the mapped block merges with free neighbours and joins the free pool."""
         page = self._pages[b.segment][1]
         mapped = -(-size // page) * page
+        if self.device_limit is not None and self.reserved + mapped > self.device_limit:
+            raise _NoRoom()  # the pages cannot be made (cuMemCreate fails): map_block returns false
         holes = self._unmapped[(b.small, b.stream)]
         del holes[bisect_left(holes, (b.ptr,))]
         b.mapped = True
@@ -465,10 +490,118 @@ class Allocator:
                 nb.next.prev = b
         b.size += nb.size
 
+    # ---- a new segment, under the device's limits ----
+    def _room(self, alloc: int) -> bool:
+        """alloc_block's checks before cudaMalloc: the fraction's allowed maximum, then the device's free bytes."""
+        if self.fraction_limit is not None and self.reserved + alloc > self.fraction_limit:
+            return False
+        return self.device_limit is None or self.reserved + alloc <= self.device_limit
+
+    def _alloc_block(self, size: int, small: bool, stream: int) -> _Block | None:
+        """alloc_block: a new segment (or, with expandable segments, pages mapped), or None where the device or
+        the fraction has no room for it."""
+        alloc = allocation_size(size)
+        if self.fraction_limit is not None and self.reserved + alloc > self.fraction_limit:
+            return None  # checked with the whole allocation size, expandable segments too
+        if self.config.expandable_segments:
+            try:
+                return self._expand(size, small, stream)
+            except _NoRoom:
+                return None
+        if self.device_limit is not None and self.reserved + alloc > self.device_limit:
+            return None
+        return self._new_segment(alloc, small, stream)
+
+    def _grow(self, size: int, small: bool, stream: int) -> _Block:
+        """DeviceCachingAllocator::malloc once no cached block serves the request (c10/cuda/CUDACachingAllocator.cpp):
+        garbage collection where a fraction and a threshold are set; alloc_block; else
+        release_available_cached_blocks (with max_split_size: the oversize free blocks, largest first) and again;
+        else release_cached_blocks (every free segment back to CUDA: a synchronising flush, counted in
+        ``retries``) and again; else the CUDA out-of-memory error (OutOfMemory)."""
+        if self._gc:
+            self._garbage_collect()
+        b = self._alloc_block(size, small, stream)
+        if b is None and self._release_available(size, small, stream):
+            b = self._alloc_block(size, small, stream)
+        if b is None:
+            self.empty_cache()
+            self.retries += 1
+            b = self._alloc_block(size, small, stream)
+        if b is None:
+            raise OutOfMemory(self, size)
+        return b
+
+    def _release_available(self, size: int, small: bool, stream: int) -> bool:
+        """release_available_cached_blocks: only with max_split_size set; the smallest free whole segment of the
+        pool at least max(size, max_split_size), else the oversize ones from the largest down until enough are
+        freed (a split or expandable block is never released)."""
+        mss = self.config.max_split_size
+        if mss is None:
+            return False
+        lst = self._free.get(stream * 2 + small) or []
+        want = max(size, mss)
+        j = bisect_left(lst, (want,))
+        if j < len(lst) and not self._expandable(lst[j][2]):
+            return self._release(lst[j][2]) or True
+        released = 0
+        k = min(j, len(lst)) - 1
+        while k >= 0 and released < want and lst[k][0] >= mss:
+            b = lst[k][2]
+            k -= 1
+            if not self._expandable(b):
+                released += b.size
+                self._release(b)
+        return released >= want
+
+    def _expandable(self, b: _Block) -> bool:
+        return b.segment in self._pages
+
+    def _release(self, b: _Block) -> None:
+        """release_block: a free block that is its whole segment goes back to CUDA (a split one cannot)."""
+        if b.prev is not None or b.next is not None:
+            return
+        self._remove(b)
+        self.reserved -= b.size
+        self.segments -= 1
+        del self._segment_heads[b.segment]
+
     def _garbage_collect(self) -> None:
-        """garbage_collection_threshold, simplified: without a memory fraction PyTorch never collects; with one,
-        memplan releases whole free segments, the upper bound of what collection frees."""
-        self.empty_cache()
+        """garbage_collect_cached_blocks: past garbage_collection_threshold x the fraction's maximum, free the large
+        pool's whole free segments whose age (get_free_block calls since they were cached) is at least the
+        average, again until the excess is reclaimed or none is freed."""
+        assert self.fraction_limit is not None
+        threshold = int(self.config.garbage_collection_threshold * self.fraction_limit)
+        if self.reserved <= threshold:
+            return
+        target = self.reserved - threshold
+        calls = self._gc_calls[0]
+        blocks = [b for key in sorted(k for k in self._free if k % 2 == 0) for _, _, b in self._free[key]
+                  if b.prev is None and b.next is None]
+        total_age, count = sum(calls - b.gc_base for b in blocks), len(blocks)
+        reclaimed, freed = 0, True
+        while reclaimed < target and freed and count > 0:
+            age = total_age / count
+            freed = False
+            for b in [b for key in sorted(k for k in self._free if k % 2 == 0) for _, _, b in self._free[key]]:
+                if b.prev is None and b.next is None and not self._expandable(b) and calls - b.gc_base >= age:
+                    freed = True
+                    reclaimed += b.size
+                    total_age -= calls - b.gc_base
+                    count -= 1
+                    self._release(b)
+
+
+class OutOfMemory(Exception):
+    """The CUDA out-of-memory error: no segment could be reserved for a request after every flush and retry."""
+
+    def __init__(self, allocator: Allocator, size: int) -> None:
+        super().__init__(size)
+        self.allocator = allocator
+        self.size = size
+
+
+class _NoRoom(Exception):
+    """Mapping an expandable segment's pages would pass the device's limit."""
 
 
 def replay(events, config: AllocatorConfig | None = None) -> Allocator:  # noqa: ANN001

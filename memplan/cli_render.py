@@ -115,7 +115,7 @@ def render_plan(rep: dict, summary: str | None = None, explained: dict | None = 
                f"allocated + {res['fragmentation_percent']}%: {res['why']}")
         c.print(f"peak reserved: [bold]{fmt_bytes(pg['reserved_peak_bytes'])}[/bold] ({how}; {ratio:.2f}x allocated)"
                 + release_orders(res.get("variants") or {}, pg["reserved_peak_bytes"]), soft_wrap=True)
-    c.print(f"required per GPU: [bold]{fmt_bytes(pg['required_bytes'])}[/bold] (reserved + CUDA context + NCCL)")
+    c.print("required per GPU: " + required_line(pg), soft_wrap=True)
     comm = rep.get("communication")
     if comm and comm["collectives"]:
         big = max(comm["collectives"], key=lambda x: x["bytes_per_gpu"])
@@ -153,6 +153,31 @@ def render_plan(rep: dict, summary: str | None = None, explained: dict | None = 
         c.print(f"  {topic:<10} " + "; ".join(items), soft_wrap=True)
     for n in rep["notes"]:
         c.print(f"note: {n}", soft_wrap=True)
+
+
+def required_line(pg: dict[str, Any]) -> str:
+    """What the verdict compares with the card, and how: the reserved peak with the CUDA context and NCCL, or, where
+    the card's limits are reached, the replay under them (cache flushes, an out-of-memory error, a
+    per_process_memory_fraction's cap)."""
+    cap = pg.get("capped")
+    head = f"[bold]{fmt_bytes(pg['required_bytes'])}[/bold]"
+    if not cap or (cap["flushes"] == 0 and cap["fits"] and cap["fraction_limit_bytes"] is None):
+        return head + " (reserved + CUDA context + NCCL)"
+    frac = cap["fraction_limit_bytes"]
+    cap_text = (f"per_process_memory_fraction caps the allocator at {fmt_bytes(frac)}" if frac is not None and
+                frac <= cap["device_limit_bytes"] else
+                f"the allocator can hold {fmt_bytes(cap['device_limit_bytes'])} beside the CUDA context and NCCL")
+    if not cap["fits"]:
+        return (head + f" ({cap_text}; replayed under it, the step runs out of memory after "
+                f"{cap['flushes']} cache flush(es): a {fmt_bytes(cap['failed_request_bytes'] or 0)} request finds "
+                f"no room; uncapped it reserves {fmt_bytes(pg['reserved_peak_bytes'])})")
+    flushes = cap["flushes_per_step"]
+    how = (f"with {flushes} cache flush(es) per step (each a synchronising cudaFree of the free segments)"
+           if flushes else f"with {cap['flushes']} cache flush(es) while it sets up, none in the steady step"
+           if cap["flushes"] else "without a cache flush")
+    return (head + f" ({cap_text}; replayed under it the step runs {how}, reserving at most "
+            f"{fmt_bytes(cap['reserved_peak_bytes'])}" + (f"; uncapped {fmt_bytes(pg['uncapped_required_bytes'])}"
+                                                          if flushes else "") + ")")
 
 
 def release_orders(variants: dict[str, int], verdict: int) -> str:

@@ -355,7 +355,8 @@ def _zeropp_notes(ds: DeepSpeedKnobs, strat: Any, gpus: int, per_node: int) -> l
 
 
 def _torch_knobs(overrides: dict[str, Any], strat: Any) -> TorchKnobs:
-    tk = TorchKnobs(**{k: v for k, v in overrides.items() if v is not None})
+    tk = TorchKnobs(**{k: v for k, v in overrides.items() if v is not None},
+                    bucket_cap_default=overrides.get("bucket_cap_mb") is None)
     if tk.hsdp_shard_size is not None and tk.hsdp_shard_size < 1:
         raise SettingsError(f"--hsdp-shard-size must be at least 1, got {tk.hsdp_shard_size}")
     if tk.bucket_cap_mb <= 0:

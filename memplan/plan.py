@@ -51,6 +51,10 @@ class Plan:
     #: of the model, its data-parallel group), and ``layout`` holds the job as given and every pipeline rank's
     #: figures (accounting.Layout)
     layout: Any = None
+    #: the replay under the card's limits (reserved.Capped: flushes, out of memory), where a card is given
+    capped: Any = None
+    #: the card bytes the verdict compares with the card (accounting._verdict), where the capped replay ran
+    verdict_required_bytes: int | None = None
 
     @property
     def reserved_peak_bytes(self) -> int | None:
@@ -65,8 +69,18 @@ class Plan:
         return self.peak.total_bytes
 
     @property
-    def required_bytes(self) -> int:
+    def uncapped_required_bytes(self) -> int:
+        """The reserved peak of the uncapped replay (or the allocated peak and a flat share) + CUDA context + NCCL."""
         return self.peak_bytes + self.overhead_bytes
+
+    @property
+    def required_bytes(self) -> int:
+        """What the verdict compares with the card: the capped replay's reserved peak and what lies outside the
+        allocator (and, under a per_process_memory_fraction, the part of the card the fraction leaves out), where
+        that replay ran; else the uncapped figure."""
+        if self.verdict_required_bytes is not None:
+            return self.verdict_required_bytes
+        return self.uncapped_required_bytes
 
     @property
     def fits(self) -> bool | None:

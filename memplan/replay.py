@@ -296,7 +296,7 @@ class Run:
     """An allocator and the live blocks of one replay."""
 
     def __init__(self, config: AllocatorConfig) -> None:
-        self.a = Allocator(config)
+        self.a = Allocator(config, device_limit=Run.device_limit, fraction_limit=Run.fraction_limit)
         self.live: dict[Any, Any] = {}
         self.n = 0
         self.anon = 0  #: keys of what the frameworks allocate (positive; a step's are negative)
@@ -307,6 +307,10 @@ class Run:
 
     #: set by predict: stop (raise OverLimit) once the reserved bytes pass it
     limit: int | None = None
+    #: set by reserved.capped: the replay runs under the card's limits (allocator.Allocator device_limit,
+    #: fraction_limit), flushing the cache and retrying as PyTorch does, until it fits or runs out of memory
+    device_limit: int | None = None
+    fraction_limit: int | None = None
 
     def alloc(self, size: int, key: Any = None, stream: int = 0) -> Any:
         if key is None:
@@ -333,6 +337,7 @@ class Run:
     def end_step(self) -> None:
         """Record the step's allocated peak and the reserved peak so far; the next step's peak starts anew."""
         self.steps.append((self.a.peak_allocated, self.a.peak_reserved))
+        self.a.step_retries.append(self.a.retries)
         self.a.peak_allocated = self.a.allocated
 
     def free(self, key: Any) -> None:

@@ -66,10 +66,13 @@ def plan_report(plan: Any, sources: dict[str, str] | None = None, notes: tuple[s
     elif st.framework == "horovod":
         strategy["horovod"] = asdict(s.horovod)
     else:
-        strategy["torch"] = {k: v for k, v in asdict(s.torch).items() if k != "fsdp_wrap_modules"}
+        strategy["torch"] = {k: v for k, v in asdict(s.torch).items() if k not in ("fsdp_wrap_modules",
+                                                                                 "bucket_cap_default")}
     per_gpu = {k: getattr(peak, k) for k in CATEGORY_KEYS}
     per_gpu.update(overhead_bytes=plan.overhead_bytes, peak_bytes=plan.peak_bytes, peak_phase=peak.name,
-                   reserved_peak_bytes=plan.reserved_peak_bytes, required_bytes=plan.required_bytes)
+                   reserved_peak_bytes=plan.reserved_peak_bytes, required_bytes=plan.required_bytes,
+                   uncapped_required_bytes=plan.uncapped_required_bytes if s.cluster.device == "cuda" else None,
+                   capped=capped_report(plan))
     assumptions = dict(plan.assumptions)
     assumptions.update(recipe=s.recipe.description, optimizer=s.optimizer.description,
                        overheads=asdict(s.overheads) if s.cluster.device == "cuda" else "none (device cpu)",
@@ -125,6 +128,17 @@ def host_report(plan: Any) -> dict[str, Any] | None:
     from memplan.host import host_report as report
 
     return report(plan)
+
+
+def capped_report(plan: Any) -> dict[str, Any] | None:
+    """The replay under the card's limits (reserved.Capped), where a card is given and the allocator replayed:
+    whether it runs through, its reserved peak, the cache flushes a step takes, and the limits."""
+    c = plan.capped
+    if c is None:
+        return None
+    return {"fits": c.fits, "reserved_peak_bytes": c.peak_bytes, "flushes_per_step": c.flushes_per_step,
+            "flushes": c.flushes, "limit_bytes": c.limit_bytes, "device_limit_bytes": c.device_limit_bytes,
+            "fraction_limit_bytes": c.fraction_limit_bytes, "failed_request_bytes": c.failed_request_bytes}
 
 
 def reserved_report(plan: Any) -> dict[str, Any] | None:

@@ -21,11 +21,11 @@ Steps repeat until one reserves nothing new (a run's reserved memory only grows 
 from __future__ import annotations
 
 import importlib
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from memplan import frameworks
-from memplan.allocator import AllocatorConfig
+from memplan.allocator import AllocatorConfig, OutOfMemory
 from memplan.replay import OverLimit, Reserved, Run, bucket_assignment, step_events  # noqa: F401  (the API)
 
 
@@ -117,3 +117,67 @@ def _predict(inv: Any, s: Any, config: AllocatorConfig | None) -> Reserved:
     return Reserved(peak_bytes=best.peak_reserved, allocated_bytes=best.steps[-1][0], model=model,
                     variants={k: a.peak_reserved for k, a in variants.items()}, config=config.text,
                     steps=tuple(best.steps))
+
+
+@dataclass(frozen=True)
+class Capped:
+    """The replay under the card's limits (allocator.Allocator device_limit, fraction_limit): what PyTorch's caching
+    allocator does when a reservation does not fit, flushing its cache and retrying (DeviceCachingAllocator::malloc
+    -> alloc_block, release_available_cached_blocks, release_cached_blocks), until the step runs through or
+    raises CUDA's out-of-memory error."""
+
+    fits: bool  #: the replay ran through: no out-of-memory error
+    peak_bytes: int  #: the reserved peak under the limits (on out of memory: where it stopped)
+    #: cache flushes (synchronising cudaFree of every free segment, then a retry) in the steady step, and in all
+    flushes_per_step: int
+    flushes: int
+    limit_bytes: int  #: the most the allocator could hold: the smaller of the two limits below
+    device_limit_bytes: int  #: the card less the memory outside the allocator (CUDA context, NCCL)
+    fraction_limit_bytes: int | None  #: per_process_memory_fraction x the card's total, where one is set
+    failed_request_bytes: int | None = None  #: the request no flush could serve (out of memory)
+
+
+#: capped replays made in this process, by what they depend on and the limits
+_CAPPED: dict[tuple, Capped] = {}
+
+
+def capped(inv: Any, s: Any, device_limit: int, fraction_limit: int | None, uncapped: Reserved | None = None,
+           shift: int = 0) -> Capped | None:
+    """The step replayed under the card's limits, or None where why_not(s) says it cannot be replayed.
+
+    ``uncapped``: the replay without limits, where one was made: a peak within both limits means PyTorch never
+    reaches them (the same decisions, no flush) unless garbage collection runs (a fraction and a threshold set),
+    so no second replay is made. ``shift``: the bytes a tensor-parallel rank's figures stand above its share's
+    replay (Reserved.moved_to): the limits are taken that much lower for the replay, its figures moved back."""
+    limit = device_limit if fraction_limit is None else min(device_limit, fraction_limit)
+    config = AllocatorConfig.parse(s.allocator_conf)
+    gc = fraction_limit is not None and config.garbage_collection_threshold > 0
+    if uncapped is not None and uncapped.complete and not gc and uncapped.peak_bytes <= limit:
+        return Capped(True, uncapped.peak_bytes, 0, 0, limit, device_limit, fraction_limit)
+    if why_not(s, inv) is not None:
+        return None
+    prof = _replayed_profile(s)
+    if prof is not s.activation_profile:
+        s = replace(s, activation_profile=prof)
+    dev = device_limit - shift
+    frac = None if fraction_limit is None else fraction_limit - shift
+    key = (id(inv), id(prof.data), repr(replace(s, activation_profile=None)), repr(config), dev, frac)
+    hit = _CAPPED.get(key)
+    if hit is None:
+        if len(_CAPPED) > 256:
+            _CAPPED.clear()
+        Run.limit, Run.device_limit, Run.fraction_limit = None, max(dev, 0), None if frac is None else max(frac, 0)
+        try:
+            _, variants = _replayer(s).replay(inv, s, config)
+            worst = max(variants.values(), key=lambda a: (a.retries, a.peak_reserved))
+            steady = worst.step_retries[-1] - (worst.step_retries[-2] if len(worst.step_retries) > 1 else 0)
+            hit = Capped(True, max(a.peak_reserved for a in variants.values()) + shift, steady, worst.retries, limit,
+                         device_limit, fraction_limit)
+        except OutOfMemory as oom:
+            a = oom.allocator
+            hit = Capped(False, a.peak_reserved + shift, 0, a.retries, limit, device_limit, fraction_limit,
+                         failed_request_bytes=oom.size)
+        finally:
+            Run.device_limit = Run.fraction_limit = None
+        _CAPPED[key] = hit
+    return hit

@@ -70,6 +70,10 @@ class DeepSpeedKnobs:
 @dataclass(frozen=True, kw_only=True)
 class TorchKnobs:
     bucket_cap_mb: int = 25  #: DDP default (torch/nn/parallel/distributed.py)
+    #: bucket_cap_mb left at DDP's default (None): the rebuilt Reducer's first bucket is then 1 MiB
+    #: (_BucketCapacityConfig.create: dist._DEFAULT_FIRST_BUCKET_BYTES only while the cap is the default; a cap
+    #: given, even 25, makes the first bucket as large as the others)
+    bucket_cap_default: bool = True
     gradient_as_bucket_view: bool = False  #: DDP default
     reshard_after_forward: bool | int | None = None  #: FSDP2; None -> the strategy's default
     hsdp_shard_size: int | None = None  #: HSDP shard group size; None -> gpus per node

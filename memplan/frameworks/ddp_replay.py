@@ -32,7 +32,8 @@ def _broadcast_coalesced(run: Run, sizes: list[int], bucket: int) -> None:
 
 
 def replay_ddp(job: ReplayJob, config: AllocatorConfig | None = None, release: str = "pre",
-               reducer: bool = True, trainable: tuple[bool, ...] | None = None) -> Allocator:
+               reducer: bool = True, trainable: tuple[bool, ...] | None = None,
+               bucket_limits: tuple[int, ...] = (DDP_FIRST_BUCKET, 25 * MiB)) -> Allocator:
     """DistributedDataParallel (torch/nn/parallel/distributed.py, c10d reducer.cpp) with a torch.optim optimizer:
     the module states broadcast in 250 MiB buffers; the Reducer's first bucket assignment is one bucket for all
     parameters (no find_unused_parameters: bucket_size_limits = [sys.maxsize]), rebuilt at the second
@@ -78,7 +79,7 @@ def replay_ddp(job: ReplayJob, config: AllocatorConfig | None = None, release: s
                 # rebuilt_params_), which a Linear's bias, summed after its weight's matmul, reaches first
                 ready = [size for _, size in ready_order(first_grads, run.late)]
                 buckets = [run.alloc(sum(ready[i] for i in idx))
-                           for idx in bucket_assignment(ready, [DDP_FIRST_BUCKET, 25 * MiB])]
+                           for idx in bucket_assignment(ready, list(bucket_limits))]
             rebuilt = forwards == 1
 
             def at(kind: str, blk: int, rebuilt: bool = rebuilt) -> None:
@@ -128,5 +129,16 @@ def replay(inv: Any, s: Any, config: AllocatorConfig) -> tuple[str, dict[str, Al
     trainable = tuple(t.trainable for t in inv.tensors) if inv.frozen else None
     if not s.strategy.ddp_buckets:
         return "PyTorch", {"": replay_ddp(job, config, reducer=False)}
-    return "DDP", {"buckets released at the rebuild": replay_ddp(job, config, "pre", trainable=trainable),
-                   "buckets held into step 2's backward": replay_ddp(job, config, "grad", trainable=trainable)}
+    limits = bucket_limits(s.torch.bucket_cap_mb, s.torch.bucket_cap_default)
+    return "DDP", {"buckets released at the rebuild": replay_ddp(job, config, "pre", trainable=trainable,
+                                                                 bucket_limits=limits),
+                   "buckets held into step 2's backward": replay_ddp(job, config, "grad", trainable=trainable,
+                                                                     bucket_limits=limits)}
+
+
+def bucket_limits(cap_mb: int, default: bool) -> tuple[int, ...]:
+    """The rebuilt Reducer's bucket limits (torch/nn/parallel/distributed.py _BucketCapacityConfig.create and
+    compute_bucket_size_limits): a 1 MiB first bucket, then bucket_cap_mb, while the cap is DDP's default; a cap
+    given makes every bucket that large."""
+    cap = int(cap_mb * MiB)
+    return (DDP_FIRST_BUCKET, cap) if default and DDP_FIRST_BUCKET < cap else (cap,)

@@ -123,7 +123,9 @@ def build_spec(config: dict[str, Any], s: Settings, *, warmup_steps: int = 2, me
         "micro_batch": s.micro_batch, "seq_len": s.seq_len, "grad_accum": s.grad_accum, "recompute": s.recompute,
         "attn_implementation": attn_implementation, "device": c.device, "gpus_per_node": c.ranks_per_node,
         "warmup_steps": warmup_steps, "measured_steps": measured_steps, "seed": 0,
-        "bucket_cap_mb": s.torch.bucket_cap_mb, "gradient_as_bucket_view": s.torch.gradient_as_bucket_view,
+        # DDP's own default where none was given (a cap given, even 25, makes the first bucket as large as the rest)
+        "bucket_cap_mb": None if s.torch.bucket_cap_default else s.torch.bucket_cap_mb,
+        "gradient_as_bucket_view": s.torch.gradient_as_bucket_view,
         "zero_optimizer": st.layout == GREEDY_WHOLE,  # whole params per rank: ZeroRedundancyOptimizer
         "fsdp_wrap": s.torch.fsdp_wrap, "fsdp_root_reshard": s.torch.fsdp_root_reshard,
         "shard_size": n, "reshard_after_forward": raf if not isinstance(raf, bool) or st.shard_params else False,

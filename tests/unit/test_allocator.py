@@ -192,3 +192,64 @@ def test_expandable_empty_cache_unmaps_whole_pages_and_maps_the_hole_again():
         a.free(b)
     a.empty_cache()  # nothing allocated: every page unmapped and the segment released
     assert a.reserved == 0 and a.segments == 0
+
+
+# ---- under the card's limits: flush and retry (DeviceCachingAllocator::malloc), out of memory -------------------
+MiB = 1 << 20
+
+
+def test_a_flush_makes_room_for_a_request_the_cache_blocks():
+    # alloc_block fails (60 + 70 > 100 MiB), release_cached_blocks returns the free 60 MiB segment, the retry fits
+    a = Allocator(device_limit=100 * MiB)
+    a.free(a.malloc(60 * MiB))
+    a.malloc(70 * MiB)
+    assert (a.reserved, a.peak_reserved, a.retries) == (70 * MiB, 70 * MiB, 1)
+
+
+def test_out_of_memory_when_no_flush_frees_enough():
+    from memplan.allocator import OutOfMemory
+
+    a = Allocator(device_limit=100 * MiB)
+    a.malloc(60 * MiB)
+    with pytest.raises(OutOfMemory) as err:
+        a.malloc(50 * MiB)
+    assert err.value.size == 50 * MiB and a.retries == 1 and a.reserved == 60 * MiB
+
+
+def test_the_memory_fraction_caps_the_allocator():
+    a = Allocator(fraction_limit=64 * MiB)
+    a.free(a.malloc(30 * MiB))
+    a.malloc(40 * MiB)  # 30 + 40 > 64: the cached 30 MiB goes back first
+    assert (a.reserved, a.retries) == (40 * MiB, 1)
+
+
+def test_garbage_collection_runs_only_under_a_fraction_and_frees_old_blocks_without_a_flush():
+    # threshold 0.5 of a 100 MiB fraction: past 50 MiB reserved, the large pool's whole free segments at least as
+    # old as the average (get_free_block calls since they were cached) go back before a new segment is made
+    conf = AllocatorConfig(garbage_collection_threshold=0.5)
+    a = Allocator(conf, fraction_limit=100 * MiB)
+    x, y = a.malloc(30 * MiB), a.malloc(30 * MiB)
+    a.free(x), a.free(y)
+    a.malloc(40 * MiB)
+    assert (a.reserved, a.retries) == (40 * MiB, 0)
+    b = Allocator(conf)  # no fraction: PyTorch never collects, both segments stay
+    x, y = b.malloc(30 * MiB), b.malloc(30 * MiB)
+    b.free(x), b.free(y)
+    b.malloc(40 * MiB)
+    assert b.reserved == 100 * MiB
+
+
+def test_release_available_cached_blocks_frees_an_oversize_block_without_a_flush():
+    # max_split_size 64 MiB: the cached 100 MiB block may not serve an 80 MiB request (within 20 MiB only), and
+    # 100 + 80 > 150 MiB: release_available_cached_blocks returns it, the retry fits, no flush counted
+    a = Allocator(AllocatorConfig.parse("max_split_size_mb:64"), device_limit=150 * MiB)
+    a.free(a.malloc(100 * MiB))
+    a.malloc(80 * MiB)
+    assert (a.reserved, a.retries) == (80 * MiB, 0)
+
+
+def test_expandable_segments_unmap_free_pages_when_the_device_is_full():
+    a = Allocator(AllocatorConfig(expandable_segments=True), device_limit=60 * MiB)
+    a.free(a.malloc(40 * MiB))  # two 20 MiB pages mapped, then free
+    a.malloc(30 * MiB, stream=1)  # another stream's segment: 40 + 40 > 60, the free pages are unmapped first
+    assert (a.reserved, a.retries) == (40 * MiB, 1)

@@ -10,9 +10,25 @@ import typer
 from memplan.errors import MemplanError
 
 
+#: the longest run of characters without a space an error line shows whole (a path); a longer one (a value
+#: pasted on the command line: click quotes it whole) is cut in its middle
+LONGEST_WORD = 160
+#: the longest error line
+LONGEST_LINE = 1000
+
+
 def _one_line(text: str) -> str:
-    """A message on one line: what other libraries put on several (transformers' validation text) is joined."""
-    return "; ".join(part.strip() for part in text.strip().splitlines() if part.strip())
+    """A message on one line: what other libraries put on several (transformers' validation text) is joined;
+    a value of thousands of characters is cut in its middle, never printed whole."""
+    import re
+
+    line = "; ".join(part.strip() for part in text.strip().splitlines() if part.strip())
+    line = re.sub(r"\S{%d,}" % (LONGEST_WORD + 1),
+                  lambda m: m.group(0)[:LONGEST_WORD // 2] + f"...({len(m.group(0)):,} characters)..."
+                  + m.group(0)[-LONGEST_WORD // 4:], line)
+    if len(line) > LONGEST_LINE:
+        line = line[:LONGEST_LINE - 40] + f"... ({len(line):,} characters)"
+    return line
 
 
 #: what memplan's own output prints outside ASCII, and what it prints instead where the stream cannot encode it

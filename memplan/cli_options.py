@@ -67,8 +67,12 @@ def parallel_of(values: dict[str, Any]) -> Any:
     if tp is None and pp is None and vpp is None and not sp and schedule is None and lp is None and ep is None \
             and cp is None:
         return None
+    from memplan.errors import SettingsError
     from memplan.parallel import Parallel
 
+    if sp and (tp is None or tp == 1):
+        raise SettingsError("--sp needs --tp above 1: sequence parallelism splits the norms' and residuals' "
+                            "activations over the tensor-parallel ranks")
     if schedule == "zero-bubble":  # torch's ZB-V (ScheduleZBVZeroBubble), torchtitan's "ZBVZeroBubble"
         schedule = "zbv"
     return Parallel(tp=1 if tp is None else tp, pp=1 if pp is None else pp, ep=1 if ep is None else ep,

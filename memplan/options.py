@@ -10,6 +10,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from memplan import dsconfig
+from memplan.allocator import AllocatorConfig
 from memplan.errors import SettingsError
 from memplan.inputs import quote
 from memplan.model.inventory import ParamInventory
@@ -780,6 +781,14 @@ def resolve(inv: ParamInventory, *, gpus: int = 1, gpus_per_node: int | None = N
                        device=device, gpu_arch=gpu_arch, cpu_isa=cpu_isa, host_memory_size=host_memory_size,
                        workspace=workspace, notes=notes)
     conf = _allocator_conf(allocator_conf, device, notes, pick.sources)
+    mem = cluster.gpu_memory_bytes
+    if device == "cuda" and mem is not None and mem <= ov.cuda_context_bytes:
+        raise SettingsError(f"the GPU's {mem:,} bytes are not more than the CUDA context alone "
+                            f"({ov.cuda_context_bytes:,} bytes): no job runs on it (--gpu-memory is the card's "
+                            "total, as torch reports it)")
+    if device == "cuda" and mem is None and AllocatorConfig.parse(conf).per_process_memory_fraction < 1.0:
+        notes.append("per_process_memory_fraction caps the allocator at a fraction of the card: give the card "
+                     "(--gpu NAME or --gpu-memory SIZE) for the verdict to apply it")
     if lora is not None:
         recipe = lora_recipe(recipe, strat)
     from memplan.activations import OP_SAC, valid_recompute

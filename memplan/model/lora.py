@@ -192,7 +192,7 @@ def resolve_targets(spec: LoraSpec, modules: list[tuple[str, str]], family: str,
                                 "(PEFT's lora.Linear); put it in modules_to_save to train it whole")
         out.append(name)
     if not out:
-        shown = targets if isinstance(targets, str) else ", ".join(targets)
+        shown = quote(targets, 80) if isinstance(targets, str) else quote(", ".join(targets), 80).strip("'")
         raise SettingsError(f"LoRA target modules {shown} match no linear layer of this model (PEFT: 'Target "
                             "modules not found in the base model')")
     return out

@@ -175,7 +175,7 @@ def _header_tensors(header: dict[str, Any], path: Path, data_bytes: int) -> list
 def _read_checkpoint(directory: Path) -> tuple[CheckpointTensor, ...]:
     index = directory / "model.safetensors.index.json"
     files: list[Path]
-    if index.is_file():
+    if index.exists() or index.is_symlink():  # read_text refuses a FIFO or a device before it is opened
         try:
             from memplan.inputs import load_json, read_text
 
@@ -212,8 +212,8 @@ def _hf_cache_dirs() -> list[Path]:
 
 
 #: a repo id as the Hugging Face hub takes it (huggingface_hub validate_repo_id: letters, digits, "-", "_", "."; no
-#: "--" or ".." ; at most 96 characters), owner/name
-_REPO_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,95}/[A-Za-z0-9][A-Za-z0-9_.-]{0,95}")
+#: "--" or ".."; neither part starts or ends with "-" or "."; at most 96 characters each), owner/name
+_REPO_ID = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9_.-]{0,94}[A-Za-z0-9_])?/[A-Za-z0-9](?:[A-Za-z0-9_.-]{0,94}[A-Za-z0-9_])?")
 
 
 def _inside(path: Path, root: Path) -> bool:
@@ -241,7 +241,7 @@ def _find_in_hf_cache(repo_id: str) -> Path | None:
             continue
         snap = None
         ref = repo / "refs" / "main"
-        if ref.is_file():
+        if ref.exists() or ref.is_symlink():  # read_text refuses a FIFO or a device
             name = read_text(ref, "Hugging Face cache ref", 4096).strip()
             if not name or "/" in name or "\\" in name or name in (".", "..") or "\0" in name:
                 raise ModelSourceError(f"{ref} names {quote(name)}, not a snapshot of {repo_id} (a commit hash)")
@@ -263,7 +263,7 @@ def _find_in_hf_cache(repo_id: str) -> Path | None:
 
 def _from_directory(directory: Path, name: str, kind: str, description: str) -> ModelSource:
     cfg_path = directory / "config.json"
-    if not cfg_path.is_file():
+    if not cfg_path.exists() and not cfg_path.is_symlink():
         raise ModelSourceError(f"{directory} has no config.json")
     return ModelSource(name=name, kind=kind, description=description, config=read_config(cfg_path),
                        path=directory, checkpoint=_read_checkpoint(directory))

@@ -41,12 +41,9 @@ def _cases() -> list[hostile.Case]:
 def _run(case: hostile.Case, d: Path, tmp: Path) -> tuple[int, str, str, bool, float]:
     work, cache = tmp / "work", tmp / "cache"
     work.mkdir()
-    env = {**os.environ, "MEMPLAN_CACHE_DIR": str(cache), **hostile.env_for(case, d)}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH") if "PYTHONPATH" in case.env else None,
-                                                     str(ROOT)) if p)
-    for k, v in list(env.items()):
-        if v == "":
-            env.pop(k)
+    own = hostile.env_for(case, d)
+    env = {k: v for k, v in {**os.environ, "MEMPLAN_CACHE_DIR": str(cache), **own}.items() if v is not None}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (own.get("PYTHONPATH"), str(ROOT)) if p)
     start = time.monotonic()
     try:
         r = subprocess.run([sys.executable, "-m", "memplan", *hostile.argv(case, d)], capture_output=True, cwd=work,
@@ -135,7 +132,7 @@ def main() -> None:
     text += ["", "| surface | command | environment | exit | stderr lines | wrote | s | clean | message |",
              "|---|---|---|---:|---:|---|---:|---|---|"]
     for case, code, n, wrote, took, ok, why, shown in rows:
-        env = ", ".join(f"{k}={v}" for k, v in case.env.items() if v)[:60]
+        env = ", ".join(f"{k}={v}" if v is not None else f"{k} unset" for k, v in case.env.items())[:80]
         cmd = (case.args[:110] + ("..." if len(case.args) > 110 else "")) if case.args else "(no arguments)"
         msg = shown.replace("|", "\\|")[:300]
         text.append(f"| {case.surface} | `{cmd}` | {env.replace('|', ' ')} | {code} | {n} | "

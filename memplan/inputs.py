@@ -42,7 +42,10 @@ def read_text(path: Any, what: str, limit: int = MAX_TEXT_BYTES) -> str:
     opened non-blocking and checked on its descriptor, so a FIFO (which blocks on open) or a device (which never
     ends) is refused before it is read; nothing of its content is echoed in an error."""
     p = Path(path)
+    check_regular(p, what)  # a FIFO or a device is refused before anything opens it
     try:
+        # and checked again on the descriptor (the name may change between the two): opened non-blocking, so even
+        # a FIFO put there meanwhile cannot block the open
         fd = os.open(p, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0))
     except OSError as exc:
         raise SettingsError(f"cannot read {what} {p}: {exc.strerror or exc}") from None

@@ -550,13 +550,13 @@ def _with_class_wrap(s: Settings, inv: ParamInventory, config: Any, notes: list[
 def _class_paths(inv: ParamInventory, config: Any, wanted: list[str]) -> tuple[str, ...]:
     """The paths of the modules of the ``wanted`` classes (transformers' model on the meta device); a class no
     module has is an error naming the classes the model has."""
-    from memplan.model import z3_leaf
+    from memplan.model import module_tree, z3_leaf
 
-    model = z3_leaf._model(config, "--fsdp-wrap class:...")
+    z3_leaf.needs_config(config, "--fsdp-wrap class:...")
     by_class: dict[str, list[str]] = {}
-    for name, m in model.named_modules():
-        if name and any(True for _ in m.parameters(recurse=True)):
-            by_class.setdefault(type(m).__name__, []).append(name)
+    for m in module_tree.modules(config):
+        if m.path and m.has_params:
+            by_class.setdefault(m.cls, []).append(m.path)
     missing = [w for w in wanted if w not in by_class]
     if missing:
         raise SettingsError(f"FSDP wrap class {', '.join(missing)}: no such module in {inv.model_name}; its classes "

@@ -68,9 +68,11 @@ def resolve(inv: ParamInventory, classes: tuple[str, ...] | None, names: tuple[s
             if fam in wanted:
                 paths += moe_block_paths(inv)
         else:
-            model = _model(config, "--z3-leaf-modules (classes other than the sparse MoE blocks)")
-            paths += [n for n, m in model.named_modules()
-                      if type(m).__name__ in wanted or f"{type(m).__module__}.{type(m).__qualname__}" in classes]
+            from memplan.model import module_tree
+
+            needs_config(config, "--z3-leaf-modules (classes other than the sparse MoE blocks)")
+            paths += [m.path for m in module_tree.modules(config)  # type: ignore[arg-type]
+                      if m.cls in wanted or m.qualified in classes]
             if not paths:
                 raise SettingsError(f"ZeRO-3 leaf modules: no module of class {', '.join(sorted(wanted))} in "
                                     f"{inv.model_name}")
@@ -91,10 +93,15 @@ def resolve(inv: ParamInventory, classes: tuple[str, ...] | None, names: tuple[s
     return tuple(sorted(out))
 
 
-def _model(config: Mapping[str, Any] | None, why: str) -> Any:
-    if config is None:
+def needs_config(config: Mapping[str, Any] | None, why: str) -> None:
+    if config is None or config.get("factory"):
         raise SettingsError(f"{why} needs the model's config.json (a preset, a config file or a directory) to read "
                             "its module tree")
+
+
+def _model(config: Mapping[str, Any] | None, why: str) -> Any:
+    needs_config(config, why)
+    assert config is not None
     from memplan.model.meta_builder import meta_model
 
     return meta_model(config)

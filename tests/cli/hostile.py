@@ -282,7 +282,7 @@ FILES: dict[str, tuple[str, object]] = {
     "factory_syntax": ("factories/broken_syntax.py", "def (:\n"),
 }
 
-_ENV_HF = {"HF_HOME": "{dir}/hf", "HF_HUB_CACHE": "", "HUGGINGFACE_HUB_CACHE": ""}
+_ENV_HF = {"HF_HOME": "{dir}/hf", "HF_HUB_CACHE": None, "HUGGINGFACE_HUB_CACHE": None}  # None: unset
 _ENV_FAC = {"PYTHONPATH": "{dir}/factories", "MEMPLAN_FACTORY_TIMEOUT": "2"}
 
 
@@ -580,8 +580,9 @@ def make_files(d: Path) -> None:
     (d / "m_st_bigint" / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + b"\0" * 4)
 
 
-def env_for(case: Case, d: Path) -> dict[str, str]:
-    return {k: v.format(dir=d) for k, v in case.env.items()}
+def env_for(case: Case, d: Path) -> dict[str, str | None]:
+    """The case's environment, ``{dir}`` filled in; None: the variable is unset."""
+    return {k: None if v is None else v.format(dir=d) for k, v in case.env.items()}
 
 
 def argv(case: Case, d: Path) -> list[str]:

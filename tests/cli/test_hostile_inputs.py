@@ -29,7 +29,7 @@ def run_case(case: Case, d: Path, work: Path, cache: Path, monkeypatch=None) -> 
     its environment at start (an encoding, shell completion) or starts processes of its own."""
     env = env_for(case, d)
     if case.subprocess or monkeypatch is None:
-        full = {**os.environ, "MEMPLAN_CACHE_DIR": str(cache), **env}
+        full = {k: v for k, v in {**os.environ, "MEMPLAN_CACHE_DIR": str(cache), **env}.items() if v is not None}
         full["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), str(ROOT)) if p)
         r = subprocess.run([sys.executable, "-m", "memplan", *argv(case, d)], capture_output=True, cwd=work,
                            env=full, timeout=120)
@@ -38,7 +38,7 @@ def run_case(case: Case, d: Path, work: Path, cache: Path, monkeypatch=None) -> 
     for k, v in env.items():
         if k == "PYTHONPATH":
             monkeypatch.syspath_prepend(v)
-        elif v:
+        elif v is not None:
             monkeypatch.setenv(k, v)
         else:
             monkeypatch.delenv(k, raising=False)

@@ -36,7 +36,8 @@ def presets(as_json: bool = typer.Option(False, "--json", help="Print JSON on st
         aliases = sorted(a for a, c in sources.PRESET_ALIASES.items() if c == name)
         models.append({"name": name, "aliases": aliases, "model_type": src.config.get("model_type"),
                        "num_params": inv.num_params, "name_or_path": src.config.get("_name_or_path")})
-    gpus = [{"id": k, **v} for k, v in sources.gpu_presets().items()]
+    gpus = [{"id": k, **v, "capacity_bytes": sources.gpu_capacity(v)[0], "capacity_as": sources.gpu_capacity(v)[1]}
+            for k, v in sources.gpu_presets().items()]
     if as_json:
         R.emit_json({"schema_version": 1, "models": models, "gpus": gpus})
         return
@@ -44,10 +45,12 @@ def presets(as_json: bool = typer.Option(False, "--json", help="Print JSON on st
     c.print(R.table("Model presets (real config.json files)", [("preset", "left"), ("aliases", "left"),
                                                              ("model_type", "left"), ("parameters", "right")],
                    [[m["name"], ", ".join(m["aliases"]), m["model_type"], f"{m['num_params']:,}"] for m in models]))
-    c.print(R.table("GPU presets (usable = memory the driver reports)", [("gpu", "left"), ("device", "left"),
-                                                                       ("usable", "right"), ("bytes", "right")],
-                   [[g["id"], f"{g['name']} ({g['nominal']})", fmt_bytes(g["usable_bytes"]), f"{g['usable_bytes']:,}"]
-                    for g in gpus]))
+    c.print(R.table("GPU presets (capacity: what the verdict compares with, as torch reports it where measured, "
+                    "else the driver's memory.total)",
+                    [("gpu", "left"), ("device", "left"), ("capacity", "right"), ("bytes", "right"), ("as", "left"),
+                     ("driver's total", "right")],
+                    [[g["id"], f"{g['name']} ({g['nominal']})", fmt_bytes(g["capacity_bytes"]),
+                      f"{g['capacity_bytes']:,}", g["capacity_as"], f"{g['usable_bytes']:,}"] for g in gpus]))
 
 
 @app.command()

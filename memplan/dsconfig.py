@@ -169,6 +169,11 @@ def _precision_enabled(data: dict[str, Any], key: str, path: str) -> bool | None
     if not isinstance(section, dict):
         raise ConfigError(f"{path}: \"{key}\" must be an object such as {{\"enabled\": true}} (DeepSpeed builds "
                           f"its config from the object's keys), got {quote(section)}")
+    for flag in ("bf16_master_weights_and_grads", "bf16_optimizer_states", "fp16_master_weights_and_grads"):
+        if section.get(flag) is not None and _bool(section[flag], f"{key}.{flag}", path):
+            raise ConfigError(f"{path}: {key}.{flag} (master weights, gradients or optimizer states kept in 16 bits, "
+                              "runtime/base_optimizer.py _configure_master_weights) is not modelled; memplan models "
+                              "DeepSpeed's fp32 master partition and states")
     enabled = section.get("enabled", False)
     if enabled == "auto":  # filled from the Trainer's / Accelerate's mixed precision (fill_match)
         return None

@@ -38,10 +38,12 @@ def gpu_memory(gpu: str | None, gpu_memory: str | None) -> tuple[int | None, str
         if key not in presets:
             raise SettingsError(f"unknown GPU {quote(gpu)}; valid: {', '.join(presets)}")
         g = presets[key]
-        if "torch_total_bytes" in g:  # what PyTorch reports and its allocator works within (measured)
-            return g["torch_total_bytes"], (f"{key}: {g['name']}, {g['torch_total_bytes']} bytes as torch reports "
-                                            f"them (nvidia-smi: {g['usable_bytes']})")
-        return g["usable_bytes"], f"{key}: {g['name']}, {g['usable_bytes']} bytes (nvidia-smi memory.total)"
+        from memplan.model.sources import gpu_capacity
+
+        cap, how = gpu_capacity(g)
+        if how == "torch":  # what PyTorch reports and its allocator works within (measured)
+            return cap, f"{key}: {g['name']}, {cap} bytes as torch reports them (nvidia-smi: {g['usable_bytes']})"
+        return cap, f"{key}: {g['name']}, {cap} bytes (nvidia-smi memory.total)"
     if gpu_memory:
         n, how = parse_size(gpu_memory)
         return n, how
@@ -739,6 +741,14 @@ def resolve(inv: ParamInventory, *, gpus: int = 1, gpus_per_node: int | None = N
                             "(ddp, zero1-3, fsdp-full, hsdp, ...)")
     recipe = get_recipe(pick("precision", precision, ds_file.recipe if ds_file else None,
                              DEFAULT_RECIPE[strat.framework]))
+    if recipe.name == "pure-bf16" and strat.fp32_master_copy:
+        # ZeRO-1/2 (stage_1_and_2.py) and ZeRO-3 keep an fp32 master partition and fp32 Adam states unless the bf16
+        # section sets bf16_master_weights_and_grads (and bf16_optimizer_states, which needs it:
+        # runtime/base_optimizer.py _configure_master_weights): "everything in bf16" is that setting, not modelled
+        raise SettingsError(f"--precision pure-bf16 under {strat.name}: DeepSpeed keeps an fp32 master partition and "
+                            "fp32 optimizer states (deepspeed-bf16) unless its bf16 section sets "
+                            "bf16_master_weights_and_grads and bf16_optimizer_states, which memplan does not model "
+                            "yet; use --precision deepspeed-bf16")
     opt = get_optimizer(pick("optimizer", optimizer, ds_file.optimizer if ds_file else None, "adamw"))
     if opt.paged:
         notes.append(f"{opt.name}: bitsandbytes keeps the states in CUDA unified memory (cudaMallocManaged), outside "

@@ -101,8 +101,12 @@ def grads_at_end(job: Job) -> int:
     """Gradients alive at backward's end: every one where they are whole then, else the rank's shard in the
     reduce dtype (FSDP's padded shards)."""
     st, rc = job.s.strategy, job.s.recipe
-    if st.full_grads_in_backward:
+    if st.full_grads_in_backward and st.framework not in ("fsdp2", "fsdp1"):
         return rc.grad_bytes * (job.psi if not st.shard_params else job.lay.grad_shard_numel)
+    # FSDP, NO_SHARD included: each gradient reduced in the reduce dtype and kept as the sharded parameter's
+    # gradient, in its dtype (FSDP2 foreach_reduce; FSDP1 _post_backward_hook casts it back): with fsdp-bf16 the
+    # whole model's gradients in fp32 on every rank (checked: fully_shard over a (2, 1) mesh, every p.grad float32
+    # and whole)
     return rc.reduced_grad_bytes * job.lay.optimizer_numel
 
 

@@ -75,6 +75,14 @@ def gpu_presets() -> dict[str, dict[str, Any]]:
     return out
 
 
+def gpu_capacity(g: dict[str, Any]) -> tuple[int, str]:
+    """The capacity a GPU preset's verdicts compare with: what torch reports (torch.cuda.mem_get_info's total, the
+    memory PyTorch's allocator works within) where it was measured, else the driver's memory.total."""
+    if "torch_total_bytes" in g:
+        return g["torch_total_bytes"], "torch"
+    return g["usable_bytes"], "nvidia-smi"
+
+
 def read_config(path: Path) -> dict[str, Any]:
     """Read and check a config.json: exists, not empty, a JSON object with a model_type."""
     from memplan.inputs import load_json, read_text

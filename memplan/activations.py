@@ -400,7 +400,8 @@ class TracedProfile:
         d = self.data
         kind = "fitted from" if d.get("fitted_from") else "traced"
         return (f"{kind} ({self.origin}; transformers {d['transformers']}, {d['traced_layers']} of "
-                f"{d['num_layers']} blocks traced, attention {d['attention']}, seq {d['seq_len']})")
+                f"{d['num_layers']} blocks traced, attention "
+                f"{'sdpa (the device kernel)' if d['attention'] == 'flash' else d['attention']}, seq {d['seq_len']})")
 
 
 def has_dropout(config: dict) -> bool:

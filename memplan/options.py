@@ -103,6 +103,13 @@ def activation_profile(config: dict[str, Any] | None, s: Settings, mode: str, no
 
     attention = "flash" if s.attention != "eager" or s.recompute == "selective" else "eager"
     recompute = "none" if s.recompute == "selective" else s.recompute
+    if s.recompute == "selective":
+        notes.append("recompute selective (Korthikanti et al.): the attention core (scores, softmax, dropout) is "
+                     "recomputed in the backward, so it keeps what a fused attention kernel keeps; traced with the "
+                     "device's SDPA kernel and no recompute" +
+                     (" (eager attention's probabilities are not kept)" if s.attention == "eager" else
+                      ": the same bytes as --recompute none under --attention sdpa, whose fused kernel already "
+                      "recomputes the core"))
     # DeepSpeed ZeRO-3 replaces F.linear with its own autograd function (tracing._deepspeed_zero3_linear)
     linear = "deepspeed-zero3" if s.strategy.zero_stage == 3 and s.ds.memory_efficient_linear else "aten"
     target = kernel_target(s.cluster)

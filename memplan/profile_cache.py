@@ -86,8 +86,9 @@ def load_or_trace(config: dict, *, seq_len: int, micro_batch: int, recipe: str, 
     from memplan.tracing.fit import traced_steps
     from memplan.tracing_keys import trace_linear, trace_recipe
 
+    dtypes = recipe if trace_recipe(recipe) == recipe else f"{recipe}, traced in {trace_recipe(recipe)}'s dtypes"
     what = (f"tracing {config.get('model_type') or 'the model'}'s activations at seq {seq_len} "
-            f"({trace_recipe(recipe)}, recompute {recompute}; once, then cached)")
+            f"({dtypes}, recompute {recompute}; once, then cached)")
     args = dict(seq_len=seq_len, recipe=trace_recipe(recipe), attention="flash" if attention == "sdpa" else attention,
                 recompute=recompute, device=device, linear=trace_linear(linear, device=device, recipe=recipe),
                 target=target)

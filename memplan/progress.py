@@ -47,9 +47,11 @@ def task(description: str, total: int | None = None) -> Iterator[None]:
     from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
     console = _console or Console(stderr=True)
-    cols = [SpinnerColumn(), TextColumn("{task.description}"), BarColumn(bar_width=20),
-            TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(), TextColumn("left"),
-            TimeRemainingColumn()]
+    from rich.progress import MofNCompleteColumn
+
+    # steps done / total where the work counts them ("?" for a task without a total: never "None")
+    cols = [SpinnerColumn(), TextColumn("{task.description}"), BarColumn(bar_width=20), MofNCompleteColumn(),
+            TimeElapsedColumn(), TextColumn("left"), TimeRemainingColumn()]
     prog = Progress(*cols, console=console, transient=True)
     tid = prog.add_task(description, total=total)
     _current.append((prog, tid))
@@ -59,6 +61,18 @@ def task(description: str, total: int | None = None) -> Iterator[None]:
     finally:
         _current.pop()
         prog.stop()
+
+
+def doing(what: str) -> None:
+    """What the innermost task is doing now (shown after its description: the imports a first trace waits for,
+    the micro-step it traces)."""
+    if _current:
+        prog, tid = _current[-1]
+        base = prog.tasks[[t.id for t in prog.tasks].index(tid)].fields.get("base")
+        if base is None:
+            base = prog.tasks[[t.id for t in prog.tasks].index(tid)].description
+            prog.update(tid, base=base)
+        prog.update(tid, description=f"{base}: {what}")
 
 
 def step(n: int = 1) -> None:

@@ -38,8 +38,11 @@ def _two_batches(config: dict[str, Any], depth: int | None, seq_len: int, recipe
     from memplan import progress
 
     cfg = scale_config(config, layers=depth)[0] if depth else config
+    where = f"{depth} block(s)" if depth else "every block"
+    progress.doing(f"micro-batch 2 at {where}")
     a = one_step(cfg, 2, seq_len, recipe, attention, recompute, target, linear)
     progress.step()
+    progress.doing(f"micro-batch 4 at {where}")
     b = one_step(cfg, 4, seq_len, recipe, attention, recompute, target, linear)
     progress.step()
     if len(a["forward"]) != len(b["forward"]) or len(a["backward"]) != len(b["backward"]):
@@ -123,6 +126,9 @@ def trace_profile(config: dict[str, Any], *, seq_len: int, recipe: str, attentio
     (L - traced) x the per-block bytes to every peak: exact when the peak falls while every block's activations
     are alive (forward end, loss, early backward), an upper bound when it falls late in backward.
     """
+    from memplan import progress
+
+    progress.doing("importing torch and transformers")
     import transformers
 
     if trace_dtypes(recipe) is None:

@@ -130,6 +130,7 @@ def run(given: dict[str, Any], explicit: set[str], overheads: Any, suggestions: 
     from memplan.model import sources
     from memplan.report import plan_report
 
+    raw = dict(given)
     given, file_sources, file_notes, files = _with_files(given, explicit)
     src = sources.resolve(given["model"])
     inv = sources.build_inventory(src, builder=given["builder"])
@@ -142,6 +143,11 @@ def run(given: dict[str, Any], explicit: set[str], overheads: Any, suggestions: 
 
     def resolve(changes: dict[str, Any]) -> Any:
         g = {**given, **changes}
+        if files and changes:
+            # a change on top of the job's files, as the printed command runs it: the change given on the command
+            # line, the files filling the rest (a strategy of another framework takes the files' mixed precision
+            # in its own recipe: jobfiles.precision_for, _framework_of_command_line)
+            g = _with_files({**raw, **changes}, explicit | set(changes))[0]
         return options.resolve(
             inv, config=config, activations=g["activations"], cpu_isa=g["cpu_isa"], gpus=g["gpus"],
             gpus_per_node=g["gpus_per_node"], stage=g["stage"], strategy=g["strategy"], precision=g["precision"],

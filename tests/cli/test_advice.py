@@ -67,3 +67,16 @@ def test_the_table_lists_the_changes():
     code, out, _ = run_cli("estimate llama-3-8b --gpus 1 --gpu h100-80g".split())
     assert code == 1
     assert "To fit (does not fit)" in out and "--strategy zero2" in out and "--offload-optimizer" in out
+
+
+def test_a_suggestion_on_top_of_job_files_is_priced_as_its_command_runs(tmp_path):
+    # TrainingArguments with bf16 under DDP (torch-amp); a suggested strategy of another framework takes the same
+    # mixed precision in its own recipe (fsdp-bf16, deepspeed-bf16), as the printed command does when it runs
+    args = tmp_path / "train_args.json"
+    args.write_text('{"per_device_train_batch_size": 2, "bf16": true}')
+    base = f"estimate llama-3-8b --training-args {args} --gpus 8 --gpu a100-80g"
+    code, rep = _estimate(base)
+    assert code == 1 and rep["suggestions"]["changes"]
+    for ch in rep["suggestions"]["changes"]:
+        _, again = _estimate(base + " " + " ".join(ch["flags"]))
+        assert again["per_gpu"]["required_bytes"] == ch["required_bytes"], ch["flags"]

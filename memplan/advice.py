@@ -239,30 +239,96 @@ def suggest(plan: Any, settings_with: Callable[[dict[str, Any]], Any],
     need = limit if limit is not None else cap - (HEADROOM_FRACTION * cap if want_margin else 0)
     inv = plan.inventory
     comm_now = communication(inv, plan.settings)["total_bytes"]
-    for group, first_only in GROUPS:
+    valid: list[tuple[int, Change]] = []  # every change the job's options take, in GROUPS order
+
+    replays = [0]
+
+    def evaluate(ch: Change) -> dict[str, Any] | None:
+        """The change's estimate where it fits (and saves), else None; MemplanError where the options refuse it."""
+        s = settings_with(ch.changes)
+        # the bound from below first (no allocator replay): most changes that cannot fit stop here
+        (_, low), = accounting.required_bytes(inv, s, (s.micro_batch,), lower_bound=True)
+        if low > need:
+            return None
+        replays[0] += 1
+        new = accounting.estimate(inv, s)
+        ok = bool(new.fits) and new.host_fits is not False and new.required_bytes <= need
+        if not ok or new.required_bytes >= plan.required_bytes:
+            return None
+        cost, comm_after = ch.cost, communication(inv, s)["total_bytes"]
+        if comm_after != comm_now:
+            cost += f"; communication {fmt_bytes(comm_now)} -> {fmt_bytes(comm_after)} per step"
+        return {"change": ch.label, "flags": list(ch.flags), "rank": ch.rank, "cost": cost,
+                "required_bytes": new.required_bytes, "headroom_bytes": new.headroom_bytes,
+                "saves_bytes": plan.required_bytes - new.required_bytes, "communication_bytes": comm_after}
+
+    for gi, (group, first_only) in enumerate(GROUPS):
         for ch in group(plan):
             tried += 1
             try:
-                s = settings_with(ch.changes)
-                # the bound from below first (no allocator replay): most changes that cannot fit stop here
-                (_, low), = accounting.required_bytes(inv, s, (s.micro_batch,), lower_bound=True)
-                if low > need:
-                    continue
-                new = accounting.estimate(inv, s)
+                got = evaluate(ch)
             except MemplanError:
                 continue  # a change the rest of the job's options refuse (e.g. a knob of another framework)
-            ok = bool(new.fits) and new.host_fits is not False and new.required_bytes <= need
-            if not ok or new.required_bytes >= plan.required_bytes:
+            valid.append((gi, ch))
+            if got is None:
                 continue
-            cost, comm_after = ch.cost, communication(inv, s)["total_bytes"]
-            if comm_after != comm_now:
-                cost += f"; communication {fmt_bytes(comm_now)} -> {fmt_bytes(comm_after)} per step"
-            out.append({"change": ch.label, "flags": list(ch.flags), "rank": ch.rank, "cost": cost,
-                        "required_bytes": new.required_bytes, "headroom_bytes": new.headroom_bytes,
-                        "saves_bytes": plan.required_bytes - new.required_bytes,
-                        "communication_bytes": comm_after})
+            out.append(got)
             if first_only:
                 break
     out.sort(key=lambda x: (x["rank"], -x["saves_bytes"]))
+    combination = None
+    if not out:
+        combination, more = _combination(valid, evaluate, plan.settings.cluster.gpus, replays)
+        tried += more
     return {"reason": why, "headroom_target_fraction": HEADROOM_FRACTION, "changes": out, "tried": tried,
+            "combination": combination,
             "not_modelled": ["a chunked or fused cross-entropy (e.g. Liger's fused linear cross-entropy)"]}
+
+
+#: the most combinations a search replays the allocator for (those the bound from below rules out cost nothing)
+MAX_COMBINATIONS = 24
+
+
+def _combination(valid: list[tuple[int, Change]], evaluate: Callable[[Change], dict[str, Any] | None],
+                 gpus: int = 0, replays: list[int] | None = None) -> tuple[dict[str, Any] | None, int]:
+    """Where no single change fits: the cheapest combination of two or three changes of different kinds that
+    does, as one command. Cheapest, as the planner ranks: the fewest GPUs first, then the dearest change's cost
+    (module docstring's order), then the sum of the costs, then fewer changes, then the order the kinds are listed
+    in (the least change of a kind first: the largest micro-batch). Two changes that set one option differently
+    are not combined."""
+    from itertools import combinations
+
+    def merged(chs: tuple[Change, ...]) -> Change | None:
+        changes: dict[str, Any] = {}
+        for ch in chs:
+            for k, v in ch.changes.items():
+                if k in changes and changes[k] != v:
+                    return None
+                changes[k] = v
+        return Change(" + ".join(c.label for c in chs), tuple(f for c in chs for f in c.flags), changes,
+                      "; ".join(c.cost for c in chs), max(c.rank for c in chs))
+
+    combos = [c for size in (2, 3) for c in combinations(range(len(valid)), size)
+              if len({valid[i][0] for i in c}) == size]  # one change of each kind
+
+    def key(c: tuple[int, ...]) -> tuple:
+        n = max((valid[i][1].changes.get("gpus") or gpus for i in c), default=gpus)
+        return (n, max(valid[i][1].rank for i in c), sum(valid[i][1].rank for i in c), len(c), c)
+
+    combos.sort(key=key)
+    replays = replays if replays is not None else [0]
+    start, tried = replays[0], 0
+    for c in combos:
+        ch = merged(tuple(valid[i][1] for i in c))
+        if ch is None:
+            continue
+        tried += 1
+        try:
+            got = evaluate(ch)
+        except MemplanError:
+            continue
+        if got is not None:
+            return got, tried
+        if replays[0] - start >= MAX_COMBINATIONS:  # the allocator replayed this many times: stop
+            break
+    return None, tried

@@ -215,8 +215,15 @@ def render_suggestions(c: Any, sug: dict | None) -> None:
     if not sug:
         return
     if not sug["changes"]:
-        c.print(f"to fit: no single change of the {sug['tried']} tried fits "
-                f"({sug['reason']}); combine them, or use a larger GPU", soft_wrap=True)
+        combo = sug.get("combination")
+        if combo:
+            c.print(f"to fit ({sug['reason']}): no single change fits; the cheapest combination that does: "
+                    f"[bold]{' '.join(combo['flags'])}[/bold] ({combo['change']}): required "
+                    f"{fmt_bytes(combo['required_bytes'])}, headroom {fmt_bytes(combo['headroom_bytes'])}; cost: "
+                    f"{combo['cost']}", soft_wrap=True)
+        else:
+            c.print(f"to fit: no single change of the {sug['tried']} tried fits, nor a combination of two or three "
+                    f"({sug['reason']}); use a larger GPU", soft_wrap=True)
         return
     target = "" if sug["reason"] == "does not fit" else f" with {sug['headroom_target_fraction']:.0%} free"
     rows = [[" ".join(x["flags"]), fmt_bytes(x["required_bytes"]), fmt_bytes(x["headroom_bytes"]),

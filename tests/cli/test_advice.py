@@ -80,3 +80,15 @@ def test_a_suggestion_on_top_of_job_files_is_priced_as_its_command_runs(tmp_path
     for ch in rep["suggestions"]["changes"]:
         _, again = _estimate(base + " " + " ".join(ch["flags"]))
         assert again["per_gpu"]["required_bytes"] == ch["required_bytes"], ch["flags"]
+
+
+@pytest.mark.parametrize("args", ["estimate llama-3-8b --gpus 2 --stage 2 --seq-len 8192 --micro-batch 2 --gpu a100-40g",
+                                  "estimate llama-3-70b --gpus 8 --stage 2 --gpu h100-80g"])
+def test_where_no_single_change_fits_the_cheapest_combination_is_given_and_reproduces(args):
+    code, rep = _estimate(args)
+    sug = rep["suggestions"]
+    assert code == 1 and not sug["changes"] and sug["combination"] is not None
+    combo = sug["combination"]
+    assert len(combo["flags"]) >= 4  # at least two changes
+    code, again = _estimate(args + " " + " ".join(combo["flags"]))
+    assert code == 0 and again["fits"] and again["per_gpu"]["required_bytes"] == combo["required_bytes"]

@@ -11,7 +11,8 @@ from memplan.replay import MAX_STEPS, ReplayJob, Run, micro_step
 def replay_zero3(job: ReplayJob, world: int, partitions: tuple[int, ...], sub_groups: tuple[int, ...],
                  blocks: tuple[int, ...], bucket: int, half: int = 2,
                  config: AllocatorConfig | None = None, offload: bool = False,
-                 host_params: HostParams | None = None) -> Allocator:
+                 host_params: HostParams | None = None,
+                 roots: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())) -> Allocator:
     """DeepSpeed ZeRO-3 (deepspeed/runtime/zero/stage3.py, partition_parameters.py) with a fused Adam, per rank:
     ``partitions`` (each parameter's partition, elements, module order), ``sub_groups`` (the optimizer's
     sub-groups, elements), ``blocks`` (each block's gathered elements, with more than one rank), ``bucket``
@@ -46,7 +47,7 @@ def replay_zero3(job: ReplayJob, world: int, partitions: tuple[int, ...], sub_gr
             if host_params is not None:
                 at, end = host_params.micro_step(run, complete=n > 0 or m > 0)
             else:
-                at, gathered = _gathers(run, world, blocks, half, job, n == 0 and m == 0)
+                at, gathered = _gathers(run, world, blocks, half, job, n == 0 and m == 0, roots)
             on_grad, flush = _ipg_bucket(run, world, bucket, half, offload)
             micro_step(run, job, (n, m), keep_grads=False, at=at, on_grad=on_grad)
             flush()  # independent_gradient_partition_epilogue: the bucket's rest
@@ -385,27 +386,46 @@ def _ipg_bucket(run: Run, world: int, bucket: int, half: int, offload: bool = Fa
 
 
 def _gathers(run: Run, world: int, blocks: tuple[int, ...], half: int, job: ReplayJob,
-             first: bool) -> tuple[Any, dict[int, Any]]:
+             first: bool, roots: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())
+             ) -> tuple[Any, dict[Any, Any]]:
     """The traced step's region callback: each block gathered (the next one prefetched) before its forward and its
-    backward, released after; autograd's cuBLAS workspace at the first backward."""
-    gathered: dict[int, Any] = {}
+    backward, released after; the root's modules around them, each parameter gathered alone
+    (partition_parameters.py _all_gather_sequential: a buffer of its padded partitions, the parameter a view of it):
+    the input embedding's in the step's first region ("pre") and again for its backward ("post"), the final
+    norm's and the head's (a tied head: the embedding's weight) where the head, the loss and their backward run
+    ("mid"); each released when the next region begins."""
+    gathered: dict[Any, Any] = {}
+    embedding, head = roots
 
     def gather(i: int) -> None:
         if world > 1 and 0 <= i < len(blocks) and i not in gathered:
             gathered[i] = run.alloc(blocks[i] * half)
 
-    def release(i: int) -> None:
+    def release(i: Any) -> None:
         k = gathered.pop(i, None)
         if k is not None:
             run.free(k)
 
-    state: dict[str, Any] = {"f": None, "b": None}
+    def gather_root(name: str, numels: tuple[int, ...]) -> None:
+        if world > 1:
+            for j, numel in enumerate(numels):
+                gathered[(name, j)] = run.alloc(-(-numel // world) * world * half)
+            state["root"] = [(name, j) for j in range(len(numels))]
+
+    state: dict[str, Any] = {"f": None, "b": None, "root": []}
 
     def at(kind: str, blk: int) -> None:
         for key in ("f", "b"):
             if state[key] is not None:
                 release(state[key])
                 state[key] = None
+        for k in state["root"]:
+            release(k)
+        state["root"] = []
+        if kind in ("pre", "post"):
+            gather_root(kind, embedding)
+        elif kind == "mid":
+            gather_root(kind, head)
         if kind == "F" and blk >= 0:
             gather(blk)
             gather(blk + 1)  # prefetched
@@ -442,16 +462,24 @@ def replay(inv: Any, s: Any, config: AllocatorConfig) -> tuple[str, dict[str, Al
 
     from memplan.frameworks.zero3 import sub_groups
 
+    from memplan.model.inventory import ROOT_BLOCK
+
     n = shard_group_size(s)
     parts = tuple(ceil_div(t.numel, n) for t in inv.tensors)
     groups = sub_groups(list(parts), s.ds.sub_group_size)
     blocks = tuple(b.numel for b in inv.layer_blocks)
+    # the root's parameters by where they run: the input embedding at the step's start (and its backward at the
+    # end), the rest (final norm, head; a tied head is the embedding's weight again) around the loss
+    root = [t for t in inv.tensors if t.block == ROOT_BLOCK]
+    embedding = tuple(t.numel for t in root if t.category == "embedding")
+    head = tuple(t.numel for t in root if t.category != "embedding") + \
+        tuple(t.numel for t in root if t.category == "embedding" and t.tied_names)
     job = replay_job(inv, s, [sum(parts)])
     offload = bool(s.ds.offload_optimizer)
     host = HostParams(inv, s, n, s.recipe.param_bytes) if s.ds.offload_param else None
     return "ZeRO-3" + (" Offload" if offload else "") + (" (parameters too)" if host else ""), {
         "": replay_zero3(job, n, parts, tuple(groups), blocks, s.ds.reduce_bucket_size, s.recipe.param_bytes, config,
-                         offload, host)}
+                         offload, host, (embedding, head))}
 
 
 def why_not(s: Any) -> str | None:

@@ -86,6 +86,11 @@ class _Tokens:
     def check(self, i: int, token: str) -> bool:
         return self[i] == token
 
+    def value(self, i: int) -> int:
+        """A key's value: its ':' looked at (never required: checkToken's answer is ignored), the index after."""
+        self.check(i + 1, ":")
+        return i + 2
+
     def size_t(self, i: int) -> int:
         return stoull(self[i])
 
@@ -183,8 +188,7 @@ def _parse(text: str, cuda: bool = True) -> dict[str, object]:
     i = 0
     while i < len(tok):
         if tok[i] == "large_segment_size_mb":
-            tok.check(i + 1, ":")
-            i += 2
+            i = tok.value(i)
             v = tok.size_t(i)
             if not v > MIN_LARGE_ALLOC // MB:
                 raise _Refused(f"large_segment_size_mb must be > {MIN_LARGE_ALLOC // MB} MB, got {v}")
@@ -198,8 +202,7 @@ def _parse(text: str, cuda: bool = True) -> dict[str, object]:
         if key == "large_segment_size_mb":
             i = tok.skip_key(i)
         elif key in ("max_split_size_mb", "max_non_split_rounding_mb"):
-            tok.check(i + 1, ":")
-            i += 2
+            i = tok.value(i)
             v = tok.size_t(i)
             least = int(out["large_segment_size"]) // MB  # type: ignore[call-overload]
             if v < least:
@@ -207,8 +210,7 @@ def _parse(text: str, cuda: bool = True) -> dict[str, object]:
             size = min(v, SIZE_MAX // MB) * MB
             out["max_split_size" if key == "max_split_size_mb" else "max_non_split_rounding"] = size
         elif key == "garbage_collection_threshold":
-            tok.check(i + 1, ":")
-            i += 2
+            i = tok.value(i)
             t = tok.double(i)
             if not 0 < t < 1.0:
                 raise _Refused(f"garbage_collection_threshold must be in (0.0, 1.0), got {t}")
@@ -216,16 +218,13 @@ def _parse(text: str, cuda: bool = True) -> dict[str, object]:
         elif key == "roundup_power2_divisions":
             i = _roundup(tok, i, out)
         elif key == "expandable_segments":
-            tok.check(i + 1, ":")
-            i += 2
+            i = tok.value(i)
             out["expandable_segments"] = tok.boolean(i)
         elif key == "pinned_use_background_threads":
-            tok.check(i + 1, ":")
-            i += 2
+            i = tok.value(i)
             tok.boolean(i)
         elif key in ("pinned_max_round_threshold_mb", "pinned_max_cached_size_mb"):
-            tok.check(i + 1, ":")
-            i += 2
+            i = tok.value(i)
             tok.size_t(i)
         else:
             if cuda and key not in known:
@@ -241,36 +240,30 @@ def _parse(text: str, cuda: bool = True) -> dict[str, object]:
     while cuda and i < len(tok):
         key = tok[i]
         if key == "backend":
-            tok.check(i + 1, ":")
-            i += 2
+            i = tok.value(i)
             if tok[i] not in ("native", "cudaMallocAsync"):
                 raise _Refused("unknown allocator backend: options are native and cudaMallocAsync")
             out["backend"] = tok[i]
         elif key in ("release_lock_on_cudamalloc", "release_lock_on_hipmalloc", "pinned_use_cuda_host_register",
                      "pinned_use_hip_host_register", "graph_capture_record_stream_reuse", "pinned_free_catch_all"):
-            tok.check(i + 1, ":")
-            i += 2
+            i = tok.value(i)
             tok.boolean(i)
         elif key == "throw_on_cudamalloc_oom":
-            tok.check(i + 1, ":")
-            i += 2
+            i = tok.value(i)
             out["throw_on_cudamalloc_oom"] = tok.boolean(i)
         elif key == "pinned_num_register_threads":
-            tok.check(i + 1, ":")
-            i += 2
+            i = tok.value(i)
             v = tok.size_t(i)
             if not _power_of_two(v):
                 raise _Refused(f"pinned_num_register_threads has to be a power of 2, got {v}")
             if v > 128:  # pinned_max_register_threads()
                 raise _Refused(f"pinned_num_register_threads should be at most 128, got {v}")
         elif key == "pinned_reserve_segment_size_mb":
-            tok.check(i + 1, ":")
-            i += 2
+            i = tok.value(i)
             if tok.size_t(i) == 0:
                 raise _Refused("pinned_reserve_segment_size_mb has to be greater than 0")
         elif key == "per_process_memory_fraction":
-            tok.check(i + 1, ":")
-            i += 2
+            i = tok.value(i)
             f = tok.double(i)
             if not 0.0 <= f <= 1.0:
                 raise _Refused(f"per_process_memory_fraction must be in [0.0, 1.0], got {f}")
@@ -298,8 +291,7 @@ def _roundup(tok: _Tokens, i: int, out: dict[str, object]) -> int:
         i += 1
         while i < len(tok) and tok[i] != "]":
             at = i
-            tok.check(i + 1, ":")
-            i += 2
+            i = tok.value(i)
             value = tok.size_t(i)
             if not (value == 0 or _power_of_two(value)):
                 raise _Refused("roundup_power2_divisions: the divisions have to be a power of 2 or 0")

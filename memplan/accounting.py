@@ -272,8 +272,8 @@ def _verdict(inv: ParamInventory, s: Settings, res: Any, allocated: int, detail:
     """The replay under the card's limits (reserved.capped) and the card bytes the verdict compares: the capped
     reserved peak P (on out of memory, the uncapped one, above the limit) plus what the card keeps from the
     allocator: the memory outside it (CUDA context, NCCL), and under a per_process_memory_fraction the rest of
-    the card past the fraction. It fits exactly when the capped replay runs through. ``reserved_limit``: the
-    allocator's bytes under a search's budget (the card less a margin and the outside memory); else the card's."""
+    the card past the fraction. It fits exactly when the capped replay runs through. ``reserved_limit`` (a search's
+    budget, where the uncapped replay stopped early) does not move the card's limit."""
     mem = s.cluster.gpu_memory_bytes
     if s.cluster.device != "cuda" or res is None or mem is None:
         return None, None
@@ -281,7 +281,9 @@ def _verdict(inv: ParamInventory, s: Settings, res: Any, allocated: int, detail:
     from memplan.allocator import AllocatorConfig
 
     outside = detail.get("cuda_context_bytes", 0) + detail.get("nccl_bytes", 0)
-    device_limit = reserved_limit if reserved_limit is not None else mem - outside
+    # the card's limit, whatever a search's budget: the job runs on the card, and a budget (--min-headroom) asks
+    # that the card's figure leave the margin, not that the allocator flush to stay inside it
+    device_limit = mem - outside
     fraction = AllocatorConfig.parse(s.allocator_conf).per_process_memory_fraction
     fraction_limit = int(fraction * mem) if fraction < 1.0 else None
     capped = reserved.capped(inv, s, device_limit, fraction_limit, res, shift)

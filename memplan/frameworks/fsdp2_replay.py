@@ -298,17 +298,28 @@ class _MicroStep:
 def why_not(s: Any) -> str | None:
     if not s.strategy.shard_params or s.torch.cpu_offload:
         return "FSDP2 without sharding or with CPU offload not modelled yet"
-    if s.torch.fsdp_wrap.startswith(("size:", "class:")):
-        return "FSDP2 with size- or class-based units (--fsdp-wrap size:N, class:...) not modelled yet"
     return None
 
 
-def _units(inv: Any, wrap: str) -> tuple[list[list[Any]], list[Any], list[Any] | None, list[Any] | None]:
+def _units(inv: Any, s: Any) -> tuple[list[list[Any]], list[Any], list[Any] | None, list[Any] | None]:
     """The tensors of each fully_shard unit as --fsdp-wrap makes them: the blocks', the root's, and with
     block+embeddings the input embedding's and the final norm's with the head's (frameworks/fsdp2.py
-    wrap_why_not: one untied embedding before the blocks)."""
+    wrap_why_not: one untied embedding before the blocks).
+
+    ``size:N`` and ``class:...`` take their units from model/wrap_units.py, grouped as the allocated peak groups
+    them (ParamTensor.group): where no unit lies inside a block, the root alone (--fsdp-wrap none's timeline,
+    the same figures as none); otherwise a block's units gathered together as the block, and the units above the
+    blocks with the root (options.py says so beside the figure: an upper bound where a block holds several)."""
+    from memplan.model import wrap_units
     from memplan.model.inventory import ROOT_BLOCK
 
+    wrap = s.torch.fsdp_wrap
+    if wrap_units.policy_of(s) is not None:
+        units = wrap_units.units_for(inv, s)
+        if wrap_units.root_only(units):
+            return [], list(units.tensors), None, None
+        return ([[t for t in units.block_tensors(b.name) if t.group == b.name] for b in units.layer_blocks],
+                [t for t in units.tensors if t.group == ROOT_BLOCK], None, None)
     if wrap == "none":
         return [], list(inv.tensors), None, None
     blocks = [list(inv.block_tensors(b.name)) for b in inv.layer_blocks]
@@ -345,7 +356,7 @@ def replay(inv: Any, s: Any, config: AllocatorConfig) -> tuple[str, dict[str, Al
                          cast=r.param_bytes != r.compute_bytes,
                          reduce_in=sum(padded) * r.reduced_grad_bytes,
                          reduce_out=sum(padded) // n * r.reduced_grad_bytes)
-    blocks, root, emb, head = _units(inv, s.torch.fsdp_wrap)
+    blocks, root, emb, head = _units(inv, s)
     emb_g = group(emb) if emb else None
     groups = [group(ts) for ts in blocks]
     head_g = group(head) if head else None

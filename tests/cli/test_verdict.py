@@ -94,3 +94,22 @@ def test_the_ddp_bucket_cap_reaches_the_replay():
         return json.loads(out)["reserved"]["variants"]
 
     assert variants("--bucket-cap-mb", "100") != variants()
+
+
+def test_the_same_fsdp_units_give_the_same_figures():
+    """--fsdp-wrap size:N and class:... are replayed with the units they make (issue 42: no flat allocated + 40%):
+    size:1e9 makes no unit inside a block on llama-3-8b, the root alone as --fsdp-wrap none; class:LlamaDecoderLayer
+    makes each decoder layer a unit, as --fsdp-wrap block."""
+    def figures(wrap: str) -> tuple:
+        code, out, err = run_cli(["estimate", "llama-3-8b", "--gpus", "8", "--strategy", "fsdp-full", "--gpu",
+                                  "h100-80g", "--fsdp-wrap", wrap, "--json"])
+        assert code in (0, 1), err
+        rep = json.loads(out)
+        g = rep["per_gpu"]
+        assert "+ 40%" not in out and g["reserved_peak_bytes"] >= g["peak_bytes"]
+        return rep["fits"], g["peak_bytes"], g["reserved_peak_bytes"], g["required_bytes"], g["capped"]
+
+    assert figures("size:1e9") == figures("none")
+    assert figures("class:LlamaDecoderLayer") == figures("block")
+    _, peak, reserved, _, _ = figures("class:LlamaMLP")  # attention with the root, each MLP gathered with its block
+    assert reserved > peak > figures("block")[1]

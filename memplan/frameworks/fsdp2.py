@@ -66,6 +66,14 @@ def root_reshards(s: Settings, raf: bool | int) -> bool:
     return raf is True and s.torch.fsdp_root_reshard == "same" and s.torch.fsdp_wrap != "block+embeddings"
 
 
+def unshard_bytes(rc: Any) -> int:
+    """Bytes per element of an unsharded parameter and of its unsharded gradient: FSDP2 all-gathers into
+    MixedPrecisionPolicy.param_dtype, else the parameters' own dtype (_fsdp_param.py init_dtype_attrs), and
+    autograd's gradients come out in that dtype. fsdp-bf16: bf16; torch-amp (no policy; autocast casts inside
+    the ops) and fp32: fp32; pure-bf16: bf16. The recipe's grad_bytes is that dtype for every recipe."""
+    return rc.grad_bytes
+
+
 def reshard_after_forward(job: Job) -> bool | int:
     """reshard_after_forward as FSDP2 applies it: the strategy's default unless given; False without sharding;
     a group size of 1 keeps whole parameters (False), the shard group's size reshards fully (True)
@@ -309,7 +317,7 @@ def _units(job: Job) -> _Units:
     # autocast making its own bf16 copies from the unsharded fp32 weights). With a shard group of one (NO_SHARD)
     # FSDP2 still copies each parameter into its unsharded buffer, in any dtype (wait_for_unshard's world_size ==
     # 1 path: alloc_storage + copy_), measured with fsdp-bf16 and torch-amp (docs/accuracy.md).
-    cb = gb = rc.grad_bytes
+    cb = gb = unshard_bytes(rc)
     rb = rc.reduced_grad_bytes
     sizes = g.block_numels or (0,)
     tsizes = g.grad_block_numels or (0,)

@@ -296,8 +296,8 @@ class _MicroStep:
 
 
 def why_not(s: Any) -> str | None:
-    if not s.strategy.shard_params or s.torch.cpu_offload:
-        return "FSDP2 without sharding or with CPU offload not modelled yet"
+    if s.torch.cpu_offload:
+        return "FSDP2 with CPU offload not modelled yet"
     return None
 
 
@@ -337,12 +337,13 @@ def _units(inv: Any, s: Any) -> tuple[list[list[Any]], list[Any], list[Any] | No
 def replay(inv: Any, s: Any, config: AllocatorConfig) -> tuple[str, dict[str, Allocator]]:
     """fully_shard on each block, then the root (whatever no block holds), shards padded on dim 0."""
     from memplan.frameworks.common import Job
-    from memplan.frameworks.fsdp2 import MODEL, reshard_after_forward, root_reshards
+    from memplan.frameworks.fsdp2 import MODEL, reshard_after_forward, root_reshards, unshard_bytes
     from memplan.replay import replay_job
     from memplan.settings import shard_group_size
     from memplan.units import ceil_div
 
     n, r = shard_group_size(s), s.recipe
+    cb = unshard_bytes(r)  # the all-gather's and the unsharded parameters' dtype (not autocast's compute dtype)
     numels: list[tuple[int, int]] = []  # (position in module order, shard elements)
     position = {t.name: i for i, t in enumerate(inv.tensors)}
 
@@ -352,8 +353,8 @@ def replay(inv: Any, s: Any, config: AllocatorConfig) -> tuple[str, dict[str, Al
         numels.extend((position[t.name], p // n) for t, p in zip(ts, padded))
         return FsdpGroup(params=tuple(position[t.name] for t in ts),
                          shard=tuple(p // n * r.param_bytes for p in padded),
-                         unsharded=tuple(t.numel * r.compute_bytes for t in ts),
-                         cast=r.param_bytes != r.compute_bytes,
+                         unsharded=tuple(t.numel * cb for t in ts),
+                         cast=r.param_bytes != cb,
                          reduce_in=sum(padded) * r.reduced_grad_bytes,
                          reduce_out=sum(padded) // n * r.reduced_grad_bytes)
     blocks, root, emb, head = _units(inv, s)

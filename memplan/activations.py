@@ -236,6 +236,10 @@ class TracedProfile:
     origin: str
     #: evaluations by (what, micro-batch, ...): the planner asks the same micro-batches for many configurations
     _memo: dict = field(default_factory=dict, compare=False, repr=False)
+    #: the job's weights are leaf parameters, so autocast caches their casts for its region as the trace did;
+    #: False where the framework computes with views of a flat buffer (FSDP1, use_orig_params=False:
+    #: _use_unsharded_views), which cached_cast never caches (a view, not a leaf)
+    cached_casts: bool = True
 
     includes_autocast_copies = True  #: autocast's weight copies are traced (saved for backward)
 
@@ -250,8 +254,24 @@ class TracedProfile:
     def _extra_layers(self) -> int:
         return self._extra_at(self.micro_batch)
 
+    def _forward_extra_at(self, micro_batch: int) -> int:
+        """The untraced blocks' bytes alive in the forward after them (their saved activations, and what lives
+        only until the forward ends: autocast's cached weight casts, which a checkpointed block does not save),
+        read off the traced allocation events as the replay repeats them (replay.forward_block_line); the saved
+        line where the profile has no events."""
+        d = self.data
+        if not self.cached_casts:
+            return self._extra_at(micro_batch)
+        if "forward_line" not in self._memo:
+            from memplan.replay import forward_block_line
+
+            ev = d.get("alloc_events")
+            self._memo["forward_line"] = (ev and forward_block_line(ev)) or d["per_layer"]
+        line = self._memo["forward_line"]
+        return (d["num_layers"] - d["traced_layers"]) * (line[0] + line[1] * micro_batch)
+
     def forward_bytes(self, recompute: str) -> int:
-        return max(self._at(x) for x in self.data["forward_peak"]) + self._extra_layers()
+        return max(self._at(x) for x in self.data["forward_peak"]) + self._forward_extra_at(self.micro_batch)
 
     def backward_bytes(self, recompute: str) -> int:
         return max(self._at(x) for x in self.data["backward_peak"]) + self._extra_layers()
@@ -279,7 +299,7 @@ class TracedProfile:
         extra_line = d["per_layer"]
         block = extra_line[0] + extra_line[1] * b
         extra = (d["num_layers"] - d["traced_layers"]) * block
-        return (max(x[0] + x[1] * b for x in d["forward_peak"]) + extra,
+        return (max(x[0] + x[1] * b for x in d["forward_peak"]) + self._forward_extra_at(b),
                 max(x[0] + x[1] * b for x in d["backward_peak"]) + extra,
                 d["live_after_forward"][0] + d["live_after_forward"][1] * b + extra - block, 0, block)
 
@@ -382,10 +402,11 @@ class TracedProfile:
         fwd = d.get("last_block_forward_start")
         if not segs or fwd is None or "start" not in segs[0]:
             return {}
-        extra = self._extra_at(b)
+        extra, fextra = self._extra_at(b), self._forward_extra_at(b)
         at = lambda line: line[0] + line[1] * b + extra  # noqa: E731
+        fat = lambda line: line[0] + line[1] * b + fextra  # noqa: E731  (in the forward: see _forward_extra_at)
         peak = d.get("last_block_forward_peak") or [[0, 0]]
-        out = {-5: at(segs[0]["start"]), -6: at(segs[-1]["start"]), -7: at(fwd), -8: max(at(x) for x in peak)}
+        out = {-5: at(segs[0]["start"]), -6: at(segs[-1]["start"]), -7: fat(fwd), -8: max(fat(x) for x in peak)}
         if len(segs) > 1 and "end" in segs[1]:
             out[-9] = at(segs[1]["end"])
         if d.get("root_hooks_done") is not None:

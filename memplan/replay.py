@@ -60,6 +60,33 @@ def step_events(d: dict[str, Any], layers: int, micro_batch: int) -> list[tuple]
     return [("a", e[1], max(_size(e, b), 1), e[3], e[4]) if e[0] == "a" else e for e in _expand(d, layers)]
 
 
+def forward_block_line(ev: dict[str, Any]) -> tuple[int, int] | None:
+    """What each block adds to the live bytes through the forward, as a line (c0, c1) in the micro-batch: between
+    the starts of two middle blocks' forwards of the expanded step (_expand; a block born from the repeated
+    template, after one born from it too). Without recomputation, what a block saves for backward; with it, also
+    what outlives the block only until the forward ends: torch.autocast's cached casts of its weights
+    (autocast_mode.cpp cached_cast: a float32 leaf that requires grad is cast once per autocast region and kept
+    until the region exits, under no_grad too), which a checkpointed block does not save. None where the step is
+    not repeated to depth (traced at full depth)."""
+    nb = len(ev.get("fs") or ())
+    if not ev.get("events") or not ev.get("expand") or nb not in (2, 3):
+        return None
+    depth, k = nb + 2, nb - 1  # blocks k and k + 1 both stand for a middle block
+    alive: dict[Any, tuple[int, int]] = {}
+    at: list[tuple[int, int]] = []
+    for e in _expand(ev, depth):
+        if e[0] == "a":
+            if e[5] is None:  # a kernel's own scratch never outlives its operation
+                alive[e[1]] = e[2]
+        elif e[0] == "f":
+            alive.pop(e[1], None)
+        elif e[1] == "F" and e[2] in (k, k + 1):
+            at.append((sum(c0 for c0, _ in alive.values()), sum(c1 for _, c1 in alive.values())))
+            if len(at) == 2:
+                break
+    return at[1][0] - at[0][0], at[1][1] - at[0][1]
+
+
 def _size(e: tuple, micro_batch: int) -> int:
     """A birth's bytes at ``micro_batch``: its line, or a kernel's scratch evaluated there."""
     if e[5] is None:

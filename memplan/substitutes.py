@@ -136,7 +136,9 @@ class CudaAutocast:
                 torch.autocast_decrement_nesting()
                 torch.set_autocast_enabled("cuda", prev_on)
                 torch.set_autocast_dtype("cuda", prev_dtype)
-                torch.clear_autocast_cache()
+                # the real cache only (what the fake CUDA run cached): the patched torch.clear_autocast_cache
+                # would also empty this region's weight casts, which the trace must keep until the region exits
+                self._clear()
             # the same casts without autocast: a different output dtype means the kernel set a dtype argument
             cast = [t.to(casts[i]) if i in casts else t for i, t in enumerate(cuda)]
             cargs, ckwargs = tree_unflatten(cast, spec)

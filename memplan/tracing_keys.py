@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 #: bump when the traced profile's format or method changes (memplan/tracing): every cached key changes with it
-PROFILE_VERSION = 19
+PROFILE_VERSION = 20
 
 #: recipe -> the recipe whose trace it shares: the bf16 recipes compute and keep the residual stream in bf16
 #: alike (FSDP's MixedPrecisionPolicy casts the unsharded params and the inputs; DeepSpeed and pure bf16 hold bf16)

@@ -542,3 +542,31 @@ def test_deepspeed_zero3_linear_allocates_as_deepspeeds_own(dtype, autocast):
         assert max(ds[0]) > max(aten[0])  # the weight GEMM's scratch beside the input's gradient
     else:
         assert max(ds[0]) == max(aten[0])  # no scratch: either order peaks alike
+
+
+@pytest.mark.parametrize("name", ["llama-7b", "gpt2"])
+def test_autocast_keeps_each_blocks_weight_casts_until_the_forward_ends(name):
+    # torch.autocast caches the cast of a float32 leaf that requires grad for the whole autocast region
+    # (autocast_mode.cpp cached_cast), under no_grad too: a checkpointed block saves only its input, but its
+    # weights' bf16 casts stay alive until the forward ends. The trace's CUDA autocast probe once emptied that
+    # cache (it cleared autocast's cache after each first-seen op), dropping the casts made before it
+    from memplan.replay import forward_block_line
+
+    cfg = tiny(name)
+    gpu = Target(device="cuda", arch="sm90")
+    full = trace_profile(cfg, seq_len=128, recipe="torch-amp", attention="flash", recompute="full", target=gpu)
+    casts = 2 * sum(t.numel for t in sources.build_inventory(sources.ModelSource("tiny", "config", "", config=cfg))
+                    .tensors if ".0." in t.name and len(t.shape) == 2)
+    line = forward_block_line(full["alloc_events"])
+    assert full["per_layer"][0] == 0 and line[0] >= casts and line[1] == full["per_layer"][1]
+    # without recompute the weights' casts are saved for backward: a block keeps through the forward what it saves,
+    # and the cached casts nothing saves (gpt2's addmm does not save its bias: c_attn's 2,304-element bf16 cast)
+    none = trace_profile(cfg, seq_len=128, recipe="torch-amp", attention="flash", recompute="none", target=gpu)
+    kept = forward_block_line(none["alloc_events"])
+    assert kept[1] == none["per_layer"][1] and 0 <= kept[0] - none["per_layer"][0] <= 4608
+    # the engine's forward counts each untraced block's casts, as the replay holds them
+    layers = 32
+    prof = act.TracedProfile(dict(full, num_layers=layers), 1, "test")
+    bare = act.TracedProfile(dict(full, num_layers=layers, alloc_events=None), 1, "test")
+    assert prof.terms("full", 1)[0] - bare.terms("full", 1)[0] == (layers - 2) * line[0]
+    assert prof.terms("full", 1)[1] == bare.terms("full", 1)[1]  # the backward starts after the region exits

@@ -608,14 +608,21 @@ def optimizer_step(run: Run, job: ReplayJob, first: bool, states: list[Any]) -> 
     if job.optimizer_impl == "foreach":
         _adam_foreach_temporaries(run, sizes)
     elif job.optimizer_impl == "single-tensor":
-        # exp_avg_sq.sqrt() / bias_correction2_sqrt: two temporaries per tensor; Adafactor's fp32 copies of a
-        # 16-bit parameter and its gradient first (precision.step_temporaries)
+        # exp_avg_sq.sqrt() / bias_correction2_sqrt: two temporaries per tensor, the second (``denom``) bound to
+        # the loop's local until the next tensor's replaces it (torch/optim/adam.py _single_tensor_adam);
+        # Adafactor's fp32 copies of a 16-bit parameter and its gradient first (precision.step_temporaries:
+        # max over i of n[i-1] + k n[i])
         upcast = job.optimizer is not None and job.optimizer.upcasts_half and job.converted is not None
+        prev = None
         for n in sizes:
             copies = [run.alloc(n), run.alloc(n)] if upcast else []
             a = run.alloc(n)
             b = run.alloc(n)
             run.free(a)
-            run.free(b)
             for c in copies:
                 run.free(c)
+            if prev is not None:
+                run.free(prev)
+            prev = b
+        if prev is not None:
+            run.free(prev)

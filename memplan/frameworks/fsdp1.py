@@ -167,7 +167,7 @@ def _end(s: Any, g: Any, n: int, root: int, head_grads: int, grads_end: int) -> 
     return inside, max(first_end, root_end, key=lambda m: m[0] - m[1])
 
 
-MODEL = FrameworkModel(name="fsdp1", buffers=buffers, grads_at_end=grads_at_end, cpu_offload_policy=True,
+MODEL = FrameworkModel(name="fsdp1", replay="memplan.frameworks.fsdp1_replay", buffers=buffers, grads_at_end=grads_at_end, cpu_offload_policy=True,
                        units=wrap_units.units_for,
                        # with use_orig_params=True a FlatParameter mixes frozen and trainable parameters and its
                        # gradient covers all of them (frozen parts zero-filled): not modelled

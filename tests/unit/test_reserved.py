@@ -346,3 +346,60 @@ def test_fsdp2_replay_unshards_in_the_parameters_dtype(strategy: str, gpus: int,
     assert r is not None and plan.reserved_why is None, plan.reserved_why
     assert abs(r.allocated_bytes - plan.peak_bytes) <= 1 << 20, (r.allocated_bytes, plan.peak_bytes)
     assert fsdp2.unshard_bytes(s.recipe) == (2 if precision == "fsdp-bf16" else 4)
+
+
+def _harness_row(label: str, shown: str, recompute: str) -> list:
+    for line in (Path(__file__).resolve().parents[2] / "docs" / "accuracy.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        if row[:3] == [label, shown, recompute]:
+            return row
+    raise AssertionError(f"no kept measurement for {label}")
+
+
+@pytest.mark.parametrize("label,layers,strategy,gpus,tk", [
+    ("fsdp1 full", 2, "fsdp-full", 2, {}),
+    ("fsdp1 grad-op", 4, "fsdp-grad-op", 2, {}),
+    ("fsdp1 no-shard", 2, "fsdp-no-shard", 2, {}),
+    ("fsdp1 hybrid 2 x 2, 4 ranks", 2, "hsdp", 4, {"hsdp_shard_size": 2}),
+])
+def test_fsdp1_replay_walks_the_harness_s_allocations(label: str, layers: int, strategy: str, gpus: int,
+                                                       tk: dict) -> None:
+    # FSDP1 (FlatParameters, use_orig_params=False) replayed from its setup: the replay's sequence, counted as the
+    # CPU harness's allocator counts it (requested bytes, no cache, no cuBLAS workspace), reaches the peak the
+    # harness measured on the real FullyShardedDataParallel (docs/accuracy.jsonl, bench/replay_harness.py)
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+    from replay_harness import replayed_peak
+
+    from memplan import validation
+
+    row = _harness_row(label, f"llama-7b, {layers} blocks", "none")
+    inventories = []
+    wrapped = validation._with_lora
+    try:
+        validation._with_lora = lambda inv, kw: inventories.append(wrapped(inv, kw)) or inventories[-1]
+        _, resolved, *_ = validation.predict(
+            "llama-7b", layers=layers, hidden=256, vocab=2048, device="cpu", cpu_isa=row[10] if len(row) > 10 else
+            "avx512", gpus=gpus, gpus_per_node=gpus, micro_batch=2, seq_len=128, recompute="none",
+            strategy=strategy, torch_overrides={"fsdp_version": 1, **tk})
+    finally:
+        validation._with_lora = wrapped
+    name, peak = replayed_peak(inventories[-1], resolved.settings)
+    assert name == "FSDP1"
+    assert abs(peak - row[4]) <= 4096, (peak, row[4])
+
+
+def test_fsdp1_is_replayed_on_the_card() -> None:
+    # no flat allocated + 40% for FSDP1: the caching allocator replayed over FSDP1's own sequence, whose allocated
+    # peak is the engine's but for the allocator's rounding (a block keeps a remainder of 1 MiB or less)
+    src = resolve("llama-7b")
+    inv = build_inventory(src)
+    for strategy, gpus in (("fsdp-full", 8), ("fsdp-grad-op", 8), ("fsdp-no-shard", 2), ("fsdp-full", 1)):
+        s = options.resolve(inv, config=src.config, gpus=gpus, gpu="h100-80g", strategy=strategy,
+                            torch_overrides={"fsdp_version": 1}, allocator_conf="").settings
+        plan = accounting.estimate(inv, s)
+        r = plan.reserved
+        assert r is not None and r.model == "FSDP1" and plan.reserved_why is None
+        assert 0 <= r.allocated_bytes - plan.peak_bytes <= plan.peak_bytes // 200, (strategy, gpus)
+        assert plan.reserved_peak_bytes == r.peak_bytes > r.allocated_bytes

@@ -1,0 +1,159 @@
+"""The reserved-peak replays' allocation sequences against the CPU harness's measured peaks.
+
+Each framework's replay (memplan/frameworks/*_replay.py) walks the job's allocations and frees in the order the
+framework makes them. On the GPU the caching allocator rounds and caches them; on the CPU harness (gloo, docs/
+accuracy.md) every allocation is the CPU allocator's own, so the live bytes the replay's sequence reaches, counted
+as requested (no rounding, no cache, no cuBLAS workspace: the CPU has none), must be the harness's measured peak.
+This checks the replays' order of events on the real frameworks, row by row of docs/accuracy.jsonl, without a GPU.
+
+    python bench/replay_harness.py [--only fsdp1] [--out docs/replay-harness.md]
+
+Rows whose framework is not replayed (reserved.why_not: pipeline parallelism, expert parallelism, ...) are
+skipped. The predictions use the measuring machine's instruction set (index 10 of a row, as bench/accuracy.py
+--repredict).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+
+class _Live:
+    __slots__ = ("size",)
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+
+class CountingAllocator:
+    """The allocator's interface (memplan/allocator.py Allocator) over requested bytes: what the CPU allocator of
+    the harness holds."""
+
+    _plain = True
+
+    def __init__(self, *_a, **_k) -> None:  # noqa: ANN002, ANN003
+        self.reserved = self.peak_reserved = self.allocated = self.peak_allocated = self.retries = 0
+        self.step_retries: list[int] = []
+
+    def malloc(self, size: int, stream: int = 0) -> _Live:
+        self.allocated += size
+        if self.allocated > self.peak_allocated:
+            self.peak_allocated = self.allocated
+        self.peak_reserved = max(self.peak_reserved, self.allocated)
+        return _Live(size)
+
+    _malloc_plain = malloc
+
+    def free(self, b: _Live) -> None:
+        self.allocated -= b.size
+
+    def empty_cache(self) -> None:
+        pass
+
+
+def replayed_peak(inv, s) -> tuple[str, int] | None:  # noqa: ANN001
+    """(the replay's name, its steady step's peak of requested bytes) for a CPU job, or None where the job's
+    framework is not replayed."""
+    from memplan import replay as rp
+    from memplan import reserved
+    from memplan.allocator import AllocatorConfig
+
+    cuda = replace(s, cluster=replace(s.cluster, device="cuda", blas_workspace_bytes=0))
+    if reserved.why_not(cuda, inv) is not None:
+        return None
+    saved = rp.Allocator
+    rp.Allocator = CountingAllocator
+    try:
+        name, variants = reserved._replayer(s).replay(inv, replace(s, cluster=replace(s.cluster,
+                                                                                      blas_workspace_bytes=0)),
+                                                      AllocatorConfig())
+    finally:
+        rp.Allocator = saved
+    return name, max(a.steps[-1][0] for a in variants.values())
+
+
+def main() -> None:
+    import accuracy
+
+    from memplan import validation
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--only", default=None, help="rows whose label starts with this")
+    ap.add_argument("--out", default=str(ROOT / "docs" / "replay-harness.md"))
+    args = ap.parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    kept = {}
+    for line in (ROOT / "docs" / "accuracy.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        kept[(r[0], r[1], r[2])] = r
+    inventories = []
+    wrapped = validation._with_lora
+
+    def keep(inv, kw):  # noqa: ANN001, ANN202
+        out = wrapped(inv, kw)
+        inventories.append(out)
+        return out
+
+    validation._with_lora = keep
+    rows, t0 = [], time.perf_counter()
+    for label, (model, scale), strat, ds, tk, rc in accuracy.CASES:
+        if args.only and not label.startswith(args.only):
+            continue
+        strat = dict(strat)
+        gpus = strat.pop("gpus", 2)
+        shown = f"{model}, {scale['layers']} blocks"
+        row = kept.get((label, shown, rc))
+        if row is None or row[3] is None:
+            continue
+        isa = row[10] if len(row) > 10 else "avx512"
+        kw = dict(gpus=gpus, gpus_per_node=gpus, micro_batch=2, seq_len=strat.pop("seq_len", 128), recompute=rc,
+                  ds_overrides=ds, torch_overrides={"fsdp_root_reshard": "auto", **tk}, **strat)
+        try:
+            plan, resolved, *_ = validation.predict(model, **scale, device="cpu", cpu_isa=isa, **kw)
+        except Exception as exc:  # noqa: BLE001
+            print(f"{label} {shown} {rc}: {exc}", flush=True)
+            continue
+        got = replayed_peak(inventories[-1], resolved.settings)
+        if got is None:
+            continue
+        name, peak = got
+        measured = row[4]
+        rows.append((label, shown, rc, name, measured, plan.peak_bytes, peak))
+        print(f"{label:32} {shown:22} {rc:8} {name:28} measured {measured:>13,} replay {peak:>13,} "
+              f"{(peak - measured) / measured:+.2%} (engine {(plan.peak_bytes - measured) / measured:+.2%})",
+              flush=True)
+    _write(args, rows, time.perf_counter() - t0)
+
+
+def _write(args, rows, seconds: float) -> None:  # noqa: ANN001
+    import platform
+
+    import torch
+
+    lines = ["# The replays' allocation sequences against the CPU harness", "",
+             f"Produced by `python bench/replay_harness.py{' --only ' + args.only if args.only else ''}` "
+             f"({seconds:.0f} s, {platform.machine()}, torch {torch.__version__}) from the measurements kept in "
+             "docs/accuracy.jsonl (docs/accuracy.md). Replay = the live bytes the framework's replay "
+             "(memplan/frameworks/*_replay.py) reaches in its steady step, counted as requested (the CPU harness "
+             "has no caching allocator and no cuBLAS workspace); engine = memplan's allocated peak "
+             "(memplan/accounting.py). Error = (predicted - measured) / measured.", "",
+             "| case | model | recompute | replay | measured | replay's peak | error | engine's error |",
+             "|---|---|---|---|---:|---:|---:|---:|"]
+    for label, shown, rc, name, measured, engine, peak in rows:
+        lines.append(f"| {label} | {shown} | {rc} | {name} | {measured:,} | {peak:,} | "
+                     f"{(peak - measured) / measured:+.2%} | {(engine - measured) / measured:+.2%} |")
+    Path(args.out).write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -19,6 +19,12 @@ class FsdpGroup:
     cast: bool  #: the all-gather input is a cast of the shard (MixedPrecisionPolicy param_dtype differs)
     reduce_in: int  #: the reduce-scatter input: every padded gradient in the reduce dtype
     reduce_out: int  #: its output: this rank's sharded gradients, which the .grad views keep
+    #: bytes of each parameter's post-forward share where reshard_after_forward is a group size (the padded
+    #: unsharded parameter over that many ranks, in the compute dtype: to_sharded_post_forward); () otherwise
+    post_forward: tuple[int, ...] = ()
+    #: off CUDA, torch._chunk_cat's composite pads each gradient into a temporary in the grad dtype before copying
+    #: it into the reduce-scatter input (frameworks/fsdp2.py cpu_chunk): the largest one, bytes; 0 on CUDA
+    chunk_tmp: int = 0
 
 
 #: the allocator's stream for FSDP2's reduce-scatter outputs (its own pool; any id but the default's)
@@ -56,6 +62,13 @@ def _all_gather(run: Run, g: FsdpGroup, world: int) -> Any:
     return flat
 
 
+def _all_gather_post_forward(run: Run, g: FsdpGroup, group: int) -> Any:
+    """The all-gather of a unit resharded after forward to ``group`` ranks (SHARDED_POST_FORWARD): its inputs are
+    the post-forward shares, already in param_dtype, copied straight into the flat output (foreach_all_gather's
+    input is a view of the output), so only the output is allocated."""
+    return run.alloc(sum(g.post_forward) * group, stream=AG_STREAM)
+
+
 def _copy_out(run: Run, g: FsdpGroup) -> list[Any]:
     """wait_for_unshard's foreach_all_gather_copy_out: each unsharded parameter, on the default stream."""
     return [run.alloc(n) for n in g.unsharded]
@@ -65,7 +78,7 @@ def _copy_out(run: Run, g: FsdpGroup) -> list[Any]:
 ROOT, EMB, HEAD = -1, -2, -3
 
 
-def replay_fsdp2(job: ReplayJob, groups: tuple[FsdpGroup, ...], world: int, reshard_after_forward: bool,
+def replay_fsdp2(job: ReplayJob, groups: tuple[FsdpGroup, ...], world: int, reshard_after_forward: bool | int,
                  config: AllocatorConfig | None = None, emb: FsdpGroup | None = None,
                  head: FsdpGroup | None = None, root_reshards: bool = False) -> Allocator:
     """FSDP2 (torch/distributed/fsdp/_fully_shard): fully_shard on each block then the root. Setup replaces each
@@ -125,7 +138,7 @@ def replay_fsdp2(job: ReplayJob, groups: tuple[FsdpGroup, ...], world: int, resh
 
 
 def _fsdp_micro_step(run: Run, job: ReplayJob, n: Any, blocks: tuple[FsdpGroup, ...], root: FsdpGroup, world: int,
-                     reshard_after_forward: bool, outputs: list[Any], first: bool, keep: bool,
+                     reshard_after_forward: bool | int, outputs: list[Any], first: bool, keep: bool,
                      emb: FsdpGroup | None = None, head: FsdpGroup | None = None, root_reshards: bool = False) -> None:
     """One micro-step under FSDP2; the reduce-scatter outputs go to ``outputs`` (``keep``), or, in a later
     micro-step, are added into the sharded gradients and freed. With more than one rank (frameworks/fsdp2.py's
@@ -155,7 +168,7 @@ class _MicroStep:
     """FSDP2's state through one micro-step: what is unsharded, prefetched, held, and each block's gradients."""
 
     def __init__(self, run: Run, job: ReplayJob, blocks: tuple[FsdpGroup, ...], root: FsdpGroup, world: int,
-                 reshard_after_forward: bool, outputs: list[Any], first: bool, keep: bool,
+                 reshard_after_forward: bool | int, outputs: list[Any], first: bool, keep: bool,
                  emb: FsdpGroup | None = None, head: FsdpGroup | None = None) -> None:
         self.run, self.job, self.blocks, self.root, self.world = run, job, blocks, root, world
         self.units: dict[int, FsdpGroup] = dict(enumerate(blocks))
@@ -170,6 +183,11 @@ class _MicroStep:
         self.flat = world > 1
         self.unsharded: dict[int, list[Any]] = {}
         self.gathered: dict[int, Any] = {}  # prefetched all-gather outputs, by block
+        #: a reshard_after_forward group size: each block's post-forward shares, by block, until backward
+        #: unshards it again (to_unsharded frees them after the copy-out)
+        self.group = reshard_after_forward if reshard_after_forward is not True and not isinstance(
+            reshard_after_forward, bool) else None
+        self.shares: dict[int, list[Any]] = {}
         self.held: list[Any] = []  # forward: the last all-gather output; backward: the last reduce-scatter input
         self.grads_of: dict[int, list[Any]] = {}
         self.bwd: int | None = None
@@ -195,8 +213,10 @@ class _MicroStep:
         if not self.flat:
             self.unsharded[i] = _unshard(run, g, self.world)
             return
-        out = self.gathered.pop(i, None) or _all_gather(run, g, self.world)
+        out = self.gathered.pop(i, None) or self._gather(i)
         self.unsharded[i] = _copy_out(run, g)
+        for k in self.shares.pop(i, []):
+            run.free(k)
         if hold:  # forward: free the previous output now, keep this one
             for k in self.held:
                 run.free(k)
@@ -209,7 +229,13 @@ class _MicroStep:
             i = EMB  # the first block's pre-backward prefetches the embedding's unit
         g = self.units.get(i)
         if self.flat and g is not None and g.params and i not in self.unsharded and i not in self.gathered:
-            self.gathered[i] = _all_gather(self.run, g, self.world)
+            self.gathered[i] = self._gather(i)
+
+    def _gather(self, i: int) -> Any:
+        g = self.units[i]
+        if i in self.shares:
+            return _all_gather_post_forward(self.run, g, self.group)
+        return _all_gather(self.run, g, self.world)
 
     def post_backward(self, i: int) -> None:
         run = self.run
@@ -219,9 +245,12 @@ class _MicroStep:
         for k in self.held:
             run.free(k)
         self.held.clear()
-        if not g.params:
+        if not g.params or not g.reduce_in:  # no gradient in the unit (frozen under LoRA): nothing reduced
+            self.grads_of.pop(i, None)
             return
         rs_in = run.alloc(g.reduce_in)
+        if g.chunk_tmp:
+            run.free(run.alloc(g.chunk_tmp))
         for k in self.grads_of.pop(i, []):
             run.free(k)
         out = run.alloc(g.reduce_out, stream=RS_STREAM)
@@ -290,9 +319,17 @@ class _MicroStep:
             self.forward = EMB
 
     def on_forward_end(self, blk: int) -> None:
-        if self.reshard_after_forward and blk in self.unsharded:
-            for k in self.unsharded.pop(blk):
-                self.run.free(k)
+        if not self.reshard_after_forward or blk not in self.unsharded:
+            return
+        run, keys = self.run, self.unsharded.pop(blk)
+        if self.group is None or not self.units[blk].post_forward:
+            for k in keys:
+                run.free(k)
+            return
+        shares = self.shares[blk] = []
+        for k, n in zip(keys, self.units[blk].post_forward):  # each share cloned, then its parameter freed
+            shares.append(run.alloc(n))
+            run.free(k)
 
 
 def why_not(s: Any) -> str | None:
@@ -347,16 +384,26 @@ def replay(inv: Any, s: Any, config: AllocatorConfig) -> tuple[str, dict[str, Al
     numels: list[tuple[int, int]] = []  # (position in module order, shard elements)
     position = {t.name: i for i, t in enumerate(inv.tensors)}
 
+    raf = reshard_after_forward(Job.of(inv, s, MODEL))
+    group_size = raf if not isinstance(raf, bool) else 0  # a reshard_after_forward group size
+    cpu_chunk = s.cluster.device == "cpu" and r.grad_bytes != r.reduced_grad_bytes
+
     def group(ts: list[Any]) -> FsdpGroup:
         padded = [ceil_div(t.shape[0], n) * (t.numel // t.shape[0]) * n if t.shape and t.shape[0] else t.numel
                   for t in ts]
-        numels.extend((position[t.name], p // n) for t, p in zip(ts, padded))
+        # foreach_reduce takes the parameters with a gradient; the optimizer, model.parameters() that train
+        # (frozen under LoRA: no gradient, no state)
+        trained = sum(p for t, p in zip(ts, padded) if t.trainable)
+        numels.extend((position[t.name], p // n) for t, p in zip(ts, padded) if t.trainable)
         return FsdpGroup(params=tuple(position[t.name] for t in ts),
                          shard=tuple(p // n * r.param_bytes for p in padded),
                          unsharded=tuple(t.numel * cb for t in ts),
                          cast=r.param_bytes != cb,
-                         reduce_in=sum(padded) * r.reduced_grad_bytes,
-                         reduce_out=sum(padded) // n * r.reduced_grad_bytes)
+                         reduce_in=trained * r.reduced_grad_bytes,
+                         reduce_out=trained // n * r.reduced_grad_bytes,
+                         post_forward=tuple(p // group_size * cb for p in padded) if group_size else (),
+                         chunk_tmp=r.grad_bytes * max((t.numel for t in ts if t.trainable), default=0)
+                         if cpu_chunk else 0)
     blocks, root, emb, head = _units(inv, s)
     emb_g = group(emb) if emb else None
     groups = [group(ts) for ts in blocks]
@@ -364,6 +411,5 @@ def replay(inv: Any, s: Any, config: AllocatorConfig) -> tuple[str, dict[str, Al
     groups.append(group(root))
     # the optimizer is made on model.parameters(): its states come in module order, whatever the units
     job = replay_job(inv, s, [k for _, k in sorted(numels)])
-    raf = reshard_after_forward(Job.of(inv, s, MODEL))
-    return "FSDP2", {"": replay_fsdp2(job, tuple(groups), n, bool(raf), config, emb=emb_g, head=head_g,
+    return "FSDP2", {"": replay_fsdp2(job, tuple(groups), n, raf, config, emb=emb_g, head=head_g,
                                       root_reshards=root_reshards(s, raf) and not (emb or head))}

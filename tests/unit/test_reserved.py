@@ -231,15 +231,23 @@ def test_lora_under_ddp_is_replayed(tmp_path: Path) -> None:
         assert r is not None and r.model == "DDP" and plan.reserved_why is None
         assert abs(r.allocated_bytes - plan.peak_bytes) < plan.peak_bytes // 200
         assert plan.reserved_peak_bytes == r.peak_bytes >= r.allocated_bytes
-    # QLoRA's 4-bit base and LoRA under FSDP or DeepSpeed keep the flat term, and say why
+    # QLoRA's 4-bit base and LoRA under DeepSpeed keep the flat term, and say why; under FSDP2 it is replayed
+    # (the frozen parameters sharded and gathered, only the adapters reduced and stepped: bench/replay_harness.py
+    # checks the sequence against the CPU harness's LoRA runs)
     q = lora.LoraSpec(rank=8, quantize="nf4")
     qinv = lora.apply(build_inventory(src), q)
     s = options.resolve(qinv, config=src.config, gpus=1, gpu="h100-80g", device="cuda", strategy="ddp",
                         precision="pure-bf16", micro_batch=2, seq_len=256, lora=q).settings
     assert reserved.why_not(s, qinv) == "QLoRA: bitsandbytes' 4-bit quantization at load is not replayed yet"
+    s = options.resolve(inv, config=src.config, gpus=2, gpu="h100-80g", device="cuda", stage=2,
+                        micro_batch=2, seq_len=256, lora=spec).settings
+    assert reserved.why_not(s, inv).startswith("LoRA: the setup of FSDP1 and DeepSpeed")
     s = options.resolve(inv, config=src.config, gpus=2, gpu="h100-80g", device="cuda", strategy="fsdp-full",
                         micro_batch=2, seq_len=256, lora=spec).settings
-    assert reserved.why_not(s, inv).startswith("LoRA: the setup of FSDP and DeepSpeed")
+    plan = accounting.estimate(inv, s)
+    r = plan.reserved
+    assert r is not None and r.model == "FSDP2" and plan.reserved_why is None
+    assert abs(r.allocated_bytes - plan.peak_bytes) < plan.peak_bytes // 200
 
 
 def test_tensor_parallel_ranks_are_replayed() -> None:

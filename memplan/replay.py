@@ -450,6 +450,8 @@ def replay_job(inv: Any, s: Any, numels: list[int], shapes: list[tuple[int, ...]
     step = _expand(d["alloc_events"], d["num_layers"])
     if _runs_zero3_linear(s, d):
         step = zero3_linear_order(step)
+    if s.strategy.memory_model == "fsdp1" and s.recipe.autocast_weight_copies:
+        step = uncached_casts(step)
     return ReplayJob(build=tuple(build), numels=tuple(numels), state_bytes=4 if s.optimizer.factored else s.recipe.state_bytes,
                converted=converted,
                grad_accum=s.grad_accum,
@@ -468,6 +470,54 @@ def _runs_zero3_linear(s: Any, d: dict[str, Any]) -> bool:
     if s.strategy.zero_stage != 3 or not s.ds.memory_efficient_linear:
         return False
     return trace_linear("deepspeed-zero3", device=s.cluster.device, recipe=s.recipe.name) == "aten"
+
+
+#: uncached_casts applied to steps already made, by the id of the cached one
+_UNCACHED: dict[int, tuple[Any, list[tuple]]] = {}
+
+
+def uncached_casts(step: list[tuple]) -> list[tuple]:
+    """A step traced with autocast's weight casts cached, as a framework that computes with views of its flat
+    parameters runs it (FSDP1, use_orig_params=False: split() views are not leaves, so autocast_mode.cpp
+    cached_cast casts them anew at every use and never caches them). A cached cast that autograd did not save (a
+    recomputed block's forward) lives until the autocast region exits as the model's forward returns: its death
+    is the one a block's forward birth has among the deaths right before the ("m", "fwd_end") mark. Without
+    the cache it dies as soon as its op has made its output: here, after the next birth that follows it. A cast
+    autograd saved dies in backward either way and is left as it is."""
+    hit = _UNCACHED.get(id(step))
+    if hit is not None and hit[0] is step:
+        return hit[1]
+    end = next((i for i, e in enumerate(step) if e[0] == "m" and e[1] == "fwd_end"), None)
+    out = list(step)
+    if end is not None:
+        region, born = "", {}
+        for i, e in enumerate(step[:end]):
+            if e[0] == "m" and e[1] != "ws":
+                region = e[1]
+            elif e[0] == "a" and region == "F":
+                born[e[1]] = i
+        moved: dict[int, list[tuple]] = {}  # position of the birth after which a death now comes -> deaths
+        drop = set()
+        for i in range(end - 1, -1, -1):
+            e = step[i]
+            if e[0] == "a":
+                break
+            if e[0] == "f" and e[1] in born:
+                j = born[e[1]] + 1
+                while j < end and step[j][0] != "a":
+                    j += 1
+                moved.setdefault(j, []).append(e)
+                drop.add(i)
+        if moved:
+            out = []
+            for i, e in enumerate(step):
+                if i not in drop:
+                    out.append(e)
+                out.extend(moved.get(i, ()))
+    if len(_UNCACHED) > 16:
+        _UNCACHED.clear()
+    _UNCACHED[id(step)] = (step, out)
+    return out
 
 
 #: ZeRO-3's linear order applied to steps already made, by the id of aten's

@@ -105,6 +105,14 @@ def buffers(job: Job, grads: Grads) -> BufferTimeline:
         later = shard * sum(ceil_div(x, n) for x in sizes[2:])
         moments.append(BufferMoment(root + head_grads + cb * (sizes[0] + sizes[1]), later,
                                     Moment.INSIDE_SECOND_BLOCK_BACKWARD))
+        # the second block's backward done (the first's begins): its view gradients and the split's concatenation
+        # alive together beside it and the first block, then (resharded) the cast and its new shard; every later
+        # block's shard reduced. Where a block's gradients outweigh its activations (recomputation, fp32
+        # gradients under torch-amp) the step peaks here (found by the replay, frameworks/fsdp1_replay.py)
+        s1, below = sizes[1], root + head_grads + cb * sizes[0]
+        moments.append(BufferMoment(max(below + cb * s1 + 2 * gb * s1,
+                                        below + (gb + cast) * s1 + rb * ceil_div(s1, n)),
+                                    later, Moment.FIRST_BLOCK_BACKWARD_BEGINS))
     inside_first, end = _end(s, g, n, root, head_grads, grads_end)
     moments.append(inside_first)
     # the last block's new shard reduced

@@ -403,11 +403,34 @@ def test_fsdp1_is_replayed_on_the_card() -> None:
     # peak is the engine's but for the allocator's rounding (a block keeps a remainder of 1 MiB or less)
     src = resolve("llama-7b")
     inv = build_inventory(src)
-    for strategy, gpus in (("fsdp-full", 8), ("fsdp-grad-op", 8), ("fsdp-no-shard", 2), ("fsdp-full", 1)):
+    # torch-amp with full recompute: FSDP1's parameters are split() views, which autocast never caches, so a
+    # recomputed block's casts die with their ops (replay.uncached_casts; cached they held every block's bf16
+    # weights to the forward's end: 358% over), and the second block's end (its view gradients and their
+    # concatenation in fp32) is the peak the engine names too
+    for strategy, gpus, precision, recompute in (("fsdp-full", 8, "fsdp-bf16", "none"),
+                                                 ("fsdp-grad-op", 8, "fsdp-bf16", "none"),
+                                                 ("fsdp-no-shard", 2, "fsdp-bf16", "none"),
+                                                 ("fsdp-full", 1, "fsdp-bf16", "none"),
+                                                 ("fsdp-full", 8, "torch-amp", "full")):
         s = options.resolve(inv, config=src.config, gpus=gpus, gpu="h100-80g", strategy=strategy,
-                            torch_overrides={"fsdp_version": 1}, allocator_conf="").settings
+                            precision=precision, recompute=recompute, torch_overrides={"fsdp_version": 1},
+                            allocator_conf="").settings
         plan = accounting.estimate(inv, s)
         r = plan.reserved
         assert r is not None and r.model == "FSDP1" and plan.reserved_why is None
         assert 0 <= r.allocated_bytes - plan.peak_bytes <= plan.peak_bytes // 200, (strategy, gpus)
         assert plan.reserved_peak_bytes == r.peak_bytes > r.allocated_bytes
+
+
+def test_uncached_casts_die_with_their_ops() -> None:
+    # a block's forward cast that lived to the autocast region's exit (the deaths right before the forward's end
+    # mark) dies after the next birth once casts are not cached; one autograd saved (dying in backward) stays
+    from memplan.replay import uncached_casts
+
+    step = [("m", "F", 0), ("a", 1, (8, 0), None, 0, None), ("a", 2, (0, 4), None, 0, None),
+            ("a", 3, (8, 0), None, 0, None), ("f", 2), ("m", "mid", -1), ("a", 4, (0, 4), None, 0, None),
+            ("f", 1), ("m", "fwd_end", -1), ("a", 5, (0, 4), None, 0, None), ("f", 3), ("f", 4), ("f", 5)]
+    out = uncached_casts(step)
+    assert out == [("m", "F", 0), ("a", 1, (8, 0), None, 0, None), ("a", 2, (0, 4), None, 0, None), ("f", 1),
+                   ("a", 3, (8, 0), None, 0, None), ("f", 2), ("m", "mid", -1), ("a", 4, (0, 4), None, 0, None),
+                   ("m", "fwd_end", -1), ("a", 5, (0, 4), None, 0, None), ("f", 3), ("f", 4), ("f", 5)]

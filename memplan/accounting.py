@@ -181,11 +181,15 @@ def _assemble(s: Settings, tl: BufferTimeline, g: Grads, model_states: tuple[int
         comms += s.model_parallel_groups  # a model-parallel rank's TP and PP groups (each its own communicator)
         a["nccl_communicators"] = comms
     moments = []
+    # FSDP's CPU offload: each reduced shard is copied to the host as it is reduced (FSDP2 foreach_reduce:
+    # new_sharded_grad.to("cpu"), the device output freed), so none stays on the device through backward
+    grads_on_host = s.torch.cpu_offload and frameworks.model(s.strategy.memory_model).cpu_offload_policy
     for m in tl.moments:
         m_buffers = m.buffers + buf_persist + buf_bwd + amp_copies
         if m.at == Moment.LOSS_BACKWARD:  # what is gathered at the loss, no reduce bucket yet
             m_buffers += tl.gathered_loss - buf_bwd
-        m_grads = max(m.grads, grads_persist)  # grads kept across micro-steps include those of the moment
+        # grads kept across micro-steps include those of the moment
+        m_grads = grads_persist if grads_on_host else max(m.grads, grads_persist)
         moments.append(StepMoment(m_grads, m_buffers, states_total + m_grads + m_buffers, m.at))
     f = Fixed(weights, master, states, grads, buffers,
                tuple(states_total + gr + b for gr, b in zip(grads, buffers)), prof, host * c.ranks_per_node,

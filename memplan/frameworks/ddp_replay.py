@@ -103,9 +103,56 @@ def replay_ddp(job: ReplayJob, config: AllocatorConfig | None = None, release: s
     return run.a
 
 
+def replay_horovod(job: ReplayJob, config: AllocatorConfig | None, fusion: int, compression: bool) -> Allocator:
+    """hvd.DistributedOptimizer over a torch.optim optimizer (horovod/torch/optimizer.py), backward_passes_per_step
+    set to the gradient accumulation: the model built and its states broadcast in place
+    (hvd.broadcast_parameters); in the last micro-step's backward each gradient's hook starts its all-reduce
+    (_allreduce_grad_async), the first one making Horovod's fusion buffer, HOROVOD_FUSION_THRESHOLD bytes kept
+    for the run (horovod/common/fusion_buffer_manager.cc InitializeBuffer, torch/adapter_v2.cc); with
+    compression=Compression.fp16 the hook all-reduces an fp16 copy of the gradient (compression.py
+    FP16Compressor.compress). optimizer.step() first synchronize()s: per handle in hook order, the decompressed
+    fp32 result is made and set_ into the gradient, whose old storage goes; the fp16 copies live in _handles until
+    it is cleared, after the loop. Gradients stay until zero_grad(set_to_none=True)."""
+    run = Run(config or AllocatorConfig())
+    build_model(run, job)
+    fused: list[Any] = []
+    states: list[Any] = []
+    bytes_per = job.recipe.grad_bytes if job.recipe is not None else 4
+    for n in range(MAX_STEPS):
+        before = run.a.peak_reserved
+        grads: list[tuple[Any, int]] = []
+        copies: list[tuple[Any, int]] = []  # (fp16 copy, index of the kept gradient it was made from)
+        for m in range(job.grad_accum):
+            ids = run.alloc(job.input_bytes)
+            last, seen = m == job.grad_accum - 1, [0]
+
+            def on_grad(size: int, _key: Any, _blk: int, last: bool = last, seen: list = seen) -> bool:
+                if last:
+                    if not fused:
+                        fused.append(run.alloc(fusion))
+                    if compression:
+                        copies.append((run.alloc(size // bytes_per * 2), seen[0]))
+                seen[0] += 1
+                return False
+            grads += micro_step(run, job, (n, m), keep_grads=m == 0, on_grad=on_grad)
+            run.free(ids)
+        for _, i in copies:  # synchronize(): decompress, set_ into p.grad
+            key, size = grads[i]
+            new = run.alloc(size)
+            run.free(key)
+            grads[i] = (new, size)
+        for k, _ in copies:  # self._handles.clear()
+            run.free(k)
+        optimizer_step(run, job, n == 0, states)
+        for k, _ in reversed(grads):
+            run.free(k)
+        run.end_step()
+        if n >= 1 and run.a.peak_reserved == before:
+            break
+    return run.a
+
+
 def why_not(s: Any) -> str | None:
-    if s.strategy.fusion_buffer and s.cluster.gpus > 1:
-        return "Horovod's allocation order (fusion buffer, compression copies) not replayed yet"
     return None
 
 
@@ -127,6 +174,9 @@ def replay(inv: Any, s: Any, config: AllocatorConfig) -> tuple[str, dict[str, Al
         steps = [t for t in inv.tensors if t.trainable]  # all of them but under LoRA
         job = replay_job(inv, s, [t.numel for t in steps], [t.shape for t in steps])
     trainable = tuple(t.trainable for t in inv.tensors) if inv.frozen else None
+    if s.strategy.fusion_buffer and s.cluster.gpus > 1:
+        return "Horovod", {"": replay_horovod(job, config, s.horovod.fusion_threshold,
+                                              s.horovod.compression == "fp16")}
     if not s.strategy.ddp_buckets:
         return "PyTorch", {"": replay_ddp(job, config, reducer=False)}
     limits = bucket_limits(s.torch.bucket_cap_mb, s.torch.bucket_cap_default)

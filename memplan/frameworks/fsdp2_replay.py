@@ -25,6 +25,8 @@ class FsdpGroup:
     #: off CUDA, torch._chunk_cat's composite pads each gradient into a temporary in the grad dtype before copying
     #: it into the reduce-scatter input (frameworks/fsdp2.py cpu_chunk): the largest one, bytes; 0 on CUDA
     chunk_tmp: int = 0
+    #: CPUOffloadPolicy: the shards and sharded gradients live on the host, the optimizer steps there
+    offload: bool = False
 
 
 #: the allocator's stream for FSDP2's reduce-scatter outputs (its own pool; any id but the default's)
@@ -38,12 +40,16 @@ def _unshard(run: Run, g: FsdpGroup, world: int) -> list[Any]:
     dtype differs) freed after the next one is made (measured: ../shared/gpu/traces/fsdp_full_rc)."""
     keys = []
     prev = None
-    for n in g.unsharded:
+    for i, n in enumerate(g.unsharded):
+        h2d = run.alloc(g.shard[i]) if g.offload else None  # CPUOffloadPolicy: the shard copied to the device
         cast = run.alloc(n) if g.cast else None
+        if h2d is not None and cast is not None:
+            run.free(h2d)
+            h2d = None
         if prev is not None:
             run.free(prev)
         keys.append(run.alloc(n))
-        prev = cast
+        prev = cast if cast is not None else h2d
     if prev is not None:
         run.free(prev)
     return keys
@@ -55,6 +61,22 @@ def _all_gather(run: Run, g: FsdpGroup, world: int) -> Any:
     flat_foreach_copy_input), then the flat all-gather output they are copied into; the output is returned,
     the cast buffer freed."""
     shards = sum(-(-n // world) for n in g.unsharded)
+    if g.offload:
+        # CPUOffloadPolicy (no foreach fast path: _get_param_all_gather_inputs' use_foreach_copy is False): each
+        # shard copied to the device (FSDPParam.all_gather_inputs: .to(device)), then cast to param_dtype (the
+        # copy freed), the inputs held until the copy-in into the output
+        inputs = []
+        for n, stored in zip(g.unsharded, g.shard):
+            h2d = run.alloc(stored, stream=AG_STREAM)
+            if g.cast:
+                inputs.append(run.alloc(-(-n // world), stream=AG_STREAM))
+                run.free(h2d)
+            else:
+                inputs.append(h2d)
+        flat = run.alloc(shards * world, stream=AG_STREAM)
+        for k in inputs:
+            run.free(k)
+        return flat
     cast = run.alloc(shards, stream=AG_STREAM) if g.cast else None
     flat = run.alloc(shards * world, stream=AG_STREAM)
     if cast is not None:
@@ -104,7 +126,9 @@ def replay_fsdp2(job: ReplayJob, groups: tuple[FsdpGroup, ...], world: int, resh
     run = Run(config or AllocatorConfig())
     order = [g for g in (emb,) if g is not None] + list(groups[:-1]) + [g for g in (head,) if g is not None] \
         + [groups[-1]]
-    if world == 1:
+    if any(g.offload for g in order):
+        pass  # CPUOffloadPolicy: built, sharded and kept on the host (torchtitan's init_device "cpu")
+    elif world == 1:
         # one rank: built on the device, then each group's shards made and its parameters freed (measured)
         built = build_model(run, job)
         for g in order:
@@ -128,7 +152,8 @@ def replay_fsdp2(job: ReplayJob, groups: tuple[FsdpGroup, ...], world: int, resh
             _fsdp_micro_step(run, job, (n, m), blocks, root, world, reshard_after_forward, outputs,
                              first=n == 0 and m == 0, keep=m == 0, emb=emb, head=head, root_reshards=root_reshards)
             run.free(ids)
-        optimizer_step(run, job, n == 0, states)
+        if not root.offload:  # offloaded: the optimizer steps the host's shards
+            optimizer_step(run, job, n == 0, states)
         for k in outputs:
             run.free(k)
         run.end_step()
@@ -258,10 +283,10 @@ class _MicroStep:
             self.held.append(rs_in)
         else:
             run.free(rs_in)
-        if self.keep:
+        if self.keep and not g.offload:
             self.outputs.append(out)
         else:
-            run.free(out)
+            run.free(out)  # added into the kept shard, or (offloaded) copied to the host's
 
     def at(self, kind: str, blk: int) -> None:
         nblocks = len(self.blocks)
@@ -333,8 +358,6 @@ class _MicroStep:
 
 
 def why_not(s: Any) -> str | None:
-    if s.torch.cpu_offload:
-        return "FSDP2 with CPU offload not modelled yet"
     return None
 
 
@@ -403,7 +426,8 @@ def replay(inv: Any, s: Any, config: AllocatorConfig) -> tuple[str, dict[str, Al
                          reduce_out=trained // n * r.reduced_grad_bytes,
                          post_forward=tuple(p // group_size * cb for p in padded) if group_size else (),
                          chunk_tmp=r.grad_bytes * max((t.numel for t in ts if t.trainable), default=0)
-                         if cpu_chunk else 0)
+                         if cpu_chunk else 0,
+                         offload=bool(s.torch.cpu_offload))
     blocks, root, emb, head = _units(inv, s)
     emb_g = group(emb) if emb else None
     groups = [group(ts) for ts in blocks]

@@ -363,6 +363,8 @@ def test_fsdp1_buffer_lifetimes_per_phase():
         (b, root + 2 * hd + 4 * b, M.INSIDE_PREVIOUS_BLOCK_BACKWARD),  # inside the block before (the last block's fp32 shard reduced)
         (b, root + 2 * hd + 2 * b + 7 * b, M.PREVIOUS_BLOCK_BACKWARD_ENDS),  # the block before, its grads complete
         (2 * b, root + 2 * hd + 4 * b, M.INSIDE_SECOND_BLOCK_BACKWARD),  # inside the second: itself, the first prefetched
+        # the second's end, the first prefetched: its concatenation (2B + 2B) or, resharded, the cast (4B) and shard
+        (2 * b, root + 2 * hd + 2 * b + max(2 * b + 4 * b, 2 * b + 4 * b + b), M.FIRST_BLOCK_BACKWARD_BEGINS),
         (3 * b, root + 2 * hd + 2 * b, M.INSIDE_FIRST_BLOCK_BACKWARD),  # inside the first block: the other blocks' shards reduced
         (0, root + 2 * hd + 2 * b + b, M.PREVIOUS_BLOCK_BACKWARD_BEGINS),  # after the last block's reduce: the prefetched block and its shard
     ]

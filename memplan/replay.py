@@ -417,6 +417,9 @@ class ReplayJob:
     recipe: Any = None
     #: the shape of each optimizer tensor (() each: 1-D, as numels)
     shapes: tuple[tuple[int, ...], ...] = ()
+    #: a 4-bit base (QLoRA): per quantized weight in module order, (bytes of the compute-dtype copy it is quantized
+    #: from, bytes of each piece of its bitsandbytes storage: packed data, then its QuantState's tensors)
+    quantized: tuple[tuple[int, tuple[int, ...]], ...] = ()
 
     def state_allocs(self, numel: int, shape: tuple[int, ...] = ()) -> tuple[int, ...]:
         """The state tensors the optimizer makes for one tensor at its first step, bytes each, in order."""
@@ -447,6 +450,12 @@ def replay_job(inv: Any, s: Any, numels: list[int], shapes: list[tuple[int, ...]
     converted = tuple(t.numel * (rc.adapter_bytes if rc.adapter_bytes and (".lora_A." in t.name or ".lora_B." in
                                                                             t.name) else rc.param_bytes)
                       for t in inv.tensors) if rc.param_bytes != 4 else None
+    quantized = _quantized_load(inv)
+    if quantized:
+        # from_pretrained with a BitsAndBytesConfig makes every tensor in its dtype (no fp32 build to convert)
+        build = [(n, False) for n in (converted or [t.numel * rc.param_bytes for t in inv.tensors])]
+        build.extend((t.numel * rc.param_bytes, True) for t in inv.tensors for _ in t.tied_names)
+        converted = None
     step = _expand(d["alloc_events"], d["num_layers"])
     if _runs_zero3_linear(s, d):
         step = zero3_linear_order(step)
@@ -458,7 +467,25 @@ def replay_job(inv: Any, s: Any, numels: list[int], shapes: list[tuple[int, ...]
                optimizer_impl=optimizer_impl(s), input_bytes=s.micro_batch * s.seq_len * 8,
                workspace_bytes=s.cluster.blas_workspace_bytes,
                step=step, micro_batch=s.micro_batch,
-               optimizer=s.optimizer, recipe=s.recipe, shapes=tuple(shapes or ()))
+               optimizer=s.optimizer, recipe=s.recipe, shapes=tuple(shapes or ()), quantized=quantized)
+
+
+def _quantized_load(inv: Any) -> tuple[tuple[int, tuple[int, ...]], ...]:
+    """transformers' 4-bit load (Bnb4BitHfQuantizer.create_quantized_param -> bitsandbytes Params4bit.to(device) ->
+    _quantize): each linear weight copied to the device in bf16, quantized into its packed data and QuantState
+    (functional.py quantize_4bit; double quantization's fp32 absmax requantized), the copy freed. Its pieces, from
+    the inventory's 4-bit storage (model/lora.py quantized_weight: the packed weight [(n + 1) // 2, 1], then its
+    quant_state tensors); the weight had 2 x rows elements. Biases cast to the compute dtype and bitsandbytes'
+    dynamic map are kept as pieces of no weight."""
+    out: list[tuple[int, list[int]]] = []
+    for t in getattr(inv, "quantized", ()):
+        if ".quant_state." in t.name and out:
+            out[-1][1].append(t.nbytes)
+        elif t.dtype == "uint8" and len(t.shape) == 2 and t.shape[1] == 1:
+            out.append((2 * 2 * t.shape[0], [t.nbytes]))
+        else:
+            out.append((0, [t.nbytes]))
+    return tuple((n, tuple(p)) for n, p in out)
 
 
 def _runs_zero3_linear(s: Any, d: dict[str, Any]) -> bool:
@@ -567,6 +594,11 @@ def build_model(run: Run, job: ReplayJob) -> list[Any]:
         (aliases if alias else keys).append(run.alloc(n))
     for k in aliases:
         run.free(k)
+    for copy, pieces in job.quantized:  # a 4-bit base: each weight quantized from its bf16 copy on the device
+        c = run.alloc(copy) if copy else None
+        keys.extend(run.alloc(n) for n in pieces)
+        if c is not None:
+            run.free(c)
     if job.converted:
         for i, n in enumerate(job.converted):
             new = run.alloc(n)

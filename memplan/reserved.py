@@ -44,8 +44,6 @@ def why_not(s: Any, inv: Any = None) -> str | None:
     if getattr(s, "lora", None) is not None:
         if s.strategy.memory_model not in ("ddp", "fsdp2"):
             return "LoRA: the setup of FSDP1 and DeepSpeed with frozen parameters is not replayed yet"
-        if s.lora.quantize:
-            return "QLoRA: bitsandbytes' 4-bit quantization at load is not replayed yet"
     prof = _replayed_profile(s)
     if getattr(prof, "inner", None) is not None:
         return "pipeline parallelism: a stage's micro-batches in flight are not replayed yet"

@@ -231,14 +231,20 @@ def test_lora_under_ddp_is_replayed(tmp_path: Path) -> None:
         assert r is not None and r.model == "DDP" and plan.reserved_why is None
         assert abs(r.allocated_bytes - plan.peak_bytes) < plan.peak_bytes // 200
         assert plan.reserved_peak_bytes == r.peak_bytes >= r.allocated_bytes
-    # QLoRA's 4-bit base and LoRA under DeepSpeed keep the flat term, and say why; under FSDP2 it is replayed
+    # QLoRA's 4-bit base is replayed from its load (each weight quantized from a bf16 copy on the device:
+    # replay._quantized_load); LoRA under DeepSpeed keeps the flat term and says why; under FSDP2 it is replayed
     # (the frozen parameters sharded and gathered, only the adapters reduced and stepped: bench/replay_harness.py
-    # checks the sequence against the CPU harness's LoRA runs)
-    q = lora.LoraSpec(rank=8, quantize="nf4")
-    qinv = lora.apply(build_inventory(src), q)
-    s = options.resolve(qinv, config=src.config, gpus=1, gpu="h100-80g", device="cuda", strategy="ddp",
-                        precision="pure-bf16", micro_batch=2, seq_len=256, lora=q).settings
-    assert reserved.why_not(s, qinv) == "QLoRA: bitsandbytes' 4-bit quantization at load is not replayed yet"
+    # checks the sequences against the CPU harness's LoRA and QLoRA runs)
+    for double in (False, True):
+        q = lora.LoraSpec(rank=8, quantize="nf4", double_quant=double)
+        qinv = lora.apply(build_inventory(src), q)
+        for gpus in (1, 2):
+            s = options.resolve(qinv, config=src.config, gpus=gpus, gpu="h100-80g", device="cuda", strategy="ddp",
+                                precision="pure-bf16", micro_batch=2, seq_len=256, lora=q).settings
+            plan = accounting.estimate(qinv, s)
+            r = plan.reserved
+            assert r is not None and plan.reserved_why is None
+            assert abs(r.allocated_bytes - plan.peak_bytes) < plan.peak_bytes // 200
     s = options.resolve(inv, config=src.config, gpus=2, gpu="h100-80g", device="cuda", stage=2,
                         micro_batch=2, seq_len=256, lora=spec).settings
     assert reserved.why_not(s, inv).startswith("LoRA: the setup of FSDP1 and DeepSpeed")
@@ -356,8 +362,8 @@ def test_fsdp2_replay_unshards_in_the_parameters_dtype(strategy: str, gpus: int,
     assert fsdp2.unshard_bytes(s.recipe) == (2 if precision == "fsdp-bf16" else 4)
 
 
-def _harness_row(label: str, shown: str, recompute: str) -> list:
-    for line in (Path(__file__).resolve().parents[2] / "docs" / "accuracy.jsonl").read_text().splitlines():
+def _harness_row(label: str, shown: str, recompute: str, log: str = "accuracy.jsonl") -> list:
+    for line in (Path(__file__).resolve().parents[2] / "docs" / log).read_text().splitlines():
         row = json.loads(line)
         if row[:3] == [label, shown, recompute]:
             return row
@@ -469,3 +475,38 @@ def test_horovod_is_replayed(compression: str) -> None:
     assert r is not None and r.model == "Horovod" and plan.reserved_why is None
     assert abs(r.allocated_bytes - plan.peak_bytes) <= plan.peak_bytes // 1000
     assert plan.reserved_peak_bytes == r.peak_bytes >= r.allocated_bytes
+
+
+
+@pytest.mark.parametrize("label,strategy,gpus,quantize", [
+    ("qlora nf4 dq q,v single", "single", 1, "nf4"),
+    ("qlora nf4 q,v ddp", "ddp", 2, "nf4"),
+    ("lora q,v fsdp-full", "fsdp-full", 2, ""),
+])
+def test_lora_and_qlora_replays_walk_the_harness_s_allocations(label: str, strategy: str, gpus: int,
+                                                                quantize: str) -> None:
+    # QLoRA (bitsandbytes' 4-bit base, PEFT's adapters) on one GPU and under DDP, LoRA under FSDP2: the replay's
+    # sequence, counted as the CPU harness counts it, reaches the peak measured with the real libraries
+    # (docs/accuracy-lora.jsonl; bench/replay_harness.py)
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+    from replay_harness import replayed_peak
+
+    from memplan import validation
+    from memplan.model.lora import LoraSpec
+
+    row = _harness_row(label, "llama-3-8b, 2 blocks", "none", "accuracy-lora.jsonl")
+    spec = LoraSpec(rank=16, targets=("q_proj", "v_proj"), quantize=quantize, double_quant=" dq " in label)
+    inventories = []
+    wrapped = validation._with_lora
+    try:
+        validation._with_lora = lambda inv, kw: inventories.append(wrapped(inv, kw)) or inventories[-1]
+        _, resolved, *_ = validation.predict(
+            "llama-3-8b", layers=2, hidden=512, vocab=2048, device="cpu",
+            cpu_isa=row[10] if len(row) > 10 else "avx512", gpus=gpus, gpus_per_node=gpus, micro_batch=2,
+            seq_len=128, recompute="none", strategy=strategy, lora=spec)
+    finally:
+        validation._with_lora = wrapped
+    _, peak = replayed_peak(inventories[-1], resolved.settings)
+    assert abs(peak - row[4]) <= 4096, (peak, row[4])

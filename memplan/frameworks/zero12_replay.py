@@ -14,10 +14,11 @@ def _partition_params(inv: Any, n: int) -> tuple[int, ...]:
     padding, so the first rank is taken."""
     from memplan.units import ceil_div
 
-    psi = sum(t.numel for t in inv.tensors)
+    trained = [t for t in inv.tensors if t.trainable]  # the optimizer's groups: what requires grad (LoRA)
+    psi = sum(t.numel for t in trained)
     part = ceil_div(ceil_div(psi, 2 * n) * 2 * n, n)
     out, start = [], 0
-    for t in inv.tensors:
+    for t in trained:
         if start < part:
             out.append(t.numel)
         start += t.numel
@@ -26,7 +27,7 @@ def _partition_params(inv: Any, n: int) -> tuple[int, ...]:
 
 def replay_zero12(job: ReplayJob, stage: int, partition: int, flat: int, bucket: int, buffers: int,
                   norms: tuple[int, ...], half: int = 2, config: AllocatorConfig | None = None,
-                  offload: Offload | None = None) -> Allocator:
+                  offload: Offload | None = None, trainable: tuple[bool, ...] | None = None) -> Allocator:
     """DeepSpeed ZeRO-1/2 (deepspeed/runtime/zero/stage_1_and_2.py, DeepSpeedZeroOptimizer) with a fused Adam,
     per rank, in its elements: ``flat`` (the aligned flat bit16 group), ``partition`` (this rank's), ``bucket``
     (reduce_bucket_size), ``buffers`` (2 with overlap_comm), ``norms`` (the elements of each parameter whose
@@ -44,7 +45,7 @@ def replay_zero12(job: ReplayJob, stage: int, partition: int, flat: int, bucket:
     (single_grad_partition), Adam makes its states at the first step, and the fp32 gradient goes.
 
     ZeRO-Offload (``offload``): see Offload; the optimizer and its states live on the host."""
-    run = _setup(job, partition, flat, half, config, offload)
+    run = _setup(job, partition, flat, half, config, offload, trainable)
     for n in range(MAX_STEPS):
         before = run.a.peak_reserved
         grads_flat = None
@@ -153,16 +154,19 @@ class Offload:
 
 
 def _setup(job: ReplayJob, partition: int, flat: int, half: int, config: AllocatorConfig | None,
-           offload: Offload | None = None) -> Run:
+           offload: Offload | None = None, trainable: tuple[bool, ...] | None = None) -> Run:
     """The model built and converted, the cache emptied, the flat bit16 group (the parameters become views of it),
     the fp32 master partition (a clone made fp32) and initialize_optimizer_states' zero gradient; with
-    ZeRO-Offload the partition's device clone and the largest parameter's gradient buffer."""
+    ZeRO-Offload the partition's device clone and the largest parameter's gradient buffer. ``trainable`` (LoRA,
+    module order): the optimizer's groups hold only the parameters that require grad, so only those are
+    flattened; the frozen ones keep their own storage."""
     run = Run(config or AllocatorConfig())
     keys = build_model(run, job)
     run.empty_cache()
     run.alloc(flat * half)  # bit16_groups_flat
-    for k in keys:
-        run.free(k)
+    for i, k in enumerate(keys):
+        if trainable is None or i >= len(trainable) or trainable[i]:
+            run.free(k)
     if offload is not None:
         run.free(run.alloc(partition * half))  # .detach().clone(), then .to("cpu", fp32)
         run.alloc(offload.largest * half)  # temp_grad_buffer_for_gpu_offload
@@ -193,7 +197,8 @@ def _optimizer_step(run: Run, job: ReplayJob, norms: tuple[int, ...], partition:
 
 
 def replay_zero0(job: ReplayJob, wrapper: str | None, grad_numels: tuple[int, ...], grad_bytes: int,
-                 comm_bytes: int, config: AllocatorConfig | None = None) -> Allocator:
+                 comm_bytes: int, config: AllocatorConfig | None = None,
+                 trainable: tuple[bool, ...] | None = None) -> Allocator:
     """DeepSpeed stage 0 (no ZeRO), 0.19.8, per rank. Setup (engine.py __init__): the built model's parameters
     cast to the 16-bit dtype one by one (_cast_module_mixed_precision: ``p.data = p.data.to(dtype)``; no
     empty_cache at stage 0), then the optimizer wrapper (zero12.fp16_wrapper):
@@ -241,8 +246,9 @@ def replay_zero0(job: ReplayJob, wrapper: str | None, grad_numels: tuple[int, ..
         run.alloc(psi * half)  # fp16_groups_flat
         for k in reversed(clones):
             run.free(k)
-        for k in keys:
-            run.free(k)  # p.data = the group's view
+        for i, k in enumerate(keys):  # p.data = the group's view (the optimizer's parameters: those that train)
+            if trainable is None or i >= len(trainable) or trainable[i]:
+                run.free(k)
         clone = run.alloc(psi * half)
         run.alloc(psi * 4)  # fp32_groups_flat
         run.free(clone)
@@ -324,16 +330,20 @@ def replay(inv: Any, s: Any, config: AllocatorConfig) -> tuple[str, dict[str, Al
             job = replay_job(inv, s, [sum(numels)])
         else:
             job = replay_job(inv, s, numels, [t.shape for t in trainable])
-        a = replay_zero0(job, wrapper, tuple(numels), s.recipe.grad_bytes, comm_bytes(s), config)
+        a = replay_zero0(job, wrapper, tuple(numels), s.recipe.grad_bytes, comm_bytes(s), config,
+                         tuple(t.trainable for t in inv.tensors) if inv.frozen else None)
         names = {"fused": "FP16_Optimizer", "unfused": "FP16_UnfusedOptimizer", None: "no wrapper"}
         return f"DeepSpeed stage 0 ({names[wrapper]})", {"": a}
-    flat = ceil_div(inv.num_params, 2 * n) * 2 * n  # flatten_dense_tensors_aligned(..., 2 * dp_size)
+    trained = [t for t in inv.tensors if t.trainable]  # the optimizer's groups (LoRA: the adapters)
+    psi = sum(t.numel for t in trained)
+    flat = ceil_div(psi, 2 * n) * 2 * n  # flatten_dense_tensors_aligned(..., 2 * dp_size)
     part = flat // n
     job = replay_job(inv, s, [part])
     offload = None
     if s.ds.offload_optimizer:
-        largest = max((t.numel for t in inv.tensors), default=0)
-        offload = Offload(largest, inv.num_params, part, s.recipe.param_bytes)
+        largest = max((t.numel for t in trained), default=0)
+        offload = Offload(largest, psi, part, s.recipe.param_bytes)
     a = replay_zero12(job, st.zero_stage, part, flat, s.ds.reduce_bucket_size, 2 if s.ds.overlap_comm else 1,
-                      _partition_params(inv, n), s.recipe.param_bytes, config, offload)
+                      _partition_params(inv, n), s.recipe.param_bytes, config, offload,
+                      tuple(t.trainable for t in inv.tensors) if inv.frozen else None)
     return f"ZeRO-{st.zero_stage}" + (" Offload" if offload else ""), {"": a}

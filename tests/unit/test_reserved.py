@@ -245,9 +245,20 @@ def test_lora_under_ddp_is_replayed(tmp_path: Path) -> None:
             r = plan.reserved
             assert r is not None and plan.reserved_why is None
             assert abs(r.allocated_bytes - plan.peak_bytes) < plan.peak_bytes // 200
-    s = options.resolve(inv, config=src.config, gpus=2, gpu="h100-80g", device="cuda", stage=2,
+    s = options.resolve(inv, config=src.config, gpus=2, gpu="h100-80g", device="cuda", stage=3,
                         micro_batch=2, seq_len=256, lora=spec).settings
-    assert reserved.why_not(s, inv).startswith("LoRA: the setup of FSDP1 and DeepSpeed")
+    assert reserved.why_not(s, inv).startswith("LoRA: the setup of DeepSpeed ZeRO-3")
+    # ZeRO-0/1/2: DeepSpeed flattens the optimizer's groups (the adapters), the frozen base keeps its storage
+    for stage in (0, 1, 2):
+        s = options.resolve(inv, config=src.config, gpus=2, gpu="h100-80g", device="cuda", stage=stage,
+                            micro_batch=2, seq_len=256, lora=spec).settings
+        plan = accounting.estimate(inv, s)
+        r = plan.reserved
+        assert r is not None and plan.reserved_why is None
+        # (ZeRO-1 sets its bucket up at the first adapter's gradient, inside the last block's backward, where
+        # the engine takes the block's worst: 0.66% over the replay here, +0.09% over the CPU harness's
+        # lora all-linear zero1 run, which the replay's sequence matches to 0.00%)
+        assert -(plan.peak_bytes // 1000) <= plan.peak_bytes - r.allocated_bytes < plan.peak_bytes // 100, stage
     s = options.resolve(inv, config=src.config, gpus=2, gpu="h100-80g", device="cuda", strategy="fsdp-full",
                         micro_batch=2, seq_len=256, lora=spec).settings
     plan = accounting.estimate(inv, s)
@@ -480,8 +491,8 @@ def test_horovod_is_replayed(compression: str) -> None:
 
 @pytest.mark.parametrize("label,strategy,gpus,quantize", [
     ("qlora nf4 dq q,v single", "single", 1, "nf4"),
-    ("qlora nf4 q,v ddp", "ddp", 2, "nf4"),
     ("lora q,v fsdp-full", "fsdp-full", 2, ""),
+    ("lora all-linear zero1", "zero1", 2, ""),
 ])
 def test_lora_and_qlora_replays_walk_the_harness_s_allocations(label: str, strategy: str, gpus: int,
                                                                 quantize: str) -> None:
@@ -497,7 +508,8 @@ def test_lora_and_qlora_replays_walk_the_harness_s_allocations(label: str, strat
     from memplan.model.lora import LoraSpec
 
     row = _harness_row(label, "llama-3-8b, 2 blocks", "none", "accuracy-lora.jsonl")
-    spec = LoraSpec(rank=16, targets=("q_proj", "v_proj"), quantize=quantize, double_quant=" dq " in label)
+    spec = LoraSpec(rank=16, targets="all-linear" if "all-linear" in label else ("q_proj", "v_proj"),
+                    quantize=quantize, double_quant=" dq " in label)
     inventories = []
     wrapped = validation._with_lora
     try:
@@ -505,7 +517,8 @@ def test_lora_and_qlora_replays_walk_the_harness_s_allocations(label: str, strat
         _, resolved, *_ = validation.predict(
             "llama-3-8b", layers=2, hidden=512, vocab=2048, device="cpu",
             cpu_isa=row[10] if len(row) > 10 else "avx512", gpus=gpus, gpus_per_node=gpus, micro_batch=2,
-            seq_len=128, recompute="none", strategy=strategy, lora=spec)
+            seq_len=128, recompute="none", lora=spec,
+            **({"stage": int(strategy[4:])} if strategy.startswith("zero") else {"strategy": strategy}))
     finally:
         validation._with_lora = wrapped
     _, peak = replayed_peak(inventories[-1], resolved.settings)

@@ -12,7 +12,8 @@ def replay_zero3(job: ReplayJob, world: int, partitions: tuple[int, ...], sub_gr
                  blocks: tuple[int, ...], bucket: int, half: int = 2,
                  config: AllocatorConfig | None = None, offload: bool = False,
                  host_params: HostParams | None = None,
-                 roots: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())) -> Allocator:
+                 roots: tuple[tuple[int, ...], tuple[int, ...]] = ((), ()),
+                 trainable: tuple[bool, ...] | None = None) -> Allocator:
     """DeepSpeed ZeRO-3 (deepspeed/runtime/zero/stage3.py, partition_parameters.py) with a fused Adam, per rank:
     ``partitions`` (each parameter's partition, elements, module order), ``sub_groups`` (the optimizer's
     sub-groups, elements), ``blocks`` (each block's gathered elements, with more than one rank), ``bucket``
@@ -39,7 +40,9 @@ def replay_zero3(job: ReplayJob, world: int, partitions: tuple[int, ...], sub_gr
     ``host_params`` (offload_param, with the optimizer offloaded): the partitions live on the host too; each
     parameter is fetched to the device when its module runs and released as the coordinator decides (HostParams).
     Measured: bench/gpu/traces/q05_z3offpo."""
-    run = _setup(job, world, partitions, sub_groups, bucket, half, config, offload, host_params)
+    hosted = host_params if host_params is not None and host_params.on_host else None
+    run = _setup(job, world, partitions, sub_groups, bucket, half, config, offload, hosted, trainable)
+    trained = partitions if trainable is None else tuple(p for p, t in zip(partitions, trainable) if t)
     for n in range(MAX_STEPS):
         before = run.a.peak_reserved
         for m in range(job.grad_accum):
@@ -59,7 +62,7 @@ def replay_zero3(job: ReplayJob, world: int, partitions: tuple[int, ...], sub_gr
                 gathered.clear()
             run.free(ids)
         if not offload:
-            _optimizer_step(run, job, partitions, sub_groups, half, n == 0)
+            _optimizer_step(run, job, trained, sub_groups, half, n == 0)
         run.end_step()
         if n >= 1 and run.a.peak_reserved == before:
             break
@@ -68,12 +71,16 @@ def replay_zero3(job: ReplayJob, world: int, partitions: tuple[int, ...], sub_gr
 
 def _setup(job: ReplayJob, world: int, partitions: tuple[int, ...], sub_groups: tuple[int, ...], bucket: int,
            half: int, config: AllocatorConfig | None, offload: bool = False,
-           host_params: HostParams | None = None) -> Run:
+           host_params: HostParams | None = None, trainable: tuple[bool, ...] | None = None) -> Run:
     """The partitions made, defragmented, the fp32 sub-group partitions, the bucket and the flat gradient buffer
     (with the optimizer offloaded, only the flat bit16 buffer and the bucket are on the device; with the
-    parameters offloaded too, the bucket alone)."""
+    parameters offloaded too, the bucket alone). ``trainable`` (LoRA, module order): every parameter is
+    partitioned (zero.Init), but the optimizer's groups, defragmented into the flat buffer, the fp32 partitions,
+    the flat gradient buffer and the gradient hooks are the trained parameters' only; a frozen partition keeps its
+    own storage."""
     run = Run(config or AllocatorConfig())
-    total = sum(partitions)
+    trains = trainable or (True,) * len(partitions)
+    total = sum(p for p, t in zip(partitions, trains) if t)
     if world == 1:
         keys = []
         for n, alias in job.build:
@@ -93,8 +100,9 @@ def _setup(job: ReplayJob, world: int, partitions: tuple[int, ...], sub_groups: 
         parts = [run.alloc(p * half) for p in partitions]
     # _create_fp16_partitions_with_defragmentation -> zero/utils.py defragment: each partition copied to one
     # host buffer and freed, empty_cache, then the flat buffer back on the device
-    for k in parts:
-        run.free(k)
+    for k, t in zip(parts, trains):
+        if t:
+            run.free(k)
     if host_params is not None and offload:
         # offload_param: the partitions went to the host (Init's _partition_param: remote_device cpu, pinned);
         # "if not self.offload_param" guards the defragmentation, so no empty_cache and no device flat buffer
@@ -107,7 +115,7 @@ def _setup(job: ReplayJob, world: int, partitions: tuple[int, ...], sub_groups: 
         run.alloc(total * half)  # fp16_partitioned_groups_flat; the partitions are views of it
     if offload:
         run.alloc(bucket * half)  # the ipg bucket buffer
-        _hook_gathers(run, job, half)
+        _hook_gathers(run, job, half, trains)
         return run
     # _create_fp32_partitions: ``converted = flat.to(device, dtype=fp32)``, then its ``.clone()`` kept; the local
     # ``converted`` lets the previous sub-group's copy go only when it is rebound, the last at the return. With
@@ -132,17 +140,18 @@ def _setup(job: ReplayJob, world: int, partitions: tuple[int, ...], sub_groups: 
     if host_params is not None:
         host_params.hook_gathers(run)
     else:
-        _hook_gathers(run, job, half)
+        _hook_gathers(run, job, half, trains)
     return run
 
 
-def _hook_gathers(run: Run, job: ReplayJob, half: int) -> None:
+def _hook_gathers(run: Run, job: ReplayJob, half: int, trainable: tuple[bool, ...] | None = None) -> None:
     """create_reduce_and_remove_grad_hooks (stage3.py): each parameter, in module order, is gathered whole
     (``param.all_gather()``: "the hook must be created in un-partitioned parameter") and partitioned again.
     Measured on the H100 (bench/gpu/traces/l8b_z3, olmoe_z3; ../shared/gpu/traces/zero3_offload): one transient
-    of each parameter's full size after the flat gradient buffer."""
-    for n, alias in job.build:
-        if not alias:
+    of each parameter's full size after the flat gradient buffer; only those that require grad get a hook."""
+    params = [n for n, alias in job.build if not alias]
+    for n, t in zip(params, trainable or (True,) * len(params)):
+        if t:
             run.free(run.alloc(n // 4 * half))  # built in fp32: n // 4 elements
 
 
@@ -175,10 +184,13 @@ class HostParams:
     step fetches the whole model (494M elements, under stage3_max_live_parameters) during the first block's
     forward and releases each block's at the end of its backward."""
 
-    def __init__(self, inv: Any, s: Any, world: int, half: int) -> None:
+    def __init__(self, inv: Any, s: Any, world: int, half: int, on_host: bool = True) -> None:
         from memplan.frameworks.zero3 import _Coordinator
         from memplan.model.inventory import ROOT_BLOCK
 
+        #: the partitions live on the host (offload_param); False: on the device, where the same coordinator
+        #: fetches (all-gathers) and releases each module's parameters, without the host-to-device copies
+        self.on_host = on_host
         ds = s.ds
         self.args = (inv, world, ds.prefetch_bucket_size, ds.max_live_parameters, ds.max_reuse_distance,
                      ds.param_persistence_threshold, None, s.z3_leaves)
@@ -260,7 +272,9 @@ class _Fetching:
             return
         parts = [-(-hp.numel[p] // w) for p in ps]
         flat = run.alloc(sum(parts) * w * h, stream=FETCH_STREAM)
-        copies = [run.alloc(n * h, stream=FETCH_STREAM) for n in parts]
+        # each partition copied to the device first where it lives on the host (``p.ds_tensor.to(device)`` is
+        # the partition itself on the device)
+        copies = [run.alloc(n * h, stream=FETCH_STREAM) for n in parts] if hp.on_host else []
         for k in copies:
             run.free(k)
         if len(ps) == 1:
@@ -466,7 +480,8 @@ def replay(inv: Any, s: Any, config: AllocatorConfig) -> tuple[str, dict[str, Al
 
     n = shard_group_size(s)
     parts = tuple(ceil_div(t.numel, n) for t in inv.tensors)
-    groups = sub_groups(list(parts), s.ds.sub_group_size)
+    trained = [p for p, t in zip(parts, inv.tensors) if t.trainable]  # the optimizer's (LoRA: the adapters)
+    groups = sub_groups(trained, s.ds.sub_group_size)
     blocks = tuple(b.numel for b in inv.layer_blocks)
     # the root's parameters by where they run: the input embedding at the step's start (and its backward at the
     # end), the rest (final norm, head; a tied head is the embedding's weight again) around the loss
@@ -474,12 +489,14 @@ def replay(inv: Any, s: Any, config: AllocatorConfig) -> tuple[str, dict[str, Al
     embedding = tuple(t.numel for t in root if t.category == "embedding")
     head = tuple(t.numel for t in root if t.category != "embedding") + \
         tuple(t.numel for t in root if t.category == "embedding" and t.tied_names)
-    job = replay_job(inv, s, [sum(parts)])
+    job = replay_job(inv, s, [sum(trained)])
     offload = bool(s.ds.offload_optimizer)
-    host = HostParams(inv, s, n, s.recipe.param_bytes) if s.ds.offload_param else None
-    return "ZeRO-3" + (" Offload" if offload else "") + (" (parameters too)" if host else ""), {
+    host = HostParams(inv, s, n, s.recipe.param_bytes) if s.ds.offload_param else \
+        HostParams(inv, s, n, s.recipe.param_bytes, on_host=False) if n > 1 else None
+    return "ZeRO-3" + (" Offload" if offload else "") + (" (parameters too)" if s.ds.offload_param else ""), {
         "": replay_zero3(job, n, parts, tuple(groups), blocks, s.ds.reduce_bucket_size, s.recipe.param_bytes, config,
-                         offload, host, (embedding, head))}
+                         offload, host, (embedding, head),
+                         tuple(t.trainable for t in inv.tensors) if inv.frozen else None)}
 
 
 def why_not(s: Any) -> str | None:

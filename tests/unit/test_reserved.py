@@ -246,10 +246,12 @@ def test_lora_under_ddp_is_replayed(tmp_path: Path) -> None:
             assert r is not None and plan.reserved_why is None
             assert abs(r.allocated_bytes - plan.peak_bytes) < plan.peak_bytes // 200
     s = options.resolve(inv, config=src.config, gpus=2, gpu="h100-80g", device="cuda", stage=3,
-                        micro_batch=2, seq_len=256, lora=spec).settings
-    assert reserved.why_not(s, inv).startswith("LoRA: the setup of DeepSpeed ZeRO-3")
-    # ZeRO-0/1/2: DeepSpeed flattens the optimizer's groups (the adapters), the frozen base keeps its storage
-    for stage in (0, 1, 2):
+                        micro_batch=2, seq_len=256, lora=spec, ds_overrides={"offload_param": True,
+                                                                           "offload_optimizer": True}).settings
+    assert reserved.why_not(s, inv).startswith("LoRA under ZeRO-3 with offload_param")
+    # ZeRO-0/1/2/3: DeepSpeed flattens the optimizer's groups (the adapters), the frozen base keeps its storage
+    # (ZeRO-3: its own partitions, gathered with the rest)
+    for stage in (0, 1, 2, 3):
         s = options.resolve(inv, config=src.config, gpus=2, gpu="h100-80g", device="cuda", stage=stage,
                             micro_batch=2, seq_len=256, lora=spec).settings
         plan = accounting.estimate(inv, s)

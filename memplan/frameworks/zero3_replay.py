@@ -212,6 +212,12 @@ class HostParams:
             self.regions.setdefault(key, []).append(k)
         #: each parameter's elements and its partition's (padded to the ranks), module order
         self.params = [t.numel for t in inv.tensors]
+        #: ZeRO++ hpZ (zero_hpz_partition_size > 1): each parameter's secondary partition over that many ranks,
+        #: made when the parameter is first partitioned again after a forward gather (partition_parameters.py
+        #: _partition -> _partition_param_sec: ds_secondary_tensor) and kept; backward gathers from it
+        self.hpz = ds.hpz_partition_size if world > 1 else 1
+        self.secondary: dict[int, Any] = {}
+        self.nf = nf
 
     def hook_gathers(self, run: Run) -> None:
         """create_reduce_and_remove_grad_hooks gathers each parameter once (``param.all_gather()`` ->
@@ -314,6 +320,11 @@ class _Fetching:
         c.prefetch_after(k, params)
 
     def release(self, k: int) -> None:
+        hp = self.hp
+        if hp.hpz > 1 and k < hp.nf:  # hpZ: a forward release makes each new secondary partition
+            for p in dict.fromkeys(hp.trace[k]):
+                if p not in hp.secondary and not hp.persist[p]:
+                    hp.secondary[p] = self.run.alloc(-(-hp.numel[p] // hp.hpz) * hp.half)
         c = self.c
         if c is None:
             for p in dict.fromkeys(self.hp.trace[k]):
@@ -500,7 +511,7 @@ def replay(inv: Any, s: Any, config: AllocatorConfig) -> tuple[str, dict[str, Al
 
 
 def why_not(s: Any) -> str | None:
-    """DeepSpeed setups not written down yet: ZeRO++ hpZ."""
-    if s.ds.hpz_partition_size > 1:
-        return "DeepSpeed ZeRO++ hpZ not modelled yet"
+    """DeepSpeed setups not written down yet: ZeRO++ hpZ with the parameters offloaded."""
+    if s.ds.hpz_partition_size > 1 and s.ds.offload_param:
+        return "DeepSpeed ZeRO++ hpZ with offload_param not replayed yet"
     return None

@@ -525,3 +525,21 @@ def test_lora_and_qlora_replays_walk_the_harness_s_allocations(label: str, strat
         validation._with_lora = wrapped
     _, peak = replayed_peak(inventories[-1], resolved.settings)
     assert abs(peak - row[4]) <= 4096, (peak, row[4])
+
+
+def test_zero3_hpz_is_replayed() -> None:
+    # ZeRO++ hpZ: each parameter's secondary partition over zero_hpz_partition_size ranks, made at its first
+    # release after a forward gather and kept (partition_parameters.py _partition_param_sec); the parameters'
+    # fetches follow the coordinator as without it. The replay's allocated peak is the engine's.
+    src = resolve("llama-3-8b")
+    inv = build_inventory(src)
+    peaks = {}
+    for hpz in (1, 8):
+        s = options.resolve(inv, config=src.config, gpus=16, gpus_per_node=8, gpu="h100-80g", stage=3,
+                            ds_overrides={"hpz_partition_size": hpz}, allocator_conf="").settings
+        plan = accounting.estimate(inv, s)
+        r = plan.reserved
+        assert r is not None and plan.reserved_why is None
+        assert abs(r.allocated_bytes - plan.peak_bytes) <= plan.peak_bytes // 1000
+        peaks[hpz] = r.allocated_bytes
+    assert peaks[8] > peaks[1]  # the secondary partitions

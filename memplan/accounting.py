@@ -181,9 +181,10 @@ def _assemble(s: Settings, tl: BufferTimeline, g: Grads, model_states: tuple[int
         comms += s.model_parallel_groups  # a model-parallel rank's TP and PP groups (each its own communicator)
         a["nccl_communicators"] = comms
     moments = []
-    # FSDP's CPU offload: each reduced shard is copied to the host as it is reduced (FSDP2 foreach_reduce:
+    # FSDP2's CPU offload: each reduced shard is copied to the host as it is reduced (foreach_reduce:
     # new_sharded_grad.to("cpu"), the device output freed), so none stays on the device through backward
-    grads_on_host = s.torch.cpu_offload and frameworks.model(s.strategy.memory_model).cpu_offload_policy
+    fm = frameworks.model(s.strategy.memory_model)
+    grads_on_host = s.torch.cpu_offload and fm.cpu_offload_policy and fm.offloads_each_reduced_grad
     for m in tl.moments:
         m_buffers = m.buffers + buf_persist + buf_bwd + amp_copies
         if m.at == Moment.LOSS_BACKWARD:  # what is gathered at the loss, no reduce bucket yet

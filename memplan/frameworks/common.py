@@ -161,6 +161,10 @@ class FrameworkModel:
     zero_offload: bool = False
     #: the framework offers FSDP's CPUOffloadPolicy (--cpu-offload)
     cpu_offload_policy: bool = False
+    #: with it, each reduced gradient leaves the device as it is reduced (FSDP2 foreach_reduce: .to("cpu")); False:
+    #: the reduced shards stay on the device to backward's end (FSDP1 keeps _saved_grad_shard until the final
+    #: callback's prepare_gradient_for_optim points .grad at _cpu_grad)
+    offloads_each_reduced_grad: bool = False
     #: the buffers the framework pins on the host (bytes each, as requested; memplan/host.py rounds them)
     pinned_host: Callable[[ParamInventory, Settings, int], list[int]] = no_pinned
     #: why the model cannot take frozen parameters (LoRA), or None where it can (layouts._with_frozen)

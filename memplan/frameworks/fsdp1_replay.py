@@ -67,6 +67,9 @@ class Fsdp1Setup:
     unshard: int  #: bytes per element of the unsharded parameter and of autograd's gradient
     reduce: int  #: bytes per element of the reduced gradient (MixedPrecision.reduce_dtype)
     reshard_after_forward: bool  #: FULL_SHARD (or HYBRID_SHARD) True, SHARD_GRAD_OP False
+    #: CPUOffload(offload_params=True): the flat parameters (and _cpu_grad) live on the host; each unshard
+    #: copies the shard in, the reduced shards go to the host at backward's end, the optimizer steps there
+    offload: bool = False
 
     @property
     def sharded(self) -> bool:
@@ -78,7 +81,10 @@ class Fsdp1Setup:
 
 
 def _setup(run: Run, units: list[FlatUnit], fs: Fsdp1Setup) -> None:
-    """FullyShardedDataParallel.__init__, unit by unit (module docstring)."""
+    """FullyShardedDataParallel.__init__, unit by unit (module docstring); with CPU offload the module stays on the
+    host (flattened and sharded there)."""
+    if fs.offload:
+        return
     for u in units:
         moved = [run.alloc(b) for b in u.param_bytes]
         flat = run.alloc(u.numel * fs.stored)
@@ -118,9 +124,16 @@ def replay_fsdp1(job: ReplayJob, blocks: list[FlatUnit], root: FlatUnit, fs: Fsd
             ids = run.alloc(job.input_bytes)
             _MicroStep(run, job, blocks, root, fs, saved, first=n == 0 and m == 0).go((n, m))
             run.free(ids)
-        optimizer_step(run, job, n == 0, states)
-        for k in saved.values():  # optimizer.zero_grad(set_to_none=True)
-            run.free(k)
+            if fs.offload:
+                # each backward's final callback (prepare_gradient_for_optim): .grad = _cpu_grad, the device's
+                # reduced gradients dropped (_saved_grad_shard; NO_SHARD's flat gradient)
+                for k in saved.values():
+                    run.free(k)
+                saved.clear()
+        if not fs.offload:  # offloaded: the optimizer steps on the host
+            optimizer_step(run, job, n == 0, states)
+            for k in saved.values():  # optimizer.zero_grad(set_to_none=True)
+                run.free(k)
         run.end_step()
         if n >= 1 and run.a.peak_reserved == before:
             break
@@ -138,6 +151,7 @@ class _MicroStep:
         self.units[ROOT] = root
         self.nblocks = len(blocks)
         self.unsharded: dict[int, Any] = {}  # unit -> its unsharded flat parameter (NO_SHARD: _mp_shard)
+        self.device_shard: dict[int, Any] = {}  # CPU offload without a param_dtype: the shard copied in
         self.grads_of: dict[int, list[Any]] = {}
         self.pending: int | None = None  # the unit whose backward runs (its post-backward comes next)
         self.forward: int | None = None  # the block whose forward runs
@@ -174,8 +188,17 @@ class _MicroStep:
         if not fs.sharded:
             if fs.low_precision:  # NO_SHARD: _mp_shard is the unsharded parameter
                 self.unsharded[i] = run.alloc(u.numel * fs.unshard, stream=PRE_UNSHARD)
+                if fs.offload:  # filled from the host's shard: _local_shard.to(device), a temporary
+                    run.free(run.alloc(u.numel * fs.stored, stream=PRE_UNSHARD))
+            elif fs.offload:  # flat_param_to(device): the whole flat parameter on the device until reshard
+                self.unsharded[i] = run.alloc(u.numel * fs.stored, stream=PRE_UNSHARD)
             return
         mp = run.alloc(u.shard * fs.unshard, stream=PRE_UNSHARD) if fs.low_precision else None
+        if fs.offload:
+            if mp is not None:  # _use_low_precision_shard: _local_shard.to(device) copied into _mp_shard
+                run.free(run.alloc(u.shard * fs.stored, stream=PRE_UNSHARD))
+            else:  # flat_param_to(device): the shard on the device, the all-gather's input, until reshard
+                self.device_shard[i] = run.alloc(u.shard * fs.stored, stream=PRE_UNSHARD)
         self.unsharded[i] = run.alloc(u.shard * fs.world * fs.unshard, stream=UNSHARD)
         if mp is not None:
             run.free(mp)
@@ -185,6 +208,8 @@ class _MicroStep:
         freed whatever ``free`` says (post_reshard)."""
         if i in self.unsharded and (free or not self.fs.sharded):
             self.run.free(self.unsharded.pop(i))
+        if i in self.device_shard:  # _use_sharded_flat_param: flat_param.data = the host's _local_shard
+            self.run.free(self.device_shard.pop(i))
 
     def post_backward(self, i: int) -> None:
         run, fs, u = self.run, self.fs, self.units[i]
@@ -254,8 +279,6 @@ class _MicroStep:
 
 
 def why_not(s: Any) -> str | None:
-    if s.torch.cpu_offload:
-        return "FSDP1 with CPU offload (CPUOffload(offload_params=True)) not modelled yet"
     if s.torch.fsdp_wrap == "block+embeddings":
         return "--fsdp-wrap block+embeddings is torchtitan's FSDP2 layout"
     return None
@@ -283,7 +306,7 @@ def replay(inv: Any, s: Any, config: AllocatorConfig) -> tuple[str, dict[str, Al
     blocks = [unit(ts) for ts in block_ts]
     root = unit(root_ts)
     fs = Fsdp1Setup(world=world, stored=rc.param_bytes, unshard=rc.grad_bytes, reduce=rc.reduced_grad_bytes,
-                    reshard_after_forward=world > 1 and _reshard(s))
+                    reshard_after_forward=world > 1 and _reshard(s), offload=bool(s.torch.cpu_offload))
     # fsdp.parameters(): the root's flat parameter first (registered on the wrapped model), then the blocks'
     job = replay_job(inv, s, [u.shard for u in (root, *blocks) if u.numel])
     return "FSDP1", {"": replay_fsdp1(job, blocks, root, fs, config)}

@@ -615,7 +615,8 @@ def _root_only(job: Job, grads: Grads) -> BufferTimeline:
 
 
 MODEL = FrameworkModel(name="fsdp2", replay="memplan.frameworks.fsdp2_replay", buffers=buffers,
-                       cpu_offload_policy=True, wrap_why_not=wrap_why_not, units=wrap_units.units_for,
+                       cpu_offload_policy=True, offloads_each_reduced_grad=True, wrap_why_not=wrap_why_not,
+                       units=wrap_units.units_for,
                        # measured (torch 2.13, gloo, 2 ranks): transformers' Adafactor fails in its first step
                        # (torch.zeros(grad_shape[:-1]).to(grad) is a plain tensor beside DTensor grads: "aten.add_
                        # got mixed torch.Tensor and DTensor"), and so do bitsandbytes' optimizer kernels

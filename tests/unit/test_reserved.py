@@ -543,3 +543,19 @@ def test_zero3_hpz_is_replayed() -> None:
         assert abs(r.allocated_bytes - plan.peak_bytes) <= plan.peak_bytes // 1000
         peaks[hpz] = r.allocated_bytes
     assert peaks[8] > peaks[1]  # the secondary partitions
+
+
+def test_fsdp1_cpu_offload_is_replayed() -> None:
+    # CPUOffload(offload_params=True): the module stays on the host; each unshard copies the shard in (cast into
+    # _mp_shard), and the reduced shards stay on the device until each backward's final callback points .grad at
+    # _cpu_grad (unlike FSDP2, which sends each one to the host as it is reduced)
+    src = resolve("llama-3-8b")
+    inv = build_inventory(src)
+    for strategy in ("fsdp-full", "fsdp-grad-op"):
+        s = options.resolve(inv, config=src.config, gpus=8, gpu="h100-80g", strategy=strategy,
+                            torch_overrides={"cpu_offload": True, "fsdp_version": 1}, allocator_conf="").settings
+        plan = accounting.estimate(inv, s)
+        r = plan.reserved
+        assert r is not None and r.model == "FSDP1" and plan.reserved_why is None
+        assert 0 <= r.allocated_bytes - plan.peak_bytes <= plan.peak_bytes // 1000, strategy
+        assert all(p.weights_bytes == 0 and p.optimizer_states_bytes == 0 for p in plan.phases)

@@ -61,7 +61,10 @@ def _gradients(job: Job, fw: FrameworkModel, host_by: dict[str, int]) -> tuple[G
         persist = max(persist, end)  # grads live across micro-steps
     if job.cpu_offload:
         host_by["grads_bytes"] += end
-        end = persist = 0
+        # FSDP2 sends each reduced gradient to the host as it is reduced; FSDP1 keeps the reduced shards on the
+        # device to backward's end (its final callback points .grad at _cpu_grad), so they are there at its end
+        end = 0 if fw.offloads_each_reduced_grad else end
+        persist = 0
     off = OffloadedGrads()
     if job.offload_optimizer:
         off = fw.offload(job, Grads(end=end, persist=persist), host_by)
@@ -87,7 +90,7 @@ def _step(job: Job, fw: FrameworkModel, grads: Grads, persistent: int, master_by
     scratch = max(scratch, off.step_scratch)
     # with a master copy, the grads are copied into an fp32 partition for the step (DeepSpeed:
     # single_partition_of_fp32_groups[i].grad), after which the low-precision grads are freed
-    step_grads = grads.end
+    step_grads = 0 if job.cpu_offload else grads.end  # offloaded: the step's gradients are the host's
     if master_bytes and not job.offload_optimizer:
         step_grads = rc.reduced_grad_bytes * lay.optimizer_numel + grads.persist
     step_grads, step_buffers, notes = fw.step(job, StepIn(grads=step_grads, buffers=persistent + scratch,

@@ -27,6 +27,10 @@ class FsdpGroup:
     chunk_tmp: int = 0
     #: CPUOffloadPolicy: the shards and sharded gradients live on the host, the optimizer steps there
     offload: bool = False
+    #: elements of each parameter padded on dim 0 to the shard count (what its shards and the all-gather output
+    #: hold: a dim 0 smaller than the ranks, as an MoE's stacked experts at 64 ranks, is padded to one row each)
+    padded: tuple[int, ...] = ()
+    unshard_bytes: int = 0  #: bytes per unsharded element (the all-gather's dtype)
 
 
 #: the allocator's stream for FSDP2's reduce-scatter outputs (its own pool; any id but the default's)
@@ -60,16 +64,19 @@ def _all_gather(run: Run, g: FsdpGroup, world: int) -> Any:
     the shards cast into one flat buffer in param_dtype (_get_param_all_gather_inputs' fast path,
     flat_foreach_copy_input), then the flat all-gather output they are copied into; the output is returned,
     the cast buffer freed."""
-    shards = sum(-(-n // world) for n in g.unsharded)
+    # the all-gather's input and output in the unsharded dtype: each padded shard, then every rank's
+    per = g.unshard_bytes
+    shards = sum(p // world for p in g.padded) * per if g.padded else sum(-(-n // world) for n in g.unsharded)
     if g.offload:
         # CPUOffloadPolicy (no foreach fast path: _get_param_all_gather_inputs' use_foreach_copy is False): each
         # shard copied to the device (FSDPParam.all_gather_inputs: .to(device)), then cast to param_dtype (the
         # copy freed), the inputs held until the copy-in into the output
         inputs = []
-        for n, stored in zip(g.unsharded, g.shard):
+        for i, stored in enumerate(g.shard):
             h2d = run.alloc(stored, stream=AG_STREAM)
             if g.cast:
-                inputs.append(run.alloc(-(-n // world), stream=AG_STREAM))
+                inputs.append(run.alloc(g.padded[i] // world * per if g.padded else -(-g.unsharded[i] // world),
+                                        stream=AG_STREAM))
                 run.free(h2d)
             else:
                 inputs.append(h2d)
@@ -92,7 +99,11 @@ def _all_gather_post_forward(run: Run, g: FsdpGroup, group: int) -> Any:
 
 
 def _copy_out(run: Run, g: FsdpGroup) -> list[Any]:
-    """wait_for_unshard's foreach_all_gather_copy_out: each unsharded parameter, on the default stream."""
+    """wait_for_unshard's foreach_all_gather_copy_out: each parameter's all_gather_outputs buffer, on the default
+    stream, padded on dim 0 as its shards are (split_with_sizes_copy into it; the unsharded parameter is an
+    as_strided view of it at the original size: _fsdp_param.py init_all_gather_outputs, init_unsharded_param)."""
+    if g.padded:
+        return [run.alloc(p * g.unshard_bytes) for p in g.padded]
     return [run.alloc(n) for n in g.unsharded]
 
 
@@ -427,7 +438,7 @@ def replay(inv: Any, s: Any, config: AllocatorConfig) -> tuple[str, dict[str, Al
                          post_forward=tuple(p // group_size * cb for p in padded) if group_size else (),
                          chunk_tmp=r.grad_bytes * max((t.numel for t in ts if t.trainable), default=0)
                          if cpu_chunk else 0,
-                         offload=bool(s.torch.cpu_offload))
+                         offload=bool(s.torch.cpu_offload), padded=tuple(padded), unshard_bytes=cb)
     blocks, root, emb, head = _units(inv, s)
     emb_g = group(emb) if emb else None
     groups = [group(ts) for ts in blocks]

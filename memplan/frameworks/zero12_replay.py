@@ -185,8 +185,11 @@ def _optimizer_step(run: Run, job: ReplayJob, norms: tuple[int, ...], partition:
     for numel in norms:
         run.free(run.alloc(numel * 8))
     copy = run.alloc(partition * half)
-    fp32_grad = run.alloc(partition * 4)
-    run.free(copy)
+    if half == 4:  # fp32 parameters (torch_autocast, fp32): .to(fp32) returns the flattened copy itself
+        fp32_grad = copy
+    else:
+        fp32_grad = run.alloc(partition * 4)
+        run.free(copy)
     if grads_flat is not None:
         run.free(grads_flat)
     if first:

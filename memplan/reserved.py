@@ -111,7 +111,7 @@ def predict(inv: Any, s: Any, config: AllocatorConfig | None = None, limit: int 
 def _predict(inv: Any, s: Any, config: AllocatorConfig | None) -> Reserved:
     config = config or AllocatorConfig.parse(s.allocator_conf)
     model, variants = _replayer(s).replay(inv, s, config)
-    best = max(variants.values(), key=lambda a: a.peak_reserved)
+    best = max(variants.values(), key=lambda a: (a.peak_reserved, a.steps[-1][0] if a.steps else 0))
     return Reserved(peak_bytes=best.peak_reserved, allocated_bytes=best.steps[-1][0], model=model,
                     variants={k: a.peak_reserved for k, a in variants.items()}, config=config.text,
                     steps=tuple(best.steps))

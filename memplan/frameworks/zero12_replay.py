@@ -135,18 +135,28 @@ class Offload:
     (the first rank's, which holds the first elements in module order: the gradients that come last in
     backward)."""
 
-    def __init__(self, largest: int, psi: int, partition: int, half: int) -> None:
+    def __init__(self, largest: int, psi: int, partition: int, half: int, last_rank: bool = False) -> None:
         self.largest, self.psi, self.partition, self.half = largest, psi, partition, half
         self.seen = 0  # gradient elements reduced so far in this backward (the replay resets it)
         #: the reduces come in module order (ZeRO-1's reduce_gradients after backward), else in backward's
         self.module_order = False
+        #: the rank replayed holds the flat group's last part (the last parameters in module order, the first
+        #: reduced in backward: the head's, while every activation is alive), else its first part
+        self.last_rank = last_rank
+
+    def _part(self) -> tuple[int, int]:
+        """The rank's real elements as [start, end) in module order (the last part ends with the padding)."""
+        if not self.last_rank:
+            return 0, min(self.partition, self.psi)
+        return max(self.psi - (self.psi % self.partition or self.partition), 0), self.psi
 
     def copy_to_host(self, run: Run, numel: int) -> None:
         self.seen += numel
-        if self.module_order:
-            inside = max(0, min(self.seen, self.partition) - (self.seen - numel))
-        else:
-            inside = max(0, min(numel, self.seen - (self.psi - self.partition)))
+        start, end = self._part()
+        # the gradient's elements in module order: reduced in module order, or from the end in backward's
+        lo, hi = (self.seen - numel, self.seen) if self.module_order else (self.psi - self.seen,
+                                                                           self.psi - self.seen + numel)
+        inside = max(0, min(hi, end) - max(lo, start))
         if inside:
             run.free(run.alloc(inside * 8))  # the norm's fp64 copy
             if self.half != 4:
@@ -342,11 +352,14 @@ def replay(inv: Any, s: Any, config: AllocatorConfig) -> tuple[str, dict[str, Al
     flat = ceil_div(psi, 2 * n) * 2 * n  # flatten_dense_tensors_aligned(..., 2 * dp_size)
     part = flat // n
     job = replay_job(inv, s, [part])
-    offload = None
-    if s.ds.offload_optimizer:
-        largest = max((t.numel for t in trained), default=0)
-        offload = Offload(largest, psi, part, s.recipe.param_bytes)
-    a = replay_zero12(job, st.zero_stage, part, flat, s.ds.reduce_bucket_size, 2 if s.ds.overlap_comm else 1,
-                      _partition_params(inv, n), s.recipe.param_bytes, config, offload,
-                      tuple(t.trainable for t in inv.tensors) if inv.frozen else None)
-    return f"ZeRO-{st.zero_stage}" + (" Offload" if offload else ""), {"": a}
+    args = (job, st.zero_stage, part, flat, s.ds.reduce_bucket_size, 2 if s.ds.overlap_comm else 1,
+            _partition_params(inv, n), s.recipe.param_bytes, config)
+    trainable = tuple(t.trainable for t in inv.tensors) if inv.frozen else None
+    if not s.ds.offload_optimizer:
+        return f"ZeRO-{st.zero_stage}", {"": replay_zero12(*args, None, trainable)}
+    # ZeRO-Offload: what each reduce copies to the host through the device depends on the rank's part of the flat
+    # group; the first part's and the last part's ranks are replayed (the engine takes the worst rank)
+    largest = max((t.numel for t in trained), default=0)
+    return f"ZeRO-{st.zero_stage} Offload", {
+        f"rank {r}": replay_zero12(*args, Offload(largest, psi, part, s.recipe.param_bytes, last_rank=r > 0),
+                                   trainable) for r in (0, n - 1)}

@@ -79,10 +79,18 @@ class GatherSizes:
     block_expert_numels: tuple[int, ...] = ()  #: the experts' elements per block, unpadded
     expert_world: int = 0
     largest_expert_tensor: int = 0
+    #: elements of each layer block's trainable parameters, unpadded: what its unsharded gradients hold (FSDP2's
+    #: unsharded parameter is an as_strided view of the padded all-gather output at its original size, so
+    #: autograd's gradient is the original size); () : the same as grad_block_numels
+    unpadded_grad_block_numels: tuple[int, ...] = ()
 
     @property
     def grad_block_numels(self) -> tuple[int, ...]:
         return self.trainable_block_numels or self.block_numels
+
+    @property
+    def unsharded_grad_block_numels(self) -> tuple[int, ...]:
+        return self.unpadded_grad_block_numels or self.grad_block_numels
 
 
 _cache: dict[tuple, tuple[ParamInventory, object]] = {}
@@ -284,6 +292,7 @@ def _gather_sizes(inv: ParamInventory, layout: str, n: int) -> GatherSizes:
     from the head's backward on is its upper bound."""
     per_block: dict[str, int] = {}
     per_block_trainable: dict[str, int] = {}
+    per_block_grad: dict[str, int] = {}  # trainable elements, unpadded
     root_head = tied = head_largest = 0
     largest = {True: 0, False: 0}  # root?: the largest padded tensor
     seen_block = False
@@ -320,6 +329,7 @@ def _gather_sizes(inv: ParamInventory, layout: str, n: int) -> GatherSizes:
             u[1] += padded if t.trainable else 0
         per_block[group] = per_block.get(group, 0) + padded
         per_block_trainable[group] = per_block_trainable.get(group, 0) + (padded if t.trainable else 0)
+        per_block_grad[group] = per_block_grad.get(group, 0) + (t.numel if t.trainable else 0)
         largest[group == ROOT_BLOCK] = max(largest[group == ROOT_BLOCK], padded)
         if group == ROOT_BLOCK and (seen_block or t.tied_names):
             root_head += padded
@@ -331,6 +341,8 @@ def _gather_sizes(inv: ParamInventory, layout: str, n: int) -> GatherSizes:
             per_block_trainable[b] += round_up(trainable, n)
     root = per_block.pop(ROOT_BLOCK, 0)
     per_block_trainable.pop(ROOT_BLOCK, 0)
+    per_block_grad.pop(ROOT_BLOCK, 0)
+    grad_blocks = tuple(per_block_grad.get(b, 0) for b in per_block)
     blocks = tuple(per_block.values())
     ep: dict = {}
     if expert_world:
@@ -343,7 +355,8 @@ def _gather_sizes(inv: ParamInventory, layout: str, n: int) -> GatherSizes:
     return GatherSizes(largest_block=max(blocks, default=root), root=root, total_blocks=sum(blocks),
                        block_numels=blocks, total_sharded=inv.num_params, root_head=root_head,
                        largest_tensor=largest[False], root_largest_tensor=largest[True], tied=tied,
-                       head_largest_tensor=head_largest, trainable_block_numels=trainable_blocks, **ep)
+                       head_largest_tensor=head_largest, trainable_block_numels=trainable_blocks,
+                       unpadded_grad_block_numels=grad_blocks if layout == S.PER_PARAM_DIM0 else (), **ep)
 
 
 def ceil_sum(numels: tuple[int, ...], r: int) -> int:

@@ -251,6 +251,11 @@ class _Units:
     tfirst: int = 0
     tsecond: int = 0
     tthird: int = 0  #: the third block's trainable elements (its reduce-scatter input, inside the second's backward)
+    #: the last, previous and first blocks' trainable elements unpadded: what their unsharded gradients hold
+    #: (the t* sizes are padded on dim 0 as the reduce-scatter input is; 0: the same as those)
+    glast: int = 0
+    gprev: int = 0
+    gfirst: int = 0
     #: the reduced grad shards of the blocks after the second (present inside the second block's backward)
     mid_shards: int = 0
     troot: int = 0  #: the root's trainable elements
@@ -321,6 +326,7 @@ def _units(job: Job) -> _Units:
     rb = rc.reduced_grad_bytes
     sizes = g.block_numels or (0,)
     tsizes = g.grad_block_numels or (0,)
+    gsizes = g.unsharded_grad_block_numels or (0,)
     nblocks = len(g.block_numels)
     # all-gathers with more than one rank go through a flat output buffer. In forward the output is kept
     # (FSDPCommContext.all_gather_state) until the next block's wait_for_unshard returns: the local
@@ -366,6 +372,7 @@ def _units(job: Job) -> _Units:
                   root_chunk_tmp=gb * gg.root_largest_tensor if cpu_chunk else 0,
                   tlast=tsizes[-1], tprev=tsizes[-2] if nblocks >= 2 else 0, tfirst=tsizes[0],
                   tsecond=tsizes[1] if nblocks >= 2 else 0, tthird=tsizes[2] if nblocks >= 3 else 0,
+                  glast=gsizes[-1], gprev=gsizes[-2] if nblocks >= 2 else 0, gfirst=gsizes[0],
                   mid_shards=rb * sum(ceil_div(t, job.n) for t in tsizes[2:]) if job.n else 0,
                   troot=gg.root, cin=cin, n=job.n, outside=s.pipeline_stage)
 
@@ -408,7 +415,7 @@ def _kept(u: _Units) -> _Held:
         unshard_last=0, unshard_prev=0,
         inside_last=u.root + u.head_grads + kept + u.head_rs,
         # all blocks unsharded and the last one's grads; then (resharded) its reduce-scatter input
-        last_end=(u.root + u.head_grads + kept + u.gb * u.tlast + max(u.head_rs, u.rb * u.tlast - u.cb * u.last)
+        last_end=(u.root + u.head_grads + kept + u.gb * u.glast + max(u.head_rs, u.rb * u.tlast - u.cb * u.last)
                   + u.chunk_tmp),
         # one block fewer unsharded, the last block's reduce-scatter input
         inside_two=u.root + u.head_grads + kept - u.cb * u.last + u.rb * u.tlast)
@@ -443,7 +450,7 @@ def _resharded(u: _Units, raf: bool | int, block_numels: tuple[int, ...]) -> _He
         inside_last=root + hg + kept - share_last + prefetched + cb * u.last + u.head_rs,
         # at the end of its backward: that, and its grads; then resharded, its reduce-scatter input (the head
         # unit's input waited on and freed first: post_backward_rs_wait)
-        last_end=(root + hg + kept - share_last + prefetched + u.gb * u.tlast
+        last_end=(root + hg + kept - share_last + prefetched + u.gb * u.glast
                   + max(cb * u.last + u.head_rs, u.rb * u.tlast) + u.chunk_tmp),
         # the block before it, copied out of its prefetched all-gather: the last block's reduce-scatter input
         # still held (reduce_scatter_max_input_buffers = 1) and the next block prefetched after
@@ -504,14 +511,14 @@ def _backward_moments(u: _Units, h: _Held, raf: bool | int, n: int) -> list[Buff
     if h.prefetch_prev:
         out.append(BufferMoment(h.prefetch_prev, last_shard, Moment.PREVIOUS_BLOCK_BACKWARD_BEGINS))
     # the block before, its grads complete
-    out.append(BufferMoment(h.inside_two + u.gb * u.tprev, last_shard, Moment.PREVIOUS_BLOCK_BACKWARD_ENDS))
+    out.append(BufferMoment(h.inside_two + u.gb * u.gprev, last_shard, Moment.PREVIOUS_BLOCK_BACKWARD_ENDS))
     if u.chunk_tmp:
         # then resharded, the last block's input freed, its own input filled: the CPU temporary (SHARD_GRAD_OP:
         # both blocks resharded after their backward, the rest still unsharded; measured with the harness:
         # llama-3-8b fsdp-bf16 was +1.25..+2.86% counting them unsharded)
         after_two = (h.kept - u.cb * (u.last + u.prev) if raf is False
                      else h.kept - h.share_last - h.share_prev + u.pf * u.cb * u.prev2)
-        out.append(BufferMoment(u.root + u.head_grads + after_two + (u.gb + u.rb) * u.tprev + u.chunk_tmp,
+        out.append(BufferMoment(u.root + u.head_grads + after_two + u.gb * u.gprev + u.rb * u.tprev + u.chunk_tmp,
                                 last_shard, Moment.PREVIOUS_BLOCK_BACKWARD_ENDS))
     out.append(BufferMoment(h.inside_two, last_shard, Moment.INSIDE_PREVIOUS_BLOCK_BACKWARD))
     if u.nblocks >= 4:
@@ -551,11 +558,12 @@ def _end(u: _Units, job: Job, grads_end: int) -> tuple[tuple[int, int], BufferMo
     held, unsharded, troot = ((u.root + u.emb_pf, u.emb, u.temb) if u.be
                               else (u.root + u.head_grads, u.root, u.troot))
     root_chunk = u.emb_chunk if u.be else u.root_chunk_tmp
-    first_block = (held + u.cb * first + u.gb * tfirst
+    gfirst = u.gfirst or tfirst  # its unsharded gradients (unpadded)
+    first_block = (held + u.cb * first + u.gb * gfirst
                    + (u.rb * u.tsecond if u.nblocks >= 2 else max(0, u.rb * tfirst - u.cb * first)),
                    u.rb * (ceil_div(troot, n) + ceil_div(tfirst, n)))
     # then resharded, its own reduce-scatter input filled (on CPU through the chunk_cat temporary)
-    first_fill = (held + (u.gb + u.rb) * tfirst + u.chunk_tmp, first_block[1])
+    first_fill = (held + u.gb * gfirst + u.rb * tfirst + u.chunk_tmp, first_block[1])
     root_reduce = (u.gb * troot + max(unsharded + u.rb * tfirst, u.rb * troot) + root_chunk,
                    u.rb * ceil_div(troot, n))
     ends = [first_block, first_fill, root_reduce]

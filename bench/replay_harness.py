@@ -162,8 +162,10 @@ def _write(args, tables, seconds: float) -> None:  # noqa: ANN001
              "(memplan/frameworks/*_replay.py) reaches in its steady step, counted as requested (the CPU harness "
              "has no caching allocator and no cuBLAS workspace); engine = memplan's allocated peak "
              "(memplan/accounting.py). Error = (predicted - measured) / measured.", "",
-             "Rows not listed: the framework is not replayed (pipeline, tensor and expert parallelism, QLoRA, LoRA "
-             "under DeepSpeed), or the CPU profile kept no allocation events (the run prints which).", "",
+             "Rows not listed: the job is not replayed here (pipeline, tensor, context and expert parallelism: "
+             "their CPU profiles are a rank's share without the step's allocation events), or the CPU profile kept "
+             "no allocation events (the run prints which). Traced afresh (MEMPLAN_CACHE_DIR empty), as these were.",
+             "",
              "Known CPU-only differences (the replays model CUDA): DeepSpeed built without its ops steps torch's "
              "single-tensor AdamW on the flat fp32 partition off CUDA, two partition-sized temporaries at the "
              "optimizer step that CUDA's FusedAdam does not make (the engine counts them on CPU: "

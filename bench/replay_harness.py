@@ -170,7 +170,10 @@ def _write(args, tables, seconds: float) -> None:  # noqa: ANN001
              "single-tensor AdamW on the flat fp32 partition off CUDA, two partition-sized temporaries at the "
              "optimizer step that CUDA's FusedAdam does not make (the engine counts them on CPU: "
              "settings.optimizer_impl), so ZeRO rows that peak there read under; ZeRO-Offload keeps the offloaded "
-             "states in the memory the CPU harness measures. The FSDP1 row with full recompute is gloo's held "
+             "states in the memory the CPU harness measures; a CPU bf16 GEMM's own scratch (kernels.py "
+             "cpu_gemm_scratch) is one point of the traced timeline, not an allocation event, so a row whose peak "
+             "is that scratch (the 2-block full recompute rows) reads under by it. The FSDP1 row with full "
+             "recompute is gloo's held "
              "cast (docs/accuracy.md, session 18); the size:N rows are the grouped units' upper bound "
              "(options.py's note).", "",
              ]

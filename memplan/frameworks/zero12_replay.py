@@ -175,7 +175,7 @@ def _setup(job: ReplayJob, partition: int, flat: int, half: int, config: Allocat
     run.empty_cache()
     run.alloc(flat * half)  # bit16_groups_flat
     for i, k in enumerate(keys):
-        if trainable is None or i >= len(trainable) or trainable[i]:
+        if trainable is None or (i < len(trainable) and trainable[i]):
             run.free(k)
     if offload is not None:
         run.free(run.alloc(partition * half))  # .detach().clone(), then .to("cpu", fp32)
@@ -260,7 +260,7 @@ def replay_zero0(job: ReplayJob, wrapper: str | None, grad_numels: tuple[int, ..
         for k in reversed(clones):
             run.free(k)
         for i, k in enumerate(keys):  # p.data = the group's view (the optimizer's parameters: those that train)
-            if trainable is None or i >= len(trainable) or trainable[i]:
+            if trainable is None or (i < len(trainable) and trainable[i]):
                 run.free(k)
         clone = run.alloc(psi * half)
         run.alloc(psi * 4)  # fp32_groups_flat

@@ -238,13 +238,20 @@ def test_lora_under_ddp_is_replayed(tmp_path: Path) -> None:
     for double in (False, True):
         q = lora.LoraSpec(rank=8, quantize="nf4", double_quant=double)
         qinv = lora.apply(build_inventory(src), q)
-        for gpus in (1, 2):
-            s = options.resolve(qinv, config=src.config, gpus=gpus, gpu="h100-80g", device="cuda", strategy="ddp",
-                                precision="pure-bf16", micro_batch=2, seq_len=256, lora=q).settings
+        for gpus, kw in ((1, {"strategy": "ddp", "precision": "pure-bf16"}),
+                         (2, {"strategy": "ddp", "precision": "pure-bf16"}), (2, {"stage": 2}), (2, {"stage": 0})):
+            # (under DeepSpeed only the adapters are flattened: the 4-bit storage stays, as the frozen base does)
+            s = options.resolve(qinv, config=src.config, gpus=gpus, gpu="h100-80g", device="cuda", micro_batch=2,
+                                seq_len=256, lora=q, **kw).settings
             plan = accounting.estimate(qinv, s)
             r = plan.reserved
             assert r is not None and plan.reserved_why is None
-            assert abs(r.allocated_bytes - plan.peak_bytes) < plan.peak_bytes // 200
+            # (DeepSpeed: the bucket set up at the first adapter's gradient, where the engine takes the block's
+            # worst: the engine up to 1% over, as for LoRA below; the CPU harness's qlora zero2 run: replay +0.61%,
+            # engine +0.78%)
+            tol = plan.peak_bytes // (100 if "stage" in kw else 200)
+            assert -(plan.peak_bytes // 200) <= plan.peak_bytes - r.allocated_bytes < tol, kw
+            assert r.peak_bytes >= r.allocated_bytes
     s = options.resolve(inv, config=src.config, gpus=2, gpu="h100-80g", device="cuda", stage=3,
                         micro_batch=2, seq_len=256, lora=spec, ds_overrides={"offload_param": True,
                                                                            "offload_optimizer": True}).settings

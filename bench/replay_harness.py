@@ -43,14 +43,13 @@ class CountingAllocator:
 
     _plain = True
 
-    def __init__(self, *_a, **_k) -> None:  # noqa: ANN002, ANN003
+    def __init__(self, *_a, **_k) -> None:
         self.reserved = self.peak_reserved = self.allocated = self.peak_allocated = self.retries = 0
         self.step_retries: list[int] = []
 
     def malloc(self, size: int, stream: int = 0) -> _Live:
         self.allocated += size
-        if self.allocated > self.peak_allocated:
-            self.peak_allocated = self.allocated
+        self.peak_allocated = max(self.peak_allocated, self.allocated)
         self.peak_reserved = max(self.peak_reserved, self.allocated)
         return _Live(size)
 
@@ -63,7 +62,7 @@ class CountingAllocator:
         pass
 
 
-def replayed_peak(inv, s) -> tuple[str, int] | None:  # noqa: ANN001
+def replayed_peak(inv, s) -> tuple[str, int] | None:
     """(the replay's name, its steady step's peak of requested bytes) for a CPU job, or None where the job's
     framework is not replayed."""
     from memplan import replay as rp
@@ -98,7 +97,7 @@ def main() -> None:
     _write(args, tables, time.perf_counter() - t0)
 
 
-def _rows(args, cases, log: Path) -> list[tuple]:  # noqa: ANN001
+def _rows(args, cases, log: Path) -> list[tuple]:
     from memplan import validation
 
     kept = {}
@@ -108,7 +107,7 @@ def _rows(args, cases, log: Path) -> list[tuple]:  # noqa: ANN001
     inventories = []
     wrapped = validation._with_lora
 
-    def keep(inv, kw):  # noqa: ANN001, ANN202
+    def keep(inv, kw):
         out = wrapped(inv, kw)
         inventories.append(out)
         return out
@@ -129,7 +128,7 @@ def _rows(args, cases, log: Path) -> list[tuple]:  # noqa: ANN001
                   ds_overrides=ds, torch_overrides={"fsdp_root_reshard": "auto", **tk}, **strat)
         try:
             plan, resolved, *_ = validation.predict(model, **scale, device="cpu", cpu_isa=isa, **kw)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             print(f"{label} {shown} {rc}: {exc}", flush=True)
             continue
         got = replayed_peak(inventories[-1], resolved.settings)
@@ -150,7 +149,7 @@ def _rows(args, cases, log: Path) -> list[tuple]:  # noqa: ANN001
     return rows
 
 
-def _write(args, tables, seconds: float) -> None:  # noqa: ANN001
+def _write(args, tables, seconds: float) -> None:
     import platform
 
     import torch

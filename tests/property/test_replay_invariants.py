@@ -31,7 +31,7 @@ ADAPTERS = {"full": None, "lora": lora.LoraSpec(rank=8, targets="all-linear"),
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
+def model(tmp_path_factory: pytest.TempPathFactory):
     cfg = Path(tmp_path_factory.mktemp("small")) / "config.json"
     cfg.write_text(json.dumps(SMALL))
     src = resolve(str(cfg))

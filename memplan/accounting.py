@@ -134,7 +134,7 @@ def _fixed(inv: ParamInventory, s: Settings) -> Fixed:
         gated = bool(inv.dims.get("gated_mlp", 1))
         prof = act.cached_profile(tuple(sorted(inv.dims.items())), 1, s.seq_len, rc.compute_bytes,
                                   rc.residual_bytes, s.attention, s.recompute, gated)
-    if s.strategy.memory_model == "fsdp1" and isinstance(prof, act.TracedProfile):
+    if fw.computes_with_views and isinstance(prof, act.TracedProfile):
         prof = replace(prof, cached_casts=False, _memo={})
     a["activations"] = prof.source
     # torch-amp: autocast's bf16 copies of the fp32 weights are saved for backward by every matmul (the traced

@@ -459,7 +459,9 @@ def replay_job(inv: Any, s: Any, numels: list[int], shapes: list[tuple[int, ...]
     step = _expand(d["alloc_events"], d["num_layers"])
     if _runs_zero3_linear(s, d):
         step = zero3_linear_order(step)
-    if s.strategy.memory_model == "fsdp1" and s.recipe.autocast_weight_copies:
+    from memplan import frameworks
+
+    if frameworks.model(s.strategy.memory_model).computes_with_views and s.recipe.autocast_weight_copies:
         step = uncached_casts(step)
     return ReplayJob(build=tuple(build), numels=tuple(numels), state_bytes=4 if s.optimizer.factored else s.recipe.state_bytes,
                converted=converted,

@@ -41,9 +41,6 @@ def why_not(s: Any, inv: Any = None) -> str | None:
         return "device cpu (no caching allocator)"
     if inv is not None and any(t.shard_split > 1 for t in inv.tensors):
         return "expert parallelism: the experts' own FSDP2 units are not replayed yet"
-    if getattr(s, "lora", None) is not None:
-        if s.strategy.memory_model == "zero3" and s.ds.offload_param:
-            return "LoRA under ZeRO-3 with offload_param: the host's frozen partitions are not replayed yet"
     prof = _replayed_profile(s)
     if getattr(prof, "inner", None) is not None:
         return "pipeline parallelism: a stage's micro-batches in flight are not replayed yet"

@@ -165,6 +165,10 @@ class FrameworkModel:
     #: the reduced shards stay on the device to backward's end (FSDP1 keeps _saved_grad_shard until the final
     #: callback's prepare_gradient_for_optim points .grad at _cpu_grad)
     offloads_each_reduced_grad: bool = False
+    #: the framework computes with views of flat parameters (FSDP1, use_orig_params=False: split() views), which
+    #: are not leaves, so torch.autocast casts their weights anew at every use and caches none (autocast_mode.cpp
+    #: cached_cast); the traced step (traced with leaf parameters) is read accordingly
+    computes_with_views: bool = False
     #: the buffers the framework pins on the host (bytes each, as requested; memplan/host.py rounds them)
     pinned_host: Callable[[ParamInventory, Settings, int], list[int]] = no_pinned
     #: why the model cannot take frozen parameters (LoRA), or None where it can (layouts._with_frozen)

@@ -94,13 +94,20 @@ def replay_ddp(job: ReplayJob, config: AllocatorConfig | None = None, release: s
                 first_grads = list(grads)
             forwards += 1
             run.free(ids)
-        optimizer_step(run, job, n == 0, states)
-        for k, _ in reversed(grads):
-            run.free(k)
-        run.end_step()
-        if n >= 2 and run.a.peak_reserved == before:
+        if _end_step(run, job, n, states, grads, before, settled_after=2):
             break
     return run.a
+
+
+def _end_step(run: Run, job: ReplayJob, n: int, states: list[Any], grads: list[tuple[Any, int]], before: int,
+              settled_after: int) -> bool:
+    """The optimizer's step, zero_grad(set_to_none=True) (the kept gradients freed, last made first), the step
+    recorded; True once the reserved peak has stopped growing from step ``settled_after`` on."""
+    optimizer_step(run, job, n == 0, states)
+    for k, _ in reversed(grads):
+        run.free(k)
+    run.end_step()
+    return n >= settled_after and run.a.peak_reserved == before
 
 
 def replay_horovod(job: ReplayJob, config: AllocatorConfig | None, fusion: int, compression: bool) -> Allocator:
@@ -143,11 +150,7 @@ def replay_horovod(job: ReplayJob, config: AllocatorConfig | None, fusion: int, 
             grads[i] = (new, size)
         for k, _ in copies:  # self._handles.clear()
             run.free(k)
-        optimizer_step(run, job, n == 0, states)
-        for k, _ in reversed(grads):
-            run.free(k)
-        run.end_step()
-        if n >= 1 and run.a.peak_reserved == before:
+        if _end_step(run, job, n, states, grads, before, settled_after=1):
             break
     return run.a
 

@@ -45,7 +45,7 @@ def buffers(job: Job, grads: Grads) -> BufferTimeline:
     # the unsharded flat parameters are in MixedPrecision's param_dtype, as autograd's grads are
     cb = rc.grad_bytes
     moments: list[BufferMoment] = [LOSS]
-    raf = _reshard(s)
+    raf = reshards_after_forward(s)
     root = cb * g.root
     sizes = g.block_numels or (0,)
     nblocks = len(g.block_numels)
@@ -148,7 +148,7 @@ def _root_only(job: Job, grads: Grads) -> BufferTimeline:
                                        "largest_gathered_block_numel": whole})
 
 
-def _reshard(s: Any) -> bool:
+def reshards_after_forward(s: Any) -> bool:
     """FULL_SHARD (True) or SHARD_GRAD_OP (False); NO_SHARD keeps every block whole."""
     raf = reshard_after_forward(s)
     if not isinstance(raf, bool):
@@ -175,7 +175,8 @@ def _end(s: Any, g: Any, n: int, root: int, head_grads: int, grads_end: int) -> 
     return inside, max(first_end, root_end, key=lambda m: m[0] - m[1])
 
 
-MODEL = FrameworkModel(name="fsdp1", replay="memplan.frameworks.fsdp1_replay", buffers=buffers, grads_at_end=grads_at_end, cpu_offload_policy=True,
+MODEL = FrameworkModel(name="fsdp1", replay="memplan.frameworks.fsdp1_replay", buffers=buffers,
+                       grads_at_end=grads_at_end, cpu_offload_policy=True, computes_with_views=True,
                        units=wrap_units.units_for,
                        # with use_orig_params=True a FlatParameter mixes frozen and trainable parameters and its
                        # gradient covers all of them (frozen parts zero-filled): not modelled

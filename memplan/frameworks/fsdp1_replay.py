@@ -286,9 +286,9 @@ def why_not(s: Any) -> str | None:
 
 def replay(inv: Any, s: Any, config: AllocatorConfig) -> tuple[str, dict[str, Allocator]]:
     """FullyShardedDataParallel(model, auto_wrap_policy=..., use_orig_params=False, device_id=...), the model
-    built on the host (frameworks/fsdp2_replay.py _units: the same units as the allocated peak's)."""
-    from memplan.frameworks.fsdp1 import _reshard
-    from memplan.frameworks.fsdp2_replay import _units
+    built on the host (frameworks/fsdp2_replay.py unit_tensors: the same units as the allocated peak's)."""
+    from memplan.frameworks.fsdp1 import reshards_after_forward
+    from memplan.frameworks.fsdp2_replay import unit_tensors
     from memplan.replay import replay_job
     from memplan.settings import shard_group_size
     from memplan.units import ceil_div
@@ -302,11 +302,11 @@ def replay(inv: Any, s: Any, config: AllocatorConfig) -> tuple[str, dict[str, Al
         return FlatUnit(params=tuple(position[t.name] for t in ts),
                         param_bytes=tuple(t.numel * rc.param_bytes for t in ts), numel=numel,
                         shard=ceil_div(numel, world))
-    block_ts, root_ts, _, _ = _units(inv, s)
+    block_ts, root_ts, _, _ = unit_tensors(inv, s)
     blocks = [unit(ts) for ts in block_ts]
     root = unit(root_ts)
     fs = Fsdp1Setup(world=world, stored=rc.param_bytes, unshard=rc.grad_bytes, reduce=rc.reduced_grad_bytes,
-                    reshard_after_forward=world > 1 and _reshard(s), offload=bool(s.torch.cpu_offload))
+                    reshard_after_forward=world > 1 and reshards_after_forward(s), offload=bool(s.torch.cpu_offload))
     # fsdp.parameters(): the root's flat parameter first (registered on the wrapped model), then the blocks'
     job = replay_job(inv, s, [u.shard for u in (root, *blocks) if u.numel])
     return "FSDP1", {"": replay_fsdp1(job, blocks, root, fs, config)}

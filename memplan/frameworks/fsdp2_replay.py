@@ -372,7 +372,7 @@ def why_not(s: Any) -> str | None:
     return None
 
 
-def _units(inv: Any, s: Any) -> tuple[list[list[Any]], list[Any], list[Any] | None, list[Any] | None]:
+def unit_tensors(inv: Any, s: Any) -> tuple[list[list[Any]], list[Any], list[Any] | None, list[Any] | None]:
     """The tensors of each fully_shard unit as --fsdp-wrap makes them: the blocks', the root's, and with
     block+embeddings the input embedding's and the final norm's with the head's (frameworks/fsdp2.py
     wrap_why_not: one untied embedding before the blocks).
@@ -439,7 +439,7 @@ def replay(inv: Any, s: Any, config: AllocatorConfig) -> tuple[str, dict[str, Al
                          chunk_tmp=r.grad_bytes * max((t.numel for t in ts if t.trainable), default=0)
                          if cpu_chunk else 0,
                          offload=bool(s.torch.cpu_offload), padded=tuple(padded), unshard_bytes=cb)
-    blocks, root, emb, head = _units(inv, s)
+    blocks, root, emb, head = unit_tensors(inv, s)
     emb_g = group(emb) if emb else None
     groups = [group(ts) for ts in blocks]
     head_g = group(head) if head else None

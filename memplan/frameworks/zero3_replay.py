@@ -511,7 +511,9 @@ def replay(inv: Any, s: Any, config: AllocatorConfig) -> tuple[str, dict[str, Al
 
 
 def why_not(s: Any) -> str | None:
-    """DeepSpeed setups not written down yet: ZeRO++ hpZ with the parameters offloaded."""
+    """DeepSpeed setups not written down yet: the parameters offloaded with ZeRO++ hpZ or with LoRA."""
     if s.ds.hpz_partition_size > 1 and s.ds.offload_param:
         return "DeepSpeed ZeRO++ hpZ with offload_param not replayed yet"
+    if getattr(s, "lora", None) is not None and s.ds.offload_param:
+        return "LoRA under ZeRO-3 with offload_param: the host's frozen partitions are not replayed yet"
     return None

@@ -15,7 +15,7 @@ from dataclasses import replace
 from typing import Any
 
 from memplan import activations as act
-from memplan import frameworks, layouts
+from memplan import frameworks, layouts, pipeline
 from memplan.frameworks.common import FrameworkModel, Grads, Job, OffloadedGrads, StepIn
 from memplan.model.inventory import ParamInventory
 from memplan.precision import step_temporaries
@@ -412,14 +412,17 @@ class Layout:
                 profs = [chunk_profile(len(c.layers), c.last) for c in share.chunks]
                 kept = [pr.terms(s.recompute, 1) for pr in profs]
 
-                def load(moment: tuple[list[int], int]) -> int:
-                    counts, cur = moment
-                    return kept[cur][1] + sum((n - (c == cur)) * (kept[c][2] + kept[c][4])
-                                              for c, n in enumerate(counts))
+                def load(moment: tuple[tuple[int, ...], int, str]) -> int:
+                    counts, cur, kind = moment
+                    graph = 0
+                    if kind == pipeline.I:  # the input-gradient step keeps its graph (below)
+                        n = len(share.chunks[cur].layers)
+                        graph = par.zero_bubble_grads(share.inventory.dims, n, s.seq_len, rc.compute_bytes) \
+                            + n * kept[cur][4]
+                    return kept[cur][1] + graph + sum((n - (c == cur)) * (kept[c][2] + kept[c][4])
+                                                      for c, n in enumerate(counts))
 
-                moments = (par.zbv_moments(p, share.rank, s.grad_accum) if p.schedule == par.ZERO_BUBBLE else
-                           par.interleaved_moments(p, share.rank, s.grad_accum, v))
-                counts, cur = max(moments, key=load)
+                counts, cur, kind = max(par.held_moments(p, share.rank, s.grad_accum), key=load)
                 counts = list(counts)
                 # the current micro-batch's profile at all the rank's blocks (what its buffers' timeline walks,
                 # one model of the rank's blocks): it runs through one stage's, so this counts the other stages'
@@ -429,7 +432,7 @@ class Layout:
                 counts[cur] -= 1
                 others = tuple((pr, n) for pr, n in zip(profs, counts) if n)
             else:
-                inner, others, fewer = chunk_profile(share.layers, share.last), (), 0
+                inner, others, fewer, kind = chunk_profile(share.layers, share.last), (), 0, pipeline.B
             per_block = par.sp_saving(inv.dims, p, self.name, rc.residual_bytes, rc.compute_bytes)
             k = act.checkpointed_blocks(s.recompute, share.layers)
             h = inv.dims.get("hidden_size", 0)
@@ -456,7 +459,7 @@ class Layout:
             # one adds its bound
             ring_f, ring_b = (0, 0) if loss_prof is not None else par.ring_attention(share.inventory.dims, p,
                                                                                       s.seq_len, rc.compute_bytes)
-            if p.schedule == par.ZERO_BUBBLE and p.pp > 1:
+            if kind == pipeline.I and p.pp > 1:
                 # the input-gradient step keeps its linears' output gradients for the weight-gradient step, while
                 # the stage's largest chunk runs its backward (per micro-batch of 1)
                 # ... and frees none of the micro-batch's activations until then (the graph retained): the

@@ -46,8 +46,8 @@ Json = Annotated[bool, typer.Option("--json", help="Print JSON on stdout.")]
 # model parallelism (memplan/parallel.py)
 Tp = Annotated[Optional[int], typer.Option("--tp", help="Tensor-parallel degree [default: 1].")]
 Pp = Annotated[Optional[int], typer.Option("--pp", help="Pipeline-parallel degree (stages) [default: 1].")]
-Vpp = Annotated[Optional[int], typer.Option("--vpp", help="Virtual pipeline stages per rank, --schedule interleaved "
-                                            "[default: 2].")]
+Vpp = Annotated[Optional[int], typer.Option("--vpp", help="Pipeline stages per rank for a schedule that runs several "
+                                            "(interleaved, looped-bfs, interleaved-zb) [default: 2].")]
 Cp = Annotated[Optional[int], typer.Option("--cp", help="Context-parallel degree: each sequence split over cp ranks "
                                           "with ring attention (torchtitan) [default: 1].")]
 Ep = Annotated[Optional[int], typer.Option("--ep", help="Expert-parallel degree: each MoE layer's routed experts split "
@@ -56,8 +56,11 @@ Sp = Annotated[bool, typer.Option("--sp/--no-sp", help="Sequence parallelism wit
 LossParallel = Annotated[Optional[bool], typer.Option(
     "--loss-parallel/--no-loss-parallel", help="With --tp under FSDP/DDP: the loss on each rank's vocabulary rows "
     "(torchtitan's default), or on the gathered logits (transformers' own TP, Accelerate's tp_size) [default: on].")]
-Schedule = Annotated[Optional[str], typer.Option("--schedule", help="Pipeline schedule: 1f1b | gpipe | interleaved | zbv (zero-bubble) "
-                                                 "[default: 1f1b]; the micro-batches per step are --grad-accum.")]
+Schedule = Annotated[Optional[str], typer.Option("--schedule", help="Pipeline schedule, as torch.distributed.pipelining "
+                                                 "runs it: 1f1b | gpipe | interleaved | looped-bfs | interleaved-zb | "
+                                                 "zbv (zero-bubble) | dualpipev, or torch's class name "
+                                                 "(Interleaved1F1B, ...) [default: 1f1b]; the micro-batches per step "
+                                                 "are --grad-accum.")]
 
 
 def parallel_of(values: dict[str, Any]) -> Any:
@@ -73,8 +76,10 @@ def parallel_of(values: dict[str, Any]) -> Any:
     if sp and (tp is None or tp == 1):
         raise SettingsError("--sp needs --tp above 1: sequence parallelism splits the norms' and residuals' "
                             "activations over the tensor-parallel ranks")
-    if schedule == "zero-bubble":  # torch's ZB-V (ScheduleZBVZeroBubble), torchtitan's "ZBVZeroBubble"
-        schedule = "zbv"
+    if schedule is not None:  # memplan's names or torch's (get_schedule_class: "Interleaved1F1B", "ZBVZeroBubble")
+        from memplan.pipeline import canonical
+
+        schedule = canonical(schedule) or schedule
     return Parallel(tp=1 if tp is None else tp, pp=1 if pp is None else pp, ep=1 if ep is None else ep,
                     cp=1 if cp is None else cp,
                     vpp=vpp, sp=bool(sp),

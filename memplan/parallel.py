@@ -30,19 +30,19 @@ from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from typing import Any
 
+from memplan import pipeline
 from memplan.errors import SettingsError
 from memplan.inputs import quote
 from memplan.model.inventory import ROOT_BLOCK, ParamInventory, ParamTensor
 from memplan.units import ceil_div
 
-SCHEDULES = ("1f1b", "gpipe", "interleaved", "zbv")
-#: torch's ScheduleZBVZeroBubble, what --schedule zero-bubble names (the ZB-V schedule of Qi et al. 2024)
-ZERO_BUBBLE = "zbv"
+#: torch.distributed.pipelining's schedules (memplan/pipeline.py; --schedule also takes torch's class names)
+SCHEDULES = tuple(pipeline.TORCH_NAMES)
 TORCHTITAN = "torchtitan"
 MEGATRON_DEEPSPEED = "megatron-deepspeed"
 #: the schedules each layout runs (torch.distributed.pipelining get_schedule_class: 1F1B, GPipe,
 #: Interleaved1F1B; DeepSpeed's PipelineEngine: TrainSchedule, a 1F1B)
-LAYOUT_SCHEDULES = {TORCHTITAN: ("1f1b", "gpipe", "interleaved", "zbv"), MEGATRON_DEEPSPEED: ("1f1b",)}
+LAYOUT_SCHEDULES = {TORCHTITAN: SCHEDULES, MEGATRON_DEEPSPEED: ("1f1b",)}
 #: a rank config's key (rank_config) telling the tracer to run one expert-parallel rank (memplan/substitutes.py
 #: expert_parallel)
 EP_KEY = "memplan_expert_parallel"
@@ -96,14 +96,16 @@ class Parallel:
 
     @property
     def virtual(self) -> int:
-        if self.schedule == ZERO_BUBBLE:
-            return 2  # ZB-V: exactly two stages per rank, in a V
-        return self.vpp or (2 if self.schedule == "interleaved" else 1)
+        if self.schedule in pipeline.V_SHAPED:
+            return 2  # ZB-V, DualPipeV: exactly two stages per rank, in a V
+        # torchtitan's multi-stage schedules default to two stages per rank (pipeline_parallel.py
+        # pipeline_module_split: stages_per_rank)
+        return self.vpp or (2 if self.schedule in pipeline.MULTI_STAGE else 1)
 
     @property
     def multi_stage(self) -> bool:
         """A schedule that runs more than one stage per rank."""
-        return self.schedule in ("interleaved", ZERO_BUBBLE)
+        return self.schedule in pipeline.MULTI_STAGE
 
 
 def layout_of(strategy: Any, pp: int) -> str:
@@ -144,12 +146,14 @@ def check(p: Parallel, inv: ParamInventory, strategy: Any, gpus: int, grad_accum
                             "parallelism is another scheme")
     if p.pp > 1 and p.schedule not in LAYOUT_SCHEDULES[layout]:
         raise SettingsError(f"--schedule {p.schedule}: {layout} runs {', '.join(LAYOUT_SCHEDULES[layout])}")
-    if p.schedule == ZERO_BUBBLE and p.vpp not in (None, 2):
-        raise SettingsError(f"--vpp {p.vpp} with --schedule zbv: ZB-V runs exactly two stages per rank")
+    if p.schedule in pipeline.V_SHAPED and p.vpp not in (None, 2):
+        raise SettingsError(f"--vpp {p.vpp} with --schedule {p.schedule}: {pipeline.TORCH_NAMES[p.schedule]} runs "
+                            "exactly two stages per rank")
     if p.vpp not in (None, 1) and not p.multi_stage:
-        raise SettingsError(f"--vpp {p.vpp} needs --schedule interleaved (one stage per rank otherwise)")
-    if p.schedule == "interleaved" and p.pp > 1 and p.virtual < 2:
-        raise SettingsError("--schedule interleaved needs at least 2 virtual stages per rank (--vpp)")
+        raise SettingsError(f"--vpp {p.vpp} needs a schedule that runs several stages per rank (--schedule "
+                            f"{' | '.join(s for s in SCHEDULES if s in pipeline.MULTI_STAGE)}); {p.schedule} runs one")
+    if p.multi_stage and p.pp > 1 and p.virtual < 2:
+        raise SettingsError(f"--schedule {p.schedule} needs at least 2 virtual stages per rank (--vpp)")
     d = inv.dims
     layers = len(inv.layer_blocks)
     if p.pp > 1:
@@ -162,11 +166,8 @@ def check(p: Parallel, inv: ParamInventory, strategy: Any, gpus: int, grad_accum
                                 + f" = {stages} stages for {layers} blocks: more stages than "
                                 + ("blocks" if layout == MEGATRON_DEEPSPEED else
                                    "blocks + 2 (torchtitan counts the embedding and the head as one block each)"))
-        if layout == TORCHTITAN and p.schedule == "interleaved":
-            rounds = max(1, grad_accum // p.pp)
-            if grad_accum % rounds:
-                raise SettingsError(f"--grad-accum {grad_accum} micro-batches: torch's Interleaved1F1B needs a "
-                                    f"multiple of its rounds ({rounds} = max(1, micro-batches // pp))")
+        if layout == TORCHTITAN:
+            pipeline.check(p.schedule, p.pp, grad_accum, p.virtual if p.multi_stage else 1)
     if p.tp > 1:
         heads, kv = d.get("num_heads"), d.get("num_kv_heads", d.get("num_heads"))
         inter = d.get("intermediate_size")
@@ -307,9 +308,7 @@ def rank_chunks(p: Parallel, layout: str, inv: ParamInventory) -> list[list[Chun
     if layout == TORCHTITAN:
         v = p.virtual if p.multi_stage else 1
         stages = torchtitan_stages(p.pp * v, layers)
-        if p.schedule == ZERO_BUBBLE:  # the V: rank r runs stages r and 2 pp - 1 - r (generate_stage_to_rank_mapping)
-            return [[stages[r], stages[2 * p.pp - 1 - r]] for r in range(p.pp)]
-        return [[stages[r + s * p.pp] for s in range(v)] for r in range(p.pp)]
+        return [[stages[i] for i in ids] for ids in pipeline.rank_stages(p.schedule, p.pp, v)]
     emb, blocks, head = _layer_sizes(tp_inventory(inv, p, layout))
     weights = [emb] + blocks + [head]
     bounds = partition_balanced(weights, p.pp)
@@ -321,103 +320,21 @@ def rank_chunks(p: Parallel, layout: str, inv: ParamInventory) -> list[list[Chun
 
 
 def in_flight(p: Parallel, layout: str, rank: int, micro_batches: int) -> int:
-    """Micro-batches (stages' micro-batches under interleaving) whose activations a pipeline rank holds at once,
-    the one in its backward included.
-
-    1F1B: min(m, pp - rank): torch's Schedule1F1B warms up with min(m, num_stages - stage_index) forwards before its
-    first backward; Megatron's forward_backward_pipelining_without_interleaving pp - rank - 1 and one more before
-    the first backward; DeepSpeed's TrainSchedule num_pipe_buffers min(stages - stage_id, micro_batches).
-    GPipe: every micro-batch's forward before the first backward. Interleaved: torch's _get_warmup_ops,
-    (v - 1) x micro-batches per round + 2 x (pp - 1 - rank), capped at m x v, and the one after it."""
-    m, pp = micro_batches, p.pp
-    if pp == 1:
+    """Micro-batches (stages' micro-batches on a rank running several stages) whose activations a pipeline rank
+    holds at once, the one in its backward included: the most at any backward of its action list
+    (memplan/pipeline.py, torch's schedules; Megatron's forward_backward_pipelining_without_interleaving and
+    DeepSpeed's TrainSchedule, num_pipe_buffers min(stages - stage_id, micro_batches), hold what torch's 1F1B
+    does)."""
+    if p.pp == 1:
         return 1
-    if p.schedule == "gpipe":
-        return m
-    if p.schedule == "interleaved":
-        v = p.virtual
-        per_round = m // max(1, m // pp)
-        warmup = min((v - 1) * per_round + 2 * (pp - 1 - rank), m * v)
-        return min(warmup + 1, m * v)
-    if p.schedule == ZERO_BUBBLE:
-        return max(sum(counts) for counts, _ in zbv_moments(p, rank, m))
-    return min(m, pp - rank)
+    if layout == MEGATRON_DEEPSPEED:
+        return min(micro_batches, p.pp - rank)
+    return max(sum(held) for held, _, _ in held_moments(p, rank, micro_batches))
 
 
-def zbv_moments(p: Parallel, rank: int, micro_batches: int) -> list[tuple[list[int], int]]:
-    """Each input-gradient step (I) of a ZB-V rank, in torch's order (ScheduleZBVZeroBubble
-    _calculate_single_rank_operations: 2 (pp - rank) - 1 forwards on its first stage, rank pairs of forwards,
-    pp - rank forwards of its second stage each with its I and W, then per step a forward, I and W on each stage,
-    then the cooldown's I's with the W's deferred), with (micro-batches whose activations the rank holds per local
-    stage: forwarded and not yet through their weight-gradient step W, since the input-gradient step keeps the
-    graph for it (torch/distributed/pipelining/_backward.py stage_backward_input); that stage)."""
-    pp, n = p.pp, max(2 * p.pp - 1, micro_batches)
-    ops: list[tuple[str, int, int]] = []  # (kind, local stage, micro-batch)
-    f, b = [0, 0], [0, 0]
-    for _ in range(2 * (pp - rank) - 1):
-        ops.append(("F", 0, f[0]))
-        f[0] += 1
-    for _ in range(rank):
-        ops += [("F", 1, f[1]), ("F", 0, f[0])]
-        f[1] += 1
-        f[0] += 1
-    for _ in range(pp - rank):
-        ops += [("F", 1, f[1]), ("I", 1, b[1]), ("W", 1, b[1])]
-        f[1] += 1
-        b[1] += 1
-    while f[1] < f[0] or f[0] < n:
-        if f[0] < n:
-            ops.append(("F", 0, f[0]))
-            f[0] += 1
-        ops += [("I", 0, b[0]), ("W", 0, b[0]), ("F", 1, f[1]), ("I", 1, b[1]), ("W", 1, b[1])]
-        b[0] += 1
-        f[1] += 1
-        b[1] += 1
-    w = list(b)
-    for _ in range(rank):
-        ops += [("I", 0, b[0]), ("I", 1, b[1])]
-        b[0] += 1
-        b[1] += 1
-    for _ in range(pp - rank):
-        ops += [("I", 0, b[0]), ("W", 0, w[0])]
-        b[0] += 1
-        w[0] += 1
-    ops += [("W", 1, i) for i in range(w[1], b[1])] + [("W", 0, i) for i in range(w[0], b[0])]
-    held, out = [0, 0], []
-    for kind, c, mb in ops:
-        if mb >= micro_batches:  # torch drops the micro-batches past the real ones
-            continue
-        if kind == "F":
-            held[c] += 1
-        elif kind == "W":
-            held[c] -= 1
-        else:
-            out.append((list(held), c))
-    return out
-
-
-def interleaved_moments(p: Parallel, rank: int, micro_batches: int, chunks: int) -> list[tuple[list[int], int]]:
-    """Each backward of an interleaved rank, in torch's order (ScheduleInterleaved1F1B
-    _calculate_single_rank_operations: the warm-up forwards, then a forward and a backward per step, then the
-    cooldown's backwards; forward op i on local stage (i // micro-batches per round) % stages, backward op i on
-    stages - 1 - ((i - warm-up) // micro-batches per round) % stages): (micro-batches in flight per local stage,
-    the one about to run its backward included; that stage)."""
-    m, v = micro_batches, chunks
-    per_round = m // max(1, m // p.pp)
-    warm = min((v - 1) * per_round + 2 * (p.pp - 1 - rank), m * v)
-    total = m * v
-    fwd = [0] * v
-    bwd = [0] * v
-    out = []
-    for i in range(warm):
-        fwd[(i // per_round) % v] += 1
-    for i in range(warm, total + warm):
-        if i < total:
-            fwd[(i // per_round) % v] += 1
-        c = v - 1 - ((i - warm) // per_round) % v
-        out.append(([f - b for f, b in zip(fwd, bwd)], c))
-        bwd[c] += 1
-    return out
+def held_moments(p: Parallel, rank: int, micro_batches: int) -> list[tuple[tuple[int, ...], int, str]]:
+    """Each backward of a rank of the torchtitan layout (memplan/pipeline.py held_moments)."""
+    return pipeline.held_moments(p.schedule, p.pp, micro_batches, p.virtual, rank)
 
 
 # ---- tensor parallelism ----

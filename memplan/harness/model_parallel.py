@@ -185,7 +185,9 @@ def setup(spec: dict[str, Any], device: Any, build: Any, optimizer: Any, materia
             parts[0].memplan_cp_mesh = mesh["cp"]  # the step runs inside context_parallel over it (harness/run.py)
         return parts[0], opt, None
     from torch.distributed.pipelining import PipelineStage
-    from torch.distributed.pipelining.schedules import ScheduleGPipe, ScheduleInterleaved1F1B, Schedule1F1B
+    from torch.distributed.pipelining.schedules import PipelineScheduleMulti, get_schedule_class
+
+    from memplan.pipeline import TORCH_NAMES
 
     from transformers.loss.loss_utils import ForCausalLMLoss
 
@@ -199,15 +201,9 @@ def setup(spec: dict[str, Any], device: Any, build: Any, optimizer: Any, materia
         return ForCausalLMLoss(logits, target, vocab)
 
     m = spec["grad_accum"]
-    if spec["schedule"] == "interleaved":
-        sched = ScheduleInterleaved1F1B(stages, n_microbatches=m, loss_fn=loss_fn)
-    elif spec["schedule"] == "zbv":
-        from torch.distributed.pipelining.schedules import ScheduleZBVZeroBubble
-
-        sched = ScheduleZBVZeroBubble(stages, n_microbatches=m, loss_fn=loss_fn)
-    else:
-        cls = ScheduleGPipe if spec["schedule"] == "gpipe" else Schedule1F1B
-        sched = cls(stages[0], n_microbatches=m, loss_fn=loss_fn)
+    # memplan's schedule name -> torch's class (get_schedule_class, memplan/pipeline.py TORCH_NAMES)
+    cls = get_schedule_class(TORCH_NAMES[spec["schedule"]])
+    sched = cls(stages if issubclass(cls, PipelineScheduleMulti) else stages[0], n_microbatches=m, loss_fn=loss_fn)
     pipe = {"schedule": sched, "first": any(s.is_first for s in stages), "last": any(s.is_last for s in stages),
             "parts": parts}
     inner = [x.module if hasattr(x, "module") else x for x in parts]

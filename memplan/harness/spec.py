@@ -170,6 +170,7 @@ def _parallel_spec(config: dict[str, Any], s: Settings, layout: Any, warmup_step
     one = replace(s, parallel=None, cluster=replace(s.cluster, gpus=layout.dp))
     spec = build_spec(config, one, warmup_steps=warmup_steps, measured_steps=measured_steps,
                       attn_implementation=attn_implementation)
+    from memplan.pipeline import rank_stages
     from memplan.settings import reshard_after_forward
 
     spec["reshard_after_forward"] = reshard_after_forward(layout.ranks[0][2])  # the layout's (torchtitan's) default
@@ -180,6 +181,5 @@ def _parallel_spec(config: dict[str, Any], s: Settings, layout: Any, warmup_step
     spec.update(tp=p.tp, pp=p.pp, ep=p.ep, cp=p.cp, vpp=p.vpp, sp=p.sp, schedule=p.schedule, gpus_per_node=job.cluster.ranks_per_node,
                 loss_parallel=p.loss_parallel,
                 chunks=[[(list(c.layers), c.first, c.last) for c in share.chunks] for share, _, _ in layout.ranks],
-                stage_ids=[[r, 2 * p.pp - 1 - r] if p.schedule == "zbv" else [r + k * p.pp for k in range(v)]
-                           for r in range(p.pp)])
+                stage_ids=[list(ids) for ids in rank_stages(p.schedule, p.pp, v)])
     return spec

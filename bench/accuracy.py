@@ -27,6 +27,7 @@ LLAMA_BIGVOCAB = ("llama-7b", dict(layers=2, hidden=256, vocab=32000))  # the ro
 GPT2 = ("gpt2", dict(layers=2, hidden=256, vocab=2048))  # tied embeddings, LayerNorm + GELU MLP
 LLAMA3 = ("llama-3-8b", dict(layers=2, hidden=512, vocab=2048))  # GQA (4 query heads per kv head)
 LLAMA4 = ("llama-7b", dict(layers=4, hidden=256, vocab=2048))  # more blocks: retention and prefetch matter
+LLAMA8 = ("llama-7b", dict(layers=8, hidden=256, vocab=2048))  # pp 4 with two stages per rank: 8 stages
 MIXTRAL = ("mixtral-8x7b", dict(layers=2, hidden=256, vocab=2048))  # MoE: 8 experts, top-2, grouped_mm
 MIXTRAL4 = ("mixtral-8x7b", dict(layers=4, hidden=256, vocab=2048))
 LLAMA_CP = ("llama-7b", dict(layers=2, hidden=256, vocab=512))  # a small vocabulary: attention, not the loss
@@ -182,6 +183,23 @@ CASES = [
      dict(strategy="fsdp-full", grad_accum=8, parallel=Parallel(pp=2, schedule="zbv")), {}, {}, "none"),
     ("fsdp-full pp 2 x dp 2 zbv (zero bubble), 4 micro-batches", LLAMA4,
      dict(strategy="fsdp-full", gpus=4, grad_accum=4, parallel=Parallel(pp=2, schedule="zbv")), {}, {}, "none"),
+    # session 28: every schedule of torch.distributed.pipelining (memplan/pipeline.py), at 2 and 4 stages
+    ("fsdp-full pp 2 looped-bfs, 4 micro-batches", LLAMA4,
+     dict(strategy="fsdp-full", grad_accum=4, parallel=Parallel(pp=2, schedule="looped-bfs")), {}, {}, "none"),
+    ("fsdp-full pp 2 interleaved-zb, 4 micro-batches", LLAMA4,
+     dict(strategy="fsdp-full", grad_accum=4, parallel=Parallel(pp=2, schedule="interleaved-zb")), {}, {}, "none"),
+    ("fsdp-full pp 2 dualpipev, 4 micro-batches", LLAMA4,
+     dict(strategy="fsdp-full", grad_accum=4, parallel=Parallel(pp=2, schedule="dualpipev")), {}, {}, "none"),
+    ("fsdp-full pp 2 dualpipev, 6 micro-batches", LLAMA4,
+     dict(strategy="fsdp-full", grad_accum=6, parallel=Parallel(pp=2, schedule="dualpipev")), {}, {}, "none"),
+    ("fsdp-full pp 4 1f1b, 4 micro-batches", LLAMA8,
+     dict(strategy="fsdp-full", gpus=4, grad_accum=4, parallel=Parallel(pp=4)), {}, {}, "none"),
+    ("fsdp-full pp 4 interleaved, 8 micro-batches", LLAMA8,
+     dict(strategy="fsdp-full", gpus=4, grad_accum=8, parallel=Parallel(pp=4, schedule="interleaved")), {}, {},
+     "none"),
+    ("fsdp-full pp 4 dualpipev, 8 micro-batches", LLAMA8,
+     dict(strategy="fsdp-full", gpus=4, grad_accum=8, parallel=Parallel(pp=4, schedule="dualpipev")), {}, {},
+     "none"),
     ("fsdp-full pp 2 x dp 2 1f1b reshard after forward", LLAMA4,
      dict(strategy="fsdp-full", gpus=4, grad_accum=4, parallel=Parallel(pp=2)), {}, dict(reshard_after_forward=True),
      "none"),

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from memplan.parallel import sp_tokens
 from memplan.settings import Settings, reshard_after_forward, shard_group_size
 
 
@@ -198,7 +199,9 @@ def model_parallel(layout: Any, rank: int) -> list[dict[str, Any]]:
         sends = sum((0 if ch.last else 1) + (0 if ch.first else 1) for ch in share.chunks)
         # consecutive stages are dp x tp ranks apart (the mesh [pp, dp, tp])
         inter = layout.dp * p.tp >= c.ranks_per_node and c.gpus > c.ranks_per_node
-        add("send", "pipeline: stage outputs forward, input gradients backward", 2, rc.residual_bytes * act,
+        # each the TP rank's share of the sequence under sequence parallelism (memplan/parallel.py sp_tokens)
+        sent = s.micro_batch * sp_tokens(s.seq_len // p.cp, p) * h
+        add("send", "pipeline: stage outputs forward, input gradients backward", 2, rc.residual_bytes * sent,
             m * sends, inter)
     return out
 

@@ -613,13 +613,14 @@ def stage_output(dims: dict[str, Any], p: Parallel, layout: str, last: bool, rec
     blocks save (torch.distributed.pipelining's PipelineStage.fwd_cache holds each micro-batch's output until
     its backward): the last stage's logits in the compute dtype (the loss works on their fp32 copy); another
     stage's last hidden state in the residual dtype, unless fp32 (then the final norm of a whole model would
-    have saved that very tensor; a stage without that norm keeps it here)."""
+    have saved that very tensor; a stage without that norm keeps it here), split over the TP ranks under sequence
+    parallelism."""
     if p.pp == 1:
         return 0
     if last:
         return recipe.compute_bytes * padded_vocab(dims.get("vocab_size", 0), p, layout)
-    return dims.get("hidden_size", 0) * recipe.residual_bytes if recipe.residual_bytes < 4 else \
-        dims.get("hidden_size", 0) * 4
+    # the last block's output: under sequence parallelism the rank's share of the sequence (sp_tokens)
+    return dims.get("hidden_size", 0) * (recipe.residual_bytes if recipe.residual_bytes < 4 else 4) // _sp_split(p)
 
 
 def recv_buffers(dims: dict[str, Any], p: Parallel, share: RankShare, micro_batches: int, tokens: int,
@@ -628,11 +629,12 @@ def recv_buffers(dims: dict[str, Any], p: Parallel, share: RankShare, micro_batc
     (torch/distributed/pipelining/stage.py _setup_forward_recv_info: a buffer per micro-batch for the
     activations a stage after the first receives; _create_grad_recv_info / _setup_backward_recv_info: one per
     micro-batch for the gradients a stage before the last receives); ``tokens`` per micro-batch. Each holds the
-    hidden state between stages, [micro-batch, seq, hidden] in the residual dtype; measured on CPU (2 stages,
-    4 micro-batches of 2 x 128 tokens, hidden 256, bf16): 524,288 B on each rank from the first step on."""
+    hidden state between stages, [micro-batch, seq, hidden] in the residual dtype (its sequence split over the TP
+    ranks under sequence parallelism: sp_tokens); measured on CPU (2 stages, 4 micro-batches of 2 x 128 tokens,
+    hidden 256, bf16): 524,288 B on each rank from the first step on."""
     if p.pp == 1:
         return 0
-    each = tokens * dims.get("hidden_size", 0) * recipe.residual_bytes
+    each = sp_tokens(tokens, p) * dims.get("hidden_size", 0) * recipe.residual_bytes
     chunks = len(share.chunks)
     n = sum((0 if c.first else 1) + (0 if c.last else 1) for c in share.chunks) if chunks else 0
     if layout == MEGATRON_DEEPSPEED:
@@ -648,7 +650,22 @@ def stage_input(dims: dict[str, Any], p: Parallel, layout: str, first: bool, rec
     counted in recv_buffers)."""
     if p.pp == 1 or first or layout != MEGATRON_DEEPSPEED:
         return 0
-    return dims.get("hidden_size", 0) * recipe.residual_bytes
+    return dims.get("hidden_size", 0) * recipe.residual_bytes // _sp_split(p)
+
+
+def sp_tokens(tokens: int, p: Parallel) -> int:
+    """The tokens of a hidden state passed between blocks, and so between pipeline stages, on one TP rank: all of
+    them, or under sequence parallelism its share of the sequence. torchtitan's plan (llama3 parallelize.py apply_tp,
+    as the harness applies it): the embedding RowwiseParallel(output_layouts=Shard(1)) and each block's wo and w2
+    RowwiseParallel(output_layouts=Shard(1)) with use_local_output, so the residual stream is the local [batch,
+    seq / tp, hidden] tensor that a stage returns and the next receives; Megatron's get_tensor_shapes
+    (core/pipeline_parallel/schedules.py: seq_length // tp_size when sequence_parallel), its embedding scattered to
+    the sequence-parallel region."""
+    return -(-tokens // _sp_split(p))
+
+
+def _sp_split(p: Parallel) -> int:
+    return p.tp if p.sp and p.tp > 1 else 1
 
 
 # ---- context parallelism ----

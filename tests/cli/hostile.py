@@ -539,6 +539,11 @@ CASES: list[Case] = [
         ("--tp 0", "at least 1"), ("--tp 3", "tp"), ("--tp 1048577", "not a multiple"), ("--pp 0", "at least 1"),
         ("--pp 3", "pp"), ("--pp 64", "pp"), ("--cp 0", "at least 1"), ("--cp 3", "cp"), ("--ep 0", "at least 1"),
         ("--ep 3", "ep"), ("--pp 2 --vpp 0", "vpp"), ("--pp 2 --schedule warp", "unknown pipeline schedule"),
+        ("--pp 4 --grad-accum 2", "Schedule1F1B needs at least as many micro-batches as stages"),
+        ("--pp 2 --schedule dualpipev --grad-accum 3", "DualPipeV needs at least as many micro-batches as stages"),
+        ("--pp 2 --schedule Interleaved1F1B --grad-accum 5", "multiple of its rounds"),
+        ("--pp 2 --schedule zbv --vpp 3", "exactly two stages per rank"),
+        ("--pp 2 --schedule gpipe --vpp 2", "needs a schedule that runs several stages per rank"),
         ("--sp", "--sp needs --tp"), ("--tp 2 --pp 2 --cp 2 --ep 2", "")]),
     # check's own options
     *(Case(f"check llama-3-8b --gpus 8 --gpu h100-80g --max-fraction {f}", "--max-fraction", "check") for f in

@@ -28,6 +28,7 @@ GPT2 = ("gpt2", dict(layers=2, hidden=256, vocab=2048))  # tied embeddings, Laye
 LLAMA3 = ("llama-3-8b", dict(layers=2, hidden=512, vocab=2048))  # GQA (4 query heads per kv head)
 LLAMA4 = ("llama-7b", dict(layers=4, hidden=256, vocab=2048))  # more blocks: retention and prefetch matter
 LLAMA8 = ("llama-7b", dict(layers=8, hidden=256, vocab=2048))  # pp 4 with two stages per rank: 8 stages
+LLAMA10 = ("llama-7b", dict(layers=10, hidden=256, vocab=2048))  # two stages per rank over pp 2: 2-3 blocks each
 MIXTRAL = ("mixtral-8x7b", dict(layers=2, hidden=256, vocab=2048))  # MoE: 8 experts, top-2, grouped_mm
 MIXTRAL4 = ("mixtral-8x7b", dict(layers=4, hidden=256, vocab=2048))
 LLAMA_CP = ("llama-7b", dict(layers=2, hidden=256, vocab=512))  # a small vocabulary: attention, not the loss
@@ -200,6 +201,12 @@ CASES = [
     ("fsdp-full pp 4 dualpipev, 8 micro-batches", LLAMA8,
      dict(strategy="fsdp-full", gpus=4, grad_accum=8, parallel=Parallel(pp=4, schedule="dualpipev")), {}, {},
      "none"),
+    ("fsdp-full pp 2 interleaved, 4 micro-batches", LLAMA10,
+     dict(strategy="fsdp-full", grad_accum=4, parallel=Parallel(pp=2, schedule="interleaved")), {}, {}, "none"),
+    ("fsdp-full pp 2 looped-bfs, 4 micro-batches", LLAMA10,
+     dict(strategy="fsdp-full", grad_accum=4, parallel=Parallel(pp=2, schedule="looped-bfs")), {}, {}, "none"),
+    ("fsdp-full pp 4 1f1b, 8 micro-batches", LLAMA10,
+     dict(strategy="fsdp-full", gpus=4, grad_accum=8, parallel=Parallel(pp=4)), {}, {}, "none"),
     ("fsdp-full pp 2 x dp 2 1f1b reshard after forward", LLAMA4,
      dict(strategy="fsdp-full", gpus=4, grad_accum=4, parallel=Parallel(pp=2)), {}, dict(reshard_after_forward=True),
      "none"),

@@ -10,8 +10,9 @@ This checks the replays' order of events on the real frameworks, row by row of d
 
 The LoRA rows (docs/accuracy-lora.jsonl, bench/accuracy.py lora_cases) are a second table in the same file.
 
-Rows whose framework is not replayed (reserved.why_not: pipeline parallelism, expert parallelism, ...) are
-skipped. The predictions use the measuring machine's instruction set (index 10 of a row, as bench/accuracy.py
+Rows whose framework is not replayed (reserved.why_not: expert parallelism, the split-backward pipeline schedules,
+stages of fewer blocks than the traced step, ...) are skipped. A pipeline job is replayed rank by rank (its action
+list: frameworks/pipeline_replay.py); the row compares the worst rank's. The predictions use the measuring machine's instruction set (index 10 of a row, as bench/accuracy.py
 --repredict).
 """
 
@@ -69,6 +70,15 @@ def replayed_peak(inv, s) -> tuple[str, int] | None:
     from memplan import reserved
     from memplan.allocator import AllocatorConfig
 
+    if s.parallel is not None and s.parallel.pp > 1:  # each pipeline rank's own replay: the worst rank's peak
+        from memplan import accounting
+
+        lay = accounting.layout(inv, s)
+        got = [replayed_peak(r_inv, replace(v, micro_batch=s.micro_batch))
+               for i, (_, r_inv, _) in enumerate(lay.ranks) for v in lay.at(i)[:1]]
+        if any(g is None for g in got):
+            return None
+        return got[0][0], max(p for _, p in got)
     cuda = replace(s, cluster=replace(s.cluster, device="cuda", blas_workspace_bytes=0))
     if reserved.why_not(cuda, inv) is not None:
         return None
@@ -161,9 +171,11 @@ def _write(args, tables, seconds: float) -> None:
              "(memplan/frameworks/*_replay.py) reaches in its steady step, counted as requested (the CPU harness "
              "has no caching allocator and no cuBLAS workspace); engine = memplan's allocated peak "
              "(memplan/accounting.py). Error = (predicted - measured) / measured.", "",
-             "Rows not listed: the job is not replayed here (pipeline, tensor, context and expert parallelism: "
-             "their CPU profiles are a rank's share without the step's allocation events), or the CPU profile kept "
-             "no allocation events (the run prints which). Traced afresh (MEMPLAN_CACHE_DIR empty), as these were.",
+             "Rows not listed: the job is not replayed here (tensor, context and expert parallelism: their CPU "
+             "profiles are a rank's share without the step's allocation events; pipeline schedules with a split "
+             "backward, or stages of fewer blocks than the traced step), or the CPU profile kept no allocation "
+             "events (the run prints which). A pipeline job's row is its worst rank's replay (each rank walks its "
+             "schedule's action list: memplan/frameworks/pipeline_replay.py). Traced afresh (MEMPLAN_CACHE_DIR empty), as these were.",
              "",
              "Known CPU-only differences (the replays model CUDA): DeepSpeed built without its ops steps torch's "
              "single-tensor AdamW on the flat fp32 partition off CUDA, two partition-sized temporaries at the "

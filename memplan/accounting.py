@@ -467,9 +467,20 @@ class Layout:
                 most = max(len(c.layers) for c in share.chunks)
                 ring_b += par.zero_bubble_grads(share.inventory.dims, most, s.seq_len, rc.compute_bytes) \
                     + most * inner.terms(s.recompute, 1)[4]
+            stages, actions = (), ()
+            if p.pp > 1 and self.name == par.TORCHTITAN:
+                stages = tuple((profs[k] if v > 1 else inner, len(c.layers), c.first, c.last,
+                                s.seq_len * par.stage_output(inv.dims, p, self.name, c.last, rc))
+                               for k, c in enumerate(share.chunks))
+                # ... and its receive buffers: one per micro-batch for each stage's input (a stage after the
+                # first) and each stage's output gradient (a stage before the last), bytes per micro-batch of 1
+                # (parallel.recv_buffers)
+                count = s.grad_accum * sum((not c.first) + (not c.last) for c in share.chunks)
+                actions = (p.schedule, p.pp, s.grad_accum, p.virtual if p.multi_stage else 1, share.rank,
+                           par.sp_tokens(s.seq_len, p) * h * rc.residual_bytes, count, p.sp and p.tp > 1)
             prof = act.HeldProfile(inner, share.in_flight, less, loss, output, others, fewer, shared,
                                    recompute=s.recompute, ring_forward=ring_f,
-                                   ring_backward=ring_b)
+                                   ring_backward=ring_b, stages=stages, actions=actions)
             if p.tp == 1 and p.pp == 1 and prof.adds_nothing:
                 # context (or expert) parallelism alone: the rank's own traced step, as a data-parallel job's (its
                 # allocation events let the reserved peak be replayed)

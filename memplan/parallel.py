@@ -166,8 +166,6 @@ def check(p: Parallel, inv: ParamInventory, strategy: Any, gpus: int, grad_accum
                                 + f" = {stages} stages for {layers} blocks: more stages than "
                                 + ("blocks" if layout == MEGATRON_DEEPSPEED else
                                    "blocks + 2 (torchtitan counts the embedding and the head as one block each)"))
-        if layout == TORCHTITAN:
-            pipeline.check(p.schedule, p.pp, grad_accum, p.virtual if p.multi_stage else 1)
     if p.tp > 1:
         heads, kv = d.get("num_heads"), d.get("num_kv_heads", d.get("num_heads"))
         inter = d.get("intermediate_size")
@@ -184,6 +182,8 @@ def check(p: Parallel, inv: ParamInventory, strategy: Any, gpus: int, grad_accum
             raise SettingsError(f"--tp {p.tp} does not divide the MLP's {inter} intermediate features")
     if p.ep > 1:
         _check_ep(p, inv, strategy, gpus // p.model_ranks, layout)
+    if p.pp > 1 and layout == TORCHTITAN:  # what torch's schedule constructors refuse
+        pipeline.check(p.schedule, p.pp, grad_accum, p.virtual if p.multi_stage else 1)
     return layout
 
 

@@ -618,21 +618,24 @@ def _adam_foreach_temporaries(run: Run, sizes: list[int]) -> None:
 
 
 def micro_step(run: Run, job: ReplayJob, n: int, keep_grads: bool, at: Any = None,
-               on_grad: Any = None, on_forward_end: Any = None) -> list[tuple[Any, int]]:
+               on_grad: Any = None, on_forward_end: Any = None, events: Any = None,
+               off: int | None = None) -> list[tuple[Any, int]]:
     """One traced micro-step; the gradients it makes are kept (their traced death skipped) when ``keep_grads``.
     ``at(kind, block)`` is called where each region begins, ``on_grad(bytes, key, block)`` for each gradient as
     it is made (a true answer: the framework keeps that gradient past its traced death and frees it itself),
     ``on_forward_end()`` where the model's forward returned (its root's post-forward, then backward's start).
+    ``events``: a part of the step only (a pipeline stage's forward, or its backward), its storages keyed from
+    ``off`` (the same for both parts of one micro-batch, from Run.offset()).
     Returns the kept gradients (key, bytes) in the order they were made."""
     grads: list[tuple[Any, int]] = []
     kept: set[Any] = set()
-    off = run.offset()
+    off = run.offset() if off is None else off
     a = run.a
     live, afree = run.live, a.free
     malloc = a._malloc_plain if a._plain else a.malloc  # the default configuration's path, one call fewer
     limit = Run.limit if Run.limit is not None else 1 << 62
     mb = job.micro_batch
-    for e in job.step:
+    for e in (job.step if events is None else events):
         kind = e[0]
         if kind == "a":
             key = off + e[1]

@@ -30,6 +30,8 @@ from memplan.replay import OverLimit, Reserved, Run, bucket_assignment, step_eve
 
 
 def _replayer(s: Any) -> Any:
+    if s.pipeline_stage:
+        return importlib.import_module("memplan.frameworks.pipeline_replay")  # a pipeline rank's action list
     name = frameworks.model(s.strategy.memory_model).replay
     return importlib.import_module(name) if name else None
 
@@ -42,8 +44,13 @@ def why_not(s: Any, inv: Any = None) -> str | None:
     if inv is not None and any(t.shard_split > 1 for t in inv.tensors):
         return "expert parallelism: the experts' own FSDP2 units are not replayed yet"
     prof = _replayed_profile(s)
+    if s.pipeline_stage:
+        from memplan.frameworks import pipeline_replay
+
+        why = pipeline_replay.why_not(s)
+        return None if why is None else f"pipeline parallelism: {why}"
     if getattr(prof, "inner", None) is not None:
-        return "pipeline parallelism: a stage's micro-batches in flight are not replayed yet"
+        return "micro-batches in flight on one rank are not replayed yet"
     data = getattr(prof, "data", None)
     if not data or not data.get("alloc_events"):
         return "no traced step (analytic activations, or a profile traced before allocations were recorded)"
@@ -69,6 +76,22 @@ def _replayed_profile(s: Any) -> Any:
     return inner
 
 
+def _profile_id(prof: Any) -> Any:
+    """What a replay's traced steps are, for its cache key: the profile's data, or a pipeline rank's stages' and
+    schedule."""
+    if getattr(prof, "actions", None):
+        return (tuple(id(p.data) for p, *_ in prof.stages), prof.actions, tuple(x[1:] for x in prof.stages))
+    return id(prof.data)
+
+
+def _settings_key(s: Any) -> str:
+    """The settings a replay depends on: all but the profile, and for a pipeline rank but the engine's own moments
+    (accounting.Layout._at_rank's variants of one rank replay the same action list)."""
+    if s.pipeline_stage:
+        s = replace(s, grad_accum=1, pipeline_accumulator_bytes=0)
+    return repr(replace(s, activation_profile=None))
+
+
 #: replays already made in this process, by what they depend on (the planner asks some twice)
 _CACHE: dict[tuple, Reserved] = {}
 #: replays stopped at a limit, by the same key: their peak is only known to be above it
@@ -84,7 +107,7 @@ def predict(inv: Any, s: Any, config: AllocatorConfig | None = None, limit: int 
     if prof is not s.activation_profile:
         s = replace(s, activation_profile=prof)
         limit = None  # the figure moves afterwards (accounting.estimate): a bound on it says nothing here
-    key = (id(inv), id(prof.data), repr(replace(s, activation_profile=None)), repr(config))
+    key = (id(inv), _profile_id(prof), _settings_key(s), repr(config))
     hit = _CACHE.get(key)
     if hit is not None:
         return hit
@@ -156,7 +179,7 @@ def capped(inv: Any, s: Any, device_limit: int, fraction_limit: int | None, unca
         s = replace(s, activation_profile=prof)
     dev = device_limit - shift
     frac = None if fraction_limit is None else fraction_limit - shift
-    key = (id(inv), id(prof.data), repr(replace(s, activation_profile=None)), repr(config), dev, frac)
+    key = (id(inv), _profile_id(prof), _settings_key(s), repr(config), dev, frac)
     hit = _CAPPED.get(key)
     if hit is None:
         if len(_CAPPED) > 256:

@@ -60,3 +60,40 @@ def test_the_replay_holds_what_the_engine_holds(model, label: str, kw: dict, ada
     # the same traced step under two models of the framework: within 3% (the allocator's rounding, the
     # DeepSpeed bucket's setup at the first adapter's gradient, ZeRO-Offload's per-rank copies)
     assert abs(r.allocated_bytes - plan.peak_bytes) <= plan.peak_bytes * 3 // 100, (label, adapter, gpus)
+
+
+@pytest.mark.parametrize("schedule,pp,micro_batches", [("1f1b", 2, 4), ("gpipe", 2, 4), ("interleaved", 2, 4),
+                                                         ("looped-bfs", 2, 4), ("1f1b", 4, 8), ("interleaved", 2, 6)])
+@pytest.mark.parametrize("dp", [1, 2])
+def test_a_pipeline_rank_s_replay_holds_what_its_engine_holds(tmp_path: Path, schedule: str, pp: int,
+                                                               micro_batches: int, dp: int) -> None:
+    # each FSDP2 pipeline rank walks its action list (frameworks/pipeline_replay.py): the replay's own allocated
+    # peak near the engine's for that rank (the engine's interleaved ranks count the current micro-batch at all of
+    # the rank's blocks, an upper bound: within 12% there), reserved >= allocated, required >= reserved, and the
+    # same job twice gives the same bytes
+    from dataclasses import replace
+
+    from memplan import reserved
+    from memplan.parallel import Parallel
+
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({**SMALL, "num_hidden_layers": 12}))
+    src = resolve(str(cfg))
+    inv = build_inventory(src)
+    s = options.resolve(inv, config=src.config, gpus=pp * dp, gpu="h100-80g", micro_batch=2, seq_len=256,
+                        strategy="fsdp-full", grad_accum=micro_batches,
+                        parallel=Parallel(pp=pp, schedule=schedule)).settings
+    plan = accounting.estimate(inv, s)
+    assert plan.reserved is not None, plan.reserved_why
+    lay = plan.layout
+    for i, (_, r_inv, _) in enumerate(lay.ranks):
+        v = replace(lay.at(i)[0], micro_batch=s.micro_batch)
+        r = reserved.predict(r_inv, v)
+        engine = accounting.estimate(r_inv, v).peak_bytes
+        assert r.peak_bytes >= r.allocated_bytes > 0
+        room = 12 if len(lay.ranks[i][0].chunks) > 1 else 4
+        assert abs(r.allocated_bytes - engine) <= engine * room // 100, (i, r.allocated_bytes, engine)
+    assert plan.required_bytes >= plan.reserved_peak_bytes >= plan.peak_bytes
+    again = accounting.estimate(inv, s)
+    assert (again.peak_bytes, again.reserved_peak_bytes, again.required_bytes) == \
+        (plan.peak_bytes, plan.reserved_peak_bytes, plan.required_bytes)

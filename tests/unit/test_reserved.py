@@ -279,7 +279,7 @@ def test_lora_under_ddp_is_replayed(tmp_path: Path) -> None:
 def test_tensor_parallel_ranks_are_replayed() -> None:
     # a TP rank without pipelining runs its own share traced as a model (HeldProfile.inner) under the data-parallel
     # framework's replay, and the allocator's overhead over that replay stands on the rank's own allocated peak
-    # (loss_parallel raises it, sequence parallelism lowers it). Pipeline ranks keep the flat term and say why.
+    # (loss_parallel raises it, sequence parallelism lowers it)
     from memplan.parallel import Parallel
 
     src = resolve("llama-3-8b")
@@ -292,12 +292,71 @@ def test_tensor_parallel_ranks_are_replayed() -> None:
         r = plan.reserved
         assert r is not None and plan.reserved_why is None and r.allocated_bytes == plan.peak_bytes
         assert plan.reserved_peak_bytes == r.peak_bytes > r.allocated_bytes
-    s = options.resolve(inv, config=src.config, gpus=8, gpus_per_node=8, gpu="h100-80g", device="cuda",
-                        strategy="fsdp-full", micro_batch=1, seq_len=2048, grad_accum=4,
-                        parallel=Parallel(tp=2, pp=2)).settings
-    plan = accounting.estimate(inv, s)
-    assert plan.reserved is None and plan.reserved_why.startswith("pipeline parallelism")
-    assert plan.reserved_peak_bytes == plan.peak_bytes + plan.peak_bytes * 40 // 100
+
+
+def test_pipeline_ranks_are_replayed_action_by_action() -> None:
+    # an FSDP2 pipeline rank walks its schedule's action list (frameworks/pipeline_replay.py); the allocator's
+    # overhead stands on the rank's allocated peak as a TP rank's does. What is not replayed says why and keeps the
+    # flat term: the split-backward schedules, sequence parallelism's traced share, DDP under pipelining
+    from memplan.parallel import Parallel
+
+    src = resolve("llama-3-8b")
+    inv = build_inventory(src)
+
+    def plan_of(p: Parallel, **kw: object) -> accounting.Plan:
+        kw = {"strategy": "fsdp-full", **kw}
+        return accounting.estimate(inv, options.resolve(inv, config=src.config, gpus=8, gpus_per_node=8,
+                                                        gpu="h100-80g", device="cuda", micro_batch=1, seq_len=2048,
+                                                        grad_accum=4, parallel=p, **kw).settings)
+
+    for p in (Parallel(tp=2, pp=2), Parallel(pp=2, schedule="gpipe"), Parallel(pp=2, schedule="interleaved")):
+        plan = plan_of(p)
+        assert plan.reserved is not None and plan.reserved_why is None, p
+        assert plan.reserved.model.startswith("FSDP2 under ")
+        assert plan.reserved_peak_bytes > plan.peak_bytes == plan.reserved.allocated_bytes
+        assert plan.capped is not None
+    for p, kw, why in ((Parallel(pp=2, schedule="zbv"), {}, "split backward"),
+                       (Parallel(tp=2, pp=2, sp=True), {}, "sequence parallelism"),
+                       (Parallel(pp=2), {"strategy": "ddp"}, "only FSDP2's pipeline ranks")):
+        plan = plan_of(p, **kw)
+        assert plan.reserved is None and plan.reserved_why.startswith("pipeline parallelism") and why in \
+            plan.reserved_why, plan.reserved_why
+        assert plan.reserved_peak_bytes == plan.peak_bytes + plan.peak_bytes * 40 // 100
+
+
+@pytest.mark.parametrize("label,layers,gpus,pp,schedule,m", [
+    ("fsdp-full pp 2 1f1b, 4 micro-batches", 4, 2, 2, "1f1b", 4),
+    ("fsdp-full pp 2 interleaved, 4 micro-batches", 10, 2, 2, "interleaved", 4),
+    ("fsdp-full pp 2 looped-bfs, 4 micro-batches", 10, 2, 2, "looped-bfs", 4),
+    ("fsdp-full pp 4 1f1b, 8 micro-batches", 10, 4, 4, "1f1b", 8),
+])
+def test_pipeline_replay_walks_the_harness_s_allocations(label: str, layers: int, gpus: int, pp: int, schedule: str,
+                                                          m: int) -> None:
+    # the pipeline replay's sequence, counted as the CPU harness counts it, against the worst rank the harness
+    # measured on torch.distributed.pipelining (docs/accuracy.jsonl, bench/replay_harness.py): within 2%
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+    from replay_harness import replayed_peak
+
+    from memplan import validation
+    from memplan.parallel import Parallel
+
+    row = _harness_row(label, f"llama-7b, {layers} blocks", "none")
+    inventories = []
+    wrapped = validation._with_lora
+    try:
+        validation._with_lora = lambda inv, kw: inventories.append(wrapped(inv, kw)) or inventories[-1]
+        _, resolved, *_ = validation.predict(
+            "llama-7b", layers=layers, hidden=256, vocab=2048, device="cpu", cpu_isa=row[10] if len(row) > 10 else
+            "avx512", gpus=gpus, gpus_per_node=gpus, micro_batch=2, seq_len=128, recompute="none",
+            strategy="fsdp-full", grad_accum=m, parallel=Parallel(pp=pp, schedule=schedule),
+            torch_overrides={"fsdp_root_reshard": "auto"})
+    finally:
+        validation._with_lora = wrapped
+    name, peak = replayed_peak(inventories[-1], resolved.settings)
+    assert name.startswith("FSDP2 under ")
+    assert abs(peak - row[4]) <= row[4] * 2 // 100, (peak, row[4])
 
 
 def test_zero_redundancy_optimizer_is_replayed() -> None:

@@ -122,23 +122,42 @@ def _group(t: ParamTensor, n: int) -> int:
     return n if t.shard_split == 1 else max(1, n // t.shard_split)
 
 
-def _dim0_shard(shape: tuple[int, ...], n: int) -> int:
+def shard_dim(t: ParamTensor, n: int) -> int:
+    """The dim FSDP2 shards a tensor on over its group of n: 0 (fully_shard's default Shard(0)), or 1 for an
+    expert-parallel rank's stacked experts when the group outnumbers them: torchtitan's apply_fsdp
+    (torchtitan/distributed/fsdp.py: ``expert_shard_placement = Shard(1) if efsdp x ep > num_experts``, i.e. more
+    expert-FSDP ranks than the rank's local experts), which shards each expert's rows instead of padding dim 0 to a
+    row per rank."""
+    return 1 if t.shard_split > 1 and len(t.shape) >= 3 and t.shape[0] < n else 0
+
+
+def _dim0_shard(shape: tuple[int, ...], n: int, dim: int = 0) -> int:
+    """Elements of one rank's shard of a tensor sharded on ``dim`` over n ranks (the dim padded to n)."""
     if not shape:
         return 1
     rest = 1
-    for d in shape[1:]:
-        rest *= d
-    return ceil_div(shape[0], n) * rest
+    for i, d in enumerate(shape):
+        if i != dim:
+            rest *= d
+    return ceil_div(shape[dim], n) * rest
 
 
-def _local_dim0(shape: tuple[int, ...], part: int) -> tuple[int, ...]:
-    """The shape of a dim-0 shard of ``part`` elements (FSDP2's padded local tensor)."""
+def _tensor_shard(t: ParamTensor, n: int) -> int:
+    """Elements of one rank's FSDP2 shard of ``t`` in a data-parallel group of n (its own group: _group; its
+    shard dim: shard_dim)."""
+    g = _group(t, n)
+    return _dim0_shard(t.shape, g, shard_dim(t, g))
+
+
+def _local_dim0(shape: tuple[int, ...], part: int, dim: int = 0) -> tuple[int, ...]:
+    """The shape of a shard of ``part`` elements on ``dim`` (FSDP2's padded local tensor)."""
     if len(shape) < 2:
         return (part,) if shape else ()
     rest = 1
-    for d in shape[1:]:
-        rest *= d
-    return (part // rest if rest else 0, *shape[1:])
+    for i, d in enumerate(shape):
+        if i != dim:
+            rest *= d
+    return tuple((part // rest if rest else 0) if i == dim else d for i, d in enumerate(shape))
 
 
 def layout_sizes(inv: ParamInventory, layout: str, n: int, persistence_threshold: int = 0) -> LayoutSizes:
@@ -206,9 +225,9 @@ def _layout_sizes(inv: ParamInventory, layout: str, n: int, threshold: int) -> L
         shapes = tuple(((p,), p) for p in parts)
         largest = 2 * opt  # fp32 partitions are flattened per sub group (sub_group_size 1e9 by default)
     elif layout == S.PER_PARAM_DIM0:
-        parts = [_dim0_shard(t.shape, _group(t, n)) for t in tensors]
+        parts = [_tensor_shard(t, n) for t in tensors]
         shard = opt = sum(parts)
-        shapes = tuple((_local_dim0(t.shape, p), p) for t, p in zip(tensors, parts))
+        shapes = tuple((_local_dim0(t.shape, p, shard_dim(t, _group(t, n))), p) for t, p in zip(tensors, parts))
         largest = _pairs(parts)
     elif layout == S.FLAT_PER_BLOCK:
         parts = [round_up(u, n) // n for u in _unit_numels(inv).values() if u]
@@ -309,7 +328,7 @@ def _gather_sizes(inv: ParamInventory, layout: str, n: int) -> GatherSizes:
         elif t.block == ROOT_BLOCK and seen_block:
             head_largest = max(head_largest, t.numel)
         if layout == S.PER_PARAM_DIM0:
-            padded = _dim0_shard(t.shape, _group(t, n)) * _group(t, n)
+            padded = _tensor_shard(t, n) * _group(t, n)
             if has_ep:
                 row = experts.setdefault(group, [0, 0, 0, 0])
                 row[1] += padded // _group(t, n)

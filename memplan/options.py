@@ -738,8 +738,13 @@ def resolve(inv: ParamInventory, *, gpus: int = 1, gpus_per_node: int | None = N
 
     cli_strategy = STAGE_TO_STRATEGY[stage] if stage is not None else strategy
     file_strategy = STAGE_TO_STRATEGY.get(ds_file.stage) if ds_file and ds_file.stage is not None else None
-    default = "zero3" if ds_file else "single" if gpus == 1 else "ddp"
+    # expert parallelism runs under FSDP2 only (parallel.py _check_ep): without a strategy given, that one
+    ep = parallel is not None and parallel.ep > 1
+    default = "zero3" if ds_file else "fsdp-full" if ep else "single" if gpus == 1 else "ddp"
     strat = get_strategy(pick("strategy", cli_strategy, file_strategy, default))
+    if pick.sources["strategy"] == "default" and ep:
+        notes.append("strategy: fsdp-full, the one memplan runs expert parallelism under (FSDP2 over the expert-FSDP "
+                     "ranks, as torchtitan runs EP); --strategy names it explicitly")
     if pick.sources["strategy"] == "default" and strat.one_gpu:
         notes.append("strategy: one GPU, plain PyTorch (no DDP wrapper, so no reducer buckets); --strategy ddp "
                      "models DDP's buckets")

@@ -214,6 +214,15 @@ def _check_ep(p: Parallel, inv: ParamInventory, strategy: Any, dp: int, layout: 
     if (dp * p.tp) % p.ep:
         raise SettingsError(f"--ep {p.ep} does not divide the data-parallel ranks dp x tp = {dp * p.tp} it borrows "
                             "from (each expert's FSDP group is dp x tp / ep ranks)")
+    efsdp = dp * p.tp // p.ep
+    if efsdp > experts // p.ep:
+        # more expert-FSDP ranks than local experts: torchtitan shards each expert on dim 1 (layouts.shard_dim),
+        # which FSDP2 shards only evenly (_fsdp_param.py: "FSDP does not support uneven sharding on dim 1")
+        for t in inv.tensors:
+            if t.category == "experts" and len(t.shape) == 3 and t.shape[1] % efsdp:
+                raise SettingsError(f"--ep {p.ep} over {dp * p.tp} data-parallel ranks: each expert is sharded on "
+                                    f"dim 1 over efsdp = {efsdp} ranks (more than the {experts // p.ep} local "
+                                    f"experts), and FSDP2 shards dim 1 only evenly: {t.name} has {t.shape[1]} rows")
 
 
 # ---- pipeline stages ----

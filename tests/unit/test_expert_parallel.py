@@ -161,3 +161,20 @@ def test_every_moment_is_whole_bytes_and_the_peak_is_below_one_unit_per_block(tm
     plan = accounting.estimate(inv, s)
     assert all(isinstance(v, int) and v >= 0 for ph in plan.phases for v in vars(ph).values() if isinstance(v, int))
     assert plan.assumptions.get("experts_shard_group") == 2
+
+
+def test_experts_shard_on_dim_1_when_the_expert_fsdp_ranks_outnumber_them(tmp_path):
+    """torchtitan's apply_fsdp shards the experts on dim 1 once efsdp x ep > num_experts (more expert-FSDP ranks than
+    a rank's local experts): each rank holds 1/efsdp of every local expert, not one padded row of dim 0; FSDP2
+    shards dim 1 only evenly, so an uneven one is refused."""
+    inv = _inv(tmp_path)
+    s = _settings(inv, par.Parallel(ep=2), gpus=16)  # efsdp 8 > 4 local experts
+    r_inv = accounting.layout(inv, s).ranks[0][1]
+    sizes = layouts.layout_sizes(r_inv, S.PER_PARAM_DIM0, 16)
+    experts = [t for t in r_inv.tensors if t.shard_split > 1]
+    assert experts and all(layouts.shard_dim(t, 8) == 1 for t in experts)
+    others = sum(-(-t.shape[0] // 16) * (t.numel // t.shape[0]) if t.shape else 1
+                 for t in r_inv.tensors if t.shard_split == 1)
+    assert sizes.shard_numel == others + sum(t.numel // 8 for t in experts)
+    with pytest.raises(SettingsError, match="FSDP2 shards dim 1 only evenly"):
+        _settings(inv, par.Parallel(ep=2), gpus=12, gpus_per_node=12)  # efsdp 6: 896 rows of gate_up_proj

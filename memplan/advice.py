@@ -305,7 +305,7 @@ def _combination(valid: list[tuple[int, Change]], evaluate: Callable[[Change], d
                 if k in changes and changes[k] != v:
                     return None
                 changes[k] = v
-        return Change(" + ".join(c.label for c in chs), tuple(f for c in chs for f in c.flags), changes,
+        return Change(" + ".join(c.label for c in chs), _flags_once([f for c in chs for f in c.flags]), changes,
                       "; ".join(c.cost for c in chs), max(c.rank for c in chs))
 
     combos = [c for size in (2, 3) for c in combinations(range(len(valid)), size)
@@ -332,3 +332,22 @@ def _combination(valid: list[tuple[int, Change]], evaluate: Callable[[Change], d
         if replays[0] - start >= MAX_COMBINATIONS:  # the allocator replayed this many times: stop
             break
     return None, tried
+
+
+def _flags_once(flags: list[str]) -> tuple[str, ...]:
+    """Command-line flags with each option once: two changes of a combination that set the same option set it to
+    the same value (merged() refuses the others), e.g. a smaller micro-batch's --grad-accum and more pipeline
+    stages' own."""
+    groups: list[tuple[str, ...]] = []
+    for f in flags:
+        if f.startswith("--") or not groups:
+            groups.append((f,))
+        else:
+            groups[-1] = groups[-1] + (f,)
+    seen: set[tuple[str, ...]] = set()
+    out: list[str] = []
+    for g in groups:
+        if g not in seen:
+            seen.add(g)
+            out.extend(g)
+    return tuple(out)

@@ -184,6 +184,15 @@ CASES = [
      dict(strategy="fsdp-full", grad_accum=8, parallel=Parallel(pp=2, schedule="zbv")), {}, {}, "none"),
     ("fsdp-full pp 2 x dp 2 zbv (zero bubble), 4 micro-batches", LLAMA4,
      dict(strategy="fsdp-full", gpus=4, grad_accum=4, parallel=Parallel(pp=2, schedule="zbv")), {}, {}, "none"),
+    # session 28: Lion (lion-pytorch) and schedule-free AdamW (schedulefree) on what each framework hands them
+    ("lion, 1 rank", LLAMA, dict(gpus=1, optimizer="lion"), {}, {}, "none"),
+    ("lion ddp", LLAMA, dict(strategy="ddp", optimizer="lion"), {}, {}, "none"),
+    ("lion ddp pure-bf16", LLAMA, dict(strategy="ddp", precision="pure-bf16", optimizer="lion"), {}, {}, "none"),
+    ("lion fsdp-full", LLAMA, dict(strategy="fsdp-full", optimizer="lion"), {}, {}, "none"),
+    ("lion fsdp1 full", LLAMA, dict(strategy="fsdp-full", optimizer="lion"), {}, dict(fsdp_version=1), "none"),
+    ("schedule-free adamw ddp", LLAMA, dict(strategy="ddp", optimizer="adamw-schedulefree"), {}, {}, "none"),
+    ("schedule-free adamw fsdp-full", LLAMA, dict(strategy="fsdp-full", optimizer="adamw-schedulefree"), {}, {},
+     "none"),
     # session 28: every schedule of torch.distributed.pipelining (memplan/pipeline.py), at 2 and 4 stages
     ("fsdp-full pp 2 looped-bfs, 4 micro-batches", LLAMA4,
      dict(strategy="fsdp-full", grad_accum=4, parallel=Parallel(pp=2, schedule="looped-bfs")), {}, {}, "none"),

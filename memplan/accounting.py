@@ -81,7 +81,7 @@ def _step(job: Job, fw: FrameworkModel, grads: Grads, persistent: int, master_by
     if not (job.offload_optimizer or job.cpu_offload):
         if impl == "foreach":
             scratch = rc.state_bytes * lay.optimizer_numel
-        elif impl == "single-tensor" and job.s.optimizer.shape_dependent:
+        elif impl == "single-tensor" and (job.s.optimizer.shape_dependent or job.s.optimizer.scratch):
             stepped = 4 if master_bytes == 4 else rc.param_bytes  # DeepSpeed's fp32 partitions, else the params
             scratch = step_temporaries(job.s.optimizer, impl, stepped, rc,
                                        [n for _, n in fw.optimizer_tensors(job)], job.s.cluster.device)

@@ -300,7 +300,8 @@ def plan(
     precision: Optional[str] = typer.Option(None, "--precision", help="Recipe for every strategy [default: each "
                                             "strategy's framework's]."),
     optimizer: Optional[str] = typer.Option(None, "--optimizer", help="adamw, adam, sgd, adafactor, adam8bit, "
-                                                       "paged_adamw_8bit, paged_adamw_32bit."),
+                                                       "paged_adamw_8bit, paged_adamw_32bit, lion, "
+                                                       "adamw-schedulefree."),
     attention: str = typer.Option("sdpa", "--attention", help="sdpa (the device's own kernel choice) | flash "
                                   "(asked for: refused where the device cannot run it) | eager."),
     allow_offload: bool = typer.Option(False, "--allow-offload", help="Also consider DeepSpeed ZeRO-Offload "
@@ -401,8 +402,9 @@ def validate(
     seq_len: int = typer.Option(128, "--seq-len", help="Sequence length."),
     grad_accum: O.GradAccum = None,
     precision: O.Precision = None,
-    optimizer: Optional[str] = typer.Option(None, "--optimizer", help="adamw, adam, sgd, adafactor, adam8bit (the "
-                                            "optimizers the harness runs; adam8bit needs bitsandbytes)."),
+    optimizer: Optional[str] = typer.Option(None, "--optimizer", help="adamw, adam, sgd, adafactor, adam8bit, lion, "
+                                            "adamw-schedulefree (the optimizers the harness runs; adam8bit needs "
+                                            "bitsandbytes, lion lion-pytorch, adamw-schedulefree schedulefree)."),
     optimizer_impl: O.OptimizerImpl = None,
     recompute: str = typer.Option("none", "--recompute", help="none | full | every:N | layer-sac:N."),
     deepspeed: O.DeepSpeedConfig = None,

@@ -21,7 +21,8 @@ Precision = Annotated[Optional[str], typer.Option("--precision", help="deepspeed
                                                   "fsdp-bf16, pure-bf16, fp32 [default: the strategy's "
                                                   "framework's].")]
 Optimizer = Annotated[Optional[str], typer.Option("--optimizer", help="adamw, adam, sgd, adafactor, adam8bit, "
-                                                  "paged_adamw_8bit, paged_adamw_32bit.")]
+                                                  "paged_adamw_8bit, paged_adamw_32bit, lion (lion-pytorch), "
+                                                  "adamw-schedulefree (schedulefree).")]
 OptimizerImpl = Annotated[Optional[str], typer.Option("--optimizer-impl", help="foreach, fused, single-tensor: "
                                                       "torch.optim's (under DeepSpeed, a client optimizer) "
                                                       "[default: DeepSpeed's own FusedAdam for DeepSpeed, foreach "

@@ -762,6 +762,12 @@ def resolve(inv: ParamInventory, *, gpus: int = 1, gpus_per_node: int | None = N
                             "bf16_master_weights_and_grads and bf16_optimizer_states, which memplan does not model "
                             "yet; use --precision deepspeed-bf16")
     opt = get_optimizer(pick("optimizer", optimizer, ds_file.optimizer if ds_file else None, "adamw"))
+    if opt.lazy_states or opt.any_device:
+        if strat.framework == "deepspeed":
+            # is_zero_supported_optimizer (deepspeed/runtime/zero/utils.py) knows torch's and DeepSpeed's Adams
+            raise SettingsError(f"--optimizer {opt.name} under DeepSpeed ZeRO: DeepSpeed refuses an untested "
+                                "optimizer (engine.py: add \"zero_allow_untested_optimizer\": true), and memplan "
+                                "does not model it on ZeRO's flat partitions yet")
     if opt.paged:
         notes.append(f"{opt.name}: bitsandbytes keeps the states in CUDA unified memory (cudaMallocManaged), outside "
                      "PyTorch's allocator; counted on the GPU, where they stay unless memory runs short (then the "

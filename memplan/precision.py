@@ -99,6 +99,16 @@ class Optimizer:
     #: p.float() where the parameter is 16-bit: fp32 tensor-sized temporaries of the tensor being stepped,
     #: freed when its update returns
     cpu_step_copies: int = 0
+    #: the step's scratch when it is a Python loop of its own: "" (torch.optim's single-tensor loop: two
+    #: temporaries of the tensor stepped, the second bound to the loop's local until the next replaces it), or
+    #: "in-call" (lion-pytorch's update_fn: ``exp_avg.clone().mul_(beta1).add(grad, ...)`` makes a clone and the
+    #: sum at once, both freed when the function returns: two temporaries of the tensor stepped, none carried over)
+    scratch: str = ""
+    #: each tensor's state made just before its own update, inside the step's loop (lion-pytorch), not all first
+    #: (torch.optim's _init_group)
+    lazy_states: bool = False
+    #: the one kernel runs off CUDA too (schedulefree's foreach default: hasattr(torch, "_foreach_mul_"))
+    any_device: bool = False
 
 
 OPTIMIZERS: dict[str, Optimizer] = {o.name: o for o in (
@@ -118,7 +128,20 @@ OPTIMIZERS: dict[str, Optimizer] = {o.name: o for o in (
               description="bitsandbytes PagedAdamW8bit: AdamW8bit's states in CUDA unified memory"),
     Optimizer(name="paged_adamw_32bit", states_per_param=2, state_bytes_override=4, kernel="fused", paged=True,
               description="bitsandbytes PagedAdamW32bit: fp32 exp_avg + exp_avg_sq in CUDA unified memory"),
+    # lion-pytorch 0.2.5 (lucidrains; lion_pytorch.py): state['exp_avg'] = zeros_like(p) made in the step's loop,
+    # then update_fn's clone and sum of it (the Triton update_fn, use_triton=True, is not modelled)
+    Optimizer(name="lion", states_per_param=1, kernel="single-tensor", scratch="in-call", lazy_states=True,
+              any_device=True, description="Lion (lion-pytorch): exp_avg"),
+    # schedulefree 1.4 AdamWScheduleFree (adamw_schedulefree.py): state['z'] = clone(p) and
+    # state['exp_avg_sq'] = zeros_like(p) for every parameter first, then the foreach step (its default off CUDA
+    # too): ``denom = torch._foreach_div(exp_avg_sq, bias_correction2)``, one state-sized temporary per tensor as
+    # torch's foreach Adam; train()/eval() swap y and x in place
+    Optimizer(name="adamw-schedulefree", states_per_param=2, kernel="foreach", any_device=True,
+              description="schedule-free AdamW (schedulefree): z + exp_avg_sq"),
 )}
+#: names the optimizers go by elsewhere (--optimizer takes them too)
+OPTIMIZER_ALIASES = {"schedulefree": "adamw-schedulefree", "adamw_schedulefree": "adamw-schedulefree",
+                     "schedule_free_adamw": "adamw-schedulefree", "schedule-free-adamw": "adamw-schedulefree"}
 
 #: How an optimizer's step allocates scratch (torch.optim's implementations and DeepSpeed's kernels).
 #: foreach (torch default on CUDA): _multi_tensor_adam's `torch._foreach_sqrt(exp_avg_sqs)` allocates one
@@ -138,7 +161,7 @@ def get_recipe(name: str) -> Recipe:
 
 def get_optimizer(name: str) -> Optimizer:
     try:
-        return OPTIMIZERS[name.lower()]
+        return OPTIMIZERS[OPTIMIZER_ALIASES.get(name.lower(), name.lower())]
     except KeyError:
         raise SettingsError(f"unknown optimizer {quote(name)}; valid: {', '.join(OPTIMIZERS)}") from None
 
@@ -190,6 +213,8 @@ def step_temporaries(opt: Optimizer, impl: str, stepped_bytes: int, recipe: Reci
     steps). max over i of n[i-1] + k n[i], in state bytes."""
     if impl != "single-tensor":
         return 0
+    if opt.scratch == "in-call":
+        return (opt.state_bytes_override or recipe.state_bytes) * 2 * max(numels, default=0)
     if opt.cpu_step_copies and device == "cpu":
         return 4 * (opt.cpu_step_copies + (stepped_bytes < 4)) * max(numels, default=0)
     k = 2 + (2 if opt.upcasts_half and stepped_bytes < 4 else 0)

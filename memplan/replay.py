@@ -687,6 +687,19 @@ def _workspace(run: Run, job: ReplayJob, thread: str) -> None:
 
 def optimizer_step(run: Run, job: ReplayJob, first: bool, states: list[Any]) -> None:
     sizes = [n * job.state_bytes for n in job.numels]
+    opt = job.optimizer
+    if opt is not None and opt.scratch == "in-call":
+        # lion-pytorch: per tensor, its state at the first step (made in the loop), then update_fn's clone of the
+        # state and the sum made from it, both freed when update_fn returns
+        for i, n in enumerate(job.numels):
+            if first:
+                for b in job.state_allocs(n, job.shapes[i] if job.shapes else ()):
+                    states.append(run.alloc(b))
+            a = run.alloc(sizes[i])
+            b = run.alloc(sizes[i])
+            run.free(a)
+            run.free(b)
+        return
     if first:
         job.first_states(run, states)
         for i, n in enumerate(job.numels):  # _init_group: zeros_like per state, parameter by parameter

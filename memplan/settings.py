@@ -275,7 +275,7 @@ def optimizer_impl(s: Settings) -> str:
     """The optimizer implementation the job runs: the one given, else the framework's default on the device."""
     if s.optimizer_impl:
         return s.optimizer_impl
-    if s.optimizer.kernel and s.cluster.device == "cuda":
+    if s.optimizer.kernel and (s.cluster.device == "cuda" or s.optimizer.any_device):
         return s.optimizer.kernel
     if s.cluster.device == "cpu":
         # torch.optim's default off CUDA (_default_to_fused_or_foreach -> single tensor). DeepSpeed on CPU

@@ -146,7 +146,18 @@ def _torch_optimizer(spec: dict[str, Any], params: Any) -> Any:
         import bitsandbytes as bnb
 
         return bnb.optim.AdamW8bit(params, lr=1e-4)
-    raise ValueError(f"the harness runs adamw, adam, sgd, adafactor and adam8bit; not {name}")
+    if name == "lion":  # lion-pytorch's Lion (update_fn in Python; use_triton False)
+        from lion_pytorch import Lion
+
+        return Lion(params, lr=1e-4)
+    if name == "adamw-schedulefree":  # schedulefree's AdamWScheduleFree, in train mode for the steps
+        import schedulefree
+
+        opt = schedulefree.AdamWScheduleFree(params, lr=1e-4, warmup_steps=0)
+        opt.train()
+        return opt
+    raise ValueError(f"the harness runs adamw, adam, sgd, adafactor, adam8bit, lion and adamw-schedulefree; not "
+                     f"{name}")
 
 
 def setup(spec: dict[str, Any], device: Any) -> tuple[Any, Any, Any]:

@@ -545,6 +545,8 @@ CASES: list[Case] = [
         ("--pp 2 --schedule zbv --vpp 3", "exactly two stages per rank"),
         ("--pp 2 --schedule gpipe --vpp 2", "needs a schedule that runs several stages per rank"),
         ("--sp", "--sp needs --tp"), ("--tp 2 --pp 2 --cp 2 --ep 2", "")]),
+    Case("estimate llama-3-8b --gpus 8 --stage 2 --optimizer lion", "DeepSpeed refuses an untested optimizer",
+         "parallel"),
     # check's own options
     *(Case(f"check llama-3-8b --gpus 8 --gpu h100-80g --max-fraction {f}", "--max-fraction", "check") for f in
       ("nan", "1.5", "0", "-0.1", "abc", "inf")),

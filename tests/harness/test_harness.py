@@ -423,3 +423,17 @@ def test_validate_expert_and_tensor_parallel():
     rep = json.loads(r.stdout)
     _check(rep, 0.02)
     assert rep["validation"]["peak"]["error"] >= -0.005, rep["validation"]["peak"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("argv,package", [
+    (["--gpus", "1", "--optimizer", "lion"], "lion_pytorch"),
+    (["--gpus", "2", "--strategy", "fsdp-full", "--optimizer", "lion"], "lion_pytorch"),
+    (["--gpus", "2", "--strategy", "ddp", "--optimizer", "adamw-schedulefree"], "schedulefree"),
+], ids=["single-lion", "fsdp2-lion", "ddp-schedulefree"])
+def test_validate_lion_and_schedule_free(argv, package):
+    """lion-pytorch's Lion and schedulefree's AdamWScheduleFree on the real packages (docs/accuracy.md session 28:
+    states exact, peaks within 0.01%)."""
+    pytest.importorskip(package)
+    rc, rep = _validate(argv)
+    _check(rep, 0.001)

@@ -743,3 +743,25 @@ def test_fsdp2_root_only_holds_everything():
     forward, loss, backward, end, _ = f.buffers.values()
     assert forward == 2 * 2 * PSI and loss == 2 * PSI
     assert end == 2 * PSI + max(2 * PSI, 4 * PSI)
+
+
+def test_lion_and_schedule_free_adamw_states_and_step_scratch(inventories):
+    """lion-pytorch's Lion: one state (exp_avg, the parameter's dtype), update_fn's clone and sum of it (two
+    temporaries of the tensor stepped, freed when it returns); schedulefree's AdamWScheduleFree: z and exp_avg_sq,
+    then one foreach temporary per tensor (its default on any device). Measured on the CPU harness within 0.01%
+    (docs/accuracy.md, session 28)."""
+    from memplan.precision import step_temporaries
+
+    inv = inventories("llama-7b")
+    lion = options.resolve(inv, gpus=1, optimizer="lion", activations="analytic").settings
+    adamw = options.resolve(inv, gpus=1, optimizer="adamw", activations="analytic").settings
+    sf = options.resolve(inv, gpus=1, optimizer="schedulefree", activations="analytic").settings
+    assert sf.optimizer.name == "adamw-schedulefree"
+    pl, pa, ps = (A.estimate(inv, s) for s in (lion, adamw, sf))
+    assert pl.phases[-1].optimizer_states_bytes * 2 == pa.phases[-1].optimizer_states_bytes
+    assert ps.phases[-1].optimizer_states_bytes == pa.phases[-1].optimizer_states_bytes
+    assert ps.assumptions["optimizer_impl"] == "foreach" and pl.assumptions["optimizer_impl"] == "single-tensor"
+    largest = max(t.numel for t in inv.tensors)
+    rc = get_recipe("pure-bf16")
+    assert step_temporaries(get_optimizer("lion"), "single-tensor", 2, rc, [3, largest, 5]) == \
+        rc.state_bytes * 2 * largest

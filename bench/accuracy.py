@@ -28,6 +28,7 @@ GPT2 = ("gpt2", dict(layers=2, hidden=256, vocab=2048))  # tied embeddings, Laye
 LLAMA3 = ("llama-3-8b", dict(layers=2, hidden=512, vocab=2048))  # GQA (4 query heads per kv head)
 LLAMA4 = ("llama-7b", dict(layers=4, hidden=256, vocab=2048))  # more blocks: retention and prefetch matter
 LLAMA8 = ("llama-7b", dict(layers=8, hidden=256, vocab=2048))  # pp 4 with two stages per rank: 8 stages
+LLAMA_WIDE = ("llama-7b", dict(layers=2, hidden=512, vocab=128))  # the blocks' matrices outweigh the embedding
 LLAMA10 = ("llama-7b", dict(layers=10, hidden=256, vocab=2048))  # two stages per rank over pp 2: 2-3 blocks each
 MIXTRAL = ("mixtral-8x7b", dict(layers=2, hidden=256, vocab=2048))  # MoE: 8 experts, top-2, grouped_mm
 MIXTRAL4 = ("mixtral-8x7b", dict(layers=4, hidden=256, vocab=2048))
@@ -192,6 +193,12 @@ CASES = [
     ("lion fsdp1 full", LLAMA, dict(strategy="fsdp-full", optimizer="lion"), {}, dict(fsdp_version=1), "none"),
     ("schedule-free adamw ddp", LLAMA, dict(strategy="ddp", optimizer="adamw-schedulefree"), {}, {}, "none"),
     ("schedule-free adamw fsdp-full", LLAMA, dict(strategy="fsdp-full", optimizer="adamw-schedulefree"), {}, {},
+     "none"),
+    # torch.optim.Muon on the blocks' matrices with AdamW on the rest; the small vocabulary lets Newton-Schulz peak
+    ("muon, 1 rank", LLAMA, dict(gpus=1, optimizer="muon"), {}, {}, "none"),
+    ("muon ddp", LLAMA, dict(strategy="ddp", optimizer="muon"), {}, {}, "none"),
+    ("muon, 1 rank, hidden 512 vocab 128", LLAMA_WIDE, dict(gpus=1, optimizer="muon"), {}, {}, "none"),
+    ("muon ddp pure-bf16, hidden 512 vocab 128", LLAMA_WIDE, dict(strategy="ddp", precision="pure-bf16", optimizer="muon"), {}, {},
      "none"),
     # session 28: every schedule of torch.distributed.pipelining (memplan/pipeline.py), at 2 and 4 stages
     ("fsdp-full pp 2 looped-bfs, 4 micro-batches", LLAMA4,

@@ -34,8 +34,13 @@ def _model_states(job: Job, fw: FrameworkModel, host_by: dict[str, int]) -> tupl
     weights = fw.weights(job)
     master_bytes = 4 if st.fp32_master_copy else rc.master_bytes
     master = master_bytes * job.lay.optimizer_numel
-    states = layouts.optimizer_state_bytes(s.optimizer, rc, job.lay,
-                                           fw.optimizer_tensors(job) if s.optimizer.shape_dependent else ())
+    if s.optimizer.name == "muon":  # Muon's momentum on the blocks' matrices, AdamW's states on the rest
+        from memplan.precision import muon_state_bytes
+
+        states = muon_state_bytes(job.inv, rc)
+    else:
+        states = layouts.optimizer_state_bytes(s.optimizer, rc, job.lay,
+                                               fw.optimizer_tensors(job) if s.optimizer.shape_dependent else ())
     if job.offload_param:
         # the partitioned parameters live on the host (offload_param.device "cpu"); persistent ones stay
         host_by["weights_bytes"] += weights - rc.param_bytes * job.lay.persistent_numel
@@ -78,7 +83,16 @@ def _step(job: Job, fw: FrameworkModel, grads: Grads, persistent: int, master_by
     rc, lay = job.s.recipe, job.lay
     impl = optimizer_impl(job.s)
     scratch = 0
-    if not (job.offload_optimizer or job.cpu_offload):
+    if job.s.optimizer.name == "muon":
+        from memplan.kernels import cpu_gemm_scratch, host_cpu_isa
+        from memplan.precision import muon_step_scratch
+
+        c = job.s.cluster
+        isa = c.cpu_isa or host_cpu_isa()
+        # off CUDA the Newton-Schulz products are bf16 GEMMs with oneDNN's own scratch (one thread: the harness's)
+        gemm = (lambda m, n, k: cpu_gemm_scratch(isa, m, n, k, "bfloat16")) if c.device == "cpu" else None
+        scratch = muon_step_scratch(job.inv, rc, impl, gemm)
+    elif not (job.offload_optimizer or job.cpu_offload):
         if impl == "foreach":
             scratch = rc.state_bytes * lay.optimizer_numel
         elif impl == "single-tensor" and (job.s.optimizer.shape_dependent or job.s.optimizer.scratch):

@@ -762,6 +762,11 @@ def resolve(inv: ParamInventory, *, gpus: int = 1, gpus_per_node: int | None = N
                             "bf16_master_weights_and_grads and bf16_optimizer_states, which memplan does not model "
                             "yet; use --precision deepspeed-bf16")
     opt = get_optimizer(pick("optimizer", optimizer, ds_file.optimizer if ds_file else None, "adamw"))
+    if opt.name == "muon" and (strat.memory_model not in ("ddp", "single") or lora is not None):
+        raise SettingsError(f"--optimizer muon under {strat.name if lora is None else 'LoRA'}: torch.optim.Muon's "
+                            "Newton-Schulz needs each whole matrix, which memplan models on whole tensors only (one GPU "
+                            "or DDP); on sharded or flat parameters, and the distributed variant's gathers, it is not "
+                            "modelled yet")
     if opt.lazy_states or opt.any_device:
         if strat.framework == "deepspeed":
             # is_zero_supported_optimizer (deepspeed/runtime/zero/utils.py) knows torch's and DeepSpeed's Adams

@@ -7,6 +7,7 @@ bytes per parameter and the scratch its step allocates. Pure data and small pure
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from memplan.errors import SettingsError
 from memplan.inputs import quote
@@ -138,6 +139,11 @@ OPTIMIZERS: dict[str, Optimizer] = {o.name: o for o in (
     # torch's foreach Adam; train()/eval() swap y and x in place
     Optimizer(name="adamw-schedulefree", states_per_param=2, kernel="foreach", any_device=True,
               description="schedule-free AdamW (schedulefree): z + exp_avg_sq"),
+    # torch.optim.Muon (torch 2.13 _muon.py) on the blocks' matrices, which is all it takes ("Muon only supports 2D
+    # parameters"; its docs: embeddings, the head, gains and biases with AdamW), torch.optim.AdamW on the rest:
+    # muon_state_bytes, muon_step_scratch
+    Optimizer(name="muon", states_per_param=2, description="Muon (torch.optim.Muon) on the blocks' matrices: "
+              "momentum_buffer; AdamW on the rest: exp_avg + exp_avg_sq"),
 )}
 #: names the optimizers go by elsewhere (--optimizer takes them too)
 OPTIMIZER_ALIASES = {"schedulefree": "adamw-schedulefree", "adamw_schedulefree": "adamw-schedulefree",
@@ -226,3 +232,73 @@ def step_temporaries(opt: Optimizer, impl: str, stepped_bytes: int, recipe: Reci
     # recipe's, as torch.optim's)
     width = opt.state_bytes_override if opt.state_bytes_override and not opt.quant_block else recipe.state_bytes
     return width * best
+
+
+# ---- Muon (torch.optim.Muon) with AdamW beside it ----
+
+def muon_tensors(inv: Any) -> tuple[bool, ...]:
+    """Per tensor of the model, module order: whether Muon steps it (a trainable 2-D tensor inside a block; the
+    embedding, the head, norms and biases go to AdamW, as torch.optim.Muon's documentation and its 2-D-only check
+    have it)."""
+    from memplan.model.inventory import ROOT_BLOCK
+
+    return tuple(t.trainable and t.block != ROOT_BLOCK and len(t.shape) == 2 for t in inv.tensors)
+
+
+def muon_state_bytes(inv: Any, recipe: Recipe) -> int:
+    """Muon's momentum_buffer (zeros_like(p.grad): the gradient's dtype) for its tensors, AdamW's two states (the
+    parameter's dtype) for the others that train."""
+    out = 0
+    for t, muon in zip(inv.tensors, muon_tensors(inv)):
+        if muon:
+            out += t.numel * recipe.grad_bytes
+        elif t.trainable:
+            out += 2 * t.numel * recipe.state_bytes
+    return out
+
+
+def newton_schulz_peak(shape: tuple[int, int], grad_bytes: int, gemm: Any = None) -> int:
+    """The most one matrix's Muon update holds beyond the states (torch 2.13 _muon.py _single_tensor_muon and
+    _zeropower_via_newtonschulz, nesterov and five steps by default), for a gradient of ``shape`` [a, b], k =
+    min(a, b): the Nesterov update grad.lerp(buf) (U, the gradient's dtype) held by the caller through the call;
+    its bf16 copy (none when already bf16) as the first iterate X; per step gram = X X^T and gram_update (k x k,
+    bf16, each bound until the next step's replaces it) and the next X (a x b, bf16) made while the last is
+    alive: U + 4ab + 4k^2 bytes at the last product. ``gemm(m, n, k)``: a CPU matmul's own scratch, during it."""
+    a, b = shape
+    k, ab = min(a, b), a * b
+    g = gemm or (lambda m, n, kk: 0)
+    l_ = max(a, b)
+    u = grad_bytes * ab
+    copy = 0 if grad_bytes == 2 else 2 * ab
+    first = u + copy + 4 * k * k + 2 * ab + g(k, l_, k)
+    later = max(u + 2 * ab + 6 * k * k + g(k, k, l_), u + 2 * ab + 6 * k * k + g(k, k, k),
+                u + 4 * ab + 4 * k * k + g(k, l_, k))
+    return max(first, later, u + copy + 2 * k * k + g(k, k, l_))
+
+
+def muon_step_scratch(inv: Any, recipe: Recipe, adamw_impl: str, gemm: Any = None) -> int:
+    """The step's scratch at its worst: Muon's loop (newton_schulz_peak per matrix; the last matrix's result, 2ab
+    bf16, still bound while the next one's Nesterov update is made), then AdamW's step on the rest (foreach: one state-sized
+    temporary per tensor; single-tensor: max over i of n[i-1] + 2 n[i])."""
+    muon, prev = 0, 0
+    rest: list[int] = []
+    for t, m in zip(inv.tensors, muon_tensors(inv)):
+        if m:
+            # ``update = grad.lerp(buf, momentum)`` is made while the last matrix's result is still bound, which
+            # the rebinding then frees, before the Newton-Schulz steps
+            u = recipe.grad_bytes * t.numel
+            muon = max(muon, prev + u, newton_schulz_peak(t.shape, recipe.grad_bytes, gemm))
+            prev = 2 * t.numel
+        elif t.trainable:
+            rest.append(t.numel)
+    if adamw_impl == "foreach":
+        adam = recipe.state_bytes * sum(rest)
+    elif adamw_impl == "single-tensor":
+        best = last = 0
+        for x in rest:
+            best = max(best, last + 2 * x)
+            last = x
+        adam = recipe.state_bytes * best
+    else:
+        adam = 0
+    return max(muon, adam)

@@ -420,6 +420,9 @@ class ReplayJob:
     #: a 4-bit base (QLoRA): per quantized weight in module order, (bytes of the compute-dtype copy it is quantized
     #: from, bytes of each piece of its bitsandbytes storage: packed data, then its QuantState's tensors)
     quantized: tuple[tuple[int, tuple[int, ...]], ...] = ()
+    #: --optimizer muon: per optimizer tensor (the trainable ones, module order), its [a, b] shape where Muon steps
+    #: it, None where AdamW does (precision.muon_tensors)
+    muon: tuple[tuple[int, int] | None, ...] = ()
 
     def state_allocs(self, numel: int, shape: tuple[int, ...] = ()) -> tuple[int, ...]:
         """The state tensors the optimizer makes for one tensor at its first step, bytes each, in order."""
@@ -463,7 +466,12 @@ def replay_job(inv: Any, s: Any, numels: list[int], shapes: list[tuple[int, ...]
 
     if frameworks.model(s.strategy.memory_model).computes_with_views and s.recipe.autocast_weight_copies:
         step = uncached_casts(step)
-    return ReplayJob(build=tuple(build), numels=tuple(numels), state_bytes=4 if s.optimizer.factored else s.recipe.state_bytes,
+    muon: tuple = ()
+    if s.optimizer.name == "muon":
+        from memplan.precision import muon_tensors
+
+        muon = tuple(tuple(t.shape) if m else None for t, m in zip(inv.tensors, muon_tensors(inv)) if t.trainable)
+    return ReplayJob(muon=muon, build=tuple(build), numels=tuple(numels), state_bytes=4 if s.optimizer.factored else s.recipe.state_bytes,
                converted=converted,
                grad_accum=s.grad_accum,
                optimizer_impl=optimizer_impl(s), input_bytes=s.micro_batch * s.seq_len * 8,
@@ -688,6 +696,9 @@ def _workspace(run: Run, job: ReplayJob, thread: str) -> None:
 def optimizer_step(run: Run, job: ReplayJob, first: bool, states: list[Any]) -> None:
     sizes = [n * job.state_bytes for n in job.numels]
     opt = job.optimizer
+    if job.muon:
+        _muon_then_adamw(run, job, first, states)
+        return
     if opt is not None and opt.scratch == "in-call":
         # lion-pytorch: per tensor, its state at the first step (made in the loop), then update_fn's clone of the
         # state and the sum made from it, both freed when update_fn returns
@@ -726,3 +737,60 @@ def optimizer_step(run: Run, job: ReplayJob, first: bool, states: list[Any]) -> 
             prev = b
         if prev is not None:
             run.free(prev)
+
+
+def _muon_then_adamw(run: Run, job: ReplayJob, first: bool, states: list[Any]) -> None:
+    """torch.optim.Muon's step on its matrices, then torch.optim.AdamW's on the rest (precision.muon_step_scratch):
+    Muon's _init_group makes every momentum buffer first (zeros_like(p.grad)); per matrix the Nesterov update
+    (the gradient's dtype), its bf16 copy, and five Newton-Schulz steps, each making gram, gram_update and the next
+    iterate while the last ones are bound; the result stays bound until the next matrix's update replaces it."""
+    gb = job.recipe.grad_bytes if job.recipe is not None else 4
+    mu = [i for i, sh in enumerate(job.muon) if sh]
+    if first:
+        for i in mu:
+            states.append(run.alloc(job.numels[i] * gb))
+    prev = None
+    for i in mu:
+        a, b = job.muon[i]
+        k, ab = min(a, b), a * b
+        u = run.alloc(gb * ab)  # grad.lerp(buf, momentum)
+        if prev is not None:
+            run.free(prev)
+        x = run.alloc(2 * ab) if gb != 2 else u  # .bfloat16()
+        gram = gu = None
+        for _ in range(5):
+            new = run.alloc(2 * k * k)
+            if gram is not None:
+                run.free(gram)
+            gram = new
+            new = run.alloc(2 * k * k)
+            if gu is not None:
+                run.free(gu)
+            gu = new
+            new = run.alloc(2 * ab)
+            if x is not u:
+                run.free(x)
+            x = new
+        run.free(gram)
+        run.free(gu)
+        run.free(u)
+        prev = x
+    if prev is not None:
+        run.free(prev)
+    rest = [job.numels[i] * job.state_bytes for i, sh in enumerate(job.muon) if not sh]
+    if first:
+        for n in rest:
+            states.extend((run.alloc(n), run.alloc(n)))
+    if job.optimizer_impl == "foreach":
+        _adam_foreach_temporaries(run, rest)
+    elif job.optimizer_impl == "single-tensor":
+        last = None
+        for n in rest:
+            t = run.alloc(n)
+            d = run.alloc(n)
+            run.free(t)
+            if last is not None:
+                run.free(last)
+            last = d
+        if last is not None:
+            run.free(last)

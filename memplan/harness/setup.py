@@ -120,7 +120,43 @@ def _blocks(model: Any) -> list[Any]:
     return [m for m in model.modules() if type(m).__name__ in no_split]
 
 
-def _torch_optimizer(spec: dict[str, Any], params: Any) -> Any:
+class _MuonWithAdamW:
+    """torch.optim.Muon on the blocks' matrices and torch.optim.AdamW on the rest, stepped in that order (as
+    torch.optim.Muon's documentation pairs them; memplan's --optimizer muon)."""
+
+    def __init__(self, *optimizers: Any) -> None:
+        self.optimizers = optimizers
+
+    @property
+    def param_groups(self) -> list:
+        return [g for o in self.optimizers for g in o.param_groups]
+
+    @property
+    def state(self) -> dict:
+        return {k: v for o in self.optimizers for k, v in o.state.items()}
+
+    def step(self) -> None:
+        for o in self.optimizers:
+            o.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for o in self.optimizers:
+            o.zero_grad(set_to_none=set_to_none)
+
+
+def _muon(spec: dict[str, Any], model: Any, kw: dict[str, Any]) -> Any:
+    """memplan's Muon split (precision.muon_tensors): the trainable 2-D parameters of the blocks to Muon."""
+    import torch
+
+    inside = {id(p) for b in _blocks(model) for p in b.parameters()}
+    params = [p for p in model.parameters() if p.requires_grad]
+    matrices = [p for p in params if p.ndim == 2 and id(p) in inside]
+    rest = [p for p in params if not (p.ndim == 2 and id(p) in inside)]
+    return _MuonWithAdamW(torch.optim.Muon(matrices, lr=1e-3),
+                          torch.optim.AdamW(rest, weight_decay=0.0, **kw))
+
+
+def _torch_optimizer(spec: dict[str, Any], params: Any, model: Any = None) -> Any:
     import torch
 
     impl = spec.get("optimizer_impl")
@@ -132,6 +168,8 @@ def _torch_optimizer(spec: dict[str, Any], params: Any) -> Any:
     elif impl == "fused":
         kw["fused"] = True
     name = spec["optimizer"]
+    if name == "muon":
+        return _muon(spec, model, kw)
     if name == "adamw":
         return torch.optim.AdamW(params, weight_decay=0.0, **kw)
     if name == "adam":
@@ -211,7 +249,7 @@ def _setup_single(spec: dict[str, Any], device: Any) -> tuple[Any, Any, Any]:
     model = _build_model(spec, on_meta=False).to(device)
     if spec["recipe"] == "pure-bf16" and not (spec.get("lora") or {}).get("adapter_dtype"):
         model = model.to(torch.bfloat16)
-    return model, _torch_optimizer(spec, model.parameters()), None
+    return model, _torch_optimizer(spec, model.parameters(), model), None
 
 
 def _setup_ddp(spec: dict[str, Any], device: Any) -> tuple[Any, Any, Any]:
@@ -234,7 +272,7 @@ def _setup_ddp(spec: dict[str, Any], device: Any) -> tuple[Any, Any, Any]:
         opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-4,
                                       weight_decay=0.0, **kw)
     else:
-        opt = _torch_optimizer(spec, ddp.parameters())
+        opt = _torch_optimizer(spec, ddp.parameters(), model)
     return ddp, opt, None
 
 

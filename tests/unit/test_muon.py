@@ -1,0 +1,73 @@
+"""torch.optim.Muon (--optimizer muon): its Newton-Schulz step's allocations, counted on torch's own function."""
+
+from __future__ import annotations
+
+import weakref
+
+import pytest
+
+from memplan import options
+from memplan import accounting as A
+from memplan.errors import SettingsError
+from memplan.precision import muon_state_bytes, muon_tensors, newton_schulz_peak
+
+torch = pytest.importorskip("torch")
+
+
+def _peak_of_torch_muon_update(shape: tuple[int, int], dtype) -> int:
+    """The most live storage bytes while torch 2.13's Muon makes one matrix's update (``grad.lerp(buf)`` then
+    _zeropower_via_newtonschulz), every storage an op makes counted until it dies."""
+    from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, _zeropower_via_newtonschulz
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    live = {"cur": 0, "peak": 0}
+    seen: set[int] = set()
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+            out = func(*args, **(kwargs or {}))
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    st = t.untyped_storage()
+                    key = st.data_ptr()
+                    if key and key not in seen:
+                        seen.add(key)
+                        live["cur"] += st.nbytes()
+                        live["peak"] = max(live["peak"], live["cur"])
+
+                        def gone(key: int = key, n: int = st.nbytes()) -> None:
+                            seen.discard(key)
+                            live["cur"] -= n
+
+                        weakref.finalize(st, gone)
+            return out
+
+    grad = torch.randn(*shape, dtype=dtype)
+    buf = torch.zeros_like(grad)
+    with Count():
+        update = grad.lerp(buf, 0.95)
+        update = _zeropower_via_newtonschulz(update, (DEFAULT_A, DEFAULT_B, DEFAULT_C), 5, 1e-7)
+    del update
+    return live["peak"]
+
+
+@pytest.mark.parametrize("shape", [(96, 40), (40, 96), (64, 64)])
+@pytest.mark.parametrize("dtype,grad_bytes", [("float32", 4), ("bfloat16", 2)])
+def test_newton_schulz_peak_is_torch_s(shape, dtype, grad_bytes):
+    assert newton_schulz_peak(shape, grad_bytes) == _peak_of_torch_muon_update(shape, getattr(torch, dtype))
+
+
+def test_muon_takes_the_blocks_matrices(inventories):
+    inv = inventories("llama-7b")
+    roles = muon_tensors(inv)
+    muon = [t for t, m in zip(inv.tensors, roles) if m]
+    from memplan.model.inventory import ROOT_BLOCK
+
+    assert muon and all(len(t.shape) == 2 and t.block != ROOT_BLOCK for t in muon)
+    assert not any(t.category in ("embedding", "head") for t in muon)
+    s = options.resolve(inv, gpus=1, optimizer="muon", activations="analytic").settings
+    plan = A.estimate(inv, s)
+    assert plan.phases[-1].optimizer_states_bytes == muon_state_bytes(inv, s.recipe)
+    with pytest.raises(SettingsError, match="Newton-Schulz needs each whole matrix"):
+        options.resolve(inv, gpus=8, strategy="fsdp-full", optimizer="muon", activations="analytic")

@@ -200,6 +200,14 @@ CASES = [
     ("muon, 1 rank, hidden 512 vocab 128", LLAMA_WIDE, dict(gpus=1, optimizer="muon"), {}, {}, "none"),
     ("muon ddp pure-bf16, hidden 512 vocab 128", LLAMA_WIDE, dict(strategy="ddp", precision="pure-bf16", optimizer="muon"), {}, {},
      "none"),
+    # adam-mini 1.1.1 (Adam_mini): m, and v per head / row / block, chosen by the parameters' names
+    ("adam-mini, 1 rank", LLAMA, dict(gpus=1, optimizer="adam-mini"), {}, {}, "none"),
+    ("adam-mini ddp", LLAMA, dict(strategy="ddp", optimizer="adam-mini"), {}, {}, "none"),
+    ("adam-mini, 1 rank, pure-bf16", LLAMA, dict(gpus=1, precision="pure-bf16", optimizer="adam-mini"), {}, {},
+     "none"),
+    ("adam-mini ddp pure-bf16", LLAMA, dict(strategy="ddp", precision="pure-bf16", optimizer="adam-mini"), {}, {},
+     "none"),
+    ("adam-mini, 1 rank, hidden 512 vocab 128", LLAMA_WIDE, dict(gpus=1, optimizer="adam-mini"), {}, {}, "none"),
     # session 28: every schedule of torch.distributed.pipelining (memplan/pipeline.py), at 2 and 4 stages
     ("fsdp-full pp 2 looped-bfs, 4 micro-batches", LLAMA4,
      dict(strategy="fsdp-full", grad_accum=4, parallel=Parallel(pp=2, schedule="looped-bfs")), {}, {}, "none"),

@@ -38,6 +38,10 @@ def _model_states(job: Job, fw: FrameworkModel, host_by: dict[str, int]) -> tupl
         from memplan.precision import muon_state_bytes
 
         states = muon_state_bytes(job.inv, rc)
+    elif s.optimizer.name == "adam-mini":
+        from memplan.precision import adam_mini_states
+
+        states = adam_mini_states(job.inv, rc)
     else:
         states = layouts.optimizer_state_bytes(s.optimizer, rc, job.lay,
                                                fw.optimizer_tensors(job) if s.optimizer.shape_dependent else ())
@@ -83,7 +87,11 @@ def _step(job: Job, fw: FrameworkModel, grads: Grads, persistent: int, master_by
     rc, lay = job.s.recipe, job.lay
     impl = optimizer_impl(job.s)
     scratch = 0
-    if job.s.optimizer.name == "muon":
+    if job.s.optimizer.name == "adam-mini":
+        from memplan.precision import adam_mini_step_scratch
+
+        scratch = adam_mini_step_scratch(job.inv, rc, cpu=job.s.cluster.device == "cpu")
+    elif job.s.optimizer.name == "muon":
         from memplan.kernels import cpu_gemm_scratch, host_cpu_isa
         from memplan.precision import muon_step_scratch
 

@@ -22,7 +22,8 @@ Precision = Annotated[Optional[str], typer.Option("--precision", help="deepspeed
                                                   "framework's].")]
 Optimizer = Annotated[Optional[str], typer.Option("--optimizer", help="adamw, adam, sgd, adafactor, adam8bit, "
                                                   "paged_adamw_8bit, paged_adamw_32bit, lion (lion-pytorch), "
-                                                  "adamw-schedulefree (schedulefree).")]
+                                                  "adamw-schedulefree (schedulefree), muon (torch.optim.Muon + "
+                                                  "AdamW), adam-mini.")]
 OptimizerImpl = Annotated[Optional[str], typer.Option("--optimizer-impl", help="foreach, fused, single-tensor: "
                                                       "torch.optim's (under DeepSpeed, a client optimizer) "
                                                       "[default: DeepSpeed's own FusedAdam for DeepSpeed, foreach "

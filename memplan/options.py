@@ -767,6 +767,9 @@ def resolve(inv: ParamInventory, *, gpus: int = 1, gpus_per_node: int | None = N
                             "Newton-Schulz needs each whole matrix, which memplan models on whole tensors only (one GPU "
                             "or DDP); on sharded or flat parameters, and the distributed variant's gathers, it is not "
                             "modelled yet")
+    if opt.name == "adam-mini" and (strat.memory_model not in ("ddp", "single") or lora is not None):
+        raise SettingsError(f"--optimizer adam-mini under {strat.name if lora is None else 'LoRA'}: Adam-mini's "
+                            "per-head and per-row states are modelled on whole tensors only (one GPU or DDP)")
     if opt.lazy_states or opt.any_device:
         if strat.framework == "deepspeed":
             # is_zero_supported_optimizer (deepspeed/runtime/zero/utils.py) knows torch's and DeepSpeed's Adams

@@ -144,6 +144,10 @@ OPTIMIZERS: dict[str, Optimizer] = {o.name: o for o in (
     # muon_state_bytes, muon_step_scratch
     Optimizer(name="muon", states_per_param=2, description="Muon (torch.optim.Muon) on the blocks' matrices: "
               "momentum_buffer; AdamW on the rest: exp_avg + exp_avg_sq"),
+    # adam-mini 1.1.1 (Adam_mini, adam_mini.py): m for every tensor, v per head (queries, keys), per output row
+    # (embedding, head, values, output projection, MLP), one scalar (norms) or whole (biases): adam_mini_states
+    Optimizer(name="adam-mini", states_per_param=2, lazy_states=True,
+              description="Adam-mini: m, and v per head / row / block"),
 )}
 #: names the optimizers go by elsewhere (--optimizer takes them too)
 OPTIMIZER_ALIASES = {"schedulefree": "adamw-schedulefree", "adamw_schedulefree": "adamw-schedulefree",
@@ -302,3 +306,137 @@ def muon_step_scratch(inv: Any, recipe: Recipe, adamw_impl: str, gemm: Any = Non
     else:
         adam = 0
     return max(muon, adam)
+
+
+# ---- Adam-mini (adam-mini 1.1.1, adam_mini.py) ----
+
+#: Adam_mini's name sets, in the order its step tests them (a lower-cased parameter name containing one)
+ADAM_MINI_BIAS = ("bias",)
+ADAM_MINI_QK = ("k_proj", "q_proj", "wq", "wk", "query", "key")
+ADAM_MINI_ROWS = ("embed", "embd", "wte", "lm_head", "output", "final_layer", "v_proj", "wv", "value", "o_proj",
+                  "wo", "attn.proj", "feed_forward", "linear", "mlp")
+
+
+def adam_mini_kind(name: str) -> str:
+    """Which of Adam_mini.step's branches a parameter takes: "bias" (Adam), "heads" (queries, keys: v per head),
+    "rows" (v per output row), "block" (one v: norms and the rest)."""
+    low = name.lower()
+    for kind, names in (("bias", ADAM_MINI_BIAS), ("heads", ADAM_MINI_QK), ("rows", ADAM_MINI_ROWS)):
+        if any(n in low for n in names):
+            return kind
+    return "block"
+
+
+def _adam_mini_rows(t: Any, kind: str, head_numel: int) -> int:
+    if kind == "heads":
+        return t.numel // head_numel
+    if kind == "rows":
+        return t.shape[0] if t.shape else 1
+    return 1
+
+
+def adam_mini_head_numel(inv: Any) -> int:
+    """Adam_mini's head_numel, dim x dim / n_heads, from the config (dim = hidden_size)."""
+    d = inv.dims
+    return d["hidden_size"] * d["hidden_size"] // d["num_heads"]
+
+
+def adam_mini_states(inv: Any, recipe: Recipe) -> int:
+    """m (zeros_like(p); the gradient's dtype where the branch takes zeros_like(p.grad)) for every tensor that
+    trains, and v: whole for a bias, one per head or row, or one element."""
+    hn = adam_mini_head_numel(inv)
+    out = 0
+    for t in inv.tensors:
+        if not t.trainable:
+            continue
+        kind = adam_mini_kind(t.name)
+        b = recipe.grad_bytes if kind == "rows" else recipe.state_bytes
+        out += t.numel * b + (t.numel if kind == "bias" else _adam_mini_rows(t, kind, hn)) * b
+    return out
+
+
+def adam_mini_step(inv: Any, recipe: Recipe, first: bool = False, cpu: bool = False) -> list[tuple[str, int]]:
+    """Adam_mini.step's allocations and frees in order, as ("a", bytes), ("f", index of the allocation) and, at the
+    first step, ("s", bytes) for each state made in the loop just before its tensor's update (kept); the loop's
+    locals (``update``, ``h``, ``stepsize``, ``tmp_lr``) stay bound until the next tensor rebinds them."""
+    hn = adam_mini_head_numel(inv)
+    sb, gb = recipe.state_bytes, recipe.grad_bytes
+    ev: list[tuple[str, int]] = []
+    bound: dict[str, int] = {}
+
+    def alloc(n: int) -> int:
+        ev.append(("a", n))
+        return len(ev) - 1
+
+    def bind(local: str, i: int) -> None:
+        old = bound.get(local)
+        bound[local] = i
+        if old is not None:
+            ev.append(("f", old))
+
+    for t in inv.tensors:
+        if not t.trainable:
+            continue
+        kind = adam_mini_kind(t.name)
+        n = t.numel
+        if first:  # m, then v (a bias's whole; a norm's made from torch.sum(p * p), its p * p a temporary)
+            rows = n if kind == "bias" else _adam_mini_rows(t, kind, hn)
+            b = gb if kind == "rows" else sb
+            ev.append(("s", b * n))
+            if kind == "block":
+                ev.append(("f", alloc(sb * n)))
+            ev.append(("s", b * rows))
+        if kind == "bias":  # Adam: h = (v.sqrt() / c).add_(eps)
+            r = alloc(sb * n)
+            h = alloc(sb * n)
+            ev.append(("f", r))
+            bind("h", h)
+            continue
+        rows = _adam_mini_rows(t, kind, hn)
+        b = gb if kind == "rows" else sb
+        if kind == "block":  # tmp_lr = torch.sum(grad * grad)
+            sq = alloc(gb * n)
+            tmp = alloc(gb)
+        else:  # tmp_lr = torch.mean(grad * grad, dim=1, keepdim=True)
+            sq = alloc(gb * n)
+            if cpu and gb < 4:
+                # ATen's CPU mean_out of a 16-bit input: "cast_fp32 -> sum -> div -> cast" (ReduceOps.cpp), the
+                # fp32 result and the input's fp32 copy materialised in sum_out
+                res = alloc(4 * rows)
+                ev.append(("f", alloc(4 * n)))
+                tmp = alloc(gb * rows)
+                ev.append(("f", res))
+            else:
+                tmp = alloc(gb * rows)
+        ev.append(("f", sq))
+        bind("tmp_lr", tmp)
+        if kind == "block":
+            q = alloc(gb)  # tmp_lr / block_numel
+            bind("tmp_lr", q)
+        r = alloc(b * rows)  # h = (vmean.sqrt() / c).add_(eps)
+        h = alloc(b * rows)
+        ev.append(("f", r))
+        bind("h", h)
+        st = alloc(b * rows)  # stepsize = (1 / c1) / h
+        bind("stepsize", st)
+        u = alloc(b * n)  # update = m * stepsize
+        bind("update", u)
+        neg = alloc(b * n)  # p.add_(-update)
+        ev.append(("f", neg))
+    for i in bound.values():
+        ev.append(("f", i))
+    return ev
+
+
+def adam_mini_step_scratch(inv: Any, recipe: Recipe, cpu: bool = False) -> int:
+    """The most adam_mini_step holds at once."""
+    live: dict[int, int] = {}
+    cur = best = 0
+    for i, (kind, x) in enumerate(adam_mini_step(inv, recipe, cpu=cpu)):
+        if kind in ("a", "s"):
+            live[i] = x
+            cur += x
+            best = max(best, cur)
+        else:
+            cur -= live.pop(x)
+    return best

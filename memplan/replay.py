@@ -423,6 +423,8 @@ class ReplayJob:
     #: --optimizer muon: per optimizer tensor (the trainable ones, module order), its [a, b] shape where Muon steps
     #: it, None where AdamW does (precision.muon_tensors)
     muon: tuple[tuple[int, int] | None, ...] = ()
+    #: --optimizer adam-mini: its step's events (precision.adam_mini_step), a later step's and the first's
+    adam_mini: tuple = ()
 
     def state_allocs(self, numel: int, shape: tuple[int, ...] = ()) -> tuple[int, ...]:
         """The state tensors the optimizer makes for one tensor at its first step, bytes each, in order."""
@@ -471,7 +473,12 @@ def replay_job(inv: Any, s: Any, numels: list[int], shapes: list[tuple[int, ...]
         from memplan.precision import muon_tensors
 
         muon = tuple(tuple(t.shape) if m else None for t, m in zip(inv.tensors, muon_tensors(inv)) if t.trainable)
-    return ReplayJob(muon=muon, build=tuple(build), numels=tuple(numels), state_bytes=4 if s.optimizer.factored else s.recipe.state_bytes,
+    adam_mini: tuple = ()
+    if s.optimizer.name == "adam-mini":
+        from memplan.precision import adam_mini_step
+
+        adam_mini = (tuple(adam_mini_step(inv, s.recipe)), tuple(adam_mini_step(inv, s.recipe, first=True)))
+    return ReplayJob(muon=muon, adam_mini=adam_mini, build=tuple(build), numels=tuple(numels), state_bytes=4 if s.optimizer.factored else s.recipe.state_bytes,
                converted=converted,
                grad_accum=s.grad_accum,
                optimizer_impl=optimizer_impl(s), input_bytes=s.micro_batch * s.seq_len * 8,
@@ -698,6 +705,17 @@ def optimizer_step(run: Run, job: ReplayJob, first: bool, states: list[Any]) -> 
     opt = job.optimizer
     if job.muon:
         _muon_then_adamw(run, job, first, states)
+        return
+    if job.adam_mini:
+        keys: list[Any] = []
+        for kind, x in job.adam_mini[1 if first else 0]:
+            if kind == "f":
+                run.free(keys[x])
+                keys.append(None)
+            else:
+                keys.append(run.alloc(x))
+                if kind == "s":
+                    states.append(keys[-1])
         return
     if opt is not None and opt.scratch == "in-call":
         # lion-pytorch: per tensor, its state at the first step (made in the loop), then update_fn's clone of the

@@ -170,6 +170,13 @@ def _torch_optimizer(spec: dict[str, Any], params: Any, model: Any = None) -> An
     name = spec["optimizer"]
     if name == "muon":
         return _muon(spec, model, kw)
+    if name == "adam-mini":  # adam-mini 1.1.1: the model's named parameters, dim and heads from its config
+        from adam_mini import Adam_mini
+
+        cfg = model.config
+        return Adam_mini(named_parameters=model.named_parameters(), lr=1e-4, weight_decay=0.0,
+                         dim=cfg.hidden_size, n_heads=cfg.num_attention_heads,
+                         n_kv_heads=getattr(cfg, "num_key_value_heads", None), verbose=False)
     if name == "adamw":
         return torch.optim.AdamW(params, weight_decay=0.0, **kw)
     if name == "adam":

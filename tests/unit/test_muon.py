@@ -71,3 +71,38 @@ def test_muon_takes_the_blocks_matrices(inventories):
     assert plan.phases[-1].optimizer_states_bytes == muon_state_bytes(inv, s.recipe)
     with pytest.raises(SettingsError, match="Newton-Schulz needs each whole matrix"):
         options.resolve(inv, gpus=8, strategy="fsdp-full", optimizer="muon", activations="analytic")
+
+
+def test_adam_mini_branches_and_states(inventories):
+    """Adam_mini (adam-mini 1.1.1) picks its branch by the parameter's name: queries and keys per head, embedding,
+    head, values, output projection and MLP per row, biases whole (Adam), the rest (norms) one element; m for all."""
+    from memplan.precision import adam_mini_kind, adam_mini_states, adam_mini_step, adam_mini_step_scratch
+
+    assert adam_mini_kind("model.layers.0.self_attn.q_proj.weight") == "heads"
+    assert adam_mini_kind("model.layers.0.self_attn.v_proj.weight") == "rows"
+    assert adam_mini_kind("model.layers.0.mlp.down_proj.weight") == "rows"
+    assert adam_mini_kind("model.embed_tokens.weight") == "rows"
+    assert adam_mini_kind("lm_head.weight") == "rows"
+    assert adam_mini_kind("model.layers.0.input_layernorm.weight") == "block"
+    assert adam_mini_kind("model.layers.0.self_attn.q_proj.bias") == "bias"
+    inv = inventories("llama-7b")
+    s = options.resolve(inv, gpus=1, optimizer="adam-mini", activations="analytic").settings
+    rc = s.recipe
+    heads = inv.dims["num_heads"]
+    # m everywhere, v: heads for q and k, rows elsewhere, one per norm
+    want = 0
+    for t in inv.tensors:
+        kind = adam_mini_kind(t.name)
+        want += t.numel * 4 + 4 * {"heads": heads, "rows": t.shape[0], "block": 1}[kind]
+    assert adam_mini_states(inv, rc) == want
+    assert A.estimate(inv, s).phases[-1].optimizer_states_bytes == want
+    # every temporary freed by the step's end; the first step keeps exactly the states
+    for first in (False, True):
+        ev = adam_mini_step(inv, rc, first=first)
+        freed = {x for k, x in ev if k == "f"}
+        made = {i for i, (k, _) in enumerate(ev) if k == "a"}
+        assert made == freed
+        assert sum(x for k, x in ev if k == "s") == (want if first else 0)
+    # the worst moment: a matrix's update and its negation beside the step's smaller locals
+    largest = max(t.numel for t in inv.tensors)
+    assert 2 * 4 * largest <= adam_mini_step_scratch(inv, rc) < 3 * 4 * largest

@@ -498,8 +498,13 @@ class Layout:
                 # first) and each stage's output gradient (a stage before the last), bytes per micro-batch of 1
                 # (parallel.recv_buffers)
                 count = s.grad_accum * sum((not c.first) + (not c.last) for c in share.chunks)
+                # ... and, for a split backward, what each stage's input step keeps for its weight step (bytes per
+                # micro-batch of 1: parallel.zero_bubble_grads)
+                kept_for_w = tuple(par.zero_bubble_grads(share.inventory.dims, len(c.layers), s.seq_len,
+                                                         rc.compute_bytes) for c in share.chunks)
                 actions = (p.schedule, p.pp, s.grad_accum, p.virtual if p.multi_stage else 1, share.rank,
-                           par.sp_tokens(s.seq_len, p) * h * rc.residual_bytes, count, p.sp and p.tp > 1)
+                           par.sp_tokens(s.seq_len, p) * h * rc.residual_bytes, count, p.sp and p.tp > 1,
+                           kept_for_w)
             prof = act.HeldProfile(inner, share.in_flight, less, loss, output, others, fewer, shared,
                                    recompute=s.recompute, ring_forward=ring_f,
                                    ring_backward=ring_b, stages=stages, actions=actions)

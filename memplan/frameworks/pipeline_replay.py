@@ -25,9 +25,15 @@ What each action does, from torch 2.13's sources:
   _root_post_backward_final_callback;
 - the optimizer steps every stage's shards (one optimizer over the rank's model parts).
 
-Not replayed (reserved.why_not says so, and the verdict keeps the flat allocator term for them): the split-backward
-schedules (ZB, ZB-V, DualPipeV: stage_backward_input keeps the graph for a later W that the traced step does not
-separate), DDP and DeepSpeed under pipelining, CPU offload, LoRA, other FSDP wraps. Also not modelled: torch
+- a split backward (ZB, ZB-V, DualPipeV's I and W; torch/distributed/pipelining/_backward.py): I runs the
+  backward's events without the weight gradients and without freeing what the forward made (stage_backward_input
+  retains the graph, which the weight step's intermediates keep alive), and keeps each linear's output gradient
+  for W (param_group["grads"]; parallel.zero_bubble_grads' bytes); W makes the weight gradients (accumulated as a
+  B's are), then frees the graph's tensors and those gradients. An approximation: which of the graph's tensors
+  only the input gradients needed is not known from the traced step (measured within -0.99% .. +6.42%).
+
+Not replayed (reserved.why_not says so, and the verdict keeps the flat allocator term for them): DDP and
+DeepSpeed under pipelining, sequence parallelism, CPU offload, LoRA, other FSDP wraps. Also not modelled: torch
 2.13's metadata inference at the first step (a real forward and backward of one micro-batch before the schedule
 runs, its unsharded parameters and gradients freed after), and _add_unshard_reshard's limit of three unsharded
 stages (it reshards only on ranks with more than three stages).
@@ -57,9 +63,6 @@ def why_not(s: Any) -> str | None:
                 "takes SP's saving off its figures; the traced events do not have it)")
     if s.strategy.framework != "fsdp2":
         return f"pipeline parallelism under {s.strategy.name}: only FSDP2's pipeline ranks are replayed"
-    if prof.actions[0] in pipeline.SPLIT_BACKWARD:
-        return (f"the {prof.actions[0]} schedule's split backward (input and weight steps apart) is not replayed "
-                "yet")
     if s.torch.cpu_offload:
         return "FSDP2 CPU offload under pipelining is not replayed yet"
     if s.torch.fsdp_wrap not in ("block", None, ""):
@@ -131,8 +134,26 @@ class _Stage(_MicroStep):
         self.grads_of.setdefault(self.unit_of(blk), []).append(key)
         return True  # kept past its traced death: the unit's post-backward decides
 
+    input_only = False  #: an input-gradient step (I): no weight gradients yet, nothing to accumulate
+
+    def weight_step(self, births: list[tuple[int, int]]) -> None:
+        """W (stage_backward_weight): the weight gradients made, in the backward's order, then each unit's
+        accumulation as its post-backward does it."""
+        order: list[int] = []
+        for size, blk in births:
+            key = self.run.alloc(size)
+            unit = self.unit_of(blk)
+            self.sizes[key] = size
+            self.grads_of.setdefault(unit, []).append(key)
+            if unit not in order:
+                order.append(unit)
+        for unit in order:
+            self.post_backward(unit)
+
     def post_backward(self, i: int) -> None:
         """No gradient sync: each gradient kept as (or added into) the unit's unsharded accumulator."""
+        if self.input_only:
+            return
         run = self.run
         for k in self.held:
             run.free(k)
@@ -185,6 +206,21 @@ class _Stage(_MicroStep):
         self.started = False
 
 
+def _input_only(fwd: list[tuple], bwd: list[tuple], micro_batch: int) -> tuple[list[tuple], list[Any],
+                                                                                list[tuple[int, int]]]:
+    """A split backward's input step (stage_backward_input, the graph retained for the weight step): the backward's
+    events without its weight gradients, and without freeing what the forward made (the saved tensors stay with
+    the graph until W); (those events, the forward's keys freed at W, each weight gradient's (bytes, block) for
+    W in the order the backward makes them)."""
+    made = {e[1] for e in fwd if e[0] == "a"}
+    grads = {e[1] for e in bwd if e[0] == "a" and e[3] is not None}
+    events = [e for e in bwd if not (e[0] == "a" and e[3] is not None)
+              and not (e[0] == "f" and (e[1] in made or e[1] in grads))]
+    deferred = [e[1] for e in bwd if e[0] == "f" and e[1] in made]
+    births = [(e[2][0] + e[2][1] * micro_batch, e[3]) for e in bwd if e[0] == "a" and e[3] is not None]
+    return events, deferred, births
+
+
 def _split(step: list[tuple]) -> tuple[list[tuple], list[tuple]]:
     """A traced step's forward (through the model's return, the loss included) and its backward."""
     at = next(i for i, e in enumerate(step) if e[0] == "m" and e[1] == "fwd_end")
@@ -232,12 +268,13 @@ def replay(inv: Any, s: Any, config: AllocatorConfig) -> tuple[str, dict[str, Al
             numels.extend((i, p // n) for i, p in zip(g.params, g.padded))
         job = replay_job(inv, replace(s, activation_profile=stage_prof, grad_accum=1), [])
         fwd, bwd = _split(job.step)
-        parts.append((job, fwd, bwd, block_groups, root_group))
+        split = _input_only(fwd, bwd, s.micro_batch) if schedule in pipeline.SPLIT_BACKWARD else None
+        parts.append((job, fwd, bwd, block_groups, root_group, split))
     numels.sort()
     opt_job = replay_job(inv, replace(s, activation_profile=prof.stages[0][0], grad_accum=1), [k for _, k in numels])
 
     run = Run(config or AllocatorConfig())
-    for _, _, _, bg, rg in parts:  # to_empty: the shards in module order
+    for _, _, _, bg, rg, _ in parts:  # to_empty: the shards in module order
         for i in sorted(i for g in (*bg, rg) for i in g.params):
             for g in (*bg, rg):
                 if i in g.params:
@@ -246,9 +283,9 @@ def replay(inv: Any, s: Any, config: AllocatorConfig) -> tuple[str, dict[str, Al
     each, count = prof.actions[5] * s.micro_batch, prof.actions[6]
     actions = pipeline.rank_actions(schedule, pp, m, per_rank, rank)
     local = {g: k for k, g in enumerate(pipeline.rank_stages(schedule, pp, per_rank)[rank])}
-    last_backward = {}
+    last_backward = {}  # each stage's last B or W: its REDUCE_GRAD follows (_add_reduce_grad)
     for idx, (stage, kind, _) in enumerate(actions):
-        if kind == pipeline.B:
+        if kind in (pipeline.B, pipeline.W):
             last_backward[local[stage]] = idx
     states: list[Any] = []
     for step in range(MAX_STEPS):
@@ -258,15 +295,16 @@ def replay(inv: Any, s: Any, config: AllocatorConfig) -> tuple[str, dict[str, Al
                 run.alloc(each)
         grads: list[Any] = []
         stages = [_Stage(run, job, bg, rg, n, r.reduced_grad_bytes, r.grad_bytes, grads, raf)
-                  for job, _, _, bg, rg in parts]
+                  for job, _, _, bg, rg, _ in parts]
         # the step's batch on the first stage (split into micro-batch views) and its targets on the last
         ids = [run.alloc(opt_job.input_bytes * m) for on in (any(x[2] for x in prof.stages),
                                                              any(x[3] for x in prof.stages)) if on]
         offsets: dict[tuple[int, int], int] = {}
         cached: dict[tuple[int, int], Any] = {}
+        held_for_w: dict[tuple[int, int], list[Any]] = {}
         for idx, (stage, kind, mb) in enumerate(actions):
             c = local[stage]
-            job, fwd, bwd, _, _ = parts[c]
+            job, fwd, bwd, _, _, split = parts[c]
             st = stages[c]
             if kind == pipeline.F:
                 offsets[c, mb] = run.offset()
@@ -277,12 +315,31 @@ def replay(inv: Any, s: Any, config: AllocatorConfig) -> tuple[str, dict[str, Al
                 # traced step lets go of it where the model returns: the last block's output, or the logits)
                 if prof.stages[c][4]:
                     cached[c, mb] = run.alloc(prof.stages[c][4] * s.micro_batch)
+            elif kind == pipeline.W:
+                # stage_backward_weight: the weight gradients, then the graph's saved tensors and the gradients
+                # the input step kept for it go
+                st.weight_step(split[2])
+                for k in held_for_w.pop((c, mb)):
+                    run.free(k)
+                if last_backward.get(c) == idx:
+                    st.reduce()
             else:
                 if (c, mb) in cached:
                     run.free(cached.pop((c, mb)))
                 st.begin_backward()
+                off = offsets.pop((c, mb))
+                if kind == pipeline.I:
+                    st.input_only = True
+                    micro_step(run, job, 0, keep_grads=False, at=st.region, on_grad=st.on_grad,
+                               on_forward_end=None, events=split[0], off=off)
+                    st.input_only = False
+                    st.bwd = None
+                    # param_group["grads"]: each linear's output gradient, kept for W (parallel.zero_bubble_grads)
+                    keep = [run.alloc(prof.actions[8][c] * s.micro_batch)] if prof.actions[8][c] else []
+                    held_for_w[c, mb] = [off + k for k in split[1]] + keep
+                    continue
                 micro_step(run, job, 0, keep_grads=True, at=st.region, on_grad=st.on_grad,
-                           on_forward_end=None, events=bwd, off=offsets.pop((c, mb)))
+                           on_forward_end=None, events=bwd, off=off)
                 st.end_backward()
                 if last_backward.get(c) == idx:
                     st.reduce()

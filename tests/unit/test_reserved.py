@@ -309,14 +309,14 @@ def test_pipeline_ranks_are_replayed_action_by_action() -> None:
                                                         gpu="h100-80g", device="cuda", micro_batch=1, seq_len=2048,
                                                         grad_accum=4, parallel=p, **kw).settings)
 
-    for p in (Parallel(tp=2, pp=2), Parallel(pp=2, schedule="gpipe"), Parallel(pp=2, schedule="interleaved")):
+    for p in (Parallel(tp=2, pp=2), Parallel(pp=2, schedule="gpipe"), Parallel(pp=2, schedule="interleaved"),
+              Parallel(pp=2, schedule="zbv"), Parallel(pp=2, schedule="dualpipev")):
         plan = plan_of(p)
         assert plan.reserved is not None and plan.reserved_why is None, p
         assert plan.reserved.model.startswith("FSDP2 under ")
         assert plan.reserved_peak_bytes > plan.peak_bytes == plan.reserved.allocated_bytes
         assert plan.capped is not None
-    for p, kw, why in ((Parallel(pp=2, schedule="zbv"), {}, "split backward"),
-                       (Parallel(tp=2, pp=2, sp=True), {}, "sequence parallelism"),
+    for p, kw, why in ((Parallel(tp=2, pp=2, sp=True), {}, "sequence parallelism"),
                        (Parallel(pp=2), {"strategy": "ddp"}, "only FSDP2's pipeline ranks")):
         plan = plan_of(p, **kw)
         assert plan.reserved is None and plan.reserved_why.startswith("pipeline parallelism") and why in \
@@ -329,6 +329,8 @@ def test_pipeline_ranks_are_replayed_action_by_action() -> None:
     ("fsdp-full pp 2 interleaved, 4 micro-batches", 10, 2, 2, "interleaved", 4),
     ("fsdp-full pp 2 looped-bfs, 4 micro-batches", 10, 2, 2, "looped-bfs", 4),
     ("fsdp-full pp 4 1f1b, 8 micro-batches", 10, 4, 4, "1f1b", 8),
+    ("fsdp-full pp 2 zbv (zero bubble), 4 micro-batches", 10, 2, 2, "zbv", 4),
+    ("fsdp-full pp 2 dualpipev, 6 micro-batches", 10, 2, 2, "dualpipev", 6),
 ])
 def test_pipeline_replay_walks_the_harness_s_allocations(label: str, layers: int, gpus: int, pp: int, schedule: str,
                                                           m: int) -> None:

@@ -111,8 +111,9 @@ def render_plan(rep: dict, summary: str | None = None, explained: dict | None = 
     res = rep.get("reserved")
     if res and pg.get("reserved_peak_bytes") is not None:
         ratio = pg["reserved_peak_bytes"] / pg["peak_bytes"] if pg["peak_bytes"] else 0
-        how = ("allocator segments, replayed" if res["method"] == "replayed" else
-               f"allocated + {res['fragmentation_percent']}%: {res['why']}")
+        seq = res.get("framework_sequence") or ""
+        how = (("allocator segments, replayed" + (f" ({seq.split(', ', 1)[1]})" if ", " in seq else ""))
+               if res["method"] == "replayed" else f"allocated + {res['fragmentation_percent']}%: {res['why']}")
         if res["method"] == "replayed" and res["peak_bytes"] < pg["peak_bytes"]:
             # the replay's own allocations (framework sequence x traced step) peak below the engine's allocated peak:
             # reserved is never below allocated, so the allocated peak stands for it

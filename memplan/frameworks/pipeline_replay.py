@@ -32,8 +32,10 @@ What each action does, from torch 2.13's sources:
   B's are), then frees the graph's tensors and those gradients. An approximation: which of the graph's tensors
   only the input gradients needed is not known from the traced step (measured within -0.99% .. +6.42%).
 
-Not replayed (reserved.why_not says so, and the verdict keeps the flat allocator term for them): DDP and
-DeepSpeed under pipelining, sequence parallelism, CPU offload, LoRA, other FSDP wraps. Also not modelled: torch
+Under sequence parallelism the stage's traced step is its TP share over the whole sequence (the events do not have
+SP's split, which the engine takes off its own figures), as a TP rank's replay without pipelining is; the replay's
+name says so. Not replayed (reserved.why_not says so, and the verdict keeps the flat allocator term for them): DDP
+and DeepSpeed under pipelining, CPU offload, LoRA, other FSDP wraps. Also not modelled: torch
 2.13's metadata inference at the first step (a real forward and backward of one micro-batch before the schedule
 runs, its unsharded parameters and gradients freed after), and _add_unshard_reshard's limit of three unsharded
 stages (it reshards only on ranks with more than three stages).
@@ -58,9 +60,6 @@ def why_not(s: Any) -> str | None:
     prof = s.activation_profile
     if not getattr(prof, "actions", None):
         return "pipeline parallelism in the megatron-deepspeed layout (DeepSpeed's PipelineEngine) is not replayed yet"
-    if prof.actions[7]:
-        return ("sequence parallelism: a stage's traced step is its TP share over the whole sequence (the engine "
-                "takes SP's saving off its figures; the traced events do not have it)")
     if s.strategy.framework != "fsdp2":
         return f"pipeline parallelism under {s.strategy.name}: only FSDP2's pipeline ranks are replayed"
     if s.torch.cpu_offload:
@@ -351,4 +350,10 @@ def replay(inv: Any, s: Any, config: AllocatorConfig) -> tuple[str, dict[str, Al
         run.end_step()
         if step >= 1 and run.a.peak_reserved == before:
             break
-    return "FSDP2 under " + pipeline.TORCH_NAMES[schedule], {"": run.a}
+    name = "FSDP2 under " + pipeline.TORCH_NAMES[schedule]
+    if prof.actions[7]:
+        # sequence parallelism: the stage's traced step is its TP share over the whole sequence (the engine takes
+        # SP's split off its own figures, the events do not have it), as a TP rank's replay without pipelining is
+        # (reserved._replayed_profile); its allocator overhead stands on the engine's allocated peak
+        name += ", the TP share's step without SP's split"
+    return name, {"": run.a}

@@ -316,8 +316,9 @@ def test_pipeline_ranks_are_replayed_action_by_action() -> None:
         assert plan.reserved.model.startswith("FSDP2 under ")
         assert plan.reserved_peak_bytes > plan.peak_bytes == plan.reserved.allocated_bytes
         assert plan.capped is not None
-    for p, kw, why in ((Parallel(tp=2, pp=2, sp=True), {}, "sequence parallelism"),
-                       (Parallel(pp=2), {"strategy": "ddp"}, "only FSDP2's pipeline ranks")):
+    plan = plan_of(Parallel(tp=2, pp=2, sp=True))  # SP: the TP share's step, said in the replay's name
+    assert plan.reserved is not None and plan.reserved.model.endswith("without SP's split")
+    for p, kw, why in ((Parallel(pp=2), {"strategy": "ddp"}, "only FSDP2's pipeline ranks"),):
         plan = plan_of(p, **kw)
         assert plan.reserved is None and plan.reserved_why.startswith("pipeline parallelism") and why in \
             plan.reserved_why, plan.reserved_why

@@ -6,7 +6,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from memplan.allocator import Allocator, AllocatorConfig
-from memplan.replay import MAX_STEPS, ReplayJob, Run, build_model, micro_step, optimizer_step
+from memplan.replay import (
+    MAX_STEPS,
+    ReplayJob,
+    Run,
+    build_model,
+    micro_step,
+    optimizer_step,
+)
 
 
 @dataclass(frozen=True)
@@ -405,13 +412,40 @@ def unit_tensors(inv: Any, s: Any) -> tuple[list[list[Any]], list[Any], list[Any
     return blocks, [], emb, head
 
 
+def fsdp_group(ts: list[Any], position: dict[str, int], n: int, r: Any, cb: int, group_size: int = 0,
+               cpu_chunk: bool = False, offload: bool = False) -> FsdpGroup:
+    """One fully_shard unit of tensors ``ts`` over n ranks, shards padded on dim 0 (``position``: each tensor's
+    index in module order; ``r`` the recipe; ``cb`` bytes per unsharded element; ``group_size`` a
+    reshard_after_forward group size, 0 for none)."""
+    from memplan.units import ceil_div
+
+    padded = [ceil_div(t.shape[0], n) * (t.numel // t.shape[0]) * n if t.shape and t.shape[0] else t.numel
+              for t in ts]
+    # foreach_reduce takes the parameters with a gradient (frozen under LoRA: none)
+    trained = sum(p for t, p in zip(ts, padded) if t.trainable)
+    return FsdpGroup(params=tuple(position[t.name] for t in ts),
+                     shard=tuple(p // n * r.param_bytes for p in padded),
+                     unsharded=tuple(t.numel * cb for t in ts),
+                     cast=r.param_bytes != cb,
+                     reduce_in=trained * r.reduced_grad_bytes,
+                     reduce_out=trained // n * r.reduced_grad_bytes,
+                     post_forward=tuple(p // group_size * cb for p in padded) if group_size else (),
+                     chunk_tmp=r.grad_bytes * max((t.numel for t in ts if t.trainable), default=0)
+                     if cpu_chunk else 0,
+                     offload=offload, padded=tuple(padded), unshard_bytes=cb)
+
+
 def replay(inv: Any, s: Any, config: AllocatorConfig) -> tuple[str, dict[str, Allocator]]:
     """fully_shard on each block, then the root (whatever no block holds), shards padded on dim 0."""
     from memplan.frameworks.common import Job
-    from memplan.frameworks.fsdp2 import MODEL, reshard_after_forward, root_reshards, unshard_bytes
+    from memplan.frameworks.fsdp2 import (
+        MODEL,
+        reshard_after_forward,
+        root_reshards,
+        unshard_bytes,
+    )
     from memplan.replay import replay_job
     from memplan.settings import shard_group_size
-    from memplan.units import ceil_div
 
     n, r = shard_group_size(s), s.recipe
     cb = unshard_bytes(r)  # the all-gather's and the unsharded parameters' dtype (not autocast's compute dtype)
@@ -423,22 +457,10 @@ def replay(inv: Any, s: Any, config: AllocatorConfig) -> tuple[str, dict[str, Al
     cpu_chunk = s.cluster.device == "cpu" and r.grad_bytes != r.reduced_grad_bytes
 
     def group(ts: list[Any]) -> FsdpGroup:
-        padded = [ceil_div(t.shape[0], n) * (t.numel // t.shape[0]) * n if t.shape and t.shape[0] else t.numel
-                  for t in ts]
-        # foreach_reduce takes the parameters with a gradient; the optimizer, model.parameters() that train
-        # (frozen under LoRA: no gradient, no state)
-        trained = sum(p for t, p in zip(ts, padded) if t.trainable)
-        numels.extend((position[t.name], p // n) for t, p in zip(ts, padded) if t.trainable)
-        return FsdpGroup(params=tuple(position[t.name] for t in ts),
-                         shard=tuple(p // n * r.param_bytes for p in padded),
-                         unsharded=tuple(t.numel * cb for t in ts),
-                         cast=r.param_bytes != cb,
-                         reduce_in=trained * r.reduced_grad_bytes,
-                         reduce_out=trained // n * r.reduced_grad_bytes,
-                         post_forward=tuple(p // group_size * cb for p in padded) if group_size else (),
-                         chunk_tmp=r.grad_bytes * max((t.numel for t in ts if t.trainable), default=0)
-                         if cpu_chunk else 0,
-                         offload=bool(s.torch.cpu_offload), padded=tuple(padded), unshard_bytes=cb)
+        g = fsdp_group(ts, position, n, r, cb, group_size, cpu_chunk, bool(s.torch.cpu_offload))
+        # the optimizer, model.parameters() that train (frozen under LoRA: no gradient, no state)
+        numels.extend((position[t.name], p // n) for t, p in zip(ts, g.padded) if t.trainable)
+        return g
     blocks, root, emb, head = unit_tensors(inv, s)
     emb_g = group(emb) if emb else None
     groups = [group(ts) for ts in blocks]

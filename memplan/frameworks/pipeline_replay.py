@@ -51,7 +51,13 @@ from typing import Any
 
 from memplan import pipeline
 from memplan.allocator import Allocator, AllocatorConfig
-from memplan.frameworks.fsdp2_replay import ROOT, RS_STREAM, FsdpGroup, _MicroStep
+from memplan.frameworks.fsdp2_replay import (
+    ROOT,
+    RS_STREAM,
+    FsdpGroup,
+    _MicroStep,
+    fsdp_group,
+)
 from memplan.replay import MAX_STEPS, ReplayJob, Run, micro_step, optimizer_step
 
 
@@ -227,13 +233,10 @@ def _split(step: list[tuple]) -> tuple[list[tuple], list[tuple]]:
 
 
 def replay(inv: Any, s: Any, config: AllocatorConfig) -> tuple[str, dict[str, Allocator]]:
-    from memplan.frameworks.fsdp2 import unshard_bytes
+    from memplan.frameworks.common import Job
+    from memplan.frameworks.fsdp2 import MODEL, reshard_after_forward, unshard_bytes
     from memplan.replay import replay_job
     from memplan.settings import shard_group_size
-    from memplan.units import ceil_div
-
-    from memplan.frameworks.common import Job
-    from memplan.frameworks.fsdp2 import MODEL, reshard_after_forward
 
     prof = s.activation_profile
     schedule, pp, m, per_rank, rank = prof.actions[:5]
@@ -244,13 +247,7 @@ def replay(inv: Any, s: Any, config: AllocatorConfig) -> tuple[str, dict[str, Al
     position = {t.name: i for i, t in enumerate(inv.tensors)}
 
     def group(ts: list[Any]) -> FsdpGroup:
-        padded = [ceil_div(t.shape[0], n) * (t.numel // t.shape[0]) * n if t.shape and t.shape[0] else t.numel
-                  for t in ts]
-        trained = sum(p for t, p in zip(ts, padded) if t.trainable)
-        return FsdpGroup(params=tuple(position[t.name] for t in ts), shard=tuple(p // n * r.param_bytes for p in padded),
-                         unsharded=tuple(t.numel * cb for t in ts), cast=r.param_bytes != cb,
-                         reduce_in=trained * r.reduced_grad_bytes, reduce_out=trained // n * r.reduced_grad_bytes,
-                         padded=tuple(padded), unshard_bytes=cb)
+        return fsdp_group(ts, position, n, r, cb)
 
     from memplan.model.inventory import ROOT_BLOCK
 

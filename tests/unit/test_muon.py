@@ -6,8 +6,8 @@ import weakref
 
 import pytest
 
-from memplan import options
 from memplan import accounting as A
+from memplan import options
 from memplan.errors import SettingsError
 from memplan.precision import muon_state_bytes, muon_tensors, newton_schulz_peak
 
@@ -17,7 +17,12 @@ torch = pytest.importorskip("torch")
 def _peak_of_torch_muon_update(shape: tuple[int, int], dtype) -> int:
     """The most live storage bytes while torch 2.13's Muon makes one matrix's update (``grad.lerp(buf)`` then
     _zeropower_via_newtonschulz), every storage an op makes counted until it dies."""
-    from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, _zeropower_via_newtonschulz
+    from torch.optim._muon import (
+        DEFAULT_A,
+        DEFAULT_B,
+        DEFAULT_C,
+        _zeropower_via_newtonschulz,
+    )
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_leaves
 
@@ -25,7 +30,7 @@ def _peak_of_torch_muon_update(shape: tuple[int, int], dtype) -> int:
     seen: set[int] = set()
 
     class Count(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
             for t in tree_leaves(out):
                 if isinstance(t, torch.Tensor):
@@ -76,7 +81,12 @@ def test_muon_takes_the_blocks_matrices(inventories):
 def test_adam_mini_branches_and_states(inventories):
     """Adam_mini (adam-mini 1.1.1) picks its branch by the parameter's name: queries and keys per head, embedding,
     head, values, output projection and MLP per row, biases whole (Adam), the rest (norms) one element; m for all."""
-    from memplan.precision import adam_mini_kind, adam_mini_states, adam_mini_step, adam_mini_step_scratch
+    from memplan.precision import (
+        adam_mini_kind,
+        adam_mini_states,
+        adam_mini_step,
+        adam_mini_step_scratch,
+    )
 
     assert adam_mini_kind("model.layers.0.self_attn.q_proj.weight") == "heads"
     assert adam_mini_kind("model.layers.0.self_attn.v_proj.weight") == "rows"

@@ -79,6 +79,8 @@ class GatherSizes:
     block_expert_numels: tuple[int, ...] = ()  #: the experts' elements per block, unpadded
     expert_world: int = 0
     largest_expert_tensor: int = 0
+    #: the experts are sharded on dim 1 (shard_dim: more expert-FSDP ranks than local experts)
+    experts_on_dim1: bool = False
     #: elements of each layer block's trainable parameters, unpadded: what its unsharded gradients hold (FSDP2's
     #: unsharded parameter is an as_strided view of the padded all-gather output at its original size, so
     #: autograd's gradient is the original size); () : the same as grad_block_numels
@@ -319,6 +321,7 @@ def _gather_sizes(inv: ParamInventory, layout: str, n: int) -> GatherSizes:
     # expert parallelism: group -> [expert elements, block shard, expert shard, expert elements unpadded]
     experts: dict[str, list[int]] = {}
     expert_world = largest_expert = 0
+    on_dim1 = False
     has_ep = any(t.shard_split > 1 for t in inv.tensors)
     for t in inv.tensors:
         seen_block = seen_block or t.block != ROOT_BLOCK
@@ -338,6 +341,7 @@ def _gather_sizes(inv: ParamInventory, layout: str, n: int) -> GatherSizes:
                     row[3] += t.numel
                     expert_world = _group(t, n)
                     largest_expert = max(largest_expert, padded)
+                    on_dim1 = on_dim1 or shard_dim(t, expert_world) == 1
         elif layout == S.PER_PARAM_NUMEL:
             padded = ceil_div(t.numel, n) * n
         else:
@@ -369,7 +373,7 @@ def _gather_sizes(inv: ParamInventory, layout: str, n: int) -> GatherSizes:
         ep = dict(block_experts=tuple(r[0] for r in rows), block_shards=tuple(r[1] for r in rows),
                   block_expert_shards=tuple(r[2] for r in rows), block_expert_numels=tuple(r[3] for r in rows),
                   expert_world=expert_world,
-                  largest_expert_tensor=largest_expert)
+                  largest_expert_tensor=largest_expert, experts_on_dim1=on_dim1)
     trainable_blocks = tuple(per_block_trainable.values()) if inv.frozen else ()
     return GatherSizes(largest_block=max(blocks, default=root), root=root, total_blocks=sum(blocks),
                        block_numels=blocks, total_sharded=inv.num_params, root_head=root_head,

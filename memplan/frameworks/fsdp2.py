@@ -162,6 +162,12 @@ def _nested_experts(job: Job, grads: Grads, u: _Units, raf: bool | int) -> Buffe
     nb = len(bs)
     # the world-1 unshard casts one parameter at a time when the shard's dtype differs from the compute dtype
     cast = cb * g.largest_expert_tensor if not flatx and job.s.recipe.param_bytes != cb else 0
+    # experts sharded on dim 1 (layouts.shard_dim): foreach_all_gather_copy_out copies each into an empty_like
+    # temporary of its all-gather output, then torch.cat's its chunks along dim 1 into the output
+    # (_fsdp_collectives.py: "Copy to a temporary and then chunk-cat"), the temporaries freed after: one more
+    # experts' unsharded size at their copy-out (the reduce's own chunk-cat, one gradient at a time, stays below
+    # the reduce-scatter input's fp32)
+    d1 = int(g.experts_on_dim1 and flatx)
     root, hg = u.root, u.head_grads
     last = nb - 1
     M = Moment
@@ -173,10 +179,10 @@ def _nested_experts(job: Job, grads: Grads, u: _Units, raf: bool | int) -> Buffe
     moments.append(BufferMoment(root + u.fwd_out + (1 + pf) * cb * bs[0], 0, M.EMBEDDING_OUTPUT))
     before = pfx * cb * xs[last - 1] if nb >= 2 else (pf * cb * 0)
     moments.append(BufferMoment(root + max(before + (1 + pf) * cb * bs[last],
-                                           (1 + pf) * cb * bs[last] + (1 + pfx) * cb * xs[last] + cast),
+                                           (1 + pf) * cb * bs[last] + (1 + pfx + d1) * cb * xs[last] + cast),
                                 0, M.LAST_BLOCK_FORWARD_BEGINS))
-    moments.append(BufferMoment(root + cb * bs[last] + max(pf * cb * bs[last], (1 + pfx) * cb * xs[last]), 0,
-                                M.INSIDE_LAST_BLOCK_FORWARD))
+    moments.append(BufferMoment(root + cb * bs[last] + max(pf * cb * bs[last], (1 + pfx + d1) * cb * xs[last]),
+                                0, M.INSIDE_LAST_BLOCK_FORWARD))
     forward_end = root + (cb * xs[last] if flatx else pf * cb * bs[last])
     loss = root + pf * cb * bs[last]  # the root's pre-backward prefetches the last unit: the last block's B
     if u.cin:
@@ -194,7 +200,7 @@ def _nested_experts(job: Job, grads: Grads, u: _Units, raf: bool | int) -> Buffe
         at = [
             (base + held + (1 + pf) * b, shards),  # B_i copied out of its prefetched all-gather
             (base + held + b + pfx * (x + u.copy_in(xs[i], e)), shards),  # B_i's pre-backward prefetches X_i
-            (base + held + b + (1 + pfx) * x + cast, shards),  # X_i copied out
+            (base + held + b + (1 + pfx + d1) * x + cast, shards),  # X_i copied out
             (base + held + b + x + nxt + nxt_in, shards),  # X_i's pre-backward prefetches B_(i-1); its backward
         ]
         # X_i's post-backward: resharded, the previous input freed, its grads into its reduce-scatter input (the

@@ -176,5 +176,9 @@ def test_experts_shard_on_dim_1_when_the_expert_fsdp_ranks_outnumber_them(tmp_pa
     others = sum(-(-t.shape[0] // 16) * (t.numel // t.shape[0]) if t.shape else 1
                  for t in r_inv.tensors if t.shard_split == 1)
     assert sizes.shard_numel == others + sum(t.numel // 8 for t in experts)
+    # the copy-out's chunk-cat temporaries (_fsdp_collectives.py) follow the placement: only on dim 1
+    assert layouts.gather_sizes(r_inv, S.PER_PARAM_DIM0, 16).experts_on_dim1
+    small = accounting.layout(inv, _settings(inv, par.Parallel(ep=2), gpus=4)).ranks[0][1]
+    assert not layouts.gather_sizes(small, S.PER_PARAM_DIM0, 4).experts_on_dim1
     with pytest.raises(SettingsError, match="FSDP2 shards dim 1 only evenly"):
         _settings(inv, par.Parallel(ep=2), gpus=12, gpus_per_node=12)  # efsdp 6: 896 rows of gate_up_proj

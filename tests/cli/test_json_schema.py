@@ -28,6 +28,8 @@ CASES = [
     "estimate llama-3-8b --gpus 16 --tp 4 --pp 2 --sp --strategy fsdp-full --grad-accum 4 --activations analytic "
     "--gpu h100-80g --json",
     "estimate llama-3-8b --gpus 8 --pp 4 --stage 1 --grad-accum 8 --activations analytic --json",
+    "estimate llama-3-8b --gpus 8 --pp 2 --strategy fsdp-full --grad-accum 8 --schedule dualpipev --gpu h100-80g "
+    "--json",
     "estimate mixtral-8x7b --gpus 16 --ep 8 --strategy fsdp-full --activations analytic --gpu h100-80g --json",
     "estimate llama-3-8b --gpus 16 --cp 4 --seq-len 32768 --strategy fsdp-full --activations analytic --json",
 ]

@@ -211,7 +211,9 @@ def _expand_now(d: dict[str, Any], layers: int) -> list[tuple]:
         else:
             deaths[e] = (r, count[r], i)
     nb = len(d["fs"])
-    expand = d.get("expand") and nb in (2, 3) and layers > nb
+    # a deeper model repeats the template's blocks; a shallower one (a pipeline stage of one block from a two-block
+    # template) takes the template's last block's forward and its first block's backward for its only block
+    expand = d.get("expand") and nb in (2, 3) and layers != nb and layers >= 1
     L = layers if expand else nb
     full = _full_regions(regions, expand, L)
     where = {(k, b): j for j, (k, b, _) in enumerate(full)}

@@ -81,8 +81,10 @@ def why_not(s: Any) -> str | None:
         ev = (d or {}).get("alloc_events")
         if not ev or not ev.get("fs"):
             return "a stage's step was not traced with its allocations (analytic activations)"
-        if layers < len(ev["fs"]) and layers != ev.get("num_layers"):
-            return f"a stage of {layers} block(s) is smaller than the traced step ({len(ev['fs'])} blocks)"
+        if layers < 1 or (layers < len(ev["fs"]) and not ev.get("expand")):
+            return (f"a stage of {layers} block(s): the traced step ({len(ev['fs'])} blocks) has no region to replay "
+                    "a stage without blocks" if layers < 1 else
+                    f"a stage of {layers} block(s) is smaller than the traced step ({len(ev['fs'])} blocks)")
         if ev.get("forward_end") is None:
             return "a stage's traced step does not mark where its forward returned"
     return None

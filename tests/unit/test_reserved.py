@@ -330,6 +330,7 @@ def test_pipeline_ranks_are_replayed_action_by_action() -> None:
     ("fsdp-full pp 2 interleaved, 4 micro-batches", 10, 2, 2, "interleaved", 4),
     ("fsdp-full pp 2 looped-bfs, 4 micro-batches", 10, 2, 2, "looped-bfs", 4),
     ("fsdp-full pp 4 1f1b, 8 micro-batches", 10, 4, 4, "1f1b", 8),
+    ("fsdp-full pp 4 1f1b, 4 micro-batches", 8, 4, 4, "1f1b", 4),  # the last stage of one block
     ("fsdp-full pp 2 zbv (zero bubble), 4 micro-batches", 10, 2, 2, "zbv", 4),
     ("fsdp-full pp 2 dualpipev, 6 micro-batches", 10, 2, 2, "dualpipev", 6),
 ])

@@ -337,7 +337,7 @@ def test_pipeline_ranks_are_replayed_action_by_action() -> None:
 def test_pipeline_replay_walks_the_harness_s_allocations(label: str, layers: int, gpus: int, pp: int, schedule: str,
                                                           m: int) -> None:
     # the pipeline replay's sequence, counted as the CPU harness counts it, against the worst rank the harness
-    # measured on torch.distributed.pipelining (docs/accuracy.jsonl, bench/replay_harness.py): within 2%
+    # measured on torch.distributed.pipelining (docs/accuracy.jsonl, bench/replay_harness.py): within 2.5%
     import sys
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
@@ -360,7 +360,7 @@ def test_pipeline_replay_walks_the_harness_s_allocations(label: str, layers: int
         validation._with_lora = wrapped
     name, peak = replayed_peak(inventories[-1], resolved.settings)
     assert name.startswith("FSDP2 under ")
-    assert abs(peak - row[4]) <= row[4] * 2 // 100, (peak, row[4])
+    assert abs(peak - row[4]) <= row[4] * 25 // 1000, (peak, row[4])
 
 
 def test_zero_redundancy_optimizer_is_replayed() -> None:

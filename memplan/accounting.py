@@ -34,14 +34,10 @@ def _model_states(job: Job, fw: FrameworkModel, host_by: dict[str, int]) -> tupl
     weights = fw.weights(job)
     master_bytes = 4 if st.fp32_master_copy else rc.master_bytes
     master = master_bytes * job.lay.optimizer_numel
-    if s.optimizer.name == "muon":  # Muon's momentum on the blocks' matrices, AdamW's states on the rest
-        from memplan.precision import muon_state_bytes
+    if s.optimizer.per_tensor:  # Muon with AdamW, Adam-mini: per named tensor of the whole model
+        from memplan.precision import per_tensor_states
 
-        states = muon_state_bytes(job.inv, rc)
-    elif s.optimizer.name == "adam-mini":
-        from memplan.precision import adam_mini_states
-
-        states = adam_mini_states(job.inv, rc)
+        states = per_tensor_states(s.optimizer, job.inv, rc)
     else:
         states = layouts.optimizer_state_bytes(s.optimizer, rc, job.lay,
                                                fw.optimizer_tensors(job) if s.optimizer.shape_dependent else ())
@@ -87,19 +83,16 @@ def _step(job: Job, fw: FrameworkModel, grads: Grads, persistent: int, master_by
     rc, lay = job.s.recipe, job.lay
     impl = optimizer_impl(job.s)
     scratch = 0
-    if job.s.optimizer.name == "adam-mini":
-        from memplan.precision import adam_mini_step_scratch
-
-        scratch = adam_mini_step_scratch(job.inv, rc, cpu=job.s.cluster.device == "cpu")
-    elif job.s.optimizer.name == "muon":
+    if job.s.optimizer.per_tensor:
         from memplan.kernels import cpu_gemm_scratch, host_cpu_isa
-        from memplan.precision import muon_step_scratch
+        from memplan.precision import per_tensor_step_scratch
 
         c = job.s.cluster
         isa = c.cpu_isa or host_cpu_isa()
-        # off CUDA the Newton-Schulz products are bf16 GEMMs with oneDNN's own scratch (one thread: the harness's)
+        # off CUDA Muon's Newton-Schulz products are bf16 GEMMs with oneDNN's own scratch (one thread: the
+        # harness's), and Adam-mini's mean of a 16-bit input an fp32 copy
         gemm = (lambda m, n, k: cpu_gemm_scratch(isa, m, n, k, "bfloat16")) if c.device == "cpu" else None
-        scratch = muon_step_scratch(job.inv, rc, impl, gemm)
+        scratch = per_tensor_step_scratch(job.s.optimizer, job.inv, rc, impl, gemm, c.device == "cpu")
     elif not (job.offload_optimizer or job.cpu_offload):
         if impl == "foreach":
             scratch = rc.state_bytes * lay.optimizer_numel
@@ -489,22 +482,21 @@ class Layout:
                 most = max(len(c.layers) for c in share.chunks)
                 ring_b += par.zero_bubble_grads(share.inventory.dims, most, s.seq_len, rc.compute_bytes) \
                     + most * inner.terms(s.recompute, 1)[4]
-            stages, actions = (), ()
+            stages: tuple = ()
+            actions = None
             if p.pp > 1 and self.name == par.TORCHTITAN:
-                stages = tuple((profs[k] if v > 1 else inner, len(c.layers), c.first, c.last,
-                                s.seq_len * par.stage_output(inv.dims, p, self.name, c.last, rc))
-                               for k, c in enumerate(share.chunks))
-                # ... and its receive buffers: one per micro-batch for each stage's input (a stage after the
-                # first) and each stage's output gradient (a stage before the last), bytes per micro-batch of 1
-                # (parallel.recv_buffers)
-                count = s.grad_accum * sum((not c.first) + (not c.last) for c in share.chunks)
-                # ... and, for a split backward, what each stage's input step keeps for its weight step (bytes per
-                # micro-batch of 1: parallel.zero_bubble_grads)
-                kept_for_w = tuple(par.zero_bubble_grads(share.inventory.dims, len(c.layers), s.seq_len,
-                                                         rc.compute_bytes) for c in share.chunks)
-                actions = (p.schedule, p.pp, s.grad_accum, p.virtual if p.multi_stage else 1, share.rank,
-                           par.sp_tokens(s.seq_len, p) * h * rc.residual_bytes, count, p.sp and p.tp > 1,
-                           kept_for_w)
+                # what the rank's replay walks (frameworks/pipeline_replay.py): each stage's traced step, the output
+                # fwd_cache keeps and what a split backward's input step keeps for W; the receive buffers, one per
+                # micro-batch for each stage's input (after the first) and output gradient (before the last)
+                stages = tuple(pipeline.StagePart(
+                    profs[k] if v > 1 else inner, len(c.layers), c.first, c.last,
+                    s.seq_len * par.stage_output(inv.dims, p, self.name, c.last, rc),
+                    par.zero_bubble_grads(share.inventory.dims, len(c.layers), s.seq_len, rc.compute_bytes))
+                    for k, c in enumerate(share.chunks))
+                actions = pipeline.RankSchedule(
+                    p.schedule, p.pp, s.grad_accum, p.virtual if p.multi_stage else 1, share.rank,
+                    par.sp_tokens(s.seq_len, p) * h * rc.residual_bytes,
+                    s.grad_accum * sum((not c.first) + (not c.last) for c in share.chunks), p.sp and p.tp > 1)
             prof = act.HeldProfile(inner, share.in_flight, less, loss, output, others, fewer, shared,
                                    recompute=s.recompute, ring_forward=ring_f,
                                    ring_backward=ring_b, stages=stages, actions=actions)

@@ -480,12 +480,10 @@ class HeldProfile:
     #: backward; transients, so on the forward peak and the moments inside a block, not on what is saved
     ring_forward: int = 0
     ring_backward: int = 0
-    #: a pipeline rank (torchtitan's layout): its stages in local order as (profile, blocks, first, last, bytes
-    #: per micro-batch of 1 of the output its fwd_cache keeps), and its
-    #: schedule as (schedule, pp, micro-batches, stages per rank, rank): what the reserved peak's replay walks,
-    #: action by action (memplan/frameworks/pipeline_replay.py)
+    #: a pipeline rank (torchtitan's layout): its stages in local order (pipeline.StagePart) and its schedule
+    #: (pipeline.RankSchedule), what the reserved peak's replay walks (memplan/frameworks/pipeline_replay.py)
     stages: tuple = ()
-    actions: tuple = ()
+    actions: Any = None
     _memo: dict = field(default_factory=dict, compare=False, repr=False)
 
     includes_autocast_copies = property(lambda self: self.inner.includes_autocast_copies)

@@ -17,7 +17,7 @@ from memplan.model.inventory import ParamInventory
 from memplan.model.sources import gpu_presets
 from memplan.precision import get_optimizer, get_recipe
 from memplan.settings import Cluster, DeepSpeedKnobs, Overheads, Settings, TorchKnobs
-from memplan.strategies import DEFAULT_RECIPE, STAGE_TO_STRATEGY, get_strategy
+from memplan.strategies import DEFAULT_RECIPE, REPLICATED, STAGE_TO_STRATEGY, get_strategy
 from memplan.units import parse_size
 
 
@@ -762,14 +762,11 @@ def resolve(inv: ParamInventory, *, gpus: int = 1, gpus_per_node: int | None = N
                             "bf16_master_weights_and_grads and bf16_optimizer_states, which memplan does not model "
                             "yet; use --precision deepspeed-bf16")
     opt = get_optimizer(pick("optimizer", optimizer, ds_file.optimizer if ds_file else None, "adamw"))
-    if opt.name == "muon" and (strat.memory_model not in ("ddp", "single") or lora is not None):
-        raise SettingsError(f"--optimizer muon under {strat.name if lora is None else 'LoRA'}: torch.optim.Muon's "
-                            "Newton-Schulz needs each whole matrix, which memplan models on whole tensors only (one GPU "
-                            "or DDP); on sharded or flat parameters, and the distributed variant's gathers, it is not "
-                            "modelled yet")
-    if opt.name == "adam-mini" and (strat.memory_model not in ("ddp", "single") or lora is not None):
-        raise SettingsError(f"--optimizer adam-mini under {strat.name if lora is None else 'LoRA'}: Adam-mini's "
-                            "per-head and per-row states are modelled on whole tensors only (one GPU or DDP)")
+    if opt.per_tensor and (strat.layout != REPLICATED or lora is not None):
+        why = ("torch.optim.Muon's Newton-Schulz needs each whole matrix, and its distributed variant's gathers are "
+               "not modelled yet" if opt.per_tensor == "muon" else "Adam-mini's per-head and per-row states")
+        raise SettingsError(f"--optimizer {opt.name} under {strat.name if lora is None else 'LoRA'}: {why}; memplan "
+                            "models it on whole tensors only (one GPU, DDP, Horovod)")
     if opt.lazy_states or opt.any_device:
         if strat.framework == "deepspeed":
             # is_zero_supported_optimizer (deepspeed/runtime/zero/utils.py) knows torch's and DeepSpeed's Adams

@@ -26,7 +26,9 @@ an OVERLAP_F_B is its two sub-actions in order.
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import dataclass
 from functools import lru_cache
+from typing import Any
 
 from memplan.errors import SettingsError
 
@@ -41,6 +43,32 @@ MULTI_STAGE = frozenset({"interleaved", "looped-bfs", "interleaved-zb", "zbv", "
 V_SHAPED = frozenset({"zbv", "dualpipev"})
 #: schedules whose backwards are split into I and W
 SPLIT_BACKWARD = frozenset({"interleaved-zb", "zbv", "dualpipev"})
+
+
+@dataclass(frozen=True)
+class StagePart:
+    """One local stage of a pipeline rank, as its replay walks it (frameworks/pipeline_replay.py)."""
+
+    profile: Any  #: the stage's traced step (its blocks, and the loss where it is the last)
+    layers: int  #: its blocks
+    first: bool  #: it holds the embedding
+    last: bool  #: it holds the final norm and the head
+    output_bytes: int  #: per micro-batch of 1, the output fwd_cache keeps until its backward (parallel.stage_output)
+    kept_for_w: int  #: per micro-batch of 1, what a split backward's input step keeps for W (zero_bubble_grads)
+
+
+@dataclass(frozen=True)
+class RankSchedule:
+    """A pipeline rank's schedule and what its replay needs beside its stages."""
+
+    schedule: str
+    pp: int
+    micro_batches: int
+    per_rank: int  #: stages per rank
+    rank: int
+    recv_bytes: int  #: one receive buffer per micro-batch of 1 (parallel.recv_buffers)
+    recv_count: int  #: receive buffers the rank makes at its first step
+    sequence_parallel: bool  #: its stages' traced steps are the TP share's over the whole sequence
 
 
 def canonical(name: str) -> str | None:

@@ -110,6 +110,9 @@ class Optimizer:
     lazy_states: bool = False
     #: the one kernel runs off CUDA too (schedulefree's foreach default: hasattr(torch, "_foreach_mul_"))
     any_device: bool = False
+    #: states and step scratch decided per named tensor of the whole model ("muon", "adam-mini"): modelled on whole
+    #: tensors only (per_tensor_states, per_tensor_step_scratch)
+    per_tensor: str = ""
 
 
 OPTIMIZERS: dict[str, Optimizer] = {o.name: o for o in (
@@ -142,11 +145,11 @@ OPTIMIZERS: dict[str, Optimizer] = {o.name: o for o in (
     # torch.optim.Muon (torch 2.13 _muon.py) on the blocks' matrices, which is all it takes ("Muon only supports 2D
     # parameters"; its docs: embeddings, the head, gains and biases with AdamW), torch.optim.AdamW on the rest:
     # muon_state_bytes, muon_step_scratch
-    Optimizer(name="muon", states_per_param=2, description="Muon (torch.optim.Muon) on the blocks' matrices: "
+    Optimizer(name="muon", states_per_param=2, per_tensor="muon", description="Muon (torch.optim.Muon) on the blocks' matrices: "
               "momentum_buffer; AdamW on the rest: exp_avg + exp_avg_sq"),
     # adam-mini 1.1.1 (Adam_mini, adam_mini.py): m for every tensor, v per head (queries, keys), per output row
     # (embedding, head, values, output projection, MLP), one scalar (norms) or whole (biases): adam_mini_states
-    Optimizer(name="adam-mini", states_per_param=2, lazy_states=True,
+    Optimizer(name="adam-mini", states_per_param=2, lazy_states=True, per_tensor="adam-mini",
               description="Adam-mini: m, and v per head / row / block"),
 )}
 #: names the optimizers go by elsewhere (--optimizer takes them too)
@@ -440,3 +443,19 @@ def adam_mini_step_scratch(inv: Any, recipe: Recipe, cpu: bool = False) -> int:
         else:
             cur -= live.pop(x)
     return best
+
+
+# ---- optimizers whose states follow each named tensor (Optimizer.per_tensor) ----
+
+def per_tensor_states(opt: Optimizer, inv: Any, recipe: Recipe) -> int:
+    """The states of an optimizer that picks per tensor of the whole model (muon_state_bytes, adam_mini_states)."""
+    return muon_state_bytes(inv, recipe) if opt.per_tensor == "muon" else adam_mini_states(inv, recipe)
+
+
+def per_tensor_step_scratch(opt: Optimizer, inv: Any, recipe: Recipe, impl: str, gemm: Any = None,
+                            cpu: bool = False) -> int:
+    """Its step's scratch (muon_step_scratch with ``gemm``, a CPU matmul's own scratch; adam_mini_step_scratch with
+    ``cpu``: ATen's CPU mean of a 16-bit input)."""
+    if opt.per_tensor == "muon":
+        return muon_step_scratch(inv, recipe, impl, gemm)
+    return adam_mini_step_scratch(inv, recipe, cpu=cpu)

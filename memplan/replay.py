@@ -471,12 +471,12 @@ def replay_job(inv: Any, s: Any, numels: list[int], shapes: list[tuple[int, ...]
     if frameworks.model(s.strategy.memory_model).computes_with_views and s.recipe.autocast_weight_copies:
         step = uncached_casts(step)
     muon: tuple = ()
-    if s.optimizer.name == "muon":
+    if s.optimizer.per_tensor == "muon":
         from memplan.precision import muon_tensors
 
         muon = tuple(tuple(t.shape) if m else None for t, m in zip(inv.tensors, muon_tensors(inv)) if t.trainable)
     adam_mini: tuple = ()
-    if s.optimizer.name == "adam-mini":
+    if s.optimizer.per_tensor == "adam-mini":
         from memplan.precision import adam_mini_step
 
         adam_mini = (tuple(adam_mini_step(inv, s.recipe)), tuple(adam_mini_step(inv, s.recipe, first=True)))
@@ -744,19 +744,25 @@ def optimizer_step(run: Run, job: ReplayJob, first: bool, states: list[Any]) -> 
         # Adafactor's fp32 copies of a 16-bit parameter and its gradient first (precision.step_temporaries:
         # max over i of n[i-1] + k n[i])
         upcast = job.optimizer is not None and job.optimizer.upcasts_half and job.converted is not None
-        prev = None
-        for n in sizes:
-            copies = [run.alloc(n), run.alloc(n)] if upcast else []
-            a = run.alloc(n)
-            b = run.alloc(n)
-            run.free(a)
-            for c in copies:
-                run.free(c)
-            if prev is not None:
-                run.free(prev)
-            prev = b
+        _single_tensor_temporaries(run, sizes, upcast)
+
+
+def _single_tensor_temporaries(run: Run, sizes: list[int], upcast: bool = False) -> None:
+    """torch.optim's single-tensor Adam loop: per tensor two temporaries, the second bound to the loop's local until
+    the next tensor's replaces it (``upcast``: Adafactor's fp32 copies of the parameter and its gradient first)."""
+    prev = None
+    for n in sizes:
+        copies = [run.alloc(n), run.alloc(n)] if upcast else []
+        a = run.alloc(n)
+        b = run.alloc(n)
+        run.free(a)
+        for c in copies:
+            run.free(c)
         if prev is not None:
             run.free(prev)
+        prev = b
+    if prev is not None:
+        run.free(prev)
 
 
 def _muon_then_adamw(run: Run, job: ReplayJob, first: bool, states: list[Any]) -> None:
@@ -804,13 +810,4 @@ def _muon_then_adamw(run: Run, job: ReplayJob, first: bool, states: list[Any]) -
     if job.optimizer_impl == "foreach":
         _adam_foreach_temporaries(run, rest)
     elif job.optimizer_impl == "single-tensor":
-        last = None
-        for n in rest:
-            t = run.alloc(n)
-            d = run.alloc(n)
-            run.free(t)
-            if last is not None:
-                run.free(last)
-            last = d
-        if last is not None:
-            run.free(last)
+        _single_tensor_temporaries(run, rest)

@@ -80,7 +80,8 @@ def _profile_id(prof: Any) -> Any:
     """What a replay's traced steps are, for its cache key: the profile's data, or a pipeline rank's stages' and
     schedule."""
     if getattr(prof, "actions", None):
-        return (tuple(id(p.data) for p, *_ in prof.stages), prof.actions, tuple(x[1:] for x in prof.stages))
+        return (tuple(id(x.profile.data) for x in prof.stages), prof.actions,
+                tuple(replace(x, profile=None) for x in prof.stages))
     return id(prof.data)
 
 

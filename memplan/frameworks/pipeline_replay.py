@@ -76,8 +76,9 @@ def why_not(s: Any) -> str | None:
         return "LoRA under pipelining is not replayed"
     if s.torch.reshard_after_forward not in (None, True, False):
         return "reshard_after_forward as a group size under pipelining is not replayed yet"
-    for stage_prof, layers, *_ in prof.stages:
-        d = getattr(stage_prof, "data", None)
+    for part in prof.stages:
+        layers = part.layers
+        d = getattr(part.profile, "data", None)
         ev = (d or {}).get("alloc_events")
         if not ev or not ev.get("fs"):
             return "a stage's step was not traced with its allocations (analytic activations)"
@@ -99,9 +100,10 @@ def _stage_tensors(inv: Any, stages: tuple) -> list[list[Any]]:
     names = [b.name for b in inv.layer_blocks]
     out: list[list[Any]] = []
     at = 0
-    for _, layers, first, last, *_ in stages:
-        mine = set(names[at:at + layers])
-        at += layers
+    for part in stages:
+        first, last = part.first, part.last
+        mine = set(names[at:at + part.layers])
+        at += part.layers
         ts = []
         for t in inv.tensors:
             if t.block in mine:
@@ -241,7 +243,8 @@ def replay(inv: Any, s: Any, config: AllocatorConfig) -> tuple[str, dict[str, Al
     from memplan.settings import shard_group_size
 
     prof = s.activation_profile
-    schedule, pp, m, per_rank, rank = prof.actions[:5]
+    rs = prof.actions
+    schedule, pp, m, per_rank, rank = rs.schedule, rs.pp, rs.micro_batches, rs.per_rank, rs.rank
     # False unless the job asks for it (torchtitan's default under PP); a group size is not replayed (why_not)
     raf = reshard_after_forward(Job.of(inv, s, MODEL)) is True
     n, r = shard_group_size(s), s.recipe
@@ -255,7 +258,7 @@ def replay(inv: Any, s: Any, config: AllocatorConfig) -> tuple[str, dict[str, Al
 
     parts = []  # per local stage: (its job, forward events, backward events, block groups, root group)
     numels: list[tuple[int, int]] = []
-    for (stage_prof, *_), ts in zip(prof.stages, _stage_tensors(inv, prof.stages)):
+    for part, ts in zip(prof.stages, _stage_tensors(inv, prof.stages)):
         blocks: dict[str, list[Any]] = {}
         root: list[Any] = []
         for t in ts:
@@ -264,12 +267,12 @@ def replay(inv: Any, s: Any, config: AllocatorConfig) -> tuple[str, dict[str, Al
         root_group = group(root)
         for g in (*block_groups, root_group):
             numels.extend((i, p // n) for i, p in zip(g.params, g.padded))
-        job = replay_job(inv, replace(s, activation_profile=stage_prof, grad_accum=1), [])
+        job = replay_job(inv, replace(s, activation_profile=part.profile, grad_accum=1), [])
         fwd, bwd = _split(job.step)
         split = _input_only(fwd, bwd, s.micro_batch) if schedule in pipeline.SPLIT_BACKWARD else None
         parts.append((job, fwd, bwd, block_groups, root_group, split))
     numels.sort()
-    opt_job = replay_job(inv, replace(s, activation_profile=prof.stages[0][0], grad_accum=1), [k for _, k in numels])
+    opt_job = replay_job(inv, replace(s, activation_profile=prof.stages[0].profile, grad_accum=1), [k for _, k in numels])
 
     run = Run(config or AllocatorConfig())
     for _, _, _, bg, rg, _ in parts:  # to_empty: the shards in module order
@@ -278,7 +281,7 @@ def replay(inv: Any, s: Any, config: AllocatorConfig) -> tuple[str, dict[str, Al
                 if i in g.params:
                     run.alloc(g.shard[g.params.index(i)])
     # the receive buffers, each [micro-batch, the rank's tokens, hidden] (parallel.recv_buffers' sizes)
-    each, count = prof.actions[5] * s.micro_batch, prof.actions[6]
+    each, count = rs.recv_bytes * s.micro_batch, rs.recv_count
     actions = pipeline.rank_actions(schedule, pp, m, per_rank, rank)
     local = {g: k for k, g in enumerate(pipeline.rank_stages(schedule, pp, per_rank)[rank])}
     last_backward = {}  # each stage's last B or W: its REDUCE_GRAD follows (_add_reduce_grad)
@@ -295,8 +298,8 @@ def replay(inv: Any, s: Any, config: AllocatorConfig) -> tuple[str, dict[str, Al
         stages = [_Stage(run, job, bg, rg, n, r.reduced_grad_bytes, r.grad_bytes, grads, raf)
                   for job, _, _, bg, rg, _ in parts]
         # the step's batch on the first stage (split into micro-batch views) and its targets on the last
-        ids = [run.alloc(opt_job.input_bytes * m) for on in (any(x[2] for x in prof.stages),
-                                                             any(x[3] for x in prof.stages)) if on]
+        ids = [run.alloc(opt_job.input_bytes * m) for on in (any(x.first for x in prof.stages),
+                                                             any(x.last for x in prof.stages)) if on]
         offsets: dict[tuple[int, int], int] = {}
         cached: dict[tuple[int, int], Any] = {}
         held_for_w: dict[tuple[int, int], list[Any]] = {}
@@ -311,8 +314,8 @@ def replay(inv: Any, s: Any, config: AllocatorConfig) -> tuple[str, dict[str, Al
                            on_forward_end=st.forward_returned, events=fwd, off=offsets[c, mb])
                 # forward_one_chunk keeps the stage's output in fwd_cache until the micro-batch's backward (the
                 # traced step lets go of it where the model returns: the last block's output, or the logits)
-                if prof.stages[c][4]:
-                    cached[c, mb] = run.alloc(prof.stages[c][4] * s.micro_batch)
+                if prof.stages[c].output_bytes:
+                    cached[c, mb] = run.alloc(prof.stages[c].output_bytes * s.micro_batch)
             elif kind == pipeline.W:
                 # stage_backward_weight: the weight gradients, then the graph's saved tensors and the gradients
                 # the input step kept for it go
@@ -333,7 +336,8 @@ def replay(inv: Any, s: Any, config: AllocatorConfig) -> tuple[str, dict[str, Al
                     st.input_only = False
                     st.bwd = None
                     # param_group["grads"]: each linear's output gradient, kept for W (parallel.zero_bubble_grads)
-                    keep = [run.alloc(prof.actions[8][c] * s.micro_batch)] if prof.actions[8][c] else []
+                    kept = prof.stages[c].kept_for_w
+                    keep = [run.alloc(kept * s.micro_batch)] if kept else []
                     held_for_w[c, mb] = [off + k for k in split[1]] + keep
                     continue
                 micro_step(run, job, 0, keep_grads=True, at=st.region, on_grad=st.on_grad,
@@ -350,7 +354,7 @@ def replay(inv: Any, s: Any, config: AllocatorConfig) -> tuple[str, dict[str, Al
         if step >= 1 and run.a.peak_reserved == before:
             break
     name = "FSDP2 under " + pipeline.TORCH_NAMES[schedule]
-    if prof.actions[7]:
+    if rs.sequence_parallel:
         # sequence parallelism: the stage's traced step is its TP share over the whole sequence (the engine takes
         # SP's split off its own figures, the events do not have it), as a TP rank's replay without pipelining is
         # (reserved._replayed_profile); its allocator overhead stands on the engine's allocated peak

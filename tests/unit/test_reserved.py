@@ -338,29 +338,13 @@ def test_pipeline_replay_walks_the_harness_s_allocations(label: str, layers: int
                                                           m: int) -> None:
     # the pipeline replay's sequence, counted as the CPU harness counts it, against the worst rank the harness
     # measured on torch.distributed.pipelining (docs/accuracy.jsonl, bench/replay_harness.py): within 2.5%
-    import sys
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-    from replay_harness import replayed_peak
-
-    from memplan import validation
     from memplan.parallel import Parallel
 
-    row = _harness_row(label, f"llama-7b, {layers} blocks", "none")
-    inventories = []
-    wrapped = validation._with_lora
-    try:
-        validation._with_lora = lambda inv, kw: inventories.append(wrapped(inv, kw)) or inventories[-1]
-        _, resolved, *_ = validation.predict(
-            "llama-7b", layers=layers, hidden=256, vocab=2048, device="cpu", cpu_isa=row[10] if len(row) > 10 else
-            "avx512", gpus=gpus, gpus_per_node=gpus, micro_batch=2, seq_len=128, recompute="none",
-            strategy="fsdp-full", grad_accum=m, parallel=Parallel(pp=pp, schedule=schedule),
-            torch_overrides={"fsdp_root_reshard": "auto"})
-    finally:
-        validation._with_lora = wrapped
-    name, peak = replayed_peak(inventories[-1], resolved.settings)
+    name, peak, measured = _harness_replay(label, layers, gpus, strategy="fsdp-full", grad_accum=m,
+                                           parallel=Parallel(pp=pp, schedule=schedule),
+                                           torch_overrides={"fsdp_root_reshard": "auto"})
     assert name.startswith("FSDP2 under ")
-    assert abs(peak - row[4]) <= row[4] * 25 // 1000, (peak, row[4])
+    assert abs(peak - measured) <= measured * 25 // 1000, (peak, measured)
 
 
 def test_zero_redundancy_optimizer_is_replayed() -> None:
@@ -445,6 +429,30 @@ def test_fsdp2_replay_unshards_in_the_parameters_dtype(strategy: str, gpus: int,
     assert fsdp2.unshard_bytes(s.recipe) == (2 if precision == "fsdp-bf16" else 4)
 
 
+def _harness_replay(label: str, layers: int, gpus: int, **kw: object) -> tuple[str, int, int]:
+    """(the replay's name, its sequence's peak counted as the CPU harness counts it: bench/replay_harness.py, the
+    worst rank's measured peak) for a kept harness row of llama-7b scaled to ``layers`` blocks."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+    from replay_harness import replayed_peak
+
+    from memplan import validation
+
+    row = _harness_row(label, f"llama-7b, {layers} blocks", "none")
+    inventories = []
+    wrapped = validation._with_lora
+    try:
+        validation._with_lora = lambda inv, kw: inventories.append(wrapped(inv, kw)) or inventories[-1]
+        _, resolved, *_ = validation.predict(
+            "llama-7b", layers=layers, hidden=256, vocab=2048, device="cpu", cpu_isa=row[10] if len(row) > 10 else
+            "avx512", gpus=gpus, gpus_per_node=gpus, micro_batch=2, seq_len=128, recompute="none", **kw)
+    finally:
+        validation._with_lora = wrapped
+    name, peak = replayed_peak(inventories[-1], resolved.settings)
+    return name, peak, row[4]
+
+
 def _harness_row(label: str, shown: str, recompute: str, log: str = "accuracy.jsonl") -> list:
     for line in (Path(__file__).resolve().parents[2] / "docs" / log).read_text().splitlines():
         row = json.loads(line)
@@ -464,27 +472,10 @@ def test_fsdp1_replay_walks_the_harness_s_allocations(label: str, layers: int, s
     # FSDP1 (FlatParameters, use_orig_params=False) replayed from its setup: the replay's sequence, counted as the
     # CPU harness's allocator counts it (requested bytes, no cache, no cuBLAS workspace), reaches the peak the
     # harness measured on the real FullyShardedDataParallel (docs/accuracy.jsonl, bench/replay_harness.py)
-    import sys
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-    from replay_harness import replayed_peak
-
-    from memplan import validation
-
-    row = _harness_row(label, f"llama-7b, {layers} blocks", "none")
-    inventories = []
-    wrapped = validation._with_lora
-    try:
-        validation._with_lora = lambda inv, kw: inventories.append(wrapped(inv, kw)) or inventories[-1]
-        _, resolved, *_ = validation.predict(
-            "llama-7b", layers=layers, hidden=256, vocab=2048, device="cpu", cpu_isa=row[10] if len(row) > 10 else
-            "avx512", gpus=gpus, gpus_per_node=gpus, micro_batch=2, seq_len=128, recompute="none",
-            strategy=strategy, torch_overrides={"fsdp_version": 1, **tk})
-    finally:
-        validation._with_lora = wrapped
-    name, peak = replayed_peak(inventories[-1], resolved.settings)
+    name, peak, measured = _harness_replay(label, layers, gpus, strategy=strategy,
+                                           torch_overrides={"fsdp_version": 1, **tk})
     assert name == "FSDP1"
-    assert abs(peak - row[4]) <= 4096, (peak, row[4])
+    assert abs(peak - measured) <= 4096, (peak, measured)
 
 
 def test_fsdp1_is_replayed_on_the_card() -> None:

@@ -18,7 +18,12 @@ What each framework issues (its source):
 - DeepSpeed ZeRO-3 (stage3.py, partitioned_param_coordinator.py): parameters all-gathered in 16 bits in forward
   and again in backward (with hpZ, zero_hpz_partition_size > 1, the backward gathers within the secondary,
   intra-node group), gradients reduce-scattered in 16 bits every micro-step; persistent parameters (numel <=
-  param_persistence_threshold) are never gathered.
+  param_persistence_threshold) are never gathered. ZeRO++ (DeepSpeed 0.19.8): qwZ (zero_quantized_weights) gathers
+  int8 weights and each fetched module's fp32 group scales, forward and backward (partition_parameters.py
+  _all_gather_coalesced, CUDAQuantizer); qgZ (zero_quantized_gradients), across nodes only (stage3.py
+  __avg_scatter_grads: num_nodes > 1), replaces the reduce-scatter of each 2-D gradient divisible by 2 x the world
+  size with an int4 all-to-all within the node and one of the node's reduced share across nodes, with their fp32
+  scales (coalesced_collectives.py all_to_all_quant_reduce); the rest stay on reduce_scatter_coalesced.
 - FSDP2 / FSDP1 (torch/distributed/fsdp): unsharded parameters all-gathered in the mixed-precision param dtype
   in forward and, when resharded after forward, again in backward; gradients reduce-scattered in the reduce
   dtype every micro-step (no_sync not assumed); NO_SHARD all-reduces; HSDP reduce-scatters within the shard
@@ -37,6 +42,35 @@ def _ring(op: str, n: int, nbytes: int) -> int:
     if n <= 1:
         return 0
     return (2 if op == "all-reduce" else 1) * (n - 1) * nbytes // n  # all-to-all: (n - 1) / n of it leaves
+
+
+def _qwz_groups(numel: int) -> int:
+    """CUDAQuantizer.quantize's group count for a partition of ``numel`` int8 elements (partition_parameters.py,
+    DeepSpeed 0.19.8): from ceil(numel / 8000) up to the first count whose 8 x count divides numel, then doubled
+    while the groups stay above 8,000 elements; 0 where no count divides (DeepSpeed's assert)."""
+    if numel <= 0:
+        return 0
+    groups = -(-numel // 8000)
+    while groups < numel and numel % (8 * groups):
+        groups += 1
+    if numel % (8 * groups):
+        return 0
+    while numel % (16 * groups) == 0 and numel / groups > 8000:
+        groups *= 2
+    return groups
+
+
+def _qwz_scales(inv: Any, n: int, threshold: int) -> int:
+    """The fp32 scales one rank contributes to qwZ's all-gathers of every gathered parameter once: each module's
+    parameters are fetched and quantized together (partitioned_param_coordinator.py fetch_sub_module, one
+    coalesced all-gather per module: the concatenation of its partitions, ceil(numel / n) each)."""
+    parts: dict[str, int] = {}
+    for t in inv.tensors:
+        if t.numel <= threshold:  # persistent: never gathered
+            continue
+        mod = t.name.rsplit(".", 1)[0]
+        parts[mod] = parts.get(mod, 0) + -(-t.numel // n)
+    return sum(_qwz_groups(v) for v in parts.values())
 
 
 def communication(inv: Any, s: Settings) -> dict[str, Any]:
@@ -88,13 +122,41 @@ def communication(inv: Any, s: Settings) -> dict[str, Any]:
     elif mm == "zero3":
         gathered = every - persistent_numel
         hpz = s.ds.hpz_partition_size
-        add("all-gather", "parameters, forward", n_all, rc.param_bytes, gathered, ga)
-        if hpz > 1:
-            add("all-gather", "parameters, backward (hpZ secondary group)", hpz, rc.param_bytes, gathered, ga,
-                within_node=True)
+        if s.ds.quantized_weights:  # qwZ: int8 weights and each module's fp32 group scales
+            scales = _qwz_scales(inv, n_all, s.ds.param_persistence_threshold)
+            add("all-gather", "parameters, forward (qwZ int8)", n_all, 1, gathered, ga)
+            add("all-gather", "qwZ fp32 group scales, forward", n_all, 4, n_all * scales, ga)
+            if hpz > 1:
+                add("all-gather", "parameters, backward (qwZ int8, hpZ secondary group)", hpz, 1, gathered, ga,
+                    within_node=True)
+                add("all-gather", "qwZ fp32 group scales, backward (hpZ secondary group)", hpz, 4,
+                    hpz * _qwz_scales(inv, hpz, s.ds.param_persistence_threshold), ga, within_node=True)
+            else:
+                add("all-gather", "parameters, backward (qwZ int8)", n_all, 1, gathered, ga)
+                add("all-gather", "qwZ fp32 group scales, backward", n_all, 4, n_all * scales, ga)
         else:
-            add("all-gather", "parameters, backward", n_all, rc.param_bytes, gathered, ga)
-        add("reduce-scatter", "gradients", n_all, rc.grad_bytes, psi, ga)
+            add("all-gather", "parameters, forward", n_all, rc.param_bytes, gathered, ga)
+            if hpz > 1:
+                add("all-gather", "parameters, backward (hpZ secondary group)", hpz, rc.param_bytes, gathered, ga,
+                    within_node=True)
+            else:
+                add("all-gather", "parameters, backward", n_all, rc.param_bytes, gathered, ga)
+        nodes = n_all // max(c.gpus_per_node, 1)
+        if s.ds.quantized_gradients and nodes > 1:
+            local = c.gpus_per_node
+            quant = [t for t in inv.tensors if t.trainable and len(t.shape) == 2 and t.numel % (2 * n_all) == 0]
+            q_numel = sum(t.numel for t in quant)
+            q_groups = sum(max(t.shape[0], t.shape[1], n_all) for t in quant)
+            add("all-to-all", "gradients, qgZ int4 (two per byte) within each node", local, 1, q_numel // 2, ga,
+                within_node=True)
+            add("all-to-all", "qgZ fp32 scales within each node", local, 4, q_groups, ga, within_node=True)
+            add("all-to-all", "gradients, qgZ int4 (two per byte) across nodes, each node's reduced share", nodes, 1,
+                q_numel // (2 * local), ga, across_nodes=True)
+            add("all-to-all", "qgZ fp32 scales across nodes", nodes, 4, q_groups // local, ga, across_nodes=True)
+            add("reduce-scatter", "gradients qgZ leaves to reduce_scatter_coalesced (1-D, or not divisible by 2 x "
+                "the world size)", n_all, rc.grad_bytes, psi - q_numel, ga)
+        else:
+            add("reduce-scatter", "gradients", n_all, rc.grad_bytes, psi, ga)
     else:  # fsdp2 / fsdp1
         n = shard_group_size(s)
         within = st.shard_within_node

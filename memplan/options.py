@@ -352,15 +352,16 @@ def _zeropp_notes(ds: DeepSpeedKnobs, strat: Any, gpus: int, per_node: int) -> l
                    "fp16 and casts each parameter to its dtype (partition_parameters.py, DeepSpeed 0.19.8): the "
                    "gathered parameters hold what they hold without it, plus the int8 buffers, the fp16 copy and "
                    "the casts while a gather is in flight; derived from the source, not measured (its quantizer "
-                   "kernels need CUDA)")
+                   "kernels need CUDA); the communication counts int8 weights and their scales")
     if ds.quantized_gradients:
         if gpus // max(per_node, 1) <= 1:
             out.append("ZeRO++ qgZ acts across nodes only (stage3.py __avg_scatter_grads: num_nodes > 1): on one "
                        "node gradients are reduced as without it")
         else:
             out.append("ZeRO++ qgZ: the int4 all-to-all buffers of the largest gradient are added where gradients "
-                       "are reduced (coalesced_collectives.py all_to_all_quant_reduce); derived from the source, "
-                       "not measured (CUDA kernels)")
+                       "are reduced (coalesced_collectives.py all_to_all_quant_reduce), and the communication counts "
+                       "its int4 all-to-alls within and across nodes; derived from the source, not measured (CUDA "
+                       "kernels)")
     return out
 
 
@@ -427,6 +428,11 @@ def _overheads(overrides: dict[str, Any]) -> tuple[Overheads, int | None]:
     return ov, workspace
 
 
+def _per_node(gpus: int, gpus_per_node: int | None) -> int:
+    """GPUs per node: the user's, else 8 (a DGX/HGX node), fewer when the job is smaller."""
+    return gpus_per_node if gpus_per_node is not None else min(gpus, 8) or 1
+
+
 def _cluster(*, gpus: int, gpus_per_node: int | None, gpu: str | None, gpu_memory_size: str | None, device: str,
              gpu_arch: str | None, cpu_isa: str | None, host_memory_size: str | None, workspace: int | None,
              notes: list[str]) -> Cluster:
@@ -452,7 +458,7 @@ def _cluster(*, gpus: int, gpus_per_node: int | None, gpu: str | None, gpu_memor
         if device != "cpu":
             raise SettingsError("--cpu-isa applies to --device cpu")
     host_mem = parse_size(host_memory_size)[0] if host_memory_size else None
-    return Cluster(gpus=gpus, gpus_per_node=gpus_per_node if gpus_per_node is not None else min(gpus, 8) or 1,
+    return Cluster(gpus=gpus, gpus_per_node=_per_node(gpus, gpus_per_node),
                    gpu_memory_bytes=mem, device=device, gpu_arch=arch, gpu_multiprocessors=sms,
                    gpu_threads_per_multiprocessor=threads, cpu_isa=cpu_isa, host_memory_bytes=host_mem,
                    **({} if workspace is None else {"blas_workspace_bytes": workspace}))
@@ -788,7 +794,7 @@ def resolve(inv: ParamInventory, *, gpus: int = 1, gpus_per_node: int | None = N
     if pin_memory is not None:  # DeepSpeed offload's pin_memory, and FSDP CPUOffloadPolicy's
         ds_overrides["offload_pin_memory"] = torch_overrides["cpu_offload_pin_memory"] = pin_memory
     ds = _ds_knobs(pick, ds_file, inv, ds_overrides, strat)
-    notes.extend(_zeropp_notes(ds, strat, gpus, gpus_per_node or gpus))
+    notes.extend(_zeropp_notes(ds, strat, gpus, _per_node(gpus, gpus_per_node)))
     notes.extend(_reduce_path_notes(ds, strat))
     _deepspeed_wrapper(strat, recipe, ds, notes)
     if isinstance(torch_overrides.get("fsdp_wrap"), _Fsdp2ClassWrap):  # Accelerate FSDP2 with named classes

@@ -46,6 +46,45 @@ def test_zero3_gathers_twice_and_hpz_keeps_the_backward_gather_in_the_node():
     assert back["bytes_per_gpu"] == 7 * 2 * (inv.num_params - persistent) // 8
 
 
+def test_qwz_groups_follow_cuda_quantizer():
+    """partition_parameters.py CUDAQuantizer.quantize: ceil(n / 8000) up to a count whose 8 x count divides n, then
+    doubled while groups stay above 8,000 elements."""
+    from memplan.comm import _qwz_groups
+
+    assert _qwz_groups(1_048_576) == 256  # 4096 x 4096 over 16: 132 up to 256, the first whose 8 x divides
+    assert _qwz_groups(8000) == 1 and _qwz_groups(7) == 0 and _qwz_groups(0) == 0
+    n = 14_336 * 4096 // 16
+    g = _qwz_groups(n)
+    assert n % (8 * g) == 0 and n / g <= 16_000
+
+
+def test_qwz_gathers_int8_with_group_scales_and_qgz_splits_the_reduce_across_nodes():
+    from memplan import layouts
+
+    inv, c = _comm(gpus=16, stage=3, ds_overrides={"quantized_weights": True})
+    persistent = layouts.layout_sizes(inv, "per-param-numel", 16, 100_000).persistent_numel
+    ops = [(x["what"], x["dtype_bytes"], x["bytes_per_gpu"]) for x in c["collectives"]]
+    int8 = 15 * (inv.num_params - persistent) // 16
+    assert ops[0] == ("parameters, forward (qwZ int8)", 1, int8) and ops[2][2] == int8
+    assert 0 < ops[1][2] < int8 // 1000  # fp32 scales: one per 4,000-16,000 elements
+    assert ops[-1] == ("gradients", 2, 15 * 2 * inv.num_params // 16)
+    # qgZ: one node reduces as without it (stage3.py: num_nodes > 1 only)
+    _, one = _comm(gpus=8, stage=3, ds_overrides={"quantized_gradients": True})
+    assert [x["what"] for x in one["collectives"]][-1] == "gradients"
+    _, g = _comm(gpus=16, stage=3, ds_overrides={"quantized_gradients": True})
+    q = [t for t in inv.tensors if len(t.shape) == 2 and t.numel % 32 == 0]
+    qn = sum(t.numel for t in q)
+    by = {x["what"]: x for x in g["collectives"]}
+    intra = by["gradients, qgZ int4 (two per byte) within each node"]
+    assert (intra["group_size"], intra["network"], intra["bytes_per_gpu"]) == (8, "intra-node", 7 * (qn // 2) // 8)
+    inter = by["gradients, qgZ int4 (two per byte) across nodes, each node's reduced share"]
+    assert (inter["group_size"], inter["network"], inter["bytes_per_gpu"]) == (2, "inter-node", (qn // 16) // 2)
+    rest = g["collectives"][-1]
+    assert rest["bytes_per_gpu"] == 15 * 2 * (inv.num_params - qn) // 16
+    # the network carries a sixteenth of the bf16 reduce-scatter's gradient bytes
+    assert inter["bytes_per_gpu"] < 15 * 2 * inv.num_params // 16 // 16
+
+
 def test_fsdp_gathers_in_bf16_and_reduces_in_fp32_hsdp_across_replicas():
     inv, c = _comm(gpus=8, strategy="fsdp-full")
     psi = inv.num_params

@@ -61,8 +61,12 @@ def replay_zero3(job: ReplayJob, world: int, partitions: tuple[int, ...], sub_gr
                     run.free(k)
                 gathered.clear()
             run.free(ids)
+        if host_params is not None:  # step(): _partition_all_parameters releases the persistent ones too
+            host_params.release_persistent(run)
         if not offload:
             _optimizer_step(run, job, trained, sub_groups, half, n == 0)
+        if host_params is not None:
+            host_params.regather_persistent(run)
         run.end_step()
         if n >= 1 and run.a.peak_reserved == before:
             break
@@ -218,6 +222,28 @@ class HostParams:
         self.hpz = ds.hpz_partition_size if world > 1 else 1
         self.secondary: dict[int, Any] = {}
         self.nf = nf
+        #: persistent parameters (numel <= stage3_param_persistence_threshold, parameter_offload.py
+        #: mark_persistent_parameters) gathered whole where their module first runs and never released
+        #: (release_sub_module skips ds_persist); their device tensors, kept across micro-steps and steps
+        self.kept: dict[int, Any | None] = {}
+
+    def release_persistent(self, run: Run) -> None:
+        """stage3.py step -> _partition_all_parameters -> release_and_reset_all: every parameter partitioned,
+        the persistent ones too (__release_param does not check ds_persist): their whole tensors freed."""
+        for p, key in self.kept.items():
+            if key is not None:
+                run.free(key)
+                self.kept[p] = None
+
+    def regather_persistent(self, run: Run) -> None:
+        """stage3.py _post_step: ``persistent_parameters[0].all_gather(persistent_parameters)`` after every step
+        (partition_parameters.py _allgather_params_coalesced, one parameter: _allgather_params_sequential): a
+        flat buffer of its padded partitions x ranks for every persistent parameter, each parameter's data a view
+        of its buffer (its partition is on the device even under offload_param: _partition_param puts a
+        ds_persist partition on local_device)."""
+        w, h = self.world, self.half
+        for p in self.kept:
+            self.kept[p] = run.alloc(-(-self.numel[p] // w) * w * h)
 
     def hook_gathers(self, run: Run) -> None:
         """create_reduce_and_remove_grad_hooks gathers each parameter once (``param.all_gather()`` ->
@@ -305,19 +331,29 @@ class _Fetching:
 
     def fetch(self, k: int) -> None:
         params = self.hp.trace[k]
-        c = self.c
+        c, hp = self.c, self.hp
         if c is None:  # no complete trace yet: the module's own parameters, nothing prefetched
-            todo = [p for p in dict.fromkeys(params) if not self.hp.persist[p] and p not in self.keys
-                    and p not in self.group_of]
+            # a persistent parameter not gathered yet is NOT_AVAILABLE, so fetched with the module's others
+            todo = [p for p in dict.fromkeys(params) if (not hp.persist[p] or p not in hp.kept)
+                    and p not in self.keys and p not in self.group_of]
             if todo:
                 self._gather(todo, 2 * k)
             self._wait(params)
+            self._keep(params)
             return
-        todo = [p for p in dict.fromkeys(params) if not c.persist[p] and p not in c.avail]
+        todo = [p for p in dict.fromkeys(params) if (not c.persist[p] or p not in hp.kept) and p not in c.avail]
         if todo:
             c.gather(todo, 2 * k)
         self._wait(params)
+        self._keep(params)
         c.prefetch_after(k, params)
+
+    def _keep(self, params: list[int]) -> None:
+        """Persistent parameters just gathered move to the kept set: no release frees them."""
+        hp = self.hp
+        for p in params:
+            if hp.persist[p] and p in self.keys and p not in hp.kept:
+                hp.kept[p] = self.keys.pop(p)
 
     def release(self, k: int) -> None:
         hp = self.hp

@@ -620,3 +620,21 @@ def test_fsdp1_cpu_offload_is_replayed() -> None:
         assert r is not None and r.model == "FSDP1" and plan.reserved_why is None
         assert 0 <= r.allocated_bytes - plan.peak_bytes <= plan.peak_bytes // 1000, strategy
         assert all(p.weights_bytes == 0 and p.optimizer_states_bytes == 0 for p in plan.phases)
+
+
+def test_zero3_replay_holds_persistent_parameters_whole() -> None:
+    # parameters under stage3_param_persistence_threshold are gathered where their module first runs and never
+    # released until the step (parameter_offload.py mark_persistent_parameters; the coordinator's
+    # __params_to_release skips ds_persist; stage3.py step releases all and _post_step gathers them again): the
+    # replay's allocated peak follows the engine's as the threshold moves, and reserved never falls below it
+    src = resolve("llama-3-8b")
+    inv = build_inventory(src)
+    for threshold in (0, 100_000, 20_000_000, 100_000_000):
+        s = options.resolve(inv, config=src.config, gpus=8, gpus_per_node=8, gpu="a100-80g", device="cuda",
+                            stage=3, micro_batch=1, seq_len=2048,
+                            ds_overrides={"param_persistence_threshold": threshold}).settings
+        plan = accounting.estimate(inv, s)
+        r = plan.reserved
+        assert r is not None and plan.reserved_why is None, threshold
+        assert abs(r.allocated_bytes - plan.peak_bytes) < plan.peak_bytes // 1000, threshold
+        assert plan.reserved_peak_bytes == r.peak_bytes >= plan.peak_bytes, threshold

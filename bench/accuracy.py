@@ -208,6 +208,14 @@ CASES = [
     ("adam-mini ddp pure-bf16", LLAMA, dict(strategy="ddp", precision="pure-bf16", optimizer="adam-mini"), {}, {},
      "none"),
     ("adam-mini, 1 rank, hidden 512 vocab 128", LLAMA_WIDE, dict(gpus=1, optimizer="adam-mini"), {}, {}, "none"),
+    # session 29: APOLLO (apollo-torch APOLLOAdamW) as the Trainer groups it: rank 128 on the attention and MLP weights
+    ("apollo-adamw, 1 rank", LLAMA, dict(gpus=1, optimizer="apollo-adamw"), {}, {}, "none"),
+    ("apollo-adamw, 1 rank, pure-bf16", LLAMA, dict(gpus=1, precision="pure-bf16", optimizer="apollo-adamw"), {}, {},
+     "none"),
+    ("apollo-adamw ddp pure-bf16", LLAMA, dict(strategy="ddp", precision="pure-bf16", optimizer="apollo-adamw"), {},
+     {}, "none"),
+    ("apollo-adamw, 1 rank, hidden 512 vocab 128", LLAMA_WIDE, dict(gpus=1, optimizer="apollo-adamw"), {}, {},
+     "none"),
     # session 28: every schedule of torch.distributed.pipelining (memplan/pipeline.py), at 2 and 4 stages
     ("fsdp-full pp 2 looped-bfs, 4 micro-batches", LLAMA4,
      dict(strategy="fsdp-full", grad_accum=4, parallel=Parallel(pp=2, schedule="looped-bfs")), {}, {}, "none"),

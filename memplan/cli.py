@@ -301,7 +301,7 @@ def plan(
                                             "strategy's framework's]."),
     optimizer: Optional[str] = typer.Option(None, "--optimizer", help="adamw, adam, sgd, adafactor, adam8bit, "
                                                        "paged_adamw_8bit, paged_adamw_32bit, lion, "
-                                                       "adamw-schedulefree, muon, adam-mini."),
+                                                       "adamw-schedulefree, muon, adam-mini, apollo-adamw."),
     attention: str = typer.Option("sdpa", "--attention", help="sdpa (the device's own kernel choice) | flash "
                                   "(asked for: refused where the device cannot run it) | eager."),
     allow_offload: bool = typer.Option(False, "--allow-offload", help="Also consider DeepSpeed ZeRO-Offload "
@@ -403,9 +403,10 @@ def validate(
     grad_accum: O.GradAccum = None,
     precision: O.Precision = None,
     optimizer: Optional[str] = typer.Option(None, "--optimizer", help="adamw, adam, sgd, adafactor, adam8bit, lion, "
-                                            "adamw-schedulefree, muon, adam-mini (the optimizers the harness runs; "
-                                            "adam8bit needs bitsandbytes, lion lion-pytorch, adamw-schedulefree "
-                                            "schedulefree, adam-mini adam-mini)."),
+                                            "adamw-schedulefree, muon, adam-mini, apollo-adamw (the optimizers the "
+                                            "harness runs; adam8bit needs bitsandbytes, lion lion-pytorch, "
+                                            "adamw-schedulefree schedulefree, adam-mini adam-mini, apollo-adamw "
+                                            "apollo-torch)."),
     optimizer_impl: O.OptimizerImpl = None,
     recompute: str = typer.Option("none", "--recompute", help="none | full | every:N | layer-sac:N."),
     deepspeed: O.DeepSpeedConfig = None,

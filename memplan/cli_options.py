@@ -23,7 +23,8 @@ Precision = Annotated[Optional[str], typer.Option("--precision", help="deepspeed
 Optimizer = Annotated[Optional[str], typer.Option("--optimizer", help="adamw, adam, sgd, adafactor, adam8bit, "
                                                   "paged_adamw_8bit, paged_adamw_32bit, lion (lion-pytorch), "
                                                   "adamw-schedulefree (schedulefree), muon (torch.optim.Muon + "
-                                                  "AdamW), adam-mini.")]
+                                                  "AdamW), adam-mini, apollo-adamw (APOLLO rank 128 on the "
+                                                  "attention and MLP weights, AdamW on the rest).")]
 OptimizerImpl = Annotated[Optional[str], typer.Option("--optimizer-impl", help="foreach, fused, single-tensor: "
                                                       "torch.optim's (under DeepSpeed, a client optimizer) "
                                                       "[default: DeepSpeed's own FusedAdam for DeepSpeed, foreach "

@@ -73,6 +73,9 @@ OPTIM = {"adamw_torch": ("adamw", "foreach", None), "adamw_torch_fused": ("adamw
          "adamw_bnb_8bit": ("adam8bit", None, None), "adamw_8bit": ("adam8bit", None, None),
          "paged_adamw_8bit": ("paged_adamw_8bit", None, None),
          "paged_adamw_32bit": ("paged_adamw_32bit", None, None),
+         "apollo_adamw": ("apollo-adamw", None, "optim apollo_adamw: rank 128, random projection, channel scaling "
+                          "(the Trainer's defaults) on the attention and MLP linear weights (optim_target_modules "
+                          "[r\".*.attn.*\", r\".*.mlp.*\"]); other optim_args or target modules are not read"),
          "sgd": ("sgd", None, "optim sgd: torch.optim.SGD without momentum unless optim_args sets it; a momentum "
                              "buffer is counted (an upper bound)")}
 #: the names transformers accepts that memplan does not model (a clear error, not a guess)
@@ -82,7 +85,7 @@ OPTIM_NOT_MODELLED = ("adamw_torch_xla", "adamw_torch_npu_fused", "adamw_anyprec
                       "rmsprop", "rmsprop_bnb", "rmsprop_bnb_8bit", "rmsprop_bnb_32bit", "galore_adamw",
                       "galore_adamw_8bit", "galore_adafactor", "galore_adamw_layerwise", "galore_adamw_8bit_layerwise",
                       "galore_adafactor_layerwise", "lomo", "adalomo", "grokadamw", "schedule_free_radam",
-                      "schedule_free_adamw", "schedule_free_sgd", "apollo_adamw", "apollo_adamw_layerwise",
+                      "schedule_free_adamw", "schedule_free_sgd", "apollo_adamw_layerwise",
                       "stable_adamw")
 
 

@@ -770,7 +770,9 @@ def resolve(inv: ParamInventory, *, gpus: int = 1, gpus_per_node: int | None = N
     opt = get_optimizer(pick("optimizer", optimizer, ds_file.optimizer if ds_file else None, "adamw"))
     if opt.per_tensor and (strat.layout != REPLICATED or lora is not None):
         why = ("torch.optim.Muon's Newton-Schulz needs each whole matrix, and its distributed variant's gathers are "
-               "not modelled yet" if opt.per_tensor == "muon" else "Adam-mini's per-head and per-row states")
+               "not modelled yet" if opt.per_tensor == "muon" else "Adam-mini's per-head and per-row states"
+               if opt.per_tensor == "adam-mini" else "APOLLO projects each whole matrix's gradient (its channel "
+               "scaling reads whole rows)")
         raise SettingsError(f"--optimizer {opt.name} under {strat.name if lora is None else 'LoRA'}: {why}; memplan "
                             "models it on whole tensors only (one GPU, DDP, Horovod)")
     if opt.lazy_states or opt.any_device:

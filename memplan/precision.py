@@ -115,6 +115,11 @@ class Optimizer:
     per_tensor: str = ""
 
 
+#: transformers' Trainer arguments for apollo_adamw (trainer_optimizer.py _get_apollo_optimizer defaults) with the
+#: target modules of its documentation's example, optim_target_modules=[r".*.attn.*", r".*.mlp.*"]
+APOLLO_RANK = 128
+APOLLO_TARGETS = (r".*.attn.*", r".*.mlp.*")
+
 OPTIMIZERS: dict[str, Optimizer] = {o.name: o for o in (
     Optimizer(name="adamw", states_per_param=2, description="AdamW: exp_avg + exp_avg_sq"),
     Optimizer(name="adam", states_per_param=2, description="Adam: exp_avg + exp_avg_sq"),
@@ -151,9 +156,15 @@ OPTIMIZERS: dict[str, Optimizer] = {o.name: o for o in (
     # (embedding, head, values, output projection, MLP), one scalar (norms) or whole (biases): adam_mini_states
     Optimizer(name="adam-mini", states_per_param=2, lazy_states=True, per_tensor="adam-mini",
               description="Adam-mini: m, and v per head / row / block"),
+    # apollo-torch 1.0.3 APOLLOAdamW as transformers' Trainer sets it up (optim apollo_adamw): apollo_step
+    Optimizer(name="apollo-adamw", states_per_param=2, lazy_states=True, per_tensor="apollo",
+              description=f"APOLLO (apollo-torch APOLLOAdamW, rank {APOLLO_RANK}, random projection, channel "
+              "scaling) on the attention and MLP linear weights: the projection and low-rank exp_avg + exp_avg_sq; "
+              "AdamW on the rest"),
 )}
 #: names the optimizers go by elsewhere (--optimizer takes them too)
-OPTIMIZER_ALIASES = {"schedulefree": "adamw-schedulefree", "adamw_schedulefree": "adamw-schedulefree",
+OPTIMIZER_ALIASES = {"apollo": "apollo-adamw", "apollo_adamw": "apollo-adamw",
+                     "schedulefree": "adamw-schedulefree", "adamw_schedulefree": "adamw-schedulefree",
                      "schedule_free_adamw": "adamw-schedulefree", "schedule-free-adamw": "adamw-schedulefree"}
 
 #: How an optimizer's step allocates scratch (torch.optim's implementations and DeepSpeed's kernels).
@@ -445,10 +456,159 @@ def adam_mini_step_scratch(inv: Any, recipe: Recipe, cpu: bool = False) -> int:
     return best
 
 
+# ---- APOLLO (apollo-torch 1.0.3 APOLLOAdamW, apollo.py and random_projector.py) ----
+
+
+
+def apollo_tensors(inv: Any) -> tuple[bool, ...]:
+    """Per tensor, module order: whether APOLLO projects it. transformers' _setup_low_rank_optimizer takes the
+    weight of each nn.Linear whose module name check_target_module_exists matches (a list: the name itself, a
+    substring, or re.fullmatch); every other parameter is in the plain AdamW group."""
+    import re
+
+    def target(t: Any) -> bool:
+        if not (t.trainable and t.layer == "linear" and t.name.endswith(".weight") and len(t.shape) == 2):
+            return False
+        mod = t.name[: -len(".weight")]
+        return any(k in mod for k in APOLLO_TARGETS) or any(re.fullmatch(k, mod) for k in APOLLO_TARGETS)
+    return tuple(target(t) for t in inv.tensors)
+
+
+def apollo_step(inv: Any, recipe: Recipe, first: bool = False, update: bool = True,
+                gemm: Any = None) -> list[tuple[str, int]]:
+    """APOLLOAdamW.step's allocations and frees in order, as adam_mini_step's events: ("a", bytes), ("f", index
+    of an allocation), ("s", bytes) for what the step keeps (states made at the first step). The param groups as
+    the Trainer builds them: the rest first (AdamW), then the projected matrices (rank 128, random projection,
+    channel scaling, the norm limiter on). Everything is in the gradient's dtype (zeros_like(grad)).
+
+    Per projected matrix [m, n] (k = the low-rank gradient's elements, m x r for m >= n else r x n):
+    ``grad = p.grad`` drops the previous low-rank gradient; at an update step (the first, then every
+    update_proj_gap) get_orthogonal_matrix takes ``data.float()`` (a 16-bit gradient's fp32 copy, though only its
+    shape is read), stable_randn's fp32 [r, n] (or [m, r]), its division by sqrt(r), and its cast to the gradient's
+    dtype, which replaces the kept projection; the projection matmul (``gemm``: a CPU bf16 GEMM's own scratch);
+    the states at the first step; ``denom``, ``norm_grad``; the channel norms (two vectors of max(m, n), the sum
+    and the quotient); ``scaled_grad = p.grad * factor`` (full size); after the first step the limiter's
+    ``scaled_grad / limiter`` (a second full-size tensor while the first is alive) and its 0-dim norms; then
+    ``norm_grad = scaled_grad``. The loop's locals (grad, denom, norm_grad, scaled_grad, grad_scaling_factor) stay
+    bound until rebound, across tensors and groups."""
+    gb = recipe.grad_bytes
+    r = APOLLO_RANK
+    ev: list[tuple[str, int]] = []
+    refs: dict[int, int] = {}
+    bound: dict[str, int] = {}
+
+    def alloc(n: int) -> int:
+        ev.append(("a", n))
+        return len(ev) - 1
+
+    def drop(i: int | None) -> None:
+        if i is None:
+            return
+        refs[i] -= 1
+        if refs[i] == 0:
+            ev.append(("f", i))
+
+    def bind(local: str, i: int | None) -> None:
+        old = bound.pop(local, None)
+        if i is not None:
+            refs[i] = refs.get(i, 0) + 1
+            bound[local] = i
+        drop(old)
+
+    targets = apollo_tensors(inv)
+    order = [(t, False) for t, a in zip(inv.tensors, targets) if t.trainable and not a] + \
+        [(t, True) for t, a in zip(inv.tensors, targets) if a]
+    for t, projected in order:
+        n = t.numel
+        bind("grad", None)  # grad = p.grad
+        if not projected:
+            if first:
+                ev.extend([("s", gb * n), ("s", gb * n)])
+            bind("denom", alloc(gb * n))
+            bind("norm_grad", alloc(gb * n))
+            continue
+        rows, cols = t.shape
+        o = r * cols if rows >= cols else rows * r  # the projection's elements
+        k = rows * r if rows >= cols else r * cols  # the low-rank gradient's
+        if update:
+            copy = alloc(4 * n) if gb != 4 else None  # matrix = data.float()
+            rnd = alloc(4 * o)
+            div = alloc(4 * o)
+            ev.append(("f", rnd))
+            if gb != 4:
+                if first:
+                    ev.append(("s", gb * o))
+                else:  # the new projection, then the old one dropped: the same bytes
+                    ev.append(("f", alloc(gb * o)))
+                ev.append(("f", div))
+            elif first:
+                ev[div] = ("s", 4 * o)
+            else:
+                ev.append(("f", div))
+            if copy is not None:
+                ev.append(("f", copy))
+        if gemm is not None:
+            ev.append(("f", alloc(gemm(rows, r, cols) if rows >= cols else gemm(r, cols, rows))))
+        bind("grad", alloc(gb * k))
+        if first:
+            ev.extend([("s", gb * k), ("s", gb * k)])
+        bind("denom", alloc(gb * k))
+        bind("norm_grad", alloc(gb * k))
+        v = max(rows, cols)
+        n1 = alloc(gb * v)
+        n2 = alloc(gb * v)
+        n3 = alloc(gb * v)
+        ev.append(("f", n2))
+        q = alloc(gb * v)
+        ev.append(("f", n1))
+        ev.append(("f", n3))
+        bind("grad_scaling_factor", q)
+        bind("scaled_grad", alloc(gb * n))
+        if first:
+            ev.append(("s", gb))  # state["scaled_grad"] = torch.norm(scaled_grad), 0-dim
+        else:
+            norm = alloc(gb)  # scaled_grad_norm
+            den = alloc(gb)  # state + 1e-8
+            ratio = alloc(gb)
+            ev.append(("f", den))
+            lim = alloc(gb)  # max(ratio, 1.01) / 1.01
+            ev.append(("f", ratio))
+            bind("scaled_grad", alloc(gb * n))  # scaled_grad / limiter
+            ev.append(("f", alloc(gb)))  # the new 0-dim state, the old one dropped
+            ev.append(("f", lim))
+            ev.append(("f", norm))
+        bind("norm_grad", bound["scaled_grad"])
+    for local in list(bound):
+        bind(local, None)
+    return ev
+
+
+def step_events_peak(ev: list[tuple[str, int]]) -> int:
+    """The most a step's events (adam_mini_step, apollo_step) hold at once, states made in it included."""
+    live: dict[int, int] = {}
+    cur = best = 0
+    for i, (kind, x) in enumerate(ev):
+        if kind in ("a", "s"):
+            live[i] = x
+            cur += x
+            best = max(best, cur)
+        else:
+            cur -= live.pop(x)
+    return best
+
+
+def apollo_states(inv: Any, recipe: Recipe) -> int:
+    """What APOLLOAdamW keeps: the first step's kept allocations (AdamW's two states per plain tensor; per
+    projected matrix its projection, the low-rank exp_avg and exp_avg_sq and the limiter's 0-dim norm)."""
+    return sum(x for kind, x in apollo_step(inv, recipe, first=True) if kind == "s")
+
+
 # ---- optimizers whose states follow each named tensor (Optimizer.per_tensor) ----
 
 def per_tensor_states(opt: Optimizer, inv: Any, recipe: Recipe) -> int:
     """The states of an optimizer that picks per tensor of the whole model (muon_state_bytes, adam_mini_states)."""
+    if opt.per_tensor == "apollo":
+        return apollo_states(inv, recipe)
     return muon_state_bytes(inv, recipe) if opt.per_tensor == "muon" else adam_mini_states(inv, recipe)
 
 
@@ -458,4 +618,7 @@ def per_tensor_step_scratch(opt: Optimizer, inv: Any, recipe: Recipe, impl: str,
     ``cpu``: ATen's CPU mean of a 16-bit input)."""
     if opt.per_tensor == "muon":
         return muon_step_scratch(inv, recipe, impl, gemm)
+    if opt.per_tensor == "apollo":  # an update step after the first (states all made): the most it holds
+        g = gemm if recipe.grad_bytes == 2 else None
+        return step_events_peak(apollo_step(inv, recipe, first=False, update=True, gemm=g))
     return adam_mini_step_scratch(inv, recipe, cpu=cpu)

@@ -425,7 +425,8 @@ class ReplayJob:
     #: --optimizer muon: per optimizer tensor (the trainable ones, module order), its [a, b] shape where Muon steps
     #: it, None where AdamW does (precision.muon_tensors)
     muon: tuple[tuple[int, int] | None, ...] = ()
-    #: --optimizer adam-mini: its step's events (precision.adam_mini_step), a later step's and the first's
+    #: --optimizer adam-mini, apollo-adamw: its step's events (precision.adam_mini_step, apollo_step), a later
+    #: step's and the first's
     adam_mini: tuple = ()
 
     def state_allocs(self, numel: int, shape: tuple[int, ...] = ()) -> tuple[int, ...]:
@@ -480,6 +481,10 @@ def replay_job(inv: Any, s: Any, numels: list[int], shapes: list[tuple[int, ...]
         from memplan.precision import adam_mini_step
 
         adam_mini = (tuple(adam_mini_step(inv, s.recipe)), tuple(adam_mini_step(inv, s.recipe, first=True)))
+    elif s.optimizer.per_tensor == "apollo":  # every later step replayed as an update step (the envelope)
+        from memplan.precision import apollo_step
+
+        adam_mini = (tuple(apollo_step(inv, s.recipe)), tuple(apollo_step(inv, s.recipe, first=True)))
     return ReplayJob(muon=muon, adam_mini=adam_mini, build=tuple(build), numels=tuple(numels), state_bytes=4 if s.optimizer.factored else s.recipe.state_bytes,
                converted=converted,
                grad_accum=s.grad_accum,

@@ -156,6 +156,25 @@ def _muon(spec: dict[str, Any], model: Any, kw: dict[str, Any]) -> Any:
                           torch.optim.AdamW(rest, weight_decay=0.0, **kw))
 
 
+def _apollo(model: Any) -> Any:
+    """APOLLOAdamW with the param groups transformers' _setup_low_rank_optimizer makes: the rest first, then the
+    weights of the nn.Linear modules optim_target_modules matches (check_target_module_exists), with
+    _get_apollo_optimizer's defaults (memplan's precision.APOLLO_TARGETS and APOLLO_RANK)."""
+    from apollo_torch import APOLLOAdamW
+    from torch import nn
+    from transformers.trainer_utils import check_target_module_exists
+
+    from memplan.precision import APOLLO_RANK, APOLLO_TARGETS
+
+    names = {f"{m}.weight" for m, mod in model.named_modules()
+             if isinstance(mod, nn.Linear) and check_target_module_exists(list(APOLLO_TARGETS), m)}
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    groups = [{"params": [p for n, p in named if n not in names]},
+              {"params": [p for n, p in named if n in names], "rank": APOLLO_RANK, "proj": "random",
+               "scale_type": "channel", "update_proj_gap": 200, "scale": 1.0, "proj_type": "std"}]
+    return APOLLOAdamW(groups, lr=1e-4)
+
+
 def _torch_optimizer(spec: dict[str, Any], params: Any, model: Any = None) -> Any:
     import torch
 
@@ -191,6 +210,8 @@ def _torch_optimizer(spec: dict[str, Any], params: Any, model: Any = None) -> An
         import bitsandbytes as bnb
 
         return bnb.optim.AdamW8bit(params, lr=1e-4)
+    if name == "apollo-adamw":  # transformers' Trainer, optim apollo_adamw (trainer_optimizer.py)
+        return _apollo(model)
     if name == "lion":  # lion-pytorch's Lion (update_fn in Python; use_triton False)
         from lion_pytorch import Lion
 
@@ -201,7 +222,8 @@ def _torch_optimizer(spec: dict[str, Any], params: Any, model: Any = None) -> An
         opt = schedulefree.AdamWScheduleFree(params, lr=1e-4, warmup_steps=0)
         opt.train()
         return opt
-    raise ValueError(f"the harness runs adamw, adam, sgd, adafactor, adam8bit, lion and adamw-schedulefree; not "
+    raise ValueError(f"the harness runs adamw, adam, sgd, adafactor, adam8bit, lion, adamw-schedulefree, muon, "
+                     f"adam-mini and apollo-adamw; not "
                      f"{name}")
 
 

@@ -1,0 +1,153 @@
+"""APOLLO (--optimizer apollo-adamw): apollo-torch's APOLLOAdamW step, its allocations counted on the real step."""
+
+from __future__ import annotations
+
+import weakref
+
+import pytest
+
+from memplan import options
+from memplan.errors import SettingsError
+from memplan.model.inventory import ParamTensor
+from memplan.precision import APOLLO_RANK, apollo_states, apollo_step, apollo_tensors, get_recipe, step_events_peak
+
+torch = pytest.importorskip("torch")
+apollo_torch = pytest.importorskip("apollo_torch")
+
+H, I, V = 256, 384, 320  # hidden, MLP width, vocabulary
+
+
+class _Inv:
+    def __init__(self, tensors: list[ParamTensor]) -> None:
+        self.tensors = tensors
+
+
+def _model():
+    from torch import nn
+
+    class Attn(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.q_proj, self.o_proj = nn.Linear(H, H, bias=False), nn.Linear(H, H, bias=False)
+
+    class Mlp(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.up_proj, self.down_proj = nn.Linear(H, I, bias=False), nn.Linear(I, H, bias=False)
+
+    class Layer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.self_attn, self.mlp, self.input_layernorm = Attn(), Mlp(), nn.LayerNorm(H, bias=False)
+
+    class Inner(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed_tokens, self.layers = nn.Embedding(V, H), nn.ModuleList([Layer(), Layer()])
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model, self.lm_head = Inner(), nn.Linear(H, V, bias=False)
+
+    return Model()
+
+
+def _inventory(model) -> _Inv:
+    from torch import nn
+
+    kinds = {f"{n}.weight": "linear" if isinstance(m, nn.Linear) else "embedding" if isinstance(m, nn.Embedding)
+             else "" for n, m in model.named_modules()}
+    return _Inv([ParamTensor(name=n, shape=tuple(p.shape), dtype="float32", block="b", category="c",
+                             layer=kinds.get(n, "")) for n, p in model.named_parameters()])
+
+
+def _measured_peaks(model, dtype, gap: int) -> list[int]:
+    """Each of three steps' most live storage bytes beyond what existed before it (every storage an op makes
+    counted until it dies), the param groups as transformers' Trainer makes them (harness/setup.py _apollo)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    from memplan.harness.setup import _apollo
+
+    model = model.to(dtype)
+    opt = _apollo(model)
+    for g in opt.param_groups[1:]:
+        g["update_proj_gap"] = gap
+    live = {"cur": 0, "peak": 0}
+    seen: set[int] = set()
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    st = t.untyped_storage()
+                    key = st.data_ptr()
+                    if key and key not in seen and key not in outside:
+                        seen.add(key)
+                        live["cur"] += st.nbytes()
+                        live["peak"] = max(live["peak"], live["cur"])
+
+                        def gone(key: int = key, n: int = st.nbytes()) -> None:
+                            seen.discard(key)
+                            live["cur"] -= n
+
+                        weakref.finalize(st, gone)
+            return out
+
+    peaks = []
+    outside: set[int] = set()  # the parameters' and gradients' storages (``.data`` of a gradient is a view)
+    torch.manual_seed(0)
+    for _ in range(3):
+        for p in model.parameters():
+            p.grad = torch.randn_like(p)
+        outside = {t.untyped_storage().data_ptr() for p in model.parameters() for t in (p, p.grad)}
+        base = live["cur"]
+        live["peak"] = base
+        with Count():
+            opt.step()
+        peaks.append(live["peak"] - base)
+    return peaks
+
+
+@pytest.mark.parametrize("dtype,recipe", [("float32", "fp32"), ("bfloat16", "pure-bf16")])
+def test_apollo_step_is_apollo_torch_s(dtype, recipe):
+    """The first step (states made, the projections drawn), an update step after it (update_proj_gap 1) and a
+    plain step: apollo_step's peak equals the real step's, to the byte but for the 1-byte bools Python's max()
+    makes of a 0-dim comparison and next_seed's 120-byte host tensor (neither on the device)."""
+    model = _model()
+    inv = _inventory(model)
+    rc = get_recipe(recipe)
+    first, update, plain = (step_events_peak(apollo_step(inv, rc, first=f, update=u))
+                            for f, u in ((True, True), (False, True), (False, False)))
+    m_update = _measured_peaks(_model(), getattr(torch, dtype), gap=1)
+    m_plain = _measured_peaks(_model(), getattr(torch, dtype), gap=1000)
+    assert abs(m_update[0] - first) <= 8 and abs(m_plain[0] - first) <= 8
+    assert abs(m_update[1] - update) <= 8 and abs(m_update[2] - update) <= 8
+    assert abs(m_plain[1] - plain) <= 8 and abs(m_plain[2] - plain) <= 8
+
+
+def test_apollo_groups_and_states(inventories):
+    """The attention and MLP linear weights are projected (rank 128: the projection [r, n] or [m, r] and the
+    low-rank moments in the gradient's dtype); the embedding, the head and the norms take plain AdamW states."""
+    inv = inventories("llama-7b")
+    picked = {t.name for t, a in zip(inv.tensors, apollo_tensors(inv)) if a}
+    assert "model.layers.0.self_attn.q_proj.weight" in picked and "model.layers.3.mlp.down_proj.weight" in picked
+    assert "lm_head.weight" not in picked and "model.embed_tokens.weight" not in picked
+    s = options.resolve(inv, gpus=1, precision="pure-bf16", optimizer="apollo-adamw", activations="analytic").settings
+    want = 0
+    for t, a in zip(inv.tensors, apollo_tensors(inv)):
+        if not a:
+            want += 2 * 2 * t.numel
+            continue
+        m, n = t.shape
+        r = APOLLO_RANK
+        want += 2 * (r * n + 2 * m * r if m >= n else m * r + 2 * r * n) + 2
+    assert apollo_states(inv, s.recipe) == want
+
+
+def test_apollo_refused_on_sharded_parameters(inventories):
+    inv = inventories("llama-7b")
+    with pytest.raises(SettingsError, match="APOLLO projects each whole matrix"):
+        options.resolve(inv, gpus=8, strategy="fsdp-full", optimizer="apollo-adamw", activations="analytic")

@@ -775,6 +775,14 @@ def resolve(inv: ParamInventory, *, gpus: int = 1, gpus_per_node: int | None = N
                "scaling reads whole rows)")
         raise SettingsError(f"--optimizer {opt.name} under {strat.name if lora is None else 'LoRA'}: {why}; memplan "
                             "models it on whole tensors only (one GPU, DDP, Horovod)")
+    if opt.per_tensor == "apollo":
+        from memplan.precision import APOLLO_TARGETS, apollo_tensors
+
+        if not any(apollo_tensors(inv)):
+            # transformers' _setup_low_rank_optimizer: "No target modules found for apollo_adamw"
+            raise SettingsError(f"--optimizer apollo-adamw: no nn.Linear module of this model matches the target "
+                                f"modules {list(APOLLO_TARGETS)} (transformers' Trainer raises 'No target modules "
+                                "found'; Conv1D and fused expert weights are not nn.Linear)")
     if opt.lazy_states or opt.any_device:
         if strat.framework == "deepspeed":
             # is_zero_supported_optimizer (deepspeed/runtime/zero/utils.py) knows torch's and DeepSpeed's Adams

@@ -547,6 +547,9 @@ CASES: list[Case] = [
         ("--sp", "--sp needs --tp"), ("--tp 2 --pp 2 --cp 2 --ep 2", "")]),
     Case("estimate llama-3-8b --gpus 8 --stage 2 --optimizer lion", "DeepSpeed refuses an untested optimizer",
          "parallel"),
+    Case("estimate gpt2 --optimizer apollo-adamw", "No target modules found", "parallel"),
+    Case("estimate llama-3-8b --gpus 8 --strategy fsdp-full --optimizer apollo", "APOLLO projects each whole matrix",
+         "parallel"),
     # check's own options
     *(Case(f"check llama-3-8b --gpus 8 --gpu h100-80g --max-fraction {f}", "--max-fraction", "check") for f in
       ("nan", "1.5", "0", "-0.1", "abc", "inf")),

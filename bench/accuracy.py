@@ -28,7 +28,9 @@ GPT2 = ("gpt2", dict(layers=2, hidden=256, vocab=2048))  # tied embeddings, Laye
 LLAMA3 = ("llama-3-8b", dict(layers=2, hidden=512, vocab=2048))  # GQA (4 query heads per kv head)
 LLAMA4 = ("llama-7b", dict(layers=4, hidden=256, vocab=2048))  # more blocks: retention and prefetch matter
 LLAMA8 = ("llama-7b", dict(layers=8, hidden=256, vocab=2048))  # pp 4 with two stages per rank: 8 stages
-LLAMA_WIDE = ("llama-7b", dict(layers=2, hidden=512, vocab=128))  # the blocks' matrices outweigh the embedding
+LLAMA_WIDE = ("llama-7b", dict(layers=2, hidden=512, vocab=128))
+#: BertForSequenceClassification (tests/data/configs): the encoder with its pooler and classifier, 2 labels
+BERT = ("tests/data/configs/bert-seq-cls.json", dict(layers=2, hidden=256, vocab=2048))  # run from the root  # the blocks' matrices outweigh the embedding
 LLAMA10 = ("llama-7b", dict(layers=10, hidden=256, vocab=2048))  # two stages per rank over pp 2: 2-3 blocks each
 MIXTRAL = ("mixtral-8x7b", dict(layers=2, hidden=256, vocab=2048))  # MoE: 8 experts, top-2, grouped_mm
 MIXTRAL4 = ("mixtral-8x7b", dict(layers=4, hidden=256, vocab=2048))
@@ -216,6 +218,11 @@ CASES = [
      {}, "none"),
     ("apollo-adamw, 1 rank, hidden 512 vocab 128", LLAMA_WIDE, dict(gpus=1, optimizer="apollo-adamw"), {}, {},
      "none"),
+    # session 29: a text encoder's own head (model/tasks.py): BertForSequenceClassification on its labels
+    ("bert seq-cls, 1 rank, fp32", BERT, dict(gpus=1, precision="fp32"), {}, {}, "none"),
+    ("bert seq-cls, 1 rank", BERT, dict(gpus=1), {}, {}, "none"),
+    ("bert seq-cls ddp", BERT, dict(strategy="ddp"), {}, {}, "none"),
+    ("bert seq-cls, 1 rank, fp32", BERT, dict(gpus=1, precision="fp32"), {}, {}, "full"),
     # session 28: every schedule of torch.distributed.pipelining (memplan/pipeline.py), at 2 and 4 stages
     ("fsdp-full pp 2 looped-bfs, 4 micro-batches", LLAMA4,
      dict(strategy="fsdp-full", grad_accum=4, parallel=Parallel(pp=2, schedule="looped-bfs")), {}, {}, "none"),

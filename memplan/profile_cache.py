@@ -40,6 +40,12 @@ def profile_key(config: dict, *, seq_len: int, recipe: str, attention: str, reco
     linear = trace_linear(linear, device=device, recipe=recipe)
     if linear != "aten":
         fields["linear"] = linear
+    from memplan.model.tasks import CAUSAL_LM, task_of
+
+    if "factory" not in config and task_of(config) != CAUSAL_LM:
+        # a head other than a causal LM's: traced with its own loss since PROFILE_VERSION 20 (the key changes so
+        # that a profile traced before, as a causal LM, is not read)
+        fields["task"] = task_of(config)
     blob = json.dumps(fields, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:24]
 

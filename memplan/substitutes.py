@@ -165,12 +165,17 @@ class CudaAutocast:
             t = out[i] if i < len(out) else None
             if isinstance(t, torch.Tensor) and t.dtype != dtype:
                 out[i] = self._cast(t, dtype)
+        if forced is not None and not any(a.name == "dtype" for a in op._schema.arguments):
+            # an op without a dtype argument whose output autocast changed (fp32-policy ops such as
+            # cross_entropy_loss on bf16 logits, autocast_mode.cpp KERNEL_CUDA(..., fp32)): autocast cast its
+            # floating inputs (cached_cast(at::kFloat, ...)), which the probe did not see one by one
+            for i, t in enumerate(out):
+                if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != forced:
+                    out[i] = self._cast(t, forced)
+            return tree_unflatten(out, spec)
         args, kwargs = tree_unflatten(out, spec)
         if forced is not None:
-            if any(a.name == "dtype" for a in op._schema.arguments):
-                kwargs = dict(kwargs, dtype=forced)
-            else:
-                args = tuple(args) + (forced,)
+            kwargs = dict(kwargs, dtype=forced)
         return args, kwargs
 
     def _cast(self, t: Any, dtype: Any) -> Any:

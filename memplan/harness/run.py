@@ -123,7 +123,11 @@ def _train(rank: int, spec: dict[str, Any], out: str, device: Any, module: Any, 
                                                                spec.get("cp", 1)), generator=gen).to(device)
         # sequence parallelism: the blocks see a sequence shard, so the rotary positions are given whole
         where = {"position_ids": torch.arange(spec["seq_len"], device=device).unsqueeze(0)} if spec.get("sp") else {}
-        run = (lambda m: m(input_ids=batch, labels=batch, **where).loss)  # noqa: E731
+        from memplan.model import tasks
+
+        # the config's head takes its own labels (model/tasks.py); a causal LM's are the input ids
+        where.update(tasks.step_inputs(tasks.task_of(spec["config"]), spec["config"], batch))
+        run = (lambda m: m(**where).loss)  # noqa: E731
     pipe = engine if isinstance(engine, dict) else None
     if pipe is not None:  # torch.distributed.pipelining (or DeepSpeed's PipelineEngine) runs the micro-batches
         engine = None

@@ -12,9 +12,9 @@ def _build_model(spec: dict[str, Any], on_meta: bool) -> Any:
     import contextlib
 
     import torch
-    from transformers import AutoModelForCausalLM
 
     from memplan.activations import checkpoint_every, is_checkpointed
+    from memplan.model import tasks
     from memplan.model.meta_builder import checkpointing_on, hf_config
 
     if spec["config"].get("factory"):  # the user's own module, built by its factory in fp32
@@ -30,11 +30,12 @@ def _build_model(spec: dict[str, Any], on_meta: bool) -> Any:
         model.train()
         return model
 
-    cfg = hf_config(spec["config"])
+    cfg = hf_config(tasks.trace_config(spec["config"]))
     torch.manual_seed(spec.get("seed", 0))
     with torch.device("meta") if on_meta else contextlib.nullcontext():
-        model = AutoModelForCausalLM.from_config(cfg, attn_implementation=spec["attn_implementation"],
-                                                 dtype=torch.float32)
+        # the config's own head (model/tasks.py): a causal LM, or a text encoder's classification or masked-LM head
+        model = tasks.build(spec["config"], cfg, attn_implementation=spec["attn_implementation"],
+                            dtype=torch.float32)
     if checkpoint_every(spec["recompute"]):
         checkpointing_on(model, spec["recompute"])
     if spec.get("lora"):

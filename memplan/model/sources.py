@@ -328,11 +328,17 @@ def build_inventory(source: ModelSource, builder: str = "auto") -> ParamInventor
         return _factory_inventory(source.factory or "")
     config = source.config or {}
     check_config(config)
+    from memplan.model import tasks
+
+    task = tasks.task_of(config)  # a head memplan does not model is refused here, by name
     notes.extend(families.defaults_note(config))
-    if builder == "analytic" or (builder == "auto" and families.supports(config)):
+    if task == tasks.CAUSAL_LM and (builder == "analytic" or (builder == "auto" and families.supports(config))):
         inv = families.build_analytic(config, source.name, source.description)
     else:
-        if builder == "auto":
+        if task != tasks.CAUSAL_LM:
+            notes.append(f"task {task} ({tasks.architecture(config)}): its head built on the meta device with "
+                         "transformers, its loss traced with it")
+        elif builder == "auto":
             notes.append(f"model_type {quote(config.get('model_type'))} has no analytic builder; "
                          "built on the meta device with transformers")
         from memplan.model.meta_builder import build_meta_from_config

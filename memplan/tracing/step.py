@@ -175,9 +175,8 @@ def one_step(config: dict[str, Any], batch: int, seq: int, recipe: str, attentio
     op (memplan/substitutes.py: what runs in place of the fake CPU tensors' kernels)."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from transformers import AutoModelForCausalLM
-
     from memplan.activations import checkpoint_every
+    from memplan.model import tasks
     from memplan.model.meta_builder import checkpointing_on, hf_config
 
     dtype, autocast = trace_dtypes(recipe)
@@ -197,15 +196,16 @@ def one_step(config: dict[str, Any], batch: int, seq: int, recipe: str, attentio
         if user_module.is_user_module(config):  # the user's own module (a factory)
             model, user_blocks, run = user_module.build(config, batch, seq, dtype, recompute)
         else:
-            model = AutoModelForCausalLM.from_config(hf_config(config), dtype=getattr(torch, dtype),
-                                                     attn_implementation="eager" if attention == "eager" else "sdpa")
+            model = tasks.build(config, hf_config(tasks.trace_config(config)), dtype=getattr(torch, dtype),
+                                attn_implementation="eager" if attention == "eager" else "sdpa")
             ep, ep_tp = (ep, 1) if isinstance(ep, int) else ep
             if ep > 1 and not sub.expert_parallel(model, ep, ep_tp):  # an EP rank: its experts, via AllToAllEP
                 raise ValueError("no fused experts module (.experts with 3-D gate_up_proj) to split over --ep")
             if checkpoint_every(recompute):
                 checkpointing_on(model, recompute)
             user_blocks, ids = None, torch.zeros(batch, seq, dtype=torch.long)
-            run = (lambda m: m(input_ids=ids, labels=ids).loss)  # noqa: E731
+            step_inputs = tasks.step_inputs(tasks.task_of(config), config, ids)
+            run = (lambda m: m(**step_inputs).loss)  # noqa: E731
         if lora is not None:  # PEFT's adapters, after gradient checkpointing as a Trainer enables it
             from memplan.tracing.lora import inject, quantize
 

@@ -1,0 +1,112 @@
+"""The task a config's model class trains on (its ``architectures``), and the inputs and labels its training step
+takes: one place for the inventory, the traced step and the harness to agree on which transformers class runs.
+
+transformers names a head by the class suffix (modeling_auto.py's MODEL_FOR_*_MAPPING_NAMES); what each head's
+forward computes its loss from (modeling_bert.py, modeling_llama.py, the generic heads in modeling_layers.py):
+
+- causal LM (``...ForCausalLM``, ``...LMHeadModel``): ``labels`` = the input ids, logits over the vocabulary at
+  every position (the loss shifts them);
+- masked LM (``...ForMaskedLM``): ``labels`` [batch, seq], the vocabulary logits at every position;
+- sequence classification (``...ForSequenceClassification``): ``labels`` [batch], one row of ``num_labels``
+  logits per sequence (an encoder's pooled first token; a decoder's last non-pad token), cross-entropy (mean
+  squared error where num_labels is 1);
+- token classification (``...ForTokenClassification``): ``labels`` [batch, seq], ``num_labels`` logits per token;
+- extractive question answering (``...ForQuestionAnswering``): ``start_positions`` and ``end_positions``
+  [batch], two logits per token.
+
+Other heads (seq2seq, vision, multiple choice, pre-training) are refused with the class named: their inputs are
+not a [batch, seq] of token ids. No torch at import.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from memplan.errors import ConfigError
+from memplan.inputs import quote
+
+CAUSAL_LM = "causal-lm"
+#: class-name suffix -> task, longest first where one ends another
+SUFFIXES = (("ForSequenceClassification", "sequence-classification"),
+            ("ForTokenClassification", "token-classification"), ("ForQuestionAnswering", "question-answering"),
+            ("ForMaskedLM", "masked-lm"), ("ForCausalLM", CAUSAL_LM), ("LMHeadModel", CAUSAL_LM))
+TASKS = (CAUSAL_LM, "masked-lm", "sequence-classification", "token-classification", "question-answering")
+#: heads whose inputs are not token ids alone (refused by name)
+NOT_MODELLED = ("ForConditionalGeneration", "ForImageClassification", "ForMultipleChoice", "ForPreTraining",
+                "ForSeq2SeqLM", "ForImageTextToText", "ForVision2Seq", "ForSpeechSeq2Seq", "ForAudioClassification",
+                "ForCTC", "ForMaskedImageModeling", "ForObjectDetection", "ForSemanticSegmentation",
+                "ForNextSentencePrediction", "ForImageTextRetrieval", "ForZeroShotImageClassification")
+
+
+def task_of(config: Mapping[str, Any]) -> str:
+    """The task of the config's first architecture; a config without one (or an unknown base class) trains as a
+    causal LM, as memplan's estimates always have. ConfigError for a head memplan does not model."""
+    archs = config.get("architectures") or []
+    arch = archs[0] if isinstance(archs, list) and archs and isinstance(archs[0], str) else ""
+    for suffix, task in SUFFIXES:
+        if arch.endswith(suffix):
+            return task
+    for suffix in NOT_MODELLED:
+        if arch.endswith(suffix):
+            raise ConfigError(f"architectures {quote(arch)}: memplan models causal LMs and text encoders' heads "
+                              f"({', '.join(TASKS)}); a {suffix[3:]} head's inputs are not token ids alone and "
+                              "are not modelled yet")
+    return CAUSAL_LM
+
+
+def architecture(config: Mapping[str, Any]) -> str:
+    """The class name the task is built from (the config's first architecture; '' for a causal LM without one)."""
+    archs = config.get("architectures") or []
+    return archs[0] if isinstance(archs, list) and archs and isinstance(archs[0], str) else ""
+
+
+def num_labels(config: Mapping[str, Any]) -> int:
+    """PretrainedConfig's num_labels: id2label's size where given, else num_labels, else 2."""
+    id2label = config.get("id2label")
+    if isinstance(id2label, Mapping) and id2label:
+        return len(id2label)
+    n = config.get("num_labels")
+    return n if isinstance(n, int) and n >= 1 else 2
+
+
+def build(config: Mapping[str, Any], hf_cfg: Any, **kw: Any) -> Any:
+    """The transformers model for the config's task (``kw``: from_config's keyword arguments)."""
+    from transformers import AutoModelForCausalLM
+
+    if task_of(config) == CAUSAL_LM:
+        return AutoModelForCausalLM.from_config(hf_cfg, **kw)
+    import transformers
+
+    cls = getattr(transformers, architecture(config), None)
+    if cls is None:
+        raise ConfigError(f"transformers {transformers.__version__} has no class {quote(architecture(config))}")
+    return cls._from_config(hf_cfg, **kw)
+
+
+def step_inputs(task: str, config: Mapping[str, Any], ids: Any) -> dict[str, Any]:
+    """The keyword arguments of one training step's forward for ``ids`` [batch, seq] (token ids): the inputs and
+    the labels the task's loss takes (zeros: the bytes do not depend on their values)."""
+    import torch
+
+    batch = ids.shape[0]
+    if task in (CAUSAL_LM, "masked-lm", "token-classification"):
+        return {"input_ids": ids, "labels": ids if task != "token-classification" else torch.zeros_like(ids)}
+    if task == "sequence-classification":
+        regression = num_labels(config) == 1 and config.get("problem_type") in (None, "regression")
+        labels = torch.zeros(batch, dtype=torch.float32 if regression else torch.long, device=ids.device)
+        return {"input_ids": ids, "labels": labels}
+    if task == "question-answering":
+        z = torch.zeros(batch, dtype=torch.long, device=ids.device)
+        return {"input_ids": ids, "start_positions": z, "end_positions": z.clone()}
+    raise ValueError(f"unknown task {task}")
+
+
+def trace_config(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The config as the traced step builds it: a decoder's sequence classification finds each row's last token
+    through pad_token_id and refuses batches of more than one without it (modeling_layers.py
+    GenericForSequenceClassification); the bytes do not depend on which id it is, so one is set where none is."""
+    out = dict(config)
+    if task_of(config) == "sequence-classification" and out.get("pad_token_id") is None:
+        out["pad_token_id"] = 0
+    return out

@@ -1,0 +1,69 @@
+"""The model's head from its config's architectures (memplan/model/tasks.py): the inventory, the traced step and
+the harness build the same class and train it on its own loss."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from memplan.errors import ConfigError
+from memplan.model import tasks
+
+BERT = Path(__file__).resolve().parents[1] / "data" / "configs" / "bert-seq-cls.json"
+
+
+def test_task_from_the_class_suffix():
+    assert tasks.task_of({"architectures": ["LlamaForCausalLM"]}) == tasks.CAUSAL_LM
+    assert tasks.task_of({"architectures": ["GPT2LMHeadModel"]}) == tasks.CAUSAL_LM
+    assert tasks.task_of({}) == tasks.CAUSAL_LM  # no class named: a causal LM, as before
+    assert tasks.task_of({"architectures": ["BertForSequenceClassification"]}) == "sequence-classification"
+    assert tasks.task_of({"architectures": ["RobertaForTokenClassification"]}) == "token-classification"
+    assert tasks.task_of({"architectures": ["BertForMaskedLM"]}) == "masked-lm"
+    assert tasks.task_of({"architectures": ["LlamaForSequenceClassification"]}) == "sequence-classification"
+    assert tasks.task_of({"architectures": ["BertForQuestionAnswering"]}) == "question-answering"
+    for arch in ("ViTForImageClassification", "T5ForConditionalGeneration", "BertForPreTraining",
+                 "LlavaForConditionalGeneration", "BertForMultipleChoice"):
+        with pytest.raises(ConfigError, match=arch):
+            tasks.task_of({"architectures": [arch]})
+    assert tasks.num_labels({}) == 2 and tasks.num_labels({"num_labels": 5}) == 5
+    assert tasks.num_labels({"id2label": {"0": "a", "1": "b", "2": "c"}}) == 3
+
+
+def test_bert_classifier_inventory_and_trace():
+    """BertForSequenceClassification: the pooler and the classifier in the inventory (transformers' own count),
+    and a traced step whose loss is the classifier's (no vocabulary-sized logits)."""
+    pytest.importorskip("torch")
+    from memplan import accounting, options
+    from memplan.model import sources
+
+    src = sources.resolve(str(BERT))
+    inv = sources.build_inventory(src)
+    assert inv.num_params == 109_483_778  # bert-base 109,482,240 + classifier 768 x 2 + 2
+    assert any(t.name == "classifier.weight" and t.shape == (2, 768) for t in inv.tensors)
+    s = options.resolve(inv, config=src.config, gpus=1, micro_batch=4, seq_len=512, device="cuda").settings
+    plan = accounting.estimate(inv, s)
+    assert type(s.activation_profile).__name__ == "TracedProfile"  # not the analytic fallback of a failed trace
+    # the masked-LM head of the same encoder holds vocabulary-sized logits: more activations
+    cfg = dict(json.loads(BERT.read_text()), architectures=["BertForMaskedLM"])
+    mlm_src = sources.ModelSource(name="bert-mlm", kind="config", config=cfg, description="test")
+    mlm = sources.build_inventory(mlm_src)
+    s2 = options.resolve(mlm, config=cfg, gpus=1, micro_batch=4, seq_len=512, device="cuda").settings
+    mlm_plan = accounting.estimate(mlm, s2)
+    act = max(p.activations_bytes for p in plan.phases)
+    assert max(p.activations_bytes for p in mlm_plan.phases) > act + 4 * 512 * 30522 * 2
+
+
+def test_a_head_memplan_does_not_model_is_one_line(tmp_path):
+    import subprocess
+    import sys
+
+    d = tmp_path / "vit"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"architectures": ["ViTForImageClassification"], "model_type": "vit",
+                                               "hidden_size": 768, "num_hidden_layers": 12,
+                                               "num_attention_heads": 12, "intermediate_size": 3072}))
+    r = subprocess.run([sys.executable, "-m", "memplan", "estimate", str(d)], capture_output=True, text=True)
+    code, out, err = r.returncode, r.stdout, r.stderr
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1 and "ImageClassification" in err

@@ -223,6 +223,7 @@ CASES = [
     ("bert seq-cls, 1 rank", BERT, dict(gpus=1), {}, {}, "none"),
     ("bert seq-cls ddp", BERT, dict(strategy="ddp"), {}, {}, "none"),
     ("bert seq-cls, 1 rank, fp32", BERT, dict(gpus=1, precision="fp32"), {}, {}, "full"),
+    ("bert seq-cls fsdp-full, fp32", BERT, dict(strategy="fsdp-full", precision="fp32"), {}, {}, "none"),
     # session 28: every schedule of torch.distributed.pipelining (memplan/pipeline.py), at 2 and 4 stages
     ("fsdp-full pp 2 looped-bfs, 4 micro-batches", LLAMA4,
      dict(strategy="fsdp-full", grad_accum=4, parallel=Parallel(pp=2, schedule="looped-bfs")), {}, {}, "none"),

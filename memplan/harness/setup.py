@@ -118,7 +118,13 @@ def _blocks(model: Any) -> list[Any]:
         from memplan.model.user_module import blocks_of
 
         return blocks_of(model)
-    return [m for m in model.modules() if type(m).__name__ in no_split]
+    import torch
+
+    # the layer stack's (the inventory's rule, model/meta_builder.py _block_names): a no-split module outside
+    # every ModuleList (BERT's BertEmbeddings) belongs to the root
+    stacked = {id(m) for lst in model.modules() if isinstance(lst, torch.nn.ModuleList) for m in lst}
+    blocks = [m for m in model.modules() if type(m).__name__ in no_split]
+    return [m for m in blocks if id(m) in stacked] or blocks
 
 
 class _MuonWithAdamW:

@@ -30,6 +30,13 @@ def _block_names(model: Any) -> set[str]:
     no_split = set(getattr(model, "_no_split_modules", None) or [])
     if no_split:
         names = {n for n, m in model.named_modules() if type(m).__name__ in no_split}
+        # the layer stack's: a no-split module outside every ModuleList (BERT's BertEmbeddings, which
+        # _no_split_modules lists beside BertLayer) is not a layer; the traced step's blocks are the stack's
+        # (tracing/step.py block_index), and the rest is the root
+        stacked = {f"{n}.{i}" if n else str(i) for n, m in model.named_modules() if isinstance(m, nn.ModuleList)
+                   for i in range(len(m))}
+        if names & stacked:
+            return names & stacked
         if names:
             return names
     lists = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.ModuleList)]

@@ -95,6 +95,7 @@ def inspect(
 def estimate(
     ctx: typer.Context,
     model: str = typer.Argument(..., help="Preset name, config.json, model directory, cached repo id, or pkg.mod:fn."),
+    task: O.Task = None,
     gpus: int = typer.Option(1, "--gpus", help="Total GPUs (data-parallel ranks)."),
     gpus_per_node: O.GpusPerNode = None,
     stage: O.Stage = None,
@@ -222,6 +223,7 @@ def estimate(
 def check(
     ctx: typer.Context,
     model: str = typer.Argument(..., help="Preset name, config.json, model directory, cached repo id, or pkg.mod:fn."),
+    task: O.Task = None,
     training_args: O.TrainingArgs = None,
     accelerate_config: O.AccelerateConfig = None,
     deepspeed: O.DeepSpeedConfig = None,
@@ -283,6 +285,7 @@ def check(
 @app.command()
 def plan(
     model: str = typer.Argument(..., help="Preset name, config.json, model directory, cached repo id, or pkg.mod:fn."),
+    task: O.Task = None,
     gpu: Optional[str] = typer.Option(None, "--gpu", help="GPU preset (memplan presets)."),
     gpu_memory: Optional[str] = typer.Option(None, "--gpu-memory", help="GPU memory, e.g. 80GB (10^9) or 80GiB (2^30)."),
     gpus_per_node: int = typer.Option(8, "--gpus-per-node", help="GPUs per node."),
@@ -347,7 +350,7 @@ def plan(
 
         P.check_path(plot)  # before any work: a bad path is one line, nothing computed or written
     spec = O.lora_spec(dict(locals()))
-    src = sources.resolve(model)
+    src = sources.with_task(sources.resolve(model), task)
     inv = sources.build_inventory(src, builder=builder)
     config = sources.trace_config(src, inv)
     if spec is not None:
@@ -369,7 +372,7 @@ def plan(
         P.draw(plot, P.bars_across_candidates(inv, found), found.gpu_memory_bytes,
                f"{inv.model_name}: the candidates at {found.gpus or found.max_gpus} GPUs", "candidate")
     extra = [f"--gpu {gpu}" if gpu else f"--gpu-memory {gpu_memory}"]
-    for flag, value in (("--seq-len", seq_len), ("--grad-accum", grad_accum), ("--precision", precision),
+    for flag, value in (("--task", task), ("--seq-len", seq_len), ("--grad-accum", grad_accum), ("--precision", precision),
                         ("--optimizer", optimizer)):
         if value is not None:
             extra.append(f"{flag} {value}")

@@ -132,7 +132,7 @@ def run(given: dict[str, Any], explicit: set[str], overheads: Any, suggestions: 
 
     raw = dict(given)
     given, file_sources, file_notes, files = _with_files(given, explicit)
-    src = sources.resolve(given["model"])
+    src = sources.with_task(sources.resolve(given["model"]), given.get("task"))
     inv = sources.build_inventory(src, builder=given["builder"])
     config = sources.trace_config(src, inv)
     spec = O.lora_spec(given, file_notes)

@@ -20,6 +20,10 @@ GradAccum = Annotated[Optional[int], typer.Option("--grad-accum", help="Gradient
 Precision = Annotated[Optional[str], typer.Option("--precision", help="deepspeed-bf16, deepspeed-fp16, torch-amp, "
                                                   "fsdp-bf16, pure-bf16, fp32 [default: the strategy's "
                                                   "framework's].")]
+Task = Annotated[Optional[str], typer.Option("--task", help="The head to train, when the config's architectures is "
+                                             "not it: causal-lm, masked-lm, sequence-classification, "
+                                             "token-classification, question-answering (transformers' Auto class "
+                                             "for the model type) [default: the config's architectures].")]
 Optimizer = Annotated[Optional[str], typer.Option("--optimizer", help="adamw, adam, sgd, adafactor, adam8bit, "
                                                   "paged_adamw_8bit, paged_adamw_32bit, lion (lion-pytorch), "
                                                   "adamw-schedulefree (schedulefree), muon (torch.optim.Muon + "

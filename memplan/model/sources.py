@@ -314,6 +314,17 @@ def resolve(model: str) -> ModelSource:
     raise ModelSourceError(f"unknown preset {quote(key)}{hint}")
 
 
+def with_task(source: ModelSource, task: str | None) -> ModelSource:
+    """The source with its config's head set for ``task`` (--task; model/tasks.py with_task), or as it is."""
+    if not task:
+        return source
+    if source.kind == "factory" or source.config is None:
+        raise ConfigError("--task applies to a transformers config, not to a factory module")
+    from memplan.model import tasks
+
+    return replace(source, config=tasks.with_task(source.config, task))
+
+
 def build_inventory(source: ModelSource, builder: str = "auto") -> ParamInventory:
     """Inventory for a source: analytic when the family is known (no torch), else the meta-device builder.
 

@@ -110,3 +110,26 @@ def trace_config(config: Mapping[str, Any]) -> dict[str, Any]:
     if task_of(config) == "sequence-classification" and out.get("pad_token_id") is None:
         out["pad_token_id"] = 0
     return out
+
+
+#: transformers' auto mapping of each task (modeling_auto.py), by model_type: the class --task builds
+_MAPPINGS = {CAUSAL_LM: "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "masked-lm": "MODEL_FOR_MASKED_LM_MAPPING_NAMES",
+             "sequence-classification": "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES",
+             "token-classification": "MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES",
+             "question-answering": "MODEL_FOR_QUESTION_ANSWERING_MAPPING_NAMES"}
+
+
+def with_task(config: Mapping[str, Any], task: str) -> dict[str, Any]:
+    """The config with ``architectures`` set to the class transformers' Auto classes build for ``task`` and the
+    config's model_type (--task: fine-tune a checkpoint saved with another head, e.g. bert-base's BertForMaskedLM
+    as a sequence classifier). ConfigError where the task is unknown or the model type has no such head."""
+    if task not in TASKS:
+        raise ConfigError(f"--task {quote(task)}: one of {', '.join(TASKS)}")
+    from transformers.models.auto import modeling_auto
+
+    model_type = config.get("model_type")
+    cls = getattr(modeling_auto, _MAPPINGS[task]).get(model_type)
+    if cls is None:
+        raise ConfigError(f"--task {task}: transformers has no {task} head for model_type {quote(model_type)}")
+    return {**config, "architectures": [cls]}
+

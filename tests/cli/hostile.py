@@ -548,6 +548,8 @@ CASES: list[Case] = [
     Case("estimate llama-3-8b --gpus 8 --stage 2 --optimizer lion", "DeepSpeed refuses an untested optimizer",
          "parallel"),
     Case("estimate gpt2 --optimizer apollo-adamw", "No target modules found", "parallel"),
+    Case("estimate gpt2 --task summarisation", "--task 'summarisation': one of causal-lm", "parallel"),
+    Case("estimate mixtral-8x7b --task masked-lm", "no masked-lm head for model_type 'mixtral'", "parallel"),
     Case("estimate llama-3-8b --gpus 8 --strategy fsdp-full --optimizer apollo", "APOLLO projects each whole matrix",
          "parallel"),
     # check's own options

@@ -67,3 +67,30 @@ def test_a_head_memplan_does_not_model_is_one_line(tmp_path):
     r = subprocess.run([sys.executable, "-m", "memplan", "estimate", str(d)], capture_output=True, text=True)
     code, out, err = r.returncode, r.stdout, r.stderr
     assert code == 2 and out == "" and len(err.strip().splitlines()) == 1 and "ImageClassification" in err
+
+
+def test_task_flag_sets_the_head_from_transformers_auto_mapping():
+    pytest.importorskip("transformers")
+    bert = json.loads(BERT.read_text())
+    assert tasks.with_task(bert, "masked-lm")["architectures"] == ["BertForMaskedLM"]
+    assert tasks.with_task({"model_type": "llama"}, "sequence-classification")["architectures"] == [
+        "LlamaForSequenceClassification"]
+    assert tasks.with_task({"model_type": "gpt2"}, "causal-lm")["architectures"] == ["GPT2LMHeadModel"]
+    with pytest.raises(ConfigError, match="one of causal-lm"):
+        tasks.with_task(bert, "summarisation")
+    with pytest.raises(ConfigError, match="no masked-lm head for model_type 'mixtral'"):
+        tasks.with_task({"model_type": "mixtral"}, "masked-lm")
+
+
+def test_plan_with_a_task_prints_a_command_that_reproduces_it():
+    import subprocess
+    import sys
+
+    base = [sys.executable, "-m", "memplan"]
+    r = subprocess.run(base + ["plan", str(BERT), "--task", "token-classification", "--gpu", "a100-40g",
+                               "--seq-len", "512", "--json"], capture_output=True, text=True)
+    rec = json.loads(r.stdout)["recommendation"]
+    assert "--task token-classification" in rec["command"]
+    argv = rec["command"].split()[1:] + ["--json"]
+    again = json.loads(subprocess.run(base + argv, capture_output=True, text=True).stdout)["per_gpu"]
+    assert (again["required_bytes"], again["peak_bytes"]) == (rec["required_bytes"], rec["peak_bytes"])

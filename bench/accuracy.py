@@ -30,7 +30,8 @@ LLAMA4 = ("llama-7b", dict(layers=4, hidden=256, vocab=2048))  # more blocks: re
 LLAMA8 = ("llama-7b", dict(layers=8, hidden=256, vocab=2048))  # pp 4 with two stages per rank: 8 stages
 LLAMA_WIDE = ("llama-7b", dict(layers=2, hidden=512, vocab=128))
 #: BertForSequenceClassification (tests/data/configs): the encoder with its pooler and classifier, 2 labels
-BERT = ("tests/data/configs/bert-seq-cls.json", dict(layers=2, hidden=256, vocab=2048))  # run from the root  # the blocks' matrices outweigh the embedding
+BERT = ("tests/data/configs/bert-seq-cls.json", dict(layers=2, hidden=256, vocab=2048))  # run from the root
+VIT = ("tests/data/configs/vit-small.json", dict(layers=2, hidden=256, vocab=None))  # the blocks' matrices outweigh the embedding
 LLAMA10 = ("llama-7b", dict(layers=10, hidden=256, vocab=2048))  # two stages per rank over pp 2: 2-3 blocks each
 MIXTRAL = ("mixtral-8x7b", dict(layers=2, hidden=256, vocab=2048))  # MoE: 8 experts, top-2, grouped_mm
 MIXTRAL4 = ("mixtral-8x7b", dict(layers=4, hidden=256, vocab=2048))
@@ -224,6 +225,12 @@ CASES = [
     ("bert seq-cls ddp", BERT, dict(strategy="ddp"), {}, {}, "none"),
     ("bert seq-cls, 1 rank, fp32", BERT, dict(gpus=1, precision="fp32"), {}, {}, "full"),
     ("bert seq-cls fsdp-full, fp32", BERT, dict(strategy="fsdp-full", precision="fp32"), {}, {}, "none"),
+    # a vision transformer (ViTForImageClassification, 64 px in 8 px patches: 65 tokens, 10 classes)
+    ("vit image-cls, 1 rank, fp32", VIT, dict(gpus=1, precision="fp32", seq_len=None), {}, {}, "none"),
+    ("vit image-cls, 1 rank", VIT, dict(gpus=1, seq_len=None), {}, {}, "none"),
+    ("vit image-cls, 1 rank, fp32", VIT, dict(gpus=1, precision="fp32", seq_len=None), {}, {}, "full"),
+    ("vit image-cls fsdp-full, fp32", VIT, dict(strategy="fsdp-full", precision="fp32", seq_len=None), {}, {},
+     "none"),
     # session 28: every schedule of torch.distributed.pipelining (memplan/pipeline.py), at 2 and 4 stages
     ("fsdp-full pp 2 looped-bfs, 4 micro-batches", LLAMA4,
      dict(strategy="fsdp-full", grad_accum=4, parallel=Parallel(pp=2, schedule="looped-bfs")), {}, {}, "none"),

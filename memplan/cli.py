@@ -402,7 +402,8 @@ def validate(
     stage: O.Stage = None,
     strategy: O.Strategy = None,
     micro_batch: O.MicroBatch = None,
-    seq_len: int = typer.Option(128, "--seq-len", help="Sequence length."),
+    seq_len: Optional[int] = typer.Option(None, "--seq-len", help="Sequence length [default: 128; a vision "
+                                          "transformer's: its patches and class token]."),
     grad_accum: O.GradAccum = None,
     precision: O.Precision = None,
     optimizer: Optional[str] = typer.Option(None, "--optimizer", help="adamw, adam, sgd, adafactor, adam8bit, lion, "
@@ -476,6 +477,11 @@ def validate(
 
     given = dict(locals())
     err = R.console(stderr=True)
+    if seq_len is None:  # 128 tokens, unless the model is a vision transformer (its sequence is its image's)
+        from memplan.model import sources, tasks
+
+        config = sources.resolve(model).config or {}
+        seq_len = None if "factory" not in config and tasks.task_of(config) == tasks.IMAGE else 128
     v = run_validate(
         model, layers=layers, hidden=hidden, vocab=vocab, warmup_steps=warmup_steps, measured_steps=steps,
         timeout_s=timeout, tolerance=tolerance, device=device,

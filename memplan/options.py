@@ -799,6 +799,13 @@ def resolve(inv: ParamInventory, *, gpus: int = 1, gpus_per_node: int | None = N
     ga = pick("grad_accum", grad_accum, file_ga, 1)
     seq = seq_len if seq_len is not None else 2048
     pick.sources["seq_len"] = "command line" if seq_len is not None else "default"
+    if config is not None and "factory" not in config:
+        from memplan.model import tasks
+
+        tokens = tasks.check_seq_len(config, seq_len)  # a vision transformer's: its patches and class token
+        if tokens is not None and seq_len is None:
+            seq = tokens
+            pick.sources["seq_len"] = "the image's patches (image_size / patch_size)^2 and class token"
 
     ds_overrides, torch_overrides = dict(ds_overrides or {}), dict(torch_overrides or {})
     if pin_memory is not None:  # DeepSpeed offload's pin_memory, and FSDP CPUOffloadPolicy's

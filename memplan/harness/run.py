@@ -119,14 +119,15 @@ def _train(rank: int, spec: dict[str, Any], out: str, device: Any, module: Any, 
         gen = torch.Generator().manual_seed(1234 + rank)
         # context parallelism: each rank holds its 1/cp of the sequence (torchtitan shards the batch's sequence
         # dim; the token ids do not change the bytes)
-        batch = torch.randint(0, spec["config"]["vocab_size"], (spec["micro_batch"], spec["seq_len"] //
+        batch = torch.randint(0, spec["config"].get("vocab_size", 2), (spec["micro_batch"], spec["seq_len"] //
                                                                spec.get("cp", 1)), generator=gen).to(device)
         # sequence parallelism: the blocks see a sequence shard, so the rotary positions are given whole
         where = {"position_ids": torch.arange(spec["seq_len"], device=device).unsqueeze(0)} if spec.get("sp") else {}
         from memplan.model import tasks
 
         # the config's head takes its own labels (model/tasks.py); a causal LM's are the input ids
-        where.update(tasks.step_inputs(tasks.task_of(spec["config"]), spec["config"], batch))
+        where.update(tasks.step_inputs(tasks.task_of(spec["config"]), spec["config"], batch,
+                                       next(inner_model.parameters()).dtype))
         run = (lambda m: m(**where).loss)  # noqa: E731
     pipe = engine if isinstance(engine, dict) else None
     if pipe is not None:  # torch.distributed.pipelining (or DeepSpeed's PipelineEngine) runs the micro-batches

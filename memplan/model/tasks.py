@@ -12,7 +12,11 @@ forward computes its loss from (modeling_bert.py, modeling_llama.py, the generic
   squared error where num_labels is 1);
 - token classification (``...ForTokenClassification``): ``labels`` [batch, seq], ``num_labels`` logits per token;
 - extractive question answering (``...ForQuestionAnswering``): ``start_positions`` and ``end_positions``
-  [batch], two logits per token.
+  [batch], two logits per token;
+- image classification by a vision transformer (``ViTForImageClassification``, ``DeiTForImageClassification``):
+  ``pixel_values`` [batch, channels, image, image] in the parameters' dtype and ``labels`` [batch]; its sequence
+  is its patches, (image / patch)^2, plus the class token (DeiT: and the distillation token), modeling_vit.py
+  ViTEmbeddings / modeling_deit.py DeiTEmbeddings.
 
 Other heads (seq2seq, vision, multiple choice, pre-training) are refused with the class named: their inputs are
 not a [batch, seq] of token ids. No torch at import.
@@ -30,10 +34,15 @@ CAUSAL_LM = "causal-lm"
 #: class-name suffix -> task, longest first where one ends another
 SUFFIXES = (("ForSequenceClassification", "sequence-classification"),
             ("ForTokenClassification", "token-classification"), ("ForQuestionAnswering", "question-answering"),
-            ("ForMaskedLM", "masked-lm"), ("ForCausalLM", CAUSAL_LM), ("LMHeadModel", CAUSAL_LM))
-TASKS = (CAUSAL_LM, "masked-lm", "sequence-classification", "token-classification", "question-answering")
+            ("ForMaskedLM", "masked-lm"), ("ForCausalLM", CAUSAL_LM), ("LMHeadModel", CAUSAL_LM),
+            ("ForImageClassification", "image-classification"))
+TASKS = (CAUSAL_LM, "masked-lm", "sequence-classification", "token-classification", "question-answering",
+         "image-classification")
+IMAGE = "image-classification"
+#: the vision transformers whose image classification memplan traces: model_type -> tokens beside the patches
+IMAGE_MODELS = {"vit": 1, "deit": 2}
 #: heads whose inputs are not token ids alone (refused by name)
-NOT_MODELLED = ("ForConditionalGeneration", "ForImageClassification", "ForMultipleChoice", "ForPreTraining",
+NOT_MODELLED = ("ForConditionalGeneration", "ForMultipleChoice", "ForPreTraining",
                 "ForSeq2SeqLM", "ForImageTextToText", "ForVision2Seq", "ForSpeechSeq2Seq", "ForAudioClassification",
                 "ForCTC", "ForMaskedImageModeling", "ForObjectDetection", "ForSemanticSegmentation",
                 "ForNextSentencePrediction", "ForImageTextRetrieval", "ForZeroShotImageClassification")
@@ -46,6 +55,10 @@ def task_of(config: Mapping[str, Any]) -> str:
     arch = archs[0] if isinstance(archs, list) and archs and isinstance(archs[0], str) else ""
     for suffix, task in SUFFIXES:
         if arch.endswith(suffix):
+            if task == IMAGE and config.get("model_type") not in IMAGE_MODELS:
+                raise ConfigError(f"architectures {quote(arch)}: image classification is modelled for vision "
+                                  f"transformers ({', '.join(IMAGE_MODELS)}), not model_type "
+                                  f"{quote(config.get('model_type'))}")
             return task
     for suffix in NOT_MODELLED:
         if arch.endswith(suffix):
@@ -59,6 +72,33 @@ def architecture(config: Mapping[str, Any]) -> str:
     """The class name the task is built from (the config's first architecture; '' for a causal LM without one)."""
     archs = config.get("architectures") or []
     return archs[0] if isinstance(archs, list) and archs and isinstance(archs[0], str) else ""
+
+
+def image_tokens(config: Mapping[str, Any]) -> int:
+    """A vision transformer's sequence: (image_size / patch_size)^2 patches and its extra tokens. ConfigError where
+    the image is not a whole number of patches (ViTPatchEmbeddings refuses other sizes)."""
+    size, patch = config.get("image_size", 224), config.get("patch_size", 16)
+    if isinstance(size, list):
+        size = size[0] if len(set(size)) == 1 else size
+    if isinstance(patch, list):
+        patch = patch[0] if len(set(patch)) == 1 else patch
+    if not (isinstance(size, int) and isinstance(patch, int) and size > 0 and patch > 0):
+        raise ConfigError(f"image_size {size!r} and patch_size {patch!r}: a square image of whole patches is modelled")
+    if size % patch:
+        raise ConfigError(f"image_size {size} is not a multiple of patch_size {patch}")
+    return (size // patch) ** 2 + IMAGE_MODELS.get(str(config.get("model_type")), 1)
+
+
+def check_seq_len(config: Mapping[str, Any], seq_len: int | None) -> int | None:
+    """The job's sequence for the config's task: an image model's is its tokens (image_tokens), which --seq-len
+    may repeat but not change; None for a text model (the caller's default)."""
+    if task_of(config) != IMAGE:
+        return seq_len
+    tokens = image_tokens(config)
+    if seq_len is not None and seq_len != tokens:
+        raise ConfigError(f"--seq-len {seq_len}: a vision transformer's sequence is its patches and class token, "
+                          f"{tokens} at image_size {config.get('image_size', 224)} (set image_size in the config)")
+    return tokens
 
 
 def num_labels(config: Mapping[str, Any]) -> int:
@@ -84,9 +124,10 @@ def build(config: Mapping[str, Any], hf_cfg: Any, **kw: Any) -> Any:
     return cls._from_config(hf_cfg, **kw)
 
 
-def step_inputs(task: str, config: Mapping[str, Any], ids: Any) -> dict[str, Any]:
+def step_inputs(task: str, config: Mapping[str, Any], ids: Any, dtype: Any = None) -> dict[str, Any]:
     """The keyword arguments of one training step's forward for ``ids`` [batch, seq] (token ids): the inputs and
-    the labels the task's loss takes (zeros: the bytes do not depend on their values)."""
+    the labels the task's loss takes (zeros: the bytes do not depend on their values). ``dtype``: the parameters'
+    (an image's pixels are fed in it, as a Trainer's collator and model.dtype have them)."""
     import torch
 
     batch = ids.shape[0]
@@ -96,6 +137,12 @@ def step_inputs(task: str, config: Mapping[str, Any], ids: Any) -> dict[str, Any
         regression = num_labels(config) == 1 and config.get("problem_type") in (None, "regression")
         labels = torch.zeros(batch, dtype=torch.float32 if regression else torch.long, device=ids.device)
         return {"input_ids": ids, "labels": labels}
+    if task == IMAGE:  # ids: only the batch is read; the image from the config
+        size = config.get("image_size", 224)
+        size = size[0] if isinstance(size, list) else size
+        pixels = torch.zeros(batch, config.get("num_channels", 3), size, size, device=ids.device,
+                             dtype=dtype or torch.get_default_dtype())
+        return {"pixel_values": pixels, "labels": torch.zeros(batch, dtype=torch.long, device=ids.device)}
     if task == "question-answering":
         z = torch.zeros(batch, dtype=torch.long, device=ids.device)
         return {"input_ids": ids, "start_positions": z, "end_positions": z.clone()}
@@ -114,6 +161,7 @@ def trace_config(config: Mapping[str, Any]) -> dict[str, Any]:
 
 #: transformers' auto mapping of each task (modeling_auto.py), by model_type: the class --task builds
 _MAPPINGS = {CAUSAL_LM: "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "masked-lm": "MODEL_FOR_MASKED_LM_MAPPING_NAMES",
+             IMAGE: "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES",
              "sequence-classification": "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES",
              "token-classification": "MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES",
              "question-answering": "MODEL_FOR_QUESTION_ANSWERING_MAPPING_NAMES"}

@@ -196,16 +196,31 @@ def one_step(config: dict[str, Any], batch: int, seq: int, recipe: str, attentio
         if user_module.is_user_module(config):  # the user's own module (a factory)
             model, user_blocks, run = user_module.build(config, batch, seq, dtype, recompute)
         else:
-            model = tasks.build(config, hf_config(tasks.trace_config(config)), dtype=getattr(torch, dtype),
-                                attn_implementation="eager" if attention == "eager" else "sdpa")
+            # a head other than a causal LM's is built without its weights' initialisation: some initialise with
+            # data-dependent ops (ViT's trunc_normal_ reads .item()) that fake tensors cannot run; the values do not
+            # change the bytes, and the construction is outside the traced step
+            quiet = contextlib.nullcontext()
+            if tasks.task_of(config) != tasks.CAUSAL_LM:
+                from transformers.initialization import no_init_weights
+
+                quiet = no_init_weights()
+            with quiet:
+                model = tasks.build(config, hf_config(tasks.trace_config(config)), dtype=getattr(torch, dtype),
+                                    attn_implementation="eager" if attention == "eager" else "sdpa")
             ep, ep_tp = (ep, 1) if isinstance(ep, int) else ep
             if ep > 1 and not sub.expert_parallel(model, ep, ep_tp):  # an EP rank: its experts, via AllToAllEP
                 raise ValueError("no fused experts module (.experts with 3-D gate_up_proj) to split over --ep")
             if checkpoint_every(recompute):
                 checkpointing_on(model, recompute)
             user_blocks, ids = None, torch.zeros(batch, seq, dtype=torch.long)
-            step_inputs = tasks.step_inputs(tasks.task_of(config), config, ids)
-            run = (lambda m: m(**step_inputs).loss)  # noqa: E731
+            task = tasks.task_of(config)
+            if task == tasks.IMAGE:
+                # the image is made in the step, so that its bytes are counted (the patch embedding saves it for
+                # its weight's gradient; token ids are a few bytes a token, a batch of images is not)
+                run = (lambda m: m(**tasks.step_inputs(task, config, ids, getattr(torch, dtype))).loss)  # noqa
+            else:
+                step_inputs = tasks.step_inputs(task, config, ids, getattr(torch, dtype))
+                run = (lambda m: m(**step_inputs).loss)  # noqa: E731
         if lora is not None:  # PEFT's adapters, after gradient checkpointing as a Trainer enables it
             from memplan.tracing.lora import inject, quantize
 

@@ -59,14 +59,14 @@ def test_a_head_memplan_does_not_model_is_one_line(tmp_path):
     import subprocess
     import sys
 
-    d = tmp_path / "vit"
+    d = tmp_path / "t5"
     d.mkdir()
-    (d / "config.json").write_text(json.dumps({"architectures": ["ViTForImageClassification"], "model_type": "vit",
-                                               "hidden_size": 768, "num_hidden_layers": 12,
-                                               "num_attention_heads": 12, "intermediate_size": 3072}))
+    (d / "config.json").write_text(json.dumps({"architectures": ["T5ForConditionalGeneration"], "model_type": "t5",
+                                               "d_model": 512, "num_layers": 6, "num_heads": 8, "d_ff": 2048,
+                                               "vocab_size": 32128}))
     r = subprocess.run([sys.executable, "-m", "memplan", "estimate", str(d)], capture_output=True, text=True)
     code, out, err = r.returncode, r.stdout, r.stderr
-    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1 and "ImageClassification" in err
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1 and "ConditionalGeneration" in err
 
 
 def test_task_flag_sets_the_head_from_transformers_auto_mapping():
@@ -94,3 +94,51 @@ def test_plan_with_a_task_prints_a_command_that_reproduces_it():
     argv = rec["command"].split()[1:] + ["--json"]
     again = json.loads(subprocess.run(base + argv, capture_output=True, text=True).stdout)["per_gpu"]
     assert (again["required_bytes"], again["peak_bytes"]) == (rec["required_bytes"], rec["peak_bytes"])
+
+
+VIT = Path(__file__).resolve().parents[1] / "data" / "configs" / "vit-base.json"
+
+
+def test_a_vision_transformer_s_sequence_is_its_patches():
+    vit = json.loads(VIT.read_text())
+    assert tasks.task_of(vit) == tasks.IMAGE
+    assert tasks.image_tokens(vit) == 197  # (224 / 16)^2 + the class token
+    assert tasks.image_tokens(dict(vit, model_type="deit")) == 198  # and DeiT's distillation token
+    assert tasks.check_seq_len(vit, None) == 197 and tasks.check_seq_len(vit, 197) == 197
+    with pytest.raises(ConfigError, match="197 at image_size 224"):
+        tasks.check_seq_len(vit, 2048)
+    with pytest.raises(ConfigError, match="not a multiple of patch_size"):
+        tasks.image_tokens(dict(vit, image_size=230))
+    with pytest.raises(ConfigError, match="vision transformers"):
+        tasks.task_of({"architectures": ["ResNetForImageClassification"], "model_type": "resnet"})
+
+
+def test_vit_inventory_and_trace():
+    """ViT-B/16 with 1,000 classes: 86,567,656 parameters (transformers' own count), the job at 197 tokens, its
+    step traced with the batch of images made in it (counted: the patch embedding keeps it for backward)."""
+    pytest.importorskip("torch")
+    from memplan import accounting, options
+    from memplan.model import sources
+
+    src = sources.resolve(str(VIT))
+    inv = sources.build_inventory(src)
+    assert inv.num_params == 86_567_656
+    assert [b.name for b in inv.layer_blocks][:2] == ["vit.layers.0", "vit.layers.1"]
+    s = options.resolve(inv, config=src.config, gpus=1, micro_batch=8, device="cuda").settings
+    assert s.seq_len == 197
+    plan = accounting.estimate(inv, s)
+    assert type(s.activation_profile).__name__ == "TracedProfile"
+    assert plan.peak.total_bytes > 0
+
+
+def test_an_image_model_s_bad_input_is_one_line(tmp_path):
+    import subprocess
+    import sys
+
+    bad = tmp_path / "vit-bad.json"
+    bad.write_text(json.dumps(dict(json.loads(VIT.read_text()), image_size=230)))
+    for argv, needle in (([str(VIT), "--seq-len", "2048"], "197 at image_size 224"),
+                         ([str(bad)], "image_size 230 is not a multiple of patch_size 16")):
+        r = subprocess.run([sys.executable, "-m", "memplan", "estimate", *argv], capture_output=True, text=True)
+        assert r.returncode == 2 and r.stdout == "" and len(r.stderr.strip().splitlines()) == 1, r.stderr
+        assert needle in r.stderr

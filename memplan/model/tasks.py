@@ -173,11 +173,47 @@ def with_task(config: Mapping[str, Any], task: str) -> dict[str, Any]:
     as a sequence classifier). ConfigError where the task is unknown or the model type has no such head."""
     if task not in TASKS:
         raise ConfigError(f"--task {quote(task)}: one of {', '.join(TASKS)}")
-    from transformers.models.auto import modeling_auto
-
     model_type = config.get("model_type")
-    cls = getattr(modeling_auto, _MAPPINGS[task]).get(model_type)
+    cls = _mapping(_MAPPINGS[task]).get(model_type)
+    if isinstance(cls, (tuple, list)):
+        cls = cls[0] if cls else None
     if cls is None:
         raise ConfigError(f"--task {task}: transformers has no {task} head for model_type {quote(model_type)}")
     return {**config, "architectures": [cls]}
+
+
+_MAPPING_CACHE: dict[str, dict[str, Any]] = {}
+
+
+def _mapping(name: str) -> dict[str, Any]:
+    """transformers' MODEL_FOR_*_MAPPING_NAMES (model_type -> class name, or several: the first is the Auto
+    class's), read from modeling_auto.py's source:
+    importing that module imports torch (2 s), and a refusal must be quick; imported where the source cannot be
+    read as literals."""
+    if name in _MAPPING_CACHE:
+        return _MAPPING_CACHE[name]
+    import ast
+    import importlib.util
+    from pathlib import Path
+
+    out: dict[str, Any] | None = None
+    spec = importlib.util.find_spec("transformers")
+    if spec is not None and spec.submodule_search_locations:
+        src = Path(list(spec.submodule_search_locations)[0]) / "models" / "auto" / "modeling_auto.py"
+        try:
+            tree = ast.parse(src.read_text())
+            for node in tree.body:
+                if (isinstance(node, ast.Assign) and len(node.targets) == 1
+                        and getattr(node.targets[0], "id", None) == name and isinstance(node.value, ast.Call)
+                        and node.value.args):
+                    out = dict(ast.literal_eval(node.value.args[0]))
+                    break
+        except (OSError, SyntaxError, ValueError, TypeError):
+            out = None
+    if out is None:
+        from transformers.models.auto import modeling_auto
+
+        out = dict(getattr(modeling_auto, name))
+    _MAPPING_CACHE[name] = out
+    return out
 

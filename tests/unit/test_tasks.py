@@ -142,3 +142,13 @@ def test_an_image_model_s_bad_input_is_one_line(tmp_path):
         r = subprocess.run([sys.executable, "-m", "memplan", "estimate", *argv], capture_output=True, text=True)
         assert r.returncode == 2 and r.stdout == "" and len(r.stderr.strip().splitlines()) == 1, r.stderr
         assert needle in r.stderr
+
+
+def test_the_auto_mappings_read_from_source_are_transformers_own():
+    """--task reads modeling_auto.py's mappings as literals (importing it imports torch: 2 s, too slow for a
+    refusal); they equal the module's own."""
+    pytest.importorskip("torch")
+    from transformers.models.auto import modeling_auto
+
+    for name in tasks._MAPPINGS.values():
+        assert tasks._mapping(name) == dict(getattr(modeling_auto, name)), name

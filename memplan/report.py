@@ -86,7 +86,7 @@ def plan_report(plan: Any, sources: dict[str, str] | None = None, notes: tuple[s
     return {
         "schema_version": SCHEMA_VERSION,
         "model": {"name": inv.model_name, "source": inv.source, "num_params": inv.num_params + inv.quantized_params,
-                  "family": inv.family,
+                  "family": inv.family, "task": inv.task,
                   **({"trainable_params": inv.trainable_params} if inv.frozen else {})},
         "strategy": {**strategy, **({"lora": lora_report(s.lora, inv)} if s.lora is not None else {})},
         "cluster": {"gpus": cluster.gpus, "gpus_per_node": cluster.gpus_per_node,
@@ -181,7 +181,8 @@ def search_report(found: Any, inv: ParamInventory, best_plan: Any, command: str 
     b = found.best
     return {
         "schema_version": SCHEMA_VERSION,
-        "model": {"name": inv.model_name, "source": inv.source, "num_params": inv.num_params, "family": inv.family},
+        "model": {"name": inv.model_name, "source": inv.source, "num_params": inv.num_params, "family": inv.family,
+                  "task": inv.task},
         "search": {"gpu_memory_bytes": found.gpu_memory_bytes, "gpus_per_node": found.gpus_per_node,
                    "max_gpus": found.max_gpus, "micro_batches": [min(found.micro_batches), max(found.micro_batches)],
                    "min_headroom_bytes": found.min_headroom_bytes,

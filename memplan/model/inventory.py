@@ -122,6 +122,8 @@ class ParamInventory:
     #: recipe; the float tensors above no longer hold those weights
     quantized: tuple[ParamTensor, ...] = ()
     quantized_params: int = 0  #: the elements those weights had before quantization
+    #: the head the job trains (model/tasks.py: causal-lm, masked-lm, sequence-classification, ...)
+    task: str = "causal-lm"
 
     @cached_property
     def numels(self) -> tuple[int, ...]:

@@ -357,6 +357,8 @@ def build_inventory(source: ModelSource, builder: str = "auto") -> ParamInventor
         inv = build_meta_from_config(config, source.name, source.description)
     if source.checkpoint:
         inv = _apply_checkpoint(inv, source.checkpoint, notes)
+    if task != tasks.CAUSAL_LM:
+        inv = replace(inv, task=task)
     return replace(inv, notes=tuple(notes) + inv.notes) if notes else inv
 
 

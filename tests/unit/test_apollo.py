@@ -12,7 +12,6 @@ from memplan.model.inventory import ParamTensor
 from memplan.precision import APOLLO_RANK, apollo_states, apollo_step, apollo_tensors, get_recipe, step_events_peak
 
 torch = pytest.importorskip("torch")
-apollo_torch = pytest.importorskip("apollo_torch")
 
 H, I, V = 256, 384, 320  # hidden, MLP width, vocabulary
 
@@ -116,6 +115,7 @@ def test_apollo_step_is_apollo_torch_s(dtype, recipe):
     """The first step (states made, the projections drawn), an update step after it (update_proj_gap 1) and a
     plain step: apollo_step's peak equals the real step's, to the byte but for the 1-byte bools Python's max()
     makes of a 0-dim comparison and next_seed's 120-byte host tensor (neither on the device)."""
+    pytest.importorskip("apollo_torch")  # the harness extra (pip install 'memplan[harness]')
     model = _model()
     inv = _inventory(model)
     rc = get_recipe(recipe)

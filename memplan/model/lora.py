@@ -42,11 +42,22 @@ QUANT_BLOCK2 = 256
 
 #: peft/utils/constants.py TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING: PEFT's targets when the adapter
 #: config names none (the families memplan builds)
-DEFAULT_TARGETS = {
-    "gpt2": ("c_attn",), "gpt_neox": ("query_key_value",), "falcon": ("query_key_value",),
-    "llama": ("q_proj", "v_proj"), "mistral": ("q_proj", "v_proj"), "mixtral": ("q_proj", "v_proj"),
-    "gemma": ("q_proj", "v_proj"), "gemma2": ("q_proj", "v_proj"), "qwen2": ("q_proj", "v_proj"),
-    "qwen3": ("q_proj", "v_proj"), "phi": ("q_proj", "v_proj", "fc1", "fc2"),
+DEFAULT_TARGETS: dict[str, tuple[str, ...] | str] = {
+    # PEFT 0.21.2's TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING (peft/utils/constants.py), whole
+    "t5": ("q", "v"), "mt5": ("q", "v"), "bart": ("q_proj", "v_proj"), "gpt2": ("c_attn",),
+    "bloom": ("query_key_value",), "blip-2": ("q", "v", "q_proj", "v_proj"), "opt": ("q_proj", "v_proj"),
+    "gptj": ("q_proj", "v_proj"), "gpt_neox": ("query_key_value",), "gpt_neo": ("q_proj", "v_proj"),
+    "bert": ("query", "value"), "roberta": ("query", "value"), "xlm-roberta": ("query", "value"),
+    "electra": ("query", "value"), "deberta-v2": ("query_proj", "value_proj"), "deberta": ("in_proj",),
+    "layoutlm": ("query", "value"), "llama": ("q_proj", "v_proj"), "llama4": ("q_proj", "v_proj"),
+    "chatglm": ("query_key_value",), "gpt_bigcode": ("c_attn",), "mpt": ("Wqkv",),
+    "RefinedWebModel": ("query_key_value",), "RefinedWeb": ("query_key_value",), "falcon": ("query_key_value",),
+    "btlm": ("c_proj", "c_attn"), "codegen": ("qkv_proj",), "mistral": ("q_proj", "v_proj"),
+    "mixtral": ("q_proj", "v_proj"), "stablelm": ("q_proj", "v_proj"), "phi": ("q_proj", "v_proj", "fc1", "fc2"),
+    "gemma": ("q_proj", "v_proj"), "gemma2": ("q_proj", "v_proj"), "gemma3_text": ("q_proj", "v_proj"),
+    "gemma4": r".*language_model\..*\.(q_proj|v_proj)", "qwen2": ("q_proj", "v_proj"), "qwen3": ("q_proj", "v_proj"),
+    "nemotron_h": ("q_proj", "k_proj", "v_proj", "o_proj"), "rwkv": ("key", "value", "receptance", "output"),
+    "rwkv7": ("r_proj", "k_proj", "v_proj", "o_proj", "key", "value"),
 }
 
 #: adapter_config.json keys that change what memplan computes, and those that do not change memory

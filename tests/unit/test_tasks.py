@@ -152,3 +152,16 @@ def test_the_auto_mappings_read_from_source_are_transformers_own():
 
     for name in tasks._MAPPINGS.values():
         assert tasks._mapping(name) == dict(getattr(modeling_auto, name)), name
+
+
+def test_lora_default_targets_are_peft_s():
+    """memplan's LoRA defaults (model/lora.py DEFAULT_TARGETS) are PEFT 0.21's mapping, whole: an encoder's query
+    and value (BERT, RoBERTa) among them."""
+    peft_constants = pytest.importorskip("peft.utils.constants")
+    from memplan.model.lora import DEFAULT_TARGETS
+
+    want = peft_constants.TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING
+    assert set(DEFAULT_TARGETS) == set(want)
+    for k, v in want.items():
+        assert DEFAULT_TARGETS[k] == (v if isinstance(v, str) else tuple(v)), k
+    assert DEFAULT_TARGETS["bert"] == ("query", "value")

@@ -802,10 +802,13 @@ def resolve(inv: ParamInventory, *, gpus: int = 1, gpus_per_node: int | None = N
     if config is not None and "factory" not in config:
         from memplan.model import tasks
 
-        tokens = tasks.check_seq_len(config, seq_len)  # a vision transformer's: its patches and class token
+        # a vision transformer's: its patches and class token; a BERT-style head's: at most its learned positions
+        tokens = tasks.check_seq_len(config, seq_len)
         if tokens is not None and seq_len is None:
             seq = tokens
-            pick.sources["seq_len"] = "the image's patches (image_size / patch_size)^2 and class token"
+            pick.sources["seq_len"] = ("the image's patches (image_size / patch_size)^2 and class token"
+                                       if tasks.task_of(config) == tasks.IMAGE else
+                                       "the model's learned positions (max_position_embeddings)")
 
     ds_overrides, torch_overrides = dict(ds_overrides or {}), dict(torch_overrides or {})
     if pin_memory is not None:  # DeepSpeed offload's pin_memory, and FSDP CPUOffloadPolicy's

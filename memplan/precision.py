@@ -442,11 +442,11 @@ def adam_mini_step(inv: Any, recipe: Recipe, first: bool = False, cpu: bool = Fa
     return ev
 
 
-def adam_mini_step_scratch(inv: Any, recipe: Recipe, cpu: bool = False) -> int:
-    """The most adam_mini_step holds at once."""
+def step_events_peak(ev: list[tuple[str, int]]) -> int:
+    """The most a step's events (adam_mini_step, apollo_step) hold at once, states made in it included."""
     live: dict[int, int] = {}
     cur = best = 0
-    for i, (kind, x) in enumerate(adam_mini_step(inv, recipe, cpu=cpu)):
+    for i, (kind, x) in enumerate(ev):
         if kind in ("a", "s"):
             live[i] = x
             cur += x
@@ -454,6 +454,11 @@ def adam_mini_step_scratch(inv: Any, recipe: Recipe, cpu: bool = False) -> int:
         else:
             cur -= live.pop(x)
     return best
+
+
+def adam_mini_step_scratch(inv: Any, recipe: Recipe, cpu: bool = False) -> int:
+    """The most adam_mini_step holds at once."""
+    return step_events_peak(adam_mini_step(inv, recipe, cpu=cpu))
 
 
 # ---- APOLLO (apollo-torch 1.0.3 APOLLOAdamW, apollo.py and random_projector.py) ----
@@ -581,20 +586,6 @@ def apollo_step(inv: Any, recipe: Recipe, first: bool = False, update: bool = Tr
     for local in list(bound):
         bind(local, None)
     return ev
-
-
-def step_events_peak(ev: list[tuple[str, int]]) -> int:
-    """The most a step's events (adam_mini_step, apollo_step) hold at once, states made in it included."""
-    live: dict[int, int] = {}
-    cur = best = 0
-    for i, (kind, x) in enumerate(ev):
-        if kind in ("a", "s"):
-            live[i] = x
-            cur += x
-            best = max(best, cur)
-        else:
-            cur -= live.pop(x)
-    return best
 
 
 def apollo_states(inv: Any, recipe: Recipe) -> int:

@@ -427,7 +427,7 @@ class ReplayJob:
     muon: tuple[tuple[int, int] | None, ...] = ()
     #: --optimizer adam-mini, apollo-adamw: its step's events (precision.adam_mini_step, apollo_step), a later
     #: step's and the first's
-    adam_mini: tuple = ()
+    step_events: tuple = ()
 
     def state_allocs(self, numel: int, shape: tuple[int, ...] = ()) -> tuple[int, ...]:
         """The state tensors the optimizer makes for one tensor at its first step, bytes each, in order."""
@@ -476,16 +476,16 @@ def replay_job(inv: Any, s: Any, numels: list[int], shapes: list[tuple[int, ...]
         from memplan.precision import muon_tensors
 
         muon = tuple(tuple(t.shape) if m else None for t, m in zip(inv.tensors, muon_tensors(inv)) if t.trainable)
-    adam_mini: tuple = ()
+    step_events: tuple = ()
     if s.optimizer.per_tensor == "adam-mini":
         from memplan.precision import adam_mini_step
 
-        adam_mini = (tuple(adam_mini_step(inv, s.recipe)), tuple(adam_mini_step(inv, s.recipe, first=True)))
+        step_events = (tuple(adam_mini_step(inv, s.recipe)), tuple(adam_mini_step(inv, s.recipe, first=True)))
     elif s.optimizer.per_tensor == "apollo":  # every later step replayed as an update step (the envelope)
         from memplan.precision import apollo_step
 
-        adam_mini = (tuple(apollo_step(inv, s.recipe)), tuple(apollo_step(inv, s.recipe, first=True)))
-    return ReplayJob(muon=muon, adam_mini=adam_mini, build=tuple(build), numels=tuple(numels), state_bytes=4 if s.optimizer.factored else s.recipe.state_bytes,
+        step_events = (tuple(apollo_step(inv, s.recipe)), tuple(apollo_step(inv, s.recipe, first=True)))
+    return ReplayJob(muon=muon, step_events=step_events, build=tuple(build), numels=tuple(numels), state_bytes=4 if s.optimizer.factored else s.recipe.state_bytes,
                converted=converted,
                grad_accum=s.grad_accum,
                optimizer_impl=optimizer_impl(s), input_bytes=s.micro_batch * s.seq_len * 8,
@@ -713,9 +713,9 @@ def optimizer_step(run: Run, job: ReplayJob, first: bool, states: list[Any]) -> 
     if job.muon:
         _muon_then_adamw(run, job, first, states)
         return
-    if job.adam_mini:
+    if job.step_events:
         keys: list[Any] = []
-        for kind, x in job.adam_mini[1 if first else 0]:
+        for kind, x in job.step_events[1 if first else 0]:
             if kind == "f":
                 run.free(keys[x])
                 keys.append(None)

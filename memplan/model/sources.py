@@ -342,6 +342,7 @@ def build_inventory(source: ModelSource, builder: str = "auto") -> ParamInventor
     from memplan.model import tasks
 
     task = tasks.task_of(config)  # a head memplan does not model is refused here, by name
+    tasks.check_labels(config)
     notes.extend(families.defaults_note(config))
     if task == tasks.CAUSAL_LM and (builder == "analytic" or (builder == "auto" and families.supports(config))):
         inv = families.build_analytic(config, source.name, source.description)

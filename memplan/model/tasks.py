@@ -18,8 +18,9 @@ forward computes its loss from (modeling_bert.py, modeling_llama.py, the generic
   is its patches, (image / patch)^2, plus the class token (DeiT: and the distillation token), modeling_vit.py
   ViTEmbeddings / modeling_deit.py DeiTEmbeddings.
 
-Other heads (seq2seq, vision, multiple choice, pre-training) are refused with the class named: their inputs are
-not a [batch, seq] of token ids. No torch at import.
+Other heads (seq2seq, vision-language, multiple choice, pre-training, image models other than ViT and DeiT) are
+refused with the class named: their inputs are neither a [batch, seq] of token ids nor a ViT's image. No torch at
+import.
 """
 
 from __future__ import annotations
@@ -51,8 +52,7 @@ NOT_MODELLED = ("ForConditionalGeneration", "ForMultipleChoice", "ForPreTraining
 def task_of(config: Mapping[str, Any]) -> str:
     """The task of the config's first architecture; a config without one (or an unknown base class) trains as a
     causal LM, as memplan's estimates always have. ConfigError for a head memplan does not model."""
-    archs = config.get("architectures") or []
-    arch = archs[0] if isinstance(archs, list) and archs and isinstance(archs[0], str) else ""
+    arch = architecture(config)
     for suffix, task in SUFFIXES:
         if arch.endswith(suffix):
             if task == IMAGE and config.get("model_type") not in IMAGE_MODELS:
@@ -62,9 +62,8 @@ def task_of(config: Mapping[str, Any]) -> str:
             return task
     for suffix in NOT_MODELLED:
         if arch.endswith(suffix):
-            raise ConfigError(f"architectures {quote(arch)}: memplan models causal LMs and text encoders' heads "
-                              f"({', '.join(TASKS)}); a {suffix[3:]} head's inputs are not token ids alone and "
-                              "are not modelled yet")
+            raise ConfigError(f"architectures {quote(arch)}: memplan models these heads: {', '.join(TASKS)}; a "
+                              f"{suffix[3:]} head's inputs are not token ids alone and are not modelled yet")
     return CAUSAL_LM
 
 
@@ -91,14 +90,39 @@ def image_tokens(config: Mapping[str, Any]) -> int:
 
 def check_seq_len(config: Mapping[str, Any], seq_len: int | None) -> int | None:
     """The job's sequence for the config's task: an image model's is its tokens (image_tokens), which --seq-len
-    may repeat but not change; None for a text model (the caller's default)."""
-    if task_of(config) != IMAGE:
+    may repeat but not change. A text encoder's head with learned absolute positions (BERT's position_embeddings,
+    max_position_embeddings rows: the model cannot run longer sequences) defaults to that many, and a longer
+    --seq-len is refused; a causal LM's is the caller's (None: its default; rotary positions run longer)."""
+    task = task_of(config)
+    if task == CAUSAL_LM:
+        return seq_len
+    if task != IMAGE:
+        most = config.get("max_position_embeddings")
+        absolute = (config.get("position_embedding_type", "absolute") == "absolute"
+                    and config.get("position_biased_input", True) is not False)
+        if not (isinstance(most, int) and most > 0 and absolute):
+            return seq_len
+        if seq_len is None:
+            return min(most, 2048)
+        if seq_len > most:
+            raise ConfigError(f"--seq-len {seq_len}: {architecture(config)} learns {most} absolute positions "
+                              "(max_position_embeddings); a longer sequence does not run")
         return seq_len
     tokens = image_tokens(config)
     if seq_len is not None and seq_len != tokens:
         raise ConfigError(f"--seq-len {seq_len}: a vision transformer's sequence is its patches and class token, "
                           f"{tokens} at image_size {config.get('image_size', 224)} (set image_size in the config)")
     return tokens
+
+
+def check_labels(config: Mapping[str, Any]) -> None:
+    """A classification head's label count as the config gives it (num_labels, or id2label's size): a whole
+    number of at least one, or a one-line ConfigError (a head of no outputs has no loss to train)."""
+    if task_of(config) not in ("sequence-classification", "token-classification", IMAGE):
+        return
+    n = config.get("num_labels")
+    if "id2label" not in config and n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+        raise ConfigError(f"num_labels {n!r}: a classification head needs at least one label")
 
 
 def num_labels(config: Mapping[str, Any]) -> int:

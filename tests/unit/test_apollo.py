@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import weakref
-
 import pytest
 
 from memplan import options
@@ -64,8 +62,7 @@ def _inventory(model) -> _Inv:
 def _measured_peaks(model, dtype, gap: int) -> list[int]:
     """Each of three steps' most live storage bytes beyond what existed before it (every storage an op makes
     counted until it dies), the param groups as transformers' Trainer makes them (harness/setup.py _apollo)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-    from torch.utils._pytree import tree_leaves
+    from storage_peak import storage_peak
 
     from memplan.harness.setup import _apollo
 
@@ -73,40 +70,20 @@ def _measured_peaks(model, dtype, gap: int) -> list[int]:
     opt = _apollo(model)
     for g in opt.param_groups[1:]:
         g["update_proj_gap"] = gap
-    live = {"cur": 0, "peak": 0}
-    seen: set[int] = set()
-
-    class Count(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            for t in tree_leaves(out):
-                if isinstance(t, torch.Tensor):
-                    st = t.untyped_storage()
-                    key = st.data_ptr()
-                    if key and key not in seen and key not in outside:
-                        seen.add(key)
-                        live["cur"] += st.nbytes()
-                        live["peak"] = max(live["peak"], live["cur"])
-
-                        def gone(key: int = key, n: int = st.nbytes()) -> None:
-                            seen.discard(key)
-                            live["cur"] -= n
-
-                        weakref.finalize(st, gone)
-            return out
-
+    count = storage_peak()
     peaks = []
-    outside: set[int] = set()  # the parameters' and gradients' storages (``.data`` of a gradient is a view)
     torch.manual_seed(0)
     for _ in range(3):
         for p in model.parameters():
             p.grad = torch.randn_like(p)
-        outside = {t.untyped_storage().data_ptr() for p in model.parameters() for t in (p, p.grad)}
-        base = live["cur"]
-        live["peak"] = base
-        with Count():
+        # the parameters' and gradients' storages, made before the step (``.data`` of a gradient is a new tensor
+        # on its storage)
+        count.outside = {t.untyped_storage().data_ptr() for p in model.parameters() for t in (p, p.grad)}
+        base = count.cur
+        count.reset_peak()
+        with count:
             opt.step()
-        peaks.append(live["peak"] - base)
+        peaks.append(count.peak - base)
     return peaks
 
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import weakref
-
 import pytest
 
 from memplan import accounting as A
@@ -23,38 +21,16 @@ def _peak_of_torch_muon_update(shape: tuple[int, int], dtype) -> int:
         DEFAULT_C,
         _zeropower_via_newtonschulz,
     )
-    from torch.utils._python_dispatch import TorchDispatchMode
-    from torch.utils._pytree import tree_leaves
+    from storage_peak import storage_peak
 
-    live = {"cur": 0, "peak": 0}
-    seen: set[int] = set()
-
-    class Count(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            for t in tree_leaves(out):
-                if isinstance(t, torch.Tensor):
-                    st = t.untyped_storage()
-                    key = st.data_ptr()
-                    if key and key not in seen:
-                        seen.add(key)
-                        live["cur"] += st.nbytes()
-                        live["peak"] = max(live["peak"], live["cur"])
-
-                        def gone(key: int = key, n: int = st.nbytes()) -> None:
-                            seen.discard(key)
-                            live["cur"] -= n
-
-                        weakref.finalize(st, gone)
-            return out
-
+    count = storage_peak()
     grad = torch.randn(*shape, dtype=dtype)
     buf = torch.zeros_like(grad)
-    with Count():
+    with count:
         update = grad.lerp(buf, 0.95)
         update = _zeropower_via_newtonschulz(update, (DEFAULT_A, DEFAULT_B, DEFAULT_C), 5, 1e-7)
     del update
-    return live["peak"]
+    return count.peak
 
 
 @pytest.mark.parametrize("shape", [(96, 40), (40, 96), (64, 64)])

@@ -73,8 +73,9 @@ def compute(presets: list[str] | None = None) -> dict[str, str]:
     return {key(c): plan_json(c, cache) for c in cases(presets)}
 
 
-def accuracy_predictions(shared: Path | None = None) -> dict[str, str]:
-    """Every measured case's prediction (peak, phase, reserved), keyed by the case."""
+def accuracy_predictions(shared: Path | None = None, gpu: bool = True) -> dict[str, str]:
+    """Every measured case's prediction (peak, phase, reserved), keyed by the case; the CPU cases only where
+    ``gpu`` is false (the GPU cases read their configs from ../shared/gpu/configs)."""
     sys.path.insert(0, str(ROOT / "bench"))
     import accuracy as cpu_bench  # bench/accuracy.py
     import gpu_accuracy as gpu_bench  # bench/gpu_accuracy.py
@@ -92,6 +93,8 @@ def accuracy_predictions(shared: Path | None = None) -> dict[str, str]:
                            **strat)[0]
             out[f"cpu|{label}|{model}|{scale['layers']}|{rc}"] = json.dumps(
                 [plan.peak_bytes, plan.peak.name, [p.total_bytes for p in plan.phases]])
+    if not gpu:
+        return out
     shared = shared or ROOT.parent / "shared" / "gpu"
     dirs = [shared / "configs", gpu_bench.EXTRA / "configs"]
     for case in gpu_bench.load_cases(shared) + gpu_bench.load_oom(shared):

@@ -88,7 +88,9 @@ def test_a_failing_rank_stops_the_run_and_is_named():
         ln.launch(spec, 2, timeout_s=120)
 
 
-def _validate(argv: list[str]) -> tuple[int, dict]:
+def _validate(argv: list[str], tolerance: float) -> dict:
+    """`memplan validate` on the small llama (or ``--model NAME``) with ``tolerance`` as its own: the run must exit
+    0 (within it), model states exact, the peak within it."""
     import subprocess
     import sys
 
@@ -98,10 +100,12 @@ def _validate(argv: list[str]) -> tuple[int, dict]:
         model, argv = argv[i + 1], argv[:i] + argv[i + 2:]
     r = subprocess.run([sys.executable, "-m", "memplan", "validate", model, "--layers", "2", "--hidden", "256",
                         "--vocab", "2048", "--micro-batch", "2", "--seq-len", "128", "--device", "cpu", "--json",
-                        *argv], capture_output=True, text=True, timeout=900,
+                        "--tolerance", str(tolerance), *argv], capture_output=True, text=True, timeout=900,
                        env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert r.returncode in (0, 3), r.stderr[-2000:]
-    return r.returncode, json.loads(r.stdout)
+    rep = json.loads(r.stdout) if r.stdout.strip() else {}
+    assert r.returncode == 0, (rep.get("validation", {}).get("peak"), r.stderr[-2000:])
+    _check(rep, tolerance)
+    return rep
 
 
 def _check(rep: dict, tolerance: float) -> None:
@@ -112,29 +116,26 @@ def _check(rep: dict, tolerance: float) -> None:
 
 
 def test_validate_deepspeed_zero2_two_ranks():
-    rc, rep = _validate(["--gpus", "2", "--stage", "2", *SMALL_DS])
+    rep = _validate(["--gpus", "2", "--stage", "2", *SMALL_DS], 0.001)
     # With every thread's frees booked (measure.follow_all_threads) the same case measured 36,835,356 bytes in
     # three runs out of three, prediction 36,832,768 (-0.01%); before that fix gloo-thread frees went unseen and
     # runs spread over 6%.
-    _check(rep, 0.03)
 
 
 def test_validate_fsdp2_full_shard_two_ranks():
-    rc, rep = _validate(["--gpus", "2", "--strategy", "fsdp-full"])
+    rep = _validate(["--gpus", "2", "--strategy", "fsdp-full"], 0.001)
     # FSDP2's collectives run in place on gloo (harness/gloo.py collectives_in_place), so the
     # peak repeats to the byte (32,322,148 in four runs out of four); the engine's FSDP2 lifetimes predict
     # 32,319,496 (-0.01%). Model states exact.
     for name, c in rep["validation"]["categories_at_start"].items():
         assert c["predicted"] == c["measured"], (name, c)
-    _check(rep, 0.03)
 
 
 def test_validate_a_bert_classifier_on_its_own_loss():
     # BertForSequenceClassification (model/tasks.py): the harness trains the config's own head on its labels, as
     # the trace does. Measured: 43,118,812 B, predicted 43,108,408 (-0.02%), fp32 on one rank
     bert = str(ROOT / "tests" / "data" / "configs" / "bert-seq-cls.json")
-    rc, rep = _validate(["--model", bert, "--gpus", "1", "--precision", "fp32"])
-    _check(rep, 0.003)
+    rep = _validate(["--model", bert, "--gpus", "1", "--precision", "fp32"], 0.003)
 
 
 def test_validate_a_vit_on_its_images():
@@ -142,54 +143,56 @@ def test_validate_a_vit_on_its_images():
     # traced step, so their bytes count (-0.64% before). Measured: 30,915,208 B, predicted 30,912,936 (-0.007%)
     vit = ROOT / "tests" / "data" / "configs" / "vit-small.json"
     r = subprocess.run([sys.executable, "-m", "memplan", "validate", str(vit), "--micro-batch", "4", "--device",
-                        "cpu", "--gpus", "1", "--precision", "fp32", "--json"], capture_output=True, text=True,
-                       timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert r.returncode in (0, 3), r.stderr[-2000:]
+                        "cpu", "--gpus", "1", "--precision", "fp32", "--json", "--tolerance", "0.001"],
+                       capture_output=True, text=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr[-2000:]
     _check(json.loads(r.stdout), 0.001)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("args", [
-    ["--gpus", "2", "--strategy", "ddp"],
-    ["--gpus", "2", "--strategy", "zero-optimizer"],
-    ["--gpus", "2", "--stage", "1", *SMALL_DS],
-    ["--gpus", "2", "--stage", "3", *SMALL_DS],
-    ["--gpus", "2", "--stage", "3", "--max-reuse-distance", "0", "--param-persistence-threshold", "0"],
-    ["--gpus", "2", "--strategy", "fsdp-grad-op"],
-    ["--gpus", "2", "--strategy", "fsdp-no-shard"],
-    ["--gpus", "2", "--strategy", "fsdp-full", "--layers", "4"],
-    ["--gpus", "2", "--strategy", "fsdp-full", "--precision", "torch-amp"],
-    ["--gpus", "4", "--strategy", "hsdp", "--hsdp-shard-size", "2"],
-    ["--gpus", "2", "--strategy", "ddp", "--recompute", "full"],
+# each case's tolerance from its measured error (python /tmp matrix run, 2026-11-28, this 2-core machine): every
+# case within 0.04% (llama, DeepSeek's MLA; runs repeat to the byte) but gpt2's DDP under full recompute (+0.50%)
+# and gpt2's ZeRO-3 at 4 ranks under full recompute (+2.10%, the tied head's pending contribution counted whole)
+@pytest.mark.parametrize("args,tolerance", [
+    (["--gpus", "2", "--strategy", "ddp"], 0.001),
+    (["--gpus", "2", "--strategy", "zero-optimizer"], 0.001),
+    (["--gpus", "2", "--stage", "1", *SMALL_DS], 0.001),
+    (["--gpus", "2", "--stage", "3", *SMALL_DS], 0.001),
+    (["--gpus", "2", "--stage", "3", "--max-reuse-distance", "0", "--param-persistence-threshold", "0"], 0.001),
+    (["--gpus", "2", "--strategy", "fsdp-grad-op"], 0.001),
+    (["--gpus", "2", "--strategy", "fsdp-no-shard"], 0.001),
+    (["--gpus", "2", "--strategy", "fsdp-full", "--layers", "4"], 0.001),
+    (["--gpus", "2", "--strategy", "fsdp-full", "--precision", "torch-amp"], 0.001),
+    (["--gpus", "4", "--strategy", "hsdp", "--hsdp-shard-size", "2"], 0.001),
+    (["--gpus", "2", "--strategy", "ddp", "--recompute", "full"], 0.001),
     # the fp16 recipe, ZeRO-1 at default buckets, FSDP1, FSDP2 inside a recomputed block, fp32
-    ["--gpus", "2", "--stage", "2", "--precision", "deepspeed-fp16", *SMALL_DS],
-    ["--gpus", "2", "--stage", "1"],
-    ["--gpus", "2", "--strategy", "fsdp-full", "--fsdp-version", "1"],
-    ["--gpus", "2", "--strategy", "fsdp-full", "--fsdp-version", "1", "--precision", "fp32"],
-    ["--gpus", "2", "--strategy", "fsdp-full", "--recompute", "full"],
-    ["--gpus", "2", "--strategy", "fsdp-full", "--precision", "fp32"],
+    (["--gpus", "2", "--stage", "2", "--precision", "deepspeed-fp16", *SMALL_DS], 0.001),
+    (["--gpus", "2", "--stage", "1"], 0.001),
+    (["--gpus", "2", "--strategy", "fsdp-full", "--fsdp-version", "1"], 0.001),
+    (["--gpus", "2", "--strategy", "fsdp-full", "--fsdp-version", "1", "--precision", "fp32"], 0.001),
+    (["--gpus", "2", "--strategy", "fsdp-full", "--recompute", "full"], 0.001),
+    (["--gpus", "2", "--strategy", "fsdp-full", "--precision", "fp32"], 0.001),
     # ZeRO-Offload (DeepSpeedCPUAdam, as DeepSpeed builds it); on CPU the host share is compared with the rest;
     # DeepSeek's MLA (CPU SDPA takes the math kernel: q/k and v head dims differ) under FSDP2; gpt2's tied
     # embedding with full recompute
-    ["--gpus", "2", "--stage", "3", "--offload-optimizer", *SMALL_DS],
-    ["--gpus", "2", "--stage", "2", "--offload-optimizer", *SMALL_DS],
-    ["--gpus", "2", "--strategy", "fsdp-full", "--layers", "4", "--model", "deepseek-v3"],
-    ["--gpus", "2", "--strategy", "ddp", "--recompute", "full", "--model", "gpt2"],
+    (["--gpus", "2", "--stage", "3", "--offload-optimizer", *SMALL_DS], 0.001),
+    (["--gpus", "2", "--stage", "2", "--offload-optimizer", *SMALL_DS], 0.001),
+    (["--gpus", "2", "--strategy", "fsdp-full", "--layers", "4", "--model", "deepseek-v3"], 0.001),
+    (["--gpus", "2", "--strategy", "ddp", "--recompute", "full", "--model", "gpt2"], 0.006),
     # from the cross product: ZeRO-3 + offload on one rank with recompute (no gathers at one rank,
     # the offload hook's fp64 norm copy inside the recomputed blocks), FSDP2 on one rank (a prefetch allocates
     # nothing), ZeRO-3 at 4 ranks with gpt2 under full recompute (hook-pending grads, the tied head's pending
     # contribution)
-    ["--gpus", "1", "--stage", "3", "--offload-optimizer", "--recompute", "full", *SMALL_DS],
-    ["--gpus", "1", "--strategy", "fsdp-full", "--precision", "fp32", "--model", "gpt2"],
-    ["--gpus", "4", "--stage", "3", "--recompute", "full", "--model", "gpt2", *SMALL_DS],
+    (["--gpus", "1", "--stage", "3", "--offload-optimizer", "--recompute", "full", *SMALL_DS], 0.001),
+    (["--gpus", "1", "--strategy", "fsdp-full", "--precision", "fp32", "--model", "gpt2"], 0.001),
+    (["--gpus", "4", "--stage", "3", "--recompute", "full", "--model", "gpt2", *SMALL_DS], 0.025),
     # DeepSpeed with fp32 parameters (its own fp32 master copy; ZeRO-3's linear under autocast), ZeRO-1
     # without overlap_comm (nothing reduced in backward)
-    ["--gpus", "2", "--stage", "3", "--precision", "torch-amp", "--recompute", "full", *SMALL_DS],
-    ["--gpus", "2", "--stage", "1", "--precision", "fp32", "--model", "gpt2", *SMALL_DS],
+    (["--gpus", "2", "--stage", "3", "--precision", "torch-amp", "--recompute", "full", *SMALL_DS], 0.001),
+    (["--gpus", "2", "--stage", "1", "--precision", "fp32", "--model", "gpt2", *SMALL_DS], 0.001),
 ])
-def test_validate_matrix_two_ranks(args):
-    rc, rep = _validate(args)
-    _check(rep, 0.03)
+def test_validate_matrix_two_ranks(args, tolerance):
+    _validate(args, tolerance)
 
 
 @pytest.mark.slow
@@ -219,9 +222,10 @@ def test_validate_a_user_module(factory, args, tolerance):
 
     modules = Path(__file__).resolve().parents[1] / "data" / "user_modules"
     r = subprocess.run([sys.executable, "-m", "memplan", "validate", factory, "--gpus", "2", "--micro-batch", "2",
-                        "--seq-len", "64", "--device", "cpu", "--json", *args], capture_output=True, text=True,
-                       timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(modules)})
-    assert r.returncode in (0, 3), r.stderr[-2000:]
+                        "--seq-len", "64", "--device", "cpu", "--json", "--tolerance", str(tolerance), *args],
+                       capture_output=True, text=True, timeout=900,
+                       env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(modules)})
+    assert r.returncode == 0, r.stderr[-2000:]
     _check(json.loads(r.stdout), tolerance)
 
 
@@ -235,9 +239,8 @@ def test_validate_lora_with_peft(argv):
     docs/accuracy-lora.md (bench/accuracy.py --lora): llama-3-8b 2 blocks hidden 512, ddp all-linear -0.00%,
     fsdp-full q,v with full recompute at 4 ranks -0.04%."""
     pytest.importorskip("peft")
-    rc, rep = _validate(["--model", "llama-3-8b", "--gpus", "2", *argv])
+    rep = _validate(["--model", "llama-3-8b", "--gpus", "2", *argv], 0.005)
     assert rep["prediction"]["strategy"]["lora"]["trainable_params"] > 0
-    _check(rep, 0.005)
 
 
 @pytest.mark.slow
@@ -252,8 +255,7 @@ def test_validate_qlora_with_bitsandbytes(argv):
     all-linear -0.01%."""
     pytest.importorskip("peft")
     pytest.importorskip("bitsandbytes")
-    rc, rep = _validate(["--model", "llama-3-8b", *argv])
-    _check(rep, 0.005)
+    rep = _validate(["--model", "llama-3-8b", *argv], 0.005)
 
 
 @pytest.mark.slow
@@ -265,8 +267,7 @@ def test_validate_fsdp2_root_only(argv):
     """FSDP2 with only the root fully_shard-ed (--fsdp-wrap none): the whole model gathered at the root's
     pre-forward, its all-gather output held through the loss, every gradient unsharded until the root's
     post-backward (frameworks/fsdp2.py _root_only). docs/accuracy.md session 14: -0.00% on llama-3-8b and gpt2."""
-    rc, rep = _validate(["--gpus", "2", "--strategy", "fsdp-full", "--fsdp-wrap", "none", *argv])
-    _check(rep, 0.005)
+    rep = _validate(["--gpus", "2", "--strategy", "fsdp-full", "--fsdp-wrap", "none", *argv], 0.005)
 
 
 @pytest.mark.slow
@@ -280,8 +281,7 @@ def test_validate_shape_dependent_optimizers(argv):
     """Adafactor and bitsandbytes' AdamW8bit on what each framework hands them: DeepSpeed's flat fp32 partitions
     (Adafactor unfactored, 8-bit per sub-group), FSDP1's FlatParameter shards, DDP's whole tensors with the fp32
     copies of bf16 parameters (docs/accuracy.md session 15): states exact, the peak within 1%."""
-    rc, rep = _validate(["--gpus", "2", *argv])
-    _check(rep, 0.01)
+    rep = _validate(["--gpus", "2", *argv], 0.01)
 
 
 @pytest.mark.slow
@@ -294,8 +294,7 @@ def test_validate_fsdp2_block_and_embeddings(argv):
     """torchtitan's FSDP2 units (--fsdp-wrap block+embeddings): the embedding resharded after its forward and
     prefetched again by the first block's backward, the norm + head unit held to its own post-backward and reduced
     right after it (frameworks/fsdp2.py _Units.be). docs/accuracy.md session 15: within 0.01% on ten runs."""
-    rc, rep = _validate(["--model", "llama-3-8b", "--gpus", "2", "--fsdp-wrap", "block+embeddings", *argv])
-    _check(rep, 0.005)
+    rep = _validate(["--model", "llama-3-8b", "--gpus", "2", "--fsdp-wrap", "block+embeddings", *argv], 0.005)
 
 
 @pytest.mark.slow
@@ -307,8 +306,7 @@ def test_validate_deepspeed_stage0(argv):
     (their gradients copied to fp32 for the step), the torch optimizer itself in fp32, the gradients flattened
     for the all-reduce after backward (docs/accuracy.md session 18: -0.00% and -0.01%; +11.13% with the
     BF16_Optimizer model before)."""
-    rc, rep = _validate(["--gpus", "2", "--stage", "0", *argv])
-    _check(rep, 0.005)
+    rep = _validate(["--gpus", "2", "--stage", "0", *argv], 0.005)
 
 
 @pytest.mark.slow
@@ -317,9 +315,8 @@ def test_validate_fsdp_size_units(version):
     """--fsdp-wrap size:N, torch's size_based_auto_wrap_policy (FSDP1) and its walk with fully_shard (FSDP2): each
     MLP a unit, the attention with the unit around the decoder stack. Model states exact; the peak an upper bound
     (docs/accuracy.md session 18: +13.29% and +9.08% here, where the embedding and head units outweigh a block)."""
-    rc, rep = _validate(["--model", "llama-3-8b", "--gpus", "2", "--strategy", "fsdp-full", "--fsdp-version", version,
-                         "--fsdp-wrap", "size:300000"])
-    _check(rep, 0.15)
+    rep = _validate(["--model", "llama-3-8b", "--gpus", "2", "--strategy", "fsdp-full", "--fsdp-version", version,
+                         "--fsdp-wrap", "size:300000"], 0.15)
     assert rep["validation"]["peak"]["error"] >= 0
 
 
@@ -332,9 +329,8 @@ def test_validate_fsdp1_without_wrapping(argv):
     (frameworks/fsdp1.py _root_only). docs/accuracy.md session 15: -0.00% on eight runs."""
     if "--model" not in argv:
         argv = [*argv, "--model", "llama-3-8b"]
-    rc, rep = _validate(["--gpus", "2", "--strategy", "fsdp-full", "--fsdp-version", "1", "--fsdp-wrap", "none",
-                         *argv])
-    _check(rep, 0.005)
+    rep = _validate(["--gpus", "2", "--strategy", "fsdp-full", "--fsdp-version", "1", "--fsdp-wrap", "none",
+                         *argv], 0.005)
 
 
 @pytest.mark.slow
@@ -346,8 +342,7 @@ def test_validate_fsdp1_without_wrapping(argv):
 def test_validate_every_n_layers(argv):
     """transformers' every_n_layers (--recompute every:N): blocks 0, N, 2N, ... checkpointed, traced at full depth;
     docs/accuracy.md session 16: seven runs, -0.03% to -0.00%."""
-    rc, rep = _validate(["--gpus", "2", "--layers", "4", *argv])
-    _check(rep, 0.005)
+    rep = _validate(["--gpus", "2", "--layers", "4", *argv], 0.005)
 
 
 @pytest.mark.slow
@@ -361,8 +356,7 @@ def test_validate_torchtitan_sac_and_the_second_block(argv):
     """torchtitan's per-op and layer SAC, and FSDP2's peak inside the second block's backward (the first
     prefetched, every later block's shard reduced) over four blocks; docs/accuracy.md session 16: -0.03% to
     -0.02% (op-sac was -1.66% before that moment)."""
-    rc, rep = _validate(["--gpus", "2", "--layers", "4", *argv])
-    _check(rep, 0.005)
+    rep = _validate(["--gpus", "2", "--layers", "4", *argv], 0.005)
 
 
 
@@ -386,8 +380,7 @@ def test_validate_model_parallel(argv, tolerance):
     """Tensor, sequence and pipeline parallelism as torchtitan lays them out under FSDP2, and DeepSpeed's
     PipelineEngine; every rank against its pipeline rank's prediction, model states exact (docs/accuracy.md,
     session 19: -0.65% to +2.08% on the worst-measured ranks)."""
-    rc, rep = _validate(argv)
-    _check(rep, tolerance)
+    rep = _validate(argv, tolerance)
     for r in rep["validation"]["ranks"]:  # each rank within tolerance of its own pipeline rank's prediction
         assert abs(r["peak_error"]) <= max(tolerance, 0.03), r
 
@@ -406,8 +399,7 @@ def test_validate_expert_parallel(argv, low, high):
         i = argv.index("--layers")
         layers, argv = argv[i + 1], argv[:i] + argv[i + 2:]
         argv = argv + ["--layers", layers]
-    rc, rep = _validate(["--strategy", "fsdp-full", *argv])
-    _check(rep, max(abs(low), high))
+    rep = _validate(["--strategy", "fsdp-full", *argv], max(abs(low), high))
     assert low <= rep["validation"]["peak"]["error"] <= high, rep["validation"]["peak"]
 
 
@@ -421,8 +413,7 @@ def test_validate_context_parallel(argv):
     """Context parallelism as torchtitan runs it (torch's context_parallel ring attention on CPU ranks,
     harness/cp.py; FSDP2 over dp x cp), sequence 1024 over the CP ranks: model states exact, the peak within
     -0.5% .. +1.5% (docs/accuracy.md, session 20: -0.37% to +1.29%)."""
-    rc, rep = _validate(["--strategy", "fsdp-full", *argv, "--seq-len", "1024", "--vocab", "512"])
-    _check(rep, 0.015)
+    rep = _validate(["--strategy", "fsdp-full", *argv, "--seq-len", "1024", "--vocab", "512"], 0.015)
     assert -0.005 <= rep["validation"]["peak"]["error"] <= 0.015, rep["validation"]["peak"]
 
 
@@ -435,10 +426,11 @@ def test_validate_expert_and_tensor_parallel():
 
     r = subprocess.run([sys.executable, "-m", "memplan", "validate", "bench/configs/qwen3-moe-tiny/config.json",
                         "--gpus", "2", "--tp", "2", "--ep", "2", "--strategy", "fsdp-full", "--micro-batch", "2",
-                        "--seq-len", "128", "--device", "cpu", "--json"], capture_output=True, text=True, timeout=900,
+                        "--seq-len", "128", "--device", "cpu", "--json", "--tolerance", "0.02"], capture_output=True,
+                       text=True, timeout=900,
                        cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                        env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert r.returncode in (0, 3), r.stderr[-2000:]
+    assert r.returncode == 0, r.stderr[-2000:]
     rep = json.loads(r.stdout)
     _check(rep, 0.02)
     assert rep["validation"]["peak"]["error"] >= -0.005, rep["validation"]["peak"]
@@ -454,5 +446,4 @@ def test_validate_lion_and_schedule_free(argv, package):
     """lion-pytorch's Lion and schedulefree's AdamWScheduleFree on the real packages (docs/accuracy.md session 28:
     states exact, peaks within 0.01%)."""
     pytest.importorskip(package)
-    rc, rep = _validate(argv)
-    _check(rep, 0.001)
+    rep = _validate(argv, 0.001)

@@ -193,6 +193,12 @@ def test_traced_lora_step_saves_less_than_full_training():
     a, f = ad["saved_for_backward"], full["saved_for_backward"]
     assert 0 < a[0] + a[1] < f[0] + f[1]
     assert 0 < sum(ad["live_after_forward"]) < sum(full["live_after_forward"])
+    # one block, per sequence of 64 tokens at hidden 256, exactly: LlamaRMSNorm's `self.weight * hidden_states` saves
+    # its bf16 input for the weight's gradient only when the weight trains (two norms a block); PEFT's
+    # `lora_B(lora_A(dropout(x))) * scaling` adds lora_A's [s, r] output, saved by lora_B, on each of the 7 linears
+    # (lora_A shares x with the frozen base layer; the scalar product saves nothing)
+    s, h, r = 64, cfg["hidden_size"], 8
+    assert full["per_layer"][1] - ad["per_layer"][1] == 2 * s * h * 2 - 7 * s * r * 2
 
 
 @pytest.mark.parametrize("recipe,cast", [("fsdp-bf16", True), ("fp32", False), ("pure-bf16", False)])

@@ -280,9 +280,16 @@ def test_every_phase_of_every_rank_is_whole_bytes(tmp_path, par_kw, strategy):
     kw = dict(strategy=strategy) if strategy else dict(stage=1)
     s = _settings(inv, gpus=4, grad_accum=4, seq_len=128, parallel=p, **kw)
     plan = accounting.estimate(inv, s)
+    keys = ("weights_bytes", "master_weights_bytes", "grads_bytes", "optimizer_states_bytes", "activations_bytes",
+            "buffers_bytes")
     for rp in plan.layout.plans:
         for ph in rp.phases:
-            assert all(getattr(ph, k) >= 0 for k in ("grads_bytes", "activations_bytes", "buffers_bytes")), ph
+            assert all(type(getattr(ph, k)) is int and getattr(ph, k) >= 0 for k in keys), ph
+        assert rp.peak_bytes == max(ph.total_bytes for ph in rp.phases)
+    worst = plan.layout.plans[plan.layout.worst]
+    assert plan.peak_bytes == worst.peak_bytes and plan.peak == worst.peak
+    # the worst rank: the most the card must hold, ties broken by the allocated peak (accounting.estimate)
+    assert (plan.required_bytes, plan.peak_bytes) == max((rp.required_bytes, rp.peak_bytes) for rp in plan.layout.plans)
 
 
 def test_accelerate_parallelism_config(tmp_path):

@@ -90,11 +90,22 @@ def test_building_the_transformers_config_leaves_the_dict_alone():
         assert cfg == before
 
 
-@pytest.mark.parametrize("name", ["gpt2", "qwen2.5-7b", "mistral-7b"])
-def test_other_families_trace(name):
+@pytest.mark.parametrize("name,one_block_at_3", [("gpt2", 10_040_320), ("qwen2.5-7b", 9_776_128),
+                                                  ("mistral-7b", 7_674_880)])
+def test_other_families_profile_predicts_a_direct_step_exactly(name, one_block_at_3):
+    # the profile (two traced blocks, micro-batches 2 and 4) against steps run directly at a third micro-batch:
+    # the live bytes after forward of two blocks, and one more block's, to the byte (sequence 128, where every
+    # per-sequence tensor is whole 512-byte blocks)
+    from memplan.tracing.step import one_step
+
     cfg = scale_config(sources.resolve(name).config, layers=3, hidden=256, vocab=1024)[0]
-    p = trace_profile(cfg, seq_len=64, recipe="torch-amp", attention="flash", recompute="none")
-    assert p["per_layer"][1] > 0 and p["backward_peak"]
+    p = trace_profile(cfg, seq_len=128, recipe="torch-amp", attention="flash", recompute="none")
+    two = one_step(scale_config(cfg, layers=2)[0], 3, 128, "torch-amp", "flash", "none")["live"]
+    three = one_step(cfg, 3, 128, "torch-amp", "flash", "none")["live"]
+    c0, c1 = p["live_after_forward"]
+    a, b = p["per_layer"]
+    assert c0 + 3 * c1 == two
+    assert a + 3 * b == three - two == one_block_at_3
 
 
 def test_cpu_attention_with_dropout_is_traced_with_the_math_kernel():

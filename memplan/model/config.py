@@ -3,7 +3,7 @@ buffer terms need, and the checks a config passes before any builder (or a trace
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 from memplan.errors import ConfigError
@@ -62,11 +62,12 @@ _STRUCTURAL = {"hidden_size": 1 << 20, "n_embd": 1 << 20, "d_model": 1 << 20, "n
 _FLAGS = ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_bias", "bias")
 
 
-def check_config(config: Mapping[str, Any]) -> None:
+def check_config(config: Mapping[str, Any], built: Collection[str] = ()) -> None:
     """The checks every builder applies to a config.json before building (analytic, meta device, or a trace):
     structural sizes are positive integers within reach of a real model, flags are booleans, the attention
     heads divide the hidden size where no head_dim is given and the key/value heads divide the heads (as
-    transformers' attention modules require)."""
+    transformers' attention modules require). ``built``: the model types memplan builds from their fields
+    (model/families.py BUILDERS), whose core sizes must be given."""
     for key, most in _STRUCTURAL.items():
         v = config.get(key)
         if v is None:
@@ -87,7 +88,7 @@ def check_config(config: Mapping[str, Any]) -> None:
     kv = config.get("num_key_value_heads")
     if heads and kv and heads % kv:
         raise ConfigError(f"num_key_value_heads ({kv}) must divide num_attention_heads ({heads})")
-    _check_core_sizes(config)
+    _check_core_sizes(config, built)
     for key in ("rope_scaling", "rope_parameters"):
         if config.get(key) is not None:
             _check_rope(config[key], key)
@@ -99,13 +100,11 @@ _CORE = {"hidden size": ("hidden_size", "n_embd", "d_model"), "layer count": ("n
          "attention head count": ("num_attention_heads", "n_head")}
 
 
-def _check_core_sizes(config: Mapping[str, Any]) -> None:
+def _check_core_sizes(config: Mapping[str, Any], built: Collection[str]) -> None:
     """A config of a family memplan builds itself must give its hidden size, layer count and head count: without
     them transformers' config class would fill in its defaults (LlamaConfig: a 7B model's 4096 x 32 x 32), which
     sizes some other model than the file's."""
-    from memplan.model.families import BUILDERS
-
-    if config.get("model_type") not in BUILDERS:
+    if config.get("model_type") not in built:
         return
     missing = [f"{what} ({' or '.join(names)})" for what, names in _CORE.items()
                if not any(config.get(n) is not None for n in names)]

@@ -338,7 +338,7 @@ def build_inventory(source: ModelSource, builder: str = "auto") -> ParamInventor
             raise ConfigError("a factory module can only be built on the meta device (--builder meta)")
         return _factory_inventory(source.factory or "")
     config = source.config or {}
-    check_config(config)
+    check_config(config, families.BUILDERS)
     from memplan.model import tasks
 
     task = tasks.task_of(config)  # a head memplan does not model is refused here, by name

@@ -14,7 +14,6 @@ from memplan.tracing.step import one_step
 from memplan.tracing_keys import PROFILE_VERSION, trace_dtypes
 
 
-_envelope = envelope  # tracing/explain.py's name for it
 
 
 _HETEROGENEOUS_KEYS = ("first_k_dense_replace", "layer_types", "mlp_only_layers", "decoder_sparse_step",

@@ -4,8 +4,8 @@ peak with the run's measured torch.cuda.max_memory_reserved.
     python bench/allocator_replay.py [--shared ../shared/gpu]
 
 Streams: ../shared/gpu/traces/*.jsonl.gz (4 runs) and bench/gpu/traces/*.jsonl.gz (4 runs of session 10 and 7 of
-session 17 on the H100; session 23's 26 runs on an H200: bench/gpu/device/cases23.tsv and run23c.sh), one JSON array per event, [action, address, size, stream], from before the model is built to the
-end of step 4 (bench/gpu/device/case.py with SNAPSHOT=full:PATH).
+session 17 on the H100; session 23's 26 runs on an H200: bench/gpu/cases23.tsv and run23c.sh), one JSON array per event, [action, address, size, stream], from before the model is built to the
+end of step 4 (lab/gpu-runs/case.py with SNAPSHOT=full:PATH).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ STREAMS = {
     "phi3_fsdp_full": ("phi3-mini-4l.json", "fsdp2", "full", 4, 2048, "none"),
     "phi2_ddp_amp": ("phi-2-6l.json", "ddp", "amp", 4, 2048, "none"),
     "olmo2_fsdp_gradop_rc": ("olmo2-1b.json", "fsdp2", "gradop", 4, 2048, "full"),
-    # session 17 (.whl/go.sh with bench/gpu/device/case.py, SNAPSHOT=full): the runs whose reserved peak the
+    # session 17 (.whl/go.sh with lab/gpu-runs/case.py, SNAPSHOT=full): the runs whose reserved peak the
     # replay missed, and three ZeRO-Offload runs
     "gpt2_z2": ("gpt2.json", "deepspeed", '{"stage": 2}', 16, 1024, "none"),
     "smollm2_ddp": ("smollm2-135m.json", "ddp", "amp", 8, 4096, "none"),
@@ -48,7 +48,7 @@ STREAMS = {
 
 
 def cases_file_streams(path: Path) -> dict[str, tuple]:
-    """A device cases file's runs (bench/gpu/device/run23.sh: name, model, framework, mode, micro-batch, seq,
+    """A device cases file's runs (lab/gpu-runs/run23.sh: name, model, framework, mode, micro-batch, seq,
     recompute, attention[, PYTORCH_CUDA_ALLOC_CONF]), each stream named as its case."""
     out = {}
     for line in path.read_text().splitlines():
@@ -58,10 +58,10 @@ def cases_file_streams(path: Path) -> dict[str, tuple]:
     return out
 
 
-STREAMS.update(cases_file_streams(ROOT / "bench" / "gpu" / "device" / "cases23.tsv"))
-# bench/gpu/device/run23c.sh: a bare fully_shard(model), and ZeRO-3 with memory_efficient_linear false
+STREAMS.update(cases_file_streams(ROOT / "bench" / "gpu" / "cases23.tsv"))
+# lab/gpu-runs/run23c.sh: a bare fully_shard(model), and ZeRO-3 with memory_efficient_linear false
 STREAMS["l8b_fsdp_rootauto"] = ("llama-3-8b-4l.json", "fsdp2", "full", 2, 4096, "none", "root:auto")
-# bench/gpu/device/run23d.sh: the two DDP runs the replay, as they released their first buckets, is >3% under
+# lab/gpu-runs/run23d.sh: the two DDP runs the replay, as they released their first buckets, is >3% under
 STREAMS["olmoe_ddp_amp"] = ("olmoe-2l.json", "ddp", "amp", 4, 2048, "none")
 STREAMS["phi2_ddp_fp32"] = ("phi-2-6l.json", "ddp", "fp32", 2, 2048, "none")
 STREAMS["q7_z3mb1_aten"] = ("qwen2.5-7b-4l.json", "deepspeed", '{"stage": 3, "memory_efficient_linear": false}', 1, 512,

@@ -94,7 +94,7 @@ VALIDATE_RUNS = {
     "qwen3z2": ("qwen3-0.6b.json", dict(stage=2, micro_batch=2, seq_len=2048)),
     "gemma3fsdp": ("gemma3-1b.json", dict(strategy="fsdp-full", micro_batch=2, seq_len=1024)),
     "olmoe3": ("olmoe-2l.json", dict(stage=3, micro_batch=2, seq_len=2048, recompute="full")),
-    # .gpu/run6.sh (bench/gpu/device/run6.sh), with this session's final kernels
+    # .gpu/run6.sh (lab/gpu-runs/run6.sh), with this session's final kernels
     "smollm2fp32": ("smollm2-135m.json", dict(strategy="ddp", precision="fp32", micro_batch=2, seq_len=2048)),
     "falcon2": ("falcon-7b-4l.json", dict(strategy="ddp", precision="torch-amp", micro_batch=2, seq_len=2048)),
     "qwen3fp32": ("qwen3-0.6b.json", dict(strategy="ddp", precision="fp32", micro_batch=2, seq_len=1024)),
@@ -278,8 +278,8 @@ def write_doc(rows: list, summary: str, vrows: list, rsum: str = "", oom: list |
         f"{platform.machine()}, torch {torch.__version__}, transformers {transformers.__version__}). Measured: one H100 80GB HBM3, "
         "torch 2.11.0+cu130, transformers 5.23.0, DeepSpeed 0.19.8, one process, NCCL world 1, steps 3 and 4 after two "
         "warm-up steps (../shared/gpu/README.md: `shared`; this repository's bench/gpu/truth-extra.jsonl: `bench/gpu`, "
-        "architectures and settings not in the shared set, measured the same way with bench/gpu/device/case.py and the run*.sh beside it). "
-        "Rows marked `(H200)` ran on an H200 (143,771 MiB, session 23, bench/gpu/device/run23.sh): the same Hopper "
+        "architectures and settings not in the shared set, measured the same way with lab/gpu-runs/case.py and the run*.sh beside it). "
+        "Rows marked `(H200)` ran on an H200 (143,771 MiB, session 23, lab/gpu-runs/run23.sh): the same Hopper "
         "architecture (sm90: the same kernels, cuBLAS workspace and allocator) and software; they are predicted "
         "with `--gpu h200-141g`, whose capacity torch reports was measured then (bench/gpu/context-h200.json).",
         "",
@@ -321,7 +321,7 @@ def write_doc(rows: list, summary: str, vrows: list, rsum: str = "", oom: list |
         "configuration (gpt2, micro-batch 16) did each in one of two runs, so the verdict takes the later release "
         "and `as the run released` is the replay of the order the run took (its step 2 allocated peak shows it).",
         "",
-        "The last nine bench/gpu rows (bench/gpu/device/run7.sh, cases7.tsv) were measured after the replay was "
+        "The last nine bench/gpu rows (lab/gpu-runs/run7.sh, cases7.tsv) were measured after the replay was "
         "written, as a blind check: as first predicted, eight were within 1% of their reserved peak as the run "
         "released (0.00% to +1.00%), and phi3-mini-4l under ZeRO-1 was 6.94% under. It showed that ZeRO-1 without "
         "overlap_comm takes its gradients into the bucket only at the end of backward (stage_1_and_2.py "
@@ -377,7 +377,7 @@ def write_doc(rows: list, summary: str, vrows: list, rsum: str = "", oom: list |
         "they come back only once the watchdog sees it done, inside step 2. The verdict's figure is that order; "
         "`reserved.variants` in the JSON has both.",
         "",
-        "Blind check, session 23 (H200): session 17's 15 cases and 9 more (bench/gpu/device/cases23.tsv: DeepSpeed "
+        "Blind check, session 23 (H200): session 17's 15 cases and 9 more (bench/gpu/cases23.tsv: DeepSpeed "
         "stage 0 in bf16 and fp16, ZeRO-3 with only the parameters offloaded, ZeRO-2 offload at micro-batch 1 with "
         "llama-3-8b's 525M-element vocabulary, two expandable_segments runs, and the two runs the replay missed "
         "most) were predicted and committed before they ran (bench/gpu/blind-session23.json, commit d700075; "
@@ -401,7 +401,7 @@ def write_doc(rows: list, summary: str, vrows: list, rsum: str = "", oom: list |
         "hook makes them again, into freed logits segments. memplan now marks where the traced forward returned "
         "(a `fwd_end` event), frees and re-makes the root there, and takes `--fsdp-root-reshard same|auto` "
         "(default same; auto for a script's bare fully_shard(model)). The allocated peak does not move; the "
-        "engine adds the re-unshard as a moment. Checked the other way (bench/gpu/device/run23c.sh, its "
+        "engine adds the re-unshard as a moment. Checked the other way (lab/gpu-runs/run23c.sh, its "
         "prediction written in the script before the run): the same job with a bare fully_shard(model) reserved "
         "60,886,614,016 B, what `--fsdp-root-reshard auto` predicts, to the byte.",
         "- qwen2.5-7b-4l ZeRO-3 micro-batch 1 (q7_z3mb1): DeepSpeed replaces F.linear with "
@@ -423,7 +423,7 @@ def write_doc(rows: list, summary: str, vrows: list, rsum: str = "", oom: list |
         "differs from the replay by ~16 MB in the forward's lifetimes (some 16-18 MiB requests the replay makes "
         "below 10 MiB), not yet traced to its op. The two DDP runs whose replay as released is more than 3% under "
         "(olmoe-2l amp -4.06%, phi-2-6l fp32 -3.47%) were run again on the H200 with their streams recorded "
-        "(bench/gpu/device/run23d.sh; bench/gpu/traces/olmoe_ddp_amp, phi2_ddp_fp32): both reserved what the "
+        "(lab/gpu-runs/run23d.sh; bench/gpu/traces/olmoe_ddp_amp, phi2_ddp_fp32): both reserved what the "
         "H100 did, to the byte. In olmoe's the replay parts from the run at the head's fp32 gradient in step 1: the "
         "run finds 436,207,616 B free in one segment where the replay finds 402,653,184 B, 32 MiB less, a cuBLAS "
         "workspace's size; not fixed yet.",
@@ -489,7 +489,7 @@ def write_doc(rows: list, summary: str, vrows: list, rsum: str = "", oom: list |
         "",
         "The table's runs synchronize the device after every step (gpu_case.py). A training loop does not, so the "
         "host may reach DDP's bucket rebuild while step 1's all-reduce still holds the first buckets. Nine "
-        "configurations were measured again with no synchronize between the four steps (bench/gpu/device/case.py "
+        "configurations were measured again with no synchronize between the four steps (lab/gpu-runs/case.py "
         "NOSYNC=1, bench/gpu/truth-nosync.jsonl, session 23 on the H200):",
         "",
         "| config | framework | mode | mb | seq | recompute | reserved, loop | reserved, synchronized | verdict's "

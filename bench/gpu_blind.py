@@ -1,6 +1,6 @@
 """Predict a device cases file before it is measured (a blind check), and compare those predictions afterwards.
 
-    python bench/gpu_blind.py predict bench/gpu/device/cases23.tsv bench/gpu/blind-session23.json
+    python bench/gpu_blind.py predict bench/gpu/cases23.tsv bench/gpu/blind-session23.json
     python bench/gpu_blind.py compare bench/gpu/blind-session23.json TRUTH_NEW.jsonl
     python bench/gpu_blind.py compare bench/gpu/blind-session23.json bench/gpu/truth-extra.jsonl
 

@@ -160,7 +160,7 @@ class CudaAutocast:
         leaves, spec = tree_flatten((args, kwargs))
         out = list(leaves)
         # in the order the AutocastCUDA kernel cast them (the probe's record: right to left, as the compiled
-        # kernels evaluate their calls' arguments; bench/autocast_cast_order.py): linear's bias, weight, input
+        # kernels evaluate their calls' arguments; lab/probes/autocast_cast_order.py): linear's bias, weight, input
         for i, dtype in casts.items():
             t = out[i] if i < len(out) else None
             if isinstance(t, torch.Tensor) and t.dtype != dtype:

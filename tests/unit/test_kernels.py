@@ -1,5 +1,5 @@
 """memplan.kernels against what an H100 (torch 2.11.0+cu130, cuDNN 9.19) measured: SDPA's backend choice for
-17,730 calls, and the bytes each fused backend saves and allocates (tests/data, made by bench/gpu/device/probe2.py)."""
+17,730 calls, and the bytes each fused backend saves and allocates (tests/data, made by lab/gpu-runs/probe2.py)."""
 
 from __future__ import annotations
 

@@ -170,7 +170,7 @@ def test_fsdp2_root_resharded_after_forward_when_given_the_blocks_value() -> Non
     same, s = _replay(cfg, 2, 4096, **kw)
     assert same.peak_bytes == 56_681_824_256
     auto, _ = _replay(cfg, 2, 4096, torch_overrides={"fsdp_root_reshard": "auto"}, **kw)
-    # a bare fully_shard(model) keeps the root: measured so too (H200, bench/gpu/device/run23c.sh, ROOT_AUTO=1)
+    # a bare fully_shard(model) keeps the root: measured so too (H200, lab/gpu-runs/run23c.sh, ROOT_AUTO=1)
     assert auto.peak_bytes == 60_886_614_016
     # the allocated peak is the same either way: the root is unsharded again before the loss's backward
     from memplan import accounting

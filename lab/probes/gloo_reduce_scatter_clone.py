@@ -6,7 +6,7 @@ GPU run does not: the engine, modelling NCCL, is that much under on those rows (
 offload with full recompute, -0.72%). One bf16 reduce-scatter of 196,608 elements (gpt2's c_attn at hidden 256)
 on a world of one, its allocations from the profiler:
 
-usage: python bench/gloo_reduce_scatter_clone.py   (prints aten::clone 393216: 2 bytes x 196,608)
+usage: python lab/probes/gloo_reduce_scatter_clone.py   (prints aten::clone 393216: 2 bytes x 196,608)
 """
 import os, torch, torch.distributed as dist
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("PORT", "29777"))

@@ -4,10 +4,10 @@
 # cases23.tsv: lane A takes every case predicted above 46 GB reserved, the largest first, lane B the rest,
 # smallest first). An optional 9th column is the run's PYTORCH_CUDA_ALLOC_CONF.
 # Prepare here as run17.sh says (.whl with the wheels, .whl/conf, .whl/case.py); on the device, carrying .whl:
-#   bash bench/gpu/device/run23.sh bench/gpu/device/cases23.tsv bench/gpu/blind-session23.json 330
+#   bash lab/gpu-runs/run23.sh bench/gpu/cases23.tsv bench/gpu/blind-session23.json 330
 # Out: $OUT/truth_new.jsonl ({"name", "alloc_conf", "r": case.py's line}), $OUT/traces.tar, $OUT/lanes.log.
 tsv=$(realpath "$1"); blind=$(realpath "$2"); budget=${3:-330}
-cd "$(dirname "$0")/../../../.whl" || exit 1
+cd "$(dirname "$0")/../../.whl" || exit 1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site ./*.whl && export PYTHONPATH=/tmp/site || exit 1
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader

@@ -1,9 +1,9 @@
 #!/bin/bash
 # Session 23, device call 5: the event streams of the two DDP runs whose replay, as they released their first
 # buckets, is more than 3% under (olmoe-2l amp mb4 -4.06%, phi-2-6l fp32 mb2 -3.47%; docs/accuracy-gpu.md).
-# Carrying .whl (prepared as run17.sh says): bash bench/gpu/device/run23d.sh
+# Carrying .whl (prepared as run17.sh says): bash lab/gpu-runs/run23d.sh
 # Out: $OUT/truth_ddp.jsonl ({"name", "r"}), $OUT/traces.tar.
-cd "$(dirname "$0")/../../../.whl" || exit 1
+cd "$(dirname "$0")/../../.whl" || exit 1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site ./*.whl && export PYTHONPATH=/tmp/site || exit 1
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 mkdir -p /tmp/tr

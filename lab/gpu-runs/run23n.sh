@@ -1,10 +1,10 @@
 #!/bin/bash
 # Session 23, device call 3: the capacity and context figures of this GPU (../shared/gpu/context.py), then cases
 # measured as a training loop runs them (case.py with NOSYNC=1: no synchronize between steps), one after another.
-#   bash bench/gpu/device/run23n.sh bench/gpu/device/cases23n.tsv 200      (carrying .whl, prepared as run17.sh says)
+#   bash lab/gpu-runs/run23n.sh lab/gpu-runs/cases23n.tsv 200      (carrying .whl, prepared as run17.sh says)
 # Out: $OUT/context.json, $OUT/truth_nosync.jsonl ({"name", "r": case.py's line}).
 tsv=$(realpath "$1"); budget=${2:-200}
-cd "$(dirname "$0")/../../../.whl" || exit 1
+cd "$(dirname "$0")/../../.whl" || exit 1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site ./*.whl && export PYTHONPATH=/tmp/site || exit 1
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader

@@ -2,9 +2,9 @@
 # Session 23, device call 4: the two settings the session's fixes predict the other way, each checked once:
 # llama-3-8b-4l FSDP2 with a bare fully_shard(model) (ROOT_AUTO=1; memplan --fsdp-root-reshard auto predicts
 # 60,886,614,016 B reserved) and qwen2.5-7b-4l ZeRO-3 mb1 with memory_efficient_linear false (aten's linear:
-# 46,070,235,136 B). Carrying .whl (prepared as run17.sh says): bash bench/gpu/device/run23c.sh
+# 46,070,235,136 B). Carrying .whl (prepared as run17.sh says): bash lab/gpu-runs/run23c.sh
 # Out: $OUT/truth_check.jsonl ({"name", "r"}), $OUT/traces.tar.
-cd "$(dirname "$0")/../../../.whl" || exit 1
+cd "$(dirname "$0")/../../.whl" || exit 1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site ./*.whl && export PYTHONPATH=/tmp/site || exit 1
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 mkdir -p /tmp/tr

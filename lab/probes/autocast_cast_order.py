@@ -1,6 +1,6 @@
 """The order in which PyTorch's AutocastCUDA kernels cast their arguments, probed on this machine (no GPU).
 
-    python bench/autocast_cast_order.py
+    python lab/probes/autocast_cast_order.py
 
 memplan.substitutes.CudaAutocast runs each op's real AutocastCUDA kernel on fake CUDA tensors and records its
 _to_copy calls. The record's order shows the compiled kernels cast right to left (C++ leaves the evaluation order of
@@ -17,7 +17,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
 def main() -> None:

@@ -231,7 +231,7 @@ CASES = [
     ("vit image-cls, 1 rank, fp32", VIT, dict(gpus=1, precision="fp32", seq_len=None), {}, {}, "full"),
     ("vit image-cls fsdp-full, fp32", VIT, dict(strategy="fsdp-full", precision="fp32", seq_len=None), {}, {},
      "none"),
-    # session 28: every schedule of torch.distributed.pipelining (memplan/pipeline.py), at 2 and 4 stages
+    # session 28: every schedule of torch.distributed.pipelining (memplan/parallel/schedules.py), at 2 and 4 stages
     ("fsdp-full pp 2 looped-bfs, 4 micro-batches", LLAMA4,
      dict(strategy="fsdp-full", grad_accum=4, parallel=Parallel(pp=2, schedule="looped-bfs")), {}, {}, "none"),
     ("fsdp-full pp 2 interleaved-zb, 4 micro-batches", LLAMA4,

@@ -15,7 +15,8 @@ from dataclasses import replace
 from typing import Any
 
 from memplan import activations as act
-from memplan import frameworks, layouts, pipeline
+from memplan import frameworks, layouts
+from memplan.parallel import schedules
 from memplan.frameworks.common import FrameworkModel, Grads, Job, OffloadedGrads, StepIn
 from memplan.model.inventory import ParamInventory
 from memplan.precision import step_temporaries
@@ -382,7 +383,7 @@ def host_fits(inv: ParamInventory, s: Settings) -> bool | None:
 
 class Layout:
     """A model-parallel job as given (``inventory``, ``settings``) and each pipeline rank's share with the settings
-    its data-parallel group runs (memplan/parallel.py)."""
+    its data-parallel group runs (memplan/parallel/)."""
 
     __slots__ = ("inventory", "settings", "name", "dp", "dp_per_node", "ranks", "plans", "worst", "unsharded",
                  "dominated", "_at")
@@ -430,7 +431,7 @@ class Layout:
                 def load(moment: tuple[tuple[int, ...], int, str]) -> int:
                     counts, cur, kind = moment
                     graph = 0
-                    if kind == pipeline.I:  # the input-gradient step keeps its graph (below)
+                    if kind == schedules.I:  # the input-gradient step keeps its graph (below)
                         n = len(share.chunks[cur].layers)
                         graph = par.zero_bubble_grads(share.inventory.dims, n, s.seq_len, rc.compute_bytes) \
                             + n * kept[cur][4]
@@ -447,7 +448,7 @@ class Layout:
                 counts[cur] -= 1
                 others = tuple((pr, n) for pr, n in zip(profs, counts) if n)
             else:
-                inner, others, fewer, kind = chunk_profile(share.layers, share.last), (), 0, pipeline.B
+                inner, others, fewer, kind = chunk_profile(share.layers, share.last), (), 0, schedules.B
             per_block = par.sp_saving(inv.dims, p, self.name, rc.residual_bytes, rc.compute_bytes)
             k = act.checkpointed_blocks(s.recompute, share.layers)
             h = inv.dims.get("hidden_size", 0)
@@ -474,7 +475,7 @@ class Layout:
             # one adds its bound
             ring_f, ring_b = (0, 0) if loss_prof is not None else par.ring_attention(share.inventory.dims, p,
                                                                                       s.seq_len, rc.compute_bytes)
-            if kind == pipeline.I and p.pp > 1:
+            if kind == schedules.I and p.pp > 1:
                 # the input-gradient step keeps its linears' output gradients for the weight-gradient step, while
                 # the stage's largest chunk runs its backward (per micro-batch of 1)
                 # ... and frees none of the micro-batch's activations until then (the graph retained): the
@@ -488,12 +489,12 @@ class Layout:
                 # what the rank's replay walks (frameworks/pipeline_replay.py): each stage's traced step, the output
                 # fwd_cache keeps and what a split backward's input step keeps for W; the receive buffers, one per
                 # micro-batch for each stage's input (after the first) and output gradient (before the last)
-                stages = tuple(pipeline.StagePart(
+                stages = tuple(schedules.StagePart(
                     profs[k] if v > 1 else inner, len(c.layers), c.first, c.last,
                     s.seq_len * par.stage_output(inv.dims, p, self.name, c.last, rc),
                     par.zero_bubble_grads(share.inventory.dims, len(c.layers), s.seq_len, rc.compute_bytes))
                     for k, c in enumerate(share.chunks))
-                actions = pipeline.RankSchedule(
+                actions = schedules.RankSchedule(
                     p.schedule, p.pp, s.grad_accum, p.virtual if p.multi_stage else 1, share.rank,
                     par.sp_tokens(s.seq_len, p) * h * rc.residual_bytes,
                     s.grad_accum * sum((not c.first) + (not c.last) for c in share.chunks), p.sp and p.tp > 1)

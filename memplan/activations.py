@@ -192,7 +192,7 @@ def analytic_profile(dims: dict, *, micro_batch: int, seq_len: int, compute_byte
     inter = dims.get("intermediate_size") or 4 * h
     kv_dim = h * dims.get("num_kv_heads", heads) // heads
     q_dim = h
-    if dims.get("head_dim"):  # a tensor-parallel rank's heads (memplan/parallel.py rank_dims)
+    if dims.get("head_dim"):  # a tensor-parallel rank's heads (memplan/parallel/tensor.py rank_dims)
         q_dim, kv_dim = heads * dims["head_dim"], dims.get("num_kv_heads", heads) * dims["head_dim"]
     tokens = micro_batch * seq_len
     attn_elems = h + (q_dim + 2 * kv_dim) + q_dim  # normed input, q/k/v, output
@@ -459,7 +459,7 @@ class HeldProfile:
     inner: Any
     held: int  #: micro-batches in flight, the current one included
     saved_less: int = 0  #: bytes per micro-batch of 1, each micro-batch in flight
-    #: bytes per micro-batch of 1 more in the loss's backward (DTensor's loss_parallel: memplan/parallel.py
+    #: bytes per micro-batch of 1 more in the loss's backward (DTensor's loss_parallel: memplan/parallel/
     #: loss_parallel_extra)
     loss_extra: int = 0
     #: bytes per micro-batch of 1 of the stage's output, which torch.distributed.pipelining keeps from the end of a
@@ -475,7 +475,7 @@ class HeldProfile:
     #: bytes each held micro-batch's saved tensors count that the micro-batches in flight share, once (autocast's
     #: weight casts, cached for the autocast region a pipeline step runs in)
     shared: int = 0
-    #: context parallelism's ring attention (memplan/parallel.py ring_attention): bytes per micro-batch of 1 alive
+    #: context parallelism's ring attention (memplan/parallel/context.py ring_attention): bytes per micro-batch of 1 alive
     #: during a block's attention beyond the local kernel's own, in forward (and in a recomputed forward) and in
     #: backward; transients, so on the forward peak and the moments inside a block, not on what is saved
     ring_forward: int = 0

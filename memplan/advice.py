@@ -157,7 +157,7 @@ def _offload(plan: Any) -> list[Change]:
 
 def _model_parallel(plan: Any) -> list[Change]:
     """Twice the pipeline stages, or twice the tensor-parallel ranks within a node, on the same GPUs (the
-    data-parallel size halves): where the strategy runs them (memplan/parallel.py layout_of). Estimated only where
+    data-parallel size halves): where the strategy runs them (memplan/parallel/layout.py layout_of). Estimated only where
     their ranks' activation profiles are cached (``_trace`` False: a suggestion never imports torch to trace)."""
     from memplan import parallel as par
 

@@ -50,7 +50,7 @@ CpuIsa = Annotated[Optional[str], typer.Option("--cpu-isa", help="device cpu: th
                                                "machine's].")]
 Json = Annotated[bool, typer.Option("--json", help="Print JSON on stdout.")]
 
-# model parallelism (memplan/parallel.py)
+# model parallelism (memplan/parallel/)
 Tp = Annotated[Optional[int], typer.Option("--tp", help="Tensor-parallel degree [default: 1].")]
 Pp = Annotated[Optional[int], typer.Option("--pp", help="Pipeline-parallel degree (stages) [default: 1].")]
 Vpp = Annotated[Optional[int], typer.Option("--vpp", help="Pipeline stages per rank for a schedule that runs several "
@@ -71,7 +71,7 @@ Schedule = Annotated[Optional[str], typer.Option("--schedule", help="Pipeline sc
 
 
 def parallel_of(values: dict[str, Any]) -> Any:
-    """The model-parallel degrees the options give (memplan/parallel.py Parallel), None when none is given."""
+    """The model-parallel degrees the options give (memplan/parallel/degrees.py Parallel), None when none is given."""
     tp, pp, vpp, sp, schedule, ep, cp = (values.get(k) for k in ("tp", "pp", "vpp", "sp", "schedule", "ep", "cp"))
     lp = values.get("loss_parallel")
     if tp is None and pp is None and vpp is None and not sp and schedule is None and lp is None and ep is None \
@@ -84,7 +84,7 @@ def parallel_of(values: dict[str, Any]) -> Any:
         raise SettingsError("--sp needs --tp above 1: sequence parallelism splits the norms' and residuals' "
                             "activations over the tensor-parallel ranks")
     if schedule is not None:  # memplan's names or torch's (get_schedule_class: "Interleaved1F1B", "ZBVZeroBubble")
-        from memplan.pipeline import canonical
+        from memplan.parallel.schedules import canonical
 
         schedule = canonical(schedule) or schedule
     return Parallel(tp=1 if tp is None else tp, pp=1 if pp is None else pp, ep=1 if ep is None else ep,

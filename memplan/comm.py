@@ -261,7 +261,7 @@ def model_parallel(layout: Any, rank: int) -> list[dict[str, Any]]:
         sends = sum((0 if ch.last else 1) + (0 if ch.first else 1) for ch in share.chunks)
         # consecutive stages are dp x tp ranks apart (the mesh [pp, dp, tp])
         inter = layout.dp * p.tp >= c.ranks_per_node and c.gpus > c.ranks_per_node
-        # each the TP rank's share of the sequence under sequence parallelism (memplan/parallel.py sp_tokens)
+        # each the TP rank's share of the sequence under sequence parallelism (memplan/parallel/sequence.py sp_tokens)
         sent = s.micro_batch * sp_tokens(s.seq_len // p.cp, p) * h
         add("send", "pipeline: stage outputs forward, input gradients backward", 2, rc.residual_bytes * sent,
             m * sends, inter)

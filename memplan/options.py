@@ -902,7 +902,7 @@ def _honours_head_dim(model_type: str) -> bool:
 def _with_parallel(s: Settings, inv: ParamInventory, config: dict[str, Any] | None, p: Any, mode: str,
                    notes: list[str], trace: bool = True) -> Settings:
     """The settings with tensor / pipeline parallelism: the degrees checked, and the activation profiles of a TP
-    rank's model with and without the head traced (memplan/parallel.py rank_config), or analytic."""
+    rank's model with and without the head traced (memplan/parallel/tensor.py rank_config), or analytic."""
     from memplan import parallel as par
 
     if s.lora is not None:

@@ -47,7 +47,7 @@ class Plan:
     #: the caching allocator replayed (reserved.Reserved), or None with reserved_why saying why not
     reserved: Any = None
     reserved_why: str | None = None
-    #: under tensor or pipeline parallelism (memplan/parallel.py): this plan is the most loaded rank's (its share
+    #: under tensor or pipeline parallelism (memplan/parallel/): this plan is the most loaded rank's (its share
     #: of the model, its data-parallel group), and ``layout`` holds the job as given and every pipeline rank's
     #: figures (accounting.Layout)
     layout: Any = None

@@ -42,7 +42,7 @@ RANKING = ("the fewest GPUs first; at that count no recompute before full recomp
            "memplan/comm.py), then the simpler strategy, then the most headroom")
 
 
-#: the strategies a layout search combines with tensor and pipeline parallelism (memplan/parallel.py layout_of):
+#: the strategies a layout search combines with tensor and pipeline parallelism (memplan/parallel/layout.py layout_of):
 #: torchtitan's layout under FSDP2 and DDP, Megatron-DeepSpeed's under ZeRO-1
 LAYOUT_STRATEGIES = ("fsdp-full", "ddp", "zero1")
 #: the pipeline stages a layout search tries (torchtitan's and Megatron's largest published runs use up to 16)

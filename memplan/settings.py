@@ -225,7 +225,7 @@ class Settings:
     lora: Any = None
     #: DeepSpeed ZeRO-3 leaf modules' paths (memplan/model/z3_leaf.py), each fetched and released whole
     z3_leaves: tuple[str, ...] = ()
-    #: tensor / sequence / pipeline parallelism (memplan/parallel.py Parallel); None: data parallelism alone
+    #: tensor / sequence / pipeline parallelism (memplan/parallel/degrees.py Parallel); None: data parallelism alone
     parallel: Any = None
     #: a pipeline rank's receive buffers per sample of the micro-batch, allocated once and kept (memplan/
     #: parallel.py recv_buffers)

@@ -5,6 +5,7 @@ input, and the reshard after forward (True, False or a group size)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from memplan import layouts
 from memplan.errors import SettingsError

@@ -1,5 +1,5 @@
 """The reserved-peak replay of a pipeline rank under FSDP2, as torchtitan runs it with torch.distributed.pipelining:
-the rank's action list (memplan/pipeline.py, torch's own order) walked one action at a time through the caching
+the rank's action list (memplan/parallel/schedules.py, torch's own order) walked one action at a time through the caching
 allocator, each stage's traced step split at its forward's end.
 
 What each action does, from torch 2.13's sources:
@@ -49,7 +49,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from memplan import pipeline
+from memplan.parallel import schedules
 from memplan.allocator import Allocator, AllocatorConfig
 from memplan.frameworks.fsdp2_replay import (
     ROOT,
@@ -269,7 +269,7 @@ def replay(inv: Any, s: Any, config: AllocatorConfig) -> tuple[str, dict[str, Al
             numels.extend((i, p // n) for i, p in zip(g.params, g.padded))
         job = replay_job(inv, replace(s, activation_profile=part.profile, grad_accum=1), [])
         fwd, bwd = _split(job.step)
-        split = _input_only(fwd, bwd, s.micro_batch) if schedule in pipeline.SPLIT_BACKWARD else None
+        split = _input_only(fwd, bwd, s.micro_batch) if schedule in schedules.SPLIT_BACKWARD else None
         parts.append((job, fwd, bwd, block_groups, root_group, split))
     numels.sort()
     opt_job = replay_job(inv, replace(s, activation_profile=prof.stages[0].profile, grad_accum=1), [k for _, k in numels])
@@ -282,11 +282,11 @@ def replay(inv: Any, s: Any, config: AllocatorConfig) -> tuple[str, dict[str, Al
                     run.alloc(g.shard[g.params.index(i)])
     # the receive buffers, each [micro-batch, the rank's tokens, hidden] (parallel.recv_buffers' sizes)
     each, count = rs.recv_bytes * s.micro_batch, rs.recv_count
-    actions = pipeline.rank_actions(schedule, pp, m, per_rank, rank)
-    local = {g: k for k, g in enumerate(pipeline.rank_stages(schedule, pp, per_rank)[rank])}
+    actions = schedules.rank_actions(schedule, pp, m, per_rank, rank)
+    local = {g: k for k, g in enumerate(schedules.rank_stages(schedule, pp, per_rank)[rank])}
     last_backward = {}  # each stage's last B or W: its REDUCE_GRAD follows (_add_reduce_grad)
     for idx, (stage, kind, _) in enumerate(actions):
-        if kind in (pipeline.B, pipeline.W):
+        if kind in (schedules.B, schedules.W):
             last_backward[local[stage]] = idx
     states: list[Any] = []
     for step in range(MAX_STEPS):
@@ -307,7 +307,7 @@ def replay(inv: Any, s: Any, config: AllocatorConfig) -> tuple[str, dict[str, Al
             c = local[stage]
             job, fwd, bwd, _, _, split = parts[c]
             st = stages[c]
-            if kind == pipeline.F:
+            if kind == schedules.F:
                 offsets[c, mb] = run.offset()
                 st.begin_forward()
                 micro_step(run, job, 0, keep_grads=False, at=st.region, on_grad=st.on_grad,
@@ -316,7 +316,7 @@ def replay(inv: Any, s: Any, config: AllocatorConfig) -> tuple[str, dict[str, Al
                 # traced step lets go of it where the model returns: the last block's output, or the logits)
                 if prof.stages[c].output_bytes:
                     cached[c, mb] = run.alloc(prof.stages[c].output_bytes * s.micro_batch)
-            elif kind == pipeline.W:
+            elif kind == schedules.W:
                 # stage_backward_weight: the weight gradients, then the graph's saved tensors and the gradients
                 # the input step kept for it go
                 st.weight_step(split[2])
@@ -329,7 +329,7 @@ def replay(inv: Any, s: Any, config: AllocatorConfig) -> tuple[str, dict[str, Al
                     run.free(cached.pop((c, mb)))
                 st.begin_backward()
                 off = offsets.pop((c, mb))
-                if kind == pipeline.I:
+                if kind == schedules.I:
                     st.input_only = True
                     micro_step(run, job, 0, keep_grads=False, at=st.region, on_grad=st.on_grad,
                                on_forward_end=None, events=split[0], off=off)
@@ -353,7 +353,7 @@ def replay(inv: Any, s: Any, config: AllocatorConfig) -> tuple[str, dict[str, Al
         run.end_step()
         if step >= 1 and run.a.peak_reserved == before:
             break
-    name = "FSDP2 under " + pipeline.TORCH_NAMES[schedule]
+    name = "FSDP2 under " + schedules.TORCH_NAMES[schedule]
     if rs.sequence_parallel:
         # sequence parallelism: the stage's traced step is its TP share over the whole sequence (the engine takes
         # SP's split off its own figures, the events do not have it), as a TP rank's replay without pipelining is

@@ -1,5 +1,5 @@
 """Tensor and pipeline parallelism applied as torchtitan applies them (the rank's side of validate with --tp/--pp):
-a device mesh [pp, dp, tp]; each pipeline rank keeps its stages' modules (memplan/parallel.py's split, the same
+a device mesh [pp, dp, tp]; each pipeline rank keeps its stages' modules (memplan/parallel/pipeline.py's split, the same
 the estimate sizes); DTensor tensor parallelism on each block (torchtitan's llama plan: ColwiseParallel on
 q/k/v and gate/up, RowwiseParallel on o/down, the embedding split by vocabulary rows, the head column-parallel
 with its logits left sharded for loss_parallel); FSDP2 over the dp ranks (each block, then the stage's root);
@@ -187,7 +187,7 @@ def setup(spec: dict[str, Any], device: Any, build: Any, optimizer: Any, materia
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining.schedules import PipelineScheduleMulti, get_schedule_class
 
-    from memplan.pipeline import TORCH_NAMES
+    from memplan.parallel.schedules import TORCH_NAMES
 
     from transformers.loss.loss_utils import ForCausalLMLoss
 
@@ -201,7 +201,7 @@ def setup(spec: dict[str, Any], device: Any, build: Any, optimizer: Any, materia
         return ForCausalLMLoss(logits, target, vocab)
 
     m = spec["grad_accum"]
-    # memplan's schedule name -> torch's class (get_schedule_class, memplan/pipeline.py TORCH_NAMES)
+    # memplan's schedule name -> torch's class (get_schedule_class, memplan/parallel/schedules.py TORCH_NAMES)
     cls = get_schedule_class(TORCH_NAMES[spec["schedule"]])
     sched = cls(stages if issubclass(cls, PipelineScheduleMulti) else stages[0], n_microbatches=m, loss_fn=loss_fn)
     pipe = {"schedule": sched, "first": any(s.is_first for s in stages), "last": any(s.is_last for s in stages),

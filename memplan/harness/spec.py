@@ -171,7 +171,7 @@ def _parallel_spec(config: dict[str, Any], s: Settings, layout: Any, warmup_step
     one = replace(s, parallel=None, cluster=replace(s.cluster, gpus=layout.dp))
     spec = build_spec(config, one, warmup_steps=warmup_steps, measured_steps=measured_steps,
                       attn_implementation=attn_implementation)
-    from memplan.pipeline import rank_stages
+    from memplan.parallel.schedules import rank_stages
     from memplan.settings import reshard_after_forward
 
     spec["reshard_after_forward"] = reshard_after_forward(layout.ranks[0][2])  # the layout's (torchtitan's) default

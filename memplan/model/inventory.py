@@ -70,7 +70,7 @@ class ParamTensor:
     #: the FSDP unit that holds it where a size-based wrap policy makes units other than the blocks
     #: (model/wrap_units.py: the unit's module path, "<root>" for the root); "" otherwise: the block is the unit
     unit: str = ""
-    #: expert parallelism (memplan/parallel.py Parallel.ep): the tensor is already split this many ways across the
+    #: expert parallelism (memplan/parallel/degrees.py Parallel.ep): the tensor is already split this many ways across the
     #: data-parallel group (whole experts per EP rank), so its FSDP shard group is that group's size / shard_split
     #: (torchtitan's dp_shard_mod_ep mesh, transformers' efsdp); 1 otherwise
     shard_split: int = 1

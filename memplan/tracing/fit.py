@@ -8,7 +8,7 @@ from typing import Any
 from memplan import kernels as K
 from memplan.errors import SettingsError
 from memplan.kernels import Target
-from memplan.profile_fit import envelope, envelopes
+from memplan.profile_fit import envelopes
 from memplan.tracing.segments import alloc_events
 from memplan.tracing.step import one_step
 from memplan.tracing_keys import PROFILE_VERSION, trace_dtypes

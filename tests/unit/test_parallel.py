@@ -1,4 +1,4 @@
-"""Tensor and pipeline parallelism (memplan/parallel.py): each rank's tensors as the frameworks cut them, the
+"""Tensor and pipeline parallelism (memplan/parallel/): each rank's tensors as the frameworks cut them, the
 stage splits as torchtitan and DeepSpeed make them, the micro-batches in flight, and the bad input refused."""
 
 import json
@@ -118,16 +118,16 @@ def test_in_flight(schedule, m, layout, want):
 
 def test_schedule_rules_are_torchs():
     """What torch's schedule constructors refuse is one line naming the rule (exit 2 on the command line)."""
-    from memplan import pipeline
+    from memplan.parallel import schedules
 
     with pytest.raises(SettingsError, match="Schedule1F1B needs at least as many micro-batches as stages"):
-        pipeline.check("1f1b", 4, 2, 1)
+        schedules.check("1f1b", 4, 2, 1)
     with pytest.raises(SettingsError, match="multiple of its rounds"):
-        pipeline.check("interleaved", 4, 10 - 1, 2)
+        schedules.check("interleaved", 4, 10 - 1, 2)
     with pytest.raises(SettingsError, match="DualPipeV needs at least as many micro-batches as stages"):
-        pipeline.check("dualpipev", 4, 7, 2)
+        schedules.check("dualpipev", 4, 7, 2)
     with pytest.raises(SettingsError, match="exactly two"):
-        pipeline.check("zbv", 4, 8, 3)
+        schedules.check("zbv", 4, 8, 3)
 
 
 def test_interleaved_in_flight_follows_torch():

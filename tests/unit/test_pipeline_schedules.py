@@ -1,9 +1,9 @@
-"""memplan/pipeline.py's action lists against torch's own (torch.distributed.pipelining._schedule_visualizer
+"""memplan/parallel/schedules.py's action lists against torch's own (torch.distributed.pipelining._schedule_visualizer
 get_schedule_ops: the schedule classes' pipeline_order, built with mock stages, no process group)."""
 
 import pytest
 
-from memplan import pipeline
+from memplan.parallel import schedules
 from memplan.errors import SettingsError
 
 torch_vis = pytest.importorskip("torch.distributed.pipelining._schedule_visualizer")
@@ -25,14 +25,14 @@ CASES += [(s, pp, m, 2) for s in ("zbv", "dualpipev") for pp in (2, 3, 4, 8)
 @pytest.mark.parametrize("schedule,pp,m,v", CASES)
 def test_action_lists_are_torchs(schedule, pp, m, v):
     try:
-        pipeline.check(schedule, pp, m, v)
+        schedules.check(schedule, pp, m, v)
     except SettingsError:
         if schedule != "1f1b":  # Schedule1F1B checks in its constructor, which get_schedule_ops does not reach
             with pytest.raises(ValueError):
-                torch_vis.get_schedule_ops(pipeline.TORCH_NAMES[schedule], pp, m, v)
+                torch_vis.get_schedule_ops(schedules.TORCH_NAMES[schedule], pp, m, v)
         return
     theirs = []
-    for rank_ops in torch_vis.get_schedule_ops(pipeline.TORCH_NAMES[schedule], pp, m, v):
+    for rank_ops in torch_vis.get_schedule_ops(schedules.TORCH_NAMES[schedule], pp, m, v):
         ops = []
         for a in rank_ops:
             if a is None:
@@ -42,7 +42,7 @@ def test_action_lists_are_torchs(schedule, pp, m, v):
                     continue  # REDUCE_GRAD, after every backward
                 ops.append((sub.stage_index, _kind(sub.computation_type), sub.microbatch_index))
         theirs.append(ops)
-    ours = [list(pipeline.rank_actions(schedule, pp, m, v, r)) for r in range(pp)]
+    ours = [list(schedules.rank_actions(schedule, pp, m, v, r)) for r in range(pp)]
     if schedule == "1f1b":
         # Schedule1F1B._get_pipeline_order numbers the last rank's forwards from 1 (forward_mb += 1 before its
         # first use when there is no warm-up); _step_microbatches, which is what runs, forwards 0, 1, ... there
@@ -52,14 +52,14 @@ def test_action_lists_are_torchs(schedule, pp, m, v):
 
 
 def test_names():
-    assert pipeline.canonical("Interleaved1F1B") == "interleaved"
-    assert pipeline.canonical("zero-bubble") == "zbv"
-    assert pipeline.canonical("DualPipeV") == "dualpipev"
-    assert pipeline.canonical("nope") is None
+    assert schedules.canonical("Interleaved1F1B") == "interleaved"
+    assert schedules.canonical("zero-bubble") == "zbv"
+    assert schedules.canonical("DualPipeV") == "dualpipev"
+    assert schedules.canonical("nope") is None
 
 
 def test_held_moments_one_f_one_b():
     # rank 0 of 4 holds 4 micro-batches at its first backward, then 4 through the steady state, then fewer
-    held = [h[0][0] for h in pipeline.held_moments("1f1b", 4, 8, 1, 0)]
+    held = [h[0][0] for h in schedules.held_moments("1f1b", 4, 8, 1, 0)]
     assert held == [4, 4, 4, 4, 4, 3, 2, 1]
-    assert [h[0][0] for h in pipeline.held_moments("gpipe", 4, 8, 1, 3)] == [8, 7, 6, 5, 4, 3, 2, 1]
+    assert [h[0][0] for h in schedules.held_moments("gpipe", 4, 8, 1, 3)] == [8, 7, 6, 5, 4, 3, 2, 1]

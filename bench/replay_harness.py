@@ -115,14 +115,14 @@ def _rows(args, cases, log: Path) -> list[tuple]:
         r = json.loads(line)
         kept[(r[0], r[1], r[2])] = r
     inventories = []
-    wrapped = validation._with_lora
+    wrapped = validation.adapted_inventory
 
     def keep(inv, kw):
         out = wrapped(inv, kw)
         inventories.append(out)
         return out
 
-    validation._with_lora = keep
+    validation.adapted_inventory = keep
     rows = []
     for label, (model, scale), strat, ds, tk, rc in cases:
         if args.only and not label.startswith(args.only):
@@ -155,7 +155,7 @@ def _rows(args, cases, log: Path) -> list[tuple]:
         print(f"{label:32} {shown:22} {rc:8} {name:28} measured {measured:>13,} replay {peak:>13,} "
               f"{(peak - measured) / measured:+.2%} (engine {(plan.peak_bytes - measured) / measured:+.2%})",
               flush=True)
-    validation._with_lora = wrapped
+    validation.adapted_inventory = wrapped
     return rows
 
 

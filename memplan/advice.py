@@ -305,7 +305,7 @@ def _combination(valid: list[tuple[int, Change]], evaluate: Callable[[Change], d
                 if k in changes and changes[k] != v:
                     return None
                 changes[k] = v
-        return Change(" + ".join(c.label for c in chs), _flags_once([f for c in chs for f in c.flags]), changes,
+        return Change(" + ".join(c.label for c in chs), flags_once([f for c in chs for f in c.flags]), changes,
                       "; ".join(c.cost for c in chs), max(c.rank for c in chs))
 
     combos = [c for size in (2, 3) for c in combinations(range(len(valid)), size)
@@ -334,7 +334,7 @@ def _combination(valid: list[tuple[int, Change]], evaluate: Callable[[Change], d
     return None, tried
 
 
-def _flags_once(flags: list[str]) -> tuple[str, ...]:
+def flags_once(flags: list[str]) -> tuple[str, ...]:
     """Command-line flags with each option once: two changes of a combination that set the same option set it to
     the same value (merged() refuses the others), e.g. a smaller micro-batch's --grad-accum and more pipeline
     stages' own."""

@@ -44,7 +44,7 @@ def _ring(op: str, n: int, nbytes: int) -> int:
     return (2 if op == "all-reduce" else 1) * (n - 1) * nbytes // n  # all-to-all: (n - 1) / n of it leaves
 
 
-def _qwz_groups(numel: int) -> int:
+def qwz_groups(numel: int) -> int:
     """CUDAQuantizer.quantize's group count for a partition of ``numel`` int8 elements (partition_parameters.py,
     DeepSpeed 0.19.8): from ceil(numel / 8000) up to the first count whose 8 x count divides numel, then doubled
     while the groups stay above 8,000 elements; 0 where no count divides (DeepSpeed's assert)."""
@@ -70,7 +70,7 @@ def _qwz_scales(inv: Any, n: int, threshold: int) -> int:
             continue
         mod = t.name.rsplit(".", 1)[0]
         parts[mod] = parts.get(mod, 0) + -(-t.numel // n)
-    return sum(_qwz_groups(v) for v in parts.values())
+    return sum(qwz_groups(v) for v in parts.values())
 
 
 def communication(inv: Any, s: Settings) -> dict[str, Any]:

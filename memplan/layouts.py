@@ -245,7 +245,7 @@ def _layout_sizes(inv: ParamInventory, layout: str, n: int, threshold: int) -> L
         # first rank with the smallest total so far; the worst rank is predicted.
         # ``sizes.index(min(sizes))`` is the smallest (total, rank): a heap of the ranks given something, and the
         # lowest rank given nothing yet (every such rank totals 0), so a million ranks cost what eight do
-        members, worst = _greedy_whole(list(numels), n)
+        members, worst = greedy_whole(list(numels), n)
         shard, opt = psi, sum(numels[i] for i in members)
         shapes = tuple((tensors[i].shape, numels[i]) for i in members)
         largest = _pairs([numels[i] for i in members])  # its params, largest first
@@ -254,7 +254,7 @@ def _layout_sizes(inv: ParamInventory, layout: str, n: int, threshold: int) -> L
     return LayoutSizes(shard, opt, largest, persistent, matmul, shapes, partition_params)
 
 
-def _greedy_whole(numels: list[int], n: int) -> tuple[list[int], int]:
+def greedy_whole(numels: list[int], n: int) -> tuple[list[int], int]:
     """ZeroRedundancyOptimizer._partition_parameters over ``n`` ranks: (the worst rank's tensor indices, largest
     first; that rank). Each tensor, largest first (a stable sort), goes to ``sizes.index(min(sizes))``: the
     smallest total, the lowest rank among equals; the worst rank is ``sizes.index(max(sizes))``."""

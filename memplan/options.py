@@ -378,7 +378,7 @@ def _torch_knobs(overrides: dict[str, Any], strat: Any) -> TorchKnobs:
         raise SettingsError(f"--fsdp-root-reshard must be same or auto, got {quote(tk.fsdp_root_reshard)}")
     if tk.fsdp_wrap not in FSDP_WRAPS:
         tk = replace(tk, fsdp_wrap=_class_wrap_text(tk.fsdp_wrap) if str(tk.fsdp_wrap).startswith("class:")
-                     else _size_wrap(tk.fsdp_wrap))
+                     else size_wrap(tk.fsdp_wrap))
     fsdp = strat.framework.startswith("fsdp")
     either = tk.fsdp_wrap == "none" or tk.fsdp_wrap.startswith(("size:", "class:"))  # FSDP1 and FSDP2
     if tk.fsdp_wrap != "block" and not (fsdp and (tk.fsdp_version == 2 or either)):
@@ -579,7 +579,7 @@ def _class_paths(inv: ParamInventory, config: Any, wanted: list[str]) -> tuple[s
     return tuple(sorted({p for w in wanted for p in by_class[w]}))
 
 
-def _size_wrap(text: str) -> str:
+def size_wrap(text: str) -> str:
     """``size:N`` (torch's size_based_auto_wrap_policy, min_num_params=N; model/wrap_units.py) in its one spelling,
     N an integer number of parameters: 100000000, 1e8 or 100M."""
     head, _, num = str(text).partition(":")

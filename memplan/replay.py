@@ -35,7 +35,7 @@ class _Birth:
     kernel: tuple[str, tuple[tuple[int, int], ...]] | None = None
 
 
-def _regions(d: dict[str, Any], n: int) -> list[tuple[str, int, int, int]]:
+def stream_regions(d: dict[str, Any], n: int) -> list[tuple[str, int, int, int]]:
     """The template's regions in order as (kind, traced block, start, end) event indices: "pre" (embedding),
     "F" per block's forward, "mid" (final norm, head, loss and their backward), "B" per block's backward (last
     block first), "post" (the embedding's backward)."""
@@ -153,7 +153,7 @@ def _full_regions(regions: list[tuple[str, int, int, int]], expand: bool, depth:
     return full
 
 
-def _blas_guess(d: dict[str, Any], births: list[_Birth], region_of: list[int],
+def blas_guess(d: dict[str, Any], births: list[_Birth], region_of: list[int],
                regions: list[tuple[str, int, int, int]]) -> dict[str, int]:
     """Where a profile traced before the first cuBLAS calls were marked (LiveBytes.blas) has them: the forward's
     where the first block's forward begins; the backward's after the first birth of backward that does not grow
@@ -184,7 +184,7 @@ END_OF_REGION = 1 << 60
 def _expand_now(d: dict[str, Any], layers: int) -> list[tuple]:
     events = d["events"]
     n = len(events)
-    regions = _regions(d, n)
+    regions = stream_regions(d, n)
     region_of = [0] * n
     for r, (_, _, start, end) in enumerate(regions):
         for i in range(start, min(end, n)):
@@ -240,7 +240,7 @@ def _expand_now(d: dict[str, Any], layers: int) -> list[tuple]:
     counter = iter(range(1 << 62))
     # the forward's and the backward's first cuBLAS call, after the births before it: ("m", "ws", thread) there
     # (micro_step makes the thread's workspace at its first; a marker repeated with its block is ignored)
-    blas = {**_blas_guess(d, births, region_of, regions), **(d.get("blas") or {})}  # traced marks win
+    blas = {**blas_guess(d, births, region_of, regions), **(d.get("blas") or {})}  # traced marks win
     marks = {n - 1: thread for thread, n in blas.items() if n > 0}
     for thread, n in blas.items():
         if n <= 0:
@@ -700,7 +700,7 @@ def _workspace(run: Run, job: ReplayJob, thread: str) -> None:
     """A thread's cuBLAS workspace (the forward's "f", autograd's "b"), at its first cuBLAS call, kept for the
     run: at::cuda::getCurrentCUDABlasHandle gives each thread its handle and, at its first use on a stream, a
     workspace from the caching allocator (CUDABlas / CublasHandlePool.cpp), which lands in whatever block fits
-    at that moment (where the step marks a thread's first call: ("m", "ws", thread); _blas_guess for a profile
+    at that moment (where the step marks a thread's first call: ("m", "ws", thread); blas_guess for a profile
     traced before the calls were marked)."""
     if thread not in run.workspaces:
         run.workspaces.add(thread)

@@ -54,7 +54,7 @@ def local_blas_workspace() -> int:
     return default_blas_workspace(f"sm{major}{minor}")
 
 
-def _with_lora(inv: Any, resolve_kwargs: dict[str, Any]) -> Any:
+def adapted_inventory(inv: Any, resolve_kwargs: dict[str, Any]) -> Any:
     """The inventory with the job's LoRA adapters (resolve_kwargs["lora"]), as PEFT adds them."""
     spec = resolve_kwargs.get("lora")
     if spec is None:
@@ -73,7 +73,7 @@ def predict(model: str, *, layers: int | None = None, hidden: int | None = None,
     if src.kind == "factory":  # the user's own module: run as its factory builds it (no scaling)
         if layers or hidden or vocab:
             raise SettingsError("--layers, --hidden and --vocab scale a config.json; a factory module runs as built")
-        inv = _with_lora(sources.build_inventory(src), resolve_kwargs)
+        inv = adapted_inventory(sources.build_inventory(src), resolve_kwargs)
         config = sources.trace_config(src, inv)
         resolved = options.resolve(inv, device=device, config=config, **resolve_kwargs)
         return accounting.estimate(inv, resolved.settings), resolved, config, [], inv.num_params
@@ -84,7 +84,7 @@ def predict(model: str, *, layers: int | None = None, hidden: int | None = None,
     config, changes = scale_config(src.config, layers=layers, hidden=hidden, vocab=vocab)
     scaled = replace(src, config=config, checkpoint=(), description=src.description + (
         f" scaled ({'; '.join(changes)})" if changes else ""))
-    inv = _with_lora(sources.build_inventory(scaled), resolve_kwargs)
+    inv = adapted_inventory(sources.build_inventory(scaled), resolve_kwargs)
     resolved = options.resolve(inv, device=device, config=config, **resolve_kwargs)
     return accounting.estimate(inv, resolved.settings), resolved, config, changes, original.num_params
 

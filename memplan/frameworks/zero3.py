@@ -395,7 +395,7 @@ def buffers(job: Job, grads: Grads) -> BufferTimeline:
         # exists beside them, and a gradient larger than reduce_bucket_size is not moved into the contiguous
         # bucket but kept whole to its reduce (__add_grad_to_ipg_bucket). Measured with the harness: llama-3-8b at
         # 1 rank peaks at the head's, 10,485,760 B for its 1,048,576 elements; the replay (zero3_replay.py
-        # _ipg_bucket, measured on the H100: ../shared/gpu/traces/zero3_offload) has the same sequence.
+        # ipg_bucket, measured on the H100: ../shared/gpu/traces/zero3_offload) has the same sequence.
         # The bucket's reduce comes at the hook that would overflow it, so its gradients' copies come there, the
         # bucket's torch.cat beside them (bucket_flushes); the head's (untied, the final norm's with it) are in
         # the bucket as the blocks' backward begins, unless larger than it (reduced alone at the final norm's

@@ -34,7 +34,7 @@ def replay_zero3(job: ReplayJob, world: int, partitions: tuple[int, ...], sub_gr
 
     ``offload`` (offload_optimizer to the host): the fp32 partitions, their gradients and the flat gradient buffer
     are on the host (made there: a blocking copy converts on the host), the optimizer steps there; each bucket's
-    reduce copies every gradient partition to the host through the device (see _ipg_bucket).
+    reduce copies every gradient partition to the host through the device (see ipg_bucket).
     Measured: ../shared/gpu/traces/zero3_offload.
 
     ``host_params`` (offload_param, with the optimizer offloaded): the partitions live on the host too; each
@@ -51,7 +51,7 @@ def replay_zero3(job: ReplayJob, world: int, partitions: tuple[int, ...], sub_gr
                 at, end = host_params.micro_step(run, complete=n > 0 or m > 0)
             else:
                 at, gathered = _gathers(run, world, blocks, half, job, n == 0 and m == 0, roots)
-            on_grad, flush = _ipg_bucket(run, world, bucket, half, offload)
+            on_grad, flush = ipg_bucket(run, world, bucket, half, offload)
             micro_step(run, job, (n, m), keep_grads=False, at=at, on_grad=on_grad)
             flush()  # independent_gradient_partition_epilogue: the bucket's rest
             if host_params is not None:
@@ -391,7 +391,7 @@ class _Fetching:
 NORM_CHUNK = 250_000_000
 
 
-def _ipg_bucket(run: Run, world: int, bucket: int, half: int, offload: bool = False) -> tuple[Any, Any]:
+def ipg_bucket(run: Run, world: int, bucket: int, half: int, offload: bool = False) -> tuple[Any, Any]:
     """The gradient hooks' bucket (stage3.py reduce_independent_p_g_buckets_and_remove_grads): a gradient that
     would take the bucket past reduce_bucket_size reduces it first (__reduce_and_partition_ipg_grads ->
     __avg_scatter_grads -> comm/coalesced_collectives.py reduce_scatter_coalesced, on the reduce stream), which

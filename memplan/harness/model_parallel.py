@@ -42,7 +42,8 @@ def _stage_class() -> Any:
     return Stage
 
 
-def _tp(model: Any, blocks: list[Any], mesh: Any, sp: bool, whole: bool, loss_parallel: bool = True) -> None:
+def tensor_parallelize(model: Any, blocks: list[Any], mesh: Any, sp: bool, whole: bool,
+                       loss_parallel: bool = True) -> None:
     """torchtitan's llama tensor-parallel plan (torchtitan/models/llama3/infra/parallelize.py apply_tp) on the
     transformers module names; ``whole``: the model itself (not a stage) holds the embedding and the head."""
     from torch.distributed.tensor import Replicate, Shard
@@ -80,7 +81,7 @@ def _tp(model: Any, blocks: list[Any], mesh: Any, sp: bool, whole: bool, loss_pa
                 "self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
                                                 desired_input_kwarg_layouts={"hidden_states": Replicate()}),
                 "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))})
-        # a MoE block's mlp has no gate/up/down projections: its experts run expert parallelism (_ep)
+        # a MoE block's mlp has no gate/up/down projections: its experts run expert parallelism (expert_parallelize)
         names = {n for n, _ in blk.named_modules()}
         parallelize_module(blk, mesh, {k: v for k, v in plan.items() if k in names})
 
@@ -91,7 +92,7 @@ def experts_modules(model: Any) -> list[Any]:
             and getattr(getattr(m, "gate_up_proj", None), "dim", lambda: 0)() == 3]
 
 
-def _ep(model: Any, ep_mesh: Any, tp_mesh: Any) -> list[Any]:
+def expert_parallelize(model: Any, ep_mesh: Any, tp_mesh: Any) -> list[Any]:
     """transformers' expert-parallel plan (base_model_ep_plan: "grouped_gemm" on the fused weights, Shard(0) over
     the EP mesh, "ep_dispatch_experts" on the module: AllToAllEP in training; transformers/distributed/
     expert_parallel.py), as DistributedConfig(ep_size) applies it; the experts modules."""
@@ -139,7 +140,7 @@ def setup(spec: dict[str, Any], device: Any, build: Any, optimizer: Any, materia
     # experts: transformers' expert mesh (pp, efsdp, ep), efsdp = dp x tp / ep (distributed/utils.py)
     emesh = init_device_mesh(kind, (pp, dp * tp // ep, ep), mesh_dim_names=("pp", "efsdp", "ep")) if ep > 1 else None
     model = build(spec, on_meta=True)
-    experts = _ep(model, emesh["ep"], mesh["tp"]) if ep > 1 else []
+    experts = expert_parallelize(model, emesh["ep"], mesh["tp"]) if ep > 1 else []
     if ep > 1 and not experts:
         raise ValueError("--ep: the model has no fused experts module (.experts with a 3-D gate_up_proj) to split")
     p = par.Parallel(tp=tp, pp=pp, vpp=spec.get("vpp"), sp=spec.get("sp", False), schedule=spec["schedule"])
@@ -160,7 +161,8 @@ def setup(spec: dict[str, Any], device: Any, build: Any, optimizer: Any, materia
     for part in parts:
         blocks = list(part.layers) if pp > 1 else list(part.model.layers)
         if tp > 1:
-            _tp(part, blocks, mesh["tp"], p.sp, whole=pp == 1, loss_parallel=spec.get("loss_parallel", True))
+            tensor_parallelize(part, blocks, mesh["tp"], p.sp, whole=pp == 1,
+                               loss_parallel=spec.get("loss_parallel", True))
         if spec["framework"] == "fsdp2":
             # the experts first, on their own mesh (transformers' apply_fully_sharded_data_parallelism; torchtitan's
             # apply_fsdp with ep: transformer_block.moe.experts on dp_mod_ep), resharded after forward

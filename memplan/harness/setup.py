@@ -42,13 +42,13 @@ def _build_model(spec: dict[str, Any], on_meta: bool) -> Any:
         if spec["lora"].get("adapter_dtype"):  # a bf16 load, then PEFT (which upcasts the adapters to fp32)
             model = model.to(torch.bfloat16)
         if spec["lora"].get("quantize"):
-            _bnb_4bit(model, spec["lora"])
-        model = _peft(model, spec["lora"])
+            bnb_4bit_config(model, spec["lora"])
+        model = peft_model(model, spec["lora"])
     model.train()
     return model
 
 
-def _bnb_4bit(model: Any, fields: dict[str, Any]) -> None:
+def bnb_4bit_config(model: Any, fields: dict[str, Any]) -> None:
     """QLoRA's base as transformers loads it with BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type,
     bnb_4bit_use_double_quant): each nn.Linear (and Conv1D, transposed) transformers' replace_with_bnb_linear
     converts, outside get_keys_to_not_convert, becomes a bitsandbytes Linear4bit whose weight is quantized from
@@ -85,7 +85,7 @@ def _bnb_4bit(model: Any, fields: dict[str, Any]) -> None:
         model.set_submodule(name, q)
 
 
-def _peft(model: Any, fields: dict[str, Any]) -> Any:
+def peft_model(model: Any, fields: dict[str, Any]) -> Any:
     """PEFT's LoRA on the built model (get_peft_model), with the job's adapter config: what memplan's inventory
     (model/lora.py) and traced step (tracing/lora.py) model."""
     try:
@@ -163,7 +163,7 @@ def _muon(spec: dict[str, Any], model: Any, kw: dict[str, Any]) -> Any:
                           torch.optim.AdamW(rest, weight_decay=0.0, **kw))
 
 
-def _apollo(model: Any) -> Any:
+def apollo_optimizer(model: Any) -> Any:
     """APOLLOAdamW with the param groups transformers' _setup_low_rank_optimizer makes: the rest first, then the
     weights of the nn.Linear modules optim_target_modules matches (check_target_module_exists), with
     _get_apollo_optimizer's defaults (memplan's precision.APOLLO_TARGETS and APOLLO_RANK)."""
@@ -218,7 +218,7 @@ def _torch_optimizer(spec: dict[str, Any], params: Any, model: Any = None) -> An
 
         return bnb.optim.AdamW8bit(params, lr=1e-4)
     if name == "apollo-adamw":  # transformers' Trainer, optim apollo_adamw (trainer_optimizer.py)
-        return _apollo(model)
+        return apollo_optimizer(model)
     if name == "lion":  # lion-pytorch's Lion (update_fn in Python; use_triton False)
         from lion_pytorch import Lion
 

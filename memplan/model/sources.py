@@ -60,17 +60,17 @@ class ModelSource:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def _presets_dir() -> Path:
+def presets_dir() -> Path:
     return Path(str(resources.files("memplan") / "presets"))
 
 
 def preset_names() -> list[str]:
-    return sorted(p.stem for p in (_presets_dir() / "models").glob("*.json"))
+    return sorted(p.stem for p in (presets_dir() / "models").glob("*.json"))
 
 
 def gpu_presets() -> dict[str, dict[str, Any]]:
     out = {}
-    for p in sorted((_presets_dir() / "gpus").glob("*.json")):
+    for p in sorted((presets_dir() / "gpus").glob("*.json")):
         out[p.stem] = json.loads(p.read_text())
     return out
 
@@ -285,7 +285,7 @@ def resolve(model: str) -> ModelSource:
     presets = preset_names()
     canonical = PRESET_ALIASES.get(key.lower(), key.lower())
     if canonical in presets:
-        path = _presets_dir() / "models" / f"{canonical}.json"
+        path = presets_dir() / "models" / f"{canonical}.json"
         label = canonical if canonical == key else f"{canonical} (alias {key})"
         return ModelSource(name=canonical, kind="preset", description=f"preset {label}", config=read_config(path),
                            path=path)

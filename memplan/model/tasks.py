@@ -184,11 +184,11 @@ def trace_config(config: Mapping[str, Any]) -> dict[str, Any]:
 
 
 #: transformers' auto mapping of each task (modeling_auto.py), by model_type: the class --task builds
-_MAPPINGS = {CAUSAL_LM: "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "masked-lm": "MODEL_FOR_MASKED_LM_MAPPING_NAMES",
-             IMAGE: "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES",
-             "sequence-classification": "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES",
-             "token-classification": "MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES",
-             "question-answering": "MODEL_FOR_QUESTION_ANSWERING_MAPPING_NAMES"}
+AUTO_MAPPINGS = {CAUSAL_LM: "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "masked-lm": "MODEL_FOR_MASKED_LM_MAPPING_NAMES",
+                 IMAGE: "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES",
+                 "sequence-classification": "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES",
+                 "token-classification": "MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES",
+                 "question-answering": "MODEL_FOR_QUESTION_ANSWERING_MAPPING_NAMES"}
 
 
 def with_task(config: Mapping[str, Any], task: str) -> dict[str, Any]:
@@ -198,7 +198,7 @@ def with_task(config: Mapping[str, Any], task: str) -> dict[str, Any]:
     if task not in TASKS:
         raise ConfigError(f"--task {quote(task)}: one of {', '.join(TASKS)}")
     model_type = config.get("model_type")
-    cls = _mapping(_MAPPINGS[task]).get(model_type)
+    cls = auto_class_mapping(AUTO_MAPPINGS[task]).get(model_type)
     if isinstance(cls, (tuple, list)):
         cls = cls[0] if cls else None
     if cls is None:
@@ -209,7 +209,7 @@ def with_task(config: Mapping[str, Any], task: str) -> dict[str, Any]:
 _MAPPING_CACHE: dict[str, dict[str, Any]] = {}
 
 
-def _mapping(name: str) -> dict[str, Any]:
+def auto_class_mapping(name: str) -> dict[str, Any]:
     """transformers' MODEL_FOR_*_MAPPING_NAMES (model_type -> class name, or several: the first is the Auto
     class's), read from modeling_auto.py's source:
     importing that module imports torch (2 s), and a refusal must be quick; imported where the source cannot be

@@ -139,7 +139,7 @@ def alloc_events(a: dict[str, Any], b: dict[str, Any], *, expand: bool) -> dict[
     ea, eb = a["events"], b["events"]
     if len(ea) != len(eb) or a["regions"] != b["regions"]:
         return None
-    eb = _deaths_as_in(ea, eb)
+    eb = deaths_as_in(ea, eb)
     if eb is None:
         return None
     out: list[Any] = []
@@ -173,7 +173,7 @@ def alloc_events(a: dict[str, Any], b: dict[str, Any], *, expand: bool) -> dict[
             **{k: [r[k][i] for i in range(n)] for k in ("fs", "fe", "bs", "be")}}
 
 
-def _deaths_as_in(ea: list[Any], eb: list[Any]) -> list[Any] | None:
+def deaths_as_in(ea: list[Any], eb: list[Any]) -> list[Any] | None:
     """``eb`` with each run of consecutive deaths in ``ea``'s order where the two runs free the same storages: the
     order in which storages that die together are released can differ run to run (seen with bitsandbytes' 4-bit
     layers on the CPU: two of a layer's temporaries freed in either order), which the caching allocator's blocks

@@ -61,13 +61,13 @@ def _inventory(model) -> _Inv:
 
 def _measured_peaks(model, dtype, gap: int) -> list[int]:
     """Each of three steps' most live storage bytes beyond what existed before it (every storage an op makes
-    counted until it dies), the param groups as transformers' Trainer makes them (harness/setup.py _apollo)."""
+    counted until it dies), the param groups as transformers' Trainer makes them (harness/setup.py apollo_optimizer)."""
     from storage_peak import storage_peak
 
-    from memplan.harness.setup import _apollo
+    from memplan.harness.setup import apollo_optimizer
 
     model = model.to(dtype)
-    opt = _apollo(model)
+    opt = apollo_optimizer(model)
     for g in opt.param_groups[1:]:
         g["update_proj_gap"] = gap
     count = storage_peak()

@@ -49,12 +49,12 @@ def test_zero3_gathers_twice_and_hpz_keeps_the_backward_gather_in_the_node():
 def test_qwz_groups_follow_cuda_quantizer():
     """partition_parameters.py CUDAQuantizer.quantize: ceil(n / 8000) up to a count whose 8 x count divides n, then
     doubled while groups stay above 8,000 elements."""
-    from memplan.comm import _qwz_groups
+    from memplan.comm import qwz_groups
 
-    assert _qwz_groups(1_048_576) == 256  # 4096 x 4096 over 16: 132 up to 256, the first whose 8 x divides
-    assert _qwz_groups(8000) == 1 and _qwz_groups(7) == 0 and _qwz_groups(0) == 0
+    assert qwz_groups(1_048_576) == 256  # 4096 x 4096 over 16: 132 up to 256, the first whose 8 x divides
+    assert qwz_groups(8000) == 1 and qwz_groups(7) == 0 and qwz_groups(0) == 0
     n = 14_336 * 4096 // 16
-    g = _qwz_groups(n)
+    g = qwz_groups(n)
     assert n % (8 * g) == 0 and n / g <= 16_000
 
 

@@ -31,8 +31,8 @@ def _settings(inv, p, **kw):
 
 
 def _fsdp2_local_shapes(config, dp, ep, tp=1):
-    """Each parameter's local shape on rank 0 after transformers' expert-parallel plan (the harness's _ep:
-    MoEParamShard Shard(0) over the EP mesh, AllToAllEP) and FSDP2: the experts fully_shard-ed over the efsdp mesh,
+    """Each parameter's local shape on rank 0 after transformers' expert-parallel plan (the harness's
+    expert_parallelize: MoEParamShard Shard(0) over the EP mesh, AllToAllEP) and FSDP2: the experts fully_shard-ed over the efsdp mesh,
     then each block and the root over dp (transformers' apply_fully_sharded_data_parallelism), in one process over
     the fake process group."""
     import torch
@@ -42,10 +42,10 @@ def _fsdp2_local_shapes(config, dp, ep, tp=1):
     from torch.testing._internal.distributed.fake_pg import FakeStore
     from transformers import AutoModelForCausalLM
 
-    from memplan.harness.model_parallel import _ep
+    from memplan.harness.model_parallel import expert_parallelize
     from memplan.model.meta_builder import hf_config
 
-    from memplan.harness.model_parallel import _tp
+    from memplan.harness.model_parallel import tensor_parallelize
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=dp * tp)
     try:
@@ -53,9 +53,9 @@ def _fsdp2_local_shapes(config, dp, ep, tp=1):
         emesh = init_device_mesh("cpu", (1, dp * tp // ep, ep), mesh_dim_names=("pp", "efsdp", "ep"))
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(hf_config(config), dtype=torch.float32)
-        experts = _ep(model, emesh["ep"], mesh["tp"])
+        experts = expert_parallelize(model, emesh["ep"], mesh["tp"])
         if tp > 1:  # torchtitan's TP plan on the attention (and any dense MLP), the experts left to EP
-            _tp(model, list(model.model.layers), mesh["tp"], False, whole=True)
+            tensor_parallelize(model, list(model.model.layers), mesh["tp"], False, whole=True)
         for m in experts:
             fully_shard(m, mesh=emesh["efsdp"])
         for block in model.model.layers:

@@ -80,3 +80,31 @@ def test_no_import_circles() -> None:
 def test_the_finder_sees_a_circle() -> None:
     assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert circles({"a": {"b"}, "b": set()}) == []
+
+
+def private_uses(path: Path) -> list[str]:
+    """Names with a leading underscore a test file reaches in memplan: imported from a memplan module, or read
+    off a memplan module it imported (``from memplan import options`` then ``options._x``)."""
+    tree = ast.parse(path.read_text())
+    aliases: set[str] = set()
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("memplan"):
+            for a in node.names:
+                if a.name.startswith("_") and not a.name.startswith("__"):
+                    out.append(f"{node.module}.{a.name}")
+                aliases.add(a.asname or a.name)
+        elif isinstance(node, ast.Import):
+            aliases |= {a.asname or a.name for a in node.names if a.name.startswith("memplan")}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases \
+                and node.attr.startswith("_") and not node.attr.startswith("__"):
+            out.append(f"{node.value.id}.{node.attr}")
+    return out
+
+
+def test_tests_use_no_private_names() -> None:
+    # a test checks what memplan offers; a unit worth testing alone is public (issue 43)
+    tests = Path(__file__).resolve().parents[1]
+    found = {str(p.relative_to(tests)): private_uses(p) for p in sorted(tests.rglob("*.py"))}
+    assert {k: v for k, v in found.items() if v} == {}

@@ -291,7 +291,7 @@ def test_qlora_inventory_equals_bitsandbytes_and_peft(name, targets):
     from transformers import AutoModelForCausalLM
 
     from memplan.harness.measure import attribute
-    from memplan.harness.setup import _bnb_4bit, _peft
+    from memplan.harness.setup import bnb_4bit_config, peft_model
     from memplan.model.meta_builder import hf_config
 
     cfg, inv = _tiny(name)
@@ -299,8 +299,8 @@ def test_qlora_inventory_equals_bitsandbytes_and_peft(name, targets):
     q = lora.apply(inv, spec)
     model = AutoModelForCausalLM.from_config(hf_config(cfg), dtype=torch.float32)
     fields = spec.trace_fields()
-    _bnb_4bit(model, fields)
-    model = _peft(model, fields)
+    bnb_4bit_config(model, fields)
+    model = peft_model(model, fields)
     import bitsandbytes as bnb
 
     with torch.no_grad():  # a first forward: Linear4bit casts its bias to the compute dtype, as in every step after

@@ -75,11 +75,11 @@ def test_gpu_counts():
 def test_zero_optimizer_partition_at_many_ranks():
     # ZeroRedundancyOptimizer's greedy rule (sizes.index(min(sizes))) at more ranks than tensors: one each, in
     # size order, the largest tensor's rank the worst; at two ranks the usual alternation
-    from memplan.layouts import _greedy_whole
+    from memplan.layouts import greedy_whole
 
-    assert _greedy_whole([5, 9, 7], 1 << 20) == ([1], 0)
-    assert _greedy_whole([5, 9, 7, 3], 2) == ([1, 3], 0)
-    assert _greedy_whole([4, 4, 4], 2) == ([0, 2], 0)
+    assert greedy_whole([5, 9, 7], 1 << 20) == ([1], 0)
+    assert greedy_whole([5, 9, 7, 3], 2) == ([1, 3], 0)
+    assert greedy_whole([4, 4, 4], 2) == ([0, 2], 0)
 
 
 def _run(*args):

@@ -441,14 +441,14 @@ def _harness_replay(label: str, layers: int, gpus: int, **kw: object) -> tuple[s
 
     row = _harness_row(label, f"llama-7b, {layers} blocks", "none")
     inventories = []
-    wrapped = validation._with_lora
+    wrapped = validation.adapted_inventory
     try:
-        validation._with_lora = lambda inv, kw: inventories.append(wrapped(inv, kw)) or inventories[-1]
+        validation.adapted_inventory = lambda inv, kw: inventories.append(wrapped(inv, kw)) or inventories[-1]
         _, resolved, *_ = validation.predict(
             "llama-7b", layers=layers, hidden=256, vocab=2048, device="cpu", cpu_isa=row[10] if len(row) > 10 else
             "avx512", gpus=gpus, gpus_per_node=gpus, micro_batch=2, seq_len=128, recompute="none", **kw)
     finally:
-        validation._with_lora = wrapped
+        validation.adapted_inventory = wrapped
     name, peak = replayed_peak(inventories[-1], resolved.settings)
     return name, peak, row[4]
 
@@ -574,16 +574,16 @@ def test_lora_and_qlora_replays_walk_the_harness_s_allocations(label: str, strat
     spec = LoraSpec(rank=16, targets="all-linear" if "all-linear" in label else ("q_proj", "v_proj"),
                     quantize=quantize, double_quant=" dq " in label)
     inventories = []
-    wrapped = validation._with_lora
+    wrapped = validation.adapted_inventory
     try:
-        validation._with_lora = lambda inv, kw: inventories.append(wrapped(inv, kw)) or inventories[-1]
+        validation.adapted_inventory = lambda inv, kw: inventories.append(wrapped(inv, kw)) or inventories[-1]
         _, resolved, *_ = validation.predict(
             "llama-3-8b", layers=2, hidden=512, vocab=2048, device="cpu",
             cpu_isa=row[10] if len(row) > 10 else "avx512", gpus=gpus, gpus_per_node=gpus, micro_batch=2,
             seq_len=128, recompute="none", lora=spec,
             **({"stage": int(strategy[4:])} if strategy.startswith("zero") else {"strategy": strategy}))
     finally:
-        validation._with_lora = wrapped
+        validation.adapted_inventory = wrapped
     _, peak = replayed_peak(inventories[-1], resolved.settings)
     assert abs(peak - row[4]) <= 4096, (peak, row[4])
 

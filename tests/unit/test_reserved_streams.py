@@ -10,7 +10,7 @@ from pathlib import Path
 
 from memplan import options, reserved
 from memplan.allocator import Allocator, AllocatorConfig
-from memplan.frameworks.zero3_replay import REDUCE_STREAM, _ipg_bucket
+from memplan.frameworks.zero3_replay import REDUCE_STREAM, ipg_bucket
 from memplan.model.sources import build_inventory, resolve
 from memplan.replay import Run
 
@@ -51,7 +51,7 @@ def test_smollm2_ddp_reserved_to_the_byte() -> None:
 
 def test_zero3_bucket_flush_concatenates_on_the_reduce_stream() -> None:
     run = Run(AllocatorConfig())
-    on_grad, flush = _ipg_bucket(run, world=1, bucket=10 << 20, half=2)
+    on_grad, flush = ipg_bucket(run, world=1, bucket=10 << 20, half=2)
     for _ in range(3):
         on_grad(8 << 20)  # 4M elements each: the third takes the bucket past 10M, so the first two are reduced
     a: Allocator = run.a
@@ -86,13 +86,13 @@ def test_profiles_without_marks_guess_autograds_first_cublas_call() -> None:
     _, s = _replay("gpt2", 2, 256, stage=2, precision="deepspeed-bf16", optimizer_impl="fused")
     d = s.activation_profile.data["alloc_events"]
     n = len(d["events"])
-    regions = replay._regions(d, n)
+    regions = replay.stream_regions(d, n)
     region_of = [0] * n
     for r, (_, _, a, b) in enumerate(regions):
         for i in range(a, min(b, n)):
             region_of[i] = r
     births = [e for e in d["events"] if isinstance(e, list)]
-    guess = replay._blas_guess(d, births, region_of, regions)
+    guess = replay.blas_guess(d, births, region_of, regions)
     assert guess["b"] == d["blas"]["b"] and guess["f"] <= d["blas"]["f"]
 
 

@@ -47,7 +47,7 @@ def test_missing_required_field(tmp_path):
 
 
 def test_directory_with_sharded_safetensors(tmp_path):
-    cfg = json.loads((sources._presets_dir() / "models" / "gpt2.json").read_text())
+    cfg = json.loads((sources.presets_dir() / "models" / "gpt2.json").read_text())
     cfg.update(n_layer=1, torch_dtype="float32")
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     _write_safetensors(tmp_path / "a.safetensors", {"h.0.attn.c_attn.weight": ("BF16", (768, 2304)),

@@ -149,8 +149,8 @@ def test_the_auto_mappings_read_from_source_are_transformers_own():
     pytest.importorskip("torch")
     from transformers.models.auto import modeling_auto
 
-    for name in tasks._MAPPINGS.values():
-        assert tasks._mapping(name) == dict(getattr(modeling_auto, name)), name
+    for name in tasks.AUTO_MAPPINGS.values():
+        assert tasks.auto_class_mapping(name) == dict(getattr(modeling_auto, name)), name
 
 
 def test_lora_default_targets_are_peft_s():

@@ -586,9 +586,9 @@ def test_autocast_keeps_each_blocks_weight_casts_until_the_forward_ends(name):
 def test_deaths_that_come_together_may_come_in_either_order():
     # two runs of the traced step (micro-batches 2 and 4) whose storages that die together are released in another
     # order (bitsandbytes' 4-bit layers on the CPU) are the same step; another set of deaths is not
-    from memplan.tracing.segments import _deaths_as_in
+    from memplan.tracing.segments import deaths_as_in
 
     a = [[8, 0], [16, 0], 0, 1, [8, 0]]
-    assert _deaths_as_in(a, [[8, 0], [16, 0], 1, 0, [8, 0]]) == a
-    assert _deaths_as_in(a, [[8, 0], [16, 0], 1, 2, [8, 0]]) is None
-    assert _deaths_as_in(a, [[8, 0], [16, 0], 0, [8, 0], 1]) is None
+    assert deaths_as_in(a, [[8, 0], [16, 0], 1, 0, [8, 0]]) == a
+    assert deaths_as_in(a, [[8, 0], [16, 0], 1, 2, [8, 0]]) is None
+    assert deaths_as_in(a, [[8, 0], [16, 0], 0, [8, 0], 1]) is None

@@ -101,12 +101,12 @@ def test_llama_units_at_1e8():
 
 
 def test_size_argument():
-    assert options._size_wrap("size:1e8") == "size:100000000"
-    assert options._size_wrap("size:100M") == "size:100000000"
-    assert options._size_wrap("size:2500") == "size:2500"
+    assert options.size_wrap("size:1e8") == "size:100000000"
+    assert options.size_wrap("size:100M") == "size:100000000"
+    assert options.size_wrap("size:2500") == "size:2500"
     for bad in ("size:0", "size:-5", "size:1.5", "size:abc", "size:", "sized:5", "size:10x"):
         with pytest.raises(SettingsError):
-            options._size_wrap(bad)
+            options.size_wrap(bad)
 
 
 def test_no_units_keeps_the_inventory():

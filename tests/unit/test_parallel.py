@@ -10,7 +10,6 @@ import pytest
 from memplan import accounting, options, parallel as par
 from memplan.errors import SettingsError
 from memplan.model import sources
-from memplan.strategies import get_strategy
 
 
 def _inv(tmp_path, **cfg):

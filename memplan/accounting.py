@@ -24,7 +24,7 @@ from memplan.settings import (  # noqa: F401  (re-exported: the library's names 
     BLAS_HANDLES, FALLBACK_FRAGMENTATION, FALLBACK_FRAGMENTATION_PERCENT, Cluster, DeepSpeedKnobs, Overheads,
     Settings, TorchKnobs, default_blas_workspace, fallback_fragmentation, optimizer_impl, shard_group_size, with_gpus)
 from memplan.moments import Fixed, moments_at, phases
-from memplan.plan import PHASE_NAMES, EvaluatedMoment, Phase, Plan, StepTimeline  # noqa: F401  (the API)
+from memplan.plan import PHASE_NAMES, EvaluatedMoment, Phase, PhaseBytes, Plan, StepTimeline  # noqa: F401  (the API)
 from memplan.timeline import CATEGORY_KEYS, BufferTimeline, Moment, StepMoment
 
 
@@ -272,7 +272,7 @@ def estimate(inv: ParamInventory, s: Settings, reserved_limit: int | None = None
     if _parallel(s):
         return _estimate_layout(inv, s, reserved_limit)
     f = _fixed(inv, s)
-    rows = tuple(Phase(name, weights_bytes=f.weights, master_weights_bytes=f.master, grads_bytes=g,
+    rows = tuple(PhaseBytes(name, weights_bytes=f.weights, master_weights_bytes=f.master, grads_bytes=g,
                        optimizer_states_bytes=f.states, activations_bytes=x, buffers_bytes=b)
                  for name, (g, x, b) in zip(PHASE_NAMES, phases(f, s.recompute, s.micro_batch)))
     totals = [p.total_bytes for p in rows]
@@ -434,9 +434,10 @@ class Layout:
                     if kind == schedules.I:  # the input-gradient step keeps its graph (below)
                         n = len(share.chunks[cur].layers)
                         graph = par.zero_bubble_grads(share.inventory.dims, n, s.seq_len, rc.compute_bytes) \
-                            + n * kept[cur][4]
-                    return kept[cur][1] + graph + sum((n - (c == cur)) * (kept[c][2] + kept[c][4])
-                                                      for c, n in enumerate(counts))
+                            + n * kept[cur].block
+                    others = sum((n - (c == cur)) * (kept[c].saved_less_block + kept[c].block)
+                                 for c, n in enumerate(counts))
+                    return kept[cur].backward_start + graph + others
 
                 counts, cur, kind = max(par.held_moments(p, share.rank, s.grad_accum), key=load)
                 counts = list(counts)
@@ -482,7 +483,7 @@ class Layout:
                 # chunk's blocks' saved activations stay through the whole input-gradient step
                 most = max(len(c.layers) for c in share.chunks)
                 ring_b += par.zero_bubble_grads(share.inventory.dims, most, s.seq_len, rc.compute_bytes) \
-                    + most * inner.terms(s.recompute, 1)[4]
+                    + most * inner.terms(s.recompute, 1).block
             stages: tuple = ()
             actions = None
             if p.pp > 1 and self.name == par.TORCHTITAN:
@@ -539,7 +540,7 @@ class Layout:
             return 0
         rb = r_s.recipe.reduced_grad_bytes
         whole = rb * r_inv.trainable_params
-        return max(whole - _fixed(r_inv, r_s).grads[0], 0)
+        return max(whole - _fixed(r_inv, r_s).grads[Phase.FORWARD], 0)
 
     def _embedding_whole(self, r_inv: ParamInventory) -> int:
         """Under DTensor tensor parallelism the vocabulary-parallel embedding's gradient comes out whole: DTensor has

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
-from typing import Any
+from typing import Any, NamedTuple
 
 from memplan.errors import SettingsError
 from memplan.inputs import quote
@@ -104,6 +104,16 @@ def last_checkpointed(recompute: str, layers: int) -> bool:
     return is_checkpointed(recompute, layers - 1)
 
 
+class Terms(NamedTuple):
+    """A profile's activation bytes at a micro-batch, the figures the engine reads at its moments."""
+
+    forward: int  #: the forward's peak (the loss included)
+    backward_start: int  #: the peak as backward begins
+    saved_less_block: int  #: alive when the last block's gradients are complete: all saved but that block's own
+    left_at_end: int  #: left at backward's end
+    block: int  #: one block's saved bytes: what each further block's backward frees
+
+
 @dataclass(frozen=True)
 class ActivationProfile:
     """Bytes for one rank's micro-batch."""
@@ -161,7 +171,7 @@ class ActivationProfile:
         """Extra bytes while one block is recomputed in backward (a checkpointed block's)."""
         return self.per_layer_bytes if checkpoint_every(recompute) else 0
 
-    def terms(self, recompute: str, micro_batch: int) -> tuple[int, int, int, int, int]:
+    def terms(self, recompute: str, micro_batch: int) -> Terms:
         """(forward peak, backward-start peak, alive when the last block's grads are complete, left at backward
         end, one block's saved bytes) at ``micro_batch``. The third is everything saved but that block's own
         activations (freed by its backward; with full recompute, its checkpointed input); the last is what each
@@ -172,9 +182,9 @@ class ActivationProfile:
         """
         block = self.layer_input_bytes if last_checkpointed(recompute, self.num_layers) and recompute != OP_SAC \
             else self.per_layer_bytes
-        return (micro_batch * self.forward_bytes(recompute), micro_batch * self.backward_bytes(recompute),
-                micro_batch * (self.saved_bytes(recompute) - block), micro_batch * self.embedding_bytes,
-                micro_batch * block)
+        return Terms(micro_batch * self.forward_bytes(recompute), micro_batch * self.backward_bytes(recompute),
+                     micro_batch * (self.saved_bytes(recompute) - block), micro_batch * self.embedding_bytes,
+                     micro_batch * block)
 
 
 def analytic_profile(dims: dict, *, micro_batch: int, seq_len: int, compute_bytes: int, residual_bytes: int,
@@ -283,7 +293,7 @@ class TracedProfile:
     def embedding_bytes(self) -> int:
         return 0
 
-    def terms(self, recompute: str, micro_batch: int) -> tuple[int, int, int, int, int]:
+    def terms(self, recompute: str, micro_batch: int) -> Terms:
         """(forward peak, backward-start peak, alive when the last block's grads are complete, left at backward
         end, one block's saved bytes) at ``micro_batch``: every timeline point is a line c0 + c1 * b, so each
         term is exact at any micro-batch. The third is the activations alive after forward less one block's
@@ -294,14 +304,14 @@ class TracedProfile:
             hit = self._memo[key] = self._terms(micro_batch)
         return hit
 
-    def _terms(self, micro_batch: int) -> tuple[int, int, int, int, int]:
+    def _terms(self, micro_batch: int) -> Terms:
         d, b = self.data, micro_batch
         extra_line = d["per_layer"]
         block = extra_line[0] + extra_line[1] * b
         extra = (d["num_layers"] - d["traced_layers"]) * block
-        return (max(x[0] + x[1] * b for x in d["forward_peak"]) + self._forward_extra_at(b),
-                max(x[0] + x[1] * b for x in d["backward_peak"]) + extra,
-                d["live_after_forward"][0] + d["live_after_forward"][1] * b + extra - block, 0, block)
+        return Terms(max(x[0] + x[1] * b for x in d["forward_peak"]) + self._forward_extra_at(b),
+                     max(x[0] + x[1] * b for x in d["backward_peak"]) + extra,
+                     d["live_after_forward"][0] + d["live_after_forward"][1] * b + extra - block, 0, block)
 
     def block_moments(self, micro_batch: int, grad_width: int, held: bool = False) -> tuple[tuple[int, int], ...]:
         """Inside the backward of the last block, of the one before it, of the first and of the second: (activation
@@ -493,9 +503,9 @@ class HeldProfile:
         if key not in self._memo:
             held = 0
             for prof, count in self.others or ((self.inner, self.held - 1),):
-                _, _, saved, _, block = prof.terms(recompute, micro_batch)
-                held += count * (saved + block)
-            block = self.inner.terms(recompute, micro_batch)[4]
+                t = prof.terms(recompute, micro_batch)
+                held += count * (t.saved_less_block + t.block)
+            block = self.inner.terms(recompute, micro_batch).block
             self._memo[key] = (held - self.held * self.saved_less * micro_batch
                                + self.held * self.output * micro_batch - self.fewer_layers * block
                                - (self.held - 1) * self.shared)
@@ -509,15 +519,15 @@ class HeldProfile:
             others = others[:i] + ((others[i][0], others[i][1] - 1),) + others[i + 1:]
         return replace(self, held=self.held - 1, others=others, _memo={})
 
-    def terms(self, recompute: str, micro_batch: int) -> tuple[int, int, int, int, int]:
+    def terms(self, recompute: str, micro_batch: int) -> Terms:
         fwd, bwd, saved, emb, block = self.inner.terms(recompute, micro_batch)
         x = self.extra(recompute, micro_batch)
         # left at backward's end: the current micro-batch's activations are gone, so neither its share of the
         # sequence-parallel saving nor its output apply; the held micro-batches' do
         end = x + (self.saved_less - self.output) * micro_batch
-        return (fwd + x - self.output * micro_batch + self.ring_forward * micro_batch,
-                bwd + x + self.loss_extra * micro_batch + self._ring_inside() * micro_batch, saved + x, emb + end,
-                block)
+        return Terms(fwd + x - self.output * micro_batch + self.ring_forward * micro_batch,
+                     bwd + x + self.loss_extra * micro_batch + self._ring_inside() * micro_batch, saved + x, emb + end,
+                     block)
 
     @property
     def adds_nothing(self) -> bool:

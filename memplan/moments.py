@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from memplan.plan import Phase
 from memplan.timeline import NO_HOOK_TRANSIENT, Moment, StepMoment
 
 
@@ -51,13 +52,18 @@ def phases(f: Fixed, recompute: str, micro_batch: int) -> list[tuple[int, int, i
 
 
 def _phases(f: Fixed, recompute: str, micro_batch: int) -> list[tuple[int, int, int]]:
-    fwd, bwd, saved, emb, block = f.profile.terms(recompute, micro_batch)
-    out = [(g, x, b) for g, x, b in zip(f.grads, (fwd, bwd, saved, emb, 0), f.buffers)]
-    moments = moments_at(f, micro_batch, saved, block, emb, fwd)
-    best = {0: f.non_activation[0] + fwd, 1: -1 if loss_covered(f, moments) else f.non_activation[1] + bwd,
-            2: f.non_activation[2] + saved}
+    t = f.profile.terms(recompute, micro_batch)
+    out = [(g, x, b) for g, x, b in zip(f.grads, (t.forward, t.backward_start, t.saved_less_block, t.left_at_end, 0),
+                                        f.buffers)]
+    moments = moments_at(f, micro_batch, t.saved_less_block, t.block, t.left_at_end, t.forward)
+    # the most each of the first three phases holds: its own term, or a named moment that falls in it
+    best = {Phase.FORWARD: f.non_activation[Phase.FORWARD] + t.forward,
+            Phase.BACKWARD_START: -1 if loss_covered(f, moments)
+            else f.non_activation[Phase.BACKWARD_START] + t.backward_start,
+            Phase.BACKWARD: f.non_activation[Phase.BACKWARD] + t.saved_less_block}
     for m, x, gx in moments:
-        phase = 0 if m.at.in_forward else 1 if m.at in (Moment.LOSS_BACKWARD, Moment.ALL_SAVED) else 2
+        phase = Phase.FORWARD if m.at.in_forward else Phase.BACKWARD_START \
+            if m.at in (Moment.LOSS_BACKWARD, Moment.ALL_SAVED) else Phase.BACKWARD
         if m.total + x + gx > best[phase]:
             best[phase], out[phase] = m.total + x + gx, (m.grads + gx, x, m.buffers)
     return out

@@ -4,6 +4,7 @@ named timeline. Plain frozen data."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import IntEnum
 from typing import Any
 
 from memplan.model.inventory import ParamInventory
@@ -11,8 +12,28 @@ from memplan.settings import Settings
 from memplan.timeline import StepMoment
 
 
+PHASE_NAMES = ("forward", "backward-start", "backward", "backward-end", "optimizer-step")
+
+
+class Phase(IntEnum):
+    """The phases of a step, in order: a Plan's ``phases`` and the engine's per-phase rows are indexed by them."""
+
+    FORWARD = 0  #: forward's end, the loss included
+    BACKWARD_START = 1  #: the loss backward and the head's (the most alive as backward begins)
+    BACKWARD = 2  #: inside the blocks' backward
+    BACKWARD_END = 3  #: after the last gradient, before the step
+    OPTIMIZER_STEP = 4
+
+    @property
+    def label(self) -> str:
+        """The name the output and the JSON use."""
+        return PHASE_NAMES[self]
+
+
 @dataclass(frozen=True)
-class Phase:
+class PhaseBytes:
+    """What one phase of the step holds, by category."""
+
     name: str
     weights_bytes: int
     master_weights_bytes: int
@@ -33,8 +54,8 @@ class Plan:
 
     settings: Settings
     inventory: ParamInventory
-    phases: tuple[Phase, ...]
-    peak: Phase
+    phases: tuple[PhaseBytes, ...]
+    peak: PhaseBytes
     overhead_bytes: int
     overhead_detail: dict[str, int]
     host_bytes_per_node: int
@@ -100,9 +121,6 @@ class Plan:
 
         rep = host_report(self)
         return None if rep is None else rep["fits"]
-
-
-PHASE_NAMES = ("forward", "backward-start", "backward", "backward-end", "optimizer-step")
 
 
 @dataclass(frozen=True)

@@ -537,7 +537,9 @@ class _StubProfile:
         self._memo = {}
 
     def terms(self, recompute, b):
-        return (10 * b, 1000 * b, 50 * b, 0, 5 * b)
+        from memplan.activations import Terms
+
+        return Terms(forward=10 * b, backward_start=1000 * b, saved_less_block=50 * b, left_at_end=0, block=5 * b)
 
     def block_moments(self, b, width, held):
         return ((100 * b, 10), (50 * b, 10), (20 * b, 10))

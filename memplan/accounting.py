@@ -426,7 +426,7 @@ class Layout:
             if v > 1:  # interleaved: each stage's micro-batches in flight with that stage's own profile, at the
                 # backward where they hold the most (at a micro-batch of 1)
                 profs = [chunk_profile(len(c.layers), c.last) for c in share.chunks]
-                kept = [pr.terms(s.recompute, 1) for pr in profs]
+                kept: list[act.Terms] = [pr.terms(s.recompute, 1) for pr in profs]
 
                 def load(moment: tuple[tuple[int, ...], int, str]) -> int:
                     counts, cur, kind = moment
@@ -439,8 +439,8 @@ class Layout:
                                  for c, n in enumerate(counts))
                     return kept[cur].backward_start + graph + others
 
-                counts, cur, kind = max(par.held_moments(p, share.rank, s.grad_accum), key=load)
-                counts = list(counts)
+                at_most, cur, kind = max(par.held_moments(p, share.rank, s.grad_accum), key=load)
+                counts = list(at_most)
                 # the current micro-batch's profile at all the rank's blocks (what its buffers' timeline walks,
                 # one model of the rank's blocks): it runs through one stage's, so this counts the other stages'
                 # blocks once more (an upper bound by those blocks' activations of one micro-batch)
@@ -484,7 +484,7 @@ class Layout:
                 most = max(len(c.layers) for c in share.chunks)
                 ring_b += par.zero_bubble_grads(share.inventory.dims, most, s.seq_len, rc.compute_bytes) \
                     + most * inner.terms(s.recompute, 1).block
-            stages: tuple = ()
+            stages: tuple[Any, ...] = ()
             actions = None
             if p.pp > 1 and self.name == par.TORCHTITAN:
                 # what the rank's replay walks (frameworks/pipeline_replay.py): each stage's traced step, the output
@@ -632,7 +632,7 @@ class Layout:
                           for (share, r_inv, _), plan in zip(self.ranks, self.plans)]}
 
 
-_LAYOUTS: dict[tuple[int, int], Layout] = {}
+_LAYOUTS: dict[tuple[int, int, int], Layout] = {}
 
 
 def layout(inv: ParamInventory, s: Settings) -> Layout:

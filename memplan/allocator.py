@@ -35,7 +35,9 @@ from __future__ import annotations
 
 import itertools
 from bisect import bisect_left, insort
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from memplan.errors import SettingsError
 
@@ -177,7 +179,7 @@ class Allocator:
     #: free segment) and a retry (stats.num_alloc_retries)
     retries: int = 0
     #: the retries of each step (Run.end_step)
-    step_retries: list = field(default_factory=list)
+    step_retries: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         #: (small, stream) -> the pool's cached blocks as (size, ptr, block), sorted: best fit is the first entry
@@ -380,7 +382,9 @@ class Allocator:
         if not c.mapped:
             c = self._map(c, min(c.size, size))
         while c.size < size:  # free -> unmapped -> *: map_block maps some of the unmapped and merges the free
-            c = self._map(c.next, min(size - c.size, c.next.size))
+            nxt = c.next
+            assert nxt is not None  # _find_expandable found a run of free and unmapped blocks of `size` bytes
+            c = self._map(nxt, min(size - c.size, nxt.size))
         self._remove(c)
         return c
 
@@ -391,7 +395,8 @@ class Allocator:
         for _, c in holes:
             if c.prev is not None and c.prev.cached:
                 c = c.prev
-            run, b = 0, c
+            run = 0
+            b: _Block | None = c
             while run < size and b is not None and (b.cached or not b.mapped):
                 run += b.size
                 b = b.next
@@ -542,7 +547,8 @@ class Allocator:
         want = max(size, mss)
         j = bisect_left(lst, (want,))
         if j < len(lst) and not self._expandable(lst[j][2]):
-            return self._release(lst[j][2]) or True
+            self._release(lst[j][2])
+            return True
         released = 0
         k = min(j, len(lst)) - 1
         while k >= 0 and released < want and lst[k][0] >= mss:
@@ -604,7 +610,7 @@ class _NoRoom(Exception):
     """Mapping an expandable segment's pages would pass the device's limit."""
 
 
-def replay(events, config: AllocatorConfig | None = None) -> Allocator:  # noqa: ANN001
+def replay(events: Iterable[Sequence[Any]], config: AllocatorConfig | None = None) -> Allocator:
     """Replay a recorded allocator event stream ([action, address, size, stream] per event, as
     torch.cuda.memory._snapshot()'s device_traces give them): every ``alloc`` is served by this model's
     decisions, every ``free_completed`` returns its block; a ``segment_free`` (``segment_unmap`` with expandable

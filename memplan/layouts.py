@@ -6,7 +6,9 @@ planner evaluates many configurations of the same model.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, TypeVar, cast
 
 from memplan import strategies as S
 from memplan.model.inventory import ROOT_BLOCK, ParamInventory, ParamTensor
@@ -95,14 +97,16 @@ class GatherSizes:
         return self.unpadded_grad_block_numels or self.grad_block_numels
 
 
-_cache: dict[tuple, tuple[ParamInventory, object]] = {}
+_cache: dict[tuple[Any, ...], tuple[ParamInventory, Any]] = {}
+_T = TypeVar("_T")
 
 
-def cached(inv: ParamInventory, key: tuple, make):
+def cached(inv: ParamInventory, key: tuple[Any, ...], make: Callable[[], _T]) -> _T:
+    """``make()``, kept per inventory and key (a search asks for the same sizes at every GPU count)."""
     k = (id(inv),) + key
     hit = _cache.get(k)
     if hit is not None and hit[0] is inv:
-        return hit[1]
+        return cast(_T, hit[1])
     value = make()
     if len(_cache) > 4096:
         _cache.clear()
@@ -367,7 +371,7 @@ def _gather_sizes(inv: ParamInventory, layout: str, n: int) -> GatherSizes:
     per_block_grad.pop(ROOT_BLOCK, 0)
     grad_blocks = tuple(per_block_grad.get(b, 0) for b in per_block)
     blocks = tuple(per_block.values())
-    ep: dict = {}
+    ep: dict[str, Any] = {}
     if expert_world:
         rows = [experts.get(b, [0, 0, 0, 0]) for b in per_block]
         ep = dict(block_experts=tuple(r[0] for r in rows), block_shards=tuple(r[1] for r in rows),

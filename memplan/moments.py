@@ -153,7 +153,8 @@ def kind_values(f: Fixed, micro_batch: int, saved: int, block: int, emb: int,
     return out
 
 
-def bucket_flushes(t: Any, blocks: tuple, depth: int) -> tuple[int, int] | None:
+def bucket_flushes(t: Any, blocks: tuple[tuple[tuple[int, int], ...], ...],
+                   depth: int) -> tuple[int, int] | None:
     """The gradient hooks of the blocks' backward in order (the last block's, the one before it's for every
     middle block, the first's: profile.block_hooks), with the reduce bucket filling as DeepSpeed fills it
     (stage_1_and_2.py / stage3.py reduce_independent_p_g_buckets_and_remove_grads: a gradient that would overflow
@@ -171,7 +172,7 @@ def bucket_flushes(t: Any, blocks: tuple, depth: int) -> tuple[int, int] | None:
     best: tuple[int, int] | None = None
     state = (t.lead, 1 if t.lead else 0, size(t.lead_largest) if t.lead else 0)
 
-    def run(blk: tuple, state: tuple[int, int, int]) -> tuple[int, int, int]:
+    def run(blk: tuple[tuple[int, int], ...], state: tuple[int, int, int]) -> tuple[int, int, int]:
         nonlocal best
         elems, count, largest = state
         for x, numel in blk:

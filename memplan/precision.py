@@ -11,6 +11,7 @@ from typing import Any
 
 from memplan.errors import SettingsError
 from memplan.inputs import quote
+from memplan.model.inventory import ParamInventory, ParamTensor
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -341,7 +342,7 @@ def adam_mini_kind(name: str) -> str:
     return "block"
 
 
-def _adam_mini_rows(t: Any, kind: str, head_numel: int) -> int:
+def _adam_mini_rows(t: ParamTensor, kind: str, head_numel: int) -> int:
     if kind == "heads":
         return t.numel // head_numel
     if kind == "rows":
@@ -349,10 +350,11 @@ def _adam_mini_rows(t: Any, kind: str, head_numel: int) -> int:
     return 1
 
 
-def adam_mini_head_numel(inv: Any) -> int:
+def adam_mini_head_numel(inv: ParamInventory) -> int:
     """Adam_mini's head_numel, dim x dim / n_heads, from the config (dim = hidden_size)."""
-    d = inv.dims
-    return d["hidden_size"] * d["hidden_size"] // d["num_heads"]
+    hidden: int = inv.dims["hidden_size"]
+    heads: int = inv.dims["num_heads"]
+    return hidden * hidden // heads
 
 
 def adam_mini_states(inv: Any, recipe: Recipe) -> int:

@@ -53,7 +53,7 @@ def stream_regions(d: dict[str, Any], n: int) -> list[tuple[str, int, int, int]]
     return out
 
 
-def step_events(d: dict[str, Any], layers: int, micro_batch: int) -> list[tuple]:
+def step_events(d: dict[str, Any], layers: int, micro_batch: int) -> list[tuple[Any, ...]]:
     """The traced step's events at the model's depth and ``micro_batch``: ("a", key, bytes, grad block or None),
     ("f", key), and ("m", region kind, block) where each region begins (see _expand)."""
     b = micro_batch
@@ -87,10 +87,11 @@ def forward_block_line(ev: dict[str, Any]) -> tuple[int, int] | None:
     return at[1][0] - at[0][0], at[1][1] - at[0][1]
 
 
-def _size(e: tuple, micro_batch: int) -> int:
+def _size(e: tuple[Any, ...], micro_batch: int) -> int:
     """A birth's bytes at ``micro_batch``: its line, or a kernel's scratch evaluated there."""
     if e[5] is None:
-        return e[2][0] + e[2][1] * micro_batch
+        line: tuple[int, int] = e[2]
+        return line[0] + line[1] * micro_batch
     from memplan.kernels import kernel_scratch
 
     kind, lines = e[5]
@@ -108,10 +109,10 @@ def ready_order(grads: list[tuple[Any, int]], late: dict[Any, int]) -> list[tupl
 
 
 #: expansions already made, by (id of the profile's events, depth): the micro-batch only scales their sizes
-_EXPANDED: dict[tuple[int, int], tuple[Any, list[tuple]]] = {}
+_EXPANDED: dict[tuple[int, int], tuple[Any, list[tuple[Any, ...]]]] = {}
 
 
-def _expand(d: dict[str, Any], layers: int) -> list[tuple]:
+def _expand(d: dict[str, Any], layers: int) -> list[tuple[Any, ...]]:
     """The traced step at the model's depth, sizes as (c0, c1) lines in the micro-batch. A profile traced at
     full depth is taken as it is; one traced with two alike blocks stands for L: the first block's forward (births
     and what becomes of them, relative to it) for blocks 0..L-2, the last's for block L-1, and in backward the last
@@ -181,7 +182,7 @@ def blas_guess(d: dict[str, Any], births: list[_Birth], region_of: list[int],
 END_OF_REGION = 1 << 60
 
 
-def _expand_now(d: dict[str, Any], layers: int) -> list[tuple]:
+def _expand_now(d: dict[str, Any], layers: int) -> list[tuple[Any, ...]]:
     events = d["events"]
     n = len(events)
     regions = stream_regions(d, n)
@@ -213,7 +214,7 @@ def _expand_now(d: dict[str, Any], layers: int) -> list[tuple]:
     nb = len(d["fs"])
     # a deeper model repeats the template's blocks; a shallower one (a pipeline stage of one block from a two-block
     # template) takes the template's last block's forward and its first block's backward for its only block
-    expand = d.get("expand") and nb in (2, 3) and layers != nb and layers >= 1
+    expand = bool(d.get("expand")) and nb in (2, 3) and layers != nb and layers >= 1
     L = layers if expand else nb
     full = _full_regions(regions, expand, L)
     where = {(k, b): j for j, (k, b, _) in enumerate(full)}
@@ -232,8 +233,8 @@ def _expand_now(d: dict[str, Any], layers: int) -> list[tuple]:
         return where[kind, min(max(k, 0), L - 1)]
 
     # per full region: births in order, and the deaths to place before each birth slot
-    out: list[tuple] = []
-    pending: dict[int, list[tuple[int, int, tuple]]] = {}
+    out: list[tuple[Any, ...]] = []
+    pending: dict[int, list[tuple[int, int, int]]] = {}  # region -> heap of (slot, template position, key)
     by_region: dict[int, list[int]] = {}
     for sid, b in enumerate(births):
         by_region.setdefault(b.region, []).append(sid)
@@ -247,8 +248,8 @@ def _expand_now(d: dict[str, Any], layers: int) -> list[tuple]:
             out.append(("m", "ws", thread))
     # where the model's forward returned (the traced loss in hand, its root module's post-forward hooks run):
     # ("m", "fwd_end", -1) in the "mid" region after its births and deaths before that event
-    fe = d.get("forward_end")
-    fe_slot = None
+    fe: int | None = d.get("forward_end")
+    fe_slot: int | None = None
     if fe is not None:
         mid = next((r for r, (k, _, start, end) in enumerate(regions) if k == "mid" and start <= fe <= end), None)
         if mid is not None:
@@ -258,7 +259,7 @@ def _expand_now(d: dict[str, Any], layers: int) -> list[tuple]:
         waiting = pending.setdefault(j, [])  # a heap of (slot, template position, key)
         sids = by_region.get(r, [])
         for slot in range(len(sids) + 1):
-            if kind == "mid" and slot == fe_slot:
+            if kind == "mid" and fe is not None and slot == fe_slot:
                 while waiting and (waiting[0][0] < slot or (waiting[0][0] == slot and waiting[0][1] < fe)):
                     out.append(("f", heapq.heappop(waiting)[2]))
                 out.append(("m", "fwd_end", -1))
@@ -302,11 +303,11 @@ class Reserved:
     allocated_bytes: int  #: the replay's allocated peak in its last (steady) step: the engine's, by another road
     model: str  #: which framework sequence was replayed
     #: other release orders the framework allows, name -> reserved peak (peak_bytes is the largest)
-    variants: dict
+    variants: dict[Any, Any]
     config: str  #: the allocator settings replayed (PYTORCH_CUDA_ALLOC_CONF), "" for the defaults
     complete: bool = True  #: False: the replay stopped once it passed a limit (peak_bytes: at least this)
     #: per replayed step of the largest variant: (its allocated peak, the reserved peak so far)
-    steps: tuple = ()
+    steps: tuple[Any, ...] = ()
 
     def moved_to(self, allocated: int) -> Reserved:
         """The same allocator overhead over another allocated peak (a tensor-parallel rank's, whose replay ran its
@@ -329,7 +330,8 @@ class Run:
         self.live: dict[Any, Any] = {}
         self.n = 0
         self.anon = 0  #: keys of what the frameworks allocate (positive; a step's are negative)
-        self.a.steps = self.steps = []  # type: ignore[attr-defined]
+        self.steps: list[Any] = []
+        self.a.steps = self.steps  # type: ignore[attr-defined]
         self.workspaces: set[str] = set()  #: threads whose cuBLAS workspace is made (_workspace)
         #: kept gradients made before others that were ready first: how many (micro_step; ready_order)
         self.late: dict[Any, int] = {}
@@ -427,7 +429,7 @@ class ReplayJob:
     muon: tuple[tuple[int, int] | None, ...] = ()
     #: --optimizer adam-mini, apollo-adamw: its step's events (precision.adam_mini_step, apollo_step), a later
     #: step's and the first's
-    step_events: tuple = ()
+    step_events: tuple[Any, ...] = ()
 
     def state_allocs(self, numel: int, shape: tuple[int, ...] = ()) -> tuple[int, ...]:
         """The state tensors the optimizer makes for one tensor at its first step, bytes each, in order."""
@@ -471,12 +473,12 @@ def replay_job(inv: Any, s: Any, numels: list[int], shapes: list[tuple[int, ...]
 
     if frameworks.model(s.strategy.memory_model).computes_with_views and s.recipe.autocast_weight_copies:
         step = uncached_casts(step)
-    muon: tuple = ()
+    muon: tuple[Any, ...] = ()
     if s.optimizer.per_tensor == "muon":
         from memplan.precision import muon_tensors
 
         muon = tuple(tuple(t.shape) if m else None for t, m in zip(inv.tensors, muon_tensors(inv)) if t.trainable)
-    step_events: tuple = ()
+    step_events: tuple[Any, ...] = ()
     if s.optimizer.per_tensor == "adam-mini":
         from memplan.precision import adam_mini_step
 
@@ -524,10 +526,10 @@ def _runs_zero3_linear(s: Any, d: dict[str, Any]) -> bool:
 
 
 #: uncached_casts applied to steps already made, by the id of the cached one
-_UNCACHED: dict[int, tuple[Any, list[tuple]]] = {}
+_UNCACHED: dict[int, tuple[Any, list[tuple[Any, ...]]]] = {}
 
 
-def uncached_casts(step: list[tuple]) -> list[tuple]:
+def uncached_casts(step: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
     """A step traced with autocast's weight casts cached, as a framework that computes with views of its flat
     parameters runs it (FSDP1, use_orig_params=False: split() views are not leaves, so autocast_mode.cpp
     cached_cast casts them anew at every use and never caches them). A cached cast that autograd did not save (a
@@ -547,7 +549,7 @@ def uncached_casts(step: list[tuple]) -> list[tuple]:
                 region = e[1]
             elif e[0] == "a" and region == "F":
                 born[e[1]] = i
-        moved: dict[int, list[tuple]] = {}  # position of the birth after which a death now comes -> deaths
+        moved: dict[int, list[tuple[Any, ...]]] = {}  # position of the birth after which a death now comes -> deaths
         drop = set()
         for i in range(end - 1, -1, -1):
             e = step[i]
@@ -572,10 +574,10 @@ def uncached_casts(step: list[tuple]) -> list[tuple]:
 
 
 #: ZeRO-3's linear order applied to steps already made, by the id of aten's
-_ZERO3_ORDERED: dict[int, tuple[Any, list[tuple]]] = {}
+_ZERO3_ORDERED: dict[int, tuple[Any, list[tuple[Any, ...]]]] = {}
 
 
-def zero3_linear_order(step: list[tuple]) -> list[tuple]:
+def zero3_linear_order(step: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
     """A step traced with aten's linear, in the order DeepSpeed ZeRO-3's linear allocates its backward:
     LinearFunctionForZeroStage3.backward (deepspeed/runtime/zero/linear.py) makes the input's gradient
     (grad_output.matmul(weight)) before the weight's, where aten's MmBackward0 makes the weight's first. Each
@@ -613,7 +615,8 @@ def build_model(run: Run, job: ReplayJob) -> list[Any]:
     with its own weight, then tied) allocated last and freed when the weights are tied; then, where the recipe
     stores another dtype, Module._apply's conversion, parameter by parameter (the new tensor, then the old one
     freed)."""
-    keys, aliases = [], []
+    keys: list[Any] = []
+    aliases: list[Any] = []
     for n, alias in job.build:
         (aliases if alias else keys).append(run.alloc(n))
     for k in aliases:
@@ -639,7 +642,7 @@ def _adam_foreach_temporaries(run: Run, sizes: list[int]) -> None:
         run.free(k)
 
 
-def micro_step(run: Run, job: ReplayJob, n: int, keep_grads: bool, at: Any = None,
+def micro_step(run: Run, job: ReplayJob, keep_grads: bool, at: Any = None,
                on_grad: Any = None, on_forward_end: Any = None, events: Any = None,
                off: int | None = None) -> list[tuple[Any, int]]:
     """One traced micro-step; the gradients it makes are kept (their traced death skipped) when ``keep_grads``.
@@ -782,7 +785,9 @@ def _muon_then_adamw(run: Run, job: ReplayJob, first: bool, states: list[Any]) -
             states.append(run.alloc(job.numels[i] * gb))
     prev = None
     for i in mu:
-        a, b = job.muon[i]
+        pair = job.muon[i]
+        assert pair is not None  # mu holds the Muon-stepped parameters only
+        a, b = pair
         k, ab = min(a, b), a * b
         u = run.alloc(gb * ab)  # grad.lerp(buf, momentum)
         if prev is not None:

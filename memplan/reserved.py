@@ -94,9 +94,9 @@ def _settings_key(s: Any) -> str:
 
 
 #: replays already made in this process, by what they depend on (the planner asks some twice)
-_CACHE: dict[tuple, Reserved] = {}
+_CACHE: dict[tuple[Any, ...], Reserved] = {}
 #: replays stopped at a limit, by the same key: their peak is only known to be above it
-_PARTIAL: dict[tuple, Reserved] = {}
+_PARTIAL: dict[tuple[Any, ...], Reserved] = {}
 
 
 def predict(inv: Any, s: Any, config: AllocatorConfig | None = None, limit: int | None = None) -> Reserved | None:
@@ -122,8 +122,9 @@ def predict(inv: Any, s: Any, config: AllocatorConfig | None = None, limit: int 
     try:
         hit = _CACHE[key] = _predict(inv, s, config)
     except OverLimit as over:
-        _PARTIAL[key] = over.args[0]
-        return over.args[0]
+        bound: Reserved = over.args[0]
+        _PARTIAL[key] = bound
+        return bound
     finally:
         Run.limit = None
     return hit
@@ -157,7 +158,7 @@ class Capped:
 
 
 #: capped replays made in this process, by what they depend on and the limits
-_CAPPED: dict[tuple, Capped] = {}
+_CAPPED: dict[tuple[Any, ...], Capped] = {}
 
 
 def capped(inv: Any, s: Any, device_limit: int, fraction_limit: int | None, uncapped: Reserved | None = None,

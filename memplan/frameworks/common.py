@@ -21,7 +21,7 @@ class Job:
     #: ranks a sharded tensor is split over
     n: int
     #: the layout's sizes on the worst rank (layouts.layout_sizes)
-    lay: Any
+    lay: layouts.LayoutSizes
     #: DeepSpeed ZeRO-Offload: the optimizer (stages 1-3) and the parameters (stage 3) on the host
     offload_optimizer: bool
     offload_param: bool
@@ -46,12 +46,12 @@ class Job:
         return self.inv.trainable_params
 
     @property
-    def gathers(self) -> Any:
+    def gathers(self) -> layouts.GatherSizes:
         """Gathered sizes by block (layouts.gather_sizes): every parameter, frozen or not."""
         return layouts.gather_sizes(self.inv, self.s.strategy.layout, self.n)
 
     @property
-    def grad_gathers(self) -> Any:
+    def grad_gathers(self) -> layouts.GatherSizes:
         """The same sizes over the parameters that get gradients (the reduce side): ``gathers`` unless some
         parameters are frozen."""
         return layouts.gather_sizes(self.inv.trainable_inventory, self.s.strategy.layout, self.n)

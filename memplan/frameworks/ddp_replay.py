@@ -88,7 +88,7 @@ def replay_ddp(job: ReplayJob, config: AllocatorConfig | None = None, release: s
                         run.free(k)
                     old.clear()
             # later micro-steps add into the kept gradients (AccumulateGrad in place; theirs die at once)
-            grads += micro_step(run, job, (n, m), keep_grads=m == 0, at=at, on_grad=lambda *_: at("grad", 0))
+            grads += micro_step(run, job, keep_grads=m == 0, at=at, on_grad=lambda *_: at("grad", 0))
             at("end", 0)
             if forwards == 0:
                 first_grads = list(grads)
@@ -133,7 +133,7 @@ def replay_horovod(job: ReplayJob, config: AllocatorConfig | None, fusion: int, 
             ids = run.alloc(job.input_bytes)
             last, seen = m == job.grad_accum - 1, [0]
 
-            def on_grad(size: int, _key: Any, _blk: int, last: bool = last, seen: list = seen) -> bool:
+            def on_grad(size: int, _key: Any, _blk: int, last: bool = last, seen: list[int] = seen) -> bool:
                 if last:
                     if not fused:
                         fused.append(run.alloc(fusion))
@@ -141,7 +141,7 @@ def replay_horovod(job: ReplayJob, config: AllocatorConfig | None, fusion: int, 
                         copies.append((run.alloc(size // bytes_per * 2), seen[0]))
                 seen[0] += 1
                 return False
-            grads += micro_step(run, job, (n, m), keep_grads=m == 0, on_grad=on_grad)
+            grads += micro_step(run, job, keep_grads=m == 0, on_grad=on_grad)
             run.free(ids)
         for _, i in copies:  # synchronize(): decompress, set_ into p.grad
             key, size = grads[i]

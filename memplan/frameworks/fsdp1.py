@@ -55,7 +55,9 @@ def buffers(job: Job, grads: Grads) -> BufferTimeline:
     gb, rb = rc.grad_bytes, rc.reduced_grad_bytes
     cast = rb if rb != gb else 0  # _reduce_grad's .to(reduce_dtype) copy
     lowp = cb != rc.param_bytes  # MixedPrecision param_dtype differs from the sharded parameters' dtype
-    mp = (lambda numel: cb * ceil_div(numel, n)) if lowp else (lambda numel: 0)  # noqa: E731
+
+    def mp(numel: int) -> int:
+        return cb * ceil_div(numel, n) if lowp else 0
     head_grads = gb * g.root_head
     kept = cb * g.total_blocks if raf is False else 0
     shard = rc.reduced_grad_bytes

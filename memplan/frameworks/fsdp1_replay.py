@@ -122,7 +122,7 @@ def replay_fsdp1(job: ReplayJob, blocks: list[FlatUnit], root: FlatUnit, fs: Fsd
         saved: dict[int, Any] = {}  # each unit's _saved_grad_shard (NO_SHARD: its reduced flat gradient)
         for m in range(job.grad_accum):
             ids = run.alloc(job.input_bytes)
-            _MicroStep(run, job, blocks, root, fs, saved, first=n == 0 and m == 0).go((n, m))
+            _MicroStep(run, job, blocks, root, fs, saved, first=n == 0 and m == 0).go()
             run.free(ids)
             if fs.offload:
                 # each backward's final callback (prepare_gradient_for_optim): .grad = _cpu_grad, the device's
@@ -157,11 +157,11 @@ class _MicroStep:
         self.forward: int | None = None  # the block whose forward runs
         self.returned = False
 
-    def go(self, n: Any) -> None:
+    def go(self) -> None:
         if self.first:
             _lazy_init(self.run, self.list_units(), self.fs)
         self.unshard(ROOT)
-        micro_step(self.run, self.job, n, keep_grads=True, at=self.region, on_grad=self.on_grad,
+        micro_step(self.run, self.job, keep_grads=True, at=self.region, on_grad=self.on_grad,
                    on_forward_end=self.forward_returned)
         if not self.returned:
             self.forward_returned()

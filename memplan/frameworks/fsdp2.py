@@ -11,6 +11,7 @@ from memplan import layouts
 from memplan.errors import SettingsError
 from memplan.frameworks.common import LOSS, FrameworkModel, Grads, Job
 from memplan.model.inventory import ROOT_BLOCK, ParamInventory
+from memplan.precision import Recipe
 from memplan.settings import Settings
 from memplan.settings import reshard_after_forward as requested_reshard_after_forward
 from memplan.timeline import BufferMoment, BufferTimeline, Moment
@@ -67,7 +68,7 @@ def root_reshards(s: Settings, raf: bool | int) -> bool:
     return raf is True and s.torch.fsdp_root_reshard == "same" and s.torch.fsdp_wrap != "block+embeddings"
 
 
-def unshard_bytes(rc: Any) -> int:
+def unshard_bytes(rc: Recipe) -> int:
     """Bytes per element of an unsharded parameter and of its unsharded gradient: FSDP2 all-gathers into
     MixedPrecisionPolicy.param_dtype, else the parameters' own dtype (_fsdp_param.py init_dtype_attrs), and
     autograd's gradients come out in that dtype. fsdp-bf16: bf16; torch-amp (no policy; autocast casts inside
@@ -354,7 +355,7 @@ def _units(job: Job) -> _Units:
     # param_dtype, alive through foreach_all_gather (measured: LoRA fsdp-full, the last block's pre-backward
     # prefetching the one before it was -1.40% without it)
     cin = cb if flat and rc.param_bytes != cb and not s.torch.cpu_offload else 0
-    be: dict = {}
+    be: dict[str, Any] = {}
     root = cb * g.root
     head_grads = gb * gg.root_head
     if s.torch.fsdp_wrap == "block+embeddings":

@@ -167,7 +167,7 @@ def replay_fsdp2(job: ReplayJob, groups: tuple[FsdpGroup, ...], world: int, resh
         outputs: list[Any] = []
         for m in range(job.grad_accum):
             ids = run.alloc(job.input_bytes)
-            _fsdp_micro_step(run, job, (n, m), blocks, root, world, reshard_after_forward, outputs,
+            _fsdp_micro_step(run, job, blocks, root, world, reshard_after_forward, outputs,
                              first=n == 0 and m == 0, keep=m == 0, emb=emb, head=head, root_reshards=root_reshards)
             run.free(ids)
         if not root.offload:  # offloaded: the optimizer steps the host's shards
@@ -180,7 +180,7 @@ def replay_fsdp2(job: ReplayJob, groups: tuple[FsdpGroup, ...], world: int, resh
     return run.a
 
 
-def _fsdp_micro_step(run: Run, job: ReplayJob, n: Any, blocks: tuple[FsdpGroup, ...], root: FsdpGroup, world: int,
+def _fsdp_micro_step(run: Run, job: ReplayJob, blocks: tuple[FsdpGroup, ...], root: FsdpGroup, world: int,
                      reshard_after_forward: bool | int, outputs: list[Any], first: bool, keep: bool,
                      emb: FsdpGroup | None = None, head: FsdpGroup | None = None, root_reshards: bool = False) -> None:
     """One micro-step under FSDP2; the reduce-scatter outputs go to ``outputs`` (``keep``), or, in a later
@@ -194,7 +194,7 @@ def _fsdp_micro_step(run: Run, job: ReplayJob, n: Any, blocks: tuple[FsdpGroup, 
     st.root_reshards = root_reshards
     st.unshard(ROOT, hold=True)
     # each gradient kept, by its unit, for that unit's post-backward
-    micro_step(run, job, n, keep_grads=True, at=st.region,
+    micro_step(run, job, keep_grads=True, at=st.region,
                on_grad=lambda _size, key, blk: st.grads_of.setdefault(st.unit_of(blk), []).append(key),
                on_forward_end=st.forward_returned)
     if not st.returned:  # a profile traced before the forward's end was recorded
@@ -277,6 +277,7 @@ class _MicroStep:
     def _gather(self, i: int) -> Any:
         g = self.units[i]
         if i in self.shares:
+            assert self.group is not None  # resharding to a smaller group: set with the shares
             return _all_gather_post_forward(self.run, g, self.group)
         return _all_gather(self.run, g, self.world)
 
@@ -389,7 +390,7 @@ def unit_tensors(inv: Any, s: Any) -> tuple[list[list[Any]], list[Any], list[Any
     the same figures as none); otherwise a block's units gathered together as the block, and the units above the
     blocks with the root (options.py says so beside the figure: an upper bound where a block holds several)."""
     from memplan.model import wrap_units
-    from memplan.model.inventory import ROOT_BLOCK
+    from memplan.model.inventory import ROOT_BLOCK, ParamTensor
 
     wrap = s.torch.fsdp_wrap
     if wrap_units.policy_of(s) is not None:
@@ -404,7 +405,9 @@ def unit_tensors(inv: Any, s: Any) -> tuple[list[list[Any]], list[Any], list[Any
     root = [t for t in inv.tensors if t.block == ROOT_BLOCK]
     if wrap != "block+embeddings":
         return blocks, root, None, None
-    seen, emb, head = False, [], []
+    seen = False
+    emb: list[ParamTensor] = []
+    head: list[ParamTensor] = []
     for t in inv.tensors:
         seen = seen or t.block != ROOT_BLOCK
         if t.block == ROOT_BLOCK:

@@ -50,6 +50,9 @@ from dataclasses import replace
 from typing import Any
 
 from memplan.parallel import schedules
+
+#: one event of a traced step, as tracing/segments.py alloc_events makes them (kind first)
+Event = tuple[Any, ...]
 from memplan.allocator import Allocator, AllocatorConfig
 from memplan.frameworks.fsdp2_replay import (
     ROOT,
@@ -91,7 +94,7 @@ def why_not(s: Any) -> str | None:
     return None
 
 
-def _stage_tensors(inv: Any, stages: tuple) -> list[list[Any]]:
+def _stage_tensors(inv: Any, stages: tuple[Any, ...]) -> list[list[Any]]:
     """Each local stage's tensors, module order: its blocks (the rank's blocks in order, the stages' in turn), the
     embedding with the stage that is the model's first, the final norm and head (a tied head's weight too) with the
     last."""
@@ -215,8 +218,8 @@ class _Stage(_MicroStep):
         self.started = False
 
 
-def _input_only(fwd: list[tuple], bwd: list[tuple], micro_batch: int) -> tuple[list[tuple], list[Any],
-                                                                                list[tuple[int, int]]]:
+def _input_only(fwd: list[Event], bwd: list[Event], micro_batch: int) -> tuple[list[Event], list[Any],
+                                                                              list[tuple[int, int]]]:
     """A split backward's input step (stage_backward_input, the graph retained for the weight step): the backward's
     events without its weight gradients, and without freeing what the forward made (the saved tensors stay with
     the graph until W); (those events, the forward's keys freed at W, each weight gradient's (bytes, block) for
@@ -230,7 +233,7 @@ def _input_only(fwd: list[tuple], bwd: list[tuple], micro_batch: int) -> tuple[l
     return events, deferred, births
 
 
-def _split(step: list[tuple]) -> tuple[list[tuple], list[tuple]]:
+def _split(step: list[Event]) -> tuple[list[Event], list[Event]]:
     """A traced step's forward (through the model's return, the loss included) and its backward."""
     at = next(i for i, e in enumerate(step) if e[0] == "m" and e[1] == "fwd_end")
     return step[:at + 1], step[at + 1:]
@@ -310,13 +313,14 @@ def replay(inv: Any, s: Any, config: AllocatorConfig) -> tuple[str, dict[str, Al
             if kind == schedules.F:
                 offsets[c, mb] = run.offset()
                 st.begin_forward()
-                micro_step(run, job, 0, keep_grads=False, at=st.region, on_grad=st.on_grad,
+                micro_step(run, job, keep_grads=False, at=st.region, on_grad=st.on_grad,
                            on_forward_end=st.forward_returned, events=fwd, off=offsets[c, mb])
                 # forward_one_chunk keeps the stage's output in fwd_cache until the micro-batch's backward (the
                 # traced step lets go of it where the model returns: the last block's output, or the logits)
                 if prof.stages[c].output_bytes:
                     cached[c, mb] = run.alloc(prof.stages[c].output_bytes * s.micro_batch)
             elif kind == schedules.W:
+                assert split is not None  # a schedule with weight steps splits every backward
                 # stage_backward_weight: the weight gradients, then the graph's saved tensors and the gradients
                 # the input step kept for it go
                 st.weight_step(split[2])
@@ -330,8 +334,9 @@ def replay(inv: Any, s: Any, config: AllocatorConfig) -> tuple[str, dict[str, Al
                 st.begin_backward()
                 off = offsets.pop((c, mb))
                 if kind == schedules.I:
+                    assert split is not None
                     st.input_only = True
-                    micro_step(run, job, 0, keep_grads=False, at=st.region, on_grad=st.on_grad,
+                    micro_step(run, job, keep_grads=False, at=st.region, on_grad=st.on_grad,
                                on_forward_end=None, events=split[0], off=off)
                     st.input_only = False
                     st.bwd = None
@@ -340,7 +345,7 @@ def replay(inv: Any, s: Any, config: AllocatorConfig) -> tuple[str, dict[str, Al
                     keep = [run.alloc(kept * s.micro_batch)] if kept else []
                     held_for_w[c, mb] = [off + k for k in split[1]] + keep
                     continue
-                micro_step(run, job, 0, keep_grads=True, at=st.region, on_grad=st.on_grad,
+                micro_step(run, job, keep_grads=True, at=st.region, on_grad=st.on_grad,
                            on_forward_end=None, events=bwd, off=off)
                 st.end_backward()
                 if last_backward.get(c) == idx:

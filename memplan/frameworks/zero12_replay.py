@@ -103,7 +103,7 @@ def replay_zero12(job: ReplayJob, stage: int, partition: int, flat: int, bucket:
                 if not ipg:
                     ipg.extend(run.alloc(bucket * half) for _ in range(buffers))
                 return in_hooks and reduce(nbytes, key)
-            kept = micro_step(run, job, (n, m), keep_grads=not in_hooks, on_grad=on_grad)
+            kept = micro_step(run, job, keep_grads=not in_hooks, on_grad=on_grad)
             for key, nbytes in reversed(kept):  # reduce_gradients, in the group's (module) order
                 if not reduce(nbytes, key):
                     run.free(key)  # copied into the bucket: the gradient is a view of it now
@@ -273,7 +273,7 @@ def replay_zero0(job: ReplayJob, wrapper: str | None, grad_numels: tuple[int, ..
         grads: list[tuple[Any, int]] = []
         for m in range(job.grad_accum):
             ids = run.alloc(job.input_bytes)
-            grads += micro_step(run, job, (n, m), keep_grads=m == 0)
+            grads += micro_step(run, job, keep_grads=m == 0)
             run.free(ids)
         chunk = 0
         for i, numel in enumerate(grad_numels):  # allreduce_no_retain
@@ -337,12 +337,12 @@ def replay(inv: Any, s: Any, config: AllocatorConfig) -> tuple[str, dict[str, Al
         from memplan.frameworks.zero12 import comm_bytes, fp16_wrapper
 
         wrapper = fp16_wrapper(s)
-        trainable = [t for t in inv.tensors if t.trainable]
-        numels = [t.numel for t in trainable]
+        stepped = [t for t in inv.tensors if t.trainable]
+        numels = [t.numel for t in stepped]
         if wrapper == "fused":
             job = replay_job(inv, s, [sum(numels)])
         else:
-            job = replay_job(inv, s, numels, [t.shape for t in trainable])
+            job = replay_job(inv, s, numels, [t.shape for t in stepped])
         a = replay_zero0(job, wrapper, tuple(numels), s.recipe.grad_bytes, comm_bytes(s), config,
                          tuple(t.trainable for t in inv.tensors) if inv.frozen else None)
         names = {"fused": "FP16_Optimizer", "unfused": "FP16_UnfusedOptimizer", None: "no wrapper"}

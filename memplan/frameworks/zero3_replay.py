@@ -52,7 +52,7 @@ def replay_zero3(job: ReplayJob, world: int, partitions: tuple[int, ...], sub_gr
             else:
                 at, gathered = _gathers(run, world, blocks, half, job, n == 0 and m == 0, roots)
             on_grad, flush = ipg_bucket(run, world, bucket, half, offload)
-            micro_step(run, job, (n, m), keep_grads=False, at=at, on_grad=on_grad)
+            micro_step(run, job, keep_grads=False, at=at, on_grad=on_grad)
             flush()  # independent_gradient_partition_epilogue: the bucket's rest
             if host_params is not None:
                 end()

@@ -11,8 +11,9 @@ from typing import Any
 from memplan.model.inventory import ROOT_BLOCK, ParamInventory, ParamTensor
 from memplan.parallel import schedules
 from memplan.parallel.degrees import MEGATRON_DEEPSPEED, Parallel, TORCHTITAN
-from memplan.parallel.sequence import _sp_split, sp_tokens
+from memplan.parallel.sequence import sp_split, sp_tokens
 from memplan.parallel.tensor import padded_vocab, tp_inventory
+from memplan.precision import Recipe
 
 
 @dataclass(frozen=True)
@@ -195,7 +196,7 @@ class RankShare:
         return span + (f" + {' + '.join(ends)}" if ends else "")
 
 
-_SHARES: dict[tuple, tuple[ParamInventory, tuple[RankShare, ...]]] = {}
+_SHARES: dict[tuple[Any, ...], tuple[ParamInventory, tuple[RankShare, ...]]] = {}
 
 
 def shares(inv: ParamInventory, p: Parallel, layout: str, micro_batches: int) -> tuple[RankShare, ...]:
@@ -218,12 +219,12 @@ def shares(inv: ParamInventory, p: Parallel, layout: str, micro_batches: int) ->
 def dominated(shares: tuple[RankShare, ...]) -> set[int]:
     """Pipeline ranks no more loaded than another: the same stages' shapes (blocks of the same sizes, the same ends)
     with no more micro-batches in flight (1F1B's later middle ranks); their figures are never the most."""
-    def shape(sh: RankShare) -> tuple:
+    def shape(sh: RankShare) -> tuple[Any, ...]:
         return (tuple((tuple(sorted(b.numel for b in sh.inventory.layer_blocks)), c.first, c.last)
                       for c in sh.chunks[:1]) if len(sh.chunks) == 1 else id(sh),
                 sh.first, sh.last, tuple(sorted((t.shape, t.trainable) for t in sh.inventory.tensors
                                                 if t.block == ROOT_BLOCK)))
-    best: dict[tuple, int] = {}
+    best: dict[tuple[Any, ...], int] = {}
     for sh in shares:
         k = shape(sh)
         if k not in best or sh.in_flight > shares[best[k]].in_flight:
@@ -232,7 +233,7 @@ def dominated(shares: tuple[RankShare, ...]) -> set[int]:
     return {sh.rank for sh in shares if sh.rank not in keep}
 
 
-def stage_output(dims: dict[str, Any], p: Parallel, layout: str, last: bool, recipe: Any) -> int:
+def stage_output(dims: dict[str, Any], p: Parallel, layout: str, last: bool, recipe: Recipe) -> int:
     """Bytes per token of a pipeline stage's output that its in-flight micro-batches keep beyond what their
     blocks save (torch.distributed.pipelining's PipelineStage.fwd_cache holds each micro-batch's output until
     its backward): the last stage's logits in the compute dtype (the loss works on their fp32 copy); another
@@ -242,13 +243,15 @@ def stage_output(dims: dict[str, Any], p: Parallel, layout: str, last: bool, rec
     if p.pp == 1:
         return 0
     if last:
-        return recipe.compute_bytes * padded_vocab(dims.get("vocab_size", 0), p, layout)
+        vocab: int = dims.get("vocab_size", 0)
+        return recipe.compute_bytes * padded_vocab(vocab, p, layout)
     # the last block's output: under sequence parallelism the rank's share of the sequence (sp_tokens)
-    return dims.get("hidden_size", 0) * (recipe.residual_bytes if recipe.residual_bytes < 4 else 4) // _sp_split(p)
+    hidden: int = dims.get("hidden_size", 0)
+    return hidden * (recipe.residual_bytes if recipe.residual_bytes < 4 else 4) // sp_split(p)
 
 
 def recv_buffers(dims: dict[str, Any], p: Parallel, share: RankShare, micro_batches: int, tokens: int,
-                 recipe: Any, layout: str = TORCHTITAN) -> int:
+                 recipe: Recipe, layout: str = TORCHTITAN) -> int:
     """A pipeline rank's receive buffers, made once for every micro-batch of a step and kept
     (torch/distributed/pipelining/stage.py _setup_forward_recv_info: a buffer per micro-batch for the
     activations a stage after the first receives; _create_grad_recv_info / _setup_backward_recv_info: one per
@@ -258,7 +261,8 @@ def recv_buffers(dims: dict[str, Any], p: Parallel, share: RankShare, micro_batc
     hidden 256, bf16): 524,288 B on each rank from the first step on."""
     if p.pp == 1:
         return 0
-    each = sp_tokens(tokens, p) * dims.get("hidden_size", 0) * recipe.residual_bytes
+    hidden: int = dims.get("hidden_size", 0)
+    each = sp_tokens(tokens, p) * hidden * recipe.residual_bytes
     chunks = len(share.chunks)
     n = sum((0 if c.first else 1) + (0 if c.last else 1) for c in share.chunks) if chunks else 0
     if layout == MEGATRON_DEEPSPEED:
@@ -268,13 +272,14 @@ def recv_buffers(dims: dict[str, Any], p: Parallel, share: RankShare, micro_batc
     return n * micro_batches * each
 
 
-def stage_input(dims: dict[str, Any], p: Parallel, layout: str, first: bool, recipe: Any) -> int:
+def stage_input(dims: dict[str, Any], p: Parallel, layout: str, first: bool, recipe: Recipe) -> int:
     """Bytes per token of a received stage input each in-flight micro-batch keeps beyond the blocks' saved
     tensors: DeepSpeed's clone of its receive buffer (torch's pipelining receives into a buffer per micro-batch,
     counted in recv_buffers)."""
     if p.pp == 1 or first or layout != MEGATRON_DEEPSPEED:
         return 0
-    return dims.get("hidden_size", 0) * recipe.residual_bytes // _sp_split(p)
+    hidden: int = dims.get("hidden_size", 0)
+    return hidden * recipe.residual_bytes // sp_split(p)
 
 
 def zero_bubble_grads(dims: dict[str, Any], layers: int, tokens: int, compute_bytes: int) -> int:
@@ -283,11 +288,11 @@ def zero_bubble_grads(dims: dict[str, Any], layers: int, tokens: int, compute_by
     _backward.py) computes the input's gradient with the graph retained and stores, per parameter group, the
     gradients flowing into the weight-gradient subgraphs (param_group["grads"]): of each linear's output, the
     q, k, v, o, gate, up and down projections' outputs of every block of the stage, in the compute dtype."""
-    h = dims.get("hidden_size", 0)
-    heads = dims.get("num_heads") or 1
-    hd = dims.get("head_dim") or h // heads
-    kv = dims.get("num_kv_heads") or heads
-    inter = dims.get("intermediate_size", 4 * h)
+    h: int = dims.get("hidden_size", 0)
+    heads: int = dims.get("num_heads") or 1
+    hd: int = dims.get("head_dim") or h // heads
+    kv: int = dims.get("num_kv_heads") or heads
+    inter: int = dims.get("intermediate_size", 4 * h)
     gated = dims.get("gated_mlp", 1)
     per_token = heads * hd + 2 * kv * hd + h + (2 if gated else 1) * inter + h
     return layers * tokens * per_token * compute_bytes

@@ -33,6 +33,8 @@ from typing import Any
 from memplan.errors import SettingsError
 
 F, B, I, W = "F", "B", "I", "W"
+#: one compute action: (stage, kind F | B | I | W, micro-batch)
+Action = tuple[int, str, int]
 
 #: memplan's schedule names -> torch's class names (get_schedule_class), which --schedule also takes
 TORCH_NAMES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "Interleaved1F1B", "looped-bfs": "LoopedBFS",
@@ -108,7 +110,7 @@ def check(schedule: str, pp: int, micro_batches: int, per_rank: int) -> None:
 
 
 @lru_cache(maxsize=512)
-def rank_actions(schedule: str, pp: int, micro_batches: int, per_rank: int, rank: int) -> tuple[tuple, ...]:
+def rank_actions(schedule: str, pp: int, micro_batches: int, per_rank: int, rank: int) -> tuple[Action, ...]:
     """Rank ``rank``'s compute actions in the order it runs them: (stage, kind, micro-batch) each."""
     m = micro_batches
     if schedule == "gpipe":
@@ -130,7 +132,7 @@ def rank_actions(schedule: str, pp: int, micro_batches: int, per_rank: int, rank
     return tuple(ops)
 
 
-def _one_f_one_b(pp: int, m: int, rank: int) -> list[tuple]:
+def _one_f_one_b(pp: int, m: int, rank: int) -> list[Action]:
     """Schedule1F1B._get_pipeline_order (the order its _step_microbatches runs)."""
     ops = []
     warm = pp - 1 - rank
@@ -145,7 +147,7 @@ def _one_f_one_b(pp: int, m: int, rank: int) -> list[tuple]:
     return ops
 
 
-def _interleaved(pp: int, m: int, v: int, rank: int, zero_bubble: bool) -> list[tuple]:
+def _interleaved(pp: int, m: int, v: int, rank: int, zero_bubble: bool) -> list[Action]:
     """ScheduleInterleaved1F1B / ScheduleInterleavedZeroBubble._calculate_single_rank_operations
     (_get_warmup_ops, _get_1f1b_rank_ops)."""
     rounds = max(1, m // pp)
@@ -162,7 +164,7 @@ def _interleaved(pp: int, m: int, v: int, rank: int, zero_bubble: bool) -> list[
     fc: dict[int, int] = defaultdict(int)
     bc: dict[int, int] = defaultdict(int)
     wc: dict[int, int] = defaultdict(int)
-    ops: list[tuple] = []
+    ops: list[Action] = []
     backward_ids: list[int] = []
     weights = 0
     kind = I if zero_bubble else B
@@ -195,11 +197,11 @@ def _interleaved(pp: int, m: int, v: int, rank: int, zero_bubble: bool) -> list[
     return ops
 
 
-def _zbv(pp: int, m: int, rank: int) -> list[tuple]:
+def _zbv(pp: int, m: int, rank: int) -> list[Action]:
     """ScheduleZBVZeroBubble._calculate_single_rank_operations (micro-batches past the real ones dropped)."""
     n = max(2 * pp - 1, m)
     s0, s1 = rank, 2 * pp - 1 - rank
-    ops: list[tuple] = []
+    ops: list[Action] = []
     f0 = f1 = b0 = b1 = 0
     for _ in range(2 * (pp - rank) - 1):
         ops.append((s0, F, f0))
@@ -233,13 +235,13 @@ def _zbv(pp: int, m: int, rank: int) -> list[tuple]:
     return [a for a in ops if a[2] < m]
 
 
-def _dualpipev(pp: int, m: int, rank: int) -> list[tuple]:
+def _dualpipev(pp: int, m: int, rank: int) -> list[Action]:
     """ScheduleDualPipeV._calculate_single_rank_operations, each OVERLAP_F_B as its forward then its full
     backward."""
     s0, s1 = rank, 2 * pp - 1 - rank
     count: dict[tuple[int, str], int] = {}
     queue: list[tuple[int, int]] = []
-    ops: list[tuple] = []
+    ops: list[Action] = []
 
     def add(stage: int, kind: str) -> None:
         key = (stage, I if kind == B else kind)

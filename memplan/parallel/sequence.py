@@ -20,7 +20,7 @@ def sp_saving(dims: dict[str, Any], p: Parallel, layout: str, residual_bytes: in
     and the two projections' inputs (Korthikanti et al. 2022, the 10sbh term split)."""
     if not p.sp or p.tp == 1:
         return 0
-    h = dims.get("hidden_size", 0)
+    h: int = dims.get("hidden_size", 0)
     if layout == MEGATRON_DEEPSPEED:
         per = 2 * h * residual_bytes + 2 * h * compute_bytes
     else:
@@ -42,8 +42,8 @@ def sp_tokens(tokens: int, p: Parallel) -> int:
     seq / tp, hidden] tensor that a stage returns and the next receives; Megatron's get_tensor_shapes
     (core/pipeline_parallel/schedules.py: seq_length // tp_size when sequence_parallel), its embedding scattered to
     the sequence-parallel region."""
-    return -(-tokens // _sp_split(p))
+    return -(-tokens // sp_split(p))
 
 
-def _sp_split(p: Parallel) -> int:
+def sp_split(p: Parallel) -> int:
     return p.tp if p.sp and p.tp > 1 else 1

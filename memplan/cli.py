@@ -36,8 +36,8 @@ def presets(as_json: bool = typer.Option(False, "--json", help="Print JSON on st
         aliases = sorted(a for a, c in sources.PRESET_ALIASES.items() if c == name)
         models.append({"name": name, "aliases": aliases, "model_type": src.config.get("model_type"),
                        "num_params": inv.num_params, "name_or_path": src.config.get("_name_or_path")})
-    gpus = [{"id": k, **v, "capacity_bytes": sources.gpu_capacity(v)[0], "capacity_as": sources.gpu_capacity(v)[1]}
-            for k, v in sources.gpu_presets().items()]
+    gpus = [{**g.to_json(), "capacity_bytes": g.capacity[0], "capacity_as": g.capacity[1]}
+            for g in sources.gpu_presets().values()]
     if as_json:
         R.emit_json({"schema_version": 1, "models": models, "gpus": gpus})
         return

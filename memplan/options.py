@@ -38,12 +38,10 @@ def gpu_memory(gpu: str | None, gpu_memory: str | None) -> tuple[int | None, str
         if key not in presets:
             raise SettingsError(f"unknown GPU {quote(gpu)}; valid: {', '.join(presets)}")
         g = presets[key]
-        from memplan.model.sources import gpu_capacity
-
-        cap, how = gpu_capacity(g)
+        cap, how = g.capacity
         if how == "torch":  # what PyTorch reports and its allocator works within (measured)
-            return cap, f"{key}: {g['name']}, {cap} bytes as torch reports them (nvidia-smi: {g['usable_bytes']})"
-        return cap, f"{key}: {g['name']}, {cap} bytes (nvidia-smi memory.total)"
+            return cap, f"{key}: {g.name}, {cap} bytes as torch reports them (nvidia-smi: {g.usable_bytes})"
+        return cap, f"{key}: {g.name}, {cap} bytes (nvidia-smi memory.total)"
     if gpu_memory:
         n, how = parse_size(gpu_memory)
         return n, how
@@ -440,14 +438,15 @@ def _cluster(*, gpus: int, gpus_per_node: int | None, gpu: str | None, gpu_memor
     if how:
         notes.append(f"GPU memory: {how}")
     if workspace is None and gpu:
-        workspace = gpu_presets()[gpu.lower()].get("blas_workspace_bytes")
+        workspace = gpu_presets()[gpu.lower()].blas_workspace_bytes
     elif workspace is None and device == "cuda":
         notes.append("cuBLAS workspace: 32 MiB per handle assumed (the sm90 default); --gpu NAME or "
                      "--cublas-workspace SIZE sets it")
-    arch = gpu_arch or (gpu_presets()[gpu.lower()].get("arch", "sm90") if gpu else "sm90")
+    preset = gpu_presets()[gpu.lower()] if gpu else None
+    arch = gpu_arch or (preset.arch if preset else "sm90")
     # the preset's own multiprocessors, unless --gpu-arch names another architecture than the preset's
-    shape = gpu_presets()[gpu.lower()] if gpu and not gpu_arch else {}
-    sms, threads = shape.get("multiprocessors", 0), shape.get("max_threads_per_multiprocessor", 0)
+    shape = preset if preset and not gpu_arch else None
+    sms, threads = (shape.multiprocessors, shape.max_threads_per_multiprocessor) if shape else (0, 0)
     if device == "cuda" and not gpu and not gpu_arch:
         notes.append("GPU architecture: sm90 assumed (H100-class kernels); --gpu NAME sets it")
     if cpu_isa is not None:

@@ -68,19 +68,75 @@ def preset_names() -> list[str]:
     return sorted(p.stem for p in (presets_dir() / "models").glob("*.json"))
 
 
-def gpu_presets() -> dict[str, dict[str, Any]]:
-    out = {}
-    for p in sorted((presets_dir() / "gpus").glob("*.json")):
-        out[p.stem] = json.loads(p.read_text())
-    return out
+@dataclass(frozen=True, kw_only=True)
+class GpuPreset:
+    """A GPU preset (memplan/presets/gpus/NAME.json), checked when it loads: every figure a positive integer with
+    the source it was read from."""
+
+    id: str
+    name: str
+    nominal: str
+    usable_bytes: int  #: the driver's memory.total (nvidia-smi)
+    source: str
+    note: str
+    arch: str  #: sm80, sm90, ... (CUDA) or gfx942 (ROCm): the kernels' and the cuBLAS workspace's rules
+    blas_workspace_bytes: int  #: PyTorch's default cuBLAS workspace per handle on this architecture
+    blas_workspace_source: str
+    multiprocessors: int
+    max_threads_per_multiprocessor: int
+    multiprocessors_source: str
+    #: torch.cuda.mem_get_info's total, where measured: the capacity PyTorch's allocator works within
+    torch_total_bytes: int | None = None
+    torch_total_source: str | None = None
+
+    @classmethod
+    def load(cls, path: Path) -> GpuPreset:
+        data = json.loads(path.read_text())
+        if not isinstance(data, dict):
+            raise ConfigError(f"GPU preset {path.name} must hold a JSON object")
+        known = {f for f in cls.__dataclass_fields__ if f != "id"}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"GPU preset {path.name}: unknown field(s) {', '.join(unknown)}")
+        for f, spec in cls.__dataclass_fields__.items():
+            if f == "id" or (f not in data and spec.default is None):
+                continue
+            v = data.get(f)
+            want_int = f.endswith("_bytes") or f in ("multiprocessors", "max_threads_per_multiprocessor")
+            if want_int and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ConfigError(f"GPU preset {path.name}: {f} must be a positive integer, got {quote(v)}")
+            if not want_int and (not isinstance(v, str) or not v):
+                raise ConfigError(f"GPU preset {path.name}: {f} must be a non-empty string, got {quote(v)}")
+        if ("torch_total_bytes" in data) != ("torch_total_source" in data):
+            raise ConfigError(f"GPU preset {path.name}: torch_total_bytes and torch_total_source go together")
+        if data.get("torch_total_bytes", 0) > data["usable_bytes"]:
+            raise ConfigError(f"GPU preset {path.name}: torch_total_bytes is more than usable_bytes")
+        if not re.fullmatch(r"sm\d{2,3}|gfx\d+[a-z]?", data["arch"]):
+            raise ConfigError(f"GPU preset {path.name}: arch {quote(data['arch'])} is not smNN or gfxNNN")
+        return cls(id=path.stem, **data)
+
+    @property
+    def capacity(self) -> tuple[int, str]:
+        """The capacity verdicts compare with: what torch reports where it was measured, else the driver's
+        memory.total; and which of the two it is ("torch" or "nvidia-smi")."""
+        if self.torch_total_bytes is not None:
+            return self.torch_total_bytes, "torch"
+        return self.usable_bytes, "nvidia-smi"
+
+    def to_json(self) -> dict[str, Any]:
+        """The preset's fields as its file gives them, with its id (``memplan presets --json``)."""
+        return {k: v for k, v in self.__dict__.items() if v is not None}
 
 
-def gpu_capacity(g: dict[str, Any]) -> tuple[int, str]:
-    """The capacity a GPU preset's verdicts compare with: what torch reports (torch.cuda.mem_get_info's total, the
-    memory PyTorch's allocator works within) where it was measured, else the driver's memory.total."""
-    if "torch_total_bytes" in g:
-        return g["torch_total_bytes"], "torch"
-    return g["usable_bytes"], "nvidia-smi"
+def gpu_presets() -> dict[str, GpuPreset]:
+    """Every GPU preset by id (cached: read once per process)."""
+    global _GPU_PRESETS
+    if _GPU_PRESETS is None:
+        _GPU_PRESETS = {p.stem: GpuPreset.load(p) for p in sorted((presets_dir() / "gpus").glob("*.json"))}
+    return _GPU_PRESETS
+
+
+_GPU_PRESETS: dict[str, GpuPreset] | None = None
 
 
 def read_config(path: Path) -> dict[str, Any]:

@@ -396,7 +396,7 @@ def test_gpu_presets_carry_pytorchs_default_cublas_workspace():
     from memplan.model.sources import gpu_presets
 
     for name, g in gpu_presets().items():
-        assert g["blas_workspace_bytes"] == A.default_blas_workspace(g["arch"]), name
+        assert g.blas_workspace_bytes == A.default_blas_workspace(g.arch), name
     assert A.default_blas_workspace("sm90") == 32 * 1024 * 1024
     assert A.default_blas_workspace("sm80") == 8 * 1024 * 1024 + 128 * 1024
     assert A.default_blas_workspace("gfx942") == 128 * 1024 * 1024

@@ -110,3 +110,29 @@ def test_factory(tmp_path, monkeypatch):
         sources.build_inventory(sources.resolve("mymods:notmod"))
     with pytest.raises(ModelSourceError, match="cannot import"):
         sources.build_inventory(sources.resolve("no_such_module_xyz:fn"))
+
+
+def test_every_gpu_preset_loads_typed_with_its_capacity():
+    presets = sources.gpu_presets()
+    assert {"a100-80g", "h100-80g", "h200-141g"} <= set(presets)
+    h100 = presets["h100-80g"]
+    assert h100.capacity == (85_017_493_504, "torch") and h100.arch == "sm90"
+    assert presets["a100-80g"].capacity == (85_899_345_920, "nvidia-smi")
+    assert all(g.id == k and g.to_json()["id"] == k for k, g in presets.items())
+
+
+@pytest.mark.parametrize("change,match", [
+    ({"usable_bytes": "80GB"}, "usable_bytes must be a positive integer"),
+    ({"multiprocessors": 0}, "multiprocessors must be a positive integer"),
+    ({"arch": "hopper"}, "arch 'hopper' is not smNN"),
+    ({"torch_total_bytes": 1}, "torch_total_bytes and torch_total_source go together"),
+    ({"torch_total_bytes": 10 ** 12, "torch_total_source": "x"}, "more than usable_bytes"),
+    ({"name": ""}, "name must be a non-empty string"),
+    ({"colour": "green"}, "unknown field"),
+])
+def test_a_broken_gpu_preset_is_named_when_it_loads(tmp_path, change, match):
+    good = json.loads((sources.presets_dir() / "gpus" / "a100-80g.json").read_text())
+    path = tmp_path / "x100-1g.json"
+    path.write_text(json.dumps({**good, **change}))
+    with pytest.raises(ConfigError, match=match):
+        sources.GpuPreset.load(path)

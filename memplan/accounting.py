@@ -16,6 +16,8 @@ from typing import Any
 
 from memplan import activations as act
 from memplan import frameworks, layouts
+from memplan.comm import communication, model_parallel
+from memplan.host import host_report
 from memplan.parallel import schedules
 from memplan.frameworks.common import FrameworkModel, Grads, Job, OffloadedGrads, StepIn
 from memplan.model.inventory import ParamInventory
@@ -286,11 +288,12 @@ def estimate(inv: ParamInventory, s: Settings, reserved_limit: int | None = None
         shift = res.allocated_bytes - before
     detail = _overheads(s, f, peak.total_bytes, res)
     capped, verdict = _verdict(inv, s, res, peak.total_bytes, detail, reserved_limit, shift)
-    return Plan(settings=s, inventory=inv, phases=rows, peak=peak, overhead_bytes=sum(detail.values()),
+    plan = Plan(settings=s, inventory=inv, phases=rows, peak=peak, overhead_bytes=sum(detail.values()),
                 overhead_detail=detail, host_bytes_per_node=f.host_per_node, host_detail=f.host_detail,
                 shard_group=f.shard_group,
                 between_steps_bytes=f.between, assumptions=dict(f.assumptions), reserved=res, reserved_why=why,
-                capped=capped, verdict_required_bytes=verdict)
+                capped=capped, verdict_required_bytes=verdict, communication=communication(inv, s))
+    return replace(plan, host=host_report(plan))
 
 
 def _verdict(inv: ParamInventory, s: Settings, res: Any, allocated: int, detail: dict[str, int],
@@ -371,8 +374,6 @@ def required_bytes(inv: ParamInventory, s: Settings, micro_batches: Any,
 def host_fits(inv: ParamInventory, s: Settings) -> bool | None:
     """The host verdict alone (no activations, no replay): whether a node's RAM holds the offloaded states."""
     from types import SimpleNamespace
-
-    from memplan.host import host_report
 
     f = _fixed(inv, s)
     rep = host_report(SimpleNamespace(settings=s, inventory=inv, host_detail=f.host_detail, shard_group=f.shard_group))
@@ -662,4 +663,29 @@ def _estimate_layout(inv: ParamInventory, s: Settings, reserved_limit: int | Non
     for k in Layout.__slots__:
         setattr(view, k, getattr(lay, k))
     view.plans, view.worst = plans, worst
-    return replace(plans[worst], layout=view)
+    return replace(plans[worst], layout=view,
+                   communication=with_model_parallel(plans[worst].communication, view, worst))
+
+
+def with_model_parallel(volume: dict[str, Any], lay: Layout, rank: int) -> dict[str, Any]:
+    """A data-parallel group's collectives (comm.communication) with pipeline rank ``rank``'s tensor- and
+    pipeline-parallel traffic added."""
+    out = dict(volume)
+    extra = model_parallel(lay, rank)
+    out["collectives"] = list(out["collectives"]) + extra
+    for x in extra:
+        key = "inter_node_bytes" if x["network"] == "inter-node" else "intra_node_bytes"
+        out[key] += x["bytes_per_gpu"]
+        out["total_bytes"] += x["bytes_per_gpu"]
+    return out
+
+
+def job_communication(inv: ParamInventory, s: Settings) -> dict[str, Any]:
+    """The communication per GPU per optimizer step of any job, without estimating it: under model parallelism
+    the first pipeline rank's (it holds the most micro-batches in flight), its data-parallel collectives with its
+    tensor- and pipeline-parallel traffic."""
+    if s.parallel is None or not s.parallel.active:
+        return communication(inv, s)
+    lay = layout(inv, s)
+    _, r_inv, r_s = lay.ranks[0]
+    return with_model_parallel(communication(r_inv, r_s), lay, 0)

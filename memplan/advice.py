@@ -220,7 +220,7 @@ def suggest(plan: Any, settings_with: Callable[[dict[str, Any]], Any],
     from types import SimpleNamespace
 
     from memplan import accounting
-    from memplan.comm import job_volume as communication
+    from memplan.accounting import job_communication as communication
     from memplan.units import fmt_bytes
 
     if plan.layout is not None:  # the most loaded rank's plan: the changes apply to the job as given

@@ -266,20 +266,3 @@ def model_parallel(layout: Any, rank: int) -> list[dict[str, Any]]:
         add("send", "pipeline: stage outputs forward, input gradients backward", 2, rc.residual_bytes * sent,
             m * sends, inter)
     return out
-
-
-def job_volume(inv: Any, s: Settings) -> dict[str, Any]:
-    """communication() for any job: under model parallelism the first pipeline rank's (it holds the most
-    micro-batches in flight), its data-parallel collectives with its tensor- and pipeline-parallel traffic."""
-    if s.parallel is None or not s.parallel.active:
-        return communication(inv, s)
-    from memplan import accounting
-
-    lay = accounting.layout(inv, s)
-    _, r_inv, r_s = lay.ranks[0]
-    out = dict(communication(r_inv, r_s))
-    for x in model_parallel(lay, 0):
-        key = "inter_node_bytes" if x["network"] == "inter-node" else "intra_node_bytes"
-        out[key] += x["bytes_per_gpu"]
-        out["total_bytes"] += x["bytes_per_gpu"]
-    return out

@@ -76,6 +76,11 @@ class Plan:
     capped: Any = None
     #: the card bytes the verdict compares with the card (accounting._verdict), where the capped replay ran
     verdict_required_bytes: int | None = None
+    #: per GPU per optimizer step (comm.communication; under model parallelism with the worst rank's tensor- and
+    #: pipeline-parallel traffic)
+    communication: dict[str, Any] = field(default_factory=dict)
+    #: the node's host memory for offloaded states (host.host_report), None where nothing is offloaded
+    host: dict[str, Any] | None = None
 
     @property
     def reserved_peak_bytes(self) -> int | None:
@@ -117,10 +122,7 @@ class Plan:
     def host_fits(self) -> bool | None:
         """Whether the offloaded states fit a node's host RAM (--host-memory), pinned buffers rounded as PyTorch
         rounds them (memplan/host.py); None without --host-memory or without offload."""
-        from memplan.host import host_report
-
-        rep = host_report(self)
-        return None if rep is None else rep["fits"]
+        return None if self.host is None else self.host["fits"]
 
 
 @dataclass(frozen=True)

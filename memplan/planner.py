@@ -375,9 +375,9 @@ def _rank(c: Candidate) -> tuple:
 
 
 def _volume(inv: ParamInventory, s: Settings) -> dict[str, Any]:
-    from memplan.comm import job_volume
+    from memplan.accounting import job_communication
 
-    return job_volume(inv, s)
+    return job_communication(inv, s)
 
 
 def _at_count(inv: ParamInventory, with_min: list[Candidate], gpus: int, mbs: tuple[int, ...],

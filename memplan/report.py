@@ -99,35 +99,13 @@ def plan_report(plan: Any, sources: dict[str, str] | None = None, notes: tuple[s
         "reserved": reserved_report(plan),
         "host_bytes_per_node": plan.host_bytes_per_node,
         "host_bytes_per_rank_by_category": plan.host_detail,
-        "host": host_report(plan),
-        "communication": communication_report(plan),
+        "host": plan.host,
+        "communication": plan.communication,
         "fits": plan.fits,
         "headroom_bytes": plan.headroom_bytes,
         "assumptions": assumptions,
         "notes": list(inv.notes) + list(notes),
     }
-
-
-def communication_report(plan: Any) -> dict[str, Any]:
-    """Per GPU per optimizer step; under model parallelism the most loaded rank's, its data-parallel group's
-    collectives with its tensor- and pipeline-parallel traffic."""
-    from memplan.comm import communication, model_parallel
-
-    out = communication(plan.inventory, plan.settings)
-    if plan.layout is not None:
-        extra = model_parallel(plan.layout, plan.layout.worst)
-        out["collectives"] = out["collectives"] + extra
-        for x in extra:
-            key = "inter_node_bytes" if x["network"] == "inter-node" else "intra_node_bytes"
-            out[key] += x["bytes_per_gpu"]
-            out["total_bytes"] += x["bytes_per_gpu"]
-    return out
-
-
-def host_report(plan: Any) -> dict[str, Any] | None:
-    from memplan.host import host_report as report
-
-    return report(plan)
 
 
 def capped_report(plan: Any) -> dict[str, Any] | None:

@@ -9,7 +9,8 @@ import pytest
 
 from memplan import accounting, layouts, options, parallel as par
 from memplan import strategies as S
-from memplan.comm import job_volume, model_parallel
+from memplan.accounting import job_communication
+from memplan.comm import model_parallel
 from memplan.errors import SettingsError
 from memplan.model import sources
 
@@ -146,7 +147,7 @@ def test_expert_parallel_traffic(tmp_path):
     inv = _inv(tmp_path)
     s = _settings(inv, par.Parallel(ep=2), gpus=4, seq_len=128, micro_batch=2, grad_accum=3)
     lay = accounting.estimate(inv, s).layout
-    rows = {x["what"].split(":")[0].split(",")[0]: x for x in job_volume(inv, s)["collectives"]
+    rows = {x["what"].split(":")[0].split(",")[0]: x for x in job_communication(inv, s)["collectives"]
             + model_parallel(lay, 0)}
     a2a = rows["expert parallel"]
     assert a2a["op"] == "all-to-all" and a2a["group_size"] == 2 and a2a["times_per_step"] == 3 * 4 * 2

@@ -429,7 +429,7 @@ def main() -> None:
                     help="no runs: predict again with this code against the measurements kept in the .jsonl")
     ap.add_argument("--gpus", type=int, default=2)
     ap.add_argument("--cpu-isa", default=None,
-                    help="the instruction set the CPU kernels follow (memplan.kernels.CPU_ISAS): for --repredict, "
+                    help="the instruction set the CPU kernels follow (memplan.activations.kernels.CPU_ISAS): for --repredict, "
                          "that of the machine the kept measurements came from (they were made on AVX512 CPUs "
                          "without bf16 instructions: the default); for runs, this machine's")
     ap.add_argument("--lora", action="store_true", help="the LoRA cases (PEFT), to docs/accuracy-lora.md")
@@ -438,7 +438,7 @@ def main() -> None:
     args.out = args.out or str(ROOT / "docs" / ("accuracy-cross.md" if args.cross else
                                                 "accuracy-lora.md" if args.lora else "accuracy.md"))
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    from memplan.kernels import host_cpu_isa
+    from memplan.activations.kernels import host_cpu_isa
 
     args.cpu_isa = args.cpu_isa or ("avx512" if args.repredict else host_cpu_isa())
     cases = cross_cases() if args.cross else lora_cases() if args.lora else QUICK if args.quick else CASES
@@ -545,7 +545,7 @@ def write(args, rows, errors) -> None:  # noqa: ANN001
         "all-reduces on gloo (memplan/harness/gloo.py `collectives_in_place`, `flat_collectives_in_place`: "
         "gloo's own temporaries, which NCCL does not allocate, are left out). The predictions are for `--device cpu`: "
         "no CUDA overheads, CPU dropout masks, and the scratch CPU bf16 GEMMs allocate on the measuring CPU's "
-        f"instruction set, `--cpu-isa {args.cpu_isa}` (memplan/kernels.py `cpu_gemm_scratch`; "
+        f"instruction set, `--cpu-isa {args.cpu_isa}` (memplan/activations/kernels.py `cpu_gemm_scratch`; "
         f"{_cpu_name()}). Measured = the CPU allocator's live bytes from the profiler's "
         "memory events (see memplan/harness/measure.py); worst rank. Error = (predicted - measured) / measured; "
         "a negative error is an under-estimate." + _other_isas(args, rows) + (

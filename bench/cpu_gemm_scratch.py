@@ -1,4 +1,4 @@
-"""CPU bf16 GEMM scratch: memplan's rule per instruction set (memplan/kernels.py cpu_gemm_scratch) against the
+"""CPU bf16 GEMM scratch: memplan's rule per instruction set (memplan/activations/kernels.py cpu_gemm_scratch) against the
 allocator's events of real GEMMs, on this machine and in the measurements kept in bench/cpu/.
 
     python bench/cpu_gemm_scratch.py            # measure this host, compare every kept measurement, write
@@ -57,7 +57,7 @@ def measure_host(threads: int = 1) -> dict:
 
 
 def compare(isa: str, rows: list, threads: int) -> tuple[int, int, int, int]:
-    from memplan.kernels import cpu_gemm_scratch
+    from memplan.activations.kernels import cpu_gemm_scratch
 
     exact = under = worst_under = worst_over = 0
     for m, n, k, temps, *_ in rows:
@@ -106,7 +106,7 @@ def main() -> None:
 
     import torch
 
-    from memplan.kernels import host_cpu_isa
+    from memplan.activations.kernels import host_cpu_isa
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--print", action="store_true")
@@ -136,7 +136,7 @@ def main() -> None:
                           *compare(isa, d["rows"], d["threads"])))
     lines += ["# CPU kernels: what a bf16 GEMM allocates, by instruction set", "",
               f"Made by `python bench/cpu_gemm_scratch.py` on {platform.machine()} ({name}), torch {torch.__version__}. "
-              "Each row compares memplan's rule (memplan/kernels.py `cpu_gemm_scratch`) with the CPU allocator's events "
+              "Each row compares memplan's rule (memplan/activations/kernels.py `cpu_gemm_scratch`) with the CPU allocator's events "
               "of real `a @ b` GEMMs (the profiler's memory events, as the harness measures), less the output. The "
               "rule is what `--device cpu` adds to a traced step for `--cpu-isa` (default: this machine's class, "
               "read from /proc/cpuinfo as PyTorch's mkldnn_bf16_device_check decides).", "",

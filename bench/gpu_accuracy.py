@@ -335,7 +335,7 @@ def write_doc(rows: list, summary: str, vrows: list, rsum: str = "", oom: list |
         "H100) is allocated at that thread's first cuBLAS call, right after the call's output: the forward's at the "
         "first block's first matmul, autograd's after the head's weight-gradient matmul, where it lands in a freed "
         "logits segment and splits it, so the next step reserves one logits-sized segment more (gpt2 ZeRO-2 -13.16% and "
-        "smollm2 DDP -10.59% before; the tracer now marks the first cuBLAS op of each pass, memplan/tracing/live.py "
+        "smollm2 DDP -10.59% before; the tracer now marks the first cuBLAS op of each pass, memplan/activations/tracing/live.py "
         "BLAS_OPS); (2) ZeRO-3 reduces a full bucket with torch.cat of its gradients on the reduce stream "
         "(coalesced_collectives.py reduce_scatter_coalesced), a transient in that stream's own pool (llama-3-8b-4l "
         "-1.35%, olmoe -3.10% before); (3) DeepSpeed 0.19.8 makes ZeRO-3's fp32 partition as `.to(fp32)` then "
@@ -437,7 +437,7 @@ def write_doc(rows: list, summary: str, vrows: list, rsum: str = "", oom: list |
         "- A CUDA reduction split across blocks takes a staging buffer and semaphores from the caching allocator "
         "(aten/src/ATen/native/cuda/Reduce.cuh setReduceConfig, global_memory_size): a Linear bias's gradient "
         "summed over 4,096 tokens took 157,286,400 B (phi-2's head), 141,557,760 B (fc1) and 83,886,080 B "
-        "(fc2, dense); llama-3.2-1b's norm weights 134,217,728 B. memplan.kernels.reduce_scratch gives each to the "
+        "(fc2, dense); llama-3.2-1b's norm weights 134,217,728 B. memplan.activations.kernels.reduce_scratch gives each to the "
         "byte; it depends on the GPU's multiprocessors (the --gpu preset's).",
         "- An embedding's backward over more than 3,072 tokens sorts them and sums partial segments "
         "(EmbeddingBackwardKernel.cu): 46,131,200 B for phi-2, 73,818,112 B for llama-3.2-1b, as recorded.",
@@ -448,7 +448,7 @@ def write_doc(rows: list, summary: str, vrows: list, rsum: str = "", oom: list |
         "- Gradient accumulation: autograd adds a second contribution into the first in place when it holds the "
         "only reference (torch/csrc/autograd/input_buffer.cpp); the trace ran on fake tensors, which it never "
         "steals, so it made a new tensor at each (phi-2's MLP input and rotary halves). The trace now decides as "
-        "the engine does (memplan/tracing/accumulate.py; the same choices as the real engine on eight "
+        "the engine does (memplan/activations/tracing/accumulate.py; the same choices as the real engine on eight "
         "architectures, tests/unit/test_accumulate.py).",
         "- AutocastCUDA casts right to left (session 23's finding), now followed; and DDP's rebuilt buckets take "
         "the order the gradients were ready, in which a Linear's bias comes before its weight (AccumulateGrad "

@@ -3,8 +3,8 @@ et al. (2022)'s 34sbh + 5as^2b (docs/accuracy.md, "The GPT-2 block against Korth
 
     python bench/korthikanti.py [--seq 1024] [--attention eager|sdpa] [--device cuda|cpu]
 
-Traces like memplan/tracing.py (fake tensors, saved_tensors_hooks, bf16, micro-batch 1) at depths 1 and 2; the
-block is the difference. ``--device cuda`` swaps in CUDA's 1-byte dropout mask (memplan.substitutes.cuda_dropout);
+Traces like memplan/activations/tracing/ (fake tensors, saved_tensors_hooks, bf16, micro-batch 1) at depths 1 and 2; the
+block is the difference. ``--device cuda`` swaps in CUDA's 1-byte dropout mask (memplan.activations.substitutes.cuda_dropout);
 ``cpu`` keeps ATen's CPU dropout, whose mask has the input's dtype.
 """
 
@@ -74,7 +74,7 @@ def main() -> None:
     import torch.nn.functional as F
 
     from memplan.model import sources
-    from memplan.substitutes import cuda_dropout as _cuda_dropout
+    from memplan.activations.substitutes import cuda_dropout as _cuda_dropout
 
     if args.device == "cuda":
         F.dropout = _cuda_dropout()

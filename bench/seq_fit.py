@@ -1,4 +1,4 @@
-"""How close a profile fitted at an untraced sequence length (memplan/profile_fit.py, from the shipped lengths) is
+"""How close a profile fitted at an untraced sequence length (memplan/activations/profile_fit.py, from the shipped lengths) is
 to a trace at that length: every value the engine reads off a profile (its terms, named moments, block moments
 and the head's backward) at micro-batch 1, 2, 4 and 8, for each preset at lengths that are not shipped.
 
@@ -18,11 +18,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from memplan import profile_cache  # noqa: E402
-from memplan.kernels import Target  # noqa: E402
+from memplan.activations import profile_cache  # noqa: E402
+from memplan.activations.kernels import Target  # noqa: E402
 from memplan.model import sources  # noqa: E402
-from memplan.profile_fit import engine_values, fit_seqs  # noqa: E402
-from memplan.tracing import trace_profile  # noqa: E402
+from memplan.activations.profile_fit import engine_values, fit_seqs  # noqa: E402
+from memplan.activations.tracing import trace_profile  # noqa: E402
 
 LENGTHS = (700, 1500, 3000, 6000, 20000, 100000)
 TARGET = Target(device="cuda", arch="sm90")
@@ -64,7 +64,7 @@ def main() -> None:
                 print(rows[-1], flush=True)
     head = (f"# Profiles fitted at untraced sequence lengths\n\nMade by `python bench/seq_fit.py` (CPU; traces for "
             "the H100 kernel class, sm90, recipe deepspeed-bf16, as shipped). For each preset, recompute setting and "
-            "a length that is not shipped, the profile fitted from the shipped lengths (memplan/profile_fit.py) "
+            "a length that is not shipped, the profile fitted from the shipped lengths (memplan/activations/profile_fit.py) "
             "against a trace at that length: every value the engine reads off a profile (terms, named moments, "
             "block moments, the head's backward) at micro-batch 1, 2, 4 and 8, as (fitted - traced) / traced. The "
             "fit is exact at shipped lengths; elsewhere it rounds each point up by one 512-byte allocator block per "

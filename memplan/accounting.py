@@ -87,7 +87,7 @@ def _step(job: Job, fw: FrameworkModel, grads: Grads, persistent: int, master_by
     impl = optimizer_impl(job.s)
     scratch = 0
     if job.s.optimizer.per_tensor:
-        from memplan.kernels import cpu_gemm_scratch, host_cpu_isa
+        from memplan.activations.kernels import cpu_gemm_scratch, host_cpu_isa
         from memplan.precision import per_tensor_step_scratch
 
         c = job.s.cluster
@@ -473,7 +473,7 @@ class Layout:
                 # flight share one bf16 copy of each weight (measured: DDP x PP, torch-amp, +4.85% before)
                 shared = rc.compute_bytes * sum(t.numel for t in r_inv.tensors if len(t.shape) >= 2 and
                                                 (t.category != "embedding" or t.tied_names))
-            # context parallelism: a traced profile ran the ring (memplan/substitutes_sdpa.py _ring); the analytic
+            # context parallelism: a traced profile ran the ring (memplan/activations/substitutes_sdpa.py _ring); the analytic
             # one adds its bound
             ring_f, ring_b = (0, 0) if loss_prof is not None else par.ring_attention(share.inventory.dims, p,
                                                                                       s.seq_len, rc.compute_bytes)

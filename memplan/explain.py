@@ -1,5 +1,5 @@
 """What the peak is made of, in the model's own terms (--explain): the peak phase's bytes by category, and its
-activations by where they come from, from the trace (memplan/tracing/explain.py): the module path and operator
+activations by where they come from, from the trace (memplan/activations/tracing/explain.py): the module path and operator
 that made each group of tensors alive at that moment, its dtype and shape at the job's micro-batch, how many there
 are (one per block, the untraced blocks counted as the traced first one), and its share of the peak.
 

@@ -81,8 +81,8 @@ def activation_profile(config: dict[str, Any] | None, s: Settings, mode: str, no
     flash kernels keep anyway: it is traced with flash attention and no recompute.
     """
     from memplan import activations as act
-    from memplan import profile_cache
-    from memplan.tracing_keys import trace_linear
+    from memplan.activations import profile_cache
+    from memplan.activations.tracing_keys import trace_linear
 
     if mode not in ("auto",) + act.ACTIVATION_SOURCES:
         raise SettingsError(f"--activations must be auto, traced or analytic, got {quote(mode)}")
@@ -126,7 +126,7 @@ def activation_profile(config: dict[str, Any] | None, s: Settings, mode: str, no
             raise
         notes.append(f"activations: analytic, because {exc}")
         return None
-    # the trace picks each SDPA call's kernel as the device does (memplan/kernels.py): the math kernel keeps
+    # the trace picks each SDPA call's kernel as the device does (memplan/activations/kernels.py): the math kernel keeps
     # the attention probabilities, the fused ones an fp32 logsumexp
     for backend, why in sorted((prof.data.get("attention_kernels") or {}).items() if prof is not None else ()):
         if backend == "math":
@@ -135,7 +135,7 @@ def activation_profile(config: dict[str, Any] | None, s: Settings, mode: str, no
         else:
             notes.append(f"attention: {backend} on {target.describe()} ({why})")
     if target.device == "cpu":
-        from memplan.kernels import describe_cpu_gemm
+        from memplan.activations.kernels import describe_cpu_gemm
 
         notes.append(describe_cpu_gemm(target.cpu_isa) + f" (--cpu-isa {target.cpu_isa})")
     if prof is not None and trace_linear(linear, device=s.cluster.device, recipe=s.recipe.name) != "aten":
@@ -150,7 +150,7 @@ def _check_flash(config: dict[str, Any], s: Settings, target: Any) -> None:
     """--attention flash asks for the flash kernel: refuse it where the device cannot run it (sdp_utils.cpp
     can_use_flash_attention: fp16/bf16, sm80 or newer, one head dim up to 256); --attention sdpa takes the
     device's own choice."""
-    from memplan.kernels import sdpa_class
+    from memplan.activations.kernels import sdpa_class
 
     why = None
     if target.device == "cuda" and sdpa_class(target.arch) == "sm70":
@@ -196,7 +196,7 @@ def _allocator_conf(given: str | None, device: str, notes: list[str], sources: d
 def kernel_target(c: Cluster) -> Any:
     """The kernels.Target the activations are traced for: the GPU's architecture, or the CPU's instruction set
     (this machine's unless --cpu-isa names another)."""
-    from memplan.kernels import Target, host_cpu_isa
+    from memplan.activations.kernels import Target, host_cpu_isa
 
     if c.device == "cpu":
         return Target(device="cpu", cpu_isa=c.cpu_isa or host_cpu_isa())
@@ -450,7 +450,7 @@ def _cluster(*, gpus: int, gpus_per_node: int | None, gpu: str | None, gpu_memor
     if device == "cuda" and not gpu and not gpu_arch:
         notes.append("GPU architecture: sm90 assumed (H100-class kernels); --gpu NAME sets it")
     if cpu_isa is not None:
-        from memplan.kernels import CPU_ISAS
+        from memplan.activations.kernels import CPU_ISAS
 
         if cpu_isa not in CPU_ISAS:
             raise SettingsError(f"--cpu-isa must be one of {', '.join(CPU_ISAS)}, got {quote(cpu_isa)}")

@@ -92,7 +92,7 @@ def _size(e: tuple[Any, ...], micro_batch: int) -> int:
     if e[5] is None:
         line: tuple[int, int] = e[2]
         return line[0] + line[1] * micro_batch
-    from memplan.kernels import kernel_scratch
+    from memplan.activations.kernels import kernel_scratch
 
     kind, lines = e[5]
     return kernel_scratch(kind, tuple(c0 + c1 * micro_batch for c0, c1 in lines))
@@ -117,7 +117,7 @@ def _expand(d: dict[str, Any], layers: int) -> list[tuple[Any, ...]]:
     full depth is taken as it is; one traced with two alike blocks stands for L: the first block's forward (births
     and what becomes of them, relative to it) for blocks 0..L-2, the last's for block L-1, and in backward the last
     block's for blocks L-1..1 and the first's for block 0; one traced with three (LoRA: the first block unlike the
-    rest, memplan/tracing/fit.py) its first, middle and last block for block 0, blocks 1..L-2 and block L-1. Each
+    rest, memplan/activations/tracing/fit.py) its first, middle and last block for block 0, blocks 1..L-2 and block L-1. Each
     storage dies where its own template says, relative to its block, after as many of that region's births."""
     hit = _EXPANDED.get((id(d["events"]), layers))
     if hit is not None and hit[0] is d["events"]:
@@ -518,7 +518,7 @@ def _runs_zero3_linear(s: Any, d: dict[str, Any]) -> bool:
     """The job runs DeepSpeed ZeRO-3's LinearFunctionForZeroStage3 (zero_optimization.memory_efficient_linear, its
     default) but its step was traced with aten's linear (tracing_keys.trace_linear: the two hold the same peak on
     the GPU, so they share one trace)."""
-    from memplan.tracing_keys import trace_linear
+    from memplan.activations.tracing_keys import trace_linear
 
     if s.strategy.zero_stage != 3 or not s.ds.memory_efficient_linear:
         return False

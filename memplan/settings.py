@@ -63,7 +63,7 @@ class DeepSpeedKnobs:
     #: allreduce_bucket, stage3.py __avg_scatter_grads)
     communication_data_type: str | None = None
     #: stage 3 replaces torch.nn.functional.linear with LinearFunctionForZeroStage3 (changes the traced
-    #: activations on CPU and under autocast: memplan/tracing_keys.py trace_linear)
+    #: activations on CPU and under autocast: memplan/activations/tracing_keys.py trace_linear)
     memory_efficient_linear: bool = True
 
 
@@ -167,7 +167,7 @@ class Cluster:
     #: ":4096:2:16:8" (8 MiB + 128 KiB) on other NVIDIA GPUs; hipBLAS 32 MiB, 128 MiB on gfx94x/gfx95x.
     #: The GPU presets carry their value; without one, the largest CUDA default.
     blas_workspace_bytes: int = 32 * MiB
-    #: the GPU's architecture (smXY, gfxNNN): which SDPA kernels the traced step takes (memplan/kernels.py)
+    #: the GPU's architecture (smXY, gfxNNN): which SDPA kernels the traced step takes (memplan/activations/kernels.py)
     gpu_arch: str = "sm90"
     #: the GPU's multiprocessors and threads per multiprocessor (0: the architecture's usual part,
     #: kernels.GPU_SHAPES): how a CUDA reduction splits across blocks, and so its staging buffer

@@ -1,7 +1,7 @@
 """The named moments of a training step, and the typed timeline each framework's buffer model returns.
 
 A framework's buffer model (memplan/frameworks/) says what its buffers and its not-yet-reduced gradients hold at
-named moments of the step; the activation profile (memplan/activations.py) says what is saved at the same
+named moments of the step; the activation profile (memplan/activations/profile.py) says what is saved at the same
 moments; the engine (memplan/accounting.py) adds model states and takes the largest. No torch here.
 """
 

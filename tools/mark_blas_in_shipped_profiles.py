@@ -21,12 +21,12 @@ sys.path.insert(0, str(ROOT / "tools"))
 
 from ship_activation_profiles import DEFAULT_SEQ, RECIPES, RECOMPUTE, linears, targets  # noqa: E402
 
-from memplan import profile_cache  # noqa: E402
+from memplan.activations import profile_cache  # noqa: E402
 from memplan.errors import MemplanError  # noqa: E402
 from memplan.model import sources  # noqa: E402
-from memplan.profile_fit import fit_seqs  # noqa: E402
-from memplan.tracing import trace_profile  # noqa: E402
-from memplan.tracing_keys import trace_recipe  # noqa: E402
+from memplan.activations.profile_fit import fit_seqs  # noqa: E402
+from memplan.activations.tracing import trace_profile  # noqa: E402
+from memplan.activations.tracing_keys import trace_recipe  # noqa: E402
 
 
 def main() -> int:

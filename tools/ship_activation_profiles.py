@@ -5,7 +5,7 @@ A100 (other GPU classes trace on first use).
 Run: python tools/ship_activation_profiles.py [PRESET ...]  (writes memplan/presets/activations/<key>.json.gz)
 
 Each preset is traced at the default length and at the lengths a profile at any other length is fitted from
-(memplan/profile_fit.py fit_seqs: 512 to 8192 and the model's maximum), so that `--seq-len N` never traces either.
+(memplan/activations/profile_fit.py fit_seqs: 512 to 8192 and the model's maximum), so that `--seq-len N` never traces either.
 
 A GPU class whose profile holds the same bytes as another's is stored as {"alias": "<key>", "target": ...,
 "attention_kernels": ...}: the first's numbers with its own kernels' names.
@@ -22,15 +22,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from memplan import profile_cache  # noqa: E402
+from memplan.activations import profile_cache  # noqa: E402
 from memplan.errors import MemplanError  # noqa: E402
-from memplan.kernels import Target  # noqa: E402
+from memplan.activations.kernels import Target  # noqa: E402
 from memplan.model import sources  # noqa: E402
-from memplan.profile_fit import fit_seqs, pack  # noqa: E402
-from memplan.tracing import trace_profile  # noqa: E402
-from memplan.tracing_keys import LINEARS, trace_linear, trace_recipe  # noqa: E402
+from memplan.activations.profile_fit import fit_seqs, pack  # noqa: E402
+from memplan.activations.tracing import trace_profile  # noqa: E402
+from memplan.activations.tracing_keys import LINEARS, trace_linear, trace_recipe  # noqa: E402
 
-#: the default length, and those a profile at any other length is fitted from (memplan/profile_fit.py fit_seqs)
+#: the default length, and those a profile at any other length is fitted from (memplan/activations/profile_fit.py fit_seqs)
 DEFAULT_SEQ = 2048
 RECIPES = ("deepspeed-bf16", "torch-amp")
 RECOMPUTE = ("none", "full")

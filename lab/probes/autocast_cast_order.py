@@ -2,7 +2,7 @@
 
     python lab/probes/autocast_cast_order.py
 
-memplan.substitutes.CudaAutocast runs each op's real AutocastCUDA kernel on fake CUDA tensors and records its
+memplan.activations.substitutes.CudaAutocast runs each op's real AutocastCUDA kernel on fake CUDA tensors and records its
 _to_copy calls. The record's order shows the compiled kernels cast right to left (C++ leaves the evaluation order of
 a call's arguments unspecified; GCC on x86-64 evaluates them right to left): linear casts its bias, then its weight,
 then its input. CudaAutocast._apply still casts left to right, so a GPU torch-amp trace makes each input's bf16
@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 def main() -> None:
     import torch
 
-    from memplan.substitutes import CudaAutocast
+    from memplan.activations.substitutes import CudaAutocast
 
     with CudaAutocast("bfloat16") as ca:
         x = torch.randn(4, 8)

@@ -164,7 +164,7 @@ def _do(task: str, payload: dict[str, Any], spec: str) -> Any:
 
         return build_meta_from_factory(spec)
     if task == "trace":
-        from memplan.tracing import trace_profile
+        from memplan.activations.tracing import trace_profile
 
         return trace_profile(**payload)
     raise ValueError(f"unknown task {task!r}")

@@ -1,6 +1,6 @@
 """LoRA adapters as PEFT adds them (peft 0.21, peft/tuners/lora): which modules get adapters, the tensors each
 adds and which parameters stay frozen. Pure Python on the ParamInventory (no torch), so the preset path stays
-fast; the traced step injects the same adapters (memplan/tracing/lora.py) and the harness runs PEFT itself.
+fast; the traced step injects the same adapters (memplan/activations/tracing/lora.py) and the harness runs PEFT itself.
 
 What PEFT does, and therefore what this module models:
 - target matching (peft/tuners/tuners_utils.py check_target_module_exists): a string is a regular expression

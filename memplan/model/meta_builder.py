@@ -166,7 +166,7 @@ def op_sac_context_fn() -> Any:
     import torch
     from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-    from memplan import substitutes_sdpa
+    from memplan.activations import substitutes_sdpa
 
     aten = torch.ops.aten
     names = ("_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention",

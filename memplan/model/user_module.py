@@ -1,5 +1,5 @@
 """The user's own nn.Module (a factory ``pkg.module:callable``) in a training step, the same way for the traced
-step (under FakeTensorMode, memplan/tracing/step.py) and for the harness's real ranks (memplan/harness/): built
+step (under FakeTensorMode, memplan/activations/tracing/step.py) and for the harness's real ranks (memplan/harness/): built
 in the step's dtype, fed by its input builder (or token ids when it starts with an embedding), its loss taken as
 a training script takes it, and its blocks (the FSDP / ZeRO-3 units: the inventory's rule, meta_builder.py
 _block_names) checkpointed for --recompute full with torch.utils.checkpoint (non-reentrant, as transformers'

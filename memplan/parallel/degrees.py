@@ -24,12 +24,12 @@ MEGATRON_DEEPSPEED = "megatron-deepspeed"
 LAYOUT_SCHEDULES = {TORCHTITAN: SCHEDULES, MEGATRON_DEEPSPEED: ("1f1b",)}
 
 
-#: a rank config's key (rank_config) telling the tracer to run one expert-parallel rank (memplan/substitutes.py
+#: a rank config's key (rank_config) telling the tracer to run one expert-parallel rank (memplan/activations/substitutes.py
 #: expert_parallel)
 EP_KEY = "memplan_expert_parallel"
 
 
-#: ... and one context-parallel rank (memplan/substitutes_sdpa.py _ring)
+#: ... and one context-parallel rank (memplan/activations/substitutes_sdpa.py _ring)
 CP_KEY = "memplan_context_parallel"
 
 

@@ -324,7 +324,7 @@ def _allocator_cases() -> list[Case]:
                  env={"PYTORCH_CUDA_ALLOC_CONF": frac}, expect=1),
             Case("check llama-7b --gpus 8 --stage 3 --gpu h100-80g", "", "allocator-conf env",
                  env={"PYTORCH_ALLOC_CONF": frac}, expect=1),
-            Case(f"plan llama-7b --gpu h100-80g --max-gpus 8 --allocator-conf per_process_memory_fraction:0.01", "",
+            Case("plan llama-7b --gpu h100-80g --max-gpus 8 --allocator-conf per_process_memory_fraction:0.01", "",
                  "allocator-conf", expect=1),
             Case("estimate gpt2 --gpu h100-80g --allocator-conf max_split_size_mb:-3", "", "allocator-conf", expect=0),
             Case("estimate gpt2 --gpu h100-80g --allocator-conf max_split_size_mb:100abc,expandable_segments:True", "",

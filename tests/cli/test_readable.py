@@ -44,8 +44,8 @@ def test_progress_line_shows_the_trace_steps(tmp_path, monkeypatch):
     from rich.console import Console
 
     from memplan import progress
-    from memplan.profile_cache import load_or_trace
-    from memplan.tracing.fit import traced_steps
+    from memplan.activations.profile_cache import load_or_trace
+    from memplan.activations.tracing.fit import traced_steps
 
     monkeypatch.setenv("MEMPLAN_CACHE_DIR", str(tmp_path))
     buf = io.StringIO()

@@ -116,7 +116,7 @@ def _check(rep: dict, tolerance: float) -> None:
 
 
 def test_validate_deepspeed_zero2_two_ranks():
-    rep = _validate(["--gpus", "2", "--stage", "2", *SMALL_DS], 0.001)
+    _validate(["--gpus", "2", "--stage", "2", *SMALL_DS], 0.001)
     # With every thread's frees booked (measure.follow_all_threads) the same case measured 36,835,356 bytes in
     # three runs out of three, prediction 36,832,768 (-0.01%); before that fix gloo-thread frees went unseen and
     # runs spread over 6%.
@@ -135,7 +135,7 @@ def test_validate_a_bert_classifier_on_its_own_loss():
     # BertForSequenceClassification (model/tasks.py): the harness trains the config's own head on its labels, as
     # the trace does. Measured: 43,118,812 B, predicted 43,108,408 (-0.02%), fp32 on one rank
     bert = str(ROOT / "tests" / "data" / "configs" / "bert-seq-cls.json")
-    rep = _validate(["--model", bert, "--gpus", "1", "--precision", "fp32"], 0.003)
+    _validate(["--model", bert, "--gpus", "1", "--precision", "fp32"], 0.003)
 
 
 def test_validate_a_vit_on_its_images():
@@ -255,7 +255,7 @@ def test_validate_qlora_with_bitsandbytes(argv):
     all-linear -0.01%."""
     pytest.importorskip("peft")
     pytest.importorskip("bitsandbytes")
-    rep = _validate(["--model", "llama-3-8b", *argv], 0.005)
+    _validate(["--model", "llama-3-8b", *argv], 0.005)
 
 
 @pytest.mark.slow
@@ -267,7 +267,7 @@ def test_validate_fsdp2_root_only(argv):
     """FSDP2 with only the root fully_shard-ed (--fsdp-wrap none): the whole model gathered at the root's
     pre-forward, its all-gather output held through the loss, every gradient unsharded until the root's
     post-backward (frameworks/fsdp2.py _root_only). docs/accuracy.md session 14: -0.00% on llama-3-8b and gpt2."""
-    rep = _validate(["--gpus", "2", "--strategy", "fsdp-full", "--fsdp-wrap", "none", *argv], 0.005)
+    _validate(["--gpus", "2", "--strategy", "fsdp-full", "--fsdp-wrap", "none", *argv], 0.005)
 
 
 @pytest.mark.slow
@@ -281,7 +281,7 @@ def test_validate_shape_dependent_optimizers(argv):
     """Adafactor and bitsandbytes' AdamW8bit on what each framework hands them: DeepSpeed's flat fp32 partitions
     (Adafactor unfactored, 8-bit per sub-group), FSDP1's FlatParameter shards, DDP's whole tensors with the fp32
     copies of bf16 parameters (docs/accuracy.md session 15): states exact, the peak within 1%."""
-    rep = _validate(["--gpus", "2", *argv], 0.01)
+    _validate(["--gpus", "2", *argv], 0.01)
 
 
 @pytest.mark.slow
@@ -294,7 +294,7 @@ def test_validate_fsdp2_block_and_embeddings(argv):
     """torchtitan's FSDP2 units (--fsdp-wrap block+embeddings): the embedding resharded after its forward and
     prefetched again by the first block's backward, the norm + head unit held to its own post-backward and reduced
     right after it (frameworks/fsdp2.py _Units.be). docs/accuracy.md session 15: within 0.01% on ten runs."""
-    rep = _validate(["--model", "llama-3-8b", "--gpus", "2", "--fsdp-wrap", "block+embeddings", *argv], 0.005)
+    _validate(["--model", "llama-3-8b", "--gpus", "2", "--fsdp-wrap", "block+embeddings", *argv], 0.005)
 
 
 @pytest.mark.slow
@@ -306,7 +306,7 @@ def test_validate_deepspeed_stage0(argv):
     (their gradients copied to fp32 for the step), the torch optimizer itself in fp32, the gradients flattened
     for the all-reduce after backward (docs/accuracy.md session 18: -0.00% and -0.01%; +11.13% with the
     BF16_Optimizer model before)."""
-    rep = _validate(["--gpus", "2", "--stage", "0", *argv], 0.005)
+    _validate(["--gpus", "2", "--stage", "0", *argv], 0.005)
 
 
 @pytest.mark.slow
@@ -329,7 +329,7 @@ def test_validate_fsdp1_without_wrapping(argv):
     (frameworks/fsdp1.py _root_only). docs/accuracy.md session 15: -0.00% on eight runs."""
     if "--model" not in argv:
         argv = [*argv, "--model", "llama-3-8b"]
-    rep = _validate(["--gpus", "2", "--strategy", "fsdp-full", "--fsdp-version", "1", "--fsdp-wrap", "none",
+    _validate(["--gpus", "2", "--strategy", "fsdp-full", "--fsdp-version", "1", "--fsdp-wrap", "none",
                          *argv], 0.005)
 
 
@@ -342,7 +342,7 @@ def test_validate_fsdp1_without_wrapping(argv):
 def test_validate_every_n_layers(argv):
     """transformers' every_n_layers (--recompute every:N): blocks 0, N, 2N, ... checkpointed, traced at full depth;
     docs/accuracy.md session 16: seven runs, -0.03% to -0.00%."""
-    rep = _validate(["--gpus", "2", "--layers", "4", *argv], 0.005)
+    _validate(["--gpus", "2", "--layers", "4", *argv], 0.005)
 
 
 @pytest.mark.slow
@@ -356,7 +356,7 @@ def test_validate_torchtitan_sac_and_the_second_block(argv):
     """torchtitan's per-op and layer SAC, and FSDP2's peak inside the second block's backward (the first
     prefetched, every later block's shard reduced) over four blocks; docs/accuracy.md session 16: -0.03% to
     -0.02% (op-sac was -1.66% before that moment)."""
-    rep = _validate(["--gpus", "2", "--layers", "4", *argv], 0.005)
+    _validate(["--gpus", "2", "--layers", "4", *argv], 0.005)
 
 
 
@@ -446,4 +446,4 @@ def test_validate_lion_and_schedule_free(argv, package):
     """lion-pytorch's Lion and schedulefree's AdamWScheduleFree on the real packages (docs/accuracy.md session 28:
     states exact, peaks within 0.01%)."""
     pytest.importorskip(package)
-    rep = _validate(argv, 0.001)
+    _validate(argv, 0.001)

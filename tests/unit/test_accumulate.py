@@ -1,4 +1,4 @@
-"""Gradient accumulation in the traced step as the real autograd engine does it (memplan/tracing/accumulate.py),
+"""Gradient accumulation in the traced step as the real autograd engine does it (memplan/activations/tracing/accumulate.py),
 the order in which gradients are ready (LiveBytes.ready_order, replay.ready_order) and CUDA autocast's cast
 order."""
 
@@ -23,8 +23,8 @@ def _accumulations(cfg: dict, fake: bool) -> collections.Counter:
     from transformers import AutoModelForCausalLM
 
     from memplan.model.meta_builder import hf_config
-    from memplan.tracing.accumulate import Accumulations
-    from memplan.tracing.live import LiveBytes, dispatch_mode
+    from memplan.activations.tracing.accumulate import Accumulations
+    from memplan.activations.tracing.live import LiveBytes, dispatch_mode
 
     def ident(t):  # noqa: ANN001, ANN202
         return t.untyped_storage()._cdata if fake else t.data_ptr()
@@ -86,7 +86,7 @@ def test_ready_order_puts_a_gradient_after_those_made_later_but_ready_first():
     import torch
 
     from memplan.replay import ready_order
-    from memplan.tracing.live import LiveBytes
+    from memplan.activations.tracing.live import LiveBytes
 
     live = LiveBytes()
     w, b = torch.zeros(1000), torch.zeros(10)  # a weight's gradient made first, its bias's second
@@ -103,7 +103,7 @@ def test_cuda_autocast_casts_as_the_kernel_does_right_to_left():
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from memplan.substitutes import CudaAutocast
+    from memplan.activations.substitutes import CudaAutocast
 
     order = []
 

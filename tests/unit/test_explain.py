@@ -1,4 +1,4 @@
-"""--explain (memplan/explain.py, memplan/tracing/explain.py): the traced step's storages grouped by module and
+"""--explain (memplan/explain.py, memplan/activations/tracing/explain.py): the traced step's storages grouped by module and
 operator at the moments the phases peak. The groups are lines in the micro-batch that add up to the profile's own
 peak terms; the explanation's items add up to the allocated peak exactly."""
 
@@ -25,8 +25,8 @@ def _tiny_llama(vocab: int = 4096) -> dict:
 
 @pytest.fixture(scope="module")
 def traced():
-    from memplan.tracing import explain as X
-    from memplan.tracing import trace_profile
+    from memplan.activations.tracing import explain as X
+    from memplan.activations.tracing import trace_profile
 
     keep, X.KEEP = X.KEEP, 10_000  # every group kept
     try:

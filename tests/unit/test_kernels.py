@@ -1,4 +1,4 @@
-"""memplan.kernels against what an H100 (torch 2.11.0+cu130, cuDNN 9.19) measured: SDPA's backend choice for
+"""memplan.activations.kernels against what an H100 (torch 2.11.0+cu130, cuDNN 9.19) measured: SDPA's backend choice for
 17,730 calls, and the bytes each fused backend saves and allocates (tests/data, made by lab/gpu-runs/probe2.py)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from memplan import kernels as K
+from memplan.activations import kernels as K
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 

@@ -183,7 +183,7 @@ def test_bad_adapter_configs(tmp_path, content, match):
 def test_traced_lora_step_saves_less_than_full_training():
     """The traced step with PEFT's LoRA forward: frozen linears keep no inputs for weight gradients, so less is
     alive after forward than in full fine-tuning; the adapters' gradients are the only ones."""
-    from memplan.tracing import trace_profile
+    from memplan.activations.tracing import trace_profile
 
     cfg, inv = _tiny("llama-3-8b")
     spec = lora.LoraSpec(rank=8, targets="all-linear")

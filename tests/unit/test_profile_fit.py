@@ -1,4 +1,4 @@
-"""A profile at an untraced sequence length, fitted from traced ones (memplan/profile_fit.py): exact at the traced
+"""A profile at an untraced sequence length, fitted from traced ones (memplan/activations/profile_fit.py): exact at the traced
 lengths, never below a trace at another length and within its rounding bound, never extrapolated, refused where the
 traces run different operations; shipped presets fit any length without importing torch."""
 
@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from memplan import profile_cache
+from memplan.activations import profile_cache
 from memplan.model import sources
 from memplan.model.scaling import scale_config
-from memplan.profile_fit import ROUNDING, engine_values, envelopes, fit_profile, fit_seqs
-from memplan.tracing import trace_profile
+from memplan.activations.profile_fit import ROUNDING, engine_values, envelopes, fit_profile, fit_seqs
+from memplan.activations.tracing import trace_profile
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -42,7 +42,7 @@ def test_analytic_profile_keeps_inputs_of_the_checkpointed_blocks_only():
 
 
 def test_traced_every_2_is_full_depth_and_adds_up_block_by_block():
-    from memplan.tracing import trace_profile
+    from memplan.activations.tracing import trace_profile
 
     cfg = scale_config(sources.resolve("llama-7b").config, layers=4, hidden=256, vocab=1024)[0]
     t = {r: trace_profile(cfg, seq_len=128, recipe="deepspeed-bf16", attention="flash", recompute=r)
@@ -68,7 +68,7 @@ def test_plan_ranks_fewer_recomputed_blocks_first():
 def test_layer_sac_and_op_sac_traces():
     """torchtitan's layer SAC checkpoints blocks N-1, 2N-1, ...; its per-op SAC keeps, per checkpointed block, the
     outputs of all but every second aten.mm (q, v, gate and down of a llama block) besides the block's input."""
-    from memplan.tracing import trace_profile
+    from memplan.activations.tracing import trace_profile
 
     cfg = scale_config(sources.resolve("llama-7b").config, layers=4, hidden=256, vocab=1024)[0]
     t = {r: trace_profile(cfg, seq_len=128, recipe="deepspeed-bf16", attention="flash", recompute=r)

@@ -109,10 +109,10 @@ def _tiny_events(depth: int, recipe: str, lora_fields: dict | None = None) -> di
     """A tiny llama's traced step at ``depth`` blocks as the caching allocator sees it (tracing's alloc_events)."""
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    from memplan.kernels import Target
+    from memplan.activations.kernels import Target
     from memplan.model.scaling import scale_config
-    from memplan.tracing.segments import alloc_events
-    from memplan.tracing.step import one_step
+    from memplan.activations.tracing.segments import alloc_events
+    from memplan.activations.tracing.step import one_step
 
     tiny = dict(LLAMA_1B, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
                 head_dim=16, vocab_size=256, max_position_embeddings=512)

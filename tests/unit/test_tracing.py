@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 
 from memplan import activations as act
-from memplan import profile_cache
+from memplan.activations import profile_cache
 from memplan.model.scaling import scale_config
 from memplan.model import sources
-from memplan.kernels import Target
-from memplan.tracing import trace_profile
+from memplan.activations.kernels import Target
+from memplan.activations.tracing import trace_profile
 
 #: the CPU the exact CPU figures below were measured on (AVX512 without bf16 instructions: oneDNN's fp32 GEMM
 #: scratch); a trace for it is the same on any host
@@ -27,7 +27,7 @@ def per_layer(cfg: dict, seq: int, attention: str, b: int = 1) -> int:
 
 
 def test_linear_in_micro_batch_at_a_third_point():
-    from memplan.tracing.step import one_step
+    from memplan.activations.tracing.step import one_step
 
     # a GPU trace counts every storage in 512-byte blocks: exact at any micro-batch when each per-sequence tensor
     # is a multiple of 512 bytes, as at sequence 128 (at 64, an fp32 [b, s] norm statistic is not)
@@ -96,7 +96,7 @@ def test_other_families_profile_predicts_a_direct_step_exactly(name, one_block_a
     # the profile (two traced blocks, micro-batches 2 and 4) against steps run directly at a third micro-batch:
     # the live bytes after forward of two blocks, and one more block's, to the byte (sequence 128, where every
     # per-sequence tensor is whole 512-byte blocks)
-    from memplan.tracing.step import one_step
+    from memplan.activations.tracing.step import one_step
 
     cfg = scale_config(sources.resolve(name).config, layers=3, hidden=256, vocab=1024)[0]
     p = trace_profile(cfg, seq_len=128, recipe="torch-amp", attention="flash", recompute="none")
@@ -131,7 +131,7 @@ def test_sdpa_kernel_choice_follows_the_cpu_dispatch(dims, dropout):
     # memplan's rule against PyTorch's own choice on real CPU tensors (0 = math)
     import torch
 
-    from memplan.kernels import SdpaCall, cpu_backend
+    from memplan.activations.kernels import SdpaCall, cpu_backend
 
     q, k, v = (torch.randn(2, 4, 16, d, dtype=torch.bfloat16) for d in dims)
     real_math = torch._fused_sdp_choice(q, k, v, dropout_p=dropout, is_causal=True) == 0
@@ -152,8 +152,8 @@ def _tied_step(hook: bool):  # noqa: ANN202
     import torch
     import torch.nn.functional as F
 
-    from memplan.tracing.live import LiveBytes
-    from memplan.tracing.step import first_contributions
+    from memplan.activations.tracing.live import LiveBytes
+    from memplan.activations.tracing.step import first_contributions
 
     w = torch.randn(512, 256, requires_grad=True)
     ids = torch.randint(0, 512, (4, 32))
@@ -192,7 +192,7 @@ def test_gpu_dropout_keeps_a_one_byte_mask():
     # which is what a fake-tensor trace follows unless the CUDA stand-in is swapped in (GPU jobs).
     import torch
 
-    from memplan.substitutes import cuda_dropout as _cuda_dropout
+    from memplan.activations.substitutes import cuda_dropout as _cuda_dropout
 
     saved = []
     x = torch.randn(4, 8, dtype=torch.bfloat16, requires_grad=True)
@@ -212,7 +212,7 @@ def test_gpu_dropout_keeps_a_one_byte_mask():
 
 
 def test_block_backward_segments_follow_each_block_and_its_grads():
-    from memplan.tracing.segments import block_segments
+    from memplan.activations.tracing.segments import block_segments
 
     # timeline (activations only) of a toy backward; forward ends at index 2. Head grad (block -1) born at 3,
     # block 1's grads at 5 and 6, block 0's at 9
@@ -230,7 +230,7 @@ def test_block_backward_segments_follow_each_block_and_its_grads():
 
 
 def test_loss_segment_counts_the_roots_grads_up_to_the_last_block():
-    from memplan.tracing.segments import block_segments, loss_segment
+    from memplan.activations.tracing.segments import block_segments, loss_segment
 
     # the toy above: the loss and head's backward run from the end of forward (index 1 on) to the last block's
     # segment (index 4); the head's grad (100 elements) is born at 3, a tied weight's first contribution at 2
@@ -242,7 +242,7 @@ def test_loss_segment_counts_the_roots_grads_up_to_the_last_block():
 
 
 def test_a_blocks_backward_begins_when_its_outputs_gradient_is_complete():
-    from memplan.tracing.segments import block_segments, loss_segment
+    from memplan.activations.tracing.segments import block_segments, loss_segment
 
     # the toy above, with the gradient of block 1's output complete at index 5 (what ran before it, say a final
     # norm, created its weight's gradient at 3 and went on to 5): FSDP2's pre-backward and ZeRO-3's gather hook
@@ -258,7 +258,7 @@ def test_a_blocks_backward_begins_when_its_outputs_gradient_is_complete():
 
 
 def test_root_hooks_done_is_the_last_hook_outside_the_blocks_before_them():
-    from memplan.tracing.segments import root_hooks_done
+    from memplan.activations.tracing.segments import root_hooks_done
 
     # the toy above with a final norm's grad (block -1) born at 4 and hooked at 5; the head's hooked at 4; a tied
     # embedding's (block -1) born at 10, after every block, is not before them
@@ -282,7 +282,7 @@ def test_the_last_blocks_backward_begins_after_the_final_norms_backward():
 
 
 def test_block_hooks_give_the_activations_at_each_parameters_hook():
-    from memplan.tracing.segments import block_hooks
+    from memplan.activations.tracing.segments import block_hooks
 
     timeline = [0, 10, 20, 19, 18, 17, 16, 15, 14, 13, 12]
     grads = [(3, -1, 100), (5, 1, 7), (6, 1, 5), (9, 0, 11)]
@@ -377,7 +377,7 @@ def test_cpu_gemm_scratch_rule_matches_this_host(m, n, k):
     # the fp32 output buffer; AMX: the per-thread packing buffer), an upper bound for AVX512-BF16's brgemm
     import torch
 
-    from memplan.kernels import cpu_gemm_scratch, host_cpu_isa
+    from memplan.activations.kernels import cpu_gemm_scratch, host_cpu_isa
 
     isa, threads = host_cpu_isa(), torch.get_num_threads()
     torch.set_num_threads(1)  # as the harness runs each rank (oneDNN's AMX and AVX512-BF16 buffers are per thread)
@@ -398,7 +398,7 @@ def test_cpu_gemm_scratch_rule_matches_this_host(m, n, k):
 
 def test_cpu_gemm_scratch_rules_by_instruction_set():
     # the arithmetic of each rule, given explicitly (measured: kernels.cpu_gemm_scratch)
-    from memplan.kernels import cpu_gemm_scratch
+    from memplan.activations.kernels import cpu_gemm_scratch
 
     assert cpu_gemm_scratch("avx2", 200, 96, 64, "bfloat16") == 0
     assert cpu_gemm_scratch("avx512", 200, 96, 64, "bfloat16") == 4 * 200 * 96 + 128 == 76_928
@@ -423,7 +423,7 @@ def test_cpu_gemm_scratch_rules_bound_every_kept_measurement():
     import json
     from pathlib import Path
 
-    from memplan.kernels import cpu_gemm_scratch
+    from memplan.activations.kernels import cpu_gemm_scratch
 
     caps = {None: "amx", "AVX512_CORE_AMX": "amx", "AVX512_CORE_BF16": "avx512_bf16", "AVX512_CORE": "avx512",
             "AVX2": "avx2"}
@@ -442,19 +442,20 @@ def test_cpu_gemm_scratch_rules_bound_every_kept_measurement():
 
 
 def test_a_failed_trace_is_remembered(tmp_path, monkeypatch):
-    from memplan import tracing
+    from memplan.activations import tracing
+    from memplan.errors import SettingsError
 
     monkeypatch.setenv("MEMPLAN_CACHE_DIR", str(tmp_path))
     calls = []
 
     def refuse(*args, **kwargs):
         calls.append(1)
-        raise act.SettingsError("tracing activations failed (RuntimeError: no); use --activations analytic")
+        raise SettingsError("tracing activations failed (RuntimeError: no); use --activations analytic")
 
     monkeypatch.setattr(tracing, "trace_profile", refuse)
     key = dict(seq_len=64, micro_batch=1, recipe="fsdp-bf16", attention="flash", recompute="none")
     for _ in range(2):
-        with pytest.raises(act.SettingsError, match="RuntimeError: no"):
+        with pytest.raises(SettingsError, match="RuntimeError: no"):
             profile_cache.load_or_trace(tiny(), **key)
     assert len(calls) == 1  # the second run read the recorded failure instead of tracing again
 
@@ -465,7 +466,7 @@ def test_deepspeed_zero3_linear_computes_a_linear(shape, bias):
     import torch
     import torch.nn.functional as F
 
-    from memplan.substitutes import deepspeed_zero3_linear as _deepspeed_zero3_linear
+    from memplan.activations.substitutes import deepspeed_zero3_linear as _deepspeed_zero3_linear
 
     torch.manual_seed(0)
     x = torch.randn(*shape, requires_grad=True)
@@ -499,7 +500,7 @@ def test_deepspeed_zero3_linear_order_on_cpu():
 
 
 def test_linear_variant_keys_only_where_it_changes_bytes():
-    from memplan.tracing_keys import trace_linear
+    from memplan.activations.tracing_keys import trace_linear
 
     cfg = tiny()
     kw = dict(seq_len=64, attention="flash", recompute="none")
@@ -522,9 +523,9 @@ def test_deepspeed_zero3_linear_allocates_as_deepspeeds_own(dtype, autocast):
     import torch.nn.functional as F
 
     from deepspeed.runtime.zero.linear import zero3_linear_wrap
-    from memplan.substitutes import deepspeed_zero3_linear as _deepspeed_zero3_linear
-    from memplan.substitutes import gemm_scratch
-    from memplan.tracing.live import LiveBytes, dispatch_mode
+    from memplan.activations.substitutes import deepspeed_zero3_linear as _deepspeed_zero3_linear
+    from memplan.activations.substitutes import gemm_scratch
+    from memplan.activations.tracing.live import LiveBytes, dispatch_mode
 
     def run(fn):  # noqa: ANN001, ANN202
         live, saved = LiveBytes(), []
@@ -586,7 +587,7 @@ def test_autocast_keeps_each_blocks_weight_casts_until_the_forward_ends(name):
 def test_deaths_that_come_together_may_come_in_either_order():
     # two runs of the traced step (micro-batches 2 and 4) whose storages that die together are released in another
     # order (bitsandbytes' 4-bit layers on the CPU) are the same step; another set of deaths is not
-    from memplan.tracing.segments import deaths_as_in
+    from memplan.activations.tracing.segments import deaths_as_in
 
     a = [[8, 0], [16, 0], 0, 1, [8, 0]]
     assert deaths_as_in(a, [[8, 0], [16, 0], 1, 0, [8, 0]]) == a

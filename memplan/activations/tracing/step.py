@@ -1,5 +1,5 @@
 """One traced training micro-step of transformers' model on fake CPU tensors, with the target device's kernels
-(memplan/substitutes.py), its live-bytes timeline and the moments the strategies act at."""
+(memplan/activations/substitutes.py), its live-bytes timeline and the moments the strategies act at."""
 
 from __future__ import annotations
 
@@ -8,22 +8,22 @@ import weakref
 from collections.abc import Iterator
 from typing import Any
 
-from memplan import kernels as K
-from memplan import substitutes as sub
-from memplan.kernels import Target
+from memplan.activations import kernels as K
+from memplan.activations import substitutes as sub
+from memplan.activations.kernels import Target
 from memplan.model import user_module
 from memplan.parallel import CP_KEY, EP_KEY
-from memplan.tracing.accumulate import Accumulations
-from memplan.tracing.explain import ModuleStack
-from memplan.tracing.live import LiveBytes, dispatch_mode
-from memplan.tracing.segments import block_hooks, block_segments, loss_segment, root_first_hook, root_hooks_done
-from memplan.tracing_keys import trace_dtypes
+from memplan.activations.tracing.accumulate import Accumulations
+from memplan.activations.tracing.explain import ModuleStack
+from memplan.activations.tracing.live import LiveBytes, dispatch_mode
+from memplan.activations.tracing.segments import block_hooks, block_segments, loss_segment, root_first_hook, root_hooks_done
+from memplan.activations.tracing_keys import trace_dtypes
 
 
 @contextlib.contextmanager
 def _substitutions(config: dict[str, Any], dtype: str, attention: str, target: Target, linear: str,
                    kernels: dict[str, str], cp: int = 1) -> Iterator[None]:
-    """What runs in place of the fake CPU tensors' kernels for the target (memplan/substitutes.py), installed
+    """What runs in place of the fake CPU tensors' kernels for the target (memplan/activations/substitutes.py), installed
     for the step and restored after it."""
     import logging
 
@@ -172,10 +172,10 @@ class _GradientHooks:
 def one_step(config: dict[str, Any], batch: int, seq: int, recipe: str, attention: str,
              recompute: str, target: Target | None = None, linear: str = "aten") -> dict[str, Any]:
     """Trace one micro-step of ``batch`` sequences of ``seq`` tokens for ``target``: the live-bytes timeline, op by
-    op (memplan/substitutes.py: what runs in place of the fake CPU tensors' kernels)."""
+    op (memplan/activations/substitutes.py: what runs in place of the fake CPU tensors' kernels)."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from memplan.activations import checkpoint_every
+    from memplan.activations.profile import checkpoint_every
     from memplan.model import tasks
     from memplan.model.meta_builder import checkpointing_on, hf_config
 
@@ -222,7 +222,7 @@ def one_step(config: dict[str, Any], batch: int, seq: int, recipe: str, attentio
                 step_inputs = tasks.step_inputs(task, config, ids, getattr(torch, dtype))
                 run = (lambda m: m(**step_inputs).loss)  # noqa: E731
         if lora is not None:  # PEFT's adapters, after gradient checkpointing as a Trainer enables it
-            from memplan.tracing.lora import inject, quantize
+            from memplan.activations.tracing.lora import inject, quantize
 
             if lora.get("quantize"):  # QLoRA: the 4-bit base transformers loads, before PEFT adds adapters
                 quantize(model, lora, cuda)
@@ -294,7 +294,7 @@ def one_step(config: dict[str, Any], batch: int, seq: int, recipe: str, attentio
 def _counts(live: LiveBytes, m: _BlockMoments, h: _GradientHooks, saved: int, forward_end: int,
             nblocks: int) -> dict[str, Any]:
     """The storages alive at the same points as _result's bytes (the same readers over the count timeline):
-    how many allocator blocks each point's bytes are made of, at most (memplan/profile_fit.py)."""
+    how many allocator blocks each point's bytes are made of, at most (memplan/activations/profile_fit.py)."""
     counts = live.counts
     blocks = block_segments(counts, h.grads, forward_end, m.backward_ends, h.hooked, m.backward_starts)
     last_start = m.forward_starts.get(nblocks - 1, (0, 0))
@@ -318,7 +318,7 @@ def first_hook_at(timeline: list[int], h: _GradientHooks, forward_end: int, m: _
 
 def _result(live: LiveBytes, m: _BlockMoments, h: _GradientHooks, kernels: dict[str, str], saved: int,
             after_forward: int, forward_end: int, nblocks: int) -> dict[str, Any]:
-    """The traced step read at its moments (memplan/tracing/segments.py)."""
+    """The traced step read at its moments (memplan/activations/tracing/segments.py)."""
     timeline = live.corrected()
     blocks = block_segments(timeline, h.grads, forward_end, m.backward_ends, h.hooked, m.backward_starts)
     last_start = m.forward_starts.get(nblocks - 1, (0, 0))

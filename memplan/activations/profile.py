@@ -1,8 +1,8 @@
 """Activation bytes per rank for one micro-batch: the traced profile (default) or the analytic cross-check.
 
-Traced (``memplan.tracing``): transformers' real modeling code run under FakeTensorMode at the real size, the
+Traced (``memplan.activations.tracing``): transformers' real modeling code run under FakeTensorMode at the real size, the
 live bytes of the step followed op by op, the attention kernel substituted; cached on disk and shipped with the
-package (``memplan.profile_cache``) for the presets' default settings, so an estimate on a preset does not import torch.
+package (``memplan.activations.profile_cache``) for the presets' default settings, so an estimate on a preset does not import torch.
 
 Analytic (``--activations analytic``, and the fallback when a model cannot be traced): the profile counts the tensors autograd saves for backward, per transformer block and per token, following
 Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models", Section 4.1 and
@@ -237,7 +237,7 @@ def cached_profile(dims: tuple, micro_batch: int, seq_len: int, compute_bytes: i
 
 @dataclass(frozen=True)
 class TracedProfile:
-    """A traced profile (see memplan.tracing.trace_profile) evaluated at one micro-batch."""
+    """A traced profile (see memplan.activations.tracing.trace_profile) evaluated at one micro-batch."""
 
     data: dict  #: the traced profile: lines c0 + c1*b
     micro_batch: int

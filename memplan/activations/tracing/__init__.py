@@ -12,8 +12,8 @@ length for micro-batch 2 and 4. Two instruments watch it:
   them), so the backward peak is activations and transients only.
 
 Kernels: the step runs on fake CPU tensors, and where the target device (``kernels.Target``) runs something
-else the trace runs a stand-in (``memplan/substitutes.py``): each SDPA call takes the backend the device's own
-rules choose (``memplan/kernels.py``: CUDA's cuDNN / flash / memory-efficient / math, CPU's flash / math), a
+else the trace runs a stand-in (``memplan/activations/substitutes.py``): each SDPA call takes the backend the device's own
+rules choose (``memplan/activations/kernels.py``: CUDA's cuDNN / flash / memory-efficient / math, CPU's flash / math), a
 fused backend saving and allocating what it does on the device, math running PyTorch's composite; a GPU job
 runs CUDA's autocast policy (taken from the installed PyTorch's AutocastCUDA kernels), CUDA's fused dropout,
 and counts every storage in the caching allocator's 512-byte blocks; a CPU job adds oneDNN's GEMM scratch for
@@ -34,8 +34,8 @@ read at the step's moments), ``fit`` (lines in the micro-batch, the profile).
 
 from __future__ import annotations
 
-from memplan.profile_fit import GRAD_WIDTHS
-from memplan.tracing.fit import trace_profile
-from memplan.tracing.step import moe_experts
+from memplan.activations.profile_fit import GRAD_WIDTHS
+from memplan.activations.tracing.fit import trace_profile
+from memplan.activations.tracing.step import moe_experts
 
 __all__ = ["GRAD_WIDTHS", "moe_experts", "trace_profile"]

@@ -10,9 +10,9 @@ import os
 from pathlib import Path
 from typing import Any
 
-from memplan.activations import TracedProfile
+from memplan.activations.profile import TracedProfile
 from memplan.errors import SettingsError
-from memplan.tracing_keys import PROFILE_VERSION
+from memplan.activations.tracing_keys import PROFILE_VERSION
 
 
 def cache_dir() -> Path:
@@ -22,7 +22,7 @@ def cache_dir() -> Path:
 
 
 def shipped_dir() -> Path:
-    return Path(__file__).resolve().parent / "presets" / "activations"
+    return Path(__file__).resolve().parents[1] / "presets" / "activations"
 
 
 def profile_key(config: dict, *, seq_len: int, recipe: str, attention: str, recompute: str,
@@ -30,8 +30,8 @@ def profile_key(config: dict, *, seq_len: int, recipe: str, attention: str, reco
     """Cache key: the config, the sequence length, the traced dtype recipe, attention, recompute, the target
     device's kernel class (kernels.Target.key: a GPU's SDPA dispatch class, a CPU's instruction set) and the
     linear's autograd where it changes the bytes (tracing_keys.trace_linear; absent for aten's)."""
-    from memplan.kernels import host_target
-    from memplan.tracing_keys import trace_linear, trace_recipe
+    from memplan.activations.kernels import host_target
+    from memplan.activations.tracing_keys import trace_linear, trace_recipe
 
     target = target or host_target(device)
     fields = {"config": {k: v for k, v in config.items() if not k.startswith("_")}, "seq": seq_len,
@@ -55,7 +55,7 @@ def load_or_trace(config: dict, *, seq_len: int, micro_batch: int, recipe: str, 
                   target: Any = None) -> TracedProfile | None:
     """The traced profile from the shipped set, the disk cache, or a new trace (imports torch); None when
     ``allow_trace`` is False and nothing is cached."""
-    from memplan.kernels import host_target
+    from memplan.activations.kernels import host_target
 
     target = target or host_target(device)
     key = profile_key(config, seq_len=seq_len, recipe=recipe, attention=attention, recompute=recompute,
@@ -71,7 +71,7 @@ def load_or_trace(config: dict, *, seq_len: int, micro_batch: int, recipe: str, 
     if fitted is not None:
         data, origin = fitted
         # kept: the next estimate at this length reads it (a model traced at full depth takes ~1 s to fit)
-        from memplan.profile_fit import pack
+        from memplan.activations.profile_fit import pack
 
         _write_atomic(cache_dir() / f"{key}.json", json.dumps(pack({**data, "fitted_origin": origin})))
         return TracedProfile(data, micro_batch, origin)
@@ -88,9 +88,9 @@ def load_or_trace(config: dict, *, seq_len: int, micro_batch: int, recipe: str, 
         except (OSError, ValueError, KeyError):
             pass
     from memplan import progress
-    from memplan.tracing import trace_profile
-    from memplan.tracing.fit import traced_steps
-    from memplan.tracing_keys import trace_linear, trace_recipe
+    from memplan.activations.tracing import trace_profile
+    from memplan.activations.tracing.fit import traced_steps
+    from memplan.activations.tracing_keys import trace_linear, trace_recipe
 
     dtypes = recipe if trace_recipe(recipe) == recipe else f"{recipe}, traced in {trace_recipe(recipe)}'s dtypes"
     what = (f"tracing {config.get('model_type') or 'the model'}'s activations at seq {seq_len} "
@@ -110,7 +110,7 @@ def load_or_trace(config: dict, *, seq_len: int, micro_batch: int, recipe: str, 
     except SettingsError as exc:
         _write_atomic(failed, json.dumps({"reason": str(exc), "versions": _versions()}))
         raise
-    from memplan.profile_fit import pack
+    from memplan.activations.profile_fit import pack
 
     _write_atomic(cache_dir() / f"{key}.json", json.dumps(pack(data)))
     return TracedProfile(data, micro_batch, "traced now")
@@ -159,7 +159,7 @@ def _fitted(config: dict, *, seq_len: int, **kw: Any) -> tuple[dict, str] | None
     profile_fit.fit_seqs for every preset, or cached from earlier traces), without tracing: (profile, origin),
     or None where no three around it are stored or they differ in more than their numbers. Only the profiles a
     fit tries are read."""
-    from memplan.profile_fit import fit_profile, fit_seqs
+    from memplan.activations.profile_fit import fit_profile, fit_seqs
 
     keys = {s: profile_key(config, seq_len=s, **kw) for s in fit_seqs(config) if s != seq_len}
     present = {s: k for s, k in keys.items() if _exists(k)}

@@ -20,7 +20,7 @@ class LiveBytes:
         self._refs: dict[int, Any] = {}
         self._born: dict[int, int] = {}
         self.timeline: list[int] = [0]
-        #: storages alive at each timeline point (memplan/profile_fit.py bounds the allocator's rounding with it)
+        #: storages alive at each timeline point (memplan/activations/profile_fit.py bounds the allocator's rounding with it)
         self.count = 0
         self.counts: list[int] = [0]
         self._corrections: list[tuple[int, int, int]] = []  # (from index, to index, bytes)
@@ -29,7 +29,7 @@ class LiveBytes:
         self.events: list[Any] = []
         self._births_list: list[list[int]] = []
         self._sid: dict[int, int] = {}
-        #: where each storage came from (--explain; memplan/tracing/explain.py): ``labeler()`` names the module
+        #: where each storage came from (--explain; memplan/activations/tracing/explain.py): ``labeler()`` names the module
         #: running, ``op`` the operator that made it; per storage id: (module, op, dtype, shape, born, died)
         self.labeler: Any = None
         self.op = ""
@@ -85,7 +85,7 @@ class LiveBytes:
         (a CUDA reduction's staging buffer and semaphores): births [bytes, "k", kind, arguments] and their deaths
         in the events, for the caching allocator's replay, which sizes them at its own micro-batch
         (kernels.kernel_scratch). They are left out of the timeline, whose points are lines in the micro-batch."""
-        from memplan.kernels import kernel_scratch
+        from memplan.activations.kernels import kernel_scratch
 
         sids = []
         for kind, args in scratch:

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from memplan import kernels as K
+from memplan.activations import kernels as K
 from memplan.errors import SettingsError
-from memplan.kernels import Target
-from memplan.profile_fit import envelopes
-from memplan.tracing.segments import alloc_events
-from memplan.tracing.step import one_step
-from memplan.tracing_keys import PROFILE_VERSION, trace_dtypes
+from memplan.activations.kernels import Target
+from memplan.activations.profile_fit import envelopes
+from memplan.activations.tracing.segments import alloc_events
+from memplan.activations.tracing.step import one_step
+from memplan.activations.tracing_keys import PROFILE_VERSION, trace_dtypes
 
 
 
@@ -96,7 +96,7 @@ def _layers(config: dict[str, Any]) -> int | None:
 def _heterogeneous(config: dict[str, Any], layers: int, recompute: str = "none") -> bool:
     """Blocks that differ are traced at full depth; a one-block model too (there is no second depth to
     subtract); and every:N / layer-sac:N recompute, whose checkpointed blocks alternate with kept ones."""
-    from memplan.activations import checkpoint_every
+    from memplan.activations.profile import checkpoint_every
 
     if (checkpoint_every(recompute) or 1) > 1:
         return True
@@ -179,7 +179,7 @@ def _profile(top: tuple[dict[str, Any], dict[str, Any]], low: tuple[dict[str, An
     segs = [_block_points(x, y) for x, y in zip(top[0]["blocks"], top[1]["blocks"])]
     hk = [_hooks(x, y) for x, y in zip(top[0]["hooks"], top[1]["hooks"])]
     # each timeline point as a line in the micro-batch: the envelopes below are rebuilt from these, at this
-    # length or at another one fitted from several (memplan/profile_fit.py)
+    # length or at another one fitted from several (memplan/activations/profile_fit.py)
     raw = {"forward": lines("forward"), "backward": lines("backward"),
            "last_block_forward": lines("last_block_forward") if top[0]["last_block_forward"] else [],
            "blocks": segs[:2], "hooks": hk[:2], "first": segs[-1] if segs else None,
@@ -241,17 +241,17 @@ def _profile(top: tuple[dict[str, Any], dict[str, Any]], low: tuple[dict[str, An
         "alloc_events": alloc_events(*(third or top), expand=not heterogeneous),
         #: what is alive at the moments the phases peak, grouped by module and operator (--explain)
         "explain": _explain(top),
-        #: the per-operation lines the envelopes are made of (memplan/profile_fit.py)
+        #: the per-operation lines the envelopes are made of (memplan/activations/profile_fit.py)
         "raw": raw,
         "transformers": transformers_version,
     }
 
 
 def _explain(top: tuple[dict[str, Any], dict[str, Any]]) -> dict[str, Any]:
-    """Per explained moment (memplan/tracing/explain.py), the groups alive then as lines in the micro-batch; the
+    """Per explained moment (memplan/activations/tracing/explain.py), the groups alive then as lines in the micro-batch; the
     moments are picked on the micro-batch 4 trace (both traces run the same operations, so an index is the same
     point of the step in each)."""
-    from memplan.tracing import explain as X
+    from memplan.activations.tracing import explain as X
 
     o2, o4 = top[0]["origins"], top[1]["origins"]
     t2, t4 = o2["timeline"], o4["timeline"]

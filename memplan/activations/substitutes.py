@@ -6,7 +6,7 @@ CUDA tensors (AccumulateGrad's InputMetadata asks for a CUDA device guard). So f
 
 * ``CudaAutocast``: CPU autocast with CUDA's policy, op by op, taken from the installed PyTorch's own
   AutocastCUDA kernels (aten/src/ATen/autocast_mode.cpp);
-* ``sdpa``: scaled_dot_product_attention as the device's backend choice runs it (memplan.kernels);
+* ``sdpa``: scaled_dot_product_attention as the device's backend choice runs it (memplan.activations.kernels);
 * ``cuda_dropout``: the fused dropout's 1-byte mask;
 * ``cuda_scratch``: what CUDA kernels allocate for themselves after their output (a reduction's staging buffer,
   an embedding backward's partial sums), as the trace's dispatch mode records each op.
@@ -20,8 +20,8 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
-from memplan import kernels as K
-from memplan.substitutes_sdpa import sdpa  # noqa: F401  (the tracer's name for it)
+from memplan.activations import kernels as K
+from memplan.activations.substitutes_sdpa import sdpa  # noqa: F401  (the tracer's name for it)
 
 # ---- CUDA autocast on CPU tensors ----------------------------------------------------------------------------
 
@@ -37,7 +37,7 @@ class CudaAutocast:
     arguments, with autocast's weight-cast cache (cached_cast: a leaf fp32 tensor that requires grad is cast
     once per autocast region), and runs the op below autocast. Measured against real CUDA autocast on the H100
     (torch 2.11): the same output dtype for 45 of 46 ops probed, the exception being grouped_mm in fp32, which
-    the trace does not run (memplan/tracing.py)."""
+    the trace does not run (memplan/activations/tracing/)."""
 
     def __init__(self, dtype: str = "bfloat16") -> None:
         self.dtype_name = dtype
@@ -296,7 +296,7 @@ def deepspeed_zero3_linear(device: str) -> Any:
 
 def gemm_scratch(isa: str, threads: int = 1):  # noqa: ANN201
     """scratch(func, args, out) -> the bytes a CPU matmul allocates for itself and frees before returning, for
-    ``isa`` (memplan.kernels.cpu_gemm_scratch): aten::mm and aten::addmm, every nn.Linear forward and backward."""
+    ``isa`` (memplan.activations.kernels.cpu_gemm_scratch): aten::mm and aten::addmm, every nn.Linear forward and backward."""
     import torch
 
     aten = torch.ops.aten
@@ -319,14 +319,14 @@ def gemm_scratch(isa: str, threads: int = 1):  # noqa: ANN201
 
 def cuda_scratch(gpu: tuple[int, int, int]):  # noqa: ANN201
     """transients(func, args, kwargs, out) -> what a CUDA kernel allocates for itself after its output and frees
-    before returning, in allocation order, as (kind, integer arguments) for memplan.kernels.kernel_scratch (sizes
+    before returning, in allocation order, as (kind, integer arguments) for memplan.activations.kernels.kernel_scratch (sizes
     that are not lines in the micro-batch: the trace keeps their arguments, the replay evaluates them). A reduction's staging buffer and semaphores
-    (memplan.kernels.reduce_scratch): sum, mean, prod, nansum,
+    (memplan.activations.kernels.reduce_scratch): sum, mean, prod, nansum,
     the vector norm, amax/amin, var/std and argmax/argmin, on ``gpu`` (multiprocessors, threads per
     multiprocessor, warp size). The accumulator's size is the reduction's arg_t: float for 16- and 32-bit
     floats (double for double), the input's own type for amax/amin, Welford's (mean, m2, n, nf) for var/std
     (ReduceMomentKernel.cu), (value, int64 index) for argmax/argmin. An embedding's backward over more than
-    3,072 indices (memplan.kernels.embedding_backward_scratch)."""
+    3,072 indices (memplan.activations.kernels.embedding_backward_scratch)."""
     import torch
 
     aten = torch.ops.aten

@@ -1,12 +1,12 @@
-"""The tracer's stand-in for scaled_dot_product_attention (memplan/substitutes.py): each call's backend chosen as
-the target device chooses it (memplan/kernels.py), a fused backend allocating and saving what that kernel does,
+"""The tracer's stand-in for scaled_dot_product_attention (memplan/activations/substitutes.py): each call's backend chosen as
+the target device chooses it (memplan/activations/kernels.py), a fused backend allocating and saving what that kernel does,
 the math kernel running PyTorch's composite with, on a GPU, the measured extra of its CUDA kernels."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from memplan import kernels as K
+from memplan.activations import kernels as K
 
 
 #: on while the CUDA fused-attention stand-in allocates the kernel's outputs (the output, its logsumexp or
@@ -221,7 +221,7 @@ def _call_of(q: Any, k: Any, v: Any, mask: Any, dropout_p: float, is_causal: boo
 
 
 def sdpa(real_sdpa: Any, target: K.Target, kernels: dict[str, str], cp: int = 1):  # noqa: ANN201
-    """scaled_dot_product_attention as ``target`` runs it: each call's backend is chosen by memplan.kernels
+    """scaled_dot_product_attention as ``target`` runs it: each call's backend is chosen by memplan.activations.kernels
     (the device's own rules); a fused backend is replaced by a function that allocates and saves what that
     kernel does (kernels.saved_extra, forward_scratch, backward_scratch), the math kernel runs as PyTorch's
     composite (_scaled_dot_product_attention_math) with, on a GPU, the measured extra of its CUDA kernels.

@@ -326,7 +326,7 @@ def _round_up_margin(p: dict[str, Any]) -> None:
 def engine_values(profile: dict[str, Any], recompute: str, micro_batch: int) -> list[int]:
     """Every value the engine reads off a profile at ``micro_batch``: its terms, named moments, block moments and
     the head's backward (what tests and bench/seq_fit.py compare a fit with a trace on)."""
-    from memplan.activations import TracedProfile
+    from memplan.activations.profile import TracedProfile
 
     tp = TracedProfile(profile, 1, "compare")
     out = list(tp.terms(recompute, micro_batch)) + list(tp.moment_activations(micro_batch).values())

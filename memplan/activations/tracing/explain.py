@@ -91,7 +91,7 @@ def moment_ticks(t2: list[int], t4: list[int], forward_end: int,
     (``t4``): the points on the upper envelope (over micro-batches b >= 1) of the forward (the loss included) and of
     the backward (the profile's forward and backward peaks: whichever is largest at the job's micro-batch is the
     one explained), and the point where the last block's backward begins."""
-    from memplan.profile_fit import envelope
+    from memplan.activations.profile_fit import envelope
 
     def env(lo: int, hi: int) -> list[int]:
         pts = [(2 * t2[i] - t4[i], (t4[i] - t2[i]) // 2, i) for i in range(lo, hi)]

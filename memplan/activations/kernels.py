@@ -7,7 +7,7 @@
   norm weight's gradient), an embedding's backward (its partial-segment sums), the memory-efficient attention
   backward (its delta and dQ workspace), each from PyTorch's source and the H100's allocator streams.
 
-The tracer (memplan/tracing/) applies them to every call; ``Target`` names the device, part of a profile's key.
+The tracer (memplan/activations/tracing/) applies them to every call; ``Target`` names the device, part of a profile's key.
 """
 
 from __future__ import annotations

@@ -128,8 +128,10 @@ def activation_profile(config: dict[str, Any] | None, s: Settings, mode: str, no
         return None
     # the trace picks each SDPA call's kernel as the device does (memplan/activations/kernels.py): the math kernel keeps
     # the attention probabilities, the fused ones an fp32 logsumexp
+    from memplan.activations.kernels import BACKENDS
+
     for backend, why in sorted((prof.data.get("attention_kernels") or {}).items() if prof is not None else ()):
-        if backend == "math":
+        if not BACKENDS[backend].fused:
             notes.append(f"attention: math kernel on {target.describe()} ({why}): it keeps the probabilities, "
                          "b x heads x seq^2 fp32 per layer")
         else:

@@ -117,11 +117,10 @@ def priority_order(arch: str) -> tuple[str, ...]:
     flash, memory-efficient, math, unless check_prefer_cudnn_attention puts cuDNN first, which it does on
     sm90 and sm10x with cuDNN newer than 9.15 (PyTorch's CUDA 13 wheels ship 9.19). Measured on an H100 with torch
     2.11.0+cu130: torch._C._get_sdp_priority_order() is [cudnn, flash, efficient, math] once the first SDPA call
-    has run. Math always accepts, so cuDNN, last elsewhere, is never reached there."""
-    cls = sdpa_class(arch)
-    if cls == "sm90":
-        return ("cudnn", "flash", "efficient", "math")
-    return ("flash", "efficient", "math")
+    has run. Math always accepts, so cuDNN, last elsewhere, is never reached there. Each backend gives its own
+    place (SdpaBackend.rank)."""
+    ranked = [(b.rank(arch), b.name) for b in BACKENDS.values()]
+    return tuple(name for r, name in sorted((r, n) for r, n in ranked if r is not None))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -224,23 +223,21 @@ def _efficient(c: SdpaCall, arch: str) -> str | None:
     return None
 
 
-_RULES = {"cudnn": _cudnn, "flash": _flash, "efficient": _efficient}
-
 
 def cuda_backend(c: SdpaCall, arch: str = DEFAULT_ARCH) -> tuple[str, str]:
     """(backend, why) that SDPA runs for this call on a GPU of ``arch`` (select_sdp_backend: the first backend
     in priority_order whose checks pass; math otherwise). ``why`` names the reason the fused kernels were not
     taken when math runs."""
     reasons = []
-    for backend in priority_order(arch):
-        if backend == "math":
-            break
-        why = _RULES[backend](c, arch)
+    for name in priority_order(arch):
+        why = BACKENDS[name].why_not(c, arch)
         if why is None:
-            return backend, f"{c.dtype}, head dim {c.dq}" + (f"/{c.dv}" if c.dv != c.dq else "") + \
+            if not BACKENDS[name].fused:
+                break
+            return name, f"{c.dtype}, head dim {c.dq}" + (f"/{c.dv}" if c.dv != c.dq else "") + \
                 (", mask" if c.mask else "") + (", GQA" if c.hq != c.hkv else "")
         reasons.append(why)
-    return "math", "; ".join(dict.fromkeys(reasons))
+    return MATH, "; ".join(dict.fromkeys(reasons))
 
 
 def cpu_backend(c: SdpaCall) -> tuple[str, str]:
@@ -248,10 +245,10 @@ def cpu_backend(c: SdpaCall) -> tuple[str, str]:
     CPU flash kernel, else math; flash needs no dropout (check_for_dropout) and one head dim for q, k and v
     (check_head_dim_size_cpp). Checked with torch._fused_sdp_choice on real CPU tensors (tests)."""
     if c.dropout > 0:
-        return "math", f"attention dropout {c.dropout:g}"
+        return MATH, f"attention dropout {c.dropout:g}"
     if not (c.dq == c.dv):
-        return "math", f"head dims q {c.dq}, k {c.dq}, v {c.dv} differ"
-    return "flash", "cpu flash"
+        return MATH, f"head dims q {c.dq}, k {c.dq}, v {c.dv} differ"
+    return FLASH, "cpu flash"
 
 
 def backend_for(c: SdpaCall, target: Target) -> tuple[str, str]:
@@ -259,35 +256,6 @@ def backend_for(c: SdpaCall, target: Target) -> tuple[str, str]:
 
 
 # ---- what each fused backend keeps and allocates ------------------------------------------------------------
-
-def saved_extra(backend: str, c: SdpaCall, device: str = "cuda") -> list[tuple[tuple[int, ...], str]]:
-    """What a fused backend saves for backward beside q, k, v and its output, as (shape, dtype): measured on the
-    H100 (torch 2.11+cu130) with saved_tensors_hooks, tensor by tensor, for every case of .gpu probes (see
-    bench/gpu/README.md): flash: logsumexp fp32 [b, h, s_q] and its philox seed and offset (uint64 [2], []);
-    memory-efficient: logsumexp fp32 [b, h, s_q rounded up to 32], seed and offset (int64 []), and a bool mask
-    converted to q's dtype, its last dim padded to 16 bytes (a float mask of q's dtype is kept as given unless
-    it needs that padding); cuDNN: softmax stats fp32 [b, h, s_q, 1], seed and offset, a bool mask converted to
-    q's dtype."""
-    b, h = c.batch, c.hq
-    if backend == "flash" and device == "cpu":
-        # the CPU flash kernel (aten/src/ATen/native/transformers/attention.cpp, _scaled_dot_product_flash_
-        # attention_cpu) returns the output and the logsumexp only: no philox state
-        return [((b, h, c.sq), "float32")]
-    if backend == "flash":
-        return [((b, h, c.sq), "float32"), ((2,), "int64"), ((), "int64")]
-    out: list[tuple[tuple[int, ...], str]] = []
-    shape = tuple(c.mask_shape) if c.mask_shape else (b, 1, c.sq, c.sk)
-    if backend == "efficient":
-        out = [((b, h, round_up(c.sq, 32)), "float32"), ((), "int64"), ((), "int64")]
-        align = 16 // c.elem
-        if c.mask == "bool" or (c.mask is not None and shape[-1] % align):
-            out.append((shape[:-1] + (round_up(shape[-1], align),), c.dtype))
-    elif backend == "cudnn":
-        out = [((b, h, c.sq, 1), "float32"), ((), "int64"), ((), "int64")]
-        if c.mask == "bool":
-            out.append((shape, c.dtype))
-    return out
-
 
 def _cutlass_backward_kernel(c: SdpaCall, arch: str) -> tuple[int, int, int]:
     """(kBlockSizeI, kBlockSizeJ, kMaxK) of the memory-efficient backward kernel PyTorch launches: the first of
@@ -347,50 +315,189 @@ def efficient_backward(c: SdpaCall, arch: str) -> tuple[list[int], int, int]:
     return temps, 4 * b * h * c.sq, workspace
 
 
-def backward_scratch(backend: str, c: SdpaCall, device: str = "cuda", arch: str = DEFAULT_ARCH) -> int:
-    """Bytes a fused backend's backward allocates beside q, k and v's gradients and frees before returning:
-    measured on the H100 as the peak of the backward less what was alive before it and the three gradients.
-    flash (aten/src/ATen/native/transformers/cuda/flash_attn/flash_api.cpp mha_bwd): an fp32 dq accumulator
-    [b, s_q rounded to 128, h, d rounded to 32 (64 above 128)] and softmax_d fp32 [b, h, s_q rounded to 128];
-    cuDNN: an fp32 dq-sized workspace, the stats' size and 512 bytes; memory-efficient: an fp32 dq accumulator
-    and two [b, h, s_q rounded to 32] fp32 buffers. With grouped-query heads flash and cuDNN make dk and dv at
-    the query's head count (dk_expanded, dv_expanded) and sum them down."""
-    b, h = c.batch, c.hq
-    if device == "cpu":
-        return 0  # the CPU harness's measurements match the trace without it (docs/accuracy.md)
-    gqa = 0 if c.hq == c.hkv else b * c.sk * h * (c.dq + c.dv) * c.elem
-    if backend == "flash":
+# ---- the SDPA backends: when each runs, what it keeps for backward, what it allocates ----------------------
+
+class SdpaBackend:
+    """One scaled_dot_product_attention kernel, as the trace and the engine see it. A new kernel is a subclass
+    (its place in the priority, its checks, what it saves and allocates) added to BACKENDS, and a row of measured
+    bytes in tests/data (tests/unit/test_kernels.py)."""
+
+    name = ""
+    #: a fused kernel (its own saved tensors and scratch); the math kernel runs PyTorch's composite instead
+    fused = True
+    #: writes its output in (b, s, h, d) memory order whatever q's layout (flash and cuDNN follow q's)
+    output_bshd = False
+
+    def rank(self, arch: str) -> int | None:
+        """Its place in SDPA's priority on a GPU of ``arch`` (sdp_utils.cpp priority_order); None: not tried."""
+        raise NotImplementedError
+
+    def why_not(self, c: SdpaCall, arch: str) -> str | None:
+        """Why it cannot run this call on a GPU of ``arch`` (None: it can)."""
+        raise NotImplementedError
+
+    def saved(self, c: SdpaCall, device: str = "cuda") -> list[tuple[tuple[int, ...], str]]:
+        """What it saves for backward beside q, k, v and its output, as (shape, dtype)."""
+        return []
+
+    def forward_scratch(self, c: SdpaCall, device: str = "cuda") -> int:
+        """Bytes its forward allocates and frees before returning."""
+        return 0
+
+    def backward_scratch(self, c: SdpaCall, device: str = "cuda", arch: str = DEFAULT_ARCH) -> int:
+        """Bytes its backward allocates beside q, k and v's gradients and frees before returning."""
+        return 0
+
+    def backward_allocations(self, c: SdpaCall, device: str, arch: str) -> tuple[list[int], int, int] | None:
+        """Where the order of its backward's allocations matters: (temporaries, then a buffer they make, then a
+        workspace), each freed as the kernel does; None: backward_scratch as one block."""
+        return None
+
+
+class CudnnAttention(SdpaBackend):
+    """cuDNN attention: first on sm90 and sm10x (check_prefer_cudnn_attention with cuDNN newer than 9.15),
+    never reached elsewhere (math, before it, always accepts)."""
+
+    name = "cudnn"
+
+    def rank(self, arch: str) -> int | None:
+        return 0 if sdpa_class(arch) == "sm90" else None
+
+    def why_not(self, c: SdpaCall, arch: str) -> str | None:
+        return _cudnn(c, arch)
+
+    def saved(self, c: SdpaCall, device: str = "cuda") -> list[tuple[tuple[int, ...], str]]:
+        """Softmax stats fp32 [b, h, s_q, 1], seed and offset, a bool mask converted to q's dtype (measured on
+        the H100, torch 2.11+cu130, with saved_tensors_hooks)."""
+        out = [((c.batch, c.hq, c.sq, 1), "float32"), ((), "int64"), ((), "int64")]
+        if c.mask == "bool":
+            out.append((_mask_shape(c), c.dtype))
+        return out
+
+    def forward_scratch(self, c: SdpaCall, device: str = "cuda") -> int:
+        return 0 if device == "cpu" else CUDA_BLOCK
+
+    def backward_scratch(self, c: SdpaCall, device: str = "cuda", arch: str = DEFAULT_ARCH) -> int:
+        """An fp32 dq-sized workspace, the stats' size and 512 bytes; with grouped-query heads dk and dv at the
+        query's head count (dk_expanded, dv_expanded), summed down."""
+        if device == "cpu":
+            return 0
+        b, h = c.batch, c.hq
+        gqa = _gqa_expanded(c)
+        return 4 * b * c.sq * h * c.dq + 4 * b * h * c.sq + CUDA_BLOCK + gqa + ((1 << 20) if gqa else 0)
+
+
+class FlashAttention(SdpaBackend):
+    """FlashAttention-2 (aten/src/ATen/native/transformers/cuda/flash_attn), and the CPU flash kernel."""
+
+    name = "flash"
+
+    def rank(self, arch: str) -> int | None:
+        return 1
+
+    def why_not(self, c: SdpaCall, arch: str) -> str | None:
+        return _flash(c, arch)
+
+    def saved(self, c: SdpaCall, device: str = "cuda") -> list[tuple[tuple[int, ...], str]]:
+        """Logsumexp fp32 [b, h, s_q] and its philox seed and offset (uint64 [2], []); the CPU flash kernel
+        (attention.cpp _scaled_dot_product_flash_attention_cpu) returns the output and the logsumexp only."""
+        if device == "cpu":
+            return [((c.batch, c.hq, c.sq), "float32")]
+        return [((c.batch, c.hq, c.sq), "float32"), ((2,), "int64"), ((), "int64")]
+
+    def backward_scratch(self, c: SdpaCall, device: str = "cuda", arch: str = DEFAULT_ARCH) -> int:
+        """flash_api.cpp mha_bwd: an fp32 dq accumulator [b, s_q rounded to 128, h, d rounded to 32 (64 above
+        128)] and softmax_d fp32 [b, h, s_q rounded to 128]; with grouped-query heads dk and dv expanded (a
+        further buffer of up to 0.9 MB was measured: 12 q heads per kv head, s 4096)."""
+        if device == "cpu":
+            return 0  # the CPU harness's measurements match the trace without it (docs/accuracy.md)
+        b, h = c.batch, c.hq
+        gqa = _gqa_expanded(c)
         s = round_up(c.sq, 128)
         d = round_up(c.dq, 32 if c.dq <= 128 else 64)
-        # (with grouped-query heads a further buffer of up to 0.9 MB was measured: 12 q heads per kv head, s 4096)
         return 4 * b * s * h * d + 4 * b * h * s + gqa + ((1 << 20) if gqa else 0)
-    if backend == "cudnn":
-        return 4 * b * c.sq * h * c.dq + 4 * b * h * c.sq + CUDA_BLOCK + gqa + ((1 << 20) if gqa else 0)
-    if backend == "efficient" and not arch.startswith("gfx"):
-        temps, delta, work = efficient_backward(c, arch)
-        blk = [round_up(n, CUDA_BLOCK) for n in temps + [delta, work]]
-        return max(sum(blk[:-1]), blk[-2] + blk[-1])
-    if backend == "efficient":
+
+
+class EfficientAttention(SdpaBackend):
+    """Memory-efficient attention (xFormers' cutlass kernels, mem_eff_attention)."""
+
+    name = "efficient"
+    output_bshd = True
+
+    def rank(self, arch: str) -> int | None:
+        return 2
+
+    def why_not(self, c: SdpaCall, arch: str) -> str | None:
+        return _efficient(c, arch)
+
+    def saved(self, c: SdpaCall, device: str = "cuda") -> list[tuple[tuple[int, ...], str]]:
+        """Logsumexp fp32 [b, h, s_q rounded up to 32], seed and offset (int64 []), and a bool mask converted to
+        q's dtype, its last dim padded to 16 bytes (a float mask of q's dtype is kept as given unless it needs
+        that padding)."""
+        out: list[tuple[tuple[int, ...], str]] = [((c.batch, c.hq, round_up(c.sq, 32)), "float32"), ((), "int64"),
+                                                  ((), "int64")]
+        shape = _mask_shape(c)
+        align = 16 // c.elem
+        if c.mask == "bool" or (c.mask is not None and shape[-1] % align):
+            out.append((shape[:-1] + (round_up(shape[-1], align),), c.dtype))
+        return out
+
+    def forward_scratch(self, c: SdpaCall, device: str = "cuda") -> int:
+        """An fp32 output accumulator when the head dims differ and exceed 128."""
+        if device == "cpu" or not (max(c.dq, c.dv) > 128 and c.dq != c.dv):
+            return 0
+        return 4 * c.batch * c.hq * c.sq * c.dv
+
+    def backward_scratch(self, c: SdpaCall, device: str = "cuda", arch: str = DEFAULT_ARCH) -> int:
+        """On CUDA: efficient_backward's buffers as the allocator holds them; on ROCm an fp32 dq accumulator and
+        two [b, h, s_q rounded to 32] fp32 buffers."""
+        if device == "cpu":
+            return 0
+        b, h = c.batch, c.hq
+        if not arch.startswith("gfx"):
+            temps, delta, work = efficient_backward(c, arch)
+            blk = [round_up(n, CUDA_BLOCK) for n in temps + [delta, work]]
+            return max(sum(blk[:-1]), blk[-2] + blk[-1])
         s = round_up(c.sq, 32)
         if c.half and max(c.dq, c.dv) > 128:
             # fp16/bf16 head dims past 128 take a further workspace, 19 to 27 MB in the three shapes measured
             # whatever their size (b 2, heads 4 to 16, s 1024 to 2048): its largest, rounded up, as a bound
             return 4 * b * h * s * c.dq + 2 * 4 * b * h * s + (28 << 20)
         return 4 * b * h * s * c.dq + 2 * 4 * b * h * s
-    return 0
+
+    def backward_allocations(self, c: SdpaCall, device: str, arch: str) -> tuple[list[int], int, int] | None:
+        if device != "cuda" or arch.startswith("gfx"):
+            return None
+        return efficient_backward(c, arch)
 
 
-def forward_scratch(backend: str, c: SdpaCall, device: str = "cuda") -> int:
-    """Bytes a fused backend's forward allocates and frees (measured as above): memory-efficient keeps an fp32
-    output accumulator when the head dims differ and exceed 128; cuDNN 512 bytes."""
-    if device == "cpu":
-        return 0
-    if backend == "efficient" and max(c.dq, c.dv) > 128 and c.dq != c.dv:
-        return 4 * c.batch * c.hq * c.sq * c.dv
-    if backend == "cudnn":
-        return CUDA_BLOCK
-    return 0
+class MathAttention(SdpaBackend):
+    """The math kernel: PyTorch's composite (_scaled_dot_product_attention_math), traced as it runs; on a GPU
+    with the measured extra of its CUDA kernels (math_extra)."""
 
+    name = "math"
+    fused = False
+
+    def rank(self, arch: str) -> int | None:
+        return 3
+
+    def why_not(self, c: SdpaCall, arch: str) -> str | None:
+        return None
+
+
+def _mask_shape(c: SdpaCall) -> tuple[int, ...]:
+    return tuple(c.mask_shape) if c.mask_shape else (c.batch, 1, c.sq, c.sk)
+
+
+def _gqa_expanded(c: SdpaCall) -> int:
+    """Grouped-query heads: dk and dv made at the query's head count before they are summed down."""
+    return 0 if c.hq == c.hkv else c.batch * c.sk * c.hq * (c.dq + c.dv) * c.elem
+
+
+#: every SDPA backend by name; the priority on each GPU comes from their ranks (priority_order)
+BACKENDS: dict[str, SdpaBackend] = {b.name: b for b in (CudnnAttention(), FlashAttention(), EfficientAttention(),
+                                                         MathAttention())}
+CUDNN, FLASH, EFFICIENT, MATH = "cudnn", "flash", "efficient", "math"
 
 def math_extra(c: SdpaCall) -> tuple[int, int]:
     """(forward, backward) bytes the math kernel allocates on a GPU beyond what its composite

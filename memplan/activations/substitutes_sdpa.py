@@ -17,11 +17,11 @@ SAC_KERNEL_OUTPUTS = {"on": False}
 
 def _extras(backend: str, call: K.SdpaCall, target: K.Target, device: Any, lo: int = 0,
             hi: int | None = None) -> list[Any]:
-    """What a fused kernel saves beside q, k, v and its output (kernels.saved_extra[lo:hi]), allocated."""
+    """What a fused kernel saves beside q, k, v and its output (SdpaBackend.saved [lo:hi]), allocated."""
     import torch
 
     return [torch.empty(shape, dtype=getattr(torch, dt), device=device)
-            for shape, dt in K.saved_extra(backend, call, target.device)[lo:hi]]
+            for shape, dt in K.BACKENDS[backend].saved(call, target.device)[lo:hi]]
 
 
 def _scratch(nbytes: int, device: Any) -> None:
@@ -47,7 +47,7 @@ def _fused(target: K.Target) -> Any:
             # transpose(1, 2).contiguous() then copies
             SAC_KERNEL_OUTPUTS["on"] = target.device == "cuda"
             try:
-                if backend == "efficient" or q.stride(1) < q.stride(2):
+                if K.BACKENDS[backend].output_bshd or q.stride(1) < q.stride(2):
                     out = torch.empty(b, s, h, v.shape[-1], dtype=q.dtype, device=q.device).transpose(1, 2)
                 else:
                     out = torch.empty(b, h, s, v.shape[-1], dtype=q.dtype, device=q.device)
@@ -56,7 +56,7 @@ def _fused(target: K.Target) -> Any:
                 extra += _extras(backend, call, target, q.device, 3)
             finally:
                 SAC_KERNEL_OUTPUTS["on"] = False
-            _scratch(K.forward_scratch(backend, call, target.device), q.device)
+            _scratch(K.BACKENDS[backend].forward_scratch(call, target.device), q.device)
             ctx.backend, ctx.call = backend, call
             ctx.save_for_backward(q, k, v, out, *extra)
             return out
@@ -65,16 +65,17 @@ def _fused(target: K.Target) -> Any:
         def backward(ctx, grad):  # noqa: ANN001
             q, k, v, *_ = ctx.saved_tensors
             dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-            if ctx.backend == "efficient" and target.device == "cuda" and not target.arch.startswith("gfx"):
-                # its delta, the temporaries that make it and its workspace, in order (kernels.efficient_backward)
-                temps, delta, work = K.efficient_backward(ctx.call, target.arch)
+            order = K.BACKENDS[ctx.backend].backward_allocations(ctx.call, target.device, target.arch)
+            if order is not None:
+                # e.g. memory-efficient's delta, the temporaries that make it and its workspace, in order
+                temps, delta, work = order
                 held = [torch.empty(n, dtype=torch.uint8, device=q.device) for n in temps]
                 d = torch.empty(delta, dtype=torch.uint8, device=q.device)
                 del held
                 w = torch.empty(work, dtype=torch.uint8, device=q.device) if work else None
                 del d, w
             else:
-                _scratch(K.backward_scratch(ctx.backend, ctx.call, target.device, target.arch), q.device)
+                _scratch(K.BACKENDS[ctx.backend].backward_scratch(ctx.call, target.device, target.arch), q.device)
             return dq, dk, dv, None, None, None
     return Fused
 
@@ -85,7 +86,7 @@ def _ring(target: K.Target, cp: int) -> Any:
     rotation, fp32 merge and accumulators, load balancing), on its local q, k, v (seq / cp tokens), with every
     collective's output a new buffer of its size. Forward (_templated_ring_attention): k and v made contiguous
     (copies of the model's transposed views) and concatenated, all-gathered once (cp x that); each of the cp steps
-    runs the fused kernel (its output and what it saves beside it: kernels.saved_extra) and the merger
+    runs the fused kernel (its output and what it saves beside it: SdpaBackend.saved) and the merger
     (_SDPAMerger) converts both to fp32 and folds them in (out - sigmoid(lse_i - lse) * (out - out_i)); the result
     cast back is the output, saved with q, k, v and the kernel's extras as the aten op saves them. Backward
     (_templated_ring_attention_backward): fp32 accumulators of dq, dk, dv, k and v contiguous, concatenated and
@@ -102,7 +103,7 @@ def _ring(target: K.Target, cp: int) -> Any:
             def kernel() -> tuple[Any, list[Any]]:
                 out = torch.empty(q.shape[:-1] + (v.shape[-1],), dtype=q.dtype, device=q.device)
                 extra = _extras(backend, call, target, q.device)
-                _scratch(K.forward_scratch(backend, call, target.device), q.device)
+                _scratch(K.BACKENDS[backend].forward_scratch(call, target.device), q.device)
                 return out, extra
 
             kc, vc = k.contiguous(), v.contiguous()
@@ -151,7 +152,7 @@ def _ring(target: K.Target, cp: int) -> Any:
                 # a load-balanced step on half the query (i > rank) hands the kernel q.chunk(2)[1], which the CPU
                 # flash kernel copies to make contiguous (measured: rank 0 of cp 2 in fp32 held one more, -1.78%)
                 half = torch.empty_like(q) if target.device == "cpu" and i else None
-                _scratch(K.backward_scratch(ctx.backend, ctx.call, target.device, target.arch), q.device)
+                _scratch(K.BACKENDS[ctx.backend].backward_scratch(ctx.call, target.device, target.arch), q.device)
                 if passed is not None:  # the accumulated dk, dv received from the previous rank
                     dk, dv = (passed[:dk.numel()].view(dk.shape), passed[dk.numel():].view(dv.shape))
                 dk = dk + dk_i.to(f32)
@@ -223,7 +224,7 @@ def _call_of(q: Any, k: Any, v: Any, mask: Any, dropout_p: float, is_causal: boo
 def sdpa(real_sdpa: Any, target: K.Target, kernels: dict[str, str], cp: int = 1):  # noqa: ANN201
     """scaled_dot_product_attention as ``target`` runs it: each call's backend is chosen by memplan.activations.kernels
     (the device's own rules); a fused backend is replaced by a function that allocates and saves what that
-    kernel does (kernels.saved_extra, forward_scratch, backward_scratch), the math kernel runs as PyTorch's
+    kernel does (kernels.SdpaBackend: saved, forward_scratch, backward_scratch), the math kernel runs as PyTorch's
     composite (_scaled_dot_product_attention_math) with, on a GPU, the measured extra of its CUDA kernels.
     ``kernels`` collects backend -> why."""
     import torch
@@ -250,7 +251,7 @@ def sdpa(real_sdpa: Any, target: K.Target, kernels: dict[str, str], cp: int = 1)
             if cp > 1 and attn_mask is not None:
                 raise ValueError("context parallelism runs torch's ring attention, which takes causal attention "
                                  "without a mask; this model's attention passes one (a sliding window or padding)")
-            if backend != "math":
+            if K.BACKENDS[backend].fused:
                 return Fused.apply(query, key, value, attn_mask, backend, call)
             if cp > 1:
                 raise ValueError(f"context parallelism needs a fused attention kernel; this call runs math ({why})")

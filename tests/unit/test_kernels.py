@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gzip
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -42,7 +43,7 @@ def test_priority_order_after_the_first_call_puts_cudnn_first_on_hopper():
 
 
 def test_fused_backends_save_and_allocate_what_they_did_on_the_h100():
-    # the kernels' own tensors (saved_extra, with the 512-byte blocks the allocator counts) and the backward's
+    # the kernels' own tensors (SdpaBackend.saved, with the 512-byte blocks the allocator counts) and the backward's
     # scratch, for every causal and masked case measured with model-like (b, s, h, d) layouts
     rows = json.loads(gzip.open(DATA / "sdpa_backend_bytes_h100.json.gz", "rt").read())
     checked = exact = 0
@@ -57,16 +58,16 @@ def test_fused_backends_save_and_allocate_what_they_did_on_the_h100():
         block = lambda n: -(-n // 512) * 512  # noqa: E731
         want = sum(block(x[0]) for x in r["saved"] if x[2] != [r["b"], r["hq"], r["s"], r["dv"]])  # not the output
         size = {"float32": 4, "bfloat16": 2, "int64": 8}
-        got = sum(block(max(1, _numel(shape)) * size[dt]) for shape, dt in K.saved_extra(r["backend"], call))
+        got = sum(block(max(1, _numel(shape)) * size[dt]) for shape, dt in K.BACKENDS[r["backend"]].saved(call))
         assert got == want, (r["backend"], r["dtype"], r["mask"], r["s"], r["dq"])
         scratch = r["bwd_peak"] - r["before_bwd"] - sum(r["grads"])
         if r["backend"] == "efficient" and r["hkv"] == r["hq"]:
             # derived from PyTorch's source (kernels.efficient_backward): to the byte
-            assert K.backward_scratch(r["backend"], call) == scratch, r
+            assert K.BACKENDS[r["backend"]].backward_scratch(call) == scratch, r
             exact += 1
         elif r["backend"] != "efficient":
             slack = 2 * 512 + 4 * r["b"] * r["hq"] * r["s"] + (0.25 * scratch if r["dq"] > 128 else 0) + (1 << 20)
-            assert 0 <= K.backward_scratch(r["backend"], call) - scratch <= slack, r
+            assert 0 <= K.BACKENDS[r["backend"]].backward_scratch(call) - scratch <= slack, r
         checked += 1
     assert checked >= 20 and exact >= 6
 
@@ -123,3 +124,16 @@ def test_target_key_names_a_gpu_shape_other_than_its_classs_usual_part():
     assert K.Target(device="cuda", arch="sm100").key == "cuda:sm90:148sm2048t"
     assert K.Target(device="cuda", arch="sm90", sms=114).key == "cuda:sm90:114sm2048t"
     assert K.Target(device="cuda", arch="gfx942").gpu == (304, 2048, 64)
+
+
+def test_a_backend_is_one_class_in_the_registry():
+    # the priority on each GPU comes from the backends' own ranks; each name is its class's
+    assert set(K.BACKENDS) == {"cudnn", "flash", "efficient", "math"}
+    assert all(name == b.name for name, b in K.BACKENDS.items())
+    assert [b.name for b in K.BACKENDS.values() if not b.fused] == ["math"]
+    assert K.priority_order("sm100") == ("cudnn", "flash", "efficient", "math")
+    assert K.priority_order("sm70") == ("flash", "efficient", "math")  # flash refuses there (why_not), math runs
+    call = K.SdpaCall(dtype="bfloat16", batch=2, hq=8, hkv=8, sq=1024, sk=1024, dq=64, dv=64, is_causal=True)
+    assert K.cuda_backend(call, "sm70")[0] == "math"  # below sm80 memory-efficient takes fp16 and fp32 only
+    assert K.cuda_backend(replace(call, dtype="float16"), "sm70")[0] == "efficient"
+    assert K.cuda_backend(call, "sm90")[0] == "cudnn" and K.cuda_backend(call, "sm80")[0] == "flash"

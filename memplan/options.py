@@ -131,7 +131,7 @@ def activation_profile(config: dict[str, Any] | None, s: Settings, mode: str, no
     from memplan.activations.kernels import BACKENDS
 
     for backend, why in sorted((prof.data.get("attention_kernels") or {}).items() if prof is not None else ()):
-        if not BACKENDS[backend].fused:
+        if backend in BACKENDS and not BACKENDS[backend].fused:
             notes.append(f"attention: math kernel on {target.describe()} ({why}): it keeps the probabilities, "
                          "b x heads x seq^2 fp32 per layer")
         else:

@@ -150,9 +150,11 @@ def test_validate_a_vit_on_its_images():
 
 
 @pytest.mark.slow
-# each case's tolerance from its measured error (python /tmp matrix run, 2026-11-28, this 2-core machine): every
-# case within 0.04% (llama, DeepSeek's MLA; runs repeat to the byte) but gpt2's DDP under full recompute (+0.50%)
-# and gpt2's ZeRO-3 at 4 ranks under full recompute (+2.10%, the tied head's pending contribution counted whole)
+# each case's tolerance from its measured error (2026-11-28, this 2-core machine: `memplan validate MODEL --layers 2
+# --hidden 256 --vocab 2048 --micro-batch 2 --seq-len 128 --device cpu --json ARGS`, as _validate runs it, its
+# validation.peak.error): every case within 0.04% (llama, DeepSeek's MLA; runs repeat to the byte) but gpt2's DDP
+# under full recompute (+0.50%) and gpt2's ZeRO-3 at 4 ranks under full recompute (+2.10%, the tied head's pending
+# contribution counted whole)
 @pytest.mark.parametrize("args,tolerance", [
     (["--gpus", "2", "--strategy", "ddp"], 0.001),
     (["--gpus", "2", "--strategy", "zero-optimizer"], 0.001),

@@ -250,9 +250,14 @@ def _overheads(s: Settings, f: Fixed, peak: int, reserved: Any) -> dict[str, int
     if o.fragmentation_percent is None and reserved is not None:
         out["allocator_bytes"] = max(reserved.peak_bytes - peak, 0)
     else:
-        pct = fallback_fragmentation(s) if o.fragmentation_percent is None else o.fragmentation_percent
-        out["fragmentation_bytes"] = peak * pct // 100
+        out["fragmentation_bytes"] = peak * _flat_percent(s) // 100
     return out
+
+
+def _flat_percent(s: Settings) -> int:
+    """The flat allocator term where the reserved peak is not replayed: --fragmentation-percent, or the fallback."""
+    pct = s.overheads.fragmentation_percent
+    return fallback_fragmentation(s) if pct is None else pct
 
 
 def _reserved(inv: ParamInventory, s: Settings, limit: int | None = None) -> tuple[Any, str | None]:
@@ -287,12 +292,15 @@ def estimate(inv: ParamInventory, s: Settings, reserved_limit: int | None = None
         res = res.moved_to(peak.total_bytes)  # a tensor-parallel rank: its share's replay (reserved.py)
         shift = res.allocated_bytes - before
     detail = _overheads(s, f, peak.total_bytes, res)
+    flat = None if s.cluster.device != "cuda" or (s.overheads.fragmentation_percent is None and res is not None) \
+        else _flat_percent(s)
     capped, verdict = _verdict(inv, s, res, peak.total_bytes, detail, reserved_limit, shift)
     plan = Plan(settings=s, inventory=inv, phases=rows, peak=peak, overhead_bytes=sum(detail.values()),
                 overhead_detail=detail, host_bytes_per_node=f.host_per_node, host_detail=f.host_detail,
                 shard_group=f.shard_group,
                 between_steps_bytes=f.between, assumptions=dict(f.assumptions), reserved=res, reserved_why=why,
-                capped=capped, verdict_required_bytes=verdict, communication=communication(inv, s))
+                capped=capped, verdict_required_bytes=verdict, communication=communication(inv, s),
+                fragmentation_percent=flat)
     return replace(plan, host=host_report(plan))
 
 

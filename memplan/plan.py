@@ -81,6 +81,9 @@ class Plan:
     communication: dict[str, Any] = field(default_factory=dict)
     #: the node's host memory for offloaded states (host.host_report), None where nothing is offloaded
     host: dict[str, Any] | None = None
+    #: the flat allocator percentage the reserved peak takes where the caching allocator is not replayed
+    #: (--fragmentation-percent, or settings.fallback_fragmentation); None where it is replayed or off CUDA
+    fragmentation_percent: int | None = None
 
     @property
     def reserved_peak_bytes(self) -> int | None:

@@ -130,12 +130,10 @@ def reserved_report(plan: Any) -> dict[str, Any] | None:
         return {"method": "replayed", "peak_bytes": r.peak_bytes, "framework_sequence": r.model,
                 "replay_allocated_peak_bytes": r.allocated_bytes, "allocator_conf": r.config,
                 "variants": dict(sorted(r.variants.items()))}
-    from memplan.settings import fallback_fragmentation
-
-    pct = s.overheads.fragmentation_percent
+    given = s.overheads.fragmentation_percent is not None
     return {"method": "flat", "peak_bytes": plan.reserved_peak_bytes,
-            "fragmentation_percent": fallback_fragmentation(s) if pct is None else pct,
-            "why": "--fragmentation-percent given" if pct is not None else plan.reserved_why}
+            "fragmentation_percent": plan.fragmentation_percent,
+            "why": "--fragmentation-percent given" if given else plan.reserved_why}
 
 
 def search_report(found: Any, inv: ParamInventory, best_plan: Any, command: str | None,

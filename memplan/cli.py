@@ -6,7 +6,7 @@ User errors (MemplanError) become ``Error: <message>`` on stderr and exit code 2
 from __future__ import annotations
 
 import sys
-from typing import Optional
+from typing import Any, Optional
 
 import typer
 
@@ -92,6 +92,7 @@ def inspect(
 
 
 @app.command()
+@O.with_options("deepspeed", "torch", "parallel", "adapters", "memory", "horovod")
 def estimate(
     ctx: typer.Context,
     model: str = typer.Argument(..., help="Preset name, config.json, model directory, cached repo id, or pkg.mod:fn."),
@@ -114,74 +115,18 @@ def estimate(
     gpu_memory: O.GpuMemory = None,
     device: str = typer.Option("cuda", "--device", help="cuda, or cpu (the gloo harness: no CUDA/NCCL overheads)."),
     deepspeed: O.DeepSpeedConfig = None,
-    reduce_bucket_size: O.ReduceBucketSize = None,
-    allgather_bucket_size: O.AllgatherBucketSize = None,
-    overlap_comm: O.OverlapComm = None,
-    contiguous_gradients: O.ContiguousGradients = None,
-    reduce_scatter: O.ReduceScatter = None,
-    multi_rank_bucket_allreduce: O.MultiRankBucketAllreduce = None,
-    grad_accum_dtype: O.GradAccumDtype = None,
-    communication_data_type: O.CommunicationDataType = None,
-    prefetch_bucket_size: O.PrefetchBucketSize = None,
-    param_persistence_threshold: O.ParamPersistenceThreshold = None,
-    max_live_parameters: O.MaxLiveParameters = None,
-    max_reuse_distance: O.MaxReuseDistance = None,
-    hpz_partition_size: O.HpzPartitionSize = None,
-    quantized_weights: O.ZeroQuantizedWeights = None,
-    quantized_gradients: O.ZeroQuantizedGradients = None,
-    z3_leaf_modules: O.Z3LeafModules = None,
-    offload_optimizer: O.OffloadOptimizer = None,
-    offload_param: O.OffloadParam = None,
-    reshard_after_forward: O.ReshardAfterForward = None,
-    fsdp_wrap: O.FsdpWrap = None,
-    fsdp_root_reshard: O.FsdpRootReshard = None,
-    hsdp_shard_size: O.HsdpShardSize = None,
-    fsdp_version: O.FsdpVersion = 2,
-    cpu_offload: bool = typer.Option(False, "--cpu-offload", help="FSDP CPUOffloadPolicy."),
-    bucket_cap_mb: O.BucketCapMb = None,
-    gradient_as_bucket_view: O.GradientAsBucketView = False,
-    tp: O.Tp = None,
-    pp: O.Pp = None,
-    ep: O.Ep = None,
-    cp: O.Cp = None,
-    vpp: O.Vpp = None,
-    sp: O.Sp = False,
-    schedule: O.Schedule = None,
-    loss_parallel: O.LossParallel = None,
-    cuda_context: Optional[str] = typer.Option(None, help="CUDA context size [default: 512MiB]."),
-    nccl_per_communicator: Optional[str] = typer.Option(None, help="NCCL buffers per communicator [default: 1GiB]."),
-    fragmentation_percent: Optional[int] = typer.Option(None, help="A flat allocator overhead, % of the allocated "
-                                                        "peak, instead of the replayed reserved peak."),
-    allocator_conf: O.AllocatorConf = None,
-    host_memory: Optional[str] = typer.Option(None, "--host-memory", help="A node's host RAM for offloaded states, "
-                                              "e.g. 1TiB: a host verdict too."),
-    pin_memory: Optional[bool] = typer.Option(None, "--pin-memory/--no-pin-memory", help="Offloaded states in pinned "
-                                              "memory (DeepSpeed offload pin_memory [default: false]; FSDP "
-                                              "CPUOffloadPolicy [default: true])."),
-    cublas_workspace: Optional[str] = typer.Option(None, help="cuBLAS workspace per handle, inside the peak (the job's "
-                                                   "CUBLAS_WORKSPACE_CONFIG; 0 for :0:0) [default: the GPU's; "
-                                                   "32MiB]."),
     builder: O.Builder = "auto",
     activations: O.Activations = "auto",
     cpu_isa: O.CpuIsa = None,
-    horovod_fusion_threshold: O.HorovodFusionThreshold = None,
-    horovod_compression: O.HorovodCompression = None,
     training_args: O.TrainingArgs = None,
     accelerate_config: O.AccelerateConfig = None,
-    lora_rank: O.LoraRank = None,
-    lora_alpha: O.LoraAlpha = None,
-    lora_targets: O.LoraTargets = None,
-    lora_dropout: O.LoraDropout = None,
-    adapter_config: O.AdapterConfig = None,
-    quantize_base: O.QuantizeBase = None,
-    double_quant: O.DoubleQuant = False,
-    quant_compute_dtype: O.QuantComputeDtype = None,
     plot: O.Plot = None,
     explain: bool = typer.Option(False, "--explain", help="What the peak is made of: its bytes by category and "
                                  "its activations by module and operator (the largest groups, with their share)."),
     no_suggestions: bool = typer.Option(False, "--no-suggestions", help="Skip the 'to fit' suggestions (made when "
                                         "a GPU is given and the job does not fit or has under 10% headroom)."),
     as_json: O.Json = False,
+    **options: Any,
 ) -> None:
     """Per-GPU peak bytes of a training job, by category and phase, with overheads and the fit verdict.
 
@@ -194,6 +139,7 @@ def estimate(
 
     given = dict(locals())
     given.pop("ctx")
+    given.update(given.pop("options"))
     O.progress_for(as_json)
     if plot:
         from memplan import plot as P
@@ -395,6 +341,7 @@ def plan(
 
 
 @app.command()
+@O.with_options("deepspeed", "torch", "parallel", "adapters")
 def validate(
     model: str = typer.Argument(..., help="Preset name, config.json or model directory."),
     gpus: int = typer.Option(2, "--gpus", help="Ranks to run on this host (spawned)."),
@@ -414,39 +361,6 @@ def validate(
     optimizer_impl: O.OptimizerImpl = None,
     recompute: str = typer.Option("none", "--recompute", help="none | full | every:N | layer-sac:N."),
     deepspeed: O.DeepSpeedConfig = None,
-    reduce_bucket_size: O.ReduceBucketSize = None,
-    allgather_bucket_size: O.AllgatherBucketSize = None,
-    overlap_comm: O.OverlapComm = None,
-    contiguous_gradients: O.ContiguousGradients = None,
-    reduce_scatter: O.ReduceScatter = None,
-    multi_rank_bucket_allreduce: O.MultiRankBucketAllreduce = None,
-    grad_accum_dtype: O.GradAccumDtype = None,
-    communication_data_type: O.CommunicationDataType = None,
-    prefetch_bucket_size: O.PrefetchBucketSize = None,
-    param_persistence_threshold: O.ParamPersistenceThreshold = None,
-    max_live_parameters: O.MaxLiveParameters = None,
-    max_reuse_distance: O.MaxReuseDistance = None,
-    hpz_partition_size: O.HpzPartitionSize = None,
-    quantized_weights: O.ZeroQuantizedWeights = None,
-    quantized_gradients: O.ZeroQuantizedGradients = None,
-    z3_leaf_modules: O.Z3LeafModules = None,
-    offload_optimizer: O.OffloadOptimizer = None,
-    offload_param: O.OffloadParam = None,
-    reshard_after_forward: O.ReshardAfterForward = None,
-    fsdp_wrap: O.FsdpWrap = None,
-    fsdp_root_reshard: O.FsdpRootReshard = None,
-    hsdp_shard_size: O.HsdpShardSize = None,
-    fsdp_version: O.FsdpVersion = 2,
-    bucket_cap_mb: O.BucketCapMb = None,
-    gradient_as_bucket_view: O.GradientAsBucketView = False,
-    tp: O.Tp = None,
-    pp: O.Pp = None,
-    ep: O.Ep = None,
-    cp: O.Cp = None,
-    vpp: O.Vpp = None,
-    sp: O.Sp = False,
-    schedule: O.Schedule = None,
-    loss_parallel: O.LossParallel = None,
     layers: Optional[int] = typer.Option(None, "--layers", help="Scale the model down to this many blocks."),
     hidden: Optional[int] = typer.Option(None, "--hidden", help="Scale the hidden size down (head_dim kept)."),
     vocab: Optional[int] = typer.Option(None, "--vocab", help="Scale the vocabulary down."),
@@ -456,15 +370,8 @@ def validate(
     timeout: float = typer.Option(600.0, "--timeout", help="Seconds before a hung run is stopped."),
     tolerance: float = typer.Option(0.03, "--tolerance", help="Allowed |relative error| on the peak."),
     cpu_isa: O.CpuIsa = None,
-    lora_rank: O.LoraRank = None,
-    lora_alpha: O.LoraAlpha = None,
-    lora_targets: O.LoraTargets = None,
-    lora_dropout: O.LoraDropout = None,
-    adapter_config: O.AdapterConfig = None,
-    quantize_base: O.QuantizeBase = None,
-    double_quant: O.DoubleQuant = False,
-    quant_compute_dtype: O.QuantComputeDtype = None,
     as_json: O.Json = False,
+    **options: Any,
 ) -> None:
     """Run the job for real (torch.distributed, real DeepSpeed / FSDP2 / FSDP1 / DDP), measure every rank, compare.
 
@@ -476,6 +383,7 @@ def validate(
     from memplan.validation import validation_report
 
     given = dict(locals())
+    given.update(given.pop("options"))
     err = R.console(stderr=True)
     if seq_len is None:  # 128 tokens, unless the model is a vision transformer (its sequence is its image's)
         from memplan.model import sources, tasks

@@ -310,3 +310,73 @@ def horovod_overrides(values: dict[str, Any]) -> dict[str, Any]:
     return {"fusion_threshold": size_option(values.get("horovod_fusion_threshold"), "--horovod-fusion-threshold",
                                             allow_zero=True),
             "compression": values.get("horovod_compression")}
+
+
+# the memory beside the allocated peak, and the host's (estimate)
+CpuOffload = Annotated[bool, typer.Option("--cpu-offload", help="FSDP CPUOffloadPolicy.")]
+CudaContext = Annotated[Optional[str], typer.Option(help="CUDA context size [default: 512MiB].")]
+NcclPerCommunicator = Annotated[Optional[str], typer.Option(help="NCCL buffers per communicator [default: 1GiB].")]
+FragmentationPercent = Annotated[Optional[int], typer.Option(help="A flat allocator overhead, % of the allocated "
+                                                             "peak, instead of the replayed reserved peak.")]
+HostMemory = Annotated[Optional[str], typer.Option("--host-memory", help="A node's host RAM for offloaded states, "
+                                                   "e.g. 1TiB: a host verdict too.")]
+PinMemory = Annotated[Optional[bool], typer.Option("--pin-memory/--no-pin-memory", help="Offloaded states in pinned "
+                                                   "memory (DeepSpeed offload pin_memory [default: false]; FSDP "
+                                                   "CPUOffloadPolicy [default: true]).")]
+CublasWorkspace = Annotated[Optional[str], typer.Option(help="cuBLAS workspace per handle, inside the peak (the job's "
+                                                        "CUBLAS_WORKSPACE_CONFIG; 0 for :0:0) [default: the GPU's; "
+                                                        "32MiB].")]
+
+
+# ---- groups of options several commands take, added to a command's signature by @with_options ----
+#: each group: (parameter name, its Annotated option type, its default), in the order --help lists them
+OPTION_GROUPS: dict[str, tuple[tuple[str, Any, Any], ...]] = {
+    "deepspeed": (
+        ("reduce_bucket_size", ReduceBucketSize, None), ("allgather_bucket_size", AllgatherBucketSize, None),
+        ("overlap_comm", OverlapComm, None), ("contiguous_gradients", ContiguousGradients, None),
+        ("reduce_scatter", ReduceScatter, None), ("multi_rank_bucket_allreduce", MultiRankBucketAllreduce, None),
+        ("grad_accum_dtype", GradAccumDtype, None), ("communication_data_type", CommunicationDataType, None),
+        ("prefetch_bucket_size", PrefetchBucketSize, None),
+        ("param_persistence_threshold", ParamPersistenceThreshold, None),
+        ("max_live_parameters", MaxLiveParameters, None), ("max_reuse_distance", MaxReuseDistance, None),
+        ("hpz_partition_size", HpzPartitionSize, None), ("quantized_weights", ZeroQuantizedWeights, None),
+        ("quantized_gradients", ZeroQuantizedGradients, None), ("z3_leaf_modules", Z3LeafModules, None),
+        ("offload_optimizer", OffloadOptimizer, None), ("offload_param", OffloadParam, None)),
+    "torch": (
+        ("reshard_after_forward", ReshardAfterForward, None), ("fsdp_wrap", FsdpWrap, None),
+        ("fsdp_root_reshard", FsdpRootReshard, None), ("hsdp_shard_size", HsdpShardSize, None),
+        ("fsdp_version", FsdpVersion, 2), ("bucket_cap_mb", BucketCapMb, None),
+        ("gradient_as_bucket_view", GradientAsBucketView, False)),
+    "parallel": (
+        ("tp", Tp, None), ("pp", Pp, None), ("ep", Ep, None), ("cp", Cp, None), ("vpp", Vpp, None), ("sp", Sp, False),
+        ("schedule", Schedule, None), ("loss_parallel", LossParallel, None)),
+    "memory": (
+        ("cpu_offload", CpuOffload, False), ("cuda_context", CudaContext, None),
+        ("nccl_per_communicator", NcclPerCommunicator, None), ("fragmentation_percent", FragmentationPercent, None),
+        ("allocator_conf", AllocatorConf, None), ("host_memory", HostMemory, None), ("pin_memory", PinMemory, None),
+        ("cublas_workspace", CublasWorkspace, None)),
+    "horovod": (("horovod_fusion_threshold", HorovodFusionThreshold, None),
+                ("horovod_compression", HorovodCompression, None)),
+    "adapters": (
+        ("lora_rank", LoraRank, None), ("lora_alpha", LoraAlpha, None), ("lora_targets", LoraTargets, None),
+        ("lora_dropout", LoraDropout, None), ("adapter_config", AdapterConfig, None),
+        ("quantize_base", QuantizeBase, None), ("double_quant", DoubleQuant, False),
+        ("quant_compute_dtype", QuantComputeDtype, None)),
+}
+
+
+def with_options(*groups: str) -> Any:
+    """A command that takes the options of ``groups`` (OPTION_GROUPS) after its own, declared once: the command
+    receives them in ``**options`` (typer reads the signature this sets)."""
+    import inspect
+
+    def add(fn: Any) -> Any:
+        sig = inspect.signature(fn, eval_str=True)
+        own = [p for p in sig.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+        kw = inspect.Parameter.KEYWORD_ONLY
+        extra = [inspect.Parameter(name, kw, default=default, annotation=kind)
+                 for g in groups for name, kind, default in OPTION_GROUPS[g]]
+        last = [p.replace(kind=kw) for p in own if p.name == "as_json"]  # --json stays last in --help
+        fn.__signature__ = sig.replace(parameters=[p for p in own if p.name != "as_json"] + extra + last)
+        return fn
+    return add

@@ -107,9 +107,7 @@ def estimate(
     precision: O.Precision = None,
     optimizer: O.Optimizer = None,
     optimizer_impl: O.OptimizerImpl = None,
-    recompute: str = typer.Option("none", "--recompute", help="none | selective | full | every:N (transformers' "
-                                  "every_n_layers: blocks 0, N, 2N, ...) | layer-sac:N (torchtitan's: blocks N-1, "
-                                  "2N-1, ...)."),
+    recompute: O.Recompute = "none",
     attention: O.Attention = "sdpa",
     gpu: O.Gpu = None,
     gpu_memory: O.GpuMemory = None,
@@ -166,6 +164,7 @@ def estimate(
 
 
 @app.command()
+@O.with_options("adapters")
 def check(
     ctx: typer.Context,
     model: str = typer.Argument(..., help="Preset name, config.json, model directory, cached repo id, or pkg.mod:fn."),
@@ -184,21 +183,12 @@ def check(
     grad_accum: O.GradAccum = None,
     precision: O.Precision = None,
     optimizer: O.Optimizer = None,
-    recompute: str = typer.Option("none", "--recompute", help="none | selective | full | every:N (transformers' "
-                                  "every_n_layers: blocks 0, N, 2N, ...) | layer-sac:N (torchtitan's: blocks N-1, "
-                                  "2N-1, ...)."),
+    recompute: O.Recompute = "none",
     allocator_conf: O.AllocatorConf = None,
-    lora_rank: O.LoraRank = None,
-    lora_alpha: O.LoraAlpha = None,
-    lora_targets: O.LoraTargets = None,
-    lora_dropout: O.LoraDropout = None,
-    adapter_config: O.AdapterConfig = None,
-    quantize_base: O.QuantizeBase = None,
-    double_quant: O.DoubleQuant = False,
-    quant_compute_dtype: O.QuantComputeDtype = None,
     max_fraction: float = typer.Option(1.0, "--max-fraction", help="Pass only if the required bytes are at most "
                                        "this fraction of the GPU (0.9 keeps 10% free)."),
     as_json: O.Json = False,
+    **options: Any,
 ) -> None:
     """A CI gate: one line, exit 0 when the job fits the GPU (within --max-fraction), 1 when it does not.
 
@@ -207,7 +197,8 @@ def check(
     """
     import math
 
-    params = {k: v for k, v in locals().items() if k not in ("ctx", "max_fraction", "math")}
+    params = {k: v for k, v in locals().items() if k not in ("ctx", "max_fraction", "math", "options")}
+    params.update(options)
     from memplan import cli_estimate
     from memplan.estimate_check import verdict
 

@@ -14,6 +14,9 @@ Stage = Annotated[Optional[int], typer.Option("--stage", help="DeepSpeed ZeRO st
 Strategy = Annotated[Optional[str], typer.Option("--strategy", help="single, ddp, zero0-3, zero-optimizer, "
                                                  "fsdp-full, fsdp-grad-op, fsdp-no-shard, hsdp [default: single on "
                                                  "one GPU, else ddp].")]
+Recompute = Annotated[str, typer.Option("--recompute", help="none | selective | full | every:N (transformers' "
+                                         "every_n_layers: blocks 0, N, 2N, ...) | layer-sac:N (torchtitan's: blocks "
+                                         "N-1, 2N-1, ...).")]
 MicroBatch = Annotated[Optional[int], typer.Option("--micro-batch", help="Micro-batch per GPU [default: 1].")]
 SeqLen = Annotated[Optional[int], typer.Option("--seq-len", help="Sequence length [default: 2048].")]
 GradAccum = Annotated[Optional[int], typer.Option("--grad-accum", help="Gradient accumulation steps [default: 1].")]

@@ -270,7 +270,7 @@ FILES: dict[str, tuple[str, object]] = {
         "def loop():\n    while True:\n        pass\n"
         "def deaf():\n    signal.signal(signal.SIGALRM, signal.SIG_IGN)\n    while True:\n        pass\n"
         "def forks():\n    os.fork()\n    raise ValueError('forked')\n"
-        "def spawns():\n    subprocess.Popen(['sleep', '300'])\n    raise ValueError('spawned')\n"
+        "def spawns():\n    subprocess.Popen(['sleep', '300.0421'])\n    raise ValueError('spawned')\n"
         "def empty():\n    import torch\n    return torch.nn.Sequential()\n"
         "def number():\n    return 42\n"
         "def raises():\n    raise RuntimeError('boom ' * 1000)\n"

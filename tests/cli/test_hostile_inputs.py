@@ -90,10 +90,11 @@ def test_hostile_input_that_waits_for_a_limit(case, hostile_dir, tmp_path, monke
 
 
 def test_a_factory_leaves_no_process_behind(hostile_dir, tmp_path, monkeypatch):
-    # the factory starts `sleep 300` and fails: its whole process group is stopped with it
+    # the factory starts `sleep 300.0421` and fails: its whole process group is stopped with it (a duration no other
+    # process on the machine runs, so pgrep finds the factory's child only)
     case = next(c for c in CASES if "spawns" in c.args)
     work = tmp_path / "work"
     work.mkdir()
     run_case(case, hostile_dir, work, tmp_path / "cache", monkeypatch)
-    left = subprocess.run(["pgrep", "-f", "sleep 300"], capture_output=True, text=True).stdout.split()
+    left = subprocess.run(["pgrep", "-f", "sleep 300.0421"], capture_output=True, text=True).stdout.split()
     assert not left, left

@@ -92,7 +92,7 @@ def test_apollo_step_is_apollo_torch_s(dtype, recipe):
     """The first step (states made, the projections drawn), an update step after it (update_proj_gap 1) and a
     plain step: apollo_step's peak equals the real step's, to the byte but for the 1-byte bools Python's max()
     makes of a 0-dim comparison and next_seed's 120-byte host tensor (neither on the device)."""
-    pytest.importorskip("apollo_torch")  # the harness extra (pip install 'memplan[harness]')
+    pytest.importorskip("apollo_torch")  # in the test extra (pip install -e ".[test]")
     model = _model()
     inv = _inventory(model)
     rc = get_recipe(recipe)

@@ -419,6 +419,7 @@ def _row(label: str, shown: str, rc: str, plan, ranks, old=None) -> list:  # noq
 
 def main() -> None:
     from memplan.errors import MemplanError
+    from memplan.request import JobRequest
     from memplan.validation import predict, validate
 
     ap = argparse.ArgumentParser()
@@ -463,20 +464,19 @@ def main() -> None:
         # the harness's FSDP2 root as the kept rows measured it: fully_shard(model) without reshard_after_forward
         # (--fsdp-root-reshard auto; memplan's default, same, is Accelerate's call, measured on the GPU)
         kw = dict(gpus=gpus, gpus_per_node=gpus, micro_batch=2, seq_len=strat.pop("seq_len", 128), recompute=rc,
-                  ds_overrides=ds,
-                  torch_overrides={"fsdp_root_reshard": "auto", **tk}, **strat)
+                  **ds, **{"fsdp_root_reshard": "auto", **tk}, **strat)
         row = done.get((label, shown, rc))
         if args.repredict:
             if row is None or row[3] is None:
                 continue  # never run (or failed): nothing measured to compare with
             # a row measured on another instruction set than the table's is predicted with its own (index 10)
             isa = row[10] if len(row) > 10 else args.cpu_isa
-            plan = predict(model, **scale, device="cpu", cpu_isa=isa, **kw)[0]
+            plan = predict(model, JobRequest.of(device="cpu", cpu_isa=isa, **kw), **scale)[0]
             row = _row(label, shown, rc, plan, row[9] if len(row) > 9 else None, old=row) + (
                 [isa] if len(row) > 10 else [])
         elif row is None:
             try:
-                v = validate(model, **scale, device="cpu", cpu_isa=args.cpu_isa, **kw)
+                v = validate(model, JobRequest.of(device="cpu", cpu_isa=args.cpu_isa, **kw), **scale)
             except MemplanError as exc:
                 row = [label, shown, rc, None, None, None, None, None, str(exc), None]
             else:

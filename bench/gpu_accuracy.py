@@ -56,14 +56,15 @@ def case_settings(case: dict) -> dict:
             ds["memory_efficient_linear"] = bool(zero["memory_efficient_linear"])
     else:
         raise ValueError(f"unknown framework {fw}")
-    kw["ds_overrides"] = ds
+    kw.update(ds)
     if case.get("fsdp_root_reshard"):  # a run whose root fully_shard call was given no reshard_after_forward
-        kw["torch_overrides"] = {"fsdp_root_reshard": case["fsdp_root_reshard"]}
+        kw["fsdp_root_reshard"] = case["fsdp_root_reshard"]
     return kw
 
 
 def predict(case: dict, config_dirs: list[Path]) -> dict:
     from memplan import accounting, options
+    from memplan.request import JobRequest
     from memplan.model import sources
 
     path = next((d / case["config"] for d in config_dirs if (d / case["config"]).is_file()), None)
@@ -71,7 +72,7 @@ def predict(case: dict, config_dirs: list[Path]) -> dict:
         raise FileNotFoundError(case["config"])
     src = sources.resolve(str(path))
     inv = sources.build_inventory(src, builder="auto")
-    res = options.resolve(inv, config=src.config, **case_settings(case))
+    res = options.resolve(inv, JobRequest.of(**case_settings(case)), config=src.config)
     plan = accounting.estimate(inv, res.settings)
     prof = res.settings.activation_profile
     kernels = (prof.data.get("attention_kernels", {}) if prof is not None else {})
@@ -104,6 +105,7 @@ VALIDATE_RUNS = {
 
 def validate_rows() -> list[tuple]:
     """(name, options, measured peak, prediction at the time, this code's prediction, phase)"""
+    from memplan.request import JobRequest
     from memplan.validation import predict
 
     rows = []
@@ -114,8 +116,8 @@ def validate_rows() -> list[tuple]:
         run = json.loads(path.read_text())
         peak = run["validation"]["peak"]
         # as validate predicted on the H100: its architecture and cuBLAS workspace (no --gpu preset)
-        plan = predict(str(EXTRA / "configs" / config), device="cuda", gpus=1, gpu_arch="sm90",
-                       overhead_overrides={"blas_workspace_bytes": 32 << 20}, **kw)[0]
+        plan = predict(str(EXTRA / "configs" / config), JobRequest.of(device="cuda", gpus=1, gpu_arch="sm90",
+                                                                      blas_workspace_bytes=32 << 20, **kw))[0]
         rows.append((name, config, kw, peak["measured_bytes"], peak["predicted_bytes"], plan.peak_bytes,
                      plan.peak.name, run["run"].get("device", "cuda")))
     return rows

@@ -24,15 +24,15 @@ STRATEGIES = (
     ("horovod", dict(strategy="horovod")),
     ("zero-optimizer", dict(strategy="zero-optimizer")),
     ("zero1", dict(stage=1)), ("zero2", dict(stage=2)), ("zero3", dict(stage=3)),
-    ("zero3 hpz 8", dict(stage=3, ds_overrides={"hpz_partition_size": 8})),
-    ("zero2 offload", dict(stage=2, ds_overrides={"offload_optimizer": True})),
-    ("zero3 offload", dict(stage=3, ds_overrides={"offload_optimizer": True})),
+    ("zero3 hpz 8", dict(stage=3, hpz_partition_size=8)),
+    ("zero2 offload", dict(stage=2, offload_optimizer=True)),
+    ("zero3 offload", dict(stage=3, offload_optimizer=True)),
     ("fsdp-full", dict(strategy="fsdp-full")), ("fsdp-grad-op", dict(strategy="fsdp-grad-op")),
     ("fsdp-no-shard", dict(strategy="fsdp-no-shard")), ("hsdp", dict(strategy="hsdp")),
-    ("fsdp-full offload", dict(strategy="fsdp-full", torch_overrides={"cpu_offload": True})),
-    ("fsdp1 full", dict(strategy="fsdp-full", torch_overrides={"fsdp_version": 1})),
-    ("fsdp1 grad-op", dict(strategy="fsdp-grad-op", torch_overrides={"fsdp_version": 1})),
-    ("fsdp1 full offload", dict(strategy="fsdp-full", torch_overrides={"fsdp_version": 1, "cpu_offload": True})),
+    ("fsdp-full offload", dict(strategy="fsdp-full", cpu_offload=True)),
+    ("fsdp1 full", dict(strategy="fsdp-full", fsdp_version=1)),
+    ("fsdp1 grad-op", dict(strategy="fsdp-grad-op", fsdp_version=1)),
+    ("fsdp1 full offload", dict(strategy="fsdp-full", fsdp_version=1, cpu_offload=True)),
 )
 GPUS = (2, 8, 64)
 RECIPES = (None, "torch-amp")
@@ -41,6 +41,7 @@ RECOMPUTE = ("none", "full")
 
 def main() -> None:
     from memplan import accounting, options
+    from memplan.request import JobRequest
     from memplan.errors import MemplanError
     from memplan.model import sources
 
@@ -58,9 +59,9 @@ def main() -> None:
                 for recipe in RECIPES:
                     for rc in RECOMPUTE:
                         try:
-                            s = options.resolve(inv, config=src.config, gpus=gpus, gpus_per_node=8,
-                                                gpu="h100-80g", precision=recipe, recompute=rc, allocator_conf="",
-                                                **kw).settings
+                            job = JobRequest.of(gpus=gpus, gpus_per_node=8, gpu="h100-80g", precision=recipe,
+                                                recompute=rc, allocator_conf="", **kw)
+                            s = options.resolve(inv, job, config=src.config).settings
                             plan = accounting.estimate(inv, s)
                         except MemplanError:
                             refused += 1  # a combination memplan refuses (one line, exit 2 on the command line)

@@ -109,6 +109,7 @@ def main() -> None:
 
 def _rows(args, cases, log: Path) -> list[tuple]:
     from memplan import validation
+    from memplan.request import JobRequest
 
     kept = {}
     for line in log.read_text().splitlines():
@@ -134,10 +135,11 @@ def _rows(args, cases, log: Path) -> list[tuple]:
         if row is None or row[3] is None:
             continue
         isa = row[10] if len(row) > 10 else "avx512"
-        kw = dict(gpus=gpus, gpus_per_node=gpus, micro_batch=2, seq_len=strat.pop("seq_len", 128), recompute=rc,
-                  ds_overrides=ds, torch_overrides={"fsdp_root_reshard": "auto", **tk}, **strat)
+        job = JobRequest.of(gpus=gpus, gpus_per_node=gpus, micro_batch=2, seq_len=strat.pop("seq_len", 128),
+                            recompute=rc, **ds, **{"fsdp_root_reshard": "auto", **tk}, **strat, device="cpu",
+                            cpu_isa=isa)
         try:
-            plan, resolved, *_ = validation.predict(model, **scale, device="cpu", cpu_isa=isa, **kw)
+            plan, resolved, *_ = validation.predict(model, job, **scale)
         except Exception as exc:
             print(f"{label} {shown} {rc}: {exc}", flush=True)
             continue

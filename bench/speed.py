@@ -96,13 +96,15 @@ def batched_evals_per_second(seconds: float = 3.0, lower_bound: bool = True) -> 
     sys.path.insert(0, str(ROOT))
     from memplan import accounting as A
     from memplan import options
+    from memplan.request import JobRequest
     from memplan.model import sources
     from memplan.strategies import STRATEGIES
 
     src = sources.resolve("llama-7b")
     inv = sources.build_inventory(src)
     mbs = list(range(1, 65))
-    configs = [options.resolve(inv, gpus=gpus, strategy=name, gpu="h100-80g", config=src.config).settings
+    configs = [options.resolve(inv, JobRequest.of(gpus=gpus, strategy=name, gpu="h100-80g"),
+                               config=src.config).settings
                for name, row in STRATEGIES.items() if not row.one_gpu for gpus in (8, 16, 64)]
     n, t0 = 0, time.perf_counter()
     while time.perf_counter() - t0 < seconds:
@@ -118,6 +120,7 @@ def explain_and_suggest_ms(repeat: int = 20) -> tuple[float, float]:
     sys.path.insert(0, str(ROOT))
     from memplan import accounting as A
     from memplan import advice, options
+    from memplan.request import JobRequest
     from memplan.explain import explain, summary
     from memplan.model import sources
 
@@ -132,14 +135,8 @@ def explain_and_suggest_ms(repeat: int = 20) -> tuple[float, float]:
             kw.pop("stage", None)
         if kw.get("strategy") is None:
             kw.pop("strategy", None)
-        ds = {k: kw.pop(k) for k in ("offload_optimizer", "offload_param") if k in kw}
-        torch_knobs = {k: kw.pop(k) for k in ("cpu_offload",) if k in kw}
-        kw["trace"] = kw.pop("_trace", True)
-        if "tp" in kw or "pp" in kw:  # the model-parallel suggestions (advice._model_parallel)
-            from memplan.parallel import Parallel
-
-            kw["parallel"] = Parallel(tp=kw.pop("tp", 1), pp=kw.pop("pp", 1))
-        return options.resolve(inv, config=src.config, ds_overrides=ds, torch_overrides=torch_knobs, **kw).settings
+        trace = kw.pop("_trace", True)
+        return options.resolve(inv, JobRequest.of(**kw), config=src.config, trace=trace).settings
 
     plan = A.estimate(inv, settings({}))
     ex_t, sug_t = [], []
@@ -156,11 +153,12 @@ def explain_and_suggest_ms(repeat: int = 20) -> tuple[float, float]:
 PLAN_SEARCH = (
     "import sys, time\n"
     "from memplan import planner\n"
+    "from memplan.request import JobRequest\n"
     "from memplan.model import sources\n"
     "src = sources.resolve(sys.argv[1]); inv = sources.build_inventory(src); config = sources.trace_config(src, inv)\n"
     "if sys.argv[2] == 'bound':  # the search without the allocator's replay: each candidate's bound answer\n"
     "    planner._exact_largest = lambda inv, s, mbs, budget, bound, hi: (hi, 0)\n"
-    "t = time.perf_counter(); found = planner.search(inv, gpu='h100-80g', config=config)\n"
+    "t = time.perf_counter(); found = planner.search(inv, JobRequest.of(gpu='h100-80g'), config=config)\n"
     "print(time.perf_counter() - t, found.gpus)\n")
 
 

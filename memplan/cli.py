@@ -6,6 +6,7 @@ User errors (MemplanError) become ``Error: <message>`` on stderr and exit code 2
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 from typing import Any, Optional
 
 import typer
@@ -92,32 +93,10 @@ def inspect(
 
 
 @app.command()
-@O.with_options("deepspeed", "torch", "parallel", "adapters", "memory", "horovod")
+@O.request_options(*O.ALL_PARTS)
 def estimate(
     ctx: typer.Context,
-    model: str = typer.Argument(..., help="Preset name, config.json, model directory, cached repo id, or pkg.mod:fn."),
-    task: O.Task = None,
-    gpus: int = typer.Option(1, "--gpus", help="Total GPUs (data-parallel ranks)."),
-    gpus_per_node: O.GpusPerNode = None,
-    stage: O.Stage = None,
-    strategy: O.Strategy = None,
-    micro_batch: O.MicroBatch = None,
-    seq_len: O.SeqLen = None,
-    grad_accum: O.GradAccum = None,
-    precision: O.Precision = None,
-    optimizer: O.Optimizer = None,
-    optimizer_impl: O.OptimizerImpl = None,
-    recompute: O.Recompute = "none",
-    attention: O.Attention = "sdpa",
-    gpu: O.Gpu = None,
-    gpu_memory: O.GpuMemory = None,
-    device: str = typer.Option("cuda", "--device", help="cuda, or cpu (the gloo harness: no CUDA/NCCL overheads)."),
-    deepspeed: O.DeepSpeedConfig = None,
-    builder: O.Builder = "auto",
-    activations: O.Activations = "auto",
-    cpu_isa: O.CpuIsa = None,
-    training_args: O.TrainingArgs = None,
-    accelerate_config: O.AccelerateConfig = None,
+    model: O.Model,
     plot: O.Plot = None,
     explain: bool = typer.Option(False, "--explain", help="What the peak is made of: its bytes by category and "
                                  "its activations by module and operator (the largest groups, with their share)."),
@@ -134,27 +113,19 @@ def estimate(
     """
     from memplan import cli_estimate
     from memplan.explain import summary
+    from memplan.request import from_command
 
-    given = dict(locals())
-    given.pop("ctx")
-    given.update(given.pop("options"))
     O.progress_for(as_json)
     if plot:
         from memplan import plot as P
 
         P.check_path(plot)  # before any work: a bad path is one line, nothing computed or written
-    est = cli_estimate.run(given, O.explicit(ctx), O.overheads_of, suggestions=not no_suggestions)
+    est = cli_estimate.run(from_command({"model": model, **options}), O.explicit(ctx), with_explain=explain,
+                           suggestions=not no_suggestions)
     if plot:
         from memplan import plot as P
 
-        s, inv_p, lay = est.plan.settings, est.plan.inventory, ""
-        if est.plan.layout is not None:  # the job as given, at each GPU count its layout runs at
-            s, inv_p = est.plan.layout.settings, est.plan.layout.inventory
-            lay = f" tp {s.parallel.tp} x pp {s.parallel.pp}" + (f" x cp {s.parallel.cp}" if s.parallel.cp > 1 else "") \
-                + " (the most loaded rank),"
-        P.draw(plot, P.bars_across_gpus(inv_p, s), s.cluster.gpu_memory_bytes,
-               f"{est.report['model']['name']}: {s.strategy.name},{lay} micro-batch {s.micro_batch} x seq "
-               f"{s.seq_len}, {s.recipe.name}, recompute {s.recompute}", "GPUs")
+        P.draw_estimate(plot, est)
     if as_json:
         R.emit_json(est.report)
     else:
@@ -164,27 +135,10 @@ def estimate(
 
 
 @app.command()
-@O.with_options("adapters")
+@O.request_options(*O.ALL_PARTS)
 def check(
     ctx: typer.Context,
-    model: str = typer.Argument(..., help="Preset name, config.json, model directory, cached repo id, or pkg.mod:fn."),
-    task: O.Task = None,
-    training_args: O.TrainingArgs = None,
-    accelerate_config: O.AccelerateConfig = None,
-    deepspeed: O.DeepSpeedConfig = None,
-    gpu: O.Gpu = None,
-    gpu_memory: O.GpuMemory = None,
-    gpus: int = typer.Option(1, "--gpus", help="Total GPUs [default: the Accelerate config's num_processes, else 1]."),
-    gpus_per_node: O.GpusPerNode = None,
-    stage: O.Stage = None,
-    strategy: O.Strategy = None,
-    micro_batch: O.MicroBatch = None,
-    seq_len: O.SeqLen = None,
-    grad_accum: O.GradAccum = None,
-    precision: O.Precision = None,
-    optimizer: O.Optimizer = None,
-    recompute: O.Recompute = "none",
-    allocator_conf: O.AllocatorConf = None,
+    model: O.Model,
     max_fraction: float = typer.Option(1.0, "--max-fraction", help="Pass only if the required bytes are at most "
                                        "this fraction of the GPU (0.9 keeps 10% free)."),
     as_json: O.Json = False,
@@ -197,19 +151,17 @@ def check(
     """
     import math
 
-    params = {k: v for k, v in locals().items() if k not in ("ctx", "max_fraction", "math", "options")}
-    params.update(options)
     from memplan import cli_estimate
     from memplan.estimate_check import verdict
+    from memplan.request import from_command
 
     if not (math.isfinite(max_fraction) and 0 < max_fraction <= 1):
         raise MemplanError(f"--max-fraction must be in (0, 1], got {max_fraction}")
-    if gpu is None and gpu_memory is None:
+    if options.get("gpu") is None and options.get("gpu_memory") is None:
         raise MemplanError("check needs the GPU: --gpu NAME (memplan presets) or --gpu-memory SIZE (80GB, 80GiB)")
-    given = {**cli_estimate.defaults(estimate), **params}  # estimate's defaults, check's own options over them
     O.progress_for(as_json)
-    est = cli_estimate.run(given, O.explicit(ctx), O.overheads_of, progress_text="looking for changes that would fit",
-                           max_fraction=max_fraction)
+    est = cli_estimate.run(from_command({"model": model, **options}), O.explicit(ctx),
+                           progress_text="looking for changes that would fit", max_fraction=max_fraction)
     out = verdict(est, max_fraction)
     if as_json:
         R.emit_json({"schema_version": 1, "check": out, "estimate": est.report})
@@ -219,12 +171,16 @@ def check(
         raise typer.Exit(1)
 
 
+#: the job's options `memplan plan` takes (the rest it searches over)
+PLAN_FIELDS = ("task", "builder", "activations", "gpu", "gpu_memory", "device", "cpu_isa", "seq_len", "grad_accum",
+               "precision", "optimizer", "attention", "allocator_conf", "host_memory")
+
+
 @app.command()
+@O.request_options("adapters")
+@O.request_options("model", "cluster", "batch", "training", "memory", only=PLAN_FIELDS)
 def plan(
-    model: str = typer.Argument(..., help="Preset name, config.json, model directory, cached repo id, or pkg.mod:fn."),
-    task: O.Task = None,
-    gpu: Optional[str] = typer.Option(None, "--gpu", help="GPU preset (memplan presets)."),
-    gpu_memory: Optional[str] = typer.Option(None, "--gpu-memory", help="GPU memory, e.g. 80GB (10^9) or 80GiB (2^30)."),
+    model: O.Model,
     gpus_per_node: int = typer.Option(8, "--gpus-per-node", help="GPUs per node."),
     max_gpus: int = typer.Option(1024, "--max-gpus", help="Largest GPU count to consider."),
     strategies: str = typer.Option(",".join(("single", "ddp", "zero1", "zero2", "zero3", "zero-optimizer", "fsdp-full",
@@ -235,15 +191,6 @@ def plan(
     micro_batch: Optional[int] = typer.Option(None, "--micro-batch", help="Fix the micro-batch (else the largest "
                                               "that fits, up to --max-micro-batch)."),
     max_micro_batch: int = typer.Option(64, "--max-micro-batch", help="Largest micro-batch to consider."),
-    seq_len: Optional[int] = typer.Option(None, "--seq-len", help="Sequence length [default: 2048]."),
-    grad_accum: Optional[int] = typer.Option(None, "--grad-accum", help="Gradient accumulation steps [default: 1]."),
-    precision: Optional[str] = typer.Option(None, "--precision", help="Recipe for every strategy [default: each "
-                                            "strategy's framework's]."),
-    optimizer: Optional[str] = typer.Option(None, "--optimizer", help="adamw, adam, sgd, adafactor, adam8bit, "
-                                                       "paged_adamw_8bit, paged_adamw_32bit, lion, "
-                                                       "adamw-schedulefree, muon, adam-mini, apollo-adamw."),
-    attention: str = typer.Option("sdpa", "--attention", help="sdpa (the device's own kernel choice) | flash "
-                                  "(asked for: refused where the device cannot run it) | eager."),
     allow_offload: bool = typer.Option(False, "--allow-offload", help="Also consider DeepSpeed ZeRO-Offload "
                                        "(optimizer, or optimizer and parameters, on the host)."),
     layouts: bool = typer.Option(False, "--layouts", help="Also consider tensor parallelism within a node and "
@@ -252,24 +199,8 @@ def plan(
     min_headroom: Optional[str] = typer.Option(None, "--min-headroom", help="What every candidate must leave free: "
                                                "a size (8GiB, 8GB) or a fraction of the GPU (0.1 or 10%) "
                                                "[default: 0]."),
-    device: str = typer.Option("cuda", "--device", help="cuda, or cpu (no CUDA/NCCL overheads)."),
-    allocator_conf: Optional[str] = typer.Option(None, "--allocator-conf", help="The job's PYTORCH_CUDA_ALLOC_CONF, "
-                                                 "e.g. expandable_segments:True [default: from the environment]."),
-    host_memory: Optional[str] = typer.Option(None, "--host-memory", help="A node's host RAM: offload candidates "
-                                              "must fit it too."),
-    builder: str = typer.Option("auto", help="Inventory builder: auto | analytic | meta."),
-    activations: str = typer.Option("auto", "--activations", help="auto | traced | analytic."),
-    cpu_isa: Optional[str] = typer.Option(None, "--cpu-isa", help="device cpu: the instruction set the CPU kernels "
-                                          "follow, avx2 | avx512 | avx512_bf16 | amx [default: this machine's]."),
-    lora_rank: O.LoraRank = None,
-    lora_alpha: O.LoraAlpha = None,
-    lora_targets: O.LoraTargets = None,
-    lora_dropout: O.LoraDropout = None,
-    adapter_config: O.AdapterConfig = None,
-    quantize_base: O.QuantizeBase = None,
-    double_quant: O.DoubleQuant = False,
-    quant_compute_dtype: O.QuantComputeDtype = None,
-    as_json: bool = typer.Option(False, "--json", help="Print JSON on stdout."),
+    as_json: O.Json = False,
+    **options: Any,
 ) -> None:
     """The fewest GPUs, the largest micro-batch and the best strategy for a model on a GPU size.
 
@@ -280,49 +211,36 @@ def plan(
     from memplan import accounting, planner, progress
     from memplan.model import sources
     from memplan.report import search_report
+    from memplan.request import from_command
 
     O.progress_for(as_json)
     if plot:
         from memplan import plot as P
 
         P.check_path(plot)  # before any work: a bad path is one line, nothing computed or written
-    spec = O.lora_spec(dict(locals()))
-    src = sources.with_task(sources.resolve(model), task)
-    inv = sources.build_inventory(src, builder=builder)
+    base = from_command({"model": model, "gpus_per_node": gpus_per_node, **options})
+    base = replace(base, adapters=base.adapters.with_adapter())
+    space = planner.SearchSpace(max_gpus=max_gpus, strategies=O.csv(strategies, "--strategies"),
+                                recomputes=O.csv(recompute, "--recompute"), micro_batch=micro_batch,
+                                max_micro_batch=max_micro_batch, allow_offload=allow_offload,
+                                min_headroom=min_headroom, layouts=layouts)
+    src = sources.with_task(sources.resolve(model), base.model.task)
+    inv = sources.build_inventory(src, builder=base.model.builder)
     config = sources.trace_config(src, inv)
-    if spec is not None:
+    if base.adapters.spec is not None:
         from memplan.model import lora
 
-        inv = lora.apply(inv, spec)
+        inv = lora.apply(inv, base.adapters.spec)
     with progress.task(f"searching layouts for {inv.model_name} (strategies x recompute x GPU counts)"):
-        found = planner.search(inv, gpu=gpu, gpu_memory_size=gpu_memory, config=config, lora=spec,
-                               gpus_per_node=gpus_per_node, max_gpus=max_gpus, strategies=O.csv(strategies, "--strategies"),
-                               recomputes=O.csv(recompute, "--recompute"), micro_batch=micro_batch,
-                               max_micro_batch=max_micro_batch, allow_offload=allow_offload, seq_len=seq_len,
-                               grad_accum=grad_accum, precision=precision, optimizer=optimizer, attention=attention,
-                               device=device, activations=activations, cpu_isa=cpu_isa, allocator_conf=allocator_conf,
-                               host_memory_size=host_memory, min_headroom=min_headroom, layouts=layouts)
+        found = planner.search(inv, base, space, config=config)
     best = planner.best_settings(found)
     if plot:
         from memplan import plot as P
 
         P.draw(plot, P.bars_across_candidates(inv, found), found.gpu_memory_bytes,
                f"{inv.model_name}: the candidates at {found.gpus or found.max_gpus} GPUs", "candidate")
-    extra = [f"--gpu {gpu}" if gpu else f"--gpu-memory {gpu_memory}"]
-    for flag, value in (("--task", task), ("--seq-len", seq_len), ("--grad-accum", grad_accum), ("--precision", precision),
-                        ("--optimizer", optimizer)):
-        if value is not None:
-            extra.append(f"{flag} {value}")
-    if attention != "sdpa":
-        extra.append(f"--attention {attention}")
-    if device != "cuda":
-        extra.append(f"--device {device}")
-    if allocator_conf:
-        extra.append(f"--allocator-conf {allocator_conf}")
-    if host_memory:
-        extra.append(f"--host-memory {host_memory}")
     rep = search_report(found, inv, None if best is None else accounting.estimate(inv, best),
-                        planner.command_line(model, found, extra))
+                        planner.command_line(model, found, base.flags(set(options) - {"gpus_per_node"})))
     if as_json:
         R.emit_json(rep)
     else:
@@ -332,26 +250,21 @@ def plan(
 
 
 @app.command()
-@O.with_options("deepspeed", "torch", "parallel", "adapters")
+@O.request_options("deepspeed", "torch", "parallel", "adapters")
+@O.request_options("training", "files", only=("stage", "strategy", "precision", "optimizer_impl", "deepspeed"))
+@O.request_options("batch", "cluster", only=("micro_batch", "grad_accum", "cpu_isa"))
 def validate(
-    model: str = typer.Argument(..., help="Preset name, config.json or model directory."),
+    model: O.Model,
     gpus: int = typer.Option(2, "--gpus", help="Ranks to run on this host (spawned)."),
     gpus_per_node: Optional[int] = typer.Option(None, "--gpus-per-node", help="Ranks per node [default: gpus]."),
-    stage: O.Stage = None,
-    strategy: O.Strategy = None,
-    micro_batch: O.MicroBatch = None,
     seq_len: Optional[int] = typer.Option(None, "--seq-len", help="Sequence length [default: 128; a vision "
                                           "transformer's: its patches and class token]."),
-    grad_accum: O.GradAccum = None,
-    precision: O.Precision = None,
     optimizer: Optional[str] = typer.Option(None, "--optimizer", help="adamw, adam, sgd, adafactor, adam8bit, lion, "
                                             "adamw-schedulefree, muon, adam-mini, apollo-adamw (the optimizers the "
                                             "harness runs; adam8bit needs bitsandbytes, lion lion-pytorch, "
                                             "adamw-schedulefree schedulefree, adam-mini adam-mini, apollo-adamw "
                                             "apollo-torch)."),
-    optimizer_impl: O.OptimizerImpl = None,
     recompute: str = typer.Option("none", "--recompute", help="none | full | every:N | layer-sac:N."),
-    deepspeed: O.DeepSpeedConfig = None,
     layers: Optional[int] = typer.Option(None, "--layers", help="Scale the model down to this many blocks."),
     hidden: Optional[int] = typer.Option(None, "--hidden", help="Scale the hidden size down (head_dim kept)."),
     vocab: Optional[int] = typer.Option(None, "--vocab", help="Scale the vocabulary down."),
@@ -360,7 +273,6 @@ def validate(
     device: Optional[str] = typer.Option(None, "--device", help="cuda (NCCL) or cpu (gloo) [default: cuda if present]."),
     timeout: float = typer.Option(600.0, "--timeout", help="Seconds before a hung run is stopped."),
     tolerance: float = typer.Option(0.03, "--tolerance", help="Allowed |relative error| on the peak."),
-    cpu_isa: O.CpuIsa = None,
     as_json: O.Json = False,
     **options: Any,
 ) -> None:
@@ -370,26 +282,23 @@ def validate(
 
     Example: memplan validate llama-7b --layers 2 --hidden 256 --vocab 2048 --gpus 2 --stage 2 --device cpu
     """
+    from memplan.request import from_command
+    from memplan.validation import default_device, validation_report
     from memplan.validation import validate as run_validate
-    from memplan.validation import validation_report
 
-    given = dict(locals())
-    given.update(given.pop("options"))
     err = R.console(stderr=True)
     if seq_len is None:  # 128 tokens, unless the model is a vision transformer (its sequence is its image's)
         from memplan.model import sources, tasks
 
         config = sources.resolve(model).config or {}
         seq_len = None if "factory" not in config and tasks.task_of(config) == tasks.IMAGE else 128
-    v = run_validate(
-        model, layers=layers, hidden=hidden, vocab=vocab, warmup_steps=warmup_steps, measured_steps=steps,
-        timeout_s=timeout, tolerance=tolerance, device=device,
-        progress=lambda line: err.print(f"[dim]{line}[/dim]"),
-        gpus=gpus, gpus_per_node=gpus_per_node if gpus_per_node is not None else gpus, stage=stage,
-        strategy=strategy, precision=precision, optimizer=optimizer, optimizer_impl=optimizer_impl,
-        micro_batch=micro_batch, seq_len=seq_len, grad_accum=grad_accum, recompute=recompute, deepspeed=deepspeed,
-        **({"cpu_isa": cpu_isa} if cpu_isa else {}), lora=O.lora_spec(given),
-        ds_overrides=O.ds_overrides(given), torch_overrides=O.torch_overrides(given), parallel=O.parallel_of(given))
+    request = from_command({**options, "model": model, "gpus": gpus, "seq_len": seq_len, "optimizer": optimizer,
+                            "recompute": recompute, "device": device or default_device(),
+                            "gpus_per_node": gpus_per_node if gpus_per_node is not None else gpus})
+    request = replace(request, adapters=request.adapters.with_adapter())
+    v = run_validate(model, request, layers=layers, hidden=hidden, vocab=vocab, warmup_steps=warmup_steps,
+                     measured_steps=steps, timeout_s=timeout, tolerance=tolerance,
+                     progress=lambda line: err.print(f"[dim]{line}[/dim]"))
     rep = validation_report(v)
     if as_json:
         R.emit_json(rep)

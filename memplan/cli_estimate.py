@@ -4,10 +4,9 @@ and, when the job does not fit, the single changes that would (memplan/advice.py
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
-from memplan import cli_options as O
 from memplan.inputs import quote
 
 
@@ -121,55 +120,50 @@ def _framework_of_command_line(given: dict[str, Any], explicit: set[str], values
     return out
 
 
-def run(given: dict[str, Any], explicit: set[str], overheads: Any, suggestions: bool = True,
+def run(request: Any, explicit: set[str], *, with_explain: bool = False, suggestions: bool = True,
         progress_text: str = "estimating single changes that would fit", max_fraction: float | None = None) -> Estimated:
-    """Estimate the job ``given`` (a command's parameters; ``explicit``: those given on the command line);
-    ``max_fraction``: suggestions fit that share of the GPU (memplan check)."""
+    """Estimate the job ``request`` (memplan/request.py JobRequest, as the command gave it; ``explicit``: the
+    fields given on the command line) with its files' values merged in; ``max_fraction``: suggestions fit that
+    share of the GPU (memplan check)."""
     from memplan import accounting, advice, options, progress
     from memplan.explain import explain
     from memplan.model import sources
     from memplan.report import plan_report
+    from memplan.request import JobRequest
 
-    raw = dict(given)
-    given, file_sources, file_notes, files = _with_files(given, explicit)
-    src = sources.with_task(sources.resolve(given["model"]), given.get("task"))
-    inv = sources.build_inventory(src, builder=given["builder"])
+    raw = request.flat()
+    given, file_sources, file_notes, files = _with_files(raw, explicit)
+    asked = JobRequest.of(**given)
+    asked = asked.with_sources({**{k: "command line" for k in explicit}, **file_sources})
+    asked = replace(asked, adapters=asked.adapters.with_adapter(file_notes))
+    src = sources.with_task(sources.resolve(asked.model.model), asked.model.task)
+    inv = sources.build_inventory(src, builder=asked.model.builder)
     config = sources.trace_config(src, inv)
-    spec = O.lora_spec(given, file_notes)
-    if spec is not None:  # the adapters as PEFT adds them; the traced step adds the same (options._with_lora)
+    if asked.adapters.spec is not None:  # the adapters as PEFT adds them; the traced step adds the same
         from memplan.model import lora
 
-        inv = lora.apply(inv, spec)
+        inv = lora.apply(inv, asked.adapters.spec)
 
     def resolve(changes: dict[str, Any]) -> Any:
-        g = {**given, **changes}
+        changes = dict(changes)
+        trace = changes.pop("_trace", True)
+        job = asked.changed(**changes)
         if files and changes:
             # a change on top of the job's files, as the printed command runs it: the change given on the command
             # line, the files filling the rest (a strategy of another framework takes the files' mixed precision
             # in its own recipe: jobfiles.precision_for, _framework_of_command_line)
-            g = _with_files({**raw, **changes}, explicit | set(changes))[0]
-        return options.resolve(
-            inv, config=config, activations=g["activations"], cpu_isa=g["cpu_isa"], gpus=g["gpus"],
-            gpus_per_node=g["gpus_per_node"], stage=g["stage"], strategy=g["strategy"], precision=g["precision"],
-            optimizer=g["optimizer"], optimizer_impl=g["optimizer_impl"], micro_batch=g["micro_batch"],
-            seq_len=g["seq_len"], grad_accum=g["grad_accum"], recompute=g["recompute"], attention=g["attention"],
-            gpu=g["gpu"], gpu_memory_size=g["gpu_memory"], device=g["device"], deepspeed=g["deepspeed"],
-            allocator_conf=g["allocator_conf"], host_memory_size=g["host_memory"], pin_memory=g["pin_memory"],
-            ds_overrides=O.ds_overrides(g), torch_overrides=O.torch_overrides(g),
-            horovod_overrides=O.horovod_overrides(g), overhead_overrides=overheads(g), lora=spec,
-            parallel=O.parallel_of(g), trace=g.get("_trace", True))
+            merged, used = _with_files({**raw, **changes}, explicit | set(changes))[:2]
+            job = replace(JobRequest.of(**merged), adapters=asked.adapters).with_sources(used)
+        return options.resolve(inv, job, config=config, trace=trace)
 
     resolved = resolve({})
-    gpn, gpus = given.get("gpus_per_node"), given.get("gpus")
+    gpn, gpus = asked.cluster.gpus_per_node, asked.cluster.gpus
     if gpn is not None and gpus is not None and 1 <= gpus < gpn:  # a real setup (plan's rows print it): said
         file_notes.append(f"{gpus} GPU(s) on part of one {gpn}-GPU node: {gpus} ranks, all within the node")
     plan = accounting.estimate(inv, resolved.settings)
-    srcs = dict(resolved.sources)
-    for k, path in file_sources.items():
-        srcs["strategy" if k == "stage" else k] = path
-    rep = plan_report(plan, srcs, tuple(file_notes) + tuple(resolved.notes))
+    rep = plan_report(plan, dict(resolved.sources), tuple(file_notes) + tuple(resolved.notes))
     ex = explain(plan)
-    if given.get("explain"):
+    if with_explain:
         rep["explain"] = ex
     if suggestions:
         with progress.task(progress_text):

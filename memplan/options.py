@@ -16,6 +16,7 @@ from memplan.inputs import quote
 from memplan.model.inventory import ParamInventory
 from memplan.model.sources import gpu_presets
 from memplan.precision import get_optimizer, get_recipe
+from memplan.request import JobRequest
 from memplan.settings import Cluster, DeepSpeedKnobs, Overheads, Settings, TorchKnobs
 from memplan.strategies import DEFAULT_RECIPE, REPLICATED, STAGE_TO_STRATEGY, get_strategy
 from memplan.units import parse_size
@@ -46,25 +47,6 @@ def gpu_memory(gpu: str | None, gpu_memory: str | None) -> tuple[int | None, str
         n, how = parse_size(gpu_memory)
         return n, how
     return None, None
-
-
-def parse_reshard(value: str | None) -> bool | int | None:
-    if value is None:
-        return None
-    v = value.strip().lower()
-    # an integer is a group size, as FSDP2 reads it: 1 keeps whole parameters (as false), the shard group's size
-    # reshards fully (as true); the accounting applies that, and the harness passes the integer to fully_shard
-    if v in ("true", "yes"):
-        return True
-    if v in ("false", "no"):
-        return False
-    try:
-        n = int(v)
-    except ValueError:
-        raise SettingsError(f"--reshard-after-forward must be true, false or a group size, got {quote(value)}") from None
-    if n < 1:
-        raise SettingsError(f"--reshard-after-forward group size must be positive, got {n}")
-    return n
 
 
 class _NotCached(SettingsError):
@@ -433,9 +415,10 @@ def _per_node(gpus: int, gpus_per_node: int | None) -> int:
     return gpus_per_node if gpus_per_node is not None else min(gpus, 8) or 1
 
 
-def _cluster(*, gpus: int, gpus_per_node: int | None, gpu: str | None, gpu_memory_size: str | None, device: str,
-             gpu_arch: str | None, cpu_isa: str | None, host_memory_size: str | None, workspace: int | None,
-             notes: list[str]) -> Cluster:
+def _cluster(asked: Any, host_memory_size: str | None, workspace: int | None, notes: list[str]) -> Cluster:
+    """The cluster the request's (memplan/request.py Cluster) describes."""
+    gpus, gpus_per_node, gpu, gpu_memory_size = asked.gpus, asked.gpus_per_node, asked.gpu, asked.gpu_memory
+    device, gpu_arch, cpu_isa = asked.device, asked.gpu_arch, asked.cpu_isa
     mem, how = gpu_memory(gpu, gpu_memory_size)
     if how:
         notes.append(f"GPU memory: {how}")
@@ -716,22 +699,20 @@ def _qlora_notes(inv: ParamInventory, s: Settings, spec: Any) -> list[str]:
                 "unless told not to (use_gradient_checkpointing=True); --recompute full models that"])
 
 
-def resolve(inv: ParamInventory, *, gpus: int = 1, gpus_per_node: int | None = None, stage: int | None = None,
-            strategy: str | None = None, precision: str | None = None, optimizer: str | None = None,
-            optimizer_impl: str | None = None, micro_batch: int | None = None, seq_len: int | None = None,
-            grad_accum: int | None = None, recompute: str = "none", attention: str = "sdpa",
-            gpu: str | None = None, gpu_memory_size: str | None = None, device: str = "cuda",
-            deepspeed: str | None = None, ds_overrides: dict[str, Any] | None = None,
-            torch_overrides: dict[str, Any] | None = None,
-            overhead_overrides: dict[str, Any] | None = None, config: dict[str, Any] | None = None,
-            activations: str = "auto", cpu_isa: str | None = None, gpu_arch: str | None = None,
-            allocator_conf: str | None = None, host_memory_size: str | None = None,
-            pin_memory: bool | None = None, horovod_overrides: dict[str, Any] | None = None,
-            lora: Any = None, parallel: Any = None, trace: bool = True) -> Resolved:
-    """The job's Settings from the options given, each from the command line, the job's files or a default
-    (``sources`` says which). ``lora``: the LoRA adapter (model/lora.py LoraSpec) ``inv`` already carries
-    (lora.apply), which the traced step adds too. ``trace`` False: a model-parallel job whose rank profiles are not
-    cached is refused instead of traced (the 'to fit' suggestions keep an estimate free of torch)."""
+def resolve(inv: ParamInventory, request: JobRequest, *, config: dict[str, Any] | None = None,
+            trace: bool = True) -> Resolved:
+    """The job's Settings from the request (memplan/request.py): each option from the command line, the job's
+    files or a default (``sources`` says which). ``inv`` already carries the request's LoRA adapter
+    (lora.apply), which the traced step adds too. ``config``: the model's config.json, for the trace.
+    ``trace`` False: a model-parallel job whose rank profiles are not cached is refused instead of traced (the 'to
+    fit' suggestions keep an estimate free of torch)."""
+    r = request
+    gpus, gpus_per_node, device = r.cluster.gpus, r.cluster.gpus_per_node, r.cluster.device
+    stage, strategy, precision, optimizer = r.training.stage, r.training.strategy, r.training.precision, \
+        r.training.optimizer
+    micro_batch, seq_len, grad_accum = r.batch.micro_batch, r.batch.seq_len, r.batch.grad_accum
+    deepspeed, lora, parallel = r.files.deepspeed, r.adapters.spec, r.parallel.build()
+    pin_memory = r.memory.pin_memory
     pick = _Picker(deepspeed)
     notes = pick.notes
     ds_file = dsconfig.load(deepspeed) if deepspeed else None
@@ -811,7 +792,8 @@ def resolve(inv: ParamInventory, *, gpus: int = 1, gpus_per_node: int | None = N
                                        if tasks.task_of(config) == tasks.IMAGE else
                                        "the model's learned positions (max_position_embeddings)")
 
-    ds_overrides, torch_overrides = dict(ds_overrides or {}), dict(torch_overrides or {})
+    ds_overrides = {k: v for k, v in _values(r.deepspeed).items() if v is not None}
+    torch_overrides = {k: v for k, v in _values(r.torch).items() if v is not None}
     if pin_memory is not None:  # DeepSpeed offload's pin_memory, and FSDP CPUOffloadPolicy's
         ds_overrides["offload_pin_memory"] = torch_overrides["cpu_offload_pin_memory"] = pin_memory
     ds = _ds_knobs(pick, ds_file, inv, ds_overrides, strat)
@@ -834,13 +816,15 @@ def resolve(inv: ParamInventory, *, gpus: int = 1, gpus_per_node: int | None = N
         torch_overrides["fsdp_wrap"] = _accelerate_fsdp2_size(inv, torch_overrides["fsdp_wrap"].min_num_params,
                                                               notes)
     tk = _torch_knobs(torch_overrides, strat)
-    hv = _horovod_knobs(horovod_overrides or {}, strat, pick.sources, notes)
+    hv = _horovod_knobs({"fusion_threshold": r.horovod.horovod_fusion_threshold,
+                         "compression": r.horovod.horovod_compression}, strat, pick.sources, notes)
     strat = get_strategy(strat.name, tk.fsdp_version, tk.fsdp_wrap)
-    ov, workspace = _overheads(overhead_overrides or {})
-    cluster = _cluster(gpus=gpus, gpus_per_node=gpus_per_node, gpu=gpu, gpu_memory_size=gpu_memory_size,
-                       device=device, gpu_arch=gpu_arch, cpu_isa=cpu_isa, host_memory_size=host_memory_size,
-                       workspace=workspace, notes=notes)
-    conf = _allocator_conf(allocator_conf, device, notes, pick.sources)
+    m = r.memory
+    ov, workspace = _overheads({"cuda_context_bytes": m.cuda_context_bytes, "fragmentation_percent":
+                                m.fragmentation_percent, "nccl_bytes_per_communicator": m.nccl_bytes_per_communicator,
+                                "blas_workspace_bytes": m.blas_workspace_bytes})
+    cluster = _cluster(r.cluster, m.host_memory, workspace, notes)
+    conf = _allocator_conf(m.allocator_conf, device, notes, pick.sources)
     mem = cluster.gpu_memory_bytes
     if device == "cuda" and mem is not None and mem <= ov.cuda_context_bytes:
         raise SettingsError(f"the GPU's {mem:,} bytes are not more than the CUDA context alone "
@@ -853,9 +837,10 @@ def resolve(inv: ParamInventory, *, gpus: int = 1, gpus_per_node: int | None = N
         recipe = lora_recipe(recipe, strat)
     from memplan.activations import OP_SAC, valid_recompute
 
-    recompute = valid_recompute(recompute)
-    settings = Settings(strategy=strat, recipe=recipe, optimizer=opt, cluster=cluster, optimizer_impl=optimizer_impl,
-                        micro_batch=mb, seq_len=seq, grad_accum=ga, recompute=recompute, attention=attention,
+    recompute = valid_recompute(r.training.recompute)
+    settings = Settings(strategy=strat, recipe=recipe, optimizer=opt, cluster=cluster,
+                        optimizer_impl=r.training.optimizer_impl,
+                        micro_batch=mb, seq_len=seq, grad_accum=ga, recompute=recompute, attention=r.training.attention,
                         ds=ds, torch=tk, horovod=hv, overheads=ov, allocator_conf=conf, lora=lora)
     notes.extend(_optimizer_notes(inv, settings))
     from memplan import frameworks
@@ -873,16 +858,24 @@ def resolve(inv: ParamInventory, *, gpus: int = 1, gpus_per_node: int | None = N
     if any(len(t.shape) >= 4 for t in inv.tensors):  # Conv2d/Conv3d kernels: a small CNN, -10.6% on CPU
         notes.append("convolutions: their kernels' scratch (cuDNN, oneDNN) is not modelled (docs/accuracy.md)")
     if parallel is not None and parallel.active:
-        settings = _with_parallel(settings, inv, config, parallel, activations, notes, trace)
+        settings = _with_parallel(settings, inv, config, parallel, r.model.activations, notes, trace)
     else:
-        settings = replace(settings, activation_profile=activation_profile(config, settings, activations, notes))
+        settings = replace(settings, activation_profile=activation_profile(config, settings, r.model.activations,
+                                                                           notes))
     if settings.activation_profile is None and settings.recompute == OP_SAC:
         notes.append("recompute op-sac: the analytic activations do not know which operations torchtitan's policy "
                      "keeps; counted as without recompute (an upper bound)")
     max_pos = inv.dims.get("max_positions")
     if max_pos and seq > max_pos:
         notes.append(f"warning: seq-len {seq} exceeds the model's max_position_embeddings {max_pos}")
+    for name, where in r.sources:  # the job files' values (jobfiles.py), named by their file
+        if where != "command line":
+            pick.sources["strategy" if name == "stage" else name] = where
     return Resolved(settings=settings, sources=pick.sources, notes=tuple(notes))
+
+
+def _values(part: Any) -> dict[str, Any]:
+    return {f.name: getattr(part, f.name) for f in fields(part)}
 
 
 def _honours_head_dim(model_type: str) -> bool:

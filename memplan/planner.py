@@ -26,6 +26,7 @@ from memplan import accounting, options
 from memplan.errors import SettingsError
 from memplan.inputs import quote
 from memplan.model.inventory import ParamInventory
+from memplan.request import JobRequest
 from memplan.settings import MAX_GPUS, Settings, with_gpus
 from memplan.strategies import STRATEGIES
 
@@ -87,6 +88,20 @@ class Search:
     evaluations: int
     #: what the recommendation must leave free (--min-headroom): candidates fit gpu_memory_bytes less this
     min_headroom_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    """What `memplan plan` searches over (its own options); the rest of the job is the base request."""
+
+    max_gpus: int = 1024
+    strategies: tuple[str, ...] = DEFAULT_STRATEGIES
+    recomputes: tuple[str, ...] = ("none", "full")
+    micro_batch: int | None = None  #: fixed; None: the largest that fits, up to max_micro_batch
+    max_micro_batch: int = 64
+    allow_offload: bool = False
+    min_headroom: str | None = None  #: a size (8GiB) or a fraction of the GPU (0.1, 10%) every candidate leaves free
+    layouts: bool = False  #: tensor, pipeline, context and expert parallelism too
 
 
 class GpuCounts(Sequence[int]):
@@ -153,17 +168,15 @@ def gpu_counts(gpus_per_node: int, max_gpus: int) -> GpuCounts:
 
 
 def _layout_candidates(inv: ParamInventory, config: dict | None, strategies: tuple[str, ...],
-                       recomputes: tuple[str, ...], gpus_per_node: int, gpu: str | None, gpu_memory_size: str | None,
-                       common: dict[str, Any]) -> list[Candidate]:
+                       recomputes: tuple[str, ...], base: JobRequest) -> list[Candidate]:
     """Tensor parallelism within a node (powers of two up to its GPUs), pipeline stages across nodes (powers of two
     up to the blocks), with each strategy that runs them; a layout the model refuses (tp not dividing its heads,
     ...) is left out. Under PP the micro-batches per step are --grad-accum, else as many as stages."""
-    from memplan.parallel import Parallel
-
+    gpus_per_node = base.cluster.gpus_per_node
     blocks = len(inv.layer_blocks)
     tps = [t for t in (1, 2, 4, 8, 16, 32, 64) if t <= gpus_per_node]
     pps = [q for q in LAYOUT_STAGES if q <= max(blocks // 2, 1)]  # two blocks a stage at the least
-    seq = common.get("seq_len") or 0
+    seq = base.batch.seq_len or 0
     # context parallelism for long sequences (LAYOUT_CP_FROM tokens on): within a node with the TP ranks, each CP
     # rank at least 4,096 tokens, torchtitan's layouts only (its ring attention)
     cps = [1] + [c for c in (2, 4, 8) if seq >= LAYOUT_CP_FROM and seq % (2 * c) == 0 and seq // c >= 4096]
@@ -181,9 +194,8 @@ def _layout_candidates(inv: ParamInventory, config: dict | None, strategies: tup
                     continue
                 for rec in recomputes:
                     try:
-                        r = options.resolve(inv, gpus=ep, gpus_per_node=gpus_per_node, strategy=name, recompute=rec,
-                                            gpu=gpu, gpu_memory_size=gpu_memory_size, config=config,
-                                            parallel=Parallel(tp=tp, ep=ep), **common)
+                        r = options.resolve(inv, base.changed(gpus=ep, strategy=name, recompute=rec, tp=tp, ep=ep),
+                                            config=config)
                     except SettingsError:
                         continue
                     out.append(Candidate(label=f"{name} tp{tp} ep{ep}", strategy=name, recompute=rec,
@@ -195,13 +207,11 @@ def _layout_candidates(inv: ParamInventory, config: dict | None, strategies: tup
                     if tp * pp * cp == 1 or tp * cp > gpus_per_node or (cp > 1 and name == "zero1"):
                         continue
                     for rec in recomputes:
-                        kw = dict(common)
+                        job = base.changed(gpus=tp * pp * cp, strategy=name, recompute=rec, tp=tp, pp=pp, cp=cp)
                         if pp > 1:
-                            kw["grad_accum"] = kw.get("grad_accum") or pp
+                            job = job.changed(grad_accum=base.batch.grad_accum or pp)
                         try:
-                            r = options.resolve(inv, gpus=tp * pp * cp, gpus_per_node=gpus_per_node, strategy=name,
-                                                recompute=rec, gpu=gpu, gpu_memory_size=gpu_memory_size,
-                                                config=config, parallel=Parallel(tp=tp, pp=pp, cp=cp), **kw)
+                            r = options.resolve(inv, job, config=config)
                         except SettingsError:
                             continue
                         out.append(Candidate(label=f"{name} tp{tp} pp{pp}" + (f" cp{cp}" if cp > 1 else ""),
@@ -210,30 +220,27 @@ def _layout_candidates(inv: ParamInventory, config: dict | None, strategies: tup
     return out
 
 
-def _candidates(inv: ParamInventory, config: dict | None, strategies: tuple[str, ...], recomputes: tuple[str, ...],
-                allow_offload: bool, gpus_per_node: int, gpu: str | None, gpu_memory_size: str | None,
-                common: dict[str, Any], notes: list[str], layouts: bool = False) -> list[Candidate]:
+def _candidates(inv: ParamInventory, config: dict | None, base: JobRequest, space: SearchSpace,
+                notes: list[str]) -> list[Candidate]:
     from memplan.activations import valid_recompute
 
+    strategies, recomputes, gpus_per_node = space.strategies, space.recomputes, base.cluster.gpus_per_node
     recomputes = tuple(dict.fromkeys(valid_recompute(r) for r in recomputes))
     labels: list[tuple[str, str, dict[str, Any]]] = []
     for name in strategies:
         if name not in STRATEGIES:
             raise SettingsError(f"unknown strategy {quote(name)}; valid: {', '.join(STRATEGIES)}")
         labels.append((name, name, {}))
-    if allow_offload:
+    if space.allow_offload:
         labels += [(label, st, knobs) for label, (st, knobs) in OFFLOAD_VARIANTS.items()]
-    out = _layout_candidates(inv, config, strategies, recomputes, gpus_per_node, gpu, gpu_memory_size, common) \
-        if layouts else []
+    out = _layout_candidates(inv, config, strategies, recomputes, base) if space.layouts else []
     seen_notes: set[str] = set()
     refused: dict[str, SettingsError] = {}
     for label, st, knobs in labels:
         for rec in recomputes:
             gpus = 1 if STRATEGIES[st].one_gpu else gpus_per_node  # a one-GPU strategy is resolved at its one GPU
             try:
-                r = options.resolve(inv, gpus=gpus, gpus_per_node=gpus_per_node, strategy=st, recompute=rec,
-                                    gpu=gpu, gpu_memory_size=gpu_memory_size, config=config, ds_overrides=knobs,
-                                    **common)
+                r = options.resolve(inv, base.changed(gpus=gpus, strategy=st, recompute=rec, **knobs), config=config)
             except SettingsError as exc:  # a strategy this job cannot run (QLoRA under FSDP/ZeRO-3, ...)
                 refused.setdefault(label, exc)
                 continue
@@ -427,28 +434,27 @@ def _at_count(inv: ParamInventory, with_min: list[Candidate], gpus: int, mbs: tu
     return done, best, evaluations
 
 
-def search(inv: ParamInventory, *, gpu: str | None = None, gpu_memory_size: str | None = None,
-           config: dict | None = None, gpus_per_node: int = 8, max_gpus: int = 1024,
-           strategies: tuple[str, ...] = DEFAULT_STRATEGIES, recomputes: tuple[str, ...] = ("none", "full"),
-           micro_batch: int | None = None, max_micro_batch: int = 64, allow_offload: bool = False,
-           min_headroom: str | None = None, layouts: bool = False, **common: Any) -> Search:
-    """The search described in the module docstring. ``common``: options.resolve's other options;
-    ``min_headroom``: a size (8GiB) or a fraction of the GPU (0.1, 10%) every candidate must leave free."""
-    _check_bounds(gpus_per_node, max_gpus, micro_batch, max_micro_batch)
-    capacity, how = options.gpu_memory(gpu, gpu_memory_size)
+def search(inv: ParamInventory, base: JobRequest, space: SearchSpace = SearchSpace(),
+           config: dict | None = None) -> Search:
+    """The search described in the module docstring over ``space``, each candidate the ``base`` request (the job's
+    fixed options: the GPU, the sequence, the precision, ...) with its strategy, recompute and GPU count."""
+    if base.cluster.gpus_per_node is None:
+        base = base.changed(gpus_per_node=8)
+    gpus_per_node, max_gpus = base.cluster.gpus_per_node, space.max_gpus
+    _check_bounds(gpus_per_node, max_gpus, space.micro_batch, space.max_micro_batch)
+    capacity, how = options.gpu_memory(base.cluster.gpu, base.cluster.gpu_memory)
     if capacity is None:
         raise SettingsError("plan needs the GPU: --gpu NAME (memplan presets) or --gpu-memory SIZE (80GB, 80GiB)")
     notes: list[str] = [f"GPU memory: {how}"]
-    margin = parse_headroom(min_headroom, capacity)
+    margin = parse_headroom(space.min_headroom, capacity)
     if margin:
-        notes.append(f"--min-headroom {min_headroom}: every candidate leaves {margin:,} B free")
-    if layouts:
+        notes.append(f"--min-headroom {space.min_headroom}: every candidate leaves {margin:,} B free")
+    if space.layouts:
         notes.append("layouts: tensor parallelism within a node, pipeline stages across nodes (context parallelism "
                      f"within a node too from --seq-len {LAYOUT_CP_FROM} on; expert parallelism for MoE models), with "
-                     + ", ".join(n for n in strategies if n in LAYOUT_STRATEGIES)
+                     + ", ".join(n for n in space.strategies if n in LAYOUT_STRATEGIES)
                      + "; under PP the micro-batches per step are --grad-accum, else as many as stages")
-    found = _search(inv, capacity - margin, config, gpus_per_node, max_gpus, strategies, recomputes, micro_batch,
-                    max_micro_batch, allow_offload, gpu, gpu_memory_size, common, notes, layouts)
+    found = _search(inv, capacity - margin, config, base, space, notes)
     # headroom is against the whole GPU; the search fitted each candidate into it less the margin
     more = lambda c: c if c.headroom_bytes is None else replace(c, headroom_bytes=c.headroom_bytes + margin)  # noqa
     return replace(found, gpu_memory_bytes=capacity, min_headroom_bytes=margin,
@@ -481,12 +487,11 @@ def parse_headroom(text: str | None, capacity: int) -> int:
     return n
 
 
-def _search(inv: ParamInventory, budget: int, config: dict | None, gpus_per_node: int, max_gpus: int,
-            strategies: tuple[str, ...], recomputes: tuple[str, ...], micro_batch: int | None,
-            max_micro_batch: int, allow_offload: bool, gpu: str | None, gpu_memory_size: str | None,
-            common: dict[str, Any], notes: list[str], layouts: bool = False) -> Search:
-    cands = _candidates(inv, config, strategies, recomputes, allow_offload, gpus_per_node, gpu, gpu_memory_size,
-                        common, notes, layouts)
+def _search(inv: ParamInventory, budget: int, config: dict | None, base: JobRequest, space: SearchSpace,
+            notes: list[str]) -> Search:
+    cands = _candidates(inv, config, base, space, notes)
+    gpus_per_node, max_gpus = base.cluster.gpus_per_node, space.max_gpus
+    micro_batch, max_micro_batch = space.micro_batch, space.max_micro_batch
     counts = gpu_counts(gpus_per_node, max_gpus)
     mbs = (micro_batch,) if micro_batch is not None else tuple(range(1, max_micro_batch + 1))
     evaluations = 0

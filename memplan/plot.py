@@ -154,3 +154,15 @@ def terminal_bar(seg: dict[str, int], capacity: int | None, width: int = 60) -> 
         else:
             bar += "·" * (width - len(bar))
     return bar
+
+
+def draw_estimate(path: str, est: Any) -> None:
+    """`memplan estimate --plot`: the job as given (cli_estimate.Estimated) at each GPU count its layout runs at."""
+    s, inv, lay = est.plan.settings, est.plan.inventory, ""
+    if est.plan.layout is not None:  # the most loaded rank's job
+        s, inv = est.plan.layout.settings, est.plan.layout.inventory
+        lay = f" tp {s.parallel.tp} x pp {s.parallel.pp}" + (f" x cp {s.parallel.cp}" if s.parallel.cp > 1 else "") \
+            + " (the most loaded rank),"
+    draw(path, bars_across_gpus(inv, s), s.cluster.gpu_memory_bytes,
+         f"{est.report['model']['name']}: {s.strategy.name},{lay} micro-batch {s.micro_batch} x seq "
+         f"{s.seq_len}, {s.recipe.name}, recompute {s.recompute}", "GPUs")

@@ -15,6 +15,7 @@ from memplan.harness import launch as ln
 from memplan.harness import spec as hs
 from memplan.model import sources
 from memplan.model.scaling import scale_config
+from memplan.request import JobRequest
 from memplan.settings import default_blas_workspace
 
 
@@ -54,9 +55,9 @@ def local_blas_workspace() -> int:
     return default_blas_workspace(f"sm{major}{minor}")
 
 
-def adapted_inventory(inv: Any, resolve_kwargs: dict[str, Any]) -> Any:
-    """The inventory with the job's LoRA adapters (resolve_kwargs["lora"]), as PEFT adds them."""
-    spec = resolve_kwargs.get("lora")
+def adapted_inventory(inv: Any, request: JobRequest) -> Any:
+    """The inventory with the request's LoRA adapters, as PEFT adds them."""
+    spec = request.adapters.spec
     if spec is None:
         return inv
     from memplan.model import lora
@@ -64,18 +65,19 @@ def adapted_inventory(inv: Any, resolve_kwargs: dict[str, Any]) -> Any:
     return lora.apply(inv, spec)
 
 
-def predict(model: str, *, layers: int | None = None, hidden: int | None = None, vocab: int | None = None,
-            device: str = "cpu", **resolve_kwargs: Any) -> tuple[accounting.Plan, options.Resolved, dict[str, Any],
-                                                                 list[str], int]:
+def predict(model: str, request: JobRequest, **scale: int | None) -> tuple[accounting.Plan, options.Resolved,
+                                                                          dict[str, Any], list[str], int]:
     """The prediction validate compares with: (plan, resolved options, scaled config, its changes, the
-    original model's parameter count). bench/accuracy.py --repredict re-evaluates stored runs with it."""
+    original model's parameter count); ``scale``: layers, hidden, vocab (scale_config). bench/accuracy.py
+    --repredict re-evaluates stored runs with it."""
+    layers, hidden, vocab = scale.get("layers"), scale.get("hidden"), scale.get("vocab")
     src = sources.resolve(model)
     if src.kind == "factory":  # the user's own module: run as its factory builds it (no scaling)
         if layers or hidden or vocab:
             raise SettingsError("--layers, --hidden and --vocab scale a config.json; a factory module runs as built")
-        inv = adapted_inventory(sources.build_inventory(src), resolve_kwargs)
+        inv = adapted_inventory(sources.build_inventory(src), request)
         config = sources.trace_config(src, inv)
-        resolved = options.resolve(inv, device=device, config=config, **resolve_kwargs)
+        resolved = options.resolve(inv, request, config=config)
         return accounting.estimate(inv, resolved.settings), resolved, config, [], inv.num_params
     if src.config is None:
         raise SettingsError("validate needs a model with a config.json (preset, config file or model directory) "
@@ -84,40 +86,37 @@ def predict(model: str, *, layers: int | None = None, hidden: int | None = None,
     config, changes = scale_config(src.config, layers=layers, hidden=hidden, vocab=vocab)
     scaled = replace(src, config=config, checkpoint=(), description=src.description + (
         f" scaled ({'; '.join(changes)})" if changes else ""))
-    inv = adapted_inventory(sources.build_inventory(scaled), resolve_kwargs)
-    resolved = options.resolve(inv, device=device, config=config, **resolve_kwargs)
+    inv = adapted_inventory(sources.build_inventory(scaled), request)
+    resolved = options.resolve(inv, request, config=config)
     return accounting.estimate(inv, resolved.settings), resolved, config, changes, original.num_params
 
 
-def validate(model: str, *, layers: int | None = None, hidden: int | None = None, vocab: int | None = None,
-             warmup_steps: int = 2, measured_steps: int = 1, timeout_s: float = 600.0, tolerance: float = 0.03,
-             device: str | None = None, progress: Callable[[str], None] | None = None,
-             **resolve_kwargs: Any) -> Validation:
+def validate(model: str, request: JobRequest, *, warmup_steps: int = 2, measured_steps: int = 1,
+             timeout_s: float = 600.0, tolerance: float = 0.03, progress: Callable[[str], None] | None = None,
+             **scale: int | None) -> Validation:
+    """Run ``request`` (its device: cuda or cpu) in the harness, measure every rank and compare with the
+    prediction; ``scale``: layers, hidden, vocab."""
     if not math.isfinite(tolerance) or tolerance <= 0:
         raise SettingsError(f"--tolerance must be a positive number, got {tolerance}")
     if not math.isfinite(timeout_s) or timeout_s <= 0:  # nan or inf would switch the hang guard off
         raise SettingsError(f"--timeout must be a positive number of seconds, got {timeout_s}")
-    device = device or default_device()
-    if device == "cuda":
+    if request.cluster.device == "cuda":
         import torch
 
         if not torch.cuda.is_available():
             raise SettingsError("--device cuda: no CUDA device here")
-        if torch.cuda.device_count() < resolve_kwargs.get("gpus", 1):
-            raise SettingsError(f"--gpus {resolve_kwargs.get('gpus')} but this host has "
+        if torch.cuda.device_count() < request.cluster.gpus:
+            raise SettingsError(f"--gpus {request.cluster.gpus} but this host has "
                                 f"{torch.cuda.device_count()} GPU(s); run the rank entry point under torchrun")
-        if not resolve_kwargs.get("gpu"):  # the kernels this GPU really runs (SDPA's choice), unless given
+        if not request.cluster.gpu:  # the kernels and the workspace this GPU really gets, unless given
             major, minor = torch.cuda.get_device_capability(0)
             props = torch.cuda.get_device_properties(0)
-            resolve_kwargs.setdefault("gpu_arch", getattr(props, "gcnArchName", "").split(":")[0]
-                                      if torch.version.hip else f"sm{major}{minor}")
-        if not resolve_kwargs.get("gpu"):  # the workspace this GPU really gets, unless given
-            ov = dict(resolve_kwargs.get("overhead_overrides") or {})
-            if ov.get("blas_workspace_bytes") is None:
-                ov["blas_workspace_bytes"] = local_blas_workspace()
-            resolve_kwargs["overhead_overrides"] = ov
-    plan, resolved, config, changes, original_params = predict(model, layers=layers, hidden=hidden, vocab=vocab,
-                                                               device=device, **resolve_kwargs)
+            if request.cluster.gpu_arch is None:
+                request = request.changed(gpu_arch=getattr(props, "gcnArchName", "").split(":")[0]
+                                          if torch.version.hip else f"sm{major}{minor}")
+            if request.memory.blas_workspace_bytes is None:
+                request = request.changed(blas_workspace_bytes=local_blas_workspace())
+    plan, resolved, config, changes, original_params = predict(model, request, **scale)
     spec = hs.build_spec(config, resolved.settings, warmup_steps=warmup_steps, measured_steps=measured_steps,
                          layout=plan.layout)
     run = ln.launch(spec, resolved.settings.cluster.gpus, timeout_s=timeout_s, progress=progress)

@@ -53,6 +53,7 @@ def key(case: tuple) -> str:
 
 def plan_json(case: tuple, cache: dict) -> str:
     from memplan import accounting, options
+    from memplan.request import JobRequest
     from memplan.model import sources
     from memplan.report import plan_report
 
@@ -61,9 +62,9 @@ def plan_json(case: tuple, cache: dict) -> str:
         src = sources.resolve(name)
         cache[name] = (src, sources.build_inventory(src, builder="auto"))
     src, inv = cache[name]
-    resolved = options.resolve(inv, config=src.config, gpus=gpus, strategy=strategy, precision=recipe,
-                               recompute=rc, gpu="h100-80g", allocator_conf="",
-                               torch_overrides=dict(fsdp_version=version))
+    resolved = options.resolve(inv, JobRequest.of(gpus=gpus, strategy=strategy, precision=recipe, recompute=rc,
+                                                  gpu="h100-80g", allocator_conf="", fsdp_version=version),
+                               config=src.config)
     plan = accounting.estimate(inv, resolved.settings)
     return json.dumps(plan_report(plan, resolved.sources, resolved.notes), sort_keys=True)
 
@@ -79,6 +80,7 @@ def accuracy_predictions(shared: Path | None = None, gpu: bool = True) -> dict[s
     sys.path.insert(0, str(ROOT / "bench"))
     import accuracy as cpu_bench  # bench/accuracy.py
     import gpu_accuracy as gpu_bench  # bench/gpu_accuracy.py
+    from memplan.request import JobRequest
     from memplan.validation import predict
 
     out: dict[str, str] = {}
@@ -87,10 +89,11 @@ def accuracy_predictions(shared: Path | None = None, gpu: bool = True) -> dict[s
             strat = dict(strat)
             gpus = strat.pop("gpus", 2)
             seq = strat.pop("seq_len", 128)
-            plan = predict(model, **scale, device="cpu", cpu_isa="avx512", gpus=gpus, gpus_per_node=gpus,
-                           micro_batch=2, seq_len=seq, recompute=rc, ds_overrides=ds,
-                           torch_overrides={"fsdp_root_reshard": "auto", **tk},  # as bench/accuracy.py measures
-                           **strat)[0]
+            job = JobRequest.of(device="cpu", cpu_isa="avx512", gpus=gpus, gpus_per_node=gpus, micro_batch=2,
+                                seq_len=seq, recompute=rc, **ds,
+                                **{"fsdp_root_reshard": "auto", **tk},  # as bench/accuracy.py measures
+                                **strat)
+            plan = predict(model, job, **scale)[0]
             out[f"cpu|{label}|{model}|{scale['layers']}|{rc}"] = json.dumps(
                 [plan.peak_bytes, plan.peak.name, [p.total_bytes for p in plan.phases]])
     if not gpu:

@@ -19,6 +19,7 @@ from memplan.harness import launch as ln
 from memplan.harness.measure import live_totals, steps_from_trace
 from memplan.harness.spec import build_spec
 from memplan.model.scaling import scale_config
+from memplan.request import JobRequest
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -73,12 +74,10 @@ def test_harness_refuses_what_it_cannot_measure():
     inv = families.build_analytic(cfg, "tiny", "tiny")
     # FSDP's CPUOffloadPolicy would offload to the device the parameters are on (DeepSpeed's offload runs: its
     # host share is compared with the rest, one allocator)
-    s = options.resolve(inv, gpus=2, strategy="fsdp-full", device="cpu", torch_overrides={"cpu_offload": True},
-                        activations="analytic").settings
+    s = options.resolve(inv, JobRequest.of(gpus=2, strategy="fsdp-full", device="cpu", cpu_offload=True, activations="analytic")).settings
     with pytest.raises(MemplanError, match="FSDP CPU offload cannot be measured on CPU"):
         build_spec(cfg, s)
-    ds = options.resolve(inv, gpus=2, stage=3, device="cpu", ds_overrides={"offload_optimizer": True},
-                         activations="analytic").settings
+    ds = options.resolve(inv, JobRequest.of(gpus=2, stage=3, device="cpu", offload_optimizer=True, activations="analytic")).settings
     assert build_spec(cfg, ds)["ds_config"]["zero_optimization"]["offload_optimizer"] == {"device": "cpu"}
 
 

@@ -14,6 +14,7 @@ from memplan import accounting, options
 from memplan.errors import MemplanError
 from memplan.model import lora
 from memplan.model.sources import build_inventory, resolve
+from memplan.request import JobRequest
 
 SMALL = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256,
          "intermediate_size": 512, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -22,10 +23,10 @@ SMALL = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_s
 
 JOBS = [("ddp", {"strategy": "ddp"}), ("horovod", {"strategy": "horovod"}), ("zero0", {"stage": 0}),
         ("zero1", {"stage": 1}), ("zero2", {"stage": 2}), ("zero3", {"stage": 3}),
-        ("zero2 offload", {"stage": 2, "ds_overrides": {"offload_optimizer": True}}),
+        ("zero2 offload", {"stage": 2, "offload_optimizer": True}),
         ("fsdp-full", {"strategy": "fsdp-full"}), ("fsdp-grad-op", {"strategy": "fsdp-grad-op"}),
-        ("fsdp offload", {"strategy": "fsdp-full", "torch_overrides": {"cpu_offload": True}}),
-        ("fsdp1", {"strategy": "fsdp-full", "torch_overrides": {"fsdp_version": 1}})]
+        ("fsdp offload", {"strategy": "fsdp-full", "cpu_offload": True}),
+        ("fsdp1", {"strategy": "fsdp-full", "fsdp_version": 1})]
 ADAPTERS = {"full": None, "lora": lora.LoraSpec(rank=8, targets="all-linear"),
             "qlora": lora.LoraSpec(rank=8, quantize="nf4", double_quant=True)}
 
@@ -46,8 +47,7 @@ def test_the_replay_holds_what_the_engine_holds(model, label: str, kw: dict, ada
     spec = ADAPTERS[adapter]
     inv = lora.apply(base, spec) if spec else base
     try:
-        s = options.resolve(inv, config=src.config, gpus=gpus, gpu="h100-80g", micro_batch=2, seq_len=256,
-                            allocator_conf="", lora=spec, **kw).settings
+        s = options.resolve(inv, JobRequest.of(gpus=gpus, gpu="h100-80g", micro_batch=2, seq_len=256, allocator_conf="", lora=spec, **kw), config=src.config).settings
     except MemplanError:
         return  # a combination memplan refuses (one line and exit 2 on the command line)
     plan = accounting.estimate(inv, s)
@@ -83,9 +83,7 @@ def test_a_pipeline_rank_s_replay_holds_what_its_engine_holds(tmp_path: Path, sc
     cfg.write_text(json.dumps({**SMALL, "num_hidden_layers": 12}))
     src = resolve(str(cfg))
     inv = build_inventory(src)
-    s = options.resolve(inv, config=src.config, gpus=pp * dp, gpu="h100-80g", micro_batch=2, seq_len=256,
-                        strategy="fsdp-full", grad_accum=micro_batches,
-                        parallel=Parallel(pp=pp, schedule=schedule)).settings
+    s = options.resolve(inv, JobRequest.of(gpus=pp * dp, gpu="h100-80g", micro_batch=2, seq_len=256, strategy="fsdp-full", grad_accum=micro_batches, parallel=Parallel(pp=pp, schedule=schedule)), config=src.config).settings
     plan = accounting.estimate(inv, s)
     assert plan.reserved is not None, plan.reserved_why
     lay = plan.layout

@@ -11,6 +11,7 @@ from memplan.precision import get_optimizer, get_recipe
 from memplan.strategies import DEFAULT_RECIPE, get_strategy
 from memplan.frameworks.zero3 import zero3_schedule
 from memplan.timeline import Moment
+from memplan.request import JobRequest
 
 M = Moment
 
@@ -161,9 +162,9 @@ def test_shape_dependent_optimizers_see_what_the_framework_hands_them():
     ddp = A.estimate(inv, settings("ddp", 4, optimizer="adafactor"))
     assert ddp.peak.optimizer_states_bytes == 4 * (8 + 1024) + 4 * 4 * (1024 + 1024)
     with pytest.raises(SettingsError, match="DTensor"):
-        options.resolve(inv, gpus=4, strategy="fsdp-full", optimizer="adafactor", activations="analytic")
+        options.resolve(inv, JobRequest.of(gpus=4, strategy="fsdp-full", optimizer="adafactor", activations="analytic"))
     with pytest.raises(SettingsError, match="DTensor"):
-        options.resolve(inv, gpus=4, strategy="hsdp", optimizer="adam8bit", activations="analytic")
+        options.resolve(inv, JobRequest.of(gpus=4, strategy="hsdp", optimizer="adam8bit", activations="analytic"))
 
 
 def test_overheads_separate_and_cpu_has_none():
@@ -406,13 +407,12 @@ def test_cublas_workspace_from_the_gpu_preset_or_the_option():
     from memplan import options
 
     inv = TOY
-    h100 = options.resolve(inv, gpus=8, stage=3, gpu="h100-80g").settings.cluster.blas_workspace_bytes
-    a100 = options.resolve(inv, gpus=8, stage=3, gpu="a100-80g").settings.cluster.blas_workspace_bytes
+    h100 = options.resolve(inv, JobRequest.of(gpus=8, stage=3, gpu="h100-80g")).settings.cluster.blas_workspace_bytes
+    a100 = options.resolve(inv, JobRequest.of(gpus=8, stage=3, gpu="a100-80g")).settings.cluster.blas_workspace_bytes
     assert (h100, a100) == (32 * 1024 * 1024, 4096 * 1024 * 2 + 16 * 1024 * 8)
-    given = options.resolve(inv, gpus=8, stage=3, gpu="h100-80g",
-                            overhead_overrides={"blas_workspace_bytes": 4096 * 1024})
+    given = options.resolve(inv, JobRequest.of(gpus=8, stage=3, gpu="h100-80g", blas_workspace_bytes=4096 * 1024))
     assert given.settings.cluster.blas_workspace_bytes == 4096 * 1024
-    bare = options.resolve(inv, gpus=8, stage=3)
+    bare = options.resolve(inv, JobRequest.of(gpus=8, stage=3))
     assert bare.settings.cluster.blas_workspace_bytes == 32 * 1024 * 1024
     assert any("cuBLAS workspace" in n for n in bare.notes)
 
@@ -632,7 +632,7 @@ def test_fsdp2_dim0_padding_is_noted():
     from memplan.model import sources
 
     inv = sources.build_inventory(sources.resolve("mixtral-8x7b"))
-    note = lambda g: [n for n in options.resolve(inv, gpus=g, strategy="fsdp-full", activations="analytic").notes  # noqa: E731
+    note = lambda g: [n for n in options.resolve(inv, JobRequest.of(gpus=g, strategy="fsdp-full", activations="analytic")).notes  # noqa: E731
                       if "pads each parameter's dim 0" in n]
     assert note(8) == []
     (n16,) = note(16)
@@ -669,11 +669,9 @@ def test_zero_quantized_gradients_act_across_nodes_only(inventories):
     from memplan import options
 
     inv = inventories("llama-3-8b")
-    plain = options.resolve(inv, gpus=16, gpus_per_node=8, stage=3, activations="analytic")
-    one_node = options.resolve(inv, gpus=8, stage=3, activations="analytic",
-                               ds_overrides={"quantized_gradients": True})
-    two_nodes = options.resolve(inv, gpus=16, gpus_per_node=8, stage=3, activations="analytic",
-                                ds_overrides={"quantized_gradients": True})
+    plain = options.resolve(inv, JobRequest.of(gpus=16, gpus_per_node=8, stage=3, activations="analytic"))
+    one_node = options.resolve(inv, JobRequest.of(gpus=8, stage=3, activations="analytic", quantized_gradients=True))
+    two_nodes = options.resolve(inv, JobRequest.of(gpus=16, gpus_per_node=8, stage=3, activations="analytic", quantized_gradients=True))
     assert any("across nodes only" in n for n in one_node.notes)
     base = A.estimate(inv, plain.settings)
     q = A.estimate(inv, two_nodes.settings)
@@ -755,9 +753,9 @@ def test_lion_and_schedule_free_adamw_states_and_step_scratch(inventories):
     from memplan.precision import step_temporaries
 
     inv = inventories("llama-7b")
-    lion = options.resolve(inv, gpus=1, optimizer="lion", activations="analytic").settings
-    adamw = options.resolve(inv, gpus=1, optimizer="adamw", activations="analytic").settings
-    sf = options.resolve(inv, gpus=1, optimizer="schedulefree", activations="analytic").settings
+    lion = options.resolve(inv, JobRequest.of(gpus=1, optimizer="lion", activations="analytic")).settings
+    adamw = options.resolve(inv, JobRequest.of(gpus=1, optimizer="adamw", activations="analytic")).settings
+    sf = options.resolve(inv, JobRequest.of(gpus=1, optimizer="schedulefree", activations="analytic")).settings
     assert sf.optimizer.name == "adamw-schedulefree"
     pl, pa, ps = (A.estimate(inv, s) for s in (lion, adamw, sf))
     assert pl.phases[-1].optimizer_states_bytes * 2 == pa.phases[-1].optimizer_states_bytes

@@ -8,6 +8,7 @@ from memplan import options
 from memplan.errors import SettingsError
 from memplan.model.inventory import ParamTensor
 from memplan.precision import APOLLO_RANK, apollo_states, apollo_step, apollo_tensors, get_recipe, step_events_peak
+from memplan.request import JobRequest
 
 torch = pytest.importorskip("torch")
 
@@ -112,7 +113,7 @@ def test_apollo_groups_and_states(inventories):
     picked = {t.name for t, a in zip(inv.tensors, apollo_tensors(inv)) if a}
     assert "model.layers.0.self_attn.q_proj.weight" in picked and "model.layers.3.mlp.down_proj.weight" in picked
     assert "lm_head.weight" not in picked and "model.embed_tokens.weight" not in picked
-    s = options.resolve(inv, gpus=1, precision="pure-bf16", optimizer="apollo-adamw", activations="analytic").settings
+    s = options.resolve(inv, JobRequest.of(gpus=1, precision="pure-bf16", optimizer="apollo-adamw", activations="analytic")).settings
     want = 0
     for t, a in zip(inv.tensors, apollo_tensors(inv)):
         if not a:
@@ -127,4 +128,4 @@ def test_apollo_groups_and_states(inventories):
 def test_apollo_refused_on_sharded_parameters(inventories):
     inv = inventories("llama-7b")
     with pytest.raises(SettingsError, match="APOLLO projects each whole matrix"):
-        options.resolve(inv, gpus=8, strategy="fsdp-full", optimizer="apollo-adamw", activations="analytic")
+        options.resolve(inv, JobRequest.of(gpus=8, strategy="fsdp-full", optimizer="apollo-adamw", activations="analytic"))

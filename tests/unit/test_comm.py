@@ -6,12 +6,13 @@ from __future__ import annotations
 from memplan import options
 from memplan.comm import communication
 from memplan.model import sources
+from memplan.request import JobRequest
 
 
 def _comm(name: str = "llama-3-8b", **kw):
     src = sources.resolve(name)
     inv = sources.build_inventory(src)
-    s = options.resolve(inv, activations="analytic", **kw).settings
+    s = options.resolve(inv, JobRequest.of(activations="analytic", **kw)).settings
     return inv, communication(inv, s)
 
 
@@ -40,7 +41,7 @@ def test_zero3_gathers_twice_and_hpz_keeps_the_backward_gather_in_the_node():
     persistent = layouts.layout_sizes(inv, "per-param-numel", 16, 100_000).persistent_numel
     gathered = 15 * 2 * (inv.num_params - persistent) // 16
     assert [x["bytes_per_gpu"] for x in c["collectives"]] == [gathered, gathered, 15 * 2 * inv.num_params // 16]
-    _, h = _comm(gpus=16, stage=3, ds_overrides={"hpz_partition_size": 8})
+    _, h = _comm(gpus=16, stage=3, hpz_partition_size=8)
     back = h["collectives"][1]
     assert back["group_size"] == 8 and back["network"] == "intra-node"
     assert back["bytes_per_gpu"] == 7 * 2 * (inv.num_params - persistent) // 8
@@ -61,7 +62,7 @@ def test_qwz_groups_follow_cuda_quantizer():
 def test_qwz_gathers_int8_with_group_scales_and_qgz_splits_the_reduce_across_nodes():
     from memplan import layouts
 
-    inv, c = _comm(gpus=16, stage=3, ds_overrides={"quantized_weights": True})
+    inv, c = _comm(gpus=16, stage=3, quantized_weights=True)
     persistent = layouts.layout_sizes(inv, "per-param-numel", 16, 100_000).persistent_numel
     ops = [(x["what"], x["dtype_bytes"], x["bytes_per_gpu"]) for x in c["collectives"]]
     int8 = 15 * (inv.num_params - persistent) // 16
@@ -69,9 +70,9 @@ def test_qwz_gathers_int8_with_group_scales_and_qgz_splits_the_reduce_across_nod
     assert 0 < ops[1][2] < int8 // 1000  # fp32 scales: one per 4,000-16,000 elements
     assert ops[-1] == ("gradients", 2, 15 * 2 * inv.num_params // 16)
     # qgZ: one node reduces as without it (stage3.py: num_nodes > 1 only)
-    _, one = _comm(gpus=8, stage=3, ds_overrides={"quantized_gradients": True})
+    _, one = _comm(gpus=8, stage=3, quantized_gradients=True)
     assert [x["what"] for x in one["collectives"]][-1] == "gradients"
-    _, g = _comm(gpus=16, stage=3, ds_overrides={"quantized_gradients": True})
+    _, g = _comm(gpus=16, stage=3, quantized_gradients=True)
     q = [t for t in inv.tensors if len(t.shape) == 2 and t.numel % 32 == 0]
     qn = sum(t.numel for t in q)
     by = {x["what"]: x for x in g["collectives"]}
@@ -109,15 +110,14 @@ def test_zero12_reduce_paths():
     # reduce-scatter's volume); reduce_scatter false all-reduces in place (an all-reduce, as the default)
     inv, base = _comm(gpus=8, stage=2)
     psi = inv.num_params
-    _, per_rank = _comm(gpus=8, stage=2, ds_overrides={"multi_rank_bucket_allreduce": False})
-    _, in_place = _comm(gpus=8, stage=2, ds_overrides={"reduce_scatter": False})
-    _, both = _comm(gpus=8, stage=2, ds_overrides={"reduce_scatter": False, "multi_rank_bucket_allreduce": False})
+    _, per_rank = _comm(gpus=8, stage=2, multi_rank_bucket_allreduce=False)
+    _, in_place = _comm(gpus=8, stage=2, reduce_scatter=False)
+    _, both = _comm(gpus=8, stage=2, reduce_scatter=False, multi_rank_bucket_allreduce=False)
     grads = [x for x in per_rank["collectives"] if x["what"].startswith("gradients")]
     assert grads[0]["op"] == "reduce-scatter" and grads[0]["bytes_per_gpu"] == 7 * 2 * psi // 8
     assert in_place == base == both
     # notes say what the memory figure assumes, and that stage 3 does not read the keys
-    r = options.resolve(inv, activations="analytic", gpus=8, stage=2, ds_overrides={"reduce_scatter": False})
+    r = options.resolve(inv, JobRequest.of(activations="analytic", gpus=8, stage=2, reduce_scatter=False))
     assert any(n.startswith("reduce_scatter false") for n in r.notes)
-    r = options.resolve(inv, activations="analytic", gpus=8, stage=3,
-                        ds_overrides={"multi_rank_bucket_allreduce": False})
+    r = options.resolve(inv, JobRequest.of(activations="analytic", gpus=8, stage=3, multi_rank_bucket_allreduce=False))
     assert any("stages 1 and 2 only" in n for n in r.notes)

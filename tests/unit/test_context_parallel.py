@@ -11,6 +11,7 @@ from memplan import accounting, options, parallel as par
 from memplan.comm import model_parallel
 from memplan.errors import SettingsError
 from memplan.model import sources
+from memplan.request import JobRequest
 
 LLAMA = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 256, "num_attention_heads": 4,
          "num_key_value_heads": 2, "intermediate_size": 512, "num_hidden_layers": 2, "vocab_size": 1000,
@@ -25,7 +26,7 @@ def _inv(tmp_path):
 
 def _settings(inv, p, **kw):
     kw.setdefault("strategy", "fsdp-full")
-    return options.resolve(inv, activations="analytic", device="cpu", parallel=p, **kw).settings
+    return options.resolve(inv, JobRequest.of(activations="analytic", device="cpu", parallel=p, **kw)).settings
 
 
 def test_parameters_over_dp_x_cp_and_a_sequence_share(tmp_path):

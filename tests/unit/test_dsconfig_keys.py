@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from memplan import dsconfig
+from memplan.request import JobRequest
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "deepspeed-config.md"
 
@@ -74,19 +75,18 @@ def test_grad_accum_dtype(tmp_path):
     # at stage 0 it is DeepSpeed's own NotImplementedError (measured: "unsupported mix of model_dtype"); stages 2
     # and 3 keep an fp32 accumulator per parameter (use_grad_accum_attribute): not modelled, refused
     with pytest.raises(SettingsError, match="BF16_Optimizer"):
-        options.resolve(inv, gpus=8, deepspeed=str(p), activations="analytic")
+        options.resolve(inv, JobRequest.of(gpus=8, deepspeed=str(p), activations="analytic"))
     with pytest.raises(SettingsError, match="NotImplementedError"):
-        options.resolve(inv, gpus=8, deepspeed=str(p), stage=0, activations="analytic")
+        options.resolve(inv, JobRequest.of(gpus=8, deepspeed=str(p), stage=0, activations="analytic"))
     for stage in (2, 3):
         with pytest.raises(SettingsError, match="use_grad_accum_attribute"):
-            options.resolve(inv, gpus=8, deepspeed=str(p), stage=stage, activations="analytic")
+            options.resolve(inv, JobRequest.of(gpus=8, deepspeed=str(p), stage=stage, activations="analytic"))
     p.write_text(json.dumps({"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "bf16"}}))
-    options.resolve(inv, gpus=8, deepspeed=str(p), stage=2, activations="analytic")
-    r = options.resolve(inv, gpus=8, stage=0, activations="analytic")
+    options.resolve(inv, JobRequest.of(gpus=8, deepspeed=str(p), stage=2, activations="analytic"))
+    r = options.resolve(inv, JobRequest.of(gpus=8, stage=0, activations="analytic"))
     assert any("FP16_Optimizer" in n for n in r.notes)
     with pytest.raises(SettingsError, match="not for ddp"):
-        options.resolve(inv, gpus=8, strategy="ddp", ds_overrides={"grad_accum_dtype": "fp32"},
-                        activations="analytic")
+        options.resolve(inv, JobRequest.of(gpus=8, strategy="ddp", grad_accum_dtype="fp32", activations="analytic"))
     p.write_text(json.dumps({"data_types": {"grad_accum_dtype": "int8"}}))
     with pytest.raises(Exception, match="grad_accum_dtype"):
         dsconfig.load(str(p))

@@ -13,6 +13,7 @@ from memplan.accounting import job_communication
 from memplan.comm import model_parallel
 from memplan.errors import SettingsError
 from memplan.model import sources
+from memplan.request import JobRequest
 
 MIXTRAL = {"model_type": "mixtral", "architectures": ["MixtralForCausalLM"], "hidden_size": 256,
            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "intermediate_size": 448,
@@ -28,7 +29,7 @@ def _inv(tmp_path, **cfg):
 
 def _settings(inv, p, **kw):
     kw.setdefault("strategy", "fsdp-full")
-    return options.resolve(inv, activations="analytic", device="cpu", parallel=p, **kw).settings
+    return options.resolve(inv, JobRequest.of(activations="analytic", device="cpu", parallel=p, **kw)).settings
 
 
 def _fsdp2_local_shapes(config, dp, ep, tp=1):

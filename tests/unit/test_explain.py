@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from memplan.model import sources
+from memplan.request import JobRequest
 
 pytestmark = pytest.mark.usefixtures("isolated_cache")
 
@@ -71,7 +72,7 @@ def test_the_explanation_adds_up_to_the_peak_exactly():
     inv = sources.build_inventory(src)
     for kw in (dict(strategy="zero2", gpus=8), dict(strategy="fsdp-full", gpus=8, micro_batch=2),
                dict(strategy="ddp", gpus=2, recompute="full")):
-        r = options.resolve(inv, config=src.config, seq_len=256, **kw)
+        r = options.resolve(inv, JobRequest.of(seq_len=256, **kw), config=src.config)
         plan = accounting.estimate(inv, r.settings)
         ex = explain(plan)
         assert sum(it["bytes"] for it in ex["items"]) == plan.peak.total_bytes == ex["peak_bytes"]

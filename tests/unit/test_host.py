@@ -11,6 +11,7 @@ from pathlib import Path
 from memplan import accounting, options
 from memplan.host import host_report, pinned_size
 from memplan.model import sources
+from memplan.request import JobRequest
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -22,12 +23,12 @@ def test_pinned_size_is_the_next_power_of_two() -> None:
 
 def _plan(**kw):  # noqa: ANN003, ANN202
     inv = sources.build_inventory(sources.resolve("llama-70b"))
-    return accounting.estimate(inv, options.resolve(inv, gpus=8, activations="analytic", **kw).settings)
+    return accounting.estimate(inv, options.resolve(inv, JobRequest.of(gpus=8, activations="analytic", **kw)).settings)
 
 
 def test_zero_offload_pins_its_flat_partitions() -> None:
-    pageable = host_report(_plan(stage=2, ds_overrides={"offload_optimizer": True}))
-    pinned = host_report(_plan(stage=2, ds_overrides={"offload_optimizer": True}, pin_memory=True))
+    pageable = host_report(_plan(stage=2, offload_optimizer=True))
+    pinned = host_report(_plan(stage=2, offload_optimizer=True, pin_memory=True))
     assert pageable["pinned_requested_bytes_per_rank"] == 0
     req, alloc = pinned["pinned_requested_bytes_per_rank"], pinned["pinned_allocated_bytes_per_rank"]
     # stage_1_and_2.py: fp32 partition, its fp32 gradient, the bit16 copy, the largest-parameter gradient buffer
@@ -40,11 +41,11 @@ def test_zero_offload_pins_its_flat_partitions() -> None:
 
 
 def test_host_verdict_and_exit_code(tmp_path: Path) -> None:
-    small = _plan(stage=3, ds_overrides={"offload_optimizer": True, "offload_param": True}, host_memory_size="1TiB")
+    small = _plan(stage=3, offload_optimizer=True, offload_param=True, host_memory="1TiB")
     assert small.host_fits is False and host_report(small)["headroom_bytes"] < 0
-    big = _plan(stage=3, ds_overrides={"offload_optimizer": True, "offload_param": True}, host_memory_size="4TiB")
+    big = _plan(stage=3, offload_optimizer=True, offload_param=True, host_memory="4TiB")
     assert big.host_fits is True
-    assert _plan(stage=3, host_memory_size="1TiB").host_fits is None  # nothing offloaded: no host verdict
+    assert _plan(stage=3, host_memory="1TiB").host_fits is None  # nothing offloaded: no host verdict
     r = subprocess.run([sys.executable, "-m", "memplan", "estimate", "llama-70b", "--gpus", "8", "--stage", "3",
                         "--offload-optimizer", "--offload-param", "--host-memory", "1TiB", "--activations",
                         "analytic", "--json"], capture_output=True, text=True, cwd=ROOT)
@@ -56,7 +57,7 @@ def test_ds_config_pin_memory(tmp_path: Path) -> None:
     cfg.write_text(json.dumps({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu",
                                                                                         "pin_memory": True}}}))
     inv = sources.build_inventory(sources.resolve("llama-7b"))
-    s = options.resolve(inv, deepspeed=str(cfg), activations="analytic").settings
+    s = options.resolve(inv, JobRequest.of(deepspeed=str(cfg), activations="analytic")).settings
     assert s.ds.offload_optimizer and s.ds.offload_pin_memory
     cfg.write_text(json.dumps({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu",
                                                                                         "pin_memory": "maybe"}}}))

@@ -10,6 +10,7 @@ from memplan import accounting, options
 from memplan.errors import MemplanError, SettingsError
 from memplan.model import lora, sources
 from memplan.model.scaling import scale_config
+from memplan.request import JobRequest
 
 TINY = {"llama-3-8b": dict(layers=2, hidden=256, vocab=512), "gpt2": dict(layers=2, hidden=64, vocab=256),
         "mixtral-8x7b": dict(layers=2, hidden=128, vocab=256), "qwen2.5-7b": dict(layers=2, hidden=128, vocab=256)}
@@ -68,7 +69,7 @@ def test_inventory_equals_peft(name, spec):
 
 
 def _settings(inv, spec, strategy, gpus, **kw):
-    return options.resolve(inv, gpus=gpus, strategy=strategy, lora=spec, activations="analytic", **kw).settings
+    return options.resolve(inv, JobRequest.of(gpus=gpus, strategy=strategy, lora=spec, activations="analytic", **kw)).settings
 
 
 @pytest.mark.parametrize("strategy,gpus", [("single", 1), ("ddp", 4), ("fsdp-full", 4), ("zero2", 4),
@@ -98,8 +99,7 @@ def test_model_states_follow_the_trainable_parameters(inventories, strategy, gpu
     if strategy == "zero3":
         assert p.peak.optimizer_states_bytes == 2 * 4 * sum(-(-t.numel // n) for t in trainable)
     # far below full fine-tuning's states, and gradients for the adapters only
-    full = accounting.estimate(base, options.resolve(base, gpus=gpus, strategy=strategy,
-                                                      activations="analytic").settings)
+    full = accounting.estimate(base, options.resolve(base, JobRequest.of(gpus=gpus, strategy=strategy, activations="analytic")).settings)
     assert p.peak.optimizer_states_bytes * 50 < full.peak.optimizer_states_bytes
     assert max(ph.grads_bytes for ph in p.phases) <= rc.grad_bytes * inv.trainable_params
     assert p.peak.total_bytes < full.peak.total_bytes
@@ -115,8 +115,7 @@ def test_fsdp1_with_frozen_parameters_is_refused(inventories):
     spec = lora.LoraSpec(rank=8)
     inv = lora.apply(inventories("llama-3-8b"), spec)
     with pytest.raises(SettingsError, match="FSDP1"):
-        options.resolve(inv, gpus=8, strategy="fsdp-full", lora=spec, activations="analytic",
-                        torch_overrides={"fsdp_version": 1})
+        options.resolve(inv, JobRequest.of(gpus=8, strategy="fsdp-full", lora=spec, activations="analytic", fsdp_version=1))
 
 
 def test_communication_reduces_the_adapters_and_gathers_everything(inventories):
@@ -212,8 +211,7 @@ def test_fsdp2_backward_prefetch_holds_the_cast_copy_in(inventories, recipe, cas
 
     spec = lora.LoraSpec(rank=16, targets="all-linear")
     inv = lora.apply(inventories("llama-3-8b"), spec)
-    s = options.resolve(inv, gpus=8, strategy="fsdp-full", precision=recipe, lora=spec,
-                        activations="analytic").settings
+    s = options.resolve(inv, JobRequest.of(gpus=8, strategy="fsdp-full", precision=recipe, lora=spec, activations="analytic")).settings
     tl = accounting.timeline(inv, s)
     g = layouts.gather_sizes(inv, s.strategy.layout, 8)
     cb = s.recipe.grad_bytes
@@ -257,7 +255,7 @@ def test_qlora_model_states(inventories):
     spec = lora.LoraSpec(rank=16, targets="all-linear", quantize="nf4", double_quant=True)
     inv = lora.apply(base, spec)
     for strategy, gpus in (("single", 1), ("ddp", 8), ("zero2", 8)):
-        s = options.resolve(inv, gpus=gpus, strategy=strategy, lora=spec, activations="analytic").settings
+        s = options.resolve(inv, JobRequest.of(gpus=gpus, strategy=strategy, lora=spec, activations="analytic")).settings
         p = accounting.estimate(inv, s)
         float_numel = accounting.layouts.layout_sizes(inv, s.strategy.layout, gpus, 0).shard_numel \
             if strategy == "zero2" else inv.num_params
@@ -271,7 +269,7 @@ def test_qlora_under_sharded_parameters_is_refused(inventories, strategy, gpus):
     spec = lora.LoraSpec(rank=8, quantize="nf4")
     inv = lora.apply(inventories("llama-3-8b"), spec)
     with pytest.raises(SettingsError, match="bnb_4bit_quant_storage"):
-        options.resolve(inv, gpus=gpus, strategy=strategy, lora=spec, activations="analytic")
+        options.resolve(inv, JobRequest.of(gpus=gpus, strategy=strategy, lora=spec, activations="analytic"))
 
 
 def test_qlora_refuses_a_saved_4bit_module(inventories):
@@ -322,8 +320,7 @@ def test_adapters_on_a_bf16_base_are_fp32(inventories, strategy, gpus, upcast):
     spec = lora.LoraSpec(rank=16, targets="all-linear")
     inv = lora.apply(inventories("llama-3-8b"), spec)
     precision = "deepspeed-bf16" if strategy == "zero2" else "pure-bf16"
-    s = options.resolve(inv, gpus=gpus, strategy=strategy, precision=precision, lora=spec,
-                        activations="analytic").settings
+    s = options.resolve(inv, JobRequest.of(gpus=gpus, strategy=strategy, precision=precision, lora=spec, activations="analytic")).settings
     assert bool(s.recipe.adapter_bytes) == upcast
     if upcast:
         p = accounting.estimate(inv, s)
@@ -339,7 +336,7 @@ def test_per_tensor_optimizers_keep_states_for_the_adapters_only(inventories, op
 
     spec = lora.LoraSpec(rank=16, quantize="nf4")
     inv = lora.apply(inventories("llama-3-8b"), spec)
-    s = options.resolve(inv, gpus=1, optimizer=optimizer, lora=spec, activations="analytic").settings
+    s = options.resolve(inv, JobRequest.of(gpus=1, optimizer=optimizer, lora=spec, activations="analytic")).settings
     p = accounting.estimate(inv, s)
     opt = get_optimizer(optimizer)
     assert p.peak.optimizer_states_bytes == state_bytes(opt, s.recipe, tuple((t.shape, t.numel)

@@ -8,6 +8,7 @@ from memplan import accounting as A
 from memplan import options
 from memplan.errors import SettingsError
 from memplan.precision import muon_state_bytes, muon_tensors, newton_schulz_peak
+from memplan.request import JobRequest
 
 torch = pytest.importorskip("torch")
 
@@ -47,11 +48,11 @@ def test_muon_takes_the_blocks_matrices(inventories):
 
     assert muon and all(len(t.shape) == 2 and t.block != ROOT_BLOCK for t in muon)
     assert not any(t.category in ("embedding", "head") for t in muon)
-    s = options.resolve(inv, gpus=1, optimizer="muon", activations="analytic").settings
+    s = options.resolve(inv, JobRequest.of(gpus=1, optimizer="muon", activations="analytic")).settings
     plan = A.estimate(inv, s)
     assert plan.phases[-1].optimizer_states_bytes == muon_state_bytes(inv, s.recipe)
     with pytest.raises(SettingsError, match="Newton-Schulz needs each whole matrix"):
-        options.resolve(inv, gpus=8, strategy="fsdp-full", optimizer="muon", activations="analytic")
+        options.resolve(inv, JobRequest.of(gpus=8, strategy="fsdp-full", optimizer="muon", activations="analytic"))
 
 
 def test_adam_mini_branches_and_states(inventories):
@@ -72,7 +73,7 @@ def test_adam_mini_branches_and_states(inventories):
     assert adam_mini_kind("model.layers.0.input_layernorm.weight") == "block"
     assert adam_mini_kind("model.layers.0.self_attn.q_proj.bias") == "bias"
     inv = inventories("llama-7b")
-    s = options.resolve(inv, gpus=1, optimizer="adam-mini", activations="analytic").settings
+    s = options.resolve(inv, JobRequest.of(gpus=1, optimizer="adam-mini", activations="analytic")).settings
     rc = s.recipe
     heads = inv.dims["num_heads"]
     # m everywhere, v: heads for q and k, rows elsewhere, one per norm

@@ -10,6 +10,7 @@ import pytest
 from memplan import accounting, options, parallel as par
 from memplan.errors import SettingsError
 from memplan.model import sources
+from memplan.request import JobRequest
 
 
 def _inv(tmp_path, **cfg):
@@ -138,7 +139,7 @@ def test_interleaved_in_flight_follows_torch():
 
 def _settings(inv, **kw):
     p = kw.pop("parallel")
-    return options.resolve(inv, activations="analytic", device="cpu", parallel=p, **kw).settings
+    return options.resolve(inv, JobRequest.of(activations="analytic", device="cpu", parallel=p, **kw)).settings
 
 
 def test_model_states_per_rank(tmp_path):
@@ -242,8 +243,9 @@ def test_plan_searches_layouts(inventories):
     from memplan import planner
 
     inv = inventories("llama-3-8b")
-    found = planner.search(inv, gpu_memory_size="40GiB", strategies=("fsdp-full",), recomputes=("full",),
-                           max_gpus=64, max_micro_batch=4, layouts=True, activations="analytic")
+    found = planner.search(inv, JobRequest.of(gpu_memory="40GiB", activations="analytic"),
+                           planner.SearchSpace(strategies=("fsdp-full",), recomputes=("full",), max_gpus=64,
+                                               max_micro_batch=4, layouts=True))
     layouts = {(c.tp, c.pp) for c in found.candidates}
     assert (1, 1) in layouts and (8, 1) in layouts and (2, 2) in layouts and (1, 16) in layouts
     assert all(c.min_gpus is None or c.min_gpus % (c.tp * c.pp) == 0 for c in found.candidates)
@@ -260,8 +262,9 @@ def test_plan_adds_context_parallelism_for_long_sequences(inventories):
     from memplan import planner
 
     inv = inventories("llama-3-8b")
-    found = planner.search(inv, gpu_memory_size="80GiB", strategies=("fsdp-full", "zero1"), recomputes=("full",),
-                           max_gpus=64, max_micro_batch=2, layouts=True, activations="analytic", seq_len=32768)
+    found = planner.search(inv, JobRequest.of(gpu_memory="80GiB", activations="analytic", seq_len=32768),
+                           planner.SearchSpace(strategies=("fsdp-full", "zero1"), recomputes=("full",), max_gpus=64,
+                                               max_micro_batch=2, layouts=True))
     cps = {(c.strategy, c.tp, c.cp) for c in found.candidates if c.cp > 1}
     assert ("fsdp-full", 1, 2) in cps and ("fsdp-full", 2, 4) in cps and ("fsdp-full", 1, 8) in cps
     assert not any(st == "zero1" for st, _, _ in cps) and all(tp * cp <= 8 for _, tp, cp in cps)
@@ -378,13 +381,15 @@ def test_plan_adds_expert_parallelism_for_moe(inventories):
     from memplan import planner
 
     inv = inventories("mixtral-8x7b")
-    found = planner.search(inv, gpu_memory_size="80GiB", strategies=("fsdp-full",), recomputes=("full",),
-                           max_gpus=64, max_micro_batch=2, layouts=True, activations="analytic")
+    found = planner.search(inv, JobRequest.of(gpu_memory="80GiB", activations="analytic"),
+                           planner.SearchSpace(strategies=("fsdp-full",), recomputes=("full",), max_gpus=64,
+                                               max_micro_batch=2, layouts=True))
     eps = {(c.tp, c.ep) for c in found.candidates if c.ep > 1}
     assert {(1, 2), (1, 8), (2, 2), (4, 8), (8, 8)} <= eps and all(ep % tp == 0 for tp, ep in eps)
     assert all(c.min_gpus is None or c.min_gpus % c.ep == 0 for c in found.candidates)
     ep = next(c for c in found.candidates if c.ep == 8 and c.tp == 1)
     assert "--ep 8" in planner.command_line("mixtral-8x7b", replace(found, best=ep, gpus=ep.min_gpus or 8), [])
-    dense = planner.search(inventories("llama-3-8b"), gpu_memory_size="80GiB", strategies=("fsdp-full",),
-                           recomputes=("full",), max_gpus=16, max_micro_batch=1, layouts=True, activations="analytic")
+    dense = planner.search(inventories("llama-3-8b"), JobRequest.of(gpu_memory="80GiB", activations="analytic"),
+                           planner.SearchSpace(strategies=("fsdp-full",), recomputes=("full",), max_gpus=16,
+                                               max_micro_batch=1, layouts=True))
     assert all(c.ep == 1 for c in dense.candidates)

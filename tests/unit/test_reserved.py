@@ -16,6 +16,7 @@ from memplan.activations import TracedProfile
 from memplan.allocator import AllocatorConfig
 from memplan.model.sources import build_inventory, resolve
 from memplan.settings import Cluster
+from memplan.request import JobRequest
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 LLAMA_1B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 2048,
@@ -32,8 +33,7 @@ def _settings(tmp_path: Path, profile: str, micro_batch: int, **kw):  # noqa: AN
     cfg.write_text(json.dumps(LLAMA_1B))
     inv = build_inventory(resolve(str(cfg)))
     data = json.loads(gzip.open(DATA / profile, "rt").read())
-    r = options.resolve(inv, activations="analytic", micro_batch=micro_batch, seq_len=data["seq_len"],
-                        recompute=data["recompute"], gpu="h100-80g", allocator_conf="", **kw)
+    r = options.resolve(inv, JobRequest.of(activations="analytic", micro_batch=micro_batch, seq_len=data["seq_len"], recompute=data["recompute"], gpu="h100-80g", allocator_conf="", **kw))
     return inv, replace(r.settings, activation_profile=TracedProfile(data, micro_batch, "test"))
 
 
@@ -158,8 +158,7 @@ def test_allocator_conf_is_checked(tmp_path: Path) -> None:
     with pytest.raises(SettingsError, match="unrecognized key 'expandable'"):
         _settings(tmp_path, "profile_llama-3.2-1b_torch-amp_2048_sm90.json.gz", 4, precision="torch-amp",
                        strategy="ddp") and \
-            options.resolve(build_inventory(resolve(str(tmp_path / "config.json"))), activations="analytic",
-                            allocator_conf="expandable:True")
+            options.resolve(build_inventory(resolve(str(tmp_path / "config.json"))), JobRequest.of(activations="analytic", allocator_conf="expandable:True"))
     assert AllocatorConfig.parse("expandable_segments:True").expandable_segments
 
 
@@ -177,12 +176,12 @@ def test_deepspeed_zero1_and_zero3_llama_1b_match_the_h100(tmp_path: Path) -> No
     assert r.model == "ZeRO-3" and abs(r.allocated_bytes - 34_120_864_256) < 1 << 20
     assert r.peak_bytes == 39_541_800_960  # the measured figure, to the byte
     # the optimizer offloaded (../shared/gpu/traces/zero3_offload: reserved 22,684,893,184 B at micro-batch 4)
-    inv, s = _settings(tmp_path, profile, 4, stage=3, ds_overrides={"offload_optimizer": True})
+    inv, s = _settings(tmp_path, profile, 4, stage=3, offload_optimizer=True)
     r = reserved.predict(inv, s)
     assert r.model == "ZeRO-3 Offload" and r.peak_bytes == 22_684_893_184
     # the parameters offloaded too (ZeRO-Infinity on the host): replayed, each fetched to the device on the
     # coordinator's stream (tests/unit/test_reserved_streams.py checks it against a recorded run)
-    inv, s = _settings(tmp_path, profile, 4, stage=3, ds_overrides={"offload_optimizer": True, "offload_param": True})
+    inv, s = _settings(tmp_path, profile, 4, stage=3, offload_optimizer=True, offload_param=True)
     r = reserved.predict(inv, s)
     assert r.model == "ZeRO-3 Offload (parameters too)" and r.peak_bytes >= r.allocated_bytes
     # no device partitions: below the run that keeps them on the device
@@ -190,7 +189,7 @@ def test_deepspeed_zero1_and_zero3_llama_1b_match_the_h100(tmp_path: Path) -> No
     # the parameters offloaded with the optimizer on the device: the fp32 partitions, the flat gradient buffer and
     # the step on the device, the bit16 partitions on the host and fetched as above; the replay's allocated peak
     # is the engine's
-    inv, s = _settings(tmp_path, profile, 4, stage=3, ds_overrides={"offload_param": True})
+    inv, s = _settings(tmp_path, profile, 4, stage=3, offload_param=True)
     plan = accounting.estimate(inv, s)
     r = plan.reserved
     assert r is not None and r.model == "ZeRO-3 (parameters too)" and plan.reserved_why is None
@@ -224,8 +223,7 @@ def test_lora_under_ddp_is_replayed(tmp_path: Path) -> None:
     spec = lora.LoraSpec(rank=8, targets="all-linear")
     inv = lora.apply(build_inventory(src), spec)
     for gpus in (1, 2):
-        s = options.resolve(inv, config=src.config, gpus=gpus, gpu="h100-80g", device="cuda", strategy="ddp",
-                            precision="pure-bf16", micro_batch=2, seq_len=256, lora=spec).settings
+        s = options.resolve(inv, JobRequest.of(gpus=gpus, gpu="h100-80g", device="cuda", strategy="ddp", precision="pure-bf16", micro_batch=2, seq_len=256, lora=spec), config=src.config).settings
         plan = accounting.estimate(inv, s)
         r = plan.reserved
         assert r is not None and r.model == "DDP" and plan.reserved_why is None
@@ -241,8 +239,7 @@ def test_lora_under_ddp_is_replayed(tmp_path: Path) -> None:
         for gpus, kw in ((1, {"strategy": "ddp", "precision": "pure-bf16"}),
                          (2, {"strategy": "ddp", "precision": "pure-bf16"}), (2, {"stage": 2}), (2, {"stage": 0})):
             # (under DeepSpeed only the adapters are flattened: the 4-bit storage stays, as the frozen base does)
-            s = options.resolve(qinv, config=src.config, gpus=gpus, gpu="h100-80g", device="cuda", micro_batch=2,
-                                seq_len=256, lora=q, **kw).settings
+            s = options.resolve(qinv, JobRequest.of(gpus=gpus, gpu="h100-80g", device="cuda", micro_batch=2, seq_len=256, lora=q, **kw), config=src.config).settings
             plan = accounting.estimate(qinv, s)
             r = plan.reserved
             assert r is not None and plan.reserved_why is None
@@ -252,15 +249,12 @@ def test_lora_under_ddp_is_replayed(tmp_path: Path) -> None:
             tol = plan.peak_bytes // (100 if "stage" in kw else 200)
             assert -(plan.peak_bytes // 200) <= plan.peak_bytes - r.allocated_bytes < tol, kw
             assert r.peak_bytes >= r.allocated_bytes
-    s = options.resolve(inv, config=src.config, gpus=2, gpu="h100-80g", device="cuda", stage=3,
-                        micro_batch=2, seq_len=256, lora=spec, ds_overrides={"offload_param": True,
-                                                                           "offload_optimizer": True}).settings
+    s = options.resolve(inv, JobRequest.of(gpus=2, gpu="h100-80g", device="cuda", stage=3, micro_batch=2, seq_len=256, lora=spec, offload_param=True, offload_optimizer=True), config=src.config).settings
     assert reserved.why_not(s, inv).startswith("LoRA under ZeRO-3 with offload_param")
     # ZeRO-0/1/2/3: DeepSpeed flattens the optimizer's groups (the adapters), the frozen base keeps its storage
     # (ZeRO-3: its own partitions, gathered with the rest)
     for stage in (0, 1, 2, 3):
-        s = options.resolve(inv, config=src.config, gpus=2, gpu="h100-80g", device="cuda", stage=stage,
-                            micro_batch=2, seq_len=256, lora=spec).settings
+        s = options.resolve(inv, JobRequest.of(gpus=2, gpu="h100-80g", device="cuda", stage=stage, micro_batch=2, seq_len=256, lora=spec), config=src.config).settings
         plan = accounting.estimate(inv, s)
         r = plan.reserved
         assert r is not None and plan.reserved_why is None
@@ -268,8 +262,7 @@ def test_lora_under_ddp_is_replayed(tmp_path: Path) -> None:
         # the engine takes the block's worst: 0.66% over the replay here, +0.09% over the CPU harness's
         # lora all-linear zero1 run, which the replay's sequence matches to 0.00%)
         assert -(plan.peak_bytes // 1000) <= plan.peak_bytes - r.allocated_bytes < plan.peak_bytes // 100, stage
-    s = options.resolve(inv, config=src.config, gpus=2, gpu="h100-80g", device="cuda", strategy="fsdp-full",
-                        micro_batch=2, seq_len=256, lora=spec).settings
+    s = options.resolve(inv, JobRequest.of(gpus=2, gpu="h100-80g", device="cuda", strategy="fsdp-full", micro_batch=2, seq_len=256, lora=spec), config=src.config).settings
     plan = accounting.estimate(inv, s)
     r = plan.reserved
     assert r is not None and r.model == "FSDP2" and plan.reserved_why is None
@@ -285,9 +278,7 @@ def test_tensor_parallel_ranks_are_replayed() -> None:
     src = resolve("llama-3-8b")
     inv = build_inventory(src)
     for strategy, sp in (("fsdp-full", False), ("fsdp-full", True), ("ddp", False)):
-        s = options.resolve(inv, config=src.config, gpus=8, gpus_per_node=8, gpu="h100-80g", device="cuda",
-                            strategy=strategy, micro_batch=1, seq_len=2048,
-                            parallel=Parallel(tp=2, pp=1, sp=sp)).settings
+        s = options.resolve(inv, JobRequest.of(gpus=8, gpus_per_node=8, gpu="h100-80g", device="cuda", strategy=strategy, micro_batch=1, seq_len=2048, parallel=Parallel(tp=2, pp=1, sp=sp)), config=src.config).settings
         plan = accounting.estimate(inv, s)
         r = plan.reserved
         assert r is not None and plan.reserved_why is None and r.allocated_bytes == plan.peak_bytes
@@ -305,9 +296,7 @@ def test_pipeline_ranks_are_replayed_action_by_action() -> None:
 
     def plan_of(p: Parallel, **kw: object) -> accounting.Plan:
         kw = {"strategy": "fsdp-full", **kw}
-        return accounting.estimate(inv, options.resolve(inv, config=src.config, gpus=8, gpus_per_node=8,
-                                                        gpu="h100-80g", device="cuda", micro_batch=1, seq_len=2048,
-                                                        grad_accum=4, parallel=p, **kw).settings)
+        return accounting.estimate(inv, options.resolve(inv, JobRequest.of(gpus=8, gpus_per_node=8, gpu="h100-80g", device="cuda", micro_batch=1, seq_len=2048, grad_accum=4, parallel=p, **kw), config=src.config).settings)
 
     for p in (Parallel(tp=2, pp=2), Parallel(pp=2, schedule="gpipe"), Parallel(pp=2, schedule="interleaved"),
               Parallel(pp=2, schedule="zbv"), Parallel(pp=2, schedule="dualpipev")):
@@ -342,7 +331,7 @@ def test_pipeline_replay_walks_the_harness_s_allocations(label: str, layers: int
 
     name, peak, measured = _harness_replay(label, layers, gpus, strategy="fsdp-full", grad_accum=m,
                                            parallel=Parallel(pp=pp, schedule=schedule),
-                                           torch_overrides={"fsdp_root_reshard": "auto"})
+                                           fsdp_root_reshard="auto")
     assert name.startswith("FSDP2 under ")
     assert abs(peak - measured) <= measured * 25 // 1000, (peak, measured)
 
@@ -352,8 +341,7 @@ def test_zero_redundancy_optimizer_is_replayed() -> None:
     # (largest first, as _partition_parameters assigns them); the replay's allocated peak is the engine's
     src = resolve("llama-3-8b")
     inv = build_inventory(src)
-    s = options.resolve(inv, config=src.config, gpus=8, gpus_per_node=8, gpu="h100-80g", device="cuda",
-                        strategy="zero-optimizer", precision="fp32", micro_batch=1, seq_len=2048).settings
+    s = options.resolve(inv, JobRequest.of(gpus=8, gpus_per_node=8, gpu="h100-80g", device="cuda", strategy="zero-optimizer", precision="fp32", micro_batch=1, seq_len=2048), config=src.config).settings
     plan = accounting.estimate(inv, s)
     r = plan.reserved
     assert r is not None and r.model == "DDP" and plan.reserved_why is None
@@ -393,7 +381,7 @@ def test_zero_offload_reduce_copies_each_gradient_through_fp64(tmp_path: Path) -
     embedding = 128256 * 2048
     for stage, phase in ((1, "backward-end"), (2, "backward-start")):
         inv, s = _settings(tmp_path, profile, 1, stage=stage,
-                           ds_overrides={"offload_optimizer": True, "reduce_bucket_size": 100_000_000})
+                           offload_optimizer=True, reduce_bucket_size=100_000_000)
         plan = accounting.estimate(inv, s)
         r = plan.reserved
         assert r is not None and r.model == f"ZeRO-{stage} Offload"
@@ -402,7 +390,7 @@ def test_zero_offload_reduce_copies_each_gradient_through_fp64(tmp_path: Path) -
     # ZeRO-1: the embedding's copy (first in module order, larger than the bucket, kept apart and cloned) beside
     # every bf16 gradient, the flat parameters, the bucket and the offload's gradient buffer
     inv, s = _settings(tmp_path, profile, 1, stage=1,
-                       ds_overrides={"offload_optimizer": True, "reduce_bucket_size": 100_000_000})
+                       offload_optimizer=True, reduce_bucket_size=100_000_000)
     plan = accounting.estimate(inv, s)
     ends = {p.name: p.total_bytes for p in plan.phases}
     assert ends["backward-end"] - ends["optimizer-step"] >= 2 * inv.num_params + 8 * embedding
@@ -420,8 +408,7 @@ def test_fsdp2_replay_unshards_in_the_parameters_dtype(strategy: str, gpus: int,
 
     src = resolve("llama-7b")
     inv = build_inventory(src)
-    s = options.resolve(inv, config=src.config, gpus=gpus, gpu="h200-141g", strategy=strategy, precision=precision,
-                        optimizer="sgd", micro_batch=8, allocator_conf="").settings
+    s = options.resolve(inv, JobRequest.of(gpus=gpus, gpu="h200-141g", strategy=strategy, precision=precision, optimizer="sgd", micro_batch=8, allocator_conf=""), config=src.config).settings
     plan = accounting.estimate(inv, s)
     r = plan.reserved
     assert r is not None and plan.reserved_why is None, plan.reserved_why
@@ -444,9 +431,9 @@ def _harness_replay(label: str, layers: int, gpus: int, **kw: object) -> tuple[s
     wrapped = validation.adapted_inventory
     try:
         validation.adapted_inventory = lambda inv, kw: inventories.append(wrapped(inv, kw)) or inventories[-1]
-        _, resolved, *_ = validation.predict(
-            "llama-7b", layers=layers, hidden=256, vocab=2048, device="cpu", cpu_isa=row[10] if len(row) > 10 else
-            "avx512", gpus=gpus, gpus_per_node=gpus, micro_batch=2, seq_len=128, recompute="none", **kw)
+        job = JobRequest.of(device="cpu", cpu_isa=row[10] if len(row) > 10 else "avx512", gpus=gpus,
+                            gpus_per_node=gpus, micro_batch=2, seq_len=128, recompute="none", **kw)
+        _, resolved, *_ = validation.predict("llama-7b", job, layers=layers, hidden=256, vocab=2048)
     finally:
         validation.adapted_inventory = wrapped
     name, peak = replayed_peak(inventories[-1], resolved.settings)
@@ -473,7 +460,7 @@ def test_fsdp1_replay_walks_the_harness_s_allocations(label: str, layers: int, s
     # CPU harness's allocator counts it (requested bytes, no cache, no cuBLAS workspace), reaches the peak the
     # harness measured on the real FullyShardedDataParallel (docs/accuracy.jsonl, bench/replay_harness.py)
     name, peak, measured = _harness_replay(label, layers, gpus, strategy=strategy,
-                                           torch_overrides={"fsdp_version": 1, **tk})
+                                           fsdp_version=1, **tk)
     assert name == "FSDP1"
     assert abs(peak - measured) <= 4096, (peak, measured)
 
@@ -492,9 +479,7 @@ def test_fsdp1_is_replayed_on_the_card() -> None:
                                                  ("fsdp-no-shard", 2, "fsdp-bf16", "none"),
                                                  ("fsdp-full", 1, "fsdp-bf16", "none"),
                                                  ("fsdp-full", 8, "torch-amp", "full")):
-        s = options.resolve(inv, config=src.config, gpus=gpus, gpu="h100-80g", strategy=strategy,
-                            precision=precision, recompute=recompute, torch_overrides={"fsdp_version": 1},
-                            allocator_conf="").settings
+        s = options.resolve(inv, JobRequest.of(gpus=gpus, gpu="h100-80g", strategy=strategy, precision=precision, recompute=recompute, fsdp_version=1, allocator_conf=""), config=src.config).settings
         plan = accounting.estimate(inv, s)
         r = plan.reserved
         assert r is not None and r.model == "FSDP1" and plan.reserved_why is None
@@ -524,8 +509,7 @@ def test_fsdp2_cpu_offload_is_replayed() -> None:
     src = resolve("llama-3-8b")
     inv = build_inventory(src)
     for gpus, recompute in ((8, "none"), (1, "none"), (8, "full")):
-        s = options.resolve(inv, config=src.config, gpus=gpus, gpu="h100-80g", strategy="fsdp-full",
-                            recompute=recompute, torch_overrides={"cpu_offload": True}, allocator_conf="").settings
+        s = options.resolve(inv, JobRequest.of(gpus=gpus, gpu="h100-80g", strategy="fsdp-full", recompute=recompute, cpu_offload=True, allocator_conf=""), config=src.config).settings
         plan = accounting.estimate(inv, s)
         r = plan.reserved
         assert r is not None and r.model == "FSDP2" and plan.reserved_why is None
@@ -542,8 +526,7 @@ def test_horovod_is_replayed(compression: str) -> None:
     # gradient before the old one goes; the replay's allocated peak is the engine's
     src = resolve("llama-7b")
     inv = build_inventory(src)
-    s = options.resolve(inv, config=src.config, gpus=8, gpu="h100-80g", strategy="horovod", optimizer="sgd",
-                        horovod_overrides={"compression": compression}, allocator_conf="").settings
+    s = options.resolve(inv, JobRequest.of(gpus=8, gpu="h100-80g", strategy="horovod", optimizer="sgd", horovod_compression=compression, allocator_conf=""), config=src.config).settings
     plan = accounting.estimate(inv, s)
     r = plan.reserved
     assert r is not None and r.model == "Horovod" and plan.reserved_why is None
@@ -577,11 +560,10 @@ def test_lora_and_qlora_replays_walk_the_harness_s_allocations(label: str, strat
     wrapped = validation.adapted_inventory
     try:
         validation.adapted_inventory = lambda inv, kw: inventories.append(wrapped(inv, kw)) or inventories[-1]
-        _, resolved, *_ = validation.predict(
-            "llama-3-8b", layers=2, hidden=512, vocab=2048, device="cpu",
-            cpu_isa=row[10] if len(row) > 10 else "avx512", gpus=gpus, gpus_per_node=gpus, micro_batch=2,
-            seq_len=128, recompute="none", lora=spec,
-            **({"stage": int(strategy[4:])} if strategy.startswith("zero") else {"strategy": strategy}))
+        job = JobRequest.of(device="cpu", cpu_isa=row[10] if len(row) > 10 else "avx512", gpus=gpus,
+                            gpus_per_node=gpus, micro_batch=2, seq_len=128, recompute="none", lora=spec,
+                            **({"stage": int(strategy[4:])} if strategy.startswith("zero") else {"strategy": strategy}))
+        _, resolved, *_ = validation.predict("llama-3-8b", job, layers=2, hidden=512, vocab=2048)
     finally:
         validation.adapted_inventory = wrapped
     _, peak = replayed_peak(inventories[-1], resolved.settings)
@@ -596,8 +578,7 @@ def test_zero3_hpz_is_replayed() -> None:
     inv = build_inventory(src)
     peaks = {}
     for hpz in (1, 8):
-        s = options.resolve(inv, config=src.config, gpus=16, gpus_per_node=8, gpu="h100-80g", stage=3,
-                            ds_overrides={"hpz_partition_size": hpz}, allocator_conf="").settings
+        s = options.resolve(inv, JobRequest.of(gpus=16, gpus_per_node=8, gpu="h100-80g", stage=3, hpz_partition_size=hpz, allocator_conf=""), config=src.config).settings
         plan = accounting.estimate(inv, s)
         r = plan.reserved
         assert r is not None and plan.reserved_why is None
@@ -613,8 +594,7 @@ def test_fsdp1_cpu_offload_is_replayed() -> None:
     src = resolve("llama-3-8b")
     inv = build_inventory(src)
     for strategy in ("fsdp-full", "fsdp-grad-op"):
-        s = options.resolve(inv, config=src.config, gpus=8, gpu="h100-80g", strategy=strategy,
-                            torch_overrides={"cpu_offload": True, "fsdp_version": 1}, allocator_conf="").settings
+        s = options.resolve(inv, JobRequest.of(gpus=8, gpu="h100-80g", strategy=strategy, cpu_offload=True, fsdp_version=1, allocator_conf=""), config=src.config).settings
         plan = accounting.estimate(inv, s)
         r = plan.reserved
         assert r is not None and r.model == "FSDP1" and plan.reserved_why is None
@@ -630,9 +610,7 @@ def test_zero3_replay_holds_persistent_parameters_whole() -> None:
     src = resolve("llama-3-8b")
     inv = build_inventory(src)
     for threshold in (0, 100_000, 20_000_000, 100_000_000):
-        s = options.resolve(inv, config=src.config, gpus=8, gpus_per_node=8, gpu="a100-80g", device="cuda",
-                            stage=3, micro_batch=1, seq_len=2048,
-                            ds_overrides={"param_persistence_threshold": threshold}).settings
+        s = options.resolve(inv, JobRequest.of(gpus=8, gpus_per_node=8, gpu="a100-80g", device="cuda", stage=3, micro_batch=1, seq_len=2048, param_persistence_threshold=threshold), config=src.config).settings
         plan = accounting.estimate(inv, s)
         r = plan.reserved
         assert r is not None and plan.reserved_why is None, threshold

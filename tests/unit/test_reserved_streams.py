@@ -13,6 +13,7 @@ from memplan.allocator import Allocator, AllocatorConfig
 from memplan.frameworks.zero3_replay import REDUCE_STREAM, ipg_bucket
 from memplan.model.sources import build_inventory, resolve
 from memplan.replay import Run
+from memplan.request import JobRequest
 
 CONFIGS = Path(__file__).resolve().parents[2] / "bench" / "gpu" / "configs"
 
@@ -20,9 +21,7 @@ CONFIGS = Path(__file__).resolve().parents[2] / "bench" / "gpu" / "configs"
 def _replay(model: str, micro_batch: int, seq_len: int, **kw):  # noqa: ANN003, ANN202
     src = resolve(model)
     inv = build_inventory(src, builder="auto")
-    s = options.resolve(inv, config=src.config, gpus=1, gpus_per_node=1, gpu="h100-80g", device="cuda",
-                        optimizer="adamw", attention="sdpa", micro_batch=micro_batch, seq_len=seq_len,
-                        allocator_conf="", **kw).settings
+    s = options.resolve(inv, JobRequest.of(gpus=1, gpus_per_node=1, gpu="h100-80g", device="cuda", optimizer="adamw", attention="sdpa", micro_batch=micro_batch, seq_len=seq_len, allocator_conf="", **kw), config=src.config).settings
     return reserved.predict(inv, s), s
 
 
@@ -74,7 +73,7 @@ def test_zero2_offload_llama_1b_to_the_byte(tmp_path: Path) -> None:
 
     (tmp_path / "config.json").write_text(json.dumps(LLAMA_1B))
     r, _ = _replay(str(tmp_path / "config.json"), 4, 2048, stage=2, precision="deepspeed-bf16", optimizer_impl="fused",
-                   recompute="full", ds_overrides={"offload_optimizer": True})
+                   recompute="full", offload_optimizer=True)
     assert r.model == "ZeRO-2 Offload" and r.peak_bytes == 20_562_575_360
 
 
@@ -104,9 +103,7 @@ def test_fsdp2_wrap_replays_agree_with_the_engine() -> None:
     src = resolve("llama-3-8b")
     inv = build_inventory(src)
     for wrap in ("block+embeddings", "none"):
-        s = options.resolve(inv, config=src.config, gpus=8, gpus_per_node=8, gpu="h100-80g", device="cuda",
-                            strategy="fsdp-full", micro_batch=1, seq_len=2048, recompute="full",
-                            torch_overrides={"fsdp_wrap": wrap}).settings
+        s = options.resolve(inv, JobRequest.of(gpus=8, gpus_per_node=8, gpu="h100-80g", device="cuda", strategy="fsdp-full", micro_batch=1, seq_len=2048, recompute="full", fsdp_wrap=wrap), config=src.config).settings
         plan = accounting.estimate(inv, s)
         r = plan.reserved
         assert r is not None and r.model == "FSDP2"
@@ -136,7 +133,7 @@ def test_zero3_parameters_offloaded_qwen_05b() -> None:
     # stream, as recorded). To the byte (the flat term said +2.97%; +0.84% before block outputs died after the
     # next block in the repeated step)
     r, _ = _replay(str(CONFIGS / "qwen2.5-0.5b.json"), 4, 2048, stage=3, precision="deepspeed-bf16",
-                   optimizer_impl="fused", ds_overrides={"offload_optimizer": True, "offload_param": True})
+                   optimizer_impl="fused", offload_optimizer=True, offload_param=True)
     assert r.model == "ZeRO-3 Offload (parameters too)"
     assert abs(r.allocated_bytes - 28_345_931_776) < 28_345_931_776 // 1000
     assert r.peak_bytes == 38_526_779_392
@@ -150,9 +147,7 @@ def test_zero3_parameters_offloaded_replay_agrees_with_the_engine() -> None:
 
     src = resolve("llama-3-8b")
     inv = build_inventory(src)
-    s = options.resolve(inv, config=src.config, gpus=8, gpus_per_node=8, gpu="h100-80g", device="cuda", stage=3,
-                        precision="deepspeed-bf16", optimizer_impl="fused", micro_batch=1, seq_len=2048,
-                        recompute="full", ds_overrides={"offload_optimizer": True, "offload_param": True}).settings
+    s = options.resolve(inv, JobRequest.of(gpus=8, gpus_per_node=8, gpu="h100-80g", device="cuda", stage=3, precision="deepspeed-bf16", optimizer_impl="fused", micro_batch=1, seq_len=2048, recompute="full", offload_optimizer=True, offload_param=True), config=src.config).settings
     plan = accounting.estimate(inv, s)
     r = plan.reserved
     assert r is not None and r.model == "ZeRO-3 Offload (parameters too)"
@@ -169,7 +164,7 @@ def test_fsdp2_root_resharded_after_forward_when_given_the_blocks_value() -> Non
     kw = dict(strategy="fsdp-full", precision="fsdp-bf16")
     same, s = _replay(cfg, 2, 4096, **kw)
     assert same.peak_bytes == 56_681_824_256
-    auto, _ = _replay(cfg, 2, 4096, torch_overrides={"fsdp_root_reshard": "auto"}, **kw)
+    auto, _ = _replay(cfg, 2, 4096, fsdp_root_reshard="auto", **kw)
     # a bare fully_shard(model) keeps the root: measured so too (H200, lab/gpu-runs/run23c.sh, ROOT_AUTO=1)
     assert auto.peak_bytes == 60_886_614_016
     # the allocated peak is the same either way: the root is unsharded again before the loss's backward
@@ -188,10 +183,7 @@ def test_zero2_bucket_beside_the_heads_gradient_in_its_hook() -> None:
 
     src = resolve(str(CONFIGS / "phi3-mini-4l.json"))
     inv = build_inventory(src, builder="auto")
-    s = options.resolve(inv, config=src.config, gpus=1, gpus_per_node=1, gpu="h200-141g", device="cuda",
-                        optimizer="adamw", attention="sdpa", micro_batch=1, seq_len=2048, allocator_conf="",
-                        stage=2, precision="deepspeed-bf16", optimizer_impl="fused",
-                        ds_overrides={"offload_optimizer": True}).settings
+    s = options.resolve(inv, JobRequest.of(gpus=1, gpus_per_node=1, gpu="h200-141g", device="cuda", optimizer="adamw", attention="sdpa", micro_batch=1, seq_len=2048, allocator_conf="", stage=2, precision="deepspeed-bf16", optimizer_impl="fused", offload_optimizer=True), config=src.config).settings
     hook = s.activation_profile.root_first_hook(1)
     assert hook is not None and hook[1] == 32064 * 3072  # the head's weight: the first hook's gradient
     plan = accounting.estimate(inv, s)
@@ -217,7 +209,7 @@ def test_zero3_linear_makes_the_input_gradient_first() -> None:
     tied = [("a", 1, (1 << 30, 0), None, -1, None), ("m", "ws", "b"), ("a", 2, (0, 1 << 20), None, 0, None)]
     assert zero3_linear_order(tied) == [tied[2], tied[1], tied[0]]
     off, _ = _replay(cfg, 1, 512, stage=3, precision="deepspeed-bf16", optimizer_impl="fused",
-                     ds_overrides={"memory_efficient_linear": False})
+                     memory_efficient_linear=False)
     assert off.peak_bytes == 46_070_235_136  # aten's linear: measured so with memory_efficient_linear false (H200)
 
 
@@ -228,9 +220,7 @@ def test_zero3_tied_head_contribution_in_the_linears_order() -> None:
     # max_memory_reserved on the H200: 50,432,311,296 B (bench/gpu/truth-extra.jsonl; -0.60% before)
     src = resolve(str(CONFIGS / "gemma3-1b.json"))
     inv = build_inventory(src, builder="auto")
-    s = options.resolve(inv, config=src.config, gpus=1, gpus_per_node=1, gpu="h200-141g", device="cuda",
-                        optimizer="adamw", attention="sdpa", micro_batch=2, seq_len=2048, allocator_conf="",
-                        stage=3, precision="deepspeed-bf16", optimizer_impl="fused").settings
+    s = options.resolve(inv, JobRequest.of(gpus=1, gpus_per_node=1, gpu="h200-141g", device="cuda", optimizer="adamw", attention="sdpa", micro_batch=2, seq_len=2048, allocator_conf="", stage=3, precision="deepspeed-bf16", optimizer_impl="fused"), config=src.config).settings
     ev = s.activation_profile.data["alloc_events"]["events"]
     assert any(isinstance(e, list) and e[2:] == [None, -1] for e in ev)  # the head's contribution, marked
     r = reserved.predict(inv, s)

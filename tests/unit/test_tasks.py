@@ -10,6 +10,7 @@ import pytest
 
 from memplan.errors import ConfigError
 from memplan.model import tasks
+from memplan.request import JobRequest
 
 BERT = Path(__file__).resolve().parents[1] / "data" / "configs" / "bert-seq-cls.json"
 
@@ -42,14 +43,14 @@ def test_bert_classifier_inventory_and_trace():
     inv = sources.build_inventory(src)
     assert inv.num_params == 109_483_778  # bert-base 109,482,240 + classifier 768 x 2 + 2
     assert any(t.name == "classifier.weight" and t.shape == (2, 768) for t in inv.tensors)
-    s = options.resolve(inv, config=src.config, gpus=1, micro_batch=4, seq_len=512, device="cuda").settings
+    s = options.resolve(inv, JobRequest.of(gpus=1, micro_batch=4, seq_len=512, device="cuda"), config=src.config).settings
     plan = accounting.estimate(inv, s)
     assert type(s.activation_profile).__name__ == "TracedProfile"  # not the analytic fallback of a failed trace
     # the masked-LM head of the same encoder holds vocabulary-sized logits: more activations
     cfg = dict(json.loads(BERT.read_text()), architectures=["BertForMaskedLM"])
     mlm_src = sources.ModelSource(name="bert-mlm", kind="config", config=cfg, description="test")
     mlm = sources.build_inventory(mlm_src)
-    s2 = options.resolve(mlm, config=cfg, gpus=1, micro_batch=4, seq_len=512, device="cuda").settings
+    s2 = options.resolve(mlm, JobRequest.of(gpus=1, micro_batch=4, seq_len=512, device="cuda"), config=cfg).settings
     mlm_plan = accounting.estimate(mlm, s2)
     act = max(p.activations_bytes for p in plan.phases)
     assert max(p.activations_bytes for p in mlm_plan.phases) > act + 4 * 512 * 30522 * 2
@@ -124,7 +125,7 @@ def test_vit_inventory_and_trace():
     inv = sources.build_inventory(src)
     assert inv.num_params == 86_567_656
     assert [b.name for b in inv.layer_blocks][:2] == ["vit.layers.0", "vit.layers.1"]
-    s = options.resolve(inv, config=src.config, gpus=1, micro_batch=8, device="cuda").settings
+    s = options.resolve(inv, JobRequest.of(gpus=1, micro_batch=8, device="cuda"), config=src.config).settings
     assert s.seq_len == 197
     accounting.estimate(inv, s)
     assert type(s.activation_profile).__name__ == "TracedProfile"  # not the analytic fallback of a failed trace

@@ -11,6 +11,7 @@ from memplan.model.scaling import scale_config
 from memplan.model import sources
 from memplan.activations.kernels import Target
 from memplan.activations.tracing import trace_profile
+from memplan.request import JobRequest
 
 #: the CPU the exact CPU figures below were measured on (AVX512 without bf16 instructions: oneDNN's fp32 GEMM
 #: scratch); a trace for it is the same on any host
@@ -116,8 +117,8 @@ def test_cpu_attention_with_dropout_is_traced_with_the_math_kernel():
 
     src = sources.resolve("gpt2")
     inv = sources.build_inventory(src)
-    cpu = options.resolve(inv, gpus=2, strategy="ddp", device="cpu", seq_len=128, micro_batch=2, config=src.config)
-    gpu = options.resolve(inv, gpus=2, strategy="ddp", device="cuda", seq_len=128, micro_batch=2, config=src.config)
+    cpu = options.resolve(inv, JobRequest.of(gpus=2, strategy="ddp", device="cpu", seq_len=128, micro_batch=2), config=src.config)
+    gpu = options.resolve(inv, JobRequest.of(gpus=2, strategy="ddp", device="cuda", seq_len=128, micro_batch=2), config=src.config)
     assert "dropout 0.1" in cpu.settings.activation_profile.data["attention_kernels"]["math"]
     assert any("math kernel" in n for n in cpu.notes)
     assert "math" not in gpu.settings.activation_profile.data["attention_kernels"]

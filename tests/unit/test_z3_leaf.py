@@ -12,6 +12,7 @@ from memplan.frameworks.zero3 import zero3_schedule
 from memplan.model import sources, z3_leaf
 from memplan.model.inventory import ParamInventory, ParamTensor
 from memplan.model.scaling import scale_config
+from memplan.request import JobRequest
 
 
 def test_default_classes_are_the_sparse_moe_blocks(inventories):
@@ -77,8 +78,8 @@ def test_ds_config_leaf_module_and_threshold(tmp_path):
 
 def test_estimate_takes_deepspeeds_default_leaves(inventories):
     inv = inventories("mixtral-8x7b")
-    r = options.resolve(inv, gpus=8, stage=3, activations="analytic")
+    r = options.resolve(inv, JobRequest.of(gpus=8, stage=3, activations="analytic"))
     assert len(r.settings.z3_leaves) == 32 and any("leaf modules" in n for n in r.notes)
-    off = options.resolve(inv, gpus=8, stage=3, activations="analytic", ds_overrides={"leaf_classes": ()})
+    off = options.resolve(inv, JobRequest.of(gpus=8, stage=3, activations="analytic", leaf_classes=()))
     assert off.settings.z3_leaves == ()
     assert accounting.estimate(inv, r.settings).peak_bytes != accounting.estimate(inv, off.settings).peak_bytes

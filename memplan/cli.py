@@ -120,7 +120,7 @@ def estimate(
         from memplan import plot as P
 
         P.check_path(plot)  # before any work: a bad path is one line, nothing computed or written
-    est = cli_estimate.run(from_command({"model": model, **options}), O.explicit(ctx), with_explain=explain,
+    est = cli_estimate.run(from_command({"model": model, **options}, O.explicit(ctx)), with_explain=explain,
                            suggestions=not no_suggestions)
     if plot:
         from memplan import plot as P
@@ -160,7 +160,7 @@ def check(
     if options.get("gpu") is None and options.get("gpu_memory") is None:
         raise MemplanError("check needs the GPU: --gpu NAME (memplan presets) or --gpu-memory SIZE (80GB, 80GiB)")
     O.progress_for(as_json)
-    est = cli_estimate.run(from_command({"model": model, **options}), O.explicit(ctx),
+    est = cli_estimate.run(from_command({"model": model, **options}, O.explicit(ctx)),
                            progress_text="looking for changes that would fit", max_fraction=max_fraction)
     out = verdict(est, max_fraction)
     if as_json:

@@ -129,6 +129,18 @@ class DsConfig:
     unknown_keys: tuple[str, ...]
     notes: tuple[str, ...] = ()
 
+    def partial(self, hidden_size: int | None) -> dict[str, Any]:
+        """What the file sets, as a partial job request (memplan/request.py's field names, in the order options.py
+        reads them): its "auto" sizes as the HF Trainer fills them from the model's hidden size, its "auto" batch
+        sizes left to the job's other files (TrainingArguments fill them)."""
+        out: dict[str, Any] = {}
+        for name, value in (("stage", self.stage), ("precision", self.recipe), ("optimizer", self.optimizer),
+                            ("micro_batch", self.micro_batch), ("grad_accum", self.grad_accum)):
+            if value is not None and value != "auto":
+                out[name] = value
+        out.update(resolve_auto(self.knobs, hidden_size))
+        return out
+
 
 #: the largest count a ds_config value may hold (2^62): beyond it no buffer or batch is real
 _MAX_INT = 1 << 62

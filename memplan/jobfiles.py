@@ -18,12 +18,13 @@ PyYAML (a transformers dependency) is imported only to read YAML.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from memplan.errors import ConfigError
 from memplan.inputs import quote
+from memplan.request import JobRequest
 
 
 @dataclass
@@ -484,3 +485,135 @@ def merge(files: list[JobFile]) -> tuple[dict[str, Any], dict[str, str], list[st
         values.pop(drop)
         sources.pop(drop)
     return values, sources, notes
+
+
+def _with_files(given: dict[str, Any], explicit: set[str]) -> tuple[dict[str, Any], dict[str, str], list[str],
+                                                                    list[str]]:
+    """The options with the job files' values where the command line gave none; the files' sources; notes;
+    the files read."""
+    files = []
+    if given.get("accelerate_config"):
+        files.append(read_accelerate(given["accelerate_config"]))
+    if given.get("training_args"):
+        files.append(read_training_args(given["training_args"]))
+    values, sources, notes = merge(files)
+    values = _framework_of_command_line(given, explicit, values, sources, notes)
+    out = dict(given)
+    used: dict[str, str] = {}
+    for k, v in values.items():
+        strategy_given = k in ("stage", "strategy") and ({"stage", "strategy"} & explicit)
+        if k in explicit or strategy_given:
+            if not strategy_given and given[k] != v:
+                notes.append(f"{k}: command line {quote(given[k])} overrides {sources[k]} {quote(v)}")
+            elif strategy_given:
+                notes.append(f"strategy: the command line's overrides {sources[k]} {k} {quote(v)}")
+            continue
+        out[k], used[k] = v, sources[k]
+    if "stage" in used:
+        out["strategy"] = None
+    mixed = out.pop("_mixed", None)
+    used.pop("_mixed", None)
+    if mixed is not None:  # the Trainer's bf16/fp16, under the framework the job runs with
+        recipe = precision_for({**out, "_mixed": mixed})
+        if "precision" in explicit:
+            if given["precision"] != recipe:
+                notes.append(f"precision: command line {quote(given['precision'])} overrides {sources['_mixed']} "
+                             f"{quote(recipe)}")
+        else:
+            if "precision" in used and out["precision"] != recipe:
+                notes.append(f"precision: {sources['_mixed']} {quote(recipe)} overrides {used['precision']} "
+                             f"{quote(out['precision'])}")
+            out["precision"], used["precision"] = recipe, sources["_mixed"]
+    return out, used, notes, [f.path for f in files]
+
+
+#: the settings a job file gives that belong to one framework (this module): dropped, with a note, where the
+#: command line's --stage / --strategy runs the job under another framework than the file's
+FRAMEWORK_KEYS = {"fsdp": ("fsdp_wrap", "fsdp_version", "cpu_offload", "hsdp_shard_size"),
+                  "deepspeed": ("deepspeed", "offload_optimizer", "offload_param")}
+
+
+def _family(stage: Any, strategy: Any) -> str:
+    if stage is not None or str(strategy or "").startswith("zero") and strategy != "zero-optimizer":
+        return "deepspeed"
+    if str(strategy or "").startswith("fsdp") or strategy == "hsdp":
+        return "fsdp"
+    return "torch"
+
+
+def _framework_of_command_line(given: dict[str, Any], explicit: set[str], values: dict[str, Any],
+                               sources: dict[str, str], notes: list[str]) -> dict[str, Any]:
+    """Where the command line's --stage / --strategy runs the job under another framework than its files', the
+    files' settings of their framework no longer apply (an Accelerate FSDP config's wrap policy under --stage 3):
+    they are dropped with a note, and a precision the files gave follows the command line's framework with the
+    same mixed precision (precision_for)."""
+    if not ({"stage", "strategy"} & explicit) or not ({"stage", "strategy", "deepspeed"} & set(values)):
+        return values
+    theirs = _family(values.get("stage"), values.get("strategy")) if "deepspeed" not in values else "deepspeed"
+    ours = _family(given.get("stage") if "stage" in explicit else None,
+                   given.get("strategy") if "strategy" in explicit else None)
+    if theirs == ours:
+        return values
+    out = dict(values)
+    dropped = [k for k in FRAMEWORK_KEYS.get(theirs, ()) if k in out]
+    for k in dropped:
+        out.pop(k)
+    if dropped:
+        where = sorted({sources[k] for k in dropped})
+        notes.append(f"{', '.join(where)}: its {theirs} settings ({', '.join(dropped)}) do not apply to the command "
+                     f"line's {ours} strategy; left out")
+    if "precision" in out and "_mixed" not in out:
+        mixed = {"fp32": "no", "deepspeed-fp16": "fp16"}.get(str(out["precision"]), "bf16")
+        recipe = precision_for({"stage": given.get("stage") if "stage" in explicit else None,
+                                         "strategy": given.get("strategy") if "strategy" in explicit else None,
+                                         "_mixed": mixed})
+        if recipe != out["precision"]:
+            notes.append(f"precision: {sources['precision']}'s {quote(out['precision'])} is {theirs}'s; the "
+                         f"command line's {ours} strategy runs the same mixed precision as {quote(recipe)}")
+            out["precision"] = recipe
+    return out
+
+
+def merged(request: JobRequest, hidden_size: int | None) -> tuple[JobRequest, list[str], list[str]]:
+    """The one place a job's values are merged: the request as given (its sources: "command line" for each field
+    given), then its TrainingArguments and Accelerate config (_with_files), then its DeepSpeed config
+    (dsconfig.DsConfig.partial: "auto" sizes from the model's ``hidden_size``), each filling what the ones before
+    left unset; memplan's defaults fill the rest (options.resolve). Returns the merged request, whose sources name
+    the file each value came from, the notes (what a file could only approximate, where one value overrode
+    another's) and the files read."""
+    from memplan import dsconfig
+    from memplan.errors import SettingsError
+    from memplan.strategies import STAGE_TO_STRATEGY
+
+    explicit = {k for k, where in request.sources if where == "command line"}
+    values, used, notes, files = _with_files(request.flat(), explicit)
+    if values.get("stage") is not None and values.get("strategy") is not None:
+        raise SettingsError("give --stage or --strategy, not both")
+    if values.get("stage") is not None and values["stage"] not in STAGE_TO_STRATEGY:
+        raise SettingsError(f"--stage must be 0, 1, 2 or 3, got {values['stage']}")
+    sources = {**{k: "command line" for k in explicit}, **used}
+    if values.get("pin_memory") is not None:  # DeepSpeed offload's pin_memory (and FSDP's: options.resolve)
+        values["offload_pin_memory"] = values["pin_memory"]
+        sources["offload_pin_memory"] = sources.get("pin_memory", "command line")
+    path = values.get("deepspeed")
+    if path:
+        ds = dsconfig.load(path)
+        if ds.unknown_keys:
+            notes.append(f"{path}: ignored keys not modelled: {', '.join(ds.unknown_keys)}")
+        notes.extend(f"{path}: {n}" for n in ds.notes)
+        for name, theirs in ds.partial(hidden_size).items():
+            if name == "stage":  # the file's ZeRO stage, unless the job's strategy is given
+                mine = STAGE_TO_STRATEGY[values["stage"]] if values.get("stage") is not None else values.get("strategy")
+                if mine is None:
+                    values["stage"], sources["stage"] = theirs, path
+                elif mine != STAGE_TO_STRATEGY.get(theirs):
+                    where = sources.get("stage" if values.get("stage") is not None else "strategy", "command line")
+                    notes.append(f"strategy: {where} {quote(mine)} overrides {path} "
+                                 f"{quote(STAGE_TO_STRATEGY.get(theirs))}")
+            elif values.get(name) is None:
+                values[name], sources[name] = theirs, path
+            elif values[name] != theirs:
+                notes.append(f"{name}: {sources.get(name, 'command line')} {quote(values[name])} overrides {path} "
+                             f"{quote(theirs)}")
+    out = JobRequest.of(**values)
+    return replace(out, adapters=request.adapters).with_sources(sources), notes, files

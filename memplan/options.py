@@ -9,7 +9,6 @@ from __future__ import annotations
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
-from memplan import dsconfig
 from memplan.allocator import AllocatorConfig
 from memplan.errors import SettingsError
 from memplan.inputs import quote
@@ -25,8 +24,9 @@ from memplan.units import parse_size
 @dataclass(frozen=True)
 class Resolved:
     settings: Settings
-    sources: dict[str, str]  #: setting -> "command line" | "<ds_config path>" | "default"
+    sources: dict[str, str]  #: setting -> "command line" | a job file's path | "default"
     notes: tuple[str, ...]
+    files: tuple[str, ...] = ()  #: the TrainingArguments and Accelerate files read (jobfiles.merged)
 
 
 def gpu_memory(gpu: str | None, gpu_memory: str | None) -> tuple[int | None, str | None]:
@@ -189,34 +189,31 @@ def kernel_target(c: Cluster) -> Any:
 
 
 class _Picker:
-    """Each setting from the command line, else the ds_config, else memplan's default; ``sources`` says which won
-    and ``notes`` where the command line overrode the file."""
+    """Each setting from the merged request (jobfiles.merged: the command line, else the job's files), else
+    memplan's default; ``sources`` says which won."""
 
-    def __init__(self, deepspeed: str | None) -> None:
-        self.deepspeed = deepspeed
+    def __init__(self, request: JobRequest) -> None:
+        self.request = request
         self.sources: dict[str, str] = {}
-        self.notes: list[str] = []
 
-    def __call__(self, name: str, cli: Any, from_file: Any, default: Any) -> Any:
-        if cli is not None:
-            if from_file is not None and from_file != cli:
-                self.notes.append(f"{name}: command line {quote(cli)} overrides {self.deepspeed} {quote(from_file)}")
-            self.sources[name] = "command line"
-            return cli
-        if from_file is not None:
-            self.sources[name] = str(self.deepspeed)
-            return from_file
+    def __call__(self, name: str, default: Any, value: Any = None, field: str | None = None) -> Any:
+        """``name``'s value (``value`` when the caller read it itself from ``field``)."""
+        field = field or name
+        if value is None:
+            value = self.request[field]
+        if value is not None:
+            self.sources[name] = self.request.source(field) or "command line"
+            return value
         self.sources[name] = "default"
         return default
 
 
-def _ds_knobs(pick: _Picker, ds_file: Any, inv: ParamInventory, overrides: dict[str, Any],
-              strat: Any) -> DeepSpeedKnobs:
-    """DeepSpeed's knobs, each from the command line, else the ds_config, else DeepSpeed's default."""
+def _ds_knobs(pick: _Picker, strat: Any) -> DeepSpeedKnobs:
+    """DeepSpeed's knobs, each from the command line, else the job's files (the ds_config), else DeepSpeed's
+    default."""
     values: dict[str, Any] = {}
-    file_knobs = dsconfig.resolve_auto(ds_file.knobs, inv.dims.get("hidden_size")) if ds_file else {}
     for name in [f.name for f in fields(DeepSpeedKnobs)]:  # declaration order: the JSON's order is stable
-        value = pick(name, overrides.get(name), file_knobs.get(name), None)
+        value = pick(name, None)
         if value is not None:
             values[name] = value
     for key, value in values.items():
@@ -228,7 +225,8 @@ def _ds_knobs(pick: _Picker, ds_file: Any, inv: ParamInventory, overrides: dict[
     if ds.offload_optimizer and not (strat.framework == "deepspeed" and strat.zero_stage >= 1):
         raise SettingsError(f"optimizer offload (offload_optimizer) is DeepSpeed ZeRO-Offload: it needs ZeRO stage "
                             f"1, 2 or 3, not {strat.name} (FSDP offloads with --cpu-offload)")
-    if overrides.get("leaf_classes") is not None and strat.zero_stage != 3:
+    if pick.request.source("leaf_classes") == "command line" and ds.leaf_classes is not None \
+            and strat.zero_stage != 3:
         raise SettingsError(f"--z3-leaf-modules is DeepSpeed ZeRO-3's, not for --strategy {strat.name}")
     if ds.hpz_partition_size < 1:
         raise SettingsError(f"zero_hpz_partition_size must be at least 1, got {ds.hpz_partition_size}")
@@ -706,30 +704,18 @@ def resolve(inv: ParamInventory, request: JobRequest, *, config: dict[str, Any] 
     (lora.apply), which the traced step adds too. ``config``: the model's config.json, for the trace.
     ``trace`` False: a model-parallel job whose rank profiles are not cached is refused instead of traced (the 'to
     fit' suggestions keep an estimate free of torch)."""
-    r = request
-    gpus, gpus_per_node, device = r.cluster.gpus, r.cluster.gpus_per_node, r.cluster.device
-    stage, strategy, precision, optimizer = r.training.stage, r.training.strategy, r.training.precision, \
-        r.training.optimizer
-    micro_batch, seq_len, grad_accum = r.batch.micro_batch, r.batch.seq_len, r.batch.grad_accum
-    deepspeed, lora, parallel = r.files.deepspeed, r.adapters.spec, r.parallel.build()
-    pin_memory = r.memory.pin_memory
-    pick = _Picker(deepspeed)
-    notes = pick.notes
-    ds_file = dsconfig.load(deepspeed) if deepspeed else None
-    if ds_file and ds_file.unknown_keys:
-        notes.append(f"{deepspeed}: ignored keys not modelled: {', '.join(ds_file.unknown_keys)}")
-    notes.extend(f"{deepspeed}: {n}" for n in (ds_file.notes if ds_file else ()))
-    if stage is not None and strategy is not None:
-        raise SettingsError("give --stage or --strategy, not both")
-    if stage is not None and stage not in STAGE_TO_STRATEGY:
-        raise SettingsError(f"--stage must be 0, 1, 2 or 3, got {stage}")
+    from memplan import jobfiles
 
-    cli_strategy = STAGE_TO_STRATEGY[stage] if stage is not None else strategy
-    file_strategy = STAGE_TO_STRATEGY.get(ds_file.stage) if ds_file and ds_file.stage is not None else None
+    r, notes, files = jobfiles.merged(request, inv.dims.get("hidden_size"))
+    gpus, gpus_per_node, device = r.cluster.gpus, r.cluster.gpus_per_node, r.cluster.device
+    stage, strategy, seq_len = r.training.stage, r.training.strategy, r.batch.seq_len
+    lora, parallel = r.adapters.spec, r.parallel.build()
+    pick = _Picker(r)
     # expert parallelism runs under FSDP2 only (parallel.py _check_ep): without a strategy given, that one
     ep = parallel is not None and parallel.ep > 1
-    default = "zero3" if ds_file else "fsdp-full" if ep else "single" if gpus == 1 else "ddp"
-    strat = get_strategy(pick("strategy", cli_strategy, file_strategy, default))
+    default = "zero3" if r.files.deepspeed else "fsdp-full" if ep else "single" if gpus == 1 else "ddp"
+    strat = get_strategy(pick("strategy", default, STAGE_TO_STRATEGY[stage] if stage is not None else strategy,
+                              "stage" if stage is not None else "strategy"))
     if pick.sources["strategy"] == "default" and ep:
         notes.append("strategy: fsdp-full, the one memplan runs expert parallelism under (FSDP2 over the expert-FSDP "
                      "ranks, as torchtitan runs EP); --strategy names it explicitly")
@@ -739,8 +725,7 @@ def resolve(inv: ParamInventory, request: JobRequest, *, config: dict[str, Any] 
     if strat.one_gpu and gpus != 1:
         raise SettingsError(f"--strategy {strat.name} runs on one GPU, not {gpus}: give a data-parallel strategy "
                             "(ddp, zero1-3, fsdp-full, hsdp, ...)")
-    recipe = get_recipe(pick("precision", precision, ds_file.recipe if ds_file else None,
-                             DEFAULT_RECIPE[strat.framework]))
+    recipe = get_recipe(pick("precision", DEFAULT_RECIPE[strat.framework]))
     if recipe.name == "pure-bf16" and strat.fp32_master_copy:
         # ZeRO-1/2 (stage_1_and_2.py) and ZeRO-3 keep an fp32 master partition and fp32 Adam states unless the bf16
         # section sets bf16_master_weights_and_grads (and bf16_optimizer_states, which needs it:
@@ -749,7 +734,7 @@ def resolve(inv: ParamInventory, request: JobRequest, *, config: dict[str, Any] 
                             "fp32 optimizer states (deepspeed-bf16) unless its bf16 section sets "
                             "bf16_master_weights_and_grads and bf16_optimizer_states, which memplan does not model "
                             "yet; use --precision deepspeed-bf16")
-    opt = get_optimizer(pick("optimizer", optimizer, ds_file.optimizer if ds_file else None, "adamw"))
+    opt = get_optimizer(pick("optimizer", "adamw"))
     if opt.per_tensor and (strat.layout != REPLICATED or lora is not None):
         why = ("torch.optim.Muon's Newton-Schulz needs each whole matrix, and its distributed variant's gathers are "
                "not modelled yet" if opt.per_tensor == "muon" else "Adam-mini's per-head and per-row states"
@@ -775,12 +760,9 @@ def resolve(inv: ParamInventory, request: JobRequest, *, config: dict[str, Any] 
         notes.append(f"{opt.name}: bitsandbytes keeps the states in CUDA unified memory (cudaMallocManaged), outside "
                      "PyTorch's allocator; counted on the GPU, where they stay unless memory runs short (then the "
                      "driver pages them to the host and the step slows): an upper bound on what must fit")
-    file_mb = ds_file.micro_batch if ds_file and ds_file.micro_batch != "auto" else None
-    file_ga = ds_file.grad_accum if ds_file and ds_file.grad_accum != "auto" else None
-    mb = pick("micro_batch", micro_batch, file_mb, 1)
-    ga = pick("grad_accum", grad_accum, file_ga, 1)
-    seq = seq_len if seq_len is not None else 2048
-    pick.sources["seq_len"] = "command line" if seq_len is not None else "default"
+    mb = pick("micro_batch", 1)
+    ga = pick("grad_accum", 1)
+    seq = pick("seq_len", 2048)
     if config is not None and "factory" not in config:
         from memplan.model import tasks
 
@@ -792,11 +774,10 @@ def resolve(inv: ParamInventory, request: JobRequest, *, config: dict[str, Any] 
                                        if tasks.task_of(config) == tasks.IMAGE else
                                        "the model's learned positions (max_position_embeddings)")
 
-    ds_overrides = {k: v for k, v in _values(r.deepspeed).items() if v is not None}
     torch_overrides = {k: v for k, v in _values(r.torch).items() if v is not None}
-    if pin_memory is not None:  # DeepSpeed offload's pin_memory, and FSDP CPUOffloadPolicy's
-        ds_overrides["offload_pin_memory"] = torch_overrides["cpu_offload_pin_memory"] = pin_memory
-    ds = _ds_knobs(pick, ds_file, inv, ds_overrides, strat)
+    if r.memory.pin_memory is not None:  # FSDP CPUOffloadPolicy's (DeepSpeed offload's: jobfiles.merged)
+        torch_overrides["cpu_offload_pin_memory"] = r.memory.pin_memory
+    ds = _ds_knobs(pick, strat)
     notes.extend(_zeropp_notes(ds, strat, gpus, _per_node(gpus, gpus_per_node)))
     notes.extend(_reduce_path_notes(ds, strat))
     _deepspeed_wrapper(strat, recipe, ds, notes)
@@ -871,7 +852,7 @@ def resolve(inv: ParamInventory, request: JobRequest, *, config: dict[str, Any] 
     for name, where in r.sources:  # the job files' values (jobfiles.py), named by their file
         if where != "command line":
             pick.sources["strategy" if name == "stage" else name] = where
-    return Resolved(settings=settings, sources=pick.sources, notes=tuple(notes))
+    return Resolved(settings=settings, sources=pick.sources, notes=tuple(notes), files=tuple(files))
 
 
 def _values(part: Any) -> dict[str, Any]:

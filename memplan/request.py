@@ -450,8 +450,9 @@ class JobRequest:
 
     @classmethod
     def of(cls, **values: Any) -> "JobRequest":
-        """A request from flat names (``micro_batch=4``); ``lora`` (a LoraSpec) is the adapter itself, ``parallel``
-        (a memplan.parallel.Parallel) its degrees. Values are taken as typed (sizes in bytes)."""
+        """A request from flat names (``micro_batch=4``), each counted as given (the job's files do not override
+        it); ``lora`` (a LoraSpec) is the adapter itself, ``parallel`` (a memplan.parallel.Parallel) its degrees.
+        Values are taken as typed (sizes in bytes)."""
         values = dict(values)
         spec = values.pop("lora", None)
         par = values.pop("parallel", None)
@@ -464,13 +465,14 @@ class JobRequest:
         return out
 
     def changed(self, **values: Any) -> "JobRequest":
-        """This request with the flat names ``values`` set (the other fields as they are)."""
+        """This request with the flat names ``values`` set and counted as given (the other fields as they are)."""
         by_part: dict[str, dict[str, Any]] = {}
         for k, v in values.items():
             if k not in _PART_OF:
                 raise TypeError(f"JobRequest has no field {k!r}")
             by_part.setdefault(_PART_OF[k], {})[k] = v
-        return replace(self, **{p: replace(getattr(self, p), **ch) for p, ch in by_part.items()})
+        out = replace(self, **{p: replace(getattr(self, p), **ch) for p, ch in by_part.items()})
+        return out.with_sources({**dict(self.sources), **{k: "command line" for k in values}})
 
     def flat(self) -> dict[str, Any]:
         """Every field by its flat name."""
@@ -506,15 +508,20 @@ class JobRequest:
         return dict(self.sources).get(name)
 
     def with_sources(self, sources: Mapping[str, str]) -> "JobRequest":
-        return replace(self, sources=tuple(sorted(sources.items())))
+        """This request with ``sources`` (flat name -> "command line" or a file's path) as where its values came
+        from."""
+        return replace(self, sources=tuple(sources.items()))
 
 
-def from_command(values: Mapping[str, Any]) -> JobRequest:
-    """A request from a command's parameters (typer's values: a size as its text), each parsed as its Key says."""
+def from_command(values: Mapping[str, Any], explicit: Iterable[str] = ()) -> JobRequest:
+    """A request from a command's parameters (typer's values: a size as its text), each parsed as its Key says;
+    ``explicit``: those given on the command line (the others are the command's defaults, which the job's files
+    override)."""
     out: dict[str, Any] = {}
     for part in PARTS.values():
         for name, _, key in keys(part):
             if name in values:
                 v = values[name]
                 out[name] = key.parse(v) if key.parse is not None and v is not None else v
-    return JobRequest.of(**out)
+    given = set(explicit)
+    return JobRequest.of(**out).with_sources({k: "command line" for k in out if k in given})

@@ -1,0 +1,90 @@
+"""The job request (memplan/request.py): one field per option with its flag and file keys, the command line built
+from it, the printed flags that give it back, and the one merge of the job's files (jobfiles.merged)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from typer.main import get_command
+
+from memplan import jobfiles, options
+from memplan.cli import app
+from memplan.errors import MemplanError
+from memplan.model.sources import build_inventory, resolve
+from memplan.request import PARTS, JobRequest, from_command, keys
+
+ROOT = Path(__file__).resolve().parents[2]
+FLAT = [(part, name, key) for part, cls in PARTS.items() for name, _, key in keys(cls)]
+
+
+def _help(command: str) -> str:
+    return CliRunner().invoke(get_command(app), [command, "--help"], terminal_width=400).output
+
+
+def test_every_field_has_one_name_and_its_flag_is_an_estimate_option() -> None:
+    names = [name for _, name, _ in FLAT]
+    assert len(names) == len(set(names))
+    flags = [key.flag for _, _, key in FLAT if key.flag]
+    assert len(flags) == len(set(flags))
+    shown = _help("estimate")
+    for flag in flags:
+        assert flag.split("/")[0] in shown, flag
+
+
+@pytest.mark.parametrize("command", ["check", "plan", "validate"])
+def test_the_other_commands_take_their_options_from_the_same_fields(command: str) -> None:
+    shown = _help(command)
+    for flag in ("--gpu-memory" if command != "validate" else "--optimizer-impl", "--lora-rank", "--cpu-isa"):
+        assert flag in shown, (command, flag)
+
+
+def test_a_command_line_value_is_parsed_as_its_field_says() -> None:
+    r = from_command({"model": "gpt2", "cuda_context_bytes": "1GiB", "leaf_classes": "none",
+                      "reshard_after_forward": "4", "horovod_fusion_threshold": "0"}, ["cuda_context_bytes"])
+    assert (r.memory.cuda_context_bytes, r.deepspeed.leaf_classes, r.torch.reshard_after_forward,
+            r.horovod.horovod_fusion_threshold) == (1 << 30, (), 4, 0)
+    assert r.source("cuda_context_bytes") == "command line" and r.source("leaf_classes") is None
+    with pytest.raises(MemplanError, match="--cuda-context"):
+        from_command({"cuda_context_bytes": "lots"})
+
+
+def test_the_flags_give_back_the_request() -> None:
+    r = JobRequest.of(micro_batch=4, overlap_comm=False, leaf_classes=(), reshard_after_forward=False,
+                      double_quant=True, sp=True, tp=2, cuda_context_bytes=1 << 29, allocator_conf="a b")
+    assert r.flags() == ["--micro-batch 4", "--tp 2", "--sp", "--double-quant", "--no-overlap-comm",
+                         "--z3-leaf-modules none", "--reshard-after-forward false", "--cuda-context 536870912",
+                         "--allocator-conf 'a b'"]
+    assert r.flags({"micro_batch"}) == ["--micro-batch 4"]
+    assert JobRequest().flags() == []
+
+
+def test_changed_counts_its_values_as_given() -> None:
+    r = JobRequest.of(gpus=8).changed(stage=3)
+    assert (r.cluster.gpus, r.training.stage, r.source("stage"), r.source("micro_batch")) == \
+        (8, 3, "command line", None)
+    with pytest.raises(TypeError):
+        r.changed(no_such_option=1)
+
+
+def test_the_files_merge_in_one_place_with_their_sources(tmp_path: Path) -> None:
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"zero_optimization": {"stage": 2, "reduce_bucket_size": "auto", "overlap_comm": True},
+                              "train_micro_batch_size_per_gpu": "auto", "bf16": {"enabled": True}}))
+    ta = tmp_path / "args.json"
+    ta.write_text(json.dumps({"per_device_train_batch_size": 4, "gradient_accumulation_steps": 2, "bf16": True,
+                              "deepspeed": "ds.json"}))
+    asked = JobRequest.of(gpus=8, training_args=str(ta), overlap_comm=False)
+    merged, notes, files = jobfiles.merged(asked, 4096)
+    assert (merged.batch.micro_batch, merged.training.stage, merged.deepspeed.reduce_bucket_size,
+            merged.deepspeed.overlap_comm) == (4, 2, 4096 * 4096, False)
+    assert (merged.source("micro_batch"), merged.source("stage"), merged.source("reduce_bucket_size"),
+            merged.source("overlap_comm")) == (str(ta), str(ds), str(ds), "command line")
+    assert f"overlap_comm: command line False overrides {ds} True" in notes
+    assert files == [str(ta)]
+    inv = build_inventory(resolve("llama-3-8b"))
+    got = options.resolve(inv, asked.changed(activations="analytic"))
+    assert got.settings.strategy.name == "zero2" and got.sources["strategy"] == str(ds)
+    assert got.sources["micro_batch"] == str(ta) and got.sources["grad_accum"] == str(ta)

@@ -15,7 +15,7 @@ from memplan import __version__
 from memplan import cli_options as O
 from memplan import cli_render as R
 from memplan.errors import MemplanError
-from memplan.units import fmt_bytes
+from memplan.request import HarnessRun, SearchSpace
 
 app = typer.Typer(add_completion=True, no_args_is_help=True, rich_markup_mode=None,
                   help="Per-GPU memory of distributed training jobs, before you launch them. "
@@ -28,30 +28,10 @@ def presets(as_json: bool = typer.Option(False, "--json", help="Print JSON on st
 
     Example: memplan presets --json
     """
-    from memplan.model import sources
+    from memplan.report import presets_report
 
-    models = []
-    for name in sources.preset_names():
-        src = sources.resolve(name)
-        inv = sources.build_inventory(src)
-        aliases = sorted(a for a, c in sources.PRESET_ALIASES.items() if c == name)
-        models.append({"name": name, "aliases": aliases, "model_type": src.config.get("model_type"),
-                       "num_params": inv.num_params, "name_or_path": src.config.get("_name_or_path")})
-    gpus = [{**g.to_json(), "capacity_bytes": g.capacity[0], "capacity_as": g.capacity[1]}
-            for g in sources.gpu_presets().values()]
-    if as_json:
-        R.emit_json({"schema_version": 1, "models": models, "gpus": gpus})
-        return
-    c = R.console()
-    c.print(R.table("Model presets (real config.json files)", [("preset", "left"), ("aliases", "left"),
-                                                             ("model_type", "left"), ("parameters", "right")],
-                   [[m["name"], ", ".join(m["aliases"]), m["model_type"], f"{m['num_params']:,}"] for m in models]))
-    c.print(R.table("GPU presets (capacity: what the verdict compares with, as torch reports it where measured, "
-                    "else the driver's memory.total)",
-                    [("gpu", "left"), ("device", "left"), ("capacity", "right"), ("bytes", "right"), ("as", "left"),
-                     ("driver's total", "right")],
-                    [[g["id"], f"{g['name']} ({g['nominal']})", fmt_bytes(g["capacity_bytes"]),
-                      f"{g['capacity_bytes']:,}", g["capacity_as"], f"{g['usable_bytes']:,}"] for g in gpus]))
+    rep = presets_report()
+    R.emit_json(rep) if as_json else R.render_presets(rep)
 
 
 @app.command()
@@ -69,27 +49,7 @@ def inspect(
 
     inv = sources.build_inventory(sources.resolve(model), builder=builder)
     rep = inspect_report(inv)
-    if as_json:
-        R.emit_json(rep)
-        return
-    c = R.console()
-    m = rep["model"]
-    c.print(f"[bold]{m['name']}[/bold]  {m['num_params']:,} parameters  ({m['family']}, {m['source']}, "
-            f"builder: {m['builder']})")
-    c.print(R.table("Stored bytes by dtype", [("dtype", "left"), ("bytes", "right"), ("size", "right")],
-                   [[d, f"{b:,}", fmt_bytes(b)] for d, b in rep["bytes_by_dtype"].items()]))
-    total = m["num_params"]
-    c.print(R.table("Parameters by category", [("category", "left"), ("parameters", "right"), ("share", "right")],
-                   [[k, f"{v:,}", f"{100 * v / total:.2f}%"] for k, v in rep["params_by_category"].items()]))
-    lb, lt = rep["largest_block"], rep["largest_tensor"]
-    c.print(f"blocks (wrapped units): {rep['num_blocks']}; root (outside blocks): {rep['root_block_params']:,} params")
-    if lb:
-        c.print(f"largest block: {lb['name']} ({lb['num_params']:,} params, {lb['num_tensors']} tensors)")
-    c.print(f"largest tensor: {lt['name']} {tuple(lt['shape'])} ({lt['num_params']:,} params)")
-    for t in rep["tied"]:
-        c.print(f"tied: {t['name']} = {', '.join(t['aliases'])} (counted once)")
-    for n in rep["notes"]:
-        c.print(f"note: {n}")
+    R.emit_json(rep) if as_json else R.render_inspect(rep)
 
 
 @app.command()
@@ -179,26 +139,11 @@ PLAN_FIELDS = ("task", "builder", "activations", "gpu", "gpu_memory", "device", 
 @app.command()
 @O.request_options("adapters")
 @O.request_options("model", "cluster", "batch", "training", "memory", only=PLAN_FIELDS)
+@O.request_options(SearchSpace)
 def plan(
     model: O.Model,
     gpus_per_node: int = typer.Option(8, "--gpus-per-node", help="GPUs per node."),
-    max_gpus: int = typer.Option(1024, "--max-gpus", help="Largest GPU count to consider."),
-    strategies: str = typer.Option(",".join(("single", "ddp", "zero1", "zero2", "zero3", "zero-optimizer", "fsdp-full",
-                                             "fsdp-grad-op", "hsdp")), "--strategies",
-                                   help="Comma-separated strategies to consider."),
-    recompute: str = typer.Option("none,full", "--recompute", help="Comma-separated: none, selective, full, every:N, "
-                                                                 "layer-sac:N."),
-    micro_batch: Optional[int] = typer.Option(None, "--micro-batch", help="Fix the micro-batch (else the largest "
-                                              "that fits, up to --max-micro-batch)."),
-    max_micro_batch: int = typer.Option(64, "--max-micro-batch", help="Largest micro-batch to consider."),
-    allow_offload: bool = typer.Option(False, "--allow-offload", help="Also consider DeepSpeed ZeRO-Offload "
-                                       "(optimizer, or optimizer and parameters, on the host)."),
-    layouts: bool = typer.Option(False, "--layouts", help="Also consider tensor parallelism within a node and "
-                                 "pipeline stages across nodes (fsdp-full, ddp, zero1)."),
     plot: O.Plot = None,
-    min_headroom: Optional[str] = typer.Option(None, "--min-headroom", help="What every candidate must leave free: "
-                                               "a size (8GiB, 8GB) or a fraction of the GPU (0.1 or 10%) "
-                                               "[default: 0]."),
     as_json: O.Json = False,
     **options: Any,
 ) -> None:
@@ -208,39 +153,18 @@ def plan(
 
     Example: memplan plan llama-70b --gpu h100-80g --min-headroom 10%
     """
-    from memplan import accounting, planner, progress
-    from memplan.model import sources
-    from memplan.report import search_report
-    from memplan.request import from_command
+    from memplan import cli_estimate
+    from memplan.request import build, from_command
 
     O.progress_for(as_json)
     if plot:
         from memplan import plot as P
 
         P.check_path(plot)  # before any work: a bad path is one line, nothing computed or written
-    base = from_command({"model": model, "gpus_per_node": gpus_per_node, **options})
-    base = replace(base, adapters=base.adapters.with_adapter())
-    space = planner.SearchSpace(max_gpus=max_gpus, strategies=O.csv(strategies, "--strategies"),
-                                recomputes=O.csv(recompute, "--recompute"), micro_batch=micro_batch,
-                                max_micro_batch=max_micro_batch, allow_offload=allow_offload,
-                                min_headroom=min_headroom, layouts=layouts)
-    src = sources.with_task(sources.resolve(model), base.model.task)
-    inv = sources.build_inventory(src, builder=base.model.builder)
-    config = sources.trace_config(src, inv)
-    if base.adapters.spec is not None:
-        from memplan.model import lora
-
-        inv = lora.apply(inv, base.adapters.spec)
-    with progress.task(f"searching layouts for {inv.model_name} (strategies x recompute x GPU counts)"):
-        found = planner.search(inv, base, space, config=config)
-    best = planner.best_settings(found)
-    if plot:
-        from memplan import plot as P
-
-        P.draw(plot, P.bars_across_candidates(inv, found), found.gpu_memory_bytes,
-               f"{inv.model_name}: the candidates at {found.gpus or found.max_gpus} GPUs", "candidate")
-    rep = search_report(found, inv, None if best is None else accounting.estimate(inv, best),
-                        planner.command_line(model, found, base.flags(set(options) - {"gpus_per_node"})))
+    space = build(SearchSpace, options)
+    asked = {k: v for k, v in options.items() if k not in vars(space)}  # the job's options; the rest: the search's
+    base = from_command({"model": model, "gpus_per_node": gpus_per_node, **asked})
+    rep, best = cli_estimate.plan(base, space, plot, base.flags(asked))
     if as_json:
         R.emit_json(rep)
     else:
@@ -253,6 +177,7 @@ def plan(
 @O.request_options("deepspeed", "torch", "parallel", "adapters")
 @O.request_options("training", "files", only=("stage", "strategy", "precision", "optimizer_impl", "deepspeed"))
 @O.request_options("batch", "cluster", only=("micro_batch", "grad_accum", "cpu_isa"))
+@O.request_options(HarnessRun)
 def validate(
     model: O.Model,
     gpus: int = typer.Option(2, "--gpus", help="Ranks to run on this host (spawned)."),
@@ -265,14 +190,7 @@ def validate(
                                             "adamw-schedulefree schedulefree, adam-mini adam-mini, apollo-adamw "
                                             "apollo-torch)."),
     recompute: str = typer.Option("none", "--recompute", help="none | full | every:N | layer-sac:N."),
-    layers: Optional[int] = typer.Option(None, "--layers", help="Scale the model down to this many blocks."),
-    hidden: Optional[int] = typer.Option(None, "--hidden", help="Scale the hidden size down (head_dim kept)."),
-    vocab: Optional[int] = typer.Option(None, "--vocab", help="Scale the vocabulary down."),
-    warmup_steps: int = typer.Option(2, "--warmup-steps", help="Steps before measuring (states get allocated)."),
-    steps: int = typer.Option(1, "--steps", help="Measured steps."),
     device: Optional[str] = typer.Option(None, "--device", help="cuda (NCCL) or cpu (gloo) [default: cuda if present]."),
-    timeout: float = typer.Option(600.0, "--timeout", help="Seconds before a hung run is stopped."),
-    tolerance: float = typer.Option(0.03, "--tolerance", help="Allowed |relative error| on the peak."),
     as_json: O.Json = False,
     **options: Any,
 ) -> None:
@@ -282,7 +200,7 @@ def validate(
 
     Example: memplan validate llama-7b --layers 2 --hidden 256 --vocab 2048 --gpus 2 --stage 2 --device cpu
     """
-    from memplan.request import from_command
+    from memplan.request import build, from_command
     from memplan.validation import default_device, validation_report
     from memplan.validation import validate as run_validate
 
@@ -292,13 +210,14 @@ def validate(
 
         config = sources.resolve(model).config or {}
         seq_len = None if "factory" not in config and tasks.task_of(config) == tasks.IMAGE else 128
+    run = build(HarnessRun, options)
     request = from_command({**options, "model": model, "gpus": gpus, "seq_len": seq_len, "optimizer": optimizer,
                             "recompute": recompute, "device": device or default_device(),
                             "gpus_per_node": gpus_per_node if gpus_per_node is not None else gpus})
     request = replace(request, adapters=request.adapters.with_adapter())
-    v = run_validate(model, request, layers=layers, hidden=hidden, vocab=vocab, warmup_steps=warmup_steps,
-                     measured_steps=steps, timeout_s=timeout, tolerance=tolerance,
-                     progress=lambda line: err.print(f"[dim]{line}[/dim]"))
+    v = run_validate(model, request, layers=run.layers, hidden=run.hidden, vocab=run.vocab,
+                     warmup_steps=run.warmup_steps, measured_steps=run.steps, timeout_s=run.timeout,
+                     tolerance=run.tolerance, progress=lambda line: err.print(f"[dim]{line}[/dim]"))
     rep = validation_report(v)
     if as_json:
         R.emit_json(rep)

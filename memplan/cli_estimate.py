@@ -1,4 +1,4 @@
-"""What `memplan estimate` and `memplan check` share: the command's options, with the job's own files
+"""What `memplan estimate`, `check` and `plan` share: the command's options, with the job's own files
 (memplan/jobfiles.py) filling what the command line did not give, resolved into Settings, estimated, explained
 and, when the job does not fit, the single changes that would (memplan/advice.py). Only the CLI uses it."""
 
@@ -17,23 +17,52 @@ class Estimated:
     files: list[str]  #: the job files read
 
 
+def inventory(request: Any, notes: list[str] | None = None) -> tuple[Any, Any, Any]:
+    """The request with its LoRA adapter made (request.Adapters.with_adapter), the model's inventory with that
+    adapter as PEFT adds it (the traced step adds the same), and the config to trace."""
+    from memplan.model import sources
+
+    request = replace(request, adapters=request.adapters.with_adapter(notes))
+    src = sources.with_task(sources.resolve(request.model.model), request.model.task)
+    inv = sources.build_inventory(src, builder=request.model.builder)
+    config = sources.trace_config(src, inv)
+    if request.adapters.spec is not None:
+        from memplan.model import lora
+
+        inv = lora.apply(inv, request.adapters.spec)
+    return request, inv, config
+
+
+def plan(base: Any, space: Any, plot: str | None, flags: list[str]) -> tuple[dict[str, Any], Any]:
+    """`memplan plan`: the search over ``space`` (request.SearchSpace) for the job ``base``, drawn to ``plot``;
+    its report (whose command carries ``flags``, the job's options as given) and the recommended Settings."""
+    from memplan import accounting, planner, progress
+    from memplan.report import search_report
+
+    base, inv, config = inventory(base)
+    with progress.task(f"searching layouts for {inv.model_name} (strategies x recompute x GPU counts)"):
+        found = planner.search(inv, base, space, config=config)
+    best = planner.best_settings(found)
+    if plot:
+        from memplan import plot as P
+
+        P.draw(plot, P.bars_across_candidates(inv, found), found.gpu_memory_bytes,
+               f"{inv.model_name}: the candidates at {found.gpus or found.max_gpus} GPUs", "candidate")
+    rep = search_report(found, inv, None if best is None else accounting.estimate(inv, best),
+                        planner.command_line(base.model.model, found, flags))
+    return rep, best
+
+
 def run(request: Any, *, with_explain: bool = False, suggestions: bool = True,
         progress_text: str = "estimating single changes that would fit", max_fraction: float | None = None) -> Estimated:
     """Estimate the job ``request`` (memplan/request.py JobRequest, as the command gave it: options.resolve merges
     its files in); ``max_fraction``: suggestions fit that share of the GPU (memplan check)."""
     from memplan import accounting, advice, options, progress
     from memplan.explain import explain
-    from memplan.model import sources
     from memplan.report import plan_report
 
-    request = replace(request, adapters=request.adapters.with_adapter(notes := []))
-    src = sources.with_task(sources.resolve(request.model.model), request.model.task)
-    inv = sources.build_inventory(src, builder=request.model.builder)
-    config = sources.trace_config(src, inv)
-    if request.adapters.spec is not None:  # the adapters as PEFT adds them; the traced step adds the same
-        from memplan.model import lora
-
-        inv = lora.apply(inv, request.adapters.spec)
+    notes: list[str] = []
+    request, inv, config = inventory(request, notes)
 
     def resolve(changes: dict[str, Any]) -> Any:
         # a change as the printed command runs it: given on the command line, the job's files filling the rest (a

@@ -39,17 +39,20 @@ def _option(part: type, name: str, key: rq.Key) -> Any:
     return Annotated[_optional(kind), typer.Option(key.flag, help=key.help)]
 
 
-def request_options(*parts: str, only: tuple[str, ...] | None = None, without: tuple[str, ...] = ()) -> Any:
-    """A command that takes the options of the request's ``parts`` (request.PARTS), each declared once by its
-    field's metadata; the command receives them in ``**options``. A parameter the command declares itself (its own
+def request_options(*parts: str | type, only: tuple[str, ...] | None = None, without: tuple[str, ...] = ()) -> Any:
+    """A command that takes the options of the request's ``parts`` (names in request.PARTS, or a dataclass whose
+    fields carry a request.Key: request.SearchSpace, request.HarnessRun), each declared once by its field's
+    metadata; the command receives them in ``**options``. A parameter the command declares itself (its own
     default or help) stays its own; ``only`` / ``without`` pick fields by name. --json stays last in --help."""
     def add(fn: Any) -> Any:
         sig = inspect.signature(fn, eval_str=True)
         own = [p for p in sig.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
         names = {p.name for p in own}
         kw = inspect.Parameter.KEYWORD_ONLY
-        extra = [inspect.Parameter(name, kw, default=default, annotation=_option(rq.PARTS[part], name, key))
-                 for part in parts for name, default, key in rq.keys(rq.PARTS[part])
+        classes = [rq.PARTS[p] if isinstance(p, str) else p for p in parts]
+        extra = [inspect.Parameter(name, kw, default=",".join(default) if isinstance(default, tuple) else default,
+                                   annotation=_option(cls, name, key))
+                 for cls in classes for name, default, key in rq.keys(cls)
                  if key.flag is not None and name not in names and name not in without
                  and (only is None or name in only)]
         last = [p.replace(kind=kw) for p in own if p.name == "as_json"]

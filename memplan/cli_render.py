@@ -335,3 +335,40 @@ def render_validation(rep: dict) -> None:
     c.print(f"{verdict} tolerance ±{100 * val['tolerance']:g}% on the peak; rank spread "
             f"{100 * pk['rank_spread']:.2f}%; {run['wall_s']} s; " +
             ", ".join(f"{k} {v}" for k, v in run["versions"].items()))
+
+
+def render_presets(rep: dict) -> None:
+    """`memplan presets`: the model presets and the GPU presets."""
+    c = console()
+    c.print(table("Model presets (real config.json files)", [("preset", "left"), ("aliases", "left"),
+                                                           ("model_type", "left"), ("parameters", "right")],
+                  [[m["name"], ", ".join(m["aliases"]), m["model_type"], f"{m['num_params']:,}"]
+                   for m in rep["models"]]))
+    c.print(table("GPU presets (capacity: what the verdict compares with, as torch reports it where measured, "
+                  "else the driver's memory.total)",
+                  [("gpu", "left"), ("device", "left"), ("capacity", "right"), ("bytes", "right"), ("as", "left"),
+                   ("driver's total", "right")],
+                  [[g["id"], f"{g['name']} ({g['nominal']})", fmt_bytes(g["capacity_bytes"]),
+                    f"{g['capacity_bytes']:,}", g["capacity_as"], f"{g['usable_bytes']:,}"] for g in rep["gpus"]]))
+
+
+def render_inspect(rep: dict) -> None:
+    """`memplan inspect`: a model's parameters by dtype and category, its blocks and ties."""
+    c = console()
+    m = rep["model"]
+    c.print(f"[bold]{m['name']}[/bold]  {m['num_params']:,} parameters  ({m['family']}, {m['source']}, "
+            f"builder: {m['builder']})")
+    c.print(table("Stored bytes by dtype", [("dtype", "left"), ("bytes", "right"), ("size", "right")],
+                  [[d, f"{b:,}", fmt_bytes(b)] for d, b in rep["bytes_by_dtype"].items()]))
+    total = m["num_params"]
+    c.print(table("Parameters by category", [("category", "left"), ("parameters", "right"), ("share", "right")],
+                  [[k, f"{v:,}", f"{100 * v / total:.2f}%"] for k, v in rep["params_by_category"].items()]))
+    lb, lt = rep["largest_block"], rep["largest_tensor"]
+    c.print(f"blocks (wrapped units): {rep['num_blocks']}; root (outside blocks): {rep['root_block_params']:,} params")
+    if lb:
+        c.print(f"largest block: {lb['name']} ({lb['num_params']:,} params, {lb['num_tensors']} tensors)")
+    c.print(f"largest tensor: {lt['name']} {tuple(lt['shape'])} ({lt['num_params']:,} params)")
+    for t in rep["tied"]:
+        c.print(f"tied: {t['name']} = {', '.join(t['aliases'])} (counted once)")
+    for n in rep["notes"]:
+        c.print(f"note: {n}")

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from memplan.errors import ConfigError
 from memplan.inputs import quote
@@ -177,8 +177,21 @@ def _version(value: Any, path: str) -> int:
     return int(value)
 
 
-def _fsdp(job: JobFile, path: str, version: int, reshard: Any, strategy: Any, offload: bool, checkpointing: bool,
-          wrap: Any, min_params: Any = 0, classes: Any = None) -> None:
+class _FsdpSection(NamedTuple):
+    """An FSDP section as Accelerate's config or the Trainer's fsdp_config gives it (fsdp_ prefixes dropped)."""
+
+    version: int
+    reshard: Any  #: reshard_after_forward (FSDP2), or FSDP1's sharding strategy in the Trainer's legacy string
+    strategy: Any  #: sharding_strategy (FSDP1)
+    offload: bool
+    checkpointing: bool
+    wrap: Any  #: auto_wrap_policy
+    min_params: Any = 0
+    classes: Any = None  #: transformer_layer_cls_to_wrap
+
+
+def _fsdp(job: JobFile, path: str, section: _FsdpSection) -> None:
+    version, reshard, strategy, offload, checkpointing, wrap, min_params, classes = section
     if version not in (1, 2):
         raise ConfigError(f"{path}: fsdp version must be 1 or 2, got {quote(version)}")
     job.values["fsdp_version"] = version
@@ -282,14 +295,15 @@ def read_accelerate(path: str) -> JobFile:
         job.values["precision"] = "fp32" if mixed == "no" else "torch-amp"
     elif dist == "FSDP":
         f = {k.removeprefix("fsdp_"): v for k, v in _section(d, "fsdp_config", path).items()}
-        _fsdp(job, path, _version(f.get("version", 1), path), f.get("reshard_after_forward"), f.get("sharding_strategy"),
-              _flag(f.get("offload_params", False), "fsdp_offload_params", path),
-              _flag(f.get("activation_checkpointing", False), "fsdp_activation_checkpointing", path),
-              # unset: accelerate's FullyShardedDataParallelPlugin.__post_init__ reads FSDP_AUTO_WRAP_POLICY,
-              # which the launcher sets only from the config, default "NO_WRAP"
-              f.get("auto_wrap_policy", "NO_WRAP"),
-              # the launcher's --fsdp_min_num_params default (commands/launch.py: int(1e8))
-              f.get("min_num_params", 100_000_000), f.get("transformer_layer_cls_to_wrap"))
+        _fsdp(job, path, _FsdpSection(
+            _version(f.get("version", 1), path), f.get("reshard_after_forward"), f.get("sharding_strategy"),
+            _flag(f.get("offload_params", False), "fsdp_offload_params", path),
+            _flag(f.get("activation_checkpointing", False), "fsdp_activation_checkpointing", path),
+            # unset: accelerate's FullyShardedDataParallelPlugin.__post_init__ reads FSDP_AUTO_WRAP_POLICY, which
+            # the launcher sets only from the config, default "NO_WRAP"
+            f.get("auto_wrap_policy", "NO_WRAP"),
+            # the launcher's --fsdp_min_num_params default (commands/launch.py: int(1e8))
+            f.get("min_num_params", 100_000_000), f.get("transformer_layer_cls_to_wrap")))
         job.values["precision"] = "fp32" if mixed == "no" else "fsdp-bf16"
         if mixed != "no":
             job.notes.append(f"{path}: {_FSDP_MIXED}")
@@ -429,13 +443,14 @@ def _training_fsdp(job: JobFile, path: str, fsdp: Any, cfg: Any, mixed: bool) ->
         elif item != "auto_wrap":
             raise ConfigError(f"{path}: fsdp option {quote(item)} is not one of full_shard, shard_grad_op, no_shard, "
                               "hybrid_shard, hybrid_shard_zero2, offload, auto_wrap")
-    _fsdp(job, path, version, f.get("reshard_after_forward"), None,
-          _flag(f.get("cpu_offload", False), "fsdp_config.cpu_offload", path),
-          _flag(f.get("activation_checkpointing", False), "fsdp_config.activation_checkpointing", path),
-          # unset: transformers' _process_fsdp_args defaults it to FSDP_AUTO_WRAP_POLICY[0], TRANSFORMER_BASED_WRAP
-          f.get("auto_wrap_policy", "TRANSFORMER_BASED_WRAP"),
-          # training_args.py: fsdp_config["min_num_params"] defaults to 0
-          f.get("min_num_params", 0), f.get("transformer_layer_cls_to_wrap"))
+    _fsdp(job, path, _FsdpSection(
+        version, f.get("reshard_after_forward"), None,
+        _flag(f.get("cpu_offload", False), "fsdp_config.cpu_offload", path),
+        _flag(f.get("activation_checkpointing", False), "fsdp_config.activation_checkpointing", path),
+        # unset: transformers' _process_fsdp_args defaults it to FSDP_AUTO_WRAP_POLICY[0], TRANSFORMER_BASED_WRAP
+        f.get("auto_wrap_policy", "TRANSFORMER_BASED_WRAP"),
+        # training_args.py: fsdp_config["min_num_params"] defaults to 0
+        f.get("min_num_params", 0), f.get("transformer_layer_cls_to_wrap")))
     job.values["precision"] = "fsdp-bf16" if mixed else "fp32"
     if mixed:
         job.notes.append(f"{path}: {_FSDP_MIXED}")

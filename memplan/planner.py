@@ -26,7 +26,7 @@ from memplan import accounting, options
 from memplan.errors import SettingsError
 from memplan.inputs import quote
 from memplan.model.inventory import ParamInventory
-from memplan.request import JobRequest
+from memplan.request import JobRequest, SearchSpace
 from memplan.settings import MAX_GPUS, Settings, with_gpus
 from memplan.strategies import STRATEGIES
 
@@ -37,7 +37,6 @@ OFFLOAD_VARIANTS = {
     "zero3+offload-opt": ("zero3", {"offload_optimizer": True}),
     "zero3+offload-all": ("zero3", {"offload_optimizer": True, "offload_param": True}),
 }
-DEFAULT_STRATEGIES = ("single", "ddp", "zero1", "zero2", "zero3", "zero-optimizer", "fsdp-full", "fsdp-grad-op", "hsdp")
 RANKING = ("the fewest GPUs first; at that count no recompute before full recompute, then the largest micro-batch, "
            "offload last, then the least communication per GPU per step (inter-node bytes, then all bytes: "
            "memplan/comm.py), then the simpler strategy, then the most headroom")
@@ -88,20 +87,6 @@ class Search:
     evaluations: int
     #: what the recommendation must leave free (--min-headroom): candidates fit gpu_memory_bytes less this
     min_headroom_bytes: int = 0
-
-
-@dataclass(frozen=True)
-class SearchSpace:
-    """What `memplan plan` searches over (its own options); the rest of the job is the base request."""
-
-    max_gpus: int = 1024
-    strategies: tuple[str, ...] = DEFAULT_STRATEGIES
-    recomputes: tuple[str, ...] = ("none", "full")
-    micro_batch: int | None = None  #: fixed; None: the largest that fits, up to max_micro_batch
-    max_micro_batch: int = 64
-    allow_offload: bool = False
-    min_headroom: str | None = None  #: a size (8GiB) or a fraction of the GPU (0.1, 10%) every candidate leaves free
-    layouts: bool = False  #: tensor, pipeline, context and expert parallelism too
 
 
 class GpuCounts(Sequence[int]):

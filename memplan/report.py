@@ -10,6 +10,22 @@ from memplan.timeline import CATEGORY_KEYS
 SCHEMA_VERSION = 1
 
 
+def presets_report() -> dict[str, Any]:
+    """`memplan presets`: the shipped model presets (their config.json files) and GPU presets."""
+    from memplan.model import sources
+
+    models = []
+    for name in sources.preset_names():
+        src = sources.resolve(name)
+        inv = sources.build_inventory(src)
+        aliases = sorted(a for a, c in sources.PRESET_ALIASES.items() if c == name)
+        models.append({"name": name, "aliases": aliases, "model_type": src.config.get("model_type"),
+                       "num_params": inv.num_params, "name_or_path": src.config.get("_name_or_path")})
+    gpus = [{**g.to_json(), "capacity_bytes": g.capacity[0], "capacity_as": g.capacity[1]}
+            for g in sources.gpu_presets().values()]
+    return {"schema_version": 1, "models": models, "gpus": gpus}
+
+
 def inspect_report(inv: ParamInventory) -> dict[str, Any]:
     lb, lt = inv.largest_layer_block, inv.largest_tensor
     return {

@@ -513,6 +513,67 @@ class JobRequest:
         return replace(self, sources=tuple(sources.items()))
 
 
+def csv(name: str) -> Callable[[Any], tuple[str, ...]]:
+    """A comma-separated list option (--strategies a,b), at least one value."""
+    def parse(value: Any) -> tuple[str, ...]:
+        if isinstance(value, tuple):
+            return value
+        items = tuple(v.strip() for v in str(value).split(",") if v.strip())
+        if not items:
+            raise MemplanError(f"{name} needs at least one value")
+        return items
+    return parse
+
+
+def build(cls: type, values: Mapping[str, Any]) -> Any:
+    """A dataclass whose fields carry a Key (SearchSpace, HarnessRun) from a command's values,
+    each parsed as its Key says; a field not given keeps its default."""
+    out = {}
+    for name, _, key in keys(cls):
+        if name in values:
+            v = values[name]
+            out[name] = key.parse(v) if key.parse is not None and v is not None else v
+    return cls(**out)
+
+
+#: the strategies `memplan plan` considers unless told (memplan/planner.py)
+DEFAULT_STRATEGIES = ("single", "ddp", "zero1", "zero2", "zero3", "zero-optimizer", "fsdp-full", "fsdp-grad-op", "hsdp")
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    """What `memplan plan` searches over (its own options, with their flags); the rest of the job is the base
+    request."""
+
+    max_gpus: int = opt(1024, "--max-gpus", "Largest GPU count to consider.")
+    strategies: tuple[str, ...] = opt(DEFAULT_STRATEGIES, "--strategies", "Comma-separated strategies to consider.",
+                                      parse=csv("--strategies"), cli_type=str)
+    recomputes: tuple[str, ...] = opt(("none", "full"), "--recompute", "Comma-separated: none, selective, full, "
+                                      "every:N, layer-sac:N.", parse=csv("--recompute"), cli_type=str)
+    micro_batch: int | None = opt(None, "--micro-batch", "Fix the micro-batch (else the largest that fits, up to "
+                                  "--max-micro-batch).")
+    max_micro_batch: int = opt(64, "--max-micro-batch", "Largest micro-batch to consider.")
+    allow_offload: bool = opt(False, "--allow-offload", "Also consider DeepSpeed ZeRO-Offload (optimizer, or "
+                              "optimizer and parameters, on the host).")
+    min_headroom: str | None = opt(None, "--min-headroom", "What every candidate must leave free: a size (8GiB, 8GB) "
+                                   "or a fraction of the GPU (0.1 or 10%) [default: 0].")
+    layouts: bool = opt(False, "--layouts", "Also consider tensor parallelism within a node and pipeline stages "
+                        "across nodes (fsdp-full, ddp, zero1).")
+
+
+@dataclass(frozen=True)
+class HarnessRun:
+    """How `memplan validate` runs the job in the harness (its own options, with their flags)."""
+
+    layers: int | None = opt(None, "--layers", "Scale the model down to this many blocks.")
+    hidden: int | None = opt(None, "--hidden", "Scale the hidden size down (head_dim kept).")
+    vocab: int | None = opt(None, "--vocab", "Scale the vocabulary down.")
+    warmup_steps: int = opt(2, "--warmup-steps", "Steps before measuring (states get allocated).")
+    steps: int = opt(1, "--steps", "Measured steps.")
+    timeout: float = opt(600.0, "--timeout", "Seconds before a hung run is stopped.")
+    tolerance: float = opt(0.03, "--tolerance", "Allowed |relative error| on the peak.")
+
+
 def from_command(values: Mapping[str, Any], explicit: Iterable[str] = ()) -> JobRequest:
     """A request from a command's parameters (typer's values: a size as its text), each parsed as its Key says;
     ``explicit``: those given on the command line (the others are the command's defaults, which the job's files

@@ -10,7 +10,7 @@ import pytest
 from memplan import accounting, options, parallel as par
 from memplan.errors import SettingsError
 from memplan.model import sources
-from memplan.request import JobRequest
+from memplan.request import JobRequest, SearchSpace
 
 
 def _inv(tmp_path, **cfg):
@@ -244,7 +244,7 @@ def test_plan_searches_layouts(inventories):
 
     inv = inventories("llama-3-8b")
     found = planner.search(inv, JobRequest.of(gpu_memory="40GiB", activations="analytic"),
-                           planner.SearchSpace(strategies=("fsdp-full",), recomputes=("full",), max_gpus=64,
+                           SearchSpace(strategies=("fsdp-full",), recomputes=("full",), max_gpus=64,
                                                max_micro_batch=4, layouts=True))
     layouts = {(c.tp, c.pp) for c in found.candidates}
     assert (1, 1) in layouts and (8, 1) in layouts and (2, 2) in layouts and (1, 16) in layouts
@@ -263,7 +263,7 @@ def test_plan_adds_context_parallelism_for_long_sequences(inventories):
 
     inv = inventories("llama-3-8b")
     found = planner.search(inv, JobRequest.of(gpu_memory="80GiB", activations="analytic", seq_len=32768),
-                           planner.SearchSpace(strategies=("fsdp-full", "zero1"), recomputes=("full",), max_gpus=64,
+                           SearchSpace(strategies=("fsdp-full", "zero1"), recomputes=("full",), max_gpus=64,
                                                max_micro_batch=2, layouts=True))
     cps = {(c.strategy, c.tp, c.cp) for c in found.candidates if c.cp > 1}
     assert ("fsdp-full", 1, 2) in cps and ("fsdp-full", 2, 4) in cps and ("fsdp-full", 1, 8) in cps
@@ -382,7 +382,7 @@ def test_plan_adds_expert_parallelism_for_moe(inventories):
 
     inv = inventories("mixtral-8x7b")
     found = planner.search(inv, JobRequest.of(gpu_memory="80GiB", activations="analytic"),
-                           planner.SearchSpace(strategies=("fsdp-full",), recomputes=("full",), max_gpus=64,
+                           SearchSpace(strategies=("fsdp-full",), recomputes=("full",), max_gpus=64,
                                                max_micro_batch=2, layouts=True))
     eps = {(c.tp, c.ep) for c in found.candidates if c.ep > 1}
     assert {(1, 2), (1, 8), (2, 2), (4, 8), (8, 8)} <= eps and all(ep % tp == 0 for tp, ep in eps)
@@ -390,6 +390,6 @@ def test_plan_adds_expert_parallelism_for_moe(inventories):
     ep = next(c for c in found.candidates if c.ep == 8 and c.tp == 1)
     assert "--ep 8" in planner.command_line("mixtral-8x7b", replace(found, best=ep, gpus=ep.min_gpus or 8), [])
     dense = planner.search(inventories("llama-3-8b"), JobRequest.of(gpu_memory="80GiB", activations="analytic"),
-                           planner.SearchSpace(strategies=("fsdp-full",), recomputes=("full",), max_gpus=16,
+                           SearchSpace(strategies=("fsdp-full",), recomputes=("full",), max_gpus=16,
                                                max_micro_batch=1, layouts=True))
     assert all(c.ep == 1 for c in dense.candidates)

@@ -11,7 +11,7 @@ import pytest
 from memplan import accounting as A
 from memplan import options, planner
 from memplan.model import sources
-from memplan.request import JobRequest
+from memplan.request import JobRequest, SearchSpace
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -32,7 +32,7 @@ def test_batched_evaluator_equals_estimate(strategy, recompute):
 def test_search_answers_are_minimal_and_maximal():
     src = sources.resolve("llama-7b")
     inv = sources.build_inventory(src)
-    found = planner.search(inv, JobRequest.of(gpu="a100-40g"), planner.SearchSpace(max_gpus=64), config=src.config)
+    found = planner.search(inv, JobRequest.of(gpu="a100-40g"), SearchSpace(max_gpus=64), config=src.config)
     assert found.best is not None and found.gpus == min(c.min_gpus for c in found.candidates if c.min_gpus)
     budget = found.gpu_memory_bytes
     counts = planner.gpu_counts(8, 64)
@@ -125,7 +125,7 @@ def test_plan_weighs_one_gpu_without_ddp_at_one_gpu_only():
     src = sources.resolve("gpt2")
     inv = sources.build_inventory(src)
     found = planner.search(inv, JobRequest.of(gpu="h100-80g"),
-                           planner.SearchSpace(strategies=("single", "ddp"), recomputes=("none",), max_micro_batch=8),
+                           SearchSpace(strategies=("single", "ddp"), recomputes=("none",), max_micro_batch=8),
                            config=src.config)
     single = next(c for c in found.candidates if c.strategy == "single")
     ddp = next(c for c in found.candidates if c.strategy == "ddp")

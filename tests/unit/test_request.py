@@ -88,3 +88,18 @@ def test_the_files_merge_in_one_place_with_their_sources(tmp_path: Path) -> None
     got = options.resolve(inv, asked.changed(activations="analytic"))
     assert got.settings.strategy.name == "zero2" and got.sources["strategy"] == str(ds)
     assert got.sources["micro_batch"] == str(ta) and got.sources["grad_accum"] == str(ta)
+
+
+OPTIONS_PATH = ("request.py", "options.py", "jobfiles.py", "dsconfig.py", "cli_options.py", "cli_estimate.py",
+                "planner.py", "validation.py", "cli.py")
+
+
+@pytest.mark.parametrize("module", OPTIONS_PATH)
+def test_no_function_on_the_options_path_takes_more_than_eight_parameters(module: str) -> None:
+    import ast
+
+    tree = ast.parse((ROOT / "memplan" / module).read_text())
+    wide = [f"{n.name}: {len(n.args.posonlyargs) + len(n.args.args) + len(n.args.kwonlyargs)}"
+            for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)
+            and len(n.args.posonlyargs) + len(n.args.args) + len(n.args.kwonlyargs) > 8]
+    assert wide == []

@@ -24,7 +24,7 @@ from memplan.model.inventory import ParamInventory
 from memplan.precision import step_temporaries
 from memplan.settings import (  # noqa: F401  (re-exported: the library's names for the settings types)
     BLAS_HANDLES, FALLBACK_FRAGMENTATION, FALLBACK_FRAGMENTATION_PERCENT, Cluster, DeepSpeedKnobs, Overheads,
-    Settings, TorchKnobs, default_blas_workspace, fallback_fragmentation, optimizer_impl, shard_group_size, with_gpus)
+    RankState, Settings, TorchKnobs, default_blas_workspace, fallback_fragmentation, optimizer_impl, shard_group_size, with_gpus)
 from memplan.moments import Fixed, moments_at, phases
 from memplan.plan import PHASE_NAMES, EvaluatedMoment, Phase, PhaseBytes, Plan, StepTimeline  # noqa: F401  (the API)
 from memplan.timeline import CATEGORY_KEYS, BufferTimeline, Moment, StepMoment
@@ -135,7 +135,7 @@ def _fixed(inv: ParamInventory, s: Settings) -> Fixed:
     # ---- buffers: the framework's timeline, and what every job on a GPU keeps ----
     tl = fw.buffers(job, g)
     a["overlap_comm"] = job.overlap
-    buf_persist = tl.persistent + off.device_buffer + s.pipeline_accumulator_bytes
+    buf_persist = tl.persistent + off.device_buffer + s.rank.pipeline_accumulator_bytes
     buf_bwd = tl.backward
     if c.device == "cuda":
         # one cuBLAS handle per thread that runs GEMMs: forward (and the optimizer) on the main thread, backward
@@ -162,8 +162,8 @@ def _fixed(inv: ParamInventory, s: Settings) -> Fixed:
         amp_copies = rc.compute_bytes * lay.matmul_numel
     f = _assemble(s, tl, g, (weights, master, states), (buf_persist, buf_bwd, amp_copies),
                   (step_grads, step_buffers), prof, a, host_by, host)
-    f.between += s.pipeline_buffer_bytes * s.micro_batch - s.pipeline_accumulator_bytes
-    f.per_sample = s.pipeline_buffer_bytes
+    f.between += s.rank.pipeline_buffer_bytes * s.micro_batch - s.rank.pipeline_accumulator_bytes
+    f.per_sample = s.rank.pipeline_buffer_bytes
     return f
 
 
@@ -199,7 +199,7 @@ def _assemble(s: Settings, tl: BufferTimeline, g: Grads, model_states: tuple[int
     if c.device == "cuda":
         comms = (1 + (1 if s.strategy.shard_within_node else 0) + (1 if s.ds.hpz_partition_size > 1 else 0)) \
             if c.gpus > 1 else 0
-        comms += s.model_parallel_groups  # a model-parallel rank's TP and PP groups (each its own communicator)
+        comms += s.rank.model_parallel_groups  # a model-parallel rank's TP and PP groups (each its own communicator)
         a["nccl_communicators"] = comms
     moments = []
     # FSDP2's CPU offload: each reduced shard is copied to the host as it is reduced (foreach_reduce:
@@ -522,10 +522,10 @@ class Layout:
                 # parallelize.py apply_fsdp: reshard_after_forward_policy "default" -> not pp_enabled): one
                 # all-gather per block per step, not one per micro-batch
                 knobs = replace(knobs, reshard_after_forward=False)
+            rank = RankState(pipeline_stage=p.pp > 1,
+                             model_parallel_groups=(p.tp > 1) + (p.pp > 1) + (p.cp > 1) + (p.ep > 1))
             out.append((share, r_inv, replace(s, parallel=None, cluster=cluster, activation_profile=prof,
-                                               pipeline_stage=p.pp > 1, torch=knobs,
-                                               model_parallel_groups=(p.tp > 1) + (p.pp > 1) + (p.cp > 1)
-                                               + (p.ep > 1))))
+                                               torch=knobs, rank=rank)))
         self.ranks = tuple(out)
         #: ranks another one bounds (parallel.dominated): a search skips them
         self.dominated = par.dominated(tuple(share for share, _, _ in out))
@@ -538,7 +538,7 @@ class Layout:
     @staticmethod
     def _accumulators(r_inv: ParamInventory, r_s: Settings) -> int:
         st = r_s.strategy
-        if st.zero_stage in (1, 2) and r_s.ds.contiguous_gradients and r_s.pipeline_stage:
+        if st.zero_stage in (1, 2) and r_s.ds.contiguous_gradients and r_s.rank.pipeline_stage:
             # DeepSpeed's PipelineEngine reduces the gradients itself after the last micro-batch:
             # stage_1_and_2.py reduce_gradients(pipeline_parallel=True) appends one more reduce bucket of
             # reduce_bucket_size elements to the ipg buffers ("with PP we must create ipg buffer, since backward
@@ -594,7 +594,7 @@ class Layout:
         buffers = par.recv_buffers(self.inventory.dims, self.settings.parallel, share, self.settings.grad_accum,
                                    self.settings.seq_len // self.settings.parallel.cp, self.settings.recipe,
                                    self.name)
-        one = replace(r_s, pipeline_buffer_bytes=buffers)
+        one = replace(r_s, rank=replace(r_s.rank, pipeline_buffer_bytes=buffers))
         m = r_s.grad_accum
         if self.settings.parallel.pp == 1:
             # no pipeline: the micro-batches run one after the other as in a data-parallel job (FSDP2 reduces each
@@ -609,15 +609,15 @@ class Layout:
         # stage.py), so FSDPParam keeps an unsharded accumulator in the reduce dtype (fp32 under fsdp-bf16;
         # measured: 3,164,160 B per block of 791,040 parameters) where a synced step keeps the reduced shard
         accumulators = self._accumulators(r_inv, r_s)  # FSDP2's unsharded accumulators beyond the reduced shards
-        if r_s.strategy.framework == "fsdp2" and r_s.pipeline_stage:
+        if r_s.strategy.framework == "fsdp2" and r_s.rank.pipeline_stage:
             accumulators += r_s.recipe.reduced_grad_bytes * self._embedding_whole(r_inv)
-        acc = replace(one, pipeline_accumulator_bytes=accumulators)
+        acc = replace(one, rank=replace(one.rank, pipeline_accumulator_bytes=accumulators))
         # the backwards with no forward between them (GPipe's after the first; 1F1B's cooldown on ranks holding
         # more than one micro-batch): FSDP2 does not reshard after a backward under pipelining
         # (set_reshard_after_backward(False)), so every block stays unsharded through them, one micro-batch fewer
         # in flight each time
         unsharded = self.unsharded[i]
-        later = replace(acc, pipeline_accumulator_bytes=accumulators + unsharded,
+        later = replace(acc, rank=replace(acc.rank, pipeline_accumulator_bytes=accumulators + unsharded),
                         activation_profile=prof.fewer())
         if prof.held < m:
             return [acc, later] if prof.held > 1 and unsharded else [acc]

@@ -162,12 +162,12 @@ def communication(inv: Any, s: Settings) -> dict[str, Any]:
         within = st.shard_within_node
         # a pipeline stage: gradients accumulate unsharded and are reduced once per step, and parameters stay
         # unsharded after each backward (torch.distributed.pipelining's no-sync backwards)
-        reduces = 1 if s.pipeline_stage else ga
+        reduces = 1 if s.rank.pipeline_stage else ga
         if not st.shard_params:  # NO_SHARD
             add("all-reduce", "gradients", n_all, rc.reduced_grad_bytes, psi, reduces)
         else:
             raf = reshard_after_forward(s)
-            gathers = (1 if raf is False else ga + 1) if s.pipeline_stage else ga
+            gathers = (1 if raf is False else ga + 1) if s.rank.pipeline_stage else ga
             # expert parallelism: the experts' FSDP2 unit gathers and reduces over its own group (efsdp)
             experts = sum(t.numel for t in inv.tensors if t.shard_split > 1)
             if experts:
@@ -180,14 +180,14 @@ def communication(inv: Any, s: Settings) -> dict[str, Any]:
                 add("reduce-scatter", "experts' gradients (efsdp group)", e, rc.reduced_grad_bytes, experts, ga,
                     within, across)
                 every, psi = every - experts, psi - experts
-            add("all-gather", "parameters, forward", n, rc.compute_bytes, every, 1 if s.pipeline_stage else ga,
+            add("all-gather", "parameters, forward", n, rc.compute_bytes, every, 1 if s.rank.pipeline_stage else ga,
                 within)
             if raf is True:
                 add("all-gather", "parameters, backward", n, rc.compute_bytes, every, gathers - 1 if
-                    s.pipeline_stage else ga, within)
+                    s.rank.pipeline_stage else ga, within)
             elif raf not in (False, None, 1):
                 add("all-gather", f"parameters, backward (from groups of {raf})", int(raf), rc.compute_bytes, every,
-                    gathers - 1 if s.pipeline_stage else ga, True)
+                    gathers - 1 if s.rank.pipeline_stage else ga, True)
             add("reduce-scatter", "gradients", n, rc.reduced_grad_bytes, psi, reduces, within)
             if n_all > n:  # HSDP: the reduced shards all-reduced across replicas
                 add("all-reduce", "gradient shards across replicas", n_all // n, rc.reduced_grad_bytes,

@@ -30,7 +30,7 @@ from memplan.replay import OverLimit, Reserved, Run, bucket_assignment, step_eve
 
 
 def _replayer(s: Any) -> Any:
-    if s.pipeline_stage:
+    if s.rank.pipeline_stage:
         return importlib.import_module("memplan.frameworks.pipeline_replay")  # a pipeline rank's action list
     name = frameworks.model(s.strategy.memory_model).replay
     return importlib.import_module(name) if name else None
@@ -44,7 +44,7 @@ def why_not(s: Any, inv: Any = None) -> str | None:
     if inv is not None and any(t.shard_split > 1 for t in inv.tensors):
         return "expert parallelism: the experts' own FSDP2 units are not replayed yet"
     prof = _replayed_profile(s)
-    if s.pipeline_stage:
+    if s.rank.pipeline_stage:
         from memplan.frameworks import pipeline_replay
 
         why = pipeline_replay.why_not(s)
@@ -71,7 +71,7 @@ def _replayed_profile(s: Any) -> Any:
     its HeldProfile comes back."""
     prof = s.activation_profile
     inner = getattr(prof, "inner", None)
-    if inner is None or prof.held != 1 or prof.others or s.pipeline_stage:
+    if inner is None or prof.held != 1 or prof.others or s.rank.pipeline_stage:
         return prof
     return inner
 
@@ -88,8 +88,8 @@ def _profile_id(prof: Any) -> Any:
 def _settings_key(s: Any) -> str:
     """The settings a replay depends on: all but the profile, and for a pipeline rank but the engine's own moments
     (accounting.Layout._at_rank's variants of one rank replay the same action list)."""
-    if s.pipeline_stage:
-        s = replace(s, grad_accum=1, pipeline_accumulator_bytes=0)
+    if s.rank.pipeline_stage:
+        s = replace(s, grad_accum=1, rank=replace(s.rank, pipeline_accumulator_bytes=0))
     return repr(replace(s, activation_profile=None))
 
 

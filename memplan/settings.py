@@ -200,6 +200,24 @@ class Cluster:
         return min(self.gpus, self.gpus_per_node)
 
 
+@dataclass(frozen=True)
+class RankState:
+    """One rank's state that the engine derives (accounting.Layout, memplan/parallel/), not the user: kept apart
+    from the job's settings so that what was asked (memplan/request.py) and what one rank holds stay distinct."""
+
+    #: a pipeline stage: the schedule computes the loss outside the stage's module, after its root's forward has
+    #: ended and before its root's backward begins (torch.distributed.pipelining _maybe_compute_loss)
+    pipeline_stage: bool = False
+    #: a pipeline rank's receive buffers per sample of the micro-batch, allocated once and kept
+    #: (memplan/parallel/pipeline.py recv_buffers)
+    pipeline_buffer_bytes: int = 0
+    #: FSDP2's unsharded gradient accumulators of a pipeline rank, from its first backward to the reduce after its
+    #: last (accounting.Layout.at): held through the micro-batches, not between steps
+    pipeline_accumulator_bytes: int = 0
+    #: NCCL communicators a model-parallel rank adds to its data-parallel group's: its TP, PP, CP and EP groups
+    model_parallel_groups: int = 0
+
+
 @dataclass(frozen=True, kw_only=True)
 class Settings:
     strategy: Strategy
@@ -227,17 +245,9 @@ class Settings:
     z3_leaves: tuple[str, ...] = ()
     #: tensor / sequence / pipeline parallelism (memplan/parallel/degrees.py Parallel); None: data parallelism alone
     parallel: Any = None
-    #: a pipeline rank's receive buffers per sample of the micro-batch, allocated once and kept (memplan/
-    #: parallel.py recv_buffers)
-    pipeline_buffer_bytes: int = 0
-    #: FSDP2's unsharded gradient accumulators of a pipeline rank, from its first backward to the reduce after its
-    #: last (accounting.Layout.at): held through the micro-batches, not between steps
-    pipeline_accumulator_bytes: int = 0
-    #: a pipeline stage: the schedule computes the loss outside the stage's module, after its root's forward has
-    #: ended and before its root's backward begins (torch.distributed.pipelining _maybe_compute_loss)
-    pipeline_stage: bool = False
-    #: NCCL communicators a model-parallel rank adds to its data-parallel group's: its TP group, its PP group
-    model_parallel_groups: int = 0
+    #: what the engine derives for one rank of a model-parallel job (accounting.Layout); a data-parallel job's
+    #: ranks are alike and keep the default
+    rank: RankState = field(default_factory=lambda: RankState())
 
     def __post_init__(self) -> None:
         for name, most in (("micro_batch", MAX_MICRO_BATCH), ("seq_len", MAX_SEQ_LEN), ("grad_accum", MAX_GRAD_ACCUM)):

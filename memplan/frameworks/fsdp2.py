@@ -150,7 +150,7 @@ def _nested_experts(job: Job, grads: Grads, u: _Units, raf: bool | int) -> Buffe
     last, the one before it, the second, the first: profile.block_moments adds that block's activations and
     gradients at their worst, an upper bound for each of its moments). Measured: harness, mixtral 2 blocks, ep 2
     (docs/accuracy.md)."""
-    if raf is not True or u.be or job.s.pipeline_stage:
+    if raf is not True or u.be or job.s.rank.pipeline_stage:
         raise SettingsError("--ep: modelled with the blocks resharded after forward (fsdp-full's default), "
                             "--fsdp-wrap block and no pipeline stages")
     g, n, cb, gb, rb = job.gathers, job.n, u.cb, u.gb, u.rb
@@ -318,7 +318,7 @@ class _Units:
         return self.cin * ceil_div(numel, world) if world else 0
 
     n: int = 0
-    #: a pipeline stage (Settings.pipeline_stage): the loss runs after the root's post-forward (the last block's
+    #: a pipeline stage (Settings.rank.pipeline_stage): the loss runs after the root's post-forward (the last block's
     #: all-gather output already freed) and before its pre-backward (nothing prefetched yet)
     outside: bool = False
 
@@ -382,7 +382,7 @@ def _units(job: Job) -> _Units:
                   tsecond=tsizes[1] if nblocks >= 2 else 0, tthird=tsizes[2] if nblocks >= 3 else 0,
                   glast=gsizes[-1], gprev=gsizes[-2] if nblocks >= 2 else 0, gfirst=gsizes[0],
                   mid_shards=rb * sum(ceil_div(t, job.n) for t in tsizes[2:]) if job.n else 0,
-                  troot=gg.root, cin=cin, n=job.n, outside=s.pipeline_stage)
+                  troot=gg.root, cin=cin, n=job.n, outside=s.rank.pipeline_stage)
 
 
 @dataclass(frozen=True)

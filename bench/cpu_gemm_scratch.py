@@ -150,7 +150,7 @@ def main() -> None:
               "caches, so the rule is an upper bound (exact to 1 KiB where B is packed whole; never below on either "
               "host); `avx512_bf16` a packed block of B and an fp32 accumulator of up to 256 rows, exact on a native "
               "AVX512-BF16 host (AMD Zen 4) for m <= 256 at one thread and an upper bound elsewhere. The quick test "
-              "suite checks the rule of whatever machine it runs on (tests/unit/test_tracing.py "
+              "suite checks the rule of whatever machine it runs on (tests/activations/test_tracing.py "
               "`test_cpu_gemm_scratch_rule_matches_this_host`) and passed under ATEN_CPU_CAPABILITY=avx2 and =default "
               "as well as natively (259 tests, session 10; natively on the AMX host, session 11; natively on the "
               "AMD EPYC Zen 4 host, session 12)."]

@@ -451,7 +451,7 @@ def write_doc(rows: list, summary: str, vrows: list, rsum: str = "", oom: list |
         "only reference (torch/csrc/autograd/input_buffer.cpp); the trace ran on fake tensors, which it never "
         "steals, so it made a new tensor at each (phi-2's MLP input and rotary halves). The trace now decides as "
         "the engine does (memplan/activations/tracing/accumulate.py; the same choices as the real engine on eight "
-        "architectures, tests/unit/test_accumulate.py).",
+        "architectures, tests/activations/test_accumulate.py).",
         "- AutocastCUDA casts right to left (session 23's finding), now followed; and DDP's rebuilt buckets take "
         "the order the gradients were ready, in which a Linear's bias comes before its weight (AccumulateGrad "
         "nodes run first), not the order they were made.",

@@ -90,7 +90,7 @@ def evals_per_second(seconds: float = 3.0) -> float:
 def batched_evals_per_second(seconds: float = 3.0, lower_bound: bool = True) -> float:
     """The planner's path: accounting.required_bytes over micro-batches 1-64 for each strategy x GPU count
     (traced activation profile of the preset, as `memplan plan` uses). Each evaluation is one configuration's
-    exact peak and required bytes (tests/unit/test_planner.py checks they equal estimate()). ``lower_bound``:
+    exact peak and required bytes (tests/plan/test_planner.py checks they equal estimate()). ``lower_bound``:
     without the caching allocator's replay (the bound the search bisects with); False replays every micro-batch
     (what a search does only for the candidates that could be the best)."""
     sys.path.insert(0, str(ROOT))

@@ -20,7 +20,7 @@ rest ignored: ``100abc`` is 100, ``1_000`` is 1, ``-3`` wraps around to 2^64 - 3
 hexadecimal floats, inf, nan; out of range is an error). Booleans are ``True`` or ``False`` exactly.
 
 Checked against the installed PyTorch's own parser for the generic keys (torch._C._accelerator_setAllocatorSettings
-runs step 1 on the CPU build; tests/unit/test_allocator_conf.py).
+runs step 1 on the CPU build; tests/allocator/test_allocator.py).
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ from memplan.units import fmt_bytes
 
 
 #: the reserved peak's accuracy on the H100 runs, as docs/accuracy-gpu.md's summary gives it (written by
-#: bench/gpu_accuracy.py; tests/unit/test_cli_render_accuracy.py keeps the two equal)
+#: bench/gpu_accuracy.py; tests/plan/test_cli_render_accuracy.py keeps the two equal)
 GPU_RESERVED = {"cases": 111, "within_3": 111, "verdict_min_percent": -0.23}
 
 

@@ -1,5 +1,5 @@
 """Golden plans: the schema-v1 JSON of every shipped preset x strategy x recipe x GPU count x recompute, so that a
-change meant to move code and not numbers can be checked byte for byte (tests/unit/test_golden.py).
+change meant to move code and not numbers can be checked byte for byte (tests/house/test_golden.py).
 
     python tools/golden_plans.py            # writes tests/data/golden_plans.json.gz
     python tools/golden_plans.py --check    # compares with it, prints the first differences, exit 1 if any

@@ -320,7 +320,7 @@ def efficient_backward(c: SdpaCall, arch: str) -> tuple[list[int], int, int]:
 class SdpaBackend:
     """One scaled_dot_product_attention kernel, as the trace and the engine see it. A new kernel is a subclass
     (its place in the priority, its checks, what it saves and allocates) added to BACKENDS, and a row of measured
-    bytes in tests/data (tests/unit/test_kernels.py)."""
+    bytes in tests/data (tests/activations/test_kernels.py)."""
 
     name = ""
     #: a fused kernel (its own saved tensors and scratch); the math kernel runs PyTorch's composite instead

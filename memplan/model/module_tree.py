@@ -3,7 +3,7 @@ module's path, its class (short and qualified) and whether it holds parameters, 
 
 For the shipped presets the tree is shipped (memplan/presets/modules/<config digest>.json.gz, written by
 tools/ship_module_trees.py from transformers' own model on the meta device, and checked against it by
-tests/unit/test_module_tree.py), so the lookup, and a refused class name, takes milliseconds and no transformers
+tests/activations/test_module_tree.py), so the lookup, and a refused class name, takes milliseconds and no transformers
 import; for any other config.json the model is built on the meta device (model/meta_builder.py meta_model).
 """
 

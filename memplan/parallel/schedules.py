@@ -3,7 +3,7 @@
 A pipeline rank's memory at any moment depends on which micro-batches of which of its stages have run their
 forward and not yet their backward. torch decides that with an action list per rank (``pipeline_order``), built by
 each schedule class; this module builds the same lists in pure Python (no torch import on the fast path), ported
-from torch 2.13's torch/distributed/pipelining/schedules.py, and tests/unit/test_pipeline_schedules.py checks them
+from torch 2.13's torch/distributed/pipelining/schedules.py, and tests/parallel/test_pipeline_schedules.py checks them
 against torch's own (``_schedule_visualizer.get_schedule_ops``) over a grid of ranks, micro-batches and stages:
 
 - ``gpipe``: ScheduleGPipe, every forward then every backward (its _step_microbatches loop; _get_pipeline_order);

@@ -69,7 +69,7 @@ def test_olmoe_zero3_bucket_flushes() -> None:
 
 
 def test_zero2_offload_llama_1b_to_the_byte(tmp_path: Path) -> None:
-    from tests.unit.test_reserved import LLAMA_1B
+    from replayed import LLAMA_1B
 
     (tmp_path / "config.json").write_text(json.dumps(LLAMA_1B))
     r, _ = _replay(str(tmp_path / "config.json"), 4, 2048, stage=2, precision="deepspeed-bf16", optimizer_impl="fused",

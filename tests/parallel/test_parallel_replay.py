@@ -1,0 +1,79 @@
+"""Tensor- and pipeline-parallel ranks replayed through the caching allocator, action by action, against the harness's allocations."""
+
+from __future__ import annotations
+
+import pytest
+from replayed import harness_replay
+
+from memplan import accounting, options
+from memplan.model.sources import build_inventory, resolve
+from memplan.request import JobRequest
+
+
+def test_tensor_parallel_ranks_are_replayed() -> None:
+    # a TP rank without pipelining runs its own share traced as a model (HeldProfile.inner) under the data-parallel
+    # framework's replay, and the allocator's overhead over that replay stands on the rank's own allocated peak
+    # (loss_parallel raises it, sequence parallelism lowers it)
+    from memplan.parallel import Parallel
+
+    src = resolve("llama-3-8b")
+    inv = build_inventory(src)
+    for strategy, sp in (("fsdp-full", False), ("fsdp-full", True), ("ddp", False)):
+        s = options.resolve(inv, JobRequest.of(gpus=8, gpus_per_node=8, gpu="h100-80g", device="cuda", strategy=strategy, micro_batch=1, seq_len=2048, parallel=Parallel(tp=2, pp=1, sp=sp)), config=src.config).settings
+        plan = accounting.estimate(inv, s)
+        r = plan.reserved
+        assert r is not None and plan.reserved_why is None and r.allocated_bytes == plan.peak_bytes
+        assert plan.reserved_peak_bytes == r.peak_bytes > r.allocated_bytes
+
+
+def test_pipeline_ranks_are_replayed_action_by_action() -> None:
+    # an FSDP2 pipeline rank walks its schedule's action list (frameworks/pipeline_replay.py); the allocator's
+    # overhead stands on the rank's allocated peak as a TP rank's does. What is not replayed says why and keeps the
+    # flat term: the split-backward schedules, sequence parallelism's traced share, DDP under pipelining
+    from memplan.parallel import Parallel
+
+    src = resolve("llama-3-8b")
+    inv = build_inventory(src)
+
+    def plan_of(p: Parallel, **kw: object) -> accounting.Plan:
+        kw = {"strategy": "fsdp-full", **kw}
+        return accounting.estimate(inv, options.resolve(inv, JobRequest.of(gpus=8, gpus_per_node=8, gpu="h100-80g", device="cuda", micro_batch=1, seq_len=2048, grad_accum=4, parallel=p, **kw), config=src.config).settings)
+
+    for p in (Parallel(tp=2, pp=2), Parallel(pp=2, schedule="gpipe"), Parallel(pp=2, schedule="interleaved"),
+              Parallel(pp=2, schedule="zbv"), Parallel(pp=2, schedule="dualpipev")):
+        plan = plan_of(p)
+        assert plan.reserved is not None and plan.reserved_why is None, p
+        assert plan.reserved.model.startswith("FSDP2 under ")
+        assert plan.reserved_peak_bytes > plan.peak_bytes == plan.reserved.allocated_bytes
+        assert plan.capped is not None
+    plan = plan_of(Parallel(tp=2, pp=2, sp=True))  # SP: the TP share's step, said in the replay's name
+    assert plan.reserved is not None and plan.reserved.model.endswith("without SP's split")
+    for p, kw, why in ((Parallel(pp=2), {"strategy": "ddp"}, "only FSDP2's pipeline ranks"),):
+        plan = plan_of(p, **kw)
+        assert plan.reserved is None and plan.reserved_why.startswith("pipeline parallelism") and why in \
+            plan.reserved_why, plan.reserved_why
+        assert plan.reserved_peak_bytes == plan.peak_bytes + plan.peak_bytes * 40 // 100
+
+
+@pytest.mark.parametrize("label,layers,gpus,pp,schedule,m", [
+    ("fsdp-full pp 2 1f1b, 4 micro-batches", 4, 2, 2, "1f1b", 4),
+    ("fsdp-full pp 2 interleaved, 4 micro-batches", 10, 2, 2, "interleaved", 4),
+    ("fsdp-full pp 2 looped-bfs, 4 micro-batches", 10, 2, 2, "looped-bfs", 4),
+    ("fsdp-full pp 4 1f1b, 8 micro-batches", 10, 4, 4, "1f1b", 8),
+    ("fsdp-full pp 4 1f1b, 4 micro-batches", 8, 4, 4, "1f1b", 4),  # the last stage of one block
+    ("fsdp-full pp 2 zbv (zero bubble), 4 micro-batches", 10, 2, 2, "zbv", 4),
+    ("fsdp-full pp 2 dualpipev, 6 micro-batches", 10, 2, 2, "dualpipev", 6),
+])
+def test_pipeline_replay_walks_the_harness_s_allocations(label: str, layers: int, gpus: int, pp: int, schedule: str,
+                                                          m: int) -> None:
+    # the pipeline replay's sequence, counted as the CPU harness counts it, against the worst rank the harness
+    # measured on torch.distributed.pipelining (docs/accuracy.jsonl, bench/replay_harness.py): within 2.5%
+    from memplan.parallel import Parallel
+
+    name, peak, measured = harness_replay(label, layers, gpus, strategy="fsdp-full", grad_accum=m,
+                                           parallel=Parallel(pp=pp, schedule=schedule),
+                                           fsdp_root_reshard="auto")
+    assert name.startswith("FSDP2 under ")
+    assert abs(peak - measured) <= measured * 25 // 1000, (peak, measured)
+
+

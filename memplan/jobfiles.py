@@ -388,6 +388,9 @@ def read_training_args(path: str) -> JobFile:
         job.values["recompute"] = _checkpointing_kwargs(job, path, d.get(
             "activation_checkpointing_kwargs", d.get("gradient_checkpointing_kwargs")))
     _optim(d.get("optim", "adamw_torch_fused"), path, job)
+    if d.get("ddp_bucket_cap_mb") is not None:
+        # the Trainer hands it to DDP (transformers trainer.py: ddp_kwargs["bucket_cap_mb"])
+        job.values["bucket_cap_mb"] = _count(d["ddp_bucket_cap_mb"], "ddp_bucket_cap_mb", path)
     fsdp, ds = d.get("fsdp"), d.get("deepspeed")
     if fsdp and ds:
         raise ConfigError(f"{path}: fsdp and deepspeed are both set (the Trainer takes one)")

@@ -393,7 +393,7 @@ class Memory:
                                   "verdict too.")
     pin_memory: bool | None = opt(None, "--pin-memory/--no-pin-memory", "Offloaded states in pinned memory "
                                   "(DeepSpeed offload pin_memory [default: false]; FSDP CPUOffloadPolicy [default: "
-                                  "true]).", ds_config=_z("offload_optimizer.pin_memory"))
+                                  "true]).")
     blas_workspace_bytes: int | None = opt(None, "--cublas-workspace", "cuBLAS workspace per handle, inside the peak "
                                            "(the job's CUBLAS_WORKSPACE_CONFIG; 0 for :0:0) [default: the GPU's; "
                                            "32MiB].", parse=_size("--cublas-workspace", True), cli_type=str)

@@ -103,3 +103,45 @@ def test_no_function_on_the_options_path_takes_more_than_eight_parameters(module
             for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)
             and len(n.args.posonlyargs) + len(n.args.args) + len(n.args.kwonlyargs) > 8]
     assert wide == []
+
+
+def test_a_field_s_ds_config_key_is_the_one_the_reader_reads(tmp_path: Path) -> None:
+    # each DeepSpeed field whose Key names a zero_optimization key: a config setting only that key gives the field
+    # that value, sourced from the file (jobfiles.merged over dsconfig.load)
+    from memplan.dsconfig import ZERO_KEYS
+
+    checked = 0
+    for part, name, key in FLAT:
+        if not (key.ds_config or "").startswith("zero_optimization.") or "." in key.ds_config[18:]:
+            continue
+        zkey = key.ds_config[len("zero_optimization."):]
+        if zkey == "stage":
+            continue
+        assert ZERO_KEYS[zkey] == name, (name, zkey)
+        value = True if isinstance(PARTS[part]().__getattribute__(name), bool) or name in (
+            "overlap_comm", "contiguous_gradients", "reduce_scatter", "multi_rank_bucket_allreduce",
+            "quantized_weights", "quantized_gradients", "memory_efficient_linear") else 12345
+        cfg = tmp_path / f"{name}.json"
+        cfg.write_text(json.dumps({"zero_optimization": {"stage": 3, zkey: value}}))
+        merged, _, _ = jobfiles.merged(JobRequest.of(deepspeed=str(cfg)), 4096)
+        assert (merged[name], merged.source(name)) == (value, str(cfg)), name
+        checked += 1
+    assert checked >= 15
+
+
+def test_docs_options_table_is_current() -> None:
+    import sys
+
+    sys.path.insert(0, str(ROOT / "tools"))
+    from options_table import table
+
+    assert (ROOT / "docs" / "options.md").read_text() == table()
+
+
+def test_training_arguments_ddp_bucket_cap_reaches_ddp(tmp_path: Path) -> None:
+    ta = tmp_path / "args.json"
+    ta.write_text(json.dumps({"per_device_train_batch_size": 1, "ddp_bucket_cap_mb": 50}))
+    inv = build_inventory(resolve("llama-3-8b"))
+    got = options.resolve(inv, JobRequest.of(gpus=8, training_args=str(ta), activations="analytic"))
+    assert (got.settings.torch.bucket_cap_mb, got.settings.torch.bucket_cap_default) == (50, False)
+    assert got.sources["bucket_cap_mb"] == str(ta)

@@ -326,7 +326,10 @@ def _parallelism(job: JobFile, path: str, pc: dict[str, Any]) -> None:
     that many ranks (Accelerate's TorchContextParallelConfig; FSDP over dp_shard x cp, as memplan's --cp)."""
     if not isinstance(pc, dict):
         raise ConfigError(f"{path}: parallelism_config must be a mapping")
-    get = lambda k: pc.get(f"parallelism_config_{k}", pc.get(k))  # noqa: E731
+
+    def get(k: str) -> Any:
+        return pc.get(f"parallelism_config_{k}", pc.get(k))
+
     tp, cp = get("tp_size"), get("cp_size")
     rep, shard = get("dp_replicate_size"), get("dp_shard_size")
     if cp is not None and _count(cp, "parallelism_config.cp_size", path) > 1:

@@ -241,7 +241,11 @@ class Adapters:
             if given:
                 raise SettingsError(f"{', '.join(given)} without --lora-rank (or --adapter-config): give the rank")
             return replace(self, spec=None)
-        spec = lora.read_adapter_config(path) if path else lora.LoraSpec(rank=rank, alpha=alpha or rank)
+        if path:
+            spec = lora.read_adapter_config(path)
+        else:
+            assert rank is not None  # no adapter config: the rank was given (checked above)
+            spec = lora.LoraSpec(rank=rank, alpha=alpha if alpha is not None else rank)
         changes: dict[str, Any] = {}
         if rank is not None:
             changes["rank"] = rank

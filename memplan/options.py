@@ -800,6 +800,7 @@ def resolve(inv: ParamInventory, request: JobRequest, *, config: dict[str, Any] 
     hv = _horovod_knobs({"fusion_threshold": r.horovod.horovod_fusion_threshold,
                          "compression": r.horovod.horovod_compression}, strat, pick.sources, notes)
     strat = get_strategy(strat.name, tk.fsdp_version, tk.fsdp_wrap)
+    notes.extend(_unread(r, strat, parallel, ds, tk))
     m = r.memory
     ov, workspace = _overheads({"cuda_context_bytes": m.cuda_context_bytes, "fragmentation_percent":
                                 m.fragmentation_percent, "nccl_bytes_per_communicator": m.nccl_bytes_per_communicator,
@@ -853,6 +854,47 @@ def resolve(inv: ParamInventory, request: JobRequest, *, config: dict[str, Any] 
         if where != "command line":
             pick.sources["strategy" if name == "stage" else name] = where
     return Resolved(settings=settings, sources=pick.sources, notes=tuple(notes), files=tuple(files))
+
+
+#: the jobs a request field's scope (request.Key.scope) names: whether this job reads it, and who does
+SCOPES: dict[str, tuple[Any, str]] = {
+    "deepspeed": (lambda st, p, ds, tk: st.framework == "deepspeed", "DeepSpeed"),
+    "zero12": (lambda st, p, ds, tk: st.framework == "deepspeed" and st.zero_stage in (1, 2),
+               "DeepSpeed ZeRO-1/2 (stage_1_and_2.py)"),
+    "zero3": (lambda st, p, ds, tk: st.framework == "deepspeed" and st.zero_stage == 3, "DeepSpeed ZeRO-3"),
+    "fsdp": (lambda st, p, ds, tk: st.framework in ("fsdp2", "fsdp1"), "FSDP"),
+    "fsdp2": (lambda st, p, ds, tk: st.framework == "fsdp2", "FSDP2 (fully_shard)"),
+    "hsdp": (lambda st, p, ds, tk: st.name == "hsdp", "HSDP (--strategy hsdp)"),
+    "ddp": (lambda st, p, ds, tk: st.framework == "torch-ddp", "DistributedDataParallel (--strategy ddp, "
+            "zero-optimizer)"),
+    "pp": (lambda st, p, ds, tk: p is not None and p.pp > 1, "pipeline parallelism (--pp above 1)"),
+    "tp": (lambda st, p, ds, tk: p is not None and p.tp > 1, "tensor parallelism (--tp above 1)"),
+    "offload": (lambda st, p, ds, tk: ds.offload_optimizer or ds.offload_param or tk.cpu_offload,
+                "offload (--offload-optimizer, --offload-param, --cpu-offload)"),
+}
+
+
+def _unread(r: JobRequest, strat: Any, parallel: Any, ds: DeepSpeedKnobs, tk: TorchKnobs) -> list[str]:
+    """A note for each option given (on the command line or by a job file) that this job does not read: another
+    framework's knob, a pipeline schedule without pipeline stages (request.Key.scope)."""
+    from memplan.request import PARTS, keys
+
+    out = []
+    for part, cls in PARTS.items():
+        for name, default, key in keys(cls):
+            value = getattr(getattr(r, part), name)
+            where = r.source(name)
+            if key.scope is None or where is None or value is None or value == default:
+                continue
+            reads, whose = SCOPES[key.scope]
+            if not reads(strat, parallel, ds, tk):
+                on, _, off = (key.flag or "").partition("/")
+                flag = off if value is False and off else on
+                given = flag if where == "command line" and flag else f"{name} ({where})"
+                out.append(f"{given} changes nothing for this job ({strat.name}"
+                           + (f", pp {parallel.pp}, tp {parallel.tp}" if key.scope in ("pp", "tp") and parallel
+                              else "") + f"): only {whose} reads it")
+    return out
 
 
 def _values(part: Any) -> dict[str, Any]:

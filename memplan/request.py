@@ -33,6 +33,9 @@ class Key:
     #: the command line's text into the field's value (sizes, lists); None: typer's own conversion
     parse: Callable[[Any], Any] | None = None
     cli_type: Any = None  #: what typer reads when it differs from the field's type (a size's text)
+    #: the jobs that read it (options.SCOPES: deepspeed, zero12, zero3, fsdp, fsdp2, hsdp, ddp, pp, tp, offload);
+    #: given for another job it changes nothing, and the output says so. None: every job reads it
+    scope: str | None = None
 
 
 def opt(default: Any, flag: str | None, help: str = "", **meta: Any) -> Any:
@@ -173,16 +176,16 @@ class ParallelDegrees:
     cp: int | None = opt(None, "--cp", "Context-parallel degree: each sequence split over cp ranks with ring "
                          "attention (torchtitan) [default: 1].", accelerate="parallelism_config.cp_size")
     vpp: int | None = opt(None, "--vpp", "Pipeline stages per rank for a schedule that runs several (interleaved, "
-                          "looped-bfs, interleaved-zb) [default: 2].")
+                          "looped-bfs, interleaved-zb) [default: 2].", scope="pp")
     sp: bool = opt(False, "--sp/--no-sp", "Sequence parallelism with --tp.")
     schedule: str | None = opt(None, "--schedule", "Pipeline schedule, as torch.distributed.pipelining runs it: 1f1b | "
                                "gpipe | interleaved | looped-bfs | interleaved-zb | zbv (zero-bubble) | dualpipev, "
                                "or torch's class name (Interleaved1F1B, ...) [default: 1f1b]; the micro-batches per "
-                               "step are --grad-accum.")
+                               "step are --grad-accum.", scope="pp")
     loss_parallel: bool | None = opt(None, "--loss-parallel/--no-loss-parallel", "With --tp under FSDP/DDP: the loss "
                                      "on each rank's vocabulary rows (torchtitan's default), or on the gathered "
                                      "logits (transformers' own TP, Accelerate's tp_size) [default: on].",
-                                     accelerate="parallelism_config.tp_size")
+                                     accelerate="parallelism_config.tp_size", scope="tp")
 
     def build(self) -> Any:
         """The engine's Parallel (memplan/parallel/degrees.py), None when no degree is given."""
@@ -279,47 +282,47 @@ class DeepSpeed:
     DeepSpeed's default."""
 
     reduce_bucket_size: int | None = opt(None, "--reduce-bucket-size", "DeepSpeed reduce_bucket_size (elements).",
-                                         ds_config=_z("reduce_bucket_size"))
+                                         ds_config=_z("reduce_bucket_size"), scope="deepspeed")
     allgather_bucket_size: int | None = opt(None, "--allgather-bucket-size", "DeepSpeed allgather_bucket_size "
-                                            "(elements).", ds_config=_z("allgather_bucket_size"))
+                                            "(elements).", ds_config=_z("allgather_bucket_size"), scope="zero12")
     overlap_comm: bool | None = opt(None, "--overlap-comm/--no-overlap-comm", "DeepSpeed overlap_comm.",
-                                    ds_config=_z("overlap_comm"))
+                                    ds_config=_z("overlap_comm"), scope="deepspeed")
     contiguous_gradients: bool | None = opt(None, "--contiguous-gradients/--no-contiguous-gradients",
-                                            ds_config=_z("contiguous_gradients"))
+                                            ds_config=_z("contiguous_gradients"), scope="deepspeed")
     reduce_scatter: bool | None = opt(None, "--reduce-scatter/--no-reduce-scatter", "DeepSpeed ZeRO-1/2 "
                                       "reduce_scatter: off, each gradient bucket is all-reduced in place [default: "
-                                      "on].", ds_config=_z("reduce_scatter"))
+                                      "on].", ds_config=_z("reduce_scatter"), scope="zero12")
     multi_rank_bucket_allreduce: bool | None = opt(
         None, "--multi-rank-bucket-allreduce/--no-multi-rank-bucket-allreduce", "DeepSpeed ZeRO-1/2 "
         "use_multi_rank_bucket_allreduce: off, each bucket's slices are reduced to their owner rank (a "
-        "reduce-scatter's volume, not an all-reduce's) [default: on].", ds_config=_z("use_multi_rank_bucket_allreduce"))
+        "reduce-scatter's volume, not an all-reduce's) [default: on].", ds_config=_z("use_multi_rank_bucket_allreduce"), scope="zero12")
     grad_accum_dtype: str | None = opt(None, "--grad-accum-dtype", "DeepSpeed data_types.grad_accum_dtype: fp32 | "
                                        "bf16 | fp16 [default: the parameters' dtype]; with bf16, fp32 makes ZeRO "
                                        "stage 1 run BF16_Optimizer (refused); stage 0 takes only the parameters' "
-                                       "dtype.", ds_config="data_types.grad_accum_dtype")
+                                       "dtype.", ds_config="data_types.grad_accum_dtype", scope="deepspeed")
     communication_data_type: str | None = opt(None, "--communication-data-type", "DeepSpeed communication_data_type: "
                                               "fp32 | bf16 | fp16, the dtype gradients are reduced in [default: the "
-                                              "parameters' dtype].", ds_config="communication_data_type")
+                                              "parameters' dtype].", ds_config="communication_data_type", scope="deepspeed")
     prefetch_bucket_size: int | None = opt(None, "--prefetch-bucket-size", "stage3_prefetch_bucket_size (elements).",
-                                           ds_config=_z("stage3_prefetch_bucket_size"))
+                                           ds_config=_z("stage3_prefetch_bucket_size"), scope="zero3")
     param_persistence_threshold: int | None = opt(None, "--param-persistence-threshold",
                                                   "stage3_param_persistence_threshold.",
-                                                  ds_config=_z("stage3_param_persistence_threshold"))
+                                                  ds_config=_z("stage3_param_persistence_threshold"), scope="zero3")
     max_live_parameters: int | None = opt(None, "--max-live-parameters", "stage3_max_live_parameters (elements).",
-                                          ds_config=_z("stage3_max_live_parameters"))
+                                          ds_config=_z("stage3_max_live_parameters"), scope="zero3")
     max_reuse_distance: int | None = opt(None, "--max-reuse-distance", "stage3_max_reuse_distance (elements).",
-                                         ds_config=_z("stage3_max_reuse_distance"))
+                                         ds_config=_z("stage3_max_reuse_distance"), scope="zero3")
     hpz_partition_size: int | None = opt(None, "--hpz-partition-size", "ZeRO++ hpZ zero_hpz_partition_size.",
-                                         ds_config=_z("zero_hpz_partition_size"))
+                                         ds_config=_z("zero_hpz_partition_size"), scope="zero3")
     quantized_weights: bool | None = opt(None, "--zero-quantized-weights/--no-zero-quantized-weights", "ZeRO++ qwZ: "
-                                         "ZeRO-3 all-gathers int8 weights.", ds_config=_z("zero_quantized_weights"))
+                                         "ZeRO-3 all-gathers int8 weights.", ds_config=_z("zero_quantized_weights"), scope="zero3")
     quantized_gradients: bool | None = opt(None, "--zero-quantized-gradients/--no-zero-quantized-gradients",
                                            "ZeRO++ qgZ: ZeRO-3 reduces gradients in int4 across nodes.",
-                                           ds_config=_z("zero_quantized_gradients"))
+                                           ds_config=_z("zero_quantized_gradients"), scope="zero3")
     leaf_classes: tuple[str, ...] | None = opt(
         None, "--z3-leaf-modules", "ZeRO-3 leaf modules, fetched whole: class names (ClassName,...) or none "
         "[default: DeepSpeed's, the Mixtral/Qwen2-MoE/Qwen3-MoE sparse MoE blocks].",
-        ds_config=_z("leaf_module.classes"), parse=_leaf_classes, cli_type=str)
+        ds_config=_z("leaf_module.classes"), parse=_leaf_classes, cli_type=str, scope="zero3")
     offload_optimizer: bool | None = opt(None, "--offload-optimizer/--no-offload-optimizer", "DeepSpeed ZeRO-Offload "
                                          "of the optimizer.", ds_config=_z("offload_optimizer.device"),
                                          accelerate="deepspeed_config.offload_optimizer_device")
@@ -349,21 +352,21 @@ class Torch:
     reshard_after_forward: bool | int | None = opt(None, "--reshard-after-forward", "FSDP2: true, false, or a group "
                                                    "size (int).", training_args="fsdp_config.reshard_after_forward",
                                                    accelerate="fsdp_config.fsdp_reshard_after_forward",
-                                                   parse=_reshard, cli_type=str)
+                                                   parse=_reshard, cli_type=str, scope="fsdp")
     fsdp_wrap: str | None = opt(None, "--fsdp-wrap", FSDP_WRAP_HELP, training_args="fsdp_config.auto_wrap_policy",
                                 accelerate="fsdp_config.fsdp_auto_wrap_policy")
     fsdp_root_reshard: str | None = opt(None, "--fsdp-root-reshard", "FSDP2's root (the model, fully_shard-ed last): "
                                         "same (given the blocks' reshard_after_forward, as Accelerate passes it: "
                                         "resharded after forward and all-gathered again when backward begins) or "
                                         "auto (fully_shard(model) without it: kept unsharded from forward to "
-                                        "backward) [default: same].")
+                                        "backward) [default: same].", scope="fsdp2")
     hsdp_shard_size: int | None = opt(None, "--hsdp-shard-size", "HSDP shard group size [default: gpus per node].",
-                                      accelerate="parallelism_config.dp_shard_size")
+                                      accelerate="parallelism_config.dp_shard_size", scope="hsdp")
     fsdp_version: int = opt(2, "--fsdp-version", "FSDP version: 2 (fully_shard) or 1 (FlatParameter).",
-                            training_args="fsdp_config.version", accelerate="fsdp_config.fsdp_version")
+                            training_args="fsdp_config.version", accelerate="fsdp_config.fsdp_version", scope="fsdp")
     bucket_cap_mb: int | None = opt(None, "--bucket-cap-mb", "DDP bucket_cap_mb [default: 25].",
-                                    training_args="ddp_bucket_cap_mb")
-    gradient_as_bucket_view: bool = opt(False, "--gradient-as-bucket-view", "DDP gradient_as_bucket_view.")
+                                    training_args="ddp_bucket_cap_mb", scope="ddp")
+    gradient_as_bucket_view: bool = opt(False, "--gradient-as-bucket-view", "DDP gradient_as_bucket_view.", scope="ddp")
     cpu_offload: bool = opt(False, "--cpu-offload", "FSDP CPUOffloadPolicy.", training_args="fsdp offload",
                             accelerate="fsdp_config.fsdp_offload_params")
 
@@ -397,7 +400,7 @@ class Memory:
                                   "verdict too.")
     pin_memory: bool | None = opt(None, "--pin-memory/--no-pin-memory", "Offloaded states in pinned memory "
                                   "(DeepSpeed offload pin_memory [default: false]; FSDP CPUOffloadPolicy [default: "
-                                  "true]).")
+                                  "true]).", scope="offload")
     blas_workspace_bytes: int | None = opt(None, "--cublas-workspace", "cuBLAS workspace per handle, inside the peak "
                                            "(the job's CUBLAS_WORKSPACE_CONFIG; 0 for :0:0) [default: the GPU's; "
                                            "32MiB].", parse=_size("--cublas-workspace", True), cli_type=str)

@@ -14,6 +14,7 @@ sys.path.insert(0, str(ROOT))
 
 
 def table() -> str:
+    from memplan.options import SCOPES
     from memplan.request import PARTS, keys
 
     out = ["# Options and the job files' keys", "",
@@ -22,9 +23,10 @@ def table() -> str:
            "and the key that sets it in the job's own files. memplan reads those files with the same field names "
            "(memplan/jobfiles.py, memplan/dsconfig.py); the command line wins over TrainingArguments, which win over "
            "an Accelerate config, which wins over the ds_config; each value's source is in the JSON's "
-           "`assumptions.setting_sources`. A key with no option is read from the file only.", "",
-           "| option | part | default | ds_config | TrainingArguments | Accelerate config | what it is |",
-           "|---|---|---|---|---|---|---|"]
+           "`assumptions.setting_sources`. A key with no option is read from the file only. An option given to a job that "
+           "does not read it (\"read by\") changes nothing, and the output says so in a note.", "",
+           "| option | part | default | read by | ds_config | TrainingArguments | Accelerate config | what it is |",
+           "|---|---|---|---|---|---|---|---|"]
 
     def cell(v: object) -> str:
         return f"`{v}`" if v not in (None, "") else ""
@@ -35,7 +37,9 @@ def table() -> str:
                 continue
             flag = key.flag or f"({name}: files only)"
             shown = "" if default is None or default == "" else default
-            out.append(f"| {cell(flag) if key.flag else flag} | {part} | {cell(shown)} | {cell(key.ds_config)} | "
+            read_by = SCOPES[key.scope][1] if key.scope else "every job"
+            out.append(f"| {cell(flag) if key.flag else flag} | {part} | {cell(shown)} | {read_by} | "
+                       f"{cell(key.ds_config)} | "
                        f"{cell(key.training_args)} | {cell(key.accelerate)} | {key.help.replace('|', '/')} |")
     return "\n".join(out) + "\n"
 

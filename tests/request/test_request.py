@@ -145,3 +145,30 @@ def test_training_arguments_ddp_bucket_cap_reaches_ddp(tmp_path: Path) -> None:
     got = options.resolve(inv, JobRequest.of(gpus=8, training_args=str(ta), activations="analytic"))
     assert (got.settings.torch.bucket_cap_mb, got.settings.torch.bucket_cap_default) == (50, False)
     assert got.sources["bucket_cap_mb"] == str(ta)
+
+
+@pytest.mark.parametrize("given,job,said", [
+    (dict(reduce_bucket_size=1000), dict(strategy="fsdp-full"), "--reduce-bucket-size changes nothing for this job "
+     "(fsdp-full): only DeepSpeed reads it"),
+    (dict(overlap_comm=False), dict(strategy="ddp"), "--no-overlap-comm changes nothing"),
+    (dict(max_live_parameters=10), dict(stage=1), "only DeepSpeed ZeRO-3 reads it"),
+    (dict(bucket_cap_mb=50), dict(stage=2), "only DistributedDataParallel"),
+    (dict(hsdp_shard_size=4), dict(strategy="fsdp-full"), "only HSDP"),
+    (dict(schedule="gpipe"), dict(stage=3), "only pipeline parallelism"),
+    (dict(pin_memory=True), dict(stage=3), "only offload"),
+])
+def test_an_option_this_job_does_not_read_is_said(given: dict, job: dict, said: str) -> None:
+    inv = build_inventory(resolve("llama-3-8b"))
+    notes = options.resolve(inv, JobRequest.of(gpus=8, activations="analytic", **job, **given)).notes
+    assert any(said in n for n in notes), notes
+
+
+@pytest.mark.parametrize("given,job", [
+    (dict(reduce_bucket_size=1000), dict(stage=2)), (dict(bucket_cap_mb=50), dict(strategy="ddp")),
+    (dict(pin_memory=True, offload_optimizer=True), dict(stage=3)), (dict(fsdp_version=2), dict(strategy="ddp")),
+    (dict(max_live_parameters=10), dict(stage=3)), (dict(reshard_after_forward=False), dict(strategy="fsdp-full")),
+])
+def test_an_option_this_job_reads_is_not(given: dict, job: dict) -> None:
+    inv = build_inventory(resolve("llama-3-8b"))
+    notes = options.resolve(inv, JobRequest.of(gpus=8, activations="analytic", **job, **given)).notes
+    assert not any("changes nothing" in n for n in notes), notes

@@ -21,3 +21,14 @@ def test_a_lora_plan_s_command_reproduces_its_bytes() -> None:
     again = json.loads(out)["per_gpu"]
     assert (again["peak_bytes"], again["required_bytes"]) == \
         (rep["estimate"]["per_gpu"]["peak_bytes"], rep["estimate"]["per_gpu"]["required_bytes"])
+
+
+def test_check_takes_every_option_estimate_takes() -> None:
+    # one request, one set of options: the CI gate describes the job as estimate does (before, check took a subset)
+    args = "llama-3-8b --gpus 8 --stage 3 --offload-optimizer --tp 2 --activations analytic --gpu h100-80g".split()
+    code, out, err = run_cli(["estimate"] + args + ["--json"])
+    assert code == 0, err
+    required = json.loads(out)["per_gpu"]["required_bytes"]
+    code, out, err = run_cli(["check"] + args + ["--json"])
+    assert code in (0, 1), err
+    assert json.loads(out)["estimate"]["per_gpu"]["required_bytes"] == required

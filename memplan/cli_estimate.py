@@ -49,7 +49,7 @@ def plan(base: Any, space: Any, plot: str | None, flags: list[str]) -> tuple[dic
         P.draw(plot, P.bars_across_candidates(inv, found), found.gpu_memory_bytes,
                f"{inv.model_name}: the candidates at {found.gpus or found.max_gpus} GPUs", "candidate")
     rep = search_report(found, inv, None if best is None else accounting.estimate(inv, best),
-                        planner.command_line(base.model.model, found, flags))
+                        lambda c: planner.command_line(base.model.model, found, flags, c))
     return rep, best
 
 

@@ -513,10 +513,11 @@ def best_settings(found: Search) -> Settings | None:
     return replace(with_gpus(found.best.settings, found.gpus), micro_batch=found.best.micro_batch)
 
 
-def command_line(model: str, found: Search, extra: list[str]) -> str | None:
-    """The `memplan estimate` command that reproduces the recommendation."""
-    b = found.best
-    if b is None:
+def command_line(model: str, found: Search, extra: list[str], candidate: Candidate | None = None) -> str | None:
+    """The `memplan estimate` command that reproduces the recommendation (or ``candidate``'s row at the
+    recommended GPU count: only an exact row has one, a bound's figures are not an estimate's)."""
+    b = found.best if candidate is None else candidate
+    if b is None or candidate is not None and (found.gpus is None or b.micro_batch is None or not b.exact):
         return None
     parts = ["memplan estimate", model, f"--gpus {found.gpus}", f"--gpus-per-node {found.gpus_per_node}",
              f"--strategy {b.strategy}", f"--micro-batch {b.micro_batch}"]

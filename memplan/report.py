@@ -152,10 +152,11 @@ def reserved_report(plan: Any) -> dict[str, Any] | None:
             "why": "--fragmentation-percent given" if given else plan.reserved_why}
 
 
-def search_report(found: Any, inv: ParamInventory, best_plan: Any, command: str | None,
+def search_report(found: Any, inv: ParamInventory, best_plan: Any, command: Any,
                   sources: dict[str, str] | None = None) -> dict[str, Any]:
-    """The JSON object of `memplan plan` (schema_version 1): the search, every candidate, the recommendation
-    with its full estimate."""
+    """The JSON object of `memplan plan` (schema_version 1): the search, every candidate (an exact one with the
+    command that reproduces its row), the recommendation with its full estimate. ``command(candidate)``: that
+    command (planner.command_line)."""
     from memplan.planner import RANKING
 
     def cand(c: Any) -> dict[str, Any]:
@@ -168,7 +169,8 @@ def search_report(found: Any, inv: ParamInventory, best_plan: Any, command: str 
                 "at_recommended_gpus": None if c.micro_batch is None else {
                     "micro_batch": c.micro_batch, "peak_bytes": c.peak_bytes, "required_bytes": c.required_bytes,
                     "headroom_bytes": c.headroom_bytes,
-                    "communication_bytes": None if c.comm is None else {"inter_node": c.comm[0], "total": c.comm[1]}}}
+                    "communication_bytes": None if c.comm is None else {"inter_node": c.comm[0], "total": c.comm[1]},
+                    "command": command(c)}}
 
     b = found.best
     return {
@@ -184,7 +186,7 @@ def search_report(found: Any, inv: ParamInventory, best_plan: Any, command: str 
             "strategy": b.strategy, "label": b.label, "gpus": found.gpus, "nodes": -(-found.gpus // found.gpus_per_node),
             "micro_batch": b.micro_batch, "recompute": b.recompute, "precision": b.settings.recipe.name,
             "peak_bytes": b.peak_bytes, "required_bytes": b.required_bytes, "headroom_bytes": b.headroom_bytes,
-            "command": command},
+            "command": command(b)},
         "candidates": [cand(c) for c in found.candidates],
         "estimate": None if best_plan is None else plan_report(best_plan, sources),
         "notes": list(found.notes),

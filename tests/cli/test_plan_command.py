@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import shlex
 
+import pytest
 from test_bad_inputs import run_cli
 
 
@@ -32,3 +33,22 @@ def test_check_takes_every_option_estimate_takes() -> None:
     code, out, err = run_cli(["check"] + args + ["--json"])
     assert code in (0, 1), err
     assert json.loads(out)["estimate"]["per_gpu"]["required_bytes"] == required
+
+
+@pytest.mark.parametrize("model,gpu", [("llama-3-8b", "a100-40g"), ("llama-3-8b", "h100-80g"), ("mistral-7b", "h100-80g"),
+                                       ("gpt2", "a100-40g")])
+def test_every_exact_row_s_command_reproduces_it(model: str, gpu: str) -> None:
+    # issue 45: every row of the plan is an estimate its printed command gives byte for byte; a bound has none
+    code, out, err = run_cli(f"plan {model} --gpu {gpu} --max-gpus 64 --activations analytic --json".split())
+    assert code == 0, err
+    rows = [c for c in json.loads(out)["candidates"] if c["at_recommended_gpus"]]
+    assert any(r["at_recommended_gpus"]["command"] for r in rows)
+    for row in rows:
+        at = row["at_recommended_gpus"]
+        if not row["exact"]:
+            assert at["command"] is None  # a bound is labelled, and has no command to run
+            continue
+        code, out, err = run_cli(shlex.split(at["command"])[1:] + ["--json"])
+        assert code in (0, 1), err
+        got = json.loads(out)["per_gpu"]
+        assert (got["peak_bytes"], got["required_bytes"]) == (at["peak_bytes"], at["required_bytes"]), at["command"]

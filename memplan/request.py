@@ -6,7 +6,8 @@ parallelism, the adapters, each framework's knobs, the memory beside the peak, t
 carries its metadata (``Key``): its command-line flag and help, and its key in a DeepSpeed config, in Hugging
 Face TrainingArguments and in an Accelerate config where those files set it. memplan/cli_options.py builds the
 typer options of every command from that metadata; memplan/jobfiles.py reads the files into the same field
-names; ``merged`` combines them in one place and records where each value came from.
+names, and its ``merged`` combines them in one place and records where each value came from. ``SearchSpace``
+(what `memplan plan` searches) and ``HarnessRun`` (how `memplan validate` runs) are declared the same way.
 
 Every field has a name of its own across the parts (its "flat" name, the command's parameter name), so a
 change is ``request.changed(micro_batch=4, stage=3)`` (the 'to fit' suggestions and the planner's candidates).

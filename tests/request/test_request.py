@@ -172,3 +172,19 @@ def test_an_option_this_job_reads_is_not(given: dict, job: dict) -> None:
     inv = build_inventory(resolve("llama-3-8b"))
     notes = options.resolve(inv, JobRequest.of(gpus=8, activations="analytic", **job, **given)).notes
     assert not any("changes nothing" in n for n in notes), notes
+
+
+def test_the_readme_library_example_runs_and_matches_the_command_line(capsys: pytest.CaptureFixture) -> None:
+    readme = (ROOT / "README.md").read_text()
+    block = readme.split("### As a library", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    exec(compile(block, "README.md", "exec"), {})
+    first = capsys.readouterr().out.splitlines()[0].split()
+    code, out, err = _cli("estimate llama-3-8b --gpus 8 --stage 3 --micro-batch 2 --gpu h100-80g --json")
+    got = json.loads(out)["per_gpu"]
+    assert first == [str(got["peak_bytes"]), str(got["required_bytes"]), "True"]
+    assert f"{got['peak_bytes']} {got['required_bytes']} True" in block  # the figures the comment shows
+
+
+def _cli(args: str) -> tuple[int, str, str]:
+    result = CliRunner().invoke(get_command(app), args.split())
+    return result.exit_code, result.stdout, ""

@@ -606,6 +606,14 @@ def merged(request: JobRequest, hidden_size: int | None) -> tuple[JobRequest, li
     from memplan.errors import SettingsError
     from memplan.strategies import STAGE_TO_STRATEGY
 
+    f = request.files
+    if not (f.training_args or f.accelerate_config or f.deepspeed) and request.memory.pin_memory is None:
+        stage, strategy = request.training.stage, request.training.strategy
+        if stage is not None and strategy is not None:
+            raise SettingsError("give --stage or --strategy, not both")
+        if stage is not None and stage not in STAGE_TO_STRATEGY:
+            raise SettingsError(f"--stage must be 0, 1, 2 or 3, got {stage}")
+        return request, [], []  # nothing to merge (the planner resolves hundreds of such requests)
     explicit = {k for k, where in request.sources if where == "command line"}
     values, used, notes, files = _with_files(request.flat(), explicit)
     if values.get("stage") is not None and values.get("strategy") is not None:

@@ -359,6 +359,26 @@ def lora_cases() -> list[tuple]:
         ("qlora nf4 dq q,v single, pure-bf16", LLAMA3, dict(strategy="single", gpus=1, precision="pure-bf16",
                                                              lora=replace(qv, quantize="nf4", double_quant=True)),
          {}, {}, "none"),
+        # FSDP-QLoRA (session 32): the 4-bit codes packed into a float bnb_4bit_quant_storage, sharded by FSDP2 as
+        # frozen parameters, each QuantState whole; a uint8 storage kept whole (Accelerate's ignored_params)
+        ("qlora nf4 dq all-linear fsdp-full, fp32 storage, torch-amp", LLAMA3, dict(
+            strategy="fsdp-full", precision="torch-amp", lora=replace(lin, quantize="nf4", double_quant=True,
+                                                                      quant_storage="float32")), {}, {}, "none"),
+        ("qlora nf4 dq all-linear fsdp-full, fp32 storage, torch-amp", LLAMA3, dict(
+            strategy="fsdp-full", precision="torch-amp", lora=replace(lin, quantize="nf4", double_quant=True,
+                                                                      quant_storage="float32")), {}, {}, "full"),
+        ("qlora nf4 dq all-linear fsdp-full, fp32 storage, torch-amp, 4 ranks", LLAMA3, dict(
+            strategy="fsdp-full", gpus=4, precision="torch-amp",
+            lora=replace(lin, quantize="nf4", double_quant=True, quant_storage="float32")), {}, {}, "none"),
+        ("qlora nf4 dq all-linear fsdp-full, uint8 kept whole, torch-amp", LLAMA3, dict(
+            strategy="fsdp-full", precision="torch-amp", lora=replace(lin, quantize="nf4", double_quant=True)),
+         {}, {}, "none"),
+        ("qlora nf4 q,v fsdp-grad-op, fp32 storage, fp32", LLAMA3, dict(
+            strategy="fsdp-grad-op", precision="fp32", lora=replace(qv, quantize="nf4", quant_storage="float32")),
+         {}, {}, "none"),
+        ("qlora nf4 q,v fsdp-full, bf16 storage, pure-bf16", LLAMA3, dict(
+            strategy="fsdp-full", precision="pure-bf16", lora=replace(qv, quantize="nf4", quant_storage="bfloat16")),
+         {}, {}, "none"),
         ("lora q,v single, pure-bf16", LLAMA3, dict(strategy="single", gpus=1, precision="pure-bf16", lora=qv), {},
          {}, "full"),
         ("qlora nf4 c_attn single", GPT2, dict(strategy="single", gpus=1, lora=LoraSpec(rank=8, quantize="nf4")),

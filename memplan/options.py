@@ -677,14 +677,38 @@ def _optimizer_notes(inv: ParamInventory, s: Settings) -> list[str]:
 
 def _qlora_notes(inv: ParamInventory, s: Settings, spec: Any) -> list[str]:
     """A 4-bit base (QLoRA): where memplan models it, and what it assumes."""
-    if s.strategy.memory_model in ("fsdp2", "fsdp1", "zero3"):
-        raise SettingsError(f"--quantize-base under --strategy {s.strategy.name}: FSDP and ZeRO-3 shard a 4-bit base "
-                            "only through bnb_4bit_quant_storage (a float storage dtype), which memplan does not "
-                            "model; single, ddp, zero1 or zero2 keep it whole on every GPU")
+    mm, storage = s.strategy.memory_model, spec.quant_storage
+    if mm in ("fsdp1", "zero3"):
+        raise SettingsError(f"--quantize-base under --strategy {s.strategy.name}: memplan models a 4-bit base under "
+                            "single, ddp, zero1, zero2 and FSDP2 (fsdp-full, fsdp-grad-op, hsdp: FSDP-QLoRA with "
+                            "--quant-storage bfloat16), not yet under FSDP1 or ZeRO-3")
     if not inv.quantized:
         raise SettingsError("internal: a QLoRA job needs the quantized inventory (memplan.model.lora.apply)")
+    if storage != "uint8":
+        stored = s.recipe.stored_dtype
+        if storage != stored:
+            raise SettingsError(f"--quant-storage {storage} under --precision {s.recipe.name}: the packed 4-bit "
+                                f"weights are parameters like the rest, stored {stored} by this recipe; give "
+                                f"--quant-storage {stored}, or the recipe that stores {storage} (bnb_4bit_quant_storage "
+                                "is the dtype the model is loaded in: torch_dtype)")
+        from memplan.frameworks.fsdp2 import unshard_bytes
+
+        if mm == "fsdp2" and unshard_bytes(s.recipe) != s.recipe.param_bytes:
+            raise SettingsError(f"--quant-storage {storage} under --precision {s.recipe.name}: FSDP2's "
+                                "MixedPrecisionPolicy(param_dtype=bf16) would cast the packed 4-bit codes as numbers "
+                                "before the all-gather; FSDP-QLoRA loads the model in bf16 with --quant-storage "
+                                "bfloat16 and keeps it there (--precision pure-bf16: Accelerate 1.15's "
+                                "fsdp2_prepare_model does not upcast a model with Params4bit)")
+    where = ("kept whole on every GPU" if mm != "fsdp2" or storage != "uint8" else
+             "kept whole on every GPU: a uint8 storage cannot be sharded, and Accelerate 1.15's fsdp2_prepare_model "
+             "passes each non-float Params4bit to fully_shard as ignored_params (--quant-storage bfloat16 shards it)")
+    if storage != "uint8":
+        where = (f"packed into {storage} parameters (bnb_4bit_quant_storage), "
+                 + ("which FSDP2 shards like the other frozen weights, each QuantState (absmax, code) kept whole on "
+                    "every GPU (Linear4bit's forward restores it from the module after the all-gather: "
+                    "fix_4bit_weight_quant_state_from_module)" if mm == "fsdp2" else "kept whole on every GPU"))
     return [f"{spec.quantize} base: bitsandbytes 0.50 Linear4bit storage, blocksize 64"
-            f"{', double quantization' if spec.double_quant else ''}, kept whole on every GPU; "
+            f"{', double quantization' if spec.double_quant else ''}, {where}; "
             f"the other parameters (embeddings, norms, head, adapters) in the recipe's dtype ({s.recipe.name}, "
             f"{8 * s.recipe.param_bytes}-bit; peft's prepare_model_for_kbit_training leaves them fp32, as torch-amp "
             "does)",

@@ -40,6 +40,11 @@ class Recipe:
     #: on a bf16/fp16 base to fp32 (get_peft_model's autocast_adapter_dtype=True)
     adapter_bytes: int = 0
 
+    @property
+    def stored_dtype(self) -> str:
+        """The dtype of the parameters a rank stores (param_bytes)."""
+        return "float32" if self.param_bytes == 4 else "float16" if self.name.endswith("fp16") else "bfloat16"
+
 
 RECIPES: dict[str, Recipe] = {r.name: r for r in (
     Recipe(name="deepspeed-bf16", param_bytes=2, master_bytes=4, grad_bytes=2, reduced_grad_bytes=4,

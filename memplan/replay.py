@@ -424,6 +424,9 @@ class ReplayJob:
     #: a 4-bit base (QLoRA): per quantized weight in module order, (bytes of the compute-dtype copy it is quantized
     #: from, bytes of each piece of its bitsandbytes storage: packed data, then its QuantState's tensors)
     quantized: tuple[tuple[int, tuple[int, ...]], ...] = ()
+    #: a 4-bit base packed into a float storage (a parameter at its position in ``build``): position -> (bytes of
+    #: the compute-dtype copy it is quantized from, bytes of each of its QuantState's tensors)
+    packed: tuple[tuple[int, int, tuple[int, ...]], ...] = ()
     #: --optimizer muon: per optimizer tensor (the trainable ones, module order), its [a, b] shape where Muon steps
     #: it, None where AdamW does (precision.muon_tensors)
     muon: tuple[tuple[int, int] | None, ...] = ()
@@ -460,8 +463,8 @@ def replay_job(inv: Any, s: Any, numels: list[int], shapes: list[tuple[int, ...]
     converted = tuple(t.numel * (rc.adapter_bytes if rc.adapter_bytes and (".lora_A." in t.name or ".lora_B." in
                                                                             t.name) else rc.param_bytes)
                       for t in inv.tensors) if rc.param_bytes != 4 else None
-    quantized = _quantized_load(inv)
-    if quantized:
+    quantized, packed = _quantized_load(inv)
+    if quantized or packed:
         # from_pretrained with a BitsAndBytesConfig makes every tensor in its dtype (no fp32 build to convert)
         build = [(n, False) for n in (converted or [t.numel * rc.param_bytes for t in inv.tensors])]
         build.extend((t.numel * rc.param_bytes, True) for t in inv.tensors for _ in t.tied_names)
@@ -493,25 +496,33 @@ def replay_job(inv: Any, s: Any, numels: list[int], shapes: list[tuple[int, ...]
                optimizer_impl=optimizer_impl(s), input_bytes=s.micro_batch * s.seq_len * 8,
                workspace_bytes=s.cluster.blas_workspace_bytes,
                step=step, micro_batch=s.micro_batch,
-               optimizer=s.optimizer, recipe=s.recipe, shapes=tuple(shapes or ()), quantized=quantized)
+               optimizer=s.optimizer, recipe=s.recipe, shapes=tuple(shapes or ()), quantized=quantized,
+               packed=packed)
 
 
-def _quantized_load(inv: Any) -> tuple[tuple[int, tuple[int, ...]], ...]:
+def _quantized_load(inv: Any) -> tuple[tuple[tuple[int, tuple[int, ...]], ...], tuple[tuple[int, int, tuple[int, ...]], ...]]:
     """transformers' 4-bit load (Bnb4BitHfQuantizer.create_quantized_param -> bitsandbytes Params4bit.to(device) ->
     _quantize): each linear weight copied to the device in bf16, quantized into its packed data and QuantState
     (functional.py quantize_4bit; double quantization's fp32 absmax requantized), the copy freed. Its pieces, from
     the inventory's 4-bit storage (model/lora.py quantized_weight: the packed weight [(n + 1) // 2, 1], then its
     quant_state tensors); the weight had 2 x rows elements. Biases cast to the compute dtype and bitsandbytes'
-    dynamic map are kept as pieces of no weight."""
+    dynamic map are kept as pieces of no weight. A storage packed into a float dtype is a parameter (``packs``):
+    its QuantState's pieces go with its position among the parameters (the second result)."""
     out: list[tuple[int, list[int]]] = []
+    at = {t.name: i for i, t in enumerate(inv.tensors) if t.packs}
+    packed: dict[int, list[int]] = {}
     for t in getattr(inv, "quantized", ()):
-        if ".quant_state." in t.name and out:
+        owner = t.name.partition(".quant_state.")[0] if ".quant_state." in t.name else None
+        if owner in at:
+            packed.setdefault(at[owner], []).append(t.nbytes)
+        elif owner is not None and out:
             out[-1][1].append(t.nbytes)
         elif t.dtype == "uint8" and len(t.shape) == 2 and t.shape[1] == 1:
             out.append((2 * 2 * t.shape[0], [t.nbytes]))
         else:
             out.append((0, [t.nbytes]))
-    return tuple((n, tuple(p)) for n, p in out)
+    return (tuple((n, tuple(p)) for n, p in out),
+            tuple((i, 2 * inv.tensors[i].packs, tuple(p)) for i, p in sorted(packed.items())))
 
 
 def _runs_zero3_linear(s: Any, d: dict[str, Any]) -> bool:
@@ -617,8 +628,18 @@ def build_model(run: Run, job: ReplayJob) -> list[Any]:
     freed)."""
     keys: list[Any] = []
     aliases: list[Any] = []
+    states: list[Any] = []
+    packed = {i: (copy, pieces) for i, copy, pieces in job.packed}
     for n, alias in job.build:
+        if not alias and len(keys) in packed:  # a 4-bit weight packed into a float parameter, from its bf16 copy
+            copy, pieces = packed[len(keys)]
+            c = run.alloc(copy)
+            keys.append(run.alloc(n))
+            states.extend(run.alloc(p) for p in pieces)
+            run.free(c)
+            continue
         (aliases if alias else keys).append(run.alloc(n))
+    keys.extend(states)
     for k in aliases:
         run.free(k)
     for copy, pieces in job.quantized:  # a 4-bit base: each weight quantized from its bf16 copy on the device

@@ -54,8 +54,9 @@ def lora_report(spec: Any, inv: Any) -> dict[str, Any]:
             "dropout": spec.dropout, "bias": spec.bias, "modules_to_save": list(spec.modules_to_save),
             "adapted_layers": len(adapted), "trainable_params": inv.trainable_params, "source": spec.source,
             **({"quantize_base": {"type": spec.quantize, "double_quant": spec.double_quant,
-                                  "compute_dtype": spec.compute_dtype, "quantized_params": inv.quantized_params,
-                                  "quantized_bytes": inv.quantized_bytes}} if spec.quantize else {})}
+                                  "compute_dtype": spec.compute_dtype, "quant_storage": spec.quant_storage,
+                                  "quantized_params": inv.quantized_params,
+                                  "quantized_bytes": inv.quantized_storage_bytes}} if spec.quantize else {})}
 
 
 def plan_report(plan: Any, sources: dict[str, str] | None = None, notes: tuple[str, ...] = ()) -> dict[str, Any]:
@@ -101,7 +102,7 @@ def plan_report(plan: Any, sources: dict[str, str] | None = None, notes: tuple[s
         strategy["seq_len"] = plan.layout.settings.seq_len  # the job's (a CP rank computes 1/cp of it)
     return {
         "schema_version": SCHEMA_VERSION,
-        "model": {"name": inv.model_name, "source": inv.source, "num_params": inv.num_params + inv.quantized_params,
+        "model": {"name": inv.model_name, "source": inv.source, "num_params": inv.model_params,
                   "family": inv.family, "task": inv.task,
                   **({"trainable_params": inv.trainable_params} if inv.frozen else {})},
         "strategy": {**strategy, **({"lora": lora_report(s.lora, inv)} if s.lora is not None else {})},
@@ -175,7 +176,7 @@ def search_report(found: Any, inv: ParamInventory, best_plan: Any, command: Any,
     b = found.best
     return {
         "schema_version": SCHEMA_VERSION,
-        "model": {"name": inv.model_name, "source": inv.source, "num_params": inv.num_params, "family": inv.family,
+        "model": {"name": inv.model_name, "source": inv.source, "num_params": inv.model_params, "family": inv.family,
                   "task": inv.task},
         "search": {"gpu_memory_bytes": found.gpu_memory_bytes, "gpus_per_node": found.gpus_per_node,
                    "max_gpus": found.max_gpus, "micro_batches": [min(found.micro_batches), max(found.micro_batches)],

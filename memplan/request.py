@@ -228,6 +228,9 @@ class Adapters:
                              "to 8 bits too).")
     quant_compute_dtype: str | None = opt(None, "--quant-compute-dtype", "QLoRA: bnb_4bit_compute_dtype, bfloat16, "
                                           "float16 or float32 [default: bfloat16, as QLoRA recipes set it].")
+    quant_storage: str | None = opt(None, "--quant-storage", "QLoRA: bnb_4bit_quant_storage, the dtype the 4-bit "
+                                    "codes are packed into: uint8, or bfloat16 / float32 for FSDP and ZeRO-3 to "
+                                    "shard them (FSDP-QLoRA) [default: uint8].")
     #: the adapter as PEFT's LoraConfig (memplan/model/lora.py LoraSpec), made from the fields above and the
     #: adapter config when the request is made (``with_adapter``); None: full fine-tuning
     spec: Any = opt(None, None)
@@ -240,7 +243,7 @@ class Adapters:
                                                self.adapter_config)
         if path is None and rank is None:
             given = [f"--{k.replace('_', '-')}" for k in ("lora_alpha", "lora_targets", "lora_dropout",
-                                                          "quantize_base", "quant_compute_dtype")
+                                                          "quantize_base", "quant_compute_dtype", "quant_storage")
                      if getattr(self, k) is not None] + (["--double-quant"] if self.double_quant else [])
             if given:
                 raise SettingsError(f"{', '.join(given)} without --lora-rank (or --adapter-config): give the rank")
@@ -267,7 +270,11 @@ class Adapters:
             from memplan.units import normalize_dtype
 
             changes["compute_dtype"] = normalize_dtype(self.quant_compute_dtype)
-        quant = {"quantize", "double_quant", "compute_dtype"}
+        if self.quant_storage is not None:
+            from memplan.units import normalize_dtype
+
+            changes["quant_storage"] = normalize_dtype(self.quant_storage)
+        quant = {"quantize", "double_quant", "compute_dtype", "quant_storage"}
         if path and set(changes) - quant and notes is not None:
             notes.append(f"LoRA: the command line's {', '.join(sorted(set(changes) - quant))} override {path}")
         return replace(self, spec=replace(spec, **changes) if changes else spec)

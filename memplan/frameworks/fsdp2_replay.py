@@ -146,8 +146,12 @@ def replay_fsdp2(job: ReplayJob, groups: tuple[FsdpGroup, ...], world: int, resh
         + [groups[-1]]
     if any(g.offload for g in order):
         pass  # CPUOffloadPolicy: built, sharded and kept on the host (torchtitan's init_device "cpu")
-    elif world == 1:
-        # one rank: built on the device, then each group's shards made and its parameters freed (measured)
+    elif world == 1 or job.quantized or job.packed:
+        # one rank: built on the device, then each group's shards made and its parameters freed (measured). A 4-bit
+        # base (QLoRA) too at any world size: transformers' bitsandbytes quantizer loads the whole model onto the
+        # rank's device (Bnb4BitHfQuantizer.update_device_map: {"": current device}) and Accelerate 1.15's
+        # fsdp2_prepare_model does not move a model with Params4bit to the meta device first ("bypassing the move
+        # to meta will still cause the VRAM spike"), so fully_shard shards it from the device
         built = build_model(run, job)
         for g in order:
             for n in g.shard:

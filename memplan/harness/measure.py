@@ -86,7 +86,15 @@ def attribute(model: Any, optimizer: Any) -> dict[str, int]:
         for q in (qs, getattr(qs, "state2", None)):
             for attr in ("absmax", "code", "offset"):
                 add("weights_bytes", getattr(q, attr, None))
-    if any(getattr(getattr(p, "quant_state", None), "state2", None) is not None for p in params):
+    # under FSDP2 the sharded parameter has lost its quant_state; Linear4bit keeps it (module.quant_state, set by
+    # Params4bit(module=...) at quantization), and its forward restores it after the all-gather
+    states = [getattr(m, "quant_state", None) for m in model.modules()]
+    for qs in states:
+        for q in (qs, getattr(qs, "state2", None)):
+            for attr in ("absmax", "code", "offset"):
+                add("weights_bytes", getattr(q, attr, None))
+    if any(getattr(getattr(p, "quant_state", None), "state2", None) is not None for p in params) or \
+            any(getattr(qs, "state2", None) is not None for qs in states):
         import bitsandbytes.functional as bnbf  # double quantization's shared dynamic map
 
         add("weights_bytes", bnbf.name2qmap.get("dynamic"))

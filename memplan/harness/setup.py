@@ -39,7 +39,9 @@ def _build_model(spec: dict[str, Any], on_meta: bool) -> Any:
     if checkpoint_every(spec["recompute"]):
         checkpointing_on(model, spec["recompute"])
     if spec.get("lora"):
-        if spec["lora"].get("adapter_dtype"):  # a bf16 load, then PEFT (which upcasts the adapters to fp32)
+        # a bf16 load, then PEFT (which upcasts the adapters to fp32); a 4-bit base loaded in bf16 under a wrapper
+        # that keeps the recipe's dtypes (FSDP2 pure-bf16: FSDP-QLoRA's torch_dtype=bfloat16), quantized from it
+        if spec["lora"].get("adapter_dtype") or (spec["lora"].get("quantize") and spec["recipe"] == "pure-bf16"):
             model = model.to(torch.bfloat16)
         if spec["lora"].get("quantize"):
             bnb_4bit_config(model, spec["lora"])
@@ -65,6 +67,8 @@ def bnb_4bit_config(model: Any, fields: dict[str, Any]) -> None:
     from transformers.quantizers.quantizers_utils import should_convert_module
 
     skip = get_keys_to_not_convert(model)
+    # BitsAndBytesConfig.bnb_4bit_quant_storage: the dtype the codes are packed into (a float one FSDP shards)
+    storage = getattr(torch, fields.get("quant_storage", "uint8"))
     for name, m in list(model.named_modules()):
         if not name or not should_convert_module(name, skip):
             continue
@@ -74,10 +78,10 @@ def bnb_4bit_config(model: Any, fields: dict[str, Any]) -> None:
         q = bnb.nn.Linear4bit(w.shape[1], w.shape[0], bias=m.bias is not None,
                               compute_dtype=getattr(torch, fields.get("compute_dtype", "bfloat16")),
                               compress_statistics=bool(fields.get("double_quant")), quant_type=fields["quantize"],
-                              quant_storage=torch.uint8, device="meta")
+                              quant_storage=storage, device="meta")
         q.weight = bnb.nn.Params4bit(w.to(torch.bfloat16).contiguous(), requires_grad=False,
                                      compress_statistics=bool(fields.get("double_quant")),
-                                     quant_type=fields["quantize"], module=q)
+                                     quant_type=fields["quantize"], quant_storage=storage, module=q)
         if m.bias is not None:
             q.bias = torch.nn.Parameter(m.bias.detach().clone(), requires_grad=False)
         q = q.to(w.device)  # Params4bit._quantize
@@ -100,7 +104,9 @@ def peft_model(model: Any, fields: dict[str, Any]) -> Any:
                      modules_to_save=fields["modules_to_save"] or None,
                      layers_to_transform=fields["layers_to_transform"] or None,
                      exclude_modules=fields["exclude"] or None, rank_pattern=dict(fields["rank_pattern"]))
-    return get_peft_model(model, cfg)
+    # "bfloat16": the adapters kept in the base's half dtype, as memplan counts them where no wrapper casts for
+    # compute and the recipe says so (FSDP2 pure-bf16: options.py's note); PEFT's default upcasts them to fp32
+    return get_peft_model(model, cfg, autocast_adapter_dtype=fields.get("adapter_dtype") != "bfloat16")
 
 
 def _head_unit(model: Any) -> list[Any]:
@@ -373,6 +379,8 @@ def _setup_fsdp2(spec: dict[str, Any], device: Any) -> tuple[Any, Any, Any]:
     import torch.distributed as dist
 
     from torch.distributed.device_mesh import init_device_mesh
+    import functools
+
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     world = dist.get_world_size()
@@ -382,9 +390,19 @@ def _setup_fsdp2(spec: dict[str, Any], device: Any) -> tuple[Any, Any, Any]:
         mesh = init_device_mesh(mesh_kind, (world,))
     else:
         mesh = init_device_mesh(mesh_kind, (world // shard, shard), mesh_dim_names=("replicate", "shard"))
-    model = _build_model(spec, on_meta=True)
+    # a 4-bit base (QLoRA) is quantized from real weights: built on the host, as transformers loads it whole
+    # before Accelerate's fsdp2_prepare_model shards it (no move to the meta device with Params4bit)
+    quantized = bool((spec.get("lora") or {}).get("quantize"))
+    model = _build_model(spec, on_meta=not quantized)
+    if spec["recipe"] == "pure-bf16" and not quantized:  # model.to(bfloat16), then no mixed-precision policy
+        model = model.to(torch.bfloat16)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
         if spec["recipe"] == "fsdp-bf16" else MixedPrecisionPolicy()
+    # Accelerate 1.15 fsdp2_prepare_model: a Params4bit that is not floating (uint8 storage) cannot be sharded
+    # (DTensor); it is passed to every fully_shard as ignored_params and stays whole on each rank
+    ignored = {p for p in model.parameters() if type(p).__name__ == "Params4bit" and not p.is_floating_point()}
+    if ignored:
+        fully_shard = functools.partial(fully_shard, ignored_params=ignored)
     raf = spec["reshard_after_forward"]
     wrap = spec.get("fsdp_wrap", "block")
     if wrap == "block+embeddings":
@@ -421,7 +439,8 @@ def _setup_fsdp2(spec: dict[str, Any], device: Any) -> tuple[Any, Any, Any]:
         fully_shard(model, mesh=mesh, mp_policy=mp)
     if device.type == "cpu":
         gloo.collectives_in_place(model)
-    materialize(model, device)
+    if not quantized:
+        materialize(model, device)
     opt = _torch_optimizer(spec, model.parameters())
     return model, opt, None
 

@@ -72,7 +72,7 @@ def ds_config(s: Settings) -> dict[str, Any]:
 #: DeepSpeed under torch-amp: fp32 parameters, the engine run inside torch.autocast (the harness's step loop)
 _HARNESS_RECIPES = {"deepspeed": ("deepspeed-bf16", "deepspeed-fp16", "torch-amp", "fp32"),
                     "torch-ddp": ("torch-amp", "fp32", "pure-bf16"), "torch": ("torch-amp", "fp32", "pure-bf16"),
-                    "fsdp2": ("fsdp-bf16", "torch-amp", "fp32"), "fsdp1": ("fsdp-bf16", "torch-amp", "fp32")}
+                    "fsdp2": ("fsdp-bf16", "torch-amp", "fp32", "pure-bf16"), "fsdp1": ("fsdp-bf16", "torch-amp", "fp32")}
 
 
 #: torch.optim's, transformers' Adafactor, bitsandbytes' AdamW8bit (harness/setup.py _torch_optimizer)
@@ -132,7 +132,11 @@ def build_spec(config: dict[str, Any], s: Settings, *, warmup_steps: int = 2, me
         "shard_size": n, "reshard_after_forward": raf if not isinstance(raf, bool) or st.shard_params else False,
         # LoRA: PEFT adds the adapters to the built model (harness/setup.py), as the job's script does
         "lora": None if s.lora is None else {**s.lora.trace_fields(),
-                                             **({"adapter_dtype": "float32"} if s.recipe.adapter_bytes else {})},
+                                             **({"adapter_dtype": "float32"} if s.recipe.adapter_bytes else
+                                                {"adapter_dtype": "bfloat16"} if s.recipe.name == "pure-bf16"
+                                                else {}),
+                                             **({"quant_storage": s.lora.quant_storage}
+                                                if s.lora.quant_storage != "uint8" else {})},
     }
     if fw == "deepspeed":
         spec["ds_config"] = ds_config(s)

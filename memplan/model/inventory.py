@@ -74,6 +74,9 @@ class ParamTensor:
     #: data-parallel group (whole experts per EP rank), so its FSDP shard group is that group's size / shard_split
     #: (torchtitan's dp_shard_mod_ep mesh, transformers' efsdp); 1 otherwise
     shard_split: int = 1
+    #: QLoRA with a float bnb_4bit_quant_storage (model/lora.py quantize_base): this frozen parameter is the
+    #: packed 4-bit storage of a linear weight of this many elements; 0 otherwise
+    packs: int = 0
 
     @property
     def numel(self) -> int:
@@ -141,7 +144,23 @@ class ParamInventory:
 
     @cached_property
     def quantized_bytes(self) -> int:
+        """The 4-bit base's bytes kept whole on every rank (inv.quantized)."""
         return sum(t.nbytes for t in self.quantized)
+
+    @cached_property
+    def packed_params(self) -> int:
+        """Elements of the parameters that are a 4-bit base's packed storage (a float quant_storage)."""
+        return sum(t.numel for t in self.tensors if t.packs)
+
+    @cached_property
+    def model_params(self) -> int:
+        """The model's own parameter count: a 4-bit weight counted by the elements it had, not its storage's."""
+        return self.num_params - self.packed_params + self.quantized_params
+
+    @cached_property
+    def quantized_storage_bytes(self) -> int:
+        """Every byte of the 4-bit base: what is kept whole and the packed parameters (sharded or not)."""
+        return self.quantized_bytes + sum(t.nbytes for t in self.tensors if t.packs)
 
     @cached_property
     def trainable_params(self) -> int:

@@ -29,9 +29,13 @@ from typing import Any
 from memplan.errors import ConfigError, SettingsError
 from memplan.inputs import REGEX_SECONDS, compile_pattern, deadline, quote
 from memplan.model.inventory import ROOT_BLOCK, ParamInventory, ParamTensor
+from memplan.units import dtype_bytes
 
 ALL_LINEAR = "all-linear"
 QUANT_TYPES = ("", "nf4", "fp4")
+#: BitsAndBytesConfig.bnb_4bit_quant_storage: the dtype bitsandbytes packs the 4-bit codes into (quantize_4bit:
+#: out = empty(((n + 1) // (quant_storage.itemsize * 2), 1), dtype=quant_storage); bitsandbytes 0.50 _ops.py)
+QUANT_STORAGES = ("uint8", "bfloat16", "float16", "float32")
 #: the largest LoRA rank memplan sizes: past every real layer's width (a rank above min(in, out) adds nothing PEFT
 #: would not refuse to make useful, and a rank of 10^300 would take the inventory's arithmetic hours)
 MAX_RANK = 1 << 20
@@ -95,6 +99,10 @@ class LoraSpec:
     #: BitsAndBytesConfig.bnb_4bit_compute_dtype: what each 4-bit layer casts its input to and dequantizes into
     #: (transformers always passes one, so Linear4bit.set_compute_type never picks the input's)
     compute_dtype: str = "bfloat16"
+    #: BitsAndBytesConfig.bnb_4bit_quant_storage: "uint8" (its default) packs two codes per byte into a uint8
+    #: tensor no FSDP or ZeRO-3 shards; a float dtype packs them into that dtype, a frozen parameter FSDP and
+    #: ZeRO-3 shard like the others (FSDP-QLoRA: PEFT's, Accelerate's and Answer.AI's recipes)
+    quant_storage: str = "uint8"
     notes: tuple[str, ...] = field(default=(), compare=False)
 
     def __post_init__(self) -> None:
@@ -121,6 +129,12 @@ class LoraSpec:
                                 f"{quote(self.compute_dtype)}")
         if self.double_quant and not self.quantize:
             raise SettingsError("--double-quant quantizes a 4-bit base's scales: give --quantize-base nf4|fp4")
+        if self.quant_storage not in QUANT_STORAGES:
+            raise SettingsError(f"--quant-storage must be one of {', '.join(QUANT_STORAGES)}, got "
+                                f"{quote(self.quant_storage)}")
+        if self.quant_storage != "uint8" and not self.quantize:
+            raise SettingsError("--quant-storage is the dtype a 4-bit base is packed into: give --quantize-base "
+                                "nf4|fp4")
 
     def trace_fields(self) -> dict[str, Any]:
         """What the traced step needs (and its cache key holds): the adapted modules are resolved by the trace
@@ -149,7 +163,8 @@ class LoraSpec:
         return ("QLoRA" if self.quantize else "LoRA") + f" r={self.rank} on {t}" + \
             (f", bias={self.bias}" if self.bias != "none" else "") + \
             (f", modules_to_save={','.join(self.modules_to_save)}" if self.modules_to_save else "") + \
-            (f", base in {self.quantize}" + (" with double quantization" if self.double_quant else "")
+            (f", base in {self.quantize}" + (" with double quantization" if self.double_quant else "") +
+             (f", packed into {self.quant_storage}" if self.quant_storage != "uint8" else "")
              if self.quantize else "")
 
 
@@ -346,8 +361,13 @@ def quantized_weight(name: str, shape: tuple[int, ...], spec: LoraSpec, block: s
     n = math.prod(shape)
     blocks = -(-n // QUANT_BLOCK)
     q = f"{name}.quant_state"
-    out = [ParamTensor(name, ((n + 1) // 2, 1), "uint8", block, category, layer="linear", trainable=False),
-           ParamTensor(f"{q}.code", (16,), "float32", block, category, trainable=False)]
+    storage = spec.quant_storage
+    # the packed codes: (n + 1) // (itemsize * 2) elements of the storage dtype (bitsandbytes 0.50 _ops.py
+    # quantize_4bit's fake; the default kernel packs into uint8 and views it as quant_storage); in a float dtype a
+    # frozen parameter FSDP and ZeRO-3 shard (``packs``: the weight's elements)
+    packed = ParamTensor(name, ((n + 1) // (2 * dtype_bytes(storage)), 1), storage, block, category,
+                         layer="linear", trainable=False, packs=n if storage != "uint8" else 0)
+    out = [packed, ParamTensor(f"{q}.code", (16,), "float32", block, category, trainable=False)]
     if not spec.double_quant:
         return out + [ParamTensor(f"{q}.absmax", (blocks,), "float32", block, category, trainable=False)]
     return out + [ParamTensor(f"{q}.absmax", (blocks,), "uint8", block, category, trainable=False),
@@ -369,7 +389,12 @@ def quantize_base(inv: ParamInventory, spec: LoraSpec, modules: set[str]) -> Par
         mod, leaf = t.module, t.name.rpartition(".")[2]
         orig = mod[:-len(".base_layer")] if mod.endswith(".base_layer") else mod
         if leaf == "weight" and orig in modules and not t.trainable:
-            quant += quantized_weight(t.name, t.shape, spec, t.block, t.category)
+            packed, *state = quantized_weight(t.name, t.shape, spec, t.block, t.category)
+            if packed.packs:  # a float storage: a frozen parameter in the weight's place (its unit, its order)
+                keep.append(replace(packed, unit=t.unit, shard_split=t.shard_split))
+                quant += state
+            else:
+                quant += [packed, *state]
             numel += t.numel
         elif leaf == "bias" and orig in modules and not t.trainable:
             # Linear4bit.forward casts a bias to the compute dtype in place (bias.data = bias.data.to(x.dtype))
@@ -379,8 +404,10 @@ def quantize_base(inv: ParamInventory, spec: LoraSpec, modules: set[str]) -> Par
     if spec.double_quant:
         quant.append(ParamTensor("bitsandbytes.functional.name2qmap.dynamic", (256,), "float32", ROOT_BLOCK,
                                  "other", trainable=False))
-    note = (f"{spec.quantize} base (bitsandbytes Linear4bit{', double quantization' if spec.double_quant else ''}): "
-            f"{len(modules)} linear layers, {numel:,} parameters in {sum(t.nbytes for t in quant):,} bytes")
+    stored = sum(t.nbytes for t in quant) + sum(t.nbytes for t in keep if t.packs)
+    note = (f"{spec.quantize} base (bitsandbytes Linear4bit{', double quantization' if spec.double_quant else ''}"
+            f"{', packed into ' + spec.quant_storage if spec.quant_storage != 'uint8' else ''}): "
+            f"{len(modules)} linear layers, {numel:,} parameters in {stored:,} bytes")
     return replace(inv, tensors=tuple(keep), quantized=tuple(quant), quantized_params=numel,
                    notes=inv.notes + (note,))
 

@@ -264,12 +264,63 @@ def test_qlora_model_states(inventories):
             assert p.peak.optimizer_states_bytes == 2 * 4 * inv.trainable_params
 
 
-@pytest.mark.parametrize("strategy,gpus", [("fsdp-full", 8), ("zero3", 8), ("hsdp", 8)])
-def test_qlora_under_sharded_parameters_is_refused(inventories, strategy, gpus):
-    spec = lora.LoraSpec(rank=8, quantize="nf4")
+@pytest.mark.parametrize("strategy", ["zero3", "fsdp-full-v1"])
+def test_qlora_under_zero3_and_fsdp1_is_refused(inventories, strategy):
+    spec = lora.LoraSpec(rank=8, quantize="nf4", quant_storage="bfloat16")
     inv = lora.apply(inventories("llama-3-8b"), spec)
-    with pytest.raises(SettingsError, match="bnb_4bit_quant_storage"):
-        options.resolve(inv, JobRequest.of(gpus=gpus, strategy=strategy, lora=spec, activations="analytic"))
+    kw = dict(strategy="fsdp-full", fsdp_version=1) if strategy == "fsdp-full-v1" else dict(strategy=strategy)
+    with pytest.raises(SettingsError, match="FSDP1|ZeRO-3"):
+        options.resolve(inv, JobRequest.of(gpus=8, lora=spec, activations="analytic", precision="deepspeed-bf16"
+                                           if strategy == "zero3" else "pure-bf16", **kw))
+
+
+@pytest.mark.parametrize("storage,precision,why", [
+    ("bfloat16", "torch-amp", "stored float32"),  # the packed parameters would be counted (and cast) as fp32
+    ("float32", "fsdp-bf16", "MixedPrecisionPolicy"),  # the all-gather's cast would turn codes into numbers
+])
+def test_fsdp_qlora_storage_must_be_the_stored_dtype(inventories, storage, precision, why):
+    spec = lora.LoraSpec(rank=8, quantize="nf4", quant_storage=storage)
+    inv = lora.apply(inventories("llama-3-8b"), spec)
+    with pytest.raises(SettingsError, match=why):
+        options.resolve(inv, JobRequest.of(gpus=8, strategy="fsdp-full", precision=precision, lora=spec,
+                                           activations="analytic"))
+
+
+def test_quant_storage_without_a_4bit_base_is_refused():
+    with pytest.raises(SettingsError, match="--quantize-base"):
+        lora.LoraSpec(rank=8, quant_storage="bfloat16")
+    with pytest.raises(SettingsError, match="--quant-storage must be"):
+        lora.LoraSpec(rank=8, quantize="nf4", quant_storage="int4")
+
+
+@pytest.mark.parametrize("strategy,gpus", [("fsdp-full", 8), ("hsdp", 8), ("fsdp-full", 1)])
+def test_fsdp_qlora_shards_a_float_storage_and_keeps_uint8_whole(inventories, strategy, gpus):
+    """bnb_4bit_quant_storage=bfloat16: each 4-bit weight is a frozen bf16 parameter of (n + 1) // 4 elements that
+    FSDP2 shards with the rest, its QuantState whole; uint8: Accelerate passes it as ignored_params, whole."""
+    base = inventories("llama-3-8b")
+    kw = dict(gpus=gpus, strategy=strategy, precision="pure-bf16", activations="analytic",
+              **({"hsdp_shard_size": 4} if strategy == "hsdp" else {}))
+    out = {}
+    for storage in ("uint8", "bfloat16"):
+        spec = lora.LoraSpec(rank=16, targets="all-linear", quantize="nf4", double_quant=True, quant_storage=storage)
+        inv = lora.apply(base, spec)
+        r = options.resolve(inv, JobRequest.of(lora=spec, **kw))
+        out[storage] = (inv, accounting.estimate(inv, r.settings), r)
+    (u8, pu8, _), (bf, pbf, rbf) = out["uint8"], out["bfloat16"]
+    assert u8.model_params == bf.model_params == base.num_params + u8.trainable_params
+    assert u8.quantized_storage_bytes == bf.quantized_storage_bytes  # the same bytes, packed either way
+    packed = [t for t in bf.tensors if t.packs]
+    assert len(packed) == 224 and all(t.dtype == "bfloat16" and t.numel == (t.packs + 1) // 4 for t in packed)
+    assert not any(t.packs for t in u8.tensors) and not any(t.packs for t in bf.quantized)
+    shard = 1 if gpus == 1 else (4 if strategy == "hsdp" else gpus)
+    lay_u8, lay_bf = pu8.peak.weights_bytes - u8.quantized_bytes, pbf.peak.weights_bytes - bf.quantized_bytes
+    # the float parameters' shards (FSDP2 pads dim 0): uint8 keeps the packed codes outside them
+    assert lay_bf - lay_u8 >= 2 * sum(t.numel for t in packed) // shard
+    if shard > 1:
+        assert pbf.peak.weights_bytes < pu8.peak.weights_bytes
+        assert any("FSDP2 shards like the other frozen weights" in n for n in rbf.notes)
+    else:
+        assert pbf.peak.weights_bytes == pu8.peak.weights_bytes
 
 
 def test_qlora_refuses_a_saved_4bit_module(inventories):
@@ -280,7 +331,8 @@ def test_qlora_refuses_a_saved_4bit_module(inventories):
 
 @pytest.mark.parametrize("name,targets", [("llama-3-8b", ("q_proj", "v_proj")), ("gpt2", "all-linear"),
                                           ("mixtral-8x7b", ("q_proj", "v_proj")), ("qwen2.5-7b", "all-linear")])
-def test_qlora_inventory_equals_bitsandbytes_and_peft(name, targets):
+@pytest.mark.parametrize("storage", ["uint8", "float32"])
+def test_qlora_inventory_equals_bitsandbytes_and_peft(name, targets, storage):
     """Built as the harness builds a QLoRA job (transformers' choice of layers, bitsandbytes Linear4bit quantized
     on the CPU, PEFT's get_peft_model): every parameter and quantisation-state byte as memplan counts it."""
     pytest.importorskip("bitsandbytes")
@@ -293,10 +345,10 @@ def test_qlora_inventory_equals_bitsandbytes_and_peft(name, targets):
     from memplan.model.meta_builder import hf_config
 
     cfg, inv = _tiny(name)
-    spec = lora.LoraSpec(rank=8, targets=targets, quantize="nf4", double_quant=True)
+    spec = lora.LoraSpec(rank=8, targets=targets, quantize="nf4", double_quant=True, quant_storage=storage)
     q = lora.apply(inv, spec)
     model = AutoModelForCausalLM.from_config(hf_config(cfg), dtype=torch.float32)
-    fields = spec.trace_fields()
+    fields = {**spec.trace_fields(), "quant_storage": storage}
     bnb_4bit_config(model, fields)
     model = peft_model(model, fields)
     import bitsandbytes as bnb
@@ -305,9 +357,14 @@ def test_qlora_inventory_equals_bitsandbytes_and_peft(name, targets):
         model(input_ids=torch.zeros(1, 8, dtype=torch.long))
     quantized = {n.removeprefix("base_model.model.").removesuffix(".weight") for n, p in model.named_parameters()
                  if isinstance(p, bnb.nn.Params4bit)}
-    assert quantized == {t.name.removesuffix(".weight") for t in q.quantized if t.name.endswith(".weight")}
-    # fp32 float parameters (torch-amp, what prepare_model_for_kbit_training leaves) + the 4-bit storage
+    assert quantized == {t.name.removesuffix(".weight") for t in (*q.quantized, *q.tensors)
+                         if t.name.endswith(".weight") and (t.packs or t.dtype == "uint8")}
+    # fp32 float parameters (torch-amp, what prepare_model_for_kbit_training leaves) + the 4-bit storage (a float32
+    # storage's packed codes among the parameters, (n + 1) // 8 fp32 elements each)
     assert attribute(model, None)["weights_bytes"] == 4 * q.num_params + q.quantized_bytes
+    assert {n.removeprefix("base_model.model."): tuple(p.shape) for n, p in model.named_parameters()
+            if isinstance(p, bnb.nn.Params4bit)} == {t.name: t.shape for t in (*q.quantized, *q.tensors)
+                                                     if t.name.endswith(".weight") and (t.packs or t.dtype == "uint8")}
     assert sum(p.numel() for p in model.parameters() if p.requires_grad) == q.trainable_params
 
 

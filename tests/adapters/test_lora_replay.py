@@ -83,10 +83,26 @@ def test_lora_under_ddp_is_replayed(tmp_path: Path) -> None:
     r = plan.reserved
     assert r is not None and r.model == "FSDP2" and plan.reserved_why is None
     assert abs(r.allocated_bytes - plan.peak_bytes) < plan.peak_bytes // 200
+    # FSDP-QLoRA: the 4-bit model loaded whole onto each device (transformers' bitsandbytes quantizer), then
+    # sharded by fully_shard: a float storage's packed parameters sharded, a uint8 one kept whole (ignored_params)
+    for storage in ("uint8", "bfloat16"):
+        q = lora.LoraSpec(rank=8, targets="all-linear", quantize="nf4", double_quant=True, quant_storage=storage)
+        qinv = lora.apply(build_inventory(src), q)
+        s = options.resolve(qinv, JobRequest.of(gpus=2, gpu="h100-80g", device="cuda", strategy="fsdp-full",
+                                                precision="pure-bf16", micro_batch=2, seq_len=256, lora=q),
+                            config=src.config).settings
+        plan = accounting.estimate(qinv, s)
+        r = plan.reserved
+        assert r is not None and r.model == "FSDP2" and plan.reserved_why is None
+        assert abs(r.allocated_bytes - plan.peak_bytes) < plan.peak_bytes // 200, storage
+        # the load held every parameter and the whole 4-bit storage on the device at once
+        whole = 2 * (qinv.num_params - qinv.packed_params) + qinv.quantized_storage_bytes
+        assert r.peak_bytes >= whole
 
 
 @pytest.mark.parametrize("label,strategy,gpus,quantize", [
     ("qlora nf4 dq q,v single", "single", 1, "nf4"),
+    ("qlora nf4 dq all-linear fsdp-full, fp32 storage, torch-amp", "fsdp-full", 2, "nf4"),
     ("lora q,v fsdp-full", "fsdp-full", 2, ""),
     ("lora all-linear zero1", "zero1", 2, ""),
 ])
@@ -105,13 +121,15 @@ def test_lora_and_qlora_replays_walk_the_harness_s_allocations(label: str, strat
 
     row = harness_row(label, "llama-3-8b, 2 blocks", "none", "accuracy-lora.jsonl")
     spec = LoraSpec(rank=16, targets="all-linear" if "all-linear" in label else ("q_proj", "v_proj"),
-                    quantize=quantize, double_quant=" dq " in label)
+                    quantize=quantize, double_quant=" dq " in label,
+                    quant_storage="float32" if "fp32 storage" in label else "uint8")
     inventories = []
     wrapped = validation.adapted_inventory
     try:
         validation.adapted_inventory = lambda inv, kw: inventories.append(wrapped(inv, kw)) or inventories[-1]
         job = JobRequest.of(device="cpu", cpu_isa=row[10] if len(row) > 10 else "avx512", gpus=gpus,
                             gpus_per_node=gpus, micro_batch=2, seq_len=128, recompute="none", lora=spec,
+                            fsdp_root_reshard="auto", **({"precision": "torch-amp"} if "torch-amp" in label else {}),
                             **({"stage": int(strategy[4:])} if strategy.startswith("zero") else {"strategy": strategy}))
         _, resolved, *_ = validation.predict("llama-3-8b", job, layers=2, hidden=512, vocab=2048)
     finally:

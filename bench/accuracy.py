@@ -379,6 +379,11 @@ def lora_cases() -> list[tuple]:
         ("qlora nf4 q,v fsdp-full, bf16 storage, pure-bf16", LLAMA3, dict(
             strategy="fsdp-full", precision="pure-bf16", lora=replace(qv, quantize="nf4", quant_storage="bfloat16")),
          {}, {}, "none"),
+        # ZeRO-3 QLoRA (session 32): DeepSpeed partitions the float-packed 4-bit parameters, QuantStates whole
+        ("qlora nf4 dq all-linear zero3, bf16 storage", LLAMA3, dict(
+            stage=3, lora=replace(lin, quantize="nf4", double_quant=True, quant_storage="bfloat16")), {}, {}, "none"),
+        ("qlora nf4 q,v zero3 small buckets, bf16 storage", LLAMA3, dict(
+            stage=3, lora=replace(qv, quantize="nf4", quant_storage="bfloat16")), SMALL_DS, {}, "full"),
         ("lora q,v single, pure-bf16", LLAMA3, dict(strategy="single", gpus=1, precision="pure-bf16", lora=qv), {},
          {}, "full"),
         ("qlora nf4 c_attn single", GPT2, dict(strategy="single", gpus=1, lora=LoraSpec(rank=8, quantize="nf4")),

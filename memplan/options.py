@@ -678,10 +678,11 @@ def _optimizer_notes(inv: ParamInventory, s: Settings) -> list[str]:
 def _qlora_notes(inv: ParamInventory, s: Settings, spec: Any) -> list[str]:
     """A 4-bit base (QLoRA): where memplan models it, and what it assumes."""
     mm, storage = s.strategy.memory_model, spec.quant_storage
-    if mm in ("fsdp1", "zero3"):
+    if mm == "fsdp1" or (mm == "zero3" and storage == "uint8"):
         raise SettingsError(f"--quantize-base under --strategy {s.strategy.name}: memplan models a 4-bit base under "
-                            "single, ddp, zero1, zero2 and FSDP2 (fsdp-full, fsdp-grad-op, hsdp: FSDP-QLoRA with "
-                            "--quant-storage bfloat16), not yet under FSDP1 or ZeRO-3")
+                            "single, ddp, zero1, zero2, FSDP2 (fsdp-full, fsdp-grad-op, hsdp: FSDP-QLoRA with "
+                            "--quant-storage bfloat16) and ZeRO-3 with a float --quant-storage, not under FSDP1 or "
+                            "ZeRO-3 with a uint8 storage (DeepSpeed partitions every parameter)")
     if not inv.quantized:
         raise SettingsError("internal: a QLoRA job needs the quantized inventory (memplan.model.lora.apply)")
     if storage != "uint8":

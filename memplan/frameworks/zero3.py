@@ -282,7 +282,9 @@ def weights(job: Job) -> int:
     partition over zero_hpz_partition_size ranks too."""
     s, lay, n, rc = job.s, job.lay, job.n, job.s.recipe
     persistent = lay.persistent_numel if n > 1 else 0
-    out = rc.param_bytes * (lay.shard_numel + persistent)
+    # a 4-bit base packed into a float storage (QLoRA): its packed parameters partitioned as the rest, each
+    # QuantState (Params4bit.quant_state, not a parameter) whole on every rank
+    out = rc.param_bytes * (lay.shard_numel + persistent) + job.inv.quantized_bytes
     hpz = s.ds.hpz_partition_size
     if hpz > 1:
         if n % hpz:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from memplan.allocator import Allocator, AllocatorConfig
-from memplan.replay import MAX_STEPS, ReplayJob, Run, micro_step
+from memplan.replay import MAX_STEPS, ReplayJob, Run, build_model, micro_step
 
 
 def replay_zero3(job: ReplayJob, world: int, partitions: tuple[int, ...], sub_groups: tuple[int, ...],
@@ -85,7 +85,16 @@ def _setup(job: ReplayJob, world: int, partitions: tuple[int, ...], sub_groups: 
     run = Run(config or AllocatorConfig())
     trains = trainable or (True,) * len(partitions)
     total = sum(p for p, t in zip(partitions, trains) if t)
-    if world == 1:
+    if job.quantized or job.packed:
+        # a 4-bit base (QLoRA): transformers does not build a quantized model under zero.Init (modeling_utils
+        # get_init_context: zero.Init only when not quantized); it loads it whole onto the device, each weight
+        # quantized from its bf16 copy (replay.build_model), and deepspeed.initialize partitions it there
+        params = build_model(run, job)[:len(partitions)]
+        parts = []
+        for k, p in zip(params, partitions):
+            parts.append(run.alloc(p * half))
+            run.free(k)
+    elif world == 1:
         keys = []
         for n, alias in job.build:
             keys.append(run.alloc(n))

@@ -85,15 +85,18 @@ def test_lora_under_ddp_is_replayed(tmp_path: Path) -> None:
     assert abs(r.allocated_bytes - plan.peak_bytes) < plan.peak_bytes // 200
     # FSDP-QLoRA: the 4-bit model loaded whole onto each device (transformers' bitsandbytes quantizer), then
     # sharded by fully_shard: a float storage's packed parameters sharded, a uint8 one kept whole (ignored_params)
-    for storage in ("uint8", "bfloat16"):
+    # ZeRO-3 QLoRA (a float storage): the same load, then deepspeed.initialize partitions it
+    for storage, kw in (("uint8", {"strategy": "fsdp-full", "precision": "pure-bf16"}),
+                        ("bfloat16", {"strategy": "fsdp-full", "precision": "pure-bf16"}),
+                        ("bfloat16", {"stage": 3})):
         q = lora.LoraSpec(rank=8, targets="all-linear", quantize="nf4", double_quant=True, quant_storage=storage)
         qinv = lora.apply(build_inventory(src), q)
-        s = options.resolve(qinv, JobRequest.of(gpus=2, gpu="h100-80g", device="cuda", strategy="fsdp-full",
-                                                precision="pure-bf16", micro_batch=2, seq_len=256, lora=q),
-                            config=src.config).settings
+        s = options.resolve(qinv, JobRequest.of(gpus=2, gpu="h100-80g", device="cuda", micro_batch=2, seq_len=256,
+                                                lora=q, **kw), config=src.config).settings
         plan = accounting.estimate(qinv, s)
         r = plan.reserved
-        assert r is not None and r.model == "FSDP2" and plan.reserved_why is None
+        assert r is not None and r.model.startswith("ZeRO-3" if "stage" in kw else "FSDP2"), r.model
+        assert plan.reserved_why is None
         assert abs(r.allocated_bytes - plan.peak_bytes) < plan.peak_bytes // 200, storage
         # the load held every parameter and the whole 4-bit storage on the device at once
         whole = 2 * (qinv.num_params - qinv.packed_params) + qinv.quantized_storage_bytes

@@ -707,7 +707,14 @@ def _qlora_notes(inv: ParamInventory, s: Settings, spec: Any) -> list[str]:
         where = (f"packed into {storage} parameters (bnb_4bit_quant_storage), "
                  + ("which FSDP2 shards like the other frozen weights, each QuantState (absmax, code) kept whole on "
                     "every GPU (Linear4bit's forward restores it from the module after the all-gather: "
-                    "fix_4bit_weight_quant_state_from_module)" if mm == "fsdp2" else "kept whole on every GPU"))
+                    "fix_4bit_weight_quant_state_from_module)" if mm == "fsdp2" else
+                    "which ZeRO-3 partitions like the other frozen weights (gathered with their module), each "
+                    "QuantState (a Params4bit attribute, not a parameter) kept whole on every GPU" if mm == "zero3"
+                    else "kept whole on every GPU"))
+        if mm in ("fsdp2", "zero3"):
+            where += ("; the model is loaded whole onto every GPU first (transformers' bitsandbytes quantizer: "
+                      "device_map {'': current device}, no zero.Init or meta-device load for a quantized model), "
+                      "then sharded: the reserved-peak replay includes that load")
     return [f"{spec.quantize} base: bitsandbytes 0.50 Linear4bit storage, blocksize 64"
             f"{', double quantization' if spec.double_quant else ''}, {where}; "
             f"the other parameters (embeddings, norms, head, adapters) in the recipe's dtype ({s.recipe.name}, "

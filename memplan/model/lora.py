@@ -408,8 +408,16 @@ def quantize_base(inv: ParamInventory, spec: LoraSpec, modules: set[str]) -> Par
     note = (f"{spec.quantize} base (bitsandbytes Linear4bit{', double quantization' if spec.double_quant else ''}"
             f"{', packed into ' + spec.quant_storage if spec.quant_storage != 'uint8' else ''}): "
             f"{len(modules)} linear layers, {numel:,} parameters in {stored:,} bytes")
+    # transformers 5 fuses an MoE block's experts into 3-D nn.Parameters (gate_up_proj, down_proj): not nn.Linear,
+    # so replace_with_bnb_linear (integrations/bitsandbytes.py) leaves them in the model's dtype, and PEFT's
+    # target_modules cannot adapt them (its target_parameters can: refused in read_adapter_config)
+    fused = [t for t in keep if len(t.shape) == 3 and not t.trainable]
+    notes = (note,) + ((f"{sum(t.numel for t in fused):,} parameters of {len(fused)} fused MoE expert tensors "
+                        "(3-D nn.Parameter, not nn.Linear) are not quantized: transformers' bitsandbytes "
+                        "integration converts nn.Linear only, so they stay frozen in the recipe's dtype, and no "
+                        "LoRA adapter is placed on them",) if fused else ())
     return replace(inv, tensors=tuple(keep), quantized=tuple(quant), quantized_params=numel,
-                   notes=inv.notes + (note,))
+                   notes=inv.notes + notes)
 
 
 def read_adapter_config(path: str) -> LoraSpec:
@@ -428,6 +436,10 @@ def read_adapter_config(path: str) -> LoraSpec:
     if data.get("use_dora"):
         raise ConfigError(f"{p}: use_dora (DoRA) is not modelled: its magnitude vector and weight-norm step keep "
                           "other tensors than LoRA's")
+    if data.get("target_parameters"):
+        raise ConfigError(f"{p}: target_parameters {quote(data['target_parameters'])} (PEFT's LoRA on nn.Parameter "
+                          "tensors, such as fused MoE experts) is not modelled: its adapters would be missing from "
+                          "the estimate")
     notes = []
     unknown = sorted(k for k in data if k not in _READ | _NO_MEMORY | {"use_dora"})
     if unknown:

@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 
 from memplan import accounting, options
-from memplan.errors import MemplanError, SettingsError
+from memplan.errors import ConfigError, MemplanError, SettingsError
 from memplan.model import lora, sources
 from memplan.model.scaling import scale_config
 from memplan.request import JobRequest
@@ -266,7 +266,8 @@ def test_qlora_model_states(inventories):
 
 @pytest.mark.parametrize("strategy", ["zero3", "fsdp-full-v1"])
 def test_qlora_under_zero3_and_fsdp1_is_refused(inventories, strategy):
-    spec = lora.LoraSpec(rank=8, quantize="nf4", quant_storage="bfloat16")
+    # ZeRO-3 partitions every parameter: a uint8 storage is refused (a float one is modelled); FSDP1: no LoRA
+    spec = lora.LoraSpec(rank=8, quantize="nf4", quant_storage="uint8" if strategy == "zero3" else "bfloat16")
     inv = lora.apply(inventories("llama-3-8b"), spec)
     kw = dict(strategy="fsdp-full", fsdp_version=1) if strategy == "fsdp-full-v1" else dict(strategy=strategy)
     with pytest.raises(SettingsError, match="FSDP1|ZeRO-3"):
@@ -402,3 +403,32 @@ def test_per_tensor_optimizers_keep_states_for_the_adapters_only(inventories, op
         assert p.peak.optimizer_states_bytes == 2 * 4 * inv.trainable_params
         assert accounting.optimizer_impl(s) == "fused"
 
+
+
+def test_qlora_says_fused_experts_stay_unquantized(inventories):
+    # transformers 5's fused experts are 3-D nn.Parameters: replace_with_bnb_linear converts nn.Linear only
+    inv = lora.apply(inventories("mixtral-8x7b"), lora.LoraSpec(rank=8, quantize="nf4"))
+    fused = [t for t in inv.tensors if len(t.shape) == 3]
+    assert len(fused) == 64 and not any(t.trainable for t in fused)
+    assert any(f"{sum(t.numel for t in fused):,} parameters of 64 fused MoE expert tensors" in n for n in inv.notes)
+    dense = lora.apply(inventories("llama-3-8b"), lora.LoraSpec(rank=8, quantize="nf4"))
+    assert not any("fused MoE" in n for n in dense.notes)
+
+
+def test_adapter_config_with_target_parameters_is_refused(tmp_path):
+    p = tmp_path / "adapter_config.json"
+    p.write_text('{"peft_type": "LORA", "r": 8, "target_modules": ["q_proj"], '
+                 '"target_parameters": ["experts.gate_up_proj"]}')
+    with pytest.raises(ConfigError, match="target_parameters"):
+        lora.read_adapter_config(str(p))
+
+
+def test_zero3_qlora_partitions_the_packed_weights(inventories):
+    # bnb_4bit_quant_storage=bfloat16 under deepspeed-bf16: every parameter (the packed codes among them) 2 bytes
+    # an element, partitioned; each QuantState whole on every rank (measured: docs/accuracy-lora.md, weights exact)
+    spec = lora.LoraSpec(rank=16, targets="all-linear", quantize="nf4", double_quant=True, quant_storage="bfloat16")
+    inv = lora.apply(inventories("llama-3-8b"), spec)
+    one, eight = (accounting.estimate(inv, options.resolve(inv, JobRequest.of(
+        gpus=g, stage=3, lora=spec, activations="analytic")).settings).peak.weights_bytes for g in (1, 8))
+    assert one == 2 * inv.num_params + inv.quantized_bytes
+    assert inv.quantized_bytes + (one - inv.quantized_bytes) // 8 <= eight < one // 6

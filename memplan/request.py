@@ -273,7 +273,10 @@ class Adapters:
         if self.quant_storage is not None:
             from memplan.units import normalize_dtype
 
-            changes["quant_storage"] = normalize_dtype(self.quant_storage)
+            try:
+                changes["quant_storage"] = normalize_dtype(self.quant_storage)
+            except SettingsError:  # not a dtype at all: LoraSpec names the flag and its choices
+                changes["quant_storage"] = str(self.quant_storage)
         quant = {"quantize", "double_quant", "compute_dtype", "quant_storage"}
         if path and set(changes) - quant and notes is not None:
             notes.append(f"LoRA: the command line's {', '.join(sorted(set(changes) - quant))} override {path}")

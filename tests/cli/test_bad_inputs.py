@@ -277,8 +277,14 @@ CASES = [
     ("estimate llama-3-8b --quantize-base nf4", "without --lora-rank"),
     ("estimate llama-3-8b --lora-rank 8 --double-quant", "--double-quant quantizes a 4-bit base"),
     ("estimate llama-3-8b --lora-rank 8 --quantize-base nf4 --quant-compute-dtype int4", "unknown dtype"),
-    ("estimate llama-3-8b --lora-rank 8 --quantize-base nf4 --gpus 8 --strategy fsdp-full", "bnb_4bit_quant_storage"),
-    ("estimate llama-3-8b --lora-rank 8 --quantize-base nf4 --gpus 8 --stage 3", "bnb_4bit_quant_storage"),
+    ("estimate llama-3-8b --lora-rank 8 --quantize-base nf4 --gpus 8 --strategy fsdp-full --quant-storage bf16",
+     "stored float32 by this recipe"),
+    ("estimate llama-3-8b --lora-rank 8 --quantize-base nf4 --gpus 8 --strategy fsdp-full --quant-storage fp32",
+     "MixedPrecisionPolicy"),
+    ("estimate llama-3-8b --lora-rank 8 --quantize-base nf4 --gpus 8 --stage 3", "ZeRO-3 with a uint8 storage"),
+    ("estimate llama-3-8b --lora-rank 8 --quantize-base nf4 --quant-storage int4", "--quant-storage must be"),
+    ("estimate llama-3-8b --lora-rank 8 --quant-storage bf16", "--quantize-base"),
+    ("estimate llama-3-8b --quant-storage bf16", "without --lora-rank"),
     ("estimate llama-3-8b --lora-rank 8 --quantize-base nf4 --lora-targets lm_head --adapter-config x.json",
      "x.json"),
     ("estimate llama-3-8b --adapter-config {dir}/ad_dora", "DoRA"),
@@ -340,10 +346,12 @@ def test_bad_input(args, needle, bad_dir, tmp_path, monkeypatch):
 
 
 def test_plan_skips_the_strategies_a_job_cannot_run():
-    # QLoRA cannot run under FSDP or ZeRO-3 here: plan leaves them out with a note instead of failing
+    # QLoRA with its default uint8 storage cannot run under ZeRO-3 (DeepSpeed partitions every parameter): plan
+    # leaves it out with a note instead of failing; FSDP2 keeps the 4-bit weights whole (Accelerate's
+    # ignored_params) and is considered
     code, out, err = run_cli(["plan", "llama-3-8b", "--gpu", "h100-80g", "--lora-rank", "16", "--quantize-base", "nf4",
                               "--max-gpus", "2", "--json"])
     assert code in (0, 1), err
     rep = json.loads(out)
     text = json.dumps(rep)
-    assert "zero3 not considered" in text and "fsdp-full not considered" in text
+    assert "zero3 not considered" in text and "fsdp-full not considered" not in text

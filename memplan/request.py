@@ -266,17 +266,15 @@ class Adapters:
             changes["quantize"] = str(self.quantize_base).lower()
         if self.double_quant:
             changes["double_quant"] = True
-        if self.quant_compute_dtype is not None:
-            from memplan.units import normalize_dtype
+        from memplan.units import normalize_dtype
 
-            changes["compute_dtype"] = normalize_dtype(self.quant_compute_dtype)
-        if self.quant_storage is not None:
-            from memplan.units import normalize_dtype
-
-            try:
-                changes["quant_storage"] = normalize_dtype(self.quant_storage)
-            except SettingsError:  # not a dtype at all: LoraSpec names the flag and its choices
-                changes["quant_storage"] = str(self.quant_storage)
+        for flag, key in (("quant_compute_dtype", "compute_dtype"), ("quant_storage", "quant_storage")):
+            value = getattr(self, flag)
+            if value is not None:
+                try:
+                    changes[key] = normalize_dtype(value)
+                except SettingsError:  # not a dtype at all: LoraSpec names the flag and its choices
+                    changes[key] = str(value)
         quant = {"quantize", "double_quant", "compute_dtype", "quant_storage"}
         if path and set(changes) - quant and notes is not None:
             notes.append(f"LoRA: the command line's {', '.join(sorted(set(changes) - quant))} override {path}")

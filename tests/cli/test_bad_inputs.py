@@ -276,7 +276,7 @@ CASES = [
     ("estimate llama-3-8b --lora-rank 8 --quantize-base nf3", "--quantize-base must be nf4 or fp4"),
     ("estimate llama-3-8b --quantize-base nf4", "without --lora-rank"),
     ("estimate llama-3-8b --lora-rank 8 --double-quant", "--double-quant quantizes a 4-bit base"),
-    ("estimate llama-3-8b --lora-rank 8 --quantize-base nf4 --quant-compute-dtype int4", "unknown dtype"),
+    ("estimate llama-3-8b --lora-rank 8 --quantize-base nf4 --quant-compute-dtype int4", "--quant-compute-dtype must be"),
     ("estimate llama-3-8b --lora-rank 8 --quantize-base nf4 --gpus 8 --strategy fsdp-full --quant-storage bf16",
      "stored float32 by this recipe"),
     ("estimate llama-3-8b --lora-rank 8 --quantize-base nf4 --gpus 8 --strategy fsdp-full --quant-storage fp32",

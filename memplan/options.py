@@ -676,15 +676,16 @@ def _optimizer_notes(inv: ParamInventory, s: Settings) -> list[str]:
 
 
 def _qlora_notes(inv: ParamInventory, s: Settings, spec: Any) -> list[str]:
-    """A 4-bit base (QLoRA): where memplan models it, and what it assumes."""
-    mm, storage = s.strategy.memory_model, spec.quant_storage
-    if mm == "fsdp1" or (mm == "zero3" and storage == "uint8"):
-        raise SettingsError(f"--quantize-base under --strategy {s.strategy.name}: memplan models a 4-bit base under "
-                            "single, ddp, zero1, zero2, FSDP2 (fsdp-full, fsdp-grad-op, hsdp: FSDP-QLoRA with "
-                            "--quant-storage bfloat16) and ZeRO-3 with a float --quant-storage, not under FSDP1 or "
-                            "ZeRO-3 with a uint8 storage (DeepSpeed partitions every parameter)")
+    """A 4-bit base (QLoRA): where memplan models it, and what it assumes (the framework's FourBitBase)."""
+    from memplan import frameworks
+
+    fb, storage = frameworks.model(s.strategy.memory_model).four_bit, spec.quant_storage
+    if storage == "uint8" and fb.uint8_why_not:
+        raise SettingsError(f"--quantize-base under --strategy {s.strategy.name} with a uint8 storage: "
+                            f"{fb.uint8_why_not}")
     if not inv.quantized:
         raise SettingsError("internal: a QLoRA job needs the quantized inventory (memplan.model.lora.apply)")
+    where = fb.uint8
     if storage != "uint8":
         stored = s.recipe.stored_dtype
         if storage != stored:
@@ -692,29 +693,14 @@ def _qlora_notes(inv: ParamInventory, s: Settings, spec: Any) -> list[str]:
                                 f"weights are parameters like the rest, stored {stored} by this recipe; give "
                                 f"--quant-storage {stored}, or the recipe that stores {storage} (bnb_4bit_quant_storage "
                                 "is the dtype the model is loaded in: torch_dtype)")
-        from memplan.frameworks.fsdp2 import unshard_bytes
-
-        if mm == "fsdp2" and unshard_bytes(s.recipe) != s.recipe.param_bytes:
-            raise SettingsError(f"--quant-storage {storage} under --precision {s.recipe.name}: FSDP2's "
-                                "MixedPrecisionPolicy(param_dtype=bf16) would cast the packed 4-bit codes as numbers "
-                                "before the all-gather; FSDP-QLoRA loads the model in bf16 with --quant-storage "
-                                "bfloat16 and keeps it there (--precision pure-bf16: Accelerate 1.15's "
-                                "fsdp2_prepare_model does not upcast a model with Params4bit)")
-    where = ("kept whole on every GPU" if mm != "fsdp2" or storage != "uint8" else
-             "kept whole on every GPU: a uint8 storage cannot be sharded, and Accelerate 1.15's fsdp2_prepare_model "
-             "passes each non-float Params4bit to fully_shard as ignored_params (--quant-storage bfloat16 shards it)")
-    if storage != "uint8":
-        where = (f"packed into {storage} parameters (bnb_4bit_quant_storage), "
-                 + ("which FSDP2 shards like the other frozen weights, each QuantState (absmax, code) kept whole on "
-                    "every GPU (Linear4bit's forward restores it from the module after the all-gather: "
-                    "fix_4bit_weight_quant_state_from_module)" if mm == "fsdp2" else
-                    "which ZeRO-3 partitions like the other frozen weights (gathered with their module), each "
-                    "QuantState (a Params4bit attribute, not a parameter) kept whole on every GPU" if mm == "zero3"
-                    else "kept whole on every GPU"))
-        if mm in ("fsdp2", "zero3"):
-            where += ("; the model is loaded whole onto every GPU first (transformers' bitsandbytes quantizer: "
-                      "device_map {'': current device}, no zero.Init or meta-device load for a quantized model), "
-                      "then sharded: the reserved-peak replay includes that load")
+        why = fb.cast_why(s.recipe)
+        if why:
+            raise SettingsError(f"--quant-storage {storage} under --precision {s.recipe.name}: {why}")
+        where = f"packed into {storage} parameters (bnb_4bit_quant_storage), {fb.packed}"
+    if fb.loaded_whole:
+        where += ("; the model is loaded whole onto every GPU first (transformers' bitsandbytes quantizer: "
+                  "device_map {'': current device}, no zero.Init or meta-device load for a quantized model), "
+                  "then sharded: the reserved-peak replay includes that load")
     return [f"{spec.quantize} base: bitsandbytes 0.50 Linear4bit storage, blocksize 64"
             f"{', double quantization' if spec.double_quant else ''}, {where}; "
             f"the other parameters (embeddings, norms, head, adapters) in the recipe's dtype ({s.recipe.name}, "

@@ -39,11 +39,13 @@ class Recipe:
     #: Bytes of a LoRA adapter's weight where it differs from param_bytes (0: the same): PEFT upcasts adapters
     #: on a bf16/fp16 base to fp32 (get_peft_model's autocast_adapter_dtype=True)
     adapter_bytes: int = 0
+    #: the 16-bit dtype of the recipe's half-precision copies (bf16, or fp16 under DeepSpeed's fp16)
+    half_dtype: str = "bfloat16"
 
     @property
     def stored_dtype(self) -> str:
         """The dtype of the parameters a rank stores (param_bytes)."""
-        return "float32" if self.param_bytes == 4 else "float16" if self.name.endswith("fp16") else "bfloat16"
+        return "float32" if self.param_bytes == 4 else self.half_dtype
 
 
 RECIPES: dict[str, Recipe] = {r.name: r for r in (
@@ -54,7 +56,7 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in (
     Recipe(name="deepspeed-fp16", param_bytes=2, master_bytes=4, grad_bytes=2, reduced_grad_bytes=4,
            compute_bytes=2, state_bytes=4, residual_bytes=2, autocast_weight_copies=False,
            description="DeepSpeed fp16 with dynamic loss scaling: as deepspeed-bf16, fp16 instead of bf16",
-           loss_scaling=True),
+           loss_scaling=True, half_dtype="float16"),
     Recipe(name="torch-amp", param_bytes=4, master_bytes=0, grad_bytes=4, reduced_grad_bytes=4,
            compute_bytes=2, state_bytes=4, residual_bytes=4, autocast_weight_copies=True,
            description="torch.autocast(bf16): fp32 params, grads and states; bf16 casts of weights saved for "

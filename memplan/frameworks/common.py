@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from memplan import layouts
@@ -73,6 +73,24 @@ class OffloadedGrads:
     step_scratch: int = 0
     #: a gradient buffer kept on the device for the copies to the host
     device_buffer: int = 0
+
+
+@dataclass(frozen=True)
+class FourBitBase:
+    """How a framework holds a QLoRA 4-bit base: its packed codes in uint8 (bitsandbytes' default) or packed into
+    a float bnb_4bit_quant_storage (a parameter like the rest), and each QuantState (never a parameter)."""
+
+    #: what becomes of a uint8 storage
+    uint8: str = "kept whole on every GPU"
+    #: why a uint8 storage cannot run under the framework, or None where it can
+    uint8_why_not: str | None = None
+    #: what becomes of the packed float parameters
+    packed: str = "kept whole on every GPU"
+    #: the 4-bit model is loaded whole onto every GPU before the framework shards it (the replays build it so)
+    loaded_whole: bool = False
+    #: the wrapper would cast the packed float storage for compute (turning the codes into numbers): why, for a
+    #: recipe, or None
+    cast_why: Callable[[Any], str | None] = lambda rc: None
 
 
 @dataclass(frozen=True)
@@ -187,3 +205,5 @@ class FrameworkModel:
     #: the module that replays the framework's allocations for the reserved peak (memplan/reserved.py): its
     #: replay(inv, s, config) and why_not(s); None where the framework's setup is not written down yet
     replay: str | None = None
+    #: how it holds a QLoRA 4-bit base (bitsandbytes Params4bit, model/lora.py quantize_base)
+    four_bit: FourBitBase = field(default_factory=lambda: FourBitBase())

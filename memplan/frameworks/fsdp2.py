@@ -9,7 +9,7 @@ from typing import Any
 
 from memplan import layouts
 from memplan.errors import SettingsError
-from memplan.frameworks.common import LOSS, FrameworkModel, Grads, Job
+from memplan.frameworks.common import LOSS, FourBitBase, FrameworkModel, Grads, Job
 from memplan.model.inventory import ROOT_BLOCK, ParamInventory
 from memplan.precision import Recipe
 from memplan.settings import Settings
@@ -630,6 +630,16 @@ def _root_only(job: Job, grads: Grads) -> BufferTimeline:
                                        "largest_gathered_block_numel": total})
 
 
+def _casts_packed(rc: Recipe) -> str | None:
+    """A MixedPrecisionPolicy whose param_dtype differs from the stored dtype casts every float shard before the
+    all-gather (_fsdp_param.py init_dtype_attrs), the packed 4-bit codes too."""
+    if unshard_bytes(rc) == rc.param_bytes:
+        return None
+    return ("FSDP2's MixedPrecisionPolicy(param_dtype=bf16) would cast the packed 4-bit codes as numbers before the "
+            "all-gather; FSDP-QLoRA loads the model in bf16 with --quant-storage bfloat16 and keeps it there "
+            "(--precision pure-bf16: Accelerate 1.15's fsdp2_prepare_model does not upcast a model with Params4bit)")
+
+
 MODEL = FrameworkModel(name="fsdp2", replay="memplan.frameworks.fsdp2_replay", buffers=buffers,
                        cpu_offload_policy=True, offloads_each_reduced_grad=True, wrap_why_not=wrap_why_not,
                        units=wrap_units.units_for,
@@ -640,4 +650,13 @@ MODEL = FrameworkModel(name="fsdp2", replay="memplan.frameworks.fsdp2_replay", b
                                                 "Adafactor and bitsandbytes' optimizers cannot step (they mix "
                                                 "plain tensors with DTensors: measured with torch 2.13); "
                                                 "--fsdp-version 1, zero1-3 or ddp can run it",
-                       pinned_host=pinned_host)
+                       pinned_host=pinned_host, four_bit=FourBitBase(
+                           # Accelerate 1.15 fsdp2_prepare_model: each non-float Params4bit goes to fully_shard as
+                           # ignored_params (DTensor cannot hold it)
+                           uint8="kept whole on every GPU: a uint8 storage cannot be sharded, and Accelerate 1.15's "
+                                 "fsdp2_prepare_model passes each non-float Params4bit to fully_shard as "
+                                 "ignored_params (--quant-storage bfloat16 shards it)",
+                           packed="which FSDP2 shards like the other frozen weights, each QuantState (absmax, code) "
+                                  "kept whole on every GPU (Linear4bit's forward restores it from the module after "
+                                  "the all-gather: fix_4bit_weight_quant_state_from_module)",
+                           loaded_whole=True, cast_why=_casts_packed))

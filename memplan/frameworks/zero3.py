@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from memplan import layouts
 from memplan.errors import SettingsError
-from memplan.frameworks.common import LOSS, FrameworkModel, Grads, Job, OffloadedGrads, StepIn
+from memplan.frameworks.common import LOSS, FourBitBase, FrameworkModel, Grads, Job, OffloadedGrads, StepIn
 from memplan.frameworks.zero12 import grads_at_end
 from memplan.model.inventory import ROOT_BLOCK, ParamInventory
 from memplan.settings import Settings
@@ -502,4 +502,11 @@ def optimizer_tensors(job: Job) -> tuple[tuple[tuple[int, ...], int], ...]:
 
 MODEL = FrameworkModel(name="zero3", replay="memplan.frameworks.zero3_replay", buffers=buffers, weights=weights,
                        grads_at_end=grads_at_end, offload=offload, step=step, zero_offload=True,
-                       pinned_host=pinned_host, optimizer_tensors=optimizer_tensors)
+                       pinned_host=pinned_host, optimizer_tensors=optimizer_tensors, four_bit=FourBitBase(
+                           uint8_why_not="DeepSpeed partitions every parameter, and a uint8 Params4bit cannot be "
+                                         "partitioned and gathered as the others; give --quant-storage bfloat16 "
+                                         "(bnb_4bit_quant_storage, as HF's ZeRO-3 QLoRA recipe sets it)",
+                           packed="which ZeRO-3 partitions like the other frozen weights (gathered with their "
+                                  "module), each QuantState (a Params4bit attribute, not a parameter) kept whole on "
+                                  "every GPU",
+                           loaded_whole=True))

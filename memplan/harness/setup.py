@@ -378,9 +378,9 @@ def _setup_fsdp2(spec: dict[str, Any], device: Any) -> tuple[Any, Any, Any]:
     import torch
     import torch.distributed as dist
 
-    from torch.distributed.device_mesh import init_device_mesh
     import functools
 
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     world = dist.get_world_size()

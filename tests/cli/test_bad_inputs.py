@@ -281,7 +281,7 @@ CASES = [
      "stored float32 by this recipe"),
     ("estimate llama-3-8b --lora-rank 8 --quantize-base nf4 --gpus 8 --strategy fsdp-full --quant-storage fp32",
      "MixedPrecisionPolicy"),
-    ("estimate llama-3-8b --lora-rank 8 --quantize-base nf4 --gpus 8 --stage 3", "ZeRO-3 with a uint8 storage"),
+    ("estimate llama-3-8b --lora-rank 8 --quantize-base nf4 --gpus 8 --stage 3", "zero3 with a uint8 storage"),
     ("estimate llama-3-8b --lora-rank 8 --quantize-base nf4 --quant-storage int4", "--quant-storage must be"),
     ("estimate llama-3-8b --lora-rank 8 --quant-storage bf16", "--quantize-base"),
     ("estimate llama-3-8b --quant-storage bf16", "without --lora-rank"),

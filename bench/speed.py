@@ -145,7 +145,7 @@ def explain_and_suggest_ms(repeat: int = 20) -> tuple[float, float]:
         summary(explain(plan))
         ex_t.append(time.perf_counter() - t)
         t = time.perf_counter()
-        advice.suggest(plan, settings)
+        advice.suggest(plan, lambda ch: (inv, settings(ch)))
         sug_t.append(time.perf_counter() - t)
     return 1000 * statistics.median(ex_t), 1000 * statistics.median(sug_t)
 

@@ -2,8 +2,9 @@
 HEADROOM_FRACTION of the GPU free, each single change a user can make is estimated on its own (the whole engine,
 the caching allocator replayed) and those that fit are listed, cheapest first, with the bytes each saves.
 
-Each change is the command's own options with that change applied (``settings_with``; the CLI builds it), so a
-suggestion is exactly what `memplan estimate ... <its flags>` answers (tested).
+Each change is the command's own options with that change applied (``job_with``; the CLI builds it: the
+changed job's inventory and Settings), so a suggestion is exactly what `memplan estimate ... <its flags>` answers
+(tested).
 
 What each change costs, in the order listed (cheapest first):
 
@@ -16,7 +17,13 @@ What each change costs, in the order listed (cheapest first):
    (lower GPU utilisation per kernel; no change to the result).
 4. selective recomputation: the attention core recomputed in backward (Korthikanti et al. 2022: 2-4% more
    compute at these sizes).
-5. 8-bit optimizer states (bitsandbytes' block-wise quantised Adam): the optimizer's numerics change.
+   Mixed precision where the job trains in fp32 (torch.autocast, DeepSpeed's or FSDP's bf16 with fp32 weights
+   kept): bf16 matmuls, the weights' numerics as before.
+5. 8-bit optimizer states (bitsandbytes' block-wise quantised Adam): the optimizer's numerics change. So do
+   pure bf16 (model.to(bfloat16): weights, gradients and optimizer states in bf16, no fp32 copy, as
+   fine-tuning recipes load a model) and, for a LoRA job, QLoRA (the frozen base stored 4-bit by bitsandbytes,
+   packed into the recipe's parameter dtype where the framework shards it: bnb_4bit_quant_storage); the
+   inventory is the changed job's own (memplan.model.lora.apply quantizes the base).
 6. full recomputation: every block's forward again in backward, about 33% more compute (one forward is about a
    third of a step's FLOPs).
 7. offload to the host (DeepSpeed ZeRO-Offload, FSDP CPUOffloadPolicy): the optimizer step runs on the CPU and
@@ -128,6 +135,46 @@ def _optimizer(plan: Any) -> list[Change]:
                    "bitsandbytes 8-bit Adam: the optimizer's numerics change", 5)]
 
 
+#: each framework's mixed precision that keeps fp32 weights (or an fp32 master copy): offered to an fp32 job
+_MIXED = {"deepspeed": "deepspeed-bf16", "fsdp2": "fsdp-bf16", "fsdp1": "fsdp-bf16"}
+
+
+def _precision(plan: Any) -> list[Change]:
+    """bf16 where the job keeps fp32: the framework's mixed precision (from fp32), then pure bf16 (anything that
+    keeps fp32 weights or states). A recipe the framework refuses (pure bf16 under DeepSpeed, bf16 on a card
+    without it) is dropped when it is estimated."""
+    s = plan.settings
+    rc, fw = s.recipe, s.strategy.framework
+    out = []
+    if rc.name == "fp32":
+        mixed = _MIXED.get(fw, "torch-amp")
+        out.append(Change(f"mixed precision ({mixed})", ("--precision", mixed), {"precision": mixed},
+                          "bf16 matmuls and activations, fp32 weights kept (numerics close to fp32)", 4))
+    if rc.name != "pure-bf16" and (rc.param_bytes == 4 or rc.master_bytes or rc.state_bytes == 4):
+        out.append(Change("pure bf16", ("--precision", "pure-bf16"), {"precision": "pure-bf16"},
+                          "weights, gradients and optimizer states in bf16, no fp32 copy: the updates lose "
+                          "precision (fine-tuning recipes load models so; pre-training keeps fp32 weights)", 5))
+    return out
+
+
+def _quantize(plan: Any) -> list[Change]:
+    """QLoRA for a LoRA job whose base is not quantized: NF4, packed into the recipe's parameter dtype where the
+    framework shards it (FourBitBase.shards_packed: FSDP2, ZeRO-3), else uint8, bitsandbytes' default."""
+    from memplan import frameworks
+
+    s = plan.settings
+    if s.lora is None or s.lora.quantize:
+        return []
+    flags: tuple[str, ...] = ("--quantize-base", "nf4")
+    changes: dict[str, Any] = {"quantize_base": "nf4"}
+    if frameworks.model(s.strategy.memory_model).four_bit.shards_packed:
+        flags += ("--quant-storage", s.recipe.stored_dtype)
+        changes["quant_storage"] = s.recipe.stored_dtype
+    return [Change("QLoRA (the base stored 4-bit)", flags, changes,
+                   "bitsandbytes NF4 base: dequantized in every forward and backward (slower), the frozen "
+                   "weights' numerics change", 5)]
+
+
 def _offload(plan: Any) -> list[Change]:
     s = plan.settings
     st = s.strategy
@@ -207,15 +254,16 @@ def _more_gpus(plan: Any) -> list[Change]:
 #: the kinds of change, each with whether only its first fitting change is kept (the least change of its kind:
 #: the largest micro-batch, the fewest GPUs, the least offloaded) or every one that fits
 GROUPS: tuple[tuple[Callable[[Any], list[Change]], bool], ...] = (
-    (_sharding, False), (_micro_batches, True), (_recompute, False), (_optimizer, True), (_model_parallel, False),
-    (_offload, True), (_more_gpus, True))
+    (_sharding, False), (_micro_batches, True), (_recompute, False), (_optimizer, True), (_precision, True),
+    (_quantize, True), (_model_parallel, False), (_offload, True), (_more_gpus, True))
 
 
-def suggest(plan: Any, settings_with: Callable[[dict[str, Any]], Any],
+def suggest(plan: Any, job_with: Callable[[dict[str, Any]], tuple[Any, Any]],
             limit: int | None = None) -> dict[str, Any] | None:
     """The suggestions for ``plan`` (None when none are wanted): every single change that fits, cheapest first,
     with its required bytes, headroom and the bytes it saves; ``tried``: how many changes were estimated.
-    ``settings_with(changes)``: the job's Settings with those command-line options changed. ``limit``: what
+    ``job_with(changes)``: the job with those command-line options changed, as (inventory, Settings): the
+    inventory is the job's own unless the change makes another model (QLoRA quantizes the base). ``limit``: what
     "fits" means instead of the GPU's capacity (memplan check --max-fraction)."""
     from types import SimpleNamespace
 
@@ -245,17 +293,17 @@ def suggest(plan: Any, settings_with: Callable[[dict[str, Any]], Any],
 
     def evaluate(ch: Change) -> dict[str, Any] | None:
         """The change's estimate where it fits (and saves), else None; MemplanError where the options refuse it."""
-        s = settings_with(ch.changes)
+        inv_ch, s = job_with(ch.changes)
         # the bound from below first (no allocator replay): most changes that cannot fit stop here
-        (_, low), = accounting.required_bytes(inv, s, (s.micro_batch,), lower_bound=True)
+        (_, low), = accounting.required_bytes(inv_ch, s, (s.micro_batch,), lower_bound=True)
         if low > need:
             return None
         replays[0] += 1
-        new = accounting.estimate(inv, s)
+        new = accounting.estimate(inv_ch, s)
         ok = bool(new.fits) and new.host_fits is not False and new.required_bytes <= need
         if not ok or new.required_bytes >= plan.required_bytes:
             return None
-        cost, comm_after = ch.cost, communication(inv, s)["total_bytes"]
+        cost, comm_after = ch.cost, communication(inv_ch, s)["total_bytes"]
         if comm_after != comm_now:
             cost += f"; communication {fmt_bytes(comm_now)} -> {fmt_bytes(comm_after)} per step"
         return {"change": ch.label, "flags": list(ch.flags), "rank": ch.rank, "cost": cost,

@@ -64,14 +64,24 @@ def run(request: Any, *, with_explain: bool = False, suggestions: bool = True,
     notes: list[str] = []
     request, inv, config = inventory(request, notes)
 
-    def resolve(changes: dict[str, Any]) -> Any:
+    def job_with(changes: dict[str, Any]) -> tuple[Any, Any]:
         # a change as the printed command runs it: given on the command line, the job's files filling the rest (a
-        # strategy of another framework takes the files' mixed precision in its own recipe: jobfiles.precision_for)
+        # strategy of another framework takes the files' mixed precision in its own recipe: jobfiles.precision_for);
+        # a change of the adapter (QLoRA) makes its own inventory, as the command does
         changes = dict(changes)
         trace = changes.pop("_trace", True)
-        return options.resolve(inv, request.changed(**changes) if changes else request, config=config, trace=trace)
+        req, inv_ch, config_ch = request, inv, config
+        if changes:
+            req = request.changed(**changes)
+            if any(request.part_of(k) == "adapters" for k in changes):
+                req, inv_ch, config_ch = inventory(req)
+        return inv_ch, options.resolve(inv_ch, req, config=config_ch, trace=trace)
 
-    resolved = resolve({})
+    def changed_job(changes: dict[str, Any]) -> tuple[Any, Any]:
+        inv_ch, res = job_with(changes)
+        return inv_ch, res.settings
+
+    _, resolved = job_with({})
     gpn, gpus = resolved.settings.cluster.gpus_per_node, resolved.settings.cluster.gpus
     if 1 <= gpus < gpn:  # a real setup (plan's rows print it), given or from the job's files: said
         notes.append(f"{gpus} GPU(s) on part of one {gpn}-GPU node: {gpus} ranks, all within the node")
@@ -84,7 +94,7 @@ def run(request: Any, *, with_explain: bool = False, suggestions: bool = True,
         with progress.task(progress_text):
             cap = plan.settings.cluster.gpu_memory_bytes
             limit = int(cap * max_fraction) if max_fraction is not None and cap else None
-            found = advice.suggest(plan, lambda ch: resolve(ch).settings, limit)
+            found = advice.suggest(plan, changed_job, limit)
         if found is not None:
             rep["suggestions"] = found
     return Estimated(plan, rep, ex, list(resolved.files))

@@ -490,6 +490,11 @@ class JobRequest:
         out = replace(self, **{p: replace(getattr(self, p), **ch) for p, ch in by_part.items()})
         return out.with_sources({**dict(self.sources), **{k: "command line" for k in values}})
 
+    @staticmethod
+    def part_of(name: str) -> str:
+        """The part (``adapters``, ``training``, ...) a flat field name belongs to."""
+        return _PART_OF[name]
+
     def flat(self) -> dict[str, Any]:
         """Every field by its flat name."""
         return {name: getattr(getattr(self, part), name) for name, part in _PART_OF.items()}

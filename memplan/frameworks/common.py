@@ -86,6 +86,8 @@ class FourBitBase:
     uint8_why_not: str | None = None
     #: what becomes of the packed float parameters
     packed: str = "kept whole on every GPU"
+    #: the framework shards the packed float parameters (a float bnb_4bit_quant_storage saves memory over uint8)
+    shards_packed: bool = False
     #: the 4-bit model is loaded whole onto every GPU before the framework shards it (the replays build it so)
     loaded_whole: bool = False
     #: the wrapper would cast the packed float storage for compute (turning the codes into numbers): why, for a

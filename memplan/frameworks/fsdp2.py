@@ -659,4 +659,4 @@ MODEL = FrameworkModel(name="fsdp2", replay="memplan.frameworks.fsdp2_replay", b
                            packed="which FSDP2 shards like the other frozen weights, each QuantState (absmax, code) "
                                   "kept whole on every GPU (Linear4bit's forward restores it from the module after "
                                   "the all-gather: fix_4bit_weight_quant_state_from_module)",
-                           loaded_whole=True, cast_why=_casts_packed))
+                           shards_packed=True, loaded_whole=True, cast_why=_casts_packed))

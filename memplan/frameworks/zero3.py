@@ -509,4 +509,4 @@ MODEL = FrameworkModel(name="zero3", replay="memplan.frameworks.zero3_replay", b
                            packed="which ZeRO-3 partitions like the other frozen weights (gathered with their "
                                   "module), each QuantState (a Params4bit attribute, not a parameter) kept whole on "
                                   "every GPU",
-                           loaded_whole=True))
+                           shards_packed=True, loaded_whole=True))

@@ -19,6 +19,10 @@ TIGHT = [
     "estimate llama-3-8b --gpus 1 --gpu h100-80g",
     # FSDP on a 40 GB card
     "estimate llama-7b --gpus 4 --strategy fsdp-full --micro-batch 2 --gpu a100-40g",
+    # fp32 on one GPU: pure bf16 (the weights, gradients and states halved), or ZeRO-3 offload
+    "estimate llama-3-8b --gpus 1 --precision fp32 --gpu h100-80g",
+    # LoRA on a 24 GB card: QLoRA (the job's inventory quantized: memplan.model.lora.apply)
+    "estimate llama-3-8b --gpus 1 --lora-rank 16 --precision pure-bf16 --gpu rtx4090-24g",
 ]
 
 
@@ -69,6 +73,22 @@ def test_the_table_lists_the_changes():
     assert "To fit (does not fit)" in out and "--strategy zero2" in out and "--offload-optimizer" in out
 
 
+def test_bf16_and_qlora_are_offered_where_they_apply():
+    # an fp32 job: pure bf16 (--precision); a LoRA job: QLoRA, with the storage FSDP2 shards; DeepSpeed never gets
+    # pure bf16 (its bf16 keeps an fp32 master: options refuse the recipe, so the change is dropped)
+    _, rep = _estimate("estimate llama-3-8b --gpus 1 --precision fp32 --gpu h100-80g")
+    assert ["--precision", "pure-bf16"] in [c["flags"] for c in rep["suggestions"]["changes"]]
+    _, rep = _estimate("estimate llama-3-8b --gpus 1 --lora-rank 16 --precision pure-bf16 --gpu rtx4090-24g")
+    assert [c["flags"] for c in rep["suggestions"]["changes"]] == [["--quantize-base", "nf4"]]
+    _, rep = _estimate("estimate llama-3-8b --gpus 2 --strategy fsdp-full --lora-rank 16 --precision pure-bf16 "
+                       "--micro-batch 4 --gpu rtx4090-24g")
+    assert rep["suggestions"]["combination"]["flags"][-4:] == ["--quantize-base", "nf4", "--quant-storage",
+                                                               "bfloat16"]
+    # DeepSpeed in fp32: its own bf16 (an fp32 master kept), with ZeRO-3
+    _, rep = _estimate("estimate llama-3-8b --gpus 8 --stage 2 --precision fp32 --gpu a100-40g")
+    assert rep["suggestions"]["combination"]["flags"] == ["--stage", "3", "--precision", "deepspeed-bf16"]
+
+
 def test_a_suggestion_on_top_of_job_files_is_priced_as_its_command_runs(tmp_path):
     # TrainingArguments with bf16 under DDP (torch-amp); a suggested strategy of another framework takes the same
     # mixed precision in its own recipe (fsdp-bf16, deepspeed-bf16), as the printed command does when it runs
@@ -83,7 +103,10 @@ def test_a_suggestion_on_top_of_job_files_is_priced_as_its_command_runs(tmp_path
 
 
 @pytest.mark.parametrize("args", ["estimate llama-3-8b --gpus 2 --stage 2 --seq-len 8192 --micro-batch 2 --gpu a100-40g",
-                                  "estimate llama-3-70b --gpus 8 --stage 2 --gpu h100-80g"])
+                                  "estimate llama-3-70b --gpus 8 --stage 2 --gpu h100-80g",
+                                  # FSDP2 LoRA: QLoRA with the codes packed into bf16 parameters FSDP2 shards
+                                  "estimate llama-3-8b --gpus 2 --strategy fsdp-full --lora-rank 16 --precision "
+                                  "pure-bf16 --micro-batch 4 --gpu rtx4090-24g"])
 def test_where_no_single_change_fits_the_cheapest_combination_is_given_and_reproduces(args):
     code, rep = _estimate(args)
     sug = rep["suggestions"]

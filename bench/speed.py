@@ -35,6 +35,12 @@ DS_COLD = (
     "num_gpus_per_node=8, num_nodes=1)\n")
 
 
+#: jobs no single change fits, whose suggestions search the combinations (tests/cli/test_advice.py has them too)
+COMBINATION_JOBS = (["llama-3-8b", "--gpus", "2", "--stage", "2", "--seq-len", "8192", "--micro-batch", "2", "--gpu",
+                     "a100-40g"],
+                    ["llama-3-8b", "--gpus", "2", "--strategy", "fsdp-full", "--lora-rank", "16", "--precision",
+                     "pure-bf16", "--micro-batch", "4", "--gpu", "rtx4090-24g"])
+
 MP_405B = [sys.executable, "-m", "memplan", "estimate", "llama-3.1-405b", "--gpus", "1024", "--tp", "8", "--pp", "16",
            "--strategy", "fsdp-full", "--grad-accum", "16"]
 
@@ -203,6 +209,11 @@ def main() -> None:
             ("memplan estimate llama-3.1-405b --gpus 1024 --tp 8 --pp 16 --strategy fsdp-full --grad-accum 16 "
              "(issue 17: < 0.5 s; each rank's traced profile cached by a first run)",
              wall(MP_405B, args.repeat, warm=True)),
+            *[(f"memplan estimate {' '.join(job)}{' --no-suggestions' if off else ''} (no single change fits: "
+               f"{'without' if off else 'with'} the combination search; issue 45: it adds at most 0.5 s)",
+               wall([py, "-m", "memplan", "estimate", *job, *(["--no-suggestions"] if off else [])], args.repeat,
+                    warm=True))
+              for job in COMBINATION_JOBS for off in (True, False)],
             ("memplan plan llama-70b --gpu h100-80g (244 configurations)",
              wall([py, "-m", "memplan", "plan", "llama-70b", "--gpu", "h100-80g"], args.repeat)),
             ("count by meta-device instantiation (torch + transformers import)",

@@ -219,6 +219,16 @@ CASES = [
      {}, "none"),
     ("apollo-adamw, 1 rank, hidden 512 vocab 128", LLAMA_WIDE, dict(gpus=1, optimizer="apollo-adamw"), {}, {},
      "none"),
+    # session 33: GaLore (galore-torch GaLoreAdamW) as the Trainer groups it: rank 128, SVD projections
+    ("galore-adamw, 1 rank", LLAMA, dict(gpus=1, optimizer="galore-adamw"), {}, {}, "none"),
+    ("galore-adamw, 1 rank, pure-bf16", LLAMA, dict(gpus=1, precision="pure-bf16", optimizer="galore-adamw"), {}, {},
+     "none"),
+    ("galore-adamw ddp pure-bf16", LLAMA, dict(strategy="ddp", precision="pure-bf16", optimizer="galore-adamw"), {},
+     {}, "none"),
+    ("galore-adamw, 1 rank, hidden 512 vocab 128", LLAMA_WIDE, dict(gpus=1, optimizer="galore-adamw"), {}, {},
+     "none"),
+    ("galore-adamw, 1 rank, fp32, hidden 512 vocab 128", LLAMA_WIDE, dict(gpus=1, precision="fp32",
+                                                                         optimizer="galore-adamw"), {}, {}, "none"),
     # session 29: a text encoder's own head (model/tasks.py): BertForSequenceClassification on its labels
     ("bert seq-cls, 1 rank, fp32", BERT, dict(gpus=1, precision="fp32"), {}, {}, "none"),
     ("bert seq-cls, 1 rank", BERT, dict(gpus=1), {}, {}, "none"),

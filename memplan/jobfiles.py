@@ -77,14 +77,17 @@ OPTIM = {"adamw_torch": ("adamw", "foreach", None), "adamw_torch_fused": ("adamw
          "apollo_adamw": ("apollo-adamw", None, "optim apollo_adamw: rank 128, random projection, channel scaling "
                           "(the Trainer's defaults) on the attention and MLP linear weights (optim_target_modules "
                           "[r\".*.attn.*\", r\".*.mlp.*\"]); other optim_args or target modules are not read"),
+         "galore_adamw": ("galore-adamw", None, "optim galore_adamw: rank 128, update_proj_gap 200, scale 0.25, "
+                          "proj_type std (the Trainer's defaults) on the attention and MLP linear weights "
+                          "(optim_target_modules [r\".*.attn.*\", r\".*.mlp.*\"]); other optim_args or target "
+                          "modules are not read"),
          "sgd": ("sgd", None, "optim sgd: torch.optim.SGD without momentum unless optim_args sets it; a momentum "
                              "buffer is counted (an upper bound)")}
 #: the names transformers accepts that memplan does not model (a clear error, not a guess)
 OPTIM_NOT_MODELLED = ("adamw_torch_xla", "adamw_torch_npu_fused", "adamw_anyprecision", "adamw_torch_4bit",
                       "adamw_torch_8bit", "ademamix", "adagrad", "ademamix_8bit", "lion_8bit", "lion_32bit",
                       "paged_ademamix_32bit", "paged_ademamix_8bit", "paged_lion_32bit", "paged_lion_8bit",
-                      "rmsprop", "rmsprop_bnb", "rmsprop_bnb_8bit", "rmsprop_bnb_32bit", "galore_adamw",
-                      "galore_adamw_8bit", "galore_adafactor", "galore_adamw_layerwise", "galore_adamw_8bit_layerwise",
+                      "rmsprop", "rmsprop_bnb", "rmsprop_bnb_8bit", "rmsprop_bnb_32bit", "galore_adamw_8bit", "galore_adafactor", "galore_adamw_layerwise", "galore_adamw_8bit_layerwise",
                       "galore_adafactor_layerwise", "lomo", "adalomo", "grokadamw", "schedule_free_radam",
                       "schedule_free_adamw", "schedule_free_sgd", "apollo_adamw_layerwise",
                       "stable_adamw")

@@ -656,11 +656,14 @@ def _accelerate_fsdp2_wrap(inv: ParamInventory, notes: list[str]) -> str:
 
 
 def _optimizer_notes(inv: ParamInventory, s: Settings) -> list[str]:
-    """An optimizer whose states follow its tensors' shapes (Adafactor, bitsandbytes 8-bit): what the framework
-    hands it, or why it cannot step them."""
+    """What the optimizer's step allocates that memplan does not count (Optimizer.cuda_uncounted); an optimizer
+    whose states follow its tensors' shapes (Adafactor, bitsandbytes 8-bit): what the framework hands it, or why it
+    cannot step them."""
     from memplan import frameworks
 
     opt, fw = s.optimizer, frameworks.model(s.strategy.memory_model)
+    if opt.cuda_uncounted and s.cluster.device != "cpu":
+        return [f"optimizer {opt.name}: {opt.cuda_uncounted}"]
     if not opt.shape_dependent:
         return []
     if fw.shaped_optimizer_why_not:
@@ -754,20 +757,21 @@ def resolve(inv: ParamInventory, request: JobRequest, *, config: dict[str, Any] 
                             "yet; use --precision deepspeed-bf16")
     opt = get_optimizer(pick("optimizer", "adamw"))
     if opt.per_tensor and (strat.layout != REPLICATED or lora is not None):
-        why = ("torch.optim.Muon's Newton-Schulz needs each whole matrix, and its distributed variant's gathers are "
-               "not modelled yet" if opt.per_tensor == "muon" else "Adam-mini's per-head and per-row states"
-               if opt.per_tensor == "adam-mini" else "APOLLO projects each whole matrix's gradient (its channel "
-               "scaling reads whole rows)")
+        why = {"muon": "torch.optim.Muon's Newton-Schulz needs each whole matrix, and its distributed variant's "
+                       "gathers are not modelled yet",
+               "adam-mini": "Adam-mini's per-head and per-row states",
+               "apollo": "APOLLO projects each whole matrix's gradient (its channel scaling reads whole rows)",
+               "galore": "GaLore projects each whole matrix's gradient onto its SVD (galore-torch takes the "
+                         "gradient's SVD as it is handed)"}[opt.per_tensor]
         raise SettingsError(f"--optimizer {opt.name} under {strat.name if lora is None else 'LoRA'}: {why}; memplan "
                             "models it on whole tensors only (one GPU, DDP, Horovod)")
-    if opt.per_tensor == "apollo":
-        from memplan.precision import APOLLO_TARGETS, apollo_tensors
+    from memplan.precision import LOW_RANK_STEPS, LOW_RANK_TARGETS, low_rank_tensors
 
-        if not any(apollo_tensors(inv)):
-            # transformers' _setup_low_rank_optimizer: "No target modules found for apollo_adamw"
-            raise SettingsError(f"--optimizer apollo-adamw: no nn.Linear module of this model matches the target "
-                                f"modules {list(APOLLO_TARGETS)} (transformers' Trainer raises 'No target modules "
-                                "found'; Conv1D and fused expert weights are not nn.Linear)")
+    if opt.per_tensor in LOW_RANK_STEPS and not any(low_rank_tensors(inv)):
+        # transformers' _setup_low_rank_optimizer: "No target modules found for apollo_adamw" (galore_adamw)
+        raise SettingsError(f"--optimizer {opt.name}: no nn.Linear module of this model matches the target "
+                            f"modules {list(LOW_RANK_TARGETS)} (transformers' Trainer raises 'No target modules "
+                            "found'; Conv1D and fused expert weights are not nn.Linear)")
     if opt.lazy_states or opt.any_device:
         if strat.framework == "deepspeed":
             # is_zero_supported_optimizer (deepspeed/runtime/zero/utils.py) knows torch's and DeepSpeed's Adams

@@ -121,12 +121,20 @@ class Optimizer:
     #: states and step scratch decided per named tensor of the whole model ("muon", "adam-mini"): modelled on whole
     #: tensors only (per_tensor_states, per_tensor_step_scratch)
     per_tensor: str = ""
+    #: what its step allocates on a CUDA device that memplan does not count, said in a note: the figures are a
+    #: bound from below by it ("" where everything is counted)
+    cuda_uncounted: str = ""
 
 
-#: transformers' Trainer arguments for apollo_adamw (trainer_optimizer.py _get_apollo_optimizer defaults) with the
-#: target modules of its documentation's example, optim_target_modules=[r".*.attn.*", r".*.mlp.*"]
+#: the target modules of transformers' documentation's example for its low-rank optimizers (GaLore, APOLLO):
+#: optim_target_modules=[r".*.attn.*", r".*.mlp.*"] (the Trainer refuses these optimizers without one)
+LOW_RANK_TARGETS = (r".*.attn.*", r".*.mlp.*")
+#: transformers' Trainer arguments for apollo_adamw (trainer_optimizer.py _get_apollo_optimizer defaults)
 APOLLO_RANK = 128
-APOLLO_TARGETS = (r".*.attn.*", r".*.mlp.*")
+#: transformers' Trainer arguments for galore_adamw (trainer_optimizer.py _get_galore_optimizer defaults: rank 128,
+#: update_proj_gap 200, scale 0.25, proj_type "std")
+GALORE_RANK = 128
+GALORE_UPDATE_GAP = 200
 
 OPTIMIZERS: dict[str, Optimizer] = {o.name: o for o in (
     Optimizer(name="adamw", states_per_param=2, description="AdamW: exp_avg + exp_avg_sq"),
@@ -164,6 +172,15 @@ OPTIMIZERS: dict[str, Optimizer] = {o.name: o for o in (
     # (embedding, head, values, output projection, MLP), one scalar (norms) or whole (biases): adam_mini_states
     Optimizer(name="adam-mini", states_per_param=2, lazy_states=True, per_tensor="adam-mini",
               description="Adam-mini: m, and v per head / row / block"),
+    # galore-torch 1.0 GaLoreAdamW as transformers' Trainer sets it up (optim galore_adamw): galore_step
+    Optimizer(name="galore-adamw", states_per_param=2, lazy_states=True, per_tensor="galore",
+              cuda_uncounted="each projection renewal (the first step, then every "
+              f"{GALORE_UPDATE_GAP}) runs torch.linalg.svd on every projected matrix's gradient, and cuSOLVER "
+              "gesvdj's workspace (its bufferSize, taken from the caching allocator for one matrix at a time) is "
+              "not counted: that step's peak can exceed the figure by one matrix's workspace",
+              description=f"GaLore (galore-torch GaLoreAdamW, rank {GALORE_RANK}, SVD projection renewed every "
+              f"{GALORE_UPDATE_GAP} steps) on the attention and MLP linear weights: the projection and low-rank "
+              "exp_avg + exp_avg_sq; AdamW on the rest"),
     # apollo-torch 1.0.3 APOLLOAdamW as transformers' Trainer sets it up (optim apollo_adamw): apollo_step
     Optimizer(name="apollo-adamw", states_per_param=2, lazy_states=True, per_tensor="apollo",
               description=f"APOLLO (apollo-torch APOLLOAdamW, rank {APOLLO_RANK}, random projection, channel "
@@ -171,7 +188,8 @@ OPTIMIZERS: dict[str, Optimizer] = {o.name: o for o in (
               "AdamW on the rest"),
 )}
 #: names the optimizers go by elsewhere (--optimizer takes them too)
-OPTIMIZER_ALIASES = {"apollo": "apollo-adamw", "apollo_adamw": "apollo-adamw",
+OPTIMIZER_ALIASES = {"apollo": "apollo-adamw", "apollo_adamw": "apollo-adamw", "galore": "galore-adamw",
+                     "galore_adamw": "galore-adamw",
                      "schedulefree": "adamw-schedulefree", "adamw_schedulefree": "adamw-schedulefree",
                      "schedule_free_adamw": "adamw-schedulefree", "schedule-free-adamw": "adamw-schedulefree"}
 
@@ -474,22 +492,66 @@ def adam_mini_step_scratch(inv: Any, recipe: Recipe, cpu: bool = False) -> int:
 
 
 
-def apollo_tensors(inv: Any) -> tuple[bool, ...]:
-    """Per tensor, module order: whether APOLLO projects it. transformers' _setup_low_rank_optimizer takes the
-    weight of each nn.Linear whose module name check_target_module_exists matches (a list: the name itself, a
-    substring, or re.fullmatch); every other parameter is in the plain AdamW group."""
+def low_rank_tensors(inv: Any) -> tuple[bool, ...]:
+    """Per tensor, module order: whether a low-rank optimizer (GaLore, APOLLO) projects it. transformers'
+    _setup_low_rank_optimizer takes the weight of each nn.Linear whose module name check_target_module_exists
+    matches LOW_RANK_TARGETS (a list: the name itself, a substring, or re.fullmatch); every other parameter is in
+    the plain AdamW group."""
     import re
 
     def target(t: Any) -> bool:
         if not (t.trainable and t.layer == "linear" and t.name.endswith(".weight") and len(t.shape) == 2):
             return False
         mod = t.name[: -len(".weight")]
-        return any(k in mod for k in APOLLO_TARGETS) or any(re.fullmatch(k, mod) for k in APOLLO_TARGETS)
+        return any(k in mod for k in LOW_RANK_TARGETS) or any(re.fullmatch(k, mod) for k in LOW_RANK_TARGETS)
     return tuple(target(t) for t in inv.tensors)
 
 
+class StepEvents:
+    """A Python optimizer step's allocations and frees in order (adam_mini_step's form): ("a", bytes), ("f", index
+    of an allocation), ("s", bytes) for what the step keeps; the loop's locals (``bind``) hold what they name until
+    they are rebound, and a tensor two locals name dies with the second."""
+
+    def __init__(self) -> None:
+        self.ev: list[tuple[str, int]] = []
+        self.refs: dict[int, int] = {}
+        self.bound: dict[str, int] = {}
+
+    def alloc(self, n: int, keep: bool = False) -> int:
+        self.ev.append(("s" if keep else "a", n))
+        return len(self.ev) - 1
+
+    def free(self, i: int | None) -> None:
+        if i is not None:
+            self.ev.append(("f", i))
+
+    def temporary(self, n: int) -> None:
+        """Made and dropped at once."""
+        self.free(self.alloc(n))
+
+    def drop(self, i: int | None) -> None:
+        if i is None:
+            return
+        self.refs[i] -= 1
+        if self.refs[i] == 0:
+            self.free(i)
+
+    def bind(self, local: str, i: int | None) -> None:
+        old = self.bound.pop(local, None)
+        if i is not None:
+            self.refs[i] = self.refs.get(i, 0) + 1
+            self.bound[local] = i
+        self.drop(old)
+
+    def done(self) -> list[tuple[str, int]]:
+        """The step returns: its locals are dropped."""
+        for local in list(self.bound):
+            self.bind(local, None)
+        return self.ev
+
+
 def apollo_step(inv: Any, recipe: Recipe, first: bool = False, update: bool = True,
-                gemm: Any = None) -> list[tuple[str, int]]:
+                gemm: Any = None, cpu: bool = False) -> list[tuple[str, int]]:
     """APOLLOAdamW.step's allocations and frees in order, as adam_mini_step's events: ("a", bytes), ("f", index
     of an allocation), ("s", bytes) for what the step keeps (states made at the first step). The param groups as
     the Trainer builds them: the rest first (AdamW), then the projected matrices (rank 128, random projection,
@@ -504,32 +566,12 @@ def apollo_step(inv: Any, recipe: Recipe, first: bool = False, update: bool = Tr
     and the quotient); ``scaled_grad = p.grad * factor`` (full size); after the first step the limiter's
     ``scaled_grad / limiter`` (a second full-size tensor while the first is alive) and its 0-dim norms; then
     ``norm_grad = scaled_grad``. The loop's locals (grad, denom, norm_grad, scaled_grad, grad_scaling_factor) stay
-    bound until rebound, across tensors and groups."""
+    bound until rebound, across tensors and groups. Nothing of it differs on CPU (``cpu``)."""
     gb = recipe.grad_bytes
     r = APOLLO_RANK
-    ev: list[tuple[str, int]] = []
-    refs: dict[int, int] = {}
-    bound: dict[str, int] = {}
-
-    def alloc(n: int) -> int:
-        ev.append(("a", n))
-        return len(ev) - 1
-
-    def drop(i: int | None) -> None:
-        if i is None:
-            return
-        refs[i] -= 1
-        if refs[i] == 0:
-            ev.append(("f", i))
-
-    def bind(local: str, i: int | None) -> None:
-        old = bound.pop(local, None)
-        if i is not None:
-            refs[i] = refs.get(i, 0) + 1
-            bound[local] = i
-        drop(old)
-
-    targets = apollo_tensors(inv)
+    e = StepEvents()
+    ev, alloc, bind, bound = e.ev, e.alloc, e.bind, e.bound
+    targets = low_rank_tensors(inv)
     order = [(t, False) for t, a in zip(inv.tensors, targets) if t.trainable and not a] + \
         [(t, True) for t, a in zip(inv.tensors, targets) if a]
     for t, projected in order:
@@ -592,9 +634,109 @@ def apollo_step(inv: Any, recipe: Recipe, first: bool = False, update: bool = Tr
             ev.append(("f", lim))
             ev.append(("f", norm))
         bind("norm_grad", bound["scaled_grad"])
-    for local in list(bound):
-        bind(local, None)
-    return ev
+    return e.done()
+
+
+# ---- GaLore (galore-torch 1.0 GaLoreAdamW, adamw.py and galore_projector.py) ----
+
+
+#: what MKL's sgesdd (torch's CPU SVD, LAPACK from MKL 2024.2) takes from c10's CPU allocator for itself, made
+#: and freed inside the kernel: the same bytes for every shape measured (64 x 64 to 3000 x 1000, fp32; torch 2.13's
+#: CPU profiler, profile_memory), so modelled as a constant on CPU; nothing of the kind on CUDA
+MKL_GESDD_BLOCK = 14400
+
+
+def galore_step(inv: Any, recipe: Recipe, first: bool = False, update: bool = True,
+                gemm: Any = None, cpu: bool = False) -> list[tuple[str, int]]:
+    """GaLoreAdamW.step's allocations and frees in order (StepEvents). The param groups as the Trainer builds them
+    (_setup_low_rank_optimizer): the rest first (transformers-style AdamW), then the projected matrices (rank 128,
+    proj_type "std", scale 0.25). The states are zeros_like of the (low-rank) gradient: its dtype.
+
+    Per tensor: ``grad = p.grad`` drops the previous low-rank gradient. A projected matrix [m, n] (k = min(m, n),
+    r = min(rank, k)) at an update step (the first, then every update_proj_gap) runs get_orthogonal_matrix:
+    ``data.float()`` (a 16-bit gradient's fp32 copy); torch.linalg.svd(full_matrices=False), whose outputs U [m, k],
+    Vh [k, n] and S [k] are made first (the structured kernel's meta), then its int info and the input's
+    column-major copy (cloneBatchedColumnMajor), freed when the kernel returns, and on CPU MKL's own block
+    (MKL_GESDD_BLOCK) beside them; LAPACK's work (CPU: a std::vector, not a tensor) and cuSOLVER gesvdj's workspace
+    (CUDA: taken from the caching allocator, its size cuSOLVER's bufferSize, which no source memplan reads
+    gives) are not counted.
+    Then torch.diag(s[:r]) and, for m >= n ("right"), ``U[:, :r] @ diag`` [m, r] with ``Vh[:r]`` returned, cast
+    to the gradient's dtype where it is not fp32 (a new [r, n]); fp32 returns the view, which keeps all of Vh
+    [k, n] alive as the projection. For m < n ("left") ``diag @ Vh[:r]`` [r, n] and ``U[:, :r]`` returned (fp32:
+    the view keeps U [m, k]). The function's locals die when it returns, then the new projection replaces the old.
+    The projection matmul makes the low-rank gradient ([m, r] or [r, n]; ``gemm``: a CPU bf16 GEMM's own scratch),
+    the first step the states, then ``denom = exp_avg_sq.sqrt()`` and ``norm_grad = exp_avg / denom``;
+    project_back's matmul makes the full-size [m, n] and ``* scale`` another, the first dying when it returns.
+    ``denom`` and ``norm_grad`` (full size after a projected matrix) stay bound until the next tensor rebinds
+    them."""
+    gb = recipe.grad_bytes
+    e = StepEvents()
+    targets = low_rank_tensors(inv)
+    order = [(t, False) for t, a in zip(inv.tensors, targets) if t.trainable and not a] + \
+        [(t, True) for t, a in zip(inv.tensors, targets) if a]
+    for t, projected in order:
+        n_el = t.numel
+        e.bind("grad", None)  # grad = p.grad
+        if not projected:
+            if first:
+                e.alloc(gb * n_el, keep=True)
+                e.alloc(gb * n_el, keep=True)
+            e.bind("denom", e.alloc(gb * n_el))
+            e.bind("norm_grad", e.alloc(gb * n_el))
+            continue
+        m, n = t.shape
+        k = min(m, n)
+        r = min(GALORE_RANK, k)
+        right = m >= n
+        if update:
+            fp32 = gb == 4
+            copy = None if fp32 else e.alloc(4 * m * n)  # matrix = data.float()
+            keep_u, keep_vh = first and fp32 and not right, first and fp32 and right
+            u = e.alloc(4 * m * k, keep=keep_u)
+            vh = e.alloc(4 * k * n, keep=keep_vh)
+            s_ = e.alloc(4 * k)
+            info = e.alloc(4)
+            clone = e.alloc(4 * m * n)  # the column-major copy the kernel overwrites
+            if cpu:
+                e.temporary(MKL_GESDD_BLOCK)
+            e.free(clone)
+            e.free(info)
+            diag = e.alloc(4 * r * r)
+            made = e.alloc(4 * (m * r if right else r * n))  # U[:, :r] @ diag, or diag @ Vh[:r]
+            e.free(diag)
+            cast = None if fp32 else e.alloc(gb * (r * n if right else m * r), keep=first)
+            # the locals die in order (matrix, U, s, Vh, A, B), the returned projection kept
+            e.free(copy)
+            if not (fp32 and not right):
+                e.free(u)
+            e.free(s_)
+            if not (fp32 and right):
+                e.free(vh)
+            e.free(made)
+            if not first:  # the new projection (the same bytes) replaces the old one
+                e.free(u if fp32 and not right else vh if fp32 else cast)
+        if gemm is not None:
+            e.temporary(gemm(m, r, n) if right else gemm(r, n, m))
+        low = m * r if right else r * n
+        e.bind("grad", e.alloc(gb * low))
+        if first:
+            e.alloc(gb * low, keep=True)
+            e.alloc(gb * low, keep=True)
+        e.bind("denom", e.alloc(gb * low))
+        e.bind("norm_grad", e.alloc(gb * low))
+        if gemm is not None:
+            e.temporary(gemm(m, n, r))
+        back = e.alloc(gb * m * n)
+        scaled = e.alloc(gb * m * n)
+        e.free(back)
+        e.bind("norm_grad", scaled)
+    return e.done()
+
+
+def galore_states(inv: Any, recipe: Recipe) -> int:
+    """What GaLoreAdamW keeps: the first step's kept allocations (AdamW's two states per plain tensor; per
+    projected matrix its projection and the low-rank exp_avg and exp_avg_sq)."""
+    return sum(x for kind, x in galore_step(inv, recipe, first=True) if kind == "s")
 
 
 def apollo_states(inv: Any, recipe: Recipe) -> int:
@@ -603,12 +745,28 @@ def apollo_states(inv: Any, recipe: Recipe) -> int:
     return sum(x for kind, x in apollo_step(inv, recipe, first=True) if kind == "s")
 
 
+#: the low-rank optimizers' steps (Optimizer.per_tensor -> its events), each projecting LOW_RANK_TARGETS
+LOW_RANK_STEPS = {"apollo": apollo_step, "galore": galore_step}
+
+
+def step_events_of(opt: Optimizer, inv: Any, recipe: Recipe, first: bool) -> list[tuple[str, int]] | None:
+    """The step's events of an optimizer modelled event by event (Adam-mini; GaLore and APOLLO at an update
+    step, the envelope of the steps after the first), or None."""
+    if opt.per_tensor == "adam-mini":
+        return adam_mini_step(inv, recipe, first=first)
+    if opt.per_tensor in LOW_RANK_STEPS:
+        return LOW_RANK_STEPS[opt.per_tensor](inv, recipe, first=first)
+    return None
+
+
 # ---- optimizers whose states follow each named tensor (Optimizer.per_tensor) ----
 
 def per_tensor_states(opt: Optimizer, inv: Any, recipe: Recipe) -> int:
     """The states of an optimizer that picks per tensor of the whole model (muon_state_bytes, adam_mini_states)."""
     if opt.per_tensor == "apollo":
         return apollo_states(inv, recipe)
+    if opt.per_tensor == "galore":
+        return galore_states(inv, recipe)
     return muon_state_bytes(inv, recipe) if opt.per_tensor == "muon" else adam_mini_states(inv, recipe)
 
 
@@ -618,7 +776,8 @@ def per_tensor_step_scratch(opt: Optimizer, inv: Any, recipe: Recipe, impl: str,
     ``cpu``: ATen's CPU mean of a 16-bit input)."""
     if opt.per_tensor == "muon":
         return muon_step_scratch(inv, recipe, impl, gemm)
-    if opt.per_tensor == "apollo":  # an update step after the first (states all made): the most it holds
+    if opt.per_tensor in LOW_RANK_STEPS:  # an update step after the first (states all made): the most it holds
         g = gemm if recipe.grad_bytes == 2 else None
-        return step_events_peak(apollo_step(inv, recipe, first=False, update=True, gemm=g))
+        return step_events_peak(LOW_RANK_STEPS[opt.per_tensor](inv, recipe, first=False, update=True, gemm=g,
+                                                               cpu=cpu))
     return adam_mini_step_scratch(inv, recipe, cpu=cpu)

@@ -430,7 +430,7 @@ class ReplayJob:
     #: --optimizer muon: per optimizer tensor (the trainable ones, module order), its [a, b] shape where Muon steps
     #: it, None where AdamW does (precision.muon_tensors)
     muon: tuple[tuple[int, int] | None, ...] = ()
-    #: --optimizer adam-mini, apollo-adamw: its step's events (precision.adam_mini_step, apollo_step), a later
+    #: --optimizer adam-mini, apollo-adamw, galore-adamw: its step's events (precision.step_events_of), a later
     #: step's and the first's
     step_events: tuple[Any, ...] = ()
 
@@ -481,15 +481,11 @@ def replay_job(inv: Any, s: Any, numels: list[int], shapes: list[tuple[int, ...]
         from memplan.precision import muon_tensors
 
         muon = tuple(tuple(t.shape) if m else None for t, m in zip(inv.tensors, muon_tensors(inv)) if t.trainable)
-    step_events: tuple[Any, ...] = ()
-    if s.optimizer.per_tensor == "adam-mini":
-        from memplan.precision import adam_mini_step
+    from memplan.precision import step_events_of
 
-        step_events = (tuple(adam_mini_step(inv, s.recipe)), tuple(adam_mini_step(inv, s.recipe, first=True)))
-    elif s.optimizer.per_tensor == "apollo":  # every later step replayed as an update step (the envelope)
-        from memplan.precision import apollo_step
-
-        step_events = (tuple(apollo_step(inv, s.recipe)), tuple(apollo_step(inv, s.recipe, first=True)))
+    later = step_events_of(s.optimizer, inv, s.recipe, first=False)
+    step_events: tuple[Any, ...] = () if later is None else \
+        (tuple(later), tuple(step_events_of(s.optimizer, inv, s.recipe, first=True) or ()))
     return ReplayJob(muon=muon, step_events=step_events, build=tuple(build), numels=tuple(numels), state_bytes=4 if s.optimizer.factored else s.recipe.state_bytes,
                converted=converted,
                grad_accum=s.grad_accum,

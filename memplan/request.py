@@ -154,7 +154,8 @@ class Training:
     optimizer: str | None = opt(None, "--optimizer", "adamw, adam, sgd, adafactor, adam8bit, paged_adamw_8bit, "
                                 "paged_adamw_32bit, lion (lion-pytorch), adamw-schedulefree (schedulefree), muon "
                                 "(torch.optim.Muon + AdamW), adam-mini, apollo-adamw (APOLLO rank 128 on the "
-                                "attention and MLP weights, AdamW on the rest).",
+                                "attention and MLP weights, AdamW on the rest), galore-adamw (GaLore, the same "
+                                "weights, rank 128, SVD renewed every 200 steps).",
                                 ds_config="optimizer.type", training_args="optim")
     optimizer_impl: str | None = opt(None, "--optimizer-impl", "foreach, fused, single-tensor: torch.optim's (under "
                                      "DeepSpeed, a client optimizer) [default: DeepSpeed's own FusedAdam for "

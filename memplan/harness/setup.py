@@ -169,23 +169,43 @@ def _muon(spec: dict[str, Any], model: Any, kw: dict[str, Any]) -> Any:
                           torch.optim.AdamW(rest, weight_decay=0.0, **kw))
 
 
-def apollo_optimizer(model: Any) -> Any:
-    """APOLLOAdamW with the param groups transformers' _setup_low_rank_optimizer makes: the rest first, then the
-    weights of the nn.Linear modules optim_target_modules matches (check_target_module_exists), with
-    _get_apollo_optimizer's defaults (memplan's precision.APOLLO_TARGETS and APOLLO_RANK)."""
-    from apollo_torch import APOLLOAdamW
+def _low_rank_groups(model: Any, kwargs: dict[str, Any]) -> list[dict[str, Any]]:
+    """The param groups transformers' _setup_low_rank_optimizer makes: the rest first, then the weights of the
+    nn.Linear modules optim_target_modules matches (check_target_module_exists; memplan's
+    precision.LOW_RANK_TARGETS) with the optimizer's own arguments."""
     from torch import nn
     from transformers.trainer_utils import check_target_module_exists
 
-    from memplan.precision import APOLLO_RANK, APOLLO_TARGETS
+    from memplan.precision import LOW_RANK_TARGETS
 
     names = {f"{m}.weight" for m, mod in model.named_modules()
-             if isinstance(mod, nn.Linear) and check_target_module_exists(list(APOLLO_TARGETS), m)}
+             if isinstance(mod, nn.Linear) and check_target_module_exists(list(LOW_RANK_TARGETS), m)}
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    groups = [{"params": [p for n, p in named if n not in names]},
-              {"params": [p for n, p in named if n in names], "rank": APOLLO_RANK, "proj": "random",
-               "scale_type": "channel", "update_proj_gap": 200, "scale": 1.0, "proj_type": "std"}]
-    return APOLLOAdamW(groups, lr=1e-4)
+    return [{"params": [p for n, p in named if n not in names]},
+            {"params": [p for n, p in named if n in names], **kwargs}]
+
+
+def apollo_optimizer(model: Any, gap: int = 200) -> Any:
+    """APOLLOAdamW as the Trainer builds optim apollo_adamw (_get_apollo_optimizer's defaults; APOLLO_RANK),
+    the projection renewed every ``gap`` steps."""
+    from apollo_torch import APOLLOAdamW
+
+    from memplan.precision import APOLLO_RANK
+
+    return APOLLOAdamW(_low_rank_groups(model, {"rank": APOLLO_RANK, "proj": "random", "scale_type": "channel",
+                                                "update_proj_gap": gap, "scale": 1.0, "proj_type": "std"}), lr=1e-4)
+
+
+def galore_optimizer(model: Any, gap: int | None = None) -> Any:
+    """GaLoreAdamW as the Trainer builds optim galore_adamw (_get_galore_optimizer's defaults: GALORE_RANK,
+    update_proj_gap GALORE_UPDATE_GAP unless ``gap``, scale 0.25, proj_type std)."""
+    from galore_torch import GaLoreAdamW
+
+    from memplan.precision import GALORE_RANK, GALORE_UPDATE_GAP
+
+    return GaLoreAdamW(_low_rank_groups(model, {"rank": GALORE_RANK, "update_proj_gap": gap or GALORE_UPDATE_GAP,
+                                                "scale": 0.25, "proj_type": "std"}), lr=1e-4,
+                       no_deprecation_warning=True)
 
 
 def _torch_optimizer(spec: dict[str, Any], params: Any, model: Any = None) -> Any:
@@ -224,7 +244,9 @@ def _torch_optimizer(spec: dict[str, Any], params: Any, model: Any = None) -> An
 
         return bnb.optim.AdamW8bit(params, lr=1e-4)
     if name == "apollo-adamw":  # transformers' Trainer, optim apollo_adamw (trainer_optimizer.py)
-        return apollo_optimizer(model)
+        return apollo_optimizer(model, spec.get("update_proj_gap", 200))
+    if name == "galore-adamw":  # transformers' Trainer, optim galore_adamw (trainer_optimizer.py)
+        return galore_optimizer(model, spec.get("update_proj_gap"))
     if name == "lion":  # lion-pytorch's Lion (update_fn in Python; use_triton False)
         from lion_pytorch import Lion
 
@@ -236,7 +258,7 @@ def _torch_optimizer(spec: dict[str, Any], params: Any, model: Any = None) -> An
         opt.train()
         return opt
     raise ValueError(f"the harness runs adamw, adam, sgd, adafactor, adam8bit, lion, adamw-schedulefree, muon, "
-                     f"adam-mini and apollo-adamw; not "
+                     f"adam-mini, apollo-adamw and galore-adamw; not "
                      f"{name}")
 
 

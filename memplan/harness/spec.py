@@ -10,6 +10,7 @@ from typing import Any
 
 from memplan.errors import SettingsError
 
+from memplan.precision import LOW_RANK_STEPS
 from memplan.settings import Settings
 from memplan.strategies import GREEDY_WHOLE
 
@@ -77,7 +78,7 @@ _HARNESS_RECIPES = {"deepspeed": ("deepspeed-bf16", "deepspeed-fp16", "torch-amp
 
 #: torch.optim's, transformers' Adafactor, bitsandbytes' AdamW8bit (harness/setup.py _torch_optimizer)
 HARNESS_OPTIMIZERS = ("adamw", "adam", "sgd", "adafactor", "adam8bit", "lion", "adamw-schedulefree", "muon",
-                      "adam-mini", "apollo-adamw")
+                      "adam-mini", "apollo-adamw", "galore-adamw")
 
 
 def build_spec(config: dict[str, Any], s: Settings, *, warmup_steps: int = 2, measured_steps: int = 1,
@@ -138,6 +139,10 @@ def build_spec(config: dict[str, Any], s: Settings, *, warmup_steps: int = 2, me
                                              **({"quant_storage": s.lora.quant_storage}
                                                 if s.lora.quant_storage != "uint8" else {})},
     }
+    if s.optimizer.per_tensor in LOW_RANK_STEPS:
+        # the projection renewed at every step (update_proj_gap 1): the step memplan's figure describes (the
+        # first, then every 200th of the Trainer's run: precision.per_tensor_step_scratch), measured
+        spec["update_proj_gap"] = 1
     if fw == "deepspeed":
         spec["ds_config"] = ds_config(s)
     return spec

@@ -552,6 +552,9 @@ CASES: list[Case] = [
     Case("estimate mixtral-8x7b --task masked-lm", "no masked-lm head for model_type 'mixtral'", "parallel"),
     Case("estimate llama-3-8b --gpus 8 --strategy fsdp-full --optimizer apollo", "APOLLO projects each whole matrix",
          "parallel"),
+    Case("estimate gpt2 --optimizer galore-adamw", "No target modules found", "parallel"),
+    Case("estimate llama-3-8b --gpus 8 --stage 3 --optimizer galore", "GaLore projects each whole matrix",
+         "parallel"),
     # check's own options
     *(Case(f"check llama-3-8b --gpus 8 --gpu h100-80g --max-fraction {f}", "--max-fraction", "check") for f in
       ("nan", "1.5", "0", "-0.1", "abc", "inf")),

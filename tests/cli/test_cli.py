@@ -107,7 +107,7 @@ def test_a_factory_that_never_returns_is_stopped(tmp_path):
     (["estimate", "gpt2", "--stage", "5"], "--stage must be 0, 1, 2 or 3"),
     (["estimate", "gpt2", "--strategy", "zero9"], "unknown strategy 'zero9'; valid:"),
     (["estimate", "gpt2", "--precision", "fp8"], "unknown precision recipe"),
-    (["estimate", "gpt2", "--optimizer", "galore"], "unknown optimizer 'galore'; valid:"),
+    (["estimate", "gpt2", "--optimizer", "sophia"], "unknown optimizer 'sophia'; valid:"),
     (["estimate", "gpt2", "--gpu", "tpu-v5"], "unknown GPU 'tpu-v5'; valid:"),
     (["estimate", "gpt2", "--gpus", "12", "--gpus-per-node", "8"], "gpus(12) is not a multiple of gpus_per_node(8)"),
     (["estimate", "gpt2", "--gpus", "-1"], "--gpus must be at least 1"),

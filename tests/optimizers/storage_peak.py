@@ -44,3 +44,33 @@ def storage_peak() -> Any:
             return out
 
     return StoragePeak()
+
+
+def profiler_peaks(step: Any, steps: int, before: Any = None) -> list[int]:
+    """Each call of ``step`` (``before`` run first, outside the measure), its most live CPU allocator bytes beyond
+    what was live when it began: every block c10's CPU allocator hands out, kernels' own included (the harness's
+    instrument, memplan/harness/measure.py), where storage_peak sees ops' outputs only."""
+    import json
+    import tempfile
+
+    import torch
+
+    from memplan.harness.measure import live_totals
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        for i in range(steps):
+            if before is not None:
+                before()
+            with torch.profiler.record_function(f"memplan-test-step-{i}"):
+                step()
+    with tempfile.NamedTemporaryFile(suffix=".json") as fh:
+        prof.export_chrome_trace(fh.name)
+        events = json.load(open(fh.name))["traceEvents"]
+    totals = live_totals(events, global_totals=False)
+    spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in events
+                   if e.get("ph") == "X" and str(e.get("name", "")).startswith("memplan-test-step-"))
+    peaks = []
+    for a, b in spans:
+        start = next((v for t, v in reversed(totals) if t < a), 0)
+        peaks.append(max((v for t, v in totals if a <= t <= b), default=start) - start)
+    return peaks

@@ -7,7 +7,7 @@ import pytest
 from memplan import options
 from memplan.errors import SettingsError
 from memplan.model.inventory import ParamTensor
-from memplan.precision import APOLLO_RANK, apollo_states, apollo_step, apollo_tensors, get_recipe, step_events_peak
+from memplan.precision import APOLLO_RANK, apollo_states, apollo_step, get_recipe, low_rank_tensors, step_events_peak
 from memplan.request import JobRequest
 
 torch = pytest.importorskip("torch")
@@ -110,12 +110,12 @@ def test_apollo_groups_and_states(inventories):
     """The attention and MLP linear weights are projected (rank 128: the projection [r, n] or [m, r] and the
     low-rank moments in the gradient's dtype); the embedding, the head and the norms take plain AdamW states."""
     inv = inventories("llama-7b")
-    picked = {t.name for t, a in zip(inv.tensors, apollo_tensors(inv)) if a}
+    picked = {t.name for t, a in zip(inv.tensors, low_rank_tensors(inv)) if a}
     assert "model.layers.0.self_attn.q_proj.weight" in picked and "model.layers.3.mlp.down_proj.weight" in picked
     assert "lm_head.weight" not in picked and "model.embed_tokens.weight" not in picked
     s = options.resolve(inv, JobRequest.of(gpus=1, precision="pure-bf16", optimizer="apollo-adamw", activations="analytic")).settings
     want = 0
-    for t, a in zip(inv.tensors, apollo_tensors(inv)):
+    for t, a in zip(inv.tensors, low_rank_tensors(inv)):
         if not a:
             want += 2 * 2 * t.numel
             continue

@@ -157,9 +157,9 @@ def render_plan(rep: dict, summary: str | None = None, explained: dict | None = 
 
     c.print("assumptions (--json has them all):")
     for topic, items in by_topic(rep):
-        c.print(f"  {topic:<10} " + "; ".join(items), soft_wrap=True)
-    for n in rep["notes"]:
-        c.print(f"note: {n}", soft_wrap=True)
+        c.print(f"  {topic:<10} " + "; ".join(items), soft_wrap=True, markup=False)
+    for n in rep["notes"]:  # text from the job's files and configs: never rich markup ("[r'.*.attn.*']")
+        c.print(f"note: {n}", soft_wrap=True, markup=False)
 
 
 def required_line(pg: dict[str, Any]) -> str:
@@ -276,7 +276,7 @@ def render_search(rep: dict) -> None:
         c.print(f"details: {rec['command']}", soft_wrap=True)
     c.print(f"ranking: {se['ranking']}; {se['evaluations']:,} configurations evaluated", soft_wrap=True)
     for note in rep["notes"]:
-        c.print(f"note: {note}", soft_wrap=True)
+        c.print(f"note: {note}", soft_wrap=True, markup=False)
 
 
 def _untried(rep: dict) -> str:
@@ -371,4 +371,4 @@ def render_inspect(rep: dict) -> None:
     for t in rep["tied"]:
         c.print(f"tied: {t['name']} = {', '.join(t['aliases'])} (counted once)")
     for n in rep["notes"]:
-        c.print(f"note: {n}")
+        c.print(f"note: {n}", markup=False)

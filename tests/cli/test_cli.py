@@ -297,3 +297,15 @@ def test_ddp_reserved_line_names_both_release_orders():
     line = next(x for x in text.splitlines() if x.startswith("peak reserved:"))
     assert "the larger of 2 release orders (buckets held into step 2's backward)" in line
     assert line.endswith(f"{fmt_bytes(rebuilt)} with buckets released at the rebuild")
+
+
+def test_notes_are_printed_as_written(tmp_path):
+    # a note quoting the job's own text keeps its brackets (rich markup is off for notes): the Trainer's
+    # optim_target_modules list as memplan reads it
+    from test_bad_inputs import run_cli
+
+    args = tmp_path / "train_args.json"
+    args.write_text('{"optim": "galore_adamw", "optim_target_modules": [".*.attn.*", ".*.mlp.*"]}')
+    code, out, err = run_cli(["estimate", "llama-7b", "--training-args", str(args), "--no-suggestions"])
+    assert code == 0, err
+    assert 'optim_target_modules [r".*.attn.*", r".*.mlp.*"]' in out

@@ -229,6 +229,16 @@ CASES = [
      "none"),
     ("galore-adamw, 1 rank, fp32, hidden 512 vocab 128", LLAMA_WIDE, dict(gpus=1, precision="fp32",
                                                                          optimizer="galore-adamw"), {}, {}, "none"),
+    # session 33: Keller Jordan's Muon (muon-optimizer): SingleDeviceMuonWithAuxAdam on one rank, MuonWithAuxAdam
+    # over DDP's ranks (each orthogonalises every second matrix, then all-gathers them)
+    ("muon-with-aux-adam, 1 rank", LLAMA, dict(gpus=1, optimizer="muon-with-aux-adam"), {}, {}, "none"),
+    ("muon-with-aux-adam ddp", LLAMA, dict(strategy="ddp", optimizer="muon-with-aux-adam"), {}, {}, "none"),
+    ("muon-with-aux-adam ddp pure-bf16", LLAMA, dict(strategy="ddp", precision="pure-bf16",
+                                                     optimizer="muon-with-aux-adam"), {}, {}, "none"),
+    ("muon-with-aux-adam ddp, hidden 512 vocab 128", LLAMA_WIDE, dict(strategy="ddp", optimizer="muon-with-aux-adam"),
+     {}, {}, "none"),
+    ("muon-with-aux-adam, 1 rank, hidden 512 vocab 128", LLAMA_WIDE, dict(gpus=1, optimizer="muon-with-aux-adam"),
+     {}, {}, "none"),
     # session 29: a text encoder's own head (model/tasks.py): BertForSequenceClassification on its labels
     ("bert seq-cls, 1 rank, fp32", BERT, dict(gpus=1, precision="fp32"), {}, {}, "none"),
     ("bert seq-cls, 1 rank", BERT, dict(gpus=1), {}, {}, "none"),

@@ -40,7 +40,7 @@ def _model_states(job: Job, fw: FrameworkModel, host_by: dict[str, int]) -> tupl
     if s.optimizer.per_tensor:  # Muon with AdamW, Adam-mini: per named tensor of the whole model
         from memplan.precision import per_tensor_states
 
-        states = per_tensor_states(s.optimizer, job.inv, rc)
+        states = per_tensor_states(s.optimizer, job.inv, rc, s.cluster.gpus)
     else:
         states = layouts.optimizer_state_bytes(s.optimizer, rc, job.lay,
                                                fw.optimizer_tensors(job) if s.optimizer.shape_dependent else ())
@@ -95,7 +95,7 @@ def _step(job: Job, fw: FrameworkModel, grads: Grads, persistent: int, master_by
         # off CUDA Muon's Newton-Schulz products are bf16 GEMMs with oneDNN's own scratch (one thread: the
         # harness's), and Adam-mini's mean of a 16-bit input an fp32 copy
         gemm = (lambda m, n, k: cpu_gemm_scratch(isa, m, n, k, "bfloat16")) if c.device == "cpu" else None
-        scratch = per_tensor_step_scratch(job.s.optimizer, job.inv, rc, impl, gemm, c.device == "cpu")
+        scratch = per_tensor_step_scratch(job.s.optimizer, job.inv, rc, impl, gemm, c.device == "cpu", c.gpus)
     elif not (job.offload_optimizer or job.cpu_offload):
         if impl == "foreach":
             scratch = rc.state_bytes * lay.optimizer_numel

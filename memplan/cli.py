@@ -185,10 +185,11 @@ def validate(
     seq_len: Optional[int] = typer.Option(None, "--seq-len", help="Sequence length [default: 128; a vision "
                                           "transformer's: its patches and class token]."),
     optimizer: Optional[str] = typer.Option(None, "--optimizer", help="adamw, adam, sgd, adafactor, adam8bit, lion, "
-                                            "adamw-schedulefree, muon, adam-mini, apollo-adamw, galore-adamw (the "
-                                            "optimizers the harness runs; adam8bit needs bitsandbytes, lion "
-                                            "lion-pytorch, adamw-schedulefree schedulefree, adam-mini adam-mini, "
-                                            "apollo-adamw apollo-torch, galore-adamw galore-torch)."),
+                                            "adamw-schedulefree, muon, muon-with-aux-adam, adam-mini, apollo-adamw, "
+                                            "galore-adamw (the optimizers the harness runs; adam8bit needs "
+                                            "bitsandbytes, lion lion-pytorch, adamw-schedulefree schedulefree, "
+                                            "muon-with-aux-adam muon-optimizer, adam-mini adam-mini, apollo-adamw "
+                                            "apollo-torch, galore-adamw galore-torch)."),
     recompute: str = typer.Option("none", "--recompute", help="none | full | every:N | layer-sac:N."),
     device: Optional[str] = typer.Option(None, "--device", help="cuda (NCCL) or cpu (gloo) [default: cuda if present]."),
     as_json: O.Json = False,

@@ -762,10 +762,26 @@ def resolve(inv: ParamInventory, request: JobRequest, *, config: dict[str, Any] 
                "adam-mini": "Adam-mini's per-head and per-row states",
                "apollo": "APOLLO projects each whole matrix's gradient (its channel scaling reads whole rows)",
                "galore": "GaLore projects each whole matrix's gradient onto its SVD (galore-torch takes the "
-                         "gradient's SVD as it is handed)"}[opt.per_tensor]
+                         "gradient's SVD as it is handed)",
+               "muon-aux-adam": "MuonWithAuxAdam orthogonalises whole matrices and all-gathers the updated "
+                                "parameters over the ranks (DDP's replicas)"}[opt.per_tensor]
         raise SettingsError(f"--optimizer {opt.name} under {strat.name if lora is None else 'LoRA'}: {why}; memplan "
                             "models it on whole tensors only (one GPU, DDP, Horovod)")
-    from memplan.precision import LOW_RANK_STEPS, LOW_RANK_TARGETS, low_rank_tensors
+    from memplan.precision import LOW_RANK_STEPS, LOW_RANK_TARGETS, low_rank_tensors, muon_aux_adam_why_not
+
+    if opt.per_tensor == "muon":
+        from memplan.precision import muon_tensors
+
+        if not any(muon_tensors(inv)):  # torch.optim.Muon: "Muon only supports 2D parameters"
+            raise SettingsError("--optimizer muon: the model has no 2-D matrices in its blocks for Muon to "
+                                "orthogonalise (embeddings, the head, gains and biases go to AdamW)")
+    if opt.per_tensor == "muon-aux-adam":
+        if strat.framework == "horovod":
+            raise SettingsError("--optimizer muon-with-aux-adam under Horovod: MuonWithAuxAdam all-gathers over "
+                                "torch.distributed's process group, which Horovod does not set up")
+        why = muon_aux_adam_why_not(inv, gpus, gloo=device == "cpu")
+        if why:
+            raise SettingsError(f"--optimizer muon-with-aux-adam on {gpus} GPU(s): {why}")
 
     if opt.per_tensor in LOW_RANK_STEPS and not any(low_rank_tensors(inv)):
         # transformers' _setup_low_rank_optimizer: "No target modules found for apollo_adamw" (galore_adamw)

@@ -168,6 +168,12 @@ OPTIMIZERS: dict[str, Optimizer] = {o.name: o for o in (
     # muon_state_bytes, muon_step_scratch
     Optimizer(name="muon", states_per_param=2, per_tensor="muon", description="Muon (torch.optim.Muon) on the blocks' matrices: "
               "momentum_buffer; AdamW on the rest: exp_avg + exp_avg_sq"),
+    # Keller Jordan's muon-optimizer 0.1.0 (muon.py): MuonWithAuxAdam over DDP ranks, SingleDeviceMuonWithAuxAdam
+    # on one GPU, grouped as its docstring's example: muon_aux_adam_step
+    Optimizer(name="muon-with-aux-adam", states_per_param=2, lazy_states=True, per_tensor="muon-aux-adam",
+              description="Keller Jordan's Muon (muon-optimizer MuonWithAuxAdam: each rank orthogonalises every "
+              "world-th matrix and all-gathers the results) on the blocks' matrices: momentum_buffer; its own AdamW "
+              "on the rest: exp_avg + exp_avg_sq"),
     # adam-mini 1.1.1 (Adam_mini, adam_mini.py): m for every tensor, v per head (queries, keys), per output row
     # (embedding, head, values, output projection, MLP), one scalar (norms) or whole (biases): adam_mini_states
     Optimizer(name="adam-mini", states_per_param=2, lazy_states=True, per_tensor="adam-mini",
@@ -188,7 +194,8 @@ OPTIMIZERS: dict[str, Optimizer] = {o.name: o for o in (
               "AdamW on the rest"),
 )}
 #: names the optimizers go by elsewhere (--optimizer takes them too)
-OPTIMIZER_ALIASES = {"apollo": "apollo-adamw", "apollo_adamw": "apollo-adamw", "galore": "galore-adamw",
+OPTIMIZER_ALIASES = {"muon_with_aux_adam": "muon-with-aux-adam", "muon-aux-adam": "muon-with-aux-adam",
+                     "apollo": "apollo-adamw", "apollo_adamw": "apollo-adamw", "galore": "galore-adamw",
                      "galore_adamw": "galore-adamw",
                      "schedulefree": "adamw-schedulefree", "adamw_schedulefree": "adamw-schedulefree",
                      "schedule_free_adamw": "adamw-schedulefree", "schedule-free-adamw": "adamw-schedulefree"}
@@ -346,6 +353,139 @@ def muon_step_scratch(inv: Any, recipe: Recipe, adamw_impl: str, gemm: Any = Non
     else:
         adam = 0
     return max(muon, adam)
+
+
+# ---- Keller Jordan's Muon (muon-optimizer 0.1.0, muon.py): MuonWithAuxAdam, SingleDeviceMuonWithAuxAdam ----
+
+
+def muon_aux_adam_groups(inv: Any) -> tuple[list[Any], list[Any]]:
+    """(the AdamW groups' tensors in step order, the Muon group's matrices in its order), as the class's
+    docstring example groups a model: Muon for the blocks' 2-D matrices (muon_tensors); AdamW groups for the
+    head, then the embeddings, then the rest (gains, biases), in that order."""
+    muon = muon_tensors(inv)
+    mats = [t for t, m in zip(inv.tensors, muon) if m]
+    rest = [t for t, m in zip(inv.tensors, muon) if t.trainable and not m]
+    head = [t for t in rest if t.category == "head"]
+    embed = [t for t in rest if t.category != "head" and "embed" in t.name]
+    return head + embed + [t for t in rest if t.category != "head" and "embed" not in t.name], mats
+
+
+def muon_aux_adam_sorted(mats: list[Any]) -> list[Any]:
+    """MuonWithAuxAdam's order: ``sorted(params, key=lambda x: x.size(), reverse=True)`` (shapes compared as
+    tuples; a stable sort)."""
+    return sorted(mats, key=lambda t: tuple(t.shape), reverse=True)
+
+
+def muon_aux_adam_why_not(inv: Any, world: int, gloo: bool = False) -> str | None:
+    """Why MuonWithAuxAdam cannot step this model on ``world`` ranks: no matrices; a matrix count it pads with
+    ``len(params) % world`` copies, not up to a multiple of world, so that the last all_gather is handed fewer
+    tensors than ranks; over gloo (``gloo``), an all_gather of tensors of two shapes (ProcessGroupGloo requires
+    one)."""
+    mats = muon_aux_adam_groups(inv)[1]
+    n = len(mats)
+    if not n:
+        return "the model has no 2-D matrices in its blocks for Muon to orthogonalise"
+    if world > 1 and (n + n % world) % world:
+        return (f"MuonWithAuxAdam pads its {n} matrices with len(params) % world = {n % world} tensors, not up to a "
+                f"multiple of {world} ranks, so its last all_gather is handed fewer tensors than ranks and fails")
+    if world > 1 and gloo:
+        order = muon_aux_adam_sorted(mats)
+        order += [order[-1]] * (n % world)
+        for base in range(0, len(order), world):
+            if len({tuple(t.shape) for t in order[base:base + world]}) > 1:
+                return ("MuonWithAuxAdam all-gathers matrices of two shapes at once here, which gloo refuses "
+                        "(ProcessGroupGloo's allgather takes one shape; NCCL broadcasts them): run it on CUDA")
+    return None
+
+
+def muon_aux_adam_step(inv: Any, recipe: Recipe, first: bool = False, gemm: Any = None, cpu: bool = False,
+                       world: int = 1) -> list[tuple[str, int]]:
+    """Rank 0's step (StepEvents): on one GPU SingleDeviceMuonWithAuxAdam, on ``world`` DDP ranks
+    MuonWithAuxAdam. Rank 0 steps the first of every ``world`` matrices in size order, the largest of each:
+    the most states and scratch of any rank.
+
+    The AdamW groups first, per tensor (states lazily, zeros_like(p)): adam_update's ``grad.square()``, then
+    ``buf1c``, ``buf2c``, ``buf2c.sqrt()``, its ``+ eps``, the quotient (returned); the step's ``update`` local
+    holds it until the next tensor's replaces it. The Muon group: MuonWithAuxAdam's ``params_pad`` adds one
+    ``empty_like(params[-1])`` where the count is not a multiple of world (held to the end of the step); per
+    matrix of its own the momentum buffer at the first step, muon_update (``momentum.lerp_``, ``grad.lerp_`` in
+    place), zeropower_via_newtonschulz5: the gradient's bf16 copy (none when bf16), its norm and ``+ 1e-7`` (one
+    element each), the normalised X; five times ``A = X @ X.mT`` [k, k], ``b * A``, ``c * A``, ``(c * A) @ A``,
+    ``B``, then ``a * X``, ``B @ X``, the next X (A, B and X each bound until replaced); the result is
+    ``update``. Then each all_gather of ``world`` tensors of one shape flattens its outputs into one
+    world x numel buffer (ProcessGroupNCCL / ProcessGroupGloo ``newLikeFlat``), copied out and freed; tensors of
+    mixed shapes go by broadcasts on NCCL (no buffer) and are refused by gloo (muon_aux_adam_why_not's caller).
+    ``gemm(m, n, k)``: a CPU matmul's own scratch, during it."""
+    gb, pb = recipe.grad_bytes, recipe.param_bytes
+    e = StepEvents()
+    adam, mats = muon_aux_adam_groups(inv)
+    for t in adam:
+        n = t.numel
+        if first:
+            e.alloc(pb * n, keep=True)
+            e.alloc(pb * n, keep=True)
+        e.temporary(gb * n)  # grad.square()
+        b1, b2, sq = e.alloc(pb * n), e.alloc(pb * n), e.alloc(pb * n)
+        den = e.alloc(pb * n)
+        e.free(sq)
+        q = e.alloc(pb * n)
+        for i in (den, b1, b2):
+            e.free(i)
+        e.bind("update", q)
+    g = gemm or (lambda m, n, k: 0)
+    if world > 1:
+        mats = muon_aux_adam_sorted(mats)
+    pad = e.alloc(pb * mats[-1].numel) if world > 1 and len(mats) % world else None
+    for base in range(0, len(mats), world):
+        t = mats[base]
+        a_, b_ = t.shape
+        k, ab = min(a_, b_), a_ * b_
+        l_ = max(a_, b_)
+        if first:
+            e.alloc(pb * t.numel, keep=True)  # momentum_buffer
+        x0 = None if gb == 2 else e.alloc(2 * ab)  # G.bfloat16()
+        nrm = e.alloc(2)
+        eps = e.alloc(2)
+        e.free(nrm)
+        x = e.alloc(2 * ab)
+        e.free(eps)
+        e.free(x0)
+        e.bind("X", x)
+        for _ in range(5):
+            e.temporary(g(k, k, l_))
+            e.bind("A", e.alloc(2 * k * k))
+            ba = e.alloc(2 * k * k)
+            ca = e.alloc(2 * k * k)
+            e.temporary(g(k, k, k))
+            caa = e.alloc(2 * k * k)
+            e.free(ca)
+            bn = e.alloc(2 * k * k)
+            e.free(ba)
+            e.free(caa)
+            e.bind("B", bn)
+            ax = e.alloc(2 * ab)
+            e.temporary(g(k, l_, k))
+            bx = e.alloc(2 * ab)
+            xn = e.alloc(2 * ab)
+            e.free(ax)
+            e.free(bx)
+            e.bind("X", xn)
+        out = e.bound["X"]
+        e.bind("A", None)  # the function's locals go, then ``update = ...`` drops the last update
+        e.bind("B", None)
+        e.bind("update", out)
+        e.bind("X", None)
+        if world > 1:
+            chunk = mats[base:base + world] + [mats[-1]] * max(0, base + world - len(mats))
+            if len({tuple(c.shape) for c in chunk}) == 1:
+                e.temporary(pb * world * t.numel)
+    e.free(pad)
+    return e.done()
+
+
+def muon_aux_adam_states(inv: Any, recipe: Recipe, world: int = 1) -> int:
+    """What rank 0 keeps: AdamW's two states per tensor of its groups, a momentum buffer per matrix it steps."""
+    return sum(x for kind, x in muon_aux_adam_step(inv, recipe, first=True, world=world) if kind == "s")
 
 
 # ---- Adam-mini (adam-mini 1.1.1, adam_mini.py) ----
@@ -749,11 +889,13 @@ def apollo_states(inv: Any, recipe: Recipe) -> int:
 LOW_RANK_STEPS = {"apollo": apollo_step, "galore": galore_step}
 
 
-def step_events_of(opt: Optimizer, inv: Any, recipe: Recipe, first: bool) -> list[tuple[str, int]] | None:
+def step_events_of(opt: Optimizer, inv: Any, recipe: Recipe, first: bool, world: int = 1) -> list[tuple[str, int]] | None:
     """The step's events of an optimizer modelled event by event (Adam-mini; GaLore and APOLLO at an update
-    step, the envelope of the steps after the first), or None."""
+    step, the envelope of the steps after the first; Keller Jordan's Muon, rank 0 of ``world``), or None."""
     if opt.per_tensor == "adam-mini":
         return adam_mini_step(inv, recipe, first=first)
+    if opt.per_tensor == "muon-aux-adam":
+        return muon_aux_adam_step(inv, recipe, first=first, world=world)
     if opt.per_tensor in LOW_RANK_STEPS:
         return LOW_RANK_STEPS[opt.per_tensor](inv, recipe, first=first)
     return None
@@ -761,8 +903,11 @@ def step_events_of(opt: Optimizer, inv: Any, recipe: Recipe, first: bool) -> lis
 
 # ---- optimizers whose states follow each named tensor (Optimizer.per_tensor) ----
 
-def per_tensor_states(opt: Optimizer, inv: Any, recipe: Recipe) -> int:
-    """The states of an optimizer that picks per tensor of the whole model (muon_state_bytes, adam_mini_states)."""
+def per_tensor_states(opt: Optimizer, inv: Any, recipe: Recipe, world: int = 1) -> int:
+    """The states of an optimizer that picks per tensor of the whole model (muon_state_bytes, adam_mini_states;
+    rank 0's of ``world`` for Keller Jordan's Muon)."""
+    if opt.per_tensor == "muon-aux-adam":
+        return muon_aux_adam_states(inv, recipe, world)
     if opt.per_tensor == "apollo":
         return apollo_states(inv, recipe)
     if opt.per_tensor == "galore":
@@ -771,11 +916,13 @@ def per_tensor_states(opt: Optimizer, inv: Any, recipe: Recipe) -> int:
 
 
 def per_tensor_step_scratch(opt: Optimizer, inv: Any, recipe: Recipe, impl: str, gemm: Any = None,
-                            cpu: bool = False) -> int:
+                            cpu: bool = False, world: int = 1) -> int:
     """Its step's scratch (muon_step_scratch with ``gemm``, a CPU matmul's own scratch; adam_mini_step_scratch with
-    ``cpu``: ATen's CPU mean of a 16-bit input)."""
+    ``cpu``: ATen's CPU mean of a 16-bit input; Keller Jordan's Muon: rank 0's of ``world``)."""
     if opt.per_tensor == "muon":
         return muon_step_scratch(inv, recipe, impl, gemm)
+    if opt.per_tensor == "muon-aux-adam":  # its Newton-Schulz products are bf16 GEMMs whatever the recipe
+        return step_events_peak(muon_aux_adam_step(inv, recipe, first=False, gemm=gemm, cpu=cpu, world=world))
     if opt.per_tensor in LOW_RANK_STEPS:  # an update step after the first (states all made): the most it holds
         g = gemm if recipe.grad_bytes == 2 else None
         return step_events_peak(LOW_RANK_STEPS[opt.per_tensor](inv, recipe, first=False, update=True, gemm=g,

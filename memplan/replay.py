@@ -483,9 +483,10 @@ def replay_job(inv: Any, s: Any, numels: list[int], shapes: list[tuple[int, ...]
         muon = tuple(tuple(t.shape) if m else None for t, m in zip(inv.tensors, muon_tensors(inv)) if t.trainable)
     from memplan.precision import step_events_of
 
-    later = step_events_of(s.optimizer, inv, s.recipe, first=False)
+    world = s.cluster.gpus
+    later = step_events_of(s.optimizer, inv, s.recipe, first=False, world=world)
     step_events: tuple[Any, ...] = () if later is None else \
-        (tuple(later), tuple(step_events_of(s.optimizer, inv, s.recipe, first=True) or ()))
+        (tuple(later), tuple(step_events_of(s.optimizer, inv, s.recipe, first=True, world=world) or ()))
     return ReplayJob(muon=muon, step_events=step_events, build=tuple(build), numels=tuple(numels), state_bytes=4 if s.optimizer.factored else s.recipe.state_bytes,
                converted=converted,
                grad_accum=s.grad_accum,

@@ -153,7 +153,9 @@ class Training:
                                 accelerate="mixed_precision")
     optimizer: str | None = opt(None, "--optimizer", "adamw, adam, sgd, adafactor, adam8bit, paged_adamw_8bit, "
                                 "paged_adamw_32bit, lion (lion-pytorch), adamw-schedulefree (schedulefree), muon "
-                                "(torch.optim.Muon + AdamW), adam-mini, apollo-adamw (APOLLO rank 128 on the "
+                                "(torch.optim.Muon + AdamW), muon-with-aux-adam (Keller Jordan's muon-optimizer: "
+                                "MuonWithAuxAdam over DDP ranks, SingleDeviceMuonWithAuxAdam on one GPU), adam-mini, "
+                                "apollo-adamw (APOLLO rank 128 on the "
                                 "attention and MLP weights, AdamW on the rest), galore-adamw (GaLore, the same "
                                 "weights, rank 128, SVD renewed every 200 steps).",
                                 ds_config="optimizer.type", training_args="optim")

@@ -169,6 +169,29 @@ def _muon(spec: dict[str, Any], model: Any, kw: dict[str, Any]) -> Any:
                           torch.optim.AdamW(rest, weight_decay=0.0, **kw))
 
 
+def muon_aux_adam_optimizer(model: Any) -> Any:
+    """Keller Jordan's Muon (muon-optimizer 0.1.0) grouped as its docstring's example, which memplan's
+    precision.muon_aux_adam_groups follows: the blocks' 2-D matrices to Muon; AdamW groups for the head, the
+    embeddings, then the rest. MuonWithAuxAdam where torch.distributed runs more than one rank,
+    SingleDeviceMuonWithAuxAdam otherwise."""
+    import torch.distributed as dist
+    from muon import MuonWithAuxAdam, SingleDeviceMuonWithAuxAdam
+
+    inside = {id(p) for b in _blocks(model) for p in b.parameters()}
+    head = model.get_output_embeddings()
+    head_ids = {id(head.weight)} if head is not None else set()
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    mats = [p for n, p in named if p.ndim == 2 and id(p) in inside]
+    rest = [(n, p) for n, p in named if not (p.ndim == 2 and id(p) in inside)]
+    embed = [p for n, p in rest if "embed" in n and id(p) not in head_ids]
+    heads = [p for n, p in rest if id(p) in head_ids]
+    other = [p for n, p in rest if id(p) not in head_ids and "embed" not in n]
+    groups = [dict(params=g, use_muon=False) for g in (heads, embed, other) if g]
+    groups.append(dict(params=mats, use_muon=True))
+    distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    return (MuonWithAuxAdam if distributed else SingleDeviceMuonWithAuxAdam)(groups)
+
+
 def _low_rank_groups(model: Any, kwargs: dict[str, Any]) -> list[dict[str, Any]]:
     """The param groups transformers' _setup_low_rank_optimizer makes: the rest first, then the weights of the
     nn.Linear modules optim_target_modules matches (check_target_module_exists; memplan's
@@ -245,6 +268,8 @@ def _torch_optimizer(spec: dict[str, Any], params: Any, model: Any = None) -> An
         return bnb.optim.AdamW8bit(params, lr=1e-4)
     if name == "apollo-adamw":  # transformers' Trainer, optim apollo_adamw (trainer_optimizer.py)
         return apollo_optimizer(model, spec.get("update_proj_gap", 200))
+    if name == "muon-with-aux-adam":  # muon-optimizer's MuonWithAuxAdam (SingleDevice on one rank)
+        return muon_aux_adam_optimizer(model)
     if name == "galore-adamw":  # transformers' Trainer, optim galore_adamw (trainer_optimizer.py)
         return galore_optimizer(model, spec.get("update_proj_gap"))
     if name == "lion":  # lion-pytorch's Lion (update_fn in Python; use_triton False)
@@ -258,7 +283,7 @@ def _torch_optimizer(spec: dict[str, Any], params: Any, model: Any = None) -> An
         opt.train()
         return opt
     raise ValueError(f"the harness runs adamw, adam, sgd, adafactor, adam8bit, lion, adamw-schedulefree, muon, "
-                     f"adam-mini, apollo-adamw and galore-adamw; not "
+                     f"adam-mini, apollo-adamw, galore-adamw and muon-with-aux-adam; not "
                      f"{name}")
 
 

@@ -78,7 +78,7 @@ _HARNESS_RECIPES = {"deepspeed": ("deepspeed-bf16", "deepspeed-fp16", "torch-amp
 
 #: torch.optim's, transformers' Adafactor, bitsandbytes' AdamW8bit (harness/setup.py _torch_optimizer)
 HARNESS_OPTIMIZERS = ("adamw", "adam", "sgd", "adafactor", "adam8bit", "lion", "adamw-schedulefree", "muon",
-                      "adam-mini", "apollo-adamw", "galore-adamw")
+                      "adam-mini", "apollo-adamw", "galore-adamw", "muon-with-aux-adam")
 
 
 def build_spec(config: dict[str, Any], s: Settings, *, warmup_steps: int = 2, measured_steps: int = 1,

@@ -553,6 +553,10 @@ CASES: list[Case] = [
     Case("estimate llama-3-8b --gpus 8 --strategy fsdp-full --optimizer apollo", "APOLLO projects each whole matrix",
          "parallel"),
     Case("estimate gpt2 --optimizer galore-adamw", "No target modules found", "parallel"),
+    Case("estimate llama-7b --gpus 3 --strategy ddp --optimizer muon-with-aux-adam", "fewer tensors than ranks",
+         "parallel"),
+    Case("estimate llama-7b --gpus 8 --stage 2 --optimizer muon-with-aux-adam",
+         "MuonWithAuxAdam orthogonalises whole matrices", "parallel"),
     Case("estimate llama-3-8b --gpus 8 --stage 3 --optimizer galore", "GaLore projects each whole matrix",
          "parallel"),
     # check's own options

@@ -239,6 +239,11 @@ CASES = [
      {}, {}, "none"),
     ("muon-with-aux-adam, 1 rank, hidden 512 vocab 128", LLAMA_WIDE, dict(gpus=1, optimizer="muon-with-aux-adam"),
      {}, {}, "none"),
+    # session 33: a bf16 model under autocast (transformers 5 loads a bf16 checkpoint so; the Trainer's bf16=True)
+    ("bf16-autocast, 1 rank", LLAMA, dict(gpus=1, precision="bf16-autocast"), {}, {}, "none"),
+    ("bf16-autocast ddp", LLAMA, dict(strategy="ddp", precision="bf16-autocast"), {}, {}, "none"),
+    ("bf16-autocast ddp", GPT2, dict(strategy="ddp", precision="bf16-autocast"), {}, {}, "none"),
+    ("bf16-autocast, 1 rank", LLAMA, dict(gpus=1, precision="bf16-autocast"), {}, {}, "full"),
     # session 29: a text encoder's own head (model/tasks.py): BertForSequenceClassification on its labels
     ("bert seq-cls, 1 rank, fp32", BERT, dict(gpus=1, precision="fp32"), {}, {}, "none"),
     ("bert seq-cls, 1 rank", BERT, dict(gpus=1), {}, {}, "none"),

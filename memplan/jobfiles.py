@@ -413,17 +413,47 @@ def read_training_args(path: str) -> JobFile:
     return job
 
 
-def precision_for(values: dict[str, Any]) -> str:
+#: the model dtypes transformers 5 loads a checkpoint in by default that are not fp32 (from_pretrained's
+#: dtype="auto" takes the config's dtype: modeling_utils.py _get_dtype)
+HALF_DTYPES = ("bfloat16", "float16")
+
+
+def precision_for(values: dict[str, Any], model_dtype: str | None = None) -> str:
     """The recipe a Trainer's mixed precision (values["_mixed"]) gives under the job's framework: DeepSpeed's
     bf16/fp16 optimizer (Accelerate's DeepSpeedPlugin.set_mixed_precision), FSDP's MixedPrecision (approximated
-    by fsdp-bf16, see _FSDP_MIXED), else torch.autocast with fp32 parameters."""
+    by fsdp-bf16, see _FSDP_MIXED), else the model as loaded: transformers 5's from_pretrained loads it in its
+    config's dtype (``model_dtype``). A bf16 checkpoint with bf16=True trains as bf16-autocast (bf16 weights,
+    gradients and AdamW states under autocast); a 16-bit checkpoint without mixed precision trains in its own dtype
+    (pure-bf16's bytes); an fp32 one as torch-amp (fp32 weights, autocast) or fp32. A 16-bit checkpoint under the
+    other 16-bit autocast (an fp16 model with bf16=True) is counted as torch-amp: fp32 weights and states where it
+    holds 16-bit ones beside autocast's copies, an upper bound (mixed_precision_note says so)."""
     mixed = values.get("_mixed", "no")
     strategy = values.get("strategy") or ""
     if values.get("deepspeed") or values.get("stage") is not None or strategy.startswith("zero"):
         return {"no": "fp32", "bf16": "deepspeed-bf16", "fp16": "deepspeed-fp16"}[mixed]
     if strategy.startswith("fsdp") or strategy == "hsdp":
         return "fp32" if mixed == "no" else "fsdp-bf16"
-    return "fp32" if mixed == "no" else "torch-amp"
+    if mixed == "no":
+        return "pure-bf16" if model_dtype in HALF_DTYPES else "fp32"
+    return "bf16-autocast" if model_dtype == "bfloat16" and mixed == "bf16" else "torch-amp"
+
+
+def mixed_precision_note(where: str, mixed: str, model_dtype: str | None, recipe: str) -> str | None:
+    """What a Trainer's mixed precision becomes on a model loaded in its config's dtype (precision_for)."""
+    loaded = (f"{where}'s {'no mixed precision' if mixed == 'no' else mixed} on a model whose config stores "
+              f"{model_dtype}: transformers 5 loads it so (from_pretrained dtype='auto')")
+    if recipe == "bf16-autocast":
+        return (f"precision: {loaded}, and the Trainer's autocast leaves its weights, gradients and AdamW states in "
+                "bf16 (bf16-autocast); a script that loads dtype=torch.float32 trains as --precision torch-amp")
+    if recipe == "pure-bf16":
+        return (f"precision: {loaded} and trains it in that dtype, optimizer states too (pure-bf16's bytes); a "
+                "script that loads dtype=torch.float32 trains as --precision fp32")
+    if recipe == "torch-amp" and model_dtype in HALF_DTYPES:
+        return (f"precision: {loaded}; autocast to {mixed} then copies its {model_dtype} weights, which memplan "
+                "counts as torch-amp's fp32 weights and states: an upper bound"
+                + ("; fp16=True on float16 weights fails in GradScaler ('Attempting to unscale FP16 gradients')"
+                   if mixed == "fp16" and model_dtype == "float16" else ""))
+    return None
 
 
 def _training_fsdp(job: JobFile, path: str, fsdp: Any, cfg: Any, mixed: bool) -> None:
@@ -511,7 +541,7 @@ def merge(files: list[JobFile]) -> tuple[dict[str, Any], dict[str, str], list[st
     return values, sources, notes
 
 
-def _with_files(given: dict[str, Any], explicit: set[str]) -> tuple[dict[str, Any], dict[str, str], list[str],
+def _with_files(given: dict[str, Any], explicit: set[str], model_dtype: str | None = None) -> tuple[dict[str, Any], dict[str, str], list[str],
                                                                     list[str]]:
     """The options with the job files' values where the command line gave none; the files' sources; notes;
     the files read."""
@@ -521,7 +551,7 @@ def _with_files(given: dict[str, Any], explicit: set[str]) -> tuple[dict[str, An
     if given.get("training_args"):
         files.append(read_training_args(given["training_args"]))
     values, sources, notes = merge(files)
-    values = _framework_of_command_line(given, explicit, values, sources, notes)
+    values = _framework_of_command_line(given, explicit, values, sources, notes, model_dtype)
     out = dict(given)
     used: dict[str, str] = {}
     for k, v in values.items():
@@ -538,7 +568,10 @@ def _with_files(given: dict[str, Any], explicit: set[str]) -> tuple[dict[str, An
     mixed = out.pop("_mixed", None)
     used.pop("_mixed", None)
     if mixed is not None:  # the Trainer's bf16/fp16, under the framework the job runs with
-        recipe = precision_for({**out, "_mixed": mixed})
+        recipe = precision_for({**out, "_mixed": mixed}, model_dtype)
+        why = mixed_precision_note(sources["_mixed"], mixed, model_dtype, recipe)
+        if why and "precision" not in explicit:
+            notes.append(why)
         if "precision" in explicit:
             if given["precision"] != recipe:
                 notes.append(f"precision: command line {quote(given['precision'])} overrides {sources['_mixed']} "
@@ -566,7 +599,8 @@ def _family(stage: Any, strategy: Any) -> str:
 
 
 def _framework_of_command_line(given: dict[str, Any], explicit: set[str], values: dict[str, Any],
-                               sources: dict[str, str], notes: list[str]) -> dict[str, Any]:
+                               sources: dict[str, str], notes: list[str],
+                               model_dtype: str | None = None) -> dict[str, Any]:
     """Where the command line's --stage / --strategy runs the job under another framework than its files', the
     files' settings of their framework no longer apply (an Accelerate FSDP config's wrap policy under --stage 3):
     they are dropped with a note, and a precision the files gave follows the command line's framework with the
@@ -590,7 +624,7 @@ def _framework_of_command_line(given: dict[str, Any], explicit: set[str], values
         mixed = {"fp32": "no", "deepspeed-fp16": "fp16"}.get(str(out["precision"]), "bf16")
         recipe = precision_for({"stage": given.get("stage") if "stage" in explicit else None,
                                          "strategy": given.get("strategy") if "strategy" in explicit else None,
-                                         "_mixed": mixed})
+                                         "_mixed": mixed}, model_dtype)
         if recipe != out["precision"]:
             notes.append(f"precision: {sources['precision']}'s {quote(out['precision'])} is {theirs}'s; the "
                          f"command line's {ours} strategy runs the same mixed precision as {quote(recipe)}")
@@ -598,7 +632,8 @@ def _framework_of_command_line(given: dict[str, Any], explicit: set[str], values
     return out
 
 
-def merged(request: JobRequest, hidden_size: int | None) -> tuple[JobRequest, list[str], list[str]]:
+def merged(request: JobRequest, hidden_size: int | None,
+           model_dtype: str | None = None) -> tuple[JobRequest, list[str], list[str]]:
     """The one place a job's values are merged: the request as given (its sources: "command line" for each field
     given), then its TrainingArguments and Accelerate config (_with_files), then its DeepSpeed config
     (dsconfig.DsConfig.partial: "auto" sizes from the model's ``hidden_size``), each filling what the ones before
@@ -618,7 +653,7 @@ def merged(request: JobRequest, hidden_size: int | None) -> tuple[JobRequest, li
             raise SettingsError(f"--stage must be 0, 1, 2 or 3, got {stage}")
         return request, [], []  # nothing to merge (the planner resolves hundreds of such requests)
     explicit = {k for k, where in request.sources if where == "command line"}
-    values, used, notes, files = _with_files(request.flat(), explicit)
+    values, used, notes, files = _with_files(request.flat(), explicit, model_dtype)
     if values.get("stage") is not None and values.get("strategy") is not None:
         raise SettingsError("give --stage or --strategy, not both")
     if values.get("stage") is not None and values["stage"] not in STAGE_TO_STRATEGY:

@@ -727,7 +727,9 @@ def resolve(inv: ParamInventory, request: JobRequest, *, config: dict[str, Any] 
     fit' suggestions keep an estimate free of torch)."""
     from memplan import jobfiles
 
-    r, notes, files = jobfiles.merged(request, inv.dims.get("hidden_size"))
+    # the dtype the model's config stores, which transformers 5 loads it in (jobfiles.precision_for)
+    model_dtype = inv.tensors[0].dtype if inv.tensors else None
+    r, notes, files = jobfiles.merged(request, inv.dims.get("hidden_size"), model_dtype)
     gpus, gpus_per_node, device = r.cluster.gpus, r.cluster.gpus_per_node, r.cluster.device
     stage, strategy, seq_len = r.training.stage, r.training.strategy, r.batch.seq_len
     lora, parallel = r.adapters.spec, r.parallel.build()
@@ -747,6 +749,13 @@ def resolve(inv: ParamInventory, request: JobRequest, *, config: dict[str, Any] 
         raise SettingsError(f"--strategy {strat.name} runs on one GPU, not {gpus}: give a data-parallel strategy "
                             "(ddp, zero1-3, fsdp-full, hsdp, ...)")
     recipe = get_recipe(pick("precision", DEFAULT_RECIPE[strat.framework]))
+    if recipe.name == "bf16-autocast" and strat.framework not in ("torch", "torch-ddp"):
+        # DeepSpeed casts the module to its own bf16 with an fp32 master (engine.py); Accelerate's FSDP preparation
+        # upcasts a half-precision model to fp32 for its MixedPrecisionPolicy (fsdp2_prepare_model): the
+        # Trainer's bf16 there is deepspeed-bf16 / fsdp-bf16
+        raise SettingsError(f"--precision bf16-autocast under {strat.name}: a bf16 model under autocast is how "
+                            "plain PyTorch and DDP run it; DeepSpeed and FSDP cast the model to their own mixed "
+                            "precision (deepspeed-bf16, fsdp-bf16)")
     if recipe.name == "pure-bf16" and strat.fp32_master_copy:
         # ZeRO-1/2 (stage_1_and_2.py) and ZeRO-3 keep an fp32 master partition and fp32 Adam states unless the bf16
         # section sets bf16_master_weights_and_grads (and bf16_optimizer_states, which needs it:

@@ -68,6 +68,13 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in (
     Recipe(name="pure-bf16", param_bytes=2, master_bytes=0, grad_bytes=2, reduced_grad_bytes=2,
            compute_bytes=2, state_bytes=2, residual_bytes=2, autocast_weight_copies=False,
            description="model.to(bfloat16): everything in bf16, optimizer states in bf16 too"),
+    # transformers 5 loads a checkpoint in its config's dtype (from_pretrained dtype="auto": modeling_utils.py
+    # _get_dtype), and the Trainer's bf16=True runs the step under torch.autocast (Accelerate's autocast_handler)
+    # without casting the model: a bf16 model's weights, gradients and AdamW states (zeros_like(p)) stay bf16
+    Recipe(name="bf16-autocast", param_bytes=2, master_bytes=0, grad_bytes=2, reduced_grad_bytes=2,
+           compute_bytes=2, state_bytes=2, residual_bytes=2, autocast_weight_copies=False,
+           description="bf16 parameters under torch.autocast(bf16): the HF Trainer's bf16 on a model loaded in "
+                       "bf16 (transformers 5's dtype='auto'); gradients and optimizer states bf16"),
     Recipe(name="fp32", param_bytes=4, master_bytes=0, grad_bytes=4, reduced_grad_bytes=4,
            compute_bytes=4, state_bytes=4, residual_bytes=4, autocast_weight_copies=False,
            description="full fp32 training"),

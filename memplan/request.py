@@ -148,7 +148,8 @@ class Training:
                                "fsdp-no-shard, hsdp [default: single on one GPU, else ddp].",
                                training_args="fsdp", accelerate="distributed_type")
     precision: str | None = opt(None, "--precision", "deepspeed-bf16, deepspeed-fp16, torch-amp, fsdp-bf16, "
-                                "pure-bf16, fp32 [default: the strategy's framework's].",
+                                "pure-bf16, bf16-autocast (a bf16 model under autocast: the HF Trainer's bf16 on a bf16 "
+                                "checkpoint), fp32 [default: the strategy's framework's].",
                                 ds_config="bf16.enabled / fp16.enabled", training_args="bf16 / fp16",
                                 accelerate="mixed_precision")
     optimizer: str | None = opt(None, "--optimizer", "adamw, adam, sgd, adafactor, adam8bit, paged_adamw_8bit, "

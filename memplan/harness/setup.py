@@ -336,7 +336,7 @@ def _setup_single(spec: dict[str, Any], device: Any) -> tuple[Any, Any, Any]:
     import torch
 
     model = _build_model(spec, on_meta=False).to(device)
-    if spec["recipe"] == "pure-bf16" and not (spec.get("lora") or {}).get("adapter_dtype"):
+    if spec["recipe"] in ("pure-bf16", "bf16-autocast") and not (spec.get("lora") or {}).get("adapter_dtype"):
         model = model.to(torch.bfloat16)
     return model, _torch_optimizer(spec, model.parameters(), model), None
 
@@ -347,7 +347,7 @@ def _setup_ddp(spec: dict[str, Any], device: Any) -> tuple[Any, Any, Any]:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     model = _build_model(spec, on_meta=False).to(device)
-    if spec["recipe"] == "pure-bf16" and not (spec.get("lora") or {}).get("adapter_dtype"):
+    if spec["recipe"] in ("pure-bf16", "bf16-autocast") and not (spec.get("lora") or {}).get("adapter_dtype"):
         model = model.to(torch.bfloat16)
     ddp = DDP(model, bucket_cap_mb=spec["bucket_cap_mb"],
               gradient_as_bucket_view=spec["gradient_as_bucket_view"],

@@ -553,6 +553,8 @@ CASES: list[Case] = [
     Case("estimate llama-3-8b --gpus 8 --strategy fsdp-full --optimizer apollo", "APOLLO projects each whole matrix",
          "parallel"),
     Case("estimate gpt2 --optimizer galore-adamw", "No target modules found", "parallel"),
+    Case("estimate llama-3-8b --gpus 8 --stage 3 --precision bf16-autocast", "how plain PyTorch and DDP run it",
+         "parallel"),
     Case("estimate llama-7b --gpus 3 --strategy ddp --optimizer muon-with-aux-adam", "fewer tensors than ranks",
          "parallel"),
     Case("estimate llama-7b --gpus 8 --stage 2 --optimizer muon-with-aux-adam",

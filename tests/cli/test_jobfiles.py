@@ -80,7 +80,8 @@ def test_accelerate_deepspeed_plugin_and_defaults(tmp_path):
     # TrainingArguments without a batch size: transformers' default, 8 per device
     ta = _write(tmp_path, "ta.json", '{"output_dir": "x"}')
     code, rep = _json(["estimate", "llama-7b", "--gpus", "2", "--training-args", ta])
-    assert rep["strategy"]["micro_batch"] == 8 and rep["strategy"]["precision"] == "fp32"
+    # llama-7b's config stores float16, which transformers 5 loads it in: no mixed precision trains it there
+    assert rep["strategy"]["micro_batch"] == 8 and rep["strategy"]["precision"] == "pure-bf16"
 
 
 def test_optimizer_names(tmp_path):
@@ -241,3 +242,27 @@ def test_wrap_classes(tmp_path):
     assert code == 2 and "Nope" in err and "LlamaMLP" in err
     code, out, err = run_cli("estimate llama-3-8b --gpus 8 --strategy fsdp-full --fsdp-wrap class:".split())
     assert code == 2 and "class:NAME" in err
+
+
+@pytest.mark.parametrize("model,args,recipe,note", [
+    # a bf16 checkpoint with bf16=True: bf16 weights, gradients and states under autocast
+    ("llama-3-8b", '{"bf16": true}', "bf16-autocast", "leaves its weights, gradients and AdamW states in bf16"),
+    # no mixed precision: the model trains in the dtype it was loaded in
+    ("llama-3-8b", '{}', "pure-bf16", "trains it in that dtype"),
+    # an fp32 config (gpt2 declares none: fp32): autocast over fp32 weights
+    ("gpt2", '{"bf16": true}', "torch-amp", None),
+    ("gpt2", '{}', "fp32", None),
+    # an fp16 checkpoint under bf16 autocast: counted as torch-amp, said to be an upper bound
+    ("llama-7b", '{"bf16": true}', "torch-amp", "an upper bound"),
+    ("llama-7b", '{"fp16": true}', "torch-amp", "Attempting to unscale FP16 gradients"),
+])
+def test_trainer_precision_follows_the_dtype_transformers_loads(tmp_path, model, args, recipe, note):
+    """transformers 5's from_pretrained loads a checkpoint in its config's dtype (dtype='auto'); the Trainer's
+    bf16/fp16 autocasts over it without casting the model (measured with the real Trainer on CPU: docs/
+    accuracy.md's bf16-autocast rows, session 33's note)."""
+    ta = _write(tmp_path, "ta.json", args)
+    code, rep = _json(["estimate", model, "--training-args", ta, "--activations", "analytic"])
+    assert code == 0 and rep["strategy"]["precision"] == recipe
+    notes = [n for n in rep["notes"] if n.startswith("precision:")]
+    assert (note is None and not notes) or (note is not None and any(note in n for n in notes)), notes
+

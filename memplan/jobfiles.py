@@ -295,7 +295,8 @@ def read_accelerate(path: str) -> JobFile:
     job.values["gpus_per_node"] = procs // machines
     if dist in ("NO", "MULTI_GPU"):
         job.values["strategy"] = "single" if procs == 1 else "ddp"
-        job.values["precision"] = "fp32" if mixed == "no" else "torch-amp"
+        # autocast over the model as the script loads it (transformers 5: its config's dtype): precision_for
+        job.values["_mixed"] = mixed
     elif dist == "FSDP":
         f = {k.removeprefix("fsdp_"): v for k, v in _section(d, "fsdp_config", path).items()}
         _fsdp(job, path, _FsdpSection(
@@ -443,8 +444,8 @@ def mixed_precision_note(where: str, mixed: str, model_dtype: str | None, recipe
     loaded = (f"{where}'s {'no mixed precision' if mixed == 'no' else mixed} on a model whose config stores "
               f"{model_dtype}: transformers 5 loads it so (from_pretrained dtype='auto')")
     if recipe == "bf16-autocast":
-        return (f"precision: {loaded}, and the Trainer's autocast leaves its weights, gradients and AdamW states in "
-                "bf16 (bf16-autocast); a script that loads dtype=torch.float32 trains as --precision torch-amp")
+        return (f"precision: {loaded}, and Accelerate's autocast (the Trainer's) leaves its weights, gradients and "
+                "AdamW states in bf16 (bf16-autocast); a script that loads dtype=torch.float32 trains as --precision torch-amp")
     if recipe == "pure-bf16":
         return (f"precision: {loaded} and trains it in that dtype, optimizer states too (pure-bf16's bytes); a "
                 "script that loads dtype=torch.float32 trains as --precision fp32")

@@ -266,3 +266,12 @@ def test_trainer_precision_follows_the_dtype_transformers_loads(tmp_path, model,
     notes = [n for n in rep["notes"] if n.startswith("precision:")]
     assert (note is None and not notes) or (note is not None and any(note in n for n in notes)), notes
 
+
+
+def test_an_accelerate_config_autocasts_the_model_as_loaded(tmp_path):
+    # distributed_type MULTI_GPU with bf16: Accelerate's autocast over the model the script loads (transformers 5:
+    # its config's dtype), as the Trainer's bf16
+    acc = _write(tmp_path, "acc.yaml", "distributed_type: MULTI_GPU\nmixed_precision: bf16\nnum_processes: 8\n")
+    for model, recipe in (("llama-3-8b", "bf16-autocast"), ("gpt2", "torch-amp")):
+        code, rep = _json(["estimate", model, "--accelerate-config", acc, "--activations", "analytic"])
+        assert rep["strategy"]["precision"] == recipe and rep["cluster"]["gpus"] == 8

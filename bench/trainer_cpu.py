@@ -29,6 +29,7 @@ CASES = [
     ("llama-3-8b", "bfloat16", {"per_device_train_batch_size": 2}),
     ("llama-3-8b", "bfloat16", {"per_device_train_batch_size": 2, "bf16": True, "gradient_checkpointing": True}),
     ("llama-3-8b", "float32", {"per_device_train_batch_size": 2, "bf16": True}),
+    ("llama-3-8b", "float16", {"per_device_train_batch_size": 2, "bf16": True}),
     ("gpt2", "float32", {"per_device_train_batch_size": 2}),
     ("gpt2", "bfloat16", {"per_device_train_batch_size": 2, "bf16": True}),
 ]

@@ -426,8 +426,9 @@ def precision_for(values: dict[str, Any], model_dtype: str | None = None) -> str
     config's dtype (``model_dtype``). A bf16 checkpoint with bf16=True trains as bf16-autocast (bf16 weights,
     gradients and AdamW states under autocast); a 16-bit checkpoint without mixed precision trains in its own dtype
     (pure-bf16's bytes); an fp32 one as torch-amp (fp32 weights, autocast) or fp32. A 16-bit checkpoint under the
-    other 16-bit autocast (an fp16 model with bf16=True) is counted as torch-amp: fp32 weights and states where it
-    holds 16-bit ones beside autocast's copies, an upper bound (mixed_precision_note says so)."""
+    other 16-bit autocast (an fp16 model with bf16=True, a bf16 one with fp16=True: the same bytes) is
+    fp16-bf16-autocast, autocast copying every weight. fp16=True on an fp16 checkpoint fails in GradScaler; it is
+    counted as torch-amp, as a script that loads fp32 for it runs (mixed_precision_note says so)."""
     mixed = values.get("_mixed", "no")
     strategy = values.get("strategy") or ""
     if values.get("deepspeed") or values.get("stage") is not None or strategy.startswith("zero"):
@@ -436,7 +437,11 @@ def precision_for(values: dict[str, Any], model_dtype: str | None = None) -> str
         return "fp32" if mixed == "no" else "fsdp-bf16"
     if mixed == "no":
         return "pure-bf16" if model_dtype in HALF_DTYPES else "fp32"
-    return "bf16-autocast" if model_dtype == "bfloat16" and mixed == "bf16" else "torch-amp"
+    if model_dtype == "bfloat16" and mixed == "bf16":
+        return "bf16-autocast"
+    if (model_dtype, mixed) in (("float16", "bf16"), ("bfloat16", "fp16")):
+        return "fp16-bf16-autocast"
+    return "torch-amp"
 
 
 def mixed_precision_note(where: str, mixed: str, model_dtype: str | None, recipe: str) -> str | None:
@@ -449,11 +454,14 @@ def mixed_precision_note(where: str, mixed: str, model_dtype: str | None, recipe
     if recipe == "pure-bf16":
         return (f"precision: {loaded} and trains it in that dtype, optimizer states too (pure-bf16's bytes); a "
                 "script that loads dtype=torch.float32 trains as --precision fp32")
+    if recipe == "fp16-bf16-autocast":
+        return (f"precision: {loaded}; autocast to {mixed} copies every {model_dtype} weight for its matmuls and "
+                "saves the copies, and the residual stream adds the two dtypes into fp32 (fp16-bf16-autocast"
+                + (", traced as float16 weights under bf16: the same bytes" if mixed == "fp16" else "")
+                + "); a script that loads dtype=torch.float32 trains as --precision torch-amp")
     if recipe == "torch-amp" and model_dtype in HALF_DTYPES:
-        return (f"precision: {loaded}; autocast to {mixed} then copies its {model_dtype} weights, which memplan "
-                "counts as torch-amp's fp32 weights and states: an upper bound"
-                + ("; fp16=True on float16 weights fails in GradScaler ('Attempting to unscale FP16 gradients')"
-                   if mixed == "fp16" and model_dtype == "float16" else ""))
+        return (f"precision: {loaded}, but fp16=True on float16 weights fails in GradScaler ('Attempting to "
+                "unscale FP16 gradients'): counted as a script that loads dtype=torch.float32 runs it (torch-amp)")
     return None
 
 

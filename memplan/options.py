@@ -749,11 +749,11 @@ def resolve(inv: ParamInventory, request: JobRequest, *, config: dict[str, Any] 
         raise SettingsError(f"--strategy {strat.name} runs on one GPU, not {gpus}: give a data-parallel strategy "
                             "(ddp, zero1-3, fsdp-full, hsdp, ...)")
     recipe = get_recipe(pick("precision", DEFAULT_RECIPE[strat.framework]))
-    if recipe.name == "bf16-autocast" and strat.framework not in ("torch", "torch-ddp"):
+    if recipe.name in ("bf16-autocast", "fp16-bf16-autocast") and strat.framework not in ("torch", "torch-ddp"):
         # DeepSpeed casts the module to its own bf16 with an fp32 master (engine.py); Accelerate's FSDP preparation
         # upcasts a half-precision model to fp32 for its MixedPrecisionPolicy (fsdp2_prepare_model): the
         # Trainer's bf16 there is deepspeed-bf16 / fsdp-bf16
-        raise SettingsError(f"--precision bf16-autocast under {strat.name}: a bf16 model under autocast is how "
+        raise SettingsError(f"--precision {recipe.name} under {strat.name}: a 16-bit model under autocast is how "
                             "plain PyTorch and DDP run it; DeepSpeed and FSDP cast the model to their own mixed "
                             "precision (deepspeed-bf16, fsdp-bf16)")
     if recipe.name == "pure-bf16" and strat.fp32_master_copy:

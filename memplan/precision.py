@@ -75,6 +75,12 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in (
            compute_bytes=2, state_bytes=2, residual_bytes=2, autocast_weight_copies=False,
            description="bf16 parameters under torch.autocast(bf16): the HF Trainer's bf16 on a model loaded in "
                        "bf16 (transformers 5's dtype='auto'); gradients and optimizer states bf16"),
+    # the same with a float16 checkpoint (llama-2's) under bf16 autocast: every matmul casts its fp16 weight to bf16
+    # and saves the copy (autocast's weight cache), and fp16 + bf16 promotes the residual stream to fp32
+    Recipe(name="fp16-bf16-autocast", param_bytes=2, master_bytes=0, grad_bytes=2, reduced_grad_bytes=2,
+           compute_bytes=2, state_bytes=2, residual_bytes=4, autocast_weight_copies=True, half_dtype="float16",
+           description="float16 parameters under torch.autocast(bf16): the HF Trainer's bf16 on a model loaded in "
+                       "float16; bf16 copies of the weights saved for backward, gradients and optimizer states fp16"),
     Recipe(name="fp32", param_bytes=4, master_bytes=0, grad_bytes=4, reduced_grad_bytes=4,
            compute_bytes=4, state_bytes=4, residual_bytes=4, autocast_weight_copies=False,
            description="full fp32 training"),

@@ -9,12 +9,13 @@ PROFILE_VERSION = 20
 #: alike (FSDP's MixedPrecisionPolicy casts the unsharded params and the inputs; DeepSpeed and pure bf16 hold bf16)
 _TRACED_AS = {"deepspeed-bf16": "deepspeed-bf16", "fsdp-bf16": "deepspeed-bf16", "pure-bf16": "deepspeed-bf16",
               "deepspeed-fp16": "deepspeed-fp16", "torch-amp": "torch-amp", "fp32": "fp32",
-              "bf16-autocast": "bf16-autocast"}
+              "bf16-autocast": "bf16-autocast", "fp16-bf16-autocast": "fp16-bf16-autocast"}
 
 
 #: what a traced recipe runs in: (the parameters' and inputs' dtype, under torch.autocast to bf16)
 TRACE_DTYPES = {"deepspeed-bf16": ("bfloat16", False), "deepspeed-fp16": ("float16", False),
-                "torch-amp": ("float32", True), "fp32": ("float32", False), "bf16-autocast": ("bfloat16", True)}
+                "torch-amp": ("float32", True), "fp32": ("float32", False), "bf16-autocast": ("bfloat16", True),
+                "fp16-bf16-autocast": ("float16", True)}
 
 
 def trace_recipe(recipe: str) -> str:

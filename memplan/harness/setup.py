@@ -338,6 +338,8 @@ def _setup_single(spec: dict[str, Any], device: Any) -> tuple[Any, Any, Any]:
     model = _build_model(spec, on_meta=False).to(device)
     if spec["recipe"] in ("pure-bf16", "bf16-autocast") and not (spec.get("lora") or {}).get("adapter_dtype"):
         model = model.to(torch.bfloat16)
+    elif spec["recipe"] == "fp16-bf16-autocast":  # a float16 checkpoint as transformers 5 loads it
+        model = model.to(torch.float16)
     return model, _torch_optimizer(spec, model.parameters(), model), None
 
 
@@ -349,6 +351,8 @@ def _setup_ddp(spec: dict[str, Any], device: Any) -> tuple[Any, Any, Any]:
     model = _build_model(spec, on_meta=False).to(device)
     if spec["recipe"] in ("pure-bf16", "bf16-autocast") and not (spec.get("lora") or {}).get("adapter_dtype"):
         model = model.to(torch.bfloat16)
+    elif spec["recipe"] == "fp16-bf16-autocast":  # a float16 checkpoint as transformers 5 loads it
+        model = model.to(torch.float16)
     ddp = DDP(model, bucket_cap_mb=spec["bucket_cap_mb"],
               gradient_as_bucket_view=spec["gradient_as_bucket_view"],
               init_sync=False)  # every rank built the same weights from one seed; the broadcast

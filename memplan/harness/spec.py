@@ -72,8 +72,8 @@ def ds_config(s: Settings) -> dict[str, Any]:
 #: what each framework runs in the harness
 #: DeepSpeed under torch-amp: fp32 parameters, the engine run inside torch.autocast (the harness's step loop)
 _HARNESS_RECIPES = {"deepspeed": ("deepspeed-bf16", "deepspeed-fp16", "torch-amp", "fp32"),
-                    "torch-ddp": ("torch-amp", "fp32", "pure-bf16", "bf16-autocast"),
-                    "torch": ("torch-amp", "fp32", "pure-bf16", "bf16-autocast"),
+                    "torch-ddp": ("torch-amp", "fp32", "pure-bf16", "bf16-autocast", "fp16-bf16-autocast"),
+                    "torch": ("torch-amp", "fp32", "pure-bf16", "bf16-autocast", "fp16-bf16-autocast"),
                     "fsdp2": ("fsdp-bf16", "torch-amp", "fp32", "pure-bf16"), "fsdp1": ("fsdp-bf16", "torch-amp", "fp32")}
 
 

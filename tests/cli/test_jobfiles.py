@@ -252,8 +252,10 @@ def test_wrap_classes(tmp_path):
     # an fp32 config (gpt2 declares none: fp32): autocast over fp32 weights
     ("gpt2", '{"bf16": true}', "torch-amp", None),
     ("gpt2", '{}', "fp32", None),
-    # an fp16 checkpoint under bf16 autocast: counted as torch-amp, said to be an upper bound
-    ("llama-7b", '{"bf16": true}', "torch-amp", "an upper bound"),
+    # an fp16 checkpoint under bf16 autocast: every weight copied for its matmuls
+    ("llama-7b", '{"bf16": true}', "fp16-bf16-autocast", "copies every float16 weight"),
+    ("llama-3-8b", '{"fp16": true}', "fp16-bf16-autocast", "the same bytes"),
+    # fp16 on fp16 weights fails in GradScaler: counted as the fp32 load that runs it
     ("llama-7b", '{"fp16": true}', "torch-amp", "Attempting to unscale FP16 gradients"),
 ])
 def test_trainer_precision_follows_the_dtype_transformers_loads(tmp_path, model, args, recipe, note):

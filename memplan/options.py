@@ -749,13 +749,13 @@ def resolve(inv: ParamInventory, request: JobRequest, *, config: dict[str, Any] 
         raise SettingsError(f"--strategy {strat.name} runs on one GPU, not {gpus}: give a data-parallel strategy "
                             "(ddp, zero1-3, fsdp-full, hsdp, ...)")
     recipe = get_recipe(pick("precision", DEFAULT_RECIPE[strat.framework]))
-    if recipe.name in ("bf16-autocast", "fp16-bf16-autocast") and strat.framework not in ("torch", "torch-ddp"):
-        # DeepSpeed casts the module to its own bf16 with an fp32 master (engine.py); Accelerate's FSDP preparation
-        # upcasts a half-precision model to fp32 for its MixedPrecisionPolicy (fsdp2_prepare_model): the
-        # Trainer's bf16 there is deepspeed-bf16 / fsdp-bf16
-        raise SettingsError(f"--precision {recipe.name} under {strat.name}: a 16-bit model under autocast is how "
-                            "plain PyTorch and DDP run it; DeepSpeed and FSDP cast the model to their own mixed "
-                            "precision (deepspeed-bf16, fsdp-bf16)")
+    if recipe.autocast and recipe.param_bytes == 2:  # a 16-bit model trained as loaded, under autocast
+        from memplan import frameworks
+
+        why = frameworks.model(strat.memory_model).half_autocast_why_not
+        if why:
+            raise SettingsError(f"--precision {recipe.name} under {strat.name}: a 16-bit model under autocast is "
+                                f"how plain PyTorch and DDP run it; {why}")
     if recipe.name == "pure-bf16" and strat.fp32_master_copy:
         # ZeRO-1/2 (stage_1_and_2.py) and ZeRO-3 keep an fp32 master partition and fp32 Adam states unless the bf16
         # section sets bf16_master_weights_and_grads (and bf16_optimizer_states, which needs it:

@@ -41,6 +41,8 @@ class Recipe:
     adapter_bytes: int = 0
     #: the 16-bit dtype of the recipe's half-precision copies (bf16, or fp16 under DeepSpeed's fp16)
     half_dtype: str = "bfloat16"
+    #: the step runs under torch.autocast (tracing_keys.TRACE_DTYPES and the harness follow it)
+    autocast: bool = False
 
     @property
     def stored_dtype(self) -> str:
@@ -58,7 +60,7 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in (
            description="DeepSpeed fp16 with dynamic loss scaling: as deepspeed-bf16, fp16 instead of bf16",
            loss_scaling=True, half_dtype="float16"),
     Recipe(name="torch-amp", param_bytes=4, master_bytes=0, grad_bytes=4, reduced_grad_bytes=4,
-           compute_bytes=2, state_bytes=4, residual_bytes=4, autocast_weight_copies=True,
+           compute_bytes=2, state_bytes=4, residual_bytes=4, autocast_weight_copies=True, autocast=True,
            description="torch.autocast(bf16): fp32 params, grads and states; bf16 casts of weights saved for "
                        "backward; fp32 residual stream"),
     Recipe(name="fsdp-bf16", param_bytes=4, master_bytes=0, grad_bytes=2, reduced_grad_bytes=4,
@@ -72,13 +74,14 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in (
     # _get_dtype), and the Trainer's bf16=True runs the step under torch.autocast (Accelerate's autocast_handler)
     # without casting the model: a bf16 model's weights, gradients and AdamW states (zeros_like(p)) stay bf16
     Recipe(name="bf16-autocast", param_bytes=2, master_bytes=0, grad_bytes=2, reduced_grad_bytes=2,
-           compute_bytes=2, state_bytes=2, residual_bytes=2, autocast_weight_copies=False,
+           compute_bytes=2, state_bytes=2, residual_bytes=2, autocast_weight_copies=False, autocast=True,
            description="bf16 parameters under torch.autocast(bf16): the HF Trainer's bf16 on a model loaded in "
                        "bf16 (transformers 5's dtype='auto'); gradients and optimizer states bf16"),
     # the same with a float16 checkpoint (llama-2's) under bf16 autocast: every matmul casts its fp16 weight to bf16
     # and saves the copy (autocast's weight cache), and fp16 + bf16 promotes the residual stream to fp32
     Recipe(name="fp16-bf16-autocast", param_bytes=2, master_bytes=0, grad_bytes=2, reduced_grad_bytes=2,
            compute_bytes=2, state_bytes=2, residual_bytes=4, autocast_weight_copies=True, half_dtype="float16",
+           autocast=True,
            description="float16 parameters under torch.autocast(bf16): the HF Trainer's bf16 on a model loaded in "
                        "float16; bf16 copies of the weights saved for backward, gradients and optimizer states fp16"),
     Recipe(name="fp32", param_bytes=4, master_bytes=0, grad_bytes=4, reduced_grad_bytes=4,

@@ -193,6 +193,9 @@ class FrameworkModel:
     pinned_host: Callable[[ParamInventory, Settings, int], list[int]] = no_pinned
     #: why the model cannot take frozen parameters (LoRA), or None where it can (layouts._with_frozen)
     frozen_why_not: str | None = None
+    #: why a 16-bit model cannot train as loaded under autocast (the framework casts it to its own mixed
+    #: precision), or None where it can (plain PyTorch, DDP)
+    half_autocast_why_not: str | None = None
     #: the tensors the worst rank's optimizer steps, (shape, elements) each, as the framework hands them: what
     #: Adafactor factors and bitsandbytes quantizes (precision.Optimizer.shape_dependent)
     optimizer_tensors: Callable[[Job], tuple[tuple[tuple[int, ...], int], ...]] = layout_tensors

@@ -178,6 +178,10 @@ def _end(s: Any, g: Any, n: int, root: int, head_grads: int, grads_end: int) -> 
 
 
 MODEL = FrameworkModel(name="fsdp1", replay="memplan.frameworks.fsdp1_replay", buffers=buffers,
+                       half_autocast_why_not="Accelerate's FSDP preparation upcasts a half-precision model to fp32 for its "
+                                             "MixedPrecisionPolicy (fsdp2_prepare_model): the Trainer's bf16 there is "
+                                             "fsdp-bf16",
+                       
                        grads_at_end=grads_at_end, cpu_offload_policy=True, computes_with_views=True,
                        units=wrap_units.units_for,
                        # with use_orig_params=True a FlatParameter mixes frozen and trainable parameters and its

@@ -641,6 +641,10 @@ def _casts_packed(rc: Recipe) -> str | None:
 
 
 MODEL = FrameworkModel(name="fsdp2", replay="memplan.frameworks.fsdp2_replay", buffers=buffers,
+                       half_autocast_why_not="Accelerate's FSDP preparation upcasts a half-precision model to fp32 for its "
+                                             "MixedPrecisionPolicy (fsdp2_prepare_model): the Trainer's bf16 there is "
+                                             "fsdp-bf16",
+                       
                        cpu_offload_policy=True, offloads_each_reduced_grad=True, wrap_why_not=wrap_why_not,
                        units=wrap_units.units_for,
                        # measured (torch 2.13, gloo, 2 ranks): transformers' Adafactor fails in its first step

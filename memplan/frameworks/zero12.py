@@ -274,5 +274,8 @@ def optimizer_tensors(job: Job) -> tuple[tuple[tuple[int, ...], int], ...]:
 
 
 MODEL = FrameworkModel(name="zero12", replay="memplan.frameworks.zero12_replay", buffers=buffers,
+                       half_autocast_why_not="DeepSpeed casts the module to its own 16-bit dtype with an fp32 master partition "
+                                             "(engine.py): the Trainer's bf16 there is deepspeed-bf16",
+                       
                        grads_at_end=grads_at_end, offload=offload, step=step, zero_offload=True,
                        pinned_host=pinned_host, optimizer_tensors=optimizer_tensors)

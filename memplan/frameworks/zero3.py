@@ -501,6 +501,9 @@ def optimizer_tensors(job: Job) -> tuple[tuple[tuple[int, ...], int], ...]:
 
 
 MODEL = FrameworkModel(name="zero3", replay="memplan.frameworks.zero3_replay", buffers=buffers, weights=weights,
+                       half_autocast_why_not="DeepSpeed casts the module to its own 16-bit dtype with an fp32 master partition "
+                                             "(engine.py): the Trainer's bf16 there is deepspeed-bf16",
+                       
                        grads_at_end=grads_at_end, offload=offload, step=step, zero_offload=True,
                        pinned_host=pinned_host, optimizer_tensors=optimizer_tensors, four_bit=FourBitBase(
                            uint8_why_not="DeepSpeed partitions every parameter, and a uint8 Params4bit cannot be "

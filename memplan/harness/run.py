@@ -103,7 +103,9 @@ def _train(rank: int, spec: dict[str, Any], out: str, device: Any, module: Any, 
     from memplan.harness.measure import attribute
 
     on_gpu = device.type == "cuda"
-    autocast = spec["recipe"] in ("torch-amp", "bf16-autocast", "fp16-bf16-autocast")
+    from memplan.precision import get_recipe
+
+    autocast = get_recipe(spec["recipe"]).autocast
     steps = spec["warmup_steps"] + spec["measured_steps"]
     attributions: list[dict[str, int]] = []
     gpu_steps: list[dict[str, Any]] = []

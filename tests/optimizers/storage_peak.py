@@ -1,5 +1,6 @@
 """A dispatch mode that counts every storage an op makes until it dies (the tests that hold memplan's step models
-to the bytes torch's own code allocates: test_muon.py, test_apollo.py). Needs torch; import it after
+to the bytes torch's own code allocates: test_muon.py, test_apollo.py, test_galore.py, test_muon_aux_adam.py), and
+the helpers those tests share (ListInventory, storage_step_peaks, profiler_peaks, low_rank_states). Needs torch; import it after
 pytest.importorskip("torch")."""
 
 from __future__ import annotations
@@ -74,3 +75,44 @@ def profiler_peaks(step: Any, steps: int, before: Any = None) -> list[int]:
         start = next((v for t, v in reversed(totals) if t < a), 0)
         peaks.append(max((v for t, v in totals if a <= t <= b), default=start) - start)
     return peaks
+
+
+class ListInventory:
+    """An inventory of the given tensors only (the step models read ``inv.tensors``)."""
+
+    def __init__(self, tensors: list[Any]) -> None:
+        self.tensors = tensors
+
+
+def storage_step_peaks(model: Any, opt: Any, steps: int = 3) -> list[int]:
+    """Each of ``steps`` optimizer steps' most live storage bytes beyond what existed before it (storage_peak),
+    fresh random gradients before each; the parameters' and gradients' own storages are not counted (``.data``
+    of a gradient is a new tensor on its storage)."""
+    import torch
+
+    count = storage_peak()
+    peaks = []
+    torch.manual_seed(0)
+    for _ in range(steps):
+        for p in model.parameters():
+            p.grad = torch.randn_like(p)
+        count.outside = {t.untyped_storage().data_ptr() for p in model.parameters() for t in (p, p.grad)}
+        base = count.cur
+        count.reset_peak()
+        with count:
+            opt.step()
+        peaks.append(count.peak - base)
+    return peaks
+
+
+def low_rank_states(inv: Any, targets: tuple[bool, ...], rank: int, nbytes: int, per_matrix: int = 0) -> int:
+    """A low-rank optimizer's states (GaLore, APOLLO): AdamW's two per plain tensor; per projected matrix [m, n]
+    its projection ([r, n] for m >= n, else [m, r]) and two low-rank moments, plus ``per_matrix`` bytes."""
+    out = 0
+    for t, projected in zip(inv.tensors, targets):
+        if not projected:
+            out += 2 * nbytes * t.numel
+            continue
+        m, n = t.shape
+        out += nbytes * (rank * n + 2 * m * rank if m >= n else m * rank + 2 * rank * n) + per_matrix
+    return out

@@ -12,12 +12,9 @@ from memplan.request import JobRequest
 
 torch = pytest.importorskip("torch")
 
+from storage_peak import ListInventory, low_rank_states  # noqa: E402  (after torch: the helpers import it)
+
 H, I, V = 256, 384, 320  # hidden, MLP width, vocabulary
-
-
-class _Inv:
-    def __init__(self, tensors: list[ParamTensor]) -> None:
-        self.tensors = tensors
 
 
 def _model():
@@ -51,19 +48,19 @@ def _model():
     return Model()
 
 
-def _inventory(model) -> _Inv:
+def _inventory(model) -> ListInventory:
     from torch import nn
 
     kinds = {f"{n}.weight": "linear" if isinstance(m, nn.Linear) else "embedding" if isinstance(m, nn.Embedding)
              else "" for n, m in model.named_modules()}
-    return _Inv([ParamTensor(name=n, shape=tuple(p.shape), dtype="float32", block="b", category="c",
+    return ListInventory([ParamTensor(name=n, shape=tuple(p.shape), dtype="float32", block="b", category="c",
                              layer=kinds.get(n, "")) for n, p in model.named_parameters()])
 
 
 def _measured_peaks(model, dtype, gap: int) -> list[int]:
-    """Each of three steps' most live storage bytes beyond what existed before it (every storage an op makes
-    counted until it dies), the param groups as transformers' Trainer makes them (harness/setup.py apollo_optimizer)."""
-    from storage_peak import storage_peak
+    """Three steps' storage peaks (storage_step_peaks), the param groups as transformers' Trainer makes them
+    (harness/setup.py apollo_optimizer)."""
+    from storage_peak import storage_step_peaks
 
     from memplan.harness.setup import apollo_optimizer
 
@@ -71,21 +68,7 @@ def _measured_peaks(model, dtype, gap: int) -> list[int]:
     opt = apollo_optimizer(model)
     for g in opt.param_groups[1:]:
         g["update_proj_gap"] = gap
-    count = storage_peak()
-    peaks = []
-    torch.manual_seed(0)
-    for _ in range(3):
-        for p in model.parameters():
-            p.grad = torch.randn_like(p)
-        # the parameters' and gradients' storages, made before the step (``.data`` of a gradient is a new tensor
-        # on its storage)
-        count.outside = {t.untyped_storage().data_ptr() for p in model.parameters() for t in (p, p.grad)}
-        base = count.cur
-        count.reset_peak()
-        with count:
-            opt.step()
-        peaks.append(count.peak - base)
-    return peaks
+    return storage_step_peaks(model, opt)
 
 
 @pytest.mark.parametrize("dtype,recipe", [("float32", "fp32"), ("bfloat16", "pure-bf16")])
@@ -114,15 +97,8 @@ def test_apollo_groups_and_states(inventories):
     assert "model.layers.0.self_attn.q_proj.weight" in picked and "model.layers.3.mlp.down_proj.weight" in picked
     assert "lm_head.weight" not in picked and "model.embed_tokens.weight" not in picked
     s = options.resolve(inv, JobRequest.of(gpus=1, precision="pure-bf16", optimizer="apollo-adamw", activations="analytic")).settings
-    want = 0
-    for t, a in zip(inv.tensors, low_rank_tensors(inv)):
-        if not a:
-            want += 2 * 2 * t.numel
-            continue
-        m, n = t.shape
-        r = APOLLO_RANK
-        want += 2 * (r * n + 2 * m * r if m >= n else m * r + 2 * r * n) + 2
-    assert apollo_states(inv, s.recipe) == want
+    # and the limiter's 0-dim norm per matrix (2 bytes)
+    assert apollo_states(inv, s.recipe) == low_rank_states(inv, low_rank_tensors(inv), APOLLO_RANK, 2, 2)
 
 
 def test_apollo_refused_on_sharded_parameters(inventories):

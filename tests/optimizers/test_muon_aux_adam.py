@@ -14,12 +14,9 @@ from memplan.request import JobRequest
 
 torch = pytest.importorskip("torch")
 
+from storage_peak import ListInventory  # noqa: E402
+
 H, I, V = 128, 192, 160  # hidden, MLP width, vocabulary
-
-
-class _Inv:
-    def __init__(self, tensors: list[ParamTensor]) -> None:
-        self.tensors = tensors
 
 
 def _model():
@@ -45,35 +42,22 @@ def _model():
     return m
 
 
-def _inventory(model) -> _Inv:
-    return _Inv([ParamTensor(name=n, shape=tuple(p.shape), dtype="float32", category="head" if n.startswith("lm_head")
+def _inventory(model) -> ListInventory:
+    return ListInventory([ParamTensor(name=n, shape=tuple(p.shape), dtype="float32", category="head" if n.startswith("lm_head")
                              else "c", block=".".join(n.split(".")[:2]) if n.startswith("layers.") else "",
                              layer="") for n, p in model.named_parameters()])
 
 
 def _measured_peaks(dtype) -> list[int]:
-    """Each of three steps' most live storage bytes beyond what existed before it (every storage an op makes,
-    counted until it dies: a CPU bf16 GEMM's oneDNN scratch is not an op's output, and memplan takes it from
-    kernels.cpu_gemm_scratch, measured on the harness)."""
-    from storage_peak import storage_peak
+    """Three steps' storage peaks (storage_step_peaks: every storage an op makes, counted until it dies; a CPU
+    bf16 GEMM's oneDNN scratch is not an op's output, and memplan takes it from kernels.cpu_gemm_scratch, measured
+    on the harness)."""
+    from storage_peak import storage_step_peaks
 
     from memplan.harness.setup import muon_aux_adam_optimizer
 
     model = _model().to(dtype)
-    opt = muon_aux_adam_optimizer(model)
-    count = storage_peak()
-    peaks = []
-    torch.manual_seed(0)
-    for _ in range(3):
-        for p in model.parameters():
-            p.grad = torch.randn_like(p)
-        count.outside = {t.untyped_storage().data_ptr() for p in model.parameters() for t in (p, p.grad)}
-        base = count.cur
-        count.reset_peak()
-        with count:
-            opt.step()
-        peaks.append(count.peak - base)
-    return peaks
+    return storage_step_peaks(model, muon_aux_adam_optimizer(model))
 
 
 @pytest.mark.parametrize("dtype,recipe", [("float32", "fp32"), ("bfloat16", "pure-bf16")])

@@ -3,7 +3,11 @@ few steps of a scaled-down model under torch's CPU profiler (the allocator's liv
 memplan/harness/measure.py), and memplan predicts the same job for `--device cpu`. Writes
 docs/accuracy-trainer.md.
 
-    python bench/trainer_cpu.py [--cpu-isa avx512]
+    python bench/trainer_cpu.py [--cpu-isa ISA]
+
+The Trainer runs on this machine, so memplan predicts for this machine's instruction set (host_cpu_isa: oneDNN's
+bf16 GEMM scratch differs between avx512, avx512_bf16 and amx, and a full-recompute step peaks beside a GEMM);
+--cpu-isa overrides it only to see what another rule would say.
 
 Each case: a preset scaled to 2 blocks, hidden 256, vocabulary 2048, its config's dtype as given (transformers 5
 loads a model in it: from_pretrained dtype="auto", and from_config the same), the Trainer's defaults (adamw_torch_fused,
@@ -71,9 +75,12 @@ print(json.dumps({"peak": max(v for t, v in tot if a <= t <= b), "dtype": str(ne
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--cpu-isa", default="avx512")
+    ap.add_argument("--cpu-isa", default=None, help="default: this machine's (kernels.host_cpu_isa)")
     ap.add_argument("--out", default=str(ROOT / "docs" / "accuracy-trainer.md"))
     args = ap.parse_args()
+    from memplan.activations.kernels import host_cpu_isa
+
+    args.cpu_isa = args.cpu_isa or host_cpu_isa()
     import torch
     import transformers
 

@@ -132,7 +132,8 @@ def check(
 
 
 #: the job's options `memplan plan` takes (the rest it searches over)
-PLAN_FIELDS = ("task", "builder", "activations", "gpu", "gpu_memory", "device", "cpu_isa", "seq_len", "grad_accum",
+PLAN_FIELDS = ("task", "builder", "activations", "gpu", "gpu_memory", "device", "cpu_isa", "seq_len", "target_len",
+               "grad_accum",
                "precision", "optimizer", "attention", "allocator_conf", "host_memory")
 
 
@@ -176,7 +177,7 @@ def plan(
 @app.command()
 @O.request_options("deepspeed", "torch", "parallel", "adapters")
 @O.request_options("training", "files", only=("stage", "strategy", "precision", "optimizer_impl", "deepspeed"))
-@O.request_options("batch", "cluster", only=("micro_batch", "grad_accum", "cpu_isa"))
+@O.request_options("batch", "cluster", only=("micro_batch", "target_len", "grad_accum", "cpu_isa"))
 @O.request_options(HarnessRun)
 def validate(
     model: O.Model,

@@ -820,6 +820,17 @@ def resolve(inv: ParamInventory, request: JobRequest, *, config: dict[str, Any] 
             pick.sources["seq_len"] = ("the image's patches (image_size / patch_size)^2 and class token"
                                        if tasks.task_of(config) == tasks.IMAGE else
                                        "the model's learned positions (max_position_embeddings)")
+    target = None
+    if r.batch.target_len is not None or (config is not None and "factory" not in config):
+        from memplan.model import tasks
+
+        if config is None or "factory" in config:
+            raise SettingsError(f"--target-len {r.batch.target_len}: only an encoder-decoder (seq2seq) model's "
+                                "config has a decoder input")
+        # an encoder-decoder's decoder length: its labels per sample (the encoder's length unless given)
+        target = tasks.check_target_len(config, pick("target_len", None), seq)
+        if target is not None and pick.sources.get("target_len") == "default":
+            pick.sources["target_len"] = "the encoder's length (--seq-len)"
 
     torch_overrides = {k: v for k, v in _values(r.torch).items() if v is not None}
     if r.memory.pin_memory is not None:  # FSDP CPUOffloadPolicy's (DeepSpeed offload's: jobfiles.merged)
@@ -869,7 +880,8 @@ def resolve(inv: ParamInventory, request: JobRequest, *, config: dict[str, Any] 
     recompute = valid_recompute(r.training.recompute)
     settings = Settings(strategy=strat, recipe=recipe, optimizer=opt, cluster=cluster,
                         optimizer_impl=r.training.optimizer_impl,
-                        micro_batch=mb, seq_len=seq, grad_accum=ga, recompute=recompute, attention=r.training.attention,
+                        micro_batch=mb, seq_len=seq, target_len=target, grad_accum=ga, recompute=recompute,
+                        attention=r.training.attention,
                         ds=ds, torch=tk, horovod=hv, overheads=ov, allocator_conf=conf, lora=lora)
     notes.extend(_optimizer_notes(inv, settings))
     from memplan import frameworks
@@ -886,6 +898,13 @@ def resolve(inv: ParamInventory, request: JobRequest, *, config: dict[str, Any] 
     notes.extend(_dim0_padding_note(inv, settings))
     if any(len(t.shape) >= 4 for t in inv.tensors):  # Conv2d/Conv3d kernels: a small CNN, -10.6% on CPU
         notes.append("convolutions: their kernels' scratch (cuDNN, oneDNN) is not modelled (docs/accuracy.md)")
+    if target is not None and config is not None:
+        from memplan.model.tasks import TARGET_KEY
+
+        config = {**config, TARGET_KEY: target}  # the decoder's length: the traced step's labels
+        if parallel is not None and parallel.active:
+            raise SettingsError("--tp/--pp/--cp/--ep with an encoder-decoder (seq2seq) model: not modelled (its "
+                                "two stacks are neither split nor staged by memplan's parallel layouts)")
     if parallel is not None and parallel.active:
         settings = _with_parallel(settings, inv, config, parallel, r.model.activations, notes, trace)
     else:

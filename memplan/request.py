@@ -132,7 +132,10 @@ class Batch:
     micro_batch: int | None = opt(None, "--micro-batch", "Micro-batch per GPU [default: 1].",
                                   ds_config="train_micro_batch_size_per_gpu",
                                   training_args="per_device_train_batch_size")
-    seq_len: int | None = opt(None, "--seq-len", "Sequence length [default: 2048].")
+    seq_len: int | None = opt(None, "--seq-len", "Sequence length [default: 2048] (an encoder-decoder's: its "
+                              "encoder's).")
+    target_len: int | None = opt(None, "--target-len", "An encoder-decoder's (T5, BART) decoder length: its labels "
+                                 "per sample [default: --seq-len].")
     grad_accum: int | None = opt(None, "--grad-accum", "Gradient accumulation steps [default: 1].",
                                  ds_config="gradient_accumulation_steps",
                                  training_args="gradient_accumulation_steps")

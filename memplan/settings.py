@@ -227,6 +227,8 @@ class Settings:
     optimizer_impl: str | None = None  #: foreach | fused | single-tensor; None -> the framework's default
     micro_batch: int = 1
     seq_len: int = 2048
+    #: an encoder-decoder's decoder length (its labels per sample; model/tasks.py SEQ2SEQ); None: no decoder input
+    target_len: int | None = None
     grad_accum: int = 1
     recompute: str = "none"
     attention: str = "sdpa"  #: sdpa: the device's own kernel choice; flash: flash asked for; eager
@@ -250,8 +252,11 @@ class Settings:
     rank: RankState = field(default_factory=lambda: RankState())
 
     def __post_init__(self) -> None:
-        for name, most in (("micro_batch", MAX_MICRO_BATCH), ("seq_len", MAX_SEQ_LEN), ("grad_accum", MAX_GRAD_ACCUM)):
+        for name, most in (("micro_batch", MAX_MICRO_BATCH), ("seq_len", MAX_SEQ_LEN), ("grad_accum", MAX_GRAD_ACCUM),
+                           ("target_len", MAX_SEQ_LEN)):
             value = getattr(self, name)
+            if value is None:
+                continue
             if value < 1:
                 raise SettingsError(f"{name.replace('_', '-')} must be at least 1, got {value}")
             if value > most:

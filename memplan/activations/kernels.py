@@ -140,6 +140,8 @@ class SdpaCall:
     dropout: float = 0.0
     is_causal: bool = False
     enable_gqa: bool = False
+    #: the mask requires grad (a learned bias passed as attn_mask: T5's relative position bias)
+    mask_grad: bool = False
 
     @property
     def half(self) -> bool:
@@ -162,9 +164,12 @@ def _cudnn(c: SdpaCall, arch: str) -> str | None:
     """Why cuDNN attention cannot run this call (None: it can). can_use_cudnn_attention as measured on torch
     2.11+cu130, cuDNN 9.19, sm90 (bench/gpu/sdpa_choice_h100.json.gz): fp16/bf16, head dims multiples of 8 up to
     256, any mask, grouped-query heads, dropout, non-square causal; not a key/value length of 1, nor a query length
-    of 1 with dropout (check_cudnn_tensor_shapes)."""
+    of 1 with dropout (check_cudnn_tensor_shapes), nor a mask that requires grad (can_use_cudnn_attention runs
+    sdp_utils_cpp.h check_attn_mask_shape, which refuses one: PyTorch main's sdp_utils.cpp)."""
     if not c.half:
         return "cuDNN needs fp16/bf16"
+    if c.mask_grad:
+        return "cuDNN takes no mask that requires grad"
     if c.dq > 256 or c.dv > 256:
         return f"cuDNN takes head dims up to 256, not {max(c.dq, c.dv)}"
     if c.dq % 8 or c.dv % 8:
@@ -242,10 +247,14 @@ def cuda_backend(c: SdpaCall, arch: str = DEFAULT_ARCH) -> tuple[str, str]:
 
 def cpu_backend(c: SdpaCall) -> tuple[str, str]:
     """(backend, why) on CPU (aten/src/ATen/native/transformers/sdp_utils_cpp.cpp select_sdp_backend_cpp): the
-    CPU flash kernel, else math; flash needs no dropout (check_for_dropout) and one head dim for q, k and v
-    (check_head_dim_size_cpp). Checked with torch._fused_sdp_choice on real CPU tensors (tests)."""
+    CPU flash kernel, else math; flash needs no dropout (check_for_dropout), one head dim for q, k and v
+    (check_head_dim_size_cpp) and no mask that requires grad (check_attn_mask_shape: T5's learned relative bias
+    runs math, measured with the profiler on torch 2.13.0+cpu). Checked with torch._fused_sdp_choice on real CPU
+    tensors (tests)."""
     if c.dropout > 0:
         return MATH, f"attention dropout {c.dropout:g}"
+    if c.mask_grad:
+        return MATH, "a mask that requires grad (a learned bias)"
     if not (c.dq == c.dv):
         return MATH, f"head dims q {c.dq}, k {c.dq}, v {c.dv} differ"
     return FLASH, "cpu flash"

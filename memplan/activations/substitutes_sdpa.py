@@ -58,6 +58,7 @@ def _fused(target: K.Target) -> Any:
                 SAC_KERNEL_OUTPUTS["on"] = False
             _scratch(K.BACKENDS[backend].forward_scratch(call, target.device), q.device)
             ctx.backend, ctx.call = backend, call
+            ctx.mask_dtype = mask.dtype if mask is not None else q.dtype
             ctx.save_for_backward(q, k, v, out, *extra)
             return out
 
@@ -65,6 +66,16 @@ def _fused(target: K.Target) -> Any:
         def backward(ctx, grad):  # noqa: ANN001
             q, k, v, *_ = ctx.saved_tensors
             dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+            dmask = None
+            if ctx.call.mask_grad and ctx.needs_input_grad[3]:
+                # a learned bias (T5's relative positions) takes the memory-efficient kernel (cuDNN and flash refuse
+                # a mask that requires grad), whose backward makes the bias's gradient beside dq, dk, dv: the
+                # expanded bias's sizes with the last dim rounded up to 16, sliced back (attention_backward.cu
+                # _efficient_attention_backward, bias_requires_grad); autograd sums it to the mask's own shape
+                c = ctx.call
+                grad_bias = torch.empty(c.batch, c.hq, c.sq, -(-c.sk // 16) * 16, dtype=ctx.mask_dtype,
+                                        device=q.device)
+                dmask = grad_bias[..., :c.sk]
             order = K.BACKENDS[ctx.backend].backward_allocations(ctx.call, target.device, target.arch)
             if order is not None:
                 # e.g. memory-efficient's delta, the temporaries that make it and its workspace, in order
@@ -76,7 +87,7 @@ def _fused(target: K.Target) -> Any:
                 del d, w
             else:
                 _scratch(K.BACKENDS[ctx.backend].backward_scratch(ctx.call, target.device, target.arch), q.device)
-            return dq, dk, dv, None, None, None
+            return dq, dk, dv, dmask, None, None
     return Fused
 
 
@@ -218,7 +229,8 @@ def _call_of(q: Any, k: Any, v: Any, mask: Any, dropout_p: float, is_causal: boo
     return K.SdpaCall(dtype=dtype_names.get(q.dtype, "float32"), batch=q.shape[0], hq=q.shape[1],
                       hkv=k.shape[1], sq=q.shape[2], sk=k.shape[2], dq=q.shape[-1], dv=v.shape[-1],
                       mask=mask_kind, mask_shape=tuple(mask.shape) if mask is not None else None,
-                      dropout=float(dropout_p), is_causal=bool(is_causal), enable_gqa=bool(enable_gqa))
+                      dropout=float(dropout_p), is_causal=bool(is_causal), enable_gqa=bool(enable_gqa),
+                      mask_grad=bool(mask is not None and mask.requires_grad and torch.is_grad_enabled()))
 
 
 def sdpa(real_sdpa: Any, target: K.Target, kernels: dict[str, str], cp: int = 1):  # noqa: ANN201

@@ -120,6 +120,10 @@ def build_spec(config: dict[str, Any], s: Settings, *, warmup_steps: int = 2, me
     raf = reshard_after_forward(s)
     if fw in ("fsdp2", "fsdp1") and not st.shard_params:
         n = 1  # NO_SHARD: a (world, 1) mesh, replicate only
+    if s.target_len is not None:  # an encoder-decoder's decoder length: its labels (model/tasks.py step_inputs)
+        from memplan.model.tasks import TARGET_KEY
+
+        config = {**config, TARGET_KEY: s.target_len}
     spec: dict[str, Any] = {
         "config": config, "framework": fw, "strategy": st.name, "recipe": s.recipe.name,
         "optimizer": s.optimizer.name, "optimizer_impl": s.optimizer_impl,

@@ -24,6 +24,13 @@ from memplan.model.families import config_dtype, model_dims
 from memplan.model.inventory import ROOT_BLOCK, ParamInventory, ParamTensor, classify
 
 
+def block_modules(model: Any) -> list[Any]:
+    """The model's blocks in forward order (named_modules order: an encoder-decoder's encoder blocks, then its
+    decoder's), by _block_names' rule: the traced step's, the inventory's and the wrap units' blocks are these."""
+    names = _block_names(model)
+    return [m for n, m in model.named_modules() if n in names]
+
+
 def _block_names(model: Any) -> set[str]:
     import torch.nn as nn
 
@@ -96,8 +103,10 @@ def hf_config(config: Mapping[str, Any], model_name: str = "model") -> Any:
         raise ConfigError(f"config for {model_name} has no 'model_type'")
     # a deep copy: transformers fills nested dicts in place (rope_scaling gains rope_theta, transformers 5.23),
     # which would change the caller's config, and with it the activation profile's cache key
+    from memplan.model.tasks import TARGET_KEY
+
     fields = copy.deepcopy({k: v for k, v in config.items()
-                            if k not in ("model_type", "auto_map", "quantization_config")})
+                            if k not in ("model_type", "auto_map", "quantization_config", TARGET_KEY)})
     try:
         cfg = AutoConfig.for_model(model_type, **fields)
     except ValueError as exc:

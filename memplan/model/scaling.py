@@ -10,8 +10,13 @@ from memplan.errors import SettingsError
 #: config keys by meaning, across transformers families (first present wins)
 _LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers")
 _HIDDEN_KEYS = ("hidden_size", "n_embd", "d_model")
-_HEAD_KEYS = ("num_attention_heads", "n_head")
-_INTER_KEYS = ("intermediate_size", "n_inner", "ffn_dim", "moe_intermediate_size", "shared_expert_intermediate_size")
+_HEAD_KEYS = ("num_attention_heads", "n_head", "num_heads", "encoder_attention_heads")
+_INTER_KEYS = ("intermediate_size", "n_inner", "ffn_dim", "moe_intermediate_size", "shared_expert_intermediate_size",
+               "d_ff", "encoder_ffn_dim", "decoder_ffn_dim")
+#: an encoder-decoder's other stack and heads, scaled with the first (T5's num_decoder_layers, BART's encoder and
+#: decoder layers and heads)
+_SECOND_LAYER_KEYS = ("num_decoder_layers", "encoder_layers", "decoder_layers")
+_SECOND_HEAD_KEYS = ("decoder_attention_heads",)
 
 
 def _first(config: dict[str, Any], keys: tuple[str, ...]) -> str | None:
@@ -30,6 +35,10 @@ def scale_config(config: dict[str, Any], *, layers: int | None = None, hidden: i
             raise SettingsError("this config has no layer count to scale")
         if layers < 1:
             raise SettingsError(f"--layers must be at least 1, got {layers}")
+        for k in _SECOND_LAYER_KEYS:  # an encoder-decoder's stacks each get ``layers`` blocks
+            if isinstance(cfg.get(k), int) and cfg[k] != layers:
+                changes.append(f"{k} {cfg[k]} -> {layers}")
+                cfg[k] = layers
         if layers != cfg[key]:
             changes.append(f"{key} {cfg[key]} -> {layers}")
             cfg[key] = layers
@@ -45,7 +54,7 @@ def scale_config(config: dict[str, Any], *, layers: int | None = None, hidden: i
         if hkey is None or nkey is None:
             raise SettingsError("this config has no hidden size / head count to scale")
         old_h, heads = int(cfg[hkey]), int(cfg[nkey])
-        head_dim = int(cfg.get("head_dim") or old_h // heads)
+        head_dim = int(cfg.get("head_dim") or cfg.get("d_kv") or old_h // heads)
         if hidden < 1 or hidden % head_dim and hidden % 2:
             raise SettingsError(f"--hidden {hidden} must be a positive multiple of head_dim {head_dim} (or even)")
         new_heads = max(1, hidden // head_dim) if hidden % head_dim == 0 else max(1, hidden // 64)
@@ -67,8 +76,12 @@ def scale_config(config: dict[str, Any], *, layers: int | None = None, hidden: i
         changes.append(f"{hkey} {old_h} -> {hidden}, {nkey} {heads} -> {new_heads}"
                        + (f", num_key_value_heads {kv} -> {cfg['num_key_value_heads']}" if kv else ""))
         cfg[hkey], cfg[nkey] = hidden, new_heads
-        if "head_dim" in cfg and cfg["head_dim"]:
-            cfg["head_dim"] = hidden // new_heads
+        for k in _SECOND_HEAD_KEYS:
+            if k in cfg:
+                cfg[k] = new_heads
+        for k in ("head_dim", "d_kv"):  # T5's d_kv is its head dim
+            if k in cfg and cfg[k]:
+                cfg[k] = hidden // new_heads
     if vocab is not None:
         vkey = "vocab_size"
         if vocab < 2:

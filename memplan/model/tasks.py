@@ -13,12 +13,18 @@ forward computes its loss from (modeling_bert.py, modeling_llama.py, the generic
 - token classification (``...ForTokenClassification``): ``labels`` [batch, seq], ``num_labels`` logits per token;
 - extractive question answering (``...ForQuestionAnswering``): ``start_positions`` and ``end_positions``
   [batch], two logits per token;
+- sequence-to-sequence LM (an encoder-decoder: ``...ForConditionalGeneration`` of a text model_type in
+  MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES, T5, mT5, BART, Pegasus, Marian; a config with
+  ``is_encoder_decoder`` and no head named, as bart-large's BartModel, trains so too): ``input_ids`` [batch, seq]
+  for the encoder and ``labels`` [batch, target] for the decoder, which the model shifts right into its
+  ``decoder_input_ids`` (modeling_t5.py _shift_right, modeling_bart.py shift_tokens_right); the vocabulary
+  logits at every target position;
 - image classification by a vision transformer (``ViTForImageClassification``, ``DeiTForImageClassification``):
   ``pixel_values`` [batch, channels, image, image] in the parameters' dtype and ``labels`` [batch]; its sequence
   is its patches, (image / patch)^2, plus the class token (DeiT: and the distillation token), modeling_vit.py
   ViTEmbeddings / modeling_deit.py DeiTEmbeddings.
 
-Other heads (seq2seq, vision-language, multiple choice, pre-training, image models other than ViT and DeiT) are
+Other heads (speech and audio seq2seq, vision-language, multiple choice, pre-training, image models other than ViT and DeiT) are
 refused with the class named: their inputs are neither a [batch, seq] of token ids nor a ViT's image. No torch at
 import.
 """
@@ -32,13 +38,17 @@ from memplan.errors import ConfigError
 from memplan.inputs import quote
 
 CAUSAL_LM = "causal-lm"
+SEQ2SEQ = "seq2seq-lm"
+#: the pseudo-key of the decoder's length (--target-len) in the config a seq2seq step is traced and run from (its
+#: bytes depend on it, so it is part of the trace's cache key; hf_config and the builders drop it)
+TARGET_KEY = "memplan_target_len"
 #: class-name suffix -> task, longest first where one ends another
 SUFFIXES = (("ForSequenceClassification", "sequence-classification"),
             ("ForTokenClassification", "token-classification"), ("ForQuestionAnswering", "question-answering"),
             ("ForMaskedLM", "masked-lm"), ("ForCausalLM", CAUSAL_LM), ("LMHeadModel", CAUSAL_LM),
             ("ForImageClassification", "image-classification"))
 TASKS = (CAUSAL_LM, "masked-lm", "sequence-classification", "token-classification", "question-answering",
-         "image-classification")
+         "image-classification", SEQ2SEQ)
 IMAGE = "image-classification"
 #: the vision transformers whose image classification memplan traces: model_type -> tokens beside the patches
 IMAGE_MODELS = {"vit": 1, "deit": 2}
@@ -53,6 +63,8 @@ def task_of(config: Mapping[str, Any]) -> str:
     """The task of the config's first architecture; a config without one (or an unknown base class) trains as a
     causal LM, as memplan's estimates always have. ConfigError for a head memplan does not model."""
     arch = architecture(config)
+    if is_seq2seq(config):
+        return SEQ2SEQ
     for suffix, task in SUFFIXES:
         if arch.endswith(suffix):
             if task == IMAGE and config.get("model_type") not in IMAGE_MODELS:
@@ -65,6 +77,63 @@ def task_of(config: Mapping[str, Any]) -> str:
             raise ConfigError(f"architectures {quote(arch)}: memplan models these heads: {', '.join(TASKS)}; a "
                               f"{suffix[3:]} head's inputs are not token ids alone and are not modelled yet")
     return CAUSAL_LM
+
+
+#: transformers' seq2seq LM mapping (model_type -> class); its speech and audio members take features, not ids
+SEQ2SEQ_MAPPING = "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES"
+#: text seq2seq members of that mapping whose config nests its parts (encoder-decoder's encoder and decoder,
+#: T5Gemma's) or adds another modality (an audio or vision tower): not the flat config the step is built from
+_NESTED = ("encoder", "decoder", "audio_config", "vision_config", "text_config", "speech_config", "encoder_config",
+           "decoder_config")
+
+
+def is_seq2seq(config: Mapping[str, Any]) -> bool:
+    """Whether the config trains as a text encoder-decoder LM: its class is transformers' seq2seq LM for its
+    model_type (or it names no head and sets is_encoder_decoder, as bart-large's BartModel). ConfigError for a
+    seq2seq model whose inputs are not token ids (speech, audio, nested sub-configs)."""
+    arch = architecture(config)
+    if not (arch.endswith(("ForConditionalGeneration", "MTModel", "ForSeq2SeqLM"))
+            or (config.get("is_encoder_decoder") is True and arch.endswith("Model")
+                and not arch.endswith("EncoderModel"))):
+        return False
+    mapped = auto_class_mapping(SEQ2SEQ_MAPPING).get(str(config.get("model_type")))
+    if mapped is None or config.get("is_encoder_decoder") is False:
+        return False  # a ForConditionalGeneration of another kind (vision-language, speech): refused by name
+    nested = [k for k in _NESTED if isinstance(config.get(k), Mapping)]
+    if nested:
+        raise ConfigError(f"architectures {quote(arch)}: a seq2seq model whose config nests {', '.join(nested)} "
+                          "(another modality, or composite parts) is not modelled; text encoder-decoders (T5, BART, "
+                          "Pegasus, Marian) are")
+    return True
+
+
+def seq2seq_layers(config: Mapping[str, Any]) -> tuple[int, int] | None:
+    """(encoder blocks, decoder blocks) of a seq2seq config, as its transformers config reads them: T5's
+    num_layers and num_decoder_layers (which defaults to num_layers: configuration_t5.py), BART's encoder_layers
+    and decoder_layers; None where it names neither."""
+    enc = config.get("encoder_layers", config.get("num_layers"))
+    dec = config.get("decoder_layers", config.get("num_decoder_layers")) or enc
+    if not (isinstance(enc, int) and isinstance(dec, int)) or isinstance(enc, bool) or isinstance(dec, bool):
+        return None
+    return enc, dec
+
+
+def check_target_len(config: Mapping[str, Any], target_len: int | None, seq_len: int) -> int | None:
+    """The decoder's length for a seq2seq config (--target-len; default the encoder's), else None; ConfigError
+    for --target-len on a model with no decoder input, or longer than learned absolute positions allow."""
+    if task_of(config) != SEQ2SEQ:
+        if target_len is not None:
+            raise ConfigError(f"--target-len {target_len}: only an encoder-decoder (seq2seq) model has a decoder "
+                              f"input; {architecture(config) or config.get('model_type')} takes --seq-len alone")
+        return None
+    tgt = seq_len if target_len is None else target_len
+    if tgt < 1:
+        raise ConfigError(f"--target-len must be at least 1, got {tgt}")
+    most = config.get("max_position_embeddings")
+    if isinstance(most, int) and most > 0 and tgt > most:
+        raise ConfigError(f"--target-len {tgt}: {architecture(config)} learns {most} absolute positions "
+                          "(max_position_embeddings); a longer target does not run")
+    return tgt
 
 
 def architecture(config: Mapping[str, Any]) -> str:
@@ -95,6 +164,12 @@ def check_seq_len(config: Mapping[str, Any], seq_len: int | None) -> int | None:
     --seq-len is refused; a causal LM's is the caller's (None: its default; rotary positions run longer)."""
     task = task_of(config)
     if task == CAUSAL_LM:
+        return seq_len
+    if task == SEQ2SEQ:  # T5's relative positions run any length; BART's learned ones refuse a longer one
+        most = config.get("max_position_embeddings")
+        if seq_len is not None and isinstance(most, int) and most > 0 and seq_len > most:
+            raise ConfigError(f"--seq-len {seq_len}: {architecture(config)} learns {most} absolute positions "
+                              "(max_position_embeddings); a longer sequence does not run")
         return seq_len
     if task != IMAGE:
         most = config.get("max_position_embeddings")
@@ -138,13 +213,17 @@ def build(config: Mapping[str, Any], hf_cfg: Any, **kw: Any) -> Any:
     """The transformers model for the config's task (``kw``: from_config's keyword arguments)."""
     from transformers import AutoModelForCausalLM
 
-    if task_of(config) == CAUSAL_LM:
+    task = task_of(config)
+    if task == CAUSAL_LM:
         return AutoModelForCausalLM.from_config(hf_cfg, **kw)
     import transformers
 
-    cls = getattr(transformers, architecture(config), None)
+    name = architecture(config)
+    if task == SEQ2SEQ and not name.endswith(("ForConditionalGeneration", "MTModel")):
+        name = auto_class_mapping(SEQ2SEQ_MAPPING)[config["model_type"]]  # BartModel's checkpoint, with its LM head
+    cls = getattr(transformers, name, None)
     if cls is None:
-        raise ConfigError(f"transformers {transformers.__version__} has no class {quote(architecture(config))}")
+        raise ConfigError(f"transformers {transformers.__version__} has no class {quote(name)}")
     return cls._from_config(hf_cfg, **kw)
 
 
@@ -167,6 +246,9 @@ def step_inputs(task: str, config: Mapping[str, Any], ids: Any, dtype: Any = Non
         pixels = torch.zeros(batch, config.get("num_channels", 3), size, size, device=ids.device,
                              dtype=dtype or torch.get_default_dtype())
         return {"pixel_values": pixels, "labels": torch.zeros(batch, dtype=torch.long, device=ids.device)}
+    if task == SEQ2SEQ:  # the decoder's labels, shifted right by the model into its inputs
+        tgt = int(config.get(TARGET_KEY) or ids.shape[1])
+        return {"input_ids": ids, "labels": torch.zeros(batch, tgt, dtype=torch.long, device=ids.device)}
     if task == "question-answering":
         z = torch.zeros(batch, dtype=torch.long, device=ids.device)
         return {"input_ids": ids, "start_positions": z, "end_positions": z.clone()}
@@ -188,7 +270,7 @@ AUTO_MAPPINGS = {CAUSAL_LM: "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "masked-lm": "M
                  IMAGE: "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES",
                  "sequence-classification": "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES",
                  "token-classification": "MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES",
-                 "question-answering": "MODEL_FOR_QUESTION_ANSWERING_MAPPING_NAMES"}
+                 "question-answering": "MODEL_FOR_QUESTION_ANSWERING_MAPPING_NAMES", SEQ2SEQ: SEQ2SEQ_MAPPING}
 
 
 def with_task(config: Mapping[str, Any], task: str) -> dict[str, Any]:

@@ -343,6 +343,14 @@ def block_index(model: Any, blocks: list[Any] | None = None) -> tuple[dict[int, 
 
     if blocks is not None:
         return {id(p): i for i, blk in enumerate(blocks) for p in blk.parameters()}, list(blocks)
+    if getattr(model, "_no_split_modules", None):
+        # transformers' blocks, as the inventory takes them (meta_builder.block_modules): an encoder-decoder's two
+        # stacks, encoder first; their backward runs in the reverse order
+        from memplan.model.meta_builder import block_modules
+
+        found = block_modules(model)
+        if found:
+            return {id(p): i for i, blk in enumerate(found) for p in blk.parameters()}, found
     lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]
     if not lists:
         return {}, []

@@ -32,6 +32,9 @@ LLAMA_WIDE = ("llama-7b", dict(layers=2, hidden=512, vocab=128))
 #: BertForSequenceClassification (tests/data/configs): the encoder with its pooler and classifier, 2 labels
 BERT = ("tests/data/configs/bert-seq-cls.json", dict(layers=2, hidden=256, vocab=2048))  # run from the root
 VIT = ("tests/data/configs/vit-small.json", dict(layers=2, hidden=256, vocab=None))  # the blocks' matrices outweigh the embedding
+# encoder-decoders (model/tasks.py SEQ2SEQ): 2 encoder and 2 decoder blocks, 128 tokens in, 64 labels out
+T5 = ("tests/data/configs/flan-t5-base.json", dict(layers=2, hidden=256, vocab=2048))
+BART = ("tests/data/configs/bart-large.json", dict(layers=2, hidden=256, vocab=2048))
 LLAMA10 = ("llama-7b", dict(layers=10, hidden=256, vocab=2048))  # two stages per rank over pp 2: 2-3 blocks each
 MIXTRAL = ("mixtral-8x7b", dict(layers=2, hidden=256, vocab=2048))  # MoE: 8 experts, top-2, grouped_mm
 MIXTRAL4 = ("mixtral-8x7b", dict(layers=4, hidden=256, vocab=2048))
@@ -260,6 +263,17 @@ CASES = [
     ("vit image-cls, 1 rank, fp32", VIT, dict(gpus=1, precision="fp32", seq_len=None), {}, {}, "full"),
     ("vit image-cls fsdp-full, fp32", VIT, dict(strategy="fsdp-full", precision="fp32", seq_len=None), {}, {},
      "none"),
+    # session 34: encoder-decoders, T5 (relative position bias learned through SDPA's mask) and BART
+    ("t5 seq2seq, 1 rank, fp32, target 64", T5, dict(gpus=1, precision="fp32", target_len=64), {}, {}, "none"),
+    ("t5 seq2seq, 1 rank, target 64", T5, dict(gpus=1, target_len=64), {}, {}, "none"),
+    ("t5 seq2seq, 1 rank, fp32, target 64", T5, dict(gpus=1, precision="fp32", target_len=64), {}, {}, "full"),
+    ("t5 seq2seq fsdp-full, fp32, target 64", T5, dict(strategy="fsdp-full", precision="fp32", target_len=64), {},
+     {}, "none"),
+    ("t5 seq2seq zero3, target 64", T5, dict(stage=3, target_len=64), SMALL_DS, {}, "none"),
+    ("bart seq2seq, 1 rank, fp32, target 64", BART, dict(gpus=1, precision="fp32", target_len=64), {}, {}, "none"),
+    ("bart seq2seq, 1 rank, target 64", BART, dict(gpus=1, target_len=64), {}, {}, "none"),
+    ("bart seq2seq ddp, target 64", BART, dict(strategy="ddp", target_len=64), {}, {}, "none"),
+    ("bart seq2seq, 1 rank, fp32, target 64", BART, dict(gpus=1, precision="fp32", target_len=64), {}, {}, "full"),
     # session 28: every schedule of torch.distributed.pipelining (memplan/parallel/schedules.py), at 2 and 4 stages
     ("fsdp-full pp 2 looped-bfs, 4 micro-batches", LLAMA4,
      dict(strategy="fsdp-full", grad_accum=4, parallel=Parallel(pp=2, schedule="looped-bfs")), {}, {}, "none"),

@@ -79,8 +79,9 @@ def by_topic(rep: dict[str, Any]) -> list[tuple[str, list[str]]]:
         framework.append(f"{defaults} more {st['framework']} knobs at their defaults")
     precision = [_item("recipe", f"{st['precision']}: {a['recipe']}", src.get("precision", "default")),
                  _item("optimizer", str(a["optimizer"]), src.get("optimizer", "default")),
-                 _item("micro-batch", f"{st['micro_batch']} x seq {st['seq_len']}, grad-accum {st['grad_accum']}",
-                       None)]
+                 _item("micro-batch", f"{st['micro_batch']} x seq {st['seq_len']}"
+                       + (f" (encoder) -> target {st['target_len']} (decoder, {src.get('target_len', 'default')})"
+                          if st.get("target_len") else "") + f", grad-accum {st['grad_accum']}", None)]
     kernels = [_item("attention", str(st["attention"]), src.get("attention")),
                _item("recompute", str(st["recompute"]), src.get("recompute")),
                _item("activations", str(a.get("activations", "?")), None)]

@@ -70,7 +70,8 @@ def render_plan(rep: dict, summary: str | None = None, explained: dict | None = 
     c.print(f"[bold]{m['name']}[/bold] ({m['num_params']:,} params) · {st['name']} ({st['framework']}) · "
             f"{cl['gpus']} GPU(s), {cl['gpus_per_node']}/node · shard group {st['shard_group']} · "
             f"{st['precision']} · {st['optimizer']}")
-    c.print(f"micro-batch {st['micro_batch']} × seq {st['seq_len']}, grad-accum {st['grad_accum']}, "
+    c.print(f"micro-batch {st['micro_batch']} × seq {st['seq_len']}"
+            + (f" → target {st['target_len']}" if st.get("target_len") else "") + f", grad-accum {st['grad_accum']}, "
             f"recompute {st['recompute']}, attention {st['attention']}, device {cl['device']}")
     if st.get("lora"):
         lo = st["lora"]

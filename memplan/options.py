@@ -71,6 +71,12 @@ def activation_profile(config: dict[str, Any] | None, s: Settings, mode: str, no
     if s.attention not in act.ATTENTION:
         raise SettingsError(f"unknown attention {quote(s.attention)}; valid: {', '.join(act.ATTENTION)}")
     act.valid_recompute(s.recompute)
+    from memplan.model import tasks
+
+    seq2seq = config is not None and "factory" not in config and tasks.task_of(config) == tasks.SEQ2SEQ
+    if seq2seq and mode == "analytic":
+        raise SettingsError("--activations analytic models a decoder-only stack; an encoder-decoder's (seq2seq) "
+                            "activations are traced (--activations auto or traced)")
     if s.lora is not None and (mode == "analytic" or config is None):
         notes.append("activations: analytic, as for full training; LoRA's frozen weights save less (an upper bound)")
     if mode == "analytic":
@@ -104,7 +110,7 @@ def activation_profile(config: dict[str, Any] | None, s: Settings, mode: str, no
     except _NotCached:
         raise
     except SettingsError as exc:
-        if mode == "traced" or config.get("factory"):  # the user's own module has no analytic profile
+        if mode == "traced" or config.get("factory") or seq2seq:  # no analytic profile for these
             raise
         notes.append(f"activations: analytic, because {exc}")
         return None

@@ -70,6 +70,8 @@ def plan_report(plan: Any, sources: dict[str, str] | None = None, notes: tuple[s
                                 "precision": s.recipe.name, "optimizer": s.optimizer.name,
                                 "micro_batch": s.micro_batch, "seq_len": s.seq_len, "grad_accum": s.grad_accum,
                                 "recompute": s.recompute, "attention": s.attention}
+    if s.target_len is not None:
+        strategy["target_len"] = s.target_len
     if st.framework == "deepspeed":
         # each value once, as used: overlap_comm as DeepSpeed resolves its default (True for stage 3)
         knobs = {k: v for k, v in asdict(s.ds).items() if not k.startswith("leaf_")}  # the leaves: their paths below

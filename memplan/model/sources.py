@@ -403,7 +403,14 @@ def build_inventory(source: ModelSource, builder: str = "auto") -> ParamInventor
     if task == tasks.CAUSAL_LM and (builder == "analytic" or (builder == "auto" and families.supports(config))):
         inv = families.build_analytic(config, source.name, source.description)
     else:
-        if task != tasks.CAUSAL_LM:
+        if task == tasks.SEQ2SEQ:
+            built = tasks.seq2seq_class(config)
+            arch = tasks.architecture(config)
+            notes.append(f"task {task} ({arch}" + (f": trained as {built}, the class AutoModelForSeq2SeqLM builds"
+                                                   if built != arch else "")
+                         + "): encoder and decoder blocks, its LM head and loss traced with transformers; the "
+                         "decoder's labels are --target-len tokens")
+        elif task != tasks.CAUSAL_LM:
             notes.append(f"task {task} ({tasks.architecture(config)}): its head built on the meta device with "
                          "transformers, its loss traced with it")
         elif builder == "auto":

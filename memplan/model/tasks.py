@@ -107,6 +107,15 @@ def is_seq2seq(config: Mapping[str, Any]) -> bool:
     return True
 
 
+def seq2seq_class(config: Mapping[str, Any]) -> str:
+    """The class a seq2seq config trains as: its own LM class, or for a base model's checkpoint (bart-large's
+    BartModel) the one AutoModelForSeq2SeqLM builds for its model_type, with the LM head."""
+    name = architecture(config)
+    if name.endswith(("ForConditionalGeneration", "MTModel")):
+        return name
+    return str(auto_class_mapping(SEQ2SEQ_MAPPING)[config["model_type"]])
+
+
 def seq2seq_layers(config: Mapping[str, Any]) -> tuple[int, int] | None:
     """(encoder blocks, decoder blocks) of a seq2seq config, as its transformers config reads them: T5's
     num_layers and num_decoder_layers (which defaults to num_layers: configuration_t5.py), BART's encoder_layers
@@ -167,6 +176,8 @@ def check_seq_len(config: Mapping[str, Any], seq_len: int | None) -> int | None:
         return seq_len
     if task == SEQ2SEQ:  # T5's relative positions run any length; BART's learned ones refuse a longer one
         most = config.get("max_position_embeddings")
+        if seq_len is None and isinstance(most, int) and most > 0:
+            return min(most, 2048)
         if seq_len is not None and isinstance(most, int) and most > 0 and seq_len > most:
             raise ConfigError(f"--seq-len {seq_len}: {architecture(config)} learns {most} absolute positions "
                               "(max_position_embeddings); a longer sequence does not run")
@@ -218,9 +229,7 @@ def build(config: Mapping[str, Any], hf_cfg: Any, **kw: Any) -> Any:
         return AutoModelForCausalLM.from_config(hf_cfg, **kw)
     import transformers
 
-    name = architecture(config)
-    if task == SEQ2SEQ and not name.endswith(("ForConditionalGeneration", "MTModel")):
-        name = auto_class_mapping(SEQ2SEQ_MAPPING)[config["model_type"]]  # BartModel's checkpoint, with its LM head
+    name = seq2seq_class(config) if task == SEQ2SEQ else architecture(config)
     cls = getattr(transformers, name, None)
     if cls is None:
         raise ConfigError(f"transformers {transformers.__version__} has no class {quote(name)}")

@@ -137,3 +137,47 @@ def test_a_backend_is_one_class_in_the_registry():
     assert K.cuda_backend(call, "sm70")[0] == "math"  # below sm80 memory-efficient takes fp16 and fp32 only
     assert K.cuda_backend(replace(call, dtype="float16"), "sm70")[0] == "efficient"
     assert K.cuda_backend(call, "sm90")[0] == "cudnn" and K.cuda_backend(call, "sm80")[0] == "flash"
+
+
+def test_a_learned_bias_as_mask_takes_the_kernel_that_makes_its_gradient():
+    """A mask that requires grad (T5's relative position bias): cuDNN and the CPU flash kernel refuse it
+    (sdp_utils_cpp.h check_attn_mask_shape, which can_use_cudnn_attention and the CPU flash check both run), flash
+    takes no mask, so a GPU runs memory-efficient attention and a CPU the math kernel."""
+    c = K.SdpaCall(dtype="bfloat16", batch=2, hq=12, hkv=12, sq=256, sk=64, dq=64, dv=64, mask="float",
+                   mask_shape=(2, 12, 256, 64), mask_grad=True)
+    assert K.cuda_backend(c, "sm90")[0] == "efficient"
+    assert K.cuda_backend(replace(c, mask_grad=False), "sm90")[0] == "cudnn"
+    assert K.cpu_backend(c)[0] == "math" and K.cpu_backend(replace(c, mask_grad=False))[0] == "flash"
+
+
+def test_the_cpu_chooses_math_for_a_mask_that_requires_grad():
+    """The rule above, against torch's own choice on CPU tensors (the profiler names the kernel that ran)."""
+    torch = pytest.importorskip("torch")
+    import torch.nn.functional as F
+
+    q, k, v = (torch.randn(2, 4, 16, 8, requires_grad=True) for _ in range(3))
+    for grad, kernel in ((True, "aten::_scaled_dot_product_attention_math"),
+                         (False, "aten::_scaled_dot_product_flash_attention_for_cpu")):
+        m = torch.randn(1, 4, 16, 16, requires_grad=grad)
+        with torch.profiler.profile() as prof:
+            F.scaled_dot_product_attention(q, k, v, attn_mask=m).sum().backward()
+        assert kernel in {e.name for e in prof.events()}
+        assert (m.grad is not None) == grad
+
+
+def test_memory_efficient_backward_makes_the_bias_gradient():
+    """The traced stand-in for memory-efficient attention returns the mask's gradient from a buffer of the
+    expanded bias's sizes with its last dim rounded up to 16, in the bias's dtype (attention_backward.cu
+    _efficient_attention_backward, bias_requires_grad)."""
+    torch = pytest.importorskip("torch")
+    from memplan.activations.substitutes_sdpa import _fused
+
+    fused = _fused(K.Target(device="cuda", arch="sm90"))
+    q, k, v = (torch.randn(2, 3, 20, 8, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    mask = torch.randn(2, 3, 20, 20, dtype=torch.bfloat16, requires_grad=True)
+    call = K.SdpaCall(dtype="bfloat16", batch=2, hq=3, hkv=3, sq=20, sk=20, dq=8, dv=8, mask="float",
+                      mask_shape=(2, 3, 20, 20), mask_grad=True)
+    out = fused.apply(q, k, v, mask, "efficient", call)
+    grads = torch.autograd.grad(out.sum(), (q, mask))
+    assert grads[1].shape == mask.shape and grads[1].dtype == torch.bfloat16
+    assert grads[1].untyped_storage().nbytes() == 2 * 3 * 20 * 32 * 2  # 20 keys rounded up to 32

@@ -280,6 +280,12 @@ FILES: dict[str, tuple[str, object]] = {
     "factory_import_exit": ("factories/exits_at_import.py", "import os\nos._exit(0)\n"),
     "factory_import_loop": ("factories/loops_at_import.py", "while True:\n    pass\n"),
     "factory_syntax": ("factories/broken_syntax.py", "def (:\n"),
+    # encoder-decoders (model/tasks.py SEQ2SEQ): flan-t5-base and bart-large as shipped, and one nesting its parts
+    "t5": ("t5.json", (Path(__file__).resolve().parents[1] / "data" / "configs" / "flan-t5-base.json").read_text()),
+    "bart": ("bart.json", (Path(__file__).resolve().parents[1] / "data" / "configs" / "bart-large.json").read_text()),
+    "nested_s2s": ("nested_s2s.json", json.dumps({"architectures": ["T5GemmaForConditionalGeneration"],
+                                                  "model_type": "t5gemma", "is_encoder_decoder": True,
+                                                  "encoder": {"hidden_size": 64}, "decoder": {"hidden_size": 64}})),
 }
 
 _ENV_HF = {"HF_HOME": "{dir}/hf", "HF_HUB_CACHE": None, "HUGGINGFACE_HUB_CACHE": None}  # None: unset
@@ -550,6 +556,18 @@ CASES: list[Case] = [
     Case("estimate gpt2 --optimizer apollo-adamw", "No target modules found", "parallel"),
     Case("estimate gpt2 --task summarisation", "--task 'summarisation': one of causal-lm", "parallel"),
     Case("estimate mixtral-8x7b --task masked-lm", "no masked-lm head for model_type 'mixtral'", "parallel"),
+    Case("estimate {dir}/t5.json --activations analytic", "an encoder-decoder's (seq2seq) activations are traced",
+         "parallel"),
+    Case("estimate {dir}/t5.json --gpus 2 --strategy fsdp-full --tp 2", "--tp/--pp/--cp/--ep with an encoder-decoder",
+         "parallel"),
+    Case("estimate llama-7b --target-len 64", "only an encoder-decoder (seq2seq) model has a decoder input",
+         "parallel"),
+    Case("estimate {dir}/bart.json --seq-len 2048", "learns 1024 absolute positions", "parallel"),
+    Case("estimate {dir}/bart.json --target-len 4096", "a longer target does not run", "parallel"),
+    Case("estimate {dir}/t5.json --target-len 0", "--target-len must be at least 1", "parallel"),
+    Case("estimate {dir}/nested_s2s.json", "nests encoder, decoder", "parallel"),
+    Case("estimate {dir}/t5.json --task seq2seq-lm --gpus 2 --pp 2", "--tp/--pp/--cp/--ep with an encoder-decoder",
+         "parallel"),
     Case("estimate llama-3-8b --gpus 8 --strategy fsdp-full --optimizer apollo", "APOLLO projects each whole matrix",
          "parallel"),
     Case("estimate gpt2 --optimizer galore-adamw", "No target modules found", "parallel"),

@@ -24,10 +24,15 @@ def test_task_from_the_class_suffix():
     assert tasks.task_of({"architectures": ["BertForMaskedLM"]}) == "masked-lm"
     assert tasks.task_of({"architectures": ["LlamaForSequenceClassification"]}) == "sequence-classification"
     assert tasks.task_of({"architectures": ["BertForQuestionAnswering"]}) == "question-answering"
-    for arch in ("ViTForImageClassification", "T5ForConditionalGeneration", "BertForPreTraining",
-                 "LlavaForConditionalGeneration", "BertForMultipleChoice"):
+    for arch in ("ViTForImageClassification", "BertForPreTraining", "LlavaForConditionalGeneration",
+                 "BertForMultipleChoice"):
         with pytest.raises(ConfigError, match=arch):
             tasks.task_of({"architectures": [arch]})
+    # a speech seq2seq (features in, not token ids) and a vision-language model: refused by name
+    for arch, model_type in (("WhisperForConditionalGeneration", "whisper"),
+                             ("LlavaForConditionalGeneration", "llava")):
+        with pytest.raises(ConfigError, match=arch):
+            tasks.task_of({"architectures": [arch], "model_type": model_type, "is_encoder_decoder": True})
     assert tasks.num_labels({}) == 2 and tasks.num_labels({"num_labels": 5}) == 5
     assert tasks.num_labels({"id2label": {"0": "a", "1": "b", "2": "c"}}) == 3
 
@@ -60,11 +65,10 @@ def test_a_head_memplan_does_not_model_is_one_line(tmp_path):
     import subprocess
     import sys
 
-    d = tmp_path / "t5"
+    d = tmp_path / "llava"
     d.mkdir()
-    (d / "config.json").write_text(json.dumps({"architectures": ["T5ForConditionalGeneration"], "model_type": "t5",
-                                               "d_model": 512, "num_layers": 6, "num_heads": 8, "d_ff": 2048,
-                                               "vocab_size": 32128}))
+    (d / "config.json").write_text(json.dumps({"architectures": ["LlavaForConditionalGeneration"],
+                                               "model_type": "llava", "text_config": {"model_type": "llama"}}))
     r = subprocess.run([sys.executable, "-m", "memplan", "estimate", str(d)], capture_output=True, text=True)
     code, out, err = r.returncode, r.stdout, r.stderr
     assert code == 2 and out == "" and len(err.strip().splitlines()) == 1 and "ConditionalGeneration" in err
@@ -180,3 +184,65 @@ def test_an_encoder_s_sequence_stops_at_its_learned_positions():
         with pytest.raises(ConfigError, match="at least one label"):
             tasks.check_labels(dict(bert, num_labels=bad))
     tasks.check_labels(dict(bert, num_labels=1))  # one label: a regression head
+
+
+T5 = Path(__file__).resolve().parents[1] / "data" / "configs" / "flan-t5-base.json"
+BART = Path(__file__).resolve().parents[1] / "data" / "configs" / "bart-large.json"
+
+
+def test_an_encoder_decoder_trains_as_seq2seq():
+    """transformers' seq2seq LM mapping decides: T5's and BART's own classes, and a base model's checkpoint that
+    sets is_encoder_decoder (bart-large's BartModel) with the class AutoModelForSeq2SeqLM builds; T5's encoder
+    alone is not one."""
+    t5, bart = json.loads(T5.read_text()), json.loads(BART.read_text())
+    assert tasks.task_of(t5) == tasks.SEQ2SEQ and tasks.seq2seq_class(t5) == "T5ForConditionalGeneration"
+    assert tasks.task_of(bart) == tasks.SEQ2SEQ and tasks.seq2seq_class(bart) == "BartForConditionalGeneration"
+    assert tasks.task_of({"architectures": ["MarianMTModel"], "model_type": "marian"}) == tasks.SEQ2SEQ
+    assert tasks.task_of(dict(t5, architectures=["T5EncoderModel"])) != tasks.SEQ2SEQ
+    assert tasks.with_task(dict(bart, architectures=["BartForSequenceClassification"]), tasks.SEQ2SEQ)[
+        "architectures"] == ["BartForConditionalGeneration"]
+    assert tasks.seq2seq_layers(t5) == (12, 12) and tasks.seq2seq_layers(bart) == (12, 12)
+    assert tasks.seq2seq_layers(dict(t5, num_decoder_layers=None)) == (12, 12)  # T5Config: num_layers
+    # lengths: the decoder's defaults to the encoder's; BART's learned positions bound both
+    assert tasks.check_target_len(t5, None, 512) == 512 and tasks.check_target_len(t5, 64, 512) == 64
+    assert tasks.check_seq_len(bart, None) == 1024 and tasks.check_seq_len(t5, None) is None
+    with pytest.raises(ConfigError, match="a longer target does not run"):
+        tasks.check_target_len(bart, 1025, 512)
+    with pytest.raises(ConfigError, match="only an encoder-decoder"):
+        tasks.check_target_len({"architectures": ["LlamaForCausalLM"]}, 64, 512)
+    with pytest.raises(ConfigError, match="nests encoder, decoder"):
+        tasks.task_of({"architectures": ["T5GemmaForConditionalGeneration"], "model_type": "t5gemma",
+                       "encoder": {}, "decoder": {}})
+
+
+@pytest.mark.parametrize("path,params", [(T5, 222_903_552), (BART, 406_291_456)])
+def test_seq2seq_inventory_and_trace(path, params):
+    """flan-t5-base and bart-large: parameters exact against transformers' own count (transformers 5 ties T5's head
+    to its shared embedding whatever the config says: configuration_t5.py), both stacks' blocks, encoder first,
+    and a traced step (not the analytic fallback) at 256 tokens in and 64 out."""
+    torch = pytest.importorskip("torch")
+    from memplan import accounting, options
+    from memplan.model import sources
+    from memplan.model.meta_builder import hf_config
+
+    cfg = json.loads(path.read_text())
+    with torch.device("meta"):
+        model = tasks.build(cfg, hf_config(cfg))
+    assert sum(p.numel() for p in model.parameters()) == params
+    src = sources.resolve(str(path))
+    inv = sources.build_inventory(src)
+    assert inv.num_params == params and inv.task == tasks.SEQ2SEQ
+    names = [b.name for b in inv.layer_blocks]
+    assert len(names) == 24 and "encoder" in names[0] and "decoder" in names[-1]
+    r = options.resolve(inv, JobRequest.of(gpus=1, micro_batch=2, seq_len=256, target_len=64, device="cuda"),
+                        config=src.config)
+    s = r.settings
+    assert s.target_len == 64 and r.sources["target_len"] == "command line"
+    plan = accounting.estimate(inv, s)
+    assert type(s.activation_profile).__name__ == "TracedProfile"
+    assert s.activation_profile.data["traced_layers"] == s.activation_profile.data["num_layers"] == 24
+    # a longer target holds more: the decoder's activations and the vocabulary logits scale with it
+    s2 = options.resolve(inv, JobRequest.of(gpus=1, micro_batch=2, seq_len=256, target_len=256, device="cuda"),
+                         config=src.config).settings
+    act = max(p.activations_bytes for p in plan.phases)
+    assert max(p.activations_bytes for p in accounting.estimate(inv, s2).phases) > act

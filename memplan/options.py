@@ -834,7 +834,10 @@ def resolve(inv: ParamInventory, request: JobRequest, *, config: dict[str, Any] 
             raise SettingsError(f"--target-len {r.batch.target_len}: only an encoder-decoder (seq2seq) model's "
                                 "config has a decoder input")
         # an encoder-decoder's decoder length: its labels per sample (the encoder's length unless given)
-        target = tasks.check_target_len(config, pick("target_len", None), seq)
+        asked = r.batch.target_len
+        if asked is not None or tasks.task_of(config) == tasks.SEQ2SEQ:  # a source only where the job has one
+            asked = pick("target_len", None)
+        target = tasks.check_target_len(config, asked, seq)
         if target is not None and pick.sources.get("target_len") == "default":
             pick.sources["target_len"] = "the encoder's length (--seq-len)"
 

@@ -101,8 +101,9 @@ class Model:
 
     model: str = opt("", None, MODEL_HELP)
     task: str | None = opt(None, "--task", "The head to train, when the config's architectures is not it: causal-lm, "
-                           "masked-lm, sequence-classification, token-classification, question-answering "
-                           "(transformers' Auto class for the model type) [default: the config's architectures].")
+                           "masked-lm, sequence-classification, token-classification, question-answering, "
+                           "seq2seq-lm (transformers' Auto class for the model type) [default: the config's "
+                           "architectures].")
     builder: str = opt("auto", "--builder", "Inventory builder: auto | analytic | meta.")
     activations: str = opt("auto", "--activations", "auto (traced, analytic if the model cannot be traced) | traced "
                            "| analytic.")

@@ -74,6 +74,17 @@ def _detail(g: dict[str, Any]) -> str:
     return f"{g['dtype']} [{shape}], {many}{kept}"
 
 
+def _buffers(s: Any, phase: str) -> str:
+    """What the peak's buffers are: the framework's (BUFFERS), DDP's reducer buckets only where the job has them
+    (not plain PyTorch on one GPU, nor Horovod), and the optimizer step's scratch where the peak is the step."""
+    detail = BUFFERS.get(s.strategy.memory_model, "")
+    if s.strategy.memory_model == "ddp" and not s.strategy.ddp_buckets:
+        detail = "cuBLAS workspaces" + (" and Horovod's fusion buffer" if s.strategy.fusion_buffer else "")
+    if phase == "optimizer-step" and "step's scratch" not in detail:
+        detail = "the optimizer step's scratch (its kernel's temporaries), " + detail
+    return detail
+
+
 def explain(plan: Any, top: int = TOP) -> dict[str, Any]:
     """The peak by category, and its activations by module and operator (when traced)."""
     s, peak = plan.settings, plan.peak
@@ -83,7 +94,7 @@ def explain(plan: Any, top: int = TOP) -> dict[str, Any]:
         n = getattr(peak, key)
         if key == "activations_bytes" or not n:
             continue
-        detail = BUFFERS.get(s.strategy.memory_model, "") if key == "buffers_bytes" else ""
+        detail = _buffers(s, peak.name) if key == "buffers_bytes" else ""
         items.append({"kind": key.removesuffix("_bytes"), "what": label, "detail": detail, "bytes": n})
     acts = peak.activations_bytes
     groups = _groups(s.activation_profile, peak.name, s.micro_batch) if acts else None

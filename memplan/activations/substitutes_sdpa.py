@@ -33,7 +33,7 @@ def _scratch(nbytes: int, device: Any) -> None:
         del tmp
 
 
-def _fused(target: K.Target) -> Any:
+def fused_kernel(target: K.Target) -> Any:
     """An autograd function that allocates and saves what a fused kernel does on ``target``."""
     import torch
 
@@ -241,7 +241,7 @@ def sdpa(real_sdpa: Any, target: K.Target, kernels: dict[str, str], cp: int = 1)
     ``kernels`` collects backend -> why."""
     import torch
 
-    Fused = _fused(target) if cp == 1 else _ring(target, cp)
+    Fused = fused_kernel(target) if cp == 1 else _ring(target, cp)
     MathBefore, MathAfter = _math_extra()
 
     def run(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,  # noqa: ANN001

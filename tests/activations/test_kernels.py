@@ -170,9 +170,9 @@ def test_memory_efficient_backward_makes_the_bias_gradient():
     expanded bias's sizes with its last dim rounded up to 16, in the bias's dtype (attention_backward.cu
     _efficient_attention_backward, bias_requires_grad)."""
     torch = pytest.importorskip("torch")
-    from memplan.activations.substitutes_sdpa import _fused
+    from memplan.activations.substitutes_sdpa import fused_kernel
 
-    fused = _fused(K.Target(device="cuda", arch="sm90"))
+    fused = fused_kernel(K.Target(device="cuda", arch="sm90"))
     q, k, v = (torch.randn(2, 3, 20, 8, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
     mask = torch.randn(2, 3, 20, 20, dtype=torch.bfloat16, requires_grad=True)
     call = K.SdpaCall(dtype="bfloat16", batch=2, hq=3, hkv=3, sq=20, sk=20, dq=8, dv=8, mask="float",

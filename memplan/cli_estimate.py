@@ -24,6 +24,9 @@ def inventory(request: Any, notes: list[str] | None = None) -> tuple[Any, Any, A
 
     request = replace(request, adapters=request.adapters.with_adapter(notes))
     src = sources.with_task(sources.resolve(request.model.model), request.model.task)
+    from memplan import options
+
+    options.config_checks(src.config, request)  # refused in milliseconds, not after building the model
     inv = sources.build_inventory(src, builder=request.model.builder)
     config = sources.trace_config(src, inv)
     if request.adapters.spec is not None:

@@ -74,9 +74,8 @@ def activation_profile(config: dict[str, Any] | None, s: Settings, mode: str, no
     from memplan.model import tasks
 
     seq2seq = config is not None and "factory" not in config and tasks.task_of(config) == tasks.SEQ2SEQ
-    if seq2seq and mode == "analytic":
-        raise SettingsError("--activations analytic models a decoder-only stack; an encoder-decoder's (seq2seq) "
-                            "activations are traced (--activations auto or traced)")
+    if seq2seq:
+        seq2seq_refusals(mode, False)
     if s.lora is not None and (mode == "analytic" or config is None):
         notes.append("activations: analytic, as for full training; LoRA's frozen weights save less (an upper bound)")
     if mode == "analytic":
@@ -134,6 +133,37 @@ def activation_profile(config: dict[str, Any] | None, s: Settings, mode: str, no
         notes.append(f"activations: traced with DeepSpeed ZeRO-3's linear (LinearFunctionForZeroStage3: {how}"
                      + "; zero_optimization.memory_efficient_linear false turns it off)")
     return prof
+
+
+def seq2seq_refusals(activations: str, model_parallel: bool) -> None:
+    """What an encoder-decoder (seq2seq) job cannot ask for: the analytic activations (a decoder-only stack's
+    formula) and model parallelism (memplan's layouts split and stage one stack)."""
+    if activations == "analytic":
+        raise SettingsError("--activations analytic models a decoder-only stack; an encoder-decoder's (seq2seq) "
+                            "activations are traced (--activations auto or traced)")
+    if model_parallel:
+        raise SettingsError("--tp/--pp/--cp/--ep with an encoder-decoder (seq2seq) model: not modelled (its two "
+                            "stacks are neither split nor staged by memplan's parallel layouts)")
+
+
+def config_checks(config: dict[str, Any] | None, request: JobRequest) -> None:
+    """The refusals a job gets from its config and command line alone, before its inventory is built (seconds for
+    a model transformers builds): the task's sequence and decoder lengths, and what an encoder-decoder cannot ask
+    for. resolve() makes the same checks on the merged request."""
+    from memplan.model import tasks
+
+    b = request.batch
+    if config is None or "factory" in config:
+        if b.target_len is not None:
+            raise SettingsError(f"--target-len {b.target_len}: only an encoder-decoder (seq2seq) model's config has "
+                                "a decoder input")
+        return
+    seq = tasks.check_seq_len(config, b.seq_len)
+    if b.target_len is not None:
+        tasks.check_target_len(config, b.target_len, seq or 2048)
+    if tasks.task_of(config) == tasks.SEQ2SEQ:
+        p = request.parallel.build()
+        seq2seq_refusals(request.model.activations, p is not None and p.active)
 
 
 def _check_flash(config: dict[str, Any], s: Settings, target: Any) -> None:
@@ -831,8 +861,7 @@ def resolve(inv: ParamInventory, request: JobRequest, *, config: dict[str, Any] 
         from memplan.model import tasks
 
         if config is None or "factory" in config:
-            raise SettingsError(f"--target-len {r.batch.target_len}: only an encoder-decoder (seq2seq) model's "
-                                "config has a decoder input")
+            config_checks(config, r)
         # an encoder-decoder's decoder length: its labels per sample (the encoder's length unless given)
         asked = r.batch.target_len
         if asked is not None or tasks.task_of(config) == tasks.SEQ2SEQ:  # a source only where the job has one
@@ -911,9 +940,7 @@ def resolve(inv: ParamInventory, request: JobRequest, *, config: dict[str, Any] 
         from memplan.model.tasks import TARGET_KEY
 
         config = {**config, TARGET_KEY: target}  # the decoder's length: the traced step's labels
-        if parallel is not None and parallel.active:
-            raise SettingsError("--tp/--pp/--cp/--ep with an encoder-decoder (seq2seq) model: not modelled (its "
-                                "two stacks are neither split nor staged by memplan's parallel layouts)")
+        seq2seq_refusals(r.model.activations, parallel is not None and parallel.active)
     if parallel is not None and parallel.active:
         settings = _with_parallel(settings, inv, config, parallel, r.model.activations, notes, trace)
     else:

@@ -9,7 +9,8 @@ The Trainer runs on this machine, so memplan predicts for this machine's instruc
 bf16 GEMM scratch differs between avx512, avx512_bf16 and amx, and a full-recompute step peaks beside a GEMM);
 --cpu-isa overrides it only to see what another rule would say.
 
-Each case: a preset scaled to 2 blocks, hidden 256, vocabulary 2048, its config's dtype as given (transformers 5
+Each case: a preset (or a test config: T5 and BART, 2 encoder and 2 decoder blocks, 64 labels per sample,
+AutoModelForSeq2SeqLM) scaled to 2 blocks, hidden 256, vocabulary 2048, its config's dtype as given (transformers 5
 loads a model in it: from_pretrained dtype="auto", and from_config the same), the Trainer's defaults (adamw_torch_fused,
 max_grad_norm 1.0) with the TrainingArguments shown, sequence 128, 3 steps; the last step's peak is compared.
 """
@@ -36,21 +37,32 @@ CASES = [
     ("llama-3-8b", "float16", {"per_device_train_batch_size": 2, "bf16": True}),
     ("gpt2", "float32", {"per_device_train_batch_size": 2}),
     ("gpt2", "bfloat16", {"per_device_train_batch_size": 2, "bf16": True}),
+    # encoder-decoders (model/tasks.py SEQ2SEQ): 128 tokens in, TARGET labels out
+    ("tests/data/configs/flan-t5-base.json", "float32", {"per_device_train_batch_size": 2}),
+    ("tests/data/configs/flan-t5-base.json", "bfloat16", {"per_device_train_batch_size": 2, "bf16": True}),
+    ("tests/data/configs/bart-large.json", "float32", {"per_device_train_batch_size": 2}),
+    ("tests/data/configs/bart-large.json", "float32", {"per_device_train_batch_size": 2, "bf16": True,
+                                                        "gradient_checkpointing": True}),
 ]
+#: an encoder-decoder's labels per sample (--target-len)
+TARGET = 64
 
 RUN = r'''
 import json, sys, tempfile, torch
-from transformers import AutoConfig, AutoModelForCausalLM, Trainer, TrainingArguments, TrainerCallback
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM, Trainer, TrainingArguments, TrainerCallback
 from memplan.harness.measure import follow_all_threads, live_totals
 follow_all_threads()
-cfg_dir, args, seq = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
+cfg_dir, args, seq, target = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 torch.manual_seed(0)
 cfg = AutoConfig.from_pretrained(cfg_dir)
 cfg._attn_implementation = "sdpa"
+seq2seq = bool(getattr(cfg, "is_encoder_decoder", False))
 class DS(torch.utils.data.Dataset):
     def __len__(self): return 64
     def __getitem__(self, i):
         x = torch.randint(0, cfg.vocab_size, (seq,))
+        if seq2seq:  # the decoder's labels: the model shifts them into its inputs
+            return {"input_ids": x, "labels": torch.randint(0, cfg.vocab_size, (target,))}
         return {"input_ids": x, "labels": x.clone()}
 ta = TrainingArguments(output_dir=tempfile.mkdtemp(), max_steps=3, use_cpu=True, report_to=[], save_strategy="no",
                        logging_strategy="no", disable_tqdm=True, dataloader_num_workers=0, **args)
@@ -60,7 +72,7 @@ class Mark(TrainerCallback):
     def on_step_end(self, a, s, c, **k):
         self.rf.__exit__(None, None, None)
 with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
-    model = AutoModelForCausalLM.from_config(cfg)
+    model = (AutoModelForSeq2SeqLM if seq2seq else AutoModelForCausalLM).from_config(cfg)
     Trainer(model=model, args=ta, train_dataset=DS(), callbacks=[Mark()]).train()
 path = tempfile.mktemp(suffix=".json")
 prof.export_chrome_trace(path)
@@ -84,36 +96,41 @@ def main() -> None:
     import torch
     import transformers
 
-    from memplan.model import sources
+    from memplan.model import sources, tasks
     from memplan.model.scaling import scale_config
 
     rows = []
     for preset, dtype, ta in CASES:
-        cfg, _ = scale_config(dict(sources.resolve(preset).config), layers=2, hidden=256, vocab=2048)
+        source = sources.resolve(str(ROOT / preset) if preset.endswith(".json") else preset)
+        cfg, _ = scale_config(dict(source.config), layers=2, hidden=256, vocab=2048)
+        seq2seq = tasks.task_of(cfg) == tasks.SEQ2SEQ
         cfg.pop("dtype", None)
         cfg["torch_dtype"] = dtype
         d = Path(tempfile.mkdtemp(prefix="memplan-trainer-"))
         (d / "config.json").write_text(json.dumps(cfg))
         (d / "ta.json").write_text(json.dumps(ta))
-        run = subprocess.run([sys.executable, "-c", RUN, str(d), json.dumps(ta), str(SEQ)], capture_output=True,
-                             text=True, cwd=ROOT)
+        run = subprocess.run([sys.executable, "-c", RUN, str(d), json.dumps(ta), str(SEQ), str(TARGET)],
+                             capture_output=True, text=True, cwd=ROOT)
         if run.returncode:
             raise SystemExit(f"{preset} {ta}: the Trainer failed: {run.stderr[-1500:]}")
         measured = json.loads(run.stdout.strip().splitlines()[-1])
         est = subprocess.run([sys.executable, "-m", "memplan", "estimate", str(d), "--training-args", str(d / "ta.json"),
-                              "--seq-len", str(SEQ), "--device", "cpu", "--cpu-isa", args.cpu_isa, "--json"],
+                              "--seq-len", str(SEQ), "--device", "cpu", "--cpu-isa", args.cpu_isa, "--json",
+                              *(["--target-len", str(TARGET)] if seq2seq else [])],
                              capture_output=True, text=True, cwd=ROOT)
         if est.returncode not in (0, 1):
             raise SystemExit(f"{preset} {ta}: memplan failed: {est.stderr[-1500:]}")
         rep = json.loads(est.stdout)
         pred = rep["per_gpu"]["peak_bytes"]
         err = (pred - measured["peak"]) / measured["peak"]
-        rows.append((preset, dtype, json.dumps(ta), rep["strategy"]["precision"], pred, measured["peak"], err))
+        name = Path(preset).stem + (f" ({SEQ} in, {TARGET} out)" if seq2seq else "")
+        rows.append((name, dtype, json.dumps(ta), rep["strategy"]["precision"], pred, measured["peak"], err))
         print(f"{preset} {dtype} {ta}: {rep['strategy']['precision']} predicted {pred:,} measured "
               f"{measured['peak']:,} {err:+.2%}", flush=True)
     lines = ["# The HF Trainer itself on CPU against memplan", "",
              f"Produced by `python bench/trainer_cpu.py --cpu-isa {args.cpu_isa}`: torch {torch.__version__}, "
-             f"transformers {transformers.__version__}, one process on CPU. Each preset scaled to 2 blocks, hidden "
+             f"transformers {transformers.__version__}, one process on CPU. Each model scaled to 2 blocks (an encoder-decoder: 2 in each stack, "
+             f"{TARGET} labels per sample, AutoModelForSeq2SeqLM), hidden "
              f"256, vocabulary 2048, its config's dtype set as shown (transformers 5 loads the model in it); "
              f"Trainer.train() for 3 steps of micro-batch 2 x sequence {SEQ} (the Trainer's defaults otherwise: "
              "adamw_torch_fused, max_grad_norm 1.0, zero_grad(set_to_none)); measured = the CPU allocator's "

@@ -118,7 +118,9 @@ def activation_profile(config: dict[str, Any] | None, s: Settings, mode: str, no
     from memplan.activations.kernels import BACKENDS
 
     for backend, why in sorted((prof.data.get("attention_kernels") or {}).items() if prof is not None else ()):
-        if backend in BACKENDS and not BACKENDS[backend].fused:
+        if backend == "eager":  # the model has no SDPA attention at all (tasks.sdpa_supported)
+            notes.append(f"attention: eager, as transformers runs it ({why})")
+        elif backend in BACKENDS and not BACKENDS[backend].fused:
             notes.append(f"attention: math kernel on {target.describe()} ({why}): it keeps the probabilities, "
                          "b x heads x seq^2 fp32 per layer")
         else:

@@ -119,8 +119,8 @@ def seq2seq_class(config: Mapping[str, Any]) -> str:
 def seq2seq_layers(config: Mapping[str, Any]) -> tuple[int, int] | None:
     """(encoder blocks, decoder blocks) of a seq2seq config, as its transformers config reads them: T5's
     num_layers and num_decoder_layers (which defaults to num_layers: configuration_t5.py), BART's encoder_layers
-    and decoder_layers; None where it names neither."""
-    enc = config.get("encoder_layers", config.get("num_layers"))
+    and decoder_layers, ProphetNet's num_encoder_layers; None where it names neither."""
+    enc = config.get("encoder_layers", config.get("num_encoder_layers", config.get("num_layers")))
     dec = config.get("decoder_layers", config.get("num_decoder_layers")) or enc
     if not (isinstance(enc, int) and isinstance(dec, int)) or isinstance(enc, bool) or isinstance(dec, bool):
         return None
@@ -233,7 +233,22 @@ def build(config: Mapping[str, Any], hf_cfg: Any, **kw: Any) -> Any:
     cls = getattr(transformers, name, None)
     if cls is None:
         raise ConfigError(f"transformers {transformers.__version__} has no class {quote(name)}")
+    if kw.get("attn_implementation") == "sdpa" and not sdpa_supported(config):
+        kw = {**kw, "attn_implementation": "eager"}  # what transformers itself picks for it
     return cls._from_config(hf_cfg, **kw)
+
+
+def sdpa_supported(config: Mapping[str, Any]) -> bool:
+    """Whether the task's transformers class offers SDPA attention (its _supports_sdpa): a model without it (LED,
+    FSMT, Switch Transformers, Pegasus-X) runs transformers' eager attention, which is what transformers picks for
+    it by default (PreTrainedModel._check_and_adjust_attn_implementation), keeping each layer's probabilities."""
+    import transformers
+
+    task = task_of(config)
+    if task == CAUSAL_LM:
+        return True  # AutoModelForCausalLM refuses sdpa for its few models without it; traced as asked
+    cls = getattr(transformers, seq2seq_class(config) if task == SEQ2SEQ else architecture(config), None)
+    return cls is None or getattr(cls, "_supports_sdpa", True) is not False
 
 
 def step_inputs(task: str, config: Mapping[str, Any], ids: Any, dtype: Any = None) -> dict[str, Any]:

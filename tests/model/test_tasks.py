@@ -246,3 +246,23 @@ def test_seq2seq_inventory_and_trace(path, params):
                          config=src.config).settings
     act = max(p.activations_bytes for p in plan.phases)
     assert max(p.activations_bytes for p in accounting.estimate(inv, s2).phases) > act
+
+
+def test_an_encoder_decoder_without_sdpa_traces_transformers_eager_attention():
+    """Pegasus-X has no SDPA attention (_supports_sdpa False): transformers runs it eager, and so does the trace,
+    saying so, instead of failing on the sdpa it was asked for."""
+    pytest.importorskip("torch")
+    from transformers import AutoConfig
+
+    from memplan import options
+    from memplan.model import sources
+
+    cfg = dict(AutoConfig.for_model("pegasus_x").to_dict(), architectures=["PegasusXForConditionalGeneration"],
+               encoder_layers=2, decoder_layers=2, d_model=64, encoder_attention_heads=2, decoder_attention_heads=2,
+               encoder_ffn_dim=128, decoder_ffn_dim=128, vocab_size=256)
+    assert not tasks.sdpa_supported(cfg) and tasks.sdpa_supported(json.loads(T5.read_text()))
+    src = sources.ModelSource(name="pegasus-x", kind="config", config=cfg, description="test")
+    inv = sources.build_inventory(src)
+    r = options.resolve(inv, JobRequest.of(gpus=1, seq_len=64, target_len=16, device="cuda"), config=cfg)
+    assert type(r.settings.activation_profile).__name__ == "TracedProfile"
+    assert any(n.startswith("attention: eager, as transformers runs it") for n in r.notes)

@@ -148,7 +148,8 @@ def trace_profile(config: dict[str, Any], *, seq_len: int, recipe: str, attentio
     target = target or K.host_target(device)
     layers = _layers(config)
     if layers is None:
-        raise SettingsError("the config has no layer count; use --activations analytic")
+        raise SettingsError("the config has no layer count" + ("" if _seq2seq(config) else
+                                                                 "; use --activations analytic"))
     heterogeneous = _heterogeneous(config, layers, recompute)
 
     try:
@@ -169,8 +170,8 @@ def trace_profile(config: dict[str, Any], *, seq_len: int, recipe: str, attentio
         raise
     except Exception as exc:
         first = str(exc).splitlines()[0] if str(exc) else ""
-        raise SettingsError(f"tracing activations failed ({type(exc).__name__}: {first[:200]}); "
-                            "use --activations analytic") from None
+        raise SettingsError(f"tracing activations failed ({type(exc).__name__}: {first[:200]})"
+                            + ("" if _seq2seq(config) else "; use --activations analytic")) from None
 
     return _profile(top, low, seq_len=seq_len, recipe=recipe, attention=attention, recompute=recompute,
                     device=device, target=target, layers=layers, heterogeneous=heterogeneous,

@@ -207,6 +207,9 @@ def one_step(config: dict[str, Any], batch: int, seq: int, recipe: str, attentio
             with quiet:
                 model = tasks.build(config, hf_config(tasks.trace_config(config)), dtype=getattr(torch, dtype),
                                     attn_implementation="eager" if attention == "eager" else "sdpa")
+            if attention != "eager" and not tasks.sdpa_supported(config):
+                kernels.setdefault("eager", "the model has no SDPA attention: transformers runs its eager attention, "
+                                            "which keeps each layer's probabilities")
             ep, ep_tp = (ep, 1) if isinstance(ep, int) else ep
             if ep > 1 and not sub.expert_parallel(model, ep, ep_tp):  # an EP rank: its experts, via AllToAllEP
                 raise ValueError("no fused experts module (.experts with 3-D gate_up_proj) to split over --ep")

@@ -66,7 +66,8 @@ def bnb_4bit_config(model: Any, fields: dict[str, Any]) -> None:
     from transformers.quantizers.base import get_keys_to_not_convert
     from transformers.quantizers.quantizers_utils import should_convert_module
 
-    skip = get_keys_to_not_convert(model)
+    # get_modules_to_not_convert: those keys and the class's _keep_in_fp32_modules (T5's "wo")
+    skip = get_keys_to_not_convert(model) + list(getattr(model, "_keep_in_fp32_modules", None) or ())
     # BitsAndBytesConfig.bnb_4bit_quant_storage: the dtype the codes are packed into (a float one FSDP shards)
     storage = getattr(torch, fields.get("quant_storage", "uint8"))
     for name, m in list(model.named_modules()):

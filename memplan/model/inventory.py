@@ -127,6 +127,9 @@ class ParamInventory:
     quantized_params: int = 0  #: the elements those weights had before quantization
     #: the head the job trains (model/tasks.py: causal-lm, masked-lm, sequence-classification, ...)
     task: str = "causal-lm"
+    #: the model class's _keep_in_fp32_modules (T5's "wo"): module-name patterns that transformers' quantizers
+    #: never convert (quantizers/base.py get_modules_to_not_convert)
+    keep_fp32_modules: tuple[str, ...] = ()
 
     @cached_property
     def numels(self) -> tuple[int, ...]:

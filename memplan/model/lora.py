@@ -334,13 +334,15 @@ def _quantized_modules(inv: ParamInventory, spec: LoraSpec, saved: Any) -> set[s
     """The modules whose weight bitsandbytes stores 4-bit, as transformers picks them at load, before PEFT
     (integrations/bitsandbytes.py replace_with_bnb_linear: every ``type(m) is nn.Linear`` and Conv1D, but
     quantizers/base.py get_keys_to_not_convert: tied weights, the module of the model's last parameter and the
-    output embedding). Routers and fused MoE experts are not nn.Linear and stay as they are."""
+    output embedding, and the class's _keep_in_fp32_modules: kept_in_fp32). Routers and fused MoE experts are not
+    nn.Linear and stay as they are."""
     out_mod = output_module(inv)
     last = inv.tensors[-1].module if inv.tensors else None
     tied = {a.rpartition(".")[0] for t in inv.tensors for a in t.tied_names} | \
         {t.module for t in inv.tensors if t.tied_names}
     mods = {t.module for t in inv.tensors if t.layer in ("linear", "conv1d") and t.name.endswith(".weight")
-            and t.module not in tied and t.module != out_mod and t.module != last}
+            and t.module not in tied and t.module != out_mod and t.module != last
+            and not kept_in_fp32(t.module, inv.keep_fp32_modules)}
     for m in sorted(mods):
         if saved(m):
             raise SettingsError(f"modules_to_save {quote(m)} is a 4-bit layer under --quantize-base: PEFT would train a "
@@ -348,6 +350,17 @@ def _quantized_modules(inv: ParamInventory, spec: LoraSpec, saved: Any) -> set[s
     if not mods:
         raise SettingsError("--quantize-base: the model has no nn.Linear layer bitsandbytes would quantize")
     return mods
+
+
+def kept_in_fp32(module: str, patterns: tuple[str, ...] | list[str]) -> bool:
+    """Whether a module matches one of the class's _keep_in_fp32_modules, which transformers' bitsandbytes
+    quantizer adds to the modules it does not convert (quantizers/base.py get_modules_to_not_convert), matched as
+    quantizers_utils.should_convert_module matches: from the start up to a module boundary, as a regex with that
+    boundary, or as a suffix (T5's "wo": every block's DenseReluDense.wo stays a plain Linear)."""
+    import re
+
+    boundary = r"(?:(?<=\.)|(?=\.|$))"
+    return any(re.match(rf"(?:{key}){boundary}", module) or module.endswith(key) for key in patterns)
 
 
 def quantized_weight(name: str, shape: tuple[int, ...], spec: LoraSpec, block: str,
@@ -416,6 +429,11 @@ def quantize_base(inv: ParamInventory, spec: LoraSpec, modules: set[str]) -> Par
                         "(3-D nn.Parameter, not nn.Linear) are not quantized: transformers' bitsandbytes "
                         "integration converts nn.Linear only, so they stay frozen in the recipe's dtype, and no "
                         "LoRA adapter is placed on them",) if fused else ())
+    kept = sorted({t.module for t in keep if t.layer == "linear" and kept_in_fp32(t.module, inv.keep_fp32_modules)})
+    if kept:
+        notes += (f"{len(kept)} linear layers matching the model's _keep_in_fp32_modules "
+                  f"({', '.join(inv.keep_fp32_modules)}) stay unquantized in the recipe's dtype: transformers' "
+                  "bitsandbytes quantizer does not convert them",)
     return replace(inv, tensors=tuple(keep), quantized=tuple(quant), quantized_params=numel,
                    notes=inv.notes + notes)
 

@@ -89,8 +89,10 @@ def inventory_from_module(model: Any, *, model_name: str, source: str, family: s
         tensors.append({"name": name, "shape": tuple(int(s) for s in p.shape),
                         "dtype": dtype or str(p.dtype).removeprefix("torch."), "block": owner,
                         "category": classify(name), "tied_names": (), "layer": kinds.get(name.rpartition(".")[0], "")})
+    keep = tuple(sorted(getattr(model, "_keep_in_fp32_modules", None) or ()))
     return ParamInventory(model_name=model_name, source=source, builder="meta", family=family,
-                          tensors=tuple(ParamTensor(**t) for t in tensors), notes=notes, dims=dict(dims or {}))
+                          tensors=tuple(ParamTensor(**t) for t in tensors), notes=notes, dims=dict(dims or {}),
+                          keep_fp32_modules=keep)
 
 
 def hf_config(config: Mapping[str, Any], model_name: str = "model") -> Any:

@@ -266,3 +266,22 @@ def test_an_encoder_decoder_without_sdpa_traces_transformers_eager_attention():
     r = options.resolve(inv, JobRequest.of(gpus=1, seq_len=64, target_len=16, device="cuda"), config=cfg)
     assert type(r.settings.activation_profile).__name__ == "TracedProfile"
     assert any(n.startswith("attention: eager, as transformers runs it") for n in r.notes)
+
+
+def test_qlora_leaves_the_class_s_fp32_modules_unquantized():
+    """T5's _keep_in_fp32_modules ("wo"): transformers' bitsandbytes quantizer does not convert those layers
+    (get_modules_to_not_convert), matched as should_convert_module matches names."""
+    pytest.importorskip("torch")
+    from memplan.model import lora, sources
+
+    assert lora.kept_in_fp32("encoder.block.0.layer.1.DenseReluDense.wo", ("wo",))
+    assert not lora.kept_in_fp32("encoder.block.0.layer.0.SelfAttention.o", ("wo",))
+    assert lora.kept_in_fp32("model.layers.1.mlp", ("model.layers.1",))
+    assert not lora.kept_in_fp32("model.layers.11.mlp", ("model.layers.1",))
+    inv = sources.build_inventory(sources.resolve(str(T5)))
+    assert inv.keep_fp32_modules == ("wo",)
+    spec = lora.LoraSpec(rank=8, quantize="nf4")
+    q = lora.apply(inv, spec)
+    wo = [t for t in q.tensors if t.name.endswith("DenseReluDense.wo.weight")]
+    assert len(wo) == 24 and all(t.dtype == "float32" for t in wo)  # kept whole, not in q.quantized
+    assert not any("DenseReluDense.wo" in t.name for t in q.quantized)

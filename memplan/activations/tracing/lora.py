@@ -167,10 +167,12 @@ def _quant_classes() -> tuple[Any, Any]:
 def quantize(model: Any, fields: dict[str, Any], cuda: bool) -> int:
     """bitsandbytes' 4-bit base in place, as transformers quantizes at load (integrations/bitsandbytes.py
     replace_with_bnb_linear: every ``type(m) is nn.Linear`` and Conv1D but quantizers/base.py
-    get_keys_to_not_convert's: tied weights, the last parameter's module, the output embedding); the number of
-    layers replaced."""
+    get_keys_to_not_convert's: tied weights, the last parameter's module, the output embedding, and the class's
+    _keep_in_fp32_modules); the number of layers replaced."""
     import torch
     from torch import nn
+
+    from memplan.model.lora import kept_in_fp32
 
     cls, _ = _quant_classes()
     out_emb = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
@@ -182,10 +184,11 @@ def quantize(model: Any, fields: dict[str, Any], cuda: bool) -> int:
         seen[id(p)] = seen.get(id(p), 0) + 1
     tied = {n.rpartition(".")[0] for n, p in named if seen[id(p)] > 1}
     modules = dict(model.named_modules())
+    keep = tuple(getattr(model, "_keep_in_fp32_modules", None) or ())  # T5's "wo": not converted (model/lora.py)
     count = 0
     for name, m in list(modules.items()):
         kind = _layer_kind(m)
-        if not name or m is out_emb or name in tied or name == last:
+        if not name or m is out_emb or name in tied or name == last or kept_in_fp32(name, keep):
             continue
         if type(m) is not nn.Linear and kind != "conv1d":
             continue

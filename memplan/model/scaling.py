@@ -30,7 +30,7 @@ def scale_config(config: dict[str, Any], *, layers: int | None = None, hidden: i
     cfg = dict(config)
     changes: list[str] = []
     if layers is not None:
-        key = _first(cfg, _LAYER_KEYS)
+        key = _first(cfg, _LAYER_KEYS) or _first(cfg, _SECOND_LAYER_KEYS)
         if key is None:
             raise SettingsError("this config has no layer count to scale")
         if layers < 1:

@@ -403,6 +403,9 @@ def build_inventory(source: ModelSource, builder: str = "auto") -> ParamInventor
     if task == tasks.CAUSAL_LM and (builder == "analytic" or (builder == "auto" and families.supports(config))):
         inv = families.build_analytic(config, source.name, source.description)
     else:
+        drop = tasks.layerdrop_note(config)
+        if drop:
+            notes.append(drop)
         if task == tasks.SEQ2SEQ:
             built = tasks.seq2seq_class(config)
             arch = tasks.architecture(config)

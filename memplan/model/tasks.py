@@ -280,13 +280,32 @@ def step_inputs(task: str, config: Mapping[str, Any], ids: Any, dtype: Any = Non
 
 
 def trace_config(config: Mapping[str, Any]) -> dict[str, Any]:
-    """The config as the traced step builds it: a decoder's sequence classification finds each row's last token
-    through pad_token_id and refuses batches of more than one without it (modeling_layers.py
-    GenericForSequenceClassification); the bytes do not depend on which id it is, so one is set where none is."""
+    """The config as the traced step builds it (and the harness runs it): a decoder's sequence classification finds
+    each row's last token through pad_token_id and refuses batches of more than one without it (modeling_layers.py
+    GenericForSequenceClassification); the bytes do not depend on which id it is, so one is set where none is.
+    LayerDrop is off (LAYERDROP_KEYS)."""
     out = dict(config)
     if task_of(config) == "sequence-classification" and out.get("pad_token_id") is None:
         out["pad_token_id"] = 0
+    for k in LAYERDROP_KEYS:
+        if isinstance(out.get(k), (int, float)) and out[k] > 0:
+            out[k] = 0.0
     return out
+
+
+#: LayerDrop (Fan et al. 2019): a layer skipped at random in training, `torch.rand([]) < layerdrop` per layer
+#: (modeling_m2m_100.py, modeling_bart.py): a step's bytes depend on the draw, and the most a step holds is the
+#: one that drops none, which is what the trace and the harness run (a draw on fake tensors cannot be taken)
+LAYERDROP_KEYS = ("layerdrop", "encoder_layerdrop", "decoder_layerdrop")
+
+
+def layerdrop_note(config: Mapping[str, Any]) -> str | None:
+    """The note for a config that trains with LayerDrop (trace_config runs every layer), or None."""
+    on = {k: config[k] for k in LAYERDROP_KEYS if isinstance(config.get(k), (int, float)) and config[k] > 0}
+    if not on:
+        return None
+    return ("LayerDrop (" + ", ".join(f"{k} {v:g}" for k, v in on.items()) + ") skips layers at random in training; "
+            "counted with every layer running, the most a step holds")
 
 
 #: transformers' auto mapping of each task (modeling_auto.py), by model_type: the class --task builds

@@ -285,3 +285,22 @@ def test_qlora_leaves_the_class_s_fp32_modules_unquantized():
     wo = [t for t in q.tensors if t.name.endswith("DenseReluDense.wo.weight")]
     assert len(wo) == 24 and all(t.dtype == "float32" for t in wo)  # kept whole, not in q.quantized
     assert not any("DenseReluDense.wo" in t.name for t in q.quantized)
+
+
+def test_layerdrop_runs_every_layer_and_says_so():
+    """LayerDrop draws `torch.rand([]) < layerdrop` per layer in training (modeling_m2m_100.py): the trace and the
+    harness run every layer, the most a step holds, and the inventory's notes say so; scale_config scales a
+    config that names its stacks' layers only (M2M100's encoder_layers, decoder_layers)."""
+    from memplan.model.scaling import scale_config
+
+    cfg = {"architectures": ["M2M100ForConditionalGeneration"], "model_type": "m2m_100", "is_encoder_decoder": True,
+           "encoder_layers": 12, "decoder_layers": 12, "encoder_layerdrop": 0.05, "decoder_layerdrop": 0.0,
+           "d_model": 1024, "encoder_attention_heads": 16, "decoder_attention_heads": 16, "encoder_ffn_dim": 4096,
+           "decoder_ffn_dim": 4096, "vocab_size": 128112}
+    traced = tasks.trace_config(cfg)
+    assert traced["encoder_layerdrop"] == 0.0 and cfg["encoder_layerdrop"] == 0.05
+    assert "encoder_layerdrop 0.05" in tasks.layerdrop_note(cfg) and tasks.layerdrop_note(traced) is None
+    small, changes = scale_config(cfg, layers=2, hidden=256)
+    assert (small["encoder_layers"], small["decoder_layers"]) == (2, 2)
+    assert (small["encoder_attention_heads"], small["decoder_attention_heads"], small["d_model"]) == (4, 4, 256)
+    assert small["encoder_ffn_dim"] == small["decoder_ffn_dim"] == 1024

@@ -73,9 +73,8 @@ def activation_profile(config: dict[str, Any] | None, s: Settings, mode: str, no
     act.valid_recompute(s.recompute)
     from memplan.model import tasks
 
+    # an encoder-decoder's analytic refusal is resolve()'s (config_checks); here: it never falls back to one
     seq2seq = config is not None and "factory" not in config and tasks.task_of(config) == tasks.SEQ2SEQ
-    if seq2seq:
-        seq2seq_refusals(mode, False)
     if s.lora is not None and (mode == "analytic" or config is None):
         notes.append("activations: analytic, as for full training; LoRA's frozen weights save less (an upper bound)")
     if mode == "analytic":
@@ -137,21 +136,10 @@ def activation_profile(config: dict[str, Any] | None, s: Settings, mode: str, no
     return prof
 
 
-def seq2seq_refusals(activations: str, model_parallel: bool) -> None:
-    """What an encoder-decoder (seq2seq) job cannot ask for: the analytic activations (a decoder-only stack's
-    formula) and model parallelism (memplan's layouts split and stage one stack)."""
-    if activations == "analytic":
-        raise SettingsError("--activations analytic models a decoder-only stack; an encoder-decoder's (seq2seq) "
-                            "activations are traced (--activations auto or traced)")
-    if model_parallel:
-        raise SettingsError("--tp/--pp/--cp/--ep with an encoder-decoder (seq2seq) model: not modelled (its two "
-                            "stacks are neither split nor staged by memplan's parallel layouts)")
-
-
 def config_checks(config: dict[str, Any] | None, request: JobRequest) -> None:
     """The refusals a job gets from its config and command line alone, before its inventory is built (seconds for
     a model transformers builds): the task's sequence and decoder lengths, and what an encoder-decoder cannot ask
-    for. resolve() makes the same checks on the merged request."""
+    for. resolve() runs it on the merged request; the CLI (cli_estimate.inventory) first, on the command line."""
     from memplan.model import tasks
 
     b = request.batch
@@ -163,9 +151,17 @@ def config_checks(config: dict[str, Any] | None, request: JobRequest) -> None:
     seq = tasks.check_seq_len(config, b.seq_len)
     if b.target_len is not None:
         tasks.check_target_len(config, b.target_len, seq or 2048)
-    if tasks.task_of(config) == tasks.SEQ2SEQ:
-        p = request.parallel.build()
-        seq2seq_refusals(request.model.activations, p is not None and p.active)
+    if tasks.task_of(config) != tasks.SEQ2SEQ:
+        return
+    # an encoder-decoder cannot ask for the analytic activations (a decoder-only stack's formula) nor for model
+    # parallelism (memplan's layouts split and stage one stack)
+    if request.model.activations == "analytic":
+        raise SettingsError("--activations analytic models a decoder-only stack; an encoder-decoder's (seq2seq) "
+                            "activations are traced (--activations auto or traced)")
+    p = request.parallel.build()
+    if p is not None and p.active:
+        raise SettingsError("--tp/--pp/--cp/--ep with an encoder-decoder (seq2seq) model: not modelled (its two "
+                            "stacks are neither split nor staged by memplan's parallel layouts)")
 
 
 def _check_flash(config: dict[str, Any], s: Settings, target: Any) -> None:
@@ -858,12 +854,11 @@ def resolve(inv: ParamInventory, request: JobRequest, *, config: dict[str, Any] 
             pick.sources["seq_len"] = ("the image's patches (image_size / patch_size)^2 and class token"
                                        if tasks.task_of(config) == tasks.IMAGE else
                                        "the model's learned positions (max_position_embeddings)")
+    config_checks(config, r)  # as the CLI ran them before the inventory, on the merged request
     target = None
-    if r.batch.target_len is not None or (config is not None and "factory" not in config):
+    if config is not None and "factory" not in config:
         from memplan.model import tasks
 
-        if config is None or "factory" in config:
-            config_checks(config, r)
         # an encoder-decoder's decoder length: its labels per sample (the encoder's length unless given)
         asked = r.batch.target_len
         if asked is not None or tasks.task_of(config) == tasks.SEQ2SEQ:  # a source only where the job has one
@@ -942,7 +937,6 @@ def resolve(inv: ParamInventory, request: JobRequest, *, config: dict[str, Any] 
         from memplan.model.tasks import TARGET_KEY
 
         config = {**config, TARGET_KEY: target}  # the decoder's length: the traced step's labels
-        seq2seq_refusals(r.model.activations, parallel is not None and parallel.active)
     if parallel is not None and parallel.active:
         settings = _with_parallel(settings, inv, config, parallel, r.model.activations, notes, trace)
     else:

@@ -84,6 +84,8 @@ def by_topic(rep: dict[str, Any]) -> list[tuple[str, list[str]]]:
                           if st.get("target_len") else "") + f", grad-accum {st['grad_accum']}", None)]
     kernels = [_item("attention", str(st["attention"]), src.get("attention")),
                _item("recompute", str(st["recompute"]), src.get("recompute")),
+               *([_item("torch.compile", str(st["compile"]), src.get("compile"))]
+                 if st.get("compile", "none") != "none" else []),
                _item("activations", str(a.get("activations", "?")), None)]
     if "blas_workspace" in a:
         kernels.append(_item("cuBLAS workspace", str(a["blas_workspace"]), src.get("cublas_workspace", "default")))

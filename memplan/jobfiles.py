@@ -395,6 +395,12 @@ def read_training_args(path: str) -> JobFile:
         job.values["recompute"] = _checkpointing_kwargs(job, path, d.get(
             "activation_checkpointing_kwargs", d.get("gradient_checkpointing_kwargs")))
     _optim(d.get("optim", "adamw_torch_fused"), path, job)
+    if _flag(d.get("torch_compile", False), "torch_compile", path):
+        # the Trainer compiles the model, its loss inside (trainer.py: torch.compile(model, backend=...))
+        backend = str(d.get("torch_compile_backend") or "inductor")
+        if backend != "inductor":
+            raise ConfigError(f"{path}: torch_compile_backend {quote(backend)}: memplan models inductor's")
+        job.values["compile"] = "model"
     if d.get("ddp_bucket_cap_mb") is not None:
         # the Trainer hands it to DDP (transformers trainer.py: ddp_kwargs["bucket_cap_mb"])
         job.values["bucket_cap_mb"] = _count(d["ddp_bucket_cap_mb"], "ddp_bucket_cap_mb", path)

@@ -75,6 +75,8 @@ def activation_profile(config: dict[str, Any] | None, s: Settings, mode: str, no
 
     # an encoder-decoder's analytic refusal is resolve()'s (config_checks); here: it never falls back to one
     seq2seq = config is not None and "factory" not in config and tasks.task_of(config) == tasks.SEQ2SEQ
+    # a compiled step has no analytic counterpart either: its trace's failure is the answer
+    seq2seq = seq2seq or s.compile != "none"
     if s.lora is not None and (mode == "analytic" or config is None):
         notes.append("activations: analytic, as for full training; LoRA's frozen weights save less (an upper bound)")
     if mode == "analytic":
@@ -143,6 +145,7 @@ def config_checks(config: dict[str, Any] | None, request: JobRequest) -> None:
     from memplan.model import tasks
 
     b = request.batch
+    compile_checks(config, request)
     if config is None or "factory" in config:
         if b.target_len is not None:
             raise SettingsError(f"--target-len {b.target_len}: only an encoder-decoder (seq2seq) model's config has "
@@ -162,6 +165,33 @@ def config_checks(config: dict[str, Any] | None, request: JobRequest) -> None:
     if p is not None and p.active:
         raise SettingsError("--tp/--pp/--cp/--ep with an encoder-decoder (seq2seq) model: not modelled (its two "
                             "stacks are neither split nor staged by memplan's parallel layouts)")
+
+
+def compile_checks(config: dict[str, Any] | None, request: JobRequest) -> None:
+    """--compile's refusals: what memplan does not model under torch.compile (tracing/compiled.py)."""
+    from memplan.activations.tracing_keys import COMPILE_MODES
+
+    mode = request.training.compile
+    if mode not in COMPILE_MODES:
+        raise SettingsError(f"unknown --compile {quote(mode)}; valid: {', '.join(COMPILE_MODES)}")
+    if mode == "none":
+        return
+    why = None
+    if request.model.activations == "analytic" or config is None:
+        why = "needs the traced activations (a model config, --activations auto or traced): inductor's partitioner " \
+              "runs on the traced graph"
+    elif (p := request.parallel.build()) is not None and p.active:
+        why = "with --tp/--pp/--cp/--ep is not modelled yet"
+    elif request.training.recompute == "op-sac":
+        why = "with --recompute op-sac (a per-operation policy inside the compiled graph) is not modelled yet"
+    elif request.training.stage == 3 or request.training.strategy == "zero3":
+        why = "under DeepSpeed ZeRO-3 (deepspeed.compile's own passes around its parameter gathers) is not modelled"
+    elif request.adapters.quantize_base:
+        why = "with a 4-bit base (bitsandbytes' kernels inside compiled graphs) is not modelled"
+    elif request.training.attention == "eager":
+        why = "with --attention eager (inductor's pattern matcher turns it into fused attention) is not modelled"
+    if why:
+        raise SettingsError(f"--compile {mode} {why}")
 
 
 def _check_flash(config: dict[str, Any], s: Settings, target: Any) -> None:
@@ -916,7 +946,7 @@ def resolve(inv: ParamInventory, request: JobRequest, *, config: dict[str, Any] 
     settings = Settings(strategy=strat, recipe=recipe, optimizer=opt, cluster=cluster,
                         optimizer_impl=r.training.optimizer_impl,
                         micro_batch=mb, seq_len=seq, target_len=target, grad_accum=ga, recompute=recompute,
-                        attention=r.training.attention,
+                        attention=r.training.attention, compile=r.training.compile,
                         ds=ds, torch=tk, horovod=hv, overheads=ov, allocator_conf=conf, lora=lora)
     notes.extend(_optimizer_notes(inv, settings))
     from memplan import frameworks
@@ -937,6 +967,10 @@ def resolve(inv: ParamInventory, request: JobRequest, *, config: dict[str, Any] 
         from memplan.model.tasks import TARGET_KEY
 
         config = {**config, TARGET_KEY: target}  # the decoder's length: the traced step's labels
+    if settings.compile != "none" and config is not None:
+        from memplan.activations.tracing_keys import COMPILE_KEY
+
+        config = {**config, COMPILE_KEY: settings.compile}  # the traced step compiles (tracing/compiled.py)
     if parallel is not None and parallel.active:
         settings = _with_parallel(settings, inv, config, parallel, r.model.activations, notes, trace)
     else:

@@ -232,6 +232,8 @@ class Settings:
     grad_accum: int = 1
     recompute: str = "none"
     attention: str = "sdpa"  #: sdpa: the device's own kernel choice; flash: flash asked for; eager
+    #: torch.compile (inductor): none | blocks | model (memplan/activations/tracing/compiled.py)
+    compile: str = "none"
     ds: DeepSpeedKnobs = field(default_factory=DeepSpeedKnobs)
     torch: TorchKnobs = field(default_factory=TorchKnobs)
     horovod: HorovodKnobs = field(default_factory=HorovodKnobs)

@@ -432,7 +432,8 @@ class TracedProfile:
         kind = "fitted from" if d.get("fitted_from") else "traced"
         return (f"{kind} ({self.origin}; transformers {d['transformers']}, {d['traced_layers']} of "
                 f"{d['num_layers']} blocks traced, attention "
-                f"{'sdpa (the device kernel)' if d['attention'] == 'flash' else d['attention']}, seq {d['seq_len']})")
+                f"{'sdpa (the device kernel)' if d['attention'] == 'flash' else d['attention']}, seq {d['seq_len']}"
+                + (f", torch.compile {d['compile']} (inductor's partitioner)" if d.get("compile") else "") + ")")
 
 
 def has_dropout(config: dict) -> bool:

@@ -211,7 +211,7 @@ def _op(name: str) -> Any:
 # ---- dropout, DeepSpeed's linear, CPU GEMM scratch ----------------------------------------------------------
 
 
-def cuda_dropout():  # noqa: ANN201
+def cuda_dropout(compiled: bool = False):  # noqa: ANN201
     """F.dropout as CUDA runs it in training: at::dropout takes the fused native_dropout kernel on CUDA
     (aten/src/ATen/native/Dropout.cpp, is_fused_kernel_acceptable), which saves a bool mask, 1 byte per element.
     On CPU, _dropout multiplies by a noise tensor in the input's dtype and saves that (2 or 4 bytes), and the
@@ -232,6 +232,8 @@ def cuda_dropout():  # noqa: ANN201
     def dropout(input, p=0.5, training=True, inplace=False):  # noqa: ANN001, A002
         if not training or p == 0:
             return input
+        if compiled:  # CUDA's own op, which a compiled graph decomposes (tracing/compiled.py)
+            return torch.ops.aten.native_dropout(input, p, True)[0]
         return BoolMaskDropout.apply(input)
 
     return dropout

@@ -33,6 +33,61 @@ def _scratch(nbytes: int, device: Any) -> None:
         del tmp
 
 
+def _forward_outputs(q: Any, v: Any, backend: str, call: K.SdpaCall, target: K.Target) -> tuple[Any, list[Any]]:
+    """A fused kernel's output and what it saves beside q, k, v, allocated in the kernel's order."""
+    import torch
+
+    b, h, s, _ = q.shape
+    # the output's memory order (measured on the H100): memory-efficient writes (b, s, h, d) whatever q's
+    # layout; flash and cuDNN follow q: (b, s, h, d) for q viewed from a projection's output, (b, h, s, d)
+    # for a q made contiguous in that order (GPT-NeoX's rotary cat), which the model's
+    # transpose(1, 2).contiguous() then copies
+    SAC_KERNEL_OUTPUTS["on"] = target.device == "cuda"
+    try:
+        if K.BACKENDS[backend].output_bshd or q.stride(1) < q.stride(2):
+            out = torch.empty(b, s, h, v.shape[-1], dtype=q.dtype, device=q.device).transpose(1, 2)
+        else:
+            out = torch.empty(b, h, s, v.shape[-1], dtype=q.dtype, device=q.device)
+        extra = _extras(backend, call, target, q.device, 0, 3)  # the kernel's outputs
+        SAC_KERNEL_OUTPUTS["on"] = False  # a 4th: the converted mask
+        extra += _extras(backend, call, target, q.device, 3)
+    finally:
+        SAC_KERNEL_OUTPUTS["on"] = False
+    return out, extra
+
+
+def _backward_outputs(q: Any, k: Any, v: Any, call: K.SdpaCall, mask_dtype: Any, mask_grad: bool) -> list[Any]:
+    """dq, dk, dv and, for a mask that requires grad, the bias gradient as the kernel allocates it."""
+    import torch
+
+    out = [torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)]
+    if mask_grad:
+        # a learned bias (T5's relative positions) takes the memory-efficient kernel (cuDNN and flash refuse
+        # a mask that requires grad), whose backward makes the bias's gradient beside dq, dk, dv: the
+        # expanded bias's sizes with the last dim rounded up to 16, sliced back (attention_backward.cu
+        # _efficient_attention_backward, bias_requires_grad); autograd sums it to the mask's own shape
+        c = call
+        out.append(torch.empty(c.batch, c.hq, c.sq, -(-c.sk // 16) * 16, dtype=mask_dtype, device=q.device))
+    return out
+
+
+def _backward_transients(backend: str, call: K.SdpaCall, target: K.Target, device: Any) -> None:
+    """What a fused kernel's backward allocates for itself after dq, dk, dv, freed before it returns."""
+    import torch
+
+    order = K.BACKENDS[backend].backward_allocations(call, target.device, target.arch)
+    if order is not None:
+        # e.g. memory-efficient's delta, the temporaries that make it and its workspace, in order
+        temps, delta, work = order
+        held = [torch.empty(n, dtype=torch.uint8, device=device) for n in temps]
+        d = torch.empty(delta, dtype=torch.uint8, device=device)
+        del held
+        w = torch.empty(work, dtype=torch.uint8, device=device) if work else None
+        del d, w
+    else:
+        _scratch(K.BACKENDS[backend].backward_scratch(call, target.device, target.arch), device)
+
+
 def fused_kernel(target: K.Target) -> Any:
     """An autograd function that allocates and saves what a fused kernel does on ``target``."""
     import torch
@@ -40,22 +95,7 @@ def fused_kernel(target: K.Target) -> Any:
     class Fused(torch.autograd.Function):
         @staticmethod
         def forward(ctx, q, k, v, mask, backend, call):  # noqa: ANN001
-            b, h, s, _ = q.shape
-            # the output's memory order (measured on the H100): memory-efficient writes (b, s, h, d) whatever q's
-            # layout; flash and cuDNN follow q: (b, s, h, d) for q viewed from a projection's output, (b, h, s, d)
-            # for a q made contiguous in that order (GPT-NeoX's rotary cat), which the model's
-            # transpose(1, 2).contiguous() then copies
-            SAC_KERNEL_OUTPUTS["on"] = target.device == "cuda"
-            try:
-                if K.BACKENDS[backend].output_bshd or q.stride(1) < q.stride(2):
-                    out = torch.empty(b, s, h, v.shape[-1], dtype=q.dtype, device=q.device).transpose(1, 2)
-                else:
-                    out = torch.empty(b, h, s, v.shape[-1], dtype=q.dtype, device=q.device)
-                extra = _extras(backend, call, target, q.device, 0, 3)  # the kernel's outputs
-                SAC_KERNEL_OUTPUTS["on"] = False  # a 4th: the converted mask
-                extra += _extras(backend, call, target, q.device, 3)
-            finally:
-                SAC_KERNEL_OUTPUTS["on"] = False
+            out, extra = _forward_outputs(q, v, backend, call, target)
             _scratch(K.BACKENDS[backend].forward_scratch(call, target.device), q.device)
             ctx.backend, ctx.call = backend, call
             ctx.mask_dtype = mask.dtype if mask is not None else q.dtype
@@ -65,30 +105,95 @@ def fused_kernel(target: K.Target) -> Any:
         @staticmethod
         def backward(ctx, grad):  # noqa: ANN001
             q, k, v, *_ = ctx.saved_tensors
-            dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-            dmask = None
-            if ctx.call.mask_grad and ctx.needs_input_grad[3]:
-                # a learned bias (T5's relative positions) takes the memory-efficient kernel (cuDNN and flash refuse
-                # a mask that requires grad), whose backward makes the bias's gradient beside dq, dk, dv: the
-                # expanded bias's sizes with the last dim rounded up to 16, sliced back (attention_backward.cu
-                # _efficient_attention_backward, bias_requires_grad); autograd sums it to the mask's own shape
-                c = ctx.call
-                grad_bias = torch.empty(c.batch, c.hq, c.sq, -(-c.sk // 16) * 16, dtype=ctx.mask_dtype,
-                                        device=q.device)
-                dmask = grad_bias[..., :c.sk]
-            order = K.BACKENDS[ctx.backend].backward_allocations(ctx.call, target.device, target.arch)
-            if order is not None:
-                # e.g. memory-efficient's delta, the temporaries that make it and its workspace, in order
-                temps, delta, work = order
-                held = [torch.empty(n, dtype=torch.uint8, device=q.device) for n in temps]
-                d = torch.empty(delta, dtype=torch.uint8, device=q.device)
-                del held
-                w = torch.empty(work, dtype=torch.uint8, device=q.device) if work else None
-                del d, w
-            else:
-                _scratch(K.BACKENDS[ctx.backend].backward_scratch(ctx.call, target.device, target.arch), q.device)
-            return dq, dk, dv, dmask, None, None
+            grads = _backward_outputs(q, k, v, ctx.call, ctx.mask_dtype,
+                                      ctx.call.mask_grad and ctx.needs_input_grad[3])
+            dmask = grads[3][..., :ctx.call.sk] if len(grads) > 3 else None
+            _backward_transients(ctx.backend, ctx.call, target, q.device)
+            return grads[0], grads[1], grads[2], dmask, None, None
     return Fused
+
+
+#: torch.compile's attention (tracing/compiled.py): the call sites' target and kernel record, by key
+_SITES: dict[str, tuple[K.Target, dict[str, str]]] = {}
+_OPS: dict[str, Any] = {}
+
+
+def _site_call(q: Any, k: Any, v: Any, mask: Any, dropout_p: float, is_causal: bool, enable_gqa: bool,
+               mask_grad: bool, site: str) -> tuple[str, K.SdpaCall, K.Target]:
+    from dataclasses import replace
+
+    target, kernels = _SITES[site]
+    call = replace(_call_of(q, k, v, mask, dropout_p, is_causal, enable_gqa), mask_grad=mask_grad)
+    backend, why = K.backend_for(call, target)
+    kernels.setdefault(backend, why)
+    if not K.BACKENDS[backend].fused:
+        raise ValueError(f"under --compile this attention runs the math kernel ({why}), which inductor decomposes "
+                         "into its own kernels: not modelled")
+    return backend, call, target
+
+
+def compiled_ops() -> dict[str, Any]:
+    """The fused attention kernel as two operators (memplan::attention and its backward) that torch.compile
+    keeps whole, as it keeps aten's flash, memory-efficient and cuDNN attention (extern kernels the partitioner
+    saves the inputs and outputs of); their fake kernels allocate what the fused stand-in above does, and
+    ``after`` runs each one's scratch after it in a compiled graph (tracing/compiled.py)."""
+    if _OPS:
+        return _OPS
+    import torch
+
+    args = "float dropout_p, bool is_causal, bool enable_gqa, bool mask_grad, str site"
+
+    @torch.library.custom_op("memplan::attention", mutates_args=(),
+                             schema=f"(Tensor q, Tensor k, Tensor v, Tensor? mask, {args}) -> Tensor[]")
+    def attention(q, k, v, mask, dropout_p, is_causal, enable_gqa, mask_grad, site):  # noqa: ANN001, ANN202
+        raise RuntimeError("memplan::attention runs on the trace's fake tensors only")
+
+    @attention.register_fake
+    def _(q, k, v, mask, dropout_p, is_causal, enable_gqa, mask_grad, site):  # noqa: ANN001, ANN202
+        backend, call, target = _site_call(q, k, v, mask, dropout_p, is_causal, enable_gqa, mask_grad, site)
+        out, extra = _forward_outputs(q, v, backend, call, target)
+        return [out, *extra]
+
+    @torch.library.custom_op("memplan::attention_backward", mutates_args=(),
+                             schema="(Tensor grad, Tensor q, Tensor k, Tensor v, Tensor? mask, Tensor[] saved, "
+                                    f"{args}) -> Tensor[]")
+    def attention_backward(grad, q, k, v, mask, saved, dropout_p, is_causal, enable_gqa, mask_grad,  # noqa: ANN001, ANN202
+                           site):
+        raise RuntimeError("memplan::attention_backward runs on the trace's fake tensors only")
+
+    @attention_backward.register_fake
+    def _(grad, q, k, v, mask, saved, dropout_p, is_causal, enable_gqa, mask_grad, site):  # noqa: ANN001, ANN202
+        _, call, _ = _site_call(q, k, v, mask, dropout_p, is_causal, enable_gqa, mask_grad, site)
+        return _backward_outputs(q, k, v, call, mask.dtype if mask is not None else q.dtype, mask_grad)
+
+    def setup_context(ctx, inputs, output):  # noqa: ANN001, ANN202
+        q, k, v, mask, dropout_p, is_causal, enable_gqa, mask_grad, site = inputs
+        ctx.args = (dropout_p, is_causal, enable_gqa, mask_grad, site)
+        ctx.has_mask = mask is not None
+        ctx.save_for_backward(q, k, v, mask, *output)
+
+    def backward(ctx, grads):  # noqa: ANN001, ANN202
+        q, k, v, mask, *saved = ctx.saved_tensors
+        out = attention_backward(grads[0], q, k, v, mask if ctx.has_mask else None, saved, *ctx.args)
+        dmask = out[3][..., :k.shape[2]] if len(out) > 3 else None
+        return out[0], out[1], out[2], dmask, None, None, None, None, None
+
+    attention.register_autograd(backward, setup_context=setup_context)
+
+    def after_forward(args: tuple, _out: Any) -> None:
+        q, k, v, mask, dropout_p, is_causal, enable_gqa, mask_grad, site = args
+        backend, call, target = _site_call(q, k, v, mask, dropout_p, is_causal, enable_gqa, mask_grad, site)
+        _scratch(K.BACKENDS[backend].forward_scratch(call, target.device), q.device)
+
+    def after_backward(args: tuple, _out: Any) -> None:
+        _, q, k, v, mask, _, dropout_p, is_causal, enable_gqa, mask_grad, site = args
+        backend, call, target = _site_call(q, k, v, mask, dropout_p, is_causal, enable_gqa, mask_grad, site)
+        _backward_transients(backend, call, target, q.device)
+
+    _OPS.update({"attention": torch.ops.memplan.attention.default,
+                 "after": {torch.ops.memplan.attention.default: after_forward,
+                           torch.ops.memplan.attention_backward.default: after_backward}})
+    return _OPS
 
 
 def _ring(target: K.Target, cp: int) -> Any:
@@ -233,13 +338,38 @@ def _call_of(q: Any, k: Any, v: Any, mask: Any, dropout_p: float, is_causal: boo
                       mask_grad=bool(mask is not None and mask.requires_grad and torch.is_grad_enabled()))
 
 
-def sdpa(real_sdpa: Any, target: K.Target, kernels: dict[str, str], cp: int = 1):  # noqa: ANN201
+def sdpa(real_sdpa: Any, target: K.Target, kernels: dict[str, str], cp: int = 1,  # noqa: ANN201
+         compiled: bool = False):
     """scaled_dot_product_attention as ``target`` runs it: each call's backend is chosen by memplan.activations.kernels
     (the device's own rules); a fused backend is replaced by a function that allocates and saves what that
     kernel does (kernels.SdpaBackend: saved, forward_scratch, backward_scratch), the math kernel runs as PyTorch's
     composite (_scaled_dot_product_attention_math) with, on a GPU, the measured extra of its CUDA kernels.
-    ``kernels`` collects backend -> why."""
+    ``kernels`` collects backend -> why. ``compiled``: under torch.compile, a fused kernel is one operator
+    (compiled_ops) that the compiled graphs keep whole."""
     import torch
+
+    if compiled:
+        if cp > 1:
+            raise ValueError("--compile with context parallelism is not modelled")
+        site = repr((target, len(_SITES)))
+        _SITES[site] = (target, kernels)
+        op = compiled_ops()["attention"]
+
+        def run_compiled(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,  # noqa: ANN001
+                         enable_gqa=False):
+            dev = query.device.type
+            if torch.is_autocast_enabled(dev):  # as run() below
+                dt = torch.get_autocast_dtype(dev)
+                query, key, value = (t.to(dt) if t.is_floating_point() and t.dtype not in (dt, torch.float64) else t
+                                     for t in (query, key, value))
+                if attn_mask is not None and attn_mask.is_floating_point() and attn_mask.dtype != dt:
+                    attn_mask = attn_mask.to(dt)
+            mask_grad = attn_mask is not None and attn_mask.requires_grad and torch.is_grad_enabled()
+            with torch.autocast(dev, enabled=False):
+                return op(query, key, value, attn_mask, float(dropout_p), bool(is_causal), bool(enable_gqa),
+                          bool(mask_grad), site)[0]
+
+        return run_compiled
 
     Fused = fused_kernel(target) if cp == 1 else _ring(target, cp)
     MathBefore, MathAfter = _math_extra()

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+#: the config pseudo-key that carries --compile into the trace and its cache key (tracing/compiled.py)
+COMPILE_KEY = "memplan_compile"
+#: --compile's values: none, each transformer block (torchtitan), the model and its loss (torch.compile(model))
+COMPILE_MODES = ("none", "blocks", "model")
+
 #: bump when the traced profile's format or method changes (memplan/tracing): every cached key changes with it
 PROFILE_VERSION = 20
 

@@ -27,10 +27,18 @@ class ModuleStack:
     def install(self) -> None:
         import torch.nn.modules.module as mm
 
+        from torch.compiler import is_compiling
+
+        # inside a compiled region (tracing/compiled.py) dynamo would trace these hooks' side effects: they stay
+        # out of it, and the region's storages take the label of the module that called it
         def pre(mod: Any, _args: Any) -> None:
+            if is_compiling():
+                return
             self.stack.append(self.names.get(id(mod), type(mod).__name__))
 
         def post(_mod: Any, _args: Any, _out: Any) -> None:
+            if is_compiling():
+                return
             if self.stack:
                 self.stack.pop()
 

@@ -179,6 +179,12 @@ def dispatch_mode(live: LiveBytes, scratch: Any = None, transients: Any = None, 
     from torch.utils._pytree import tree_leaves
 
     class Mode(TorchDispatchMode):
+        @classmethod
+        def ignore_compile_internals(cls) -> bool:
+            """dynamo runs beside this mode (a compiled region's graphs run under it, its compilation does not:
+            tracing/compiled.py)."""
+            return True
+
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
             out = accumulate.maybe_inplace(func, args, kwargs or {}, live) if accumulate is not None else None
             if out is None:
@@ -202,4 +208,6 @@ def dispatch_mode(live: LiveBytes, scratch: Any = None, transients: Any = None, 
             live.tick()
             return out
 
-    return Mode()
+    mode = Mode()
+    mode.live = live  # type: ignore[attr-defined]  # tracing/compiled.py: a compiled graph's in-place writes
+    return mode

@@ -14,6 +14,7 @@ from memplan.activations.kernels import Target
 from memplan.model import user_module
 from memplan.parallel import CP_KEY, EP_KEY
 from memplan.activations.tracing.accumulate import Accumulations
+from memplan.activations.tracing.compiled import COMPILE_KEY, compiling
 from memplan.activations.tracing.explain import ModuleStack
 from memplan.activations.tracing.live import LiveBytes, dispatch_mode
 from memplan.activations.tracing.segments import block_hooks, block_segments, loss_segment, root_first_hook, root_hooks_done
@@ -22,9 +23,11 @@ from memplan.activations.tracing_keys import trace_dtypes
 
 @contextlib.contextmanager
 def _substitutions(config: dict[str, Any], dtype: str, attention: str, target: Target, linear: str,
-                   kernels: dict[str, str], cp: int = 1) -> Iterator[None]:
+                   kernels: dict[str, str], cp: int = 1, compiled: bool = False) -> Iterator[None]:
     """What runs in place of the fake CPU tensors' kernels for the target (memplan/activations/substitutes.py), installed
-    for the step and restored after it."""
+    for the step and restored after it. Under torch.compile (tracing/compiled.py) a fused attention kernel is one
+    operator the compiled graphs keep whole, and CUDA's dropout is aten's native_dropout, which inductor
+    decomposes into a bool mask as the fused kernel keeps."""
     import logging
 
     import torch.nn.functional as F
@@ -51,9 +54,9 @@ def _substitutions(config: dict[str, Any], dtype: str, attention: str, target: T
         if real_can_grouped is not None:
             moe._can_use_grouped_mm = lambda *a, **k: False
         if attention in ("flash", "sdpa"):
-            F.scaled_dot_product_attention = sub.sdpa(real_sdpa, target, kernels, cp)
+            F.scaled_dot_product_attention = sub.sdpa(real_sdpa, target, kernels, cp, compiled)
         if target.device == "cuda":
-            F.dropout = sub.cuda_dropout()
+            F.dropout = sub.cuda_dropout(compiled)
         if linear == "deepspeed-zero3":
             F.linear = sub.deepspeed_zero3_linear("cpu")  # the traced tensors are (fake) CPU tensors
         if real_packed is not None:
@@ -183,15 +186,15 @@ def one_step(config: dict[str, Any], batch: int, seq: int, recipe: str, attentio
     lora = config.get("lora")
     if lora is not None:
         config = {k: v for k, v in config.items() if k != "lora"}
-    ep, cp = config.get(EP_KEY, 1), config.get(CP_KEY, 1)
-    if EP_KEY in config or CP_KEY in config:
-        config = {k: v for k, v in config.items() if k not in (EP_KEY, CP_KEY)}
+    ep, cp, compile_mode = config.get(EP_KEY, 1), config.get(CP_KEY, 1), config.get(COMPILE_KEY, "none")
+    if EP_KEY in config or CP_KEY in config or COMPILE_KEY in config:
+        config = {k: v for k, v in config.items() if k not in (EP_KEY, CP_KEY, COMPILE_KEY)}
     target = target or Target(device="cuda")
     cuda = target.device == "cuda"
     kernels: dict[str, str] = {}
     # a GPU job's autocast is CUDA's (substitutes.CudaAutocast), on the CPU tensors the trace runs
     policy = sub.CudaAutocast("bfloat16") if cuda and autocast else contextlib.nullcontext()
-    with _substitutions(config, dtype, attention, target, linear, kernels, cp), \
+    with _substitutions(config, dtype, attention, target, linear, kernels, cp, compile_mode != "none"), \
             FakeTensorMode(allow_non_fake_inputs=True), policy:
         if user_module.is_user_module(config):  # the user's own module (a factory)
             model, user_blocks, run = user_module.build(config, batch, seq, dtype, recompute)
@@ -259,29 +262,30 @@ def one_step(config: dict[str, Any], batch: int, seq: int, recipe: str, attentio
 
         stack.install()
         try:
-            accumulate = Accumulations()
-            probe = LiveBytes(live.block)
-            accumulate.calibrate(dispatch_mode(probe, accumulate=accumulate), probe)
-            with dispatch_mode(live, None if cuda else sub.gemm_scratch(target.cpu_isa, target.cpu_threads),
-                               sub.cuda_scratch(target.gpu) if cuda else None, accumulate):
-                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-                        loss = run(model)
-                live.tick()
-                forward_end = len(live.timeline)
-                moments.regions["forward_end"] = len(live.events)
-                live.phase = "b"  # the backward's ops run on autograd's device thread, with its own cuBLAS handle
-                after_forward = live.live
-                first_contributions(loss, live, hooks.first_contrib)
-                accumulate.hook(loss, live)
-                loss.backward()
-                live.tick()
-                # a block whose input needs no gradient (the first one under LoRA: the frozen embedding's output)
-                # gets no hook on it; its backward is over when the whole backward is (nothing runs below it)
-                for i in range(len(block_list)):
-                    moments.regions["be"].setdefault(i, len(live.events))
-                del loss
-            live.ready_order()
+            with compiling(model, block_list, compile_mode):
+                accumulate = Accumulations()
+                probe = LiveBytes(live.block)
+                accumulate.calibrate(dispatch_mode(probe, accumulate=accumulate), probe)
+                with dispatch_mode(live, None if cuda else sub.gemm_scratch(target.cpu_isa, target.cpu_threads),
+                                   sub.cuda_scratch(target.gpu) if cuda else None, accumulate):
+                    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                            loss = run(model)
+                    live.tick()
+                    forward_end = len(live.timeline)
+                    moments.regions["forward_end"] = len(live.events)
+                    live.phase = "b"  # the backward's ops run on autograd's device thread, with its own cuBLAS handle
+                    after_forward = live.live
+                    first_contributions(loss, live, hooks.first_contrib)
+                    accumulate.hook(loss, live)
+                    loss.backward()
+                    live.tick()
+                    # a block whose input needs no gradient (the first one under LoRA: the frozen embedding's output)
+                    # gets no hook on it; its backward is over when the whole backward is (nothing runs below it)
+                    for i in range(len(block_list)):
+                        moments.regions["be"].setdefault(i, len(live.events))
+                    del loss
+                live.ready_order()
         finally:
             stack.remove()
         names = {id(m): n for n, m in model.named_modules()}

@@ -184,8 +184,6 @@ def compile_checks(config: dict[str, Any] | None, request: JobRequest) -> None:
         why = "with --tp/--pp/--cp/--ep is not modelled yet"
     elif request.training.recompute == "op-sac":
         why = "with --recompute op-sac (a per-operation policy inside the compiled graph) is not modelled yet"
-    elif request.training.stage == 3 or request.training.strategy == "zero3":
-        why = "under DeepSpeed ZeRO-3 (deepspeed.compile's own passes around its parameter gathers) is not modelled"
     elif request.adapters.quantize_base:
         why = "with a 4-bit base (bitsandbytes' kernels inside compiled graphs) is not modelled"
     elif request.training.attention == "eager":
@@ -967,10 +965,18 @@ def resolve(inv: ParamInventory, request: JobRequest, *, config: dict[str, Any] 
         from memplan.model.tasks import TARGET_KEY
 
         config = {**config, TARGET_KEY: target}  # the decoder's length: the traced step's labels
+    if settings.compile != "none" and settings.strategy.framework not in ("torch", "torch-ddp", "fsdp2"):
+        raise SettingsError(f"--compile {settings.compile} under {settings.strategy.framework} is not modelled yet: a "
+                            "compiled block's parameter gradients reach their hooks together, after its backward "
+                            "graph, where DeepSpeed, Horovod and FSDP1 take each one in its own hook (modelled: one "
+                            "GPU, DDP and FSDP2)")
     if settings.compile != "none" and config is not None:
-        from memplan.activations.tracing_keys import COMPILE_KEY
+        from memplan.activations.tracing_keys import COMPILE_DDP_KEY, COMPILE_KEY
 
         config = {**config, COMPILE_KEY: settings.compile}  # the traced step compiles (tracing/compiled.py)
+        if settings.strategy.framework == "torch-ddp" and settings.cluster.gpus > 1:
+            # dynamo splits the compiled graphs at DDP's buckets (DDPOptimizer): DDP's bucket_bytes_cap
+            config[COMPILE_DDP_KEY] = int(settings.torch.bucket_cap_mb * 1024 * 1024)
     if parallel is not None and parallel.active:
         settings = _with_parallel(settings, inv, config, parallel, r.model.activations, notes, trace)
     else:

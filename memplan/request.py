@@ -172,10 +172,9 @@ class Training:
                          training_args="gradient_checkpointing", accelerate="fsdp_config.fsdp_activation_checkpointing")
     attention: str = opt("sdpa", "--attention", "sdpa (the device's own kernel choice) | flash (asked for: refused "
                          "where the device cannot run it) | eager.")
-    compile: str = opt("none", "--compile", "torch.compile with inductor: none | blocks (each transformer block, "
-                       "torchtitan's per-block compile) | model (the model and its loss: torch.compile(model), the HF "
-                       "Trainer's torch_compile). What is saved for backward is inductor's partitioner's choice.",
-                       training_args="torch_compile")
+    compile: str = opt("none", "--compile", "torch.compile with inductor: none | blocks (each transformer block "
+                       "compiled: torchtitan's per-block compile; what each saves for backward is inductor's "
+                       "partitioner's choice). The whole model in one graph is not modelled.")
 
 
 @dataclass(frozen=True)

@@ -122,14 +122,9 @@ def _site_call(q: Any, k: Any, v: Any, mask: Any, dropout_p: float, is_causal: b
                mask_grad: bool, site: str) -> tuple[str, K.SdpaCall, K.Target]:
     from dataclasses import replace
 
-    target, kernels = _SITES[site]
+    target, _ = _SITES[site]
     call = replace(_call_of(q, k, v, mask, dropout_p, is_causal, enable_gqa), mask_grad=mask_grad)
-    backend, why = K.backend_for(call, target)
-    kernels.setdefault(backend, why)
-    if not K.BACKENDS[backend].fused:
-        raise ValueError(f"under --compile this attention runs the math kernel ({why}), which inductor decomposes "
-                         "into its own kernels: not modelled")
-    return backend, call, target
+    return K.backend_for(call, target)[0], call, target
 
 
 def compiled_ops() -> dict[str, Any]:
@@ -365,7 +360,15 @@ def sdpa(real_sdpa: Any, target: K.Target, kernels: dict[str, str], cp: int = 1,
                 if attn_mask is not None and attn_mask.is_floating_point() and attn_mask.dtype != dt:
                     attn_mask = attn_mask.to(dt)
             mask_grad = attn_mask is not None and attn_mask.requires_grad and torch.is_grad_enabled()
+            call = _call_of(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa)
+            backend, why = K.backend_for(call, target)
+            kernels.setdefault(backend, why)
             with torch.autocast(dev, enabled=False):
+                if not K.BACKENDS[backend].fused:
+                    # the math kernel is PyTorch's composite: its operators go into the graph, and inductor
+                    # fuses and partitions them like the rest (a GPU's math kernels' own extra is not modelled)
+                    return torch.ops.aten._scaled_dot_product_attention_math(
+                        query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)[0]
                 return op(query, key, value, attn_mask, float(dropout_p), bool(is_causal), bool(enable_gqa),
                           bool(mask_grad), site)[0]
 

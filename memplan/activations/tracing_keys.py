@@ -4,8 +4,11 @@ from __future__ import annotations
 
 #: the config pseudo-key that carries --compile into the trace and its cache key (tracing/compiled.py)
 COMPILE_KEY = "memplan_compile"
-#: --compile's values: none, each transformer block (torchtitan), the model and its loss (torch.compile(model))
-COMPILE_MODES = ("none", "blocks", "model")
+#: under DDP, the Reducer's bucket cap in bytes: dynamo splits each compiled graph at bucket boundaries
+#: (DDPOptimizer, torch/_dynamo/backends/distributed.py), so the trace compiles with the same splits
+COMPILE_DDP_KEY = "memplan_compile_ddp_bucket"
+#: --compile's values: none, each transformer block compiled (torchtitan's per-block compile)
+COMPILE_MODES = ("none", "blocks")
 
 #: bump when the traced profile's format or method changes (memplan/tracing): every cached key changes with it
 PROFILE_VERSION = 20

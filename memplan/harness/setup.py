@@ -47,7 +47,27 @@ def _build_model(spec: dict[str, Any], on_meta: bool) -> Any:
             bnb_4bit_config(model, spec["lora"])
         model = peft_model(model, spec["lora"])
     model.train()
+    compile_model(model, spec.get("compile", "none"))
     return model
+
+
+def compile_model(model: Any, mode: str) -> None:
+    """torch.compile with inductor, before the framework wraps the model (torchtitan's apply_compile runs before
+    apply_fsdp): ``blocks`` compiles each transformer block's forward (torchtitan's per-block compile; the
+    block's hooks stay outside the graph)."""
+    if mode == "none":
+        return
+    import torch
+
+    from memplan.activations.tracing.step import block_index
+
+    _, blocks = block_index(model)
+    if not blocks:
+        raise ValueError("--compile blocks: the model has no transformer blocks to compile")
+    for blk in blocks:
+        # the class's forward looked up at each call: FSDP2 swaps the block's class (FSDP<Block>), whose forward
+        # transformers wraps again for checkpointing, and only the outermost wrapper checkpoints
+        blk.forward = torch.compile(lambda *a, _blk=blk, **k: type(_blk).forward(_blk, *a, **k))
 
 
 def bnb_4bit_config(model: Any, fields: dict[str, Any]) -> None:

@@ -31,6 +31,7 @@ def _safetensors(header, data=b""):
 
 #: files the cases refer to as {name}: name -> (relative path, content)
 FILES = {
+    "ta_compile": ("ta_compile.json", '{"torch_compile": true}'),
     "ds_bf16_true": ("ds_bf16_true.json", '{"zero_optimization": {"stage": 2}, "bf16": true}'),
     "ds_fp16_yes": ("ds_fp16_yes.json", '{"zero_optimization": {"stage": 2}, "fp16": "yes"}'),
     "ds_both": ("ds_both.json", '{"bf16": {"enabled": true}, "fp16": {"enabled": true}}'),
@@ -123,6 +124,14 @@ FILES = {
 
 #: (arguments with {dir} for the files' directory, what the one line must name)
 CASES = [
+    # --compile (memplan/activations/tracing/compiled.py): what it does not model
+    ("estimate llama-7b --compile model", "unknown --compile"),
+    ("estimate llama-7b --compile blocks --activations analytic", "needs the traced activations"),
+    ("estimate llama-7b --compile blocks --gpus 2 --tp 2", "--tp/--pp/--cp/--ep"),
+    ("estimate llama-7b --compile blocks --gpus 2 --stage 2", "under deepspeed is not modelled"),
+    ("estimate llama-7b --compile blocks --lora-rank 8 --quantize-base nf4", "with a 4-bit base"),
+    ("estimate llama-7b --compile blocks --attention eager", "with --attention eager"),
+    ("estimate llama-7b --training-args {dir}/ta_compile.json", "torch_compile (the whole model in one graph)"),
     # DeepSpeed configs: wrong types, NaN and infinity, unbounded and binary input
     ("estimate gpt2 --deepspeed {dir}/ds_bf16_true.json", '"bf16" must be an object'),
     ("estimate gpt2 --deepspeed {dir}/ds_fp16_yes.json", '"fp16" must be an object'),

@@ -14,7 +14,7 @@ from memplan.activations.kernels import Target
 from memplan.model import user_module
 from memplan.parallel import CP_KEY, EP_KEY
 from memplan.activations.tracing.accumulate import Accumulations
-from memplan.activations.tracing.compiled import COMPILE_KEY, compiling
+from memplan.activations.tracing.compiled import COMPILE_DDP_KEY, COMPILE_KEY, compiling
 from memplan.activations.tracing.explain import ModuleStack
 from memplan.activations.tracing.live import LiveBytes, dispatch_mode
 from memplan.activations.tracing.segments import block_hooks, block_segments, loss_segment, root_first_hook, root_hooks_done
@@ -187,8 +187,9 @@ def one_step(config: dict[str, Any], batch: int, seq: int, recipe: str, attentio
     if lora is not None:
         config = {k: v for k, v in config.items() if k != "lora"}
     ep, cp, compile_mode = config.get(EP_KEY, 1), config.get(CP_KEY, 1), config.get(COMPILE_KEY, "none")
-    if EP_KEY in config or CP_KEY in config or COMPILE_KEY in config:
-        config = {k: v for k, v in config.items() if k not in (EP_KEY, CP_KEY, COMPILE_KEY)}
+    ddp_bucket = config.get(COMPILE_DDP_KEY)
+    if any(k in config for k in (EP_KEY, CP_KEY, COMPILE_KEY, COMPILE_DDP_KEY)):
+        config = {k: v for k, v in config.items() if k not in (EP_KEY, CP_KEY, COMPILE_KEY, COMPILE_DDP_KEY)}
     target = target or Target(device="cuda")
     cuda = target.device == "cuda"
     kernels: dict[str, str] = {}
@@ -262,7 +263,7 @@ def one_step(config: dict[str, Any], batch: int, seq: int, recipe: str, attentio
 
         stack.install()
         try:
-            with compiling(model, block_list, compile_mode):
+            with compiling(block_list, compile_mode, ddp_bucket):
                 accumulate = Accumulations()
                 probe = LiveBytes(live.block)
                 accumulate.calibrate(dispatch_mode(probe, accumulate=accumulate), probe)

@@ -349,6 +349,26 @@ CASES = [
      dict(strategy="fsdp-full", precision="torch-amp", seq_len=64), {}, dict(fsdp_root_reshard="same"), "none"),
     ("fsdp-full root auto, seq 64, torch-amp", LLAMA_BIGVOCAB,
      dict(strategy="fsdp-full", precision="torch-amp", seq_len=64), {}, dict(fsdp_root_reshard="auto"), "none"),
+    # session 35: torch.compile of each block (--compile blocks; the harness compiles them with inductor's C++
+    # kernels): inductor's partitioner and fusion rules on the trace; under DDP dynamo's DDPOptimizer splits
+    ("compile blocks, one rank", LLAMA, dict(gpus=1, compile="blocks"), {}, {}, "none"),
+    ("compile blocks, one rank", LLAMA, dict(gpus=1, compile="blocks"), {}, {}, "full"),
+    ("compile blocks, one rank, pure-bf16", LLAMA, dict(gpus=1, compile="blocks", precision="pure-bf16"), {}, {},
+     "none"),
+    ("compile blocks, one rank", GPT2, dict(gpus=1, compile="blocks"), {}, {}, "none"),
+    ("compile blocks, one rank", MIXTRAL, dict(gpus=1, compile="blocks"), {}, {}, "none"),
+    ("ddp, compile blocks", LLAMA, dict(strategy="ddp", compile="blocks"), {}, {}, "none"),
+    ("ddp, compile blocks", LLAMA, dict(strategy="ddp", compile="blocks"), {}, {}, "full"),
+    ("fsdp-full, compile blocks", LLAMA, dict(strategy="fsdp-full", compile="blocks"), {}, {}, "none"),
+    ("fsdp-full, compile blocks", LLAMA, dict(strategy="fsdp-full", compile="blocks"), {}, {}, "full"),
+    ("fsdp-full, compile blocks, pure-bf16", GPT2,
+     dict(strategy="fsdp-full", compile="blocks", precision="pure-bf16"), {}, {}, "none"),
+    # at sequence 512 the activations, not the optimizer step, make the peak
+    ("compile blocks, one rank, seq 512", LLAMA, dict(gpus=1, compile="blocks", seq_len=512), {}, {}, "full"),
+    ("compile blocks, one rank, seq 512", MIXTRAL, dict(gpus=1, compile="blocks", seq_len=512), {}, {}, "none"),
+    ("ddp, compile blocks, seq 512", LLAMA, dict(strategy="ddp", compile="blocks", seq_len=512), {}, {}, "full"),
+    ("fsdp-full, compile blocks, seq 512", LLAMA, dict(strategy="fsdp-full", compile="blocks", seq_len=512), {}, {},
+     "full"),
 ]
 QUICK = [CASES[5], CASES[11]]
 

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import operator
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -294,7 +295,6 @@ def compiling(blocks: list[Any], mode: str, ddp_bucket: int | None = None) -> It
         return
     torch._dynamo.reset()
     _GRAPHS[0] = 0
-    restore: list[tuple[Any, str, Any]] = []
 
     backend: Any = _backend
     if ddp_bucket:
@@ -302,24 +302,21 @@ def compiling(blocks: list[Any], mode: str, ddp_bucket: int | None = None) -> It
 
         backend = DDPOptimizer(bucket_bytes_cap=ddp_bucket, backend_compile_fn=_backend).compile_fn
 
-    def wrap(obj: Any, attr: str) -> None:
-        restore.append((obj, attr, obj.__dict__.get(attr)))
-        setattr(obj, attr, torch.compile(getattr(obj, attr), backend=backend, dynamic=False))
-
-    for b in blocks:
-        wrap(b, "forward")
-    try:
-        # the attention stand-in records the kernel it chose (a dict), inside a checkpointed block too
-        with torch._dynamo.config.patch(cache_size_limit=64, automatic_dynamic_shapes=False,
+    for b in blocks:  # the forward compiled; the block's own hooks (the trace's moments) stay outside the graph
+        b.forward = torch.compile(b.forward, backend=backend, dynamic=False)
+    config = torch._dynamo.config.patch(cache_size_limit=64, automatic_dynamic_shapes=False,
                                         accumulated_cache_size_limit=512,
-                                        skip_fwd_side_effects_in_bwd_under_checkpoint=True):
+                                        # the attention stand-in records the kernel it chose (a dict), inside a
+                                        # checkpointed block too
+                                        skip_fwd_side_effects_in_bwd_under_checkpoint=True)
+    try:
+        with warnings.catch_warnings(), config:
+            # the trace's own global module hooks (tracing/explain.py) stay out of compiled code (is_compiling)
+            warnings.filterwarnings("ignore", message=".*global hooks on modules.*")
             yield
         if not _GRAPHS[0]:
             raise ValueError("torch.compile captured no graph of the model's blocks")
     finally:
-        for obj, attr, old in reversed(restore):
-            if old is None:
-                obj.__dict__.pop(attr, None)
-            else:
-                setattr(obj, attr, old)
+        for b in blocks:
+            b.__dict__.pop("forward", None)
         torch._dynamo.reset()

@@ -176,7 +176,8 @@ def plan(
 
 @app.command()
 @O.request_options("deepspeed", "torch", "parallel", "adapters")
-@O.request_options("training", "files", only=("stage", "strategy", "precision", "optimizer_impl", "deepspeed"))
+@O.request_options("training", "files", only=("stage", "strategy", "precision", "optimizer_impl", "compile",
+                                               "deepspeed"))
 @O.request_options("batch", "cluster", only=("micro_batch", "target_len", "grad_accum", "cpu_isa"))
 @O.request_options(HarnessRun)
 def validate(

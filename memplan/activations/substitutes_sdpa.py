@@ -113,8 +113,8 @@ def fused_kernel(target: K.Target) -> Any:
     return Fused
 
 
-#: torch.compile's attention (tracing/compiled.py): the call sites' target and kernel record, by key
-_SITES: dict[str, tuple[K.Target, dict[str, str]]] = {}
+#: torch.compile's attention (tracing/compiled.py): each stand-in's target device, by the key its calls carry
+_SITES: dict[str, K.Target] = {}
 _OPS: dict[str, Any] = {}
 
 
@@ -122,7 +122,7 @@ def _site_call(q: Any, k: Any, v: Any, mask: Any, dropout_p: float, is_causal: b
                mask_grad: bool, site: str) -> tuple[str, K.SdpaCall, K.Target]:
     from dataclasses import replace
 
-    target, _ = _SITES[site]
+    target = _SITES[site]
     call = replace(_call_of(q, k, v, mask, dropout_p, is_causal, enable_gqa), mask_grad=mask_grad)
     return K.backend_for(call, target)[0], call, target
 
@@ -347,8 +347,15 @@ def sdpa(real_sdpa: Any, target: K.Target, kernels: dict[str, str], cp: int = 1,
         if cp > 1:
             raise ValueError("--compile with context parallelism is not modelled")
         site = repr((target, len(_SITES)))
-        _SITES[site] = (target, kernels)
+        _SITES[site] = target
         op = compiled_ops()["attention"]
+
+        # run by dynamo while it traces (a constant to it): the kernel chosen is recorded once, and the compiled
+        # code holds no guard on the record's contents (which would compile again when it changes)
+        @torch._dynamo.assume_constant_result
+        def record(backend: str, why: str) -> bool:
+            kernels.setdefault(backend, why)
+            return True
 
         def run_compiled(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,  # noqa: ANN001
                          enable_gqa=False):
@@ -362,7 +369,7 @@ def sdpa(real_sdpa: Any, target: K.Target, kernels: dict[str, str], cp: int = 1,
             mask_grad = attn_mask is not None and attn_mask.requires_grad and torch.is_grad_enabled()
             call = _call_of(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa)
             backend, why = K.backend_for(call, target)
-            kernels.setdefault(backend, why)
+            record(backend, why)
             with torch.autocast(dev, enabled=False):
                 if not K.BACKENDS[backend].fused:
                     # the math kernel is PyTorch's composite: its operators go into the graph, and inductor

@@ -272,14 +272,32 @@ def _inner(gm: Any, example_inputs: Any, **kwargs: Any) -> Any:
     return run
 
 
-#: graphs compiled since the last torch._dynamo.reset() (compiling() checks the regions made some)
-_GRAPHS = [0]
+#: graphs compiled since the last torch._dynamo.reset(), and by the end of the warm-up step (compiling() checks
+#: that the regions made some, and that the traced step made none)
+_GRAPHS = [0, 0]
 
 
 def _backend(gm: Any, example_inputs: Any) -> Any:
     from torch._inductor.compile_fx import compile_fx
 
     return compile_fx(gm, example_inputs, inner_compile=_inner)
+
+
+def warm_up(model: Any, run: Any, params: list[Any], autocast: bool) -> None:
+    """One step of the compiled model, untracked, before the traced one: dynamo's compilation keeps references to
+    the inputs of the step it compiles in (its variable trackers hold them until torch._dynamo.reset()), which a
+    job's later steps do not see; and the traced step then runs what is compiled, compiling nothing (checked on
+    leaving ``compiling``)."""
+    import torch
+
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t), \
+            torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        loss = run(model)
+    loss.backward()
+    del loss
+    for p in params:
+        p.grad = None
+    _GRAPHS[1] = _GRAPHS[0]
 
 
 @contextlib.contextmanager
@@ -294,7 +312,7 @@ def compiling(blocks: list[Any], mode: str, ddp_bucket: int | None = None) -> It
         yield
         return
     torch._dynamo.reset()
-    _GRAPHS[0] = 0
+    _GRAPHS[:] = [0, 0]
 
     backend: Any = _backend
     if ddp_bucket:
@@ -304,19 +322,39 @@ def compiling(blocks: list[Any], mode: str, ddp_bucket: int | None = None) -> It
 
     for b in blocks:  # the forward compiled; the block's own hooks (the trace's moments) stay outside the graph
         b.forward = torch.compile(b.forward, backend=backend, dynamic=False)
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+
     config = torch._dynamo.config.patch(cache_size_limit=64, automatic_dynamic_shapes=False,
                                         accumulated_cache_size_limit=512,
                                         # the attention stand-in records the kernel it chose (a dict), inside a
                                         # checkpointed block too
                                         skip_fwd_side_effects_in_bwd_under_checkpoint=True)
+    # the backward compiled with the forward, inside dynamo's compilation, which the trace's mode does not see
+    # (AOTAutograd otherwise lowers it at the first backward, under the mode); nothing read from or written to
+    # the on-disk caches, so each trace compiles the same way
+    aot = functorch_config.patch(force_non_lazy_backward_lowering=True, enable_autograd_cache=False)
+    caches = inductor_config.patch(fx_graph_cache=False)
+    # compiling leaves reference cycles that hold a few of the step's tensors (a 16 KB int64 position tensor of
+    # llama's, seen); Python's collector frees them whenever it happens to run, so two traces would differ: it
+    # does not run during the step
+    import gc
+
+    gc.collect()
+    was = gc.isenabled()
+    gc.disable()
     try:
-        with warnings.catch_warnings(), config:
+        with warnings.catch_warnings(), config, aot, caches:
             # the trace's own global module hooks (tracing/explain.py) stay out of compiled code (is_compiling)
             warnings.filterwarnings("ignore", message=".*global hooks on modules.*")
             yield
         if not _GRAPHS[0]:
             raise ValueError("torch.compile captured no graph of the model's blocks")
+        if _GRAPHS[0] != _GRAPHS[1]:
+            raise ValueError("torch.compile compiled again in the traced step (a guard failed after the warm-up step)")
     finally:
+        if was:
+            gc.enable()
         for b in blocks:
             b.__dict__.pop("forward", None)
         torch._dynamo.reset()

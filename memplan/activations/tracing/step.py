@@ -14,7 +14,7 @@ from memplan.activations.kernels import Target
 from memplan.model import user_module
 from memplan.parallel import CP_KEY, EP_KEY
 from memplan.activations.tracing.accumulate import Accumulations
-from memplan.activations.tracing.compiled import COMPILE_DDP_KEY, COMPILE_KEY, compiling
+from memplan.activations.tracing.compiled import COMPILE_DDP_KEY, COMPILE_KEY, compiling, warm_up
 from memplan.activations.tracing.explain import ModuleStack
 from memplan.activations.tracing.live import LiveBytes, dispatch_mode
 from memplan.activations.tracing.segments import block_hooks, block_segments, loss_segment, root_first_hook, root_hooks_done
@@ -236,58 +236,64 @@ def one_step(config: dict[str, Any], batch: int, seq: int, recipe: str, attentio
             inject(model, lora, str(config.get("model_type") or ""))
         model.train()
         params = list(model.parameters())
-        live = LiveBytes(K.CUDA_BLOCK if cuda else 1)
-        for t in params + list(model.buffers()):
-            live.ignore(t)
-        param_storages = {id(p.untyped_storage()) for p in params}
         block_of, block_list = block_index(model, user_blocks)
-        moments = _BlockMoments(live)
-        moments.install(block_list)
-        hooks = _GradientHooks(live, block_of)
-        for p in params:
-            if p.requires_grad:  # a frozen parameter (LoRA) gets no gradient
-                p.register_post_accumulate_grad_hook(hooks.drop)
-        saved: dict[int, int] = {}
-        saved_ids: set[int] = set()
         stack = ModuleStack(model)
-        live.labeler = stack.label
-
-        def pack(t: Any) -> Any:
-            st = t.untyped_storage()
-            if id(st) not in param_storages:
-                saved.setdefault(id(st), live.nbytes(st))
-                sid = live._sid.get(id(st))
-                if sid is not None:
-                    saved_ids.add(sid)
-            return t
-
         stack.install()
+        compiled = contextlib.ExitStack()
         try:
-            with compiling(block_list, compile_mode, ddp_bucket):
-                accumulate = Accumulations()
-                probe = LiveBytes(live.block)
-                accumulate.calibrate(dispatch_mode(probe, accumulate=accumulate), probe)
-                with dispatch_mode(live, None if cuda else sub.gemm_scratch(target.cpu_isa, target.cpu_threads),
-                                   sub.cuda_scratch(target.gpu) if cuda else None, accumulate):
-                    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-                            loss = run(model)
-                    live.tick()
-                    forward_end = len(live.timeline)
-                    moments.regions["forward_end"] = len(live.events)
-                    live.phase = "b"  # the backward's ops run on autograd's device thread, with its own cuBLAS handle
-                    after_forward = live.live
-                    first_contributions(loss, live, hooks.first_contrib)
-                    accumulate.hook(loss, live)
-                    loss.backward()
-                    live.tick()
-                    # a block whose input needs no gradient (the first one under LoRA: the frozen embedding's output)
-                    # gets no hook on it; its backward is over when the whole backward is (nothing runs below it)
-                    for i in range(len(block_list)):
-                        moments.regions["be"].setdefault(i, len(live.events))
-                    del loss
-                live.ready_order()
+            if compile_mode != "none":
+                # compiled, then one step untracked: the tracked step runs compiled code as a job's later steps do
+                # (the first step's compilation keeps references to that step's inputs: tracing/compiled.py)
+                compiled.enter_context(compiling(block_list, compile_mode, ddp_bucket))
+                warm_up(model, run, params, autocast)
+            live = LiveBytes(K.CUDA_BLOCK if cuda else 1)
+            for t in params + list(model.buffers()):
+                live.ignore(t)
+            param_storages = {id(p.untyped_storage()) for p in params}
+            moments = _BlockMoments(live)
+            moments.install(block_list)
+            hooks = _GradientHooks(live, block_of)
+            for p in params:
+                if p.requires_grad:  # a frozen parameter (LoRA) gets no gradient
+                    p.register_post_accumulate_grad_hook(hooks.drop)
+            saved: dict[int, int] = {}
+            saved_ids: set[int] = set()
+            live.labeler = stack.label
+
+            def pack(t: Any) -> Any:
+                st = t.untyped_storage()
+                if id(st) not in param_storages:
+                    saved.setdefault(id(st), live.nbytes(st))
+                    sid = live._sid.get(id(st))
+                    if sid is not None:
+                        saved_ids.add(sid)
+                return t
+
+            accumulate = Accumulations()
+            probe = LiveBytes(live.block)
+            accumulate.calibrate(dispatch_mode(probe, accumulate=accumulate), probe)
+            with dispatch_mode(live, None if cuda else sub.gemm_scratch(target.cpu_isa, target.cpu_threads),
+                               sub.cuda_scratch(target.gpu) if cuda else None, accumulate):
+                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                        loss = run(model)
+                live.tick()
+                forward_end = len(live.timeline)
+                moments.regions["forward_end"] = len(live.events)
+                live.phase = "b"  # the backward's ops run on autograd's device thread, with its own cuBLAS handle
+                after_forward = live.live
+                first_contributions(loss, live, hooks.first_contrib)
+                accumulate.hook(loss, live)
+                loss.backward()
+                live.tick()
+                # a block whose input needs no gradient (the first one under LoRA: the frozen embedding's output)
+                # gets no hook on it; its backward is over when the whole backward is (nothing runs below it)
+                for i in range(len(block_list)):
+                    moments.regions["be"].setdefault(i, len(live.events))
+                del loss
+            live.ready_order()
         finally:
+            compiled.close()
             stack.remove()
         names = {id(m): n for n, m in model.named_modules()}
     out = _result(live, moments, hooks, kernels, sum(saved.values()), after_forward, forward_end, len(block_list))

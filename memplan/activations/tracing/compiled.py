@@ -29,8 +29,8 @@ What inductor's generated code allocates inside a graph is modelled from its low
 Inductor's other heuristics (realizing a pointwise node read by many kernels, reordering kernels for peak
 memory, ``post_grad`` passes) are not modelled: within a graph the figure holds what the rules above hold.
 
-The mode modelled is ``blocks``: each transformer block compiled (torchtitan's per-block compile,
-torchtitan/models/llama3/infra/parallelize.py ``apply_compile``), its forward hooks outside the graph. The whole
+The mode modelled is ``blocks``: each transformer block's forward compiled (torchtitan's per-block compile,
+torchtitan/models/llama3/infra/parallelize.py ``apply_compile``; the trace's block moments stay outside). The whole
 model in one graph (``torch.compile(model)``, the HF Trainer's ``torch_compile``) is not: its single backward
 graph holds what separately compiled regions do not (measured on the CPU harness: a trace of the model as
 separately compiled regions came out 0.9% to 2.8% under), and the trace's per-block moments would be inside it.
@@ -76,7 +76,8 @@ def _name(target: Any) -> str:
 
 
 def _kind(node: Any) -> str:
-    """'view' (no buffer), 'fused' (a pointwise/indexing op fused into its consumer), 'reduction' or 'extern'."""
+    """'view' (no buffer), 'fused' (a pointwise/indexing op fused into its consumer), 'reduction' (fused too,
+    its input into it), 'extern' (a kernel of its own, reading buffers) or 'other' (placeholders, the output)."""
     import torch
 
     if node.op != "call_function":

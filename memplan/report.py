@@ -69,7 +69,9 @@ def plan_report(plan: Any, sources: dict[str, str] | None = None, notes: tuple[s
                                 "zero_stage": st.zero_stage, "shard_group": plan.shard_group,
                                 "precision": s.recipe.name, "optimizer": s.optimizer.name,
                                 "micro_batch": s.micro_batch, "seq_len": s.seq_len, "grad_accum": s.grad_accum,
-                                "recompute": s.recompute, "attention": s.attention, "compile": s.compile}
+                                "recompute": s.recompute, "attention": s.attention}
+    if s.compile != "none":
+        strategy["compile"] = s.compile
     if s.target_len is not None:
         strategy["target_len"] = s.target_len
     if st.framework == "deepspeed":

@@ -9,7 +9,7 @@ followed up to the generated code (torch/_inductor/compile_fx.py, torch 2.13):
   ``min_cut_rematerialization_partition(compiler="inductor")`` (compile_fx.py ``partition_fn``), so the saved
   tensors are the ones inductor saves;
 * instead of ``compile_fx_inner`` (code generation) the forward and backward graphs run here op by op, on the
-  trace's fake tensors, under the trace's instruments (:class:`_Graph`).
+  trace's fake tensors, under the trace's instruments (:class:`Graph`).
 
 What inductor's generated code allocates inside a graph is modelled from its lowering rules
 (torch/_inductor/lowering.py, scheduler.py, wrapper codegen):
@@ -102,7 +102,7 @@ def _kind(node: Any) -> str:
     return "extern"
 
 
-class _Graph:
+class Graph:
     """One compiled graph run op by op as inductor's code runs it (the module docstring's rules)."""
 
     def __init__(self, gm: Any) -> None:
@@ -262,8 +262,8 @@ def _lifted() -> Iterator[None]:
 
 
 def _inner(gm: Any, example_inputs: Any, **kwargs: Any) -> Any:
-    """compile_fx's inner compiler: the graph run by :class:`_Graph` (boxed calling convention)."""
-    g = _Graph(gm)
+    """compile_fx's inner compiler: the graph run by :class:`Graph` (boxed calling convention)."""
+    g = Graph(gm)
     _GRAPHS[0] += 1
 
     def run(args: list[Any]) -> Any:

@@ -451,6 +451,13 @@ def lora_cases() -> list[tuple]:
          {}, "full"),
         ("qlora nf4 c_attn single", GPT2, dict(strategy="single", gpus=1, lora=LoraSpec(rank=8, quantize="nf4")),
          {}, {}, "full"),
+        # session 35: LoRA with each block compiled (--compile blocks)
+        ("lora q,v single, compile blocks", LLAMA3, dict(strategy="single", gpus=1, compile="blocks", lora=qv), {}, {},
+         "none"),
+        ("lora all-linear ddp, compile blocks", LLAMA3, dict(strategy="ddp", compile="blocks", lora=lin), {}, {},
+         "none"),
+        ("lora all-linear fsdp-full, compile blocks", LLAMA3, dict(strategy="fsdp-full", compile="blocks", lora=lin),
+         {}, {}, "full"),
     ]
 
 # The cross product the harness issue asks for: every strategy at 1, 2 and 4 ranks, with and without full

@@ -131,6 +131,8 @@ CASES = [
     ("estimate llama-7b --compile blocks --gpus 2 --stage 2", "under deepspeed is not modelled"),
     ("estimate llama-7b --compile blocks --lora-rank 8 --quantize-base nf4", "with a 4-bit base"),
     ("estimate llama-7b --compile blocks --attention eager", "with --attention eager"),
+    ("estimate llama-7b --gpus 2 --strategy fsdp-full --recompute full --lora-rank 8 --compile blocks",
+     "with LoRA under FSDP2 and recompute"),
     ("estimate llama-7b --training-args {dir}/ta_compile.json", "torch_compile (the whole model in one graph)"),
     # DeepSpeed configs: wrong types, NaN and infinity, unbounded and binary input
     ("estimate gpt2 --deepspeed {dir}/ds_bf16_true.json", '"bf16" must be an object'),

@@ -134,7 +134,7 @@ def check(
 #: the job's options `memplan plan` takes (the rest it searches over)
 PLAN_FIELDS = ("task", "builder", "activations", "gpu", "gpu_memory", "device", "cpu_isa", "seq_len", "target_len",
                "grad_accum",
-               "precision", "optimizer", "attention", "allocator_conf", "host_memory")
+               "precision", "optimizer", "attention", "compile", "allocator_conf", "host_memory")
 
 
 @app.command()

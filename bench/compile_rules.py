@@ -34,9 +34,9 @@ def _one(mode: str, dtype: str, batch: int, seq: int) -> dict[str, int]:
                       num_key_value_heads=4, vocab_size=2048)
     model = LlamaForCausalLM(cfg).to(getattr(torch, dtype))
     if mode != "eager":
-        from memplan.activations.tracing.compiled import _backend
+        from memplan.activations.tracing.compiled import inductor_backend
 
-        backend = "inductor" if mode == "inductor" else _backend
+        backend = "inductor" if mode == "inductor" else inductor_backend
         for blk in model.model.layers:
             blk.forward = torch.compile(blk.forward, backend=backend, fullgraph=True)
     ids = torch.randint(0, 2048, (batch, seq))

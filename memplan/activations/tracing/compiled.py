@@ -50,7 +50,7 @@ from typing import Any
 
 from memplan.activations.tracing_keys import COMPILE_DDP_KEY, COMPILE_KEY, COMPILE_MODES
 
-__all__ = ["COMPILE_DDP_KEY", "COMPILE_KEY", "compiling"]
+__all__ = ["COMPILE_DDP_KEY", "COMPILE_KEY", "Graph", "compiling", "inductor_backend", "warm_up"]
 
 #: ATen operators inductor lowers to loops that fuse (torch/_inductor/lowering.py) beyond those tagged pointwise
 _FUSIBLE = frozenset({
@@ -278,7 +278,9 @@ def _inner(gm: Any, example_inputs: Any, **kwargs: Any) -> Any:
 _GRAPHS = [0, 0]
 
 
-def _backend(gm: Any, example_inputs: Any) -> Any:
+def inductor_backend(gm: Any, example_inputs: Any) -> Any:
+    """A torch.compile backend: inductor's compile_fx up to its partitioner, the graphs then run by :class:`Graph`
+    (bench/compile_rules.py compiles with it on real tensors, against inductor itself)."""
     from torch._inductor.compile_fx import compile_fx
 
     return compile_fx(gm, example_inputs, inner_compile=_inner)
@@ -315,11 +317,11 @@ def compiling(blocks: list[Any], mode: str, ddp_bucket: int | None = None) -> It
     torch._dynamo.reset()
     _GRAPHS[:] = [0, 0]
 
-    backend: Any = _backend
+    backend: Any = inductor_backend
     if ddp_bucket:
         from torch._dynamo.backends.distributed import DDPOptimizer
 
-        backend = DDPOptimizer(bucket_bytes_cap=ddp_bucket, backend_compile_fn=_backend).compile_fn
+        backend = DDPOptimizer(bucket_bytes_cap=ddp_bucket, backend_compile_fn=inductor_backend).compile_fn
 
     for b in blocks:  # the forward compiled; the block's own hooks (the trace's moments) stay outside the graph
         b.forward = torch.compile(b.forward, backend=backend, dynamic=False)

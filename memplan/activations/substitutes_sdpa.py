@@ -333,6 +333,23 @@ def _call_of(q: Any, k: Any, v: Any, mask: Any, dropout_p: float, is_causal: boo
                       mask_grad=bool(mask is not None and mask.requires_grad and torch.is_grad_enabled()))
 
 
+def _autocast_inputs(q: Any, k: Any, v: Any, mask: Any) -> tuple[Any, Any, Any, Any]:
+    """q, k, v and the mask as autocast hands them to the kernel: aten::scaled_dot_product_attention is on
+    autocast's lower-precision list for CUDA and CPU (aten/src/ATen/autocast_mode.cpp), so the kernel gets
+    autocast's copies of q, k, v and a float mask and runs below autocast. The stand-ins are above the dispatcher,
+    so they cast as autocast would."""
+    import torch
+
+    dev = q.device.type
+    if not torch.is_autocast_enabled(dev):
+        return q, k, v, mask
+    dt = torch.get_autocast_dtype(dev)
+    q, k, v = (t.to(dt) if t.is_floating_point() and t.dtype not in (dt, torch.float64) else t for t in (q, k, v))
+    if mask is not None and mask.is_floating_point() and mask.dtype != dt:
+        mask = mask.to(dt)
+    return q, k, v, mask
+
+
 def sdpa(real_sdpa: Any, target: K.Target, kernels: dict[str, str], cp: int = 1,  # noqa: ANN201
          compiled: bool = False):
     """scaled_dot_product_attention as ``target`` runs it: each call's backend is chosen by memplan.activations.kernels
@@ -360,12 +377,7 @@ def sdpa(real_sdpa: Any, target: K.Target, kernels: dict[str, str], cp: int = 1,
         def run_compiled(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,  # noqa: ANN001
                          enable_gqa=False):
             dev = query.device.type
-            if torch.is_autocast_enabled(dev):  # as run() below
-                dt = torch.get_autocast_dtype(dev)
-                query, key, value = (t.to(dt) if t.is_floating_point() and t.dtype not in (dt, torch.float64) else t
-                                     for t in (query, key, value))
-                if attn_mask is not None and attn_mask.is_floating_point() and attn_mask.dtype != dt:
-                    attn_mask = attn_mask.to(dt)
+            query, key, value, attn_mask = _autocast_inputs(query, key, value, attn_mask)
             mask_grad = attn_mask is not None and attn_mask.requires_grad and torch.is_grad_enabled()
             call = _call_of(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa)
             backend, why = K.backend_for(call, target)
@@ -386,16 +398,8 @@ def sdpa(real_sdpa: Any, target: K.Target, kernels: dict[str, str], cp: int = 1,
 
     def run(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,  # noqa: ANN001
             enable_gqa=False):
-        # aten::scaled_dot_product_attention is on autocast's lower-precision list for CUDA and CPU
-        # (aten/src/ATen/autocast_mode.cpp): the kernel gets autocast's copies of q, k, v and a float mask, and
-        # runs below autocast. This Python stand-in is above the dispatcher, so it casts as autocast would.
         dev = query.device.type
-        if torch.is_autocast_enabled(dev):
-            dt = torch.get_autocast_dtype(dev)
-            query, key, value = (t.to(dt) if t.is_floating_point() and t.dtype not in (dt, torch.float64) else t
-                                 for t in (query, key, value))
-            if attn_mask is not None and attn_mask.is_floating_point() and attn_mask.dtype != dt:
-                attn_mask = attn_mask.to(dt)
+        query, key, value, attn_mask = _autocast_inputs(query, key, value, attn_mask)
         call = _call_of(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa)
         backend, why = K.backend_for(call, target)
         kernels.setdefault(backend, why)

@@ -972,9 +972,9 @@ def resolve(inv: ParamInventory, request: JobRequest, *, config: dict[str, Any] 
                             "GPU, DDP and FSDP2)")
     if settings.compile != "none" and lora is not None and settings.strategy.framework == "fsdp2" \
             and settings.recompute != "none":
-        # measured on the CPU harness: the real step held 4.25 MB more than eager, the trace 1.56 MB (-5.3%)
+        # the CPU harness's compiled step held more than the trace's here (session 35's note has the run)
         raise SettingsError(f"--compile {settings.compile} with LoRA under FSDP2 and recompute is not modelled yet "
-                            "(measured 5.3% under on the CPU harness); without recompute, or under DDP, it is")
+                            "(the trace came out under the CPU harness); without recompute, or under DDP, it is")
     if settings.compile != "none" and config is not None:
         from memplan.activations.tracing_keys import COMPILE_DDP_KEY, COMPILE_KEY
 

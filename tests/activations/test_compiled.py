@@ -22,6 +22,19 @@ def _step(compiled: bool, recipe: str = "pure-bf16", recompute: str = "none", ta
     return one_step(cfg, 2, 128, recipe, "sdpa", recompute, target)
 
 
+def _cli_json(argv: list[str]) -> dict:
+    import contextlib
+    import io
+    import json
+
+    from memplan.cli import main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):
+        main(argv)
+    return json.loads(out.getvalue())
+
+
 def test_fusion_rules_make_buffers_where_inductor_does():
     import torch
     from torch.fx.experimental.proxy_tensor import make_fx
@@ -73,17 +86,8 @@ def test_compiled_blocks_under_full_recompute():
 def test_a_compiled_job_is_replayed_and_says_so():
     # the reserved peak comes from the allocator's replay of the compiled step (its traces at micro-batch 2 and 4
     # agree), not from a flat percentage; the JSON says the job compiles
-    import contextlib
-    import io
-    import json
-
-    from memplan.cli import main
-
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):
-        main(["estimate", "gpt2", "--gpus", "2", "--strategy", "ddp", "--compile", "blocks", "--seq-len", "256",
-              "--gpu", "h100-80g", "--json"])
-    rep = json.loads(out.getvalue())
+    rep = _cli_json(["estimate", "gpt2", "--gpus", "2", "--strategy", "ddp", "--compile", "blocks", "--seq-len",
+                     "256", "--gpu", "h100-80g", "--json"])
     assert rep["strategy"]["compile"] == "blocks"
     assert rep["reserved"]["method"] == "replayed"
     assert "torch.compile blocks" in rep["assumptions"]["activations"]
@@ -91,19 +95,16 @@ def test_a_compiled_job_is_replayed_and_says_so():
 
 def test_plan_keeps_the_compile_and_leaves_out_what_it_does_not_model():
     # `memplan plan --compile blocks` searches the strategies memplan models compiled (one GPU, DDP, FSDP2) and
-    # says why DeepSpeed's are not considered; the command it prints compiles too (and gives its figures:
-    # checked by hand, 2026-11-29)
-    import contextlib
-    import io
-    import json
+    # says why DeepSpeed's are not considered; the command it recommends compiles too and, run, gives the bytes
+    # printed beside it
+    import shlex
 
-    from memplan.cli import main
-
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):
-        main(["plan", "gpt2", "--gpu", "rtx4090-24g", "--seq-len", "512", "--compile", "blocks", "--max-gpus", "2",
-              "--json"])
-    rep = json.loads(out.getvalue())
-    text = json.dumps(rep)
-    assert "--compile blocks" in text
-    assert "zero2 not considered: --compile blocks under deepspeed is not modelled yet" in text
+    rep = _cli_json(["plan", "gpt2", "--gpu", "rtx4090-24g", "--seq-len", "512", "--compile", "blocks",
+                     "--max-gpus", "2", "--json"])
+    assert any("zero2 not considered: --compile blocks under deepspeed is not modelled yet" in n for n in rep["notes"])
+    rec = rep["recommendation"]
+    argv = shlex.split(rec["command"])[1:]  # after "memplan"
+    assert "--compile" in argv and argv[argv.index("--compile") + 1] == "blocks"
+    est = _cli_json([*argv, "--json"])
+    assert est["per_gpu"]["peak_bytes"] == rec["peak_bytes"]
+    assert est["per_gpu"]["required_bytes"] == rec["required_bytes"]

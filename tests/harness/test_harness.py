@@ -469,6 +469,5 @@ def test_validate_lion_and_schedule_free(argv, package):
 def test_validate_compiled_blocks_under_ddp():
     # --compile blocks: the harness compiles each block with inductor (its C++ kernels), inside DDP's forward,
     # where dynamo splits each block's graph at DDP's buckets (DDPOptimizer); the trace compiles the same splits
-    # with inductor's own partitioner. Measured (2026-11-29): 59,097,692 B, predicted 59,095,048 (-0.004%);
-    # without the splits the prediction was 2.1% under
+    # with inductor's own partitioner. Measured (2026-11-29): 59,097,692 B, predicted 59,095,048 (-0.004%)
     _validate(["--gpus", "2", "--strategy", "ddp", "--compile", "blocks"], 0.001)

@@ -32,8 +32,8 @@ memory, ``post_grad`` passes) are not modelled: within a graph the figure holds 
 The mode modelled is ``blocks``: each transformer block's forward compiled (torchtitan's per-block compile,
 torchtitan/models/llama3/infra/parallelize.py ``apply_compile``; the trace's block moments stay outside). The whole
 model in one graph (``torch.compile(model)``, the HF Trainer's ``torch_compile``) is not: its single backward
-graph holds what separately compiled regions do not (measured on the CPU harness: a trace of the model as
-separately compiled regions came out 0.9% to 2.8% under), and the trace's per-block moments would be inside it.
+graph holds what separately compiled regions do not (a trace of the model as separately compiled regions came
+out under the CPU harness's whole-model runs), and the trace's per-block moments would be inside it.
 
 The trace's dispatch mode (tracing/live.py) says ``ignore_compile_internals``: dynamo compiles beside it
 without it seeing the compilation, and the compiled graphs run under it. The fused attention stand-in is one

@@ -167,6 +167,61 @@ def config_checks(config: dict[str, Any] | None, request: JobRequest) -> None:
                             "stacks are neither split nor staged by memplan's parallel layouts)")
 
 
+def _recipe(name: str, strat: Any, notes: list[str]) -> tuple[Any, str]:
+    """The precision recipe a --precision name asks for, and its float8 recipe ("none" but for fp8-*): float8
+    training computes in bf16 as the strategy does, with FSDP2's MixedPrecisionPolicy(bf16, fp32) under FSDP2 and
+    torch.autocast(bf16) on fp32 parameters otherwise (torchtitan: maybe_enable_amp without FSDP), and swaps the
+    linears' GEMMs for float8 ones (tracing/float8.py)."""
+    from memplan.precision import float8_precision
+
+    float8 = float8_precision(name)
+    if float8 is None:
+        return get_recipe(name), "none"
+    if strat.framework not in ("torch", "torch-ddp", "fsdp2"):
+        raise SettingsError(f"--precision {name} under {strat.name}: torchao's float8 training is modelled under "
+                            "one GPU, DDP and FSDP2 (torchtitan's), not under DeepSpeed, Horovod or FSDP1")
+    base = "fsdp-bf16" if strat.framework == "fsdp2" else "torch-amp"
+    notes.append(f"precision: {name} is torchao's Float8Linear ({float8} scaling) on {base}'s bf16 compute; the "
+                 "output projection and any linear whose dims are not multiples of 16 stay bf16 (torchtitan's "
+                 "float8 converter)")
+    return get_recipe(base), float8
+
+
+def float8_checks(config: dict[str, Any] | None, s: Settings, parallel: Any, lora: Any,
+                  activations: str) -> dict[str, Any]:
+    """Float8 training's refusals, and the config that carries it into the trace (tracing/float8.py)."""
+    from memplan.activations.tracing import float8 as f8
+    from memplan.activations.tracing_keys import FLOAT8_KEY
+    from memplan.precision import float8_name
+
+    name = float8_name(s.float8)
+    arch = kernel_target(s.cluster).arch if s.cluster.device == "cuda" else ""
+    why = None
+    if s.cluster.device == "cuda" and not _fp8_arch(arch):
+        why = (f"needs float8 tensor cores (sm89 or newer: L40S, RTX 4090, H100, H200, B200), not {arch}: "
+               "torchao refuses float8 training there")
+    elif activations == "analytic" or config is None:
+        why = "needs the traced activations (a model config, --activations auto or traced): torchao's casts and " \
+              "saved tensors are traced"
+    elif lora is not None:
+        why = "with LoRA is not modelled (PEFT's adapters on torchao's Float8Linear)"
+    elif parallel is not None and parallel.active:
+        why = "with --tp/--pp/--cp/--ep is not modelled yet (torchao's float8 tensor-parallel styles)"
+    elif not f8.available():
+        why = f"needs torchao installed ({f8.TORCHAO})"
+    if why:
+        raise SettingsError(f"--precision {name} {why}")
+    return {**config, FLOAT8_KEY: s.float8}
+
+
+def _fp8_arch(arch: str) -> bool:
+    """A CUDA architecture with float8 tensor cores: sm89 (Ada) and newer (torchtitan's has_cuda_capability(8, 9))."""
+    import re
+
+    m = re.fullmatch(r"sm(\d+)", arch)
+    return m is not None and int(m.group(1)) >= 89
+
+
 def compile_checks(config: dict[str, Any] | None, request: JobRequest) -> None:
     """--compile's refusals: what memplan does not model under torch.compile (tracing/compiled.py)."""
     from memplan.activations.tracing_keys import COMPILE_MODES
@@ -810,7 +865,7 @@ def resolve(inv: ParamInventory, request: JobRequest, *, config: dict[str, Any] 
     if strat.one_gpu and gpus != 1:
         raise SettingsError(f"--strategy {strat.name} runs on one GPU, not {gpus}: give a data-parallel strategy "
                             "(ddp, zero1-3, fsdp-full, hsdp, ...)")
-    recipe = get_recipe(pick("precision", DEFAULT_RECIPE[strat.framework]))
+    recipe, float8 = _recipe(pick("precision", DEFAULT_RECIPE[strat.framework]), strat, notes)
     if recipe.autocast and recipe.param_bytes == 2:  # a 16-bit model trained as loaded, under autocast
         from memplan import frameworks
 
@@ -944,7 +999,7 @@ def resolve(inv: ParamInventory, request: JobRequest, *, config: dict[str, Any] 
     settings = Settings(strategy=strat, recipe=recipe, optimizer=opt, cluster=cluster,
                         optimizer_impl=r.training.optimizer_impl,
                         micro_batch=mb, seq_len=seq, target_len=target, grad_accum=ga, recompute=recompute,
-                        attention=r.training.attention, compile=r.training.compile,
+                        attention=r.training.attention, compile=r.training.compile, float8=float8,
                         ds=ds, torch=tk, horovod=hv, overheads=ov, allocator_conf=conf, lora=lora)
     notes.extend(_optimizer_notes(inv, settings))
     from memplan import frameworks
@@ -975,6 +1030,8 @@ def resolve(inv: ParamInventory, request: JobRequest, *, config: dict[str, Any] 
         # the CPU harness's compiled step held more than the trace's here (session 35's note has the run)
         raise SettingsError(f"--compile {settings.compile} with LoRA under FSDP2 and recompute is not modelled yet "
                             "(the trace came out under the CPU harness); without recompute, or under DDP, it is")
+    if float8 != "none":
+        config = float8_checks(config, settings, parallel, lora, r.model.activations)
     if settings.compile != "none" and config is not None:
         from memplan.activations.tracing_keys import COMPILE_DDP_KEY, COMPILE_KEY
 

@@ -225,11 +225,30 @@ OPTIMIZER_ALIASES = {"muon_with_aux_adam": "muon-with-aux-adam", "muon-aux-adam"
 OPTIMIZER_IMPLS = ("foreach", "fused", "single-tensor")
 
 
+#: float8 training with torchao's Float8Linear (torchao 0.18 float8/config.py Float8LinearRecipeName): --precision
+#: names it, and the recipe of its bf16 compute is the strategy's (float8_base): a Float8Linear casts its bf16 input,
+#: weight and output gradient to float8 for torch._scaled_mm and saves the bf16 ones (float8_linear.py)
+FLOAT8_PRECISIONS = {"fp8-tensorwise": "tensorwise", "fp8-rowwise": "rowwise", "fp8-rowwise-gw-hp": "rowwise_with_gw_hp"}
+#: "fp8" is torchao's Float8LinearConfig() default: tensorwise dynamic scaling
+FLOAT8_ALIASES = {"fp8": "fp8-tensorwise"}
+
+
+def float8_precision(name: str) -> str | None:
+    """The torchao recipe a --precision name asks for (tensorwise, rowwise, rowwise_with_gw_hp), or None."""
+    return FLOAT8_PRECISIONS.get(FLOAT8_ALIASES.get(name, name))
+
+
+def float8_name(recipe: str) -> str:
+    """The --precision name of a torchao float8 recipe."""
+    return next(k for k, v in FLOAT8_PRECISIONS.items() if v == recipe)
+
+
 def get_recipe(name: str) -> Recipe:
     try:
         return RECIPES[name]
     except KeyError:
-        raise SettingsError(f"unknown precision recipe {quote(name)}; valid: {', '.join(RECIPES)}") from None
+        raise SettingsError(f"unknown precision recipe {quote(name)}; valid: {', '.join(RECIPES)}, "
+                            f"{', '.join(FLOAT8_PRECISIONS)} (float8: torchao's Float8Linear)") from None
 
 
 def get_optimizer(name: str) -> Optimizer:

@@ -234,6 +234,9 @@ class Settings:
     attention: str = "sdpa"  #: sdpa: the device's own kernel choice; flash: flash asked for; eager
     #: torch.compile (inductor): none | blocks | model (memplan/activations/tracing/compiled.py)
     compile: str = "none"
+    #: float8 training: torchao's Float8Linear recipe (tensorwise, rowwise, rowwise_with_gw_hp; precision.py
+    #: FLOAT8_PRECISIONS) on the bf16 compute of ``recipe``; "none": none
+    float8: str = "none"
     ds: DeepSpeedKnobs = field(default_factory=DeepSpeedKnobs)
     torch: TorchKnobs = field(default_factory=TorchKnobs)
     horovod: HorovodKnobs = field(default_factory=HorovodKnobs)

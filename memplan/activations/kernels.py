@@ -741,6 +741,19 @@ def cpu_gemm_scratch(isa: str, m: int, n: int, k: int, dtype: str, threads: int 
     return 0
 
 
+def cpu_scaled_mm_scratch(m: int, n: int, k: int, a_copy: bool, b_copy: bool, out_size: int) -> int:
+    """Bytes a CPU torch._scaled_mm of float8 (m, k) by (k, n) operands holds above its output at its peak,
+    without AMX (aten/src/ATen/native/Blas.cpp _scaled_mm_out_cpu_emulated, torch 2.13; AMX hosts take oneDNN's
+    mkldnn_scaled_mm instead, not modelled): each operand made contiguous (``a_copy``, ``b_copy``: a one-byte
+    copy where it is not: torchao hands B column-major), then converted to fp32 and scaled (``mat.to(kFloat)``
+    and ``at::mul``, two fp32 copies at once, the first freed), the fp32 product (``at::matmul``) and its
+    conversion to the output's dtype (``out_size`` bytes an element; none for fp32), all freed on return. The
+    fp32 GEMM's own scratch is taken as none, as for every fp32 GEMM (cpu_gemm_scratch)."""
+    copies = (m * k if a_copy else 0) + (n * k if b_copy else 0)
+    a32, b32, c32 = 4 * m * k, 4 * k * n, 4 * m * n
+    return copies + max(2 * a32, a32 + 2 * b32, a32 + b32 + c32 + (m * n * out_size if out_size != 4 else 0))
+
+
 @functools.lru_cache(maxsize=1)
 def host_cpu_isa() -> str:
     """The instruction-set class of this machine's CPU, decided as PyTorch decides whether a bf16 GEMM goes to

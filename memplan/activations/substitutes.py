@@ -298,7 +298,8 @@ def deepspeed_zero3_linear(device: str) -> Any:
 
 def gemm_scratch(isa: str, threads: int = 1):  # noqa: ANN201
     """scratch(func, args, out) -> the bytes a CPU matmul allocates for itself and frees before returning, for
-    ``isa`` (memplan.activations.kernels.cpu_gemm_scratch): aten::mm and aten::addmm, every nn.Linear forward and backward."""
+    ``isa`` (memplan.activations.kernels.cpu_gemm_scratch): aten::mm and aten::addmm, every nn.Linear forward and backward;
+    a float8 torch._scaled_mm's emulation (kernels.cpu_scaled_mm_scratch)."""
     import torch
 
     aten = torch.ops.aten
@@ -306,6 +307,10 @@ def gemm_scratch(isa: str, threads: int = 1):  # noqa: ANN201
     names = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
     def scratch(func: Any, args: tuple, out: Any) -> int:
+        if func is aten._scaled_mm.default and isa != "amx":  # float8 (torchao's Float8Linear)
+            a, b = args[0], args[1]
+            return K.cpu_scaled_mm_scratch(a.shape[0], b.shape[1], a.shape[1], not a.is_contiguous(),
+                                           not b.is_contiguous(), out.element_size())
         i = gemms.get(func)
         if i is None or not isinstance(out, torch.Tensor) or out.dim() != 2:
             return 0

@@ -10,6 +10,10 @@ COMPILE_DDP_KEY = "memplan_compile_ddp_bucket"
 #: --compile's values: none, each transformer block compiled (torchtitan's per-block compile)
 COMPILE_MODES = ("none", "blocks")
 
+#: the config pseudo-key that carries float8 training into the trace and its cache key (tracing/float8.py): the
+#: torchao recipe (tensorwise, rowwise, rowwise_with_gw_hp)
+FLOAT8_KEY = "memplan_float8"
+
 #: bump when the traced profile's format or method changes (memplan/tracing): every cached key changes with it
 PROFILE_VERSION = 20
 

@@ -46,6 +46,10 @@ def _build_model(spec: dict[str, Any], on_meta: bool) -> Any:
         if spec["lora"].get("quantize"):
             bnb_4bit_config(model, spec["lora"])
         model = peft_model(model, spec["lora"])
+    if spec.get("float8", "none") != "none":  # torchtitan converts the model before it parallelises it
+        from memplan.activations.tracing.float8 import convert
+
+        convert(model, spec["float8"])
     model.train()
     compile_model(model, spec.get("compile", "none"))
     return model

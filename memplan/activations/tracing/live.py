@@ -175,7 +175,7 @@ def dispatch_mode(live: LiveBytes, scratch: Any = None, transients: Any = None, 
     allocator events too (LiveBytes.transient); ``accumulate`` (tracing/accumulate.py) redoes in place the
     autograd engine's gradient accumulations that a real run does in place."""
     import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
     from torch.utils._pytree import tree_leaves
 
     class Mode(TorchDispatchMode):
@@ -186,12 +186,20 @@ def dispatch_mode(live: LiveBytes, scratch: Any = None, transients: Any = None, 
             return True
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+            wrapper = next((t for t in types if hasattr(t, "__tensor_flatten__")), None)
+            if wrapper is not None:
+                # a tensor subclass's operator (torchao's Float8TrainingTensor): the mode comes first, so the
+                # subclass's own __torch_dispatch__ is run under it here, and the plain tensors its implementation
+                # allocates (torchao's float8_ops.py: a transposed copy for _scaled_mm) are followed like any other;
+                # the wrapper it returns holds no storage of its own
+                with self:
+                    return wrapper.__torch_dispatch__(func, types, args, kwargs or {})
             out = accumulate.maybe_inplace(func, args, kwargs or {}, live) if accumulate is not None else None
             if out is None:
                 out = func(*args, **(kwargs or {}))
             live.op = getattr(func, "_opname", None) or str(func)
             for t in tree_leaves(out):
-                if isinstance(t, torch.Tensor):
+                if isinstance(t, torch.Tensor) and not is_traceable_wrapper_subclass(t):
                     live.track(t)
             if live.phase not in live.blas and live.op.split(".")[0] in BLAS_OPS:
                 live.blas[live.phase] = len(live._births_list)

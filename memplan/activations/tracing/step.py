@@ -18,7 +18,7 @@ from memplan.activations.tracing.compiled import COMPILE_DDP_KEY, COMPILE_KEY, c
 from memplan.activations.tracing.explain import ModuleStack
 from memplan.activations.tracing.live import LiveBytes, dispatch_mode
 from memplan.activations.tracing.segments import block_hooks, block_segments, loss_segment, root_first_hook, root_hooks_done
-from memplan.activations.tracing_keys import trace_dtypes
+from memplan.activations.tracing_keys import FLOAT8_KEY, trace_dtypes
 
 
 @contextlib.contextmanager
@@ -187,9 +187,10 @@ def one_step(config: dict[str, Any], batch: int, seq: int, recipe: str, attentio
     if lora is not None:
         config = {k: v for k, v in config.items() if k != "lora"}
     ep, cp, compile_mode = config.get(EP_KEY, 1), config.get(CP_KEY, 1), config.get(COMPILE_KEY, "none")
-    ddp_bucket = config.get(COMPILE_DDP_KEY)
-    if any(k in config for k in (EP_KEY, CP_KEY, COMPILE_KEY, COMPILE_DDP_KEY)):
-        config = {k: v for k, v in config.items() if k not in (EP_KEY, CP_KEY, COMPILE_KEY, COMPILE_DDP_KEY)}
+    ddp_bucket, float8 = config.get(COMPILE_DDP_KEY), config.get(FLOAT8_KEY)
+    if any(k in config for k in (EP_KEY, CP_KEY, COMPILE_KEY, COMPILE_DDP_KEY, FLOAT8_KEY)):
+        config = {k: v for k, v in config.items()
+                  if k not in (EP_KEY, CP_KEY, COMPILE_KEY, COMPILE_DDP_KEY, FLOAT8_KEY)}
     target = target or Target(device="cuda")
     cuda = target.device == "cuda"
     kernels: dict[str, str] = {}
@@ -228,6 +229,10 @@ def one_step(config: dict[str, Any], batch: int, seq: int, recipe: str, attentio
             else:
                 step_inputs = tasks.step_inputs(task, config, ids, getattr(torch, dtype))
                 run = (lambda m: m(**step_inputs).loss)  # noqa: E731
+        if float8:  # torchao's Float8Linear in place of the eligible nn.Linear (tracing/float8.py)
+            from memplan.activations.tracing.float8 import convert
+
+            convert(model, float8, cuda_autocast=cuda and autocast)
         if lora is not None:  # PEFT's adapters, after gradient checkpointing as a Trainer enables it
             from memplan.activations.tracing.lora import inject, quantize
 

@@ -369,6 +369,23 @@ CASES = [
     ("ddp, compile blocks, seq 512", LLAMA, dict(strategy="ddp", compile="blocks", seq_len=512), {}, {}, "full"),
     ("fsdp-full, compile blocks, seq 512", LLAMA, dict(strategy="fsdp-full", compile="blocks", seq_len=512), {}, {},
      "full"),
+    # session 36: float8 training, torchao's Float8Linear (--precision fp8-*; the harness runs torchao 0.18 on the
+    # CPU: torch._scaled_mm's emulation, whose scratch the CPU target models)
+    ("fp8-tensorwise, one rank", LLAMA, dict(gpus=1, precision="fp8-tensorwise"), {}, {}, "none"),
+    ("fp8-tensorwise, one rank", LLAMA, dict(gpus=1, precision="fp8-tensorwise"), {}, {}, "full"),
+    ("fp8-rowwise, one rank", LLAMA3, dict(gpus=1, precision="fp8-rowwise"), {}, {}, "none"),
+    ("fp8-rowwise, one rank", MIXTRAL, dict(gpus=1, precision="fp8-rowwise"), {}, {}, "none"),
+    ("ddp, fp8-tensorwise", LLAMA, dict(strategy="ddp", precision="fp8-tensorwise"), {}, {}, "none"),
+    ("ddp, fp8-rowwise", LLAMA3, dict(strategy="ddp", precision="fp8-rowwise"), {}, {}, "full"),
+    ("fsdp-full, fp8-rowwise", LLAMA, dict(strategy="fsdp-full", precision="fp8-rowwise"), {}, {}, "none"),
+    ("fsdp-full, fp8-rowwise", LLAMA, dict(strategy="fsdp-full", precision="fp8-rowwise"), {}, {}, "full"),
+    ("fsdp-full, fp8-rowwise-gw-hp", LLAMA3, dict(strategy="fsdp-full", precision="fp8-rowwise-gw-hp"), {}, {},
+     "none"),
+    ("fsdp-full, fp8-tensorwise", LLAMA4, dict(strategy="fsdp-full", precision="fp8-tensorwise"), {}, {}, "none"),
+    ("fp8-tensorwise, compile blocks, one rank", LLAMA, dict(gpus=1, precision="fp8-tensorwise", compile="blocks"),
+     {}, {}, "none"),
+    ("fsdp-full, fp8-rowwise, compile blocks", LLAMA,
+     dict(strategy="fsdp-full", precision="fp8-rowwise", compile="blocks"), {}, {}, "full"),
 ]
 QUICK = [CASES[5], CASES[11]]
 

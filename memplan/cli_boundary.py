@@ -102,6 +102,9 @@ def _check_completion() -> None:
 def run(app: typer.Typer, argv: list[str] | None = None) -> None:
     """Run the typer app with one error boundary: every error one line, its exit code."""
     _streams_that_encode()
+    from memplan import progress
+
+    progress.quiet_imports()
     try:  # typer >= 0.26 vendors click as typer._click; its exceptions are not click's, and Abort / Exit
         from typer._click import exceptions as click_exc  # moved to typer.exceptions
         from typer.exceptions import Abort, Exit

@@ -75,8 +75,8 @@ def activation_profile(config: dict[str, Any] | None, s: Settings, mode: str, no
 
     # an encoder-decoder's analytic refusal is resolve()'s (config_checks); here: it never falls back to one
     seq2seq = config is not None and "factory" not in config and tasks.task_of(config) == tasks.SEQ2SEQ
-    # a compiled step has no analytic counterpart either: its trace's failure is the answer
-    seq2seq = seq2seq or s.compile != "none"
+    # a compiled step has no analytic counterpart either, nor a float8 one: its trace's failure is the answer
+    seq2seq = seq2seq or s.compile != "none" or s.float8 != "none"
     if s.lora is not None and (mode == "analytic" or config is None):
         notes.append("activations: analytic, as for full training; LoRA's frozen weights save less (an upper bound)")
     if mode == "analytic":
@@ -167,7 +167,7 @@ def config_checks(config: dict[str, Any] | None, request: JobRequest) -> None:
                             "stacks are neither split nor staged by memplan's parallel layouts)")
 
 
-def _recipe(name: str, strat: Any, notes: list[str]) -> tuple[Any, str]:
+def _recipe(name: str, strat: Any) -> tuple[Any, str]:
     """The precision recipe a --precision name asks for, and its float8 recipe ("none" but for fp8-*): float8
     training computes in bf16 as the strategy does, with FSDP2's MixedPrecisionPolicy(bf16, fp32) under FSDP2 and
     torch.autocast(bf16) on fp32 parameters otherwise (torchtitan: maybe_enable_amp without FSDP), and swaps the
@@ -181,9 +181,6 @@ def _recipe(name: str, strat: Any, notes: list[str]) -> tuple[Any, str]:
         raise SettingsError(f"--precision {name} under {strat.name}: torchao's float8 training is modelled under "
                             "one GPU, DDP and FSDP2 (torchtitan's), not under DeepSpeed, Horovod or FSDP1")
     base = "fsdp-bf16" if strat.framework == "fsdp2" else "torch-amp"
-    notes.append(f"precision: {name} is torchao's Float8Linear ({float8} scaling) on {base}'s bf16 compute; the "
-                 "output projection and any linear whose dims are not multiples of 16 stay bf16 (torchtitan's "
-                 "float8 converter)")
     return get_recipe(base), float8
 
 
@@ -865,7 +862,7 @@ def resolve(inv: ParamInventory, request: JobRequest, *, config: dict[str, Any] 
     if strat.one_gpu and gpus != 1:
         raise SettingsError(f"--strategy {strat.name} runs on one GPU, not {gpus}: give a data-parallel strategy "
                             "(ddp, zero1-3, fsdp-full, hsdp, ...)")
-    recipe, float8 = _recipe(pick("precision", DEFAULT_RECIPE[strat.framework]), strat, notes)
+    recipe, float8 = _recipe(pick("precision", DEFAULT_RECIPE[strat.framework]), strat)
     if recipe.autocast and recipe.param_bytes == 2:  # a 16-bit model trained as loaded, under autocast
         from memplan import frameworks
 

@@ -15,6 +15,20 @@ _console: Any = None
 _current: list[tuple[Any, Any]] = []
 
 
+#: loggers whose import-time warnings are not the user's business: torchao (imported by transformers 5 whenever it
+#: is installed: quantizers/quantizer_torchao.py) logs one per CUDA extension it cannot load, and torch one per
+#: enum torchao registers with its pytree (torch/utils/_pytree.py register_constant)
+QUIET_LOGGERS = ("torchao", "torch.utils._pytree")
+
+
+def quiet_imports() -> None:
+    """Keep the import-time warnings of QUIET_LOGGERS off stderr (the CLI and each harness rank call it first)."""
+    import logging
+
+    for name in QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
 def enable(on: bool, console: Any = None) -> None:
     """Show status lines from now on (``console``: where; default a rich Console on stderr)."""
     global _enabled, _console

@@ -72,6 +72,8 @@ def plan_report(plan: Any, sources: dict[str, str] | None = None, notes: tuple[s
                                 "recompute": s.recompute, "attention": s.attention}
     if s.compile != "none":
         strategy["compile"] = s.compile
+    if s.float8 != "none":
+        strategy["float8"] = s.float8
     if s.target_len is not None:
         strategy["target_len"] = s.target_len
     if st.framework == "deepspeed":

@@ -31,6 +31,9 @@ def _status(out: str, rank: int, text: str) -> None:
 
 def rank_main(rank: int, world: int, spec: dict[str, Any], out: str) -> None:
     """Run one rank; write rank<R>.json, or rank<R>.error on failure. Never raises."""
+    from memplan import progress
+
+    progress.quiet_imports()
     try:
         _run(rank, world, spec, out)
     except BaseException as exc:  # report everything, including SystemExit from a framework

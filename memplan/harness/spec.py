@@ -109,6 +109,12 @@ def build_spec(config: dict[str, Any], s: Settings, *, warmup_steps: int = 2, me
     if c.device == "cpu" and s.torch.cpu_offload:
         raise SettingsError("FSDP CPU offload cannot be measured on CPU: its parameters would be offloaded to "
                             "the device they are on (run validate on a GPU machine)")
+    if c.device == "cpu" and s.float8 == "rowwise_with_gw_hp" and s.recipe.autocast:
+        # Float8Linear casts its input to CUDA's autocast dtype only (float8_linear.py forward reads
+        # torch.is_autocast_enabled()); under CPU autocast the input stays fp32 and this recipe's high-precision
+        # weight-gradient GEMM gets a bf16 and an fp32 operand
+        raise SettingsError("the CPU harness cannot run fp8-rowwise-gw-hp under autocast (torchao's Float8Linear "
+                            "casts its input for CUDA's autocast only): run it under FSDP2 (fsdp-bf16)")
     if s.recompute == "selective":
         raise SettingsError("the harness runs --recompute none, full, op-sac, every:N or layer-sac:N (transformers "
                             "has no selective recompute)")

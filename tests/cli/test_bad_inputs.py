@@ -134,6 +134,14 @@ CASES = [
     ("estimate llama-7b --gpus 2 --strategy fsdp-full --recompute full --lora-rank 8 --compile blocks",
      "with LoRA under FSDP2 and recompute"),
     ("estimate llama-7b --training-args {dir}/ta_compile.json", "torch_compile (the whole model in one graph)"),
+    # float8 training (--precision fp8-*: torchao's Float8Linear, memplan/activations/tracing/float8.py)
+    ("estimate llama-7b --precision fp8-tensorwise --gpu a100-80g", "needs float8 tensor cores"),
+    ("estimate llama-7b --precision fp8 --gpu v100-32g", "not sm70"),
+    ("estimate llama-7b --precision fp8-rowwise --gpus 2 --stage 3", "not under DeepSpeed"),
+    ("estimate llama-7b --precision fp8-rowwise --activations analytic", "needs the traced activations"),
+    ("estimate llama-7b --precision fp8-rowwise --lora-rank 8", "with LoRA is not modelled"),
+    ("estimate llama-7b --precision fp8-rowwise --gpus 2 --strategy fsdp-full --tp 2", "--tp/--pp/--cp/--ep"),
+    ("estimate llama-7b --precision fp9", "unknown precision recipe"),
     # DeepSpeed configs: wrong types, NaN and infinity, unbounded and binary input
     ("estimate gpt2 --deepspeed {dir}/ds_bf16_true.json", '"bf16" must be an object'),
     ("estimate gpt2 --deepspeed {dir}/ds_fp16_yes.json", '"fp16" must be an object'),

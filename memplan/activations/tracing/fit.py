@@ -11,7 +11,7 @@ from memplan.activations.kernels import Target
 from memplan.activations.profile_fit import envelopes
 from memplan.activations.tracing.segments import alloc_events
 from memplan.activations.tracing.step import one_step
-from memplan.activations.tracing_keys import COMPILE_KEY, PROFILE_VERSION, trace_dtypes
+from memplan.activations.tracing_keys import COMPILE_KEY, FLOAT8_KEY, PROFILE_VERSION, trace_dtypes
 
 
 
@@ -152,6 +152,8 @@ def trace_profile(config: dict[str, Any], *, seq_len: int, recipe: str, attentio
                                                                  "; use --activations analytic"))
     heterogeneous = _heterogeneous(config, layers, recompute)
     compiled = config.get(COMPILE_KEY, "none") != "none"
+    # a compiled or float8 step has no analytic counterpart to suggest
+    no_analytic = compiled or bool(config.get(FLOAT8_KEY))
 
     try:
         run = (lambda depth: _two_batches(config, depth, seq_len, recipe, attention, recompute, target, linear))
@@ -172,13 +174,15 @@ def trace_profile(config: dict[str, Any], *, seq_len: int, recipe: str, attentio
     except Exception as exc:
         first = str(exc).splitlines()[0] if str(exc) else ""
         raise SettingsError(f"tracing activations failed ({type(exc).__name__}: {first[:200]})"
-                            + ("" if _seq2seq(config) or compiled else "; use --activations analytic")) from None
+                            + ("" if _seq2seq(config) or no_analytic else "; use --activations analytic")) from None
 
     out = _profile(top, low, seq_len=seq_len, recipe=recipe, attention=attention, recompute=recompute,
                    device=device, target=target, layers=layers, heterogeneous=heterogeneous,
                    transformers_version=transformers.__version__, third=third)
     if compiled:
         out["compile"] = config[COMPILE_KEY]  # torch.compile's mode (tracing/compiled.py)
+    if config.get(FLOAT8_KEY):
+        out["float8"] = config[FLOAT8_KEY]  # torchao's float8 recipe (tracing/float8.py)
     return out
 
 

@@ -15,29 +15,12 @@ preprocess_addmm). Its operators on torchao's tensor subclass are followed throu
 
 from __future__ import annotations
 
-import contextlib
-import logging
 from typing import Any
 
 from memplan.errors import SettingsError
 
 #: the torchao the float8 path is modelled on and checked with (pyproject's extras pin it)
 TORCHAO = "torchao>=0.18"
-
-
-@contextlib.contextmanager
-def _quiet() -> Any:
-    """torchao's import logs a warning per CUDA extension it cannot load (a CPU machine has none of them) and torch
-    one per enum torchao registers: neither is the user's business."""
-    loggers = [logging.getLogger(n) for n in ("torchao", "torch.utils._pytree")]
-    levels = [lg.level for lg in loggers]
-    for lg in loggers:
-        lg.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        for lg, level in zip(loggers, levels):
-            lg.setLevel(level)
 
 
 def available() -> bool:
@@ -50,8 +33,11 @@ def torchao_float8() -> Any:
     """torchao.float8, imported quietly; a one-line SettingsError when torchao is not installed."""
     if not available():
         raise SettingsError(f"float8 training is torchao's Float8Linear: install torchao ({TORCHAO})")
-    with _quiet():
-        import torchao.float8 as f8
+    from memplan import progress
+
+    progress.quiet_imports()
+    import torchao.float8 as f8
+
     return f8
 
 

@@ -386,6 +386,13 @@ CASES = [
      {}, {}, "none"),
     ("fsdp-full, fp8-rowwise, compile blocks", LLAMA,
      dict(strategy="fsdp-full", precision="fp8-rowwise", compile="blocks"), {}, {}, "full"),
+    # Accelerate's torchao backend (mixed_precision fp8): the first and last linears kept, on the job's own recipe
+    ("float8 tensorwise first-last, one rank", LLAMA,
+     dict(gpus=1, precision="torch-amp", float8="tensorwise", float8_keep="first-last"), {}, {}, "none"),
+    ("ddp, float8 tensorwise first-last, bf16-autocast", LLAMA,
+     dict(strategy="ddp", precision="bf16-autocast", float8="tensorwise", float8_keep="first-last"), {}, {}, "full"),
+    ("fsdp-full, float8 rowwise, pure-bf16", LLAMA, dict(strategy="fsdp-full", precision="pure-bf16",
+                                                        float8="rowwise"), {}, {}, "full"),
 ]
 QUICK = [CASES[5], CASES[11]]
 

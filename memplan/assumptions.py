@@ -78,9 +78,12 @@ def by_topic(rep: dict[str, Any]) -> list[tuple[str, list[str]]]:
     if defaults:
         framework.append(f"{defaults} more {st['framework']} knobs at their defaults")
     precision = [_item("recipe", f"{st['precision']}: {a['recipe']}", src.get("precision", "default")),
-                 *([_item("float8", f"torchao Float8Linear, {st['float8']} scaling (torchtitan's converter: the "
-                                    "output projection and dims not multiples of 16 stay bf16)",
-                          src.get("precision"))] if st.get("float8") else []),
+                 *([_item("float8", f"torchao Float8Linear, {st['float8']} scaling; bf16 stay "
+                                    + ("the first and last linears (Accelerate's torchao backend)"
+                                       if st.get("float8_keep") == "first-last" else
+                                       "the output projection (torchtitan's converter)")
+                                    + " and those with a dim not a multiple of 16",
+                          src.get("float8", src.get("precision")))] if st.get("float8") else []),
                  _item("optimizer", str(a["optimizer"]), src.get("optimizer", "default")),
                  _item("micro-batch", f"{st['micro_batch']} x seq {st['seq_len']}"
                        + (f" (encoder) -> target {st['target_len']} (decoder, {src.get('target_len', 'default')})"

@@ -134,7 +134,8 @@ def check(
 #: the job's options `memplan plan` takes (the rest it searches over)
 PLAN_FIELDS = ("task", "builder", "activations", "gpu", "gpu_memory", "device", "cpu_isa", "seq_len", "target_len",
                "grad_accum",
-               "precision", "optimizer", "attention", "compile", "allocator_conf", "host_memory")
+               "precision", "optimizer", "attention", "compile", "float8", "float8_keep", "allocator_conf",
+               "host_memory")
 
 
 @app.command()
@@ -177,6 +178,7 @@ def plan(
 @app.command()
 @O.request_options("deepspeed", "torch", "parallel", "adapters")
 @O.request_options("training", "files", only=("stage", "strategy", "precision", "optimizer_impl", "compile",
+                                               "float8", "float8_keep",
                                                "deepspeed"))
 @O.request_options("batch", "cluster", only=("micro_batch", "target_len", "grad_accum", "cpu_isa"))
 @O.request_options(HarnessRun)

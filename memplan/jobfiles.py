@@ -277,6 +277,31 @@ def _checkpointing_kwargs(job: JobFile, path: str, kw: Any) -> str:
     return "full" if every == 1 else f"every:{every}"
 
 
+def _accelerate_fp8(job: JobFile, path: str, d: dict[str, Any], dist: str) -> str:
+    """mixed_precision fp8 with Accelerate's torchao backend (accelerator.py _prepare_ao, utils/ao.py
+    convert_model_to_fp8_ao): AORecipeKwargs' Float8LinearConfig (tensorwise), every nn.Linear but the first and
+    the last, under bf16 autocast as for bf16 (utils/modeling.py get_mixed_precision_context_manager: "bf16",
+    "fp8"). Returns the mixed precision the rest of the config is read with."""
+    fp8 = _section(d, "fp8_config", path) if d.get("fp8_config") is not None else {}
+    backend = str(fp8.get("backend", "AO")).upper()
+    if backend != "AO":
+        raise ConfigError(f"{path}: mixed_precision fp8 with fp8_config.backend {quote(fp8.get('backend'))}: "
+                          "Transformer Engine's and MS-AMP's float8 are not modelled; torchao's (backend AO) is")
+    if dist == "DEEPSPEED":
+        raise ConfigError(f"{path}: mixed_precision fp8 under DeepSpeed (Accelerate runs MS-AMP there) is not "
+                          "modelled")
+    if dist == "FSDP" and _flag(fp8.get("enable_fsdp_float8_all_gather", True),
+                                "fp8_config.enable_fsdp_float8_all_gather", path):
+        # AORecipeKwargs: ACCELERATE_FP8_ENABLE_FSDP_FLOAT8_ALL_GATHER defaults to True
+        raise ConfigError(f"{path}: mixed_precision fp8 under FSDP with fp8_config.enable_fsdp_float8_all_gather "
+                          "(Accelerate's default) is not modelled: FSDP2's float8 all-gather; set it false")
+    if "backend" not in fp8:
+        job.notes.append(f"{path}: mixed_precision fp8 without fp8_config.backend: Accelerate takes torchao where "
+                         "it is installed (else Transformer Engine); modelled as torchao's")
+    job.values["float8"], job.values["float8_keep"] = "tensorwise", "first-last"
+    return "bf16"
+
+
 def read_accelerate(path: str) -> JobFile:
     """An `accelerate config` YAML (or JSON) file."""
     d = _load(path, "Accelerate config")
@@ -286,7 +311,7 @@ def read_accelerate(path: str) -> JobFile:
     if mixed not in ("no", "bf16", "fp16", "fp8"):
         raise ConfigError(f"{path}: mixed_precision must be no, bf16, fp16 or fp8, got {quote(d.get('mixed_precision'))}")
     if mixed == "fp8":
-        raise ConfigError(f"{path}: mixed_precision fp8 (Transformer Engine / MS-AMP) is not modelled")
+        mixed = _accelerate_fp8(job, path, d, dist)
     procs = _count(d.get("num_processes", 1), "num_processes", path)
     machines = _count(d.get("num_machines", 1), "num_machines", path)
     if procs % machines:

@@ -184,6 +184,30 @@ def _recipe(name: str, strat: Any) -> tuple[Any, str]:
     return get_recipe(base), float8
 
 
+def _float8(r: JobRequest, recipe: Any, float8: str, strat: Any) -> str:
+    """The job's torchao float8 recipe: --precision fp8-RECIPE's, or --float8's on the job's own bf16 recipe."""
+    from memplan.precision import FLOAT8_BASES, FLOAT8_KEEP, FLOAT8_RECIPES
+
+    given, keep = r.training.float8, r.training.float8_keep
+    if keep not in FLOAT8_KEEP:
+        raise SettingsError(f"unknown --float8-keep {quote(keep)}; valid: {', '.join(FLOAT8_KEEP)}")
+    if given is None or given == "none":
+        if keep != "output" and float8 == "none":
+            raise SettingsError("--float8-keep applies to float8 training: give --float8 or --precision fp8-RECIPE")
+        return float8
+    if given not in FLOAT8_RECIPES:
+        raise SettingsError(f"unknown --float8 {quote(given)}; valid: none, {', '.join(FLOAT8_RECIPES)}")
+    if float8 != "none" and FLOAT8_RECIPES[given] != float8:
+        raise SettingsError(f"--float8 {given} and --precision fp8-* ask for two float8 recipes: give one")
+    if recipe.name not in FLOAT8_BASES:
+        raise SettingsError(f"--float8 {given} on --precision {recipe.name}: float8 training computes in bf16 "
+                            f"(torchao's Float8Linear), on one of {', '.join(FLOAT8_BASES)}")
+    if strat.framework not in ("torch", "torch-ddp", "fsdp2"):
+        raise SettingsError(f"--float8 {given} under {strat.name}: torchao's float8 training is modelled under "
+                            "one GPU, DDP and FSDP2, not under DeepSpeed, Horovod or FSDP1")
+    return FLOAT8_RECIPES[given]
+
+
 def float8_checks(config: dict[str, Any] | None, s: Settings, parallel: Any, lora: Any,
                   activations: str) -> dict[str, Any]:
     """Float8 training's refusals, and the config that carries it into the trace (tracing/float8.py)."""
@@ -191,7 +215,7 @@ def float8_checks(config: dict[str, Any] | None, s: Settings, parallel: Any, lor
     from memplan.activations.tracing_keys import FLOAT8_KEY
     from memplan.precision import float8_name
 
-    name = float8_name(s.float8)
+    name = float8_name(s.float8) if s.float8_keep == "output" else f"--float8 {s.float8}"
     arch = kernel_target(s.cluster).arch if s.cluster.device == "cuda" else ""
     why = None
     if s.cluster.device == "cuda" and not _fp8_arch(arch):
@@ -207,8 +231,10 @@ def float8_checks(config: dict[str, Any] | None, s: Settings, parallel: Any, lor
     elif not f8.available():
         why = f"needs torchao installed ({f8.TORCHAO})"
     if why:
-        raise SettingsError(f"--precision {name} {why}")
-    return {**config, FLOAT8_KEY: s.float8}
+        raise SettingsError(f"{'' if name.startswith('--') else '--precision '}{name} {why}")
+    # torchtitan's converter keeps the output projection (the key as it has always been), Accelerate's the first
+    # and last linears (tracing/float8.py)
+    return {**config, FLOAT8_KEY: s.float8 if s.float8_keep == "output" else f"{s.float8}/{s.float8_keep}"}
 
 
 def _fp8_arch(arch: str) -> bool:
@@ -863,6 +889,7 @@ def resolve(inv: ParamInventory, request: JobRequest, *, config: dict[str, Any] 
         raise SettingsError(f"--strategy {strat.name} runs on one GPU, not {gpus}: give a data-parallel strategy "
                             "(ddp, zero1-3, fsdp-full, hsdp, ...)")
     recipe, float8 = _recipe(pick("precision", DEFAULT_RECIPE[strat.framework]), strat)
+    float8 = _float8(r, recipe, float8, strat)
     if recipe.autocast and recipe.param_bytes == 2:  # a 16-bit model trained as loaded, under autocast
         from memplan import frameworks
 
@@ -997,6 +1024,7 @@ def resolve(inv: ParamInventory, request: JobRequest, *, config: dict[str, Any] 
                         optimizer_impl=r.training.optimizer_impl,
                         micro_batch=mb, seq_len=seq, target_len=target, grad_accum=ga, recompute=recompute,
                         attention=r.training.attention, compile=r.training.compile, float8=float8,
+                        float8_keep=r.training.float8_keep,
                         ds=ds, torch=tk, horovod=hv, overheads=ov, allocator_conf=conf, lora=lora)
     notes.extend(_optimizer_notes(inv, settings))
     from memplan import frameworks

@@ -231,6 +231,14 @@ OPTIMIZER_IMPLS = ("foreach", "fused", "single-tensor")
 FLOAT8_PRECISIONS = {"fp8-tensorwise": "tensorwise", "fp8-rowwise": "rowwise", "fp8-rowwise-gw-hp": "rowwise_with_gw_hp"}
 #: "fp8" is torchao's Float8LinearConfig() default: tensorwise dynamic scaling
 FLOAT8_ALIASES = {"fp8": "fp8-tensorwise"}
+#: --float8's values -> torchao's recipe names
+FLOAT8_RECIPES = {"tensorwise": "tensorwise", "rowwise": "rowwise", "rowwise-gw-hp": "rowwise_with_gw_hp"}
+#: --float8-keep: which linears stay bf16 besides those with a dim not a multiple of 16: torchtitan's converter
+#: (its configs' filter_fqns = ["output"]) or Accelerate's (utils/ao.py convert_model_to_fp8_ao: the first and the
+#: last nn.Linear, find_first_last_linear_layers)
+FLOAT8_KEEP = ("output", "first-last")
+#: the recipes float8 training runs on: a bf16 compute (FSDP2's param_dtype, or autocast to bf16)
+FLOAT8_BASES = ("fsdp-bf16", "torch-amp", "bf16-autocast", "pure-bf16")
 
 
 def float8_precision(name: str) -> str | None:

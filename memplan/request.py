@@ -175,6 +175,14 @@ class Training:
     compile: str = opt("none", "--compile", "torch.compile with inductor: none | blocks (each transformer block "
                        "compiled: torchtitan's per-block compile; what each saves for backward is inductor's "
                        "partitioner's choice). The whole model in one graph is not modelled.")
+    float8: str | None = opt(None, "--float8", "torchao float8 training (Float8Linear) on the job's bf16 recipe: "
+                             "tensorwise | rowwise | rowwise-gw-hp [default: none; --precision fp8-RECIPE is the "
+                             "same with torchtitan's recipe: fsdp-bf16 under FSDP2, torch-amp otherwise].",
+                             accelerate="mixed_precision fp8 (fp8_config.backend AO)")
+    float8_keep: str = opt("output", "--float8-keep", "the linears float8 training leaves in bf16: output "
+                           "(torchtitan's converter: the output projection) | first-last (Accelerate's: the first "
+                           "and the last nn.Linear); those with a dim not a multiple of 16 always.",
+                           accelerate="mixed_precision fp8 (first-last)")
 
 
 @dataclass(frozen=True)

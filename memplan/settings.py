@@ -237,6 +237,8 @@ class Settings:
     #: float8 training: torchao's Float8Linear recipe (tensorwise, rowwise, rowwise_with_gw_hp; precision.py
     #: FLOAT8_PRECISIONS) on the bf16 compute of ``recipe``; "none": none
     float8: str = "none"
+    #: the linears float8 training leaves in bf16 (precision.py FLOAT8_KEEP): output | first-last
+    float8_keep: str = "output"
     ds: DeepSpeedKnobs = field(default_factory=DeepSpeedKnobs)
     torch: TorchKnobs = field(default_factory=TorchKnobs)
     horovod: HorovodKnobs = field(default_factory=HorovodKnobs)

@@ -142,6 +142,11 @@ CASES = [
     ("estimate llama-7b --precision fp8-rowwise --lora-rank 8", "with LoRA is not modelled"),
     ("estimate llama-7b --precision fp8-rowwise --gpus 2 --strategy fsdp-full --tp 2", "--tp/--pp/--cp/--ep"),
     ("estimate llama-7b --precision fp9", "unknown precision recipe"),
+    ("estimate llama-7b --float8 fp8", "unknown --float8"),
+    ("estimate llama-7b --float8 rowwise --precision fp32", "float8 training computes in bf16"),
+    ("estimate llama-7b --float8 rowwise --precision fp8-tensorwise", "two float8 recipes"),
+    ("estimate llama-7b --float8-keep first-last", "--float8-keep applies to float8 training"),
+    ("estimate llama-7b --float8 rowwise --float8-keep last", "unknown --float8-keep"),
     # DeepSpeed configs: wrong types, NaN and infinity, unbounded and binary input
     ("estimate gpt2 --deepspeed {dir}/ds_bf16_true.json", '"bf16" must be an object'),
     ("estimate gpt2 --deepspeed {dir}/ds_fp16_yes.json", '"fp16" must be an object'),

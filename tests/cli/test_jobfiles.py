@@ -105,7 +105,11 @@ def test_optimizer_names(tmp_path):
     ("bad.yaml", "distributed_type: FSDP\n  num_processes: [8\n", "not valid YAML at line"),
     ("bad.json", '{"bf16": true,,}', "not valid JSON"),
     ("list.yaml", "- 1\n- 2\n", "must hold a mapping"),
-    ("fp8.yaml", "distributed_type: MULTI_GPU\nmixed_precision: fp8\n", "fp8"),
+    ("fp8.yaml", "distributed_type: MULTI_GPU\nmixed_precision: fp8\nfp8_config:\n  backend: TE\n",
+     "Transformer Engine's and MS-AMP's float8 are not modelled"),
+    ("fp8ds.yaml", "distributed_type: DEEPSPEED\nmixed_precision: fp8\n", "fp8 under DeepSpeed"),
+    ("fp8fsdp.yaml", "distributed_type: FSDP\nmixed_precision: fp8\nfsdp_config:\n  fsdp_version: 2\n",
+     "enable_fsdp_float8_all_gather (Accelerate's default) is not modelled"),
     ("tpu.yaml", "distributed_type: XLA\n", "not modelled"),
     ("zero2h.yaml", "distributed_type: FSDP\nfsdp_config:\n  fsdp_sharding_strategy: HYBRID_SHARD_ZERO2\n",
      "not modelled"),
@@ -277,3 +281,24 @@ def test_an_accelerate_config_autocasts_the_model_as_loaded(tmp_path):
     for model, recipe in (("llama-3-8b", "bf16-autocast"), ("gpt2", "torch-amp")):
         code, rep = _json(["estimate", model, "--accelerate-config", acc, "--activations", "analytic"])
         assert rep["strategy"]["precision"] == recipe and rep["cluster"]["gpus"] == 8
+
+
+def test_an_accelerate_fp8_config_is_torchaos_float8(tmp_path):
+    # mixed_precision fp8 with the torchao backend: Float8Linear (tensorwise) on every nn.Linear but the first and
+    # the last (accelerate/utils/ao.py), under Accelerate's bf16 autocast over the model as loaded
+    pytest.importorskip("torchao")
+    cfg = _write(tmp_path, "config.json", json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 128, "intermediate_size": 256,
+        "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2, "vocab_size": 512,
+        "torch_dtype": "bfloat16", "tie_word_embeddings": False}))
+    acc = _write(tmp_path, "acc.yaml", "distributed_type: MULTI_GPU\nmixed_precision: fp8\nnum_processes: 2\n"
+                 "fp8_config:\n  backend: AO\n")
+    code, rep = _json(["estimate", cfg, "--accelerate-config", acc, "--seq-len", "128", "--gpu", "h100-80g"])
+    st = rep["strategy"]
+    assert code == 0 and (st["precision"], st["float8"], st["float8_keep"]) == ("bf16-autocast", "tensorwise",
+                                                                                 "first-last")
+    # the same job on the command line gives the same bytes
+    code, cli = _json(["estimate", cfg, "--gpus", "2", "--strategy", "ddp", "--precision", "bf16-autocast",
+                       "--float8", "tensorwise", "--float8-keep", "first-last", "--seq-len", "128", "--gpu",
+                       "h100-80g"])
+    assert cli["per_gpu"]["peak_bytes"] == rep["per_gpu"]["peak_bytes"]

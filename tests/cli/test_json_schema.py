@@ -33,6 +33,7 @@ CASES = [
     "estimate mixtral-8x7b --gpus 16 --ep 8 --strategy fsdp-full --activations analytic --gpu h100-80g --json",
     "estimate llama-3-8b --gpus 16 --cp 4 --seq-len 32768 --strategy fsdp-full --activations analytic --json",
     "estimate gpt2 --gpus 2 --strategy ddp --compile blocks --seq-len 256 --gpu h100-80g --json",
+    "estimate llama-3-8b --gpus 8 --strategy fsdp-full --precision fp8-rowwise --seq-len 1024 --gpu h100-80g --json",
 ]
 
 

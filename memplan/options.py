@@ -176,6 +176,9 @@ def _recipe(name: str, strat: Any) -> tuple[Any, str]:
 
     float8 = float8_precision(name)
     if float8 is None:
+        if name.lower().startswith(("mxfp8", "mx-fp8", "fp8-mx", "nvfp4", "mxfp4")):
+            raise SettingsError(f"--precision {name}: torchao's MX formats (MXLinear, Blackwell) are not modelled "
+                                "yet; float8 is (fp8-tensorwise, fp8-rowwise, fp8-rowwise-gw-hp)")
         return get_recipe(name), "none"
     if strat.framework not in ("torch", "torch-ddp", "fsdp2"):
         raise SettingsError(f"--precision {name} under {strat.name}: torchao's float8 training is modelled under "

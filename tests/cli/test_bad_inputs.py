@@ -142,6 +142,7 @@ CASES = [
     ("estimate llama-7b --precision fp8-rowwise --lora-rank 8", "with LoRA is not modelled"),
     ("estimate llama-7b --precision fp8-rowwise --gpus 2 --strategy fsdp-full --tp 2", "--tp/--pp/--cp/--ep"),
     ("estimate llama-7b --precision fp9", "unknown precision recipe"),
+    ("estimate llama-7b --precision mxfp8 --gpu b200-180g", "MX formats (MXLinear, Blackwell) are not modelled"),
     ("estimate llama-7b --float8 fp8", "unknown --float8"),
     ("estimate llama-7b --float8 rowwise --precision fp32", "float8 training computes in bf16"),
     ("estimate llama-7b --float8 rowwise --precision fp8-tensorwise", "two float8 recipes"),

@@ -212,7 +212,7 @@ def _float8(r: JobRequest, recipe: Any, float8: str, strat: Any) -> str:
 
 
 def float8_checks(config: dict[str, Any] | None, s: Settings, parallel: Any, lora: Any,
-                  activations: str) -> dict[str, Any]:
+                  activations: str, inv: ParamInventory) -> dict[str, Any]:
     """Float8 training's refusals, and the config that carries it into the trace (tracing/float8.py)."""
     from memplan.activations.tracing import float8 as f8
     from memplan.activations.tracing_keys import FLOAT8_KEY
@@ -231,6 +231,10 @@ def float8_checks(config: dict[str, Any] | None, s: Settings, parallel: Any, lor
         why = "with LoRA is not modelled (PEFT's adapters on torchao's Float8Linear)"
     elif parallel is not None and parallel.active:
         why = "with --tp/--pp/--cp/--ep is not modelled yet (torchao's float8 tensor-parallel styles)"
+    elif not any(t.layer == "linear" and len(t.shape) == 2 and t.shape[0] % 16 == 0 and t.shape[1] % 16 == 0
+                 and t.category != "head" for t in inv.tensors):
+        why = ("finds no nn.Linear to swap (torchao's Float8Linear swaps nn.Linear whose dims are multiples of 16, "
+               "but the output projection)")
     elif not f8.available():
         why = f"needs torchao installed ({f8.TORCHAO})"
     if why:
@@ -1059,7 +1063,7 @@ def resolve(inv: ParamInventory, request: JobRequest, *, config: dict[str, Any] 
         raise SettingsError(f"--compile {settings.compile} with LoRA under FSDP2 and recompute is not modelled yet "
                             "(the trace came out under the CPU harness); without recompute, or under DDP, it is")
     if float8 != "none":
-        config = float8_checks(config, settings, parallel, lora, r.model.activations)
+        config = float8_checks(config, settings, parallel, lora, r.model.activations, inv)
     if settings.compile != "none" and config is not None:
         from memplan.activations.tracing_keys import COMPILE_DDP_KEY, COMPILE_KEY
 

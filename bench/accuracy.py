@@ -393,6 +393,12 @@ CASES = [
      dict(strategy="ddp", precision="bf16-autocast", float8="tensorwise", float8_keep="first-last"), {}, {}, "full"),
     ("fsdp-full, float8 rowwise, pure-bf16", LLAMA, dict(strategy="fsdp-full", precision="pure-bf16",
                                                         float8="rowwise"), {}, {}, "full"),
+    # other families under FSDP2 with float8: an encoder classifier, a ViT, an encoder-decoder, an MoE
+    ("fsdp-full, fp8-rowwise", BERT, dict(strategy="fsdp-full", precision="fp8-rowwise"), {}, {}, "none"),
+    ("fsdp-full, fp8-tensorwise", VIT, dict(strategy="fsdp-full", precision="fp8-tensorwise", seq_len=None), {}, {},
+     "none"),
+    ("fsdp-full, fp8-rowwise", T5, dict(strategy="fsdp-full", precision="fp8-rowwise"), {}, {}, "none"),
+    ("fsdp-full, fp8-rowwise", QWEN3_MOE, dict(strategy="fsdp-full", precision="fp8-rowwise"), {}, {}, "none"),
 ]
 QUICK = [CASES[5], CASES[11]]
 

@@ -393,6 +393,15 @@ CASES = [
      dict(strategy="ddp", precision="bf16-autocast", float8="tensorwise", float8_keep="first-last"), {}, {}, "full"),
     ("fsdp-full, float8 rowwise, pure-bf16", LLAMA, dict(strategy="fsdp-full", precision="pure-bf16",
                                                         float8="rowwise"), {}, {}, "full"),
+    # FSDP2's float8 all-gather (--float8-all-gather: torchao's enable_fsdp_float8_all_gather)
+    ("fsdp-full, fp8-tensorwise, float8 all-gather", LLAMA,
+     dict(strategy="fsdp-full", precision="fp8-tensorwise", float8_all_gather=True), {}, {}, "none"),
+    ("fsdp-full, fp8-tensorwise, float8 all-gather", LLAMA,
+     dict(strategy="fsdp-full", precision="fp8-tensorwise", float8_all_gather=True), {}, {}, "full"),
+    ("fsdp-full, fp8-tensorwise, float8 all-gather", LLAMA4,
+     dict(strategy="fsdp-full", precision="fp8-tensorwise", float8_all_gather=True), {}, {}, "none"),
+    ("fsdp-grad-op, fp8-tensorwise, float8 all-gather", LLAMA3,
+     dict(strategy="fsdp-grad-op", precision="fp8-tensorwise", float8_all_gather=True), {}, {}, "none"),
     # other families under FSDP2 with float8: an encoder classifier, a ViT, an encoder-decoder, an MoE
     ("fsdp-full, fp8-rowwise", BERT, dict(strategy="fsdp-full", precision="fp8-rowwise"), {}, {}, "none"),
     ("fsdp-full, fp8-tensorwise", VIT, dict(strategy="fsdp-full", precision="fp8-tensorwise", seq_len=None), {}, {},

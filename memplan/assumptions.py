@@ -82,7 +82,9 @@ def by_topic(rep: dict[str, Any]) -> list[tuple[str, list[str]]]:
                                     + ("the first and last linears (Accelerate's torchao backend)"
                                        if st.get("float8_keep") == "first-last" else
                                        "the output projection (torchtitan's converter)")
-                                    + " and those with a dim not a multiple of 16",
+                                    + " and those with a dim not a multiple of 16"
+                                    + ("; FSDP2 all-gathers the float8 weights in float8" if st.get("float8_all_gather")
+                                       else ""),
                           src.get("float8", src.get("precision")))] if st.get("float8") else []),
                  _item("optimizer", str(a["optimizer"]), src.get("optimizer", "default")),
                  _item("micro-batch", f"{st['micro_batch']} x seq {st['seq_len']}"

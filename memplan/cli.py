@@ -134,7 +134,7 @@ def check(
 #: the job's options `memplan plan` takes (the rest it searches over)
 PLAN_FIELDS = ("task", "builder", "activations", "gpu", "gpu_memory", "device", "cpu_isa", "seq_len", "target_len",
                "grad_accum",
-               "precision", "optimizer", "attention", "compile", "float8", "float8_keep", "allocator_conf",
+               "precision", "optimizer", "attention", "compile", "float8", "float8_keep", "float8_all_gather", "allocator_conf",
                "host_memory")
 
 
@@ -178,7 +178,7 @@ def plan(
 @app.command()
 @O.request_options("deepspeed", "torch", "parallel", "adapters")
 @O.request_options("training", "files", only=("stage", "strategy", "precision", "optimizer_impl", "compile",
-                                               "float8", "float8_keep",
+                                               "float8", "float8_keep", "float8_all_gather",
                                                "deepspeed"))
 @O.request_options("batch", "cluster", only=("micro_batch", "target_len", "grad_accum", "cpu_isa"))
 @O.request_options(HarnessRun)

@@ -293,8 +293,7 @@ def _accelerate_fp8(job: JobFile, path: str, d: dict[str, Any], dist: str) -> st
     if dist == "FSDP" and _flag(fp8.get("enable_fsdp_float8_all_gather", True),
                                 "fp8_config.enable_fsdp_float8_all_gather", path):
         # AORecipeKwargs: ACCELERATE_FP8_ENABLE_FSDP_FLOAT8_ALL_GATHER defaults to True
-        raise ConfigError(f"{path}: mixed_precision fp8 under FSDP with fp8_config.enable_fsdp_float8_all_gather "
-                          "(Accelerate's default) is not modelled: FSDP2's float8 all-gather; set it false")
+        job.values["float8_all_gather"] = True
     if "backend" not in fp8:
         job.notes.append(f"{path}: mixed_precision fp8 without fp8_config.backend: Accelerate takes torchao where "
                          "it is installed (else Transformer Engine); modelled as torchao's")

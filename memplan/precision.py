@@ -241,6 +241,18 @@ FLOAT8_KEEP = ("output", "first-last")
 FLOAT8_BASES = ("fsdp-bf16", "torch-amp", "bf16-autocast", "pure-bf16")
 
 
+def float8_weights(inv: ParamInventory, keep: str) -> frozenset[str]:
+    """The names of the weights torchao's converter swaps into Float8Linear (tracing/float8.py convert, the same
+    rule on the trace's modules): an nn.Linear weight whose two dims are multiples of 16, but the output projection
+    (``keep`` output: torchtitan's) or the first and last nn.Linear (first-last: Accelerate's)."""
+    from memplan.model.inventory import classify
+
+    linears = [t for t in inv.tensors if t.layer == "linear" and len(t.shape) == 2 and t.name.endswith(".weight")]
+    kept = {linears[0].name, linears[-1].name} if keep == "first-last" and linears else set()
+    return frozenset(t.name for t in linears if t.shape[0] % 16 == 0 and t.shape[1] % 16 == 0
+                     and t.name not in kept and (keep != "output" or classify(t.name) != "head"))
+
+
 def float8_precision(name: str) -> str | None:
     """The torchao recipe a --precision name asks for (tensorwise, rowwise, rowwise_with_gw_hp), or None."""
     return FLOAT8_PRECISIONS.get(FLOAT8_ALIASES.get(name, name))

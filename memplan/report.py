@@ -75,6 +75,7 @@ def plan_report(plan: Any, sources: dict[str, str] | None = None, notes: tuple[s
     if s.float8 != "none":
         strategy["float8"] = s.float8
         strategy["float8_keep"] = s.float8_keep
+        strategy["float8_all_gather"] = s.float8_all_gather
     if s.target_len is not None:
         strategy["target_len"] = s.target_len
     if st.framework == "deepspeed":

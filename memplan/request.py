@@ -183,6 +183,9 @@ class Training:
                            "(torchtitan's converter: the output projection) | first-last (Accelerate's: the first "
                            "and the last nn.Linear); those with a dim not a multiple of 16 always.",
                            accelerate="mixed_precision fp8 (first-last)")
+    float8_all_gather: bool = opt(False, "--float8-all-gather", "FSDP2 all-gathers the float8 linears' weights in "
+                                  "float8 (torchao's enable_fsdp_float8_all_gather; tensorwise, fsdp-bf16).",
+                                  accelerate="fp8_config.enable_fsdp_float8_all_gather")
 
 
 @dataclass(frozen=True)

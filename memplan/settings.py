@@ -239,6 +239,8 @@ class Settings:
     float8: str = "none"
     #: the linears float8 training leaves in bf16 (precision.py FLOAT8_KEEP): output | first-last
     float8_keep: str = "output"
+    #: FSDP2 all-gathers the float8 weights in float8 (frameworks/fsdp2.py float8_gathered)
+    float8_all_gather: bool = False
     ds: DeepSpeedKnobs = field(default_factory=DeepSpeedKnobs)
     torch: TorchKnobs = field(default_factory=TorchKnobs)
     horovod: HorovodKnobs = field(default_factory=HorovodKnobs)

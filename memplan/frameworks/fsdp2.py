@@ -4,7 +4,7 @@ input, and the reshard after forward (True, False or a group size)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from memplan import layouts
@@ -76,6 +76,43 @@ def unshard_bytes(rc: Recipe) -> int:
     return rc.grad_bytes
 
 
+def float8_gathered(inv: Any, s: Any) -> frozenset[str]:
+    """The weights FSDP2 all-gathers in float8 (torchao's enable_fsdp_float8_all_gather, --float8-all-gather:
+    fsdp_utils.py WeightWithDynamicFloat8CastTensor.fsdp_pre_all_gather casts each shard to float8, and the
+    all-gather, its output and the unsharded weight hold one byte an element); empty without it."""
+    if not getattr(s, "float8_all_gather", False):
+        return frozenset()
+    from memplan.precision import float8_weights
+
+    return float8_weights(inv, s.float8_keep)
+
+
+def gathers(job: Job) -> layouts.GatherSizes:
+    """The gathered sizes FSDP2's buffers are made of, in unsharded elements of param_dtype. Under float8's
+    all-gather a float8 weight's element is one byte, 1/cb of a param_dtype element (its padded elements over cb:
+    exact, a float8 weight's dims being multiples of 16): _get_all_gather_input_metadatas then all-gathers the
+    unit's mixed dtypes as bytes (uint8), its all_gather_outputs and unsharded weights are float8, and the copy-in
+    holds each float8 shard (fsdp_pre_all_gather) beside the others' flat param_dtype cast. Gradients keep their
+    sizes (autograd's are param_dtype)."""
+    g = job.gathers
+    f8 = float8_gathered(job.inv, job.s)
+    if not f8:
+        return g
+    cb = unshard_bytes(job.s.recipe)
+    less: dict[str, int] = {}
+    order: list[str] = []
+    for t in job.inv.tensors:
+        if t.group != ROOT_BLOCK and t.group not in order:
+            order.append(t.group)
+        if t.name in f8:
+            padded = layouts._tensor_shard(t, job.n) * layouts._group(t, job.n)
+            less[t.group] = less.get(t.group, 0) + padded - padded // cb
+    blocks = tuple(b - less.get(k, 0) for b, k in zip(g.block_numels, order))
+    return replace(g, block_numels=blocks, total_blocks=sum(blocks), root=g.root - less.get(ROOT_BLOCK, 0),
+                   largest_block=max(blocks, default=g.root),
+                   trainable_block_numels=g.trainable_block_numels or g.block_numels)
+
+
 def reshard_after_forward(job: Job) -> bool | int:
     """reshard_after_forward as FSDP2 applies it: the strategy's default unless given; False without sharding;
     a group size of 1 keeps whole parameters (False), the shard group's size reshards fully (True)
@@ -108,7 +145,7 @@ def buffers(job: Job, grads: Grads) -> BufferTimeline:
     """
     if job.s.torch.fsdp_wrap == "none" or wrap_units.root_only(job.inv):
         return _root_only(job, grads)
-    g, raf = job.gathers, reshard_after_forward(job)
+    g, raf = gathers(job), reshard_after_forward(job)
     u = _units(job)
     if g.expert_world:
         return _nested_experts(job, grads, u, raf)
@@ -324,7 +361,7 @@ class _Units:
 
 
 def _units(job: Job) -> _Units:
-    s, rc, g, gg = job.s, job.s.recipe, job.gathers, job.grad_gathers
+    s, rc, g, gg = job.s, job.s.recipe, gathers(job), job.grad_gathers
     # FSDP2 unshards into MixedPrecisionPolicy.param_dtype (else the parameters' dtype), and autograd's unsharded
     # grads come out in that same dtype: the recipe's grad_bytes (fsdp-bf16: bf16; torch-amp, fp32: fp32, with
     # autocast making its own bf16 copies from the unsharded fp32 weights). With a shard group of one (NO_SHARD)
@@ -603,7 +640,7 @@ def _root_only(job: Job, grads: Grads) -> BufferTimeline:
     the parameters resharded, the reduce-scatter input filled (_fsdp_param_group.py post_backward,
     foreach_reduce). Measured with the harness (docs/accuracy.md)."""
     u = _units(job)
-    g, gg = job.gathers, job.grad_gathers
+    g, gg = gathers(job), job.grad_gathers
     total = g.root + g.total_blocks
     ttotal = gg.root + sum(g.grad_block_numels)
     root = u.cb * total

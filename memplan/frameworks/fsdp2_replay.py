@@ -38,6 +38,13 @@ class FsdpGroup:
     #: hold: a dim 0 smaller than the ranks, as an MoE's stacked experts at 64 ranks, is padded to one row each)
     padded: tuple[int, ...] = ()
     unshard_bytes: int = 0  #: bytes per unsharded element (the all-gather's dtype)
+    #: bytes per unsharded element of each parameter where they differ (float8's all-gather: one for a float8
+    #: weight, unshard_bytes for the rest; () : unshard_bytes for all)
+    elem_bytes: tuple[int, ...] = ()
+
+    def per(self, i: int) -> int:
+        """Bytes per unsharded element of parameter i."""
+        return self.elem_bytes[i] if self.elem_bytes else self.unshard_bytes
 
 
 #: the allocator's stream for FSDP2's reduce-scatter outputs (its own pool; any id but the default's)
@@ -73,7 +80,20 @@ def _all_gather(run: Run, g: FsdpGroup, world: int) -> Any:
     the cast buffer freed."""
     # the all-gather's input and output in the unsharded dtype: each padded shard, then every rank's
     per = g.unshard_bytes
-    shards = sum(p // world for p in g.padded) * per if g.padded else sum(-(-n // world) for n in g.unsharded)
+    shards = sum(p // world * g.per(i) for i, p in enumerate(g.padded)) if g.padded else \
+        sum(-(-n // world) for n in g.unsharded)
+    if g.elem_bytes and not g.offload:
+        # float8's all-gather (torchao fsdp_pre_all_gather): each float8 weight's shard cast on its own, the
+        # others' in one flat param_dtype buffer (the foreach fast path), then the byte (uint8) output; the
+        # inputs freed after the copy-in
+        inputs = [run.alloc(p // world, stream=AG_STREAM) for i, p in enumerate(g.padded) if g.per(i) != per]
+        rest = sum(p // world * per for i, p in enumerate(g.padded) if g.per(i) == per)
+        if g.cast and rest:
+            inputs.append(run.alloc(rest, stream=AG_STREAM))
+        flat = run.alloc(shards * world, stream=AG_STREAM)
+        for k in inputs:
+            run.free(k)
+        return flat
     if g.offload:
         # CPUOffloadPolicy (no foreach fast path: _get_param_all_gather_inputs' use_foreach_copy is False): each
         # shard copied to the device (FSDPParam.all_gather_inputs: .to(device)), then cast to param_dtype (the
@@ -110,7 +130,7 @@ def _copy_out(run: Run, g: FsdpGroup) -> list[Any]:
     stream, padded on dim 0 as its shards are (split_with_sizes_copy into it; the unsharded parameter is an
     as_strided view of it at the original size: _fsdp_param.py init_all_gather_outputs, init_unsharded_param)."""
     if g.padded:
-        return [run.alloc(p * g.unshard_bytes) for p in g.padded]
+        return [run.alloc(p * g.per(i)) for i, p in enumerate(g.padded)]
     return [run.alloc(n) for n in g.unsharded]
 
 
@@ -420,7 +440,7 @@ def unit_tensors(inv: Any, s: Any) -> tuple[list[list[Any]], list[Any], list[Any
 
 
 def fsdp_group(ts: list[Any], position: dict[str, int], n: int, r: Any, cb: int, group_size: int = 0,
-               cpu_chunk: bool = False, offload: bool = False) -> FsdpGroup:
+               cpu_chunk: bool = False, offload: bool = False, float8: frozenset[str] = frozenset()) -> FsdpGroup:
     """One fully_shard unit of tensors ``ts`` over n ranks, shards padded on dim 0 (``position``: each tensor's
     index in module order; ``r`` the recipe; ``cb`` bytes per unsharded element; ``group_size`` a
     reshard_after_forward group size, 0 for none)."""
@@ -430,13 +450,16 @@ def fsdp_group(ts: list[Any], position: dict[str, int], n: int, r: Any, cb: int,
               for t in ts]
     # foreach_reduce takes the parameters with a gradient (frozen under LoRA: none)
     trained = sum(p for t, p in zip(ts, padded) if t.trainable)
+    # float8's all-gather (``float8``: the weights it gathers in float8, frameworks/fsdp2.py float8_gathered)
+    eb = tuple(1 if t.name in float8 else cb for t in ts) if float8 & {t.name for t in ts} else ()
     return FsdpGroup(params=tuple(position[t.name] for t in ts),
                      shard=tuple(p // n * r.param_bytes for p in padded),
-                     unsharded=tuple(t.numel * cb for t in ts),
+                     unsharded=tuple(t.numel * (eb[i] if eb else cb) for i, t in enumerate(ts)),
                      cast=r.param_bytes != cb,
                      reduce_in=trained * r.reduced_grad_bytes,
                      reduce_out=trained // n * r.reduced_grad_bytes,
-                     post_forward=tuple(p // group_size * cb for p in padded) if group_size else (),
+                     post_forward=tuple(p // group_size * (eb[i] if eb else cb) for i, p in enumerate(padded))
+                     if group_size else (), elem_bytes=eb,
                      chunk_tmp=r.grad_bytes * max((t.numel for t in ts if t.trainable), default=0)
                      if cpu_chunk else 0,
                      offload=offload, padded=tuple(padded), unshard_bytes=cb)
@@ -447,6 +470,7 @@ def replay(inv: Any, s: Any, config: AllocatorConfig) -> tuple[str, dict[str, Al
     from memplan.frameworks.common import Job
     from memplan.frameworks.fsdp2 import (
         MODEL,
+        float8_gathered,
         reshard_after_forward,
         root_reshards,
         unshard_bytes,
@@ -462,9 +486,10 @@ def replay(inv: Any, s: Any, config: AllocatorConfig) -> tuple[str, dict[str, Al
     raf = reshard_after_forward(Job.of(inv, s, MODEL))
     group_size = raf if not isinstance(raf, bool) else 0  # a reshard_after_forward group size
     cpu_chunk = s.cluster.device == "cpu" and r.grad_bytes != r.reduced_grad_bytes
+    f8 = float8_gathered(inv, s)
 
     def group(ts: list[Any]) -> FsdpGroup:
-        g = fsdp_group(ts, position, n, r, cb, group_size, cpu_chunk, bool(s.torch.cpu_offload))
+        g = fsdp_group(ts, position, n, r, cb, group_size, cpu_chunk, bool(s.torch.cpu_offload), f8)
         # the optimizer, model.parameters() that train (frozen under LoRA: no gradient, no state)
         numels.extend((position[t.name], p // n) for t, p in zip(ts, g.padded) if t.trainable)
         return g

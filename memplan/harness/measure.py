@@ -71,6 +71,10 @@ def attribute(model: Any, optimizer: Any) -> dict[str, int]:
         if t is None:
             return
         t = local_tensor(t)
+        if hasattr(type(t), "__tensor_flatten__"):  # a tensor subclass (torchao's float8 weight): its inner tensors
+            for name in t.__tensor_flatten__()[0]:
+                add(category, getattr(t, name))
+            return
         key = _storage_key(t)
         if key is None or key in seen:
             return

@@ -49,7 +49,7 @@ def _build_model(spec: dict[str, Any], on_meta: bool) -> Any:
     if spec.get("float8", "none") != "none":  # torchtitan converts the model before it parallelises it
         from memplan.activations.tracing.float8 import convert
 
-        convert(model, spec["float8"])
+        convert(model, spec["float8"], harness=True)
     model.train()
     compile_model(model, spec.get("compile", "none"))
     return model

@@ -95,3 +95,32 @@ def test_a_tensor_subclass_is_followed_to_its_plain_tensors():
     # every birth is a plain tensor's: a float8 one is a float8 dtype, never the wrapper's bf16 at float8's size
     assert all(o[2].startswith("float8") for o in live.origins if o[1] in ("contiguous",))
     assert max(live.timeline) == 102_412  # 4,096 B less than with the wrapper of the input's float8 view counted
+
+
+def test_fsdp2_float8_all_gather_hands_the_linears_float8_weights():
+    # --float8-all-gather: FSDP2 gathers each float8 weight already cast (torchao fsdp_utils.py), so the linears
+    # cast no weight in forward or backward; the gathered bytes are FSDP2's (not activations), the saved tensors
+    # the same
+    tw, ag = _step("tensorwise", CUDA), _step("tensorwise+all-gather", CUDA)
+    assert ag["saved"] == tw["saved"] == 13_323_776
+    assert (max(ag["forward"]), max(ag["backward"])) == (16_170_496, 16_630_272)
+
+
+def test_float8_weights_on_the_inventory_are_the_converters():
+    # precision.float8_weights (the engine's) and tracing/float8.py convert (the trace's) pick the same linears
+    import torch
+    from torchao.float8.float8_linear import Float8Linear
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from memplan.activations.tracing.float8 import convert
+    from memplan.model.meta_builder import inventory_from_module
+    from memplan.precision import float8_weights
+
+    cfg = LlamaConfig(**{k: v for k, v in LLAMA.items() if k not in ("model_type", "architectures")})
+    for keep in ("output", "first-last"):
+        with torch.device("meta"):
+            model = LlamaForCausalLM(cfg)
+        inv = inventory_from_module(model, model_name="llama", source="test", family="llama")
+        convert(model, "tensorwise" + ("" if keep == "output" else "/first-last"))
+        swapped = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, Float8Linear)}
+        assert float8_weights(inv, keep) == swapped and len(swapped) == (14 if keep == "output" else 13)

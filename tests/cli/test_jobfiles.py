@@ -108,8 +108,7 @@ def test_optimizer_names(tmp_path):
     ("fp8.yaml", "distributed_type: MULTI_GPU\nmixed_precision: fp8\nfp8_config:\n  backend: TE\n",
      "Transformer Engine's and MS-AMP's float8 are not modelled"),
     ("fp8ds.yaml", "distributed_type: DEEPSPEED\nmixed_precision: fp8\n", "fp8 under DeepSpeed"),
-    ("fp8fsdp.yaml", "distributed_type: FSDP\nmixed_precision: fp8\nfsdp_config:\n  fsdp_version: 2\n",
-     "enable_fsdp_float8_all_gather (Accelerate's default) is not modelled"),
+    ("fp8fsdp1.yaml", "distributed_type: FSDP\nmixed_precision: fp8\nnum_processes: 2\n", "not under DeepSpeed, Horovod or FSDP1"),
     ("tpu.yaml", "distributed_type: XLA\n", "not modelled"),
     ("zero2h.yaml", "distributed_type: FSDP\nfsdp_config:\n  fsdp_sharding_strategy: HYBRID_SHARD_ZERO2\n",
      "not modelled"),
@@ -302,3 +301,17 @@ def test_an_accelerate_fp8_config_is_torchaos_float8(tmp_path):
                        "--float8", "tensorwise", "--float8-keep", "first-last", "--seq-len", "128", "--gpu",
                        "h100-80g"])
     assert cli["per_gpu"]["peak_bytes"] == rep["per_gpu"]["peak_bytes"]
+
+
+def test_an_accelerate_fp8_config_under_fsdp2_gathers_in_float8(tmp_path):
+    # fp8_config.enable_fsdp_float8_all_gather defaults to True (AORecipeKwargs): FSDP2 gathers the float8 weights
+    pytest.importorskip("torchao")
+    cfg = _write(tmp_path, "config.json", json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 128, "intermediate_size": 256,
+        "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2, "vocab_size": 512,
+        "torch_dtype": "bfloat16", "tie_word_embeddings": False}))
+    acc = _write(tmp_path, "acc.yaml", "distributed_type: FSDP\nmixed_precision: fp8\nnum_processes: 2\n"
+                 "fsdp_config:\n  fsdp_version: 2\n  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP\n")
+    code, rep = _json(["estimate", cfg, "--accelerate-config", acc, "--seq-len", "128", "--gpu", "h100-80g"])
+    st = rep["strategy"]
+    assert code == 0 and st["float8_all_gather"] is True and st["precision"] == "fsdp-bf16"

@@ -15,6 +15,7 @@ preprocess_addmm). Its operators on torchao's tensor subclass are followed throu
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from memplan.errors import SettingsError
@@ -43,19 +44,25 @@ def torchao_float8() -> Any:
 
 def kept(model: Any, keep: str) -> set[str]:
     """The names of the nn.Linear modules the converter leaves in high precision: torchtitan's (``output``: its
-    configs' filter_fqns = ["output"], the output projection, a transformers model's get_output_embeddings()) or
-    Accelerate's (``first-last``: utils/ao.py convert_model_to_fp8_ao filters find_first_last_linear_layers)."""
+    configs' filter_fqns = ["output"], the output projection: a transformers model's lm_head, as the inventory
+    classifies it, model/inventory.py classify "head") or Accelerate's (``first-last``: utils/ao.py
+    convert_model_to_fp8_ao filters find_first_last_linear_layers). precision.float8_weights is the same rule on
+    the inventory."""
     import torch
 
+    from memplan.model.inventory import classify
+
+    linears = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
     if keep == "first-last":
-        linears = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
         return {linears[0], linears[-1]} if linears else set()
-    get = getattr(model, "get_output_embeddings", None)
-    out = get() if callable(get) else None
-    return {n for n, m in model.named_modules() if out is not None and m is out}
+    return {n for n in linears if classify(f"{n}.weight") == "head"}
 
 
-def convert(model: Any, spec: str, cuda_autocast: bool = False) -> int:
+#: the FLOAT8_KEY suffix of FSDP2's float8 all-gather (torchao's enable_fsdp_float8_all_gather)
+GATHERED = "+all-gather"
+
+
+def convert(model: Any, spec: str, cuda_autocast: bool = False, harness: bool = False) -> int:
     """Swap the model's eligible nn.Linear modules for torchao Float8Linear, in place; the number swapped.
     ``spec``: the recipe (tensorwise, rowwise, rowwise_with_gw_hp), then ``/first-last`` for Accelerate's choice
     of the linears kept (tracing_keys.FLOAT8_KEY). ``cuda_autocast``: the trace's stand-in for CUDA autocast is CPU
@@ -64,7 +71,8 @@ def convert(model: Any, spec: str, cuda_autocast: bool = False) -> int:
     read it."""
     import torch
 
-    recipe, _, keep = spec.partition("/")
+    gathered = spec.endswith(GATHERED)
+    recipe, _, keep = spec.removesuffix(GATHERED).partition("/")
     f8 = torchao_float8()
     skip = kept(model, keep or "output")
 
@@ -77,24 +85,72 @@ def convert(model: Any, spec: str, cuda_autocast: bool = False) -> int:
     if not names:
         raise SettingsError("float8 training: the model has no nn.Linear whose dims are multiples of 16 besides "
                             "those the converter keeps in bf16 (torchao's Float8Linear swaps nn.Linear only)")
-    f8.convert_to_float8_training(model, module_filter_fn=eligible, config=f8.Float8LinearConfig.from_recipe_name(recipe))
-    if cuda_autocast:
-        from torchao.float8.float8_linear import Float8Linear
+    config = f8.Float8LinearConfig.from_recipe_name(recipe)
+    if gathered and harness:  # the real thing: FSDP2 all-gathers the weights in float8 (torchao fsdp_utils.py)
+        from dataclasses import replace
 
-        for m in model.modules():
-            if isinstance(m, Float8Linear):
-                m.forward = _cuda_autocast_forward(m)
+        config = replace(config, enable_fsdp_float8_all_gather=True)
+    f8.convert_to_float8_training(model, module_filter_fn=eligible, config=config)
+    from torchao.float8.float8_linear import Float8Linear
+
+    for m in model.modules():
+        if not isinstance(m, Float8Linear) or harness:
+            continue
+        if gathered:
+            _gathered_weight(m)
+        if cuda_autocast or gathered:
+            m.forward = _forward(m, cuda_autocast, gathered)
     return len(names)
 
 
-def _cuda_autocast_forward(mod: Any) -> Any:
+def _gathered_weight(mod: Any) -> None:
+    """FSDP2's float8 all-gather in the trace: the unsharded weight a Float8Linear reads is already float8
+    (torchao fsdp_utils.py WeightWithDynamicFloat8CastTensor: fsdp_pre_all_gather casts the shard, and
+    fsdp_post_all_gather wraps the gathered bytes in a Float8TrainingTensor of param_dtype), so its forward and
+    backward cast no weight. The gathered bytes are FSDP2's unsharded parameter, which the strategy counts: here
+    they are a buffer made before the step (the trace ignores buffers), wrapped at each forward."""
     import torch
 
-    forward = type(mod).forward
+    mod.register_buffer("memplan_float8_weight", torch.empty(mod.weight.shape, dtype=torch.float8_e4m3fn,
+                                                             device=mod.weight.device), persistent=False)
+    mod.register_buffer("memplan_float8_scale", torch.empty((), dtype=torch.float32, device=mod.weight.device),
+                        persistent=False)
+
+
+def _forward(mod: Any, cuda_autocast: bool, gathered: bool) -> Any:
+    """Float8Linear.forward (float8_linear.py) as the trace runs it: its input cast to CUDA's autocast dtype where
+    the trace's CUDA autocast is CPU autocast (substitutes.CudaAutocast), and its weight the float8 one FSDP2
+    gathered where it gathers in float8."""
+    import torch
+    from torchao.float8.float8_linear import matmul_with_hp_or_float8_args
 
     def run(x: Any) -> Any:
-        if torch.is_autocast_enabled("cpu"):  # CUDA's autocast in the trace (substitutes.CudaAutocast)
+        if cuda_autocast and torch.is_autocast_enabled("cpu"):  # CUDA's autocast in the trace
             x = x.to(torch.get_autocast_dtype("cpu"))
-        return forward(mod, x)
+        w = _gathered().apply(mod.weight, mod.memplan_float8_weight, mod.memplan_float8_scale,
+                              mod.linear_mm_config) if gathered else mod.weight
+        out = matmul_with_hp_or_float8_args.apply(x, w.t(), mod.linear_mm_config, mod.config)
+        if mod.bias is not None:
+            out = out + mod.bias.to(out.dtype)
+        return out
 
     return run
+
+
+@functools.lru_cache(maxsize=1)
+def _gathered() -> Any:
+    """An autograd function: the weight as FSDP2's float8 all-gather hands it over (a Float8TrainingTensor over the
+    gathered bytes), its gradient passed to the parameter as FSDP2's unsharded parameter receives it."""
+    import torch
+    from torchao.float8.float8_training_tensor import Float8TrainingTensor, GemmInputRole
+
+    class Gathered(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, weight: Any, data: Any, scale: Any, mm_config: Any) -> Any:  # noqa: ARG004
+            return Float8TrainingTensor(data, scale, weight.dtype, mm_config, gemm_input_role=GemmInputRole.WEIGHT)
+
+        @staticmethod
+        def backward(ctx: Any, grad: Any) -> Any:  # noqa: ARG004
+            return grad, None, None, None
+
+    return Gathered

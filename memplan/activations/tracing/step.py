@@ -254,7 +254,9 @@ def one_step(config: dict[str, Any], batch: int, seq: int, recipe: str, attentio
             live = LiveBytes(K.CUDA_BLOCK if cuda else 1)
             for t in params + list(model.buffers()):
                 live.ignore(t)
-            param_storages = {id(p.untyped_storage()) for p in params}
+            # parameters, and the float8 weights FSDP2 would gather (tracing/float8.py): the strategy counts them
+            gathered = [b for n, b in model.named_buffers() if n.rsplit(".", 1)[-1].startswith("memplan_float8")]
+            param_storages = {id(t.untyped_storage()) for p in params + gathered for t in _plain(p)}
             moments = _BlockMoments(live)
             moments.install(block_list)
             hooks = _GradientHooks(live, block_of)
@@ -266,12 +268,13 @@ def one_step(config: dict[str, Any], batch: int, seq: int, recipe: str, attentio
             live.labeler = stack.label
 
             def pack(t: Any) -> Any:
-                st = t.untyped_storage()
-                if id(st) not in param_storages:
-                    saved.setdefault(id(st), live.nbytes(st))
-                    sid = live._sid.get(id(st))
-                    if sid is not None:
-                        saved_ids.add(sid)
+                for inner in _plain(t):  # a tensor subclass (torchao's float8 weight) saves its inner tensors
+                    st = inner.untyped_storage()
+                    if id(st) not in param_storages:
+                        saved.setdefault(id(st), live.nbytes(st))
+                        sid = live._sid.get(id(st))
+                        if sid is not None:
+                            saved_ids.add(sid)
                 return t
 
             accumulate = Accumulations()
@@ -308,6 +311,15 @@ def one_step(config: dict[str, Any], batch: int, seq: int, recipe: str, attentio
                       "last_backward_start": moments.backward_starts.get(len(block_list) - 1),
                       "timeline": live.corrected()}
     return out
+
+
+def _plain(t: Any) -> list[Any]:
+    """The plain tensors holding a tensor's bytes: itself, or a tensor subclass's inner tensors
+    (__tensor_flatten__: torchao's Float8TrainingTensor holds its float8 data and its scale)."""
+    if not hasattr(type(t), "__tensor_flatten__"):
+        return [t]
+    names, _ = t.__tensor_flatten__()
+    return [x for n in names for x in _plain(getattr(t, n))]
 
 
 def _counts(live: LiveBytes, m: _BlockMoments, h: _GradientHooks, saved: int, forward_end: int,

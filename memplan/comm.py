@@ -180,14 +180,21 @@ def communication(inv: Any, s: Settings) -> dict[str, Any]:
                 add("reduce-scatter", "experts' gradients (efsdp group)", e, rc.reduced_grad_bytes, experts, ga,
                     within, across)
                 every, psi = every - experts, psi - experts
-            add("all-gather", "parameters, forward", n, rc.compute_bytes, every, 1 if s.rank.pipeline_stage else ga,
-                within)
-            if raf is True:
-                add("all-gather", "parameters, backward", n, rc.compute_bytes, every, gathers - 1 if
-                    s.rank.pipeline_stage else ga, within)
-            elif raf not in (False, None, 1):
-                add("all-gather", f"parameters, backward (from groups of {raf})", int(raf), rc.compute_bytes, every,
-                    gathers - 1 if s.rank.pipeline_stage else ga, True)
+            # FSDP2's float8 all-gather: the float8 weights travel one byte an element (frameworks/fsdp2.py)
+            from memplan.frameworks.fsdp2 import float8_gathered
+
+            f8 = float8_gathered(inv, s) if st.framework == "fsdp2" else frozenset()
+            f8_numel = sum(t.numel for t in inv.tensors if t.name in f8)
+            parts = [("parameters", rc.compute_bytes, every - f8_numel)] + (
+                [("float8 weights (float8)", 1, f8_numel)] if f8_numel else [])
+            for what, size, count in parts:
+                add("all-gather", f"{what}, forward", n, size, count, 1 if s.rank.pipeline_stage else ga, within)
+                if raf is True:
+                    add("all-gather", f"{what}, backward", n, size, count, gathers - 1 if
+                        s.rank.pipeline_stage else ga, within)
+                elif raf not in (False, None, 1):
+                    add("all-gather", f"{what}, backward (from groups of {raf})", int(raf), size, count,
+                        gathers - 1 if s.rank.pipeline_stage else ga, True)
             add("reduce-scatter", "gradients", n, rc.reduced_grad_bytes, psi, reduces, within)
             if n_all > n:  # HSDP: the reduced shards all-reduced across replicas
                 add("all-reduce", "gradient shards across replicas", n_all // n, rc.reduced_grad_bytes,

@@ -386,6 +386,13 @@ CASES = [
      {}, {}, "none"),
     ("fsdp-full, fp8-rowwise, compile blocks", LLAMA,
      dict(strategy="fsdp-full", precision="fp8-rowwise", compile="blocks"), {}, {}, "full"),
+    # float8 inside compiled blocks where the backward makes the peak (sequence 512)
+    ("fp8-rowwise, compile blocks, one rank, seq 512", LLAMA,
+     dict(gpus=1, precision="fp8-rowwise", compile="blocks", seq_len=512), {}, {}, "none"),
+    ("ddp, fp8-rowwise, compile blocks, seq 512", LLAMA,
+     dict(strategy="ddp", precision="fp8-rowwise", compile="blocks", seq_len=512), {}, {}, "full"),
+    ("fsdp-full, fp8-tensorwise, compile blocks, seq 512", LLAMA,
+     dict(strategy="fsdp-full", precision="fp8-tensorwise", compile="blocks", seq_len=512), {}, {}, "none"),
     # Accelerate's torchao backend (mixed_precision fp8): the first and last linears kept, on the job's own recipe
     ("float8 tensorwise first-last, one rank", LLAMA,
      dict(gpus=1, precision="torch-amp", float8="tensorwise", float8_keep="first-last"), {}, {}, "none"),

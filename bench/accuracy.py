@@ -409,6 +409,12 @@ CASES = [
      dict(strategy="fsdp-full", precision="fp8-tensorwise", float8_all_gather=True), {}, {}, "none"),
     ("fsdp-grad-op, fp8-tensorwise, float8 all-gather", LLAMA3,
      dict(strategy="fsdp-grad-op", precision="fp8-tensorwise", float8_all_gather=True), {}, {}, "none"),
+    ("fsdp-full, fp8-tensorwise, float8 all-gather, compile blocks", LLAMA,
+     dict(strategy="fsdp-full", precision="fp8-tensorwise", float8_all_gather=True, compile="blocks"), {}, {},
+     "none"),
+    ("fsdp-full, fp8-tensorwise, float8 all-gather, compile blocks, seq 512", LLAMA,
+     dict(strategy="fsdp-full", precision="fp8-tensorwise", float8_all_gather=True, compile="blocks", seq_len=512),
+     {}, {}, "none"),
     # other families under FSDP2 with float8: an encoder classifier, a ViT, an encoder-decoder, an MoE
     ("fsdp-full, fp8-rowwise", BERT, dict(strategy="fsdp-full", precision="fp8-rowwise"), {}, {}, "none"),
     ("fsdp-full, fp8-tensorwise", VIT, dict(strategy="fsdp-full", precision="fp8-tensorwise", seq_len=None), {}, {},

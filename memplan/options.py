@@ -243,10 +243,6 @@ def float8_checks(config: dict[str, Any] | None, s: Settings, parallel: Any, lor
                                   or s.recipe.name != "fsdp-bf16"):
         why = ("with --float8-all-gather is modelled under FSDP2 with tensorwise scaling and fsdp-bf16 (torchao "
                "casts the shards for the all-gather with tensorwise scales only; torchtitan's recipe)")
-    elif s.float8_all_gather and s.compile != "none":
-        # measured on the CPU harness: the trace held 1.18% more than the compiled step (llama, fsdp-full, 2 ranks)
-        why = "with --float8-all-gather and --compile is not modelled yet (the float8 weights FSDP2 hands a " \
-              "compiled block)"
     elif s.float8_all_gather and _shard_group(s) < 2:
         why = "with --float8-all-gather needs a shard group of more than one rank (there is no all-gather)"
     elif not f8.available():

@@ -148,8 +148,6 @@ CASES = [
      "modelled under FSDP2 with tensorwise scaling and fsdp-bf16"),
     ("estimate llama-7b --precision fp8 --float8-all-gather --gpus 2 --strategy ddp",
      "modelled under FSDP2 with tensorwise scaling and fsdp-bf16"),
-    ("estimate llama-7b --precision fp8 --float8-all-gather --gpus 2 --strategy fsdp-full --compile blocks",
-     "with --float8-all-gather and --compile is not modelled yet"),
     ("estimate llama-7b --precision fp8 --float8-all-gather --gpus 2 --strategy fsdp-no-shard",
      "needs a shard group of more than one rank"),
     ("estimate llama-7b --precision fp8 --gpus 2 --strategy fsdp-full --fsdp-version 1", "not under DeepSpeed, Horovod or FSDP1"),

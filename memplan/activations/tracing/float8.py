@@ -124,17 +124,42 @@ def _forward(mod: Any, cuda_autocast: bool, gathered: bool) -> Any:
     import torch
     from torchao.float8.float8_linear import matmul_with_hp_or_float8_args
 
+    hand = _gathered() if gathered else None
+
     def run(x: Any) -> Any:
         if cuda_autocast and torch.is_autocast_enabled("cpu"):  # CUDA's autocast in the trace
             x = x.to(torch.get_autocast_dtype("cpu"))
-        w = _gathered().apply(mod.weight, mod.memplan_float8_weight, mod.memplan_float8_scale,
-                              mod.linear_mm_config) if gathered else mod.weight
+        w = mod.weight
+        if hand is not None:  # handed over by the block's pre-hook (hand_over), else made here
+            w = getattr(mod, "memplan_handed", None)
+            if w is None:
+                w = hand.apply(mod.weight, mod.memplan_float8_weight, mod.memplan_float8_scale, mod.linear_mm_config)
         out = matmul_with_hp_or_float8_args.apply(x, w.t(), mod.linear_mm_config, mod.config)
         if mod.bias is not None:
             out = out + mod.bias.to(out.dtype)
         return out
 
     return run
+
+
+def hand_over(blocks: list[Any]) -> None:
+    """FSDP2 unshards a block in its pre-forward hook, outside a compiled block's graph: the float8 weights it
+    gathered reach the graph as inputs (AOTAutograd flattens the Float8TrainingTensor into its data and scale), as
+    here, where each block's pre-hook hands its linears theirs."""
+    from torchao.float8.float8_linear import Float8Linear
+
+    hand = _gathered()
+    for blk in blocks:
+        mods = [m for m in blk.modules() if isinstance(m, Float8Linear) and hasattr(m, "memplan_float8_weight")]
+        if not mods:
+            continue
+
+        def pre(_mod: Any, _args: Any, mods: list[Any] = mods) -> None:
+            for m in mods:
+                m.memplan_handed = hand.apply(m.weight, m.memplan_float8_weight, m.memplan_float8_scale,
+                                              m.linear_mm_config)
+
+        blk.register_forward_pre_hook(pre)
 
 
 @functools.lru_cache(maxsize=1)

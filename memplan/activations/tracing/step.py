@@ -242,6 +242,10 @@ def one_step(config: dict[str, Any], batch: int, seq: int, recipe: str, attentio
         model.train()
         params = list(model.parameters())
         block_of, block_list = block_index(model, user_blocks)
+        if float8 and float8.endswith("+all-gather"):  # FSDP2's float8 weights, handed over at each block's start
+            from memplan.activations.tracing.float8 import hand_over
+
+            hand_over(block_list)
         stack = ModuleStack(model)
         stack.install()
         compiled = contextlib.ExitStack()

@@ -124,3 +124,26 @@ def test_float8_weights_on_the_inventory_are_the_converters():
         convert(model, "tensorwise" + ("" if keep == "output" else "/first-last"))
         swapped = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, Float8Linear)}
         assert float8_weights(inv, keep) == swapped and len(swapped) == (14 if keep == "output" else 13)
+
+
+def test_compiled_blocks_save_float8_copies_of_the_gathered_weights():
+    # --compile blocks with the float8 all-gather: the float8 weights reach each compiled graph as inputs (handed
+    # over by the block's pre-hook, as FSDP2's pre-forward does), and inductor's partitioner saves float8 copies of
+    # them for backward (what torchtitan's force_recompute_fp8_weight_in_bwd was for); without the all-gather it
+    # casts the weights inside the graph and saves none. The CPU harness: -0.30% and -0.02% (docs/accuracy.md)
+    from memplan.activations.tracing_keys import COMPILE_KEY
+
+    def step(f8: str) -> dict:
+        from memplan.activations.tracing.step import one_step
+
+        return one_step(dict(LLAMA, **{FLOAT8_KEY: f8, COMPILE_KEY: "blocks"}), 2, 128, "fsdp-bf16", "sdpa", "none",
+                        CUDA)
+
+    def clones(out: dict) -> int:
+        org = out["origins"]["origins"]
+        return sum(org[i][6] for i in out["origins"]["saved"] if org[i][1] == "clone" and org[i][2] == "float8_e4m3fn")
+
+    tw, ag = step("tensorwise"), step("tensorwise+all-gather")
+    assert (tw["saved"], clones(tw)) == (7_308_800, 0)
+    assert (ag["saved"], clones(ag)) == (12_151_296, 4_849_664)
+    assert (max(ag["forward"]), max(ag["backward"])) == (12_804_096, 14_112_768)

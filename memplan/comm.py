@@ -35,6 +35,7 @@ from __future__ import annotations
 from typing import Any
 
 from memplan.parallel import sp_tokens
+from memplan.precision import float8_gathered
 from memplan.settings import Settings, reshard_after_forward, shard_group_size
 
 
@@ -180,9 +181,7 @@ def communication(inv: Any, s: Settings) -> dict[str, Any]:
                 add("reduce-scatter", "experts' gradients (efsdp group)", e, rc.reduced_grad_bytes, experts, ga,
                     within, across)
                 every, psi = every - experts, psi - experts
-            # FSDP2's float8 all-gather: the float8 weights travel one byte an element (frameworks/fsdp2.py)
-            from memplan.frameworks.fsdp2 import float8_gathered
-
+            # FSDP2's float8 all-gather: the float8 weights travel one byte an element (precision.float8_gathered)
             f8 = float8_gathered(inv, s) if st.framework == "fsdp2" else frozenset()
             f8_numel = sum(t.numel for t in inv.tensors if t.name in f8)
             parts = [("parameters", rc.compute_bytes, every - f8_numel)] + (

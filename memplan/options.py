@@ -180,14 +180,12 @@ def _recipe(name: str, strat: Any) -> tuple[Any, str]:
             raise SettingsError(f"--precision {name}: torchao's MX formats (MXLinear, Blackwell) are not modelled "
                                 "yet; float8 is (fp8-tensorwise, fp8-rowwise, fp8-rowwise-gw-hp)")
         return get_recipe(name), "none"
-    if strat.framework not in ("torch", "torch-ddp", "fsdp2"):
-        raise SettingsError(f"--precision {name} under {strat.name}: torchao's float8 training is modelled under "
-                            "one GPU, DDP and FSDP2 (torchtitan's), not under DeepSpeed, Horovod or FSDP1")
+    # under another framework float8_checks refuses it, with the others
     base = "fsdp-bf16" if strat.framework == "fsdp2" else "torch-amp"
     return get_recipe(base), float8
 
 
-def _float8(r: JobRequest, recipe: Any, float8: str, strat: Any) -> str:
+def _float8(r: JobRequest, recipe: Any, float8: str) -> str:
     """The job's torchao float8 recipe: --precision fp8-RECIPE's, or --float8's on the job's own bf16 recipe."""
     from memplan.precision import FLOAT8_BASES, FLOAT8_KEEP, FLOAT8_RECIPES
 
@@ -206,9 +204,6 @@ def _float8(r: JobRequest, recipe: Any, float8: str, strat: Any) -> str:
     if recipe.name not in FLOAT8_BASES:
         raise SettingsError(f"--float8 {given} on --precision {recipe.name}: float8 training computes in bf16 "
                             f"(torchao's Float8Linear), on one of {', '.join(FLOAT8_BASES)}")
-    if strat.framework not in ("torch", "torch-ddp", "fsdp2"):
-        raise SettingsError(f"--float8 {given} under {strat.name}: torchao's float8 training is modelled under "
-                            "one GPU, DDP and FSDP2, not under DeepSpeed, Horovod or FSDP1")
     return FLOAT8_RECIPES[given]
 
 
@@ -216,10 +211,10 @@ def float8_checks(config: dict[str, Any] | None, s: Settings, parallel: Any, lor
                   activations: str, inv: ParamInventory) -> dict[str, Any]:
     """Float8 training's refusals, and the config that carries it into the trace (tracing/float8.py)."""
     from memplan.activations.tracing import float8 as f8
-    from memplan.activations.tracing_keys import FLOAT8_KEY
-    from memplan.precision import float8_name
+    from memplan.activations.tracing_keys import FLOAT8_KEY, float8_key
+    from memplan.precision import float8_name, float8_weights
+    from memplan.settings import shard_group_size
 
-    name = float8_name(s.float8) if s.float8_keep == "output" else f"--float8 {s.float8}"
     arch = kernel_target(s.cluster).arch if s.cluster.device == "cuda" else ""
     why = None
     if s.strategy.framework not in ("torch", "torch-ddp", "fsdp2"):
@@ -235,30 +230,20 @@ def float8_checks(config: dict[str, Any] | None, s: Settings, parallel: Any, lor
         why = "with LoRA is not modelled (PEFT's adapters on torchao's Float8Linear)"
     elif parallel is not None and parallel.active:
         why = "with --tp/--pp/--cp/--ep is not modelled yet (torchao's float8 tensor-parallel styles)"
-    elif not any(t.layer == "linear" and len(t.shape) == 2 and t.shape[0] % 16 == 0 and t.shape[1] % 16 == 0
-                 and t.category != "head" for t in inv.tensors):
+    elif not float8_weights(inv, s.float8_keep):
         why = ("finds no nn.Linear to swap (torchao's Float8Linear swaps nn.Linear whose dims are multiples of 16, "
-               "but the output projection)")
+               "but those --float8-keep keeps)")
     elif s.float8_all_gather and (s.strategy.framework != "fsdp2" or s.float8 != "tensorwise"
                                   or s.recipe.name != "fsdp-bf16"):
         why = ("with --float8-all-gather is modelled under FSDP2 with tensorwise scaling and fsdp-bf16 (torchao "
                "casts the shards for the all-gather with tensorwise scales only; torchtitan's recipe)")
-    elif s.float8_all_gather and _shard_group(s) < 2:
+    elif s.float8_all_gather and shard_group_size(s) < 2:
         why = "with --float8-all-gather needs a shard group of more than one rank (there is no all-gather)"
     elif not f8.available():
         why = f"needs torchao installed ({f8.TORCHAO})"
     if why:
-        raise SettingsError(f"{'' if name.startswith('--') else '--precision '}{name} {why}")
-    # torchtitan's converter keeps the output projection (the key as it has always been), Accelerate's the first
-    # and last linears; FSDP2's float8 all-gather hands the linears float8 weights (tracing/float8.py)
-    key = s.float8 if s.float8_keep == "output" else f"{s.float8}/{s.float8_keep}"
-    return {**config, FLOAT8_KEY: key + (f8.GATHERED if s.float8_all_gather else "")}
-
-
-def _shard_group(s: Settings) -> int:
-    from memplan.settings import shard_group_size
-
-    return shard_group_size(s)
+        raise SettingsError(f"float8 training ({float8_name(s.float8)}) {why}")
+    return {**config, FLOAT8_KEY: float8_key(s.float8, s.float8_keep, s.float8_all_gather)}
 
 
 def _fp8_arch(arch: str) -> bool:
@@ -913,7 +898,7 @@ def resolve(inv: ParamInventory, request: JobRequest, *, config: dict[str, Any] 
         raise SettingsError(f"--strategy {strat.name} runs on one GPU, not {gpus}: give a data-parallel strategy "
                             "(ddp, zero1-3, fsdp-full, hsdp, ...)")
     recipe, float8 = _recipe(pick("precision", DEFAULT_RECIPE[strat.framework]), strat)
-    float8 = _float8(r, recipe, float8, strat)
+    float8 = _float8(r, recipe, float8)
     if recipe.autocast and recipe.param_bytes == 2:  # a 16-bit model trained as loaded, under autocast
         from memplan import frameworks
 

@@ -226,7 +226,8 @@ OPTIMIZER_IMPLS = ("foreach", "fused", "single-tensor")
 
 
 #: float8 training with torchao's Float8Linear (torchao 0.18 float8/config.py Float8LinearRecipeName): --precision
-#: names it, and the recipe of its bf16 compute is the strategy's (float8_base): a Float8Linear casts its bf16 input,
+#: names it, and the recipe of its bf16 compute is torchtitan's for the strategy (options._recipe): a Float8Linear
+#: casts its bf16 input,
 #: weight and output gradient to float8 for torch._scaled_mm and saves the bf16 ones (float8_linear.py)
 FLOAT8_PRECISIONS = {"fp8-tensorwise": "tensorwise", "fp8-rowwise": "rowwise", "fp8-rowwise-gw-hp": "rowwise_with_gw_hp"}
 #: "fp8" is torchao's Float8LinearConfig() default: tensorwise dynamic scaling
@@ -251,6 +252,14 @@ def float8_weights(inv: ParamInventory, keep: str) -> frozenset[str]:
     kept = {linears[0].name, linears[-1].name} if keep == "first-last" and linears else set()
     return frozenset(t.name for t in linears if t.shape[0] % 16 == 0 and t.shape[1] % 16 == 0
                      and t.name not in kept and (keep != "output" or classify(t.name) != "head"))
+
+
+def float8_gathered(inv: ParamInventory, s: Any) -> frozenset[str]:
+    """The weights FSDP2 all-gathers in float8 (torchao's enable_fsdp_float8_all_gather, --float8-all-gather:
+    fsdp_utils.py WeightWithDynamicFloat8CastTensor.fsdp_pre_all_gather casts each shard to float8, and the
+    all-gather, its output and the unsharded weight hold one byte an element); empty without it. frameworks/fsdp2.py,
+    its replay and comm.py read it."""
+    return float8_weights(inv, s.float8_keep) if s.float8_all_gather else frozenset()
 
 
 def float8_precision(name: str) -> str | None:

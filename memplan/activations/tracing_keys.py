@@ -13,6 +13,14 @@ COMPILE_MODES = ("none", "blocks")
 #: the config pseudo-key that carries float8 training into the trace and its cache key (tracing/float8.py): the
 #: torchao recipe (tensorwise, rowwise, rowwise_with_gw_hp)
 FLOAT8_KEY = "memplan_float8"
+#: its suffix under FSDP2's float8 all-gather (torchao's enable_fsdp_float8_all_gather)
+FLOAT8_GATHERED = "+all-gather"
+
+
+def float8_key(recipe: str, keep: str, all_gather: bool) -> str:
+    """FLOAT8_KEY's value: the torchao recipe, ``/first-last`` where Accelerate's converter keeps the first and last
+    linears (torchtitan's, keeping the output projection, adds nothing), and FLOAT8_GATHERED."""
+    return recipe + ("" if keep == "output" else f"/{keep}") + (FLOAT8_GATHERED if all_gather else "")
 
 #: bump when the traced profile's format or method changes (memplan/tracing): every cached key changes with it
 PROFILE_VERSION = 20

@@ -11,7 +11,7 @@ from memplan import layouts
 from memplan.errors import SettingsError
 from memplan.frameworks.common import LOSS, FourBitBase, FrameworkModel, Grads, Job
 from memplan.model.inventory import ROOT_BLOCK, ParamInventory
-from memplan.precision import Recipe
+from memplan.precision import Recipe, float8_gathered
 from memplan.settings import Settings
 from memplan.settings import reshard_after_forward as requested_reshard_after_forward
 from memplan.timeline import BufferMoment, BufferTimeline, Moment
@@ -74,17 +74,6 @@ def unshard_bytes(rc: Recipe) -> int:
     autograd's gradients come out in that dtype. fsdp-bf16: bf16; torch-amp (no policy; autocast casts inside
     the ops) and fp32: fp32; pure-bf16: bf16. The recipe's grad_bytes is that dtype for every recipe."""
     return rc.grad_bytes
-
-
-def float8_gathered(inv: Any, s: Any) -> frozenset[str]:
-    """The weights FSDP2 all-gathers in float8 (torchao's enable_fsdp_float8_all_gather, --float8-all-gather:
-    fsdp_utils.py WeightWithDynamicFloat8CastTensor.fsdp_pre_all_gather casts each shard to float8, and the
-    all-gather, its output and the unsharded weight hold one byte an element); empty without it."""
-    if not getattr(s, "float8_all_gather", False):
-        return frozenset()
-    from memplan.precision import float8_weights
-
-    return float8_weights(inv, s.float8_keep)
 
 
 def gathers(job: Job) -> layouts.GatherSizes:

@@ -470,11 +470,11 @@ def replay(inv: Any, s: Any, config: AllocatorConfig) -> tuple[str, dict[str, Al
     from memplan.frameworks.common import Job
     from memplan.frameworks.fsdp2 import (
         MODEL,
-        float8_gathered,
         reshard_after_forward,
         root_reshards,
         unshard_bytes,
     )
+    from memplan.precision import float8_gathered
     from memplan.replay import replay_job
     from memplan.settings import shard_group_size
 

@@ -28,6 +28,8 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from memplan.activations.tracing.live import plain_tensors
+
 STEP_PREFIX = "memplan:step"
 PHASE_PREFIX = "memplan:"
 PHASES = ("forward", "backward", "optimizer-step")
@@ -70,16 +72,12 @@ def attribute(model: Any, optimizer: Any) -> dict[str, int]:
     def add(category: str, t: Any) -> None:
         if t is None:
             return
-        t = local_tensor(t)
-        if hasattr(type(t), "__tensor_flatten__"):  # a tensor subclass (torchao's float8 weight): its inner tensors
-            for name in t.__tensor_flatten__()[0]:
-                add(category, getattr(t, name))
-            return
-        key = _storage_key(t)
-        if key is None or key in seen:
-            return
-        seen.add(key)
-        out[category] += key[1]
+        # a tensor subclass (torchao's float8 weight shard) holds its bytes in its inner tensors
+        for x in plain_tensors(local_tensor(t)):
+            key = _storage_key(x)
+            if key is not None and key not in seen:
+                seen.add(key)
+                out[category] += key[1]
 
     params = list(model.parameters())
     for p in params:

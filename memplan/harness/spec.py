@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
+from memplan.activations.tracing_keys import float8_key
 from memplan.errors import SettingsError
 
 from memplan.precision import LOW_RANK_STEPS
@@ -135,8 +136,8 @@ def build_spec(config: dict[str, Any], s: Settings, *, warmup_steps: int = 2, me
         "optimizer": s.optimizer.name, "optimizer_impl": s.optimizer_impl,
         "micro_batch": s.micro_batch, "seq_len": s.seq_len, "grad_accum": s.grad_accum, "recompute": s.recompute,
         "compile": s.compile,
-        "float8": (s.float8 if s.float8_keep == "output" else f"{s.float8}/{s.float8_keep}")
-        + ("+all-gather" if s.float8_all_gather else ""), "attn_implementation": attn_implementation, "device": c.device, "gpus_per_node": c.ranks_per_node,
+        "float8": float8_key(s.float8, s.float8_keep, s.float8_all_gather) if s.float8 != "none" else "none",
+        "attn_implementation": attn_implementation, "device": c.device, "gpus_per_node": c.ranks_per_node,
         "warmup_steps": warmup_steps, "measured_steps": measured_steps, "seed": 0,
         # DDP's own default where none was given (a cap given, even 25, makes the first bucket as large as the rest)
         "bucket_cap_mb": None if s.torch.bucket_cap_default else s.torch.bucket_cap_mb,

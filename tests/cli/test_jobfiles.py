@@ -282,14 +282,19 @@ def test_an_accelerate_config_autocasts_the_model_as_loaded(tmp_path):
         assert rep["strategy"]["precision"] == recipe and rep["cluster"]["gpus"] == 8
 
 
+def _tiny_llama(tmp_path: Path) -> str:
+    """A bf16 llama config small enough to trace in a second (its linears' dims multiples of 16)."""
+    return _write(tmp_path, "config.json", json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 128, "intermediate_size": 256,
+        "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2, "vocab_size": 512,
+        "torch_dtype": "bfloat16", "tie_word_embeddings": False}))
+
+
 def test_an_accelerate_fp8_config_is_torchaos_float8(tmp_path):
     # mixed_precision fp8 with the torchao backend: Float8Linear (tensorwise) on every nn.Linear but the first and
     # the last (accelerate/utils/ao.py), under Accelerate's bf16 autocast over the model as loaded
     pytest.importorskip("torchao")
-    cfg = _write(tmp_path, "config.json", json.dumps({
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 128, "intermediate_size": 256,
-        "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2, "vocab_size": 512,
-        "torch_dtype": "bfloat16", "tie_word_embeddings": False}))
+    cfg = _tiny_llama(tmp_path)
     acc = _write(tmp_path, "acc.yaml", "distributed_type: MULTI_GPU\nmixed_precision: fp8\nnum_processes: 2\n"
                  "fp8_config:\n  backend: AO\n")
     code, rep = _json(["estimate", cfg, "--accelerate-config", acc, "--seq-len", "128", "--gpu", "h100-80g"])
@@ -306,10 +311,7 @@ def test_an_accelerate_fp8_config_is_torchaos_float8(tmp_path):
 def test_an_accelerate_fp8_config_under_fsdp2_gathers_in_float8(tmp_path):
     # fp8_config.enable_fsdp_float8_all_gather defaults to True (AORecipeKwargs): FSDP2 gathers the float8 weights
     pytest.importorskip("torchao")
-    cfg = _write(tmp_path, "config.json", json.dumps({
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 128, "intermediate_size": 256,
-        "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2, "vocab_size": 512,
-        "torch_dtype": "bfloat16", "tie_word_embeddings": False}))
+    cfg = _tiny_llama(tmp_path)
     acc = _write(tmp_path, "acc.yaml", "distributed_type: FSDP\nmixed_precision: fp8\nnum_processes: 2\n"
                  "fsdp_config:\n  fsdp_version: 2\n  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP\n")
     code, rep = _json(["estimate", cfg, "--accelerate-config", acc, "--seq-len", "128", "--gpu", "h100-80g"])

@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+from memplan.activations.tracing_keys import FLOAT8_GATHERED
 from memplan.errors import SettingsError
 
 #: the torchao the float8 path is modelled on and checked with (pyproject's extras pin it)
@@ -58,21 +59,18 @@ def kept(model: Any, keep: str) -> set[str]:
     return {n for n in linears if classify(f"{n}.weight") == "head"}
 
 
-#: the FLOAT8_KEY suffix of FSDP2's float8 all-gather (torchao's enable_fsdp_float8_all_gather)
-GATHERED = "+all-gather"
-
-
 def convert(model: Any, spec: str, cuda_autocast: bool = False, harness: bool = False) -> int:
     """Swap the model's eligible nn.Linear modules for torchao Float8Linear, in place; the number swapped.
-    ``spec``: the recipe (tensorwise, rowwise, rowwise_with_gw_hp), then ``/first-last`` for Accelerate's choice
-    of the linears kept (tracing_keys.FLOAT8_KEY). ``cuda_autocast``: the trace's stand-in for CUDA autocast is CPU
+    ``spec``: FLOAT8_KEY's value (tracing_keys.float8_key: the recipe, Accelerate's ``/first-last``, FSDP2's float8
+    all-gather). ``harness``: the real run, where FSDP2 does the all-gather (torchao's
+    enable_fsdp_float8_all_gather); the trace stands in for it (hand_over). ``cuda_autocast``: the trace's stand-in for CUDA autocast is CPU
     autocast (substitutes.CudaAutocast), so Float8Linear's own cast of its input to CUDA's autocast dtype
     (float8_linear.py forward: ``if torch.is_autocast_enabled(): input = input.to(autocast_dtype)``) is made to
     read it."""
     import torch
 
-    gathered = spec.endswith(GATHERED)
-    recipe, _, keep = spec.removesuffix(GATHERED).partition("/")
+    gathered = spec.endswith(FLOAT8_GATHERED)
+    recipe, _, keep = spec.removesuffix(FLOAT8_GATHERED).partition("/")
     f8 = torchao_float8()
     skip = kept(model, keep or "output")
 

@@ -168,6 +168,14 @@ BLAS_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm", "addbmm", "mv", "addmv", 
                       "_addmm_activation", "_scaled_mm", "_int_mm"})
 
 
+def plain_tensors(t: Any) -> list[Any]:
+    """The plain tensors holding a tensor's bytes: itself, or a tensor subclass's inner tensors
+    (__tensor_flatten__: torchao's Float8TrainingTensor holds its float8 data and its scale)."""
+    if not hasattr(type(t), "__tensor_flatten__"):
+        return [t]
+    return [x for n in t.__tensor_flatten__()[0] for x in plain_tensors(getattr(t, n))]
+
+
 def dispatch_mode(live: LiveBytes, scratch: Any = None, transients: Any = None, accumulate: Any = None) -> Any:
     """Follows every storage created under it; ``scratch(func, args, out)`` adds an op's own temporary bytes
     (allocated and freed inside the kernel) as one extra point of the timeline after the op;
@@ -175,7 +183,7 @@ def dispatch_mode(live: LiveBytes, scratch: Any = None, transients: Any = None, 
     allocator events too (LiveBytes.transient); ``accumulate`` (tracing/accumulate.py) redoes in place the
     autograd engine's gradient accumulations that a real run does in place."""
     import torch
-    from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+    from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_leaves
 
     class Mode(TorchDispatchMode):
@@ -199,7 +207,7 @@ def dispatch_mode(live: LiveBytes, scratch: Any = None, transients: Any = None, 
                 out = func(*args, **(kwargs or {}))
             live.op = getattr(func, "_opname", None) or str(func)
             for t in tree_leaves(out):
-                if isinstance(t, torch.Tensor) and not is_traceable_wrapper_subclass(t):
+                if isinstance(t, torch.Tensor) and not hasattr(type(t), "__tensor_flatten__"):
                     live.track(t)
             if live.phase not in live.blas and live.op.split(".")[0] in BLAS_OPS:
                 live.blas[live.phase] = len(live._births_list)

@@ -16,9 +16,9 @@ from memplan.parallel import CP_KEY, EP_KEY
 from memplan.activations.tracing.accumulate import Accumulations
 from memplan.activations.tracing.compiled import COMPILE_DDP_KEY, COMPILE_KEY, compiling, warm_up
 from memplan.activations.tracing.explain import ModuleStack
-from memplan.activations.tracing.live import LiveBytes, dispatch_mode
+from memplan.activations.tracing.live import LiveBytes, dispatch_mode, plain_tensors
 from memplan.activations.tracing.segments import block_hooks, block_segments, loss_segment, root_first_hook, root_hooks_done
-from memplan.activations.tracing_keys import FLOAT8_KEY, trace_dtypes
+from memplan.activations.tracing_keys import FLOAT8_GATHERED, FLOAT8_KEY, trace_dtypes
 
 
 @contextlib.contextmanager
@@ -242,7 +242,7 @@ def one_step(config: dict[str, Any], batch: int, seq: int, recipe: str, attentio
         model.train()
         params = list(model.parameters())
         block_of, block_list = block_index(model, user_blocks)
-        if float8 and float8.endswith("+all-gather"):  # FSDP2's float8 weights, handed over at each block's start
+        if float8 and float8.endswith(FLOAT8_GATHERED):  # FSDP2's float8 weights, handed over at each block's start
             from memplan.activations.tracing.float8 import hand_over
 
             hand_over(block_list)
@@ -260,7 +260,7 @@ def one_step(config: dict[str, Any], batch: int, seq: int, recipe: str, attentio
                 live.ignore(t)
             # parameters, and the float8 weights FSDP2 would gather (tracing/float8.py): the strategy counts them
             gathered = [b for n, b in model.named_buffers() if n.rsplit(".", 1)[-1].startswith("memplan_float8")]
-            param_storages = {id(t.untyped_storage()) for p in params + gathered for t in _plain(p)}
+            param_storages = {id(t.untyped_storage()) for p in params + gathered for t in plain_tensors(p)}
             moments = _BlockMoments(live)
             moments.install(block_list)
             hooks = _GradientHooks(live, block_of)
@@ -272,7 +272,7 @@ def one_step(config: dict[str, Any], batch: int, seq: int, recipe: str, attentio
             live.labeler = stack.label
 
             def pack(t: Any) -> Any:
-                for inner in _plain(t):  # a tensor subclass (torchao's float8 weight) saves its inner tensors
+                for inner in plain_tensors(t):  # a tensor subclass (torchao's float8 weight) saves its inner tensors
                     st = inner.untyped_storage()
                     if id(st) not in param_storages:
                         saved.setdefault(id(st), live.nbytes(st))
@@ -315,15 +315,6 @@ def one_step(config: dict[str, Any], batch: int, seq: int, recipe: str, attentio
                       "last_backward_start": moments.backward_starts.get(len(block_list) - 1),
                       "timeline": live.corrected()}
     return out
-
-
-def _plain(t: Any) -> list[Any]:
-    """The plain tensors holding a tensor's bytes: itself, or a tensor subclass's inner tensors
-    (__tensor_flatten__: torchao's Float8TrainingTensor holds its float8 data and its scale)."""
-    if not hasattr(type(t), "__tensor_flatten__"):
-        return [t]
-    names, _ = t.__tensor_flatten__()
-    return [x for n in names for x in _plain(getattr(t, n))]
 
 
 def _counts(live: LiveBytes, m: _BlockMoments, h: _GradientHooks, saved: int, forward_end: int,

@@ -89,7 +89,10 @@ def by_topic(rep: dict[str, Any]) -> list[tuple[str, list[str]]]:
                  _item("optimizer", str(a["optimizer"]), src.get("optimizer", "default")),
                  _item("micro-batch", f"{st['micro_batch']} x seq {st['seq_len']}"
                        + (f" (encoder) -> target {st['target_len']} (decoder, {src.get('target_len', 'default')})"
-                          if st.get("target_len") else "") + f", grad-accum {st['grad_accum']}", None)]
+                          if st.get("target_len") else "")
+                       + (f" ({st['images']} image(s) per sample, their tokens in the sequence; "
+                          f"{src.get('images', 'default')})" if st.get("images") is not None else "")
+                       + f", grad-accum {st['grad_accum']}", None)]
     kernels = [_item("attention", str(st["attention"]), src.get("attention")),
                _item("recompute", str(st["recompute"]), src.get("recompute")),
                *([_item("torch.compile", str(st["compile"]), src.get("compile"))]

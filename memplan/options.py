@@ -74,7 +74,7 @@ def activation_profile(config: dict[str, Any] | None, s: Settings, mode: str, no
     from memplan.model import tasks
 
     # an encoder-decoder's analytic refusal is resolve()'s (config_checks); here: it never falls back to one
-    seq2seq = config is not None and "factory" not in config and tasks.task_of(config) == tasks.SEQ2SEQ
+    seq2seq = tasks.two_stacks(config)
     # a compiled step has no analytic counterpart either, nor a float8 one: its trace's failure is the answer
     seq2seq = seq2seq or s.compile != "none" or s.float8 != "none"
     if s.lora is not None and (mode == "analytic" or config is None):
@@ -150,21 +150,26 @@ def config_checks(config: dict[str, Any] | None, request: JobRequest) -> None:
         if b.target_len is not None:
             raise SettingsError(f"--target-len {b.target_len}: only an encoder-decoder (seq2seq) model's config has "
                                 "a decoder input")
+        if b.images is not None:
+            raise SettingsError(f"--images {b.images}: only a vision-language model's config takes images")
         return
     seq = tasks.check_seq_len(config, b.seq_len)
     if b.target_len is not None:
         tasks.check_target_len(config, b.target_len, seq or 2048)
-    if tasks.task_of(config) != tasks.SEQ2SEQ:
+    tasks.check_images(config, b.images, seq or 2048)
+    if not tasks.two_stacks(config):
         return
-    # an encoder-decoder cannot ask for the analytic activations (a decoder-only stack's formula) nor for model
-    # parallelism (memplan's layouts split and stage one stack)
+    # an encoder-decoder or a vision-language model cannot ask for the analytic activations (a decoder-only
+    # stack's formula) nor for model parallelism (memplan's layouts split and stage one stack)
+    what = ("an encoder-decoder (seq2seq)" if tasks.task_of(config) == tasks.SEQ2SEQ else
+            "a vision-language (image-text-to-text)")
     if request.model.activations == "analytic":
-        raise SettingsError("--activations analytic models a decoder-only stack; an encoder-decoder's (seq2seq) "
-                            "activations are traced (--activations auto or traced)")
+        raise SettingsError(f"--activations analytic models a decoder-only stack; {what} model's activations are "
+                            "traced (--activations auto or traced)")
     p = request.parallel.build()
     if p is not None and p.active:
-        raise SettingsError("--tp/--pp/--cp/--ep with an encoder-decoder (seq2seq) model: not modelled (its two "
-                            "stacks are neither split nor staged by memplan's parallel layouts)")
+        raise SettingsError(f"--tp/--pp/--cp/--ep with {what} model: not modelled (its two stacks are neither split "
+                            "nor staged by memplan's parallel layouts)")
 
 
 def _recipe(name: str, strat: Any) -> tuple[Any, str]:
@@ -971,7 +976,7 @@ def resolve(inv: ParamInventory, request: JobRequest, *, config: dict[str, Any] 
                                        if tasks.task_of(config) == tasks.IMAGE else
                                        "the model's learned positions (max_position_embeddings)")
     config_checks(config, r)  # as the CLI ran them before the inventory, on the merged request
-    target = None
+    target = images = None
     if config is not None and "factory" not in config:
         from memplan.model import tasks
 
@@ -982,6 +987,11 @@ def resolve(inv: ParamInventory, request: JobRequest, *, config: dict[str, Any] 
         target = tasks.check_target_len(config, asked, seq)
         if target is not None and pick.sources.get("target_len") == "default":
             pick.sources["target_len"] = "the encoder's length (--seq-len)"
+        # a vision-language model's images per sample, their tokens in the sequence
+        asked = r.batch.images
+        if asked is not None or tasks.task_of(config) == tasks.IMAGE_TEXT:
+            asked = pick("images", None)
+        images = tasks.check_images(config, asked, seq)
 
     torch_overrides = {k: v for k, v in _values(r.torch).items() if v is not None}
     if r.memory.pin_memory is not None:  # FSDP CPUOffloadPolicy's (DeepSpeed offload's: jobfiles.merged)
@@ -1031,7 +1041,7 @@ def resolve(inv: ParamInventory, request: JobRequest, *, config: dict[str, Any] 
     recompute = valid_recompute(r.training.recompute)
     settings = Settings(strategy=strat, recipe=recipe, optimizer=opt, cluster=cluster,
                         optimizer_impl=r.training.optimizer_impl,
-                        micro_batch=mb, seq_len=seq, target_len=target, grad_accum=ga, recompute=recompute,
+                        micro_batch=mb, seq_len=seq, target_len=target, images=images, grad_accum=ga, recompute=recompute,
                         attention=r.training.attention, compile=r.training.compile, float8=float8,
                         float8_keep=r.training.float8_keep, float8_all_gather=r.training.float8_all_gather,
                         ds=ds, torch=tk, horovod=hv, overheads=ov, allocator_conf=conf, lora=lora)
@@ -1054,6 +1064,10 @@ def resolve(inv: ParamInventory, request: JobRequest, *, config: dict[str, Any] 
         from memplan.model.tasks import TARGET_KEY
 
         config = {**config, TARGET_KEY: target}  # the decoder's length: the traced step's labels
+    if images is not None and config is not None:
+        from memplan.model.tasks import IMAGES_KEY
+
+        config = {**config, IMAGES_KEY: images}  # a vision-language model's images per sample: the traced step's
     if settings.compile != "none" and settings.strategy.framework not in ("torch", "torch-ddp", "fsdp2"):
         raise SettingsError(f"--compile {settings.compile} under {settings.strategy.framework} is not modelled yet: a "
                             "compiled block's parameter gradients reach their hooks together, after its backward "

@@ -137,6 +137,8 @@ class Batch:
                               "encoder's).")
     target_len: int | None = opt(None, "--target-len", "An encoder-decoder's (T5, BART) decoder length: its labels "
                                  "per sample [default: --seq-len].")
+    images: int | None = opt(None, "--images", "A vision-language model's images per sample, their tokens part of "
+                             "--seq-len [default: 1].")
     grad_accum: int | None = opt(None, "--grad-accum", "Gradient accumulation steps [default: 1].",
                                  ds_config="gradient_accumulation_steps",
                                  training_args="gradient_accumulation_steps")

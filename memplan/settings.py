@@ -229,6 +229,9 @@ class Settings:
     seq_len: int = 2048
     #: an encoder-decoder's decoder length (its labels per sample; model/tasks.py SEQ2SEQ); None: no decoder input
     target_len: int | None = None
+    #: a vision-language model's images per sample (model/tasks.py IMAGE_TEXT; their tokens are in seq_len); None:
+    #: a model that takes no images
+    images: int | None = None
     grad_accum: int = 1
     recompute: str = "none"
     attention: str = "sdpa"  #: sdpa: the device's own kernel choice; flash: flash asked for; eager

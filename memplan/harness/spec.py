@@ -131,6 +131,10 @@ def build_spec(config: dict[str, Any], s: Settings, *, warmup_steps: int = 2, me
         from memplan.model.tasks import TARGET_KEY
 
         config = {**config, TARGET_KEY: s.target_len}
+    if s.images is not None:  # a vision-language model's images per sample (model/tasks.py step_inputs)
+        from memplan.model.tasks import IMAGES_KEY
+
+        config = {**config, IMAGES_KEY: s.images}
     spec: dict[str, Any] = {
         "config": config, "framework": fw, "strategy": st.name, "recipe": s.recipe.name,
         "optimizer": s.optimizer.name, "optimizer_impl": s.optimizer_impl,

@@ -25,7 +25,11 @@ PLAIN_MLP_FAMILIES = frozenset({"gpt2", "gpt_neox", "falcon", "gpt_bigcode", "gp
 
 
 def model_dims(config: Mapping[str, Any]) -> dict[str, int]:
-    """Dimensions the activation / buffer terms need, under the names of most families."""
+    """Dimensions the activation / buffer terms need, under the names of most families (a vision-language
+    model's from its language model's text_config, where the top level does not give them)."""
+    text = config.get("text_config")
+    if isinstance(text, Mapping):
+        config = {**text, **{k: v for k, v in config.items() if k != "text_config"}}
     keys = {"hidden_size": ("hidden_size", "n_embd", "d_model"),
             "num_layers": ("num_hidden_layers", "n_layer", "num_layers"),
             "num_heads": ("num_attention_heads", "n_head"),

@@ -105,10 +105,10 @@ def hf_config(config: Mapping[str, Any], model_name: str = "model") -> Any:
         raise ConfigError(f"config for {model_name} has no 'model_type'")
     # a deep copy: transformers fills nested dicts in place (rope_scaling gains rope_theta, transformers 5.23),
     # which would change the caller's config, and with it the activation profile's cache key
-    from memplan.model.tasks import TARGET_KEY
+    from memplan.model.tasks import PSEUDO_KEYS
 
     fields = copy.deepcopy({k: v for k, v in config.items()
-                            if k not in ("model_type", "auto_map", "quantization_config", TARGET_KEY)})
+                            if k not in ("model_type", "auto_map", "quantization_config", *PSEUDO_KEYS)})
     try:
         cfg = AutoConfig.for_model(model_type, **fields)
     except ValueError as exc:
@@ -130,8 +130,12 @@ def hf_config(config: Mapping[str, Any], model_name: str = "model") -> Any:
 def build_meta_from_config(config: Mapping[str, Any], model_name: str, source: str) -> ParamInventory:
     """Instantiate the transformers model for a config.json dict on the meta device."""
     model = meta_model(config, model_name)
+    # a vision-language model's dimensions are its language model's, as its text config fills them in (LLaVA's
+    # text_config gives few fields and takes LlamaConfig's defaults for the rest)
+    dims = (model_dims({**model.config.get_text_config().to_dict(), "model_type": config["model_type"]})
+            if isinstance(config.get("text_config"), Mapping) else model_dims(config))
     return inventory_from_module(model, model_name=model_name, source=source, family=str(config["model_type"]),
-                                 dtype=config_dtype(config), dims=model_dims(config))
+                                 dtype=config_dtype(config), dims=dims)
 
 
 def checkpointing_on(model: Any, recompute: str = "full") -> None:

@@ -22,11 +22,22 @@ forward computes its loss from (modeling_bert.py, modeling_llama.py, the generic
 - image classification by a vision transformer (``ViTForImageClassification``, ``DeiTForImageClassification``):
   ``pixel_values`` [batch, channels, image, image] in the parameters' dtype and ``labels`` [batch]; its sequence
   is its patches, (image / patch)^2, plus the class token (DeiT: and the distillation token), modeling_vit.py
-  ViTEmbeddings / modeling_deit.py DeiTEmbeddings.
+  ViTEmbeddings / modeling_deit.py DeiTEmbeddings;
+- image-text-to-text (a vision-language model: ``LlavaForConditionalGeneration``, ``Gemma3ForConditionalGeneration``,
+  transformers' MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES): ``input_ids`` [batch, seq] in which each image stands
+  as its tokens (the processor expands one image placeholder into them: LlavaProcessor, Gemma3Processor), the
+  images' ``pixel_values`` [batch x images, channels, image, image] at the vision tower's image_size, and
+  ``labels`` = the input ids (a collator masks the image tokens to -100: the same shapes); Gemma 3 also takes the
+  processor's ``token_type_ids`` (1 at image tokens), from which its image tokens attend to each other both ways
+  (modeling_gemma3.py create_masks_for_vision_model). The model scatters the projected image features into the
+  embedded sequence at those tokens (get_placeholder_mask, masked_scatter). Tokens per image
+  (image_text_tokens): LLaVA's vision tower's patches (image_size / patch_size)^2, and CLIP's class token unless
+  vision_feature_select_strategy "default" drops the first token (modeling_llava.py get_image_features); Gemma 3's
+  mm_tokens_per_image, its projector average-pooling the patch grid to that many (Gemma3MultiModalProjector).
 
-Other heads (speech and audio seq2seq, vision-language, multiple choice, pre-training, image models other than ViT and DeiT) are
-refused with the class named: their inputs are neither a [batch, seq] of token ids nor a ViT's image. No torch at
-import.
+Other heads (speech and audio seq2seq, other vision-language models, multiple choice, pre-training, image models
+other than ViT and DeiT) are refused with the class named: their inputs are neither a [batch, seq] of token ids nor
+an image of a fixed size. No torch at import.
 """
 
 from __future__ import annotations
@@ -47,9 +58,18 @@ SUFFIXES = (("ForSequenceClassification", "sequence-classification"),
             ("ForTokenClassification", "token-classification"), ("ForQuestionAnswering", "question-answering"),
             ("ForMaskedLM", "masked-lm"), ("ForCausalLM", CAUSAL_LM), ("LMHeadModel", CAUSAL_LM),
             ("ForImageClassification", "image-classification"))
-TASKS = (CAUSAL_LM, "masked-lm", "sequence-classification", "token-classification", "question-answering",
-         "image-classification", SEQ2SEQ)
 IMAGE = "image-classification"
+#: a vision-language model: images' tokens in the text sequence, trained on the text's labels
+IMAGE_TEXT = "image-text-to-text"
+TASKS = (CAUSAL_LM, "masked-lm", "sequence-classification", "token-classification", "question-answering",
+         IMAGE, SEQ2SEQ, IMAGE_TEXT)
+#: the vision-language model types memplan traces (their image tokens: image_text_tokens)
+IMAGE_TEXT_MODELS = ("llava", "gemma3")
+#: the pseudo-key of the images per sample (--images) in the config a vision-language step is traced and run from
+#: (the bytes depend on it: part of the trace's cache key; hf_config and the builders drop it)
+IMAGES_KEY = "memplan_images"
+#: the pseudo-keys a traced or run config may carry beside the config.json's own fields
+PSEUDO_KEYS = (TARGET_KEY, IMAGES_KEY)
 #: the vision transformers whose image classification memplan traces: model_type -> tokens beside the patches
 IMAGE_MODELS = {"vit": 1, "deit": 2}
 #: heads whose inputs are not token ids alone (refused by name)
@@ -65,6 +85,13 @@ def task_of(config: Mapping[str, Any]) -> str:
     arch = architecture(config)
     if is_seq2seq(config):
         return SEQ2SEQ
+    if arch.endswith(("ForConditionalGeneration", "ForImageTextToText")) \
+            and str(config.get("model_type")) in auto_class_mapping(AUTO_MAPPINGS[IMAGE_TEXT]):
+        if config.get("model_type") not in IMAGE_TEXT_MODELS:
+            raise ConfigError(f"architectures {quote(arch)}: vision-language models are modelled for model_type "
+                              f"{', '.join(IMAGE_TEXT_MODELS)}, not {quote(config.get('model_type'))} (its images' "
+                              "tokens and inputs are its own)")
+        return IMAGE_TEXT
     for suffix, task in SUFFIXES:
         if arch.endswith(suffix):
             if task == IMAGE and config.get("model_type") not in IMAGE_MODELS:
@@ -166,13 +193,95 @@ def image_tokens(config: Mapping[str, Any]) -> int:
     return (size // patch) ** 2 + IMAGE_MODELS.get(str(config.get("model_type")), 1)
 
 
+def _vision(config: Mapping[str, Any]) -> Any:
+    """A vision-language config's transformers config object (its vision_config with the defaults its class fills
+    in: LlavaConfig's CLIP at 336 px in 14 px patches when none is given, CLIPVisionConfig's 224 / 32 otherwise)."""
+    from memplan.model.meta_builder import hf_config
+
+    return hf_config(config)
+
+
+def image_text_tokens(config: Mapping[str, Any]) -> int:
+    """The tokens one image takes in a vision-language model's sequence (see the module's docstring). ConfigError
+    where the image is not whole patches or Gemma 3's patch grid does not pool to mm_tokens_per_image."""
+    cfg = _vision(config)
+    vc = cfg.vision_config
+    size, patch = vc.image_size, vc.patch_size
+    if not (isinstance(size, int) and isinstance(patch, int) and size > 0 and patch > 0):
+        raise ConfigError(f"vision_config image_size {size!r} and patch_size {patch!r}: a square image of whole "
+                          "patches is modelled")
+    if size % patch:
+        raise ConfigError(f"vision_config image_size {size} is not a multiple of patch_size {patch}")
+    side = size // patch
+    if config.get("model_type") == "gemma3":  # the patch grid average-pooled to mm_tokens_per_image
+        tokens = int(cfg.mm_tokens_per_image)
+        per_side = int(tokens ** 0.5)
+        if per_side * per_side != tokens or side % per_side:
+            raise ConfigError(f"mm_tokens_per_image {tokens}: Gemma 3 pools its {side} x {side} patches to a square "
+                              "grid whose side divides it")
+        return tokens
+    # LLaVA: the tower's sequence (CLIP: its class token first), less the first token under the default strategy
+    cls = 1 if getattr(vc, "model_type", "") == "clip_vision_model" else 0
+    return side * side + cls - (1 if cfg.vision_feature_select_strategy == "default" else 0)
+
+
+def images_of(config: Mapping[str, Any]) -> int:
+    """The images per sample a vision-language step takes (--images; 1 unless given)."""
+    n = config.get(IMAGES_KEY)
+    return 1 if n is None else int(n)
+
+
+def check_images(config: Mapping[str, Any], images: int | None, seq_len: int) -> int | None:
+    """The images per sample for a vision-language config (--images; default 1), else None; ConfigError for
+    --images on a text model, a negative count, or images whose tokens leave no text in --seq-len."""
+    if task_of(config) != IMAGE_TEXT:
+        if images is not None:
+            raise ConfigError(f"--images {images}: only a vision-language model takes images with its text; "
+                              f"{architecture(config) or config.get('model_type')} takes token ids alone")
+        return None
+    n = 1 if images is None else images
+    if n < 0:
+        raise ConfigError(f"--images must be 0 or more, got {n}")
+    per = image_text_tokens(config)
+    if n and seq_len <= n * per:
+        raise ConfigError(f"--seq-len {seq_len}: {n} image(s) of {per} tokens each take {n * per} tokens of the "
+                          "sequence and leave no text; a longer --seq-len or fewer --images")
+    return n
+
+
+def image_token_id(config: Mapping[str, Any]) -> int:
+    """The token id that stands for an image's tokens in the sequence (image_token_id / image_token_index)."""
+    return int(_vision(config).image_token_id)
+
+
+def stacks(config: Mapping[str, Any]) -> int | None:
+    """The blocks of a model with two stacks (an encoder-decoder's encoder and decoder, a vision-language model's
+    vision tower and language model), traced at full depth; None for a model of one stack or an unknown count."""
+    if "factory" in config:
+        return None
+    task = task_of(config)
+    if task == SEQ2SEQ:
+        both = seq2seq_layers(config)
+        return None if both is None else sum(both)
+    if task == IMAGE_TEXT:
+        cfg = _vision(config)
+        return int(cfg.vision_config.num_hidden_layers) + int(cfg.get_text_config().num_hidden_layers)
+    return None
+
+
+def two_stacks(config: Mapping[str, Any] | None) -> bool:
+    """Whether the config trains two stacks of blocks (seq2seq, image-text-to-text): traced at full depth, with
+    no analytic counterpart and no tensor, pipeline, context or expert parallel layout."""
+    return config is not None and "factory" not in config and task_of(config) in (SEQ2SEQ, IMAGE_TEXT)
+
+
 def check_seq_len(config: Mapping[str, Any], seq_len: int | None) -> int | None:
     """The job's sequence for the config's task: an image model's is its tokens (image_tokens), which --seq-len
     may repeat but not change. A text encoder's head with learned absolute positions (BERT's position_embeddings,
     max_position_embeddings rows: the model cannot run longer sequences) defaults to that many, and a longer
     --seq-len is refused; a causal LM's is the caller's (None: its default; rotary positions run longer)."""
     task = task_of(config)
-    if task == CAUSAL_LM:
+    if task in (CAUSAL_LM, IMAGE_TEXT):
         return seq_len
     if task == SEQ2SEQ:  # T5's relative positions run any length; BART's learned ones refuse a longer one
         most = config.get("max_position_embeddings")
@@ -270,6 +379,19 @@ def step_inputs(task: str, config: Mapping[str, Any], ids: Any, dtype: Any = Non
         pixels = torch.zeros(batch, config.get("num_channels", 3), size, size, device=ids.device,
                              dtype=dtype or torch.get_default_dtype())
         return {"pixel_values": pixels, "labels": torch.zeros(batch, dtype=torch.long, device=ids.device)}
+    if task == IMAGE_TEXT:  # each image's tokens after the first (a BOS), its pixels, the text's labels
+        n, per, token = images_of(config), image_text_tokens(config), image_token_id(config)
+        ids = torch.where(ids == token, 0, ids)  # a drawn id equal to the image token would be one more image token
+        if n:
+            ids[:, 1:1 + n * per] = token
+        out = {"input_ids": ids, "labels": ids}
+        if n:
+            vc = _vision(config).vision_config
+            out["pixel_values"] = torch.zeros(batch * n, vc.num_channels, vc.image_size, vc.image_size,
+                                              device=ids.device, dtype=dtype or torch.get_default_dtype())
+        if config.get("model_type") == "gemma3":  # Gemma3Processor's: 1 at image tokens
+            out["token_type_ids"] = (ids == token).long()
+        return out
     if task == SEQ2SEQ:  # the decoder's labels, shifted right by the model into its inputs
         tgt = int(config.get(TARGET_KEY) or ids.shape[1])
         return {"input_ids": ids, "labels": torch.zeros(batch, tgt, dtype=torch.long, device=ids.device)}
@@ -313,7 +435,8 @@ AUTO_MAPPINGS = {CAUSAL_LM: "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "masked-lm": "M
                  IMAGE: "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES",
                  "sequence-classification": "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES",
                  "token-classification": "MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES",
-                 "question-answering": "MODEL_FOR_QUESTION_ANSWERING_MAPPING_NAMES", SEQ2SEQ: SEQ2SEQ_MAPPING}
+                 "question-answering": "MODEL_FOR_QUESTION_ANSWERING_MAPPING_NAMES", SEQ2SEQ: SEQ2SEQ_MAPPING,
+                 IMAGE_TEXT: "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES"}
 
 
 def with_task(config: Mapping[str, Any], task: str) -> dict[str, Any]:

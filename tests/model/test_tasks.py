@@ -28,9 +28,10 @@ def test_task_from_the_class_suffix():
                  "BertForMultipleChoice"):
         with pytest.raises(ConfigError, match=arch):
             tasks.task_of({"architectures": [arch]})
-    # a speech seq2seq (features in, not token ids) and a vision-language model: refused by name
+    # a speech seq2seq (features in, not token ids) and a vision-language model memplan does not model: refused
+    # by name (LLaVA and Gemma 3 are modelled: test_a_vision_language_model_s_images_are_tokens_in_its_sequence)
     for arch, model_type in (("WhisperForConditionalGeneration", "whisper"),
-                             ("LlavaForConditionalGeneration", "llava")):
+                             ("PaliGemmaForConditionalGeneration", "paligemma")):
         with pytest.raises(ConfigError, match=arch):
             tasks.task_of({"architectures": [arch], "model_type": model_type, "is_encoder_decoder": True})
     assert tasks.num_labels({}) == 2 and tasks.num_labels({"num_labels": 5}) == 5
@@ -65,13 +66,31 @@ def test_a_head_memplan_does_not_model_is_one_line(tmp_path):
     import subprocess
     import sys
 
-    d = tmp_path / "llava"
+    d = tmp_path / "paligemma"
     d.mkdir()
-    (d / "config.json").write_text(json.dumps({"architectures": ["LlavaForConditionalGeneration"],
-                                               "model_type": "llava", "text_config": {"model_type": "llama"}}))
+    (d / "config.json").write_text(json.dumps({"architectures": ["PaliGemmaForConditionalGeneration"],
+                                               "model_type": "paligemma", "text_config": {"model_type": "gemma"}}))
     r = subprocess.run([sys.executable, "-m", "memplan", "estimate", str(d)], capture_output=True, text=True)
     code, out, err = r.returncode, r.stdout, r.stderr
     assert code == 2 and out == "" and len(err.strip().splitlines()) == 1 and "ConditionalGeneration" in err
+
+
+def test_a_vision_language_model_s_bad_input_is_one_line(tmp_path):
+    import subprocess
+    import sys
+
+    bad = tmp_path / "llava-bad.json"
+    cfg = json.loads(LLAVA.read_text())
+    bad.write_text(json.dumps(dict(cfg, vision_config=dict(cfg["vision_config"], image_size=30))))
+    for argv, needle in ((["llava-1.5-7b", "--seq-len", "512"], "--seq-len 512: 1 image(s) of 576 tokens"),
+                         (["llava-1.5-7b", "--images", "-1"], "--images must be 0 or more"),
+                         (["llama-3-8b", "--images", "1"], "only a vision-language model"),
+                         (["gemma-3-4b", "--tp", "2", "--gpus", "2"], "a vision-language (image-text-to-text)"),
+                         (["gemma-3-4b", "--activations", "analytic"], "decoder-only stack"),
+                         ([str(bad)], "image_size 30 is not a multiple of patch_size 8")):
+        r = subprocess.run([sys.executable, "-m", "memplan", "estimate", *argv], capture_output=True, text=True)
+        assert r.returncode == 2 and r.stdout == "" and len(r.stderr.strip().splitlines()) == 1, (argv, r.stderr)
+        assert needle in r.stderr, (argv, r.stderr)
 
 
 def test_task_flag_sets_the_head_from_transformers_auto_mapping():
@@ -304,3 +323,78 @@ def test_layerdrop_runs_every_layer_and_says_so():
     assert (small["encoder_layers"], small["decoder_layers"]) == (2, 2)
     assert (small["encoder_attention_heads"], small["decoder_attention_heads"], small["d_model"]) == (4, 4, 256)
     assert small["encoder_ffn_dim"] == small["decoder_ffn_dim"] == 1024
+
+
+LLAVA = Path(__file__).resolve().parents[1] / "data" / "configs" / "llava-tiny.json"
+GEMMA3_VL = Path(__file__).resolve().parents[1] / "data" / "configs" / "gemma3-vl-tiny.json"
+
+
+def test_a_vision_language_model_s_images_are_tokens_in_its_sequence():
+    """LLaVA-1.5 at 336 px in 14 px patches: 576 tokens an image (CLIP's class token dropped by the default
+    feature strategy, kept by "full"); Gemma 3: mm_tokens_per_image, 256. --images (default 1) must leave text in
+    --seq-len; a text model takes no --images; a vision-language model memplan does not model is refused by name."""
+    from memplan.model import sources
+
+    llava, gemma = sources.resolve("llava-1.5-7b").config, sources.resolve("gemma-3-4b").config
+    assert tasks.task_of(llava) == tasks.task_of(gemma) == tasks.IMAGE_TEXT
+    assert tasks.image_text_tokens(llava) == 576 and tasks.image_text_tokens(gemma) == 256
+    assert tasks.image_text_tokens(dict(llava, vision_feature_select_strategy="full")) == 577
+    assert tasks.stacks(llava) == 24 + 32 and tasks.stacks(gemma) == 27 + 34
+    assert tasks.check_images(llava, None, 2048) == 1 and tasks.check_images(llava, 3, 2048) == 3
+    assert tasks.check_images(llava, 0, 16) == 0  # text alone: the vision tower does not run
+    assert tasks.check_images({"architectures": ["LlamaForCausalLM"]}, None, 2048) is None
+    with pytest.raises(ConfigError, match="take 1152 tokens of the sequence and leave no text"):
+        tasks.check_images(llava, 2, 1152)
+    with pytest.raises(ConfigError, match="only a vision-language model takes images"):
+        tasks.check_images({"architectures": ["LlamaForCausalLM"]}, 1, 2048)
+    with pytest.raises(ConfigError, match="not a multiple of patch_size 14"):
+        tasks.image_text_tokens(dict(llava, vision_config=dict(llava["vision_config"], image_size=330)))
+    with pytest.raises(ConfigError, match="pools its 64 x 64 patches"):
+        tasks.image_text_tokens(dict(gemma, mm_tokens_per_image=100))
+    with pytest.raises(ConfigError, match="modelled for model_type llava, gemma3, not 'paligemma'"):
+        tasks.task_of({"architectures": ["PaliGemmaForConditionalGeneration"], "model_type": "paligemma"})
+
+
+@pytest.mark.parametrize("preset,params,vision,text", [("llava-1.5-7b", 7_063_427_072, 24, 32),
+                                                       ("gemma-3-4b", 4_300_079_472, 27, 34)])
+def test_a_vision_language_inventory_is_transformers_own(preset, params, vision, text):
+    """The published configs of llava-hf/llava-1.5-7b-hf and google/gemma-3-4b-it: parameters exact against
+    transformers' own count; the blocks are the vision tower's, then the language model's."""
+    torch = pytest.importorskip("torch")
+    from memplan.model import sources
+    from memplan.model.meta_builder import hf_config
+
+    cfg = sources.resolve(preset).config
+    with torch.device("meta"):
+        model = tasks.build(cfg, hf_config(cfg))
+    assert sum(p.numel() for p in model.parameters()) == params
+    inv = sources.build_inventory(sources.resolve(preset))
+    assert inv.num_params == params and inv.task == tasks.IMAGE_TEXT
+    names = [b.name for b in inv.layer_blocks]
+    assert len(names) == vision + text and "vision_tower" in names[0] and "language_model" in names[-1]
+    assert inv.dims["hidden_size"] == model.config.get_text_config().hidden_size
+
+
+@pytest.mark.parametrize("path", [LLAVA, GEMMA3_VL])
+def test_a_vision_language_step_is_traced_with_its_images(path):
+    """Both stacks traced at full depth, the images made in the step; more images per sample hold more (the
+    vision tower's activations), and the same job gives the same bytes."""
+    pytest.importorskip("torch")
+    from memplan import accounting, options
+    from memplan.model import sources
+
+    src = sources.resolve(str(path))
+    inv = sources.build_inventory(src)
+    peaks = []
+    for images in (1, 2, 2):
+        r = options.resolve(inv, JobRequest.of(gpus=1, micro_batch=2, seq_len=128, images=images, device="cuda"),
+                            config=src.config)
+        s = r.settings
+        assert s.images == images
+        plan = accounting.estimate(inv, s)
+        assert type(s.activation_profile).__name__ == "TracedProfile"
+        data = s.activation_profile.data
+        assert data["traced_layers"] == data["num_layers"] == tasks.stacks(src.config)
+        assert data.get("alloc_events")  # the allocator replay runs on it
+        peaks.append(plan.peak_bytes)
+    assert peaks[0] < peaks[1] == peaks[2]

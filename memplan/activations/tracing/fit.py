@@ -89,20 +89,21 @@ def _hooks(a: list[list[int]], b: list[list[int]]) -> list[list[int]]:
 
 
 def _layers(config: dict[str, Any]) -> int | None:
-    """The config's blocks: an encoder-decoder's two stacks together (its blocks are traced at full depth)."""
+    """The config's blocks: a model of two stacks' together (an encoder-decoder's, a vision-language model's vision
+    tower and language model: traced at full depth)."""
     if _seq2seq(config):
-        from memplan.model.tasks import seq2seq_layers
+        from memplan.model.tasks import stacks
 
-        both = seq2seq_layers(config)
-        return None if both is None else sum(both)
+        return stacks(config)
     key = next((k for k in ("num_hidden_layers", "n_layer", "num_layers") if config.get(k)), None)
     return None if key is None else int(config[key])
 
 
 def _seq2seq(config: dict[str, Any]) -> bool:
-    from memplan.model.tasks import SEQ2SEQ, task_of
+    """Two stacks of blocks (model/tasks.py two_stacks): traced at full depth, no analytic counterpart."""
+    from memplan.model.tasks import two_stacks
 
-    return "factory" not in config and task_of(config) == SEQ2SEQ
+    return two_stacks(config)
 
 
 def _heterogeneous(config: dict[str, Any], layers: int, recompute: str = "none") -> bool:
@@ -115,7 +116,7 @@ def _heterogeneous(config: dict[str, Any], layers: int, recompute: str = "none")
     # the user's own module (a factory) has no config to scale: traced at its own depth
     # LoRA on some layers only (layers_to_transform) makes the blocks differ
     lora_layers = bool((config.get("lora") or {}).get("layers_to_transform"))
-    # an encoder-decoder's blocks are of two kinds (the decoder's attend to the encoder's output too)
+    # two stacks' blocks are of two kinds (an encoder-decoder's decoder attends to the encoder's output too)
     return layers < 2 or bool(config.get("factory")) or lora_layers or _seq2seq(config) or \
         any(config.get(k) for k in _HETEROGENEOUS_KEYS)
 

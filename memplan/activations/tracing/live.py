@@ -176,6 +176,19 @@ def plain_tensors(t: Any) -> list[Any]:
     return [x for n in t.__tensor_flatten__()[0] for x in plain_tensors(getattr(t, n))]
 
 
+def _quiet(func: Any, out: Any) -> bool:
+    """An operator that allocates nothing and writes nothing: a view (every output aliases an input, none written:
+    slice, unbind, view) or one that returns no tensor (prim.device). It is no point of the timeline: a step whose
+    views follow the batch (LLaVA's image features unbound per image) keeps the same points at every micro-batch,
+    and a free before it shows at the next operator's point (lower than the one before it, so no peak is lost)."""
+    import torch
+
+    returns = func._schema.returns
+    if not any(isinstance(t, torch.Tensor) for t in (out if isinstance(out, (list, tuple)) else (out,))):
+        return not returns or all(str(r.type) not in ("Tensor", "Tensor[]", "Tensor?") for r in returns)
+    return bool(returns) and all(r.alias_info is not None and not r.alias_info.is_write for r in returns)
+
+
 def dispatch_mode(live: LiveBytes, scratch: Any = None, transients: Any = None, accumulate: Any = None) -> Any:
     """Follows every storage created under it; ``scratch(func, args, out)`` adds an op's own temporary bytes
     (allocated and freed inside the kernel) as one extra point of the timeline after the op;
@@ -221,7 +234,8 @@ def dispatch_mode(live: LiveBytes, scratch: Any = None, transients: Any = None, 
                     live.live += extra
                     live.tick()
                     live.live -= extra
-            live.tick()
+            if not _quiet(func, out):
+                live.tick()
             return out
 
     mode = Mode()

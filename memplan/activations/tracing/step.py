@@ -50,6 +50,13 @@ def _substitutions(config: dict[str, Any], dtype: str, attention: str, target: T
     if dtype == "float32" and moe_experts(config):
         import transformers.integrations.moe as moe
     real_can_grouped = getattr(moe, "_can_use_grouped_mm", None)
+    # transformers' value checks (torch_compilable_check: a vision-language model's image tokens against its image
+    # features) read a fake tensor's value; transformers' own switch turns them off (utils/import_utils.py). On the
+    # device they make a scalar or two (a 512-byte block each), not counted
+    import os
+
+    real_check = os.environ.get("TRANSFORMERS_DISABLE_TORCH_CHECK")
+    os.environ["TRANSFORMERS_DISABLE_TORCH_CHECK"] = "1"
     try:
         if real_can_grouped is not None:
             moe._can_use_grouped_mm = lambda *a, **k: False
@@ -63,6 +70,10 @@ def _substitutions(config: dict[str, Any], dtype: str, attention: str, target: T
             mu.find_packed_sequence_indices = lambda position_ids: None
         yield
     finally:
+        if real_check is None:
+            os.environ.pop("TRANSFORMERS_DISABLE_TORCH_CHECK", None)
+        else:
+            os.environ["TRANSFORMERS_DISABLE_TORCH_CHECK"] = real_check
         fake_log.setLevel(fake_level)
         transformers.logging.set_verbosity(tf_level)
         F.scaled_dot_product_attention, F.dropout, F.linear = real_sdpa, real_dropout, real_linear
@@ -222,7 +233,7 @@ def one_step(config: dict[str, Any], batch: int, seq: int, recipe: str, attentio
                 checkpointing_on(model, recompute)
             user_blocks, ids = None, torch.zeros(batch, seq, dtype=torch.long)
             task = tasks.task_of(config)
-            if task == tasks.IMAGE:
+            if task in (tasks.IMAGE, tasks.IMAGE_TEXT):
                 # the image is made in the step, so that its bytes are counted (the patch embedding saves it for
                 # its weight's gradient; token ids are a few bytes a token, a batch of images is not)
                 run = (lambda m: m(**tasks.step_inputs(task, config, ids, getattr(torch, dtype))).loss)  # noqa
@@ -300,8 +311,11 @@ def one_step(config: dict[str, Any], batch: int, seq: int, recipe: str, attentio
                 live.tick()
                 # a block whose input needs no gradient (the first one under LoRA: the frozen embedding's output)
                 # gets no hook on it; its backward is over when the whole backward is (nothing runs below it)
+                # a block whose output no loss reads (LLaVA's last vision layer under vision_feature_layer -2) gets
+                # no gradient and has no backward: it begins where it ends
                 for i in range(len(block_list)):
                     moments.regions["be"].setdefault(i, len(live.events))
+                    moments.regions["bs"].setdefault(i, moments.regions["be"][i])
                 del loss
             live.ready_order()
         finally:

@@ -35,6 +35,11 @@ VIT = ("tests/data/configs/vit-small.json", dict(layers=2, hidden=256, vocab=Non
 # encoder-decoders (model/tasks.py SEQ2SEQ): 2 encoder and 2 decoder blocks, 128 tokens in, 64 labels out
 T5 = ("tests/data/configs/flan-t5-base.json", dict(layers=2, hidden=256, vocab=2048))
 BART = ("tests/data/configs/bart-large.json", dict(layers=2, hidden=256, vocab=2048))
+# vision-language models (model/tasks.py IMAGE_TEXT), run at their own tiny sizes: LLaVA (CLIP 32 px in 8 px
+# patches, 3 vision blocks, the second-to-last one's features: 16 image tokens; 2 llama blocks) and Gemma 3 (SigLIP
+# 64 px in 8 px patches pooled to 16 tokens, 2 + 2 blocks); one image per sample in 128 tokens
+LLAVA = ("tests/data/configs/llava-tiny.json", dict(layers=None))
+GEMMA3_VL = ("tests/data/configs/gemma3-vl-tiny.json", dict(layers=None))
 LLAMA10 = ("llama-7b", dict(layers=10, hidden=256, vocab=2048))  # two stages per rank over pp 2: 2-3 blocks each
 MIXTRAL = ("mixtral-8x7b", dict(layers=2, hidden=256, vocab=2048))  # MoE: 8 experts, top-2, grouped_mm
 MIXTRAL4 = ("mixtral-8x7b", dict(layers=4, hidden=256, vocab=2048))
@@ -263,6 +268,27 @@ CASES = [
     ("vit image-cls, 1 rank, fp32", VIT, dict(gpus=1, precision="fp32", seq_len=None), {}, {}, "full"),
     ("vit image-cls fsdp-full, fp32", VIT, dict(strategy="fsdp-full", precision="fp32", seq_len=None), {}, {},
      "none"),
+    # session 37: vision-language models, images in the text sequence
+    ("llava image-text, 1 rank, fp32", LLAVA, dict(gpus=1, precision="fp32"), {}, {}, "none"),
+    ("llava image-text, 1 rank", LLAVA, dict(gpus=1), {}, {}, "none"),
+    ("llava image-text, 1 rank, fp32", LLAVA, dict(gpus=1, precision="fp32"), {}, {}, "full"),
+    ("llava image-text fsdp-full, fp32", LLAVA, dict(strategy="fsdp-full", precision="fp32"), {}, {}, "none"),
+    ("llava image-text, 1 rank, fp32, 2 images", LLAVA, dict(gpus=1, precision="fp32", images=2), {}, {}, "none"),
+    # the vision tower frozen (--freeze vision), as LLaVA's own fine-tuning freezes it
+    ("llava image-text, 1 rank, frozen vision", LLAVA, dict(gpus=1, freeze="vision"), {}, {}, "none"),
+    ("llava image-text ddp, frozen vision", LLAVA, dict(strategy="ddp", freeze="vision"), {}, {}, "none"),
+    ("llava image-text zero2, frozen vision", LLAVA, dict(stage=2, freeze="vision"), SMALL_DS, {}, "none"),
+    ("gemma3 image-text fsdp-full, frozen vision", GEMMA3_VL, dict(strategy="fsdp-full", freeze="vision"), {}, {},
+     "none"),
+    ("gemma3 image-text, 1 rank, fp32, frozen vision", GEMMA3_VL, dict(gpus=1, precision="fp32", freeze="vision"),
+     {}, {}, "full"),
+    ("gemma3 image-text, 1 rank, fp32, text only", GEMMA3_VL, dict(gpus=1, precision="fp32", images=0), {}, {},
+     "none"),
+    ("gemma3 image-text, 1 rank, fp32", GEMMA3_VL, dict(gpus=1, precision="fp32"), {}, {}, "none"),
+    ("gemma3 image-text, 1 rank", GEMMA3_VL, dict(gpus=1), {}, {}, "none"),
+    ("gemma3 image-text, 1 rank, fp32", GEMMA3_VL, dict(gpus=1, precision="fp32"), {}, {}, "full"),
+    ("gemma3 image-text ddp, fp32", GEMMA3_VL, dict(strategy="ddp", precision="fp32"), {}, {}, "none"),
+    ("gemma3 image-text zero3", GEMMA3_VL, dict(stage=3), SMALL_DS, {}, "none"),
     # session 34: encoder-decoders, T5 (relative position bias learned through SDPA's mask) and BART
     ("t5 seq2seq, 1 rank, fp32, target 64", T5, dict(gpus=1, precision="fp32", target_len=64), {}, {}, "none"),
     ("t5 seq2seq, 1 rank, target 64", T5, dict(gpus=1, target_len=64), {}, {}, "none"),
@@ -607,7 +633,7 @@ def main() -> None:
         t = time.perf_counter()
         strat = dict(strat)
         gpus = strat.pop("gpus", args.gpus)
-        shown = f"{model}, {scale['layers']} blocks"
+        shown = f"{model}, {scale['layers']} blocks" if scale["layers"] else f"{model}, as given"
         # the harness's FSDP2 root as the kept rows measured it: fully_shard(model) without reshard_after_forward
         # (--fsdp-root-reshard auto; memplan's default, same, is Accelerate's call, measured on the GPU)
         kw = dict(gpus=gpus, gpus_per_node=gpus, micro_batch=2, seq_len=strat.pop("seq_len", 128), recompute=rc,

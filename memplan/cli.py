@@ -132,7 +132,7 @@ def check(
 
 
 #: the job's options `memplan plan` takes (the rest it searches over)
-PLAN_FIELDS = ("task", "builder", "activations", "gpu", "gpu_memory", "device", "cpu_isa", "seq_len", "target_len",
+PLAN_FIELDS = ("task", "builder", "activations", "freeze", "gpu", "gpu_memory", "device", "cpu_isa", "seq_len", "target_len",
                "images",
                "grad_accum",
                "precision", "optimizer", "attention", "compile", "float8", "float8_keep", "float8_all_gather", "allocator_conf",
@@ -182,6 +182,7 @@ def plan(
                                                "float8", "float8_keep", "float8_all_gather",
                                                "deepspeed"))
 @O.request_options("batch", "cluster", only=("micro_batch", "target_len", "images", "grad_accum", "cpu_isa"))
+@O.request_options("model", only=("freeze",))
 @O.request_options(HarnessRun)
 def validate(
     model: O.Model,

@@ -33,7 +33,9 @@ def inventory(request: Any, notes: list[str] | None = None) -> tuple[Any, Any, A
         from memplan.model import lora
 
         inv = lora.apply(inv, request.adapters.spec)
-    return request, inv, config
+    from memplan.model import freeze
+
+    return request, freeze.for_request(inv, request), config
 
 
 def plan(base: Any, space: Any, plot: str | None, flags: list[str]) -> tuple[dict[str, Any], Any]:

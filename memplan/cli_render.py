@@ -84,6 +84,9 @@ def render_plan(rep: dict, summary: str | None = None, explained: dict | None = 
                 f"{lo['trainable_params']:,} of {m['num_params']:,} parameters train "
                 f"({100 * lo['trainable_params'] / max(m['num_params'], 1):.2f}%); {base} (no gradients, no "
                 "optimizer states)")
+    if m.get("frozen"):
+        c.print(f"frozen: {', '.join(m['frozen'])}; {m['trainable_params']:,} of {m['num_params']:,} parameters "
+                f"train ({100 * m['trainable_params'] / max(m['num_params'], 1):.2f}%)")
     par = rep.get("parallel")
     if par:
         _render_layout(c, par)

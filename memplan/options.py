@@ -1044,7 +1044,8 @@ def resolve(inv: ParamInventory, request: JobRequest, *, config: dict[str, Any] 
                         micro_batch=mb, seq_len=seq, target_len=target, images=images, grad_accum=ga, recompute=recompute,
                         attention=r.training.attention, compile=r.training.compile, float8=float8,
                         float8_keep=r.training.float8_keep, float8_all_gather=r.training.float8_all_gather,
-                        ds=ds, torch=tk, horovod=hv, overheads=ov, allocator_conf=conf, lora=lora)
+                        ds=ds, torch=tk, horovod=hv, overheads=ov, allocator_conf=conf, lora=lora,
+                        frozen=inv.frozen_paths)
     notes.extend(_optimizer_notes(inv, settings))
     from memplan import frameworks
 
@@ -1064,7 +1065,11 @@ def resolve(inv: ParamInventory, request: JobRequest, *, config: dict[str, Any] 
         from memplan.model.tasks import TARGET_KEY
 
         config = {**config, TARGET_KEY: target}  # the decoder's length: the traced step's labels
-    if images is not None and config is not None:
+    if settings.frozen and config is not None:
+        from memplan.model.tasks import FROZEN_KEY
+
+        config = {**config, FROZEN_KEY: list(settings.frozen)}  # the parameters the traced step freezes
+    if images is not None and images != 1 and config is not None:  # one image: the traced step's default
         from memplan.model.tasks import IMAGES_KEY
 
         config = {**config, IMAGES_KEY: images}  # a vision-language model's images per sample: the traced step's

@@ -105,6 +105,9 @@ class Model:
                            "seq2seq-lm (transformers' Auto class for the model type) [default: the config's "
                            "architectures].")
     builder: str = opt("auto", "--builder", "Inventory builder: auto | analytic | meta.")
+    freeze: str | None = opt(None, "--freeze", "Parameters that do not train, comma-separated: vision (a "
+                             "vision-language model's vision tower) or module paths (model.embed_tokens) "
+                             "[default: none].")
     activations: str = opt("auto", "--activations", "auto (traced, analytic if the model cannot be traced) | traced "
                            "| analytic.")
 

@@ -255,6 +255,8 @@ class Settings:
     #: the LoRA adapter the inventory carries (memplan/model/lora.py LoraSpec; the inventory is lora.apply's);
     #: None: every parameter trains
     lora: Any = None
+    #: the module paths whose parameters do not train (--freeze: model/freeze.py; the inventory's frozen_paths)
+    frozen: tuple[str, ...] = ()
     #: DeepSpeed ZeRO-3 leaf modules' paths (memplan/model/z3_leaf.py), each fetched and released whole
     z3_leaves: tuple[str, ...] = ()
     #: tensor / sequence / pipeline parallelism (memplan/parallel/degrees.py Parallel); None: data parallelism alone

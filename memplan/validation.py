@@ -56,13 +56,15 @@ def local_blas_workspace() -> int:
 
 
 def adapted_inventory(inv: Any, request: JobRequest) -> Any:
-    """The inventory with the request's LoRA adapters, as PEFT adds them."""
+    """The inventory with the request's LoRA adapters, as PEFT adds them, and its --freeze."""
+    from memplan.model import freeze
+
     spec = request.adapters.spec
     if spec is None:
-        return inv
+        return freeze.for_request(inv, request)
     from memplan.model import lora
 
-    return lora.apply(inv, spec)
+    return freeze.for_request(lora.apply(inv, spec), request)
 
 
 def predict(model: str, request: JobRequest, **scale: int | None) -> tuple[accounting.Plan, options.Resolved,

@@ -131,6 +131,10 @@ def build_spec(config: dict[str, Any], s: Settings, *, warmup_steps: int = 2, me
         from memplan.model.tasks import TARGET_KEY
 
         config = {**config, TARGET_KEY: s.target_len}
+    if s.frozen:  # the parameters that do not train (model/freeze.py)
+        from memplan.model.tasks import FROZEN_KEY
+
+        config = {**config, FROZEN_KEY: list(s.frozen)}
     if s.images is not None:  # a vision-language model's images per sample (model/tasks.py step_inputs)
         from memplan.model.tasks import IMAGES_KEY
 

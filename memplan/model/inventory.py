@@ -130,6 +130,8 @@ class ParamInventory:
     #: the model class's _keep_in_fp32_modules (T5's "wo"): module-name patterns that transformers' quantizers
     #: never convert (quantizers/base.py get_modules_to_not_convert)
     keep_fp32_modules: tuple[str, ...] = ()
+    #: the module paths --freeze froze (model/freeze.py): their parameters are not trainable
+    frozen_paths: tuple[str, ...] = ()
 
     @cached_property
     def numels(self) -> tuple[int, ...]:

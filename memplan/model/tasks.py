@@ -68,8 +68,11 @@ IMAGE_TEXT_MODELS = ("llava", "gemma3")
 #: the pseudo-key of the images per sample (--images) in the config a vision-language step is traced and run from
 #: (the bytes depend on it: part of the trace's cache key; hf_config and the builders drop it)
 IMAGES_KEY = "memplan_images"
+#: the pseudo-key of the module paths the job freezes (--freeze, model/freeze.py) in the config a step is traced
+#: and run from
+FROZEN_KEY = "memplan_frozen"
 #: the pseudo-keys a traced or run config may carry beside the config.json's own fields
-PSEUDO_KEYS = (TARGET_KEY, IMAGES_KEY)
+PSEUDO_KEYS = (TARGET_KEY, IMAGES_KEY, FROZEN_KEY)
 #: the vision transformers whose image classification memplan traces: model_type -> tokens beside the patches
 IMAGE_MODELS = {"vit": 1, "deit": 2}
 #: heads whose inputs are not token ids alone (refused by name)

@@ -69,7 +69,13 @@ def test_profile_cache_round_trip(tmp_path, monkeypatch):
 @pytest.mark.parametrize("name", sources.preset_names())
 def test_shipped_profiles_cover_every_preset(name):
     # what tools/ship_activation_profiles.py traces: every preset at the default sequence, both traced recipes,
-    # with and without recompute, and DeepSpeed ZeRO-3's linear where it differs on a GPU (autocast)
+    # with and without recompute, and DeepSpeed ZeRO-3's linear where it differs on a GPU (autocast). A preset
+    # without an analytic builder (a vision-language model: its inventory is built on the meta device, so its
+    # estimate imports torch anyway) traces on first use and is cached
+    from memplan.model import families
+
+    if not families.supports(sources.resolve(name).config):
+        pytest.skip("built on the meta device: traced on first use")
     for recipe, linear in (("deepspeed-bf16", "aten"), ("torch-amp", "aten"), ("torch-amp", "deepspeed-zero3")):
         for recompute in ("none", "full"):
             p = profile_cache.load_or_trace(sources.resolve(name).config, seq_len=2048, micro_batch=1, recipe=recipe,

@@ -197,6 +197,9 @@ def one_step(config: dict[str, Any], batch: int, seq: int, recipe: str, attentio
     lora = config.get("lora")
     if lora is not None:
         config = {k: v for k, v in config.items() if k != "lora"}
+    from memplan.model.tasks import FROZEN_KEY
+
+    frozen = config.get(FROZEN_KEY)
     ep, cp, compile_mode = config.get(EP_KEY, 1), config.get(CP_KEY, 1), config.get(COMPILE_KEY, "none")
     ddp_bucket, float8 = config.get(COMPILE_DDP_KEY), config.get(FLOAT8_KEY)
     if any(k in config for k in (EP_KEY, CP_KEY, COMPILE_KEY, COMPILE_DDP_KEY, FLOAT8_KEY)):
@@ -204,6 +207,7 @@ def one_step(config: dict[str, Any], batch: int, seq: int, recipe: str, attentio
                   if k not in (EP_KEY, CP_KEY, COMPILE_KEY, COMPILE_DDP_KEY, FLOAT8_KEY)}
     target = target or Target(device="cuda")
     cuda = target.device == "cuda"
+    held: list[Any] = []  # an image task's inputs, alive through the step (dropped after its backward)
     kernels: dict[str, str] = {}
     # a GPU job's autocast is CUDA's (substitutes.CudaAutocast), on the CPU tensors the trace runs
     policy = sub.CudaAutocast("bfloat16") if cuda and autocast else contextlib.nullcontext()
@@ -234,9 +238,13 @@ def one_step(config: dict[str, Any], batch: int, seq: int, recipe: str, attentio
             user_blocks, ids = None, torch.zeros(batch, seq, dtype=torch.long)
             task = tasks.task_of(config)
             if task in (tasks.IMAGE, tasks.IMAGE_TEXT):
-                # the image is made in the step, so that its bytes are counted (the patch embedding saves it for
-                # its weight's gradient; token ids are a few bytes a token, a batch of images is not)
-                run = (lambda m: m(**tasks.step_inputs(task, config, ids, getattr(torch, dtype))).loss)  # noqa
+                # the image is made in the step, so that its bytes are counted (token ids are a few bytes a token,
+                # a batch of images is not), and held to the end of the backward, as a training loop holds its
+                # batch through the step (the Trainer's `inputs`; measured on the CPU harness: a frozen vision
+                # tower's pixels, which nothing saves, were 98,304 B alive at the peak)
+                def run(m: Any) -> Any:
+                    held[:] = [tasks.step_inputs(task, config, ids, getattr(torch, dtype))]
+                    return m(**held[0]).loss
             else:
                 step_inputs = tasks.step_inputs(task, config, ids, getattr(torch, dtype))
                 run = (lambda m: m(**step_inputs).loss)  # noqa: E731
@@ -250,6 +258,10 @@ def one_step(config: dict[str, Any], batch: int, seq: int, recipe: str, attentio
             if lora.get("quantize"):  # QLoRA: the 4-bit base transformers loads, before PEFT adds adapters
                 quantize(model, lora, cuda)
             inject(model, lora, str(config.get("model_type") or ""))
+        if frozen:  # --freeze (model/freeze.py): no gradients, and what reads only frozen inputs saves nothing
+            from memplan.model.freeze import requires_grad_off
+
+            requires_grad_off(model, frozen)
         model.train()
         params = list(model.parameters())
         block_of, block_list = block_index(model, user_blocks)
@@ -266,6 +278,7 @@ def one_step(config: dict[str, Any], batch: int, seq: int, recipe: str, attentio
                 # (the first step's compilation keeps references to that step's inputs: tracing/compiled.py)
                 compiled.enter_context(compiling(block_list, compile_mode, ddp_bucket))
                 warm_up(model, run, params, autocast)
+                held.clear()
             live = LiveBytes(K.CUDA_BLOCK if cuda else 1)
             for t in params + list(model.buffers()):
                 live.ignore(t)
@@ -317,6 +330,7 @@ def one_step(config: dict[str, Any], batch: int, seq: int, recipe: str, attentio
                     moments.regions["be"].setdefault(i, len(live.events))
                     moments.regions["bs"].setdefault(i, moments.regions["be"][i])
                 del loss
+                held.clear()
             live.ready_order()
         finally:
             compiled.close()

@@ -35,11 +35,15 @@ VIT = ("tests/data/configs/vit-small.json", dict(layers=2, hidden=256, vocab=Non
 # encoder-decoders (model/tasks.py SEQ2SEQ): 2 encoder and 2 decoder blocks, 128 tokens in, 64 labels out
 T5 = ("tests/data/configs/flan-t5-base.json", dict(layers=2, hidden=256, vocab=2048))
 BART = ("tests/data/configs/bart-large.json", dict(layers=2, hidden=256, vocab=2048))
+# M2M100 (m2m100_418M's sizes): sinusoidal position tables as non-persistent buffers, a thrice-used shared embedding
+M2M100 = ("tests/data/configs/m2m100.json", dict(layers=2, hidden=256, vocab=2048))
 # vision-language models (model/tasks.py IMAGE_TEXT), run at their own tiny sizes: LLaVA (CLIP 32 px in 8 px
 # patches, 3 vision blocks, the second-to-last one's features: 16 image tokens; 2 llama blocks) and Gemma 3 (SigLIP
 # 64 px in 8 px patches pooled to 16 tokens, 2 + 2 blocks); one image per sample in 128 tokens
 LLAVA = ("tests/data/configs/llava-tiny.json", dict(layers=None))
 GEMMA3_VL = ("tests/data/configs/gemma3-vl-tiny.json", dict(layers=None))
+# PaliGemma: SigLIP 32 px in 8 px patches (16 image tokens, a bidirectional prefix), 2 + 2 blocks
+PALIGEMMA = ("tests/data/configs/paligemma-tiny.json", dict(layers=None))
 LLAMA10 = ("llama-7b", dict(layers=10, hidden=256, vocab=2048))  # two stages per rank over pp 2: 2-3 blocks each
 MIXTRAL = ("mixtral-8x7b", dict(layers=2, hidden=256, vocab=2048))  # MoE: 8 experts, top-2, grouped_mm
 MIXTRAL4 = ("mixtral-8x7b", dict(layers=4, hidden=256, vocab=2048))
@@ -284,6 +288,10 @@ CASES = [
      {}, {}, "full"),
     ("gemma3 image-text, 1 rank, fp32, text only", GEMMA3_VL, dict(gpus=1, precision="fp32", images=0), {}, {},
      "none"),
+    ("paligemma image-text, 1 rank, fp32", PALIGEMMA, dict(gpus=1, precision="fp32"), {}, {}, "none"),
+    ("paligemma image-text, 1 rank", PALIGEMMA, dict(gpus=1), {}, {}, "full"),
+    ("paligemma image-text fsdp-full, frozen vision", PALIGEMMA, dict(strategy="fsdp-full", freeze="vision"), {},
+     {}, "none"),
     ("gemma3 image-text, 1 rank, fp32", GEMMA3_VL, dict(gpus=1, precision="fp32"), {}, {}, "none"),
     ("gemma3 image-text, 1 rank", GEMMA3_VL, dict(gpus=1), {}, {}, "none"),
     ("gemma3 image-text, 1 rank, fp32", GEMMA3_VL, dict(gpus=1, precision="fp32"), {}, {}, "full"),
@@ -299,6 +307,9 @@ CASES = [
     ("bart seq2seq, 1 rank, fp32, target 64", BART, dict(gpus=1, precision="fp32", target_len=64), {}, {}, "none"),
     ("bart seq2seq, 1 rank, target 64", BART, dict(gpus=1, target_len=64), {}, {}, "none"),
     ("bart seq2seq ddp, target 64", BART, dict(strategy="ddp", target_len=64), {}, {}, "none"),
+    ("m2m100 seq2seq, 1 rank, fp32, target 64", M2M100, dict(gpus=1, precision="fp32", target_len=64), {}, {},
+     "none"),
+    ("m2m100 seq2seq, 1 rank, target 64", M2M100, dict(gpus=1, target_len=64), {}, {}, "none"),
     ("bart seq2seq, 1 rank, fp32, target 64", BART, dict(gpus=1, precision="fp32", target_len=64), {}, {}, "full"),
     # session 28: every schedule of torch.distributed.pipelining (memplan/parallel/schedules.py), at 2 and 4 stages
     ("fsdp-full pp 2 looped-bfs, 4 micro-batches", LLAMA4,

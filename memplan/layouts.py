@@ -61,6 +61,10 @@ class GatherSizes:
     #: padded elements of the root's tensors used after the blocks (final norm, head; a tied embedding too):
     #: their grads exist from the head's backward on, through every block's backward
     root_head: int = 0
+    #: padded elements of the root's tensors between two stacks of blocks (a vision-language model's projector and
+    #: language-model embedding, a decoder's position embedding): used at the later stack's input, their grads
+    #: exist from the end of its backward on, through the earlier stack's
+    root_between: int = 0
     #: padded elements of the largest single tensor in a layer block, and in the root
     largest_tensor: int = 0
     root_largest_tensor: int = 0
@@ -314,25 +318,29 @@ def _gather_sizes(inv: ParamInventory, layout: str, n: int) -> GatherSizes:
     """Gathered sizes by group (ParamTensor.group: the block, or the root group for the root and any unit above
     the blocks). A root-group tensor of a block (a size-based unit above the blocks holds it) counts with the
     head's: its gradient is made in its block's backward and kept to that unit's reduce after all of them, so
-    from the head's backward on is its upper bound."""
+    from the head's backward on is its upper bound. The head's side of the root is what follows the last block
+    (and anything tied): a root tensor between two stacks of blocks (a vision-language model's projector and
+    input embedding, an encoder's final norm) gets its gradient after the later stack's backward, not with the
+    head's."""
     per_block: dict[str, int] = {}
     per_block_trainable: dict[str, int] = {}
     per_block_grad: dict[str, int] = {}  # trainable elements, unpadded
     root_head = tied = head_largest = 0
     largest = {True: 0, False: 0}  # root?: the largest padded tensor
-    seen_block = False
+    last_block = max((i for i, t in enumerate(inv.tensors) if t.block != ROOT_BLOCK), default=-1)
+    first_block = next((i for i, t in enumerate(inv.tensors) if t.block != ROOT_BLOCK), -1)
+    root_between = 0
     units: dict[tuple[str, str], list[int]] = {}  # FLAT_PER_BLOCK: (group, unit) -> [elements, trainable]
     # expert parallelism: group -> [expert elements, block shard, expert shard, expert elements unpadded]
     experts: dict[str, list[int]] = {}
     expert_world = largest_expert = 0
     on_dim1 = False
     has_ep = any(t.shard_split > 1 for t in inv.tensors)
-    for t in inv.tensors:
-        seen_block = seen_block or t.block != ROOT_BLOCK
+    for i, t in enumerate(inv.tensors):
         group = t.group
         if t.tied_names:
             tied += t.numel
-        elif t.block == ROOT_BLOCK and seen_block:
+        elif t.block == ROOT_BLOCK and i > last_block:
             head_largest = max(head_largest, t.numel)
         if layout == S.PER_PARAM_DIM0:
             padded = _tensor_shard(t, n) * _group(t, n)
@@ -358,8 +366,10 @@ def _gather_sizes(inv: ParamInventory, layout: str, n: int) -> GatherSizes:
         per_block_trainable[group] = per_block_trainable.get(group, 0) + (padded if t.trainable else 0)
         per_block_grad[group] = per_block_grad.get(group, 0) + (t.numel if t.trainable else 0)
         largest[group == ROOT_BLOCK] = max(largest[group == ROOT_BLOCK], padded)
-        if group == ROOT_BLOCK and (seen_block or t.tied_names):
+        if group == ROOT_BLOCK and (i > last_block or t.block != ROOT_BLOCK or t.tied_names):
             root_head += padded
+        elif group == ROOT_BLOCK and first_block < i < last_block:
+            root_between += padded
     if layout == S.FLAT_PER_BLOCK:  # each unit's FlatParameter padded to the shard group
         per_block = {b: 0 for b in per_block}
         per_block_trainable = {b: 0 for b in per_block}
@@ -381,6 +391,7 @@ def _gather_sizes(inv: ParamInventory, layout: str, n: int) -> GatherSizes:
     trainable_blocks = tuple(per_block_trainable.values()) if inv.frozen else ()
     return GatherSizes(largest_block=max(blocks, default=root), root=root, total_blocks=sum(blocks),
                        block_numels=blocks, total_sharded=inv.num_params, root_head=root_head,
+                       root_between=root_between,
                        largest_tensor=largest[False], root_largest_tensor=largest[True], tied=tied,
                        head_largest_tensor=head_largest, trainable_block_numels=trainable_blocks,
                        unpadded_grad_block_numels=grad_blocks if layout == S.PER_PARAM_DIM0 else (), **ep)

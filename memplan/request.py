@@ -102,8 +102,8 @@ class Model:
     model: str = opt("", None, MODEL_HELP)
     task: str | None = opt(None, "--task", "The head to train, when the config's architectures is not it: causal-lm, "
                            "masked-lm, sequence-classification, token-classification, question-answering, "
-                           "seq2seq-lm (transformers' Auto class for the model type) [default: the config's "
-                           "architectures].")
+                           "seq2seq-lm, image-text-to-text (transformers' Auto class for the model type) [default: "
+                           "the config's architectures].")
     builder: str = opt("auto", "--builder", "Inventory builder: auto | analytic | meta.")
     freeze: str | None = opt(None, "--freeze", "Parameters that do not train, comma-separated: vision (a "
                              "vision-language model's vision tower) or module paths (model.embed_tokens) "

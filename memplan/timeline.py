@@ -31,6 +31,11 @@ class Moment(IntEnum):
     #: inside the second block's backward (index 1): one block's activations saved below it, every later block's
     #: gradients reduced, the first block prefetched (profile.block_moments' fourth)
     INSIDE_SECOND_BLOCK_BACKWARD = 3
+    #: anywhere in the backward of a model traced at full depth, with every gradient made by then, as one GPU and
+    #: DDP keep them (profile.block_moments' fifth, from tracing/step.py backward_grads: where blocks differ, a
+    #: vision tower's and a language model's or an encoder's and a decoder's, the most alive need not fall inside
+    #: the last, the one before it, the first or the second block)
+    INSIDE_ANY_BLOCK_BACKWARD = 4
     #: everything saved but the last two blocks'
     SAVED_BUT_LAST_TWO = -1
     #: everything saved: all forward left alive, as backward starts (a backward-start moment)

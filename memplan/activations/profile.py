@@ -342,6 +342,8 @@ class TracedProfile:
         rows = [(segs[0], extra), (segs[-1], extra), (first, 0)]
         if d.get("second_block_backward"):
             rows.append((d["second_block_backward"], 0))
+            if d.get("any_block_backward"):  # traced at full depth: the whole backward, its gradients (the fifth)
+                rows.append((d["any_block_backward"], 0))
         elif d.get("traced_layers", 0) < d.get("num_layers", 0):
             rows.append((segs[-1], per[0] + per[1] * b))
         for seg, below in rows:

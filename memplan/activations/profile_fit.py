@@ -87,6 +87,8 @@ def envelopes(raw: dict[str, Any]) -> dict[str, Any]:
     if first is not None and raw.get("first_hooks") is not None:
         first["hooks"] = raw["first_hooks"]
     second = {"second_block_backward": segment(raw["second"])} if raw.get("second") else {}
+    if raw.get("any"):
+        second["any_block_backward"] = segment(raw["any"])
     return {**second, "forward_peak": envelope([tuple(x) for x in raw["forward"]]),
             "backward_peak": envelope([tuple(x) for x in raw["backward"]]),
             "block_backward": blocks, "first_block_backward": first, "loss_backward": segment(raw["loss"]),
@@ -98,7 +100,7 @@ def envelopes(raw: dict[str, Any]) -> dict[str, Any]:
 _OWN = ("seq_len",)
 #: fields rebuilt from the fitted per-operation lines
 _ENVELOPED = ("forward_peak", "backward_peak", "block_backward", "first_block_backward", "loss_backward",
-              "last_block_forward_peak", "second_block_backward")
+              "last_block_forward_peak", "second_block_backward", "any_block_backward")
 
 
 class NotFittable(Exception):
@@ -236,15 +238,17 @@ def _code(raw: dict[str, Any], sign: int) -> dict[str, Any]:
         out[k] = _delta(raw[k], sign)
     out["blocks"] = [_delta(seg, sign) for seg in raw["blocks"]]
     out["first"] = _delta(raw["first"], sign) if raw.get("first") else raw.get("first")
-    if raw.get("second"):
-        out["second"] = _delta(raw["second"], sign)
+    for k in ("second", "any"):
+        if raw.get(k):
+            out[k] = _delta(raw[k], sign)
     n = dict(raw["n"])
     for k in _TIMELINES:
         n[k] = _delta(n[k], sign) if n.get(k) else n.get(k)
     n["blocks"] = [_delta(seg, sign) for seg in n["blocks"]]
     n["first"] = _delta(n["first"], sign) if n.get("first") else n.get("first")
-    if n.get("second"):
-        n["second"] = _delta(n["second"], sign)
+    for k in ("second", "any"):
+        if n.get(k):
+            n[k] = _delta(n[k], sign)
     out["n"] = n
     return out
 
@@ -318,7 +322,7 @@ def _round_up_margin(p: dict[str, Any]) -> None:
         for seg, counts in zip(raw[k], n[k]):
             for line, count in zip(seg, counts):
                 lift(line, count)
-    for k in ("first", "first_hooks", "second"):
+    for k in ("first", "first_hooks", "second", "any"):
         for line, count in zip(raw.get(k) or (), n.get(k) or ()):
             lift(line, count)
 

@@ -150,12 +150,15 @@ def same_step(job: Job, step: StepIn) -> tuple[int, int, dict[str, Any]]:
 def unreduced_grad_moments(g: Any, grad_bytes: int, psi: int) -> list[BufferMoment]:
     """Block moments where every gradient stays as autograd made it until after backward (DDP; ZeRO-1 without
     overlap_comm): inside the last block the head's grads exist, inside the first all but the embedding's and
-    the first block's (each block's own grads are added by the profile's block moments)."""
+    the first block's (each block's own grads are added by the profile's block moments). A root tensor between two
+    stacks (layouts.GatherSizes.root_between) has its gradient inside the earlier stack's blocks, not the later's."""
     if not g.block_numels:
         return []
     return [BufferMoment(0, grad_bytes * g.root_head, Moment.INSIDE_LAST_BLOCK_BACKWARD),
-            BufferMoment(0, grad_bytes * (psi - (g.root - g.root_head) - g.block_numels[0]),
-                         Moment.INSIDE_FIRST_BLOCK_BACKWARD)]
+            BufferMoment(0, grad_bytes * (psi - (g.root - g.root_head - g.root_between) - g.block_numels[0]),
+                         Moment.INSIDE_FIRST_BLOCK_BACKWARD),
+            # every gradient made before the point is in the profile's (profile.block_moments' fifth)
+            BufferMoment(0, 0, Moment.INSIDE_ANY_BLOCK_BACKWARD)]
 
 
 #: the loss's and the head's backward with the head's gradient as autograd makes it (a new tensor from the

@@ -17,7 +17,7 @@ from memplan.inputs import quote
 
 #: the vision tower's module path by model_type, as transformers 5 names it (modeling_llava.py LlavaModel,
 #: modeling_gemma3.py Gemma3Model: self.vision_tower; the projector beside it trains)
-VISION_TOWERS = {"llava": "model.vision_tower", "gemma3": "model.vision_tower"}
+VISION_TOWERS = {"llava": "model.vision_tower", "gemma3": "model.vision_tower", "paligemma": "model.vision_tower"}
 #: --freeze's name for the vision tower
 VISION = "vision"
 
@@ -56,8 +56,9 @@ def apply(inv: Any, frozen: tuple[str, ...]) -> Any:
         if not any(matches(t.name, (p,)) or any(matches(a, (p,)) for a in t.tied_names) for t in inv.tensors):
             raise ConfigError(f"--freeze {quote(p)}: no parameter of {inv.model_name} lies under it (module paths "
                               "as named_parameters() names them, e.g. model.vision_tower)")
-    # a tied parameter is frozen when every name it goes by is (a tied head under a frozen embedding is frozen)
-    out = tuple(replace(t, trainable=False) if matches(t.name, frozen) and all(matches(a, frozen) for a in t.tied_names)
+    # a tied parameter is one tensor: freezing it under any of its names freezes it (requires_grad_ on the module
+    # that holds it, as requires_grad_off does: a frozen embedding freezes the head tied to it)
+    out = tuple(replace(t, trainable=False) if matches(t.name, frozen) or any(matches(a, frozen) for a in t.tied_names)
                 else t for t in inv.tensors)
     if not any(t.trainable for t in out):
         raise ConfigError(f"--freeze {','.join(frozen)}: every parameter would be frozen; nothing trains")
@@ -103,11 +104,11 @@ def unread_paths(model: Any, config: Mapping[str, Any], images: int | None = Non
         return ()
     if images == 0:
         return (tower, "model.multi_modal_projector")
-    if mt != "llava":
-        return ()
+    t = model.get_submodule(tower)
+    if mt != "llava":  # the tower's last_hidden_state is read (Gemma 3, PaliGemma): a SigLIP pooling head is not
+        return (f"{tower}.head",) if hasattr(t, "head") else ()
     import torch.nn as nn
 
-    t = model.get_submodule(tower)
     lists = [(n, m) for n, m in t.named_modules() if isinstance(m, nn.ModuleList)]
     if not lists:
         return ()

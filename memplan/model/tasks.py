@@ -33,7 +33,9 @@ forward computes its loss from (modeling_bert.py, modeling_llama.py, the generic
   embedded sequence at those tokens (get_placeholder_mask, masked_scatter). Tokens per image
   (image_text_tokens): LLaVA's vision tower's patches (image_size / patch_size)^2, and CLIP's class token unless
   vision_feature_select_strategy "default" drops the first token (modeling_llava.py get_image_features); Gemma 3's
-  mm_tokens_per_image, its projector average-pooling the patch grid to that many (Gemma3MultiModalProjector).
+  mm_tokens_per_image, its projector average-pooling the patch grid to that many (Gemma3MultiModalProjector);
+  PaliGemma's SigLIP patches (image_size / patch_size)^2, with the processor's ``token_type_ids`` (0 in the prefix,
+  which attends both ways: modeling_paligemma.py).
 
 Other heads (speech and audio seq2seq, other vision-language models, multiple choice, pre-training, image models
 other than ViT and DeiT) are refused with the class named: their inputs are neither a [batch, seq] of token ids nor
@@ -64,7 +66,7 @@ IMAGE_TEXT = "image-text-to-text"
 TASKS = (CAUSAL_LM, "masked-lm", "sequence-classification", "token-classification", "question-answering",
          IMAGE, SEQ2SEQ, IMAGE_TEXT)
 #: the vision-language model types memplan traces (their image tokens: image_text_tokens)
-IMAGE_TEXT_MODELS = ("llava", "gemma3")
+IMAGE_TEXT_MODELS = ("llava", "gemma3", "paligemma")
 #: the pseudo-key of the images per sample (--images) in the config a vision-language step is traced and run from
 #: (the bytes depend on it: part of the trace's cache key; hf_config and the builders drop it)
 IMAGES_KEY = "memplan_images"
@@ -216,6 +218,8 @@ def image_text_tokens(config: Mapping[str, Any]) -> int:
     if size % patch:
         raise ConfigError(f"vision_config image_size {size} is not a multiple of patch_size {patch}")
     side = size // patch
+    if config.get("model_type") == "paligemma":  # SigLIP's patches, no class token (modeling_paligemma.py)
+        return side * side
     if config.get("model_type") == "gemma3":  # the patch grid average-pooled to mm_tokens_per_image
         tokens = int(cfg.mm_tokens_per_image)
         per_side = int(tokens ** 0.5)
@@ -394,6 +398,10 @@ def step_inputs(task: str, config: Mapping[str, Any], ids: Any, dtype: Any = Non
                                               device=ids.device, dtype=dtype or torch.get_default_dtype())
         if config.get("model_type") == "gemma3":  # Gemma3Processor's: 1 at image tokens
             out["token_type_ids"] = (ids == token).long()
+        elif config.get("model_type") == "paligemma":  # PaliGemmaProcessor's: 0 in the prefix (the image), 1 after
+            tt = torch.ones_like(ids)
+            tt[:, :1 + n * per] = 0
+            out["token_type_ids"] = tt
         return out
     if task == SEQ2SEQ:  # the decoder's labels, shifted right by the model into its inputs
         tgt = int(config.get(TARGET_KEY) or ids.shape[1])

@@ -166,10 +166,10 @@ def test_validate_a_vit_on_its_images():
 
 @pytest.mark.parametrize("config,args,tolerance", [
     # measured (2026-11-29, `memplan validate CONFIG --micro-batch 2 --device cpu --json ARGS`, its
-    # validation.peak.error): LLaVA with its vision tower training, 1 image of 16 tokens in 128: +0.52% (the last
-    # vision layer, which vision_feature_layer -2 leaves unread, gets no gradient and no optimizer state: exact);
-    # Gemma 3 under DDP with the vision tower frozen: -0.02%
-    ("llava-tiny.json", ["--gpus", "1", "--precision", "fp32"], 0.007),
+    # validation.peak.error): LLaVA with its vision tower training, 1 image of 16 tokens in 128: -0.02% (the last
+    # vision layer, which vision_feature_layer -2 leaves unread, gets no gradient and no optimizer state, and its
+    # saved tensors are freed with its outputs); Gemma 3 under DDP with the vision tower frozen: -0.02%
+    ("llava-tiny.json", ["--gpus", "1", "--precision", "fp32"], 0.001),
     ("gemma3-vl-tiny.json", ["--gpus", "2", "--strategy", "ddp", "--freeze", "vision"], 0.002),
 ])
 def test_validate_a_vision_language_model(config, args, tolerance):

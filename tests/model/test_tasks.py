@@ -31,7 +31,7 @@ def test_task_from_the_class_suffix():
     # a speech seq2seq (features in, not token ids) and a vision-language model memplan does not model: refused
     # by name (LLaVA and Gemma 3 are modelled: test_a_vision_language_model_s_images_are_tokens_in_its_sequence)
     for arch, model_type in (("WhisperForConditionalGeneration", "whisper"),
-                             ("PaliGemmaForConditionalGeneration", "paligemma")):
+                             ("Idefics3ForConditionalGeneration", "idefics3")):
         with pytest.raises(ConfigError, match=arch):
             tasks.task_of({"architectures": [arch], "model_type": model_type, "is_encoder_decoder": True})
     assert tasks.num_labels({}) == 2 and tasks.num_labels({"num_labels": 5}) == 5
@@ -66,10 +66,10 @@ def test_a_head_memplan_does_not_model_is_one_line(tmp_path):
     import subprocess
     import sys
 
-    d = tmp_path / "paligemma"
+    d = tmp_path / "idefics3"
     d.mkdir()
-    (d / "config.json").write_text(json.dumps({"architectures": ["PaliGemmaForConditionalGeneration"],
-                                               "model_type": "paligemma", "text_config": {"model_type": "gemma"}}))
+    (d / "config.json").write_text(json.dumps({"architectures": ["Idefics3ForConditionalGeneration"],
+                                               "model_type": "idefics3", "text_config": {"model_type": "llama"}}))
     r = subprocess.run([sys.executable, "-m", "memplan", "estimate", str(d)], capture_output=True, text=True)
     code, out, err = r.returncode, r.stdout, r.stderr
     assert code == 2 and out == "" and len(err.strip().splitlines()) == 1 and "ConditionalGeneration" in err
@@ -87,6 +87,11 @@ def test_a_vision_language_model_s_bad_input_is_one_line(tmp_path):
                          (["llama-3-8b", "--images", "1"], "only a vision-language model"),
                          (["gemma-3-4b", "--tp", "2", "--gpus", "2"], "a vision-language (image-text-to-text)"),
                          (["gemma-3-4b", "--activations", "analytic"], "decoder-only stack"),
+                         (["llama-3-8b", "--freeze", "vision"], "this model has none"),
+                         (["gemma-3-4b", "--freeze", "model.nothing"], "no parameter of gemma-3-4b lies under it"),
+                         (["gemma-3-4b", "--freeze", "model"], "nothing trains"),
+                         (["gemma-3-4b", "--freeze", "vision", "--lora-rank", "8", "--lora-targets", "all-linear"],
+                          "--freeze with LoRA"),
                          ([str(bad)], "image_size 30 is not a multiple of patch_size 8")):
         r = subprocess.run([sys.executable, "-m", "memplan", "estimate", *argv], capture_output=True, text=True)
         assert r.returncode == 2 and r.stdout == "" and len(r.stderr.strip().splitlines()) == 1, (argv, r.stderr)
@@ -327,6 +332,7 @@ def test_layerdrop_runs_every_layer_and_says_so():
 
 LLAVA = Path(__file__).resolve().parents[1] / "data" / "configs" / "llava-tiny.json"
 GEMMA3_VL = Path(__file__).resolve().parents[1] / "data" / "configs" / "gemma3-vl-tiny.json"
+PALIGEMMA = Path(__file__).resolve().parents[1] / "data" / "configs" / "paligemma-tiny.json"
 
 
 def test_a_vision_language_model_s_images_are_tokens_in_its_sequence():
@@ -351,8 +357,10 @@ def test_a_vision_language_model_s_images_are_tokens_in_its_sequence():
         tasks.image_text_tokens(dict(llava, vision_config=dict(llava["vision_config"], image_size=330)))
     with pytest.raises(ConfigError, match="pools its 64 x 64 patches"):
         tasks.image_text_tokens(dict(gemma, mm_tokens_per_image=100))
-    with pytest.raises(ConfigError, match="modelled for model_type llava, gemma3, not 'paligemma'"):
-        tasks.task_of({"architectures": ["PaliGemmaForConditionalGeneration"], "model_type": "paligemma"})
+    with pytest.raises(ConfigError, match="modelled for model_type llava, gemma3, paligemma, not 'idefics3'"):
+        tasks.task_of({"architectures": ["Idefics3ForConditionalGeneration"], "model_type": "idefics3"})
+    pali = json.loads(PALIGEMMA.read_text())
+    assert tasks.task_of(pali) == tasks.IMAGE_TEXT and tasks.image_text_tokens(pali) == 16  # (32 / 8)^2
 
 
 @pytest.mark.parametrize("preset,params,vision,text", [("llava-1.5-7b", 7_063_427_072, 24, 32),
@@ -375,7 +383,7 @@ def test_a_vision_language_inventory_is_transformers_own(preset, params, vision,
     assert inv.dims["hidden_size"] == model.config.get_text_config().hidden_size
 
 
-@pytest.mark.parametrize("path", [LLAVA, GEMMA3_VL])
+@pytest.mark.parametrize("path", [LLAVA, GEMMA3_VL, PALIGEMMA])
 def test_a_vision_language_step_is_traced_with_its_images(path):
     """Both stacks traced at full depth, the images made in the step; more images per sample hold more (the
     vision tower's activations), and the same job gives the same bytes."""

@@ -209,6 +209,11 @@ def _profile(top: tuple[dict[str, Any], dict[str, Any]], low: tuple[dict[str, An
            # traced at full depth, the second block (index 1) apart: FSDP's moment inside its backward
            # (frameworks/fsdp2.py _inside_second); two alike traced blocks give it from the one before the last
            **({"second": segs[-2]} if heterogeneous and len(segs) >= 4 else {}),
+           # traced at full depth, every point of the backward with the gradients made by then (step.backward_grads):
+           # where blocks differ (a vision tower's and a language model's, an encoder's and a decoder's) the most
+           # alive need not fall inside the last, the one before it, the first or the second block
+           **({"any": _block_points(top[0]["backward_grads"], top[1]["backward_grads"])}
+              if heterogeneous and len(segs) >= 4 else {}),
            "first_hooks": hk[-1] if segs and hk else None,
            "loss": _block_points(top[0]["loss_backward"], top[1]["loss_backward"])}
     # how many storages each point's bytes are made of (the larger of the two runs'): a profile fitted at another
@@ -222,6 +227,7 @@ def _profile(top: tuple[dict[str, Any], dict[str, Any]], low: tuple[dict[str, An
              blocks=[_most(x, y) for x, y in zip(ca["blocks"], cb["blocks"])][:2],
              first=_most(ca["blocks"][-1], cb["blocks"][-1]) if ca["blocks"] else None,
              **({"second": _most(ca["blocks"][-2], cb["blocks"][-2])} if "second" in raw else {}),
+             **({"any": _most(ca["backward_grads"], cb["backward_grads"])} if "any" in raw else {}),
              hooks=[_most(x, y) for x, y in zip(ca["hooks"], cb["hooks"])][:2],
              first_hooks=_most(ca["hooks"][-1], cb["hooks"][-1]) if ca["blocks"] and ca["hooks"] else None,
              loss=_most(ca["loss_backward"], cb["loss_backward"]),
@@ -244,6 +250,8 @@ def _profile(top: tuple[dict[str, Any], dict[str, Any]], low: tuple[dict[str, An
         #: the first block's backward (the last to run), with no block below it
         "first_block_backward": env["first_block_backward"],
         **({"second_block_backward": env["second_block_backward"]} if "second_block_backward" in env else {}),
+        #: traced at full depth: every point of the backward with the gradients made by then (step.backward_grads)
+        **({"any_block_backward": env["any_block_backward"]} if "any_block_backward" in env else {}),
         #: the loss's and the head's backward with the gradients of the parameters outside the blocks (see
         #: _loss_segment), every block's saved activations below it
         "loss_backward": env["loss_backward"],

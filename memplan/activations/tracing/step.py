@@ -159,6 +159,8 @@ class _GradientHooks:
         #: first_contributions)
         self.first_contrib: dict[int, list[Any]] = {}
         self.root_firsts: list[tuple[int, int]] = []
+        #: a tied weight's first contribution where it is not the gradient's own storage: (from, to, numel)
+        self.partials: list[tuple[int, int, int]] = []
 
     def drop(self, p: Any) -> None:
         live = self.live
@@ -169,8 +171,9 @@ class _GradientHooks:
         first = self.first_contrib.get(id(p))
         if first is not None and first[0] is not None and first[0]() is not p.grad.untyped_storage():
             # gradient bytes from the head's backward on, not activations (in place or not, see above)
-            live.not_activation_between(first[1], first[2] if first[2] is not None else len(live.timeline),
-                                        first[3])
+            end = first[2] if first[2] is not None else len(live.timeline)
+            live.not_activation_between(first[1], end, first[3])
+            self.partials.append((first[1], end, p.grad.numel()))
         if first is not None and first[1] is not None:
             # the loss segment counts a tied weight's gradient from its first contribution on
             self.root_firsts.append((first[1], p.grad.numel()))
@@ -189,6 +192,7 @@ def one_step(config: dict[str, Any], batch: int, seq: int, recipe: str, attentio
     op (memplan/activations/substitutes.py: what runs in place of the fake CPU tensors' kernels)."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import _disable_current_modes
     from memplan.activations.profile import checkpoint_every
     from memplan.model import tasks
     from memplan.model.meta_builder import checkpointing_on, hf_config
@@ -227,6 +231,10 @@ def one_step(config: dict[str, Any], batch: int, seq: int, recipe: str, attentio
             with quiet:
                 model = tasks.build(config, hf_config(tasks.trace_config(config)), dtype=getattr(torch, dtype),
                                     attn_implementation="eager" if attention == "eager" else "sdpa")
+            # transformers 5.24 ties the embeddings in its weights' initialisation, which no_init_weights skips: a
+            # model built under it holds its tied weights apart (BART's shared embedding as four parameters,
+            # Gemma 3's head beside its embedding), so they are tied again, as the job's model has them
+            model.tie_weights()
             if attention != "eager" and not tasks.sdpa_supported(config):
                 kernels.setdefault("eager", "the model has no SDPA attention: transformers runs its eager attention, "
                                             "which keeps each layer's probabilities")
@@ -303,7 +311,15 @@ def one_step(config: dict[str, Any], batch: int, seq: int, recipe: str, attentio
                         sid = live._sid.get(id(st))
                         if sid is not None:
                             saved_ids.add(sid)
-                return t
+                # detached: a packed tensor that is its node's own output would hold its grad_fn, and so the node,
+                # in a reference cycle that only Python's collector breaks; autograd's own SavedVariable saves an
+                # output without its grad_fn (no cycle), so a branch no loss reads (LLaVA's last vision layer) is
+                # freed as soon as its outputs are. Measured: the cycle held 88,128 B of that layer's saved
+                # tensors through the step (llava-tiny, micro-batch 2). Detached with the modes off: the detach
+                # allocates nothing, and a storage made before the step (the token ids) must not be followed from
+                # it as a new one
+                with _disable_current_modes():
+                    return t.detach()
 
             accumulate = Accumulations()
             probe = LiveBytes(live.block)
@@ -345,6 +361,24 @@ def one_step(config: dict[str, Any], batch: int, seq: int, recipe: str, attentio
     return out
 
 
+def backward_grads(timeline: list[int], h: _GradientHooks, forward_end: int) -> list[list[int]]:
+    """Every point of the backward as [live bytes, gradient elements made by then, 0]: each gradient from its
+    creation on (one GPU and DDP keep them as autograd makes them until the step), a tied weight's first
+    contribution from the head's backward to where its sum replaces it. Where the blocks differ (two stacks) the
+    most alive with its gradients need not fall inside a block at all: BART's shared embedding accumulating its
+    decoder contribution, the encoder's activations all saved and the decoder's gradients all made."""
+    sizes = sorted((born, n) for born, _, n in h.grads)
+    out = []
+    made = k = 0
+    for t in range(forward_end - 1, len(timeline)):
+        while k < len(sizes) and sizes[k][0] <= t:
+            made += sizes[k][1]
+            k += 1
+        part = sum(n for a, b, n in h.partials if a <= t < b)
+        out.append([timeline[t], made + part, 0])
+    return out
+
+
 def _counts(live: LiveBytes, m: _BlockMoments, h: _GradientHooks, saved: int, forward_end: int,
             nblocks: int) -> dict[str, Any]:
     """The storages alive at the same points as _result's bytes (the same readers over the count timeline):
@@ -354,6 +388,7 @@ def _counts(live: LiveBytes, m: _BlockMoments, h: _GradientHooks, saved: int, fo
     last_start = m.forward_starts.get(nblocks - 1, (0, 0))
     return {"saved": saved, "live": counts[forward_end - 1], "forward": counts[:forward_end],
             "backward": counts[forward_end - 1:], "blocks": [[p[0] for p in seg] for seg in blocks],
+            "backward_grads": counts[forward_end - 1:],
             "hooks": [[p[0] for p in hk] for hk in block_hooks(counts, h.grads, h.hook_points)],
             "root_hooks_done": root_hooks_done(counts, h.grads, h.hook_points, forward_end, m.backward_starts),
             "root_first_hook": first_hook_at(counts, h, forward_end, m),
@@ -378,7 +413,7 @@ def _result(live: LiveBytes, m: _BlockMoments, h: _GradientHooks, kernels: dict[
     last_start = m.forward_starts.get(nblocks - 1, (0, 0))
     return {"saved": saved, "live": after_forward, "forward": timeline[:forward_end],
             "backward": timeline[forward_end - 1:],
-            "blocks": blocks,
+            "blocks": blocks, "backward_grads": backward_grads(timeline, h, forward_end),
             "hooks": block_hooks(timeline, h.grads, h.hook_points),
             "root_hooks_done": root_hooks_done(timeline, h.grads, h.hook_points, forward_end, m.backward_starts),
             "root_first_hook": first_hook_at(timeline, h, forward_end, m),

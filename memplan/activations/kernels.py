@@ -409,9 +409,14 @@ class FlashAttention(SdpaBackend):
 
     def saved(self, c: SdpaCall, device: str = "cuda") -> list[tuple[tuple[int, ...], str]]:
         """Logsumexp fp32 [b, h, s_q] and its philox seed and offset (uint64 [2], []); the CPU flash kernel
-        (attention.cpp _scaled_dot_product_flash_attention_cpu) returns the output and the logsumexp only."""
+        (attention.cpp _scaled_dot_product_flash_attention_cpu) returns the output and the logsumexp only, and
+        its backward takes the mask it was given: a bool mask converted to q's dtype by
+        scaled_dot_product_attention (convert_boolean_attn_mask, at::where(mask, 0, -inf): a new tensor for every
+        call, every layer), kept to that layer's backward (measured on torch 2.13.0+cpu with saved_tensors_hooks:
+        a [2, 1, 128, 128] bool mask saved as an fp32 aten.where output; Gemma 3's sliding-window text stack read
+        -1.70% without it)."""
         if device == "cpu":
-            return [((c.batch, c.hq, c.sq), "float32")]
+            return [((c.batch, c.hq, c.sq), "float32")] + ([(_mask_shape(c), c.dtype)] if c.mask == "bool" else [])
         return [((c.batch, c.hq, c.sq), "float32"), ((2,), "int64"), ((), "int64")]
 
     def backward_scratch(self, c: SdpaCall, device: str = "cuda", arch: str = DEFAULT_ARCH) -> int:

@@ -88,19 +88,6 @@ def _backward_transients(backend: str, call: K.SdpaCall, target: K.Target, devic
         _scratch(K.BACKENDS[backend].backward_scratch(call, target.device, target.arch), device)
 
 
-def bool_mask_as_float(mask: Any, q: Any) -> Any:
-    """The mask a kernel receives: scaled_dot_product_attention converts a boolean mask into an additive one in the
-    query's dtype before it dispatches (aten/src/ATen/native/transformers/attention.cpp: convert_boolean_attn_mask,
-    at::where(mask, 0, -inf); cuDNN's convert_boolean_attn_mask_cudnn likewise), a new tensor of the mask's shape
-    for every call (every layer), which the fused kernels save for backward. Measured on this torch (CPU): a
-    [2, 1, 128, 128] bool mask becomes an fp32 aten.where output saved beside q, k, v, out and logsumexp."""
-    import torch
-
-    if mask is None or mask.dtype != torch.bool:
-        return mask
-    return torch.empty(mask.shape, dtype=q.dtype, device=q.device)
-
-
 def fused_kernel(target: K.Target) -> Any:
     """An autograd function that allocates and saves what a fused kernel does on ``target``."""
     import torch
@@ -108,15 +95,11 @@ def fused_kernel(target: K.Target) -> Any:
     class Fused(torch.autograd.Function):
         @staticmethod
         def forward(ctx, q, k, v, mask, backend, call):  # noqa: ANN001
-            ctx.mask_dtype = mask.dtype if mask is not None else q.dtype
-            mask = bool_mask_as_float(mask, q)
             out, extra = _forward_outputs(q, v, backend, call, target)
             _scratch(K.BACKENDS[backend].forward_scratch(call, target.device), q.device)
             ctx.backend, ctx.call = backend, call
-            # the kernel's backward takes the mask it was given (derivatives.yaml: the flash-for-CPU, memory-
-            # efficient and cuDNN backwards all read attn_mask / attn_bias): saved, so a mask converted for this
-            # call lives until this layer's backward
-            ctx.save_for_backward(q, k, v, out, *extra, *([mask] if mask is not None else []))
+            ctx.mask_dtype = mask.dtype if mask is not None else q.dtype
+            ctx.save_for_backward(q, k, v, out, *extra)
             return out
 
         @staticmethod
@@ -433,7 +416,6 @@ def sdpa(real_sdpa: Any, target: K.Target, kernels: dict[str, str], cp: int = 1,
                                  scale=scale, enable_gqa=enable_gqa)
             fwd, bwd = K.math_extra(call)
             holder: dict[str, Any] = {}
-            attn_mask = bool_mask_as_float(attn_mask, query)  # converted before the math kernel too (transient)
             query = MathBefore.apply(query, holder, fwd)
             out = torch.ops.aten._scaled_dot_product_attention_math(
                 query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)[0]

@@ -42,27 +42,28 @@ def test_every_backward_point_carries_the_gradients_made_by_then():
 
 def test_a_boolean_mask_is_converted_and_kept_for_backward():
     """scaled_dot_product_attention converts a boolean mask into an additive one in the query's dtype for each call
-    (aten's convert_boolean_attn_mask) and the fused kernel keeps it: the stand-in saves one of the mask's shape."""
+    (aten's convert_boolean_attn_mask) and the kernel keeps it for backward: what torch saves for the CPU flash
+    kernel, and what the stand-in saves (kernels.FlashAttention.saved on CPU; the CUDA kernels' own rules kept it
+    already, measured on the H100)."""
     torch = pytest.importorskip("torch")
     from memplan.activations import kernels as K
-    from memplan.activations.substitutes_sdpa import _call_of, bool_mask_as_float, fused_kernel
+    from memplan.activations.substitutes_sdpa import _call_of, fused_kernel
 
     q = torch.zeros(2, 4, 128, 32, requires_grad=True)
     mask = torch.ones(2, 1, 128, 128, dtype=torch.bool)
-    f = bool_mask_as_float(mask, q)
-    assert f.dtype == torch.float32 and tuple(f.shape) == (2, 1, 128, 128)
-    assert bool_mask_as_float(f, q) is f and bool_mask_as_float(None, q) is None
-    # what torch itself saves for the CPU flash kernel: the converted mask among its saved tensors
     saved = []
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.shape) or t, lambda t: t):
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append((tuple(t.shape), t.dtype)) or t,
+                                                  lambda t: t):
         torch.nn.functional.scaled_dot_product_attention(q, q, q, attn_mask=mask)
-    assert torch.Size([2, 1, 128, 128]) in saved
-    target = K.host_target("cpu")
+    assert ((2, 1, 128, 128), torch.float32) in saved
     call = _call_of(q, q, q, mask, 0.0, False, False)
+    assert K.BACKENDS["flash"].saved(call, "cpu") == [((2, 4, 128), "float32"), ((2, 1, 128, 128), "float32")]
+    assert K.BACKENDS["flash"].saved(_call_of(q, q, q, None, 0.0, True, False), "cpu") == [((2, 4, 128), "float32")]
     ours = []
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: ours.append(t.shape) or t, lambda t: t):
-        fused_kernel(target).apply(q, q, q, mask, "flash", call)
-    assert torch.Size([2, 1, 128, 128]) in ours
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: ours.append((tuple(t.shape), t.dtype)) or t,
+                                                  lambda t: t):
+        fused_kernel(K.host_target("cpu")).apply(q, q, q, mask, "flash", call)
+    assert ((2, 1, 128, 128), torch.float32) in ours
 
 
 @pytest.mark.parametrize("config,recompute,peak", [

@@ -174,9 +174,11 @@ class _GradientHooks:
             end = first[2] if first[2] is not None else len(live.timeline)
             live.not_activation_between(first[1], end, first[3])
             self.partials.append((first[1], end, p.grad.numel()))
-        if first is not None and first[1] is not None:
-            # the loss segment counts a tied weight's gradient from its first contribution on
-            self.root_firsts.append((first[1], p.grad.numel()))
+            if first[1] is not None:
+                # the loss segment counts a tied weight's gradient from its first contribution on; where the
+                # engine added the later contributions into it in place, the gradient is that storage, born
+                # then, and counted once as itself (T5 under torch-amp, once its shared embedding is tied)
+                self.root_firsts.append((first[1], p.grad.numel()))
         live.mark_grad(p.grad, self.block_of.get(id(p), -1))
         born = live.not_activation(p.grad)
         if born is not None:

@@ -161,13 +161,14 @@ def config_checks(config: dict[str, Any] | None, request: JobRequest) -> None:
         return
     # an encoder-decoder or a vision-language model cannot ask for the analytic activations (a decoder-only
     # stack's formula) nor for model parallelism (memplan's layouts split and stage one stack)
-    what = ("an encoder-decoder (seq2seq)" if tasks.task_of(config) == tasks.SEQ2SEQ else
-            "a vision-language (image-text-to-text)")
+    seq2seq = tasks.task_of(config) == tasks.SEQ2SEQ
+    whose = "an encoder-decoder's (seq2seq)" if seq2seq else "a vision-language model's (image-text-to-text)"
     if request.model.activations == "analytic":
-        raise SettingsError(f"--activations analytic models a decoder-only stack; {what} model's activations are "
-                            "traced (--activations auto or traced)")
+        raise SettingsError(f"--activations analytic models a decoder-only stack; {whose} activations are traced "
+                            "(--activations auto or traced)")
     p = request.parallel.build()
     if p is not None and p.active:
+        what = "an encoder-decoder (seq2seq)" if seq2seq else "a vision-language (image-text-to-text)"
         raise SettingsError(f"--tp/--pp/--cp/--ep with {what} model: not modelled (its two stacks are neither split "
                             "nor staged by memplan's parallel layouts)")
 
@@ -1062,15 +1063,15 @@ def resolve(inv: ParamInventory, request: JobRequest, *, config: dict[str, Any] 
     if any(len(t.shape) >= 4 for t in inv.tensors):  # Conv2d/Conv3d kernels: a small CNN, -10.6% on CPU
         notes.append("convolutions: their kernels' scratch (cuDNN, oneDNN) is not modelled (docs/accuracy.md)")
     if target is not None and config is not None:
-        from memplan.model.tasks import TARGET_KEY
+        from memplan.model.hf import TARGET_KEY
 
         config = {**config, TARGET_KEY: target}  # the decoder's length: the traced step's labels
     if settings.frozen and config is not None:
-        from memplan.model.tasks import FROZEN_KEY
+        from memplan.model.hf import FROZEN_KEY
 
         config = {**config, FROZEN_KEY: list(settings.frozen)}  # the parameters the traced step freezes
     if images is not None and images != 1 and config is not None:  # one image: the traced step's default
-        from memplan.model.tasks import IMAGES_KEY
+        from memplan.model.hf import IMAGES_KEY
 
         config = {**config, IMAGES_KEY: images}  # a vision-language model's images per sample: the traced step's
     if settings.compile != "none" and settings.strategy.framework not in ("torch", "torch-ddp", "fsdp2"):

@@ -39,8 +39,9 @@ def _build_model(spec: dict[str, Any], on_meta: bool) -> Any:
     if checkpoint_every(spec["recompute"]):
         checkpointing_on(model, spec["recompute"])
     from memplan.model.freeze import requires_grad_off
+    from memplan.model.hf import FROZEN_KEY
 
-    requires_grad_off(model, spec["config"].get(tasks.FROZEN_KEY))  # --freeze (model/freeze.py)
+    requires_grad_off(model, spec["config"].get(FROZEN_KEY))  # --freeze (model/freeze.py)
     if spec.get("lora"):
         # a bf16 load, then PEFT (which upcasts the adapters to fp32); a 4-bit base loaded in bf16 under a wrapper
         # that keeps the recipe's dtypes (FSDP2 pure-bf16: FSDP-QLoRA's torch_dtype=bfloat16), quantized from it

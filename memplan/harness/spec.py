@@ -128,15 +128,15 @@ def build_spec(config: dict[str, Any], s: Settings, *, warmup_steps: int = 2, me
     if fw in ("fsdp2", "fsdp1") and not st.shard_params:
         n = 1  # NO_SHARD: a (world, 1) mesh, replicate only
     if s.target_len is not None:  # an encoder-decoder's decoder length: its labels (model/tasks.py step_inputs)
-        from memplan.model.tasks import TARGET_KEY
+        from memplan.model.hf import TARGET_KEY
 
         config = {**config, TARGET_KEY: s.target_len}
     if s.frozen:  # the parameters that do not train (model/freeze.py)
-        from memplan.model.tasks import FROZEN_KEY
+        from memplan.model.hf import FROZEN_KEY
 
         config = {**config, FROZEN_KEY: list(s.frozen)}
     if s.images is not None:  # a vision-language model's images per sample (model/tasks.py step_inputs)
-        from memplan.model.tasks import IMAGES_KEY
+        from memplan.model.hf import IMAGES_KEY
 
         config = {**config, IMAGES_KEY: s.images}
     spec: dict[str, Any] = {

@@ -13,7 +13,6 @@ largest ``nn.ModuleList`` (the layer stack of a plain PyTorch module), else the 
 from __future__ import annotations
 
 import contextlib
-import copy
 import importlib
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -97,25 +96,9 @@ def inventory_from_module(model: Any, *, model_name: str, source: str, family: s
 
 def hf_config(config: Mapping[str, Any], model_name: str = "model") -> Any:
     """The transformers config object for a config.json dict (never remote code); use_cache off (training)."""
-    import transformers
-    from transformers import AutoConfig
+    from memplan.model.hf import transformers_config
 
-    model_type = config.get("model_type")
-    if not model_type:
-        raise ConfigError(f"config for {model_name} has no 'model_type'")
-    # a deep copy: transformers fills nested dicts in place (rope_scaling gains rope_theta, transformers 5.23),
-    # which would change the caller's config, and with it the activation profile's cache key
-    from memplan.model.tasks import PSEUDO_KEYS
-
-    fields = copy.deepcopy({k: v for k, v in config.items()
-                            if k not in ("model_type", "auto_map", "quantization_config", *PSEUDO_KEYS)})
-    try:
-        cfg = AutoConfig.for_model(model_type, **fields)
-    except ValueError as exc:
-        raise ConfigError(f"transformers {transformers.__version__} does not know model_type {quote(model_type)} "
-                          "(memplan never runs remote code)") from exc
-    except Exception as exc:
-        raise ConfigError(f"config for {model_name} is not valid for {model_type}: {exc}") from exc
+    cfg = transformers_config(config, model_name)
     from memplan.model import tasks
 
     if not (config.get("use_cache", True) is not False and tasks.task_of(config) == tasks.SEQ2SEQ):

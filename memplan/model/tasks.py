@@ -49,12 +49,10 @@ from typing import Any
 
 from memplan.errors import ConfigError
 from memplan.inputs import quote
+from memplan.model.hf import IMAGES_KEY, TARGET_KEY, transformers_config
 
 CAUSAL_LM = "causal-lm"
 SEQ2SEQ = "seq2seq-lm"
-#: the pseudo-key of the decoder's length (--target-len) in the config a seq2seq step is traced and run from (its
-#: bytes depend on it, so it is part of the trace's cache key; hf_config and the builders drop it)
-TARGET_KEY = "memplan_target_len"
 #: class-name suffix -> task, longest first where one ends another
 SUFFIXES = (("ForSequenceClassification", "sequence-classification"),
             ("ForTokenClassification", "token-classification"), ("ForQuestionAnswering", "question-answering"),
@@ -67,14 +65,7 @@ TASKS = (CAUSAL_LM, "masked-lm", "sequence-classification", "token-classificatio
          IMAGE, SEQ2SEQ, IMAGE_TEXT)
 #: the vision-language model types memplan traces (their image tokens: image_text_tokens)
 IMAGE_TEXT_MODELS = ("llava", "gemma3", "paligemma")
-#: the pseudo-key of the images per sample (--images) in the config a vision-language step is traced and run from
-#: (the bytes depend on it: part of the trace's cache key; hf_config and the builders drop it)
-IMAGES_KEY = "memplan_images"
-#: the pseudo-key of the module paths the job freezes (--freeze, model/freeze.py) in the config a step is traced
-#: and run from
-FROZEN_KEY = "memplan_frozen"
-#: the pseudo-keys a traced or run config may carry beside the config.json's own fields
-PSEUDO_KEYS = (TARGET_KEY, IMAGES_KEY, FROZEN_KEY)
+
 #: the vision transformers whose image classification memplan traces: model_type -> tokens beside the patches
 IMAGE_MODELS = {"vit": 1, "deit": 2}
 #: heads whose inputs are not token ids alone (refused by name)
@@ -201,9 +192,7 @@ def image_tokens(config: Mapping[str, Any]) -> int:
 def _vision(config: Mapping[str, Any]) -> Any:
     """A vision-language config's transformers config object (its vision_config with the defaults its class fills
     in: LlavaConfig's CLIP at 336 px in 14 px patches when none is given, CLIPVisionConfig's 224 / 32 otherwise)."""
-    from memplan.model.meta_builder import hf_config
-
-    return hf_config(config)
+    return transformers_config(config)
 
 
 def image_text_tokens(config: Mapping[str, Any]) -> int:

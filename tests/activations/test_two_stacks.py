@@ -47,7 +47,7 @@ def test_a_boolean_mask_is_converted_and_kept_for_backward():
     already, measured on the H100)."""
     torch = pytest.importorskip("torch")
     from memplan.activations import kernels as K
-    from memplan.activations.substitutes_sdpa import _call_of, fused_kernel
+    from memplan.activations.substitutes_sdpa import fused_kernel
 
     q = torch.zeros(2, 4, 128, 32, requires_grad=True)
     mask = torch.ones(2, 1, 128, 128, dtype=torch.bool)
@@ -56,9 +56,11 @@ def test_a_boolean_mask_is_converted_and_kept_for_backward():
                                                   lambda t: t):
         torch.nn.functional.scaled_dot_product_attention(q, q, q, attn_mask=mask)
     assert ((2, 1, 128, 128), torch.float32) in saved
-    call = _call_of(q, q, q, mask, 0.0, False, False)
+    call = K.SdpaCall(dtype="float32", batch=2, hq=4, hkv=4, sq=128, sk=128, dq=32, dv=32, mask="bool",
+                      mask_shape=(2, 1, 128, 128))
     assert K.BACKENDS["flash"].saved(call, "cpu") == [((2, 4, 128), "float32"), ((2, 1, 128, 128), "float32")]
-    assert K.BACKENDS["flash"].saved(_call_of(q, q, q, None, 0.0, True, False), "cpu") == [((2, 4, 128), "float32")]
+    causal = K.SdpaCall(dtype="float32", batch=2, hq=4, hkv=4, sq=128, sk=128, dq=32, dv=32, is_causal=True)
+    assert K.BACKENDS["flash"].saved(causal, "cpu") == [((2, 4, 128), "float32")]
     ours = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: ours.append((tuple(t.shape), t.dtype)) or t,
                                                   lambda t: t):

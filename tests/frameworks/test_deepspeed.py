@@ -113,7 +113,9 @@ def test_zero1_sets_up_the_ipg_bucket_in_backward():
             g = layouts.gather_sizes(TOY, "flat-aligned", 2)
             assert moments == [(0, bucket, M.ROOT_FIRST_HOOK), (0, bucket, M.ROOT_LAST_HOOK_BEFORE_BLOCKS),
                                (0, bucket, M.INSIDE_LAST_BLOCK_BACKWARD),
-                               (2 * 3 * 1024 * 1024, bucket, M.INSIDE_FIRST_BLOCK_BACKWARD), (0, 0, M.LOSS_BACKWARD)]
+                               (2 * 3 * 1024 * 1024, bucket, M.INSIDE_FIRST_BLOCK_BACKWARD),
+                               # the whole backward with its gradients, from the profile (none in the toy's)
+                               (0, bucket, M.INSIDE_ANY_BLOCK_BACKWARD), (0, 0, M.LOSS_BACKWARD)]
             assert g.root_head == 0
             part = layouts.layout_sizes(TOY, "flat-aligned", 2, 0).partition_params_numel
             assert f.buffers["backward-end"] - f.buffers["forward"] == bucket + 2 * part

@@ -86,7 +86,7 @@ def test_a_vision_language_model_s_bad_input_is_one_line(tmp_path):
                          (["llava-1.5-7b", "--images", "-1"], "--images must be 0 or more"),
                          (["llama-3-8b", "--images", "1"], "only a vision-language model"),
                          (["gemma-3-4b", "--tp", "2", "--gpus", "2"], "a vision-language (image-text-to-text)"),
-                         (["gemma-3-4b", "--activations", "analytic"], "decoder-only stack"),
+                         (["gemma-3-4b", "--activations", "analytic"], "a vision-language model's"),
                          (["llama-3-8b", "--freeze", "vision"], "this model has none"),
                          (["gemma-3-4b", "--freeze", "model.nothing"], "no parameter of gemma-3-4b lies under it"),
                          (["gemma-3-4b", "--freeze", "model"], "nothing trains"),

@@ -203,7 +203,7 @@ def one_step(config: dict[str, Any], batch: int, seq: int, recipe: str, attentio
     lora = config.get("lora")
     if lora is not None:
         config = {k: v for k, v in config.items() if k != "lora"}
-    from memplan.model.tasks import FROZEN_KEY
+    from memplan.model.hf import FROZEN_KEY
 
     frozen = config.get(FROZEN_KEY)
     ep, cp, compile_mode = config.get(EP_KEY, 1), config.get(CP_KEY, 1), config.get(COMPILE_KEY, "none")

@@ -1,0 +1,43 @@
+"""transformers' config object for a config.json dict, and the pseudo-keys memplan adds to a config it traces or
+runs (their bytes depend on them, so they are part of the trace's cache key; the builders drop them). Below
+model/tasks.py and model/meta_builder.py, which both read configs through it. No torch at import."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from typing import Any
+
+from memplan.errors import ConfigError
+from memplan.inputs import quote
+
+#: an encoder-decoder's decoder length (--target-len): its labels per sample
+TARGET_KEY = "memplan_target_len"
+#: a vision-language model's images per sample (--images)
+IMAGES_KEY = "memplan_images"
+#: the module paths the job freezes (--freeze, model/freeze.py)
+FROZEN_KEY = "memplan_frozen"
+#: the pseudo-keys a traced or run config may carry beside the config.json's own fields
+PSEUDO_KEYS = (TARGET_KEY, IMAGES_KEY, FROZEN_KEY)
+
+
+def transformers_config(config: Mapping[str, Any], model_name: str = "model") -> Any:
+    """The transformers config object for a config.json dict, as AutoConfig builds it for its model_type (never
+    remote code); the pseudo-keys dropped."""
+    import transformers
+    from transformers import AutoConfig
+
+    model_type = config.get("model_type")
+    if not model_type:
+        raise ConfigError(f"config for {model_name} has no 'model_type'")
+    # a deep copy: transformers fills nested dicts in place (rope_scaling gains rope_theta, transformers 5.23),
+    # which would change the caller's config, and with it the activation profile's cache key
+    fields = copy.deepcopy({k: v for k, v in config.items()
+                            if k not in ("model_type", "auto_map", "quantization_config", *PSEUDO_KEYS)})
+    try:
+        return AutoConfig.for_model(model_type, **fields)
+    except ValueError as exc:
+        raise ConfigError(f"transformers {transformers.__version__} does not know model_type {quote(model_type)} "
+                          "(memplan never runs remote code)") from exc
+    except Exception as exc:
+        raise ConfigError(f"config for {model_name} is not valid for {model_type}: {exc}") from exc

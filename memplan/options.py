@@ -156,9 +156,14 @@ def config_checks(config: dict[str, Any] | None, request: JobRequest) -> None:
     seq = tasks.check_seq_len(config, b.seq_len)
     if b.target_len is not None:
         tasks.check_target_len(config, b.target_len, seq or 2048)
-    tasks.check_images(config, b.images, seq or 2048)
-    if not tasks.two_stacks(config):
-        return
+    if tasks.two_stacks(config):
+        _two_stack_refusals(config, request)
+    tasks.check_images(config, b.images, seq or 2048)  # after those: a default image size imports transformers
+
+
+def _two_stack_refusals(config: dict[str, Any], request: JobRequest) -> None:
+    from memplan.model import tasks
+
     # an encoder-decoder or a vision-language model cannot ask for the analytic activations (a decoder-only
     # stack's formula) nor for model parallelism (memplan's layouts split and stage one stack)
     seq2seq = tasks.task_of(config) == tasks.SEQ2SEQ

@@ -195,11 +195,30 @@ def _vision(config: Mapping[str, Any]) -> Any:
     return transformers_config(config)
 
 
+#: the fields image_text_tokens reads, by model_type: (top-level, vision_config's)
+_TOKEN_FIELDS = {"llava": (("vision_feature_select_strategy",), ("model_type", "image_size", "patch_size")),
+                 "gemma3": (("mm_tokens_per_image",), ("image_size", "patch_size")),
+                 "paligemma": ((), ("image_size", "patch_size"))}
+
+
+def _token_fields(config: Mapping[str, Any]) -> tuple[Any, Any]:
+    """(config, vision config) as image_text_tokens reads them: the dict itself where it gives every field read
+    (a refusal then needs no transformers import), else transformers' config object with its classes' defaults
+    (LlavaConfig's CLIP at 336 px in 14 px patches, SiglipVisionConfig's 224 / 16, ...)."""
+    from types import SimpleNamespace
+
+    top, vision = _TOKEN_FIELDS.get(str(config.get("model_type")), ((), ()))
+    vc = config.get("vision_config")
+    if isinstance(vc, Mapping) and all(k in config for k in top) and all(k in vc for k in vision):
+        return SimpleNamespace(**{k: config[k] for k in top}), SimpleNamespace(**{k: vc[k] for k in vision})
+    cfg = _vision(config)
+    return cfg, cfg.vision_config
+
+
 def image_text_tokens(config: Mapping[str, Any]) -> int:
     """The tokens one image takes in a vision-language model's sequence (see the module's docstring). ConfigError
     where the image is not whole patches or Gemma 3's patch grid does not pool to mm_tokens_per_image."""
-    cfg = _vision(config)
-    vc = cfg.vision_config
+    cfg, vc = _token_fields(config)
     size, patch = vc.image_size, vc.patch_size
     if not (isinstance(size, int) and isinstance(patch, int) and size > 0 and patch > 0):
         raise ConfigError(f"vision_config image_size {size!r} and patch_size {patch!r}: a square image of whole "

@@ -345,6 +345,11 @@ def test_a_vision_language_model_s_images_are_tokens_in_its_sequence():
     assert tasks.task_of(llava) == tasks.task_of(gemma) == tasks.IMAGE_TEXT
     assert tasks.image_text_tokens(llava) == 576 and tasks.image_text_tokens(gemma) == 256
     assert tasks.image_text_tokens(dict(llava, vision_feature_select_strategy="full")) == 577
+    # a field left out takes its transformers class's default: the same tokens (LlavaConfig's "default" strategy,
+    # Gemma3Config's 256 image tokens); none left out is read from the dict alone (a refusal needs no transformers)
+    assert tasks.image_text_tokens({k: v for k, v in llava.items() if k != "vision_feature_select_strategy"}) == 576
+    assert tasks.image_text_tokens({k: v for k, v in gemma.items() if k != "mm_tokens_per_image"}) == 256
+    assert tasks.image_text_tokens({**llava, "vision_config": {"model_type": "clip_vision_model"}}) == 49  # 224/32
     assert tasks.stacks(llava) == 24 + 32 and tasks.stacks(gemma) == 27 + 34
     assert tasks.check_images(llava, None, 2048) == 1 and tasks.check_images(llava, 3, 2048) == 3
     assert tasks.check_images(llava, 0, 16) == 0  # text alone: the vision tower does not run

@@ -74,9 +74,9 @@ def activation_profile(config: dict[str, Any] | None, s: Settings, mode: str, no
     from memplan.model import tasks
 
     # an encoder-decoder's analytic refusal is resolve()'s (config_checks); here: it never falls back to one
-    seq2seq = tasks.two_stacks(config)
+    no_fallback = tasks.two_stacks(config)
     # a compiled step has no analytic counterpart either, nor a float8 one: its trace's failure is the answer
-    seq2seq = seq2seq or s.compile != "none" or s.float8 != "none"
+    no_fallback = no_fallback or s.compile != "none" or s.float8 != "none"
     if s.lora is not None and (mode == "analytic" or config is None):
         notes.append("activations: analytic, as for full training; LoRA's frozen weights save less (an upper bound)")
     if mode == "analytic":
@@ -110,7 +110,7 @@ def activation_profile(config: dict[str, Any] | None, s: Settings, mode: str, no
     except _NotCached:
         raise
     except SettingsError as exc:
-        if mode == "traced" or config.get("factory") or seq2seq:  # no analytic profile for these
+        if mode == "traced" or config.get("factory") or no_fallback:  # no analytic profile for these
             raise
         notes.append(f"activations: analytic, because {exc}")
         return None

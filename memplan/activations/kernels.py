@@ -413,8 +413,8 @@ class FlashAttention(SdpaBackend):
         its backward takes the mask it was given: a bool mask converted to q's dtype by
         scaled_dot_product_attention (convert_boolean_attn_mask, at::where(mask, 0, -inf): a new tensor for every
         call, every layer), kept to that layer's backward (measured on torch 2.13.0+cpu with saved_tensors_hooks:
-        a [2, 1, 128, 128] bool mask saved as an fp32 aten.where output; Gemma 3's sliding-window text stack read
-        -1.70% without it)."""
+        a [2, 1, 128, 128] bool mask saved as an fp32 aten.where output; the gemma3 image-text rows of
+        docs/accuracy.md read -1.39% to -1.51% without it, at commit 58db21e)."""
         if device == "cpu":
             return [((c.batch, c.hq, c.sq), "float32")] + ([(_mask_shape(c), c.dtype)] if c.mask == "bool" else [])
         return [((c.batch, c.hq, c.sq), "float32"), ((2,), "int64"), ((), "int64")]

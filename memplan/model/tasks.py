@@ -264,11 +264,6 @@ def check_images(config: Mapping[str, Any], images: int | None, seq_len: int) ->
     return n
 
 
-def image_token_id(config: Mapping[str, Any]) -> int:
-    """The token id that stands for an image's tokens in the sequence (image_token_id / image_token_index)."""
-    return int(_vision(config).image_token_id)
-
-
 def stacks(config: Mapping[str, Any]) -> int | None:
     """The blocks of a model with two stacks (an encoder-decoder's encoder and decoder, a vision-language model's
     vision tower and language model), traced at full depth; None for a model of one stack or an unknown count."""
@@ -395,13 +390,14 @@ def step_inputs(task: str, config: Mapping[str, Any], ids: Any, dtype: Any = Non
                              dtype=dtype or torch.get_default_dtype())
         return {"pixel_values": pixels, "labels": torch.zeros(batch, dtype=torch.long, device=ids.device)}
     if task == IMAGE_TEXT:  # each image's tokens after the first (a BOS), its pixels, the text's labels
-        n, per, token = images_of(config), image_text_tokens(config), image_token_id(config)
+        cfg = _vision(config)
+        n, per, token = images_of(config), image_text_tokens(config), int(cfg.image_token_id)
         ids = torch.where(ids == token, 0, ids)  # a drawn id equal to the image token would be one more image token
         if n:
             ids[:, 1:1 + n * per] = token
         out = {"input_ids": ids, "labels": ids}
         if n:
-            vc = _vision(config).vision_config
+            vc = cfg.vision_config
             out["pixel_values"] = torch.zeros(batch * n, vc.num_channels, vc.image_size, vc.image_size,
                                               device=ids.device, dtype=dtype or torch.get_default_dtype())
         if config.get("model_type") == "gemma3":  # Gemma3Processor's: 1 at image tokens

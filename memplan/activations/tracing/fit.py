@@ -91,7 +91,7 @@ def _hooks(a: list[list[int]], b: list[list[int]]) -> list[list[int]]:
 def _layers(config: dict[str, Any]) -> int | None:
     """The config's blocks: a model of two stacks' together (an encoder-decoder's, a vision-language model's vision
     tower and language model: traced at full depth)."""
-    if _seq2seq(config):
+    if _two_stacks(config):
         from memplan.model.tasks import stacks
 
         return stacks(config)
@@ -99,7 +99,7 @@ def _layers(config: dict[str, Any]) -> int | None:
     return None if key is None else int(config[key])
 
 
-def _seq2seq(config: dict[str, Any]) -> bool:
+def _two_stacks(config: dict[str, Any]) -> bool:
     """Two stacks of blocks (model/tasks.py two_stacks): traced at full depth, no analytic counterpart."""
     from memplan.model.tasks import two_stacks
 
@@ -117,7 +117,7 @@ def _heterogeneous(config: dict[str, Any], layers: int, recompute: str = "none")
     # LoRA on some layers only (layers_to_transform) makes the blocks differ
     lora_layers = bool((config.get("lora") or {}).get("layers_to_transform"))
     # two stacks' blocks are of two kinds (an encoder-decoder's decoder attends to the encoder's output too)
-    return layers < 2 or bool(config.get("factory")) or lora_layers or _seq2seq(config) or \
+    return layers < 2 or bool(config.get("factory")) or lora_layers or _two_stacks(config) or \
         any(config.get(k) for k in _HETEROGENEOUS_KEYS)
 
 
@@ -149,7 +149,7 @@ def trace_profile(config: dict[str, Any], *, seq_len: int, recipe: str, attentio
     target = target or K.host_target(device)
     layers = _layers(config)
     if layers is None:
-        raise SettingsError("the config has no layer count" + ("" if _seq2seq(config) else
+        raise SettingsError("the config has no layer count" + ("" if _two_stacks(config) else
                                                                  "; use --activations analytic"))
     heterogeneous = _heterogeneous(config, layers, recompute)
     compiled = config.get(COMPILE_KEY, "none") != "none"
@@ -175,7 +175,7 @@ def trace_profile(config: dict[str, Any], *, seq_len: int, recipe: str, attentio
     except Exception as exc:
         first = str(exc).splitlines()[0] if str(exc) else ""
         raise SettingsError(f"tracing activations failed ({type(exc).__name__}: {first[:200]})"
-                            + ("" if _seq2seq(config) or no_analytic else "; use --activations analytic")) from None
+                            + ("" if _two_stacks(config) or no_analytic else "; use --activations analytic")) from None
 
     out = _profile(top, low, seq_len=seq_len, recipe=recipe, attention=attention, recompute=recompute,
                    device=device, target=target, layers=layers, heterogeneous=heterogeneous,

@@ -250,8 +250,8 @@ def one_step(config: dict[str, Any], batch: int, seq: int, recipe: str, attentio
             if task in (tasks.IMAGE, tasks.IMAGE_TEXT):
                 # the image is made in the step, so that its bytes are counted (token ids are a few bytes a token,
                 # a batch of images is not), and held to the end of the backward, as a training loop holds its
-                # batch through the step (the Trainer's `inputs`; measured on the CPU harness: a frozen vision
-                # tower's pixels, which nothing saves, were 98,304 B alive at the peak)
+                # batch through the step (the Trainer's `inputs`, the CPU harness's step loop): a frozen vision
+                # tower's pixels, which nothing saves, are alive at the peak (docs/accuracy.md's frozen-vision rows)
                 def run(m: Any) -> Any:
                     held[:] = [tasks.step_inputs(task, config, ids, getattr(torch, dtype))]
                     return m(**held[0]).loss
@@ -316,8 +316,9 @@ def one_step(config: dict[str, Any], batch: int, seq: int, recipe: str, attentio
                 # detached: a packed tensor that is its node's own output would hold its grad_fn, and so the node,
                 # in a reference cycle that only Python's collector breaks; autograd's own SavedVariable saves an
                 # output without its grad_fn (no cycle), so a branch no loss reads (LLaVA's last vision layer) is
-                # freed as soon as its outputs are. Measured: the cycle held 88,128 B of that layer's saved
-                # tensors through the step (llava-tiny, micro-batch 2). Detached with the modes off: the detach
+                # freed as soon as its outputs are (the cycle held that layer's saved tensors through the step: the
+                # llava-tiny rows of docs/accuracy.md at commit 58db21e, +2.15% with its unread layer's optimizer
+                # states counted too; -0.02% now, python bench/accuracy.py --repredict). Detached with the modes off: the detach
                 # allocates nothing, and a storage made before the step (the token ids) must not be followed from
                 # it as a new one
                 with _disable_current_modes():

@@ -55,6 +55,8 @@ def _model_states(job: Job, fw: FrameworkModel, host_by: dict[str, int]) -> tupl
     if job.cpu_offload:
         host_by["weights_bytes"] += weights
         weights = 0
+    # the model's buffers, whole on the device under every strategy and offload (ParamInventory.buffers)
+    weights += job.inv.buffer_bytes(rc.half_buffers)
     return weights, master, states, master_bytes
 
 

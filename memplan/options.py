@@ -633,6 +633,18 @@ def _dim0_padding_note(inv: ParamInventory, s: Settings) -> list[str]:
             "avoids it"]
 
 
+def _buffers_note(inv: ParamInventory, s: Settings) -> list[str]:
+    """The model's buffers where they reach 1 MiB a GPU (a rotary inv_freq's few hundred bytes go unsaid)."""
+    size = inv.buffer_bytes(s.recipe.half_buffers)
+    if size < 1 << 20:
+        return []
+    from memplan.units import fmt_bytes
+
+    big = max(inv.buffers, key=lambda t: t.numel)
+    return [f"model buffers: {len(inv.buffers)} ({fmt_bytes(size)}; largest {big.name} {list(big.shape)}), whole "
+            "on every GPU and counted with the weights: buffers are not parameters, so no strategy shards them"]
+
+
 def _with_lora(config: dict[str, Any] | None, inv: ParamInventory, s: Settings, spec: Any,
                notes: list[str]) -> dict[str, Any] | None:
     """LoRA's checks and notes; the config the traced step adds the same adapters from."""
@@ -1065,6 +1077,7 @@ def resolve(inv: ParamInventory, request: JobRequest, *, config: dict[str, Any] 
     if lora is not None:
         config = _with_lora(config, inv, settings, lora, notes)
     notes.extend(_dim0_padding_note(inv, settings))
+    notes.extend(_buffers_note(inv, settings))
     if any(len(t.shape) >= 4 for t in inv.tensors):  # Conv2d/Conv3d kernels: a small CNN, -10.6% on CPU
         notes.append("convolutions: their kernels' scratch (cuDNN, oneDNN) is not modelled (docs/accuracy.md)")
     if target is not None and config is not None:

@@ -44,6 +44,17 @@ class Recipe:
     #: the step runs under torch.autocast (tracing_keys.TRACE_DTYPES and the harness follow it)
     autocast: bool = False
 
+    #: False where a 16-bit param_bytes comes from the framework casting the parameters alone: DeepSpeed 0.19.8's
+    #: engine casts parameters and leaves buffers in the dtype they were loaded in unless its config sets
+    #: buffer_dtype (engine.py _cast_module_mixed_precision: "preserve fp32 buffers (e.g. rotary inv_freq)")
+    casts_buffers: bool = True
+
+    @property
+    def half_buffers(self) -> bool:
+        """Floating buffers are 16-bit: the model converted or loaded in half precision (model.to(bfloat16),
+        Module._apply casting buffers with the parameters), or a LoRA base loaded in bf16 (adapter_bytes)."""
+        return self.param_bytes == 2 and (self.casts_buffers or bool(self.adapter_bytes))
+
     @property
     def stored_dtype(self) -> str:
         """The dtype of the parameters a rank stores (param_bytes)."""
@@ -54,11 +65,11 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in (
     Recipe(name="deepspeed-bf16", param_bytes=2, master_bytes=4, grad_bytes=2, reduced_grad_bytes=4,
            compute_bytes=2, state_bytes=4, residual_bytes=2, autocast_weight_copies=False,
            description="DeepSpeed bf16: bf16 params and grads, fp32 master partition, fp32 Adam states, "
-                       "grads converted to an fp32 partition for the step"),
+                       "grads converted to an fp32 partition for the step", casts_buffers=False),
     Recipe(name="deepspeed-fp16", param_bytes=2, master_bytes=4, grad_bytes=2, reduced_grad_bytes=4,
            compute_bytes=2, state_bytes=4, residual_bytes=2, autocast_weight_copies=False,
            description="DeepSpeed fp16 with dynamic loss scaling: as deepspeed-bf16, fp16 instead of bf16",
-           loss_scaling=True, half_dtype="float16"),
+           loss_scaling=True, half_dtype="float16", casts_buffers=False),
     Recipe(name="torch-amp", param_bytes=4, master_bytes=0, grad_bytes=4, reduced_grad_bytes=4,
            compute_bytes=2, state_bytes=4, residual_bytes=4, autocast_weight_copies=True, autocast=True,
            description="torch.autocast(bf16): fp32 params, grads and states; bf16 casts of weights saved for "

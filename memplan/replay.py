@@ -325,7 +325,9 @@ class OverLimit(Exception):
 class Run:
     """An allocator and the live blocks of one replay."""
 
-    def __init__(self, config: AllocatorConfig) -> None:
+    def __init__(self, config: AllocatorConfig, resident: tuple[int, ...] = ()) -> None:
+        """``resident``: bytes of each block the job holds from before the model is built to its end (the
+        model's buffers, ReplayJob.buffers), allocated first."""
         self.a = Allocator(config, device_limit=Run.device_limit, fraction_limit=Run.fraction_limit)
         self.live: dict[Any, Any] = {}
         self.n = 0
@@ -335,6 +337,8 @@ class Run:
         self.workspaces: set[str] = set()  #: threads whose cuBLAS workspace is made (_workspace)
         #: kept gradients made before others that were ready first: how many (micro_step; ready_order)
         self.late: dict[Any, int] = {}
+        for n in resident:
+            self.alloc(n)
 
     #: set by predict: stop (raise OverLimit) once the reserved bytes pass it
     limit: int | None = None
@@ -433,6 +437,9 @@ class ReplayJob:
     #: --optimizer adam-mini, apollo-adamw, galore-adamw: its step's events (precision.step_events_of), a later
     #: step's and the first's
     step_events: tuple[Any, ...] = ()
+    #: the model's buffers in the recipe's dtype (ParamInventory.buffer_sizes), bytes each: on the device from
+    #: the start (Run's resident blocks: each replay's Run makes them before the model), never freed
+    buffers: tuple[int, ...] = ()
 
     def state_allocs(self, numel: int, shape: tuple[int, ...] = ()) -> tuple[int, ...]:
         """The state tensors the optimizer makes for one tensor at its first step, bytes each, in order."""
@@ -494,7 +501,7 @@ def replay_job(inv: Any, s: Any, numels: list[int], shapes: list[tuple[int, ...]
                workspace_bytes=s.cluster.blas_workspace_bytes,
                step=step, micro_batch=s.micro_batch,
                optimizer=s.optimizer, recipe=s.recipe, shapes=tuple(shapes or ()), quantized=quantized,
-               packed=packed)
+               packed=packed, buffers=inv.buffer_sizes(rc.half_buffers))
 
 
 def _quantized_load(inv: Any) -> tuple[tuple[tuple[int, tuple[int, ...]], ...], tuple[tuple[int, int, tuple[int, ...]], ...]]:

@@ -50,7 +50,7 @@ def replay_ddp(job: ReplayJob, config: AllocatorConfig | None = None, release: s
     ``trainable`` (LoRA: which parameters require grad, module order): the broadcast takes every module state
     (_sync_module_states: named_parameters, frozen or not), the Reducer's buckets only the parameters that
     require grad (_build_params_for_reducer), and the optimizer steps those (job.numels)."""
-    run = Run(config or AllocatorConfig())
+    run = Run(config or AllocatorConfig(), job.buffers)
     build_model(run, job)
     sizes = list(job.converted or [n for n, alias in job.build if not alias])
     buckets: list[Any] = []
@@ -120,7 +120,7 @@ def replay_horovod(job: ReplayJob, config: AllocatorConfig | None, fusion: int, 
     FP16Compressor.compress). optimizer.step() first synchronize()s: per handle in hook order, the decompressed
     fp32 result is made and set_ into the gradient, whose old storage goes; the fp16 copies live in _handles until
     it is cleared, after the loop. Gradients stay until zero_grad(set_to_none=True)."""
-    run = Run(config or AllocatorConfig())
+    run = Run(config or AllocatorConfig(), job.buffers)
     build_model(run, job)
     fused: list[Any] = []
     states: list[Any] = []

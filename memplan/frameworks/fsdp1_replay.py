@@ -113,7 +113,7 @@ def replay_fsdp1(job: ReplayJob, blocks: list[FlatUnit], root: FlatUnit, fs: Fsd
                  config: AllocatorConfig | None = None) -> Allocator:
     """The steps of FSDP1 over ``blocks`` (the units inside the decoder blocks, in order) and ``root`` (what no
     block holds; under --fsdp-wrap none every parameter), from setup to the steady step."""
-    run = Run(config or AllocatorConfig())
+    run = Run(config or AllocatorConfig(), job.buffers)
     units = [*blocks, root]
     _setup(run, units, fs)
     states: list[Any] = []

@@ -161,7 +161,7 @@ def replay_fsdp2(job: ReplayJob, groups: tuple[FsdpGroup, ...], world: int, resh
     its unsharded parameters; backward's first hook, the root's _pre_backward, unshards it again and prefetches
     the last block (recorded on the H200: bench/gpu/traces/l8b_fsdp, the embedding's and head's 1 GiB copies
     freed after the loss and made again before the head's backward)."""
-    run = Run(config or AllocatorConfig())
+    run = Run(config or AllocatorConfig(), job.buffers)
     order = [g for g in (emb,) if g is not None] + list(groups[:-1]) + [g for g in (head,) if g is not None] \
         + [groups[-1]]
     if any(g.offload for g in order):

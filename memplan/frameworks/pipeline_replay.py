@@ -277,7 +277,7 @@ def replay(inv: Any, s: Any, config: AllocatorConfig) -> tuple[str, dict[str, Al
     numels.sort()
     opt_job = replay_job(inv, replace(s, activation_profile=prof.stages[0].profile, grad_accum=1), [k for _, k in numels])
 
-    run = Run(config or AllocatorConfig())
+    run = Run(config or AllocatorConfig(), opt_job.buffers)
     for _, _, _, bg, rg, _ in parts:  # to_empty: the shards in module order
         for i in sorted(i for g in (*bg, rg) for i in g.params):
             for g in (*bg, rg):

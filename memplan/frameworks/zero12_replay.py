@@ -170,7 +170,7 @@ def _setup(job: ReplayJob, partition: int, flat: int, half: int, config: Allocat
     ZeRO-Offload the partition's device clone and the largest parameter's gradient buffer. ``trainable`` (LoRA,
     module order): the optimizer's groups hold only the parameters that require grad, so only those are
     flattened; the frozen ones keep their own storage."""
-    run = Run(config or AllocatorConfig())
+    run = Run(config or AllocatorConfig(), job.buffers)
     keys = build_model(run, job)
     run.empty_cache()
     run.alloc(flat * half)  # bit16_groups_flat
@@ -240,7 +240,7 @@ def replay_zero0(job: ReplayJob, wrapper: str | None, grad_numels: tuple[int, ..
     ``grad_numels``: the elements of each trainable parameter, module order (what the chunks take)."""
     from memplan.frameworks.zero12 import ALLREDUCE_CHUNK
 
-    run = Run(config or AllocatorConfig())
+    run = Run(config or AllocatorConfig(), job.buffers)
     keys = build_model(run, job)
     half = grad_bytes
     states: list[Any] = []

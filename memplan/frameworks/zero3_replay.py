@@ -82,7 +82,7 @@ def _setup(job: ReplayJob, world: int, partitions: tuple[int, ...], sub_groups: 
     partitioned (zero.Init), but the optimizer's groups, defragmented into the flat buffer, the fp32 partitions,
     the flat gradient buffer and the gradient hooks are the trained parameters' only; a frozen partition keeps its
     own storage."""
-    run = Run(config or AllocatorConfig())
+    run = Run(config or AllocatorConfig(), job.buffers)
     trains = trainable or (True,) * len(partitions)
     total = sum(p for p, t in zip(partitions, trains) if t)
     if job.quantized or job.packed:

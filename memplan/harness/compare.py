@@ -72,7 +72,8 @@ def compare(plan: Plan, ranks: tuple[dict[str, Any], ...], tolerance: float) -> 
                      "start_bytes": max(m["start_bytes"] for m in r["steps"]),
                      "peak_error": _err(own.peak_bytes + sum(host.values()), worst["peak_bytes"]),
                      "predicted_peak_bytes": own.peak_bytes + sum(host.values()),
-                     "phase_peaks": worst["phase_peaks"], **{k: attr.get(k, 0) for k in EXACT_CATEGORIES}})
+                     "phase_peaks": worst["phase_peaks"], **{k: attr.get(k, 0) for k in EXACT_CATEGORIES},
+                     "buffers_bytes": attr.get("buffers_bytes")})
     worst_row = max(rows, key=lambda x: x["peak_bytes"])
     plan = _rank_plan(plan, worst_row["rank"], world)
     pred_peak = plan.peak_bytes + sum(host.values())
@@ -81,6 +82,12 @@ def compare(plan: Plan, ranks: tuple[dict[str, Any], ...], tolerance: float) -> 
     peaks = [x["peak_bytes"] for x in rows]
     cats = {k: {"predicted": getattr(start_phase, k) + host.get(k, 0), "measured": worst_row[k]}
             for k in EXACT_CATEGORIES}
+    # the plan's weights hold the model's buffers; a measurement made before the harness counted them
+    # (no buffers_bytes in its record) is compared on the parameters alone
+    if worst_row["buffers_bytes"] is None:
+        cats["weights_bytes"]["predicted"] -= plan.inventory.buffer_bytes(plan.settings.recipe.half_buffers)
+    else:
+        cats["weights_bytes"]["measured"] += worst_row["buffers_bytes"]
     measured_start = max(x["start_bytes"] for x in rows if x["rank"] == worst_row["rank"])
     return Comparison(rows=tuple(rows), worst_rank=worst_row["rank"], predicted_peak_bytes=pred_peak,
                       measured_peak_bytes=worst_row["peak_bytes"], peak_error=_err(pred_peak, worst_row["peak_bytes"]),

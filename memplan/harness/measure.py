@@ -88,6 +88,9 @@ def attribute(model: Any, optimizer: Any) -> dict[str, int]:
         for q in (qs, getattr(qs, "state2", None)):
             for attr in ("absmax", "code", "offset"):
                 add("weights_bytes", getattr(q, attr, None))
+    out["buffers_bytes"] = 0
+    for b in model.buffers():  # the model's buffers (persistent or not): weights in the plan (ParamInventory.buffers)
+        add("buffers_bytes", b)
     # under FSDP2 the sharded parameter has lost its quant_state; Linear4bit keeps it (module.quant_state, set by
     # Params4bit(module=...) at quantization), and its forward restores it after the all-gather
     states = [getattr(m, "quant_state", None) for m in model.modules()]

@@ -112,7 +112,19 @@ class _Emitter:
     def __init__(self, dtype: str):
         self.dtype = dtype
         self.tensors: list[ParamTensor] = []
+        self.buffers: list[ParamTensor] = []
         self.block = ROOT_BLOCK
+
+    def buffer(self, name: str, *shape: int, dtype: str = "float32") -> None:
+        """A module buffer (ParamInventory.buffers), floating ones as built in fp32."""
+        self.buffers.append(ParamTensor(name, tuple(shape), dtype, self.block, classify(name)))
+
+    def rotary(self, name: str, dim: int) -> None:
+        """transformers 5's rotary embedding module: inv_freq and original_inv_freq, non-persistent fp32 buffers
+        of ceil(dim / 2) frequencies each (modeling_rope_utils.py _compute_default_rope_parameters: arange(0, dim,
+        2); the other rope types make the same length)."""
+        self.buffer(f"{name}.inv_freq", (dim + 1) // 2)
+        self.buffer(f"{name}.original_inv_freq", (dim + 1) // 2)
 
     def param(self, name: str, *shape: int, tied_names: tuple[str, ...] = (), layer: str = "") -> None:
         self.tensors.append(ParamTensor(name, tuple(shape), self.dtype, self.block, classify(name), tied_names,
@@ -137,6 +149,19 @@ class _Emitter:
     def embedding_and_head(self, embed: str, head: str, vocab: int, hidden: int, tied: bool) -> None:
         """The input embedding; the head either aliases it (tied) or is emitted later by ``head``."""
         self.param(f"{embed}.weight", vocab, hidden, tied_names=(f"{head}.weight",) if tied else (), layer="embedding")
+
+
+def _rope_dim(c: _Cfg, head_dim: int) -> int:
+    """The rotated part of a head: head_dim x partial_rotary_factor (top level, or in rope_parameters /
+    rope_scaling), GPT-NeoX's rotary_pct (default 0.25) where the config gives no factor."""
+    factor = c.raw.get("partial_rotary_factor")
+    for key in ("rope_parameters", "rope_scaling"):
+        sub = c.raw.get(key)
+        if factor is None and isinstance(sub, Mapping):
+            factor = sub.get("partial_rotary_factor")
+    if factor is None:
+        factor = c.raw.get("rotary_pct", 0.25) if c.family == "gpt_neox" else 1.0
+    return int(head_dim * float(factor))
 
 
 def _gated_mlp(e: _Emitter, p: str, hidden: int, inter: int, bias: bool = False) -> None:
@@ -195,7 +220,10 @@ def _llama_like(c: _Cfg, e: _Emitter) -> None:
             e.norm(f"{p}.pre_feedforward_layernorm", hidden)
             e.norm(f"{p}.post_feedforward_layernorm", hidden)
 
+    if fam in ("gemma", "gemma2"):  # GemmaTextScaledWordEmbedding's sqrt(hidden) scale, a 0-d buffer
+        e.buffer("model.embed_tokens.embed_scale")
     _decoder(c, e, layer)
+    e.rotary("model.rotary_emb", _rope_dim(c, c.head_dim()))
 
 
 def _mixtral(c: _Cfg, e: _Emitter) -> None:
@@ -209,6 +237,7 @@ def _mixtral(c: _Cfg, e: _Emitter) -> None:
         e.norm(f"{p}.post_attention_layernorm", hidden)
 
     _decoder(c, e, layer)
+    e.rotary("model.rotary_emb", _rope_dim(c, c.head_dim()))
 
 
 def _qwen_moe(c: _Cfg, e: _Emitter) -> None:
@@ -235,6 +264,7 @@ def _qwen_moe(c: _Cfg, e: _Emitter) -> None:
         e.norm(f"{p}.post_attention_layernorm", hidden)
 
     _decoder(c, e, layer)
+    e.rotary("model.rotary_emb", _rope_dim(c, c.head_dim()))
 
 
 def _deepseek_v3(c: _Cfg, e: _Emitter) -> None:
@@ -260,6 +290,7 @@ def _deepseek_v3(c: _Cfg, e: _Emitter) -> None:
         if i >= first_dense:  # DeepseekV3MoE: experts, gate (router), shared_experts
             _experts(e, f"{p}.mlp.experts", n_routed, hidden, moe_inter)
             e.param(f"{p}.mlp.gate.weight", n_routed, hidden)
+            e.buffer(f"{p}.mlp.gate.e_score_correction_bias", n_routed)  # DeepseekV3TopkRouter's, fp32
             _gated_mlp(e, f"{p}.mlp.shared_experts", hidden, moe_inter * n_shared)
         else:
             _gated_mlp(e, f"{p}.mlp", hidden, c.pos("intermediate_size"))
@@ -267,6 +298,7 @@ def _deepseek_v3(c: _Cfg, e: _Emitter) -> None:
         e.norm(f"{p}.post_attention_layernorm", hidden)
 
     _decoder(c, e, layer)
+    e.rotary("model.rotary_emb", _rope_dim(c, rope))
 
 
 def _phi3(c: _Cfg, e: _Emitter) -> None:
@@ -282,6 +314,7 @@ def _phi3(c: _Cfg, e: _Emitter) -> None:
         e.norm(f"{p}.post_attention_layernorm", hidden)
 
     _decoder(c, e, layer)
+    e.rotary("model.rotary_emb", _rope_dim(c, hd))
 
 
 def _gpt2(c: _Cfg, e: _Emitter) -> None:
@@ -325,6 +358,7 @@ def _gpt_neox(c: _Cfg, e: _Emitter) -> None:
     e.norm("gpt_neox.final_layer_norm", hidden, bias=True)
     if not tied:
         e.linear("lm_head", hidden, vocab)
+    e.rotary("gpt_neox.rotary_emb", _rope_dim(c, hidden // c.pos("num_attention_heads")))
 
 
 def _falcon(c: _Cfg, e: _Emitter) -> None:
@@ -364,6 +398,7 @@ def _falcon(c: _Cfg, e: _Emitter) -> None:
     e.norm("transformer.ln_f", hidden, bias=True)
     if not tied:
         e.linear("lm_head", hidden, vocab)
+    e.rotary("transformer.rotary_emb", _rope_dim(c, hd))  # FalconModel makes it with ALiBi too (unused then)
 
 
 BUILDERS: dict[str, Callable[[_Cfg, _Emitter], None]] = {
@@ -398,4 +433,4 @@ def build_analytic(config: Mapping[str, Any], model_name: str, source: str) -> P
     e = _Emitter(config_dtype(config))
     BUILDERS[family](c, e)
     return ParamInventory(model_name=model_name, source=source, builder="analytic", family=family,
-                          tensors=tuple(e.tensors), dims=model_dims(config))
+                          tensors=tuple(e.tensors), dims=model_dims(config), buffers=tuple(e.buffers))

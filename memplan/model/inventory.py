@@ -132,6 +132,21 @@ class ParamInventory:
     keep_fp32_modules: tuple[str, ...] = ()
     #: the module paths --freeze froze (model/freeze.py): their parameters are not trainable
     frozen_paths: tuple[str, ...] = ()
+    #: the model's buffers (named_buffers: persistent or not, M2M100's sinusoidal position tables, the rotary
+    #: inv_freq), in module order, floating ones as built in fp32. On the device whole on every rank under every
+    #: strategy: DDP broadcasts them, FSDP (fully_shard's _move_states_to_device; FSDP1 does not flatten them)
+    #: and ZeRO-3 (zero.Init partitions parameters only) keep them whole, and offload moves parameters only
+    buffers: tuple[ParamTensor, ...] = ()
+
+    def buffer_bytes(self, half: bool) -> int:
+        """Bytes of the buffers on a rank: floating ones in 16 bits where the model is converted to or loaded in a
+        half dtype (``half``: Recipe.half_buffers; Module._apply casts floating buffers with the parameters), the
+        others (int64 position_ids, bool masks) as built."""
+        return sum(self.buffer_sizes(half))
+
+    def buffer_sizes(self, half: bool) -> tuple[int, ...]:
+        """Each buffer's bytes on a rank, in order (buffer_bytes)."""
+        return tuple(t.numel * 2 if half and t.dtype == "float32" else t.nbytes for t in self.buffers)
 
     @cached_property
     def numels(self) -> tuple[int, ...]:

@@ -78,20 +78,30 @@ def inventory_from_module(model: Any, *, model_name: str, source: str, family: s
         if key in seen:
             tensors[seen[key]]["tied_names"] += (name,)
             continue
-        owner, parts = ROOT_BLOCK, name.split(".")
-        for i in range(len(parts) - 1, 0, -1):
-            prefix = ".".join(parts[:i])
-            if prefix in blocks:
-                owner = prefix
-                break
+        owner = _owner(name, blocks)
         seen[key] = len(tensors)
         tensors.append({"name": name, "shape": tuple(int(s) for s in p.shape),
                         "dtype": dtype or str(p.dtype).removeprefix("torch."), "block": owner,
                         "category": classify(name), "tied_names": (), "layer": kinds.get(name.rpartition(".")[0], "")})
     keep = tuple(sorted(getattr(model, "_keep_in_fp32_modules", None) or ()))
+    # floating buffers as a job builds them, in fp32 (transformers' default dtype; from_config here follows the
+    # config's torch_dtype), and converted with the parameters by the recipe (ParamInventory.buffer_bytes)
+    buffers = tuple(ParamTensor(name, tuple(int(s) for s in b.shape),
+                                "float32" if b.is_floating_point() else str(b.dtype).removeprefix("torch."),
+                                _owner(name, blocks), classify(name)) for name, b in model.named_buffers())
     return ParamInventory(model_name=model_name, source=source, builder="meta", family=family,
                           tensors=tuple(ParamTensor(**t) for t in tensors), notes=notes, dims=dict(dims or {}),
-                          keep_fp32_modules=keep)
+                          keep_fp32_modules=keep, buffers=buffers)
+
+
+def _owner(name: str, blocks: set[str]) -> str:
+    """The block a parameter or buffer of this name belongs to: its nearest enclosing block, else the root."""
+    parts = name.split(".")
+    for i in range(len(parts) - 1, 0, -1):
+        prefix = ".".join(parts[:i])
+        if prefix in blocks:
+            return prefix
+    return ROOT_BLOCK
 
 
 def hf_config(config: Mapping[str, Any], model_name: str = "model") -> Any:
@@ -215,6 +225,14 @@ def meta_model(config: Mapping[str, Any], model_name: str = "model") -> Any:
         raise ModelSourceError(f"building {model_name} needs torch and transformers ({exc})") from exc
     cfg = hf_config(config, model_name)
     classes = []
+    from memplan.model import tasks
+
+    if tasks.task_of(config) == tasks.SEQ2SEQ:
+        # the class the job trains (AutoModelForSeq2SeqLM's, as tasks.build makes it for the trace and the
+        # harness), not a headless BartModel: its parameters' names and its buffers (final_logits_bias) are the job's
+        cls = getattr(transformers, tasks.seq2seq_class(config), None)
+        if cls is not None:
+            classes.append(cls._from_config)
     for arch in config.get("architectures") or []:
         cls = getattr(transformers, arch, None)
         if cls is not None:

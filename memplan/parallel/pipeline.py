@@ -154,7 +154,9 @@ def stage_inventory(inv: ParamInventory, chunks: list[Chunk]) -> ParamInventory:
             tensors.append(replace(t, tied_names=()) if not first else t)
     dims = dict(inv.dims)
     dims["num_layers"] = max(len(c.layers) for c in chunks)
-    return replace(inv, tensors=tuple(tensors), dims=dims)
+    # buffers: its blocks' own, and the root's on every stage (the rotary embedding each stage's model part keeps)
+    buffers = tuple(b for b in inv.buffers if b.block == ROOT_BLOCK or names[b.block] in keep)
+    return replace(inv, tensors=tuple(tensors), dims=dims, buffers=buffers)
 
 
 @dataclass(frozen=True)

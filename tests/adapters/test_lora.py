@@ -82,18 +82,20 @@ def test_model_states_follow_the_trainable_parameters(inventories, strategy, gpu
     p = accounting.estimate(inv, s)
     rc, n = s.recipe, accounting.shard_group_size(s)
     trainable = [t for t in inv.tensors if t.trainable]
+    buffers = inv.buffer_bytes(rc.half_buffers)  # the model's buffers (rotary inv_freq), whole on every rank
     if strategy in ("single", "ddp", "zero-optimizer"):
-        assert p.peak.weights_bytes == rc.param_bytes * inv.num_params
+        assert p.peak.weights_bytes == rc.param_bytes * inv.num_params + buffers
     if strategy in ("single", "ddp"):
         assert p.peak.optimizer_states_bytes == 2 * rc.state_bytes * inv.trainable_params
     if strategy in ("fsdp-full", "hsdp"):
         dim0 = sum(-(-t.shape[0] // n) * (t.numel // t.shape[0]) for t in trainable)
         assert p.peak.optimizer_states_bytes == 2 * 4 * dim0
-        assert p.peak.weights_bytes == 4 * sum(-(-t.shape[0] // n) * (t.numel // t.shape[0]) for t in inv.tensors)
+        assert p.peak.weights_bytes == 4 * sum(-(-t.shape[0] // n) * (t.numel // t.shape[0]) for t in inv.tensors) \
+            + buffers
     if strategy == "zero2":
         # DeepSpeed flattens the trainable parameters only; the frozen ones stay whole bf16 module parameters
         flat = -(-inv.trainable_params // (2 * n)) * 2 * n
-        assert p.peak.weights_bytes == 2 * (flat + inv.num_params - inv.trainable_params)
+        assert p.peak.weights_bytes == 2 * (flat + inv.num_params - inv.trainable_params) + buffers
         assert p.peak.optimizer_states_bytes == 2 * 4 * (flat // n)
         assert p.peak.master_weights_bytes == 4 * (flat // n)
     if strategy == "zero3":
@@ -259,7 +261,8 @@ def test_qlora_model_states(inventories):
         p = accounting.estimate(inv, s)
         float_numel = accounting.layouts.layout_sizes(inv, s.strategy.layout, gpus, 0).shard_numel \
             if strategy == "zero2" else inv.num_params
-        assert p.peak.weights_bytes == s.recipe.param_bytes * float_numel + inv.quantized_bytes
+        assert p.peak.weights_bytes == s.recipe.param_bytes * float_numel + inv.quantized_bytes + \
+            inv.buffer_bytes(s.recipe.half_buffers)
         if strategy != "zero2":  # AdamW's two fp32 states, for the adapters only
             assert p.peak.optimizer_states_bytes == 2 * 4 * inv.trainable_params
 
@@ -383,7 +386,7 @@ def test_adapters_on_a_bf16_base_are_fp32(inventories, strategy, gpus, upcast):
     if upcast:
         p = accounting.estimate(inv, s)
         assert inv.adapter_params == inv.trainable_params == 41_943_040
-        assert p.peak.weights_bytes == 2 * inv.num_params + 2 * inv.adapter_params
+        assert p.peak.weights_bytes == 2 * inv.num_params + 2 * inv.adapter_params + inv.buffer_bytes(True)
         assert p.peak.optimizer_states_bytes == 2 * 4 * inv.trainable_params
         assert (s.recipe.grad_bytes, s.recipe.state_bytes) == (4, 4)
 
@@ -430,5 +433,6 @@ def test_zero3_qlora_partitions_the_packed_weights(inventories):
     inv = lora.apply(inventories("llama-3-8b"), spec)
     one, eight = (accounting.estimate(inv, options.resolve(inv, JobRequest.of(
         gpus=g, stage=3, lora=spec, activations="analytic")).settings).peak.weights_bytes for g in (1, 8))
-    assert one == 2 * inv.num_params + inv.quantized_bytes
+    # the rotary buffers stay fp32: DeepSpeed casts parameters only (Recipe.casts_buffers)
+    assert one == 2 * inv.num_params + inv.quantized_bytes + inv.buffer_bytes(False)
     assert inv.quantized_bytes + (one - inv.quantized_bytes) // 8 <= eight < one // 6

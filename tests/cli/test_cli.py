@@ -24,7 +24,8 @@ def test_estimate_json_schema_v1():
     d = json.loads(r.stdout)
     assert d["schema_version"] == 1
     assert d["model"] == {"name": "llama-2-7b", "source": "preset llama-2-7b (alias llama-7b)",
-                          "num_params": 6738415616, "family": "llama", "task": "causal-lm"}
+                          "num_params": 6738415616, "family": "llama", "task": "causal-lm",
+                          "buffers_bytes": 512}  # inv_freq and original_inv_freq, fp32 (DeepSpeed leaves buffers)
     assert d["strategy"]["name"] == "zero3" and d["cluster"]["gpus"] == 8
     pg = d["per_gpu"]
     for k in ("weights_bytes", "master_weights_bytes", "grads_bytes", "optimizer_states_bytes",

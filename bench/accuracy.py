@@ -26,6 +26,7 @@ LLAMA = ("llama-7b", dict(layers=2, hidden=256, vocab=2048))  # GQA-free llama b
 LLAMA_BIGVOCAB = ("llama-7b", dict(layers=2, hidden=256, vocab=32000))  # the root larger than a block
 GPT2 = ("gpt2", dict(layers=2, hidden=256, vocab=2048))  # tied embeddings, LayerNorm + GELU MLP
 LLAMA3 = ("llama-3-8b", dict(layers=2, hidden=512, vocab=2048))  # GQA (4 query heads per kv head)
+LLAMA3_4 = ("llama-3-8b", dict(layers=4, hidden=512, vocab=2048))
 LLAMA4 = ("llama-7b", dict(layers=4, hidden=256, vocab=2048))  # more blocks: retention and prefetch matter
 LLAMA8 = ("llama-7b", dict(layers=8, hidden=256, vocab=2048))  # pp 4 with two stages per rank: 8 stages
 LLAMA_WIDE = ("llama-7b", dict(layers=2, hidden=512, vocab=128))
@@ -540,6 +541,21 @@ def lora_cases() -> list[tuple]:
          {}, "full"),
         ("qlora nf4 c_attn single", GPT2, dict(strategy="single", gpus=1, lora=LoraSpec(rank=8, quantize="nf4")),
          {}, {}, "full"),
+        # session 38: FSDP1 under PEFT's units (each adapter its own FlatParameter, as the HF Trainer wraps it)
+        ("lora q,v fsdp1 full, fp32", LLAMA3, dict(strategy="fsdp-full", precision="fp32", lora=qv), {},
+         dict(fsdp_version=1), "none"),
+        ("lora all-linear fsdp1 full, pure-bf16", LLAMA3, dict(strategy="fsdp-full", precision="pure-bf16", lora=lin),
+         {}, dict(fsdp_version=1), "none"),
+        ("lora all-linear fsdp1 full, pure-bf16", LLAMA3, dict(strategy="fsdp-full", precision="pure-bf16", lora=lin),
+         {}, dict(fsdp_version=1), "full"),
+        ("lora q,v fsdp1 grad-op, fp32, 4 blocks", LLAMA3_4, dict(strategy="fsdp-grad-op", precision="fp32", lora=qv),
+         {}, dict(fsdp_version=1), "none"),
+        ("lora q,v fsdp1 full, fp32, 4 blocks", LLAMA3_4, dict(strategy="fsdp-full", precision="fp32", lora=qv),
+         {}, dict(fsdp_version=1), "none"),
+        ("qlora nf4 dq all-linear fsdp1 full, bf16 storage, pure-bf16", LLAMA3, dict(
+            strategy="fsdp-full", precision="pure-bf16", lora=replace(lin, quantize="nf4", double_quant=True,
+                                                                      quant_storage="bfloat16")),
+         {}, dict(fsdp_version=1), "none"),
         # session 35: LoRA with each block compiled (--compile blocks)
         ("lora q,v single, compile blocks", LLAMA3, dict(strategy="single", gpus=1, compile="blocks", lora=qv), {}, {},
          "none"),

@@ -645,6 +645,52 @@ def _buffers_note(inv: ParamInventory, s: Settings) -> list[str]:
             "on every GPU and counted with the weights: buffers are not parameters, so no strategy shards them"]
 
 
+def _fsdp1_lora(inv: ParamInventory, s: Settings) -> list[str]:
+    """FSDP1 (use_orig_params=False) under PEFT: the HF Trainer wraps with PEFT's fsdp_auto_wrap_policy
+    (model/wrap_units.py peft_policy) whatever the job's policy, and a FlatParameter must not mix frozen and
+    trainable parameters (_flat_param.py _validate_tensors_to_flatten: "Must flatten tensors with uniform
+    requires_grad when use_orig_params=False")."""
+    from memplan.model import wrap_units
+
+    if s.torch.fsdp_wrap != "block":
+        raise SettingsError(f"--fsdp-wrap {s.torch.fsdp_wrap} with LoRA under FSDP1: the HF Trainer replaces the "
+                            "auto-wrap policy with PEFT's fsdp_auto_wrap_policy for a PEFT model (each block, and "
+                            "each adapter on its own); leave --fsdp-wrap at block")
+    if s.recipe.grad_bytes != s.recipe.param_bytes:
+        # measured (torch 2.13, PEFT 0.21, 2 gloo ranks): PEFT casts each adapter's input to its lora_A.weight's
+        # dtype (tuners_utils.py _cast_input_dtype), which FSDP1 shows as the stored flat parameter's until the
+        # unit unshards it in MixedPrecision's param_dtype: "expected m1 and m2 to have the same dtype"
+        raise SettingsError(f"--precision {s.recipe.name} with LoRA under FSDP1: PEFT casts each adapter's input "
+                            "to the dtype its FlatParameter is stored in, and MixedPrecision then computes in "
+                            "another (runs need torch.autocast beside it, as Accelerate adds: not modelled); "
+                            "--precision fp32 or pure-bf16 (FSDP-QLoRA: a bf16 model, --quant-storage bfloat16), "
+                            "or --fsdp-version 2")
+    mixed = wrap_units.mixed_unit(wrap_units.with_units(inv, wrap_units.peft_policy(inv)))
+    if mixed is not None:
+        unit, frozen, trainable = mixed
+        raise SettingsError(f"FSDP1 unit {unit} would flatten frozen {frozen} with trainable {trainable}: "
+                            "use_orig_params=False needs uniform requires_grad (a trainable bias, lora bias "
+                            "'all' or 'lora_only', on a frozen layer); --fsdp-version 2 (fully_shard) takes it")
+    return ["FSDP1 under PEFT: PEFT's fsdp_auto_wrap_policy, as the HF Trainer sets it (each block one frozen "
+            "FlatParameter, each lora_A / lora_B its own trainable one). Two upper bounds: a block's adapters are "
+            "reduced together at its backward's end (FSDP1 reduces each as its own backward ends), and the block "
+            "before is counted gathered through a block's whole backward (FSDP1's backward prefetch reaches it only "
+            "at the block's first adapter, late in that backward)"]
+
+
+def _fsdp1_frozen(units: ParamInventory) -> None:
+    """--freeze under FSDP1: each FlatParameter frozen or trainable as a whole (use_orig_params=True would take a
+    mixed one, its gradient covering the frozen part too: not modelled)."""
+    from memplan.model import wrap_units
+
+    mixed = wrap_units.mixed_unit(units)
+    if mixed is not None:
+        unit, frozen, trainable = mixed
+        raise SettingsError(f"FSDP1 unit {unit} holds frozen {frozen} beside trainable {trainable}: a FlatParameter "
+                            "that mixes them is not modelled (use_orig_params=True gives it a gradient of its whole "
+                            "size); --fsdp-version 2 (fully_shard) is")
+
+
 def _with_lora(config: dict[str, Any] | None, inv: ParamInventory, s: Settings, spec: Any,
                notes: list[str]) -> dict[str, Any] | None:
     """LoRA's checks and notes; the config the traced step adds the same adapters from."""
@@ -655,6 +701,8 @@ def _with_lora(config: dict[str, Any] | None, inv: ParamInventory, s: Settings, 
         raise SettingsError(why)
     if not inv.frozen:
         raise SettingsError("internal: a LoRA job needs the adapted inventory (memplan.model.lora.apply)")
+    if s.strategy.memory_model == "fsdp1":
+        notes.extend(_fsdp1_lora(inv, s))
     notes.extend(spec.notes)
     stored = "4-bit (below)" if spec.quantize else "as the recipe stores parameters"
     notes.append(f"{spec.describe()} ({spec.source}): frozen base weights stored {stored}, "
@@ -1076,6 +1124,8 @@ def resolve(inv: ParamInventory, request: JobRequest, *, config: dict[str, Any] 
         settings = _with_z3_leaves(settings, inv, config, notes)
     if lora is not None:
         config = _with_lora(config, inv, settings, lora, notes)
+    elif inv.frozen and strat.memory_model == "fsdp1":
+        _fsdp1_frozen(frameworks.model(strat.memory_model).units(inv, settings))
     notes.extend(_dim0_padding_note(inv, settings))
     notes.extend(_buffers_note(inv, settings))
     if any(len(t.shape) >= 4 for t in inv.tensors):  # Conv2d/Conv3d kernels: a small CNN, -10.6% on CPU

@@ -56,6 +56,17 @@ class FlatUnit:
     param_bytes: tuple[int, ...]  #: each parameter's bytes as moved to the device (the stored dtype)
     numel: int  #: the flat parameter's elements (unpadded)
     shard: int  #: elements of each rank's padded shard (the whole flat parameter under NO_SHARD)
+    #: the FlatParameters among them that require grad, (elements, shard elements) each: the unit itself where
+    #: nothing is frozen; under LoRA (PEFT's units) a block's adapters, its frozen FlatParameter none
+    trained: tuple[tuple[int, int], ...] | None = None
+
+    @property
+    def grad_numel(self) -> int:
+        return self.numel if self.trained is None else sum(n for n, _ in self.trained)
+
+    @property
+    def grad_shard(self) -> int:
+        return self.shard if self.trained is None else sum(sh for _, sh in self.trained)
 
 
 @dataclass(frozen=True)
@@ -212,11 +223,19 @@ class _MicroStep:
             self.run.free(self.device_shard.pop(i))
 
     def post_backward(self, i: int) -> None:
+        """The unit's trainable FlatParameters' post-backward hooks (counted together, as one of their summed
+        sizes); a frozen one is resharded only (_register_post_backward_reshard_only_hook)."""
         run, fs, u = self.run, self.fs, self.units[i]
         views = self.grads_of.pop(i, [])
         if not u.numel:
             return
-        flat = run.alloc(u.numel * fs.unshard)  # the split's backward: torch.cat of the view gradients
+        if not u.grad_numel:
+            for k in views:
+                run.free(k)
+            self.reshard(i, free=True)
+            return
+        numel, shard = u.grad_numel, u.grad_shard
+        flat = run.alloc(numel * fs.unshard)  # the split's backward: torch.cat of the view gradients
         for k in views:
             run.free(k)
         held = self.saved.get(i)
@@ -226,7 +245,7 @@ class _MicroStep:
             self.reshard(i, free=False)
             return
         self.reshard(i, free=True)
-        cast = run.alloc(u.numel * fs.reduce, stream=POST_BACKWARD) if fs.reduce != fs.unshard else None
+        cast = run.alloc(numel * fs.reduce, stream=POST_BACKWARD) if fs.reduce != fs.unshard else None
         if not fs.sharded:
             if cast is not None:
                 run.free(flat)
@@ -234,9 +253,9 @@ class _MicroStep:
             else:
                 self.saved[i] = flat
             return
-        padded = u.shard * fs.world
-        pad = run.alloc(padded * fs.reduce, stream=POST_BACKWARD) if padded != u.numel else None
-        new = run.alloc(u.shard * fs.reduce, stream=POST_BACKWARD)
+        padded = shard * fs.world
+        pad = run.alloc(padded * fs.reduce, stream=POST_BACKWARD) if padded != numel else None
+        new = run.alloc(shard * fs.reduce, stream=POST_BACKWARD)
         if held is None:
             self.saved[i] = new
         if cast is not None:
@@ -263,7 +282,9 @@ class _MicroStep:
         elif kind == "B" and 0 <= blk < self.nblocks:
             self.unshard(blk)
             if blk >= 1:
-                self.unshard(blk - 1)  # BACKWARD_PRE's prefetch
+                # BACKWARD_PRE's prefetch (under PEFT's units FSDP1 prefetches it later, at the block's first
+                # adapter's backward: frameworks/fsdp1.py, an upper bound)
+                self.unshard(blk - 1)
             self.pending = blk
 
     def forward_returned(self) -> None:
@@ -276,6 +297,15 @@ class _MicroStep:
         self.unshard(ROOT)
         if self.nblocks:
             self.unshard(self.nblocks - 1)
+
+
+def _flats(ts: list[Any]) -> list[int]:
+    """Elements of each FlatParameter among ``ts`` (ParamTensor.unit, else the block: PEFT's units put each adapter
+    in its own)."""
+    out: dict[str, int] = {}
+    for t in ts:
+        out[t.unit or t.block] = out.get(t.unit or t.block, 0) + t.numel
+    return list(out.values())
 
 
 def why_not(s: Any) -> str | None:
@@ -299,14 +329,23 @@ def replay(inv: Any, s: Any, config: AllocatorConfig) -> tuple[str, dict[str, Al
 
     def unit(ts: list[Any]) -> FlatUnit:
         numel = sum(t.numel for t in ts)
+        trained = None
+        if inv.frozen:  # each FlatParameter (ParamTensor.unit, else the block) that requires grad
+            flats: dict[str, int] = {}
+            for t in ts:
+                if t.trainable:
+                    flats[t.unit or t.block] = flats.get(t.unit or t.block, 0) + t.numel
+            trained = tuple((x, ceil_div(x, world)) for x in flats.values())
         return FlatUnit(params=tuple(position[t.name] for t in ts),
                         param_bytes=tuple(t.numel * rc.param_bytes for t in ts), numel=numel,
-                        shard=ceil_div(numel, world))
+                        shard=sum(ceil_div(x, world) for x in _flats(ts)), trained=trained)
     block_ts, root_ts, _, _ = unit_tensors(inv, s)
     blocks = [unit(ts) for ts in block_ts]
     root = unit(root_ts)
     fs = Fsdp1Setup(world=world, stored=rc.param_bytes, unshard=rc.grad_bytes, reduce=rc.reduced_grad_bytes,
                     reshard_after_forward=world > 1 and reshards_after_forward(s), offload=bool(s.torch.cpu_offload))
-    # fsdp.parameters(): the root's flat parameter first (registered on the wrapped model), then the blocks'
-    job = replay_job(inv, s, [u.shard for u in (root, *blocks) if u.numel])
+    # fsdp.parameters(): the root's flat parameter first (registered on the wrapped model), then the blocks'; the
+    # optimizer steps those that require grad
+    job = replay_job(inv, s, [sh for u in (root, *blocks) for sh in
+                              ([u.shard] if u.trained is None else [sh for _, sh in u.trained]) if sh])
     return "FSDP1", {"": replay_fsdp1(job, blocks, root, fs, config)}

@@ -409,6 +409,8 @@ def _setup_fsdp1(spec: dict[str, Any], device: Any) -> tuple[Any, Any, Any]:
     world = dist.get_world_size()
     shard = spec["shard_size"]
     model = _build_model(spec, on_meta=False)
+    if spec["recipe"] == "pure-bf16" and not (spec.get("lora") or {}).get("quantize"):
+        model = model.to(torch.bfloat16)  # model.to(bfloat16), no MixedPrecision (a QLoRA base is loaded so)
     mp = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
         if spec["recipe"] == "fsdp-bf16" else None
     if shard == 1:
@@ -431,10 +433,17 @@ def _setup_fsdp1(spec: dict[str, Any], device: Any) -> tuple[Any, Any, Any]:
     # prefetch, limit_all_gathers; the harness's blocks are those of _no_split_modules
     # ("none": no auto-wrap policy, one FlatParameter for the whole model, the root's)
     # ("size:N": torch's size_based_auto_wrap_policy with min_num_params=N, as Accelerate's SIZE_BASED_WRAP sets it)
+    # (LoRA: PEFT's fsdp_auto_wrap_policy, which the HF Trainer puts in place of the job's for a PEFT model:
+    # transformers/distributed/fsdp.py update_fsdp_plugin_peft; each lora_A / lora_B its own FlatParameter)
     wrap = spec.get("fsdp_wrap", "block")
-    policy = ModuleWrapPolicy({type(b) for b in _blocks(model)}) if wrap == "block" \
-        else _size_policy(wrap) if wrap.startswith("size:") \
-        else ModuleWrapPolicy(_classes(model, wrap)) if wrap.startswith("class:") else None
+    if spec.get("lora"):
+        from peft.utils.other import fsdp_auto_wrap_policy
+
+        policy = fsdp_auto_wrap_policy(model)
+    else:
+        policy = ModuleWrapPolicy({type(b) for b in _blocks(model)}) if wrap == "block" \
+            else _size_policy(wrap) if wrap.startswith("size:") \
+            else ModuleWrapPolicy(_classes(model, wrap)) if wrap.startswith("class:") else None
     fsdp = FSDP(model, auto_wrap_policy=policy,
                 sharding_strategy=strategy, mixed_precision=mp, device_id=device, use_orig_params=False, **kw)
     opt = _torch_optimizer(spec, fsdp.parameters())

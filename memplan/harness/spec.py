@@ -75,7 +75,7 @@ def ds_config(s: Settings) -> dict[str, Any]:
 _HARNESS_RECIPES = {"deepspeed": ("deepspeed-bf16", "deepspeed-fp16", "torch-amp", "fp32"),
                     "torch-ddp": ("torch-amp", "fp32", "pure-bf16", "bf16-autocast", "fp16-bf16-autocast"),
                     "torch": ("torch-amp", "fp32", "pure-bf16", "bf16-autocast", "fp16-bf16-autocast"),
-                    "fsdp2": ("fsdp-bf16", "torch-amp", "fp32", "pure-bf16"), "fsdp1": ("fsdp-bf16", "torch-amp", "fp32")}
+                    "fsdp2": ("fsdp-bf16", "torch-amp", "fp32", "pure-bf16"), "fsdp1": ("fsdp-bf16", "torch-amp", "fp32", "pure-bf16")}
 
 
 #: torch.optim's, transformers' Adafactor, bitsandbytes' AdamW8bit (harness/setup.py _torch_optimizer)

@@ -165,10 +165,37 @@ def policy_of(s) -> int | frozenset[str] | None:
     return None
 
 
+def peft_policy(inv: ParamInventory) -> frozenset[str]:
+    """The units of PEFT's fsdp_auto_wrap_policy (peft/utils/other.py), which the HF Trainer puts in place of the
+    job's auto-wrap policy for a PEFT model (transformers/distributed/fsdp.py update_fsdp_plugin_peft): the
+    transformer blocks (the model's _no_split_modules classes), and every leaf module whose ``weight`` requires grad
+    (each LoRA lora_A / lora_B, a modules_to_save copy) as a unit of its own, so that no FlatParameter mixes frozen
+    and trainable parameters (FSDP1 with use_orig_params=False requires that)."""
+    blocks = {t.block for t in inv.tensors if t.block != ROOT_BLOCK}
+    leaves = {t.module for t in inv.tensors if t.trainable and t.name.endswith(".weight")}
+    return frozenset(blocks | leaves)
+
+
+def mixed_unit(inv: ParamInventory) -> tuple[str, str, str] | None:
+    """A unit of ``inv`` (its units set) holding both frozen and trainable parameters: (unit, a frozen tensor, a
+    trainable one), or None."""
+    seen: dict[str, list[str]] = {}
+    for t in inv.tensors:
+        row = seen.setdefault(t.unit or t.block, ["", ""])
+        row[1 if t.trainable else 0] = row[1 if t.trainable else 0] or t.name
+    for unit, (frozen, trainable) in seen.items():
+        if frozen and trainable:
+            return unit.removesuffix("<root>") or "the root", frozen, trainable
+    return None
+
+
 def units_for(inv: ParamInventory, s) -> ParamInventory:
     """FrameworkModel.units for FSDP1 and FSDP2: the units of ``--fsdp-wrap size:N`` or ``class:...``, else ``inv``
-    (the blocks and the root are the units). Cached per inventory: the planner asks for every configuration."""
+    (the blocks and the root are the units); under FSDP1, a LoRA model gets PEFT's units
+    (peft_policy). Cached per inventory: the planner asks for every configuration."""
     policy = policy_of(s)
+    if policy is None and s.torch.fsdp_version == 1 and inv.adapter_params:
+        policy = peft_policy(inv)
     if policy is None:
         return inv
     key = (id(inv), policy, s.torch.fsdp_version)

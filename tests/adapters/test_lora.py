@@ -268,9 +268,10 @@ def test_qlora_model_states(inventories):
 
 
 @pytest.mark.parametrize("strategy", ["zero3", "fsdp-full-v1"])
-def test_qlora_under_zero3_and_fsdp1_is_refused(inventories, strategy):
-    # ZeRO-3 partitions every parameter: a uint8 storage is refused (a float one is modelled); FSDP1: no LoRA
-    spec = lora.LoraSpec(rank=8, quantize="nf4", quant_storage="uint8" if strategy == "zero3" else "bfloat16")
+def test_qlora_uint8_under_zero3_and_fsdp1_is_refused(inventories, strategy):
+    # ZeRO-3 partitions every parameter, FSDP1 flattens a block's into one dtype: a uint8 storage is refused (a
+    # float one is modelled)
+    spec = lora.LoraSpec(rank=8, quantize="nf4", quant_storage="uint8")
     inv = lora.apply(inventories("llama-3-8b"), spec)
     kw = dict(strategy="fsdp-full", fsdp_version=1) if strategy == "fsdp-full-v1" else dict(strategy=strategy)
     with pytest.raises(SettingsError, match="FSDP1|ZeRO-3"):
@@ -436,3 +437,53 @@ def test_zero3_qlora_partitions_the_packed_weights(inventories):
     # the rotary buffers stay fp32: DeepSpeed casts parameters only (Recipe.casts_buffers)
     assert one == 2 * inv.num_params + inv.quantized_bytes + inv.buffer_bytes(False)
     assert inv.quantized_bytes + (one - inv.quantized_bytes) // 8 <= eight < one // 6
+
+
+def test_fsdp1_takes_pefts_units(inventories):
+    """FSDP1 under PEFT (transformers' update_fsdp_plugin_peft: peft's fsdp_auto_wrap_policy): each block one frozen
+    FlatParameter, each lora_A / lora_B its own; every FlatParameter padded to the shard group on its own, the
+    optimizer stepping the adapters' shards only. Measured with the harness (docs/accuracy-lora.md, fsdp1 rows:
+    weights and optimizer states exact)."""
+    from memplan.layouts import round_up
+    from memplan.model import wrap_units
+
+    spec = lora.LoraSpec(rank=16, targets=("q_proj", "v_proj"))
+    inv = lora.apply(inventories("llama-3-8b"), spec)
+    n = 4
+    s = _settings(inv, spec, "fsdp-full", n, precision="fp32", fsdp_version=1)
+    units = wrap_units.units_for(inv, s)
+    adapters = [t for t in units.tensors if t.trainable]
+    assert adapters and all(t.unit == t.module for t in adapters)  # each lora_A / lora_B its own unit
+    assert all(t.unit in (t.block, "<root>") for t in units.tensors if not t.trainable)  # the block, or the root
+    flats: dict[str, int] = {}
+    for t in units.tensors:
+        key = t.unit or t.block
+        flats[key] = flats.get(key, 0) + t.numel
+    p = accounting.estimate(inv, s)
+    assert p.peak.weights_bytes == 4 * sum(round_up(x, n) // n for x in flats.values()) + inv.buffer_bytes(False)
+    assert p.peak.optimizer_states_bytes == 2 * 4 * sum(round_up(t.numel, n) // n for t in adapters)
+    # a block's frozen FlatParameter gets no gradient: what backward's end holds is the adapters' reduced shards
+    assert max(x.grads_bytes for x in p.phases) <= 4 * sum(round_up(t.numel, n) // n for t in adapters) + \
+        4 * max(t.numel for t in adapters) * 2 * 32  # plus a block's adapters' unsharded gradients at most
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(precision="fsdp-bf16"), "MixedPrecision"),  # PEFT casts to the stored dtype: needs autocast beside it
+    (dict(precision="fp32", fsdp_wrap="size:1000000"), "fsdp_auto_wrap_policy"),
+    (dict(precision="pure-bf16", quantize=True), "uint8 storage"),  # one dtype per FlatParameter
+])
+def test_fsdp1_lora_refusals(inventories, kw, match):
+    kw = dict(kw)
+    spec = lora.LoraSpec(rank=16, targets="all-linear")
+    if kw.pop("quantize", False):
+        spec = replace(spec, quantize="nf4")
+    inv = lora.apply(inventories("llama-3-8b"), spec)
+    with pytest.raises(SettingsError, match=match):
+        _settings(inv, spec, "fsdp-full", 4, fsdp_version=1, **kw)
+
+
+def test_fsdp1_refuses_a_flat_parameter_mixing_frozen_and_trainable(inventories):
+    spec = lora.LoraSpec(rank=16, targets=("q_proj",), bias="all")  # every bias trains beside frozen weights
+    inv = lora.apply(inventories("qwen2.5-7b"), spec)  # Qwen2's q/k/v biases
+    with pytest.raises(SettingsError, match="uniform requires_grad"):
+        _settings(inv, spec, "fsdp-full", 4, fsdp_version=1, precision="fp32")

@@ -718,6 +718,13 @@ def _with_lora(config: dict[str, Any] | None, inv: ParamInventory, s: Settings, 
         notes.append("LoRA under pure-bf16: adapters taken in bf16; PEFT's default (autocast_adapter_dtype=True) "
                      "upcasts them to fp32, 2 bytes more per adapter element for weights, grads and each state")
     lora_fields = {**spec.trace_fields(), **({"adapter_dtype": "float32"} if s.recipe.adapter_bytes else {})}
+    if spec.quantize and not s.recipe.adapter_bytes:
+        # the adapters next to a 4-bit base compute in the dtype their weights have then (the gradients'): fp32
+        # as PEFT upcasts them, unless the framework casts them to 16 bits (DeepSpeed's engine casts every
+        # parameter, FSDP's MixedPrecision unshards them in its param_dtype) or the job keeps them in bf16
+        # (measured: QLoRA under FSDP2 pure-bf16 and ZeRO-2/3, the adapters' outputs and inputs in bf16)
+        rc = s.recipe
+        lora_fields["adapter_dtype"] = "float32" if rc.grad_bytes == 4 else rc.half_dtype
     return None if config is None else {**config, "lora": lora_fields}
 
 

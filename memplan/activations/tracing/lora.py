@@ -136,16 +136,19 @@ def _quant_classes() -> tuple[Any, Any]:
 
     class LoraLinear4bit(nn.Module):
         """peft/tuners/lora/bnb.py Linear4bit.forward: the base's result cloned ("defensively", as PEFT says),
-        the adapters in their own dtype (fp32: PEFT keeps them as created next to a uint8 weight) unless
+        the adapters in their own dtype (fp32: PEFT keeps them as created next to a uint8 weight; 16-bit where the
+        framework casts them, the trace config's adapter_dtype) unless
         autocast is on (torch.is_autocast_enabled(), CUDA's: off on the CPU harness), their output cast to the
         result's dtype and added."""
 
-        def __init__(self, base: nn.Module, r: int, dropout: float, scaling: float, conv1d: bool) -> None:
+        def __init__(self, base: nn.Module, r: int, dropout: float, scaling: float, conv1d: bool,
+                     dtype: Any = None) -> None:
             super().__init__()
             self.base_layer = base
             self.lora_dropout = nn.Dropout(p=dropout) if dropout > 0 else nn.Identity()
-            self.lora_A = nn.Linear(base.in_features, r, bias=False, dtype=torch.float32)
-            self.lora_B = nn.Linear(r, base.out_features, bias=False, dtype=torch.float32)
+            dtype = dtype or torch.float32  # fp32 unless the framework computes them in 16 bits (options.py)
+            self.lora_A = nn.Linear(base.in_features, r, bias=False, dtype=dtype)
+            self.lora_B = nn.Linear(r, base.out_features, bias=False, dtype=dtype)
             self.scaling = scaling
 
         def forward(self, x: Any, *args: Any, **kwargs: Any) -> Any:
@@ -235,7 +238,7 @@ def inject(model: Any, fields: dict[str, Any], family: str) -> int:
         four_bit = _QUANT_CLASSES and isinstance(base, _QUANT_CLASSES["base"])
         conv1d = _layer_kind(base) == "conv1d"
         if four_bit:
-            setattr(parent, leaf, _QUANT_CLASSES["lora"](base, r, spec.dropout, 1.0, conv1d))
+            setattr(parent, leaf, _QUANT_CLASSES["lora"](base, r, spec.dropout, 1.0, conv1d, adapter_dtype))
         else:  # PEFT's fp32 adapters on a bf16 base (get_peft_model's autocast_adapter_dtype)
             setattr(parent, leaf, cls(base, r, spec.dropout, 1.0, conv1d, adapter_dtype))
     return len(chosen)

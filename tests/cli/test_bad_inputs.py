@@ -294,7 +294,15 @@ CASES = [
     ("estimate llama-3-8b --lora-targets q_proj", "without --lora-rank"),
     ("estimate llama-3-8b --lora-rank 8 --lora-targets ,", "--lora-targets is empty"),
     ("estimate mixtral-8x7b --lora-rank 8 --lora-targets all-linear", "fused experts"),
-    ("estimate llama-3-8b --lora-rank 8 --gpus 8 --strategy fsdp-full --fsdp-version 1", "FSDP1 with frozen"),
+    # FSDP1 under PEFT's units: MixedPrecision (fsdp-bf16, its default recipe) needs autocast beside it
+    ("estimate llama-3-8b --lora-rank 8 --gpus 8 --strategy fsdp-full --fsdp-version 1",
+     "--precision fsdp-bf16 with LoRA under FSDP1"),
+    ("estimate llama-3-8b --lora-rank 8 --gpus 8 --strategy fsdp-full --fsdp-version 1 --precision pure-bf16 "
+     "--quantize-base nf4", "uint8 storage"),
+    ("estimate llama-3-8b --lora-rank 8 --gpus 8 --strategy fsdp-full --fsdp-version 1 --precision fp32 "
+     "--fsdp-wrap size:1000000", "fsdp_auto_wrap_policy"),
+    ("estimate llama-3-8b --freeze model.embed_tokens --gpus 8 --strategy fsdp-full --fsdp-version 1",
+     "holds frozen model.embed_tokens.weight beside trainable"),
     ("estimate llama-3-8b --lora-rank 8 --quantize-base int8", "int8 (bitsandbytes LLM.int8"),
     ("estimate llama-3-8b --gpus 8 --strategy fsdp-full --fsdp-wrap blocks",
      "--fsdp-wrap must be one of block, block+embeddings, none"),

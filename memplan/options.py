@@ -1131,7 +1131,7 @@ def resolve(inv: ParamInventory, request: JobRequest, *, config: dict[str, Any] 
         settings = _with_z3_leaves(settings, inv, config, notes)
     if lora is not None:
         config = _with_lora(config, inv, settings, lora, notes)
-    elif inv.frozen and strat.memory_model == "fsdp1":
+    elif inv.frozen_paths and strat.memory_model == "fsdp1":  # --freeze (not LLaVA's unread layers: they require grad)
         _fsdp1_frozen(frameworks.model(strat.memory_model).units(inv, settings))
     notes.extend(_dim0_padding_note(inv, settings))
     notes.extend(_buffers_note(inv, settings))

@@ -280,11 +280,18 @@ def output_module(inv: ParamInventory) -> str | None:
 def apply(inv: ParamInventory, spec: LoraSpec) -> ParamInventory:
     """The inventory as PEFT leaves the model: base parameters frozen (renamed under base_layer where adapted),
     adapters after each adapted layer's own parameters, trainable copies of modules_to_save."""
+    # the user's patterns are matched under the deadline, once per module; the rest runs without it (it is linear
+    # in the tensors, and a slow first import on a loaded machine must not read as a runaway pattern)
     with deadline(REGEX_SECONDS, matching(spec)):
-        return _apply(inv, spec)
+        chosen, saved_set, ranks = _matches(inv, spec)
+    saved = saved_set.__contains__
+    adapted = _apply(inv, spec, chosen, saved, ranks)
+    return quantize_base(adapted, spec, _quantized_modules(inv, spec, saved)) if spec.quantize else adapted
 
 
-def _apply(inv: ParamInventory, spec: LoraSpec) -> ParamInventory:
+def _matches(inv: ParamInventory, spec: LoraSpec) -> tuple[set[str], frozenset[str], dict[str, int]]:
+    """The adapted modules, the modules (tied aliases' among them) modules_to_save names, and each adapted
+    module's rank (rank_pattern)."""
     modules: dict[str, str] = {}
     for t in inv.tensors:
         modules.setdefault(t.module, t.layer)
@@ -292,7 +299,11 @@ def _apply(inv: ParamInventory, spec: LoraSpec) -> ParamInventory:
             modules.setdefault(alias.rpartition(".")[0], t.layer if t.layer != "embedding" else "linear")
     chosen = set(resolve_targets(spec, list(modules.items()), inv.family, output_module(inv)))
     pats = patterns(spec)
-    saved = pats.saved
+    return chosen, frozenset(m for m in modules if pats.saved(m)), {m: pats.rank_for(m) for m in chosen}
+
+
+def _apply(inv: ParamInventory, spec: LoraSpec, chosen: set[str], saved: Any,
+           ranks: dict[str, int]) -> ParamInventory:
 
     by_module: dict[str, list[ParamTensor]] = {}
     for t in inv.tensors:
@@ -307,7 +318,7 @@ def _apply(inv: ParamInventory, spec: LoraSpec) -> ParamInventory:
             if t is by_module[mod][-1]:
                 w = next(x for x in by_module[mod] if x.name.endswith(".weight"))
                 fan_in, fan_out = (w.shape[0], w.shape[1]) if w.layer == "conv1d" else (w.shape[1], w.shape[0])
-                r = pats.rank_for(mod)
+                r = ranks[mod]
                 out.append(ParamTensor(f"{mod}.lora_A.default.weight", (r, fan_in), w.dtype, w.block, w.category,
                                        layer="linear"))
                 out.append(ParamTensor(f"{mod}.lora_B.default.weight", (fan_out, r), w.dtype, w.block, w.category,
@@ -326,8 +337,7 @@ def _apply(inv: ParamInventory, spec: LoraSpec) -> ParamInventory:
     out += tail
     notes = inv.notes + (f"{spec.describe()}: {len(chosen)} adapted layers, "
                          f"{sum(t.numel for t in out if t.trainable):,} trainable parameters",)
-    adapted = replace(inv, tensors=tuple(out), notes=notes)
-    return quantize_base(adapted, spec, _quantized_modules(inv, spec, saved)) if spec.quantize else adapted
+    return replace(inv, tensors=tuple(out), notes=notes)
 
 
 def _quantized_modules(inv: ParamInventory, spec: LoraSpec, saved: Any) -> set[str]:

@@ -56,7 +56,7 @@ def _model_states(job: Job, fw: FrameworkModel, host_by: dict[str, int]) -> tupl
         host_by["weights_bytes"] += weights
         weights = 0
     # the model's buffers, whole on the device under every strategy and offload (ParamInventory.buffers)
-    weights += job.inv.buffer_bytes(rc.half_buffers)
+    weights += job.inv.buffer_bytes(rc.half_buffers, 512 if s.cluster.device == "cuda" else 1)
     return weights, master, states, master_bytes
 
 

@@ -138,11 +138,12 @@ class ParamInventory:
     #: and ZeRO-3 (zero.Init partitions parameters only) keep them whole, and offload moves parameters only
     buffers: tuple[ParamTensor, ...] = ()
 
-    def buffer_bytes(self, half: bool) -> int:
+    def buffer_bytes(self, half: bool, block: int = 1) -> int:
         """Bytes of the buffers on a rank: floating ones in 16 bits where the model is converted to or loaded in a
         half dtype (``half``: Recipe.half_buffers; Module._apply casts floating buffers with the parameters), the
-        others (int64 position_ids, bool masks) as built."""
-        return sum(self.buffer_sizes(half))
+        others (int64 position_ids, bool masks) as built; each rounded up to ``block`` bytes (the CUDA caching
+        allocator's 512-byte blocks: a rotary inv_freq of 64 fp32 takes 512)."""
+        return sum(-(-n // block) * block for n in self.buffer_sizes(half))
 
     def buffer_sizes(self, half: bool) -> tuple[int, ...]:
         """Each buffer's bytes on a rank, in order (buffer_bytes)."""

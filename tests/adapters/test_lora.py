@@ -82,7 +82,7 @@ def test_model_states_follow_the_trainable_parameters(inventories, strategy, gpu
     p = accounting.estimate(inv, s)
     rc, n = s.recipe, accounting.shard_group_size(s)
     trainable = [t for t in inv.tensors if t.trainable]
-    buffers = inv.buffer_bytes(rc.half_buffers)  # the model's buffers (rotary inv_freq), whole on every rank
+    buffers = inv.buffer_bytes(rc.half_buffers, 512)  # the model's buffers (rotary inv_freq), whole on every rank
     if strategy in ("single", "ddp", "zero-optimizer"):
         assert p.peak.weights_bytes == rc.param_bytes * inv.num_params + buffers
     if strategy in ("single", "ddp"):
@@ -262,7 +262,7 @@ def test_qlora_model_states(inventories):
         float_numel = accounting.layouts.layout_sizes(inv, s.strategy.layout, gpus, 0).shard_numel \
             if strategy == "zero2" else inv.num_params
         assert p.peak.weights_bytes == s.recipe.param_bytes * float_numel + inv.quantized_bytes + \
-            inv.buffer_bytes(s.recipe.half_buffers)
+            inv.buffer_bytes(s.recipe.half_buffers, 512)
         if strategy != "zero2":  # AdamW's two fp32 states, for the adapters only
             assert p.peak.optimizer_states_bytes == 2 * 4 * inv.trainable_params
 
@@ -387,7 +387,7 @@ def test_adapters_on_a_bf16_base_are_fp32(inventories, strategy, gpus, upcast):
     if upcast:
         p = accounting.estimate(inv, s)
         assert inv.adapter_params == inv.trainable_params == 41_943_040
-        assert p.peak.weights_bytes == 2 * inv.num_params + 2 * inv.adapter_params + inv.buffer_bytes(True)
+        assert p.peak.weights_bytes == 2 * inv.num_params + 2 * inv.adapter_params + inv.buffer_bytes(True, 512)
         assert p.peak.optimizer_states_bytes == 2 * 4 * inv.trainable_params
         assert (s.recipe.grad_bytes, s.recipe.state_bytes) == (4, 4)
 
@@ -435,7 +435,7 @@ def test_zero3_qlora_partitions_the_packed_weights(inventories):
     one, eight = (accounting.estimate(inv, options.resolve(inv, JobRequest.of(
         gpus=g, stage=3, lora=spec, activations="analytic")).settings).peak.weights_bytes for g in (1, 8))
     # the rotary buffers stay fp32: DeepSpeed casts parameters only (Recipe.casts_buffers)
-    assert one == 2 * inv.num_params + inv.quantized_bytes + inv.buffer_bytes(False)
+    assert one == 2 * inv.num_params + inv.quantized_bytes + inv.buffer_bytes(False, 512)
     assert inv.quantized_bytes + (one - inv.quantized_bytes) // 8 <= eight < one // 6
 
 
@@ -460,7 +460,7 @@ def test_fsdp1_takes_pefts_units(inventories):
         key = t.unit or t.block
         flats[key] = flats.get(key, 0) + t.numel
     p = accounting.estimate(inv, s)
-    assert p.peak.weights_bytes == 4 * sum(round_up(x, n) // n for x in flats.values()) + inv.buffer_bytes(False)
+    assert p.peak.weights_bytes == 4 * sum(round_up(x, n) // n for x in flats.values()) + inv.buffer_bytes(False, 512)
     assert p.peak.optimizer_states_bytes == 2 * 4 * sum(round_up(t.numel, n) // n for t in adapters)
     # a block's frozen FlatParameter gets no gradient: what backward's end holds is the adapters' reduced shards
     assert max(x.grads_bytes for x in p.phases) <= 4 * sum(round_up(t.numel, n) // n for t in adapters) + \

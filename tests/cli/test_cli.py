@@ -25,7 +25,7 @@ def test_estimate_json_schema_v1():
     assert d["schema_version"] == 1
     assert d["model"] == {"name": "llama-2-7b", "source": "preset llama-2-7b (alias llama-7b)",
                           "num_params": 6738415616, "family": "llama", "task": "causal-lm",
-                          "buffers_bytes": 512}  # inv_freq and original_inv_freq, fp32 (DeepSpeed leaves buffers)
+                          "buffers_bytes": 1024}  # inv_freq, original_inv_freq: 256 B fp32 each, 512-byte CUDA blocks
     assert d["strategy"]["name"] == "zero3" and d["cluster"]["gpus"] == 8
     pg = d["per_gpu"]
     for k in ("weights_bytes", "master_weights_bytes", "grads_bytes", "optimizer_states_bytes",

@@ -55,9 +55,14 @@ def _model_states(job: Job, fw: FrameworkModel, host_by: dict[str, int]) -> tupl
     if job.cpu_offload:
         host_by["weights_bytes"] += weights
         weights = 0
-    # the model's buffers, whole on the device under every strategy and offload (ParamInventory.buffers)
-    weights += job.inv.buffer_bytes(rc.half_buffers, 512 if s.cluster.device == "cuda" else 1)
+    weights += device_buffers(job.inv, s)
     return weights, master, states, master_bytes
+
+
+def device_buffers(inv: ParamInventory, s: Settings) -> int:
+    """The model's buffers on a rank: whole under every strategy and offload (ParamInventory.buffers), in the
+    recipe's dtype, each in whole 512-byte blocks on CUDA (the caching allocator's rounding)."""
+    return inv.buffer_bytes(s.recipe.half_buffers, 512 if s.cluster.device == "cuda" else 1)
 
 
 def _gradients(job: Job, fw: FrameworkModel, host_by: dict[str, int]) -> tuple[Grads, OffloadedGrads]:

@@ -64,6 +64,8 @@ def plan_report(plan: Any, sources: dict[str, str] | None = None, notes: tuple[s
     """The schema-v1 JSON object of an estimate (DESIGN.md, Contracts)."""
     from dataclasses import asdict
 
+    from memplan.accounting import device_buffers
+
     s, inv, peak = plan.settings, plan.inventory, plan.peak
     st = s.strategy
     strategy: dict[str, Any] = {"name": st.name, "framework": st.framework, "description": st.description,
@@ -117,7 +119,7 @@ def plan_report(plan: Any, sources: dict[str, str] | None = None, notes: tuple[s
                   "family": inv.family, "task": inv.task,
                   **({"trainable_params": inv.trainable_params} if inv.frozen else {}),
                   **({"frozen": list(inv.frozen_paths)} if inv.frozen_paths else {}),
-                  "buffers_bytes": inv.buffer_bytes(s.recipe.half_buffers, 512 if cluster.device == "cuda" else 1)},
+                  "buffers_bytes": device_buffers(inv, s)},
         "strategy": {**strategy, **({"lora": lora_report(s.lora, inv)} if s.lora is not None else {})},
         "cluster": {"gpus": cluster.gpus, "gpus_per_node": cluster.gpus_per_node,
                     "gpu_memory_bytes": cluster.gpu_memory_bytes, "device": cluster.device},

@@ -329,13 +329,9 @@ def replay(inv: Any, s: Any, config: AllocatorConfig) -> tuple[str, dict[str, Al
 
     def unit(ts: list[Any]) -> FlatUnit:
         numel = sum(t.numel for t in ts)
-        trained = None
-        if inv.frozen:  # each FlatParameter (ParamTensor.unit, else the block) that requires grad
-            flats: dict[str, int] = {}
-            for t in ts:
-                if t.trainable:
-                    flats[t.unit or t.block] = flats.get(t.unit or t.block, 0) + t.numel
-            trained = tuple((x, ceil_div(x, world)) for x in flats.values())
+        # each FlatParameter that requires grad, where some are frozen (a uniform one: options.py refuses a mix)
+        trained = tuple((x, ceil_div(x, world)) for x in _flats([t for t in ts if t.trainable])) \
+            if inv.frozen else None
         return FlatUnit(params=tuple(position[t.name] for t in ts),
                         param_bytes=tuple(t.numel * rc.param_bytes for t in ts), numel=numel,
                         shard=sum(ceil_div(x, world) for x in _flats(ts)), trained=trained)

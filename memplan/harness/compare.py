@@ -85,7 +85,9 @@ def compare(plan: Plan, ranks: tuple[dict[str, Any], ...], tolerance: float) -> 
     # the plan's weights hold the model's buffers; a measurement made before the harness counted them
     # (no buffers_bytes in its record) is compared on the parameters alone
     if worst_row["buffers_bytes"] is None:
-        cats["weights_bytes"]["predicted"] -= plan.inventory.buffer_bytes(plan.settings.recipe.half_buffers)
+        from memplan.accounting import device_buffers
+
+        cats["weights_bytes"]["predicted"] -= device_buffers(plan.inventory, plan.settings)
     else:
         cats["weights_bytes"]["measured"] += worst_row["buffers_bytes"]
     measured_start = max(x["start_bytes"] for x in rows if x["rank"] == worst_row["rank"])

@@ -88,9 +88,14 @@ def attribute(model: Any, optimizer: Any) -> dict[str, int]:
         for q in (qs, getattr(qs, "state2", None)):
             for attr in ("absmax", "code", "offset"):
                 add("weights_bytes", getattr(q, attr, None))
+    # the model's buffers (persistent or not): weights in the plan (accounting.device_buffers), each in whole
+    # 512-byte blocks on CUDA as the caching allocator gives them (parameters stay counted by their storage bytes)
     out["buffers_bytes"] = 0
-    for b in model.buffers():  # the model's buffers (persistent or not): weights in the plan (ParamInventory.buffers)
-        add("buffers_bytes", b)
+    for b in model.buffers():
+        key = _storage_key(b)
+        if key is not None and key not in seen:
+            seen.add(key)
+            out["buffers_bytes"] += -(-key[1] // 512) * 512 if b.is_cuda else key[1]
     # under FSDP2 the sharded parameter has lost its quant_state; Linear4bit keeps it (module.quant_state, set by
     # Params4bit(module=...) at quantization), and its forward restores it after the all-gather
     states = [getattr(m, "quant_state", None) for m in model.modules()]

@@ -462,9 +462,11 @@ def test_fsdp1_takes_pefts_units(inventories):
     p = accounting.estimate(inv, s)
     assert p.peak.weights_bytes == 4 * sum(round_up(x, n) // n for x in flats.values()) + inv.buffer_bytes(False, 512)
     assert p.peak.optimizer_states_bytes == 2 * 4 * sum(round_up(t.numel, n) // n for t in adapters)
-    # a block's frozen FlatParameter gets no gradient: what backward's end holds is the adapters' reduced shards
-    assert max(x.grads_bytes for x in p.phases) <= 4 * sum(round_up(t.numel, n) // n for t in adapters) + \
-        4 * max(t.numel for t in adapters) * 2 * 32  # plus a block's adapters' unsharded gradients at most
+    # a block's frozen FlatParameter gets no gradient: the step holds the adapters' reduced shards alone, and no
+    # phase more (the engine without frozen units would hold every block's fp32 shard: 4 bytes x its weights)
+    shards = 4 * sum(round_up(t.numel, n) // n for t in adapters)
+    assert {x.name: x.grads_bytes for x in p.phases}["optimizer-step"] == shards
+    assert max(x.grads_bytes for x in p.phases) == shards
 
 
 @pytest.mark.parametrize("kw,match", [

@@ -563,6 +563,26 @@ def lora_cases() -> list[tuple]:
          "none"),
         ("lora all-linear fsdp-full, compile blocks", LLAMA3, dict(strategy="fsdp-full", compile="blocks", lora=lin),
          {}, {}, "none"),
+        # session 39: LoRA on transformers 5's fused experts (PEFT's conversion to target_parameters: lora.ParamWrapper
+        # folds the adapters into a copy of each expert stack every forward); Qwen2-MoE is not converted by PEFT
+        ("lora all-linear single, fused experts", MIXTRAL, dict(strategy="single", gpus=1, lora=lin), {}, {}, "none"),
+        ("lora all-linear single, fused experts", MIXTRAL, dict(strategy="single", gpus=1, lora=lin), {}, {}, "full"),
+        ("lora all-linear ddp, fused experts, pure-bf16", MIXTRAL, dict(strategy="ddp", precision="pure-bf16",
+                                                                        lora=lin), {}, {}, "none"),
+        ("lora q,v,w1,w2,w3 zero2, fused experts", MIXTRAL, dict(stage=2, lora=LoraSpec(
+            rank=16, targets=("q_proj", "v_proj", "w1", "w2", "w3"))), {}, {}, "none"),
+        ("lora all-linear fsdp-full, fused experts", MIXTRAL, dict(strategy="fsdp-full", lora=lin), {}, {}, "none"),
+        ("lora all-linear fsdp-full, fused experts, pure-bf16", MIXTRAL, dict(strategy="fsdp-full",
+                                                                             precision="pure-bf16", lora=lin), {},
+         {}, "none"),
+        ("lora all-linear zero3, fused experts", MIXTRAL, dict(stage=3, lora=lin), {}, {}, "none"),
+        ("lora all-linear single, fused experts", QWEN3_MOE, dict(strategy="single", gpus=1, lora=lin), {}, {},
+         "none"),
+        ("lora all-linear single (not converted)", QWEN2_MOE, dict(strategy="single", gpus=1, lora=lin), {}, {},
+         "none"),
+        ("qlora nf4 all-linear single, fused experts", MIXTRAL, dict(strategy="single", gpus=1,
+                                                                     lora=replace(lin, quantize="nf4")), {}, {},
+         "none"),
     ]
 
 # The cross product the harness issue asks for: every strategy at 1, 2 and 4 ranks, with and without full

@@ -652,6 +652,13 @@ def _fsdp1_lora(inv: ParamInventory, s: Settings) -> list[str]:
     requires_grad when use_orig_params=False")."""
     from memplan.model import wrap_units
 
+    if inv.param_adapted:
+        # measured (torch 2.13, PEFT 0.21, 2 gloo ranks, Mixtral all-linear): the parametrization PEFT registers
+        # each forward writes through the FlatParameter's views: "Output 0 of View is a view and its base ... has
+        # been modified inplace"
+        raise SettingsError(f"LoRA on {len(inv.param_adapted)} parameters (lora.ParamWrapper: fused MoE experts "
+                            "or target_parameters) under FSDP1: the run fails (torch's parametrize on a "
+                            "FlatParameter's view is modified in place); --fsdp-version 2 or DeepSpeed run it")
     if s.torch.fsdp_wrap != "block":
         raise SettingsError(f"--fsdp-wrap {s.torch.fsdp_wrap} with LoRA under FSDP1: the HF Trainer replaces the "
                             "auto-wrap policy with PEFT's fsdp_auto_wrap_policy for a PEFT model (each block, and "

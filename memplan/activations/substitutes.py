@@ -211,6 +211,40 @@ def _op(name: str) -> Any:
 # ---- dropout, DeepSpeed's linear, CPU GEMM scratch ----------------------------------------------------------
 
 
+def grouped_mm():  # noqa: ANN201
+    """transformers' _grouped_mm (integrations/moe.py) as the job runs it: torch's grouped_mm for every dtype on a
+    GPU, whose autograd node (tools/autograd/derivatives.yaml _grouped_mm: self from grad and mat2, mat2 from self
+    and grad) saves the input only where the weight needs a gradient and the weight only where the input does, and
+    makes only the gradients needed: frozen experts (LoRA) keep nothing of their input. The fake kernels take bf16
+    only (torch/_meta_registrations.py _meta_grouped_mm_common), so other dtypes compute through transformers'
+    fallback op, whose own autograd would save both and make both gradients."""
+    import torch
+
+    ops = torch.ops.transformers
+
+    class GroupedMm(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, x: Any, w: Any, offs: Any) -> Any:
+            ctx.save_for_backward(x if ctx.needs_input_grad[1] else None, w if ctx.needs_input_grad[0] else None)
+            ctx.offs = offs
+            return ops.grouped_mm_fallback(x, w, offs)
+
+        @staticmethod
+        def backward(ctx: Any, grad: Any) -> Any:
+            x, w = ctx.saved_tensors
+            if ctx.needs_input_grad[0] and ctx.needs_input_grad[1]:
+                gx, gw = ops.grouped_mm_fallback_backward(x, w, ctx.offs, grad)
+                return gx, gw, None
+            if ctx.needs_input_grad[0]:
+                return ops.grouped_mm_fallback(grad, w.transpose(-2, -1), ctx.offs), None, None
+            return None, x.new_empty((ctx.offs.shape[0], x.shape[1], grad.shape[1])), None
+
+    def run(input: Any, weight: Any, offs: Any) -> Any:
+        return GroupedMm.apply(input.to(weight.dtype), weight, offs)
+
+    return run
+
+
 def cuda_dropout(compiled: bool = False):  # noqa: ANN201
     """F.dropout as CUDA runs it in training: at::dropout takes the fused native_dropout kernel on CUDA
     (aten/src/ATen/native/Dropout.cpp, is_fused_kernel_acceptable), which saves a bool mask, 1 byte per element.
@@ -296,6 +330,10 @@ def deepspeed_zero3_linear(device: str) -> Any:
     return linear
 
 
+#: the instruction sets whose bf16 GEMMs take oneDNN scratch above its size threshold (kernels.cpu_gemm_scratch)
+BF16_SCRATCH_ISAS = ("avx512", "amx", "avx512_bf16")
+
+
 def gemm_scratch(isa: str, threads: int = 1):  # noqa: ANN201
     """scratch(func, args, out) -> the bytes a CPU matmul allocates for itself and frees before returning, for
     ``isa`` (memplan.activations.kernels.cpu_gemm_scratch): aten::mm and aten::addmm, every nn.Linear forward and backward;
@@ -306,17 +344,21 @@ def gemm_scratch(isa: str, threads: int = 1):  # noqa: ANN201
     gemms = {aten.mm.default: 0, aten.addmm.default: 1}
     names = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
-    def scratch(func: Any, args: tuple, out: Any) -> int:
+    def scratch(func: Any, args: tuple, out: Any) -> int | None:
+        """The bytes, 0 for a bf16 GEMM too small to take any (oneDNN's m*n*k threshold: its point is still
+        kept, so that a trace at another micro-batch, where the same GEMM crosses it, runs the same points), None
+        for an op that never takes scratch."""
         if func is aten._scaled_mm.default and isa != "amx":  # float8 (torchao's Float8Linear)
             a, b = args[0], args[1]
             return K.cpu_scaled_mm_scratch(a.shape[0], b.shape[1], a.shape[1], not a.is_contiguous(),
                                            not b.is_contiguous(), out.element_size())
         i = gemms.get(func)
         if i is None or not isinstance(out, torch.Tensor) or out.dim() != 2:
-            return 0
+            return None
         m, n = out.shape
         k = args[i].shape[1]
-        return K.cpu_gemm_scratch(isa, m, n, k, names.get(out.dtype, "other"), threads)
+        extra = K.cpu_gemm_scratch(isa, m, n, k, names.get(out.dtype, "other"), threads)
+        return extra if extra or (out.dtype is torch.bfloat16 and isa in BF16_SCRATCH_ISAS) else None
 
     return scratch
 

@@ -137,6 +137,9 @@ class ParamInventory:
     #: strategy: DDP broadcasts them, FSDP (fully_shard's _move_states_to_device; FSDP1 does not flatten them)
     #: and ZeRO-3 (zero.Init partitions parameters only) keep them whole, and offload moves parameters only
     buffers: tuple[ParamTensor, ...] = ()
+    #: LoRA on parameters (PEFT's target_parameters, lora.ParamWrapper; model/lora.py): the base parameters, by
+    #: their names before PEFT, whose module each forward folds the adapters into a full copy of
+    param_adapted: tuple[str, ...] = ()
 
     def buffer_bytes(self, half: bool, block: int = 1) -> int:
         """Bytes of the buffers on a rank: floating ones in 16 bits where the model is converted to or loaded in a

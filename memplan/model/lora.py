@@ -66,10 +66,10 @@ DEFAULT_TARGETS: dict[str, tuple[str, ...] | str] = {
 
 #: adapter_config.json keys that change what memplan computes, and those that do not change memory
 _READ = {"r", "lora_alpha", "lora_dropout", "target_modules", "bias", "modules_to_save", "layers_to_transform",
-         "rank_pattern", "alpha_pattern", "peft_type", "exclude_modules"}
+         "rank_pattern", "alpha_pattern", "peft_type", "exclude_modules", "target_parameters"}
 _NO_MEMORY = {"base_model_name_or_path", "task_type", "inference_mode", "use_rslora", "init_lora_weights",
               "fan_in_fan_out", "revision", "auto_mapping", "layers_pattern", "megatron_config", "megatron_core",
-              "loftq_config", "layer_replication", "lora_bias", "target_parameters", "trainable_token_indices",
+              "loftq_config", "layer_replication", "lora_bias", "trainable_token_indices",
               "eva_config", "corda_config", "runtime_config", "qalora_group_size", "peft_version",
               "alora_invocation_tokens", "use_qalora", "arrow_config", "ensure_weight_tying", "lora_ga_config",
               "use_bdlora", "bdlora_config"}
@@ -90,6 +90,10 @@ class LoraSpec:
     layers_to_transform: tuple[int, ...] = ()
     exclude_modules: tuple[str, ...] = ()
     rank_pattern: tuple[tuple[str, int], ...] = ()
+    #: PEFT's target_parameters: nn.Parameter names (or their ends) lora.ParamWrapper adapts (resolve_parameters)
+    target_parameters: tuple[str, ...] = ()
+    #: the spec as PEFT's transformers-5 conversion left it (convert_targets): no default targets are filled in
+    converted: bool = False
     #: where it came from ("--lora-rank", or the adapter_config.json path)
     source: str = "--lora-rank"
     #: QLoRA: the base's linear weights stored 4-bit by bitsandbytes ("nf4" or "fp4"; "" keeps them as the recipe
@@ -145,7 +149,8 @@ class LoraSpec:
                 "targets": list(self.targets) if isinstance(self.targets, tuple) else self.targets,
                 "dropout": self.dropout, "bias": self.bias, "modules_to_save": list(self.modules_to_save),
                 "layers_to_transform": list(self.layers_to_transform), "exclude": list(self.exclude_modules),
-                "rank_pattern": [list(p) for p in self.rank_pattern]}
+                "rank_pattern": [list(p) for p in self.rank_pattern],
+                **({"target_parameters": list(self.target_parameters)} if self.target_parameters else {})}
 
     @classmethod
     def from_trace_fields(cls, d: dict[str, Any]) -> LoraSpec:
@@ -155,11 +160,15 @@ class LoraSpec:
                    layers_to_transform=tuple(d.get("layers_to_transform") or ()),
                    exclude_modules=tuple(d.get("exclude") or ()),
                    rank_pattern=tuple((k, int(v)) for k, v in d.get("rank_pattern") or ()),
+                   target_parameters=tuple(d.get("target_parameters") or ()),
                    quantize=d.get("quantize", ""), double_quant=bool(d.get("double_quant", False)),
                    compute_dtype=d.get("compute_dtype", "bfloat16"))
 
     def describe(self) -> str:
-        t = self.targets if isinstance(self.targets, str) else ",".join(self.targets) or "PEFT's default"
+        t = self.targets if isinstance(self.targets, str) else ",".join(self.targets) or (
+            "" if self.target_parameters else "PEFT's default")
+        if self.target_parameters:
+            t = ",".join(filter(None, (t, *self.target_parameters)))
         return ("QLoRA" if self.quantize else "LoRA") + f" r={self.rank} on {t}" + \
             (f", bias={self.bias}" if self.bias != "none" else "") + \
             (f", modules_to_save={','.join(self.modules_to_save)}" if self.modules_to_save else "") + \
@@ -177,24 +186,154 @@ def _layer_index(key: str) -> int | None:
     return int(m.group("idx")) if m else None
 
 
-#: PEFT remaps these targets of transformers v4 onto v5's fused expert parameters (target_parameters: a
-#: ParamWrapper per fused 3-D weight; peft/utils/transformers_weight_conversion.py _MOE_TARGET_MODULE_MAPPING),
-#: for these model types, and "all-linear" or a pattern reaches them too (_resolve_string_target_modules)
-_FUSED_EXPERT_TARGETS = {"mixtral": ("gate", "w1", "w2", "w3"),
-                         "qwen2_moe": ("gate", "gate_proj", "up_proj", "down_proj")}
+#: The model types whose LoRA targets PEFT 0.21.2 remaps onto transformers 5's fused MoE parameters
+#: (peft/utils/transformers_weight_conversion.py convert_peft_config_for_transformers, called first thing in
+#: tuners_utils.py inject_adapter): transformers 5.24's conversion_mapping._MODEL_TO_CONVERSION_PATTERN entries
+#: whose pattern PEFT has a _MOE_TARGET_MODULE_MAPPING for, plus "mixtral" itself (PEFT adds it). "qwen2_moe" is a
+#: pattern, not a key of that table: PEFT leaves a Qwen2-MoE's targets alone.
+_MOE_CONVERSION: dict[str, str] = {
+    "mixtral": "mixtral", "minimax": "mixtral", "minimax_m2": "mixtral",
+    **{t: "qwen2_moe" for t in (
+        "Dots3NoteTextModel", "afmoe", "deepseek_v2", "deepseek_v3", "deepseek_v32", "dots1", "ernie4_5_moe",
+        "glm4_moe", "glm4_moe_lite", "glm_moe_dsa", "glm4v_moe", "longcat_flash", "solar_open", "mellum",
+        "qwen3_moe", "beam", "qwen3_omni_moe", "qwen3_omni_moe_thinker", "qwen3_omni_moe_text", "qwen3_next",
+        "hunyuan_v1_moe", "flex_olmo", "olmoe", "sarvam_mla", "exaone_moe", "cohere2_moe",
+        "UnlimitedOcrTextModel")}}
+#: _MOE_TARGET_MODULE_MAPPING (in its order: the first old name a target ends with wins): a v4 module name and the
+#: v5 parameter PEFT targets instead (target_parameters), and _MOE_FUSED_TARGETS: the v4 names fused into one
+#: parameter, all of which must be targeted; PEFT then doubles that parameter's rank and alpha (rank_pattern)
+_MOE_TARGET_MODULE_MAPPING: dict[str, tuple[tuple[str, str], ...]] = {
+    "mixtral": (("gate", "gate.weight"), ("w1", "gate_up_proj"), ("w3", "gate_up_proj"), ("w2", "down_proj")),
+    "qwen2_moe": (("gate", "gate.weight"), ("gate_proj", "gate_up_proj"), ("up_proj", "gate_up_proj"),
+                  ("down_proj", "down_proj")),
+}
+_MOE_FUSED_TARGETS: dict[str, dict[str, tuple[str, ...]]] = {
+    "mixtral": {"gate_up_proj": ("w1", "w3")}, "qwen2_moe": {"gate_up_proj": ("gate_proj", "up_proj")}}
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """What PEFT adapts in one model: the spec as PEFT leaves it after its transformers-5 conversion, the modules
+    lora.Linear wraps (in module order) and the parameters lora.ParamWrapper wraps (in module order, each module's
+    own in registration order: the first is the innermost wrapper), with each one's rank."""
+
+    spec: LoraSpec
+    modules: tuple[str, ...]
+    params: tuple[str, ...]
+    ranks: dict[str, int]
+
+
+def resolve(spec: LoraSpec, family: str, modules: list[tuple[str, str]], params: list[tuple[str, str]],
+            output_module: str | None) -> Resolved:
+    """The modules and parameters PEFT adapts, from (module name, layer kind) pairs of the modules that own
+    parameters and (parameter name, owning module) pairs, both in module order. Run under the caller's deadline
+    (the user's patterns)."""
+    spec = convert_targets(spec, family, modules, [p for p, _ in params], output_module)
+    chosen = resolve_targets(spec, modules, family, output_module)
+    wrapped = resolve_parameters(spec, params, set(chosen))
+    if not chosen and not wrapped:
+        shown = spec.targets or spec.target_parameters
+        shown_text = quote(shown, 80) if isinstance(shown, str) else quote(", ".join(shown), 80).strip("'")
+        raise SettingsError(f"LoRA targets {shown_text} match no linear layer or parameter of this model (PEFT: "
+                            "'Target modules ... not found in the base model')")
+    pats = patterns(spec)
+    return Resolved(spec, tuple(chosen), tuple(wrapped), {n: pats.rank_for(n) for n in (*chosen, *wrapped)})
+
+
+def convert_targets(spec: LoraSpec, family: str, modules: list[tuple[str, str]], params: list[str],
+                    output_module: str | None) -> LoraSpec:
+    """The spec as peft 0.21.2's _convert_peft_config_moe rewrites it for a model type transformers 5 converts
+    (_MOE_CONVERSION): a string target is first resolved to the leaf names it reaches (all-linear: every linear
+    layer's leaf name plus every v4 expert and router name; a pattern: the leaf names of the module and parameter
+    names it fully matches, and a v4 expert name where it matches that name under a fused parameter's module), so
+    a pattern becomes a list of leaf names that matches those leaves in every layer; then each target naming a v4
+    expert or router module (itself or as its last name) becomes a target_parameters entry and leaves
+    target_modules. With no targets given, PEFT has none: its default (applied after this) never comes."""
+    base = _MOE_CONVERSION.get(family)
+    if base is None:
+        return spec
+    mapping = _MOE_TARGET_MODULE_MAPPING[base]
+    targets = spec.targets
+    if isinstance(targets, str):
+        if targets == ALL_LINEAR:
+            resolved = {n.rpartition(".")[2] for n, kind in modules
+                        if kind in ("linear", "conv1d") and n != output_module} | {old for old, _ in mapping}
+        else:
+            pats = patterns(spec)
+            rx = pats.target(targets)
+            keys = {p.rpartition(".")[0] for p in params} | set(params)
+            keys |= {k.rsplit(".", i)[0] for k in list(keys) for i in range(1, k.count(".") + 1)}
+            resolved = {k.rpartition(".")[2] for k in keys if rx.fullmatch(k)}
+            containers: dict[str, list[str]] = {}
+            for name in params:
+                container, _, leaf = name.rpartition(".")
+                containers.setdefault(leaf, []).append(container)
+            for old, new in mapping:
+                if old not in resolved and any(rx.fullmatch(f"{c}.{old}") for c in containers.get(new, ())):
+                    resolved.add(old)
+        if not resolved:
+            return spec  # nothing matched: PEFT leaves the pattern, and its own not-found error follows
+        targets = tuple(sorted(resolved))
+    new_params = set(spec.target_parameters)
+    remaining: list[str] = []
+    matched: dict[str, set[str]] = {}
+    for t in targets:
+        hit = next(((old, new) for old, new in mapping if t == old or t.endswith("." + old)), None)
+        if hit is None:
+            remaining.append(t)
+            continue
+        new_params.add(hit[1])
+        matched.setdefault(hit[1], set()).add(hit[0])
+    extra: list[tuple[str, int]] = []
+    for new, olds in _MOE_FUSED_TARGETS[base].items():
+        present = matched.get(new, set())
+        if 0 < len(present) < len(olds):
+            raise SettingsError(f"PEFT cannot adapt {', '.join(sorted(present))} without also "
+                                f"{', '.join(sorted(set(olds) - present))}: transformers 5 fuses them into {new} "
+                                "(peft's _convert_peft_config_moe raises)")
+        if len(present) == len(olds):
+            extra.append((rf".*\.{re.escape(new)}", spec.rank * len(olds)))
+    if not remaining and not new_params:
+        raise SettingsError(f"PEFT 0.21 has no default LoRA targets for {family} under transformers 5 (its conversion "
+                            "empties target_modules before the default is filled in: 'No `target_modules` passed but "
+                            "also no `target_parameters` found'): give --lora-targets")
+    return replace(spec, targets=tuple(sorted(remaining)), target_parameters=tuple(sorted(new_params)),
+                   rank_pattern=spec.rank_pattern + tuple(extra), converted=True)
+
+
+def resolve_parameters(spec: LoraSpec, params: list[tuple[str, str]], modules: set[str]) -> list[str]:
+    """The parameters lora.ParamWrapper wraps (peft/tuners/tuners_utils.py _inject_parameters): each module's own
+    parameters whose name is a target_parameters entry or ends with "." + one; layers_to_transform and
+    exclude_modules do not apply to them. PEFT refuses a parameter of the root, of a module target_modules
+    already wraps, and any dropout (ParamWrapper cannot factor it out)."""
+    names = spec.target_parameters
+    if not names:
+        return []
+    out = [p for p, _ in params if p in names or any(p.endswith("." + n) for n in names)]
+    owners = dict(params)
+    for p in out:
+        if owners[p] in modules:
+            raise SettingsError(f"LoRA target_parameters {quote(p)} is a parameter of {owners[p]}, which target_modules "
+                                "also adapts (PEFT: 'not a valid target'); leave one of them out")
+        if not owners[p]:
+            raise SettingsError(f"LoRA target_parameters {quote(p)} is a parameter of the model's root: PEFT cannot "
+                                "wrap it")
+    if out and spec.dropout:
+        raise SettingsError(f"LoRA on parameters ({', '.join(spec.target_parameters)}: lora.ParamWrapper) does not "
+                            "work with lora_dropout != 0 (PEFT refuses it): set the dropout to 0")
+    return out
 
 
 def resolve_targets(spec: LoraSpec, modules: list[tuple[str, str]], family: str, output_module: str | None
                     ) -> list[str]:
     """The modules PEFT adds adapters to, in module order, from (module name, layer kind) pairs."""
-    targets = spec.targets or DEFAULT_TARGETS.get(family, ())
+    # PEFT's default (lora/model.py _prepare_adapter_config) comes only where target_modules is None: never after
+    # its conversion ran (an empty set by then), and none is needed where target_parameters are given
+    targets = spec.targets if spec.converted else spec.targets or DEFAULT_TARGETS.get(family, ())
+    if not targets and (spec.converted or spec.target_parameters):
+        return []
     if not targets:
         raise SettingsError(f"PEFT has no default LoRA targets for model type {quote(family)}: give --lora-targets")
-    fused = _FUSED_EXPERT_TARGETS.get(family, ())
-    if fused and (isinstance(targets, str) or set(targets) & set(fused)):
-        raise SettingsError(f"PEFT adapts {family}'s fused experts and router as parameters (target_parameters, "
-                            "ParamWrapper) for these targets: not modelled; name the attention projections "
-                            "(--lora-targets q_proj,k_proj,v_proj,o_proj)")
     pats = patterns(spec)
     out = []
     for name, kind in modules:
@@ -217,7 +356,7 @@ def resolve_targets(spec: LoraSpec, modules: list[tuple[str, str]], family: str,
             raise SettingsError(f"LoRA target {name} is {what}: memplan models LoRA on linear layers "
                                 "(PEFT's lora.Linear); put it in modules_to_save to train it whole")
         out.append(name)
-    if not out:
+    if not out and not spec.target_parameters:
         shown = quote(targets, 80) if isinstance(targets, str) else quote(", ".join(targets), 80).strip("'")
         raise SettingsError(f"LoRA target modules {shown} match no linear layer of this model (PEFT: 'Target "
                             "modules not found in the base model')")
@@ -277,34 +416,47 @@ def output_module(inv: ParamInventory) -> str | None:
     return None
 
 
+def output_module_name(model: Any) -> str | None:
+    """A torch model's output embedding's module name (what all-linear leaves out), or None."""
+    out_emb = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if out_emb is None:
+        return None
+    return next((n for n, m in model.named_modules() if m is out_emb), None)
+
+
 def apply(inv: ParamInventory, spec: LoraSpec) -> ParamInventory:
     """The inventory as PEFT leaves the model: base parameters frozen (renamed under base_layer where adapted),
     adapters after each adapted layer's own parameters, trainable copies of modules_to_save."""
     # the user's patterns are matched under the deadline, once per module; the rest runs without it (it is linear
     # in the tensors, and a slow first import on a loaded machine must not read as a runaway pattern)
     with deadline(REGEX_SECONDS, matching(spec)):
-        chosen, saved_set, ranks = _matches(inv, spec)
+        found, saved_set = _matches(inv, spec)
     saved = saved_set.__contains__
-    adapted = _apply(inv, spec, chosen, saved, ranks)
+    adapted = _apply(inv, spec, found, saved)
     return quantize_base(adapted, spec, _quantized_modules(inv, spec, saved)) if spec.quantize else adapted
 
 
-def _matches(inv: ParamInventory, spec: LoraSpec) -> tuple[set[str], frozenset[str], dict[str, int]]:
-    """The adapted modules, the modules (tied aliases' among them) modules_to_save names, and each adapted
-    module's rank (rank_pattern)."""
+def _matches(inv: ParamInventory, spec: LoraSpec) -> tuple[Resolved, frozenset[str]]:
+    """What PEFT adapts (resolve) and the modules (tied aliases' among them) modules_to_save names."""
     modules: dict[str, str] = {}
     for t in inv.tensors:
         modules.setdefault(t.module, t.layer)
         for alias in t.tied_names:
             modules.setdefault(alias.rpartition(".")[0], t.layer if t.layer != "embedding" else "linear")
-    chosen = set(resolve_targets(spec, list(modules.items()), inv.family, output_module(inv)))
+    found = resolve(spec, inv.family, list(modules.items()), [(t.name, t.module) for t in inv.tensors],
+                    output_module(inv))
     pats = patterns(spec)
-    return chosen, frozenset(m for m in modules if pats.saved(m)), {m: pats.rank_for(m) for m in chosen}
+    return found, frozenset(m for m in modules if pats.saved(m))
 
 
-def _apply(inv: ParamInventory, spec: LoraSpec, chosen: set[str], saved: Any,
-           ranks: dict[str, int]) -> ParamInventory:
-
+def _apply(inv: ParamInventory, spec: LoraSpec, found: Resolved, saved: Any) -> ParamInventory:
+    chosen, ranks = set(found.modules), found.ranks
+    # lora.ParamWrapper nests one wrapper per adapted parameter of a module, the first innermost: the module's
+    # own parameters sit under as many base_layer levels, each wrapper's adapters under those outside it
+    wrapped: dict[str, list[ParamTensor]] = {}
+    by_name = {t.name: t for t in inv.tensors}
+    for name in found.params:
+        wrapped.setdefault(by_name[name].module, []).append(by_name[name])
     by_module: dict[str, list[ParamTensor]] = {}
     for t in inv.tensors:
         by_module.setdefault(t.module, []).append(t)
@@ -312,6 +464,14 @@ def _apply(inv: ParamInventory, spec: LoraSpec, chosen: set[str], saved: Any,
     tail: list[ParamTensor] = []  # trainable copies of tied aliases (a tied head), with the root's last tensors
     for t in inv.tensors:
         mod, leaf = t.module, t.name.rpartition(".")[2]
+        if mod in wrapped:
+            depth = len(wrapped[mod])
+            out.append(replace(t, name=f"{mod}{'.base_layer' * depth}.{leaf}",
+                               trainable=spec.bias == "all" and leaf == "bias"))
+            if t is by_module[mod][-1]:
+                for i, w in enumerate(wrapped[mod]):
+                    out += param_adapters(w, ranks[w.name], f"{mod}{'.base_layer' * (depth - 1 - i)}")
+            continue
         if mod in chosen:
             trainable = leaf == "bias" and spec.bias in ("all", "lora_only")
             out.append(replace(t, name=f"{mod}.base_layer.{leaf}", trainable=trainable))
@@ -335,9 +495,42 @@ def _apply(inv: ParamInventory, spec: LoraSpec, chosen: set[str], saved: Any,
             continue
         out.append(replace(t, trainable=spec.bias == "all" and leaf == "bias"))
     out += tail
-    notes = inv.notes + (f"{spec.describe()}: {len(chosen)} adapted layers, "
+    count = len(chosen) + len(found.params)
+    notes = inv.notes + (f"{spec.describe()}: {count} adapted layers"
+                         f"{f' ({len(found.params)} of them parameters: lora.ParamWrapper)' if found.params else ''}, "
                          f"{sum(t.numel for t in out if t.trainable):,} trainable parameters",)
-    return replace(inv, tensors=tuple(out), notes=notes)
+    if found.params:
+        notes += (param_note(found, [by_name[n] for n in found.params]),)
+    return replace(inv, tensors=tuple(out), notes=notes, param_adapted=found.params)
+
+
+def param_adapters(w: ParamTensor, r: int, prefix: str) -> list[ParamTensor]:
+    """lora.ParamWrapper's two adapters for one parameter (peft/tuners/lora/layer.py ParamWrapper
+    _get_in_out_features and update_layer): a 3-D [experts, a, b] stack has in_features b and out_features a (the
+    swap for a stack that is not is_transposed: every fused MoE of the converted families), a 2-D [out, in] weight
+    one expert; lora_A is nn.Linear(in, r * experts), lora_B nn.Linear(r * experts, out), in the parameter's dtype
+    (_move_adapter_to_device_of_base_layer)."""
+    if len(w.shape) == 3:
+        experts, fan_out, fan_in = w.shape
+    elif len(w.shape) == 2:
+        experts, (fan_out, fan_in) = 1, w.shape
+    else:
+        raise SettingsError(f"LoRA target_parameters {quote(w.name)} has {len(w.shape)} dimensions: PEFT's "
+                            "ParamWrapper adapts 2-D and 3-D parameters only")
+    return [ParamTensor(f"{prefix}.lora_A.default.weight", (r * experts, fan_in), w.dtype, w.block, w.category,
+                        layer="linear"),
+            ParamTensor(f"{prefix}.lora_B.default.weight", (fan_out, r * experts), w.dtype, w.block, w.category,
+                        layer="linear")]
+
+
+def param_note(found: Resolved, tensors: list[ParamTensor]) -> str:
+    converted = " (PEFT's transformers-5 conversion moved the expert and router targets here)" \
+        if found.spec.converted else ""
+    stacks = [t for t in tensors if len(t.shape) == 3]
+    return (f"LoRA on {len(tensors)} parameters{converted}: each forward of their module folds the adapters into "
+            "a new copy of the whole parameter (torch parametrize, W + B·A, baddbmm for an expert stack), which "
+            "autograd keeps for backward" + (f": {sum(t.numel for t in stacks):,} elements of {len(stacks)} "
+                                             "expert stacks, in the activations" if stacks else ""))
 
 
 def _quantized_modules(inv: ParamInventory, spec: LoraSpec, saved: Any) -> set[str]:
@@ -433,12 +626,15 @@ def quantize_base(inv: ParamInventory, spec: LoraSpec, modules: set[str]) -> Par
             f"{len(modules)} linear layers, {numel:,} parameters in {stored:,} bytes")
     # transformers 5 fuses an MoE block's experts into 3-D nn.Parameters (gate_up_proj, down_proj): not nn.Linear,
     # so replace_with_bnb_linear (integrations/bitsandbytes.py) leaves them in the model's dtype, and PEFT's
-    # target_modules cannot adapt them (its target_parameters can: refused in read_adapter_config)
+    # target_modules cannot adapt them (its target_parameters can: lora.ParamWrapper, _apply)
     fused = [t for t in keep if len(t.shape) == 3 and not t.trainable]
+    adapted = sum(1 for t in fused if _unwrapped(t.name) in inv.param_adapted)
+    how = (f"; {adapted} of them carry LoRA adapters (lora.ParamWrapper)" if adapted else
+           ", and no LoRA adapter is placed on them (target_modules cannot reach a parameter)")
     notes = (note,) + ((f"{sum(t.numel for t in fused):,} parameters of {len(fused)} fused MoE expert tensors "
                         "(3-D nn.Parameter, not nn.Linear) are not quantized: transformers' bitsandbytes "
-                        "integration converts nn.Linear only, so they stay frozen in the recipe's dtype, and no "
-                        "LoRA adapter is placed on them",) if fused else ())
+                        f"integration converts nn.Linear only, so they stay frozen in the recipe's dtype{how}",)
+                       if fused else ())
     kept = sorted({t.module for t in keep if t.layer == "linear" and kept_in_fp32(t.module, inv.keep_fp32_modules)})
     if kept:
         notes += (f"{len(kept)} linear layers matching the model's _keep_in_fp32_modules "
@@ -446,6 +642,11 @@ def quantize_base(inv: ParamInventory, spec: LoraSpec, modules: set[str]) -> Par
                   "bitsandbytes quantizer does not convert them",)
     return replace(inv, tensors=tuple(keep), quantized=tuple(quant), quantized_params=numel,
                    notes=inv.notes + notes)
+
+
+def _unwrapped(name: str) -> str:
+    """A parameter's name before PEFT wrapped its module (every ".base_layer" taken out)."""
+    return name.replace(".base_layer", "")
 
 
 def read_adapter_config(path: str) -> LoraSpec:
@@ -464,10 +665,6 @@ def read_adapter_config(path: str) -> LoraSpec:
     if data.get("use_dora"):
         raise ConfigError(f"{p}: use_dora (DoRA) is not modelled: its magnitude vector and weight-norm step keep "
                           "other tensors than LoRA's")
-    if data.get("target_parameters"):
-        raise ConfigError(f"{p}: target_parameters {quote(data['target_parameters'])} (PEFT's LoRA on nn.Parameter "
-                          "tensors, such as fused MoE experts) is not modelled: its adapters would be missing from "
-                          "the estimate")
     notes = []
     unknown = sorted(k for k in data if k not in _READ | _NO_MEMORY | {"use_dora"})
     if unknown:
@@ -514,7 +711,8 @@ def read_adapter_config(path: str) -> LoraSpec:
                         dropout=num("lora_dropout", 0.0, float), bias=str(data.get("bias", "none")),
                         modules_to_save=names("modules_to_save"), layers_to_transform=tuple(layers),
                         exclude_modules=names("exclude_modules"),
-                        rank_pattern=tuple(sorted(pattern.items())), source=str(p), notes=tuple(notes))
+                        rank_pattern=tuple(sorted(pattern.items())), source=str(p), notes=tuple(notes),
+                        target_parameters=names("target_parameters"))
     except SettingsError as exc:
         raise ConfigError(f"{p}: {exc}") from None
 

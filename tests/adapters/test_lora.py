@@ -7,12 +7,13 @@ from dataclasses import replace
 import pytest
 
 from memplan import accounting, options
-from memplan.errors import ConfigError, MemplanError, SettingsError
+from memplan.errors import MemplanError, SettingsError
 from memplan.model import lora, sources
 from memplan.model.scaling import scale_config
 from memplan.request import JobRequest
 
 TINY = {"llama-3-8b": dict(layers=2, hidden=256, vocab=512), "gpt2": dict(layers=2, hidden=64, vocab=256),
+        "deepseek-v3": dict(layers=4, hidden=128, vocab=256),
         "mixtral-8x7b": dict(layers=2, hidden=128, vocab=256), "qwen2.5-7b": dict(layers=2, hidden=128, vocab=256)}
 
 
@@ -39,6 +40,17 @@ SPECS = [
     ("gpt2", lora.LoraSpec(rank=4, targets="all-linear", bias="lora_only")),  # Conv1D: weight [in, out]
     ("mixtral-8x7b", lora.LoraSpec(rank=4, targets=("q_proj", "k_proj", "v_proj", "o_proj"))),
     ("qwen2.5-7b", lora.LoraSpec(rank=4, targets=("q_proj", "k_proj"), exclude_modules=("model.layers.0.self_attn.k_proj",))),
+    # transformers 5 fuses the experts: PEFT's conversion moves the expert and router targets onto the fused
+    # parameters (lora.ParamWrapper, gate_up_proj at twice the rank), and a pattern becomes the leaf names it hits
+    ("mixtral-8x7b", lora.LoraSpec(rank=4, targets="all-linear")),
+    ("mixtral-8x7b", lora.LoraSpec(rank=4, targets=("q_proj", "w1", "w3", "w2"))),
+    ("mixtral-8x7b", lora.LoraSpec(rank=4, targets=r".*layers\.0\.self_attn\.q_proj")),
+    ("mixtral-8x7b", lora.LoraSpec(rank=4, targets=r".*\.experts\.w2")),
+    ("mixtral-8x7b", lora.LoraSpec(rank=4, targets=("v_proj",), target_parameters=("experts.down_proj",))),
+    ("llama-3-8b", lora.LoraSpec(rank=4, targets=(), target_parameters=("mlp.down_proj.weight",))),
+    # the dense layers' and shared experts' gate/up/down_proj lose their adapters to the conversion
+    ("deepseek-v3", lora.LoraSpec(rank=4, targets=("q_a_proj", "gate_proj", "up_proj", "down_proj"))),
+    ("deepseek-v3", lora.LoraSpec(rank=4, targets="all-linear")),
 ]
 
 
@@ -57,6 +69,7 @@ def test_inventory_equals_peft(name, spec):
         model = AutoModelForCausalLM.from_config(hf_config(cfg))
     f = spec.trace_fields()
     pc = peft.LoraConfig(r=spec.rank, target_modules=(f["targets"] or None), bias=spec.bias,
+                         target_parameters=list(spec.target_parameters) or None,
                          modules_to_save=list(spec.modules_to_save) or None,
                          layers_to_transform=list(spec.layers_to_transform) or None,
                          exclude_modules=list(spec.exclude_modules) or None, rank_pattern=dict(spec.rank_pattern))
@@ -141,11 +154,30 @@ def test_targets_peft_would_reject(inventories, bad, match):
         lora.apply(inventories("llama-3-8b"), bad)
 
 
-@pytest.mark.parametrize("targets", ["all-linear", ("q_proj", "w1"), r".*proj"])
-def test_fused_moe_expert_targets_are_refused(inventories, targets):
-    """PEFT turns these into LoRA on the fused 3-D expert parameters (ParamWrapper), which memplan does not model."""
-    with pytest.raises(SettingsError, match="fused experts"):
-        lora.apply(inventories("mixtral-8x7b"), lora.LoraSpec(rank=8, targets=targets))
+@pytest.mark.parametrize("spec,match", [
+    (lora.LoraSpec(rank=8, targets=("q_proj", "w1")), "without also w3"),  # fused into gate_up_proj
+    (lora.LoraSpec(rank=8), "no default LoRA targets for mixtral"),  # the conversion empties target_modules
+    (lora.LoraSpec(rank=8, targets="all-linear", dropout=0.05), "lora_dropout"),  # ParamWrapper refuses dropout
+    (lora.LoraSpec(rank=8, targets=("down_proj",), target_parameters=("mlp.down_proj.weight",)), "also adapts"),
+])
+def test_what_peft_refuses_on_parameters(inventories, spec, match):
+    """What PEFT 0.21 refuses on a transformers-5 MoE and on parameters (each tried: get_peft_model raises)."""
+    with pytest.raises(SettingsError, match=match):
+        lora.apply(inventories("llama-3-8b" if spec.target_parameters else "mixtral-8x7b"), spec)
+
+
+def test_fused_expert_adapters_mixtral(inventories):
+    """all-linear on Mixtral-8x7B: the attention's lora.Linear, the router's and both expert stacks' ParamWrapper,
+    gate_up_proj at rank 2r: lora_A [2r * 8, 4096], lora_B [28672, 2r * 8] and down_proj's [r * 8, 14336],
+    [4096, r * 8] per layer."""
+    base = inventories("mixtral-8x7b")
+    inv = lora.apply(base, lora.LoraSpec(rank=16, targets="all-linear"))
+    attn = 16 * (4096 + 4096) * 2 + 16 * (4096 + 1024) * 2
+    router = 16 * (4096 + 8)
+    experts = 32 * 8 * (4096 + 28672) + 16 * 8 * (14336 + 4096)
+    assert inv.trainable_params == 32 * (attn + router + experts)
+    assert len(inv.param_adapted) == 32 * 3
+    assert any("expert stacks, in the activations" in n for n in inv.notes)
 
 
 def test_no_default_targets_for_an_unknown_type(inventories):
@@ -411,7 +443,7 @@ def test_per_tensor_optimizers_keep_states_for_the_adapters_only(inventories, op
 
 def test_qlora_says_fused_experts_stay_unquantized(inventories):
     # transformers 5's fused experts are 3-D nn.Parameters: replace_with_bnb_linear converts nn.Linear only
-    inv = lora.apply(inventories("mixtral-8x7b"), lora.LoraSpec(rank=8, quantize="nf4"))
+    inv = lora.apply(inventories("mixtral-8x7b"), lora.LoraSpec(rank=8, targets=("q_proj", "v_proj"), quantize="nf4"))
     fused = [t for t in inv.tensors if len(t.shape) == 3]
     assert len(fused) == 64 and not any(t.trainable for t in fused)
     assert any(f"{sum(t.numel for t in fused):,} parameters of 64 fused MoE expert tensors" in n for n in inv.notes)
@@ -419,12 +451,14 @@ def test_qlora_says_fused_experts_stay_unquantized(inventories):
     assert not any("fused MoE" in n for n in dense.notes)
 
 
-def test_adapter_config_with_target_parameters_is_refused(tmp_path):
+def test_adapter_config_with_target_parameters(tmp_path, inventories):
     p = tmp_path / "adapter_config.json"
     p.write_text('{"peft_type": "LORA", "r": 8, "target_modules": ["q_proj"], '
                  '"target_parameters": ["experts.gate_up_proj"]}')
-    with pytest.raises(ConfigError, match="target_parameters"):
-        lora.read_adapter_config(str(p))
+    spec = lora.read_adapter_config(str(p))
+    assert spec.target_parameters == ("experts.gate_up_proj",)
+    inv = lora.apply(inventories("mixtral-8x7b"), spec)
+    assert len(inv.param_adapted) == 32 and all(n.endswith("experts.gate_up_proj") for n in inv.param_adapted)
 
 
 def test_zero3_qlora_partitions_the_packed_weights(inventories):
@@ -489,3 +523,70 @@ def test_fsdp1_refuses_a_flat_parameter_mixing_frozen_and_trainable(inventories)
     inv = lora.apply(inventories("qwen2.5-7b"), spec)  # Qwen2's q/k/v biases
     with pytest.raises(SettingsError, match="uniform requires_grad"):
         _settings(inv, spec, "fsdp-full", 4, fsdp_version=1, precision="fp32")
+
+
+def test_param_wrapper_stand_in_computes_what_peft_does():
+    """The trace's lora.ParamWrapper (activations/tracing/lora.py) on real tensors: PEFT's adapters copied in, the
+    same output and the same adapter gradients, for an expert stack (baddbmm fold) and a 2-D router weight."""
+    peft = pytest.importorskip("peft")
+    import torch
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    from memplan.activations.tracing.lora import _param_wrapper_class
+
+    torch.manual_seed(0)
+    cfg = MixtralConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4,
+                        num_key_value_heads=2, num_local_experts=4, vocab_size=64)
+    theirs = peft.get_peft_model(MixtralForCausalLM(cfg), peft.LoraConfig(r=2, target_modules="all-linear",
+                                                                          init_lora_weights=False))
+    moe = theirs.base_model.model.model.layers[0].mlp
+    base = moe.experts.get_base_layer()
+    wrapper = _param_wrapper_class()
+    # PEFT nests gate_up_proj (its first parameter) innermost, with the doubled rank
+    ours = wrapper(wrapper(base, "gate_up_proj", 4, 1.0, None), "down_proj", 2, 1.0, None)
+    with torch.no_grad():
+        for mine, peft_layer in ((ours, moe.experts), (ours.base_layer, moe.experts.base_layer)):
+            mine.lora_A.weight.copy_(peft_layer.lora_A["default"].weight)
+            mine.lora_B.weight.copy_(peft_layer.lora_B["default"].weight)
+            mine.scaling = peft_layer.scaling["default"]
+    x = torch.randn(6, 32)
+    idx = torch.tensor([[0, 1], [1, 2], [2, 3], [3, 0], [0, 2], [1, 3]])
+    w = torch.rand(6, 2)
+    expected = moe.experts(x, idx, w)
+    got = ours(x, idx, w)
+    assert torch.allclose(got, expected, atol=1e-5)
+    got.sum().backward()
+    expected.sum().backward()
+    assert torch.allclose(ours.lora_A.weight.grad, moe.experts.lora_A["default"].weight.grad, atol=1e-4)
+    assert torch.allclose(ours.base_layer.lora_B.weight.grad, moe.experts.base_layer.lora_B["default"].weight.grad,
+                          atol=1e-4)
+    router = wrapper(moe.gate.get_base_layer(), "weight", 2, 1.0, None)
+    with torch.no_grad():
+        router.lora_A.weight.copy_(moe.gate.lora_A["default"].weight)
+        router.lora_B.weight.copy_(moe.gate.lora_B["default"].weight)
+        router.scaling = moe.gate.scaling["default"]
+    h = torch.randn(6, 32)
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(router(h), moe.gate(h)))
+
+
+@pytest.mark.parametrize("needs,saved", [((True, True), 2), ((True, False), 1), ((False, True), 1)])
+def test_grouped_mm_saves_what_torch_saves(needs, saved):
+    """Experts through transformers' fallback op in the trace save what aten::_grouped_mm's autograd node saves:
+    the input only where the weight needs a gradient, the weight only where the input does (a LoRA job's frozen
+    experts keep nothing of their input: docs/accuracy-lora.md, Qwen2-MoE)."""
+    import torch
+    import transformers.integrations.moe  # noqa: F401  (registers transformers::grouped_mm_fallback)
+
+    from memplan.activations.substitutes import grouped_mm
+
+    x = torch.randn(6, 8, requires_grad=needs[0])
+    w = torch.randn(3, 8, 5, requires_grad=needs[1])
+    offs = torch.tensor([2, 4, 6], dtype=torch.int32)
+    packed = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t) or t, lambda t: t):
+        out = grouped_mm()(x, w, offs)
+    assert sum(t is not None for t in packed) == saved
+    out.sum().backward()
+    assert (x.grad is not None) == needs[0] and (w.grad is not None) == needs[1]
+    if needs[0]:
+        assert torch.allclose(x.grad, torch.cat([w[i].sum(1).expand(2, 8) for i in range(3)]), atol=1e-5)

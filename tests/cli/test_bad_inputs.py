@@ -293,7 +293,9 @@ CASES = [
     ("estimate llama-3-8b --lora-rank 8 --lora-dropout 1.5", "LoRA dropout must be in [0, 1)"),
     ("estimate llama-3-8b --lora-targets q_proj", "without --lora-rank"),
     ("estimate llama-3-8b --lora-rank 8 --lora-targets ,", "--lora-targets is empty"),
-    ("estimate mixtral-8x7b --lora-rank 8 --lora-targets all-linear", "fused experts"),
+    ("estimate mixtral-8x7b --lora-rank 8", "no default LoRA targets for mixtral"),
+    ("estimate mixtral-8x7b --lora-rank 8 --lora-targets q_proj,w1", "without also w3"),
+    ("estimate mixtral-8x7b --lora-rank 8 --lora-targets all-linear --lora-dropout 0.05", "lora_dropout"),
     # FSDP1 under PEFT's units: MixedPrecision (fsdp-bf16, its default recipe) needs autocast beside it
     ("estimate llama-3-8b --lora-rank 8 --gpus 8 --strategy fsdp-full --fsdp-version 1",
      "--precision fsdp-bf16 with LoRA under FSDP1"),

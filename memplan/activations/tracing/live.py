@@ -230,7 +230,7 @@ def dispatch_mode(live: LiveBytes, scratch: Any = None, transients: Any = None, 
                     live.transient(own)
             if scratch is not None:
                 extra = scratch(func, args, out)
-                if extra:
+                if extra is not None:
                     live.live += extra
                     live.tick()
                     live.live -= extra

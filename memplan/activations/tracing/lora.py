@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from memplan.inputs import REGEX_SECONDS, deadline
-from memplan.model.lora import LoraSpec, matching, patterns, resolve_targets
+from memplan.model.lora import LoraSpec, matching, output_module_name, patterns, resolve
 
 
 def _layer_kind(m: Any) -> str:
@@ -203,18 +203,101 @@ def quantize(model: Any, fields: dict[str, Any], cuda: bool) -> int:
     return count
 
 
+def _param_wrapper_class() -> Any:
+    """peft/tuners/lora/layer.py ParamWrapper (LoRA on one nn.Parameter) for one adapter, as it runs: lora_A
+    [r * experts, in] and lora_B [out, r * experts] (in the parameter's dtype unless the framework casts them:
+    adapter_dtype); each forward registers a parametrization on the wrapped module (torch.nn.utils.parametrize,
+    unsafe=False: registering evaluates it once to check its shape and dtype), runs the module under
+    parametrize.cached() (the folded weight is computed at its first read and kept until the outermost cached()
+    exits) and removes it. For an expert stack with one adapter (_LoraFactorsProxy) the fold is one baddbmm(W,
+    lhs, rhs) in W's dtype with autocast off, lhs/rhs the adapters' views cast to W's dtype; for a 2-D weight
+    (_LoraParameterProxy) W + (B @ A) * scaling cast to W's dtype (lora.Linear.get_delta_weight as it runs on
+    CUDA: no fp32 round trip)."""
+    import torch
+    from torch import nn
+    from torch.nn.utils import parametrize
+
+    class FactorsProxy(nn.Module):
+        def __init__(self, lhs: Any, rhs: Any, scaling: float) -> None:
+            super().__init__()
+            self.lhs, self.rhs, self.scaling = lhs, rhs, scaling
+
+        def forward(self, w: Any) -> Any:
+            with torch.autocast(device_type=w.device.type, enabled=False):
+                return torch.baddbmm(w, self.lhs, self.rhs, alpha=self.scaling)
+
+    class DeltaProxy(nn.Module):
+        def __init__(self, delta: Any) -> None:
+            super().__init__()
+            self.delta = delta
+
+        def forward(self, w: Any) -> Any:
+            return w + self.delta
+
+    class ParamWrapper(nn.Module):
+        def __init__(self, base: nn.Module, parameter_name: str, r: int, scaling: float, dtype: Any) -> None:
+            super().__init__()
+            self.base_layer = base
+            self.parameter_name = parameter_name
+            param = self.get_param()
+            shape = param.shape
+            if len(shape) == 3:
+                experts, fan_in, fan_out = shape
+                self.swapped = not getattr(self.get_base_layer(), "is_transposed", False)
+                if self.swapped:
+                    fan_in, fan_out = fan_out, fan_in
+            else:
+                (fan_out, fan_in), experts, self.swapped = shape, 1, False
+            self.experts = experts
+            self.lora_A = nn.Linear(fan_in, r * experts, bias=False, dtype=dtype or param.dtype)
+            self.lora_B = nn.Linear(r * experts, fan_out, bias=False, dtype=dtype or param.dtype)
+            self.scaling = scaling
+
+        def get_base_layer(self) -> nn.Module:
+            m = self.base_layer
+            while isinstance(m, ParamWrapper):
+                m = m.base_layer
+            return m
+
+        def get_param(self) -> Any:
+            return getattr(self.get_base_layer(), self.parameter_name)
+
+        def forward(self, x: Any, *args: Any, **kwargs: Any) -> Any:
+            param = self.get_param()
+            a, b = self.lora_A.weight, self.lora_B.weight
+            if self.experts > 1:
+                a = a.reshape(self.experts, -1, a.shape[-1])
+                b = b.reshape(b.shape[0], -1, self.experts).permute(2, 0, 1)
+                lhs, rhs = (b, a) if self.swapped else (a.transpose(-2, -1), b.transpose(-2, -1))
+                proxy: nn.Module = FactorsProxy(lhs.to(param.dtype), rhs.to(param.dtype), self.scaling)
+            else:
+                proxy = DeltaProxy(((b @ a) * self.scaling).to(param.device, param.dtype))
+            base = self.get_base_layer()
+            before = param.requires_grad
+            parametrize.register_parametrization(base, self.parameter_name, proxy)
+            base.parametrizations[self.parameter_name].original.requires_grad_(before)
+            try:
+                with parametrize.cached():
+                    return self.base_layer(x, *args, **kwargs)
+            finally:
+                parametrize.remove_parametrizations(base, self.parameter_name, leave_parametrized=False)
+
+    return ParamWrapper
+
+
 def inject(model: Any, fields: dict[str, Any], family: str) -> int:
     """Add the adapters to ``model`` in place and freeze what PEFT freezes; the number of adapted layers."""
     spec = LoraSpec.from_trace_fields(fields)
-    owners = [(name, _layer_kind(m)) for name, m in model.named_modules()
-              if any(True for _ in m.parameters(recurse=False))]
-    out_emb = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    out_name = next((n for n, m in model.named_modules() if m is out_emb), None) if out_emb is not None else None
+    owned = [(name, m) for name, m in model.named_modules() if any(True for _ in m.parameters(recurse=False))]
+    owners = [(name, _layer_kind(m)) for name, m in owned]
+    params = [(f"{name}.{leaf}" if name else leaf, name) for name, m in owned
+              for leaf, _ in m.named_parameters(recurse=False)]
+    out_name = output_module_name(model)
     with deadline(REGEX_SECONDS, matching(spec)):
-        chosen = resolve_targets(spec, owners, family, out_name)
-        pats = patterns(spec)
+        found = resolve(spec, family, owners, params, out_name)
+        pats = patterns(found.spec)
         saved = {name for name, _ in model.named_modules() if pats.saved(name)}
-        ranks = {name: pats.rank_for(name) for name in chosen}
+    chosen, ranks = found.modules, found.ranks
     for p in model.parameters():
         p.requires_grad_(False)
     for name, m in model.named_modules():  # biases PEFT leaves trainable, and modules_to_save (trained whole)
@@ -241,4 +324,12 @@ def inject(model: Any, fields: dict[str, Any], family: str) -> int:
             setattr(parent, leaf, _QUANT_CLASSES["lora"](base, r, spec.dropout, 1.0, conv1d, adapter_dtype))
         else:  # PEFT's fp32 adapters on a bf16 base (get_peft_model's autocast_adapter_dtype)
             setattr(parent, leaf, cls(base, r, spec.dropout, 1.0, conv1d, adapter_dtype))
-    return len(chosen)
+    wrapper = _param_wrapper_class()
+    owner = dict(params)
+    for pname in found.params:  # each wraps what the module's name holds now: the first is innermost
+        name = owner[pname]
+        parent_name, _, leaf = name.rpartition(".")
+        parent = modules[parent_name] if parent_name else model
+        setattr(parent, leaf, wrapper(getattr(parent, leaf), pname.rpartition(".")[2], ranks[pname], 1.0,
+                                      adapter_dtype))
+    return len(chosen) + len(found.params)

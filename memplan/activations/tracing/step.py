@@ -44,12 +44,13 @@ def _substitutions(config: dict[str, Any], dtype: str, attention: str, target: T
     real_packed = getattr(mu, "find_packed_sequence_indices", None)
     # MoE experts run through grouped_mm. Its fake (meta) kernel takes bf16 only
     # (torch/_meta_registrations.py _meta_grouped_mm_common), while the real kernels also run fp32 weights
-    # (torch-amp, fp32 recipes) through a fallback; for those the trace takes transformers' own fallback op
-    # (transformers::grouped_mm_fallback), which saves the same two tensors for backward (input, weight).
+    # (torch-amp, fp32 recipes) through a fallback; for those the trace computes with transformers' own fallback op
+    # (transformers::grouped_mm_fallback) under torch's grouped_mm autograd (substitutes.grouped_mm).
     moe = None
     if dtype == "float32" and moe_experts(config):
         import transformers.integrations.moe as moe
     real_can_grouped = getattr(moe, "_can_use_grouped_mm", None)
+    real_grouped = getattr(moe, "_grouped_mm", None)
     # transformers' value checks (torch_compilable_check: a vision-language model's image tokens against its image
     # features) read a fake tensor's value; transformers' own switch turns them off (utils/import_utils.py). On the
     # device they make a scalar or two (a 512-byte block each), not counted
@@ -60,6 +61,8 @@ def _substitutions(config: dict[str, Any], dtype: str, attention: str, target: T
     try:
         if real_can_grouped is not None:
             moe._can_use_grouped_mm = lambda *a, **k: False
+        if real_grouped is not None:
+            moe._grouped_mm = sub.grouped_mm()
         if attention in ("flash", "sdpa"):
             F.scaled_dot_product_attention = sub.sdpa(real_sdpa, target, kernels, cp, compiled)
         if target.device == "cuda":
@@ -81,6 +84,8 @@ def _substitutions(config: dict[str, Any], dtype: str, attention: str, target: T
             mu.find_packed_sequence_indices = real_packed
         if real_can_grouped is not None:
             moe._can_use_grouped_mm = real_can_grouped
+        if real_grouped is not None:
+            moe._grouped_mm = real_grouped
 
 
 class _BlockMoments:

@@ -459,6 +459,15 @@ CASES = [
      "none"),
     ("fsdp-full, fp8-rowwise", T5, dict(strategy="fsdp-full", precision="fp8-rowwise"), {}, {}, "none"),
     ("fsdp-full, fp8-rowwise", QWEN3_MOE, dict(strategy="fsdp-full", precision="fp8-rowwise"), {}, {}, "none"),
+    # session 39: DeepSpeed ZeRO-1/2 under gradient accumulation (the harness now calls engine.step() after every
+    # backward, as DeepSpeed's loop does): ZeRO-1's bucket kept across micro-steps, ZeRO-2's second
+    # grads_in_partition, the step as one micro-step's
+    ("zero1 small buckets, grad-accum 2", LLAMA, dict(stage=1, grad_accum=2), SMALL_DS, {}, "full"),
+    ("zero1 small buckets, grad-accum 2", LLAMA, dict(stage=1, grad_accum=2), SMALL_DS, {}, "none"),
+    ("zero2 small buckets, grad-accum 2", LLAMA, dict(stage=2, grad_accum=2), SMALL_DS, {}, "full"),
+    ("zero2 small buckets, grad-accum 4", LLAMA, dict(stage=2, grad_accum=4), SMALL_DS, {}, "none"),
+    ("zero1, grad-accum 2", LLAMA, dict(stage=1, grad_accum=2), {}, {}, "full"),
+    ("zero2 overlap_comm, grad-accum 2", LLAMA, dict(stage=2, grad_accum=2), dict(overlap_comm=True), {}, "none"),
 ]
 QUICK = [CASES[5], CASES[11]]
 

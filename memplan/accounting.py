@@ -73,7 +73,7 @@ def _gradients(job: Job, fw: FrameworkModel, host_by: dict[str, int]) -> tuple[G
         persist = rc.grad_bytes * opt_numel  # ZeRO-3 grad_partitions_flat_buffer (accumulation dtype)
         end = persist
     if job.s.grad_accum > 1:
-        persist = max(persist, end)  # grads live across micro-steps
+        persist = max(persist, fw.accumulated_grads(job, end))  # grads live across micro-steps
     if job.cpu_offload:
         host_by["grads_bytes"] += end
         # FSDP2 sends each reduced gradient to the host as it is reduced; FSDP1 keeps the reduced shards on the
@@ -196,10 +196,11 @@ def _assemble(s: Settings, tl: BufferTimeline, g: Grads, model_states: tuple[int
     if tl.end is not None:
         end_buffers, end_grads = tl.end[0], max(grads_end - tl.end[1], grads_persist)
     grads = (grads_persist, grads_persist, grads_persist, end_grads, step_grads)
-    buffers = (buf_persist + tl.gathered_forward_end + amp_copies,
-               buf_persist + tl.gathered_loss + amp_copies,
-               buf_persist + buf_bwd + max(tl.gathered_forward_most, tl.gathered_backward) + amp_copies,
-               buf_persist + buf_bwd + end_buffers,
+    across = tl.micro_steps_held
+    buffers = (buf_persist + across + tl.gathered_forward_end + amp_copies,
+               buf_persist + across + tl.gathered_loss + amp_copies,
+               buf_persist + across + buf_bwd + max(tl.gathered_forward_most, tl.gathered_backward) + amp_copies,
+               buf_persist + across + buf_bwd + end_buffers,
                step_buffers)
     states_total = weights + master + states
     comms = 0
@@ -214,7 +215,7 @@ def _assemble(s: Settings, tl: BufferTimeline, g: Grads, model_states: tuple[int
     fm = frameworks.model(s.strategy.memory_model)
     grads_on_host = s.torch.cpu_offload and fm.cpu_offload_policy and fm.offloads_each_reduced_grad
     for m in tl.moments:
-        m_buffers = m.buffers + buf_persist + buf_bwd + amp_copies
+        m_buffers = m.buffers + buf_persist + across + buf_bwd + amp_copies
         if m.at == Moment.LOSS_BACKWARD:  # what is gathered at the loss, no reduce bucket yet
             m_buffers += tl.gathered_loss - buf_bwd
         # grads kept across micro-steps include those of the moment

@@ -164,6 +164,9 @@ class BufferTimeline:
     persistent: int = 0
     #: allocated in every backward and kept to its end (ZeRO-1/2's ipg bucket)
     backward: int = 0
+    #: allocated in the first micro-step's backward and kept through every later micro-step's forward and
+    #: backward, released before the optimizer step (ZeRO-1's ipg bucket under gradient accumulation)
+    micro_steps_held: int = 0
     #: gathered parameters when forward ends, at the loss, at the most in forward, after the last block's
     #: backward, at backward's end
     gathered_forward_end: int = 0

@@ -176,6 +176,8 @@ class FrameworkModel:
     buffers: Callable[[Job, Grads], BufferTimeline]
     weights: Callable[[Job], int] = device_weights
     grads_at_end: Callable[[Job], int] = grads_at_end
+    #: the gradients kept across micro-steps under gradient accumulation, from those alive at backward's end
+    accumulated_grads: Callable[[Job, int], int] = lambda job, end: end
     #: the gradient side of an offload: moves gradients to ``host_by`` and says what stays on the device
     offload: Callable[[Job, Grads, dict[str, int]], OffloadedGrads] = no_offload
     #: the optimizer step's (grads, buffers, assumptions), given the step every framework has

@@ -170,7 +170,7 @@ def _train(rank: int, spec: dict[str, Any], out: str, device: Any, module: Any, 
                     if pipe["last"]:
                         kw.update(target=whole, losses=[])
                     pipe["schedule"].step(*((whole,) if pipe["first"] else ()), **kw)
-            for _ in range(spec["grad_accum"] if pipe is None else 0):
+            for micro in range(spec["grad_accum"] if pipe is None else 0):
                 with contextlib.ExitStack() as ctx:
                     if parallel_loss:
                         ctx.enter_context(loss_parallel())
@@ -184,6 +184,11 @@ def _train(rank: int, spec: dict[str, Any], out: str, device: Any, module: Any, 
                     with record_function("memplan:backward"):
                         if engine is not None:
                             engine.backward(loss)
+                            # DeepSpeed counts micro-steps in step() (engine.py: is_gradient_accumulation_boundary
+                            # reads micro_steps), so it is called after every backward, as its training loop
+                            # does; before the boundary it only counts (no optimizer work)
+                            if micro < spec["grad_accum"] - 1:
+                                engine.step()
                         else:
                             loss.backward()
                     del loss

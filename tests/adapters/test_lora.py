@@ -532,7 +532,7 @@ def test_param_wrapper_stand_in_computes_what_peft_does():
     import torch
     from transformers import MixtralConfig, MixtralForCausalLM
 
-    from memplan.activations.tracing.lora import _param_wrapper_class
+    from memplan.activations.tracing.lora import param_wrapper_class
 
     torch.manual_seed(0)
     cfg = MixtralConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4,
@@ -541,7 +541,7 @@ def test_param_wrapper_stand_in_computes_what_peft_does():
                                                                           init_lora_weights=False))
     moe = theirs.base_model.model.model.layers[0].mlp
     base = moe.experts.get_base_layer()
-    wrapper = _param_wrapper_class()
+    wrapper = param_wrapper_class()
     # PEFT nests gate_up_proj (its first parameter) innermost, with the doubled rank
     ours = wrapper(wrapper(base, "gate_up_proj", 4, 1.0, None), "down_proj", 2, 1.0, None)
     with torch.no_grad():

@@ -203,7 +203,7 @@ def quantize(model: Any, fields: dict[str, Any], cuda: bool) -> int:
     return count
 
 
-def _param_wrapper_class() -> Any:
+def param_wrapper_class() -> Any:
     """peft/tuners/lora/layer.py ParamWrapper (LoRA on one nn.Parameter) for one adapter, as it runs: lora_A
     [r * experts, in] and lora_B [out, r * experts] (in the parameter's dtype unless the framework casts them:
     adapter_dtype); each forward registers a parametrization on the wrapped module (torch.nn.utils.parametrize,
@@ -324,7 +324,7 @@ def inject(model: Any, fields: dict[str, Any], family: str) -> int:
             setattr(parent, leaf, _QUANT_CLASSES["lora"](base, r, spec.dropout, 1.0, conv1d, adapter_dtype))
         else:  # PEFT's fp32 adapters on a bf16 base (get_peft_model's autocast_adapter_dtype)
             setattr(parent, leaf, cls(base, r, spec.dropout, 1.0, conv1d, adapter_dtype))
-    wrapper = _param_wrapper_class()
+    wrapper = param_wrapper_class()
     owner = dict(params)
     for pname in found.params:  # each wraps what the module's name holds now: the first is innermost
         name = owner[pname]

@@ -49,14 +49,22 @@ def replay_zero12(job: ReplayJob, stage: int, partition: int, flat: int, bucket:
     for n in range(MAX_STEPS):
         before = run.a.peak_reserved
         grads_flat = None
+        #: ZeRO-1's gradients as autograd keeps them across the micro-steps (param.grad, the later micro-steps'
+        #: added in place: theirs die at once), reduced at the boundary only
+        acc: list[tuple[Any, int]] = []
+        #: the bucket buffer(s): made at the first gradient hook (setup_buckets), released by the epilogue
+        #: (_release_ipg_buffers), which ZeRO-1 runs at the boundary only
+        ipg: list[Any] = []
         for m in range(job.grad_accum):
+            boundary = m == job.grad_accum - 1
             ids = run.alloc(job.input_bytes)
-            ipg: list[Any] = []
             in_bucket = [0]
-            # process_gradients: every hook sets up the bucket buffer(s); ZeRO-2 (partition_gradients) and
-            # overlap_comm reduce in the hooks, ZeRO-1 without it keeps the gradients until reduce_gradients
-            # takes them one by one at the end of backward (stage_1_and_2.py process_gradients)
-            in_hooks = stage == 2 or buffers > 1
+            # process_gradients: every hook sets up the bucket buffer(s); ZeRO-2 (partition_gradients) reduces in
+            # the hooks, and overlap_comm does at the boundary (reduce_ready_partitions_and_remove_grads); ZeRO-1
+            # without it keeps the gradients until reduce_gradients takes them one by one at the end of the
+            # boundary's backward (stage_1_and_2.py process_gradients)
+            in_hooks = stage == 2 or (buffers > 1 and boundary)
+            seen = [0]
 
             #: the bucket's gradients: (elements, the key of one kept apart, larger than the bucket, else None)
             pending: list[tuple[int, Any]] = []
@@ -99,19 +107,45 @@ def replay_zero12(job: ReplayJob, stage: int, partition: int, flat: int, bucket:
                 pending.append((numel, None))
                 return False
 
-            def on_grad(nbytes: int, key: Any, *_: Any) -> bool:
+            def on_grad(nbytes: int, key: Any, *_: Any, in_hooks: bool = in_hooks, seen: list[int] = seen) -> bool:
                 if not ipg:
                     ipg.extend(run.alloc(bucket * half) for _ in range(buffers))
+                i = seen[0]
+                seen[0] += 1
+                if in_hooks and stage == 1 and acc:
+                    # the hook reduces param.grad, into which this micro-step's gradient was just added
+                    k, size = acc[i]
+                    if not reduce(size, k):
+                        run.free(k)
+                    return False
                 return in_hooks and reduce(nbytes, key)
-            kept = micro_step(run, job, keep_grads=not in_hooks, on_grad=on_grad)
-            for key, nbytes in reversed(kept):  # reduce_gradients, in the group's (module) order
-                if not reduce(nbytes, key):
-                    run.free(key)  # copied into the bucket: the gradient is a view of it now
-            if pending or (grads_flat is None and offload is None):  # the epilogue's reduce
-                flush()
-            for k in ipg:
-                run.free(k)
+            kept = micro_step(run, job, keep_grads=not in_hooks and not acc, on_grad=on_grad)
+            if stage == 1 and not acc:
+                acc = kept
+            if boundary and not in_hooks:
+                for key, nbytes in reversed(acc):  # reduce_gradients, in the group's (module) order
+                    if not reduce(nbytes, key):
+                        run.free(key)  # copied into the bucket: the gradient is a view of it now
+            if pending or (grads_flat is None and offload is None and (boundary or stage == 2)):
+                flush()  # the epilogue's reduce
+            if stage == 2 or boundary:
+                for k in ipg:
+                    run.free(k)
+                ipg.clear()
+            if stage == 2 and not boundary and offload is None:
+                # the epilogue keeps this micro-step's grads_in_partition as the accumulated gradients
+                # (all_grad_tensors' views) and drops its own reference: the next reduce makes a new one, added into
+                # these at the next epilogue and freed
+                if m == 0:
+                    acc = [(grads_flat, 0)]
+                else:
+                    run.free(grads_flat)
+                grads_flat = None
             run.free(ids)
+        if stage == 2 and acc and offload is None:
+            if grads_flat is not None:
+                run.free(grads_flat)
+            grads_flat = acc[0][0]
         if offload is None:
             _optimizer_step(run, job, norms, partition, half, grads_flat, first=n == 0)
         run.end_step()

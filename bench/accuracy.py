@@ -468,6 +468,13 @@ CASES = [
     ("zero2 small buckets, grad-accum 4", LLAMA, dict(stage=2, grad_accum=4), SMALL_DS, {}, "none"),
     ("zero1, grad-accum 2", LLAMA, dict(stage=1, grad_accum=2), {}, {}, "full"),
     ("zero2 overlap_comm, grad-accum 2", LLAMA, dict(stage=2, grad_accum=2), dict(overlap_comm=True), {}, "none"),
+    ("zero1 + offload optimizer, small buckets, grad-accum 2", LLAMA, dict(stage=1, grad_accum=2, offload_optimizer=True),
+     SMALL_DS, {}, "none"),
+    ("zero2 + offload optimizer, small buckets, grad-accum 2", LLAMA, dict(stage=2, grad_accum=2, offload_optimizer=True),
+     SMALL_DS, {}, "none"),
+    ("zero3 small buckets, grad-accum 2", LLAMA, dict(stage=3, grad_accum=2), SMALL_DS, {}, "full"),
+    ("zero3 + offload optimizer, small buckets, grad-accum 2", LLAMA, dict(stage=3, grad_accum=2, offload_optimizer=True),
+     SMALL_DS, {}, "none"),
 ]
 QUICK = [CASES[5], CASES[11]]
 

@@ -83,7 +83,7 @@ def _gradients(job: Job, fw: FrameworkModel, host_by: dict[str, int]) -> tuple[G
     off = OffloadedGrads()
     if job.offload_optimizer:
         off = fw.offload(job, Grads(end=end, persist=persist), host_by)
-        end = persist = 0
+        end, persist = 0, off.kept_grads
     return Grads(end=end, persist=persist), off
 
 

@@ -73,6 +73,9 @@ class OffloadedGrads:
     step_scratch: int = 0
     #: a gradient buffer kept on the device for the copies to the host
     device_buffer: int = 0
+    #: gradients still kept on the device across micro-steps (ZeRO-1 under gradient accumulation: reduced to the
+    #: host at the boundary only)
+    kept_grads: int = 0
 
 
 @dataclass(frozen=True)

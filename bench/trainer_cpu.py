@@ -37,6 +37,7 @@ CASES = [
     ("llama-3-8b", "float16", {"per_device_train_batch_size": 2, "bf16": True}),
     ("gpt2", "float32", {"per_device_train_batch_size": 2}),
     ("gpt2", "bfloat16", {"per_device_train_batch_size": 2, "bf16": True}),
+    ("llama-3-8b", "bfloat16", {"per_device_train_batch_size": 2, "bf16": True, "gradient_accumulation_steps": 2}),
     # encoder-decoders (model/tasks.py SEQ2SEQ): 128 tokens in, TARGET labels out
     ("tests/data/configs/flan-t5-base.json", "float32", {"per_device_train_batch_size": 2}),
     ("tests/data/configs/flan-t5-base.json", "bfloat16", {"per_device_train_batch_size": 2, "bf16": True}),

@@ -596,6 +596,8 @@ def lora_cases() -> list[tuple]:
          "none"),
         ("lora all-linear single (not converted)", QWEN2_MOE, dict(strategy="single", gpus=1, lora=lin), {}, {},
          "none"),
+        # session 39: found by a gradient-accumulation probe, the same at ga 1: over (see the note)
+        ("lora all-linear zero3 small buckets", LLAMA3, dict(stage=3, lora=lin), SMALL_DS, {}, "none"),
         ("qlora nf4 all-linear single, fused experts", MIXTRAL, dict(strategy="single", gpus=1,
                                                                      lora=replace(lin, quantize="nf4")), {}, {},
          "none"),

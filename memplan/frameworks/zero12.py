@@ -25,11 +25,6 @@ def grads_at_end(job: Job) -> int:
     return rc.grad_bytes * min(job.lay.optimizer_numel, job.psi)
 
 
-def _pipelined(job: Job) -> bool:
-    """A pipeline rank (DeepSpeed's PipelineEngine: its own schedule, ZeRO's reduce called outside the hooks)."""
-    return job.s.rank.pipeline_stage or getattr(job.s.parallel, "pp", 1) > 1
-
-
 def accumulated_grads(job: Job, end: int) -> int:
     """ZeRO-2 under gradient accumulation: each micro-step's reduces fill grads_in_partition, the whole parameters
     that overlap the rank's partition (stage_1_and_2.py copy_grads_in_partition: sum of their numel), and the
@@ -54,7 +49,7 @@ def offload(job: Job, grads: Grads, host_by: dict[str, int]) -> OffloadedGrads:
     largest = max((t.numel for t in job.inv.trainable_inventory.tensors), default=0)
     host_by["buffers_bytes"] += rc.param_bytes * opt_numel + rc.grad_bytes * largest
     kept = 0
-    if job.s.grad_accum > 1 and not _pipelined(job):
+    if job.s.grad_accum > 1 and not job.s.rank.pipeline_stage:
         # under gradient accumulation ZeRO-2 accumulates each gradient of the partition on the host
         # (copy_grads_in_partition -> async_accumulate_grad_in_cpu_via_gpu: accumulated_grads_in_cpu, a zeroed host
         # buffer of each whole parameter overlapping the partition, in its bit16 dtype, made at its first reduce and
@@ -162,7 +157,7 @@ def buffers(job: Job, grads: Grads) -> BufferTimeline:
         epilogue = (rc.grad_bytes + (comm if comm != rc.grad_bytes else 0)) * allreduce_chunk(job)
     moments.append(LOSS)
     held = 0
-    if st.zero_stage == 1 and job.s.grad_accum > 1 and not _pipelined(job):
+    if st.zero_stage == 1 and job.s.grad_accum > 1 and not job.s.rank.pipeline_stage:
         # ZeRO-1 under gradient accumulation: setup_buckets runs at the first micro-step's first hook, and only the
         # boundary's reduce_gradients -> independent_gradient_partition_epilogue releases the bucket
         # (_release_ipg_buffers): it is alive through every later micro-step's forward and backward, not at the
@@ -269,7 +264,7 @@ def step(job: Job, s: StepIn) -> tuple[int, int, dict[str, int]]:
     # step only the fp32 partition holds them (measured: grad-accum 2 peaks at the step exactly as 1 does).
     # DeepSpeed's PipelineEngine reduces outside ZeRO's hooks (reduce_gradients(pipeline_parallel=True)) and
     # is not measured so: it keeps them (its rows: +3.10% with them, -4.23% without)
-    if not _pipelined(job):
+    if not job.s.rank.pipeline_stage:
         s = replace(s, grads=s.grads - s.grads_persist)
     opt_numel = job.lay.optimizer_numel
     cast = rc.reduced_grad_bytes * opt_numel if rc.grad_bytes != rc.reduced_grad_bytes else 0

@@ -190,8 +190,9 @@ def _layer_index(key: str) -> int | None:
 #: (peft/utils/transformers_weight_conversion.py convert_peft_config_for_transformers, called first thing in
 #: tuners_utils.py inject_adapter): transformers 5.24's conversion_mapping._MODEL_TO_CONVERSION_PATTERN entries
 #: whose pattern PEFT has a _MOE_TARGET_MODULE_MAPPING for, plus "mixtral" itself (PEFT adds it). "qwen2_moe" is a
-#: pattern, not a key of that table: PEFT leaves a Qwen2-MoE's targets alone.
-_MOE_CONVERSION: dict[str, str] = {
+#: pattern, not a key of that table: PEFT leaves a Qwen2-MoE's targets alone. A copy (the fast path imports
+#: neither), held equal to the installed versions' by tests/adapters/test_lora.py.
+MOE_CONVERSION: dict[str, str] = {
     "mixtral": "mixtral", "minimax": "mixtral", "minimax_m2": "mixtral",
     **{t: "qwen2_moe" for t in (
         "Dots3NoteTextModel", "afmoe", "deepseek_v2", "deepseek_v3", "deepseek_v32", "dots1", "ernie4_5_moe",
@@ -199,15 +200,15 @@ _MOE_CONVERSION: dict[str, str] = {
         "qwen3_moe", "beam", "qwen3_omni_moe", "qwen3_omni_moe_thinker", "qwen3_omni_moe_text", "qwen3_next",
         "hunyuan_v1_moe", "flex_olmo", "olmoe", "sarvam_mla", "exaone_moe", "cohere2_moe",
         "UnlimitedOcrTextModel")}}
-#: _MOE_TARGET_MODULE_MAPPING (in its order: the first old name a target ends with wins): a v4 module name and the
-#: v5 parameter PEFT targets instead (target_parameters), and _MOE_FUSED_TARGETS: the v4 names fused into one
+#: PEFT's _MOE_TARGET_MODULE_MAPPING (in its order: the first old name a target ends with wins): a v4 module name and
+#: the v5 parameter PEFT targets instead (target_parameters), and its _MOE_FUSED_TARGETS: the v4 names fused into one
 #: parameter, all of which must be targeted; PEFT then doubles that parameter's rank and alpha (rank_pattern)
-_MOE_TARGET_MODULE_MAPPING: dict[str, tuple[tuple[str, str], ...]] = {
+MOE_TARGET_MODULE_MAPPING: dict[str, tuple[tuple[str, str], ...]] = {
     "mixtral": (("gate", "gate.weight"), ("w1", "gate_up_proj"), ("w3", "gate_up_proj"), ("w2", "down_proj")),
     "qwen2_moe": (("gate", "gate.weight"), ("gate_proj", "gate_up_proj"), ("up_proj", "gate_up_proj"),
                   ("down_proj", "down_proj")),
 }
-_MOE_FUSED_TARGETS: dict[str, dict[str, tuple[str, ...]]] = {
+MOE_FUSED_TARGETS: dict[str, dict[str, tuple[str, ...]]] = {
     "mixtral": {"gate_up_proj": ("w1", "w3")}, "qwen2_moe": {"gate_up_proj": ("gate_proj", "up_proj")}}
 
 
@@ -243,16 +244,16 @@ def resolve(spec: LoraSpec, family: str, modules: list[tuple[str, str]], params:
 def convert_targets(spec: LoraSpec, family: str, modules: list[tuple[str, str]], params: list[str],
                     output_module: str | None) -> LoraSpec:
     """The spec as peft 0.21.2's _convert_peft_config_moe rewrites it for a model type transformers 5 converts
-    (_MOE_CONVERSION): a string target is first resolved to the leaf names it reaches (all-linear: every linear
+    (MOE_CONVERSION): a string target is first resolved to the leaf names it reaches (all-linear: every linear
     layer's leaf name plus every v4 expert and router name; a pattern: the leaf names of the module and parameter
     names it fully matches, and a v4 expert name where it matches that name under a fused parameter's module), so
     a pattern becomes a list of leaf names that matches those leaves in every layer; then each target naming a v4
     expert or router module (itself or as its last name) becomes a target_parameters entry and leaves
     target_modules. With no targets given, PEFT has none: its default (applied after this) never comes."""
-    base = _MOE_CONVERSION.get(family)
+    base = MOE_CONVERSION.get(family)
     if base is None:
         return spec
-    mapping = _MOE_TARGET_MODULE_MAPPING[base]
+    mapping = MOE_TARGET_MODULE_MAPPING[base]
     targets = spec.targets
     if isinstance(targets, str):
         if targets == ALL_LINEAR:
@@ -285,7 +286,7 @@ def convert_targets(spec: LoraSpec, family: str, modules: list[tuple[str, str]],
         new_params.add(hit[1])
         matched.setdefault(hit[1], set()).add(hit[0])
     extra: list[tuple[str, int]] = []
-    for new, olds in _MOE_FUSED_TARGETS[base].items():
+    for new, olds in MOE_FUSED_TARGETS[base].items():
         present = matched.get(new, set())
         if 0 < len(present) < len(olds):
             raise SettingsError(f"PEFT cannot adapt {', '.join(sorted(present))} without also "
@@ -501,6 +502,9 @@ def _apply(inv: ParamInventory, spec: LoraSpec, found: Resolved, saved: Any) -> 
                          f"{sum(t.numel for t in out if t.trainable):,} trainable parameters",)
     if found.params:
         notes += (param_note(found, [by_name[n] for n in found.params]),)
+    elif found.spec.target_parameters:
+        notes += (f"LoRA target_parameters {', '.join(found.spec.target_parameters)} match no parameter of this "
+                  "model: PEFT warns and adapts the target modules alone, as here",)
     return replace(inv, tensors=tuple(out), notes=notes, param_adapted=found.params)
 
 
@@ -695,7 +699,8 @@ def read_adapter_config(path: str) -> LoraSpec:
         if isinstance(v, str):
             v = [v]
         if not isinstance(v, (list, tuple)) or not all(isinstance(x, str) for x in v):
-            raise ConfigError(f"{p}: {key} must be a list of module names")
+            raise ConfigError(f"{p}: {key} must be a list of "
+                              f"{'parameter' if key == 'target_parameters' else 'module'} names")
         return tuple(v)
 
     layers = data.get("layers_to_transform") or ()

@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 
 from memplan import accounting, options
-from memplan.errors import MemplanError, SettingsError
+from memplan.errors import ConfigError, MemplanError, SettingsError
 from memplan.model import lora, sources
 from memplan.model.scaling import scale_config
 from memplan.request import JobRequest
@@ -459,6 +459,13 @@ def test_adapter_config_with_target_parameters(tmp_path, inventories):
     assert spec.target_parameters == ("experts.gate_up_proj",)
     inv = lora.apply(inventories("mixtral-8x7b"), spec)
     assert len(inv.param_adapted) == 32 and all(n.endswith("experts.gate_up_proj") for n in inv.param_adapted)
+    # one that matches nothing: PEFT warns and adapts the modules alone; memplan notes it
+    p.write_text('{"r": 8, "target_modules": ["q_proj"], "target_parameters": ["nope"]}')
+    inv = lora.apply(inventories("mixtral-8x7b"), lora.read_adapter_config(str(p)))
+    assert not inv.param_adapted and any("match no parameter" in n for n in inv.notes)
+    p.write_text('{"r": 8, "target_parameters": [1]}')
+    with pytest.raises(ConfigError, match="list of parameter names"):
+        lora.read_adapter_config(str(p))
 
 
 def test_zero3_qlora_partitions_the_packed_weights(inventories):
@@ -590,3 +597,35 @@ def test_grouped_mm_saves_what_torch_saves(needs, saved):
     assert (x.grad is not None) == needs[0] and (w.grad is not None) == needs[1]
     if needs[0]:
         assert torch.allclose(x.grad, torch.cat([w[i].sum(1).expand(2, 8) for i in range(3)]), atol=1e-5)
+
+
+def test_moe_conversion_table_is_transformers_and_pefts():
+    """memplan's copy (model/lora.py, no torch on the fast path) of the model types PEFT 0.21 converts: exactly
+    transformers' _MODEL_TO_CONVERSION_PATTERN entries whose pattern PEFT has a target mapping for."""
+    pytest.importorskip("peft")
+    from peft.utils import transformers_weight_conversion as twc
+
+    theirs = {t: p for t, p in twc._MODEL_TO_CONVERSION_PATTERN.items() if p in twc._MOE_TARGET_MODULE_MAPPING}
+    assert lora.MOE_CONVERSION == theirs
+    assert {k: tuple(v.items()) for k, v in twc._MOE_TARGET_MODULE_MAPPING.items()} == \
+        lora.MOE_TARGET_MODULE_MAPPING
+    assert {k: {n: tuple(o) for n, o in v.items()} for k, v in twc._MOE_FUSED_TARGETS.items()} == \
+        lora.MOE_FUSED_TARGETS
+
+
+def test_a_small_bf16_gemm_keeps_its_scratch_point():
+    """oneDNN takes no scratch for a bf16 GEMM of m*n*k <= 4096 and some above: the trace keeps the point (0 bytes)
+    so that traces at micro-batch 2 and 4 run the same points (Qwen2-MoE's [tokens, 1] shared-expert gate under
+    LoRA crosses it; it fell back to the analytic profile before). An op that never takes scratch has none."""
+    import torch
+
+    from memplan.activations.substitutes import gemm_scratch
+
+    scratch = gemm_scratch("avx512_bf16")
+    mm = torch.ops.aten.mm.default
+    a, b = torch.zeros(256, 16, dtype=torch.bfloat16), torch.zeros(16, 1, dtype=torch.bfloat16)
+    assert scratch(mm, (a, b), a @ b) == 0
+    a2 = torch.zeros(512, 16, dtype=torch.bfloat16)
+    assert scratch(mm, (a2, b), a2 @ b) == 128 * 32 + 256 * 256 + 1024
+    assert scratch(mm, (a.float(), b.float()), a.float() @ b.float()) is None
+    assert scratch(torch.ops.aten.add.Tensor, (a, a), a + a) is None

@@ -92,6 +92,8 @@ def by_topic(rep: dict[str, Any]) -> list[tuple[str, list[str]]]:
                           if st.get("target_len") else "")
                        + (f" ({st['images']} image(s) per sample, their tokens in the sequence; "
                           f"{src.get('images', 'default')})" if st.get("images") is not None else "")
+                       + (f" (images {st['image_size'][0]}x{st['image_size'][1]} px; "
+                          f"{src.get('image_size', 'default')})" if st.get("image_size") else "")
                        + f", grad-accum {st['grad_accum']}", None)]
     kernels = [_item("attention", str(st["attention"]), src.get("attention")),
                _item("recompute", str(st["recompute"]), src.get("recompute")),

@@ -133,7 +133,7 @@ def check(
 
 #: the job's options `memplan plan` takes (the rest it searches over)
 PLAN_FIELDS = ("task", "builder", "activations", "freeze", "gpu", "gpu_memory", "device", "cpu_isa", "seq_len", "target_len",
-               "images",
+               "images", "image_size",
                "grad_accum",
                "precision", "optimizer", "attention", "compile", "float8", "float8_keep", "float8_all_gather", "allocator_conf",
                "host_memory")
@@ -181,7 +181,7 @@ def plan(
 @O.request_options("training", "files", only=("stage", "strategy", "precision", "optimizer_impl", "compile",
                                                "float8", "float8_keep", "float8_all_gather",
                                                "deepspeed"))
-@O.request_options("batch", "cluster", only=("micro_batch", "target_len", "images", "grad_accum", "cpu_isa"))
+@O.request_options("batch", "cluster", only=("micro_batch", "target_len", "images", "image_size", "grad_accum", "cpu_isa"))
 @O.request_options("model", only=("freeze",))
 @O.request_options(HarnessRun)
 def validate(

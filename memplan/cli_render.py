@@ -72,7 +72,9 @@ def render_plan(rep: dict, summary: str | None = None, explained: dict | None = 
             f"{st['precision']} · {st['optimizer']}")
     c.print(f"micro-batch {st['micro_batch']} × seq {st['seq_len']}"
             + (f" → target {st['target_len']}" if st.get("target_len") else "")
-            + (f" ({st['images']} image(s) each)" if st.get("images") is not None else "") + f", grad-accum {st['grad_accum']}, "
+            + (f" ({st['images']} image(s) each" + (f", {st['image_size'][0]}x{st['image_size'][1]} px"
+                                                      if st.get("image_size") else "") + ")"
+               if st.get("images") is not None else "") + f", grad-accum {st['grad_accum']}, "
             f"recompute {st['recompute']}, attention {st['attention']}, device {cl['device']}")
     if st.get("lora"):
         lo = st["lora"]

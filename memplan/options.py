@@ -144,6 +144,8 @@ def config_checks(config: dict[str, Any] | None, request: JobRequest) -> None:
     for. resolve() runs it on the merged request; the CLI (cli_estimate.inventory) first, on the command line."""
     from memplan.model import tasks
 
+    from memplan.model.hf import IMAGE_SIZE_KEY
+
     b = request.batch
     compile_checks(config, request)
     if config is None or "factory" in config:
@@ -152,12 +154,18 @@ def config_checks(config: dict[str, Any] | None, request: JobRequest) -> None:
                                 "a decoder input")
         if b.images is not None:
             raise SettingsError(f"--images {b.images}: only a vision-language model's config takes images")
+        if b.image_size is not None:
+            raise SettingsError(f"--image-size {b.image_size[0]}x{b.image_size[1]}: only a vision-language model's "
+                                "config takes images")
         return
     seq = tasks.check_seq_len(config, b.seq_len)
     if b.target_len is not None:
         tasks.check_target_len(config, b.target_len, seq or 2048)
     if tasks.two_stacks(config):
         _two_stack_refusals(config, request)
+    size = tasks.check_image_size(config, b.image_size)
+    if size is not None:
+        config = {**config, IMAGE_SIZE_KEY: list(size)}
     tasks.check_images(config, b.images, seq or 2048)  # after those: a default image size imports transformers
 
 
@@ -1056,7 +1064,7 @@ def resolve(inv: ParamInventory, request: JobRequest, *, config: dict[str, Any] 
                                        if tasks.task_of(config) == tasks.IMAGE else
                                        "the model's learned positions (max_position_embeddings)")
     config_checks(config, r)  # as the CLI ran them before the inventory, on the merged request
-    target = images = None
+    target = images = image_size = None
     if config is not None and "factory" not in config:
         from memplan.model import tasks
 
@@ -1071,6 +1079,18 @@ def resolve(inv: ParamInventory, request: JobRequest, *, config: dict[str, Any] 
         asked = r.batch.images
         if asked is not None or tasks.task_of(config) == tasks.IMAGE_TEXT:
             asked = pick("images", None)
+        # a patch-grid model's image size (--image-size; its processor's default square), before the tokens it makes
+        asked_size = r.batch.image_size
+        if asked_size is not None or tasks.check_image_size(config, None) is not None:
+            asked_size = pick("image_size", None)
+        image_size = tasks.check_image_size(config, asked_size)
+        if image_size is not None:
+            from memplan.model.hf import IMAGE_SIZE_KEY
+
+            if pick.sources.get("image_size") == "default":
+                pick.sources["image_size"] = ("default: the largest square transformers' Qwen2VLImageProcessor "
+                                              f"makes within its max_pixels {tasks.DEFAULT_MAX_PIXELS:,}")
+            config = {**config, IMAGE_SIZE_KEY: list(image_size)}
         images = tasks.check_images(config, asked, seq)
 
     torch_overrides = {k: v for k, v in _values(r.torch).items() if v is not None}
@@ -1121,7 +1141,7 @@ def resolve(inv: ParamInventory, request: JobRequest, *, config: dict[str, Any] 
     recompute = valid_recompute(r.training.recompute)
     settings = Settings(strategy=strat, recipe=recipe, optimizer=opt, cluster=cluster,
                         optimizer_impl=r.training.optimizer_impl,
-                        micro_batch=mb, seq_len=seq, target_len=target, images=images, grad_accum=ga, recompute=recompute,
+                        micro_batch=mb, seq_len=seq, target_len=target, images=images, image_size=image_size, grad_accum=ga, recompute=recompute,
                         attention=r.training.attention, compile=r.training.compile, float8=float8,
                         float8_keep=r.training.float8_keep, float8_all_gather=r.training.float8_all_gather,
                         ds=ds, torch=tk, horovod=hv, overheads=ov, allocator_conf=conf, lora=lora,

@@ -83,6 +83,8 @@ def plan_report(plan: Any, sources: dict[str, str] | None = None, notes: tuple[s
         strategy["target_len"] = s.target_len
     if s.images is not None:
         strategy["images"] = s.images
+    if s.image_size is not None:
+        strategy["image_size"] = list(s.image_size)
     if st.framework == "deepspeed":
         # each value once, as used: overlap_comm as DeepSpeed resolves its default (True for stage 3)
         knobs = {k: v for k, v in asdict(s.ds).items() if not k.startswith("leaf_")}  # the leaves: their paths below

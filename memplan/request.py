@@ -57,6 +57,13 @@ def _size(name: str, allow_zero: bool = False) -> Callable[[Any], int | None]:
     return parse
 
 
+def _image_size(value: Any) -> tuple[int, int] | None:
+    """--image-size N | HxW (model/tasks.py parse_image_size)."""
+    from memplan.model.tasks import parse_image_size
+
+    return parse_image_size(value)
+
+
 def _leaf_classes(value: Any) -> tuple[str, ...] | None:
     """--z3-leaf-modules A,B | none."""
     if value is None or isinstance(value, tuple):
@@ -142,6 +149,11 @@ class Batch:
                                  "per sample [default: --seq-len].")
     images: int | None = opt(None, "--images", "A vision-language model's images per sample, their tokens part of "
                              "--seq-len [default: 1].")
+    image_size: tuple[int, int] | None = opt(None, "--image-size", "A vision-language model of any image resolution "
+                                             "(Qwen2-VL, Qwen2.5-VL, Qwen3-VL): each image's size as its processor "
+                                             "resizes it, N or HxW pixels [default: the largest square its "
+                                             "processor's default max_pixels lets through: 980 for Qwen2.5-VL].",
+                                             parse=_image_size, cli_type=str)
     grad_accum: int | None = opt(None, "--grad-accum", "Gradient accumulation steps [default: 1].",
                                  ds_config="gradient_accumulation_steps",
                                  training_args="gradient_accumulation_steps")

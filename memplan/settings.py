@@ -232,6 +232,9 @@ class Settings:
     #: a vision-language model's images per sample (model/tasks.py IMAGE_TEXT; their tokens are in seq_len); None:
     #: a model that takes no images
     images: int | None = None
+    #: a patch-grid vision-language model's image (height, width) in pixels (model/tasks.py PATCH_GRID_MODELS,
+    #: --image-size); None: a model whose images are its config's size, or that takes none
+    image_size: tuple[int, int] | None = None
     grad_accum: int = 1
     recompute: str = "none"
     attention: str = "sdpa"  #: sdpa: the device's own kernel choice; flash: flash asked for; eager

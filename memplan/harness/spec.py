@@ -139,6 +139,10 @@ def build_spec(config: dict[str, Any], s: Settings, *, warmup_steps: int = 2, me
         from memplan.model.hf import IMAGES_KEY
 
         config = {**config, IMAGES_KEY: s.images}
+    if s.image_size is not None:  # a patch-grid model's image (model/tasks.py _patch_grid_inputs)
+        from memplan.model.hf import IMAGE_SIZE_KEY
+
+        config = {**config, IMAGE_SIZE_KEY: list(s.image_size)}
     spec: dict[str, Any] = {
         "config": config, "framework": fw, "strategy": st.name, "recipe": s.recipe.name,
         "optimizer": s.optimizer.name, "optimizer_impl": s.optimizer_impl,

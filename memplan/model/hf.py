@@ -15,10 +15,12 @@ from memplan.inputs import quote
 TARGET_KEY = "memplan_target_len"
 #: a vision-language model's images per sample (--images)
 IMAGES_KEY = "memplan_images"
+#: the image size a vision-language model of any resolution is fed (--image-size: [height, width] in pixels)
+IMAGE_SIZE_KEY = "memplan_image_size"
 #: the module paths the job freezes (--freeze, model/freeze.py)
 FROZEN_KEY = "memplan_frozen"
 #: the pseudo-keys a traced or run config may carry beside the config.json's own fields
-PSEUDO_KEYS = (TARGET_KEY, IMAGES_KEY, FROZEN_KEY)
+PSEUDO_KEYS = (TARGET_KEY, IMAGES_KEY, IMAGE_SIZE_KEY, FROZEN_KEY)
 
 
 def transformers_config(config: Mapping[str, Any], model_name: str = "model") -> Any:

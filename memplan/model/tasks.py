@@ -36,6 +36,14 @@ forward computes its loss from (modeling_bert.py, modeling_llama.py, the generic
   mm_tokens_per_image, its projector average-pooling the patch grid to that many (Gemma3MultiModalProjector);
   PaliGemma's SigLIP patches (image_size / patch_size)^2, with the processor's ``token_type_ids`` (0 in the prefix,
   which attends both ways: modeling_paligemma.py).
+  Qwen2-VL, Qwen2.5-VL and Qwen3-VL take an image at any resolution (PATCH_GRID_MODELS): the processor
+  (Qwen2VLImageProcessor; smart_resize) resizes it to multiples of patch_size x spatial_merge_size and hands the
+  model its patches flattened, ``pixel_values`` [images x (H/p) x (W/p), channels x temporal_patch_size x p x p]
+  (a still image repeated over the temporal patch), with ``image_grid_thw`` [images, 3] = (1, H/p, W/p); the text
+  holds each image as ``<|vision_start|>``, (H/p)(W/p)/merge^2 image tokens and ``<|vision_end|>``
+  (Qwen2VLProcessor), and ``mm_token_type_ids`` (1 at image tokens: ProcessorMixin.create_mm_token_type_ids) from
+  which the model builds its 3-D rotary positions (get_rope_index). The image size is --image-size (default:
+  image_side, the largest square the processor's default max_pixels lets through).
 
 Other heads (speech and audio seq2seq, other vision-language models, multiple choice, pre-training, image models
 other than ViT and DeiT) are refused with the class named: their inputs are neither a [batch, seq] of token ids nor
@@ -49,7 +57,7 @@ from typing import Any
 
 from memplan.errors import ConfigError
 from memplan.inputs import quote
-from memplan.model.hf import IMAGES_KEY, TARGET_KEY, transformers_config
+from memplan.model.hf import IMAGE_SIZE_KEY, IMAGES_KEY, TARGET_KEY, transformers_config
 
 CAUSAL_LM = "causal-lm"
 SEQ2SEQ = "seq2seq-lm"
@@ -63,8 +71,13 @@ IMAGE = "image-classification"
 IMAGE_TEXT = "image-text-to-text"
 TASKS = (CAUSAL_LM, "masked-lm", "sequence-classification", "token-classification", "question-answering",
          IMAGE, SEQ2SEQ, IMAGE_TEXT)
+#: the vision-language models of any image resolution (Qwen-VL: the image's patch grid, image_grid_thw, is an input)
+PATCH_GRID_MODELS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 #: the vision-language model types memplan traces (their image tokens: image_text_tokens)
-IMAGE_TEXT_MODELS = ("llava", "gemma3", "paligemma")
+IMAGE_TEXT_MODELS = ("llava", "gemma3", "paligemma") + PATCH_GRID_MODELS
+#: transformers' Qwen2VLImageProcessor's default pixel budget, size["longest_edge"] (max_pixels: 28 * 28 * 1280),
+#: which smart_resize shrinks a larger image to; Qwen3-VL's processor is the same class
+DEFAULT_MAX_PIXELS = 28 * 28 * 1280
 
 #: the vision transformers whose image classification memplan traces: model_type -> tokens beside the patches
 IMAGE_MODELS = {"vit": 1, "deit": 2}
@@ -198,7 +211,8 @@ def _vision(config: Mapping[str, Any]) -> Any:
 #: the fields image_text_tokens reads, by model_type: (top-level, vision_config's)
 _TOKEN_FIELDS = {"llava": (("vision_feature_select_strategy",), ("model_type", "image_size", "patch_size")),
                  "gemma3": (("mm_tokens_per_image",), ("image_size", "patch_size")),
-                 "paligemma": ((), ("image_size", "patch_size"))}
+                 "paligemma": ((), ("image_size", "patch_size")),
+                 **{m: ((), ("patch_size", "spatial_merge_size")) for m in PATCH_GRID_MODELS}}
 
 
 def _token_fields(config: Mapping[str, Any]) -> tuple[Any, Any]:
@@ -215,9 +229,81 @@ def _token_fields(config: Mapping[str, Any]) -> tuple[Any, Any]:
     return cfg, cfg.vision_config
 
 
+def patch_factor(config: Mapping[str, Any]) -> int:
+    """A patch-grid model's image side unit, patch_size x spatial_merge_size (smart_resize's factor: 28 for Qwen2-VL
+    and Qwen2.5-VL, 32 for Qwen3-VL): each merged token covers that square."""
+    _, vc = _token_fields(config)
+    patch, merge = vc.patch_size, vc.spatial_merge_size
+    if not (isinstance(patch, int) and isinstance(merge, int) and patch > 0 and merge > 0):
+        raise ConfigError(f"vision_config patch_size {patch!r} and spatial_merge_size {merge!r}: whole numbers of "
+                          "pixels and patches are modelled")
+    return patch * merge
+
+
+def image_side(config: Mapping[str, Any]) -> int:
+    """The default image of a patch-grid model: the largest square smart_resize makes within the processor's default
+    max_pixels (a larger image is shrunk to it: floor(sqrt(max_pixels) / factor) x factor; 980 px for Qwen2.5-VL)."""
+    factor = patch_factor(config)
+    return max(factor, int(DEFAULT_MAX_PIXELS ** 0.5) // factor * factor)
+
+
+def image_size_of(config: Mapping[str, Any]) -> tuple[int, int]:
+    """The (height, width) in pixels a patch-grid model's images are fed at (--image-size; image_side unless given)."""
+    size = config.get(IMAGE_SIZE_KEY)
+    if size is None:
+        side = image_side(config)
+        return side, side
+    return int(size[0]), int(size[1])
+
+
+def parse_image_size(value: Any) -> tuple[int, int] | None:
+    """--image-size: ``N`` (a square) or ``HxW`` in pixels, or None. ConfigError naming the value otherwise."""
+    if value is None:
+        return None
+    if isinstance(value, (list, tuple)) and len(value) == 2 and all(isinstance(v, int) for v in value):
+        h, w = value
+    else:
+        parts = str(value).strip().lower().split("x")
+        if len(parts) not in (1, 2) or not all(p.strip().isdigit() for p in parts):
+            raise ConfigError(f"--image-size {quote(value)}: give pixels, N (a square) or HxW, e.g. 448 or 448x640")
+        h, w = int(parts[0]), int(parts[-1])
+    if h <= 0 or w <= 0:
+        raise ConfigError(f"--image-size {quote(value)}: the height and width must be at least one pixel")
+    return h, w
+
+
+def check_image_size(config: Mapping[str, Any], size: tuple[int, int] | None) -> tuple[int, int] | None:
+    """The image size a vision-language job feeds: a patch-grid model's (--image-size, else image_side), None for
+    a model whose vision tower takes its config's image_size. ConfigError for --image-size on a model of a fixed
+    size or that takes no images, or a size that is not whole merged patches (the processor makes none such)."""
+    if size is not None and (task_of(config) != IMAGE_TEXT or config.get("model_type") not in PATCH_GRID_MODELS):
+        if task_of(config) == IMAGE_TEXT:
+            _, vc = _token_fields(config)
+            raise ConfigError(f"--image-size {size[0]}x{size[1]}: {config.get('model_type')}'s vision tower takes "
+                              f"images of its config's image_size ({vc.image_size} px); its processor resizes to it")
+        raise ConfigError(f"--image-size {size[0]}x{size[1]}: only a vision-language model of any image resolution "
+                          f"({', '.join(PATCH_GRID_MODELS)}) takes an image size")
+    if task_of(config) != IMAGE_TEXT or config.get("model_type") not in PATCH_GRID_MODELS:
+        return None
+    factor = patch_factor(config)
+    if size is None:
+        return image_side(config), image_side(config)
+    bad = [v for v in size if v % factor]
+    if bad:
+        v = bad[0]
+        raise ConfigError(f"--image-size {size[0]}x{size[1]}: {config.get('model_type')}'s processor resizes images to "
+                          f"multiples of {factor} px (patch_size x spatial_merge_size; smart_resize), so {v} is not "
+                          f"fed; {v // factor * factor or factor} or {(v // factor + 1) * factor}")
+    return size
+
+
 def image_text_tokens(config: Mapping[str, Any]) -> int:
     """The tokens one image takes in a vision-language model's sequence (see the module's docstring). ConfigError
     where the image is not whole patches or Gemma 3's patch grid does not pool to mm_tokens_per_image."""
+    if config.get("model_type") in PATCH_GRID_MODELS:  # each merged square of patches, one token
+        factor = patch_factor(config)
+        h, w = image_size_of(config)
+        return (h // factor) * (w // factor)
     cfg, vc = _token_fields(config)
     size, patch = vc.image_size, vc.patch_size
     if not (isinstance(size, int) and isinstance(patch, int) and size > 0 and patch > 0):
@@ -240,6 +326,12 @@ def image_text_tokens(config: Mapping[str, Any]) -> int:
     return side * side + cls - (1 if cfg.vision_feature_select_strategy == "default" else 0)
 
 
+def image_span(config: Mapping[str, Any]) -> int:
+    """The tokens one image takes in the text: its image tokens, and a patch-grid model's <|vision_start|> and
+    <|vision_end|> around them (Qwen2VLProcessor's template)."""
+    return image_text_tokens(config) + (2 if config.get("model_type") in PATCH_GRID_MODELS else 0)
+
+
 def images_of(config: Mapping[str, Any]) -> int:
     """The images per sample a vision-language step takes (--images; 1 unless given)."""
     n = config.get(IMAGES_KEY)
@@ -257,10 +349,11 @@ def check_images(config: Mapping[str, Any], images: int | None, seq_len: int) ->
     n = 1 if images is None else images
     if n < 0:
         raise ConfigError(f"--images must be 0 or more, got {n}")
-    per = image_text_tokens(config)
-    if n and seq_len <= n * per:
+    per = image_span(config)
+    if n and seq_len <= n * per + 1:
         raise ConfigError(f"--seq-len {seq_len}: {n} image(s) of {per} tokens each take {n * per} tokens of the "
-                          "sequence and leave no text; a longer --seq-len or fewer --images")
+                          "sequence and leave no text; a longer --seq-len, fewer --images"
+                          + (" or a smaller --image-size" if config.get("model_type") in PATCH_GRID_MODELS else ""))
     return n
 
 
@@ -275,7 +368,9 @@ def stacks(config: Mapping[str, Any]) -> int | None:
         return None if both is None else sum(both)
     if task == IMAGE_TEXT:
         cfg = _vision(config)
-        return int(cfg.vision_config.num_hidden_layers) + int(cfg.get_text_config().num_hidden_layers)
+        vc = cfg.vision_config
+        tower = getattr(vc, "num_hidden_layers", None) or vc.depth  # Qwen-VL's vision config names it depth
+        return int(tower) + int(cfg.get_text_config().num_hidden_layers)
     return None
 
 
@@ -389,6 +484,8 @@ def step_inputs(task: str, config: Mapping[str, Any], ids: Any, dtype: Any = Non
         pixels = torch.zeros(batch, config.get("num_channels", 3), size, size, device=ids.device,
                              dtype=dtype or torch.get_default_dtype())
         return {"pixel_values": pixels, "labels": torch.zeros(batch, dtype=torch.long, device=ids.device)}
+    if task == IMAGE_TEXT and config.get("model_type") in PATCH_GRID_MODELS:  # the text made whole, see there
+        return _patch_grid_inputs(config, batch, ids.shape[1], images_of(config), ids.device, dtype)
     if task == IMAGE_TEXT:  # each image's tokens after the first (a BOS), its pixels, the text's labels
         cfg = _vision(config)
         n, per, token = images_of(config), image_text_tokens(config), int(cfg.image_token_id)
@@ -414,6 +511,39 @@ def step_inputs(task: str, config: Mapping[str, Any], ids: Any, dtype: Any = Non
         z = torch.zeros(batch, dtype=torch.long, device=ids.device)
         return {"input_ids": ids, "start_positions": z, "end_positions": z.clone()}
     raise ValueError(f"unknown task {task}")
+
+
+def _patch_grid_inputs(config: Mapping[str, Any], batch: int, seq: int, n: int, device: Any,
+                       dtype: Any) -> dict[str, Any]:
+    """A Qwen-VL step's inputs, as its processor makes them (see the module's docstring): each sample's text
+    holding its ``n`` images, each as <|vision_start|>, its image tokens and <|vision_end|>, after a first text token;
+    ``mm_token_type_ids``; and the images' flattened patches and ``image_grid_thw``. The token ids and the grid are
+    made from Python lists (torch.tensor): the model reads their values (its 3-D positions, its vision tower's
+    windows), which a traced step keeps as constants (activations/tracing/grids.py)."""
+    import torch
+
+    cfg = _vision(config)
+    vc = cfg.vision_config
+    per, patch = image_text_tokens(config), int(vc.patch_size)
+    h, w = image_size_of(config)
+    row = [0] * seq
+    for i in range(n):
+        at = 1 + i * (per + 2)
+        row[at] = int(cfg.vision_start_token_id)
+        row[at + 1:at + 1 + per] = [int(cfg.image_token_id)] * per
+        row[at + 1 + per] = int(cfg.vision_end_token_id)
+    ids = torch.tensor([row] * batch, dtype=torch.long, device=device)
+    out: dict[str, Any] = {"input_ids": ids, "labels": ids,
+                           "mm_token_type_ids": torch.tensor([[int(t == cfg.image_token_id) for t in row]] * batch,
+                                                             dtype=torch.long, device=device)}
+    if n:
+        channels = int(getattr(vc, "in_channels", None) or getattr(vc, "in_chans", 3))
+        grid = [1, h // patch, w // patch]
+        out["pixel_values"] = torch.zeros(batch * n * grid[1] * grid[2],
+                                          channels * int(vc.temporal_patch_size) * patch * patch, device=device,
+                                          dtype=dtype or torch.get_default_dtype())
+        out["image_grid_thw"] = torch.tensor([grid] * (batch * n), dtype=torch.long, device=device)
+    return out
 
 
 def trace_config(config: Mapping[str, Any]) -> dict[str, Any]:

@@ -71,7 +71,10 @@ def _substitutions(config: dict[str, Any], dtype: str, attention: str, target: T
             F.linear = sub.deepspeed_zero3_linear("cpu")  # the traced tensors are (fake) CPU tensors
         if real_packed is not None:
             mu.find_packed_sequence_indices = lambda position_ids: None
-        yield
+        from memplan.activations.tracing.grids import constant_inputs
+
+        with constant_inputs(config):  # a Qwen-VL step reads its inputs' values (tracing/grids.py)
+            yield
     finally:
         if real_check is None:
             os.environ.pop("TRANSFORMERS_DISABLE_TORCH_CHECK", None)

@@ -1,0 +1,178 @@
+"""The values a Qwen-VL step reads from its inputs, kept through the fake-tensor trace.
+
+Qwen2-VL, Qwen2.5-VL and Qwen3-VL build shapes from the values of their inputs (transformers 5.24):
+
+- the vision tower's rotary positions and attention segments from ``image_grid_thw``
+  (transformers/vision_utils.py get_vision_position_ids: ``grid_thw.tolist()``; get_vision_cu_seqlens), each
+  segment's own attention (modeling_qwen2_5_vl.py Qwen2_5_VLVisionAttention: ``torch.split(..., lengths.tolist())``,
+  one SDPA per image, or per window), the features' split per image (get_image_features: ``.tolist()``);
+- Qwen2.5-VL's windows (vision_utils.py get_vision_window_index: a boolean index, ``index_padded != -100``);
+- the language model's 3-D rotary positions from ``input_ids`` and ``mm_token_type_ids``
+  (Qwen2_5_VLModel.get_rope_index: ``itertools.groupby(input_token_type.tolist())`` and a tensor of per-sample
+  deltas).
+
+Fake tensors have no values (a ``.tolist()`` on one raises DataDependentOutputException). FakeTensorMode keeps a
+tensor's real value beside it where it can (FakeTensor.constant) and propagates it through an operator all of whose
+inputs carry one, for outputs of at most CONSTANT_NUMEL_LIMIT elements (torch/_subclasses/fake_tensor.py
+_dispatch_impl, may_turn_const). The step's token ids and grid are made with torch.tensor (model/tasks.py
+_patch_grid_inputs), which fake mode lifts into such constants; here the limit is lifted for the step, so that what
+is computed from them carries its value too. The model's own parameters and activations are never constants (their
+fake tensors are made without values), so nothing else changes.
+
+Each image's (or window's) attention is its own SDPA call (torch.split of q, k and v at the segments' lengths, one
+call per segment, torch.cat of the outputs): the step's operations grow with its images, and a profile is the same
+operations traced at two micro-batches (tracing/fit.py). The trace runs the segments that sit at the same place in
+each image together instead: q, k and v viewed as [images, ...] (unflatten), one torch.split at one image's
+segments (its backward, one torch.cat of the gradients, as the model's own split's), one call per segment of an
+image with the images as its batch, and one torch.cat of those outputs, the same [1, tokens, heads, head_dim] as
+the model's. Every tensor the model's loop makes is there, n of them as one of n times the size (the allocator's
+per-tensor rounding aside; a math-kernel call's own temporaries are n times one call's).
+
+Two functions build index tensors from factories (torch.arange) and read them back (a boolean index, a tensor of
+tensors): get_vision_window_index and each model's get_rope_index. Those run on the inputs' real values with the
+fake and tracking modes off, and hand back outputs made under the modes (so each is a birth on the timeline, where
+the model makes it) that carry their values. Their temporaries (a few index tensors of the image's or the
+sequence's length, freed before the function returns) are not counted. On CUDA, get_vision_window_index makes its
+window index on the CPU (torch.arange without a device) and each indexing with it copies it to the GPU for the
+operator; the trace counts it as one device tensor of the merged tokens' length (8 bytes each: 10 KB for a 980 px
+image), a bound on those copies. No torch at import.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+from memplan.model import tasks
+
+
+def reads_values(config: dict[str, Any]) -> bool:
+    """Whether the config's step reads its inputs' values (a patch-grid vision-language model)."""
+    return tasks.task_of(config) == tasks.IMAGE_TEXT and config.get("model_type") in tasks.PATCH_GRID_MODELS
+
+
+@contextlib.contextmanager
+def constant_inputs(config: dict[str, Any]) -> Iterator[None]:
+    """Keep the step's input values through the trace (see the module's docstring); nothing for other configs."""
+    if not reads_values(config):
+        yield
+        return
+    import torch._subclasses.fake_tensor as ft
+
+    mt = str(config["model_type"])
+    module = importlib.import_module(f"transformers.models.{mt}.modeling_{mt}")
+    patched: list[tuple[Any, str, Any]] = []
+    if hasattr(module, "get_vision_window_index"):
+        patched.append((module, "get_vision_window_index", module.get_vision_window_index))
+    for cls in vars(module).values():
+        if isinstance(cls, type) and "get_rope_index" in vars(cls):
+            patched.append((cls, "get_rope_index", vars(cls)["get_rope_index"]))
+    # the vision_utils helpers the module calls: standalone functions of the grid and config scalars
+    helpers = [(module, n, f) for n, f in vars(module).items()
+               if n.startswith("get_vision_") and callable(f) and getattr(f, "__module__", "") == "transformers.vision_utils"]
+    # the vision tower's attention: a module whose forward takes cu_seqlens (not the blocks that pass it on)
+    import inspect
+
+    import torch.nn as nn
+
+    attentions = [(cls, "forward", vars(cls)["forward"]) for cls in vars(module).values()
+                  if isinstance(cls, type) and issubclass(cls, nn.Module) and "Attention" in cls.__name__
+                  and "forward" in vars(cls) and "cu_seqlens" in inspect.signature(cls.forward).parameters]
+    limit = ft.CONSTANT_NUMEL_LIMIT
+    try:
+        ft.CONSTANT_NUMEL_LIMIT = sys.maxsize
+        for owner, name, fn in patched + [h for h in helpers if h[1] != "get_vision_window_index"]:
+            setattr(owner, name, _on_values(fn))
+        for owner, name, fn in attentions:
+            setattr(owner, name, _by_segment_slot(fn))
+        patched += helpers + attentions
+        yield
+    finally:
+        ft.CONSTANT_NUMEL_LIMIT = limit
+        for owner, name, fn in patched:
+            setattr(owner, name, fn)
+
+
+def _on_values(fn: Any) -> Any:
+    """``fn`` run on its arguments' values, modes off; its tensors handed back as births under the modes, each
+    carrying its value."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch.utils._python_dispatch import _disable_current_modes
+    from torch.utils._pytree import tree_map
+
+    def value(x: Any) -> Any:
+        if isinstance(x, FakeTensor):
+            if x.constant is None:
+                raise ValueError(f"{fn.__qualname__} reads the values of a tensor the trace has none for")
+            return x.constant
+        return x
+
+    def born(x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and not isinstance(x, FakeTensor):
+            out = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype)
+            out.constant = x
+            return out
+        return x
+
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        args, kwargs = tree_map(value, args), tree_map(value, kwargs)
+        with _disable_current_modes():
+            out = fn(*args, **kwargs)
+        return tree_map(born, out)
+
+    return run
+
+
+def _period(lengths: list[int]) -> int:
+    """The fewest leading segments that the lengths repeat (one image's, or fewer where its own repeat)."""
+    n = len(lengths)
+    return next(p for p in range(1, n + 1) if n % p == 0 and lengths == lengths[:p] * (n // p))
+
+
+def _by_segment_slot(forward: Any) -> Any:
+    """The vision attention's forward with its per-segment loop run one call per segment slot (see the module's
+    docstring): torch.split and torch.cat are the model's own but for the one split at the segments' lengths and
+    the cat of the outputs that follows it."""
+    import torch
+
+    @functools.wraps(forward)
+    def run(self: Any, hidden_states: Any, cu_seqlens: Any, *args: Any, **kwargs: Any) -> Any:
+        cu = getattr(cu_seqlens, "constant", None)
+        if cu is None:
+            return forward(self, hidden_states, cu_seqlens, *args, **kwargs)
+        bounds = [int(x) for x in cu.tolist()]
+        lengths = [b - a for a, b in zip(bounds, bounds[1:])]
+        if not lengths:
+            return forward(self, hidden_states, cu_seqlens, *args, **kwargs)
+        slot = lengths[:_period(lengths)]
+        reps = len(lengths) // len(slot)
+        real_split, real_cat = torch.split, torch.cat
+        split_done = [False]
+
+        def split(tensor: Any, sizes: Any, dim: int = 0) -> Any:
+            if dim == 2 and isinstance(sizes, list) and sizes == lengths and tensor.dim() == 4 and tensor.shape[0] == 1:
+                split_done[0] = True
+                parts = real_split(tensor.unflatten(2, (reps, sum(slot))), slot, dim=3)
+                return tuple(p.squeeze(0).transpose(0, 1) for p in parts)  # [images, heads, segment, head_dim]
+            return real_split(tensor, sizes, dim)
+
+        def cat(tensors: Any, dim: int = 0, **kw: Any) -> Any:
+            if split_done[0] and dim == 1 and not kw and len(tensors) == len(slot) \
+                    and all(t.dim() == 4 and t.shape[0] == reps and t.shape[1] == n for t, n in zip(tensors, slot)):
+                split_done[0] = False
+                return real_cat(tensors, dim=1).flatten(0, 1).unsqueeze(0)  # [1, tokens, heads, head_dim]
+            return real_cat(tensors, dim, **kw)
+
+        torch.split, torch.cat = split, cat
+        try:
+            return forward(self, hidden_states, cu_seqlens, *args, **kwargs)
+        finally:
+            torch.split, torch.cat = real_split, real_cat
+
+    return run

@@ -45,6 +45,13 @@ LLAVA = ("tests/data/configs/llava-tiny.json", dict(layers=None))
 GEMMA3_VL = ("tests/data/configs/gemma3-vl-tiny.json", dict(layers=None))
 # PaliGemma: SigLIP 32 px in 8 px patches (16 image tokens, a bidirectional prefix), 2 + 2 blocks
 PALIGEMMA = ("tests/data/configs/paligemma-tiny.json", dict(layers=None))
+# vision-language models of any image resolution (model/tasks.py PATCH_GRID_MODELS) at their own tiny sizes, images
+# of 168 x 224 px (Qwen2-VL, Qwen2.5-VL: 14 px patches merged 2 x 2, 48 image tokens; Qwen2.5-VL's 112 px windows
+# of unequal sizes) and 128 x 192 px (Qwen3-VL: 16 px patches, 24 image tokens) in 128 tokens
+QWEN25_VL = ("tests/data/configs/qwen2.5-vl-tiny.json", dict(layers=None))
+QWEN2_VL = ("tests/data/configs/qwen2-vl-tiny.json", dict(layers=None))
+QWEN3_VL = ("tests/data/configs/qwen3-vl-tiny.json", dict(layers=None))
+QWEN_IMG = dict(image_size=(168, 224))
 LLAMA10 = ("llama-7b", dict(layers=10, hidden=256, vocab=2048))  # two stages per rank over pp 2: 2-3 blocks each
 MIXTRAL = ("mixtral-8x7b", dict(layers=2, hidden=256, vocab=2048))  # MoE: 8 experts, top-2, grouped_mm
 MIXTRAL4 = ("mixtral-8x7b", dict(layers=4, hidden=256, vocab=2048))
@@ -298,6 +305,24 @@ CASES = [
     ("gemma3 image-text, 1 rank, fp32", GEMMA3_VL, dict(gpus=1, precision="fp32"), {}, {}, "full"),
     ("gemma3 image-text ddp, fp32", GEMMA3_VL, dict(strategy="ddp", precision="fp32"), {}, {}, "none"),
     ("gemma3 image-text zero3", GEMMA3_VL, dict(stage=3), SMALL_DS, {}, "none"),
+    # session 40: Qwen-VL, images of any size (--image-size), their patches and grid as inputs
+    ("qwen2.5-vl image-text, 1 rank, fp32", QWEN25_VL, dict(gpus=1, precision="fp32", **QWEN_IMG), {}, {}, "none"),
+    ("qwen2.5-vl image-text, 1 rank", QWEN25_VL, dict(gpus=1, **QWEN_IMG), {}, {}, "none"),
+    ("qwen2.5-vl image-text, 1 rank, fp32", QWEN25_VL, dict(gpus=1, precision="fp32", **QWEN_IMG), {}, {}, "full"),
+    ("qwen2.5-vl image-text, 1 rank, fp32, 2 images", QWEN25_VL, dict(gpus=1, precision="fp32", images=2,
+                                                                      **QWEN_IMG), {}, {}, "none"),
+    ("qwen2.5-vl image-text ddp, frozen vision", QWEN25_VL, dict(strategy="ddp", freeze="vision", **QWEN_IMG), {},
+     {}, "none"),
+    ("qwen2.5-vl image-text zero3", QWEN25_VL, dict(stage=3, **QWEN_IMG), SMALL_DS, {}, "none"),
+    ("qwen2.5-vl image-text fsdp-full, fp32", QWEN25_VL, dict(strategy="fsdp-full", precision="fp32", **QWEN_IMG),
+     {}, {}, "none"),
+    ("qwen2-vl image-text, 1 rank, fp32", QWEN2_VL, dict(gpus=1, precision="fp32", **QWEN_IMG), {}, {}, "none"),
+    ("qwen2-vl image-text, 1 rank", QWEN2_VL, dict(gpus=1, **QWEN_IMG), {}, {}, "full"),
+    ("qwen3-vl image-text, 1 rank, fp32", QWEN3_VL, dict(gpus=1, precision="fp32", image_size=(128, 192)), {}, {},
+     "none"),
+    ("qwen3-vl image-text, 1 rank", QWEN3_VL, dict(gpus=1, image_size=(128, 192)), {}, {}, "none"),
+    ("qwen3-vl image-text fsdp-full, frozen vision", QWEN3_VL, dict(strategy="fsdp-full", freeze="vision",
+                                                                    image_size=(128, 192)), {}, {}, "none"),
     # session 34: encoder-decoders, T5 (relative position bias learned through SDPA's mask) and BART
     ("t5 seq2seq, 1 rank, fp32, target 64", T5, dict(gpus=1, precision="fp32", target_len=64), {}, {}, "none"),
     ("t5 seq2seq, 1 rank, target 64", T5, dict(gpus=1, target_len=64), {}, {}, "none"),

@@ -16,8 +16,20 @@ from memplan.errors import ConfigError
 from memplan.inputs import quote
 
 #: the vision tower's module path by model_type, as transformers 5 names it (modeling_llava.py LlavaModel,
-#: modeling_gemma3.py Gemma3Model: self.vision_tower; the projector beside it trains)
-VISION_TOWERS = {"llava": "model.vision_tower", "gemma3": "model.vision_tower", "paligemma": "model.vision_tower"}
+#: modeling_gemma3.py Gemma3Model: self.vision_tower; the projector beside it trains; modeling_qwen2_5_vl.py
+#: Qwen2_5_VLModel: self.visual, its projector, the merger, inside it)
+VISION_TOWERS = {"llava": "model.vision_tower", "gemma3": "model.vision_tower", "paligemma": "model.vision_tower",
+                 "qwen2_vl": "model.visual", "qwen2_5_vl": "model.visual", "qwen3_vl": "model.visual"}
+#: what --freeze vision freezes where the projector sits inside the tower: the tower less its mergers, as Qwen's
+#: own fine-tuning script does by default (qwen-vl-finetune train_qwen.py: tune_mm_vision off, tune_mm_mlp on:
+#: model.visual's parameters frozen, then model.visual.merger's trained again; Qwen3-VL's deepstack mergers are
+#: projectors too)
+VISION_FROZEN = {"qwen2_vl": ("model.visual.patch_embed", "model.visual.blocks"),
+                 "qwen2_5_vl": ("model.visual.patch_embed", "model.visual.blocks"),
+                 "qwen3_vl": ("model.visual.patch_embed", "model.visual.pos_embed", "model.visual.blocks")}
+#: the projector's module path where it is beside the tower
+PROJECTORS = {"llava": "model.multi_modal_projector", "gemma3": "model.multi_modal_projector",
+              "paligemma": "model.multi_modal_projector"}
 #: --freeze's name for the vision tower
 VISION = "vision"
 
@@ -31,11 +43,13 @@ def paths(spec: str | None, config: Mapping[str, Any] | None) -> tuple[str, ...]
         if not part:
             raise ConfigError(f"--freeze {quote(spec)}: an empty path")
         if part == VISION:
-            tower = VISION_TOWERS.get(str((config or {}).get("model_type")))
+            mt = str((config or {}).get("model_type"))
+            tower = VISION_TOWERS.get(mt)
             if tower is None:
                 raise ConfigError(f"--freeze vision: a vision-language model's vision tower ({', '.join(VISION_TOWERS)}); "
                                   f"this model has none (give module paths instead)")
-            part = tower
+            out.extend(p for p in VISION_FROZEN.get(mt, (tower,)) if p not in out)
+            continue
         if part not in out:
             out.append(part)
     return tuple(out)
@@ -103,7 +117,7 @@ def unread_paths(model: Any, config: Mapping[str, Any], images: int | None = Non
     if tower is None:
         return ()
     if images == 0:
-        return (tower, "model.multi_modal_projector")
+        return (tower,) + ((PROJECTORS[mt],) if mt in PROJECTORS else ())
     t = model.get_submodule(tower)
     if mt != "llava":  # the tower's last_hidden_state is read (Gemma 3, PaliGemma): a SigLIP pooling head is not
         return (f"{tower}.head",) if hasattr(t, "head") else ()

@@ -1172,6 +1172,15 @@ def resolve(inv: ParamInventory, request: JobRequest, *, config: dict[str, Any] 
         from memplan.model.hf import FROZEN_KEY
 
         config = {**config, FROZEN_KEY: list(settings.frozen)}  # the parameters the traced step freezes
+    if settings.recipe.name == "fsdp-bf16" and config is not None and "factory" not in config:
+        from memplan.model import tasks
+        from memplan.model.hf import INPUT_DTYPE_KEY
+
+        if tasks.task_of(config) in (tasks.IMAGE, tasks.IMAGE_TEXT):
+            # FSDP's MixedPrecisionPolicy computes in bf16 on fp32 shards: model.dtype, which the Trainer's
+            # collator and the harness feed pixels in, is fp32, and the model casts them (Qwen-VL's patch embedding:
+            # hidden_states.to(self.proj.weight.dtype), the unsharded bf16 weight's)
+            config = {**config, INPUT_DTYPE_KEY: "float32"}
     if images is not None and images != 1 and config is not None:  # one image: the traced step's default
         from memplan.model.hf import IMAGES_KEY
 

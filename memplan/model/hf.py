@@ -19,8 +19,11 @@ IMAGES_KEY = "memplan_images"
 IMAGE_SIZE_KEY = "memplan_image_size"
 #: the module paths the job freezes (--freeze, model/freeze.py)
 FROZEN_KEY = "memplan_frozen"
+#: the dtype an image's pixels arrive in where it is not the traced step's parameters' (FSDP's MixedPrecisionPolicy:
+#: the stored parameters, and so model.dtype, are fp32 while the step computes in bf16)
+INPUT_DTYPE_KEY = "memplan_input_dtype"
 #: the pseudo-keys a traced or run config may carry beside the config.json's own fields
-PSEUDO_KEYS = (TARGET_KEY, IMAGES_KEY, IMAGE_SIZE_KEY, FROZEN_KEY)
+PSEUDO_KEYS = (TARGET_KEY, IMAGES_KEY, IMAGE_SIZE_KEY, FROZEN_KEY, INPUT_DTYPE_KEY)
 
 
 def transformers_config(config: Mapping[str, Any], model_name: str = "model") -> Any:

@@ -208,6 +208,10 @@ def one_step(config: dict[str, Any], batch: int, seq: int, recipe: str, attentio
     from memplan.model.meta_builder import checkpointing_on, hf_config
 
     dtype, autocast = trace_dtypes(recipe)
+    from memplan.model.hf import INPUT_DTYPE_KEY
+
+    # an image's pixels in the stored parameters' dtype where it is not the traced one's (model/hf.py)
+    input_dtype = config.get(INPUT_DTYPE_KEY) or dtype
     lora = config.get("lora")
     if lora is not None:
         config = {k: v for k, v in config.items() if k != "lora"}
@@ -261,10 +265,10 @@ def one_step(config: dict[str, Any], batch: int, seq: int, recipe: str, attentio
                 # batch through the step (the Trainer's `inputs`, the CPU harness's step loop): a frozen vision
                 # tower's pixels, which nothing saves, are alive at the peak (docs/accuracy.md's frozen-vision rows)
                 def run(m: Any) -> Any:
-                    held[:] = [tasks.step_inputs(task, config, ids, getattr(torch, dtype))]
+                    held[:] = [tasks.step_inputs(task, config, ids, getattr(torch, input_dtype))]
                     return m(**held[0]).loss
             else:
-                step_inputs = tasks.step_inputs(task, config, ids, getattr(torch, dtype))
+                step_inputs = tasks.step_inputs(task, config, ids, getattr(torch, input_dtype))
                 run = (lambda m: m(**step_inputs).loss)  # noqa: E731
         if float8:  # torchao's Float8Linear in place of the eligible nn.Linear (tracing/float8.py)
             from memplan.activations.tracing.float8 import convert

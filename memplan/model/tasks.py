@@ -350,7 +350,7 @@ def check_images(config: Mapping[str, Any], images: int | None, seq_len: int) ->
     if n < 0:
         raise ConfigError(f"--images must be 0 or more, got {n}")
     per = image_span(config)
-    if n and seq_len <= n * per + 1:
+    if n and seq_len <= n * per:
         raise ConfigError(f"--seq-len {seq_len}: {n} image(s) of {per} tokens each take {n * per} tokens of the "
                           "sequence and leave no text; a longer --seq-len, fewer --images"
                           + (" or a smaller --image-size" if config.get("model_type") in PATCH_GRID_MODELS else ""))

@@ -571,6 +571,9 @@ CASES: list[Case] = [
     # vision-language models (model/tasks.py IMAGE_TEXT) and --freeze (model/freeze.py)
     Case("estimate llava-1.5-7b --seq-len 576", "1 image(s) of 576 tokens each take 576 tokens", "parallel"),
     Case("estimate llava-1.5-7b --images -1", "--images must be 0 or more", "parallel"),
+    Case("estimate qwen2.5-vl-7b --image-size 500", "multiples of 28 px", "parallel"),
+    Case("estimate qwen2.5-vl-7b --image-size 448x", "give pixels, N (a square) or HxW", "parallel"),
+    Case("estimate llama-3-8b --image-size 448", "only a vision-language model", "parallel"),
     Case("estimate gemma-3-4b --images 100000", "leave no text", "parallel"),
     Case("estimate gpt2 --images 2", "only a vision-language model takes images", "parallel"),
     Case("estimate gemma-3-4b --gpus 4 --tp 2", "--tp/--pp/--cp/--ep with a vision-language", "parallel"),

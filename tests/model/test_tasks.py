@@ -92,7 +92,13 @@ def test_a_vision_language_model_s_bad_input_is_one_line(tmp_path):
                          (["gemma-3-4b", "--freeze", "model"], "nothing trains"),
                          (["gemma-3-4b", "--freeze", "vision", "--lora-rank", "8", "--lora-targets", "all-linear"],
                           "--freeze with LoRA"),
-                         ([str(bad)], "image_size 30 is not a multiple of patch_size 8")):
+                         ([str(bad)], "image_size 30 is not a multiple of patch_size 8"),
+                         (["qwen2.5-vl-7b", "--image-size", "500"], "multiples of 28 px"),
+                         (["qwen2.5-vl-7b", "--image-size", "4x"], "give pixels, N (a square) or HxW"),
+                         (["qwen2.5-vl-7b", "--image-size", "0x28"], "at least one pixel"),
+                         (["qwen2.5-vl-7b", "--image-size", "980", "--seq-len", "1200"], "or a smaller --image-size"),
+                         (["llava-1.5-7b", "--image-size", "336"], "takes images of its config's image_size (336 px)"),
+                         (["llama-3-8b", "--image-size", "448"], "only a vision-language model")):
         r = subprocess.run([sys.executable, "-m", "memplan", "estimate", *argv], capture_output=True, text=True)
         assert r.returncode == 2 and r.stdout == "" and len(r.stderr.strip().splitlines()) == 1, (argv, r.stderr)
         assert needle in r.stderr, (argv, r.stderr)
@@ -362,16 +368,19 @@ def test_a_vision_language_model_s_images_are_tokens_in_its_sequence():
         tasks.image_text_tokens(dict(llava, vision_config=dict(llava["vision_config"], image_size=330)))
     with pytest.raises(ConfigError, match="pools its 64 x 64 patches"):
         tasks.image_text_tokens(dict(gemma, mm_tokens_per_image=100))
-    with pytest.raises(ConfigError, match="modelled for model_type llava, gemma3, paligemma, not 'idefics3'"):
+    with pytest.raises(ConfigError, match="modelled for model_type llava, gemma3, paligemma, qwen2_vl, qwen2_5_vl, "
+                                          "qwen3_vl, not 'idefics3'"):
         tasks.task_of({"architectures": ["Idefics3ForConditionalGeneration"], "model_type": "idefics3"})
     pali = json.loads(PALIGEMMA.read_text())
     assert tasks.task_of(pali) == tasks.IMAGE_TEXT and tasks.image_text_tokens(pali) == 16  # (32 / 8)^2
 
 
 @pytest.mark.parametrize("preset,params,vision,text", [("llava-1.5-7b", 7_063_427_072, 24, 32),
-                                                       ("gemma-3-4b", 4_300_079_472, 27, 34)])
+                                                       ("gemma-3-4b", 4_300_079_472, 27, 34),
+                                                       ("qwen2.5-vl-7b", 8_292_166_656, 32, 28)])
 def test_a_vision_language_inventory_is_transformers_own(preset, params, vision, text):
-    """The published configs of llava-hf/llava-1.5-7b-hf and google/gemma-3-4b-it: parameters exact against
+    """The published configs of llava-hf/llava-1.5-7b-hf, google/gemma-3-4b-it and Qwen/Qwen2.5-VL-7B-Instruct (its
+    flat transformers-4 layout, which transformers 5 nests): parameters exact against
     transformers' own count; the blocks are the vision tower's, then the language model's."""
     torch = pytest.importorskip("torch")
     from memplan.model import sources
@@ -384,7 +393,7 @@ def test_a_vision_language_inventory_is_transformers_own(preset, params, vision,
     inv = sources.build_inventory(sources.resolve(preset))
     assert inv.num_params == params and inv.task == tasks.IMAGE_TEXT
     names = [b.name for b in inv.layer_blocks]
-    assert len(names) == vision + text and "vision_tower" in names[0] and "language_model" in names[-1]
+    assert len(names) == vision + text and "vis" in names[0] and "language_model" in names[-1]
     assert inv.dims["hidden_size"] == model.config.get_text_config().hidden_size
 
 
@@ -411,3 +420,93 @@ def test_a_vision_language_step_is_traced_with_its_images(path):
         assert data.get("alloc_events")  # the allocator replay runs on it
         peaks.append(plan.peak_bytes)
     assert peaks[0] < peaks[1] == peaks[2]
+
+
+QWEN25_VL = Path(__file__).resolve().parents[1] / "data" / "configs" / "qwen2.5-vl-tiny.json"
+QWEN3_VL = Path(__file__).resolve().parents[1] / "data" / "configs" / "qwen3-vl-tiny.json"
+
+
+def test_a_qwen_vl_image_is_its_merged_patches_at_any_size():
+    """Qwen2-VL, Qwen2.5-VL and Qwen3-VL: an image of H x W px is (H / 28)(W / 28) tokens (Qwen3-VL: 32 px), and
+    <|vision_start|> and <|vision_end|> around them; the default image is the largest square the processor's
+    default max_pixels (28 * 28 * 1280) lets through: 980 px (Qwen3-VL: 992)."""
+    from memplan.model import sources
+    from memplan.model.hf import IMAGE_SIZE_KEY
+
+    q7 = sources.resolve("qwen2.5-vl-7b").config
+    q3 = json.loads(QWEN3_VL.read_text())
+    assert tasks.task_of(q7) == tasks.task_of(q3) == tasks.IMAGE_TEXT
+    assert tasks.image_side(q7) == 980 and tasks.image_side(q3) == 992
+    assert tasks.image_text_tokens(q7) == 35 * 35 and tasks.image_span(q7) == 35 * 35 + 2
+    assert tasks.image_text_tokens({**q7, IMAGE_SIZE_KEY: [168, 224]}) == 6 * 8
+    assert tasks.image_text_tokens({**q3, IMAGE_SIZE_KEY: [128, 192]}) == 4 * 6
+    assert tasks.check_image_size(q7, None) == (980, 980) and tasks.check_image_size(q7, (448, 644)) == (448, 644)
+    assert tasks.parse_image_size("448") == (448, 448) and tasks.parse_image_size(" 448X644 ") == (448, 644)
+    assert tasks.parse_image_size((28, 56)) == (28, 56) and tasks.parse_image_size(None) is None
+    with pytest.raises(ConfigError, match="so 450 is not fed; 448 or 476"):
+        tasks.check_image_size(q7, (448, 450))
+    with pytest.raises(ConfigError, match="multiples of 32 px"):
+        tasks.check_image_size(q3, (448, 440))
+    assert tasks.stacks(q7) == 32 + 28
+    assert tasks.check_images({**q7, IMAGE_SIZE_KEY: [56, 56]}, 2, 13) == 2  # a first token, 2 x (4 + 2) tokens
+    with pytest.raises(ConfigError, match="or a smaller --image-size"):
+        tasks.check_images({**q7, IMAGE_SIZE_KEY: [56, 56]}, 2, 12)
+
+
+def test_a_qwen_vl_step_takes_its_inputs_as_the_processor_makes_them():
+    """The text holds each image as <|vision_start|>, its image tokens and <|vision_end|> after a first token; the
+    image tokens are mm_token_type_ids 1; the pixels are the images' flattened patches (channels x temporal patch x
+    patch x patch each) and image_grid_thw (1, H / 14, W / 14) per image."""
+    torch = pytest.importorskip("torch")
+    from memplan.model.hf import IMAGE_SIZE_KEY, IMAGES_KEY
+
+    cfg = {**json.loads(QWEN25_VL.read_text()), IMAGE_SIZE_KEY: [168, 224], IMAGES_KEY: 2}
+    ids = torch.zeros(3, 128, dtype=torch.long)
+    out = tasks.step_inputs(tasks.IMAGE_TEXT, cfg, ids, torch.bfloat16)
+    row = out["input_ids"][0].tolist()
+    assert out["input_ids"].shape == (3, 128) and out["labels"] is out["input_ids"]
+    assert row[1] == 2003 and row[2:50] == [2001] * 48 and row[50] == 2004 and row[51] == 2003 and row[100] == 2004
+    assert out["mm_token_type_ids"].sum().item() == 3 * 2 * 48
+    assert out["pixel_values"].shape == (3 * 2 * 12 * 16, 3 * 2 * 14 * 14)
+    assert out["pixel_values"].dtype == torch.bfloat16
+    assert out["image_grid_thw"].tolist() == [[1, 12, 16]] * 6
+    text = tasks.step_inputs(tasks.IMAGE_TEXT, {**cfg, IMAGES_KEY: 0}, ids, torch.bfloat16)
+    assert "pixel_values" not in text and text["mm_token_type_ids"].sum().item() == 0
+
+
+def test_a_qwen_vl_step_runs_the_same_operations_at_any_micro_batch():
+    """Each image's (and window's) attention is a call of its own in the model; the trace runs each segment slot
+    once for every image (tracing/grids.py), so micro-batches 2 and 4 run the same operations and their bytes are
+    lines in the micro-batch; the constants' limit and the model's functions are restored after the step."""
+    pytest.importorskip("torch")
+    import torch._subclasses.fake_tensor as ft
+    import transformers.models.qwen2_5_vl.modeling_qwen2_5_vl as mq
+
+    from memplan.activations.kernels import Target
+    from memplan.activations.tracing.step import one_step
+    from memplan.model.hf import IMAGE_SIZE_KEY
+
+    cfg = {**json.loads(QWEN25_VL.read_text()), IMAGE_SIZE_KEY: [168, 224]}
+    limit, window, attention = ft.CONSTANT_NUMEL_LIMIT, mq.get_vision_window_index, mq.Qwen2_5_VLVisionAttention.forward
+    a, b = (one_step(cfg, n, 128, "deepspeed-bf16", "flash", "none", Target(device="cuda")) for n in (2, 4))
+    assert len(a["forward"]) == len(b["forward"]) and len(a["backward"]) == len(b["backward"])
+    assert max(b["forward"]) > max(a["forward"])
+    assert ft.CONSTANT_NUMEL_LIMIT == limit and mq.get_vision_window_index is window
+    assert mq.Qwen2_5_VLVisionAttention.forward is attention
+
+
+def test_a_segment_slot_is_what_each_image_repeats():
+    from memplan.activations.tracing.grids import _period
+
+    assert _period([64, 48, 64, 48]) == 2 and _period([16] * 9) == 1 and _period([16, 12, 9]) == 3
+
+
+def test_qwen_vl_freezes_its_tower_less_the_merger():
+    """--freeze vision: the patch embedding and the blocks (and Qwen3-VL's position embedding), the mergers train,
+    as Qwen's own fine-tuning script does by default."""
+    from memplan.model import freeze
+
+    assert freeze.paths("vision", {"model_type": "qwen2_5_vl"}) == ("model.visual.patch_embed", "model.visual.blocks")
+    assert freeze.paths("vision,model.visual.blocks", {"model_type": "qwen3_vl"}) == (
+        "model.visual.patch_embed", "model.visual.pos_embed", "model.visual.blocks")
+    assert freeze.unread_paths(None, {"model_type": "qwen2_vl"}, 0) == ("model.visual",)

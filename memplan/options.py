@@ -1181,6 +1181,12 @@ def resolve(inv: ParamInventory, request: JobRequest, *, config: dict[str, Any] 
             # collator and the harness feed pixels in, is fp32, and the model casts them (Qwen-VL's patch embedding:
             # hidden_states.to(self.proj.weight.dtype), the unsharded bf16 weight's)
             config = {**config, INPUT_DTYPE_KEY: "float32"}
+    if settings.recipe.name == "fsdp-bf16" and strat.memory_model == "fsdp2" and config is not None \
+            and "factory" not in config:
+        from memplan.model.hf import BLOCK_INPUT_CAST_KEY
+
+        # MixedPrecisionPolicy(param_dtype=bf16) casts each unit's floating inputs (cast_forward_inputs, on by default)
+        config = {**config, BLOCK_INPUT_CAST_KEY: "bfloat16"}
     if images is not None and images != 1 and config is not None:  # one image: the traced step's default
         from memplan.model.hf import IMAGES_KEY
 

@@ -22,8 +22,11 @@ FROZEN_KEY = "memplan_frozen"
 #: the dtype an image's pixels arrive in where it is not the traced step's parameters' (FSDP's MixedPrecisionPolicy:
 #: the stored parameters, and so model.dtype, are fp32 while the step computes in bf16)
 INPUT_DTYPE_KEY = "memplan_input_dtype"
+#: the dtype each block's floating-point inputs are cast to on entry (FSDP2's MixedPrecisionPolicy, whose
+#: cast_forward_inputs is on by default: every fully_shard'ed module casts them, _fsdp_state.py _cast_forward_inputs)
+BLOCK_INPUT_CAST_KEY = "memplan_block_input_cast"
 #: the pseudo-keys a traced or run config may carry beside the config.json's own fields
-PSEUDO_KEYS = (TARGET_KEY, IMAGES_KEY, IMAGE_SIZE_KEY, FROZEN_KEY, INPUT_DTYPE_KEY)
+PSEUDO_KEYS = (TARGET_KEY, IMAGES_KEY, IMAGE_SIZE_KEY, FROZEN_KEY, INPUT_DTYPE_KEY, BLOCK_INPUT_CAST_KEY)
 
 
 def transformers_config(config: Mapping[str, Any], model_name: str = "model") -> Any:

@@ -91,6 +91,28 @@ def _substitutions(config: dict[str, Any], dtype: str, attention: str, target: T
             moe._grouped_mm = real_grouped
 
 
+def cast_block_inputs(blocks: list[Any], dtype: Any) -> None:
+    """Each block's floating-point inputs cast to ``dtype`` as it is entered, as FSDP2's pre-forward hook does for
+    every fully_shard'ed module under MixedPrecisionPolicy(param_dtype=...) with cast_forward_inputs (its default):
+    torch/distributed/fsdp/_fully_shard/_fsdp_state.py _cast_forward_inputs, _fsdp_common.py _cast_fp_tensor (a
+    floating tensor of another dtype is copied, args and kwargs alike). A block given fp32 tensors (Qwen-VL's vision
+    rotary cos and sin) then holds its own bf16 copies, and what it upcasts from them is its own too. Recomputed
+    blocks cast again, as the hook runs again under activation checkpointing."""
+    import torch
+    from torch.utils._pytree import tree_map
+
+    def cast(x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and torch.is_floating_point(x) and x.dtype != dtype:
+            return x.to(dtype)
+        return x
+
+    def hook(_module: Any, args: Any, kwargs: Any) -> Any:
+        return tree_map(cast, args), tree_map(cast, kwargs)
+
+    for b in blocks:
+        b.register_forward_pre_hook(hook, with_kwargs=True)
+
+
 class _BlockMoments:
     """When each block's forward and backward begin and end, as timeline indices (and event indices, for the
     allocator replay): the moments FSDP and ZeRO-3 gather, reshard and reduce at."""
@@ -287,6 +309,10 @@ def one_step(config: dict[str, Any], batch: int, seq: int, recipe: str, attentio
         model.train()
         params = list(model.parameters())
         block_of, block_list = block_index(model, user_blocks)
+        from memplan.model.hf import BLOCK_INPUT_CAST_KEY
+
+        if config.get(BLOCK_INPUT_CAST_KEY):  # FSDP2's MixedPrecisionPolicy casts each unit's inputs (model/hf.py)
+            cast_block_inputs(block_list, getattr(torch, config[BLOCK_INPUT_CAST_KEY]))
         if float8 and float8.endswith(FLOAT8_GATHERED):  # FSDP2's float8 weights, handed over at each block's start
             from memplan.activations.tracing.float8 import hand_over
 

@@ -316,6 +316,12 @@ CASES = [
     ("qwen2.5-vl image-text zero3", QWEN25_VL, dict(stage=3, **QWEN_IMG), SMALL_DS, {}, "none"),
     ("qwen2.5-vl image-text fsdp-full, fp32", QWEN25_VL, dict(strategy="fsdp-full", precision="fp32", **QWEN_IMG),
      {}, {}, "none"),
+    # FSDP's bf16 mixed precision: the pixels fed in fp32 (model.dtype), FSDP2 casting each unit's fp32 inputs (the
+    # vision blocks' rotary cos and sin) to bf16
+    ("qwen2.5-vl image-text fsdp-full", QWEN25_VL, dict(strategy="fsdp-full", **QWEN_IMG), {}, {}, "none"),
+    ("qwen2.5-vl image-text fsdp-full, fsdp1", QWEN25_VL, dict(strategy="fsdp-full", fsdp_version=1, **QWEN_IMG), {},
+     {}, "none"),
+    ("qwen2.5-vl image-text fsdp-full", QWEN25_VL, dict(strategy="fsdp-full", **QWEN_IMG), {}, {}, "full"),
     ("qwen2-vl image-text, 1 rank, fp32", QWEN2_VL, dict(gpus=1, precision="fp32", **QWEN_IMG), {}, {}, "none"),
     ("qwen2-vl image-text, 1 rank", QWEN2_VL, dict(gpus=1, **QWEN_IMG), {}, {}, "full"),
     ("qwen3-vl image-text, 1 rank, fp32", QWEN3_VL, dict(gpus=1, precision="fp32", image_size=(128, 192)), {}, {},

@@ -510,3 +510,56 @@ def test_qwen_vl_freezes_its_tower_less_the_merger():
     assert freeze.paths("vision,model.visual.blocks", {"model_type": "qwen3_vl"}) == (
         "model.visual.patch_embed", "model.visual.pos_embed", "model.visual.blocks")
     assert freeze.unread_paths(None, {"model_type": "qwen2_vl"}, 0) == ("model.visual",)
+
+
+def test_fsdp2_casts_each_block_s_floating_inputs():
+    """FSDP2's MixedPrecisionPolicy(param_dtype=bf16) casts every fully_shard'ed module's floating inputs
+    (cast_forward_inputs, on by default). Qwen2.5-VL's vision blocks are given the rotary cos and sin in fp32
+    [384 x 32] (2 images of 12 x 16 patches): each of the 4 blocks gets bf16 copies, upcasts them (.float()) and
+    saves its own fp32 copies for backward, 2 x 384 x 32 x 4 B = 98,304 B a block, where the uncast step saves the
+    one shared pair: 3 x 98,304 = 294,912 B more after the forward. LLaVA's blocks get bf16 only: no change.
+    options.resolve asks for it under FSDP2 with fsdp-bf16, and feeds an image's pixels in fp32 (model.dtype)."""
+    pytest.importorskip("torch")
+    from memplan.activations.kernels import Target
+    from memplan.activations.tracing.step import one_step
+    from memplan.model.hf import BLOCK_INPUT_CAST_KEY, IMAGE_SIZE_KEY
+
+    cfg = {**json.loads(QWEN25_VL.read_text()), IMAGE_SIZE_KEY: [168, 224]}
+    a, b = (one_step(c, 2, 128, "deepspeed-bf16", "flash", "none", Target(device="cuda"))
+            for c in (cfg, {**cfg, BLOCK_INPUT_CAST_KEY: "bfloat16"}))
+    assert b["live"] - a["live"] == 3 * 2 * 384 * 32 * 4 == 294_912
+    llava = json.loads(LLAVA.read_text())
+    x, y = (one_step(c, 2, 128, "deepspeed-bf16", "flash", "none", Target(device="cuda"))
+            for c in (llava, {**llava, BLOCK_INPUT_CAST_KEY: "bfloat16"}))
+    assert x["live"] == y["live"]
+
+
+def test_fsdp_bf16_feeds_pixels_in_fp32_and_fsdp2_casts_block_inputs(monkeypatch):
+    """The config the step is traced with: FSDP's bf16 recipe feeds the pixels in fp32 (model.dtype: the fp32
+    shards), and FSDP2 (not FSDP1, whose MixedPrecision casts the root's inputs only) casts each block's inputs;
+    DDP neither."""
+    from memplan import options
+    from memplan.activations import profile_cache
+    from memplan.model import sources
+    from memplan.model.hf import BLOCK_INPUT_CAST_KEY, INPUT_DTYPE_KEY
+
+    seen: list[dict] = []
+
+    def traced(config, **kw):
+        seen.append(config)
+        return None
+
+    monkeypatch.setattr(profile_cache, "load_or_trace", traced)
+    src = sources.resolve(str(QWEN25_VL))
+    inv = sources.build_inventory(src)
+    for strategy, version in (("fsdp-full", 2), ("fsdp-full", 1), ("ddp", 2)):
+        seen.clear()
+        try:
+            options.resolve(inv, JobRequest.of(gpus=2, strategy=strategy, fsdp_version=version, seq_len=128,
+                                               image_size=(168, 224)), config=src.config)
+        except Exception:  # noqa: BLE001 (the profile is not there: the config asked for is what is looked at)
+            pass
+        assert seen, strategy
+        cfg = seen[0]
+        assert cfg.get(INPUT_DTYPE_KEY) == (None if strategy == "ddp" else "float32")
+        assert cfg.get(BLOCK_INPUT_CAST_KEY) == ("bfloat16" if (strategy, version) == ("fsdp-full", 2) else None)

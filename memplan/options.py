@@ -105,6 +105,19 @@ def activation_profile(config: dict[str, Any] | None, s: Settings, mode: str, no
         prof = profile_cache.load_or_trace(config, seq_len=s.seq_len, micro_batch=s.micro_batch, recipe=s.recipe.name,
                                  attention=attention, recompute=recompute, device=s.cluster.device,
                                  linear=linear, target=target, allow_trace=trace)
+        if prof is not None and _casts_unit_inputs(s) \
+                and set(prof.data.get("block_float_inputs") or ()) - {"bfloat16"} and "factory" not in config:
+            # FSDP2's MixedPrecisionPolicy(param_dtype=bf16) casts each unit's floating inputs (cast_forward_inputs,
+            # on by default: _fsdp_state.py _cast_forward_inputs), and a block given another dtype (Qwen-VL's vision
+            # rotary cos and sin, fp32) holds its own bf16 copies: the step traced with the cast (model/hf.py
+            # BLOCK_INPUT_CAST_KEY). A profile without the record (the shipped ones, traced before it) is of a
+            # preset whose blocks take bf16 alone (tests/model/test_tasks.py checks each preset)
+            from memplan.model.hf import BLOCK_INPUT_CAST_KEY
+
+            prof = profile_cache.load_or_trace({**config, BLOCK_INPUT_CAST_KEY: "bfloat16"}, seq_len=s.seq_len,
+                                               micro_batch=s.micro_batch, recipe=s.recipe.name, attention=attention,
+                                               recompute=recompute, device=s.cluster.device, linear=linear,
+                                               target=target, allow_trace=trace)
         if prof is None and not trace:
             raise _NotCached("no cached activation profile for this configuration (not traced here)")
     except _NotCached:
@@ -167,6 +180,12 @@ def config_checks(config: dict[str, Any] | None, request: JobRequest) -> None:
     if size is not None:
         config = {**config, IMAGE_SIZE_KEY: list(size)}
     tasks.check_images(config, b.images, seq or 2048)  # after those: a default image size imports transformers
+
+
+def _casts_unit_inputs(s: Settings) -> bool:
+    """Whether the job's framework casts each unit's floating inputs to bf16: FSDP2 under the fsdp-bf16 recipe
+    (MixedPrecisionPolicy's cast_forward_inputs defaults on; FSDP1's MixedPrecision casts the root's alone)."""
+    return s.recipe.name == "fsdp-bf16" and s.strategy.memory_model == "fsdp2"
 
 
 def _two_stack_refusals(config: dict[str, Any], request: JobRequest) -> None:
@@ -1090,7 +1109,8 @@ def resolve(inv: ParamInventory, request: JobRequest, *, config: dict[str, Any] 
             if pick.sources.get("image_size") == "default":
                 pick.sources["image_size"] = ("default: the largest square transformers' Qwen2VLImageProcessor "
                                               f"makes within its max_pixels {tasks.DEFAULT_MAX_PIXELS:,}")
-            config = {**config, IMAGE_SIZE_KEY: list(image_size)}
+            if image_size != tasks.check_image_size(config, None):  # the default: the traced step's own
+                config = {**config, IMAGE_SIZE_KEY: list(image_size)}
         images = tasks.check_images(config, asked, seq)
 
     torch_overrides = {k: v for k, v in _values(r.torch).items() if v is not None}
@@ -1181,12 +1201,6 @@ def resolve(inv: ParamInventory, request: JobRequest, *, config: dict[str, Any] 
             # collator and the harness feed pixels in, is fp32, and the model casts them (Qwen-VL's patch embedding:
             # hidden_states.to(self.proj.weight.dtype), the unsharded bf16 weight's)
             config = {**config, INPUT_DTYPE_KEY: "float32"}
-    if settings.recipe.name == "fsdp-bf16" and strat.memory_model == "fsdp2" and config is not None \
-            and "factory" not in config:
-        from memplan.model.hf import BLOCK_INPUT_CAST_KEY
-
-        # MixedPrecisionPolicy(param_dtype=bf16) casts each unit's floating inputs (cast_forward_inputs, on by default)
-        config = {**config, BLOCK_INPUT_CAST_KEY: "bfloat16"}
     if images is not None and images != 1 and config is not None:  # one image: the traced step's default
         from memplan.model.hf import IMAGES_KEY
 

@@ -268,6 +268,9 @@ def _profile(top: tuple[dict[str, Any], dict[str, Any]], low: tuple[dict[str, An
         "last_block_forward_peak": env["last_block_forward_peak"],
         #: the SDPA kernels the step ran ("fused", "math") and why the math one
         "attention_kernels": top[0]["attention_kernels"],
+        #: the dtypes of the floating-point tensors the blocks were given: FSDP2's cast of each unit's inputs to
+        #: bf16 copies nothing where bfloat16 is all there is (options._activations)
+        "block_float_inputs": sorted(set(top[0]["block_float_inputs"]) | set(top[1]["block_float_inputs"])),
         #: the step's storages in order, for the caching allocator (see _alloc_events; None: not linear in b)
         "alloc_events": alloc_events(*(third or top), expand=not heterogeneous),
         #: what is alive at the moments the phases peak, grouped by module and operator (--explain)

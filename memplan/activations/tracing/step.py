@@ -91,6 +91,23 @@ def _substitutions(config: dict[str, Any], dtype: str, attention: str, target: T
             moe._grouped_mm = real_grouped
 
 
+def record_block_inputs(blocks: list[Any]) -> set[str]:
+    """The dtypes of the floating-point tensors the blocks are given (args and kwargs), filled as they run: where
+    all are the computing dtype, FSDP2's cast of each unit's inputs (cast_block_inputs) copies nothing."""
+    import torch
+    from torch.utils._pytree import tree_leaves
+
+    seen: set[str] = set()
+
+    def hook(_module: Any, args: Any, kwargs: Any) -> None:
+        seen.update(str(x.dtype).removeprefix("torch.") for x in tree_leaves((args, kwargs))
+                    if isinstance(x, torch.Tensor) and torch.is_floating_point(x))
+
+    for b in blocks:
+        b.register_forward_pre_hook(hook, with_kwargs=True)
+    return seen
+
+
 def cast_block_inputs(blocks: list[Any], dtype: Any) -> None:
     """Each block's floating-point inputs cast to ``dtype`` as it is entered, as FSDP2's pre-forward hook does for
     every fully_shard'ed module under MixedPrecisionPolicy(param_dtype=...) with cast_forward_inputs (its default):
@@ -311,6 +328,7 @@ def one_step(config: dict[str, Any], batch: int, seq: int, recipe: str, attentio
         block_of, block_list = block_index(model, user_blocks)
         from memplan.model.hf import BLOCK_INPUT_CAST_KEY
 
+        block_floats = record_block_inputs(block_list)  # what FSDP2's cast of each unit's inputs would copy
         if config.get(BLOCK_INPUT_CAST_KEY):  # FSDP2's MixedPrecisionPolicy casts each unit's inputs (model/hf.py)
             cast_block_inputs(block_list, getattr(torch, config[BLOCK_INPUT_CAST_KEY]))
         if float8 and float8.endswith(FLOAT8_GATHERED):  # FSDP2's float8 weights, handed over at each block's start
@@ -395,6 +413,7 @@ def one_step(config: dict[str, Any], batch: int, seq: int, recipe: str, attentio
         names = {id(m): n for n, m in model.named_modules()}
     out = _result(live, moments, hooks, kernels, sum(saved.values()), after_forward, forward_end, len(block_list))
     out["counts"] = _counts(live, moments, hooks, len(saved), forward_end, len(block_list))
+    out["block_float_inputs"] = sorted(block_floats)
     out["origins"] = {"origins": live.origins, "grads": live.grad_ids, "saved": saved_ids,
                       "blocks": [names.get(id(b), "") for b in block_list],
                       "last_backward_start": moments.backward_starts.get(len(block_list) - 1),

@@ -51,6 +51,8 @@ PALIGEMMA = ("tests/data/configs/paligemma-tiny.json", dict(layers=None))
 QWEN25_VL = ("tests/data/configs/qwen2.5-vl-tiny.json", dict(layers=None))
 QWEN2_VL = ("tests/data/configs/qwen2-vl-tiny.json", dict(layers=None))
 QWEN3_VL = ("tests/data/configs/qwen3-vl-tiny.json", dict(layers=None))
+# Qwen3-VL-MoE: the same tower, a language model of 4 fused experts, top-2, in each of its 3 blocks
+QWEN3_VL_MOE = ("tests/data/configs/qwen3-vl-moe-tiny.json", dict(layers=None))
 QWEN_IMG = dict(image_size=(168, 224))
 LLAMA10 = ("llama-7b", dict(layers=10, hidden=256, vocab=2048))  # two stages per rank over pp 2: 2-3 blocks each
 MIXTRAL = ("mixtral-8x7b", dict(layers=2, hidden=256, vocab=2048))  # MoE: 8 experts, top-2, grouped_mm
@@ -327,6 +329,11 @@ CASES = [
     ("qwen3-vl image-text, 1 rank, fp32", QWEN3_VL, dict(gpus=1, precision="fp32", image_size=(128, 192)), {}, {},
      "none"),
     ("qwen3-vl image-text, 1 rank", QWEN3_VL, dict(gpus=1, image_size=(128, 192)), {}, {}, "none"),
+    ("qwen3-vl-moe image-text, 1 rank, fp32", QWEN3_VL_MOE, dict(gpus=1, precision="fp32", image_size=(128, 192)),
+     {}, {}, "none"),
+    ("qwen3-vl-moe image-text, 1 rank", QWEN3_VL_MOE, dict(gpus=1, image_size=(128, 192)), {}, {}, "full"),
+    ("qwen3-vl-moe image-text fsdp-full", QWEN3_VL_MOE, dict(strategy="fsdp-full", image_size=(128, 192)), {}, {},
+     "none"),
     ("qwen3-vl image-text fsdp-full, frozen vision", QWEN3_VL, dict(strategy="fsdp-full", freeze="vision",
                                                                     image_size=(128, 192)), {}, {}, "none"),
     # session 34: encoder-decoders, T5 (relative position bias learned through SDPA's mask) and BART

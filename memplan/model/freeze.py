@@ -19,14 +19,16 @@ from memplan.inputs import quote
 #: modeling_gemma3.py Gemma3Model: self.vision_tower; the projector beside it trains; modeling_qwen2_5_vl.py
 #: Qwen2_5_VLModel: self.visual, its projector, the merger, inside it)
 VISION_TOWERS = {"llava": "model.vision_tower", "gemma3": "model.vision_tower", "paligemma": "model.vision_tower",
-                 "qwen2_vl": "model.visual", "qwen2_5_vl": "model.visual", "qwen3_vl": "model.visual"}
+                 "qwen2_vl": "model.visual", "qwen2_5_vl": "model.visual", "qwen3_vl": "model.visual",
+                 "qwen3_vl_moe": "model.visual"}
 #: what --freeze vision freezes where the projector sits inside the tower: the tower less its mergers, as Qwen's
 #: own fine-tuning script does by default (qwen-vl-finetune train_qwen.py: tune_mm_vision off, tune_mm_mlp on:
 #: model.visual's parameters frozen, then model.visual.merger's trained again; Qwen3-VL's deepstack mergers are
 #: projectors too)
 VISION_FROZEN = {"qwen2_vl": ("model.visual.patch_embed", "model.visual.blocks"),
                  "qwen2_5_vl": ("model.visual.patch_embed", "model.visual.blocks"),
-                 "qwen3_vl": ("model.visual.patch_embed", "model.visual.pos_embed", "model.visual.blocks")}
+                 "qwen3_vl": ("model.visual.patch_embed", "model.visual.pos_embed", "model.visual.blocks"),
+                 "qwen3_vl_moe": ("model.visual.patch_embed", "model.visual.pos_embed", "model.visual.blocks")}
 #: the projector's module path where it is beside the tower
 PROJECTORS = {"llava": "model.multi_modal_projector", "gemma3": "model.multi_modal_projector",
               "paligemma": "model.multi_modal_projector"}

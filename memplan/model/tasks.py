@@ -36,7 +36,7 @@ forward computes its loss from (modeling_bert.py, modeling_llama.py, the generic
   mm_tokens_per_image, its projector average-pooling the patch grid to that many (Gemma3MultiModalProjector);
   PaliGemma's SigLIP patches (image_size / patch_size)^2, with the processor's ``token_type_ids`` (0 in the prefix,
   which attends both ways: modeling_paligemma.py).
-  Qwen2-VL, Qwen2.5-VL and Qwen3-VL take an image at any resolution (PATCH_GRID_MODELS): the processor
+  Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen3-VL-MoE take an image at any resolution (PATCH_GRID_MODELS): the processor
   (Qwen2VLImageProcessor; smart_resize) resizes it to multiples of patch_size x spatial_merge_size and hands the
   model its patches flattened, ``pixel_values`` [images x (H/p) x (W/p), channels x temporal_patch_size x p x p]
   (a still image repeated over the temporal patch), with ``image_grid_thw`` [images, 3] = (1, H/p, W/p); the text
@@ -72,7 +72,7 @@ IMAGE_TEXT = "image-text-to-text"
 TASKS = (CAUSAL_LM, "masked-lm", "sequence-classification", "token-classification", "question-answering",
          IMAGE, SEQ2SEQ, IMAGE_TEXT)
 #: the vision-language models of any image resolution (Qwen-VL: the image's patch grid, image_grid_thw, is an input)
-PATCH_GRID_MODELS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+PATCH_GRID_MODELS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 #: the vision-language model types memplan traces (their image tokens: image_text_tokens)
 IMAGE_TEXT_MODELS = ("llava", "gemma3", "paligemma") + PATCH_GRID_MODELS
 #: transformers' Qwen2VLImageProcessor's default pixel budget, size["longest_edge"] (max_pixels: 28 * 28 * 1280),

@@ -369,7 +369,7 @@ def test_a_vision_language_model_s_images_are_tokens_in_its_sequence():
     with pytest.raises(ConfigError, match="pools its 64 x 64 patches"):
         tasks.image_text_tokens(dict(gemma, mm_tokens_per_image=100))
     with pytest.raises(ConfigError, match="modelled for model_type llava, gemma3, paligemma, qwen2_vl, qwen2_5_vl, "
-                                          "qwen3_vl, not 'idefics3'"):
+                                          "qwen3_vl, qwen3_vl_moe, not 'idefics3'"):
         tasks.task_of({"architectures": ["Idefics3ForConditionalGeneration"], "model_type": "idefics3"})
     pali = json.loads(PALIGEMMA.read_text())
     assert tasks.task_of(pali) == tasks.IMAGE_TEXT and tasks.image_text_tokens(pali) == 16  # (32 / 8)^2
@@ -496,9 +496,9 @@ def test_a_qwen_vl_step_runs_the_same_operations_at_any_micro_batch():
 
 
 def test_a_segment_slot_is_what_each_image_repeats():
-    from memplan.activations.tracing.grids import _period
+    from memplan.activations.tracing.grids import segment_period
 
-    assert _period([64, 48, 64, 48]) == 2 and _period([16] * 9) == 1 and _period([16, 12, 9]) == 3
+    assert segment_period([64, 48, 64, 48]) == 2 and segment_period([16] * 9) == 1 and segment_period([16, 12, 9]) == 3
 
 
 def test_qwen_vl_freezes_its_tower_less_the_merger():

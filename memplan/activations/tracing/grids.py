@@ -129,7 +129,7 @@ def _on_values(fn: Any) -> Any:
     return run
 
 
-def _period(lengths: list[int]) -> int:
+def segment_period(lengths: list[int]) -> int:
     """The fewest leading segments that the lengths repeat (one image's, or fewer where its own repeat)."""
     n = len(lengths)
     return next(p for p in range(1, n + 1) if n % p == 0 and lengths == lengths[:p] * (n // p))
@@ -150,7 +150,7 @@ def _by_segment_slot(forward: Any) -> Any:
         lengths = [b - a for a, b in zip(bounds, bounds[1:])]
         if not lengths:
             return forward(self, hidden_states, cu_seqlens, *args, **kwargs)
-        slot = lengths[:_period(lengths)]
+        slot = lengths[:segment_period(lengths)]
         reps = len(lengths) // len(slot)
         real_split, real_cat = torch.split, torch.cat
         split_done = [False]

@@ -561,9 +561,11 @@ def first_contributions(loss: Any, live: LiveBytes, out: dict[int, list[Any]]) -
 
 
 def moe_experts(config: dict[str, Any]) -> int:
-    """The number of routed experts a config declares (0 for a dense model)."""
+    """The number of routed experts a config declares (0 for a dense model); a vision-language config's are its
+    text_config's (Qwen3-VL-MoE)."""
     for k in ("num_local_experts", "n_routed_experts", "num_experts"):
         v = config.get(k)
         if isinstance(v, int) and not isinstance(v, bool) and v > 0:
             return v
-    return 0
+    text = config.get("text_config")
+    return moe_experts(text) if isinstance(text, dict) else 0

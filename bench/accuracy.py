@@ -639,6 +639,13 @@ def lora_cases() -> list[tuple]:
         ("qlora nf4 all-linear single, fused experts", MIXTRAL, dict(strategy="single", gpus=1,
                                                                      lora=replace(lin, quantize="nf4")), {}, {},
          "none"),
+        # session 40: Qwen2.5-VL (the vision tower's linears adapted too under all-linear)
+        ("lora q,v single, qwen2.5-vl", QWEN25_VL, dict(strategy="single", gpus=1, lora=qv, **QWEN_IMG), {}, {},
+         "none"),
+        ("lora all-linear single, qwen2.5-vl", QWEN25_VL, dict(strategy="single", gpus=1, lora=lin, **QWEN_IMG), {},
+         {}, "none"),
+        ("lora all-linear fsdp-full, qwen2.5-vl", QWEN25_VL, dict(strategy="fsdp-full", lora=lin, **QWEN_IMG), {}, {},
+         "none"),
     ]
 
 # The cross product the harness issue asks for: every strategy at 1, 2 and 4 ranks, with and without full

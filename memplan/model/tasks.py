@@ -526,6 +526,9 @@ def _patch_grid_inputs(config: Mapping[str, Any], batch: int, seq: int, n: int, 
     vc = cfg.vision_config
     per, patch = image_text_tokens(config), int(vc.patch_size)
     h, w = image_size_of(config)
+    if n and seq <= n * (per + 2):  # check_images's refusal, for a caller that did not ask it
+        raise ConfigError(f"--seq-len {seq}: {n} image(s) of {per + 2} tokens each take {n * (per + 2)} tokens of "
+                          "the sequence and leave no text")
     row = [0] * seq
     for i in range(n):
         at = 1 + i * (per + 2)

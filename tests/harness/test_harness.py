@@ -171,6 +171,15 @@ def test_validate_a_vit_on_its_images():
     # saved tensors are freed with its outputs); Gemma 3 under DDP with the vision tower frozen: -0.02%
     ("llava-tiny.json", ["--gpus", "1", "--precision", "fp32"], 0.001),
     ("gemma3-vl-tiny.json", ["--gpus", "2", "--strategy", "ddp", "--freeze", "vision"], 0.002),
+    # measured (2026-11-29, as above): Qwen2.5-VL, images of 168 x 224 px (48 tokens between its vision start and
+    # end, 112 px windows of unequal sizes) in 128 tokens, torch-amp: -0.01%; under FSDP2's bf16 mixed precision
+    # (pixels fed in fp32, each vision block's fp32 rotary cos and sin cast to bf16 by FSDP2): -0.01%; Qwen3-VL-MoE
+    # fp32 at 128 x 192 px: -0.03%
+    ("qwen2.5-vl-tiny.json", ["--gpus", "1", "--seq-len", "128", "--image-size", "168x224"], 0.001),
+    ("qwen2.5-vl-tiny.json", ["--gpus", "2", "--strategy", "fsdp-full", "--seq-len", "128", "--image-size",
+                              "168x224"], 0.001),
+    ("qwen3-vl-moe-tiny.json", ["--gpus", "1", "--precision", "fp32", "--seq-len", "128", "--image-size",
+                                "128x192"], 0.001),
 ])
 def test_validate_a_vision_language_model(config, args, tolerance):
     # the harness trains LlavaForConditionalGeneration / Gemma3ForConditionalGeneration on token ids with each

@@ -593,3 +593,9 @@ def test_every_shipped_preset_s_blocks_take_bf16_alone():
     q = {**json.loads(QWEN25_VL.read_text()), "memplan_image_size": [56, 56]}
     assert one_step(q, 2, 64, "deepspeed-bf16", "flash", "none", Target(device="cuda"))["block_float_inputs"] == [
         "bfloat16", "float32"]
+
+
+def test_the_json_schema_names_every_task():
+    schema = json.loads((Path(__file__).resolve().parents[2] / "memplan" / "schema" / "estimate-v1.schema.json")
+                        .read_text())
+    assert set(schema["properties"]["model"]["properties"]["task"]["enum"]) == set(tasks.TASKS)

@@ -34,6 +34,8 @@ class Key:
     #: the command line's text into the field's value (sizes, lists); None: typer's own conversion
     parse: Callable[[Any], Any] | None = None
     cli_type: Any = None  #: what typer reads when it differs from the field's type (a size's text)
+    #: the value as the command line writes it, where the default rendering does not (--image-size's HxW)
+    show: Callable[[Any], str] | None = None
     #: the jobs that read it (options.SCOPES: deepspeed, zero12, zero3, fsdp, fsdp2, hsdp, ddp, pp, tp, offload);
     #: given for another job it changes nothing, and the output says so. None: every job reads it
     scope: str | None = None
@@ -153,7 +155,8 @@ class Batch:
                                              "(Qwen2-VL, Qwen2.5-VL, Qwen3-VL): each image's size as its processor "
                                              "resizes it, N or HxW pixels [default: the largest square its "
                                              "processor's default max_pixels lets through: 980 for Qwen2.5-VL].",
-                                             parse=_image_size, cli_type=str)
+                                             parse=_image_size, cli_type=str,
+                                             show=lambda v: f"{v[0]}x{v[1]}")
     grad_accum: int | None = opt(None, "--grad-accum", "Gradient accumulation steps [default: 1].",
                                  ds_config="gradient_accumulation_steps",
                                  training_args="gradient_accumulation_steps")
@@ -558,7 +561,8 @@ class JobRequest:
                     if value or off:
                         out.append(on if value else off)
                     continue
-                text = ("none" if not value else ",".join(value)) if isinstance(value, tuple) else \
+                text = key.show(value) if key.show is not None else \
+                    ("none" if not value else ",".join(value)) if isinstance(value, tuple) else \
                     str(value).lower() if isinstance(value, bool) else str(value)
                 out.append(f"{on} {shlex.quote(text)}")
         return out

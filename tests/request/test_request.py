@@ -188,3 +188,9 @@ def test_the_readme_library_example_runs_and_matches_the_command_line(capsys: py
 def _cli(args: str) -> tuple[int, str, str]:
     result = CliRunner().invoke(get_command(app), args.split())
     return result.exit_code, result.stdout, ""
+
+
+def test_a_printed_image_size_is_the_option_s_own_text() -> None:
+    """--image-size 448 is (448, 448); a printed command (a plan's details) gives it back as 448x448."""
+    req = JobRequest.of(image_size=(448, 644))
+    assert req.flags(["image_size"]) == ["--image-size 448x644"]

@@ -105,13 +105,11 @@ def activation_profile(config: dict[str, Any] | None, s: Settings, mode: str, no
         prof = profile_cache.load_or_trace(config, seq_len=s.seq_len, micro_batch=s.micro_batch, recipe=s.recipe.name,
                                  attention=attention, recompute=recompute, device=s.cluster.device,
                                  linear=linear, target=target, allow_trace=trace)
-        if prof is not None and _casts_unit_inputs(s) \
-                and set(prof.data.get("block_float_inputs") or ()) - {"bfloat16"} and "factory" not in config:
+        if prof is not None and _casts_unit_inputs(s) and "factory" not in config and other_block_inputs(prof):
             # FSDP2's MixedPrecisionPolicy(param_dtype=bf16) casts each unit's floating inputs (cast_forward_inputs,
             # on by default: _fsdp_state.py _cast_forward_inputs), and a block given another dtype (Qwen-VL's vision
             # rotary cos and sin, fp32) holds its own bf16 copies: the step traced with the cast (model/hf.py
-            # BLOCK_INPUT_CAST_KEY). A profile without the record (the shipped ones, traced before it) is of a
-            # preset whose blocks take bf16 alone (tests/model/test_tasks.py checks each preset)
+            # BLOCK_INPUT_CAST_KEY)
             from memplan.model.hf import BLOCK_INPUT_CAST_KEY
 
             prof = profile_cache.load_or_trace({**config, BLOCK_INPUT_CAST_KEY: "bfloat16"}, seq_len=s.seq_len,
@@ -180,6 +178,17 @@ def config_checks(config: dict[str, Any] | None, request: JobRequest) -> None:
     if size is not None:
         config = {**config, IMAGE_SIZE_KEY: list(size)}
     tasks.check_images(config, b.images, seq or 2048)  # after those: a default image size imports transformers
+
+
+def other_block_inputs(prof: Any) -> bool:
+    """Whether the profile's blocks may be given floating tensors other than bf16, which FSDP2 would copy. A
+    profile without the record: the shipped ones, traced before it, are of presets whose blocks take bf16 alone
+    (tests/model/test_tasks.py traces each preset); one cached before it is not known, and is traced again with the
+    cast (which copies nothing where there is nothing to cast)."""
+    seen = prof.data.get("block_float_inputs")
+    if seen is None:
+        return not (prof.origin == "shipped" or prof.origin.startswith("shipped traces"))
+    return bool(set(seen) - {"bfloat16"})
 
 
 def _casts_unit_inputs(s: Settings) -> bool:
@@ -1099,8 +1108,9 @@ def resolve(inv: ParamInventory, request: JobRequest, *, config: dict[str, Any] 
         if asked is not None or tasks.task_of(config) == tasks.IMAGE_TEXT:
             asked = pick("images", None)
         # a patch-grid model's image size (--image-size; its processor's default square), before the tokens it makes
+        default_size = tasks.check_image_size(config, None)  # None: a model that takes no image size
         asked_size = r.batch.image_size
-        if asked_size is not None or tasks.check_image_size(config, None) is not None:
+        if asked_size is not None or default_size is not None:
             asked_size = pick("image_size", None)
         image_size = tasks.check_image_size(config, asked_size)
         if image_size is not None:
@@ -1109,7 +1119,7 @@ def resolve(inv: ParamInventory, request: JobRequest, *, config: dict[str, Any] 
             if pick.sources.get("image_size") == "default":
                 pick.sources["image_size"] = ("default: the largest square transformers' Qwen2VLImageProcessor "
                                               f"makes within its max_pixels {tasks.DEFAULT_MAX_PIXELS:,}")
-            if image_size != tasks.check_image_size(config, None):  # the default: the traced step's own
+            if image_size != default_size:  # the default is the traced step's own (no key)
                 config = {**config, IMAGE_SIZE_KEY: list(image_size)}
         images = tasks.check_images(config, asked, seq)
 

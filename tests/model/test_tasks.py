@@ -599,3 +599,17 @@ def test_the_json_schema_names_every_task():
     schema = json.loads((Path(__file__).resolve().parents[2] / "memplan" / "schema" / "estimate-v1.schema.json")
                         .read_text())
     assert set(schema["properties"]["model"]["properties"]["task"]["enum"]) == set(tasks.TASKS)
+
+
+def test_a_profile_without_the_block_inputs_record_is_bf16_alone_only_when_shipped():
+    """The shipped profiles predate the record (their presets' blocks take bf16 alone: tested above); a profile
+    cached before it is not known, and FSDP2's cast is traced for it."""
+    from memplan.activations.profile import TracedProfile
+    from memplan.options import other_block_inputs
+
+    assert not other_block_inputs(TracedProfile({}, 1, "shipped"))
+    assert not other_block_inputs(TracedProfile({}, 1, "shipped traces at seq 1024, 2048, 4096"))
+    assert other_block_inputs(TracedProfile({}, 1, "cache"))
+    assert other_block_inputs(TracedProfile({}, 1, "shipped and cached traces at seq 1024, 2048, 4096"))
+    assert not other_block_inputs(TracedProfile({"block_float_inputs": ["bfloat16"]}, 1, "cache"))
+    assert other_block_inputs(TracedProfile({"block_float_inputs": ["bfloat16", "float32"]}, 1, "shipped"))

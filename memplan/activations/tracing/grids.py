@@ -61,39 +61,35 @@ def constant_inputs(config: dict[str, Any]) -> Iterator[None]:
     if not reads_values(config):
         yield
         return
+    import inspect
+
     import torch._subclasses.fake_tensor as ft
+    import torch.nn as nn
 
     mt = str(config["model_type"])
     module = importlib.import_module(f"transformers.models.{mt}.modeling_{mt}")
-    patched: list[tuple[Any, str, Any]] = []
-    if hasattr(module, "get_vision_window_index"):
-        patched.append((module, "get_vision_window_index", module.get_vision_window_index))
-    for cls in vars(module).values():
-        if isinstance(cls, type) and "get_rope_index" in vars(cls):
-            patched.append((cls, "get_rope_index", vars(cls)["get_rope_index"]))
-    # the vision_utils helpers the module calls: standalone functions of the grid and config scalars
-    helpers = [(module, n, f) for n, f in vars(module).items()
-               if n.startswith("get_vision_") and callable(f) and getattr(f, "__module__", "") == "transformers.vision_utils"]
-    # the vision tower's attention: a module whose forward takes cu_seqlens (not the blocks that pass it on)
-    import inspect
-
-    import torch.nn as nn
-
-    attentions = [(cls, "forward", vars(cls)["forward"]) for cls in vars(module).values()
-                  if isinstance(cls, type) and issubclass(cls, nn.Module) and "Attention" in cls.__name__
-                  and "forward" in vars(cls) and "cu_seqlens" in inspect.signature(cls.forward).parameters]
+    classes = [c for c in vars(module).values() if isinstance(c, type)]
+    # run on the values: the vision_utils helpers the module calls (standalone functions of the grid and config
+    # scalars: positions, segments, windows) and each model's get_rope_index
+    on_values = [(module, n, f) for n, f in vars(module).items()
+                 if n.startswith("get_vision_") and getattr(f, "__module__", "") == "transformers.vision_utils"]
+    on_values += [(c, "get_rope_index", vars(c)["get_rope_index"]) for c in classes if "get_rope_index" in vars(c)]
+    # by segment slot: the vision tower's attention, a module whose forward takes cu_seqlens (not the blocks that
+    # pass it on)
+    by_slot = [(c, "forward", vars(c)["forward"]) for c in classes
+               if issubclass(c, nn.Module) and "Attention" in c.__name__ and "forward" in vars(c)
+               and "cu_seqlens" in inspect.signature(c.forward).parameters]
     limit = ft.CONSTANT_NUMEL_LIMIT
     try:
         ft.CONSTANT_NUMEL_LIMIT = sys.maxsize
-        for owner, name, fn in patched + [h for h in helpers if h[1] != "get_vision_window_index"]:
+        for owner, name, fn in on_values:
             setattr(owner, name, _on_values(fn))
-        for owner, name, fn in attentions:
+        for owner, name, fn in by_slot:
             setattr(owner, name, _by_segment_slot(fn))
-        patched += helpers + attentions
         yield
     finally:
         ft.CONSTANT_NUMEL_LIMIT = limit
-        for owner, name, fn in patched:
+        for owner, name, fn in on_values + by_slot:
             setattr(owner, name, fn)
 
 

@@ -86,7 +86,10 @@ def check_config(config: Mapping[str, Any], built: Collection[str] = ()) -> None
             raise ConfigError(f"config field {quote(key)} must be true or false, got {quote(v)}")
     hidden = next((config[k] for k in ("hidden_size", "n_embd", "d_model") if config.get(k)), None)
     heads = next((config[k] for k in ("num_attention_heads", "n_head") if config.get(k)), None)
-    if hidden and heads and not config.get("head_dim") and hidden % heads:
+    # multi-head latent attention (DeepSeek-V2/V3, GLM-4.7-Flash) sizes its heads by qk_nope_head_dim,
+    # qk_rope_head_dim and v_head_dim, not hidden / heads (modeling_deepseek_v3.py DeepseekV3Attention)
+    mla = config.get("qk_nope_head_dim") is not None or config.get("kv_lora_rank") is not None
+    if hidden and heads and not config.get("head_dim") and not mla and hidden % heads:
         raise ConfigError(f"the hidden size ({hidden}) is not a multiple of the number of attention heads ({heads}), "
                           "and the config gives no head_dim")
     kv = config.get("num_key_value_heads")

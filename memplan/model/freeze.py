@@ -108,6 +108,13 @@ def for_request(inv: Any, request: Any) -> Any:
     return apply(inv, paths(spec, {"model_type": inv.family}))
 
 
+def unread_reason(hf_config: Any) -> str:
+    """Why unread_paths' parameters get no gradient, for the inventory's note: LLaVA's vision_feature_layer, or
+    the pooling head a SigLIP tower builds under vision_use_head (Gemma 3, PaliGemma read its last_hidden_state)."""
+    k = getattr(hf_config, "vision_feature_layer", None)
+    return f"vision_feature_layer {k}" if k is not None else "the vision tower's pooling head (vision_use_head)"
+
+
 def unread_paths(model: Any, config: Mapping[str, Any], images: int | None = None) -> tuple[str, ...]:
     """The module paths of a built model whose parameters no loss reads, so that they never get a gradient:
     LLaVA takes its features from the vision tower's hidden_states[vision_feature_layer] (modeling_llava.py

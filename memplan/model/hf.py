@@ -45,6 +45,10 @@ def transformers_config(config: Mapping[str, Any], model_name: str = "model") ->
     try:
         return AutoConfig.for_model(model_type, **fields)
     except ValueError as exc:
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+        if model_type in CONFIG_MAPPING_NAMES:  # known: the config's own fields failed its class's checks
+            raise ConfigError(f"config for {model_name} is not valid for {model_type}: {exc}") from exc
         raise ConfigError(f"transformers {transformers.__version__} does not know model_type {quote(model_type)} "
                           "(memplan never runs remote code)") from exc
     except Exception as exc:

@@ -132,8 +132,7 @@ def build_meta_from_config(config: Mapping[str, Any], model_name: str, source: s
     from memplan.model import freeze
 
     unread = freeze.unread_paths(model, config)
-    return freeze.mark_unread(inv, unread, f"vision_feature_layer {model.config.vision_feature_layer}"
-                              if unread else "")
+    return freeze.mark_unread(inv, unread, freeze.unread_reason(model.config) if unread else "")
 
 
 def checkpointing_on(model: Any, recompute: str = "full") -> None:

@@ -19,6 +19,19 @@ _SECOND_LAYER_KEYS = ("num_decoder_layers", "encoder_layers", "decoder_layers")
 _SECOND_HEAD_KEYS = ("decoder_attention_heads",)
 
 
+def per_layer_keys(config: dict[str, Any], layers: int) -> list[str]:
+    """The config's lists with one entry per layer: keys naming layers (layer_types, mlp_layer_types,
+    num_attention_heads_per_layer, ...) whose list is ``layers`` long."""
+    return [k for k, v in config.items() if "layer" in k and isinstance(v, list) and len(v) == layers and layers > 1]
+
+
+def layer_index_keys(config: dict[str, Any]) -> list[str]:
+    """The config's non-empty mappings keyed by layer index (keys naming layers whose keys are all whole numbers,
+    Gemma 4's per_layer_config): settings that make those layers differ."""
+    return [k for k, v in config.items() if "layer" in k and isinstance(v, dict) and v
+            and all(isinstance(i, int) or (isinstance(i, str) and i.isdigit()) for i in v)]
+
+
 def _first(config: dict[str, Any], keys: tuple[str, ...]) -> str | None:
     return next((k for k in keys if config.get(k) is not None), None)
 
@@ -40,14 +53,19 @@ def scale_config(config: dict[str, Any], *, layers: int | None = None, hidden: i
                 changes.append(f"{k} {cfg[k]} -> {layers}")
                 cfg[k] = layers
         if layers != cfg[key]:
-            changes.append(f"{key} {cfg[key]} -> {layers}")
+            old = cfg[key]
+            changes.append(f"{key} {old} -> {layers}")
             cfg[key] = layers
             for k in ("first_k_dense_replace",):
                 if k in cfg:
                     cfg[k] = min(cfg[k], layers)
-            for k in ("layer_types",):
-                if isinstance(cfg.get(k), list):
-                    cfg[k] = cfg[k][:layers]
+            # a list with an entry per layer (layer_types, mlp_layer_types, ...: transformers' configs check
+            # their length against num_hidden_layers) keeps its first ``layers`` entries
+            for k in per_layer_keys(cfg, old):
+                cfg[k] = cfg[k][:layers]
+            # overrides by layer index (Gemma 4's per_layer_config {"05": {...}}): those of the layers kept
+            for k in layer_index_keys(cfg):
+                cfg[k] = {i: v for i, v in cfg[k].items() if int(i) < layers}
     if hidden is not None:
         hkey = _first(cfg, _HIDDEN_KEYS)
         nkey = _first(cfg, _HEAD_KEYS)

@@ -439,6 +439,8 @@ def build(config: Mapping[str, Any], hf_cfg: Any, **kw: Any) -> Any:
     from transformers import AutoModelForCausalLM
 
     task = task_of(config)
+    if kw.get("attn_implementation") == "sdpa" and not sdpa_supported(config):
+        kw = {**kw, "attn_implementation": "eager"}  # what transformers itself picks for it
     if task == CAUSAL_LM:
         return AutoModelForCausalLM.from_config(hf_cfg, **kw)
     import transformers
@@ -447,21 +449,24 @@ def build(config: Mapping[str, Any], hf_cfg: Any, **kw: Any) -> Any:
     cls = getattr(transformers, name, None)
     if cls is None:
         raise ConfigError(f"transformers {transformers.__version__} has no class {quote(name)}")
-    if kw.get("attn_implementation") == "sdpa" and not sdpa_supported(config):
-        kw = {**kw, "attn_implementation": "eager"}  # what transformers itself picks for it
     return cls._from_config(hf_cfg, **kw)
 
 
 def sdpa_supported(config: Mapping[str, Any]) -> bool:
-    """Whether the task's transformers class offers SDPA attention (its _supports_sdpa): a model without it (LED,
-    FSMT, Switch Transformers, Pegasus-X) runs transformers' eager attention, which is what transformers picks for
-    it by default (PreTrainedModel._check_and_adjust_attn_implementation), keeping each layer's probabilities."""
+    """Whether the task's transformers class offers SDPA attention (its _supports_sdpa): a model without it (Gemma 2,
+    whose logits are soft-capped; gpt-oss, whose attention has sinks; BLOOM's ALiBi; LED, FSMT, Pegasus-X) runs
+    transformers' eager attention. That is what transformers picks for it when the job names no attn_implementation
+    (modeling_utils.py get_correct_attn_implementation: None tries sdpa, and _sdpa_can_dispatch's refusal falls
+    back to eager), as a Trainer or from_pretrained job does; each layer's probabilities are kept."""
     import transformers
 
     task = task_of(config)
-    if task == CAUSAL_LM:
-        return True  # AutoModelForCausalLM refuses sdpa for its few models without it; traced as asked
-    cls = getattr(transformers, seq2seq_class(config) if task == SEQ2SEQ else architecture(config), None)
+    if task == CAUSAL_LM:  # the class AutoModelForCausalLM builds for the model_type
+        name = auto_class_mapping(AUTO_MAPPINGS[CAUSAL_LM]).get(str(config.get("model_type")))
+        name = name[0] if isinstance(name, (tuple, list)) and name else name
+    else:
+        name = seq2seq_class(config) if task == SEQ2SEQ else architecture(config)
+    cls = getattr(transformers, name, None) if isinstance(name, str) else None
     return cls is None or getattr(cls, "_supports_sdpa", True) is not False
 
 

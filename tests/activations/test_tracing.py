@@ -600,3 +600,36 @@ def test_deaths_that_come_together_may_come_in_either_order():
     assert deaths_as_in(a, [[8, 0], [16, 0], 1, 0, [8, 0]]) == a
     assert deaths_as_in(a, [[8, 0], [16, 0], 1, 2, [8, 0]]) is None
     assert deaths_as_in(a, [[8, 0], [16, 0], 0, [8, 0], 1]) is None
+
+
+def test_moe_experts_named_moe_num_experts_trace_in_fp32_on_a_gpu():
+    """ERNIE-4.5-MoE and Aria name their experts moe_num_experts. Their fused experts run through grouped_mm, whose
+    fake kernel takes bf16 alone: an fp32 trace (torch-amp's fp32 weights) computes them with transformers' own
+    fallback op, as for every MoE, instead of failing into the analytic formula."""
+    pytest.importorskip("transformers")
+    from transformers import AutoConfig
+
+    from memplan.activations.tracing import moe_experts
+
+    cfg = dict(AutoConfig.for_model("ernie4_5_moe").to_dict(), architectures=["Ernie4_5_MoeForCausalLM"],
+               num_hidden_layers=2, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+               num_attention_heads=2, num_key_value_heads=1, moe_num_experts=4, moe_k=2, vocab_size=256,
+               moe_layer_start_index=0)
+    cfg.pop("transformers_version", None)
+    assert moe_experts(cfg) == 4
+    prof = trace_profile(cfg, seq_len=32, recipe="torch-amp", attention="flash", recompute="none",
+                         target=Target(device="cuda", arch="sm90"))
+    assert prof["per_layer"][1] > 0 and prof["live_after_forward"][1] > 0
+
+
+def test_multi_head_latent_attention_needs_no_head_multiple():
+    """MLA (DeepSeek-V3, GLM-4.7-Flash) sizes its heads by qk_nope_head_dim + qk_rope_head_dim and v_head_dim:
+    hidden 2048 over 20 heads is a real config, not a bad one."""
+    from memplan.errors import ConfigError
+    from memplan.model.config import check_config
+
+    mla = {"model_type": "glm4_moe_lite", "hidden_size": 2048, "num_attention_heads": 20, "num_hidden_layers": 2,
+           "qk_nope_head_dim": 192, "qk_rope_head_dim": 64, "v_head_dim": 256, "kv_lora_rank": 512}
+    check_config(mla)
+    with pytest.raises(ConfigError, match="not a multiple of the number of attention heads"):
+        check_config({"model_type": "llama", "hidden_size": 2048, "num_attention_heads": 20, "num_hidden_layers": 2})

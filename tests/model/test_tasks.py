@@ -613,3 +613,42 @@ def test_a_profile_without_the_block_inputs_record_is_bf16_alone_only_when_shipp
     assert other_block_inputs(TracedProfile({}, 1, "shipped and cached traces at seq 1024, 2048, 4096"))
     assert not other_block_inputs(TracedProfile({"block_float_inputs": ["bfloat16"]}, 1, "cache"))
     assert other_block_inputs(TracedProfile({"block_float_inputs": ["bfloat16", "float32"]}, 1, "shipped"))
+
+
+def test_a_causal_lm_without_sdpa_traces_transformers_eager_attention():
+    """Gemma 2 (soft-capped logits) has no SDPA attention in transformers 5 (_supports_sdpa False): a job that names
+    no attn_implementation runs it eager (modeling_utils.py get_correct_attn_implementation), and so do the trace
+    and the harness, instead of the trace failing and the estimate falling back to the analytic formula."""
+    pytest.importorskip("torch")
+    import torch
+    from transformers import AutoConfig
+
+    from memplan import options
+    from memplan.model import sources
+    from memplan.model.hf import transformers_config
+
+    cfg = dict(AutoConfig.for_model("gemma2").to_dict(), architectures=["Gemma2ForCausalLM"], num_hidden_layers=2,
+               hidden_size=64, intermediate_size=128, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+               vocab_size=256, layer_types=["sliding_attention", "full_attention"])
+    cfg.pop("transformers_version", None)
+    llama = dict(AutoConfig.for_model("llama").to_dict(), architectures=["LlamaForCausalLM"])
+    assert not tasks.sdpa_supported(cfg) and tasks.sdpa_supported(llama)
+    with torch.device("meta"):
+        model = tasks.build(cfg, transformers_config(cfg), attn_implementation="sdpa")
+    assert model.config._attn_implementation == "eager"
+    src = sources.ModelSource(name="gemma2", kind="config", config=cfg, description="test")
+    inv = sources.build_inventory(src)
+    r = options.resolve(inv, JobRequest.of(gpus=1, seq_len=64, device="cuda"), config=cfg)
+    assert type(r.settings.activation_profile).__name__ == "TracedProfile"
+    assert any(n.startswith("attention: eager, as transformers runs it") for n in r.notes)
+
+
+def test_a_config_its_class_refuses_is_not_called_unknown():
+    """A known model_type whose fields fail its config class's own checks says so, not 'does not know'."""
+    pytest.importorskip("transformers")
+    from memplan.model.hf import transformers_config
+
+    with pytest.raises(ConfigError, match="is not valid for gemma4_text"):
+        transformers_config({"model_type": "gemma4_text", "num_hidden_layers": 2, "per_layer_config": {"05": {}}})
+    with pytest.raises(ConfigError, match="does not know model_type"):
+        transformers_config({"model_type": "no_such_model_type"})

@@ -3,6 +3,7 @@ c0 + c1*b in the micro-batch, the upper envelopes kept."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from memplan.activations import kernels as K
@@ -117,7 +118,12 @@ def _heterogeneous(config: dict[str, Any], layers: int, recompute: str = "none")
     # LoRA on some layers only (layers_to_transform) makes the blocks differ
     lora_layers = bool((config.get("lora") or {}).get("layers_to_transform"))
     # two stacks' blocks are of two kinds (an encoder-decoder's decoder attends to the encoder's output too)
-    return layers < 2 or bool(config.get("factory")) or lora_layers or _two_stacks(config) or \
+    from memplan.model.scaling import layer_index_keys, per_layer_keys
+
+    # a per-layer list whose entries differ (mlp_layer_types: dense then sparse; a hybrid's attention kinds)
+    varied = any(len({json.dumps(x, sort_keys=True) for x in config[k]}) > 1 for k in per_layer_keys(config, layers))
+    varied = varied or bool(layer_index_keys(config))
+    return layers < 2 or bool(config.get("factory")) or lora_layers or _two_stacks(config) or varied or \
         any(config.get(k) for k in _HETEROGENEOUS_KEYS)
 
 

@@ -46,8 +46,10 @@ def _substitutions(config: dict[str, Any], dtype: str, attention: str, target: T
     # (torch/_meta_registrations.py _meta_grouped_mm_common), while the real kernels also run fp32 weights
     # (torch-amp, fp32 recipes) through a fallback; for those the trace computes with transformers' own fallback op
     # (transformers::grouped_mm_fallback) under torch's grouped_mm autograd (substitutes.grouped_mm).
+    # (Every fp32 trace: a config may name its experts in a way moe_experts does not read; a dense model never
+    # calls it.)
     moe = None
-    if dtype == "float32" and moe_experts(config):
+    if dtype == "float32":
         import transformers.integrations.moe as moe
     real_can_grouped = getattr(moe, "_can_use_grouped_mm", None)
     real_grouped = getattr(moe, "_grouped_mm", None)
@@ -563,7 +565,7 @@ def first_contributions(loss: Any, live: LiveBytes, out: dict[int, list[Any]]) -
 def moe_experts(config: dict[str, Any]) -> int:
     """The number of routed experts a config declares (0 for a dense model); a vision-language config's are its
     text_config's (Qwen3-VL-MoE)."""
-    for k in ("num_local_experts", "n_routed_experts", "num_experts"):
+    for k in ("num_local_experts", "n_routed_experts", "num_experts", "moe_num_experts"):  # Aria's, ERNIE-4.5's
         v = config.get(k)
         if isinstance(v, int) and not isinstance(v, bool) and v > 0:
             return v

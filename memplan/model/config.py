@@ -24,6 +24,12 @@ def config_dtype(config: Mapping[str, Any]) -> str:
 PLAIN_MLP_FAMILIES = frozenset({"gpt2", "gpt_neox", "falcon", "gpt_bigcode", "gptj", "opt", "bloom", "phi"})
 
 
+#: the config keys of the block count and of the attention heads across families, first present wins (MPT's
+#: n_layers and n_heads; an encoder-decoder family's decoder alone, BartForCausalLM's: its decoder's)
+LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "decoder_layers")
+HEAD_KEYS = ("num_attention_heads", "n_head", "n_heads", "decoder_attention_heads")
+
+
 def model_dims(config: Mapping[str, Any]) -> dict[str, int]:
     """Dimensions the activation / buffer terms need, under the names of most families (a vision-language
     model's from its language model's text_config, where the top level does not give them)."""
@@ -31,10 +37,11 @@ def model_dims(config: Mapping[str, Any]) -> dict[str, int]:
     if isinstance(text, Mapping):
         config = {**text, **{k: v for k, v in config.items() if k != "text_config"}}
     keys = {"hidden_size": ("hidden_size", "n_embd", "d_model"),
-            "num_layers": ("num_hidden_layers", "n_layer", "num_layers"),
-            "num_heads": ("num_attention_heads", "n_head"),
+            # an encoder-decoder family's decoder alone (BartForCausalLM, MBart's, Marian's: the decoder's sizes)
+            "num_layers": LAYER_KEYS,
+            "num_heads": HEAD_KEYS,
             "vocab_size": ("vocab_size",),
-            "intermediate_size": ("intermediate_size", "n_inner", "ffn_hidden_size"),
+            "intermediate_size": ("intermediate_size", "n_inner", "ffn_hidden_size", "decoder_ffn_dim"),
             "max_positions": ("max_position_embeddings", "n_positions")}
     dims: dict[str, int] = {}
     for dim, names in keys.items():
@@ -57,7 +64,8 @@ def model_dims(config: Mapping[str, Any]) -> dict[str, int]:
 #: structural sizes a config may give, by meaning, with the largest value any real model approaches times a
 #: wide margin: past them an inventory or a trace would take hours (a 10^12-layer config), so they are refused
 _STRUCTURAL = {"hidden_size": 1 << 20, "n_embd": 1 << 20, "d_model": 1 << 20, "num_hidden_layers": 100_000,
-               "n_layer": 100_000, "num_layers": 100_000, "num_attention_heads": 1 << 16, "n_head": 1 << 16,
+               "n_layer": 100_000, "num_layers": 100_000, "n_layers": 100_000, "num_attention_heads": 1 << 16,
+               "n_head": 1 << 16, "n_heads": 1 << 16,
                "num_key_value_heads": 1 << 16, "head_dim": 1 << 16, "vocab_size": 1 << 31,
                "intermediate_size": 1 << 24, "n_inner": 1 << 24, "moe_intermediate_size": 1 << 24,
                "num_local_experts": 1 << 16, "num_experts": 1 << 16, "n_routed_experts": 1 << 16,
@@ -85,7 +93,7 @@ def check_config(config: Mapping[str, Any], built: Collection[str] = ()) -> None
         if v is not None and not isinstance(v, bool):
             raise ConfigError(f"config field {quote(key)} must be true or false, got {quote(v)}")
     hidden = next((config[k] for k in ("hidden_size", "n_embd", "d_model") if config.get(k)), None)
-    heads = next((config[k] for k in ("num_attention_heads", "n_head") if config.get(k)), None)
+    heads = next((config[k] for k in ("num_attention_heads", "n_head", "n_heads") if config.get(k)), None)
     # multi-head latent attention (DeepSeek-V2/V3, GLM-4.7-Flash) sizes its heads by qk_nope_head_dim,
     # qk_rope_head_dim and v_head_dim, not hidden / heads (modeling_deepseek_v3.py DeepseekV3Attention)
     mla = config.get("qk_nope_head_dim") is not None or config.get("kv_lora_rank") is not None

@@ -8,9 +8,9 @@ from typing import Any
 from memplan.errors import SettingsError
 
 #: config keys by meaning, across transformers families (first present wins)
-_LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers")
+_LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
 _HIDDEN_KEYS = ("hidden_size", "n_embd", "d_model")
-_HEAD_KEYS = ("num_attention_heads", "n_head", "num_heads", "encoder_attention_heads")
+_HEAD_KEYS = ("num_attention_heads", "n_head", "n_heads", "num_heads", "encoder_attention_heads")
 _INTER_KEYS = ("intermediate_size", "n_inner", "ffn_dim", "moe_intermediate_size", "shared_expert_intermediate_size",
                "d_ff", "encoder_ffn_dim", "decoder_ffn_dim")
 #: an encoder-decoder's other stack and heads, scaled with the first (T5's num_decoder_layers, BART's encoder and

@@ -35,3 +35,23 @@ def test_blocks_that_differ_by_a_per_layer_list_are_traced_at_full_depth():
     assert traced_steps({**base, "mlp_layer_types": ["dense"] * 4}) == 4
     assert traced_steps({**base, "mlp_layer_types": ["dense"] + ["sparse"] * 3}) == 2
     assert traced_steps({**base, "per_layer_config": {"3": {"head_dim": 128}}}) == 2
+
+
+def test_block_and_head_counts_under_each_family_s_names():
+    """MPT names them n_layers and n_heads; BartForCausalLM (an encoder-decoder family's decoder alone) its
+    decoder's decoder_layers and decoder_attention_heads: the trace's depth, the scaler and the dimensions read
+    them (the trace failed with "no layer count", and validate with "no layer count to scale")."""
+    from memplan.activations.tracing.fit import traced_steps
+    from memplan.model.config import model_dims
+
+    mpt = {"model_type": "mpt", "d_model": 2048, "n_heads": 16, "n_layers": 24, "vocab_size": 50368}
+    assert {k: model_dims(mpt)[k] for k in ("hidden_size", "num_layers", "num_heads")} == \
+        {"hidden_size": 2048, "num_layers": 24, "num_heads": 16}
+    assert traced_steps(mpt) == 4
+    small, _ = scale_config(mpt, layers=2, hidden=256)
+    assert (small["n_layers"], small["d_model"], small["n_heads"]) == (2, 256, 2)
+    bart = {"model_type": "bart", "architectures": ["BartForCausalLM"], "d_model": 1024, "decoder_layers": 12,
+            "encoder_layers": 12, "decoder_attention_heads": 16, "decoder_ffn_dim": 4096, "num_hidden_layers": None}
+    assert {k: model_dims(bart)[k] for k in ("num_layers", "num_heads", "intermediate_size")} == \
+        {"num_layers": 12, "num_heads": 16, "intermediate_size": 4096}
+    assert traced_steps(bart) == 4

@@ -96,7 +96,9 @@ def _layers(config: dict[str, Any]) -> int | None:
         from memplan.model.tasks import stacks
 
         return stacks(config)
-    key = next((k for k in ("num_hidden_layers", "n_layer", "num_layers") if config.get(k)), None)
+    from memplan.model.config import LAYER_KEYS
+
+    key = next((k for k in LAYER_KEYS if config.get(k)), None)
     return None if key is None else int(config[key])
 
 

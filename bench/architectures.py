@@ -1,0 +1,168 @@
+"""Every causal LM transformers ships, run on the CPU harness against memplan's prediction: for each model_type in
+transformers' MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, the config its class builds by default (AutoConfig.for_model),
+its causal-LM class as ``architectures``, scaled to 2 blocks, hidden 256 and a vocabulary of 2048 (memplan's
+--layers/--hidden/--vocab), trained for 3 steps by `memplan validate` and compared at the last one. Writes
+docs/accuracy-architectures.md (and .jsonl, one line per model type and setting, kept between runs).
+
+    python bench/architectures.py [--cpu-isa ISA] [--resume] [--setting ddp-amp|fsdp-bf16|zero3-bf16 ...] [--only T ...]
+
+A model type that does not run says why, in one of these words:
+- ``config``: transformers' own default config does not build or validate (its class needs fields the defaults
+  leave unset, or the scaled config breaks one of the class's checks): not memplan's to run;
+- ``refused``: memplan refuses it with a one-line reason (a head or modality memplan does not model);
+- ``harness``: the real framework fails on it (DDP's unused-parameter check on an encoder-decoder's decoder);
+- ``error``: anything else: memplan's to fix.
+
+This is the breadth check: the architectures memplan is measured on elsewhere (docs/accuracy.md, the GPU tables)
+are a few; the traced step follows transformers' modeling code, so a model type it has never seen should run and
+come out as close. Each run takes a few seconds; the whole list about 40 minutes a setting on 2 cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+OUT = ROOT / "docs" / "accuracy-architectures.md"
+DATA = ROOT / "docs" / "accuracy-architectures.jsonl"
+#: the job settings a model type is run under: (memplan's options, the ranks)
+SETTINGS = {
+    "ddp-amp": (["--strategy", "ddp", "--precision", "torch-amp"], 1),
+    "fsdp-bf16": (["--strategy", "fsdp-full", "--precision", "fsdp-bf16"], 2),
+    "zero3-bf16": (["--stage", "3", "--precision", "deepspeed-bf16"], 2),
+}
+SCALE = ["--layers", "2", "--hidden", "256", "--vocab", "2048"]
+JOB = ["--optimizer", "adamw", "--micro-batch", "2", "--seq-len", "128", "--tolerance", "0.01", "--device", "cpu"]
+
+
+def default_config(model_type: str, cls: str) -> dict | None:
+    """transformers' default config of the model type with its causal-LM class named (None where it fails)."""
+    from transformers import AutoConfig
+
+    try:
+        d = AutoConfig.for_model(model_type).to_dict()
+    except Exception:  # noqa: BLE001 - transformers' own defaults fail: reported as "config"
+        return None
+    d.pop("transformers_version", None)
+    return {**d, "architectures": [cls], "model_type": model_type}
+
+
+def classify(err: str) -> str:
+    """The kind of a failed run from memplan's one-line error (see the module docstring)."""
+    if "could not build" in err or "is not valid for" in err or "does not know model_type" in err:
+        return "config"
+    if "rank 0 failed" in err or "rank 1 failed" in err:
+        return "harness"
+    if err.startswith("Error:") and "internal error" not in err:
+        return "refused"
+    return "error"
+
+
+def run_one(model_type: str, cls: str, setting: str, isa: str | None, timeout: int) -> dict:
+    cfg = default_config(model_type, cls)
+    row = {"model_type": model_type, "class": cls, "setting": setting}
+    if cfg is None:
+        return {**row, "outcome": "config", "why": "AutoConfig.for_model fails on its defaults"}
+    opts, ranks = SETTINGS[setting]
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / f"{model_type}.json"
+        path.write_text(json.dumps(cfg, default=str))
+        cmd = [sys.executable, "-m", "memplan", "validate", str(path), "--gpus", str(ranks), *opts, *SCALE, *JOB,
+               "--json"] + (["--cpu-isa", isa] if isa else [])
+        start = time.time()
+        try:
+            p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+        except subprocess.TimeoutExpired:
+            return {**row, "outcome": "error", "why": f"no result in {timeout} s"}
+        row["seconds"] = round(time.time() - start, 1)
+    err = next((ln for ln in reversed(p.stderr.splitlines()) if ln.startswith("Error")), "")
+    try:
+        out = json.loads(p.stdout)
+    except ValueError:
+        return {**row, "outcome": classify(err or p.stderr[-300:]), "why": (err or p.stderr[-300:]).strip()[:300]}
+    peak = out["validation"]["peak"]
+    return {**row, "outcome": "measured", "predicted": peak["predicted_bytes"], "measured": peak["measured_bytes"],
+            "error": peak["error"], "phase": f"{peak['predicted_phase']}/{peak['measured_phase']}",
+            "params": out["run"].get("params") if isinstance(out.get("run"), dict) else None}
+
+
+def render(rows: list[dict], header: str) -> str:
+    lines = ["# Accuracy across architectures: every causal LM transformers ships", "", header, ""]
+    for setting in SETTINGS:
+        mine = sorted((r for r in rows if r["setting"] == setting), key=lambda r: r["model_type"])
+        if not mine:
+            continue
+        done = [r for r in mine if r["outcome"] == "measured"]
+        errs = [abs(r["error"]) for r in done]
+        within = sum(e <= 0.01 for e in errs)
+        worst = max(done, key=lambda r: abs(r["error"]), default=None)
+        counts = {k: sum(r["outcome"] == k for r in mine) for k in ("config", "refused", "harness", "error")}
+        lines += [f"## {setting}: `{' '.join(SETTINGS[setting][0])}`, {SETTINGS[setting][1]} rank(s)", "",
+                  f"**{len(mine)} model types; {len(done)} measured, {within} within 1%"
+                  + (f", worst {worst['model_type']} {worst['error']:+.2%}" if worst else "")
+                  + f"; not run: {counts['config']} config, {counts['refused']} refused, {counts['harness']} harness, "
+                  f"{counts['error']} error**", "",
+                  "| model_type | class | predicted peak | measured peak | error | phase (pred/meas) | outcome |",
+                  "|---|---|---:|---:|---:|---|---|"]
+        for r in mine:
+            if r["outcome"] == "measured":
+                lines.append(f"| {r['model_type']} | {r['class']} | {r['predicted']:,} | {r['measured']:,} | "
+                             f"{r['error']:+.2%} | {r['phase']} | measured |")
+            else:
+                why = r.get("why", "").replace("|", "/").replace("\n", " ")
+                lines.append(f"| {r['model_type']} | {r['class']} | | | | | {r['outcome']}: {why[:160]} |")
+        lines.append("")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--setting", nargs="*", default=["ddp-amp"], choices=list(SETTINGS))
+    ap.add_argument("--only", nargs="*", default=None, help="these model types only")
+    ap.add_argument("--resume", action="store_true", help="keep the rows already in the .jsonl, run the rest")
+    ap.add_argument("--cpu-isa", default=None)
+    ap.add_argument("--timeout", type=int, default=400)
+    args = ap.parse_args()
+
+    import torch
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as MAPPING
+
+    rows = [json.loads(ln) for ln in DATA.read_text().splitlines() if ln.strip()] if DATA.exists() else []
+    have = {(r["model_type"], r["setting"]) for r in rows} if args.resume else set()
+    if not args.resume:
+        rows = [r for r in rows if r["setting"] not in args.setting]
+    for setting in args.setting:
+        for model_type, cls in MAPPING.items():
+            cls = cls[0] if isinstance(cls, (list, tuple)) else cls
+            if (args.only and model_type not in args.only) or (model_type, setting) in have:
+                continue
+            row = run_one(model_type, cls, setting, args.cpu_isa, args.timeout)
+            rows = [r for r in rows if (r["model_type"], r["setting"]) != (model_type, setting)] + [row]
+            print(f"{setting} {model_type}: {row['outcome']} "
+                  + (f"{row['error']:+.2%}" if row["outcome"] == "measured" else row.get("why", "")[:120]), flush=True)
+            DATA.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    header = (f"Produced by `python bench/architectures.py --setting {' '.join(args.setting)}"
+              + (f" --cpu-isa {args.cpu_isa}" if args.cpu_isa else "") + "` on x86_64 (2 cores), CPU only: torch "
+              f"{torch.__version__}, transformers {transformers.__version__}. Each model type of transformers' "
+              "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES is built from its config class's defaults with its causal-LM class, "
+              "scaled to 2 blocks, hidden 256, vocabulary 2048, and trained by `memplan validate` (micro-batch 2, "
+              "sequence 128, AdamW, 2 warm-up steps and 1 measured; gloo ranks on one host), against memplan's "
+              "prediction for `--device cpu` of the same scaled config. Error = (predicted - measured) / measured. "
+              "Not run: `config` (transformers' default config does not build or validate), `refused` (memplan "
+              "says why in one line), `harness` (the framework itself fails), `error` (memplan's to fix). See the "
+              "script's docstring.")
+    OUT.write_text(render(rows, header))
+    print(f"wrote {OUT}")
+
+
+if __name__ == "__main__":
+    main()

@@ -30,6 +30,26 @@ LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "decoder
 HEAD_KEYS = ("num_attention_heads", "n_head", "n_heads", "decoder_attention_heads")
 
 
+#: per-layer lists a config may give its depth by alone (NemotronHConfig's num_hidden_layers is
+#: len(layers_block_type), a property its to_dict leaves out)
+LAYER_LISTS = ("layers_block_type", "layer_types", "block_types")
+
+
+def layer_count(config: Mapping[str, Any]) -> int | None:
+    """The config's block count: the first of LAYER_KEYS given, else the length of a per-layer list (LAYER_LISTS,
+    or Nemotron-H's hybrid_override_pattern, a character a layer); None where it gives neither."""
+    for k in LAYER_KEYS:
+        v = config.get(k)
+        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+            return v
+    for k in LAYER_LISTS:
+        v = config.get(k)
+        if isinstance(v, list) and v:
+            return len(v)
+    v = config.get("hybrid_override_pattern")
+    return len(v) if isinstance(v, str) and v else None
+
+
 def model_dims(config: Mapping[str, Any]) -> dict[str, int]:
     """Dimensions the activation / buffer terms need, under the names of most families (a vision-language
     model's from its language model's text_config, where the top level does not give them)."""
@@ -50,6 +70,8 @@ def model_dims(config: Mapping[str, Any]) -> dict[str, int]:
             if isinstance(v, int) and not isinstance(v, bool):
                 dims[dim] = v
                 break
+    if "num_layers" not in dims and (n := layer_count(config)) is not None:
+        dims["num_layers"] = n
     # Two-matrix GELU MLPs (fc -> act -> proj) save fewer activations than gated (SwiGLU/GeGLU) ones.
     dims["gated_mlp"] = 0 if config.get("model_type") in PLAIN_MLP_FAMILIES else 1
     kv = config.get("num_key_value_heads")

@@ -44,6 +44,17 @@ def scale_config(config: dict[str, Any], *, layers: int | None = None, hidden: i
     changes: list[str] = []
     if layers is not None:
         key = _first(cfg, _LAYER_KEYS) or _first(cfg, _SECOND_LAYER_KEYS)
+        from memplan.model.config import layer_count
+
+        if key is None and layer_count(cfg) is not None:  # a depth given by its per-layer lists alone
+            old = layer_count(cfg)
+            if layers != old:
+                changes.append(f"layers {old} -> {layers}")
+                for k in per_layer_keys(cfg, old):
+                    cfg[k] = cfg[k][:layers]
+                if isinstance(cfg.get("hybrid_override_pattern"), str):
+                    cfg["hybrid_override_pattern"] = cfg["hybrid_override_pattern"][:layers]
+            key = ""
         if key is None:
             raise SettingsError("this config has no layer count to scale")
         if layers < 1:
@@ -52,7 +63,7 @@ def scale_config(config: dict[str, Any], *, layers: int | None = None, hidden: i
             if isinstance(cfg.get(k), int) and cfg[k] != layers:
                 changes.append(f"{k} {cfg[k]} -> {layers}")
                 cfg[k] = layers
-        if layers != cfg[key]:
+        if key and layers != cfg[key]:
             old = cfg[key]
             changes.append(f"{key} {old} -> {layers}")
             cfg[key] = layers

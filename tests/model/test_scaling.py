@@ -55,3 +55,18 @@ def test_block_and_head_counts_under_each_family_s_names():
     assert {k: model_dims(bart)[k] for k in ("num_layers", "num_heads", "intermediate_size")} == \
         {"num_layers": 12, "num_heads": 16, "intermediate_size": 4096}
     assert traced_steps(bart) == 4
+
+
+def test_a_depth_given_by_per_layer_lists_alone():
+    """Nemotron-H's config class derives num_hidden_layers from layers_block_type (a property its to_dict leaves
+    out): the depth is that list's length, and --layers scales the list."""
+    from memplan.activations.tracing.fit import traced_steps
+    from memplan.model.config import layer_count, model_dims
+
+    cfg = {"model_type": "nemotron_h", "hidden_size": 256, "num_attention_heads": 4,
+           "layers_block_type": ["mamba", "moe", "attention", "mlp"]}
+    assert layer_count(cfg) == 4 and model_dims(cfg)["num_layers"] == 4
+    assert traced_steps(cfg) == 2  # the blocks differ: traced at full depth
+    small, changes = scale_config(cfg, layers=2)
+    assert small["layers_block_type"] == ["mamba", "moe"] and changes == ["layers 4 -> 2"]
+    assert layer_count({"hybrid_override_pattern": "M-M*"}) == 4 and layer_count({}) is None

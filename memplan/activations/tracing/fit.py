@@ -96,10 +96,9 @@ def _layers(config: dict[str, Any]) -> int | None:
         from memplan.model.tasks import stacks
 
         return stacks(config)
-    from memplan.model.config import LAYER_KEYS
+    from memplan.model.config import layer_count
 
-    key = next((k for k in LAYER_KEYS if config.get(k)), None)
-    return None if key is None else int(config[key])
+    return layer_count(config)
 
 
 def _two_stacks(config: dict[str, Any]) -> bool:

@@ -242,7 +242,7 @@ def one_step(config: dict[str, Any], batch: int, seq: int, recipe: str, attentio
     """Trace one micro-step of ``batch`` sequences of ``seq`` tokens for ``target``: the live-bytes timeline, op by
     op (memplan/activations/substitutes.py: what runs in place of the fake CPU tensors' kernels)."""
     import torch
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
     from torch.utils._python_dispatch import _disable_current_modes
     from memplan.activations.profile import checkpoint_every
     from memplan.model import tasks
@@ -278,14 +278,18 @@ def one_step(config: dict[str, Any], batch: int, seq: int, recipe: str, attentio
             # a head other than a causal LM's is built without its weights' initialisation: some initialise with
             # data-dependent ops (ViT's trunc_normal_ reads .item()) that fake tensors cannot run; the values do not
             # change the bytes, and the construction is outside the traced step
+            from transformers.initialization import no_init_weights
+
             quiet = contextlib.nullcontext()
             if tasks.task_of(config) != tasks.CAUSAL_LM:
-                from transformers.initialization import no_init_weights
-
                 quiet = no_init_weights()
-            with quiet:
-                model = tasks.build(config, hf_config(tasks.trace_config(config)), dtype=getattr(torch, dtype),
-                                    attn_implementation="eager" if attention == "eager" else "sdpa")
+            build_kw = dict(dtype=getattr(torch, dtype), attn_implementation="eager" if attention == "eager" else "sdpa")
+            try:
+                with quiet:
+                    model = tasks.build(config, hf_config(tasks.trace_config(config)), **build_kw)
+            except DataDependentOutputException:  # a causal LM initialised so too (ModernBERT-decoder's trunc_normal_)
+                with no_init_weights():
+                    model = tasks.build(config, hf_config(tasks.trace_config(config)), **build_kw)
             # transformers 5.24 ties the embeddings in its weights' initialisation, which no_init_weights skips: a
             # model built under it holds its tied weights apart (BART's shared embedding as four parameters,
             # Gemma 3's head beside its embedding), so they are tied again, as the job's model has them

@@ -54,6 +54,9 @@ QWEN3_VL = ("tests/data/configs/qwen3-vl-tiny.json", dict(layers=None))
 # Qwen3-VL-MoE: the same tower, a language model of 4 fused experts, top-2, in each of its 3 blocks
 QWEN3_VL_MOE = ("tests/data/configs/qwen3-vl-moe-tiny.json", dict(layers=None))
 QWEN_IMG = dict(image_size=(168, 224))
+# Mllama (Llama 3.2 Vision): 56 px tiles in 14 px patches (17 patches with the class token, padded to 24), 4 tiles an
+# image, 2 local + 1 global vision layers, a language model of 4 blocks whose 2nd and 4th cross-attend to the tiles
+MLLAMA = ("tests/data/configs/mllama-tiny.json", dict(layers=None))
 LLAMA10 = ("llama-7b", dict(layers=10, hidden=256, vocab=2048))  # two stages per rank over pp 2: 2-3 blocks each
 MIXTRAL = ("mixtral-8x7b", dict(layers=2, hidden=256, vocab=2048))  # MoE: 8 experts, top-2, grouped_mm
 MIXTRAL4 = ("mixtral-8x7b", dict(layers=4, hidden=256, vocab=2048))
@@ -336,6 +339,14 @@ CASES = [
      "none"),
     ("qwen3-vl image-text fsdp-full, frozen vision", QWEN3_VL, dict(strategy="fsdp-full", freeze="vision",
                                                                     image_size=(128, 192)), {}, {}, "none"),
+    # session 41: Mllama, its tiles read by the language model's cross-attention layers
+    ("mllama image-text, 1 rank, fp32", MLLAMA, dict(gpus=1, precision="fp32"), {}, {}, "none"),
+    ("mllama image-text, 1 rank", MLLAMA, dict(gpus=1), {}, {}, "none"),
+    ("mllama image-text, 1 rank", MLLAMA, dict(gpus=1), {}, {}, "full"),
+    ("mllama image-text ddp, frozen vision", MLLAMA, dict(strategy="ddp", freeze="vision"), {}, {}, "none"),
+    ("mllama image-text, 1 rank, fp32, 2 images", MLLAMA, dict(gpus=1, precision="fp32", images=2), {}, {}, "none"),
+    ("mllama image-text zero3", MLLAMA, dict(stage=3), SMALL_DS, {}, "none"),
+    ("mllama image-text fsdp-full", MLLAMA, dict(strategy="fsdp-full"), {}, {}, "none"),
     # session 34: encoder-decoders, T5 (relative position bias learned through SDPA's mask) and BART
     ("t5 seq2seq, 1 rank, fp32, target 64", T5, dict(gpus=1, precision="fp32", target_len=64), {}, {}, "none"),
     ("t5 seq2seq, 1 rank, target 64", T5, dict(gpus=1, target_len=64), {}, {}, "none"),

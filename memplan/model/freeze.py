@@ -17,10 +17,11 @@ from memplan.inputs import quote
 
 #: the vision tower's module path by model_type, as transformers 5 names it (modeling_llava.py LlavaModel,
 #: modeling_gemma3.py Gemma3Model: self.vision_tower; the projector beside it trains; modeling_qwen2_5_vl.py
-#: Qwen2_5_VLModel: self.visual, its projector, the merger, inside it)
+#: Qwen2_5_VLModel: self.visual, its projector, the merger, inside it; modeling_mllama.py MllamaModel:
+#: self.vision_model, its projector beside it)
 VISION_TOWERS = {"llava": "model.vision_tower", "gemma3": "model.vision_tower", "paligemma": "model.vision_tower",
                  "qwen2_vl": "model.visual", "qwen2_5_vl": "model.visual", "qwen3_vl": "model.visual",
-                 "qwen3_vl_moe": "model.visual"}
+                 "qwen3_vl_moe": "model.visual", "mllama": "model.vision_model"}
 #: what --freeze vision freezes where the projector sits inside the tower: the tower less its mergers, as Qwen's
 #: own fine-tuning script does by default (qwen-vl-finetune train_qwen.py: tune_mm_vision off, tune_mm_mlp on:
 #: model.visual's parameters frozen, then model.visual.merger's trained again; Qwen3-VL's deepstack mergers are
@@ -31,7 +32,7 @@ VISION_FROZEN = {"qwen2_vl": ("model.visual.patch_embed", "model.visual.blocks")
                  "qwen3_vl_moe": ("model.visual.patch_embed", "model.visual.pos_embed", "model.visual.blocks")}
 #: the projector's module path where it is beside the tower
 PROJECTORS = {"llava": "model.multi_modal_projector", "gemma3": "model.multi_modal_projector",
-              "paligemma": "model.multi_modal_projector"}
+              "paligemma": "model.multi_modal_projector", "mllama": "model.multi_modal_projector"}
 #: --freeze's name for the vision tower
 VISION = "vision"
 

@@ -74,7 +74,10 @@ TASKS = (CAUSAL_LM, "masked-lm", "sequence-classification", "token-classificatio
 #: the vision-language models of any image resolution (Qwen-VL: the image's patch grid, image_grid_thw, is an input)
 PATCH_GRID_MODELS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 #: the vision-language model types memplan traces (their image tokens: image_text_tokens)
-IMAGE_TEXT_MODELS = ("llava", "gemma3", "paligemma") + PATCH_GRID_MODELS
+IMAGE_TEXT_MODELS = ("llava", "gemma3", "paligemma", "mllama") + PATCH_GRID_MODELS
+#: the vision-language models whose language model reads the images by cross-attention (Llama 3.2 Vision's Mllama):
+#: one <|image|> token per image in the text, the tiles' features beside it
+CROSS_ATTENTION_MODELS = ("mllama",)
 #: transformers' Qwen2VLImageProcessor's default pixel budget, size["longest_edge"] (max_pixels: 28 * 28 * 1280),
 #: which smart_resize shrinks a larger image to; Qwen3-VL's processor is the same class
 DEFAULT_MAX_PIXELS = 28 * 28 * 1280
@@ -300,6 +303,8 @@ def check_image_size(config: Mapping[str, Any], size: tuple[int, int] | None) ->
 def image_text_tokens(config: Mapping[str, Any]) -> int:
     """The tokens one image takes in a vision-language model's sequence (see the module's docstring). ConfigError
     where the image is not whole patches or Gemma 3's patch grid does not pool to mm_tokens_per_image."""
+    if config.get("model_type") in CROSS_ATTENTION_MODELS:  # one <|image|> token; the tiles are cross-attended
+        return 1
     if config.get("model_type") in PATCH_GRID_MODELS:  # each merged square of patches, one token
         factor = patch_factor(config)
         h, w = image_size_of(config)
@@ -370,6 +375,7 @@ def stacks(config: Mapping[str, Any]) -> int | None:
         cfg = _vision(config)
         vc = cfg.vision_config
         tower = getattr(vc, "num_hidden_layers", None) or vc.depth  # Qwen-VL's vision config names it depth
+        tower += getattr(vc, "num_global_layers", 0) or 0  # Mllama's global transformer after its local one
         return int(tower) + int(cfg.get_text_config().num_hidden_layers)
     return None
 
@@ -491,6 +497,8 @@ def step_inputs(task: str, config: Mapping[str, Any], ids: Any, dtype: Any = Non
         return {"pixel_values": pixels, "labels": torch.zeros(batch, dtype=torch.long, device=ids.device)}
     if task == IMAGE_TEXT and config.get("model_type") in PATCH_GRID_MODELS:  # the text made whole, see there
         return _patch_grid_inputs(config, batch, ids.shape[1], images_of(config), ids.device, dtype)
+    if task == IMAGE_TEXT and config.get("model_type") in CROSS_ATTENTION_MODELS:
+        return _tile_inputs(config, ids, images_of(config), dtype)
     if task == IMAGE_TEXT:  # each image's tokens after the first (a BOS), its pixels, the text's labels
         cfg = _vision(config)
         n, per, token = images_of(config), image_text_tokens(config), int(cfg.image_token_id)
@@ -516,6 +524,43 @@ def step_inputs(task: str, config: Mapping[str, Any], ids: Any, dtype: Any = Non
         z = torch.zeros(batch, dtype=torch.long, device=ids.device)
         return {"input_ids": ids, "start_positions": z, "end_positions": z.clone()}
     raise ValueError(f"unknown task {task}")
+
+
+def _tile_inputs(config: Mapping[str, Any], ids: Any, n: int, dtype: Any) -> dict[str, Any]:
+    """A Mllama step's inputs as MllamaProcessor makes them (processing_mllama.py, image_processing_mllama.py):
+    each image one <|image|> token (image_token_index) after the first text token; its pixels as max_num_tiles tiles
+    of image_size, ``pixel_values`` [batch, images, tiles, channels, image_size, image_size] (the processor pads
+    every image to max_num_tiles: the vision model runs them all, masking the padding tiles), ``aspect_ratio_ids``
+    [batch, images] (a square image split over every tile: the squarest supported ratio of max_num_tiles tiles,
+    1-based; the bytes are the same for any ratio),
+    ``aspect_ratio_mask`` [batch, images, tiles] and the dense ``cross_attention_mask`` [batch, seq, images, tiles]
+    (get_cross_attention_token_mask: consecutive image tokens all attend from the first to the sequence's end)."""
+    import torch
+
+    cfg = _vision(config)
+    vc = cfg.vision_config
+    batch, seq = ids.shape
+    token = int(cfg.image_token_index)
+    ids = torch.where(ids == token, 0, ids)
+    if n:
+        ids[:, 1:1 + n] = token
+    # the collator's labels: the image tokens ignored (-100; Mllama's image token is past the head's vocabulary)
+    out: dict[str, Any] = {"input_ids": ids, "labels": torch.where(ids == token, -100, ids)}
+    if not n:
+        return out
+    tiles = int(vc.max_num_tiles)
+    ratios = [tuple(r) for r in vc.supported_aspect_ratios]
+    # a square image split over every tile (2 x 2 of 4), as the processor splits a large square one
+    full = min((abs(h - w), i + 1) for i, (h, w) in enumerate(ratios) if h * w == tiles)[1] \
+        if any(h * w == tiles for h, w in ratios) else len(ratios)
+    out["pixel_values"] = torch.zeros(batch, n, tiles, vc.num_channels, vc.image_size, vc.image_size,
+                                      device=ids.device, dtype=dtype or torch.get_default_dtype())
+    out["aspect_ratio_ids"] = torch.full((batch, n), full, dtype=torch.long, device=ids.device)
+    out["aspect_ratio_mask"] = torch.ones(batch, n, tiles, dtype=torch.long, device=ids.device)
+    mask = torch.zeros(batch, seq, n, tiles, dtype=torch.long, device=ids.device)
+    mask[:, 1:] = 1
+    out["cross_attention_mask"] = mask
+    return out
 
 
 def _patch_grid_inputs(config: Mapping[str, Any], batch: int, seq: int, n: int, device: Any,

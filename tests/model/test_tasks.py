@@ -368,8 +368,8 @@ def test_a_vision_language_model_s_images_are_tokens_in_its_sequence():
         tasks.image_text_tokens(dict(llava, vision_config=dict(llava["vision_config"], image_size=330)))
     with pytest.raises(ConfigError, match="pools its 64 x 64 patches"):
         tasks.image_text_tokens(dict(gemma, mm_tokens_per_image=100))
-    with pytest.raises(ConfigError, match="modelled for model_type llava, gemma3, paligemma, qwen2_vl, qwen2_5_vl, "
-                                          "qwen3_vl, qwen3_vl_moe, not 'idefics3'"):
+    with pytest.raises(ConfigError, match="modelled for model_type llava, gemma3, paligemma, mllama, qwen2_vl, "
+                                          "qwen2_5_vl, qwen3_vl, qwen3_vl_moe, not 'idefics3'"):
         tasks.task_of({"architectures": ["Idefics3ForConditionalGeneration"], "model_type": "idefics3"})
     pali = json.loads(PALIGEMMA.read_text())
     assert tasks.task_of(pali) == tasks.IMAGE_TEXT and tasks.image_text_tokens(pali) == 16  # (32 / 8)^2
@@ -397,7 +397,39 @@ def test_a_vision_language_inventory_is_transformers_own(preset, params, vision,
     assert inv.dims["hidden_size"] == model.config.get_text_config().hidden_size
 
 
-@pytest.mark.parametrize("path", [LLAVA, GEMMA3_VL, PALIGEMMA])
+MLLAMA = Path(__file__).resolve().parents[1] / "data" / "configs" / "mllama-tiny.json"
+
+
+def test_mllama_reads_its_tiles_by_cross_attention():
+    """Llama 3.2 Vision (Mllama): one <|image|> token per image in the text; the image as max_num_tiles tiles
+    (the processor pads to them all); the language model's cross-attention layers read the tiles' features under
+    the dense cross_attention_mask. The collator's labels ignore the image token, which is past the head's
+    vocabulary. Parameters exact against transformers' own; --freeze vision freezes the vision model, not the
+    projector."""
+    torch = pytest.importorskip("torch")
+    from memplan.model import freeze, sources
+    from memplan.model.meta_builder import hf_config
+
+    cfg = json.loads(MLLAMA.read_text())
+    assert tasks.task_of(cfg) == tasks.IMAGE_TEXT and tasks.image_text_tokens(cfg) == tasks.image_span(cfg) == 1
+    assert tasks.stacks(cfg) == 2 + 1 + 4  # local and global vision layers, then the language model's
+    ids = torch.randint(0, 2048, (2, 32))
+    got = tasks.step_inputs(tasks.IMAGE_TEXT, {**cfg, "memplan_images": 2}, ids, torch.bfloat16)
+    assert (got["input_ids"][:, 1:3] == 2048).all() and (got["input_ids"][:, 3:] != 2048).all()
+    assert (got["labels"][:, 1:3] == -100).all() and got["labels"].max() < 2048
+    assert got["pixel_values"].shape == (2, 2, 4, 3, 56, 56) and got["pixel_values"].dtype == torch.bfloat16
+    assert got["aspect_ratio_ids"].tolist() == [[6, 6], [6, 6]]  # (2, 2): every tile of the 4
+    assert got["aspect_ratio_mask"].shape == (2, 2, 4) and got["cross_attention_mask"].shape == (2, 32, 2, 4)
+    assert got["cross_attention_mask"][:, 0].sum() == 0 and got["cross_attention_mask"][:, 1:].all()
+    with torch.device("meta"):
+        model = tasks.build(cfg, hf_config(cfg))
+    inv = sources.build_inventory(sources.resolve(str(MLLAMA)))
+    assert inv.num_params == sum(p.numel() for p in model.parameters())
+    frozen = freeze.paths("vision", cfg)
+    assert frozen == ("model.vision_model",)
+
+
+@pytest.mark.parametrize("path", [LLAVA, GEMMA3_VL, PALIGEMMA, MLLAMA])
 def test_a_vision_language_step_is_traced_with_its_images(path):
     """Both stacks traced at full depth, the images made in the step; more images per sample hold more (the
     vision tower's activations), and the same job gives the same bytes."""

@@ -89,7 +89,8 @@ def run_one(model_type: str, cls: str, setting: str, isa: str | None, timeout: i
     except ValueError:
         return {**row, "outcome": classify(err or p.stderr[-300:]), "why": (err or p.stderr[-300:]).strip()[:300]}
     peak = out["validation"]["peak"]
-    return {**row, "outcome": "measured", "predicted": peak["predicted_bytes"], "measured": peak["measured_bytes"],
+    acts = str((out.get("prediction") or {}).get("assumptions", {}).get("activations", ""))
+    return {**row, "outcome": "measured", "activations": acts.split(" ")[0], "predicted": peak["predicted_bytes"], "measured": peak["measured_bytes"],
             "error": peak["error"], "phase": f"{peak['predicted_phase']}/{peak['measured_phase']}",
             "params": out["run"].get("params") if isinstance(out.get("run"), dict) else None}
 
@@ -103,10 +104,12 @@ def render(rows: list[dict], header: str) -> str:
         done = [r for r in mine if r["outcome"] == "measured"]
         errs = [abs(r["error"]) for r in done]
         within = sum(e <= 0.01 for e in errs)
+        analytic = sum(r.get("activations", "traced") != "traced" for r in done)
         worst = max(done, key=lambda r: abs(r["error"]), default=None)
         counts = {k: sum(r["outcome"] == k for r in mine) for k in ("config", "refused", "harness", "error")}
         lines += [f"## {setting}: `{' '.join(SETTINGS[setting][0])}`, {SETTINGS[setting][1]} rank(s)", "",
-                  f"**{len(mine)} model types; {len(done)} measured, {within} within 1%"
+                  f"**{len(mine)} model types; {len(done)} measured ({analytic} of them predicted with analytic "
+                  f"activations), {within} within 1%"
                   + (f", worst {worst['model_type']} {worst['error']:+.2%}" if worst else "")
                   + f"; not run: {counts['config']} config, {counts['refused']} refused, {counts['harness']} harness, "
                   f"{counts['error']} error**", "",
@@ -114,8 +117,10 @@ def render(rows: list[dict], header: str) -> str:
                   "|---|---|---:|---:|---:|---|---|"]
         for r in mine:
             if r["outcome"] == "measured":
+                how = "measured" + ("" if r.get("activations", "traced") == "traced" else
+                                    f" ({r.get('activations')} activations: the trace failed)")
                 lines.append(f"| {r['model_type']} | {r['class']} | {r['predicted']:,} | {r['measured']:,} | "
-                             f"{r['error']:+.2%} | {r['phase']} | measured |")
+                             f"{r['error']:+.2%} | {r['phase']} | {how} |")
             else:
                 why = r.get("why", "").replace("|", "/").replace("\n", " ")
                 lines.append(f"| {r['model_type']} | {r['class']} | | | | | {r['outcome']}: {why[:160]} |")

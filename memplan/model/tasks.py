@@ -44,6 +44,9 @@ forward computes its loss from (modeling_bert.py, modeling_llama.py, the generic
   (Qwen2VLProcessor), and ``mm_token_type_ids`` (1 at image tokens: ProcessorMixin.create_mm_token_type_ids) from
   which the model builds its 3-D rotary positions (get_rope_index). The image size is --image-size (default:
   image_side, the largest square the processor's default max_pixels lets through).
+  Mllama (Llama 3.2 Vision, CROSS_ATTENTION_MODELS) reads its images by cross-attention: one ``<|image|>`` token
+  per image in the text, the image as max_num_tiles tiles (MllamaImageProcessor pads every image to them), with
+  ``aspect_ratio_ids``, ``aspect_ratio_mask`` and the dense ``cross_attention_mask`` (_tile_inputs).
 
 Other heads (speech and audio seq2seq, other vision-language models, multiple choice, pre-training, image models
 other than ViT and DeiT) are refused with the class named: their inputs are neither a [batch, seq] of token ids nor

@@ -6,6 +6,8 @@ docs/accuracy-architectures.md (and .jsonl, one line per model type and setting,
 
     python bench/architectures.py [--cpu-isa ISA] [--resume] [--setting ddp-amp|fsdp-bf16|zero3-bf16 ...] [--only T ...]
 
+--resume keeps the rows already run and runs the rest; --only runs those model types (again) and keeps the others.
+
 A model type that does not run says why, in one of these words:
 - ``config``: transformers' own default config does not build or validate (its class needs fields the defaults
   leave unset, or the scaled config breaks one of the class's checks): not memplan's to run;
@@ -142,9 +144,10 @@ def main() -> None:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as MAPPING
 
     rows = [json.loads(ln) for ln in DATA.read_text().splitlines() if ln.strip()] if DATA.exists() else []
-    have = {(r["model_type"], r["setting"]) for r in rows} if args.resume else set()
-    if not args.resume:
-        rows = [r for r in rows if r["setting"] not in args.setting]
+    have = {(r["model_type"], r["setting"]) for r in rows if not (args.only and r["model_type"] in args.only)} \
+        if args.resume else set()
+    if not args.resume:  # the settings run again (with --only: those model types' rows)
+        rows = [r for r in rows if r["setting"] not in args.setting or (args.only and r["model_type"] not in args.only)]
     for setting in args.setting:
         for model_type, cls in MAPPING.items():
             cls = cls[0] if isinstance(cls, (list, tuple)) else cls

@@ -93,6 +93,43 @@ def _substitutions(config: dict[str, Any], dtype: str, attention: str, target: T
             moe._grouped_mm = real_grouped
 
 
+@contextlib.contextmanager
+def fake_module_conversion() -> Any:
+    """A model built of fake tensors converts its modules as a real one does: a constructor's ``module.to(dtype)``
+    (DeepSeek-V4's fp32 norms, a short convolution's) swaps each fake parameter for its converted copy
+    (torch/nn/modules/module.py _apply: swap_tensors for a FakeTensor), which torch refuses for a tensor with
+    weakrefs, and a fake tensor has them. Where the swap is refused, each parameter and buffer is replaced by its
+    converted copy (Module._apply's overwrite branch) and one already converted is left as it is: the module then
+    holds what the real one holds."""
+    import torch
+
+    real = torch.nn.Module._apply
+
+    def apply(self: Any, fn: Any, recurse: bool = True) -> Any:
+        try:
+            return real(self, fn, recurse)
+        except RuntimeError as exc:
+            if "Couldn't swap" not in str(exc):
+                raise
+        for mod in (self.modules() if recurse else [self]):
+            for key, p in list(mod._parameters.items()):
+                if p is not None:
+                    with torch.no_grad():
+                        new = fn(p)
+                    if new is not p:
+                        mod._parameters[key] = torch.nn.Parameter(new, requires_grad=p.requires_grad)
+            for key, b in list(mod._buffers.items()):
+                if b is not None:
+                    mod._buffers[key] = fn(b)
+        return self
+
+    torch.nn.Module._apply = apply
+    try:
+        yield
+    finally:
+        torch.nn.Module._apply = real
+
+
 def record_block_inputs(blocks: list[Any]) -> set[str]:
     """The dtypes of the floating-point tensors the blocks are given (args and kwargs), filled as they run: where
     all are the computing dtype, FSDP2's cast of each unit's inputs (cast_block_inputs) copies nothing."""
@@ -285,10 +322,10 @@ def one_step(config: dict[str, Any], batch: int, seq: int, recipe: str, attentio
                 quiet = no_init_weights()
             build_kw = dict(dtype=getattr(torch, dtype), attn_implementation="eager" if attention == "eager" else "sdpa")
             try:
-                with quiet:
+                with quiet, fake_module_conversion():
                     model = tasks.build(config, hf_config(tasks.trace_config(config)), **build_kw)
             except DataDependentOutputException:  # a causal LM initialised so too (ModernBERT-decoder's trunc_normal_)
-                with no_init_weights():
+                with no_init_weights(), fake_module_conversion():
                     model = tasks.build(config, hf_config(tasks.trace_config(config)), **build_kw)
             # transformers 5.24 ties the embeddings in its weights' initialisation, which no_init_weights skips: a
             # model built under it holds its tied weights apart (BART's shared embedding as four parameters,

@@ -633,3 +633,25 @@ def test_multi_head_latent_attention_needs_no_head_multiple():
     check_config(mla)
     with pytest.raises(ConfigError, match="not a multiple of the number of attention heads"):
         check_config({"model_type": "llama", "hidden_size": 2048, "num_attention_heads": 20, "num_hidden_layers": 2})
+
+
+def test_a_constructor_s_module_to_converts_fake_parameters():
+    """torch swaps a fake parameter on module.to() and refuses to for a tensor with weakrefs (every fake tensor):
+    under fake_module_conversion the module holds its converted parameters, as a real one does, and a .to() that
+    changes nothing leaves the parameter itself (DeepSeek-V4's attention builds its norms so)."""
+    torch = pytest.importorskip("torch")
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from memplan.activations.tracing.step import fake_module_conversion
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        with pytest.raises(RuntimeError, match="Couldn't swap"):
+            torch.nn.LayerNorm(8).to(dtype=torch.float32)
+        with fake_module_conversion():
+            norm = torch.nn.LayerNorm(8)
+            w = norm.weight
+            assert norm.to(dtype=torch.float32).weight is w
+            half = norm.to(dtype=torch.bfloat16)
+            assert half is norm and norm.weight.dtype == norm.bias.dtype == torch.bfloat16
+            assert isinstance(norm.weight, torch.nn.Parameter) and norm.weight.requires_grad
+    assert torch.nn.Module._apply.__name__ == "_apply"  # restored

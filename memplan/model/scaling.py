@@ -12,7 +12,8 @@ _LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
 _HIDDEN_KEYS = ("hidden_size", "n_embd", "d_model")
 _HEAD_KEYS = ("num_attention_heads", "n_head", "n_heads", "num_heads", "encoder_attention_heads")
 _INTER_KEYS = ("intermediate_size", "n_inner", "ffn_dim", "moe_intermediate_size", "shared_expert_intermediate_size",
-               "d_ff", "encoder_ffn_dim", "decoder_ffn_dim")
+               "d_ff", "encoder_ffn_dim", "decoder_ffn_dim", "shared_intermediate_size",
+               "shared_experts_intermediate_size", "ffn_hidden_size", "expert_ffn_hidden_size")
 #: an encoder-decoder's other stack and heads, scaled with the first (T5's num_decoder_layers, BART's encoder and
 #: decoder layers and heads)
 _SECOND_LAYER_KEYS = ("num_decoder_layers", "encoder_layers", "decoder_layers")

@@ -48,6 +48,10 @@ def paths(spec: str | None, config: Mapping[str, Any] | None) -> tuple[str, ...]
         if part == VISION:
             mt = str((config or {}).get("model_type"))
             tower = VISION_TOWERS.get(mt)
+            from memplan.model import tasks
+
+            if config and "architectures" in config and tasks.task_of(config) != tasks.IMAGE_TEXT:
+                tower = None  # the model_type's text-only class (MllamaForCausalLM): no tower
             if tower is None:
                 raise ConfigError(f"--freeze vision: a vision-language model's vision tower ({', '.join(VISION_TOWERS)}); "
                                   f"this model has none (give module paths instead)")
@@ -122,9 +126,12 @@ def unread_paths(model: Any, config: Mapping[str, Any], images: int | None = Non
     get_image_features: -2 by default, the output of the second-to-last layer), so the layers after it and the
     tower's post_layernorm (and a SigLIP tower's pooling head) run but feed nothing; a vision-language step without
     images (``images`` 0) never runs the vision tower or the projector."""
+    from memplan.model import tasks
+
     mt = str(config.get("model_type"))
     tower = VISION_TOWERS.get(mt)
-    if tower is None:
+    # a vision-language model_type's text-only class (MllamaForCausalLM, Gemma3ForCausalLM) has no tower
+    if tower is None or ("architectures" in config and tasks.task_of(config) != tasks.IMAGE_TEXT):
         return ()
     if images == 0:
         return (tower,) + ((PROJECTORS[mt],) if mt in PROJECTORS else ())

@@ -684,3 +684,15 @@ def test_a_config_its_class_refuses_is_not_called_unknown():
         transformers_config({"model_type": "gemma4_text", "num_hidden_layers": 2, "per_layer_config": {"05": {}}})
     with pytest.raises(ConfigError, match="does not know model_type"):
         transformers_config({"model_type": "no_such_model_type"})
+
+
+def test_a_vision_language_model_type_s_text_only_class_has_no_tower():
+    """MllamaForCausalLM is model_type mllama without the vision model: no unread tower (an internal error before),
+    and --freeze vision says it has none."""
+    from memplan.model import freeze
+
+    cfg = {**json.loads(MLLAMA.read_text()), "architectures": ["MllamaForCausalLM"]}
+    assert tasks.task_of(cfg) == tasks.CAUSAL_LM
+    assert freeze.unread_paths(None, cfg) == ()
+    with pytest.raises(ConfigError, match="this model has none"):
+        freeze.paths("vision", cfg)

@@ -248,8 +248,10 @@ def cuda_backend(c: SdpaCall, arch: str = DEFAULT_ARCH) -> tuple[str, str]:
 def cpu_backend(c: SdpaCall) -> tuple[str, str]:
     """(backend, why) on CPU (aten/src/ATen/native/transformers/sdp_utils_cpp.cpp select_sdp_backend_cpp): the
     CPU flash kernel, else math; flash needs no dropout (check_for_dropout), one head dim for q, k and v
-    (check_head_dim_size_cpp) and no mask that requires grad (check_attn_mask_shape: T5's learned relative bias
-    runs math, measured with the profiler on torch 2.13.0+cpu). Checked with torch._fused_sdp_choice on real CPU
+    (check_head_dim_size_cpp), no mask that requires grad (check_attn_mask_shape: T5's learned relative bias
+    runs math, measured with the profiler on torch 2.13.0+cpu) and as many key and value heads as query heads
+    unless enable_gqa groups them (check_batch_size_and_num_heads_dense: Falcon's multi-query attention hands
+    SDPA one key head to broadcast, and runs math). Checked with torch._fused_sdp_choice on real CPU
     tensors (tests)."""
     if c.dropout > 0:
         return MATH, f"attention dropout {c.dropout:g}"
@@ -257,6 +259,8 @@ def cpu_backend(c: SdpaCall) -> tuple[str, str]:
         return MATH, "a mask that requires grad (a learned bias)"
     if not (c.dq == c.dv):
         return MATH, f"head dims q {c.dq}, k {c.dq}, v {c.dv} differ"
+    if not _heads_ok(c, True):  # check_batch_size_and_num_heads_dense: key/value heads broadcast (Falcon's one)
+        return MATH, "heads differ without enable_gqa"
     return FLASH, "cpu flash"
 
 

@@ -147,6 +147,22 @@ def test_sdpa_kernel_choice_follows_the_cpu_dispatch(dims, dropout):
     assert (cpu_backend(call)[0] == "math") == real_math
 
 
+@pytest.mark.parametrize("hkv,gqa", [(1, False), (1, True), (2, True), (2, False), (4, False)])
+def test_cpu_sdpa_heads_follow_the_cpu_dispatch(hkv, gqa):
+    """Key and value heads fewer than the query's: the CPU flash kernel takes them grouped (enable_gqa), math takes
+    them broadcast (Falcon's multi-query attention passes one key head without enable_gqa)."""
+    import torch
+
+    from memplan.activations.kernels import SdpaCall, cpu_backend
+
+    q = torch.randn(2, 4, 16, 64, dtype=torch.bfloat16)
+    kv = torch.randn(2, hkv, 16, 64, dtype=torch.bfloat16)
+    real_math = torch._fused_sdp_choice(q, kv, kv, None, 0.0, True, enable_gqa=gqa) == 0
+    call = SdpaCall(dtype="bfloat16", batch=2, hq=4, hkv=hkv, sq=16, sk=16, dq=64, dv=64, is_causal=True,
+                    enable_gqa=gqa)
+    assert (cpu_backend(call)[0] == "math") == real_math
+
+
 def test_mla_attention_on_cpu_is_traced_with_the_math_kernel():
     # DeepSeek's MLA: q and k head dims 192 (nope + rope), v 128; CPU flash needs one head dim
     cfg = scale_config(sources.resolve("deepseek-v3").config, layers=2, hidden=256, vocab=1024)[0]

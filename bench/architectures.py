@@ -137,6 +137,7 @@ def main() -> None:
     ap.add_argument("--resume", action="store_true", help="keep the rows already in the .jsonl, run the rest")
     ap.add_argument("--cpu-isa", default=None)
     ap.add_argument("--timeout", type=int, default=400)
+    ap.add_argument("--render", action="store_true", help="rewrite the table from the .jsonl alone")
     args = ap.parse_args()
 
     import torch
@@ -148,7 +149,7 @@ def main() -> None:
         if args.resume else set()
     if not args.resume:  # the settings run again (with --only: those model types' rows)
         rows = [r for r in rows if r["setting"] not in args.setting or (args.only and r["model_type"] not in args.only)]
-    for setting in args.setting:
+    for setting in ([] if args.render else args.setting):
         for model_type, cls in MAPPING.items():
             cls = cls[0] if isinstance(cls, (list, tuple)) else cls
             if (args.only and model_type not in args.only) or (model_type, setting) in have:
@@ -158,7 +159,8 @@ def main() -> None:
             print(f"{setting} {model_type}: {row['outcome']} "
                   + (f"{row['error']:+.2%}" if row["outcome"] == "measured" else row.get("why", "")[:120]), flush=True)
             DATA.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    header = (f"Produced by `python bench/architectures.py --setting {' '.join(args.setting)}"
+    ran = [k for k in SETTINGS if any(r["setting"] == k for r in rows)]
+    header = (f"Produced by `python bench/architectures.py --setting {' '.join(ran)}"
               + (f" --cpu-isa {args.cpu_isa}" if args.cpu_isa else "") + "` on x86_64 (2 cores), CPU only: torch "
               f"{torch.__version__}, transformers {transformers.__version__}. Each model type of transformers' "
               "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES is built from its config class's defaults with its causal-LM class, "
@@ -167,7 +169,7 @@ def main() -> None:
               "prediction for `--device cpu` of the same scaled config. Error = (predicted - measured) / measured. "
               "Not run: `config` (transformers' default config does not build or validate), `refused` (memplan "
               "says why in one line), `harness` (the framework itself fails), `error` (memplan's to fix). See the "
-              "script's docstring.")
+              "script's docstring. ddp-amp runs every model type; fsdp-bf16 the common ones named with --only.")
     OUT.write_text(render(rows, header))
     print(f"wrote {OUT}")
 

@@ -147,7 +147,7 @@ def main() -> None:
     rows = [json.loads(ln) for ln in DATA.read_text().splitlines() if ln.strip()] if DATA.exists() else []
     have = {(r["model_type"], r["setting"]) for r in rows if not (args.only and r["model_type"] in args.only)} \
         if args.resume else set()
-    if not args.resume:  # the settings run again (with --only: those model types' rows)
+    if not args.resume and not args.render:  # the settings run again (with --only: those model types' rows)
         rows = [r for r in rows if r["setting"] not in args.setting or (args.only and r["model_type"] not in args.only)]
     for setting in ([] if args.render else args.setting):
         for model_type, cls in MAPPING.items():

@@ -169,7 +169,7 @@ def main() -> None:
               "prediction for `--device cpu` of the same scaled config. Error = (predicted - measured) / measured. "
               "Not run: `config` (transformers' default config does not build or validate), `refused` (memplan "
               "says why in one line), `harness` (the framework itself fails), `error` (memplan's to fix). See the "
-              "script's docstring. ddp-amp runs every model type; fsdp-bf16 the common ones named with --only.")
+              "script's docstring. ddp-amp runs every model type; fsdp-bf16 and zero3-bf16 the common ones named with --only.")
     OUT.write_text(render(rows, header))
     print(f"wrote {OUT}")
 

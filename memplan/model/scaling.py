@@ -6,11 +6,12 @@ from __future__ import annotations
 from typing import Any
 
 from memplan.errors import SettingsError
+from memplan.model.config import HEAD_KEYS, LAYER_KEYS, layer_count
 
 #: config keys by meaning, across transformers families (first present wins)
-_LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
+_LAYER_KEYS = tuple(k for k in LAYER_KEYS if k != "decoder_layers")  # a decoder's count: _SECOND_LAYER_KEYS
 _HIDDEN_KEYS = ("hidden_size", "n_embd", "d_model")
-_HEAD_KEYS = ("num_attention_heads", "n_head", "n_heads", "num_heads", "encoder_attention_heads")
+_HEAD_KEYS = tuple(k for k in HEAD_KEYS if k != "decoder_attention_heads") + ("num_heads", "encoder_attention_heads")
 _INTER_KEYS = ("intermediate_size", "n_inner", "ffn_dim", "moe_intermediate_size", "shared_expert_intermediate_size",
                "d_ff", "encoder_ffn_dim", "decoder_ffn_dim", "shared_intermediate_size",
                "shared_experts_intermediate_size", "ffn_hidden_size", "expert_ffn_hidden_size")
@@ -45,8 +46,6 @@ def scale_config(config: dict[str, Any], *, layers: int | None = None, hidden: i
     changes: list[str] = []
     if layers is not None:
         key = _first(cfg, _LAYER_KEYS) or _first(cfg, _SECOND_LAYER_KEYS)
-        from memplan.model.config import layer_count
-
         if key is None and layer_count(cfg) is not None:  # a depth given by its per-layer lists alone
             old = layer_count(cfg)
             if layers != old:

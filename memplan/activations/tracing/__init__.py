@@ -36,6 +36,5 @@ from __future__ import annotations
 
 from memplan.activations.profile_fit import GRAD_WIDTHS
 from memplan.activations.tracing.fit import trace_profile
-from memplan.activations.tracing.step import moe_experts
 
-__all__ = ["GRAD_WIDTHS", "moe_experts", "trace_profile"]
+__all__ = ["GRAD_WIDTHS", "trace_profile"]

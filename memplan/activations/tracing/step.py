@@ -45,9 +45,9 @@ def _substitutions(config: dict[str, Any], dtype: str, attention: str, target: T
     # MoE experts run through grouped_mm. Its fake (meta) kernel takes bf16 only
     # (torch/_meta_registrations.py _meta_grouped_mm_common), while the real kernels also run fp32 weights
     # (torch-amp, fp32 recipes) through a fallback; for those the trace computes with transformers' own fallback op
-    # (transformers::grouped_mm_fallback) under torch's grouped_mm autograd (substitutes.grouped_mm).
-    # (Every fp32 trace: a config may name its experts in a way moe_experts does not read; a dense model never
-    # calls it.)
+    # (transformers::grouped_mm_fallback) under torch's grouped_mm autograd (substitutes.grouped_mm). Every fp32
+    # trace is patched, whatever its config names its experts (Aria's and ERNIE-4.5's moe_num_experts); a dense
+    # model never calls it.
     moe = None
     if dtype == "float32":
         import transformers.integrations.moe as moe
@@ -601,14 +601,3 @@ def first_contributions(loss: Any, live: LiveBytes, out: dict[int, list[Any]]) -
 
         for fn, i in edges:
             fn.register_hook(lambda gi, go, i=i, h=hook: h(gi, go, pos=i))
-
-
-def moe_experts(config: dict[str, Any]) -> int:
-    """The number of routed experts a config declares (0 for a dense model); a vision-language config's are its
-    text_config's (Qwen3-VL-MoE)."""
-    for k in ("num_local_experts", "n_routed_experts", "num_experts", "moe_num_experts"):  # Aria's, ERNIE-4.5's
-        v = config.get(k)
-        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
-            return v
-    text = config.get("text_config")
-    return moe_experts(text) if isinstance(text, dict) else 0

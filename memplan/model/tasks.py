@@ -218,6 +218,7 @@ def _vision(config: Mapping[str, Any]) -> Any:
 _TOKEN_FIELDS = {"llava": (("vision_feature_select_strategy",), ("model_type", "image_size", "patch_size")),
                  "gemma3": (("mm_tokens_per_image",), ("image_size", "patch_size")),
                  "paligemma": ((), ("image_size", "patch_size")),
+                 "mllama": ((), ("image_size",)),  # (its tiles' size: read by --image-size's refusal)
                  **{m: ((), ("patch_size", "spatial_merge_size")) for m in PATCH_GRID_MODELS}}
 
 

@@ -283,6 +283,7 @@ FILES: dict[str, tuple[str, object]] = {
     # encoder-decoders (model/tasks.py SEQ2SEQ): flan-t5-base and bart-large as shipped, and one nesting its parts
     "t5": ("t5.json", (Path(__file__).resolve().parents[1] / "data" / "configs" / "flan-t5-base.json").read_text()),
     "bart": ("bart.json", (Path(__file__).resolve().parents[1] / "data" / "configs" / "bart-large.json").read_text()),
+    "mllama": ("mllama.json", (Path(__file__).resolve().parents[1] / "data" / "configs" / "mllama-tiny.json").read_text()),
     "nested_s2s": ("nested_s2s.json", json.dumps({"architectures": ["T5GemmaForConditionalGeneration"],
                                                   "model_type": "t5gemma", "is_encoder_decoder": True,
                                                   "encoder": {"hidden_size": 64}, "decoder": {"hidden_size": 64}})),
@@ -574,6 +575,8 @@ CASES: list[Case] = [
     Case("estimate qwen2.5-vl-7b --image-size 500", "multiples of 28 px", "parallel"),
     Case("estimate qwen2.5-vl-7b --image-size 448x", "give pixels, N (a square) or HxW", "parallel"),
     Case("estimate llama-3-8b --image-size 448", "only a vision-language model", "parallel"),
+    Case("estimate {dir}/mllama.json --image-size 448", "takes images of its config's image_size (56 px)", "parallel"),
+    Case("estimate {dir}/mllama.json --images 3 --seq-len 3", "leave no text", "parallel"),
     Case("estimate gemma-3-4b --images 100000", "leave no text", "parallel"),
     Case("estimate gpt2 --images 2", "only a vision-language model takes images", "parallel"),
     Case("estimate gemma-3-4b --gpus 4 --tp 2", "--tp/--pp/--cp/--ep with a vision-language", "parallel"),

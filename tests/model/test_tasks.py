@@ -427,6 +427,8 @@ def test_mllama_reads_its_tiles_by_cross_attention():
     assert inv.num_params == sum(p.numel() for p in model.parameters())
     frozen = freeze.paths("vision", cfg)
     assert frozen == ("model.vision_model",)
+    with pytest.raises(ConfigError, match=r"takes images of its config's image_size \(56 px\)"):
+        tasks.check_image_size(cfg, (448, 448))
 
 
 @pytest.mark.parametrize("path", [LLAVA, GEMMA3_VL, PALIGEMMA, MLLAMA])

@@ -182,7 +182,7 @@ def plan(
                                                "float8", "float8_keep", "float8_all_gather",
                                                "deepspeed"))
 @O.request_options("batch", "cluster", only=("micro_batch", "target_len", "images", "image_size", "grad_accum", "cpu_isa"))
-@O.request_options("model", only=("freeze",))
+@O.request_options("model", only=("task", "freeze"))
 @O.request_options(HarnessRun)
 def validate(
     model: O.Model,
@@ -215,7 +215,7 @@ def validate(
     if seq_len is None:  # 128 tokens, unless the model is a vision transformer (its sequence is its image's)
         from memplan.model import sources, tasks
 
-        config = sources.resolve(model).config or {}
+        config = sources.with_task(sources.resolve(model), options.get("task")).config or {}
         seq_len = None if "factory" not in config and tasks.task_of(config) == tasks.IMAGE else 128
     run = build(HarnessRun, options)
     request = from_command({**options, "model": model, "gpus": gpus, "seq_len": seq_len, "optimizer": optimizer,

@@ -73,7 +73,7 @@ def predict(model: str, request: JobRequest, **scale: int | None) -> tuple[accou
     original model's parameter count); ``scale``: layers, hidden, vocab (scale_config). bench/accuracy.py
     --repredict re-evaluates stored runs with it."""
     layers, hidden, vocab = scale.get("layers"), scale.get("hidden"), scale.get("vocab")
-    src = sources.resolve(model)
+    src = sources.with_task(sources.resolve(model), request.model.task)
     if src.kind == "factory":  # the user's own module: run as its factory builds it (no scaling)
         if layers or hidden or vocab:
             raise SettingsError("--layers, --hidden and --vocab scale a config.json; a factory module runs as built")

@@ -371,14 +371,21 @@ def resolve(model: str) -> ModelSource:
 
 
 def with_task(source: ModelSource, task: str | None) -> ModelSource:
-    """The source with its config's head set for ``task`` (--task; model/tasks.py with_task), or as it is."""
-    if not task:
-        return source
-    if source.kind == "factory" or source.config is None:
+    """The source as the job builds it: its config's head set for ``task`` (--task; model/tasks.py with_task),
+    and a composite config whose causal-LM class is built on its text sub-config flattened to that text config
+    (model/tasks.py language_model: what transformers' AutoModelForCausalLM builds), with a note."""
+    if task and (source.kind == "factory" or source.config is None):
         raise ConfigError("--task applies to a transformers config, not to a factory module")
+    if source.kind == "factory" or source.config is None:
+        return source
     from memplan.model import tasks
 
-    return replace(source, config=tasks.with_task(source.config, task))
+    config = tasks.with_task(source.config, task) if task else source.config
+    flat = tasks.language_model(config)
+    if flat is None:
+        return source if config is source.config else replace(source, config=config)
+    text, note = flat
+    return replace(source, config=text, extra={**source.extra, "notes": [*source.extra.get("notes", ()), note]})
 
 
 def build_inventory(source: ModelSource, builder: str = "auto") -> ParamInventory:
@@ -388,7 +395,7 @@ def build_inventory(source: ModelSource, builder: str = "auto") -> ParamInventor
     """
     if builder not in ("auto", "analytic", "meta"):
         raise ConfigError(f"unknown builder {quote(builder)}; use auto, analytic or meta")
-    notes: list[str] = []
+    notes: list[str] = list(source.extra.get("notes", ()))
     if source.kind == "factory":
         if builder == "analytic":
             raise ConfigError("a factory module can only be built on the meta device (--builder meta)")

@@ -55,6 +55,7 @@ an image of a fixed size. No torch at import.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping
 from typing import Any
 
@@ -103,9 +104,12 @@ def task_of(config: Mapping[str, Any]) -> str:
     if arch.endswith(("ForConditionalGeneration", "ForImageTextToText")) \
             and str(config.get("model_type")) in auto_class_mapping(AUTO_MAPPINGS[IMAGE_TEXT]):
         if config.get("model_type") not in IMAGE_TEXT_MODELS:
+            causal = auto_class_mapping(AUTO_MAPPINGS[CAUSAL_LM]).get(str(config.get("model_type")))
+            alone = (f"; --task {CAUSAL_LM} trains its language model alone ({causal}, as AutoModelForCausalLM "
+                     "builds it)" if isinstance(causal, str) and causal.endswith("ForCausalLM") else "")
             raise ConfigError(f"architectures {quote(arch)}: vision-language models are modelled for model_type "
                               f"{', '.join(IMAGE_TEXT_MODELS)}, not {quote(config.get('model_type'))} (its images' "
-                              "tokens and inputs are its own)")
+                              f"tokens and inputs are its own){alone}")
         return IMAGE_TEXT
     for suffix, task in SUFFIXES:
         if arch.endswith(suffix):
@@ -630,6 +634,37 @@ def layerdrop_note(config: Mapping[str, Any]) -> str | None:
         return None
     return ("LayerDrop (" + ", ".join(f"{k} {v:g}" for k, v in on.items()) + ") skips layers at random in training; "
             "counted with every layer running, the most a step holds")
+
+
+def language_model(config: Mapping[str, Any]) -> tuple[dict[str, Any], str] | None:
+    """A composite config (a vision-language model's, with a ``text_config``) whose class is a causal LM built on
+    that text sub-config, as the config the model is built from: transformers' Auto classes do the same
+    (auto_factory.py from_config: where the model class's config_class is config.sub_configs["text_config"], the
+    model is built from config.get_text_config(), the parent's quantization_config copied to it), so
+    AutoModelForCausalLM on a Qwen3.5 config.json builds Qwen3_5ForCausalLM, its language model alone. Returns the
+    text config as a flat config.json dict (with that class as its architectures) and a note; None for any other
+    config. Imports transformers only for a config that nests a text_config."""
+    if "factory" in config or not isinstance(config.get("text_config"), Mapping) or task_of(config) != CAUSAL_LM:
+        return None
+    import transformers
+
+    arch = architecture(config) or auto_class_mapping(AUTO_MAPPINGS[CAUSAL_LM]).get(config.get("model_type"))
+    if isinstance(arch, (tuple, list)):
+        arch = arch[0] if arch else None
+    cls = getattr(transformers, arch, None) if isinstance(arch, str) else None
+    cfg = transformers_config(config)
+    sub = getattr(cfg, "sub_configs", {}).get("text_config")
+    if cls is None or sub is None or getattr(cls, "config_class", None) is not sub:
+        return None
+    text = cfg.get_text_config().to_dict()
+    text.pop("transformers_version", None)
+    text["architectures"] = [cls.__name__]
+    for key in ("quantization_config", "dtype", "torch_dtype"):  # the parent's, where the text config has none
+        if config.get(key) is not None and text.get(key) is None:
+            text[key] = copy.deepcopy(config[key])
+    note = (f"{cls.__name__} is built from the config's text_config (model_type {quote(text.get('model_type'))}), "
+            "as transformers' AutoModelForCausalLM does: the language model alone, no vision tower")
+    return text, note
 
 
 #: transformers' auto mapping of each task (modeling_auto.py), by model_type: the class --task builds

@@ -698,3 +698,34 @@ def test_a_vision_language_model_type_s_text_only_class_has_no_tower():
     assert freeze.unread_paths(None, cfg) == ()
     with pytest.raises(ConfigError, match="this model has none"):
         freeze.paths("vision", cfg)
+
+
+QWEN35 = Path(__file__).resolve().parents[1] / "data" / "configs" / "qwen3.5-tiny.json"
+
+
+def test_a_composite_config_s_causal_lm_is_its_language_model():
+    """AutoModelForCausalLM on a Qwen3.5 config.json builds Qwen3_5ForCausalLM from its text_config
+    (auto_factory.py); memplan builds, traces and runs the same: the text config, flat, with that class."""
+    pytest.importorskip("transformers")
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from memplan.model import sources
+
+    cfg = json.loads(QWEN35.read_text())
+    with pytest.raises(ConfigError, match=r"--task causal-lm trains its language model alone \(Qwen3_5ForCausalLM"):
+        tasks.task_of(cfg)
+    src = sources.with_task(sources.resolve(str(QWEN35)), "causal-lm")
+    assert src.config["model_type"] == "qwen3_5_text" and src.config["architectures"] == ["Qwen3_5ForCausalLM"]
+    assert "text_config" not in src.config and src.config["dtype"] == "bfloat16"
+    inv = sources.build_inventory(src)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**cfg))
+    assert type(model).__name__ == "Qwen3_5ForCausalLM"
+    assert inv.num_params == sum(p.numel() for p in model.parameters()) == 924_984
+    assert any("built from the config's text_config" in n for n in inv.notes)
+    # a config naming the causal class itself needs no --task; a flat config is left as it is
+    named = {**cfg, "architectures": ["Qwen3_5ForCausalLM"]}
+    assert tasks.language_model(named)[0] == src.config
+    assert tasks.language_model(src.config) is None
+    assert tasks.language_model(json.loads(LLAVA.read_text())) is None

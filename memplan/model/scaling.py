@@ -23,8 +23,24 @@ _SECOND_HEAD_KEYS = ("decoder_attention_heads",)
 
 def per_layer_keys(config: dict[str, Any], layers: int) -> list[str]:
     """The config's lists with one entry per layer: keys naming layers (layer_types, mlp_layer_types,
-    num_attention_heads_per_layer, ...) whose list is ``layers`` long."""
-    return [k for k, v in config.items() if "layer" in k and isinstance(v, list) and len(v) == layers and layers > 1]
+    num_attention_heads_per_layer, ...) whose list is ``layers`` long (not a list of layer indices)."""
+    index = set(index_list_keys(config, layers))
+    return [k for k, v in config.items() if "layer" in k and isinstance(v, list) and len(v) == layers and layers > 1
+            and k not in index]
+
+
+def index_list_keys(config: dict[str, Any], layers: int) -> list[str]:
+    """The config's lists of layer indices: keys naming layers whose list holds whole numbers below ``layers``,
+    strictly increasing (Mllama's cross_attention_layers, read as `layer_idx in config.cross_attention_layers`;
+    Llama 4's moe_layers; Qwen-MoE's mlp_only_layers): the layers they name are built unlike the others."""
+    return [k for k, v in config.items() if "layer" in k and isinstance(v, list) and v
+            and all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < layers for i in v)
+            and all(a < b for a, b in zip(v, v[1:]))]
+
+
+def varied_index_keys(config: dict[str, Any], layers: int) -> list[str]:
+    """index_list_keys naming some layers but not all: the blocks differ."""
+    return [k for k in index_list_keys(config, layers) if len(config[k]) < layers]
 
 
 def layer_index_keys(config: dict[str, Any]) -> list[str]:
@@ -50,6 +66,8 @@ def scale_config(config: dict[str, Any], *, layers: int | None = None, hidden: i
             old = layer_count(cfg)
             if layers != old:
                 changes.append(f"layers {old} -> {layers}")
+                for k in index_list_keys(cfg, old):
+                    cfg[k] = [i for i in cfg[k] if i < layers]
                 for k in per_layer_keys(cfg, old):
                     cfg[k] = cfg[k][:layers]
                 if isinstance(cfg.get("hybrid_override_pattern"), str):
@@ -70,6 +88,9 @@ def scale_config(config: dict[str, Any], *, layers: int | None = None, hidden: i
             for k in ("first_k_dense_replace",):
                 if k in cfg:
                     cfg[k] = min(cfg[k], layers)
+            # a list of layer indices (cross_attention_layers, moe_layers): the indices of the layers kept
+            for k in index_list_keys(cfg, old):
+                cfg[k] = [i for i in cfg[k] if i < layers]
             # a list with an entry per layer (layer_types, mlp_layer_types, ...: transformers' configs check
             # their length against num_hidden_layers) keeps its first ``layers`` entries
             for k in per_layer_keys(cfg, old):

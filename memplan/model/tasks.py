@@ -455,9 +455,16 @@ def build(config: Mapping[str, Any], hf_cfg: Any, **kw: Any) -> Any:
     task = task_of(config)
     if kw.get("attn_implementation") == "sdpa" and not sdpa_supported(config):
         kw = {**kw, "attn_implementation": "eager"}  # what transformers itself picks for it
-    if task == CAUSAL_LM:
-        return AutoModelForCausalLM.from_config(hf_cfg, **kw)
     import transformers
+
+    if task == CAUSAL_LM:
+        named = getattr(transformers, architecture(config), None) if architecture(config) else None
+        if named is not None and config.get("model_type") not in auto_class_mapping(AUTO_MAPPINGS[CAUSAL_LM]):
+            # a language model's text config the Auto class has no entry for (Emu3's emu3_text_model, Mllama's
+            # mllama_text_model: language_model's flat config), built by the class it names, as the Auto class
+            # builds it from the composite config
+            return named._from_config(hf_cfg, **kw)
+        return AutoModelForCausalLM.from_config(hf_cfg, **kw)
 
     name = seq2seq_class(config) if task == SEQ2SEQ else architecture(config)
     cls = getattr(transformers, name, None)

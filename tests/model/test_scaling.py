@@ -70,3 +70,25 @@ def test_a_depth_given_by_per_layer_lists_alone():
     small, changes = scale_config(cfg, layers=2)
     assert small["layers_block_type"] == ["mamba", "moe"] and changes == ["layers 4 -> 2"]
     assert layer_count({"hybrid_override_pattern": "M-M*"}) == 4 and layer_count({}) is None
+
+
+def test_lists_of_layer_indices_keep_the_indices_of_the_layers_kept():
+    """Mllama's cross_attention_layers and Llama 4's moe_layers name layers by index (`layer_idx in
+    config.cross_attention_layers`): scaled, they keep the indices below the new depth; naming some layers but not
+    all, they make the blocks differ (traced at full depth), as Llama 4's interleave_moe_layer_step does where the
+    config lists no moe_layers."""
+    from memplan.activations.tracing.fit import _heterogeneous
+    from memplan.model.scaling import index_list_keys
+
+    cfg = {"num_hidden_layers": 10, "hidden_size": 256, "num_attention_heads": 4,
+           "cross_attention_layers": [3, 8], "moe_layers": list(range(10)), "no_rope_layers": [1, 1, 1, 0] * 2 + [1, 1]}
+    assert sorted(index_list_keys(cfg, 10)) == ["cross_attention_layers", "moe_layers"]
+    assert per_layer_keys(cfg, 10) == ["no_rope_layers"]
+    small, _ = scale_config(cfg, layers=5)
+    assert small["cross_attention_layers"] == [3] and small["moe_layers"] == [0, 1, 2, 3, 4]
+    assert small["no_rope_layers"] == [1, 1, 1, 0, 1]
+    plain = {"num_hidden_layers": 10, "moe_layers": list(range(10))}
+    assert not _heterogeneous(plain, 10)
+    assert _heterogeneous({**plain, "moe_layers": [1, 3, 5, 7, 9]}, 10)
+    assert _heterogeneous({"num_hidden_layers": 10, "interleave_moe_layer_step": 2}, 10)
+    assert not _heterogeneous({"num_hidden_layers": 10, "interleave_moe_layer_step": 1}, 10)

@@ -119,11 +119,15 @@ def _heterogeneous(config: dict[str, Any], layers: int, recompute: str = "none")
     # LoRA on some layers only (layers_to_transform) makes the blocks differ
     lora_layers = bool((config.get("lora") or {}).get("layers_to_transform"))
     # two stacks' blocks are of two kinds (an encoder-decoder's decoder attends to the encoder's output too)
-    from memplan.model.scaling import layer_index_keys, per_layer_keys
+    from memplan.model.scaling import layer_index_keys, per_layer_keys, varied_index_keys
 
     # a per-layer list whose entries differ (mlp_layer_types: dense then sparse; a hybrid's attention kinds)
     varied = any(len({json.dumps(x, sort_keys=True) for x in config[k]}) > 1 for k in per_layer_keys(config, layers))
-    varied = varied or bool(layer_index_keys(config))
+    # a list of the layers built otherwise (Mllama's cross-attention layers, Llama 4's MoE layers), some not all;
+    # Llama 4's moe_layers made from interleave_moe_layer_step where the config gives none (configuration_llama4.py)
+    varied = varied or bool(layer_index_keys(config)) or bool(varied_index_keys(config, layers)) or (
+        config.get("moe_layers") is None and isinstance(config.get("interleave_moe_layer_step"), int)
+        and config["interleave_moe_layer_step"] > 1)
     return layers < 2 or bool(config.get("factory")) or lora_layers or _two_stacks(config) or varied or \
         any(config.get(k) for k in _HETEROGENEOUS_KEYS)
 

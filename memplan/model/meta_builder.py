@@ -82,7 +82,16 @@ def inventory_from_module(model: Any, *, model_name: str, source: str, family: s
         seen[key] = len(tensors)
         tensors.append({"name": name, "shape": tuple(int(s) for s in p.shape),
                         "dtype": dtype or str(p.dtype).removeprefix("torch."), "block": owner,
-                        "category": classify(name), "tied_names": (), "layer": kinds.get(name.rpartition(".")[0], "")})
+                        "category": classify(name), "tied_names": (), "layer": kinds.get(name.rpartition(".")[0], ""),
+                        # a parameter the model builds with requires_grad=False (RoFormer's and Marian's sinusoidal
+                        # positions: nn.Embedding(_freeze=True)) gets no gradient; torch's optimizers make it no
+                        # state, DDP leaves it out of its buckets, DeepSpeed out of its flat groups
+                        "trainable": bool(p.requires_grad)})
+    fixed = [t for t in tensors if not t["trainable"]]
+    if fixed:
+        notes = notes + (f"{', '.join(t['name'] for t in fixed[:3])}{' ...' if len(fixed) > 3 else ''} "
+                         f"({sum(_numel(t['shape']) for t in fixed):,} parameters) built with requires_grad=False: "
+                         "no gradients, no optimizer states",)
     keep = tuple(sorted(getattr(model, "_keep_in_fp32_modules", None) or ()))
     # floating buffers as a job builds them, in fp32 (transformers' default dtype; from_config here follows the
     # config's torch_dtype), and converted with the parameters by the recipe (ParamInventory.buffer_bytes)
@@ -92,6 +101,13 @@ def inventory_from_module(model: Any, *, model_name: str, source: str, family: s
     return ParamInventory(model_name=model_name, source=source, builder="meta", family=family,
                           tensors=tuple(ParamTensor(**t) for t in tensors), notes=notes, dims=dict(dims or {}),
                           keep_fp32_modules=keep, buffers=buffers)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
 
 
 def _owner(name: str, blocks: set[str]) -> str:

@@ -198,3 +198,24 @@ def test_buffers_are_the_models_own_and_whole_on_every_rank():
         with_them = accounting.estimate(llama, s).peak.weights_bytes
         assert with_them - accounting.estimate(replace(llama, buffers=()), s).peak.weights_bytes == \
             2 * 512  # not sharded: every rank holds them whole, each in a 512-byte CUDA block
+
+
+def test_a_parameter_built_without_requires_grad_is_not_trained():
+    """RoFormer's sinusoidal positions are nn.Embedding(_freeze=True): a parameter with requires_grad=False, which
+    gets no gradient and no optimizer state (the CPU harness: RoFormer's states +786,432 B over before)."""
+    pytest.importorskip("transformers")
+    import torch
+    from transformers import AutoConfig, RoFormerForCausalLM
+
+    from memplan.model.meta_builder import build_meta_from_config
+
+    cfg = {"model_type": "roformer", "architectures": ["RoFormerForCausalLM"], "hidden_size": 64,
+           "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 128, "vocab_size": 512,
+           "max_position_embeddings": 256, "embedding_size": 64, "is_decoder": True}
+    inv = build_meta_from_config(cfg, "roformer", "test")
+    with torch.device("meta"):
+        model = RoFormerForCausalLM(AutoConfig.for_model(**cfg))
+    assert inv.trainable_params == sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert [t.name for t in inv.tensors if not t.trainable] == ["roformer.encoder.embed_positions.weight"]
+    assert inv.num_params - inv.trainable_params == 256 * 32
+    assert any("built with requires_grad=False" in n for n in inv.notes)

@@ -284,6 +284,8 @@ def _reserved(inv: ParamInventory, s: Settings, limit: int | None = None) -> tup
 def estimate(inv: ParamInventory, s: Settings, reserved_limit: int | None = None) -> Plan:
     """The Plan for one configuration. ``reserved_limit``: the replay may stop once the reserved bytes pass it,
     and the Plan then holds a reserved peak that is only known to be above it (enough to say it does not fit)."""
+    # parameters no loss reads, as the framework trains them (frameworks.with_unreached)
+    inv = frameworks.with_unreached(inv, s)
     if _parallel(s):
         return _estimate_layout(inv, s, reserved_limit)
     f = _fixed(inv, s)

@@ -1239,6 +1239,7 @@ def resolve(inv: ParamInventory, request: JobRequest, *, config: dict[str, Any] 
     else:
         settings = replace(settings, activation_profile=activation_profile(config, settings, r.model.activations,
                                                                            notes))
+    settings = _with_unreached(settings, inv, notes)
     if settings.activation_profile is None and settings.recompute == OP_SAC:
         notes.append("recompute op-sac: the analytic activations do not know which operations torchtitan's policy "
                      "keeps; counted as without recompute (an upper bound)")
@@ -1249,6 +1250,37 @@ def resolve(inv: ParamInventory, request: JobRequest, *, config: dict[str, Any] 
         if where != "command line":
             pick.sources["strategy" if name == "stage" else name] = where
     return Resolved(settings=settings, sources=pick.sources, notes=tuple(notes), files=tuple(files))
+
+
+def _with_unreached(s: Settings, inv: ParamInventory, notes: list[str]) -> Settings:
+    """The settings with the parameters that require a gradient and get none in the traced step (no loss reads
+    them: a decoder's cross-attention with no encoder, Mllama's cross-attention layers without images, an
+    indexer behind a top-k), as the framework then trains them (frameworks.with_unreached), with a note."""
+    prof = s.activation_profile
+    data = getattr(getattr(prof, "inner", prof), "data", None)
+    if not isinstance(data, dict) or not data.get("unreached"):
+        return s
+    from memplan.model.freeze import traced_unreached
+
+    names = traced_unreached(inv, data["unreached"], data.get("traced_blocks") or [])
+    if not names:
+        return s
+    from memplan import frameworks
+
+    s = replace(s, unreached=names)
+    by = {t.name: t.numel for t in inv.tensors}
+    n = sum(by[x] for x in names)
+    shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    how = frameworks.model(s.strategy.memory_model).unreached(s)
+    then = {"tensor": "no gradient and no optimizer state" + (
+                " (DDP needs find_unused_parameters=True, and still buckets them)" if s.strategy.ddp_buckets else ""),
+            "unit": "no gradient and no optimizer state where a whole unit is unread; a unit's FlatParameter that "
+                    "holds some of them gets a gradient and states for all its parameters",
+            "trained": "still gradients and optimizer states: " + (
+                "Horovod's synchronize() gives each a zero gradient" if s.strategy.fusion_buffer
+                else "DeepSpeed keeps every parameter that requires grad in its flat partitions")}[how]
+    notes.append(f"{n:,} parameters get no gradient in the traced step (no loss reads them: {shown}): {then}")
+    return s
 
 
 #: the jobs a request field's scope (request.Key.scope) names: whether this job reads it, and who does

@@ -260,6 +260,9 @@ class Settings:
     lora: Any = None
     #: the module paths whose parameters do not train (--freeze: model/freeze.py; the inventory's frozen_paths)
     frozen: tuple[str, ...] = ()
+    #: the parameters that require a gradient and get none in the traced step (no loss reads them:
+    #: options.unreached_params), by their inventory names
+    unreached: tuple[str, ...] = ()
     #: DeepSpeed ZeRO-3 leaf modules' paths (memplan/model/z3_leaf.py), each fetched and released whole
     z3_leaves: tuple[str, ...] = ()
     #: tensor / sequence / pipeline parallelism (memplan/parallel/degrees.py Parallel); None: data parallelism alone

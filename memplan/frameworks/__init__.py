@@ -13,6 +13,9 @@ tests a framework's name.
 
 from __future__ import annotations
 
+from dataclasses import replace
+from typing import Any
+
 from memplan.frameworks.common import FrameworkModel, Job
 
 
@@ -24,4 +27,31 @@ def model(name: str) -> FrameworkModel:
             "fsdp1": fsdp1.MODEL}[name]
 
 
-__all__ = ["FrameworkModel", "Job", "model"]
+def with_unreached(inv: Any, s: Any) -> Any:
+    """The inventory as the job trains it where some parameters get no gradient (Settings.unreached): those the
+    framework makes no gradient and no optimizer state (FrameworkModel.unreached) not trainable, and marked
+    unused (DDP still buckets them); the inventory itself otherwise."""
+    if not s.unreached:
+        return inv
+    how = model(s.strategy.memory_model).unreached(s)
+    if how == "trained":
+        return inv
+    names = set(s.unreached)
+    hit = [t.trainable and (t.name in names) for t in inv.tensors]
+    if how == "unit":  # a unit's flat parameter gets no gradient only where none of its parameters does
+        units: dict[str, list[int]] = {}
+        for i, t in enumerate(inv.tensors):
+            if t.trainable:
+                units.setdefault(t.unit or t.block, []).append(i)
+        hit = [False] * len(inv.tensors)
+        for idx in units.values():
+            if all(inv.tensors[i].name in names for i in idx):
+                for i in idx:
+                    hit[i] = True
+    if not any(hit):
+        return inv
+    return replace(inv, tensors=tuple(replace(t, trainable=False, unused=True) if h else t
+                                      for t, h in zip(inv.tensors, hit)))
+
+
+__all__ = ["FrameworkModel", "Job", "model", "with_unreached"]

@@ -6,6 +6,7 @@ torch/csrc/distributed/c10d/reducer.cpp); Horovod's fusion buffer and fp16 compr
 from __future__ import annotations
 
 from memplan.frameworks.common import LOSS, FrameworkModel, Grads, Job, unreduced_grad_moments
+from memplan.settings import Settings
 from memplan.timeline import BufferMoment, BufferTimeline
 
 
@@ -14,6 +15,13 @@ def buffers(job: Job, grads: Grads) -> BufferTimeline:
     # the Reducer allocates a flat bucket tensor for every bucket at construction, covering all grads (none
     # with gradient_as_bucket_view: the grads are views into the buckets)
     persistent = rc.grad_bytes * job.psi if st.ddp_buckets and not job.s.torch.gradient_as_bucket_view else 0
+    if st.ddp_buckets and job.inv.unused_params:
+        # parameters no loss reads (ParamTensor.unused) need find_unused_parameters=True, and the Reducer buckets
+        # every parameter that requires grad (_build_params_for_reducer), so theirs too; it also keeps a device copy
+        # of its int32 map of the parameters used (reducer.cpp initialize_local_used_map: local_used_map_dev_)
+        if not job.s.torch.gradient_as_bucket_view:
+            persistent += rc.grad_bytes * job.inv.unused_params
+        persistent += 4 * sum(1 for t in job.inv.tensors if t.trainable or t.unused)
     # every parameter's grad is allocated by autograd when produced and kept to the step (the Reducer copies
     # buckets back into them), so inside a block's backward the grads of everything after it exist: the head's
     # inside the last block, all but the embedding's and the first block's inside the first block
@@ -34,4 +42,12 @@ def buffers(job: Job, grads: Grads) -> BufferTimeline:
                           assumptions=assumptions)
 
 
-MODEL = FrameworkModel(name="ddp", replay="memplan.frameworks.ddp_replay", buffers=buffers)
+def unreached(s: Settings) -> str:
+    """A parameter no loss reads keeps .grad None, and torch's optimizers make it no state (one GPU; DDP with
+    find_unused_parameters, whose Reducer leaves a globally unused parameter's grad untouched: reducer.cpp
+    copy_bucket_to_grad); Horovod's synchronize() gives it a zero gradient (horovod/torch/optimizer.py
+    _allreduce_grad_async), which the optimizer steps."""
+    return "trained" if s.strategy.fusion_buffer else "tensor"
+
+
+MODEL = FrameworkModel(name="ddp", replay="memplan.frameworks.ddp_replay", buffers=buffers, unreached=unreached)

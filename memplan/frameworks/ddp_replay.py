@@ -33,7 +33,7 @@ def _broadcast_coalesced(run: Run, sizes: list[int], bucket: int) -> None:
 
 def replay_ddp(job: ReplayJob, config: AllocatorConfig | None = None, release: str = "pre",
                reducer: bool = True, trainable: tuple[bool, ...] | None = None,
-               bucket_limits: tuple[int, ...] = (DDP_FIRST_BUCKET, 25 * MiB)) -> Allocator:
+               bucket_limits: tuple[int, ...] = (DDP_FIRST_BUCKET, 25 * MiB), find_unused: bool = False) -> Allocator:
     """DistributedDataParallel (torch/nn/parallel/distributed.py, c10d reducer.cpp) with a torch.optim optimizer:
     the module states broadcast in 250 MiB buffers; the Reducer's first bucket assignment is one bucket for all
     parameters (no find_unused_parameters: bucket_size_limits = [sys.maxsize]), rebuilt at the second
@@ -49,14 +49,27 @@ def replay_ddp(job: ReplayJob, config: AllocatorConfig | None = None, release: s
 
     ``trainable`` (LoRA: which parameters require grad, module order): the broadcast takes every module state
     (_sync_module_states: named_parameters, frozen or not), the Reducer's buckets only the parameters that
-    require grad (_build_params_for_reducer), and the optimizer steps those (job.numels)."""
+    require grad (_build_params_for_reducer), and the optimizer steps those (job.numels).
+
+    ``find_unused`` (parameters no loss reads: find_unused_parameters=True): the first bucket assignment is by
+    size already (compute_bucket_size_limits: the limits [1 MiB, bucket_cap_mb], parameters in module order, the
+    buckets handed to the Reducer reversed, which allocates them in that order) and never rebuilt
+    (reducer.h should_rebuild_buckets), and the Reducer keeps an int32 per parameter on the device
+    (initialize_local_used_map)."""
     run = Run(config or AllocatorConfig(), job.buffers)
     build_model(run, job)
     sizes = list(job.converted or [n for n, alias in job.build if not alias])
     buckets: list[Any] = []
     if reducer:  # without DDP (one GPU, plain PyTorch): no broadcast, no buckets
         _broadcast_coalesced(run, sizes, DDP_BROADCAST_BUCKET)
-        buckets = [run.alloc(sum(n for n, grad in zip(sizes, trainable or [True] * len(sizes)) if grad))]
+        mask = trainable or [True] * len(sizes)
+        if find_unused:
+            grads_of = [n for n, grad in zip(sizes, mask) if grad]
+            buckets = [run.alloc(sum(grads_of[i] for i in idx))
+                       for idx in reversed(bucket_assignment(grads_of, list(bucket_limits)))]
+            buckets.append(run.alloc(4 * len(grads_of)))  # local_used_map_dev_
+        else:
+            buckets = [run.alloc(sum(n for n, grad in zip(sizes, mask) if grad))]
     old: list[Any] = []
     states: list[Any] = []
     first_grads: list[tuple[Any, int]] = []
@@ -66,7 +79,7 @@ def replay_ddp(job: ReplayJob, config: AllocatorConfig | None = None, release: s
         grads: list[tuple[Any, int]] = []
         for m in range(job.grad_accum):
             ids = run.alloc(job.input_bytes)
-            if forwards == 1 and reducer:
+            if forwards == 1 and reducer and not find_unused:
                 old = buckets
                 if release == "pre":
                     # Reducer::initialize_buckets clears buckets_ before it allocates the new ones: with nothing
@@ -176,13 +189,17 @@ def replay(inv: Any, s: Any, config: AllocatorConfig) -> tuple[str, dict[str, Al
     else:
         steps = [t for t in inv.tensors if t.trainable]  # all of them but under LoRA
         job = replay_job(inv, s, [t.numel for t in steps], [t.shape for t in steps])
-    trainable = tuple(t.trainable for t in inv.tensors) if inv.frozen else None
+    # the Reducer's buckets: every parameter that requires grad, those no loss reads too (ParamTensor.unused)
+    trainable = tuple(t.trainable or t.unused for t in inv.tensors) if inv.frozen else None
     if s.strategy.fusion_buffer and s.cluster.gpus > 1:
         return "Horovod", {"": replay_horovod(job, config, s.horovod.fusion_threshold,
                                               s.horovod.compression == "fp16")}
     if not s.strategy.ddp_buckets:
         return "PyTorch", {"": replay_ddp(job, config, reducer=False)}
     limits = bucket_limits(s.torch.bucket_cap_mb, s.torch.bucket_cap_default)
+    if inv.unused_params:  # find_unused_parameters=True: the buckets by size from the start, never rebuilt
+        return "DDP", {"find_unused_parameters: buckets by size, kept": replay_ddp(
+            job, config, "pre", trainable=trainable, bucket_limits=limits, find_unused=True)}
     return "DDP", {"buckets released at the rebuild": replay_ddp(job, config, "pre", trainable=trainable,
                                                                  bucket_limits=limits),
                    "buckets held into step 2's backward": replay_ddp(job, config, "grad", trainable=trainable,

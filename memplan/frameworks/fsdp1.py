@@ -213,6 +213,10 @@ MODEL = FrameworkModel(name="fsdp1", replay="memplan.frameworks.fsdp1_replay", b
                        
                        grads_at_end=grads_at_end, cpu_offload_policy=True, computes_with_views=True,
                        units=wrap_units.units_for,
+                       # a unit's FlatParameter is one autograd leaf (torch/distributed/fsdp/_flat_param.py): it
+                       # gets a gradient where any of its parameters is read (the others' part zeros), none where
+                       # none is, and the optimizer then no state for it
+                       unreached=lambda s: "unit",
                        pinned_host=fsdp2_pinned, four_bit=FourBitBase(
                            # _flat_param.py _validate_tensors_to_flatten: one dtype per FlatParameter
                            uint8_why_not="FSDP1 flattens each unit's parameters into one FlatParameter of one dtype, "

@@ -384,6 +384,7 @@ def _setup_ddp(spec: dict[str, Any], device: Any) -> tuple[Any, Any, Any]:
         model = model.to(torch.float16)
     ddp = DDP(model, bucket_cap_mb=spec["bucket_cap_mb"],
               gradient_as_bucket_view=spec["gradient_as_bucket_view"],
+              find_unused_parameters=bool(spec.get("find_unused_parameters")),
               init_sync=False)  # every rank built the same weights from one seed; the broadcast
     # would leave its flat buffer counted (freed on a gloo thread the profiler does not follow)
     if spec["zero_optimizer"]:

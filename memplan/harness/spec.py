@@ -154,6 +154,8 @@ def build_spec(config: dict[str, Any], s: Settings, *, warmup_steps: int = 2, me
         # DDP's own default where none was given (a cap given, even 25, makes the first bucket as large as the rest)
         "bucket_cap_mb": None if s.torch.bucket_cap_default else s.torch.bucket_cap_mb,
         "gradient_as_bucket_view": s.torch.gradient_as_bucket_view,
+        # parameters no loss reads: DDP refuses its second step without find_unused_parameters, as a job's must set
+        "find_unused_parameters": bool(s.unreached),
         "zero_optimizer": st.layout == GREEDY_WHOLE,  # whole params per rank: ZeroRedundancyOptimizer
         "fsdp_wrap": s.torch.fsdp_wrap, "fsdp_root_reshard": s.torch.fsdp_root_reshard,
         "shard_size": n, "reshard_after_forward": raf if not isinstance(raf, bool) or st.shard_params else False,

@@ -182,3 +182,35 @@ def _short(paths: tuple[str, ...]) -> list[str]:
                 continue
         out.append(p)
     return out
+
+
+def traced_unreached(inv: Any, traced: list[str], traced_blocks: list[str]) -> tuple[str, ...]:
+    """The inventory's parameters (by their first names) that the traced step's ``traced`` ones (parameters that
+    require a gradient and got none: tracing/step.py one_step) stand for. Traced at the model's own depth, by name;
+    traced with fewer blocks (the blocks alike), a parameter of a block stands for the same parameter of every block
+    of its stack where it got no gradient in every traced block of that stack. Names the inventory does not hold
+    (an adapter's, under LoRA) are left out."""
+    first = {n: t.name for t in inv.tensors for n in (t.name, *t.tied_names)}
+    if not traced:
+        return ()
+    full = [b.name for b in inv.layer_blocks]
+    if set(traced_blocks) == set(full):
+        return tuple(sorted({first[n] for n in traced if n in first}))
+    out: set[str] = set()
+    roles: dict[tuple[str, str], int] = {}
+    per_stack: dict[str, int] = {}
+    for b in traced_blocks:
+        per_stack[b.rpartition(".")[0]] = per_stack.get(b.rpartition(".")[0], 0) + 1
+    for n in traced:
+        blk = next((b for b in traced_blocks if n.startswith(b + ".")), None)
+        if blk is None:
+            if n in first:
+                out.add(first[n])
+            continue
+        key = (blk.rpartition(".")[0], n[len(blk) + 1:])
+        roles[key] = roles.get(key, 0) + 1
+    for (stack, role), count in roles.items():
+        if count == per_stack[stack]:
+            out.update(first[f"{b}.{role}"] for b in full
+                       if b.rpartition(".")[0] == stack and f"{b}.{role}" in first)
+    return tuple(sorted(out))

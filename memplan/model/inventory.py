@@ -67,6 +67,10 @@ class ParamTensor:
     layer: str = ""
     #: requires_grad: False for a frozen base weight under LoRA (no gradient, no optimizer state)
     trainable: bool = True
+    #: requires_grad, but no loss reads it, so no gradient reaches it in the step (the traced step:
+    #: options.unreached_params): trainable is then False where the framework makes it no gradient and no state
+    #: (one GPU, DDP, FSDP2: frameworks.with_unreached), and DDP still buckets it
+    unused: bool = False
     #: the FSDP unit that holds it where a size-based wrap policy makes units other than the blocks
     #: (model/wrap_units.py: the unit's module path, "<root>" for the root); "" otherwise: the block is the unit
     unit: str = ""
@@ -190,6 +194,11 @@ class ParamInventory:
     def trainable_params(self) -> int:
         """Elements that get gradients and optimizer states (all of them unless some are frozen)."""
         return sum(t.numel for t in self.tensors if t.trainable)
+
+    @cached_property
+    def unused_params(self) -> int:
+        """Elements that require a gradient that no loss reads (ParamTensor.unused): DDP buckets them too."""
+        return sum(t.numel for t in self.tensors if t.unused)
 
     @cached_property
     def frozen(self) -> bool:

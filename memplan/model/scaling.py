@@ -138,6 +138,9 @@ def scale_config(config: dict[str, Any], *, layers: int | None = None, hidden: i
             raise SettingsError(f"--vocab must be at least 2, got {vocab}")
         changes.append(f"vocab_size {cfg.get(vkey)} -> {vocab}")
         cfg[vkey] = vocab
+        if isinstance(cfg.get("decoder_vocab_size"), int):  # Marian's target vocabulary, its own LM head's
+            changes.append(f"decoder_vocab_size {cfg['decoder_vocab_size']} -> {vocab}")
+            cfg["decoder_vocab_size"] = vocab
         for k in ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id"):
             v = cfg.get(k)
             if isinstance(v, int) and v >= vocab:

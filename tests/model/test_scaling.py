@@ -77,7 +77,7 @@ def test_lists_of_layer_indices_keep_the_indices_of_the_layers_kept():
     config.cross_attention_layers`): scaled, they keep the indices below the new depth; naming some layers but not
     all, they make the blocks differ (traced at full depth), as Llama 4's interleave_moe_layer_step does where the
     config lists no moe_layers."""
-    from memplan.activations.tracing.fit import _heterogeneous
+    from memplan.activations.tracing.fit import traced_steps
     from memplan.model.scaling import index_list_keys
 
     cfg = {"num_hidden_layers": 10, "hidden_size": 256, "num_attention_heads": 4,
@@ -87,8 +87,9 @@ def test_lists_of_layer_indices_keep_the_indices_of_the_layers_kept():
     small, _ = scale_config(cfg, layers=5)
     assert small["cross_attention_layers"] == [3] and small["moe_layers"] == [0, 1, 2, 3, 4]
     assert small["no_rope_layers"] == [1, 1, 1, 0, 1]
+    # traced_steps: 4 (two depths) where the blocks are alike, 2 (the full depth) where they differ
     plain = {"num_hidden_layers": 10, "moe_layers": list(range(10))}
-    assert not _heterogeneous(plain, 10)
-    assert _heterogeneous({**plain, "moe_layers": [1, 3, 5, 7, 9]}, 10)
-    assert _heterogeneous({"num_hidden_layers": 10, "interleave_moe_layer_step": 2}, 10)
-    assert not _heterogeneous({"num_hidden_layers": 10, "interleave_moe_layer_step": 1}, 10)
+    assert traced_steps(plain) == 4
+    assert traced_steps({**plain, "moe_layers": [1, 3, 5, 7, 9]}) == 2
+    assert traced_steps({"num_hidden_layers": 10, "interleave_moe_layer_step": 2}) == 2
+    assert traced_steps({"num_hidden_layers": 10, "interleave_moe_layer_step": 1}) == 4

@@ -282,6 +282,10 @@ def _profile(top: tuple[dict[str, Any], dict[str, Any]], low: tuple[dict[str, An
         #: the dtypes of the floating-point tensors the blocks were given: FSDP2's cast of each unit's inputs to
         #: bf16 copies nothing where bfloat16 is all there is (options._activations)
         "block_float_inputs": sorted(set(top[0]["block_float_inputs"]) | set(top[1]["block_float_inputs"])),
+        #: the parameters that require a gradient and got none in the traced step (step.one_step), named in the
+        #: traced model, and its blocks' names: options.unreached_params maps them onto the whole model
+        "unreached": sorted(set(top[0]["unreached"]) | set(top[1]["unreached"])),
+        "traced_blocks": top[0]["origins"]["blocks"],
         #: the step's storages in order, for the caching allocator (see _alloc_events; None: not linear in b)
         "alloc_events": alloc_events(*(third or top), expand=not heterogeneous),
         #: what is alive at the moments the phases peak, grouped by module and operator (--explain)

@@ -247,9 +247,12 @@ class _GradientHooks:
         self.root_firsts: list[tuple[int, int]] = []
         #: a tied weight's first contribution where it is not the gradient's own storage: (from, to, numel)
         self.partials: list[tuple[int, int, int]] = []
+        #: the parameters whose gradient was accumulated (the others get none: no loss reads them)
+        self.reached: set[int] = set()
 
     def drop(self, p: Any) -> None:
         live = self.live
+        self.reached.add(id(p))
         # the hook's own moment (a strategy's hook works here: ZeRO reduces, DeepSpeed's offload takes the
         # norm): activations then, the gradient itself taken out below
         live.tick()
@@ -454,9 +457,13 @@ def one_step(config: dict[str, Any], batch: int, seq: int, recipe: str, attentio
             compiled.close()
             stack.remove()
         names = {id(m): n for n, m in model.named_modules()}
+        # parameters that require a gradient and got none: no loss reads them (a decoder's cross-attention with no
+        # encoder, Mllama's cross-attention layers without images, DeepSeek-V3.2's indexer behind its top-k)
+        unreached = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in hooks.reached]
     out = _result(live, moments, hooks, kernels, sum(saved.values()), after_forward, forward_end, len(block_list))
     out["counts"] = _counts(live, moments, hooks, len(saved), forward_end, len(block_list))
     out["block_float_inputs"] = sorted(block_floats)
+    out["unreached"] = unreached
     out["origins"] = {"origins": live.origins, "grads": live.grad_ids, "saved": saved_ids,
                       "blocks": [names.get(id(b), "") for b in block_list],
                       "last_backward_start": moments.backward_starts.get(len(block_list) - 1),

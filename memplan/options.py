@@ -1262,7 +1262,10 @@ def _with_unreached(s: Settings, inv: ParamInventory, notes: list[str]) -> Setti
         return s
     from memplan.model.freeze import traced_unreached
 
-    names = traced_unreached(inv, data["unreached"], data.get("traced_blocks") or [])
+    # those the inventory already counts as getting no gradient (a vision tower's layers past LLaVA's
+    # vision_feature_layer: model/freeze.py unread_paths) are left to its note
+    trains = {t.name for t in inv.tensors if t.trainable}
+    names = tuple(n for n in traced_unreached(inv, data["unreached"], data.get("traced_blocks") or []) if n in trains)
     if not names:
         return s
     from memplan import frameworks

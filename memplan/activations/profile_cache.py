@@ -12,7 +12,7 @@ from typing import Any
 
 from memplan.activations.profile import TracedProfile
 from memplan.errors import SettingsError
-from memplan.activations.tracing_keys import PROFILE_VERSION
+from memplan.activations.tracing_keys import PROFILE_VERSION, TRACE_REVISION
 
 
 def cache_dir() -> Path:
@@ -73,7 +73,8 @@ def load_or_trace(config: dict, *, seq_len: int, micro_batch: int, recipe: str, 
         # kept: the next estimate at this length reads it (a model traced at full depth takes ~1 s to fit)
         from memplan.activations.profile_fit import pack
 
-        _write_atomic(cache_dir() / f"{key}.json", json.dumps(pack({**data, "fitted_origin": origin})))
+        _write_atomic(cache_dir() / f"{key}.json", json.dumps(pack({**data, "fitted_origin": origin,
+                                                                    "trace_revision": TRACE_REVISION})))
         return TracedProfile(data, micro_batch, origin)
     if not allow_trace:
         return None
@@ -112,7 +113,7 @@ def load_or_trace(config: dict, *, seq_len: int, micro_batch: int, recipe: str, 
         raise
     from memplan.activations.profile_fit import pack
 
-    _write_atomic(cache_dir() / f"{key}.json", json.dumps(pack(data)))
+    _write_atomic(cache_dir() / f"{key}.json", json.dumps(pack({**data, "trace_revision": TRACE_REVISION})))
     return TracedProfile(data, micro_batch, "traced now")
 
 
@@ -140,6 +141,10 @@ def _stored_on_disk(key: str) -> tuple[dict, str] | None:
             data = _read_profile(where, key)
         except (OSError, ValueError, TypeError, EOFError):
             continue
+        if data is not None and origin == "cache":
+            if data.get("trace_revision") != TRACE_REVISION:
+                continue  # traced by an earlier revision of the tracing: traced again
+            data = {k: v for k, v in data.items() if k != "trace_revision"}
         if data is not None:
             if "alias" in data:  # the same bytes as another target's profile (tools/ship_activation_...)
                 own = {k: v for k, v in data.items() if k != "alias"}
@@ -226,7 +231,7 @@ def _versions() -> dict[str, str]:
     import torch
     import transformers
 
-    return {"torch": torch.__version__, "transformers": transformers.__version__}
+    return {"torch": torch.__version__, "transformers": transformers.__version__, "trace_revision": TRACE_REVISION}
 
 
 def _write_atomic(path: Path, text: str) -> None:

@@ -66,6 +66,25 @@ def test_profile_cache_round_trip(tmp_path, monkeypatch):
                              allow_trace=False) is None
 
 
+def test_a_profile_cached_by_another_revision_of_the_tracing_is_traced_again(tmp_path, monkeypatch):
+    """A fix to the tracing (tracing_keys.TRACE_REVISION) reaches the profiles a disk cache kept from before it."""
+    import json
+
+    from memplan.activations import tracing_keys
+
+    monkeypatch.setenv("MEMPLAN_CACHE_DIR", str(tmp_path))
+    cfg = tiny()
+    key = dict(seq_len=64, micro_batch=2, recipe="fsdp-bf16", attention="flash", recompute="none")
+    assert profile_cache.load_or_trace(cfg, **key).origin == "traced now"
+    assert profile_cache.load_or_trace(cfg, **key).origin == "cache"
+    (path,) = tmp_path.glob("activations/*.json")
+    assert json.loads(path.read_text())["trace_revision"] == tracing_keys.TRACE_REVISION
+    monkeypatch.setattr(profile_cache, "_READ", {})
+    monkeypatch.setattr(profile_cache, "TRACE_REVISION", tracing_keys.TRACE_REVISION + 1)
+    assert profile_cache.load_or_trace(cfg, **key, allow_trace=False) is None
+    assert profile_cache.load_or_trace(cfg, **key).origin == "traced now"
+
+
 @pytest.mark.parametrize("name", sources.preset_names())
 def test_shipped_profiles_cover_every_preset(name):
     # what tools/ship_activation_profiles.py traces: every preset at the default sequence, both traced recipes,

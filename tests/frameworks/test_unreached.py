@@ -67,3 +67,21 @@ def test_each_framework_trains_unread_parameters_as_it_does():
     # FSDP1: every decoder block's FlatParameter holds read parameters too, so all of them train
     _, f1 = plan(strategy="fsdp-full", precision="fsdp-bf16", gpus=2, fsdp_version=1)
     assert frameworks.with_unreached(inv, f1.settings) is inv
+
+
+def test_ddp_with_unread_parameters_buckets_by_size_from_the_start():
+    """find_unused_parameters=True: DDP assigns the buckets by size at construction ([1 MiB, 25 MiB], parameters in
+    module order: distributed.py compute_bucket_size_limits) and never rebuilds them (reducer.h
+    should_rebuild_buckets), so the replay has one release order, not the rebuild's two."""
+    pytest.importorskip("transformers")
+    from memplan import accounting, options
+    from memplan.model.meta_builder import build_meta_from_config
+    from memplan.request import JobRequest
+
+    cfg = _causal_bart()
+    inv = build_meta_from_config(cfg, "bart", "test")
+    r = options.resolve(inv, JobRequest.of(device="cuda", gpus=2, strategy="ddp", precision="torch-amp",
+                                           micro_batch=2, seq_len=64, gpu="h100-80g"), config=cfg)
+    plan = accounting.estimate(inv, r.settings)
+    assert list(plan.reserved.variants) == ["find_unused_parameters: buckets by size, kept"]
+    assert plan.reserved_peak_bytes >= plan.peak_bytes

@@ -42,6 +42,13 @@ def _substitutions(config: dict[str, Any], dtype: str, attention: str, target: T
     transformers.logging.set_verbosity_error()
     # packed-sequence detection reads values (.item()), which fake tensors do not have: one unpacked sequence
     real_packed = getattr(mu, "find_packed_sequence_indices", None)
+    # whether SDPA may drop the mask (is_causal, or none at all) reads the 2-D padding mask's values; on a fake one
+    # transformers never drops it (masking_utils.py _ignore_causal_mask_sdpa / _ignore_bidirectional_mask_sdpa:
+    # is_tracing is true of a FakeTensor), where the job's all-ones mask (an encoder's or a BERT-style decoder's
+    # torch.ones when none is given) is dropped: a [b, 1, s, s] mask made, the SDPA kernel picked for a mask, and an
+    # eager attention's fp32 mask added to its bf16 scores (MegatronBERT: its probabilities in fp32, +1.87% on the
+    # CPU harness). The traced step pads nothing, so the checks run as on no padding mask at all
+    real_skips = {k: getattr(mu, k, None) for k in ("_ignore_causal_mask_sdpa", "_ignore_bidirectional_mask_sdpa")}
     # MoE experts run through grouped_mm. Its fake (meta) kernel takes bf16 only
     # (torch/_meta_registrations.py _meta_grouped_mm_common), while the real kernels also run fp32 weights
     # (torch-amp, fp32 recipes) through a fallback; for those the trace computes with transformers' own fallback op
@@ -73,6 +80,9 @@ def _substitutions(config: dict[str, Any], dtype: str, attention: str, target: T
             F.linear = sub.deepspeed_zero3_linear("cpu")  # the traced tensors are (fake) CPU tensors
         if real_packed is not None:
             mu.find_packed_sequence_indices = lambda position_ids: None
+        for k, real in real_skips.items():
+            if real is not None:
+                setattr(mu, k, (lambda real: lambda padding_mask, *a, **kw: real(None, *a, **kw))(real))
         from memplan.activations.tracing.grids import constant_inputs
 
         with constant_inputs(config):  # a Qwen-VL step reads its inputs' values (tracing/grids.py)
@@ -87,6 +97,9 @@ def _substitutions(config: dict[str, Any], dtype: str, attention: str, target: T
         F.scaled_dot_product_attention, F.dropout, F.linear = real_sdpa, real_dropout, real_linear
         if real_packed is not None:
             mu.find_packed_sequence_indices = real_packed
+        for k, real in real_skips.items():
+            if real is not None:
+                setattr(mu, k, real)
         if real_can_grouped is not None:
             moe._can_use_grouped_mm = real_can_grouped
         if real_grouped is not None:

@@ -107,7 +107,8 @@ def communication(inv: Any, s: Settings) -> dict[str, Any]:
         width = 2 if s.horovod.compression == "fp16" else rc.grad_bytes
         add("all-reduce", "gradients (Horovod fusion buffer)", n_all, width, psi, 1)
     elif mm == "ddp":
-        add("all-reduce", "gradients (DDP buckets)", n_all, rc.grad_bytes, psi, 1)
+        # the buckets hold the parameters no loss reads too (zeros: ParamTensor.unused)
+        add("all-reduce", "gradients (DDP buckets)", n_all, rc.grad_bytes, psi + inv.unused_params, 1)
         if st.shard_optimizer:  # ZeroRedundancyOptimizer's parameter broadcast
             add("all-gather", "updated parameters (partition broadcast)", n_all, rc.param_bytes, psi, 1)
     elif mm == "zero12":

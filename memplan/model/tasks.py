@@ -453,6 +453,10 @@ def build(config: Mapping[str, Any], hf_cfg: Any, **kw: Any) -> Any:
     from transformers import AutoModelForCausalLM
 
     task = task_of(config)
+    if getattr(hf_cfg, "languages", None) and getattr(hf_cfg, "default_language", "") is None:
+        # X-MOD's language adapters: its forward needs a language (modeling_xmod.py: set_default_language, which a
+        # training script calls); which one does not change the bytes, so the first of its languages
+        hf_cfg.default_language = list(hf_cfg.languages)[0]
     if kw.get("attn_implementation") == "sdpa" and not sdpa_supported(config):
         kw = {**kw, "attn_implementation": "eager"}  # what transformers itself picks for it
     import transformers

@@ -98,7 +98,8 @@ def test_a_vision_language_model_s_bad_input_is_one_line(tmp_path):
                          (["qwen2.5-vl-7b", "--image-size", "0x28"], "at least one pixel"),
                          (["qwen2.5-vl-7b", "--image-size", "980", "--seq-len", "1200"], "or a smaller --image-size"),
                          (["llava-1.5-7b", "--image-size", "336"], "takes images of its config's image_size (336 px)"),
-                         (["llama-3-8b", "--image-size", "448"], "only a vision-language model")):
+                         (["llama-3-8b", "--image-size", "448"], "only a vision-language model"),
+                         ([str(QWEN35)], "--task causal-lm trains its language model alone")):
         r = subprocess.run([sys.executable, "-m", "memplan", "estimate", *argv], capture_output=True, text=True)
         assert r.returncode == 2 and r.stdout == "" and len(r.stderr.strip().splitlines()) == 1, (argv, r.stderr)
         assert needle in r.stderr, (argv, r.stderr)

@@ -1274,14 +1274,7 @@ def _with_unreached(s: Settings, inv: ParamInventory, notes: list[str]) -> Setti
     by = {t.name: t.numel for t in inv.tensors}
     n = sum(by[x] for x in names)
     shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
-    how = frameworks.model(s.strategy.memory_model).unreached(s)
-    then = {"tensor": "no gradient and no optimizer state" + (
-                " (DDP needs find_unused_parameters=True, and still buckets them)" if s.strategy.ddp_buckets else ""),
-            "unit": "no gradient and no optimizer state where a whole unit is unread; a unit's FlatParameter that "
-                    "holds some of them gets a gradient and states for all its parameters",
-            "trained": "still gradients and optimizer states: " + (
-                "Horovod's synchronize() gives each a zero gradient" if s.strategy.fusion_buffer
-                else "DeepSpeed keeps every parameter that requires grad in its flat partitions")}[how]
+    _, then = frameworks.model(s.strategy.memory_model).unreached(s)
     notes.append(f"{n:,} parameters get no gradient in the traced step (no loss reads them: {shown}): {then}")
     return s
 

@@ -33,7 +33,7 @@ def with_unreached(inv: Any, s: Any) -> Any:
     unused (DDP still buckets them); the inventory itself otherwise."""
     if not s.unreached:
         return inv
-    how = model(s.strategy.memory_model).unreached(s)
+    how, _ = model(s.strategy.memory_model).unreached(s)
     if how == "trained":
         return inv
     names = set(s.unreached)

@@ -216,12 +216,14 @@ class FrameworkModel:
     #: why the job's wrapping (--fsdp-wrap) cannot wrap this model, or None where it can
     wrap_why_not: Callable[[ParamInventory, Settings], str | None] = lambda inv, s: None
     #: what becomes of a parameter that requires a gradient no loss reads (Settings.unreached), for these
-    #: settings: "tensor" (its .grad stays None, and torch's optimizers make a None gradient no state: one GPU,
-    #: DDP with find_unused_parameters, FSDP2's per-parameter shards), "unit" (a flat parameter gets a gradient
+    #: settings, and why: "tensor" (its .grad stays None, and torch's optimizers make a None gradient no state: one
+    #: GPU, DDP with find_unused_parameters, FSDP2's per-parameter shards), "unit" (a flat parameter gets a gradient
     #: where any of its parameters does: FSDP1, where a unit none of whose parameters is read gets none), or
     #: "trained" (DeepSpeed's flat partitions and states take every parameter that requires grad; Horovod's
     #: synchronize() gives a missing gradient zeros)
-    unreached: Callable[[Settings], str] = lambda s: "trained"
+    unreached: Callable[[Settings], tuple[str, str]] = lambda s: (
+        "trained", "still gradients and optimizer states: DeepSpeed keeps every parameter that requires grad in its "
+                   "flat partitions")
     #: the module that replays the framework's allocations for the reserved peak (memplan/reserved.py): its
     #: replay(inv, s, config) and why_not(s); None where the framework's setup is not written down yet
     replay: str | None = None

@@ -17,11 +17,12 @@ def buffers(job: Job, grads: Grads) -> BufferTimeline:
     persistent = rc.grad_bytes * job.psi if st.ddp_buckets and not job.s.torch.gradient_as_bucket_view else 0
     if st.ddp_buckets and job.inv.unused_params:
         # parameters no loss reads (ParamTensor.unused) need find_unused_parameters=True, and the Reducer buckets
-        # every parameter that requires grad (_build_params_for_reducer), so theirs too; it also keeps a device copy
-        # of its int32 map of the parameters used (reducer.cpp initialize_local_used_map: local_used_map_dev_)
-        if not job.s.torch.gradient_as_bucket_view:
-            persistent += rc.grad_bytes * job.inv.unused_params
-        persistent += 4 * sum(1 for t in job.inv.tensors if t.trainable or t.unused)
+        # every parameter that requires grad (_build_params_for_reducer), so theirs too: bucket bytes no gradient
+        # holds, with gradient_as_bucket_view as well (their grads, never made, would have been views of them); it
+        # also keeps a device copy of its int32 map of the parameters used (reducer.cpp initialize_local_used_map:
+        # local_used_map_dev_)
+        persistent += rc.grad_bytes * job.inv.unused_params + 4 * sum(1 for t in job.inv.tensors
+                                                                       if t.trainable or t.unused)
     # every parameter's grad is allocated by autograd when produced and kept to the step (the Reducer copies
     # buckets back into them), so inside a block's backward the grads of everything after it exist: the head's
     # inside the last block, all but the embedding's and the first block's inside the first block
@@ -42,12 +43,15 @@ def buffers(job: Job, grads: Grads) -> BufferTimeline:
                           assumptions=assumptions)
 
 
-def unreached(s: Settings) -> str:
+def unreached(s: Settings) -> tuple[str, str]:
     """A parameter no loss reads keeps .grad None, and torch's optimizers make it no state (one GPU; DDP with
     find_unused_parameters, whose Reducer leaves a globally unused parameter's grad untouched: reducer.cpp
     copy_bucket_to_grad); Horovod's synchronize() gives it a zero gradient (horovod/torch/optimizer.py
     _allreduce_grad_async), which the optimizer steps."""
-    return "trained" if s.strategy.fusion_buffer else "tensor"
+    if s.strategy.fusion_buffer:
+        return "trained", "still gradients and optimizer states: Horovod's synchronize() gives each a zero gradient"
+    return "tensor", "no gradient and no optimizer state" + (
+        " (DDP needs find_unused_parameters=True, and still buckets them)" if s.strategy.ddp_buckets else "")
 
 
 MODEL = FrameworkModel(name="ddp", replay="memplan.frameworks.ddp_replay", buffers=buffers, unreached=unreached)

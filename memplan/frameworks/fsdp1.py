@@ -216,7 +216,9 @@ MODEL = FrameworkModel(name="fsdp1", replay="memplan.frameworks.fsdp1_replay", b
                        # a unit's FlatParameter is one autograd leaf (torch/distributed/fsdp/_flat_param.py): it
                        # gets a gradient where any of its parameters is read (the others' part zeros), none where
                        # none is, and the optimizer then no state for it
-                       unreached=lambda s: "unit",
+                       unreached=lambda s: ("unit", "no gradient and no optimizer state where a whole unit is "
+                                                    "unread; a unit's FlatParameter that holds some of them gets a "
+                                                    "gradient and states for all its parameters"),
                        pinned_host=fsdp2_pinned, four_bit=FourBitBase(
                            # _flat_param.py _validate_tensors_to_flatten: one dtype per FlatParameter
                            uint8_why_not="FSDP1 flattens each unit's parameters into one FlatParameter of one dtype, "

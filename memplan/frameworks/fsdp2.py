@@ -675,7 +675,7 @@ MODEL = FrameworkModel(name="fsdp2", replay="memplan.frameworks.fsdp2_replay", b
                        units=wrap_units.units_for,
                        # each parameter its own DTensor shard: one no loss reads gets no gradient (FSDPParamGroup
                        # post_backward reduces the parameters whose unsharded grad is not None), so no state
-                       unreached=lambda s: "tensor",
+                       unreached=lambda s: ("tensor", "no gradient and no optimizer state"),
                        # measured (torch 2.13, gloo, 2 ranks): transformers' Adafactor fails in its first step
                        # (torch.zeros(grad_shape[:-1]).to(grad) is a plain tensor beside DTensor grads: "aten.add_
                        # got mixed torch.Tensor and DTensor"), and so do bitsandbytes' optimizer kernels

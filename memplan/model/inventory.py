@@ -68,7 +68,7 @@ class ParamTensor:
     #: requires_grad: False for a frozen base weight under LoRA (no gradient, no optimizer state)
     trainable: bool = True
     #: requires_grad, but no loss reads it, so no gradient reaches it in the step (the traced step:
-    #: options.unreached_params): trainable is then False where the framework makes it no gradient and no state
+    #: Settings.unreached): trainable is then False where the framework makes it no gradient and no state
     #: (one GPU, DDP, FSDP2: frameworks.with_unreached), and DDP still buckets it
     unused: bool = False
     #: the FSDP unit that holds it where a size-based wrap policy makes units other than the blocks

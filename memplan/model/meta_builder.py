@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import math
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -90,7 +91,7 @@ def inventory_from_module(model: Any, *, model_name: str, source: str, family: s
     fixed = [t for t in tensors if not t["trainable"]]
     if fixed:
         notes = notes + (f"{', '.join(t['name'] for t in fixed[:3])}{' ...' if len(fixed) > 3 else ''} "
-                         f"({sum(_numel(t['shape']) for t in fixed):,} parameters) built with requires_grad=False: "
+                         f"({sum(math.prod(t['shape']) for t in fixed):,} parameters) built with requires_grad=False: "
                          "no gradients, no optimizer states",)
     keep = tuple(sorted(getattr(model, "_keep_in_fp32_modules", None) or ()))
     # floating buffers as a job builds them, in fp32 (transformers' default dtype; from_config here follows the
@@ -101,13 +102,6 @@ def inventory_from_module(model: Any, *, model_name: str, source: str, family: s
     return ParamInventory(model_name=model_name, source=source, builder="meta", family=family,
                           tensors=tuple(ParamTensor(**t) for t in tensors), notes=notes, dims=dict(dims or {}),
                           keep_fp32_modules=keep, buffers=buffers)
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def _owner(name: str, blocks: set[str]) -> str:

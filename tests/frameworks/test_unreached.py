@@ -85,3 +85,26 @@ def test_ddp_with_unread_parameters_buckets_by_size_from_the_start():
     plan = accounting.estimate(inv, r.settings)
     assert list(plan.reserved.variants) == ["find_unused_parameters: buckets by size, kept"]
     assert plan.reserved_peak_bytes >= plan.peak_bytes
+
+
+def test_ddp_buckets_the_unread_parameters_with_gradient_as_bucket_view_too():
+    """With gradient_as_bucket_view the grads are views of the buckets, so the buckets add nothing beside them, but
+    an unread parameter's part of its bucket holds no gradient: it is counted, with the Reducer's int32 map of the
+    parameters used (local_used_map_dev_), 4 bytes a parameter."""
+    pytest.importorskip("transformers")
+    from memplan import accounting, frameworks, options
+    from memplan.model.meta_builder import build_meta_from_config
+    from memplan.request import JobRequest
+
+    cfg = _causal_bart()
+    inv = build_meta_from_config(cfg, "bart", "test")
+
+    def plan(**kw):
+        r = options.resolve(inv, JobRequest.of(device="cpu", micro_batch=2, seq_len=64, precision="fp32", **kw),
+                            config=cfg)
+        return accounting.estimate(inv, r.settings)
+
+    single, view = plan(strategy="single"), plan(strategy="ddp", gpus=2, gradient_as_bucket_view=True)
+    trained = frameworks.with_unreached(inv, view.settings)
+    assert view.phases[0].buffers_bytes - single.phases[0].buffers_bytes == \
+        4 * trained.unused_params + 4 * sum(1 for t in trained.tensors if t.trainable or t.unused)

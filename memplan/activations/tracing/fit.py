@@ -283,7 +283,7 @@ def _profile(top: tuple[dict[str, Any], dict[str, Any]], low: tuple[dict[str, An
         #: bf16 copies nothing where bfloat16 is all there is (options._activations)
         "block_float_inputs": sorted(set(top[0]["block_float_inputs"]) | set(top[1]["block_float_inputs"])),
         #: the parameters that require a gradient and got none in the traced step (step.one_step), named in the
-        #: traced model, and its blocks' names: options.unreached_params maps them onto the whole model
+        #: traced model, and its blocks' names: model/freeze.py traced_unreached maps them onto the whole model
         "unreached": sorted(set(top[0]["unreached"]) | set(top[1]["unreached"])),
         "traced_blocks": top[0]["origins"]["blocks"],
         #: the step's storages in order, for the caching allocator (see _alloc_events; None: not linear in b)

@@ -1188,7 +1188,7 @@ def resolve(inv: ParamInventory, request: JobRequest, *, config: dict[str, Any] 
         settings = _with_z3_leaves(settings, inv, config, notes)
     if lora is not None:
         config = _with_lora(config, inv, settings, lora, notes)
-    elif inv.frozen_paths and strat.memory_model == "fsdp1":  # --freeze (not LLaVA's unread layers: they require grad)
+    elif inv.frozen_paths and strat.memory_model == "fsdp1":  # --freeze (not the unreached: they require grad)
         _fsdp1_frozen(frameworks.model(strat.memory_model).units(inv, settings))
     notes.extend(_dim0_padding_note(inv, settings))
     notes.extend(_buffers_note(inv, settings))
@@ -1255,15 +1255,15 @@ def resolve(inv: ParamInventory, request: JobRequest, *, config: dict[str, Any] 
 def _with_unreached(s: Settings, inv: ParamInventory, notes: list[str]) -> Settings:
     """The settings with the parameters that require a gradient and get none in the traced step (no loss reads
     them: a decoder's cross-attention with no encoder, Mllama's cross-attention layers without images, an
-    indexer behind a top-k), as the framework then trains them (frameworks.with_unreached), with a note."""
+    indexer behind a top-k, LLaVA's vision layers past its vision_feature_layer, a vision tower and projector with
+    --images 0), as the framework then trains them (frameworks.with_unreached), with a note naming their modules."""
     prof = s.activation_profile
     data = getattr(getattr(prof, "inner", prof), "data", None)
     if not isinstance(data, dict) or not data.get("unreached"):
         return s
-    from memplan.model.freeze import traced_unreached
+    from memplan.model.freeze import modules, traced_unreached
 
-    # those the inventory already counts as getting no gradient (a vision tower's layers past LLaVA's
-    # vision_feature_layer: model/freeze.py unread_paths) are left to its note
+    # those the job does not train anyway (--freeze) need nothing more
     trains = {t.name for t in inv.tensors if t.trainable}
     names = tuple(n for n in traced_unreached(inv, data["unreached"], data.get("traced_blocks") or []) if n in trains)
     if not names:
@@ -1273,7 +1273,8 @@ def _with_unreached(s: Settings, inv: ParamInventory, notes: list[str]) -> Setti
     s = replace(s, unreached=names)
     by = {t.name: t.numel for t in inv.tensors}
     n = sum(by[x] for x in names)
-    shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    paths = modules(names, inv)
+    shown = ", ".join(paths[:4]) + (f" and {len(paths) - 4} more" if len(paths) > 4 else "")
     _, then = frameworks.model(s.strategy.memory_model).unreached(s)
     notes.append(f"{n:,} parameters get no gradient in the traced step (no loss reads them: {shown}): {then}")
     return s

@@ -8,6 +8,7 @@ gradient). The traced step and the harness freeze the same parameters (requires_
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import replace
 from typing import Any
@@ -30,9 +31,6 @@ VISION_FROZEN = {"qwen2_vl": ("model.visual.patch_embed", "model.visual.blocks")
                  "qwen2_5_vl": ("model.visual.patch_embed", "model.visual.blocks"),
                  "qwen3_vl": ("model.visual.patch_embed", "model.visual.pos_embed", "model.visual.blocks"),
                  "qwen3_vl_moe": ("model.visual.patch_embed", "model.visual.pos_embed", "model.visual.blocks")}
-#: the projector's module path where it is beside the tower
-PROJECTORS = {"llava": "model.multi_modal_projector", "gemma3": "model.multi_modal_projector",
-              "paligemma": "model.multi_modal_projector", "mllama": "model.multi_modal_projector"}
 #: --freeze's name for the vision tower
 VISION = "vision"
 
@@ -101,10 +99,9 @@ def requires_grad_off(model: Any, frozen: Iterable[str] | None) -> None:
 
 def for_request(inv: Any, request: Any) -> Any:
     """The inventory with the request's --freeze applied (after its LoRA adapters: refused together, PEFT freezing
-    every base parameter already)."""
+    every base parameter already). Parameters that require a gradient and get none (LLaVA's vision layers past its
+    vision_feature_layer, a vision tower with ``--images 0``) are the traced step's to find (traced_unreached)."""
     spec = request.model.freeze
-    if request.batch.images == 0 and inv.family in VISION_TOWERS:  # text alone: the vision side never runs
-        inv = mark_unread(inv, unread_paths(None, {"model_type": inv.family}, 0), "--images 0")
     if spec is None:
         return inv
     if request.adapters.spec is not None:
@@ -113,61 +110,35 @@ def for_request(inv: Any, request: Any) -> Any:
     return apply(inv, paths(spec, {"model_type": inv.family}))
 
 
-def unread_reason(hf_config: Any) -> str:
-    """Why unread_paths' parameters get no gradient, for the inventory's note: LLaVA's vision_feature_layer, or
-    the pooling head a SigLIP tower builds under vision_use_head (Gemma 3, PaliGemma read its last_hidden_state)."""
-    k = getattr(hf_config, "vision_feature_layer", None)
-    return f"vision_feature_layer {k}" if k is not None else "the vision tower's pooling head (vision_use_head)"
-
-
-def unread_paths(model: Any, config: Mapping[str, Any], images: int | None = None) -> tuple[str, ...]:
-    """The module paths of a built model whose parameters no loss reads, so that they never get a gradient:
-    LLaVA takes its features from the vision tower's hidden_states[vision_feature_layer] (modeling_llava.py
-    get_image_features: -2 by default, the output of the second-to-last layer), so the layers after it and the
-    tower's post_layernorm (and a SigLIP tower's pooling head) run but feed nothing; a vision-language step without
-    images (``images`` 0) never runs the vision tower or the projector."""
-    from memplan.model import tasks
-
-    mt = str(config.get("model_type"))
-    tower = VISION_TOWERS.get(mt)
-    # a vision-language model_type's text-only class (MllamaForCausalLM, Gemma3ForCausalLM) has no tower
-    if tower is None or ("architectures" in config and tasks.task_of(config) != tasks.IMAGE_TEXT):
-        return ()
-    if images == 0:
-        return (tower,) + ((PROJECTORS[mt],) if mt in PROJECTORS else ())
-    t = model.get_submodule(tower)
-    if mt != "llava":  # the tower's last_hidden_state is read (Gemma 3, PaliGemma): a SigLIP pooling head is not
-        return (f"{tower}.head",) if hasattr(t, "head") else ()
-    import torch.nn as nn
-
-    lists = [(n, m) for n, m in t.named_modules() if isinstance(m, nn.ModuleList)]
-    if not lists:
-        return ()
-    name, layers = max(lists, key=lambda nm: len(nm[1]))
-    k = model.config.vision_feature_layer
-    n = len(layers)
-    # hidden_states: the embeddings' output, then each layer's (n + 1); hidden_states[i] is layer i - 1's output
-    first = max((x if x >= 0 else n + 1 + x) for x in (k if isinstance(k, (list, tuple)) else [k]))
-    out = [f"{tower}.{name}.{i}" for i in range(first, n)]
-    out += [f"{tower}.{leaf}" for leaf in ("post_layernorm", "head") if hasattr(t, leaf)]
-    return tuple(out)
-
-
-def mark_unread(inv: Any, unread: tuple[str, ...], why: str) -> Any:
-    """The inventory with the parameters under ``unread`` (unread_paths) counted as the frozen are: they get no
-    gradient (their .grad stays None), so torch's optimizers make them no state. Under DDP they need
-    find_unused_parameters=True and are still bucketed, and DeepSpeed ZeRO keeps states for them in its flat
-    partitions: neither is counted (the note says so)."""
-    if not unread:
-        return inv
-    out = tuple(replace(t, trainable=False) if matches(t.name, unread) else t for t in inv.tensors)
-    n = sum(a.numel for a, b in zip(inv.tensors, out) if a.trainable and not b.trainable)
-    if not n:
-        return inv
-    note = (f"{why}: {', '.join(_short(unread))} ({n:,} parameters) feed no loss: no gradients, no optimizer states "
-            "(DDP needs find_unused_parameters=True and still buckets them; DeepSpeed ZeRO keeps their states in its "
-            "flat partitions: neither counted)")
-    return replace(inv, tensors=out, notes=inv.notes + (note,))
+def modules(names: Iterable[str], inv: Any) -> list[str]:
+    """The fewest module paths that hold exactly the trainable parameters ``names`` (by the inventory's first
+    names): a module all of whose trainable parameters are named stands for them, and consecutive layers of one
+    stack are one range (model.vision_tower.encoder.layers.22-23)."""
+    chosen = set(names)
+    total: dict[str, int] = {}
+    named: dict[str, int] = {}
+    for t in inv.tensors:
+        if not t.trainable:
+            continue
+        parts = t.name.split(".")
+        for k in range(1, len(parts)):
+            prefix = ".".join(parts[:k])
+            total[prefix] = total.get(prefix, 0) + 1
+            named[prefix] = named.get(prefix, 0) + (t.name in chosen)
+    out: list[str] = []
+    for t in inv.tensors:
+        if t.name not in chosen:
+            continue
+        parts = t.name.split(".")
+        top = t.name
+        for k in range(len(parts) - 1, 0, -1):
+            prefix = ".".join(parts[:k])
+            if named[prefix] != total[prefix]:
+                break
+            top = prefix
+        if top not in out:
+            out.append(top)
+    return _short(tuple(out))
 
 
 def _short(paths: tuple[str, ...]) -> list[str]:
@@ -176,8 +147,8 @@ def _short(paths: tuple[str, ...]) -> list[str]:
     for p in paths:
         stem, _, idx = p.rpartition(".")
         if out and idx.isdigit() and out[-1].rpartition(".")[0] == stem:
-            first = out[-1].rpartition(".")[2].split("-")[0]
-            if first.isdigit():
+            first, _, last = out[-1].rpartition(".")[2].partition("-")
+            if first.isdigit() and int(last or first) + 1 == int(idx):
                 out[-1] = f"{stem}.{first}-{idx}"
                 continue
         out.append(p)
@@ -188,9 +159,9 @@ def traced_unreached(inv: Any, traced: list[str], traced_blocks: list[str]) -> t
     """The inventory's parameters (by their first names) that the traced step's ``traced`` ones (parameters that
     require a gradient and got none: tracing/step.py one_step) stand for. Traced at the model's own depth, by name;
     traced with fewer blocks (the blocks alike), a parameter of a block stands for the same parameter of every block
-    of its stack where it got no gradient in every traced block of that stack. Names the inventory does not hold
-    (an adapter's, under LoRA) are left out."""
-    first = {n: t.name for t in inv.tensors for n in (t.name, *t.tied_names)}
+    of its stack where it got no gradient in every traced block of that stack. A LoRA adapter is named as the
+    traced step names it (_as_traced)."""
+    first = {_as_traced(n): t.name for t in inv.tensors for n in (t.name, *t.tied_names)}
     if not traced:
         return ()
     full = [b.name for b in inv.layer_blocks]
@@ -214,3 +185,11 @@ def traced_unreached(inv: Any, traced: list[str], traced_blocks: list[str]) -> t
             out.update(first[f"{b}.{role}"] for b in full
                        if b.rpartition(".")[0] == stack and f"{b}.{role}" in first)
     return tuple(sorted(out))
+
+
+def _as_traced(name: str) -> str:
+    """An inventory parameter's name as the traced step names it: PEFT keeps each adapter in a ModuleDict by its
+    name (``lora_A.default.weight``, ``modules_to_save.default.weight``: peft/tuners/lora/layer.py,
+    peft/utils/other.py ModulesToSaveWrapper), the traced step's adapters are the modules themselves
+    (activations/tracing/lora.py: ``lora_A.weight``) and it trains a module to save in place."""
+    return re.sub(r"\.(lora_[AB])\.default\.", r".\1.", name).replace(".modules_to_save.default.", ".")

@@ -137,12 +137,8 @@ def build_meta_from_config(config: Mapping[str, Any], model_name: str, source: s
     # text_config gives few fields and takes LlamaConfig's defaults for the rest)
     dims = (model_dims({**model.config.get_text_config().to_dict(), "model_type": config["model_type"]})
             if isinstance(config.get("text_config"), Mapping) else model_dims(config))
-    inv = inventory_from_module(model, model_name=model_name, source=source, family=str(config["model_type"]),
-                                dtype=config_dtype(config), dims=dims)
-    from memplan.model import freeze
-
-    unread = freeze.unread_paths(model, config)
-    return freeze.mark_unread(inv, unread, freeze.unread_reason(model.config) if unread else "")
+    return inventory_from_module(model, model_name=model_name, source=source, family=str(config["model_type"]),
+                                 dtype=config_dtype(config), dims=dims)
 
 
 def checkpointing_on(model: Any, recompute: str = "full") -> None:

@@ -36,6 +36,45 @@ def test_a_parameter_unread_in_every_traced_block_stands_for_every_block():
     assert traced_unreached(inv, traced, blocks) == tuple(sorted(traced))
 
 
+def test_a_lora_adapter_no_loss_reads_is_mapped_onto_peft_s_name():
+    """The traced step's adapters are lora_A/lora_B modules (tracing/lora.py); PEFT keeps them in a ModuleDict by
+    adapter name (lora_A.default.weight). PEFT's default targets on BartForCausalLM (q_proj, v_proj) adapt the
+    cross-attention too: those adapters get no gradient, and the job trains half of what PEFT adds."""
+    pytest.importorskip("transformers")
+    from memplan import options
+    from memplan.model import lora
+    from memplan.model.freeze import modules
+    from memplan.model.meta_builder import build_meta_from_config
+    from memplan.request import JobRequest
+
+    cfg = _causal_bart()
+    spec = lora.LoraSpec(rank=4)
+    adapted = lora.apply(build_meta_from_config(cfg, "bart", "test"), spec)
+    r = options.resolve(adapted, JobRequest.of(device="cpu", micro_batch=2, seq_len=64, precision="fp32", lora=spec),
+                        config=cfg)
+    cross = sorted(t.name for t in adapted.tensors if ".encoder_attn." in t.name and t.trainable)
+    assert cross and all(".lora_" in n and ".default." in n for n in cross)
+    assert sorted(r.settings.unreached) == cross
+    assert modules(cross, adapted) == [f"model.decoder.layers.{i}.encoder_attn" for i in range(4)]
+    assert any("get no gradient in the traced step (no loss reads them: model.decoder.layers.0.encoder_attn" in n
+               for n in r.notes)
+
+
+def test_modules_names_whole_modules_and_ranges_of_layers():
+    """The note's module paths: a module whose trainable parameters are all named stands for them, and consecutive
+    layers of one stack are one range (not layers 0 and 2 as 0-2)."""
+    pytest.importorskip("transformers")
+    from memplan.model.freeze import modules
+    from memplan.model.meta_builder import build_meta_from_config
+
+    inv = build_meta_from_config(_causal_bart(), "bart", "test")
+    names = [t.name for t in inv.tensors if t.name.startswith(("model.decoder.layers.0.", "model.decoder.layers.1.",
+                                                                "model.decoder.layers.3."))]
+    assert modules(names, inv) == ["model.decoder.layers.0-1", "model.decoder.layers.3"]
+    one = ["model.decoder.layers.2.fc1.weight"]
+    assert modules(one, inv) == one
+
+
 def test_each_framework_trains_unread_parameters_as_it_does():
     """BartForCausalLM's cross-attention (no encoder) gets no gradient: the trace finds it; one GPU and FSDP2 make it
     no state, DDP no state but buckets it, DeepSpeed ZeRO and FSDP1 keep states for it (measured on the CPU

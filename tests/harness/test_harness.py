@@ -164,6 +164,20 @@ def test_validate_a_decoder_whose_cross_attention_reads_nothing():
     assert any("get no gradient in the traced step" in n for n in rep["prediction"]["notes"])
 
 
+@pytest.mark.slow
+def test_validate_lora_adapters_no_loss_reads():
+    # PEFT's default targets on BartForCausalLM (q_proj, v_proj) adapt its cross-attention too, which reads nothing:
+    # those adapters get no gradient and AdamW makes them no state. Measured (2026-11-30, `memplan validate
+    # bart-large.json --task causal-lm --lora-rank 8 --layers 2 --hidden 256 --vocab 2048 --micro-batch 2 --seq-len
+    # 128 --device cpu --precision torch-amp --gpus 1`): 30,634,200 B, predicted 30,633,992 (-0.00%); the optimizer
+    # states 131,072 B as measured (262,144 and +0.43% while the traced step's adapter names were not mapped)
+    bart = str(ROOT / "tests" / "data" / "configs" / "bart-large.json")
+    rep = _validate(["--model", bart, "--task", "causal-lm", "--lora-rank", "8", "--gpus", "1", "--precision",
+                     "torch-amp"], 0.001)
+    states = rep["validation"]["categories_at_start"]["optimizer_states_bytes"]
+    assert states["predicted"] == states["measured"] == 131_072
+
+
 def test_validate_a_vit_on_its_images():
     # ViTForImageClassification (64 px in 8 px patches: 65 tokens, 10 classes): the images are made inside the
     # traced step, so their bytes count (-0.64% before). Measured: 30,915,208 B, predicted 30,912,936 (-0.007%)

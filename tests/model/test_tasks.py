@@ -544,7 +544,6 @@ def test_qwen_vl_freezes_its_tower_less_the_merger():
     assert freeze.paths("vision", {"model_type": "qwen2_5_vl"}) == ("model.visual.patch_embed", "model.visual.blocks")
     assert freeze.paths("vision,model.visual.blocks", {"model_type": "qwen3_vl"}) == (
         "model.visual.patch_embed", "model.visual.pos_embed", "model.visual.blocks")
-    assert freeze.unread_paths(None, {"model_type": "qwen2_vl"}, 0) == ("model.visual",)
 
 
 def test_fsdp2_casts_each_block_s_floating_inputs():
@@ -690,13 +689,11 @@ def test_a_config_its_class_refuses_is_not_called_unknown():
 
 
 def test_a_vision_language_model_type_s_text_only_class_has_no_tower():
-    """MllamaForCausalLM is model_type mllama without the vision model: no unread tower (an internal error before),
-    and --freeze vision says it has none."""
+    """MllamaForCausalLM is model_type mllama without the vision model: --freeze vision says it has none."""
     from memplan.model import freeze
 
     cfg = {**json.loads(MLLAMA.read_text()), "architectures": ["MllamaForCausalLM"]}
     assert tasks.task_of(cfg) == tasks.CAUSAL_LM
-    assert freeze.unread_paths(None, cfg) == ()
     with pytest.raises(ConfigError, match="this model has none"):
         freeze.paths("vision", cfg)
 

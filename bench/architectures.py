@@ -1,10 +1,12 @@
-"""Every causal LM transformers ships, run on the CPU harness against memplan's prediction: for each model_type in
-transformers' MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, the config its class builds by default (AutoConfig.for_model),
-its causal-LM class as ``architectures``, scaled to 2 blocks, hidden 256 and a vocabulary of 2048 (memplan's
---layers/--hidden/--vocab), trained for 3 steps by `memplan validate` and compared at the last one. Writes
-docs/accuracy-architectures.md (and .jsonl, one line per model type and setting, kept between runs).
+"""Every model transformers ships for a task, run on the CPU harness against memplan's prediction: for each
+model_type in the task's auto mapping (``--task``: causal-lm, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, by default;
+sequence-classification, token-classification, question-answering, masked-lm, seq2seq-lm), the config its class
+builds by default (AutoConfig.for_model), the task's class as ``architectures``, scaled to 2 blocks, hidden 256 and
+a vocabulary of 2048 (memplan's --layers/--hidden/--vocab), trained for 3 steps by `memplan validate` and compared
+at the last one. Writes docs/accuracy-architectures.md (and .jsonl, one line per model type, task and setting,
+kept between runs).
 
-    python bench/architectures.py [--cpu-isa ISA] [--resume] [--setting ddp-amp|fsdp-bf16|zero3-bf16 ...] [--only T ...]
+    python bench/architectures.py [--task TASK] [--cpu-isa ISA] [--resume] [--setting ddp-amp|fsdp-bf16|zero3-bf16 ...] [--only T ...]
 
 --resume keeps the rows already run and runs the rest; --only runs those model types (again) and keeps the others.
 
@@ -42,11 +44,19 @@ SETTINGS = {
     "zero3-bf16": (["--stage", "3", "--precision", "deepspeed-bf16"], 2),
 }
 SCALE = ["--layers", "2", "--hidden", "256", "--vocab", "2048"]
+CAUSAL = "causal-lm"
+#: each task's transformers auto mapping (model_type -> class)
+MAPPINGS = {CAUSAL: "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES",
+            "sequence-classification": "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES",
+            "token-classification": "MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES",
+            "question-answering": "MODEL_FOR_QUESTION_ANSWERING_MAPPING_NAMES",
+            "masked-lm": "MODEL_FOR_MASKED_LM_MAPPING_NAMES",
+            "seq2seq-lm": "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES"}
 JOB = ["--optimizer", "adamw", "--micro-batch", "2", "--seq-len", "128", "--tolerance", "0.01", "--device", "cpu"]
 
 
 def default_config(model_type: str, cls: str) -> dict | None:
-    """transformers' default config of the model type with its causal-LM class named (None where it fails)."""
+    """transformers' default config of the model type with the task's class named (None where it fails)."""
     from transformers import AutoConfig
 
     try:
@@ -68,9 +78,13 @@ def classify(err: str) -> str:
     return "error"
 
 
-def run_one(model_type: str, cls: str, setting: str, isa: str | None, timeout: int) -> dict:
+def task_of(row: dict) -> str:
+    return row.get("task", CAUSAL)  # rows of the first runs, all causal LMs, name no task
+
+
+def run_one(model_type: str, cls: str, setting: str, isa: str | None, timeout: int, task: str = CAUSAL) -> dict:
     cfg = default_config(model_type, cls)
-    row = {"model_type": model_type, "class": cls, "setting": setting}
+    row = {"model_type": model_type, "class": cls, "setting": setting, **({"task": task} if task != CAUSAL else {})}
     if cfg is None:
         return {**row, "outcome": "config", "why": "AutoConfig.for_model fails on its defaults"}
     opts, ranks = SETTINGS[setting]
@@ -98,9 +112,9 @@ def run_one(model_type: str, cls: str, setting: str, isa: str | None, timeout: i
 
 
 def render(rows: list[dict], header: str) -> str:
-    lines = ["# Accuracy across architectures: every causal LM transformers ships", "", header, ""]
-    for setting in SETTINGS:
-        mine = sorted((r for r in rows if r["setting"] == setting), key=lambda r: r["model_type"])
+    lines = ["# Accuracy across architectures: every model transformers ships for a task", "", header, ""]
+    for task, setting in ((t, k) for t in MAPPINGS for k in SETTINGS):
+        mine = sorted((r for r in rows if r["setting"] == setting and task_of(r) == task), key=lambda r: r["model_type"])
         if not mine:
             continue
         done = [r for r in mine if r["outcome"] == "measured"]
@@ -109,7 +123,7 @@ def render(rows: list[dict], header: str) -> str:
         analytic = sum(r.get("activations", "traced") != "traced" for r in done)
         worst = max(done, key=lambda r: abs(r["error"]), default=None)
         counts = {k: sum(r["outcome"] == k for r in mine) for k in ("config", "refused", "harness", "error")}
-        lines += [f"## {setting}: `{' '.join(SETTINGS[setting][0])}`, {SETTINGS[setting][1]} rank(s)", "",
+        lines += [f"## {task}, {setting}: `{' '.join(SETTINGS[setting][0])}`, {SETTINGS[setting][1]} rank(s)", "",
                   f"**{len(mine)} model types; {len(done)} measured ({analytic} of them predicted with analytic "
                   f"activations), {within} within 1%"
                   + (f", worst {worst['model_type']} {worst['error']:+.2%}" if worst else "")
@@ -133,6 +147,7 @@ def render(rows: list[dict], header: str) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--setting", nargs="*", default=["ddp-amp"], choices=list(SETTINGS))
+    ap.add_argument("--task", default=CAUSAL, choices=list(MAPPINGS))
     ap.add_argument("--only", nargs="*", default=None, help="these model types only")
     ap.add_argument("--resume", action="store_true", help="keep the rows already in the .jsonl, run the rest")
     ap.add_argument("--cpu-isa", default=None)
@@ -142,34 +157,41 @@ def main() -> None:
 
     import torch
     import transformers
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as MAPPING
+    from transformers.models.auto import modeling_auto
 
+    mapping = getattr(modeling_auto, MAPPINGS[args.task])
     rows = [json.loads(ln) for ln in DATA.read_text().splitlines() if ln.strip()] if DATA.exists() else []
-    have = {(r["model_type"], r["setting"]) for r in rows if not (args.only and r["model_type"] in args.only)} \
-        if args.resume else set()
+    have = {(r["model_type"], r["setting"]) for r in rows if task_of(r) == args.task
+            and not (args.only and r["model_type"] in args.only)} if args.resume else set()
     if not args.resume and not args.render:  # the settings run again (with --only: those model types' rows)
-        rows = [r for r in rows if r["setting"] not in args.setting or (args.only and r["model_type"] not in args.only)]
+        rows = [r for r in rows if task_of(r) != args.task or r["setting"] not in args.setting
+                or (args.only and r["model_type"] not in args.only)]
     for setting in ([] if args.render else args.setting):
-        for model_type, cls in MAPPING.items():
+        for model_type, cls in mapping.items():
             cls = cls[0] if isinstance(cls, (list, tuple)) else cls
             if (args.only and model_type not in args.only) or (model_type, setting) in have:
                 continue
-            row = run_one(model_type, cls, setting, args.cpu_isa, args.timeout)
-            rows = [r for r in rows if (r["model_type"], r["setting"]) != (model_type, setting)] + [row]
-            print(f"{setting} {model_type}: {row['outcome']} "
+            row = run_one(model_type, cls, setting, args.cpu_isa, args.timeout, args.task)
+            rows = [r for r in rows if (r["model_type"], r["setting"], task_of(r)) != (model_type, setting, args.task)] \
+                + [row]
+            print(f"{args.task} {setting} {model_type}: {row['outcome']} "
                   + (f"{row['error']:+.2%}" if row["outcome"] == "measured" else row.get("why", "")[:120]), flush=True)
             DATA.write_text("".join(json.dumps(r) + "\n" for r in rows))
     ran = [k for k in SETTINGS if any(r["setting"] == k for r in rows)]
-    header = (f"Produced by `python bench/architectures.py --setting {' '.join(ran)}"
-              + (f" --cpu-isa {args.cpu_isa}" if args.cpu_isa else "") + "` on x86_64 (2 cores), CPU only: torch "
-              f"{torch.__version__}, transformers {transformers.__version__}. Each model type of transformers' "
-              "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES is built from its config class's defaults with its causal-LM class, "
+    tasks = [t for t in MAPPINGS if any(task_of(r) == t for r in rows)]
+    header = (f"Produced by `python bench/architectures.py --task TASK --setting {' '.join(ran)}"
+              + (f" --cpu-isa {args.cpu_isa}" if args.cpu_isa else "") + f"` for each task ({', '.join(tasks)}) "
+              f"on x86_64 (2 cores), CPU only: torch "
+              f"{torch.__version__}, transformers {transformers.__version__}. Each model type of the task's transformers "
+              "auto mapping (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES for causal-lm) is built from its config class's defaults "
+              "with the task's class, "
               "scaled to 2 blocks, hidden 256, vocabulary 2048, and trained by `memplan validate` (micro-batch 2, "
               "sequence 128, AdamW, 2 warm-up steps and 1 measured; gloo ranks on one host), against memplan's "
               "prediction for `--device cpu` of the same scaled config. Error = (predicted - measured) / measured. "
               "Not run: `config` (transformers' default config does not build or validate), `refused` (memplan "
               "says why in one line), `harness` (the framework itself fails), `error` (memplan's to fix). See the "
-              "script's docstring. ddp-amp runs every model type; fsdp-bf16 and zero3-bf16 the common ones named with --only.")
+              "script's docstring. ddp-amp runs every model type; fsdp-bf16 and zero3-bf16 the common causal LMs named with "
+              "--only.")
     OUT.write_text(render(rows, header))
     print(f"wrote {OUT}")
 

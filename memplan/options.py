@@ -642,7 +642,7 @@ def _cluster(asked: Any, host_memory_size: str | None, workspace: int | None, no
                    **({} if workspace is None else {"blas_workspace_bytes": workspace}))
 
 
-def _dim0_padding_note(inv: ParamInventory, s: Settings) -> list[str]:
+def _dim0_padding_note(inv: ParamInventory, s: Settings, ep: int = 1) -> list[str]:
     """FSDP2 pads each parameter's dim 0 up to a multiple of the shard group (_fsdp_param.py: the padded sharded
     size), so tensors with a short dim 0 (MoE experts stacked as [num_experts, ...], norms) grow on many ranks
     and the per-GPU bytes can rise with the GPU count. Say so where padding is over 5% of the rank's shard."""
@@ -655,6 +655,11 @@ def _dim0_padding_note(inv: ParamInventory, s: Settings) -> list[str]:
     n = shard_group_size(s)
     if n < 2:
         return []
+    if ep > 1:
+        # the routed experts are sharded over their own group (efsdp), on dim 1 where it outnumbers the local
+        # experts (parallel/expert.py): only the rest pads over the shard group
+        rest = tuple(t for t in inv.tensors if not (t.category == "experts" and len(t.shape) == 3))
+        inv = replace(inv, tensors=rest)
     padded = layouts.layout_sizes(inv, PER_PARAM_DIM0, n).shard_numel
     real = -(-inv.num_params // n)
     if padded * 100 <= real * 105:
@@ -1190,7 +1195,7 @@ def resolve(inv: ParamInventory, request: JobRequest, *, config: dict[str, Any] 
         config = _with_lora(config, inv, settings, lora, notes)
     elif inv.frozen_paths and strat.memory_model == "fsdp1":  # --freeze (not the unreached: they require grad)
         _fsdp1_frozen(frameworks.model(strat.memory_model).units(inv, settings))
-    notes.extend(_dim0_padding_note(inv, settings))
+    notes.extend(_dim0_padding_note(inv, settings, parallel.ep if parallel is not None else 1))
     notes.extend(_buffers_note(inv, settings))
     if any(len(t.shape) >= 4 for t in inv.tensors):  # Conv2d/Conv3d kernels: a small CNN, -10.6% on CPU
         notes.append("convolutions: their kernels' scratch (cuDNN, oneDNN) is not modelled (docs/accuracy.md)")

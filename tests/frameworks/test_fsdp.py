@@ -158,6 +158,12 @@ def test_fsdp2_dim0_padding_is_noted():
     assert note(8) == []
     (n16,) = note(16)
     assert "shard group (16): 49.1% of each rank's shard is padding" in n16 and "shard_placement_fn" in n16
+    # under expert parallelism the experts have their own shard group (8 over ep 2 x efsdp 8): nothing else pads
+    from memplan import parallel as par
+
+    ep = options.resolve(inv, JobRequest.of(gpus=16, strategy="fsdp-full", activations="analytic",
+                                            parallel=par.Parallel(ep=2))).notes
+    assert not [n for n in ep if "pads each parameter's dim 0" in n]
 
 
 def test_fsdp2_block_and_embeddings_units():

@@ -70,7 +70,10 @@ def replayed_peak(inv, s) -> tuple[str, int] | None:
     from memplan import reserved
     from memplan.allocator import AllocatorConfig
 
-    if s.parallel is not None and s.parallel.pp > 1:  # each pipeline rank's own replay: the worst rank's peak
+    p = s.parallel
+    # each pipeline rank's own replay, the worst rank's peak; an expert-parallel rank's own (the whole model's
+    # traced step, its experts units marked)
+    if p is not None and (p.pp > 1 or (p.ep > 1 and p.tp == 1 and p.cp == 1)):
         from memplan import accounting
 
         lay = accounting.layout(inv, s)

@@ -152,6 +152,12 @@ def _dim0_shard(shape: tuple[int, ...], n: int, dim: int = 0) -> int:
     return ceil_div(shape[dim], n) * rest
 
 
+def dim_shard(t: ParamTensor, n: int) -> int:
+    """Elements of one rank's FSDP2 shard of ``t`` over exactly n ranks, on the dim it is sharded on there
+    (shard_dim; that dim padded to n)."""
+    return _dim0_shard(t.shape, n, shard_dim(t, n))
+
+
 def _tensor_shard(t: ParamTensor, n: int) -> int:
     """Elements of one rank's FSDP2 shard of ``t`` in a data-parallel group of n (its own group: _group; its
     shard dim: shard_dim)."""

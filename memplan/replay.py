@@ -234,7 +234,8 @@ def _expand_now(d: dict[str, Any], layers: int) -> list[tuple[Any, ...]]:
 
     # per full region: births in order, and the deaths to place before each birth slot
     out: list[tuple[Any, ...]] = []
-    pending: dict[int, list[tuple[int, int, int]]] = {}  # region -> heap of (slot, template position, key)
+    # region -> heap of (slot, template position, key, position in its template region)
+    pending: dict[int, list[tuple[int, int, int, int]]] = {}
     by_region: dict[int, list[int]] = {}
     for sid, b in enumerate(births):
         by_region.setdefault(b.region, []).append(sid)
@@ -254,15 +255,22 @@ def _expand_now(d: dict[str, Any], layers: int) -> list[tuple[Any, ...]]:
         mid = next((r for r, (k, _, start, end) in enumerate(regions) if k == "mid" and start <= fe <= end), None)
         if mid is not None:
             fe_slot = sum(1 for i in range(regions[mid][2], fe) if isinstance(events[i], list))
+    inner = _inner_marks(d, regions, events)
     for j, (kind, blk, r) in enumerate(full):
         out.append(("m", kind, blk))  # where each region begins, for the framework's own moments
-        waiting = pending.setdefault(j, [])  # a heap of (slot, template position, key)
+        waiting = pending.setdefault(j, [])  # a heap of (slot, template position, key, position in its region)
         sids = by_region.get(r, [])
+        inside = inner.get(r, [])
         for slot in range(len(sids) + 1):
             if kind == "mid" and fe is not None and slot == fe_slot:
                 while waiting and (waiting[0][0] < slot or (waiting[0][0] == slot and waiting[0][1] < fe)):
                     out.append(("f", heapq.heappop(waiting)[2]))
                 out.append(("m", "fwd_end", -1))
+            for mslot, mpos, label in inside:
+                if mslot == slot:
+                    while waiting and (waiting[0][0] < slot or (waiting[0][0] == slot and waiting[0][3] < mpos)):
+                        out.append(("f", heapq.heappop(waiting)[2]))
+                    out.append(("m", label, blk))
             while waiting and waiting[0][0] <= slot:
                 out.append(("f", heapq.heappop(waiting)[2]))
             if slot == len(sids):
@@ -285,10 +293,34 @@ def _expand_now(d: dict[str, Any], layers: int) -> list[tuple[Any, ...]]:
                 target = where[regions[dr][0], tpl_block[dr]]
             if target < j or (target == j and dslot <= slot):
                 target, dslot = j, slot + 1  # never before its birth
-            heapq.heappush(pending.setdefault(target, []), (dslot, pos, key))
+            heapq.heappush(pending.setdefault(target, []), (dslot, pos, key, pos - regions[dr][2]))
         while waiting:
             out.append(("f", heapq.heappop(waiting)[2]))
         del pending[j]
+    return out
+
+
+#: the experts module's marks inside a block's regions (tracing/segments.py EXPERT_MARKS), as the replay's region
+#: kinds: in forward, its start and end; in backward, its start, its recomputation's start and end, its end
+INNER_MARKS = {"F": (("xfs", "XF"), ("xfe", "XFE")),
+               "B": (("xbs", "XB"), ("xrs", "XR"), ("xre", "XRE"), ("xbe", "XBE"))}
+
+
+def _inner_marks(d: dict[str, Any], regions: list[tuple[str, int, int, int]],
+                 events: list[Any]) -> dict[int, list[tuple[int, int, str]]]:
+    """Per template region, the marks inside it (INNER_MARKS) as (birth slot, position in the region, kind): the
+    births of the region before the mark, and its event index from the region's start (a death at the same slot
+    before it in the template comes before it)."""
+    out: dict[int, list[tuple[int, int, str]]] = {}
+    for r, (kind, t, start, end) in enumerate(regions):
+        for key, label in INNER_MARKS.get(kind, ()):
+            at = d.get(key)
+            if not at or t >= len(at) or at[t] < 0 or not start <= at[t] <= end:
+                continue
+            slot = sum(1 for i in range(start, at[t]) if isinstance(events[i], list))
+            out.setdefault(r, []).append((slot, at[t] - start, label))
+    for marks in out.values():
+        marks.sort()
     return out
 
 

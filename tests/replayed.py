@@ -67,9 +67,10 @@ def live_curve(events: list) -> tuple[list[int], list[int]]:
     return out, sorted(sizes)
 
 
-def harness_replay(label: str, layers: int, gpus: int, **kw: object) -> tuple[str, int, int]:
+def harness_replay(label: str, layers: int, gpus: int, model: str = "llama-7b", recompute: str = "none",
+                   **kw: object) -> tuple[str, int, int]:
     """(the replay's name, its sequence's peak counted as the CPU harness counts it: bench/replay_harness.py, the
-    worst rank's measured peak) for a kept harness row of llama-7b scaled to ``layers`` blocks."""
+    worst rank's measured peak) for a kept harness row of ``model`` scaled to ``layers`` blocks."""
     import sys
 
     sys.path.insert(0, str(ROOT / "bench"))
@@ -77,14 +78,14 @@ def harness_replay(label: str, layers: int, gpus: int, **kw: object) -> tuple[st
 
     from memplan import validation
 
-    row = harness_row(label, f"llama-7b, {layers} blocks", "none")
+    row = harness_row(label, f"{model}, {layers} blocks", recompute)
     inventories = []
     wrapped = validation.adapted_inventory
     try:
         validation.adapted_inventory = lambda inv, kw: inventories.append(wrapped(inv, kw)) or inventories[-1]
         job = JobRequest.of(device="cpu", cpu_isa=row[10] if len(row) > 10 else "avx512", gpus=gpus,
-                            gpus_per_node=gpus, micro_batch=2, seq_len=128, recompute="none", **kw)
-        _, resolved, *_ = validation.predict("llama-7b", job, layers=layers, hidden=256, vocab=2048)
+                            gpus_per_node=gpus, micro_batch=2, seq_len=128, recompute=recompute, **kw)
+        _, resolved, *_ = validation.predict(model, job, layers=layers, hidden=256, vocab=2048)
     finally:
         validation.adapted_inventory = wrapped
     name, peak = replayed_peak(inventories[-1], resolved.settings)

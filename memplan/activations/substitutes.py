@@ -484,5 +484,6 @@ def expert_parallel(model: Any, ep: int, tp: int = 1) -> int:
             return output
 
         mod.forward = ep_forward
+        mod.memplan_expert_parallel = True  # its own FSDP2 unit: tracing/step.py marks where it runs
         changed += 1
     return changed

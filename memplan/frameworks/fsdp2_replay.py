@@ -41,6 +41,9 @@ class FsdpGroup:
     #: bytes per unsharded element of each parameter where they differ (float8's all-gather: one for a float8
     #: weight, unshard_bytes for the rest; () : unshard_bytes for all)
     elem_bytes: tuple[int, ...] = ()
+    #: sharded on dim 1 (an expert-parallel rank's experts over more expert-FSDP ranks than it holds experts:
+    #: layouts.shard_dim), so each parameter's copy-out goes through a temporary (foreach_all_gather_copy_out)
+    dim1: bool = False
 
     def per(self, i: int) -> int:
         """Bytes per unsharded element of parameter i."""
@@ -129,6 +132,17 @@ def _copy_out(run: Run, g: FsdpGroup) -> list[Any]:
     """wait_for_unshard's foreach_all_gather_copy_out: each parameter's all_gather_outputs buffer, on the default
     stream, padded on dim 0 as its shards are (split_with_sizes_copy into it; the unsharded parameter is an
     as_strided view of it at the original size: _fsdp_param.py init_all_gather_outputs, init_unsharded_param)."""
+    if g.dim1:
+        # a parameter sharded on another dim than 0: its output, then an empty_like temporary the flat output is
+        # split into, each chunk-cat'ed into its output afterwards and freed with the list that holds them
+        # (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py foreach_all_gather_copy_out)
+        out, tmp = [], []
+        for i, p in enumerate(g.padded):
+            out.append(run.alloc(p * g.per(i)))
+            tmp.append(run.alloc(p * g.per(i)))
+        for k in tmp:
+            run.free(k)
+        return out
     if g.padded:
         return [run.alloc(p * g.per(i)) for i, p in enumerate(g.padded)]
     return [run.alloc(n) for n in g.unsharded]
@@ -136,11 +150,16 @@ def _copy_out(run: Run, g: FsdpGroup) -> list[Any]:
 
 #: unit keys beside the blocks' positions (--fsdp-wrap block+embeddings: torchtitan's embedding and head units)
 ROOT, EMB, HEAD = -1, -2, -3
+#: a block's experts unit (expert parallelism): XOFF + the block's position
+XOFF = 1 << 20
+#: the traced step's marks of the experts module inside a block (replay.py INNER_MARKS)
+EXPERT_KINDS = frozenset({"XF", "XFE", "XB", "XR", "XRE", "XBE"})
 
 
 def replay_fsdp2(job: ReplayJob, groups: tuple[FsdpGroup, ...], world: int, reshard_after_forward: bool | int,
                  config: AllocatorConfig | None = None, emb: FsdpGroup | None = None,
-                 head: FsdpGroup | None = None, root_reshards: bool = False) -> Allocator:
+                 head: FsdpGroup | None = None, root_reshards: bool = False,
+                 experts: dict[int, FsdpGroup] | None = None, experts_world: int = 0) -> Allocator:
     """FSDP2 (torch/distributed/fsdp/_fully_shard): fully_shard on each block then the root. Setup replaces each
     parameter by its padded shard, a group's new shards made before its old parameters go (_fsdp_param.py
     _init_sharded_param). In a step the root unshards at the forward's start and stays unsharded; each block
@@ -160,10 +179,16 @@ def replay_fsdp2(job: ReplayJob, groups: tuple[FsdpGroup, ...], world: int, resh
     passes it; without the argument _lazy_init sets the root's post_forward_mesh_info to None and it is kept),
     its unsharded parameters; backward's first hook, the root's _pre_backward, unshards it again and prefetches
     the last block (recorded on the H200: bench/gpu/traces/l8b_fsdp, the embedding's and head's 1 GiB copies
-    freed after the loss and made again before the head's backward)."""
+    freed after the loss and made again before the head's backward).
+
+    ``experts`` (expert parallelism), by block: each block's experts module, its own unit over ``experts_world``
+    ranks inside the block's (_MicroStep.experts_at: where the traced step marks the module's forward and
+    backward)."""
     run = Run(config or AllocatorConfig(), job.buffers)
-    order = [g for g in (emb,) if g is not None] + list(groups[:-1]) + [g for g in (head,) if g is not None] \
-        + [groups[-1]]
+    experts = experts or {}
+    order = [g for g in (emb,) if g is not None] + [x for i, b in enumerate(groups[:-1])
+                                                     for x in (b, experts.get(i)) if x is not None] \
+        + [g for g in (head,) if g is not None] + [groups[-1]]
     if any(g.offload for g in order):
         pass  # CPUOffloadPolicy: built, sharded and kept on the host (torchtitan's init_device "cpu")
     elif world == 1 or job.quantized or job.packed:
@@ -192,7 +217,8 @@ def replay_fsdp2(job: ReplayJob, groups: tuple[FsdpGroup, ...], world: int, resh
         for m in range(job.grad_accum):
             ids = run.alloc(job.input_bytes)
             _fsdp_micro_step(run, job, blocks, root, world, reshard_after_forward, outputs,
-                             first=n == 0 and m == 0, keep=m == 0, emb=emb, head=head, root_reshards=root_reshards)
+                             first=n == 0 and m == 0, keep=m == 0, emb=emb, head=head, root_reshards=root_reshards,
+                             experts=experts, experts_world=experts_world)
             run.free(ids)
         if not root.offload:  # offloaded: the optimizer steps the host's shards
             optimizer_step(run, job, n == 0, states)
@@ -206,7 +232,8 @@ def replay_fsdp2(job: ReplayJob, groups: tuple[FsdpGroup, ...], world: int, resh
 
 def _fsdp_micro_step(run: Run, job: ReplayJob, blocks: tuple[FsdpGroup, ...], root: FsdpGroup, world: int,
                      reshard_after_forward: bool | int, outputs: list[Any], first: bool, keep: bool,
-                     emb: FsdpGroup | None = None, head: FsdpGroup | None = None, root_reshards: bool = False) -> None:
+                     emb: FsdpGroup | None = None, head: FsdpGroup | None = None, root_reshards: bool = False,
+                     experts: dict[int, FsdpGroup] | None = None, experts_world: int = 0) -> None:
     """One micro-step under FSDP2; the reduce-scatter outputs go to ``outputs`` (``keep``), or, in a later
     micro-step, are added into the sharded gradients and freed. With more than one rank (frameworks/fsdp2.py's
     notes, each checked on the harness): in forward a block's all-gather output is held until the next block's
@@ -216,6 +243,9 @@ def _fsdp_micro_step(run: Run, job: ReplayJob, blocks: tuple[FsdpGroup, ...], ro
     (reduce_scatter_max_input_buffers = 1)."""
     st = _MicroStep(run, job, blocks, root, world, reshard_after_forward, outputs, first, keep, emb, head)
     st.root_reshards = root_reshards
+    for i, g in (experts or {}).items():
+        st.units[XOFF + i] = g
+        st.worlds[XOFF + i] = experts_world
     st.unshard(ROOT, hold=True)
     # each gradient kept, by its unit, for that unit's post-backward
     micro_step(run, job, keep_grads=True, at=st.region,
@@ -261,11 +291,20 @@ class _MicroStep:
         self.forward: int | None = None  #: the block whose forward runs (it ends where the next region begins)
         self.root_reshards = False
         self.returned = False  #: the model's forward has returned (the root's post-forward has run)
+        #: each unit's shard group where it is not ``world`` (an experts unit's)
+        self.worlds: dict[int, int] = {}
+        #: the block whose experts module's backward runs (its gradients are the experts unit's)
+        self.in_experts: int | None = None
+
+    def world_of(self, i: int) -> int:
+        return self.worlds.get(i, self.world)
 
     def unit_of(self, blk: int) -> int:
         """The unit whose post-backward reduces a gradient of this block (-1: outside the blocks)."""
         if not self.blocks:
             return ROOT  # --fsdp-wrap none: the root holds every parameter
+        if self.in_experts is not None and blk == self.in_experts:
+            return XOFF + blk
         if blk >= 0 or not self.be:
             return blk
         if self.kind == "mid" and HEAD in self.units:
@@ -277,8 +316,8 @@ class _MicroStep:
         g = self.units[i]
         if not g.params:
             return
-        if not self.flat:
-            self.unsharded[i] = _unshard(run, g, self.world)
+        if self.world_of(i) == 1:
+            self.unsharded[i] = _unshard(run, g, 1)
             return
         out = self.gathered.pop(i, None) or self._gather(i)
         self.unsharded[i] = _copy_out(run, g)
@@ -295,7 +334,8 @@ class _MicroStep:
         if i == ROOT and self.be:
             i = EMB  # the first block's pre-backward prefetches the embedding's unit
         g = self.units.get(i)
-        if self.flat and g is not None and g.params and i not in self.unsharded and i not in self.gathered:
+        if self.world_of(i) > 1 and g is not None and g.params and i not in self.unsharded \
+                and i not in self.gathered:
             self.gathered[i] = self._gather(i)
 
     def _gather(self, i: int) -> Any:
@@ -303,7 +343,7 @@ class _MicroStep:
         if i in self.shares:
             assert self.group is not None  # resharding to a smaller group: set with the shares
             return _all_gather_post_forward(self.run, g, self.group)
-        return _all_gather(self.run, g, self.world)
+        return _all_gather(self.run, g, self.world_of(i))
 
     def post_backward(self, i: int) -> None:
         run = self.run
@@ -322,6 +362,10 @@ class _MicroStep:
         for k in self.grads_of.pop(i, []):
             run.free(k)
         out = run.alloc(g.reduce_out, stream=RS_STREAM)
+        # the input is kept (FSDPCommContext.reduce_scatter_states) until the next post-backward frees it
+        # (reduce_scatter_max_input_buffers 1), an experts unit's over a group of one too (torch 2.13's
+        # _fsdp_param_group.py post_backward keeps every foreach_reduce's input; measured on the CPU harness:
+        # deepseek-v3 under ep 2, -1.98% with the experts' freed at once)
         if self.flat:
             self.held.append(rs_in)
         else:
@@ -345,7 +389,9 @@ class _MicroStep:
         if kind == "B" and 0 <= blk < nblocks:
             if blk not in self.unsharded:
                 self.unshard(blk, hold=False)
-            self.prefetch(blk - 1)
+            # the next unit in reverse post-forward order: the block's experts (their post-forward came before
+            # the block's), else the block before
+            self.prefetch(XOFF + blk if XOFF + blk in self.units else blk - 1)
             self.bwd = blk
         elif kind == "post" and EMB in self.units:
             if EMB not in self.unsharded:
@@ -370,8 +416,42 @@ class _MicroStep:
         if self.blocks:
             self.prefetch(len(self.blocks) - 1)
 
+    def experts_at(self, kind: str, blk: int) -> None:
+        """The experts unit of block ``blk`` where the traced step marks its module (torch 2.13's
+        _fsdp_state.py, _fsdp_param_group.py): its _pre_forward unshards it (the all-gather output kept, the
+        previous one freed), its _post_forward reshards it (reshard_after_forward True); its pre-backward hook
+        unshards it again (from the block's prefetch) and prefetches the block before; its post-backward reshards
+        it and reduce-scatters its gradients. A recomputation in backward runs its _pre_forward and _post_forward
+        again (the unit idle then): unsharded from the block's prefetch and resharded, its pre-backward then
+        all-gathering anew. Non-reentrant checkpointing recomputes a block when its backward first unpacks a saved
+        tensor, which can come after the experts' pre-backward (their state PRE_BACKWARD then: _pre_forward only
+        makes sure they are unsharded, _post_forward leaves them), and stops once the saved tensors are back (a
+        module it stops inside never runs its _post_forward: no "XRE")."""
+        x = XOFF + blk
+        if x not in self.units:
+            return
+        if kind == "XF":
+            self.unshard(x, hold=True)
+        elif kind == "XFE" or (kind == "XRE" and self.in_experts != blk):
+            for k in self.unsharded.pop(x, []):
+                self.run.free(k)
+        elif kind == "XR":
+            if x not in self.unsharded:
+                self.unshard(x, hold=False)
+        elif kind == "XB":
+            if x not in self.unsharded:
+                self.unshard(x, hold=False)
+            self.prefetch(blk - 1)
+            self.in_experts = blk
+        elif kind == "XBE":
+            self.in_experts = None
+            self.post_backward(x)
+
     def region(self, kind: str, blk: int) -> None:
         """Where a region of the traced step begins: the forward before it has ended."""
+        if kind in EXPERT_KINDS:
+            self.experts_at(kind, blk)
+            return
         if self.forward is not None:
             self.on_forward_end(self.forward)
             self.forward = None
@@ -444,10 +524,10 @@ def fsdp_group(ts: list[Any], position: dict[str, int], n: int, r: Any, cb: int,
     """One fully_shard unit of tensors ``ts`` over n ranks, shards padded on dim 0 (``position``: each tensor's
     index in module order; ``r`` the recipe; ``cb`` bytes per unsharded element; ``group_size`` a
     reshard_after_forward group size, 0 for none)."""
-    from memplan.units import ceil_div
+    from memplan.layouts import dim_shard, shard_dim
 
-    padded = [ceil_div(t.shape[0], n) * (t.numel // t.shape[0]) * n if t.shape and t.shape[0] else t.numel
-              for t in ts]
+    # each shard padded on the dim it is sharded on (0; 1 for experts over more ranks than they are)
+    padded = [dim_shard(t, n) * n if t.shape and t.shape[0] else t.numel for t in ts]
     # foreach_reduce takes the parameters with a gradient (frozen under LoRA: none)
     trained = sum(p for t, p in zip(ts, padded) if t.trainable)
     # float8's all-gather (``float8``: the weights it gathers in float8, frameworks/fsdp2.py float8_gathered)
@@ -462,7 +542,8 @@ def fsdp_group(ts: list[Any], position: dict[str, int], n: int, r: Any, cb: int,
                      if group_size else (), elem_bytes=eb,
                      chunk_tmp=r.grad_bytes * max((t.numel for t in ts if t.trainable), default=0)
                      if cpu_chunk else 0,
-                     offload=offload, padded=tuple(padded), unshard_bytes=cb)
+                     offload=offload, padded=tuple(padded), unshard_bytes=cb,
+                     dim1=n > 1 and any(shard_dim(t, n) == 1 for t in ts))
 
 
 def replay(inv: Any, s: Any, config: AllocatorConfig) -> tuple[str, dict[str, Allocator]]:
@@ -494,6 +575,20 @@ def replay(inv: Any, s: Any, config: AllocatorConfig) -> tuple[str, dict[str, Al
         numels.extend((position[t.name], p // n) for t, p in zip(ts, g.padded) if t.trainable)
         return g
     blocks, root, emb, head = unit_tensors(inv, s)
+    # expert parallelism: each block's routed experts (ParamTensor.shard_split) are an FSDP2 unit of their own,
+    # fully_shard-ed over the expert-FSDP ranks before the block (transformers' apply_fully_sharded_data_parallelism,
+    # torchtitan's apply_fsdp), resharded after forward; the block's unit holds the rest
+    experts: dict[int, FsdpGroup] = {}
+    ew = 0
+    for i, ts in enumerate(blocks):
+        xs = [t for t in ts if t.shard_split > 1]
+        if not xs:
+            continue
+        ew = max(1, n // xs[0].shard_split)
+        g = fsdp_group(xs, position, ew, r, cb, 0, cpu_chunk, False, f8)
+        numels.extend((position[t.name], p // ew) for t, p in zip(xs, g.padded) if t.trainable)
+        experts[i] = g
+        blocks[i] = [t for t in ts if t.shard_split == 1]
     emb_g = group(emb) if emb else None
     groups = [group(ts) for ts in blocks]
     head_g = group(head) if head else None
@@ -501,4 +596,5 @@ def replay(inv: Any, s: Any, config: AllocatorConfig) -> tuple[str, dict[str, Al
     # the optimizer is made on model.parameters(): its states come in module order, whatever the units
     job = replay_job(inv, s, [k for _, k in sorted(numels)])
     return "FSDP2", {"": replay_fsdp2(job, tuple(groups), n, raf, config, emb=emb_g, head=head_g,
-                                      root_reshards=root_reshards(s, raf) and not (emb or head))}
+                                      root_reshards=root_reshards(s, raf) and not (emb or head),
+                                      experts=experts, experts_world=ew)}

@@ -184,3 +184,32 @@ def test_experts_shard_on_dim_1_when_the_expert_fsdp_ranks_outnumber_them(tmp_pa
     assert not layouts.gather_sizes(small, S.PER_PARAM_DIM0, 4).experts_on_dim1
     with pytest.raises(SettingsError, match="FSDP2 shards dim 1 only evenly"):
         _settings(inv, par.Parallel(ep=2), gpus=12, gpus_per_node=12)  # efsdp 6: 896 rows of gate_up_proj
+
+
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_the_traced_step_marks_each_experts_module(recompute):
+    """An EP rank's traced step marks where each block's experts module runs (tracing/step.py install_experts):
+    its forward inside the block's forward, its backward inside the block's backward, its end after its start, and
+    with recompute its recomputation inside the block's backward (its end only where the recomputation ran past
+    the module); the replay's FSDP2 units act there (frameworks/fsdp2_replay.py
+    experts_at)."""
+    pytest.importorskip("transformers")
+    from memplan.activations.kernels import Target
+    from memplan.activations.tracing.segments import alloc_events
+    from memplan.activations.tracing.step import one_step
+
+    cfg = {**MIXTRAL, par.EP_KEY: 2}
+    a, b = (one_step(cfg, mb, 64, "fsdp-bf16", "sdpa", recompute, Target(device="cuda", arch="sm90")) for mb in (2, 4))
+    ev = alloc_events(a, b, expand=True)
+    assert ev is not None
+    for i in range(2):
+        assert ev["fs"][i] <= ev["xfs"][i] < ev["xfe"][i] <= ev["fe"][i]
+        assert ev["bs"][i] <= ev["xbs"][i] < ev["xbe"][i] <= ev["be"][i]
+        if recompute == "full":
+            # torch.utils.checkpoint stops recomputing once the saved tensors are back (set_checkpoint_early_stop,
+            # on by default): a module it stops inside never returns, so its post-forward never runs (-1)
+            # it runs where the block's backward first unpacks a saved tensor: here inside the experts' backward
+            assert ev["bs"][i] <= ev["xrs"][i] < ev["be"][i]
+            assert ev["xre"][i] == -1 or ev["xrs"][i] < ev["xre"][i] <= ev["be"][i]
+        else:
+            assert ev["xrs"][i] == ev["xre"][i] == -1

@@ -168,9 +168,17 @@ def alloc_events(a: dict[str, Any], b: dict[str, Any], *, expand: bool) -> dict[
     # births before the forward's and the backward's first cuBLAS call (LiveBytes.blas), where both runs agree
     blas = a.get("blas") or {}
     blas = {k: v for k, v in blas.items() if (b.get("blas") or {}).get(k) == v}
+    # an expert-parallel rank's experts modules, per block (-1: a block without one): where each runs
+    # (tracing/step.py _BlockMoments.install_experts)
+    experts = {k: [r[k].get(i, -1) for i in range(n)] for k in EXPERT_MARKS if k in r}
     return {"events": out, "expand": expand, "forward_end": r["forward_end"],
-            **({"blas": blas} if blas else {}),
+            **({"blas": blas} if blas else {}), **experts,
             **{k: [r[k][i] for i in range(n)] for k in ("fs", "fe", "bs", "be")}}
+
+
+#: the event indices of each block's experts module, where it is its own FSDP2 unit (expert parallelism): its
+#: forward's start and end, its backward's start and end, its recomputation's start and end
+EXPERT_MARKS = ("xfs", "xfe", "xbs", "xbe", "xrs", "xre")
 
 
 def deaths_as_in(ea: list[Any], eb: list[Any]) -> list[Any] | None:

@@ -240,6 +240,68 @@ class _BlockMoments:
             blk.register_forward_pre_hook(self.note_start(i), with_kwargs=True)
             blk.register_forward_hook(self.note_end(i))
 
+    def install_experts(self, blocks: list[Any]) -> None:
+        """Where each block's expert-parallel experts module (substitutes.expert_parallel) runs, as event indices:
+        its forward's start and end ("xfs", "xfe": FSDP2's pre- and post-forward of the experts' own unit, which
+        fully_shard hooks on the module's forward) and its backward's ("xbs": the gradient of its output complete,
+        FSDP2's pre-backward hook on the outputs; "xbe": the gradients of all its inputs complete, when
+        RegisterPostBackwardFunction, applied to the forward's inputs, runs the unit's post-backward:
+        torch/distributed/fsdp/_fully_shard/_fsdp_state.py _register_pre_backward_hook,
+        _fsdp_param_group.py _register_post_backward_hook); a recomputation's start and end in backward ("xrs",
+        "xre": the unit, idle then, unshards in its _pre_forward and reshards in its _post_forward)."""
+        import torch
+
+        moments = self
+
+        class PostBackward(torch.autograd.Function):
+            """RegisterPostBackwardFunction's place: the forward's inputs passed through unchanged, its backward
+            run once all their gradients from inside the module are in (not their other uses': the router's)."""
+
+            @staticmethod
+            def forward(ctx: Any, i: int, *inputs: Any) -> Any:
+                ctx.block = i
+                return inputs
+
+            @staticmethod
+            def backward(ctx: Any, *grads: Any) -> Any:
+                moments.regions["xbe"].setdefault(ctx.block, len(moments.live.events))
+                return (None, *grads)
+
+        for key in ("xfs", "xfe", "xbs", "xbe", "xrs", "xre"):
+            self.regions[key] = {}
+        for i, blk in enumerate(blocks):
+            mod = next((m for m in blk.modules() if getattr(m, "memplan_expert_parallel", False)), None)
+            if mod is None:
+                continue
+
+            def start(_mod: Any, args: Any, kwargs: Any, i: int = i) -> Any:
+                if i in self.regions["xfs"]:  # its recomputation in backward
+                    self.regions["xrs"].setdefault(i, len(self.live.events))
+                    return None
+                self.regions["xfs"][i] = len(self.live.events)
+                pos = [k for k, x in enumerate(args) if isinstance(x, torch.Tensor) and x.requires_grad]
+                if not pos:
+                    return None
+                through = PostBackward.apply(i, *(args[k] for k in pos))
+                new = list(args)
+                for k, x in zip(pos, through):
+                    new[k] = x
+                return tuple(new), kwargs
+
+            def end(_mod: Any, _args: Any, out: Any, i: int = i) -> None:
+                if i in self.regions["xfe"]:
+                    self.regions["xre"].setdefault(i, len(self.live.events))
+                    return
+                self.regions["xfe"][i] = len(self.live.events)
+                y = out[0] if isinstance(out, (tuple, list)) and out else out
+                if isinstance(y, torch.Tensor) and y.requires_grad:
+                    def pre_backward(_grad: Any, i: int = i) -> None:
+                        self.regions["xbs"].setdefault(i, len(self.live.events))
+                    y.register_hook(pre_backward)
+
+            mod.register_forward_pre_hook(start, with_kwargs=True)
+            mod.register_forward_hook(end)
+
 
 class _GradientHooks:
     """Each parameter's gradient, taken out of the activations when it is accumulated (the strategy accounts for
@@ -412,6 +474,8 @@ def one_step(config: dict[str, Any], batch: int, seq: int, recipe: str, attentio
             param_storages = {id(t.untyped_storage()) for p in params + gathered for t in plain_tensors(p)}
             moments = _BlockMoments(live)
             moments.install(block_list)
+            if ep > 1:
+                moments.install_experts(block_list)
             hooks = _GradientHooks(live, block_of)
             for p in params:
                 if p.requires_grad:  # a frozen parameter (LoRA) gets no gradient

@@ -10,7 +10,7 @@ This checks the replays' order of events on the real frameworks, row by row of d
 
 The LoRA rows (docs/accuracy-lora.jsonl, bench/accuracy.py lora_cases) are a second table in the same file.
 
-Rows whose framework is not replayed (reserved.why_not: expert parallelism, the split-backward pipeline schedules,
+Rows whose framework is not replayed (reserved.why_not: the split-backward pipeline schedules,
 stages of fewer blocks than the traced step, ...) are skipped. A pipeline job is replayed rank by rank (its action
 list: frameworks/pipeline_replay.py); the row compares the worst rank's. The predictions use the measuring machine's instruction set (index 10 of a row, as bench/accuracy.py
 --repredict).
@@ -176,11 +176,13 @@ def _write(args, tables, seconds: float) -> None:
              "(memplan/frameworks/*_replay.py) reaches in its steady step, counted as requested (the CPU harness "
              "has no caching allocator and no cuBLAS workspace); engine = memplan's allocated peak "
              "(memplan/accounting.py). Error = (predicted - measured) / measured.", "",
-             "Rows not listed: the job is not replayed here (tensor, context and expert parallelism: their CPU "
+             "Rows not listed: the job is not replayed here (tensor and context parallelism: their CPU "
              "profiles are a rank's share without the step's allocation events; pipeline schedules with a split "
              "backward, or stages of fewer blocks than the traced step), or the CPU profile kept no allocation "
              "events (the run prints which). A pipeline job's row is its worst rank's replay (each rank walks its "
-             "schedule's action list: memplan/frameworks/pipeline_replay.py). Traced afresh (MEMPLAN_CACHE_DIR empty), as these were.",
+             "schedule's action list: memplan/frameworks/pipeline_replay.py); an expert-parallel job's is its rank's "
+             "own traced step with each experts module its own FSDP2 unit (frameworks/fsdp2_replay.py). Traced "
+             "afresh (MEMPLAN_CACHE_DIR empty), as these were.",
              "",
              "Known CPU-only differences (the replays model CUDA): DeepSpeed built without its ops steps torch's "
              "single-tensor AdamW on the flat fp32 partition off CUDA, two partition-sized temporaries at the "

@@ -126,6 +126,13 @@ def scale_config(config: dict[str, Any], *, layers: int | None = None, hidden: i
         changes.append(f"{hkey} {old_h} -> {hidden}, {nkey} {heads} -> {new_heads}"
                        + (f", num_key_value_heads {kv} -> {cfg['num_key_value_heads']}" if kv else ""))
         cfg[hkey], cfg[nkey] = hidden, new_heads
+        # other widths the config sets to the hidden size (DeBERTa-v2's pooler_hidden_size, an embedding_size
+        # equal to it) follow it: the layers they size read the hidden states
+        for k, v in list(cfg.items()):
+            if k != hkey and v == old_h and isinstance(v, int) and (k.endswith("hidden_size") or
+                                                                      k == "embedding_size"):
+                cfg[k] = hidden
+                changes.append(f"{k} {old_h} -> {hidden}")
         for k in _SECOND_HEAD_KEYS:
             if k in cfg:
                 cfg[k] = new_heads

@@ -379,7 +379,7 @@ def stacks(config: Mapping[str, Any]) -> int | None:
     if task == SEQ2SEQ:
         both = seq2seq_layers(config)
         return None if both is None else sum(both)
-    if task == IMAGE_TEXT:
+    if task == IMAGE_TEXT or composite(config):
         cfg = _vision(config)
         vc = cfg.vision_config
         tower = getattr(vc, "num_hidden_layers", None) or vc.depth  # Qwen-VL's vision config names it depth
@@ -389,9 +389,19 @@ def stacks(config: Mapping[str, Any]) -> int | None:
 
 
 def two_stacks(config: Mapping[str, Any] | None) -> bool:
-    """Whether the config trains two stacks of blocks (seq2seq, image-text-to-text): traced at full depth, with
-    no analytic counterpart and no tensor, pipeline, context or expert parallel layout."""
-    return config is not None and "factory" not in config and task_of(config) in (SEQ2SEQ, IMAGE_TEXT)
+    """Whether the config trains two stacks of blocks (seq2seq, image-text-to-text, or a vision-language model's
+    other head: composite): traced at full depth, with no analytic counterpart and no tensor, pipeline, context
+    or expert parallel layout."""
+    return config is not None and "factory" not in config and (task_of(config) in (SEQ2SEQ, IMAGE_TEXT)
+                                                                or composite(config))
+
+
+def composite(config: Mapping[str, Any]) -> bool:
+    """A vision-language config (its language model in text_config, its vision tower in vision_config) under a
+    head that builds the whole model: Gemma3ForSequenceClassification is GenericForSequenceClassification over
+    AutoModel, i.e. Gemma3Model with its vision tower, which text alone never runs (modeling_gemma3.py,
+    modeling_layers.py)."""
+    return isinstance(config.get("text_config"), Mapping) and isinstance(config.get("vision_config"), Mapping)
 
 
 def check_seq_len(config: Mapping[str, Any], seq_len: int | None) -> int | None:
@@ -507,6 +517,14 @@ def step_inputs(task: str, config: Mapping[str, Any], ids: Any, dtype: Any = Non
     if task == "sequence-classification":
         regression = num_labels(config) == 1 and config.get("problem_type") in (None, "regression")
         labels = torch.zeros(batch, dtype=torch.float32 if regression else torch.long, device=ids.device)
+        eos = config.get("eos_token_id")
+        if isinstance(eos, int) and 0 <= eos:
+            # each sequence ends with its EOS, as a tokenizer ends it, and has no other: a BART-style head pools
+            # the last EOS's hidden state and refuses examples without one, or with unequal counts
+            # (modeling_bart.py BartForSequenceClassification: "All examples must have the same number of <eos>
+            # tokens"); the bytes do not depend on it
+            ids = torch.where(ids == eos, 0 if eos else 1, ids)
+            ids[:, -1] = eos
         return {"input_ids": ids, "labels": labels}
     if task == IMAGE:  # ids: only the batch is read; the image from the config
         size = config.get("image_size", 224)

@@ -727,3 +727,57 @@ def test_a_composite_config_s_causal_lm_is_its_language_model():
     assert tasks.language_model(named)[0] == src.config
     assert tasks.language_model(src.config) is None
     assert tasks.language_model(json.loads(LLAVA.read_text())) is None
+
+
+GEMMA3_VL = Path(__file__).resolve().parents[1] / "data" / "configs" / "gemma3-vl-tiny.json"
+
+
+def test_deberta_v2_classification_traces_its_label_nonzero():
+    """DeBERTa-v2's classification loss indexes the labels that are not negative ((labels >= 0).nonzero()): on a
+    fake tensor nonzero has no size, so the trace gives it all of them, as a step's labels are
+    (substitutes.all_nonzero). Its pooler_hidden_size follows --hidden (scaling.scale_config)."""
+    pytest.importorskip("transformers")
+    from transformers import AutoConfig
+
+    from memplan.activations.kernels import Target
+    from memplan.activations.tracing.step import one_step
+    from memplan.model.scaling import scale_config
+
+    cfg = {**AutoConfig.for_model("deberta-v2").to_dict(), "architectures": ["DebertaV2ForSequenceClassification"]}
+    cfg.pop("transformers_version", None)
+    small, changes = scale_config(cfg, layers=2, hidden=128, vocab=512)
+    assert small["pooler_hidden_size"] == 128 and "pooler_hidden_size 1536 -> 128" in changes
+    out = one_step(small, 2, 64, "torch-amp", "sdpa", "none", Target(device="cuda", arch="sm90"))
+    assert max(out["forward"]) > 0
+
+
+def test_a_vision_language_config_under_a_classification_head_trains_its_text_alone(tmp_path):
+    """Gemma3ForSequenceClassification is GenericForSequenceClassification over Gemma3Model, vision tower
+    included: two stacks traced at full depth, and the tower, which text alone never runs, gets no gradient (the
+    traced step's unreached parameters)."""
+    pytest.importorskip("transformers")
+    from memplan import options
+    from memplan.model.sources import build_inventory, resolve
+
+    cfg = {**json.loads(GEMMA3_VL.read_text()), "architectures": ["Gemma3ForSequenceClassification"]}
+    assert tasks.task_of(cfg) == "sequence-classification" and tasks.two_stacks(cfg)
+    assert tasks.stacks(cfg) == cfg["vision_config"]["num_hidden_layers"] + cfg["text_config"]["num_hidden_layers"]
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    src = resolve(str(path))
+    inv = build_inventory(src)
+    r = options.resolve(inv, JobRequest.of(device="cpu", micro_batch=2, seq_len=64, precision="fp32"),
+                        config=src.config)
+    tower = {t.name for t in inv.tensors if t.name.startswith(("model.vision_tower.", "model.multi_modal_projector."))}
+    assert tower and set(r.settings.unreached) == tower
+
+
+def test_a_bart_style_classifier_s_sequences_end_with_their_eos():
+    """BartForSequenceClassification pools each sequence's last EOS and refuses examples without one: the step's
+    token ids end with the config's eos_token_id and hold no other."""
+    import torch
+
+    cfg = {"model_type": "mbart", "architectures": ["MBartForSequenceClassification"], "eos_token_id": 2}
+    ids = torch.full((2, 8), 2, dtype=torch.long)
+    got = tasks.step_inputs("sequence-classification", cfg, ids)["input_ids"]
+    assert (got[:, -1] == 2).all() and (got[:, :-1] != 2).all() and (got == 2).sum(1).tolist() == [1, 1]

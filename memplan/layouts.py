@@ -152,6 +152,17 @@ def _dim0_shard(shape: tuple[int, ...], n: int, dim: int = 0) -> int:
     return ceil_div(shape[dim], n) * rest
 
 
+#: the output head's module names a tied embedding's alias starts with (model/lora.py output_module)
+HEAD_ALIASES = ("lm_head.", "embed_out.", "output.")
+
+
+def tied_to_head(t: ParamTensor) -> bool:
+    """A tensor tied to the output head (a causal LM's embedding tied to lm_head): its gradient's first contribution
+    is the head's, from the start of backward. One tied only to other embeddings (T5's and BART's shared embedding
+    under a classification head, or T5 v1.1's untied head) gets its first from an embedding's backward."""
+    return any(a.startswith(HEAD_ALIASES) for a in t.tied_names)
+
+
 def dim_shard(t: ParamTensor, n: int) -> int:
     """Elements of one rank's FSDP2 shard of ``t`` over exactly n ranks, on the dim it is sharded on there
     (shard_dim; that dim padded to n)."""
@@ -342,6 +353,7 @@ def _gather_sizes(inv: ParamInventory, layout: str, n: int) -> GatherSizes:
     expert_world = largest_expert = 0
     on_dim1 = False
     has_ep = any(t.shard_split > 1 for t in inv.tensors)
+    two_stacks = len({b.name.rpartition(".")[0] for b in inv.layer_blocks}) > 1
     for i, t in enumerate(inv.tensors):
         group = t.group
         if t.tied_names:
@@ -372,9 +384,12 @@ def _gather_sizes(inv: ParamInventory, layout: str, n: int) -> GatherSizes:
         per_block_trainable[group] = per_block_trainable.get(group, 0) + (padded if t.trainable else 0)
         per_block_grad[group] = per_block_grad.get(group, 0) + (t.numel if t.trainable else 0)
         largest[group == ROOT_BLOCK] = max(largest[group == ROOT_BLOCK], padded)
-        if group == ROOT_BLOCK and (i > last_block or t.block != ROOT_BLOCK or t.tied_names):
+        if group == ROOT_BLOCK and (i > last_block or t.block != ROOT_BLOCK or tied_to_head(t)):
             root_head += padded
-        elif group == ROOT_BLOCK and first_block < i < last_block:
+        elif group == ROOT_BLOCK and (first_block < i < last_block or (t.tied_names and two_stacks)):
+            # between two stacks: used at the later stack's input, or tied to an embedding there (an
+            # encoder-decoder's shared embedding under a head of its own: its first gradient contribution is the
+            # decoder's embedding's backward, after the decoder's blocks)
             root_between += padded
     if layout == S.FLAT_PER_BLOCK:  # each unit's FlatParameter padded to the shard group
         per_block = {b: 0 for b in per_block}

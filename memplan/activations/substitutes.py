@@ -419,24 +419,6 @@ def cuda_scratch(gpu: tuple[int, int, int]):  # noqa: ANN201
 # ---- expert parallelism: transformers' AllToAllEP with the collectives taken out ---------------------------------
 
 
-def all_nonzero(real: Any) -> Any:
-    """torch.nonzero / Tensor.nonzero for the traced step: on a fake tensor, the indices of every element (what
-    nonzero makes of an input that is true throughout: a [numel, ndim] int64 tensor, or with ``as_tuple`` one
-    [numel] tensor per dim), made as one new tensor each, as the kernel's output is; on a real one, torch's own."""
-    import torch
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    def nonzero(x: Any, *args: Any, as_tuple: bool = False, **kwargs: Any) -> Any:
-        if not isinstance(x, FakeTensor) or args or kwargs:
-            return real(x, *args, as_tuple=as_tuple, **kwargs)
-        n = x.numel()
-        if as_tuple:
-            return tuple(torch.empty(n, dtype=torch.long, device=x.device) for _ in range(max(x.dim(), 1)))
-        return torch.empty((n, x.dim()), dtype=torch.long, device=x.device)
-
-    return nonzero
-
-
 def expert_parallel(model: Any, ep: int, tp: int = 1) -> int:
     """The model as one EP rank runs it (transformers/distributed/expert_parallel.py, transformers 5.23): each
     MoE layer's fused expert weights cut to this rank's E / ep experts (MoEParamShard, Shard(0)) and its experts

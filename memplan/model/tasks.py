@@ -376,7 +376,7 @@ def stacks(config: Mapping[str, Any]) -> int | None:
     if "factory" in config:
         return None
     task = task_of(config)
-    if task == SEQ2SEQ:
+    if task == SEQ2SEQ or encoder_decoder_head(config):
         both = seq2seq_layers(config)
         return None if both is None else sum(both)
     if task == IMAGE_TEXT or composite(config):
@@ -393,7 +393,15 @@ def two_stacks(config: Mapping[str, Any] | None) -> bool:
     other head: composite): traced at full depth, with no analytic counterpart and no tensor, pipeline, context
     or expert parallel layout."""
     return config is not None and "factory" not in config and (task_of(config) in (SEQ2SEQ, IMAGE_TEXT)
-                                                                or composite(config))
+                                                                or composite(config) or encoder_decoder_head(config))
+
+
+def encoder_decoder_head(config: Mapping[str, Any]) -> bool:
+    """An encoder-decoder under a head other than its LM's (BartForSequenceClassification, T5's,
+    BartForQuestionAnswering): both stacks run, the decoder on the input shifted right, and the head reads the
+    decoder's output at each sequence's last EOS (modeling_bart.py, modeling_t5.py)."""
+    return config.get("is_encoder_decoder") is True and task_of(config) in ("sequence-classification",
+                                                                            "question-answering")
 
 
 def composite(config: Mapping[str, Any]) -> bool:
@@ -518,13 +526,18 @@ def step_inputs(task: str, config: Mapping[str, Any], ids: Any, dtype: Any = Non
         regression = num_labels(config) == 1 and config.get("problem_type") in (None, "regression")
         labels = torch.zeros(batch, dtype=torch.float32 if regression else torch.long, device=ids.device)
         eos = config.get("eos_token_id")
+        row = [0] * ids.shape[1]
         if isinstance(eos, int) and 0 <= eos:
             # each sequence ends with its EOS, as a tokenizer ends it, and has no other: a BART-style head pools
             # the last EOS's hidden state and refuses examples without one, or with unequal counts
             # (modeling_bart.py BartForSequenceClassification: "All examples must have the same number of <eos>
-            # tokens"); the bytes do not depend on it
-            ids = torch.where(ids == eos, 0 if eos else 1, ids)
-            ids[:, -1] = eos
+            # tokens")
+            row = [0 if eos else 1] * ids.shape[1]
+            row[-1] = eos
+        # made from Python lists (torch.tensor): the head reads their values (the EOS positions it pools, DeBERTa's
+        # labels that are not negative), which a traced step keeps as constants (activations/tracing/grids.py)
+        ids = torch.tensor([row] * batch, dtype=torch.long, device=ids.device)
+        labels = torch.tensor([0] * batch, dtype=labels.dtype, device=ids.device)
         return {"input_ids": ids, "labels": labels}
     if task == IMAGE:  # ids: only the batch is read; the image from the config
         size = config.get("image_size", 224)

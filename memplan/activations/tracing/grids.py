@@ -55,15 +55,33 @@ def reads_values(config: dict[str, Any]) -> bool:
     return tasks.task_of(config) == tasks.IMAGE_TEXT and config.get("model_type") in tasks.PATCH_GRID_MODELS
 
 
+def reads_ids(config: dict[str, Any]) -> bool:
+    """Whether the config's head reads its token ids' and labels' values: a sequence classifier pools at each
+    sequence's last EOS (BART, T5: a boolean index of the EOS mask, its count per sequence checked with
+    torch.unique_consecutive) or last non-padding token, and DeBERTa's loss indexes the labels that are not
+    negative (nonzero): each an output whose size is the values'. The step's ids and labels are made with
+    torch.tensor (model/tasks.py step_inputs) and what is computed from them alone carries its value."""
+    return tasks.task_of(config) == "sequence-classification"
+
+
 @contextlib.contextmanager
 def constant_inputs(config: dict[str, Any]) -> Iterator[None]:
     """Keep the step's input values through the trace (see the module's docstring); nothing for other configs."""
+    import torch._subclasses.fake_tensor as ft
+
+    if reads_ids(config):
+        limit = ft.CONSTANT_NUMEL_LIMIT
+        try:
+            ft.CONSTANT_NUMEL_LIMIT = sys.maxsize
+            yield
+        finally:
+            ft.CONSTANT_NUMEL_LIMIT = limit
+        return
     if not reads_values(config):
         yield
         return
     import inspect
 
-    import torch._subclasses.fake_tensor as ft
     import torch.nn as nn
 
     mt = str(config["model_type"])

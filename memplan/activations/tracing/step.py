@@ -67,15 +67,7 @@ def _substitutions(config: dict[str, Any], dtype: str, attention: str, target: T
 
     real_check = os.environ.get("TRANSFORMERS_DISABLE_TORCH_CHECK")
     os.environ["TRANSFORMERS_DISABLE_TORCH_CHECK"] = "1"
-    # nonzero's output size is its input's values (a fake tensor has none): DeBERTa's classification loss indexes
-    # the labels that are not negative ((labels >= 0).nonzero(), modeling_deberta_v2.py), all of a step's. The
-    # trace's masks and labels hold nothing to leave out, so a fake input's nonzero is all of it (sub.all_nonzero)
-    import torch
-
-    real_nonzero = (torch.Tensor.nonzero, torch.nonzero)
     try:
-        torch.Tensor.nonzero = sub.all_nonzero(real_nonzero[0])
-        torch.nonzero = sub.all_nonzero(real_nonzero[1])
         if real_can_grouped is not None:
             moe._can_use_grouped_mm = lambda *a, **k: False
         if real_grouped is not None:
@@ -96,7 +88,6 @@ def _substitutions(config: dict[str, Any], dtype: str, attention: str, target: T
         with constant_inputs(config):  # a Qwen-VL step reads its inputs' values (tracing/grids.py)
             yield
     finally:
-        torch.Tensor.nonzero, torch.nonzero = real_nonzero
         if real_check is None:
             os.environ.pop("TRANSFORMERS_DISABLE_TORCH_CHECK", None)
         else:

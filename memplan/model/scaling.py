@@ -10,9 +10,10 @@ from memplan.model.config import HEAD_KEYS, LAYER_KEYS, layer_count
 
 #: config keys by meaning, across transformers families (first present wins)
 _LAYER_KEYS = tuple(k for k in LAYER_KEYS if k != "decoder_layers")  # a decoder's count: _SECOND_LAYER_KEYS
-_HIDDEN_KEYS = ("hidden_size", "n_embd", "d_model")
+_HIDDEN_KEYS = ("hidden_size", "n_embd", "d_model", "dim", "emb_dim")  # DistilBERT's dim, XLM's emb_dim
 _HEAD_KEYS = tuple(k for k in HEAD_KEYS if k != "decoder_attention_heads") + ("num_heads", "encoder_attention_heads")
-_INTER_KEYS = ("intermediate_size", "n_inner", "ffn_dim", "moe_intermediate_size", "shared_expert_intermediate_size",
+_INTER_KEYS = ("intermediate_size", "n_inner", "ffn_dim", "hidden_dim", "moe_intermediate_size",
+               "shared_expert_intermediate_size",
                "d_ff", "encoder_ffn_dim", "decoder_ffn_dim", "shared_intermediate_size",
                "shared_experts_intermediate_size", "ffn_hidden_size", "expert_ffn_hidden_size")
 #: an encoder-decoder's other stack and heads, scaled with the first (T5's num_decoder_layers, BART's encoder and

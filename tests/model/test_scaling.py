@@ -93,3 +93,14 @@ def test_lists_of_layer_indices_keep_the_indices_of_the_layers_kept():
     assert traced_steps({**plain, "moe_layers": [1, 3, 5, 7, 9]}) == 2
     assert traced_steps({"num_hidden_layers": 10, "interleave_moe_layer_step": 2}) == 2
     assert traced_steps({"num_hidden_layers": 10, "interleave_moe_layer_step": 1}) == 4
+
+
+def test_distilbert_and_xlm_widths_scale_under_their_own_names():
+    """DistilBERT names its width dim, its heads n_heads and its MLP hidden_dim; XLM and FlauBERT emb_dim: --hidden
+    scales them as hidden_size, and the MLP in proportion (the CPU harness: DistilBertForMaskedLM -0.00%)."""
+    cfg = {"model_type": "distilbert", "dim": 768, "n_heads": 12, "n_layers": 6, "hidden_dim": 3072,
+           "vocab_size": 30522}
+    out, _ = scale_config(cfg, layers=2, hidden=256, vocab=2048)
+    assert (out["dim"], out["n_heads"], out["hidden_dim"], out["n_layers"]) == (256, 4, 1024, 2)
+    xlm, _ = scale_config({"model_type": "xlm", "emb_dim": 2048, "n_heads": 16, "n_layers": 12}, hidden=512)
+    assert (xlm["emb_dim"], xlm["n_heads"]) == (512, 4)

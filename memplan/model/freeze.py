@@ -22,7 +22,8 @@ from memplan.inputs import quote
 #: self.vision_model, its projector beside it)
 VISION_TOWERS = {"llava": "model.vision_tower", "gemma3": "model.vision_tower", "paligemma": "model.vision_tower",
                  "qwen2_vl": "model.visual", "qwen2_5_vl": "model.visual", "qwen3_vl": "model.visual",
-                 "qwen3_vl_moe": "model.visual", "mllama": "model.vision_model"}
+                 "qwen3_vl_moe": "model.visual", "qwen3_5": "model.visual", "qwen3_5_moe": "model.visual",
+                 "mllama": "model.vision_model"}
 #: what --freeze vision freezes where the projector sits inside the tower: the tower less its mergers, as Qwen's
 #: own fine-tuning script does by default (qwen-vl-finetune train_qwen.py: tune_mm_vision off, tune_mm_mlp on:
 #: model.visual's parameters frozen, then model.visual.merger's trained again; Qwen3-VL's deepstack mergers are
@@ -30,7 +31,9 @@ VISION_TOWERS = {"llava": "model.vision_tower", "gemma3": "model.vision_tower", 
 VISION_FROZEN = {"qwen2_vl": ("model.visual.patch_embed", "model.visual.blocks"),
                  "qwen2_5_vl": ("model.visual.patch_embed", "model.visual.blocks"),
                  "qwen3_vl": ("model.visual.patch_embed", "model.visual.pos_embed", "model.visual.blocks"),
-                 "qwen3_vl_moe": ("model.visual.patch_embed", "model.visual.pos_embed", "model.visual.blocks")}
+                 "qwen3_vl_moe": ("model.visual.patch_embed", "model.visual.pos_embed", "model.visual.blocks"),
+                 "qwen3_5": ("model.visual.patch_embed", "model.visual.pos_embed", "model.visual.blocks"),
+                 "qwen3_5_moe": ("model.visual.patch_embed", "model.visual.pos_embed", "model.visual.blocks")}
 #: --freeze's name for the vision tower
 VISION = "vision"
 

@@ -76,7 +76,7 @@ IMAGE_TEXT = "image-text-to-text"
 TASKS = (CAUSAL_LM, "masked-lm", "sequence-classification", "token-classification", "question-answering",
          IMAGE, SEQ2SEQ, IMAGE_TEXT)
 #: the vision-language models of any image resolution (Qwen-VL: the image's patch grid, image_grid_thw, is an input)
-PATCH_GRID_MODELS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
+PATCH_GRID_MODELS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
 #: the vision-language model types memplan traces (their image tokens: image_text_tokens)
 IMAGE_TEXT_MODELS = ("llava", "gemma3", "paligemma", "mllama") + PATCH_GRID_MODELS
 #: the vision-language models whose language model reads the images by cross-attention (Llama 3.2 Vision's Mllama):

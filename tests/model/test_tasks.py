@@ -711,8 +711,7 @@ def test_a_composite_config_s_causal_lm_is_its_language_model():
     from memplan.model import sources
 
     cfg = json.loads(QWEN35.read_text())
-    with pytest.raises(ConfigError, match=r"--task causal-lm trains its language model alone \(Qwen3_5ForCausalLM"):
-        tasks.task_of(cfg)
+    assert tasks.task_of(cfg) == tasks.IMAGE_TEXT  # its own class trains on images too (a patch-grid model)
     src = sources.with_task(sources.resolve(str(QWEN35)), "causal-lm")
     assert src.config["model_type"] == "qwen3_5_text" and src.config["architectures"] == ["Qwen3_5ForCausalLM"]
     assert "text_config" not in src.config and src.config["dtype"] == "bfloat16"
@@ -803,3 +802,26 @@ def test_an_encoder_decoder_classifier_is_two_stacks_and_its_shared_embedding_co
     assert not layouts.tied_to_head(shared)
     g = layouts.gather_sizes(inv, strategies.PER_PARAM_DIM0, 1)
     assert g.root_between >= shared.numel and g.root_head < shared.numel
+
+
+def test_a_vision_language_model_memplan_does_not_trace_says_what_to_do():
+    """Llama 4's ForConditionalGeneration is refused by name, with --task causal-lm for its language model alone
+    (Llama4ForCausalLM, as AutoModelForCausalLM builds it)."""
+    pytest.importorskip("transformers")
+    cfg = {"architectures": ["Llama4ForConditionalGeneration"], "model_type": "llama4",
+           "text_config": {"model_type": "llama4_text"}, "vision_config": {"model_type": "llama4_vision_model"}}
+    with pytest.raises(ConfigError, match=r"--task causal-lm trains its language model alone \(Llama4ForCausalLM"):
+        tasks.task_of(cfg)
+
+
+def test_qwen3_5_trains_on_its_images_as_qwen3_vl_does():
+    """Qwen3.5 (and its MoE) build Qwen3-VL's vision tower and 3-D positions from vision_utils and
+    get_rope_index (modeling_qwen3_5.py): a patch-grid model, its image tokens (H/32)(W/32) between its vision
+    start and end; --freeze vision freezes the tower less its merger. CPU harness (`memplan validate
+    qwen3.5-tiny.json --micro-batch 2 --seq-len 128 --image-size 64x64 --device cpu --gpus 1`): fp32 -0.01%,
+    torch-amp -0.01%, the MoE's fp32 -0.01%, model states exact."""
+    cfg = json.loads(QWEN35.read_text())
+    assert cfg["model_type"] in tasks.PATCH_GRID_MODELS
+    from memplan.model import freeze
+
+    assert freeze.paths("vision", cfg) == ("model.visual.patch_embed", "model.visual.pos_embed", "model.visual.blocks")

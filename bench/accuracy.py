@@ -53,6 +53,10 @@ QWEN2_VL = ("tests/data/configs/qwen2-vl-tiny.json", dict(layers=None))
 QWEN3_VL = ("tests/data/configs/qwen3-vl-tiny.json", dict(layers=None))
 # Qwen3-VL-MoE: the same tower, a language model of 4 fused experts, top-2, in each of its 3 blocks
 QWEN3_VL_MOE = ("tests/data/configs/qwen3-vl-moe-tiny.json", dict(layers=None))
+# Qwen3.5 and Qwen3.5-MoE: Qwen3-VL's tower (2 blocks, 16 px patches) under a hybrid language model of 4 blocks
+# (3 gated-delta-net linear attention, 1 full), the MoE's of 8 experts top-2 with a shared expert; 64 px images
+QWEN35 = ("tests/data/configs/qwen3.5-tiny.json", dict(layers=None))
+QWEN35_MOE = ("tests/data/configs/qwen3.5-moe-tiny.json", dict(layers=None))
 QWEN_IMG = dict(image_size=(168, 224))
 # Mllama (Llama 3.2 Vision): 56 px tiles in 14 px patches (17 patches with the class token, padded to 24), 4 tiles an
 # image, 2 local + 1 global vision layers, a language model of 4 blocks whose 2nd and 4th cross-attend to the tiles
@@ -339,6 +343,13 @@ CASES = [
      "none"),
     ("qwen3-vl image-text fsdp-full, frozen vision", QWEN3_VL, dict(strategy="fsdp-full", freeze="vision",
                                                                     image_size=(128, 192)), {}, {}, "none"),
+    # session 43: Qwen3.5 and its MoE, patch-grid models as Qwen3-VL
+    ("qwen3.5 image-text, 1 rank, fp32", QWEN35, dict(gpus=1, precision="fp32", image_size=(64, 64)), {}, {}, "none"),
+    ("qwen3.5 image-text, 1 rank", QWEN35, dict(gpus=1, image_size=(64, 64)), {}, {}, "none"),
+    ("qwen3.5 image-text fsdp-full, frozen vision", QWEN35, dict(strategy="fsdp-full", freeze="vision",
+                                                                 image_size=(64, 64)), {}, {}, "none"),
+    ("qwen3.5-moe image-text, 1 rank, fp32", QWEN35_MOE, dict(gpus=1, precision="fp32", image_size=(64, 64)), {}, {},
+     "none"),
     # session 41: Mllama, its tiles read by the language model's cross-attention layers
     ("mllama image-text, 1 rank, fp32", MLLAMA, dict(gpus=1, precision="fp32"), {}, {}, "none"),
     ("mllama image-text, 1 rank", MLLAMA, dict(gpus=1), {}, {}, "none"),

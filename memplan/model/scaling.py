@@ -127,6 +127,12 @@ def scale_config(config: dict[str, Any], *, layers: int | None = None, hidden: i
         changes.append(f"{hkey} {old_h} -> {hidden}, {nkey} {heads} -> {new_heads}"
                        + (f", num_key_value_heads {kv} -> {cfg['num_key_value_heads']}" if kv else ""))
         cfg[hkey], cfg[nkey] = hidden, new_heads
+        # widths that add up to the hidden size scale with it (LayoutLMv3's spatial embeddings: 4 x coordinate_size
+        # + 2 x shape_size, concatenated into the hidden states)
+        c, sh = cfg.get("coordinate_size"), cfg.get("shape_size")
+        if isinstance(c, int) and isinstance(sh, int) and 4 * c + 2 * sh == old_h and hidden % 2 == 0:
+            c = c * hidden // old_h
+            cfg["coordinate_size"], cfg["shape_size"] = c, (hidden - 4 * c) // 2
         # other widths the config sets to the hidden size (DeBERTa-v2's pooler_hidden_size, an embedding_size
         # equal to it) follow it: the layers they size read the hidden states
         for k, v in list(cfg.items()):

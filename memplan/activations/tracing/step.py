@@ -474,7 +474,7 @@ def one_step(config: dict[str, Any], batch: int, seq: int, recipe: str, attentio
             param_storages = {id(t.untyped_storage()) for p in params + gathered for t in plain_tensors(p)}
             moments = _BlockMoments(live)
             moments.install(block_list)
-            if ep > 1:
+            if (ep if isinstance(ep, int) else ep[0]) > 1:  # an EP rank's (a TP x EP rank's: [ep, tp])
                 moments.install_experts(block_list)
             hooks = _GradientHooks(live, block_of)
             for p in params:

@@ -520,23 +520,34 @@ def step_inputs(task: str, config: Mapping[str, Any], ids: Any, dtype: Any = Non
     import torch
 
     batch = ids.shape[0]
-    if task in (CAUSAL_LM, "masked-lm", "token-classification"):
-        return {"input_ids": ids, "labels": ids if task != "token-classification" else torch.zeros_like(ids)}
+    if task == CAUSAL_LM:
+        return {"input_ids": ids, "labels": ids}
+    if task in ("masked-lm", "token-classification", "question-answering"):
+        # made from Python lists (torch.tensor), so that a traced step keeps their values (activations/tracing/
+        # grids.py reads_ids): XLM and FlauBERT take each sequence's length from its ids (lengths.max().item())
+        # and LED's question answering its separators
+        seq = ids.shape[1]
+        ids = torch.tensor(_id_rows(ids), dtype=torch.long, device=ids.device)
+        if task == "question-answering":
+            z = torch.tensor([0] * batch, dtype=torch.long, device=ids.device)
+            return {"input_ids": ids, "start_positions": z, "end_positions": z.clone()}
+        return {"input_ids": ids, "labels": ids if task == "masked-lm" else
+                torch.tensor([[0] * seq] * batch, dtype=torch.long, device=ids.device)}
     if task == "sequence-classification":
         regression = num_labels(config) == 1 and config.get("problem_type") in (None, "regression")
         labels = torch.zeros(batch, dtype=torch.float32 if regression else torch.long, device=ids.device)
         eos = config.get("eos_token_id")
-        row = [0] * ids.shape[1]
+        rows = _id_rows(ids)
         if isinstance(eos, int) and 0 <= eos:
             # each sequence ends with its EOS, as a tokenizer ends it, and has no other: a BART-style head pools
             # the last EOS's hidden state and refuses examples without one, or with unequal counts
             # (modeling_bart.py BartForSequenceClassification: "All examples must have the same number of <eos>
             # tokens")
-            row = [0 if eos else 1] * ids.shape[1]
-            row[-1] = eos
+            other = 0 if eos else 1
+            rows = [[other if t == eos else t for t in row[:-1]] + [eos] for row in rows]
         # made from Python lists (torch.tensor): the head reads their values (the EOS positions it pools, DeBERTa's
         # labels that are not negative), which a traced step keeps as constants (activations/tracing/grids.py)
-        ids = torch.tensor([row] * batch, dtype=torch.long, device=ids.device)
+        ids = torch.tensor(rows, dtype=torch.long, device=ids.device)
         labels = torch.tensor([0] * batch, dtype=labels.dtype, device=ids.device)
         return {"input_ids": ids, "labels": labels}
     if task == IMAGE:  # ids: only the batch is read; the image from the config
@@ -570,10 +581,17 @@ def step_inputs(task: str, config: Mapping[str, Any], ids: Any, dtype: Any = Non
     if task == SEQ2SEQ:  # the decoder's labels, shifted right by the model into its inputs
         tgt = int(config.get(TARGET_KEY) or ids.shape[1])
         return {"input_ids": ids, "labels": torch.zeros(batch, tgt, dtype=torch.long, device=ids.device)}
-    if task == "question-answering":
-        z = torch.zeros(batch, dtype=torch.long, device=ids.device)
-        return {"input_ids": ids, "start_positions": z, "end_positions": z.clone()}
     raise ValueError(f"unknown task {task}")
+
+
+def _id_rows(ids: Any) -> list[list[int]]:
+    """The token ids as lists: the harness's drawn ids, or zeros for a traced step's (a fake tensor has no values;
+    the bytes do not depend on them)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    if isinstance(ids, FakeTensor):
+        return [[0] * ids.shape[1] for _ in range(ids.shape[0])]
+    return [list(map(int, row)) for row in ids.tolist()]
 
 
 def _tile_inputs(config: Mapping[str, Any], ids: Any, n: int, dtype: Any) -> dict[str, Any]:

@@ -99,7 +99,7 @@ def test_a_vision_language_model_s_bad_input_is_one_line(tmp_path):
                          (["qwen2.5-vl-7b", "--image-size", "980", "--seq-len", "1200"], "or a smaller --image-size"),
                          (["llava-1.5-7b", "--image-size", "336"], "takes images of its config's image_size (336 px)"),
                          (["llama-3-8b", "--image-size", "448"], "only a vision-language model"),
-                         ([str(QWEN35)], "--task causal-lm trains its language model alone")):
+                         ([str(QWEN35), "--image-size", "50x64"], "multiples of 32 px")):
         r = subprocess.run([sys.executable, "-m", "memplan", "estimate", *argv], capture_output=True, text=True)
         assert r.returncode == 2 and r.stdout == "" and len(r.stderr.strip().splitlines()) == 1, (argv, r.stderr)
         assert needle in r.stderr, (argv, r.stderr)
@@ -370,7 +370,7 @@ def test_a_vision_language_model_s_images_are_tokens_in_its_sequence():
     with pytest.raises(ConfigError, match="pools its 64 x 64 patches"):
         tasks.image_text_tokens(dict(gemma, mm_tokens_per_image=100))
     with pytest.raises(ConfigError, match="modelled for model_type llava, gemma3, paligemma, mllama, qwen2_vl, "
-                                          "qwen2_5_vl, qwen3_vl, qwen3_vl_moe, not 'idefics3'"):
+                                          "qwen2_5_vl, qwen3_vl, qwen3_vl_moe, qwen3_5, qwen3_5_moe, not 'idefics3'"):
         tasks.task_of({"architectures": ["Idefics3ForConditionalGeneration"], "model_type": "idefics3"})
     pali = json.loads(PALIGEMMA.read_text())
     assert tasks.task_of(pali) == tasks.IMAGE_TEXT and tasks.image_text_tokens(pali) == 16  # (32 / 8)^2

@@ -56,12 +56,14 @@ def reads_values(config: dict[str, Any]) -> bool:
 
 
 def reads_ids(config: dict[str, Any]) -> bool:
-    """Whether the config's head reads its token ids' and labels' values: a sequence classifier pools at each
+    """Whether the config's step reads its token ids' and labels' values (an encoder's head; XLM and FlauBERT
+    take each sequence's length from its ids, ``lengths.max().item()``): a sequence classifier pools at each
     sequence's last EOS (BART, T5: a boolean index of the EOS mask, its count per sequence checked with
     torch.unique_consecutive) or last non-padding token, and DeBERTa's loss indexes the labels that are not
     negative (nonzero): each an output whose size is the values'. The step's ids and labels are made with
     torch.tensor (model/tasks.py step_inputs) and what is computed from them alone carries its value."""
-    return tasks.task_of(config) == "sequence-classification"
+    return tasks.task_of(config) in ("sequence-classification", "masked-lm", "token-classification",
+                                     "question-answering")
 
 
 @contextlib.contextmanager

@@ -68,6 +68,7 @@ SEQ2SEQ = "seq2seq-lm"
 #: class-name suffix -> task, longest first where one ends another
 SUFFIXES = (("ForSequenceClassification", "sequence-classification"),
             ("ForTokenClassification", "token-classification"), ("ForQuestionAnswering", "question-answering"),
+            ("ForQuestionAnsweringSimple", "question-answering"),  # XLM's and FlauBERT's span head
             ("ForMaskedLM", "masked-lm"), ("ForCausalLM", CAUSAL_LM), ("LMHeadModel", CAUSAL_LM),
             ("ForImageClassification", "image-classification"))
 IMAGE = "image-classification"

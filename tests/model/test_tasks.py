@@ -825,3 +825,11 @@ def test_qwen3_5_trains_on_its_images_as_qwen3_vl_does():
     from memplan.model import freeze
 
     assert freeze.paths("vision", cfg) == ("model.visual.patch_embed", "model.visual.pos_embed", "model.visual.blocks")
+
+
+def test_a_span_head_named_simple_is_question_answering_not_a_causal_lm():
+    """XLM's and FlauBERT's ForQuestionAnsweringSimple is their span head (transformers' question-answering
+    mapping): it was taken as a causal LM by its name, and the LM head's model built in its place. CPU harness
+    (FlauBERT, 2 blocks, hidden 256): -0.01%."""
+    cfg = {"architectures": ["FlaubertForQuestionAnsweringSimple"], "model_type": "flaubert"}
+    assert tasks.task_of(cfg) == "question-answering"

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
 from memplan import strategies as S
-from memplan.model.inventory import ROOT_BLOCK, ParamInventory, ParamTensor
+from memplan.model.inventory import HEAD_PREFIXES, ROOT_BLOCK, ParamInventory, ParamTensor
 from memplan.precision import Optimizer, Recipe
 from memplan.precision import state_bytes as precision_state_bytes
 from memplan.units import ceil_div, round_up
@@ -127,7 +127,7 @@ def _pairs(numels: list[int]) -> int:
     return best
 
 
-def _group(t: ParamTensor, n: int) -> int:
+def tensor_group(t: ParamTensor, n: int) -> int:
     """The FSDP shard group of one tensor in a data-parallel group of n (ParamTensor.shard_split)."""
     return n if t.shard_split == 1 else max(1, n // t.shard_split)
 
@@ -152,15 +152,11 @@ def _dim0_shard(shape: tuple[int, ...], n: int, dim: int = 0) -> int:
     return ceil_div(shape[dim], n) * rest
 
 
-#: the output head's module names a tied embedding's alias starts with (model/lora.py output_module)
-HEAD_ALIASES = ("lm_head.", "embed_out.", "output.")
-
-
 def tied_to_head(t: ParamTensor) -> bool:
     """A tensor tied to the output head (a causal LM's embedding tied to lm_head): its gradient's first contribution
     is the head's, from the start of backward. One tied only to other embeddings (T5's and BART's shared embedding
     under a classification head, or T5 v1.1's untied head) gets its first from an embedding's backward."""
-    return any(a.startswith(HEAD_ALIASES) for a in t.tied_names)
+    return any(a.lower().startswith(HEAD_PREFIXES) for a in t.tied_names)
 
 
 def dim_shard(t: ParamTensor, n: int) -> int:
@@ -172,7 +168,7 @@ def dim_shard(t: ParamTensor, n: int) -> int:
 def _tensor_shard(t: ParamTensor, n: int) -> int:
     """Elements of one rank's FSDP2 shard of ``t`` in a data-parallel group of n (its own group: _group; its
     shard dim: shard_dim)."""
-    g = _group(t, n)
+    g = tensor_group(t, n)
     return _dim0_shard(t.shape, g, shard_dim(t, g))
 
 
@@ -254,7 +250,7 @@ def _layout_sizes(inv: ParamInventory, layout: str, n: int, threshold: int) -> L
     elif layout == S.PER_PARAM_DIM0:
         parts = [_tensor_shard(t, n) for t in tensors]
         shard = opt = sum(parts)
-        shapes = tuple((_local_dim0(t.shape, p, shard_dim(t, _group(t, n))), p) for t, p in zip(tensors, parts))
+        shapes = tuple((_local_dim0(t.shape, p, shard_dim(t, tensor_group(t, n))), p) for t, p in zip(tensors, parts))
         largest = _pairs(parts)
     elif layout == S.FLAT_PER_BLOCK:
         parts = [round_up(u, n) // n for u in _unit_numels(inv).values() if u]
@@ -361,15 +357,15 @@ def _gather_sizes(inv: ParamInventory, layout: str, n: int) -> GatherSizes:
         elif t.block == ROOT_BLOCK and i > last_block:
             head_largest = max(head_largest, t.numel)
         if layout == S.PER_PARAM_DIM0:
-            padded = _tensor_shard(t, n) * _group(t, n)
+            padded = _tensor_shard(t, n) * tensor_group(t, n)
             if has_ep:
                 row = experts.setdefault(group, [0, 0, 0, 0])
-                row[1] += padded // _group(t, n)
+                row[1] += padded // tensor_group(t, n)
                 if t.shard_split > 1:
                     row[0] += padded
-                    row[2] += padded // _group(t, n)
+                    row[2] += padded // tensor_group(t, n)
                     row[3] += t.numel
-                    expert_world = _group(t, n)
+                    expert_world = tensor_group(t, n)
                     largest_expert = max(largest_expert, padded)
                     on_dim1 = on_dim1 or shard_dim(t, expert_world) == 1
         elif layout == S.PER_PARAM_NUMEL:

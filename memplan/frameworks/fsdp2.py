@@ -94,7 +94,7 @@ def gathers(job: Job) -> layouts.GatherSizes:
         if t.group != ROOT_BLOCK and t.group not in order:
             order.append(t.group)
         if t.name in f8:
-            padded = layouts._tensor_shard(t, job.n) * layouts._group(t, job.n)
+            padded = layouts._tensor_shard(t, job.n) * layouts.tensor_group(t, job.n)
             less[t.group] = less.get(t.group, 0) + padded - padded // cb
     blocks = tuple(b - less.get(k, 0) for b, k in zip(g.block_numels, order))
     return replace(g, block_numels=blocks, total_blocks=sum(blocks), root=g.root - less.get(ROOT_BLOCK, 0),

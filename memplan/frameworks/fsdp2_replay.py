@@ -555,6 +555,7 @@ def replay(inv: Any, s: Any, config: AllocatorConfig) -> tuple[str, dict[str, Al
         root_reshards,
         unshard_bytes,
     )
+    from memplan.layouts import tensor_group
     from memplan.precision import float8_gathered
     from memplan.replay import replay_job
     from memplan.settings import shard_group_size
@@ -584,7 +585,7 @@ def replay(inv: Any, s: Any, config: AllocatorConfig) -> tuple[str, dict[str, Al
         xs = [t for t in ts if t.shard_split > 1]
         if not xs:
             continue
-        ew = max(1, n // xs[0].shard_split)
+        ew = tensor_group(xs[0], n)  # the expert-FSDP group (layouts: the engine's own)
         g = fsdp_group(xs, position, ew, r, cb, 0, cpu_chunk, False, f8)
         numels.extend((position[t.name], p // ew) for t, p in zip(xs, g.padded) if t.trainable)
         experts[i] = g

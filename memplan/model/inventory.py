@@ -24,6 +24,9 @@ HELD_UNIT = "<held>/"
 
 CATEGORIES = ("embedding", "attention", "mlp", "experts", "router", "norm", "head", "other")
 
+#: the output head's module names (a tied embedding's alias among them ties it to the head)
+HEAD_PREFIXES = ("lm_head.", "embed_out.", "output.")
+
 _ROUTER_RE = re.compile(r"(\.gate\.weight$|shared_expert_gate\.)")
 
 
@@ -35,7 +38,7 @@ def classify(name: str) -> str:
     if "embed_tokens" in low or "embed_in" in low or leaf.startswith(("wte.", "wpe.", "word_embeddings.")) or \
             ".embeddings." in low or low.startswith("embeddings."):
         return "embedding"
-    if low.startswith(("lm_head.", "embed_out.", "output.")):
+    if low.startswith(HEAD_PREFIXES):
         return "head"
     parts = low.split(".")
     module = parts[-2] if len(parts) >= 2 else ""

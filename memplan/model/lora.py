@@ -28,7 +28,7 @@ from typing import Any
 
 from memplan.errors import ConfigError, SettingsError
 from memplan.inputs import REGEX_SECONDS, compile_pattern, deadline, quote
-from memplan.model.inventory import ROOT_BLOCK, ParamInventory, ParamTensor
+from memplan.model.inventory import HEAD_PREFIXES, ROOT_BLOCK, ParamInventory, ParamTensor
 from memplan.units import dtype_bytes
 
 ALL_LINEAR = "all-linear"
@@ -412,7 +412,7 @@ def output_module(inv: ParamInventory) -> str | None:
         if t.category == "head":
             return t.module
         for alias in t.tied_names:
-            if alias.startswith(("lm_head.", "embed_out.", "output.")):
+            if alias.lower().startswith(HEAD_PREFIXES):
                 return alias.rpartition(".")[0]
     return None
 

@@ -536,7 +536,6 @@ def step_inputs(task: str, config: Mapping[str, Any], ids: Any, dtype: Any = Non
                 torch.tensor([[0] * seq] * batch, dtype=torch.long, device=ids.device)}
     if task == "sequence-classification":
         regression = num_labels(config) == 1 and config.get("problem_type") in (None, "regression")
-        labels = torch.zeros(batch, dtype=torch.float32 if regression else torch.long, device=ids.device)
         eos = config.get("eos_token_id")
         rows = _id_rows(ids)
         if isinstance(eos, int) and 0 <= eos:
@@ -549,7 +548,7 @@ def step_inputs(task: str, config: Mapping[str, Any], ids: Any, dtype: Any = Non
         # made from Python lists (torch.tensor): the head reads their values (the EOS positions it pools, DeBERTa's
         # labels that are not negative), which a traced step keeps as constants (activations/tracing/grids.py)
         ids = torch.tensor(rows, dtype=torch.long, device=ids.device)
-        labels = torch.tensor([0] * batch, dtype=labels.dtype, device=ids.device)
+        labels = torch.tensor([0] * batch, dtype=torch.float32 if regression else torch.long, device=ids.device)
         return {"input_ids": ids, "labels": labels}
     if task == IMAGE:  # ids: only the batch is read; the image from the config
         size = config.get("image_size", 224)

@@ -494,6 +494,12 @@ CASES = [
     # Accelerate's torchao backend (mixed_precision fp8): the first and last linears kept, on the job's own recipe
     ("float8 tensorwise first-last, one rank", LLAMA,
      dict(gpus=1, precision="torch-amp", float8="tensorwise", float8_keep="first-last"), {}, {}, "none"),
+    # gradient_as_bucket_view: the buckets are the gradients (frameworks/ddp.py whole_step_grads); under gradient
+    # accumulation the peak is lower than without it (the kept gradients are the buckets)
+    ("ddp gradient_as_bucket_view", LLAMA, dict(strategy="ddp"), {}, dict(gradient_as_bucket_view=True), "none"),
+    ("ddp gradient_as_bucket_view, seq 16, 2 micro-batches", LLAMA, dict(strategy="ddp", seq_len=16, grad_accum=2),
+     {}, dict(gradient_as_bucket_view=True), "none"),
+    ("ddp, seq 16, 2 micro-batches", LLAMA, dict(strategy="ddp", seq_len=16, grad_accum=2), {}, {}, "none"),
     ("ddp, float8 tensorwise first-last, bf16-autocast", LLAMA,
      dict(strategy="ddp", precision="bf16-autocast", float8="tensorwise", float8_keep="first-last"), {}, {}, "full"),
     ("fsdp-full, float8 rowwise, pure-bf16", LLAMA, dict(strategy="fsdp-full", precision="pure-bf16",

@@ -72,6 +72,8 @@ def _gradients(job: Job, fw: FrameworkModel, host_by: dict[str, int]) -> tuple[G
     if st.persistent_grads:
         persist = rc.grad_bytes * opt_numel  # ZeRO-3 grad_partitions_flat_buffer (accumulation dtype)
         end = persist
+    elif fw.whole_step_grads(job):
+        persist = end = fw.whole_step_grads(job)
     if job.s.grad_accum > 1:
         persist = max(persist, fw.accumulated_grads(job, end))  # grads live across micro-steps
     if job.cpu_offload:

@@ -527,8 +527,9 @@ def muon_aux_adam_step(inv: Any, recipe: Recipe, first: bool = False, gemm: Any 
         e.free(x0)
         e.bind("X", x)
         for _ in range(5):
+            a_ = e.alloc(2 * k * k)  # X @ X.mT: aten's output, then the kernel's own scratch
             e.temporary(g(k, k, l_))
-            e.bind("A", e.alloc(2 * k * k))
+            e.bind("A", a_)
             ba = e.alloc(2 * k * k)
             ca = e.alloc(2 * k * k)
             e.temporary(g(k, k, k))
@@ -539,8 +540,8 @@ def muon_aux_adam_step(inv: Any, recipe: Recipe, first: bool = False, gemm: Any 
             e.free(caa)
             e.bind("B", bn)
             ax = e.alloc(2 * ab)
-            e.temporary(g(k, l_, k))
             bx = e.alloc(2 * ab)
+            e.temporary(g(k, l_, k))
             xn = e.alloc(2 * ab)
             e.free(ax)
             e.free(bx)
@@ -930,18 +931,18 @@ def galore_step(inv: Any, recipe: Recipe, first: bool = False, update: bool = Tr
             e.free(made)
             if not first:  # the new projection (the same bytes) replaces the old one
                 e.free(u if fp32 and not right else vh if fp32 else cast)
-        if gemm is not None:
-            e.temporary(gemm(m, r, n) if right else gemm(r, n, m))
         low = m * r if right else r * n
         e.bind("grad", e.alloc(gb * low))
+        if gemm is not None:  # inside the kernel, after aten made its output
+            e.temporary(gemm(m, r, n) if right else gemm(r, n, m))
         if first:
             e.alloc(gb * low, keep=True)
             e.alloc(gb * low, keep=True)
         e.bind("denom", e.alloc(gb * low))
         e.bind("norm_grad", e.alloc(gb * low))
+        back = e.alloc(gb * m * n)
         if gemm is not None:
             e.temporary(gemm(m, n, r))
-        back = e.alloc(gb * m * n)
         scaled = e.alloc(gb * m * n)
         e.free(back)
         e.bind("norm_grad", scaled)

@@ -735,11 +735,11 @@ def micro_step(run: Run, job: ReplayJob, keep_grads: bool, at: Any = None,
             if e[3] is not None:
                 if on_grad is not None and on_grad(size, key, e[3]):
                     kept.add(key)  # the framework keeps this gradient's storage and frees it itself
+                if len(e) > 4 and e[4]:
+                    run.late[key] = e[4]
                 if keep_grads:
                     kept.add(key)
                     grads.append((key, size))
-                    if len(e) > 4 and e[4]:
-                        run.late[key] = e[4]
         elif kind == "f":
             key = off + e[1]
             if key not in kept:

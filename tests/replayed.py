@@ -68,7 +68,7 @@ def live_curve(events: list) -> tuple[list[int], list[int]]:
 
 
 def harness_replay(label: str, layers: int, gpus: int, model: str = "llama-7b", recompute: str = "none",
-                   **kw: object) -> tuple[str, int, int]:
+                   seq_len: int = 128, **kw: object) -> tuple[str, int, int]:
     """(the replay's name, its sequence's peak counted as the CPU harness counts it: bench/replay_harness.py, the
     worst rank's measured peak) for a kept harness row of ``model`` scaled to ``layers`` blocks."""
     import sys
@@ -84,7 +84,7 @@ def harness_replay(label: str, layers: int, gpus: int, model: str = "llama-7b", 
     try:
         validation.adapted_inventory = lambda inv, kw: inventories.append(wrapped(inv, kw)) or inventories[-1]
         job = JobRequest.of(device="cpu", cpu_isa=row[10] if len(row) > 10 else "avx512", gpus=gpus,
-                            gpus_per_node=gpus, micro_batch=2, seq_len=128, recompute=recompute, **kw)
+                            gpus_per_node=gpus, micro_batch=2, seq_len=seq_len, recompute=recompute, **kw)
         _, resolved, *_ = validation.predict(model, job, layers=layers, hidden=256, vocab=2048)
     finally:
         validation.adapted_inventory = wrapped

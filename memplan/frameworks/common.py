@@ -181,6 +181,9 @@ class FrameworkModel:
     grads_at_end: Callable[[Job], int] = grads_at_end
     #: the gradients kept across micro-steps under gradient accumulation, from those alive at backward's end
     accumulated_grads: Callable[[Job, int], int] = lambda job, end: end
+    #: gradient bytes held through the whole step, forward included, in storage the framework keeps for the run
+    #: (DDP's gradient_as_bucket_view: the Reducer's buckets are the gradients); 0 where gradients come and go
+    whole_step_grads: Callable[[Job], int] = lambda job: 0
     #: the gradient side of an offload: moves gradients to ``host_by`` and says what stays on the device
     offload: Callable[[Job, Grads, dict[str, int]], OffloadedGrads] = no_offload
     #: the optimizer step's (grads, buffers, assumptions), given the step every framework has

@@ -12,9 +12,10 @@ from memplan.timeline import BufferMoment, BufferTimeline
 
 def buffers(job: Job, grads: Grads) -> BufferTimeline:
     st, rc = job.s.strategy, job.s.recipe
-    # the Reducer allocates a flat bucket tensor for every bucket at construction, covering all grads (none
-    # with gradient_as_bucket_view: the grads are views into the buckets)
-    persistent = rc.grad_bytes * job.psi if st.ddp_buckets and not job.s.torch.gradient_as_bucket_view else 0
+    # the Reducer allocates a flat bucket tensor for every bucket at construction, covering all grads; with
+    # gradient_as_bucket_view they are the gradients (whole_step_grads), not counted twice
+    view = _as_view(job)
+    persistent = rc.grad_bytes * job.psi if st.ddp_buckets and not view else 0
     if st.ddp_buckets and job.inv.unused_params:
         # parameters no loss reads (ParamTensor.unused) need find_unused_parameters=True, and the Reducer buckets
         # every parameter that requires grad (_build_params_for_reducer), so theirs too: bucket bytes no gradient
@@ -39,8 +40,26 @@ def buffers(job: Job, grads: Grads) -> BufferTimeline:
             moments = copies
             g = job.grad_gathers
             epilogue = 2 * job.psi + rc.grad_bytes * max(g.largest_tensor, g.root_largest_tensor)
+    if view:
+        # each gradient autograd makes is copied into its bucket view by the Reducer's hook (the post-hook of the
+        # parameter's AccumulateGrad) and freed: only those whose hook has not run are beside the buckets
+        moments = [BufferMoment(m.buffers, 0, m.at) for m in moments]
     return BufferTimeline(persistent=persistent, moments=(LOSS, *moments), end_epilogue=epilogue,
-                          assumptions=assumptions)
+                          assumptions=assumptions, grads_held=view, first_hook_grads_persist=view)
+
+
+def _as_view(job: Job) -> bool:
+    """DDP's gradient_as_bucket_view: each parameter's .grad a view of its Reducer bucket."""
+    return job.s.strategy.ddp_buckets and job.s.torch.gradient_as_bucket_view
+
+
+def whole_step_grads(job: Job) -> int:
+    """With gradient_as_bucket_view the Reducer's buckets are the gradients, allocated at construction and kept
+    for the run, forward included (reducer.cpp initialize_buckets; mark_variable_ready_dense copies each gradient
+    autograd makes into its bucket view, then ``grad = bucket_view``): every gradient's bytes, the whole step.
+    zero_grad(set_to_none=True) drops the views, not the buckets. Measured on the CPU harness: the same peak with
+    and without it (docs/accuracy.md, "ddp gradient_as_bucket_view")."""
+    return job.s.recipe.grad_bytes * job.psi if _as_view(job) else 0
 
 
 def unreached(s: Settings) -> tuple[str, str]:
@@ -54,4 +73,5 @@ def unreached(s: Settings) -> tuple[str, str]:
         " (DDP needs find_unused_parameters=True, and still buckets them)" if s.strategy.ddp_buckets else "")
 
 
-MODEL = FrameworkModel(name="ddp", replay="memplan.frameworks.ddp_replay", buffers=buffers, unreached=unreached)
+MODEL = FrameworkModel(name="ddp", replay="memplan.frameworks.ddp_replay", buffers=buffers, unreached=unreached,
+                       whole_step_grads=whole_step_grads)

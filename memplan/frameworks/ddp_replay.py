@@ -33,7 +33,8 @@ def _broadcast_coalesced(run: Run, sizes: list[int], bucket: int) -> None:
 
 def replay_ddp(job: ReplayJob, config: AllocatorConfig | None = None, release: str = "pre",
                reducer: bool = True, trainable: tuple[bool, ...] | None = None,
-               bucket_limits: tuple[int, ...] = (DDP_FIRST_BUCKET, 25 * MiB), find_unused: bool = False) -> Allocator:
+               bucket_limits: tuple[int, ...] = (DDP_FIRST_BUCKET, 25 * MiB), find_unused: bool = False,
+               as_view: bool = False) -> Allocator:
     """DistributedDataParallel (torch/nn/parallel/distributed.py, c10d reducer.cpp) with a torch.optim optimizer:
     the module states broadcast in 250 MiB buffers; the Reducer's first bucket assignment is one bucket for all
     parameters (no find_unused_parameters: bucket_size_limits = [sys.maxsize]), rebuilt at the second
@@ -55,7 +56,14 @@ def replay_ddp(job: ReplayJob, config: AllocatorConfig | None = None, release: s
     size already (compute_bucket_size_limits: the limits [1 MiB, bucket_cap_mb], parameters in module order, the
     buckets handed to the Reducer reversed, which allocates them in that order) and never rebuilt
     (reducer.h should_rebuild_buckets), and the Reducer keeps an int32 per parameter on the device
-    (initialize_local_used_map)."""
+    (initialize_local_used_map).
+
+    ``as_view`` (gradient_as_bucket_view=True): each gradient autograd makes is copied into its bucket view by the
+    Reducer's hook (a post-hook of the parameter's AccumulateGrad) and the parameter's .grad pointed at that view,
+    so the gradient made goes at once (reducer.cpp mark_variable_ready_dense: ``at::mul_out(bucket_view, grad,
+    ...)``, then ``grad = bucket_view``); a later micro-step adds into the view in place. zero_grad(set_to_none=True)
+    drops the views, and the next step's gradients are made and copied again. The buckets are all the gradient
+    memory there is (memplan/frameworks/ddp.py counts them so)."""
     run = Run(config or AllocatorConfig(), job.buffers)
     build_model(run, job)
     sizes = list(job.converted or [n for n, alias in job.build if not alias])
@@ -100,11 +108,18 @@ def replay_ddp(job: ReplayJob, config: AllocatorConfig | None = None, release: s
                     for k in old:
                         run.free(k)
                     old.clear()
-            # later micro-steps add into the kept gradients (AccumulateGrad in place; theirs die at once)
-            grads += micro_step(run, job, keep_grads=m == 0, at=at, on_grad=lambda *_: at("grad", 0))
+            made: list[tuple[Any, int]] = []
+
+            def on_grad(size: int, key: Any, _blk: int, made: list[tuple[Any, int]] = made) -> bool:
+                at("grad", 0)
+                made.append((key, size))
+                return False
+            # later micro-steps add into the kept gradients (AccumulateGrad in place; theirs die at once); as bucket
+            # views, every micro-step's die at once (copied into the buckets)
+            grads += micro_step(run, job, keep_grads=m == 0 and not (as_view and reducer), at=at, on_grad=on_grad)
             at("end", 0)
             if forwards == 0:
-                first_grads = list(grads)
+                first_grads = made
             forwards += 1
             run.free(ids)
         if _end_step(run, job, n, states, grads, before, settled_after=2):
@@ -197,13 +212,15 @@ def replay(inv: Any, s: Any, config: AllocatorConfig) -> tuple[str, dict[str, Al
     if not s.strategy.ddp_buckets:
         return "PyTorch", {"": replay_ddp(job, config, reducer=False)}
     limits = bucket_limits(s.torch.bucket_cap_mb, s.torch.bucket_cap_default)
+    view = s.torch.gradient_as_bucket_view
+    name = "DDP, gradients as bucket views" if view else "DDP"
     if inv.unused_params:  # find_unused_parameters=True: the buckets by size from the start, never rebuilt
-        return "DDP", {"find_unused_parameters: buckets by size, kept": replay_ddp(
-            job, config, "pre", trainable=trainable, bucket_limits=limits, find_unused=True)}
-    return "DDP", {"buckets released at the rebuild": replay_ddp(job, config, "pre", trainable=trainable,
-                                                                 bucket_limits=limits),
-                   "buckets held into step 2's backward": replay_ddp(job, config, "grad", trainable=trainable,
-                                                                     bucket_limits=limits)}
+        return name, {"find_unused_parameters: buckets by size, kept": replay_ddp(
+            job, config, "pre", trainable=trainable, bucket_limits=limits, find_unused=True, as_view=view)}
+    return name, {"buckets released at the rebuild": replay_ddp(job, config, "pre", trainable=trainable,
+                                                                bucket_limits=limits, as_view=view),
+                  "buckets held into step 2's backward": replay_ddp(job, config, "grad", trainable=trainable,
+                                                                    bucket_limits=limits, as_view=view)}
 
 
 def bucket_limits(cap_mb: int, default: bool) -> tuple[int, ...]:

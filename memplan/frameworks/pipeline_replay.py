@@ -69,8 +69,8 @@ def why_not(s: Any) -> str | None:
     prof = s.activation_profile
     if not getattr(prof, "actions", None):
         return "pipeline parallelism in the megatron-deepspeed layout (DeepSpeed's PipelineEngine) is not replayed yet"
-    if s.strategy.framework != "fsdp2":
-        return f"pipeline parallelism under {s.strategy.name}: only FSDP2's pipeline ranks are replayed"
+    if s.strategy.framework != "fsdp2" and s.strategy.name != "ddp":
+        return f"pipeline parallelism under {s.strategy.name}: only FSDP2's and DDP's pipeline ranks are replayed"
     if s.torch.cpu_offload:
         return "FSDP2 CPU offload under pipelining is not replayed yet"
     if s.torch.fsdp_wrap not in ("block", None, ""):
@@ -233,6 +233,46 @@ def _input_only(fwd: list[Event], bwd: list[Event], micro_batch: int) -> tuple[l
     return events, deferred, births
 
 
+def _own_root_grads(bwd: list[Event], part: Any, ts: list[Any]) -> list[Event]:
+    """A stage's backward with the gradients of the parameters outside the blocks that the stage holds. Its traced
+    step is a whole model's (accounting.Layout: the last stage's with the head and the loss, the others' with a
+    vocabulary of parallel.BARE_VOCAB rows), so its backward runs the loss's, the head's and the final norm's
+    before the blocks' (the "B" regions) and the embedding's after them (the "post" region). A stage without the
+    head starts at its last block's (the gradient of its output is a receive buffer); a stage without the
+    embedding runs no embedding backward after (what those parts allocate dropped: their frees then find
+    nothing); the first stage's embedding gradient, traced with
+    BARE_VOCAB rows, is its real embedding's (its rows x width at the traced bytes per element)."""
+    from memplan.parallel.tensor import BARE_VOCAB
+
+    if part.first and part.last:
+        return bwd
+    widths = {t.shape[1]: t.shape[0] for t in ts if t.category == "embedding" and len(t.shape) == 2} \
+        if part.first and not part.last else {}
+    out: list[Event] = []
+    region = "head"
+    for e in bwd:
+        if e[0] == "m" and e[1] == "B":
+            region = "blocks"
+        elif e[0] == "m" and e[1] == "post":
+            region = "post"
+        if e[0] == "a":
+            grad = e[5] is None and e[3] is not None and e[3] < 0
+            if region == "head" and not part.last:
+                continue  # the loss's, the head's and the final norm's backward run on the last stage only
+            if region == "post" and not part.first:
+                continue
+            if region == "post" and grad and widths:
+                c0, c1 = e[2]
+                if not c1:
+                    for width, rows in widths.items():
+                        per = BARE_VOCAB * width
+                        if c0 % per == 0 and c0 // per in (1, 2, 4, 8):
+                            e = (*e[:2], (c0 // BARE_VOCAB * rows, 0), *e[3:])
+                            break
+        out.append(e)
+    return out
+
+
 def _split(step: list[Event]) -> tuple[list[Event], list[Event]]:
     """A traced step's forward (through the model's return, the loss included) and its backward."""
     at = next(i for i, e in enumerate(step) if e[0] == "m" and e[1] == "fwd_end")
@@ -240,14 +280,108 @@ def _split(step: list[Event]) -> tuple[list[Event], list[Event]]:
 
 
 def replay(inv: Any, s: Any, config: AllocatorConfig) -> tuple[str, dict[str, Allocator]]:
+    prof = s.activation_profile
+    name = (" under " + schedules.TORCH_NAMES[prof.actions.schedule]
+            + (", the TP share's step without SP's split" if prof.actions.sequence_parallel else ""))
+    # under sequence parallelism the stage's traced step is its TP share over the whole sequence (the engine takes
+    # SP's split off its own figures, the events do not have it), as a TP rank's replay without pipelining is
+    # (reserved._replayed_profile); its allocator overhead stands on the engine's allocated peak
+    if s.strategy.framework == "torch-ddp":
+        view = s.torch.gradient_as_bucket_view
+        return "DDP" + (", gradients as bucket views," if view else "") + name, {
+            "buckets released at the rebuild": _replay_ddp(inv, s, config, "pre"),
+            "buckets held into the next backward": _replay_ddp(inv, s, config, "grad")}
+    return "FSDP2" + name, {"": _replay_fsdp2(inv, s, config)}
+
+
+class _Part:
+    """One local stage as the walk replays it: its job, its traced step's forward (``first``: the step's first
+    micro-batch's, which makes autocast's weight casts; ``later``: the others', which find them cached) and
+    backward, a split backward's input step (_input_only) where the schedule splits it, and the casts' keys."""
+
+    __slots__ = ("job", "first", "later", "bwd", "split", "casts")
+
+    def __init__(self, job: Any, first: list[Event], later: list[Event], bwd: list[Event], split: Any,
+                 casts: list[Any]) -> None:
+        self.job, self.first, self.later, self.bwd, self.split, self.casts = job, first, later, bwd, split, casts
+
+
+def _parts(inv: Any, s: Any) -> list[_Part]:
+    """Each local stage's _Part."""
+    from memplan.replay import replay_job
+
+    prof = s.activation_profile
+    out = []
+    for part, ts in zip(prof.stages, _stage_tensors(inv, prof.stages)):
+        job = replay_job(inv, replace(s, activation_profile=part.profile, grad_accum=1), [])
+        fwd, bwd = _split(job.step)
+        bwd = _own_root_grads(bwd, part, ts)
+        if not part.last:
+            # a stage without the head returns its last block's output: the traced model's final norm, head and
+            # loss (parallel.BARE_VOCAB rows) run on no stage of it (accounting.Layout takes the norm's saved
+            # bytes off the engine's figure alike)
+            fwd = _without_births(fwd, "mid")
+        casts = _weight_casts(fwd, s, part, ts)
+        later = fwd
+        if casts:
+            # one autocast region over the whole schedule step (torchtitan's maybe_enable_amp around
+            # pp_schedule.step): autocast_mode.cpp cached_cast keeps each weight's cast from its first use until
+            # the region exits, so the step's first forward of the stage makes them and they live to the step's
+            # end; the later micro-batches' forwards (and backwards) find them cached (accounting.Layout's
+            # ``shared`` term, the engine's side of the same)
+            fwd = [e for e in fwd if not (e[0] == "f" and e[1] in casts)]
+            later = [e for e in fwd if not (e[0] == "a" and e[1] in casts)]
+            bwd = [e for e in bwd if not (e[0] == "f" and e[1] in casts)]
+        split = _input_only(fwd, bwd, s.micro_batch) if prof.actions.schedule in schedules.SPLIT_BACKWARD else None
+        out.append(_Part(job, fwd, later, bwd, split, sorted(casts)))
+    return out
+
+
+def _without_births(events: list[Event], region: str) -> list[Event]:
+    """``events`` without the allocations of one region ("mid": after the last block's forward; its frees then
+    find nothing)."""
+    out: list[Event] = []
+    at = ""
+    for e in events:
+        if e[0] == "m" and e[1] != "ws":
+            at = e[1]
+        if not (e[0] == "a" and at == region):
+            out.append(e)
+    return out
+
+
+def _weight_casts(fwd: list[Event], s: Any, part: Any, ts: list[Any]) -> set[Any]:
+    """The births of a stage's forward that are autocast's casts of its weights (torch.autocast over fp32
+    parameters): in the blocks' forward and the head's, constant in the micro-batch, each the size of one of the
+    stage's matrices at the compute dtype (the embedding's is never cast: embedding runs outside autocast's
+    lists), taken in turn. Empty where the recipe casts nothing or the traced step has no casts."""
+    from collections import Counter
+
+    rc = s.recipe
+    if not rc.autocast_weight_copies or not part.profile.includes_autocast_copies:
+        return set()
+    left = Counter(t.numel * rc.compute_bytes for t in ts
+                   if len(t.shape) >= 2 and (t.category != "embedding" or t.tied_names))
+    out: set[Any] = set()
+    region = ""
+    for e in fwd:
+        if e[0] == "m" and e[1] != "ws":
+            region = e[1]
+        elif e[0] == "a" and region in ("F", "mid") and e[3] is None and e[5] is None and not e[2][1]:
+            if left[e[2][0]] > 0:
+                left[e[2][0]] -= 1
+                out.add(e[1])
+    return out
+
+
+def _replay_fsdp2(inv: Any, s: Any, config: AllocatorConfig) -> Allocator:
     from memplan.frameworks.common import Job
     from memplan.frameworks.fsdp2 import MODEL, reshard_after_forward, unshard_bytes
+    from memplan.model.inventory import ROOT_BLOCK
     from memplan.replay import replay_job
     from memplan.settings import shard_group_size
 
     prof = s.activation_profile
-    rs = prof.actions
-    schedule, pp, m, per_rank, rank = rs.schedule, rs.pp, rs.micro_batches, rs.per_rank, rs.rank
     # False unless the job asks for it (torchtitan's default under PP); a group size is not replayed (why_not)
     raf = reshard_after_forward(Job.of(inv, s, MODEL)) is True
     n, r = shard_group_size(s), s.recipe
@@ -257,11 +391,9 @@ def replay(inv: Any, s: Any, config: AllocatorConfig) -> tuple[str, dict[str, Al
     def group(ts: list[Any]) -> FsdpGroup:
         return fsdp_group(ts, position, n, r, cb)
 
-    from memplan.model.inventory import ROOT_BLOCK
-
-    parts = []  # per local stage: (its job, forward events, backward events, block groups, root group)
+    groups = []  # per local stage: its block groups, its root group
     numels: list[tuple[int, int]] = []
-    for part, ts in zip(prof.stages, _stage_tensors(inv, prof.stages)):
+    for ts in _stage_tensors(inv, prof.stages):
         blocks: dict[str, list[Any]] = {}
         root: list[Any] = []
         for t in ts:
@@ -270,19 +402,154 @@ def replay(inv: Any, s: Any, config: AllocatorConfig) -> tuple[str, dict[str, Al
         root_group = group(root)
         for g in (*block_groups, root_group):
             numels.extend((i, p // n) for i, p in zip(g.params, g.padded))
-        job = replay_job(inv, replace(s, activation_profile=part.profile, grad_accum=1), [])
-        fwd, bwd = _split(job.step)
-        split = _input_only(fwd, bwd, s.micro_batch) if schedule in schedules.SPLIT_BACKWARD else None
-        parts.append((job, fwd, bwd, block_groups, root_group, split))
+        groups.append((block_groups, root_group))
     numels.sort()
     opt_job = replay_job(inv, replace(s, activation_profile=prof.stages[0].profile, grad_accum=1), [k for _, k in numels])
+    parts = _parts(inv, s)
 
     run = Run(config or AllocatorConfig(), opt_job.buffers)
-    for _, _, _, bg, rg, _ in parts:  # to_empty: the shards in module order
+    for bg, rg in groups:  # to_empty: the shards in module order
         for i in sorted(i for g in (*bg, rg) for i in g.params):
             for g in (*bg, rg):
                 if i in g.params:
                     run.alloc(g.shard[g.params.index(i)])
+
+    def stages(grads: list[Any]) -> list[Any]:
+        return [_Stage(run, x.job, bg, rg, n, r.reduced_grad_bytes, r.grad_bytes, grads, raf)
+                for x, (bg, rg) in zip(parts, groups)]
+    _walk(run, s, parts, opt_job, stages)
+    return run.a
+
+
+class _DdpStage:
+    """One model part of the rank under DistributedDataParallel through pipeline steps (a DDP module per stage,
+    torch.distributed.pipelining's stage.py backward_maybe_with_nosync; the Reducer in c10d reducer.cpp):
+
+    - at construction the Reducer allocates one bucket for all the stage's parameters that require grad (no
+      find_unused_parameters: bucket_size_limits [sys.maxsize]); with find_unused_parameters, buckets by size
+      from the start and never rebuilt, and its int32 map of used parameters on the device;
+    - every forward runs outside no_sync (the schedule wraps only the backward in it), so DDP's _post_forward
+      calls reducer.prepare_for_backward and the backward's hooks (post-hooks of each parameter's
+      AccumulateGrad) run: the first backward records the order the gradients were ready, and the next forward's
+      _pre_forward rebuilds the buckets in that order (limits [1 MiB, bucket_cap_mb]: the old buckets dropped,
+      then the new allocated; ``release`` "grad": the last all-reduce's bucket held by the process group until
+      the next backward, as ddp_replay.replay_ddp has it);
+    - the step's first backward of the stage keeps autograd's gradients as .grad (AccumulateGrad takes them);
+      later ones are added into them and freed. With gradient_as_bucket_view each gradient is copied into its
+      bucket view by the hook and freed (mark_variable_ready_dense), the buckets being the gradients;
+    - a split backward's weight step (stage_backward_weight) sets ``weight.grad = dw`` or adds into it, with no
+      hook (autograd.grad over the accumulators does not run them): the weight gradients made together, kept at
+      the step's first, freed after the later ones; the buckets never rebuilt;
+    - REDUCE_GRAD (perform_reduce_grad) does nothing for DDP but scale the gradients in place.
+    """
+
+    input_only = False  #: an input-gradient step (I): no weight gradients
+
+    def __init__(self, run: Run, trainable: list[int], limits: tuple[int, ...], view: bool, release: str,
+                 unused: bool) -> None:
+        from memplan.replay import bucket_assignment
+
+        self.run, self.limits, self.view, self.release = run, limits, view, release
+        if unused:
+            self.buckets = [run.alloc(sum(trainable[i] for i in idx))
+                            for idx in reversed(bucket_assignment(trainable, list(limits)))]
+            self.buckets.append(run.alloc(4 * len(trainable)))  # local_used_map_dev_
+        else:
+            self.buckets = [run.alloc(sum(trainable))]
+        self.rebuilt = unused  #: find_unused_parameters: never rebuilt (reducer.h should_rebuild_buckets)
+        self.first: list[tuple[Any, int]] | None = None  #: the first hooked backward's gradients, in order made
+        self.old: list[Any] = []
+        self.making: list[tuple[Any, int]] = []
+        self.grads: list[Any] = []
+        self.has = False  #: the step's gradients exist (.grad set by an earlier backward of the step)
+        self.bwd = None
+
+    def new_step(self, grads: list[Any]) -> _DdpStage:
+        self.grads, self.has = grads, False
+        return self
+
+    def region(self, kind: str, blk: int) -> None:
+        pass
+
+    def forward_returned(self) -> None:
+        pass
+
+    def begin_forward(self) -> None:
+        from memplan.replay import bucket_assignment, ready_order
+
+        if self.first is None or self.rebuilt:
+            return
+        self.rebuilt = True  # Reducer::rebuild_buckets, from _pre_forward
+        self.old = self.buckets
+        if self.release == "pre":
+            for k in self.old:
+                self.run.free(k)
+            self.old = []
+        ready = [size for _, size in ready_order(self.first, self.run.late)]
+        self.buckets = [self.run.alloc(sum(ready[i] for i in idx))
+                        for idx in bucket_assignment(ready, list(self.limits))]
+
+    def begin_backward(self) -> None:
+        self.making = []
+
+    def on_grad(self, size: int, key: Any, blk: int) -> bool:
+        if self.old:
+            for k in self.old:
+                self.run.free(k)
+            self.old = []
+        self.making.append((key, size))
+        if self.view or self.has:
+            return False  # copied into its bucket view, or added into .grad: freed where the trace frees it
+        self.grads.insert(0, key)  # zero_grad frees the last made first
+        return True
+
+    def end_backward(self) -> None:
+        if self.making:
+            self.has = True
+            if self.first is None:
+                self.first = self.making
+
+    def weight_step(self, births: list[tuple[int, int]]) -> None:
+        keys = [self.run.alloc(size) for size, _ in births]
+        if self.has:
+            for k in keys:
+                self.run.free(k)
+        else:
+            self.grads[:0] = reversed(keys)
+        self.has = self.has or bool(keys)
+
+    def reduce(self) -> None:
+        pass
+
+
+def _replay_ddp(inv: Any, s: Any, config: AllocatorConfig, release: str) -> Allocator:
+    from memplan.frameworks.ddp_replay import DDP_BROADCAST_BUCKET, _broadcast_coalesced, bucket_limits
+    from memplan.replay import build_model, replay_job
+
+    prof = s.activation_profile
+    steps = [t for t in inv.tensors if t.trainable]
+    opt_job = replay_job(inv, replace(s, activation_profile=prof.stages[0].profile, grad_accum=1),
+                         [t.numel for t in steps], [t.shape for t in steps])
+    parts = _parts(inv, s)
+    run = Run(config or AllocatorConfig(), opt_job.buffers)
+    build_model(run, opt_job)
+    rc = s.recipe
+    limits = bucket_limits(s.torch.bucket_cap_mb, s.torch.bucket_cap_default)
+    ddp = []
+    for ts in _stage_tensors(inv, prof.stages):  # DDP(part) per stage: its states broadcast, its Reducer
+        _broadcast_coalesced(run, [t.numel * rc.param_bytes for t in ts], DDP_BROADCAST_BUCKET)
+        ddp.append(_DdpStage(run, [t.numel * rc.grad_bytes for t in ts if t.trainable or t.unused], limits,
+                             s.torch.gradient_as_bucket_view, release, bool(inv.unused_params)))
+    _walk(run, s, parts, opt_job, lambda grads: [d.new_step(grads) for d in ddp])
+    return run.a
+
+
+def _walk(run: Run, s: Any, parts: list[_Part], opt_job: ReplayJob, stages_of: Any) -> None:
+    """The rank's action list, step after step until the reserved peak settles: ``stages_of(grads)`` gives each
+    local stage's framework object for a step, the gradients it keeps to zero_grad put in ``grads``."""
+    prof = s.activation_profile
+    rs = prof.actions
+    schedule, pp, m, per_rank, rank = rs.schedule, rs.pp, rs.micro_batches, rs.per_rank, rs.rank
     # the receive buffers, each [micro-batch, the rank's tokens, hidden] (parallel.recv_buffers' sizes)
     each, count = rs.recv_bytes * s.micro_batch, rs.recv_count
     actions = schedules.rank_actions(schedule, pp, m, per_rank, rank)
@@ -298,21 +565,24 @@ def replay(inv: Any, s: Any, config: AllocatorConfig) -> tuple[str, dict[str, Al
             for _ in range(count):
                 run.alloc(each)
         grads: list[Any] = []
-        stages = [_Stage(run, job, bg, rg, n, r.reduced_grad_bytes, r.grad_bytes, grads, raf)
-                  for job, _, _, bg, rg, _ in parts]
+        stages = stages_of(grads)
         # the step's batch on the first stage (split into micro-batch views) and its targets on the last
         ids = [run.alloc(opt_job.input_bytes * m) for on in (any(x.first for x in prof.stages),
                                                              any(x.last for x in prof.stages)) if on]
         offsets: dict[tuple[int, int], int] = {}
         cached: dict[tuple[int, int], Any] = {}
         held_for_w: dict[tuple[int, int], list[Any]] = {}
+        casts: dict[int, int] = {}  # each stage's first forward of the step: its casts' keys from its offset
         for idx, (stage, kind, mb) in enumerate(actions):
             c = local[stage]
-            job, fwd, bwd, _, _, split = parts[c]
+            x = parts[c]
+            job, bwd, split = x.job, x.bwd, x.split
             st = stages[c]
             if kind == schedules.F:
                 offsets[c, mb] = run.offset()
                 st.begin_forward()
+                fwd = x.later if c in casts else x.first
+                casts.setdefault(c, offsets[c, mb])
                 micro_step(run, job, keep_grads=False, at=st.region, on_grad=st.on_grad,
                            on_forward_end=st.forward_returned, events=fwd, off=offsets[c, mb])
                 # forward_one_chunk keeps the stage's output in fwd_cache until the micro-batch's backward (the
@@ -329,8 +599,9 @@ def replay(inv: Any, s: Any, config: AllocatorConfig) -> tuple[str, dict[str, Al
                 if last_backward.get(c) == idx:
                     st.reduce()
             else:
-                if (c, mb) in cached:
-                    run.free(cached.pop((c, mb)))
+                # backward_one_chunk pops the micro-batch's fwd_cache entry first, but its local ``stage_output``
+                # holds the output until the backward returns
+                out = cached.pop((c, mb), None)
                 st.begin_backward()
                 off = offsets.pop((c, mb))
                 if kind == schedules.I:
@@ -338,6 +609,8 @@ def replay(inv: Any, s: Any, config: AllocatorConfig) -> tuple[str, dict[str, Al
                     st.input_only = True
                     micro_step(run, job, keep_grads=False, at=st.region, on_grad=st.on_grad,
                                on_forward_end=None, events=split[0], off=off)
+                    if out is not None:
+                        run.free(out)
                     st.input_only = False
                     st.bwd = None
                     # param_group["grads"]: each linear's output gradient, kept for W (parallel.zero_bubble_grads)
@@ -345,11 +618,17 @@ def replay(inv: Any, s: Any, config: AllocatorConfig) -> tuple[str, dict[str, Al
                     keep = [run.alloc(kept * s.micro_batch)] if kept else []
                     held_for_w[c, mb] = [off + k for k in split[1]] + keep
                     continue
-                micro_step(run, job, keep_grads=True, at=st.region, on_grad=st.on_grad,
+                # the stage's on_grad keeps what its framework keeps
+                micro_step(run, job, keep_grads=False, at=st.region, on_grad=st.on_grad,
                            on_forward_end=None, events=bwd, off=off)
+                if out is not None:
+                    run.free(out)
                 st.end_backward()
                 if last_backward.get(c) == idx:
                     st.reduce()
+        for c, off in casts.items():  # the autocast region exits: its cache cleared
+            for k in parts[c].casts:
+                run.free(off + k)
         for k in ids:
             run.free(k)
         optimizer_step(run, opt_job, step == 0, states)
@@ -358,10 +637,3 @@ def replay(inv: Any, s: Any, config: AllocatorConfig) -> tuple[str, dict[str, Al
         run.end_step()
         if step >= 1 and run.a.peak_reserved == before:
             break
-    name = "FSDP2 under " + schedules.TORCH_NAMES[schedule]
-    if rs.sequence_parallel:
-        # sequence parallelism: the stage's traced step is its TP share over the whole sequence (the engine takes
-        # SP's split off its own figures, the events do not have it), as a TP rank's replay without pipelining is
-        # (reserved._replayed_profile); its allocator overhead stands on the engine's allocated peak
-        name += ", the TP share's step without SP's split"
-    return name, {"": run.a}

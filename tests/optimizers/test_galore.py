@@ -43,12 +43,22 @@ def test_galore_step_is_galore_torch_s(dtype, recipe):
     again, the new projection replacing the old) and a plain step: galore_step's peak equals the real step's to
     the byte. The model has square (q, o) and wide and tall (up, down) matrices: both of GaLore's sides, and fp32
     keeps the whole Vh or U its projection is a view of. To the byte but for the 1-byte bools of the SVD's error
-    check and the step's 0-dim scalars (under 16 bytes; no GEMM scratch for these bf16 shapes here: gemm None)."""
+    check and the step's 0-dim scalars (under 16 bytes). The projections' bf16 GEMMs allocate oneDNN's scratch
+    on this CPU's instruction set where it has one for the shapes (kernels.py cpu_gemm_scratch: none on AVX512-BF16
+    or AMX here; fp32 copies on plain AVX512), as the engine counts it (precision.per_tensor_step_scratch)."""
     pytest.importorskip("galore_torch")  # in the test extra (pip install -e ".[test]")
+    from memplan.activations.kernels import cpu_gemm_scratch, host_cpu_isa
+
     model = _model()
     inv = _inventory(model)
     rc = get_recipe(recipe)
-    first, update, plain = (step_events_peak(galore_step(inv, rc, first=f, update=u, cpu=True))
+    isa = host_cpu_isa()
+
+    def gemm(m: int, n: int, k: int) -> int:
+        return cpu_gemm_scratch(isa, m, n, k, "bfloat16")
+
+    first, update, plain = (step_events_peak(galore_step(inv, rc, first=f, update=u, cpu=True,
+                                                         gemm=gemm if dtype == "bfloat16" else None))
                             for f, u in ((True, True), (False, True), (False, False)))
     m_update = _measured_peaks(_model(), getattr(torch, dtype), gap=1)
     m_plain = _measured_peaks(_model(), getattr(torch, dtype), gap=1000)

@@ -27,9 +27,9 @@ def test_tensor_parallel_ranks_are_replayed() -> None:
 
 
 def test_pipeline_ranks_are_replayed_action_by_action() -> None:
-    # an FSDP2 pipeline rank walks its schedule's action list (frameworks/pipeline_replay.py); the allocator's
-    # overhead stands on the rank's allocated peak as a TP rank's does. What is not replayed says why and keeps the
-    # flat term: the split-backward schedules, sequence parallelism's traced share, DDP under pipelining
+    # an FSDP2 or DDP pipeline rank walks its schedule's action list (frameworks/pipeline_replay.py); the
+    # allocator's overhead stands on the rank's allocated peak as a TP rank's does. What is not replayed says why
+    # and keeps the flat term: FSDP2's CPU offload, other wraps, a reshard group size, DeepSpeed's PipelineEngine
     from memplan.parallel import Parallel
 
     src = resolve("llama-3-8b")
@@ -48,15 +48,37 @@ def test_pipeline_ranks_are_replayed_action_by_action() -> None:
         assert plan.capped is not None
     plan = plan_of(Parallel(tp=2, pp=2, sp=True))  # SP: the TP share's step, said in the replay's name
     assert plan.reserved is not None and plan.reserved.model.endswith("without SP's split")
-    for p, kw, why in ((Parallel(pp=2), {"strategy": "ddp"}, "only FSDP2's pipeline ranks"),):
+    for view in (False, True):
+        plan = plan_of(Parallel(pp=2), strategy="ddp", gradient_as_bucket_view=view)
+        assert plan.reserved is not None and plan.reserved_why is None
+        assert plan.reserved.model == ("DDP, gradients as bucket views, under 1F1B" if view else "DDP under 1F1B")
+        assert sorted(plan.reserved.variants) == ["buckets held into the next backward",
+                                                  "buckets released at the rebuild"]
+        assert plan.reserved_peak_bytes > plan.peak_bytes == plan.reserved.allocated_bytes
+    for p, kw, why in ((Parallel(pp=2), {"cpu_offload": True}, "CPU offload under pipelining"),
+                       (Parallel(pp=2), {"fsdp_wrap": "size:100000000"}, "under pipelining is not replayed"),
+                       (Parallel(pp=2), {"strategy": "zero1"}, "PipelineEngine")):
         plan = plan_of(p, **kw)
         assert plan.reserved is None and plan.reserved_why.startswith("pipeline parallelism") and why in \
             plan.reserved_why, plan.reserved_why
         assert plan.reserved_peak_bytes == plan.peak_bytes + plan.peak_bytes * 40 // 100
 
 
+def test_ddp_pipeline_replay_walks_the_harness_s_allocations() -> None:
+    # DDP per stage under torch.distributed.pipelining (frameworks/pipeline_replay.py _DdpStage: the Reducer's
+    # buckets, .grad kept from the step's first backward, autocast's casts cached over the schedule step) against
+    # the worst rank the harness measured (docs/accuracy.jsonl): 63,019,600 B, the replay's sequence -0.00%
+    from memplan.parallel import Parallel
+
+    name, peak, measured = harness_replay("ddp pp 2 1f1b, torch-amp, 4 micro-batches", 4, 2, strategy="ddp",
+                                           grad_accum=4, parallel=Parallel(pp=2), fsdp_root_reshard="auto")
+    assert name == "DDP under 1F1B"
+    assert abs(peak - measured) <= measured // 2_000, (peak, measured)
+
+
 @pytest.mark.parametrize("label,layers,gpus,pp,schedule,m", [
     ("fsdp-full pp 2 1f1b, 4 micro-batches", 4, 2, 2, "1f1b", 4),
+    ("fsdp-full pp 2 gpipe, 4 micro-batches", 4, 2, 2, "gpipe", 4),
     ("fsdp-full pp 2 interleaved, 4 micro-batches", 10, 2, 2, "interleaved", 4),
     ("fsdp-full pp 2 looped-bfs, 4 micro-batches", 10, 2, 2, "looped-bfs", 4),
     ("fsdp-full pp 4 1f1b, 8 micro-batches", 10, 4, 4, "1f1b", 8),
@@ -67,14 +89,17 @@ def test_pipeline_ranks_are_replayed_action_by_action() -> None:
 def test_pipeline_replay_walks_the_harness_s_allocations(label: str, layers: int, gpus: int, pp: int, schedule: str,
                                                           m: int) -> None:
     # the pipeline replay's sequence, counted as the CPU harness counts it, against the worst rank the harness
-    # measured on torch.distributed.pipelining (docs/accuracy.jsonl, bench/replay_harness.py): within 2.5%
+    # measured on torch.distributed.pipelining (docs/accuracy.jsonl, bench/replay_harness.py): within 0.6%, and
+    # 3% for the zero-bubble schedules' split backward (which of the graph's tensors only the input gradient
+    # needed is not known from the traced step: -2.89% there)
     from memplan.parallel import Parallel
 
     name, peak, measured = harness_replay(label, layers, gpus, strategy="fsdp-full", grad_accum=m,
                                            parallel=Parallel(pp=pp, schedule=schedule),
                                            fsdp_root_reshard="auto")
     assert name.startswith("FSDP2 under ")
-    assert abs(peak - measured) <= measured * 25 // 1000, (peak, measured)
+    assert abs(peak - measured) <= measured * (30 if schedule in ("zbv", "dualpipev") else 6) // 1000, \
+        (peak, measured)
 
 
 

@@ -1,4 +1,5 @@
-"""The reserved-peak replay of a pipeline rank under FSDP2, as torchtitan runs it with torch.distributed.pipelining:
+"""The reserved-peak replay of a pipeline rank under FSDP2 (or DDP: _DdpStage), as torchtitan runs it with
+torch.distributed.pipelining:
 the rank's action list (memplan/parallel/schedules.py, torch's own order) walked one action at a time through the caching
 allocator, each stage's traced step split at its forward's end.
 
@@ -30,12 +31,15 @@ What each action does, from torch 2.13's sources:
   retains the graph, which the weight step's intermediates keep alive), and keeps each linear's output gradient
   for W (param_group["grads"]; parallel.zero_bubble_grads' bytes); W makes the weight gradients (accumulated as a
   B's are), then frees the graph's tensors and those gradients. An approximation: which of the graph's tensors
-  only the input gradients needed is not known from the traced step (measured within -0.99% .. +6.42%).
+  only the input gradients needed is not known from the traced step (measured within -2.89% .. +3.28%).
 
 Under sequence parallelism the stage's traced step is its TP share over the whole sequence (the events do not have
 SP's split, which the engine takes off its own figures), as a TP rank's replay without pipelining is; the replay's
-name says so. Not replayed (reserved.why_not says so, and the verdict keeps the flat allocator term for them): DDP
-and DeepSpeed under pipelining, CPU offload, LoRA, other FSDP wraps. Also not modelled: torch
+name says so. Each stage's traced step is a whole model's (the last stage's with the loss, the others' with a
+vocabulary of parallel.BARE_VOCAB rows): _parts keeps what the stage runs (_own_root_grads, _without_births) and
+shares autocast's weight casts over the schedule step (_weight_casts). Not replayed (reserved.why_not says so, and
+the verdict keeps the flat allocator term for them): DeepSpeed's PipelineEngine, FSDP2's CPU offload, LoRA, other
+FSDP wraps. Also not modelled: torch
 2.13's metadata inference at the first step (a real forward and backward of one micro-batch before the schedule
 runs, its unsharded parameters and gradients freed after), and _add_unshard_reshard's limit of three unsharded
 stages (it reshards only on ranks with more than three stages).

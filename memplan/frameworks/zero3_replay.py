@@ -94,6 +94,12 @@ def _setup(job: ReplayJob, world: int, partitions: tuple[int, ...], sub_groups: 
         for k, p in zip(params, partitions):
             parts.append(run.alloc(p * half))
             run.free(k)
+        if host_params is not None:
+            # offload_param: each partition then goes to the host (_partition_param, remote_device cpu), frozen
+            # ones too
+            for k in parts:
+                run.free(k)
+            parts = []
     elif world == 1:
         keys = []
         for n, alias in job.build:
@@ -121,7 +127,7 @@ def _setup(job: ReplayJob, world: int, partitions: tuple[int, ...], sub_groups: 
         # "if not self.offload_param" guards the defragmentation, so no empty_cache and no device flat buffer
         # (measured: q05_z3offpo reserves no segment back before the bucket)
         run.alloc(bucket * half)  # the ipg bucket buffer
-        host_params.hook_gathers(run)
+        host_params.hook_gathers(run, trainable)
         return run
     if host_params is None:
         run.empty_cache()
@@ -151,7 +157,7 @@ def _setup(job: ReplayJob, world: int, partitions: tuple[int, ...], sub_groups: 
     run.alloc(bucket * half)  # the ipg bucket buffer
     run.alloc(total * half)  # grad_partitions_flat_buffer
     if host_params is not None:
-        host_params.hook_gathers(run)
+        host_params.hook_gathers(run, trainable)
     else:
         _hook_gathers(run, job, half, trains)
     return run
@@ -254,13 +260,17 @@ class HostParams:
         for p in self.kept:
             self.kept[p] = run.alloc(-(-self.numel[p] // w) * w * h)
 
-    def hook_gathers(self, run: Run) -> None:
+    def hook_gathers(self, run: Run, trainable: tuple[bool, ...] | None = None) -> None:
         """create_reduce_and_remove_grad_hooks gathers each parameter once (``param.all_gather()`` ->
         _allgather_params_sequential): a flat buffer of its padded size and the partition's device copy
         (``param.ds_tensor.to(device)``: a copy, the partition being on the host), the copy dropped after the
-        collective, the buffer when the parameter is partitioned again (measured: two transients each)."""
+        collective, the buffer when the parameter is partitioned again (measured: two transients each). Only the
+        optimizer's parameters get a hook (it walks fp16_groups, the groups of parameters that require grad:
+        LoRA's adapters, ``trainable``); a frozen partition stays on the host untouched."""
         w, h = self.world, self.half
-        for numel in self.params:
+        for numel, t in zip(self.params, trainable or (True,) * len(self.params)):
+            if not t:
+                continue
             part = -(-numel // w)
             flat = run.alloc(part * w * h)
             run.free(run.alloc(part * h))
@@ -556,9 +566,7 @@ def replay(inv: Any, s: Any, config: AllocatorConfig) -> tuple[str, dict[str, Al
 
 
 def why_not(s: Any) -> str | None:
-    """DeepSpeed setups not written down yet: the parameters offloaded with ZeRO++ hpZ or with LoRA."""
+    """DeepSpeed setups not written down yet: the parameters offloaded with ZeRO++ hpZ."""
     if s.ds.hpz_partition_size > 1 and s.ds.offload_param:
         return "DeepSpeed ZeRO++ hpZ with offload_param not replayed yet"
-    if getattr(s, "lora", None) is not None and s.ds.offload_param:
-        return "LoRA under ZeRO-3 with offload_param: the host's frozen partitions are not replayed yet"
     return None

@@ -65,8 +65,16 @@ def test_lora_under_ddp_is_replayed(tmp_path: Path) -> None:
             tol = plan.peak_bytes // (100 if "stage" in kw else 200)
             assert -(plan.peak_bytes // 200) <= plan.peak_bytes - r.allocated_bytes < tol, kw
             assert r.peak_bytes >= r.allocated_bytes
-    s = options.resolve(inv, JobRequest.of(gpus=2, gpu="h100-80g", device="cuda", stage=3, micro_batch=2, seq_len=256, lora=spec, offload_param=True, offload_optimizer=True), config=src.config).settings
-    assert reserved.why_not(s, inv).startswith("LoRA under ZeRO-3 with offload_param")
+    # ZeRO-3 with offload_param: every partition on the host, frozen ones too; only the adapters get a gradient
+    # hook (create_reduce_and_remove_grad_hooks walks the optimizer's groups), a flat gradient buffer and states
+    # (on the device, or on the host with the optimizer offloaded)
+    for off in (False, True):
+        s = options.resolve(inv, JobRequest.of(gpus=2, gpu="h100-80g", device="cuda", stage=3, micro_batch=2, seq_len=256, lora=spec, offload_param=True, offload_optimizer=off), config=src.config).settings
+        plan = accounting.estimate(inv, s)
+        r = plan.reserved
+        assert reserved.why_not(s, inv) is None and r is not None and r.model.endswith("(parameters too)")
+        assert abs(plan.peak_bytes - r.allocated_bytes) < plan.peak_bytes // 50, off
+        assert plan.reserved_peak_bytes == r.peak_bytes >= r.allocated_bytes
     # ZeRO-0/1/2/3: DeepSpeed flattens the optimizer's groups (the adapters), the frozen base keeps its storage
     # (ZeRO-3: its own partitions, gathered with the rest)
     for stage in (0, 1, 2, 3):

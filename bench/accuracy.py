@@ -646,7 +646,8 @@ def lora_cases() -> list[tuple]:
         ("lora all-linear fsdp-full, compile blocks", LLAMA3, dict(strategy="fsdp-full", compile="blocks", lora=lin),
          {}, {}, "none"),
         # session 39: LoRA on transformers 5's fused experts (PEFT's conversion to target_parameters: lora.ParamWrapper
-        # folds the adapters into a copy of each expert stack every forward); Qwen2-MoE is not converted by PEFT
+        # folds the adapters into a copy of each expert stack every forward); measured again with PEFT 0.22 (session
+        # 44), which converts Qwen2-MoE too and keeps linear targets as modules
         ("lora all-linear single, fused experts", MIXTRAL, dict(strategy="single", gpus=1, lora=lin), {}, {}, "none"),
         ("lora all-linear single, fused experts", MIXTRAL, dict(strategy="single", gpus=1, lora=lin), {}, {}, "full"),
         ("lora all-linear ddp, fused experts, pure-bf16", MIXTRAL, dict(strategy="ddp", precision="pure-bf16",
@@ -660,7 +661,7 @@ def lora_cases() -> list[tuple]:
         ("lora all-linear zero3, fused experts", MIXTRAL, dict(stage=3, lora=lin), {}, {}, "none"),
         ("lora all-linear single, fused experts", QWEN3_MOE, dict(strategy="single", gpus=1, lora=lin), {}, {},
          "none"),
-        ("lora all-linear single (not converted)", QWEN2_MOE, dict(strategy="single", gpus=1, lora=lin), {}, {},
+        ("lora all-linear single, fused experts", QWEN2_MOE, dict(strategy="single", gpus=1, lora=lin), {}, {},
          "none"),
         # session 39: found by a gradient-accumulation probe, the same at ga 1: over (see the note)
         ("lora all-linear zero3 small buckets", LLAMA3, dict(stage=3, lora=lin), SMALL_DS, {}, "none"),

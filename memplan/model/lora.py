@@ -1,4 +1,4 @@
-"""LoRA adapters as PEFT adds them (peft 0.21, peft/tuners/lora): which modules get adapters, the tensors each
+"""LoRA adapters as PEFT adds them (peft 0.22, peft/tuners/lora): which modules get adapters, the tensors each
 adds and which parameters stay frozen. Pure Python on the ParamInventory (no torch), so the preset path stays
 fast; the traced step injects the same adapters (memplan/activations/tracing/lora.py) and the harness runs PEFT itself.
 
@@ -47,7 +47,7 @@ QUANT_BLOCK2 = 256
 #: peft/utils/constants.py TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING: PEFT's targets when the adapter
 #: config names none (the families memplan builds)
 DEFAULT_TARGETS: dict[str, tuple[str, ...] | str] = {
-    # PEFT 0.21.2's TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING (peft/utils/constants.py), whole
+    # PEFT 0.22.0's TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING (peft/utils/constants.py), whole
     "t5": ("q", "v"), "mt5": ("q", "v"), "bart": ("q_proj", "v_proj"), "gpt2": ("c_attn",),
     "bloom": ("query_key_value",), "blip-2": ("q", "v", "q_proj", "v_proj"), "opt": ("q_proj", "v_proj"),
     "gptj": ("q_proj", "v_proj"), "gpt_neox": ("query_key_value",), "gpt_neo": ("q_proj", "v_proj"),
@@ -186,12 +186,12 @@ def _layer_index(key: str) -> int | None:
     return int(m.group("idx")) if m else None
 
 
-#: The model types whose LoRA targets PEFT 0.21.2 remaps onto transformers 5's fused MoE parameters
+#: The model types whose LoRA targets PEFT 0.22.0 remaps onto transformers 5's fused MoE parameters
 #: (peft/utils/transformers_weight_conversion.py convert_peft_config_for_transformers, called first thing in
 #: tuners_utils.py inject_adapter): transformers 5.24's conversion_mapping._MODEL_TO_CONVERSION_PATTERN entries
-#: whose pattern PEFT has a _MOE_TARGET_MODULE_MAPPING for, plus "mixtral" itself (PEFT adds it). "qwen2_moe" is a
-#: pattern, not a key of that table: PEFT leaves a Qwen2-MoE's targets alone. A copy (the fast path imports
-#: neither), held equal to the installed versions' by tests/adapters/test_lora.py.
+#: whose pattern PEFT has a _MOE_TARGET_MODULE_MAPPING for, plus "mixtral" and "qwen2_moe" themselves (PEFT 0.22
+#: adds both). A copy (the fast path imports neither), held equal to the installed versions' by
+#: tests/adapters/test_lora.py.
 MOE_CONVERSION: dict[str, str] = {
     "mixtral": "mixtral", "minimax": "mixtral", "minimax_m2": "mixtral",
     **{t: "qwen2_moe" for t in (
@@ -199,7 +199,7 @@ MOE_CONVERSION: dict[str, str] = {
         "glm4_moe", "glm4_moe_lite", "glm_moe_dsa", "glm4v_moe", "longcat_flash", "solar_open", "mellum",
         "qwen3_moe", "beam", "qwen3_omni_moe", "qwen3_omni_moe_thinker", "qwen3_omni_moe_text", "qwen3_next",
         "hunyuan_v1_moe", "flex_olmo", "olmoe", "sarvam_mla", "exaone_moe", "cohere2_moe",
-        "UnlimitedOcrTextModel")}}
+        "UnlimitedOcrTextModel", "qwen2_moe")}}
 #: PEFT's _MOE_TARGET_MODULE_MAPPING (in its order: the first old name a target ends with wins): a v4 module name and
 #: the v5 parameter PEFT targets instead (target_parameters), and its _MOE_FUSED_TARGETS: the v4 names fused into one
 #: parameter, all of which must be targeted; PEFT then doubles that parameter's rank and alpha (rank_pattern)
@@ -243,13 +243,17 @@ def resolve(spec: LoraSpec, family: str, modules: list[tuple[str, str]], params:
 
 def convert_targets(spec: LoraSpec, family: str, modules: list[tuple[str, str]], params: list[str],
                     output_module: str | None) -> LoraSpec:
-    """The spec as peft 0.21.2's _convert_peft_config_moe rewrites it for a model type transformers 5 converts
+    """The spec as peft 0.22.0's _convert_peft_config_moe rewrites it for a model type transformers 5 converts
     (MOE_CONVERSION): a string target is first resolved to the leaf names it reaches (all-linear: every linear
     layer's leaf name plus every v4 expert and router name; a pattern: the leaf names of the module and parameter
     names it fully matches, and a v4 expert name where it matches that name under a fused parameter's module), so
     a pattern becomes a list of leaf names that matches those leaves in every layer; then each target naming a v4
-    expert or router module (itself or as its last name) becomes a target_parameters entry and leaves
-    target_modules. With no targets given, PEFT has none: its default (applied after this) never comes."""
+    expert or router module (itself or as its last name) becomes a target_parameters entry (its v5 name put in
+    place of the v4 one, from the right) and leaves target_modules, unless every module it reaches is an nn.Linear:
+    then it stays a module target, and is a parameter target too only where a non-Linear module has a parameter of
+    the v5 name (peft#3711, #3945: DeepSeek-V3's dense and shared-expert down_proj keep their adapters beside the
+    routed experts'). Fused pairs get twice the rank. With no targets given, PEFT has none: its default (applied
+    after this) never comes."""
     base = MOE_CONVERSION.get(family)
     if base is None:
         return spec
@@ -276,15 +280,37 @@ def convert_targets(spec: LoraSpec, family: str, modules: list[tuple[str, str]],
             return spec  # nothing matched: PEFT leaves the pattern, and its own not-found error follows
         targets = tuple(sorted(resolved))
     new_params = set(spec.target_parameters)
-    remaining: list[str] = []
+    remaining: set[str] = set()
     matched: dict[str, set[str]] = {}
+    kinds = dict(modules)
+    # parameters only target_parameters can reach: those of modules that are not nn.Linear (the fused experts)
+    non_linear = [p for p in params if kinds.get(p.rpartition(".")[0]) != "linear"]
+    pats = patterns(spec)
+
+    def reaches(name: str, t: str) -> bool:
+        """check_target_module_exists with target_modules {t}: excluded and saved modules never, the layers given"""
+        if not (name == t or name.endswith("." + t)) or pats.saved(name):
+            return False
+        if spec.exclude_modules and _ends(name, spec.exclude_modules):
+            return False
+        return not spec.layers_to_transform or _layer_index(name) in spec.layers_to_transform
     for t in targets:
         hit = next(((old, new) for old, new in mapping if t == old or t.endswith("." + old)), None)
         if hit is None:
-            remaining.append(t)
+            remaining.add(t)
             continue
-        new_params.add(hit[1])
-        matched.setdefault(hit[1], set()).add(hit[0])
+        old, new = hit
+        name = new.join(t.rsplit(old, 1))  # str_rreplace: gate -> gate.weight, layers.0.gate -> layers.0.gate.weight
+        # a name that is an nn.Linear module wherever it matches stays a module target (DeepSeek-V3's dense and
+        # shared-expert down_proj), and becomes a parameter target as well only where a non-Linear module's
+        # parameter has the new name (the routed experts' down_proj beside them)
+        reach = [n for n, _ in modules if reaches(n, t)]
+        if reach and all(kinds[n] == "linear" for n in reach):
+            remaining.add(t)
+            if not any(p == name or p.endswith("." + name) for p in non_linear):
+                continue
+        new_params.add(name)
+        matched.setdefault(new, set()).add(old)
     extra: list[tuple[str, int]] = []
     for new, olds in MOE_FUSED_TARGETS[base].items():
         present = matched.get(new, set())
@@ -292,10 +318,10 @@ def convert_targets(spec: LoraSpec, family: str, modules: list[tuple[str, str]],
             raise SettingsError(f"PEFT cannot adapt {', '.join(sorted(present))} without also "
                                 f"{', '.join(sorted(set(olds) - present))}: transformers 5 fuses them into {new} "
                                 "(peft's _convert_peft_config_moe raises)")
-        if len(present) == len(olds):
+        if len(present) == len(olds) > 1:
             extra.append((rf".*\.{re.escape(new)}", spec.rank * len(olds)))
     if not remaining and not new_params:
-        raise SettingsError(f"PEFT 0.21 has no default LoRA targets for {family} under transformers 5 (its conversion "
+        raise SettingsError(f"PEFT has no default LoRA targets for {family} under transformers 5 (its conversion "
                             "empties target_modules before the default is filled in: 'No `target_modules` passed but "
                             "also no `target_parameters` found'): give --lora-targets")
     return replace(spec, targets=tuple(sorted(remaining)), target_parameters=tuple(sorted(new_params)),

@@ -161,7 +161,7 @@ def test_targets_peft_would_reject(inventories, bad, match):
     (lora.LoraSpec(rank=8, targets=("down_proj",), target_parameters=("mlp.down_proj.weight",)), "also adapts"),
 ])
 def test_what_peft_refuses_on_parameters(inventories, spec, match):
-    """What PEFT 0.21 refuses on a transformers-5 MoE and on parameters (each tried: get_peft_model raises)."""
+    """What PEFT 0.22 refuses on a transformers-5 MoE and on parameters (each tried: get_peft_model raises)."""
     with pytest.raises(SettingsError, match=match):
         lora.apply(inventories("llama-3-8b" if spec.target_parameters else "mixtral-8x7b"), spec)
 
@@ -600,7 +600,7 @@ def test_grouped_mm_saves_what_torch_saves(needs, saved):
 
 
 def test_moe_conversion_table_is_transformers_and_pefts():
-    """memplan's copy (model/lora.py, no torch on the fast path) of the model types PEFT 0.21 converts: exactly
+    """memplan's copy (model/lora.py, no torch on the fast path) of the model types PEFT 0.22 converts: exactly
     transformers' _MODEL_TO_CONVERSION_PATTERN entries whose pattern PEFT has a target mapping for."""
     pytest.importorskip("peft")
     from peft.utils import transformers_weight_conversion as twc

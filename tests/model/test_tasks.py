@@ -190,7 +190,7 @@ def test_the_auto_mappings_read_from_source_are_transformers_own():
 
 
 def test_lora_default_targets_are_peft_s():
-    """memplan's LoRA defaults (model/lora.py DEFAULT_TARGETS) are PEFT 0.21's mapping, whole: an encoder's query
+    """memplan's LoRA defaults (model/lora.py DEFAULT_TARGETS) are PEFT 0.22's mapping, whole: an encoder's query
     and value (BERT, RoBERTa) among them."""
     peft_constants = pytest.importorskip("peft.utils.constants")
     from memplan.model.lora import DEFAULT_TARGETS

@@ -1,5 +1,5 @@
 """LoRA in the traced step: the same adapters memplan/model/lora.py puts in the inventory, added to the module
-the trace runs, with PEFT's forward (peft 0.21, peft/tuners/lora/layer.py Linear.forward):
+the trace runs, with PEFT's forward (peft 0.22, peft/tuners/lora/layer.py Linear.forward):
 
     result = self.base_layer(x)
     x = self._cast_input_dtype(x, lora_A.weight.dtype)      # a copy only where the dtypes differ

@@ -66,10 +66,10 @@ def test_the_replay_holds_what_the_engine_holds(model, label: str, kw: dict, ada
                                                          ("looped-bfs", 2, 4), ("1f1b", 4, 8), ("interleaved", 2, 6),
                                                          ("zbv", 2, 4), ("interleaved-zb", 2, 4),
                                                          ("dualpipev", 2, 6)])
-@pytest.mark.parametrize("dp", [1, 2])
+@pytest.mark.parametrize("dp,strategy", [(1, "fsdp-full"), (2, "fsdp-full"), (2, "ddp")])
 def test_a_pipeline_rank_s_replay_holds_what_its_engine_holds(tmp_path: Path, schedule: str, pp: int,
-                                                               micro_batches: int, dp: int) -> None:
-    # each FSDP2 pipeline rank walks its action list (frameworks/pipeline_replay.py): the replay's own allocated
+                                                               micro_batches: int, dp: int, strategy: str) -> None:
+    # each FSDP2 or DDP pipeline rank walks its action list (frameworks/pipeline_replay.py): the replay's own allocated
     # peak near the engine's for that rank (the engine's multi-stage ranks count the current micro-batch at all of
     # the rank's blocks, an upper bound: within 15% there; on the CPU harness the engine reads up to +15% over
     # and the replay within +6.4%), reserved >= allocated, required >= reserved, and the
@@ -83,7 +83,7 @@ def test_a_pipeline_rank_s_replay_holds_what_its_engine_holds(tmp_path: Path, sc
     cfg.write_text(json.dumps({**SMALL, "num_hidden_layers": 12}))
     src = resolve(str(cfg))
     inv = build_inventory(src)
-    s = options.resolve(inv, JobRequest.of(gpus=pp * dp, gpu="h100-80g", micro_batch=2, seq_len=256, strategy="fsdp-full", grad_accum=micro_batches, parallel=Parallel(pp=pp, schedule=schedule)), config=src.config).settings
+    s = options.resolve(inv, JobRequest.of(gpus=pp * dp, gpu="h100-80g", micro_batch=2, seq_len=256, strategy=strategy, grad_accum=micro_batches, parallel=Parallel(pp=pp, schedule=schedule)), config=src.config).settings
     plan = accounting.estimate(inv, s)
     assert plan.reserved is not None, plan.reserved_why
     lay = plan.layout

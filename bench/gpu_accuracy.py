@@ -288,7 +288,10 @@ def write_doc(rows: list, summary: str, vrows: list, rsum: str = "", oom: list |
         "Each case is predicted with `memplan estimate CONFIG --gpus 1 --gpus-per-node 1 --gpu h100-80g --device cuda "
         "--optimizer adamw --attention ATTN --recompute RC --micro-batch MB --seq-len SEQ` and the case's strategy and "
         "recipe (bench/gpu_accuracy.py case_settings). Error = (predicted - measured) / measured: negative is an "
-        "under-estimate.",
+        "under-estimate. The predictions trace the model with the transformers installed here: from 5.25 Falcon "
+        "runs transformers' shared attention interface (its key/value head repeated to the 71 query heads, so SDPA "
+        "can take cuDNN), where the 5.23 that measured the falcon-7b-4l rows called SDPA itself with 71 query heads "
+        "over one key/value head (the math kernel); with 5.25 installed those rows compare two programs.",
         "",
         f"**{summary}**",
         "",

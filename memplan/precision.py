@@ -527,9 +527,8 @@ def muon_aux_adam_step(inv: Any, recipe: Recipe, first: bool = False, gemm: Any 
         e.free(x0)
         e.bind("X", x)
         for _ in range(5):
-            a_ = e.alloc(2 * k * k)  # X @ X.mT: aten's output, then the kernel's own scratch
             e.temporary(g(k, k, l_))
-            e.bind("A", a_)
+            e.bind("A", e.alloc(2 * k * k))
             ba = e.alloc(2 * k * k)
             ca = e.alloc(2 * k * k)
             e.temporary(g(k, k, k))
@@ -540,8 +539,8 @@ def muon_aux_adam_step(inv: Any, recipe: Recipe, first: bool = False, gemm: Any 
             e.free(caa)
             e.bind("B", bn)
             ax = e.alloc(2 * ab)
-            bx = e.alloc(2 * ab)
             e.temporary(g(k, l_, k))
+            bx = e.alloc(2 * ab)
             xn = e.alloc(2 * ab)
             e.free(ax)
             e.free(bx)

@@ -72,10 +72,7 @@ def replay_ddp(job: ReplayJob, config: AllocatorConfig | None = None, release: s
         _broadcast_coalesced(run, sizes, DDP_BROADCAST_BUCKET)
         mask = trainable or [True] * len(sizes)
         if find_unused:
-            grads_of = [n for n, grad in zip(sizes, mask) if grad]
-            buckets = [run.alloc(sum(grads_of[i] for i in idx))
-                       for idx in reversed(bucket_assignment(grads_of, list(bucket_limits)))]
-            buckets.append(run.alloc(4 * len(grads_of)))  # local_used_map_dev_
+            buckets = unused_buckets(run, [n for n, grad in zip(sizes, mask) if grad], bucket_limits)
         else:
             buckets = [run.alloc(sum(n for n, grad in zip(sizes, mask) if grad))]
     old: list[Any] = []
@@ -98,9 +95,7 @@ def replay_ddp(job: ReplayJob, config: AllocatorConfig | None = None, release: s
                     old = []
                 # the Reducer's rebuilt order is the order the gradients were ready (autograd_hook ->
                 # rebuilt_params_), which a Linear's bias, summed after its weight's matmul, reaches first
-                ready = [size for _, size in ready_order(first_grads, run.late)]
-                buckets = [run.alloc(sum(ready[i] for i in idx))
-                           for idx in bucket_assignment(ready, list(bucket_limits))]
+                buckets = rebuilt_buckets(run, first_grads, bucket_limits)
             rebuilt = forwards == 1
 
             def at(kind: str, blk: int, rebuilt: bool = rebuilt) -> None:
@@ -125,6 +120,22 @@ def replay_ddp(job: ReplayJob, config: AllocatorConfig | None = None, release: s
         if _end_step(run, job, n, states, grads, before, settled_after=2):
             break
     return run.a
+
+
+def unused_buckets(run: Run, sizes: list[int], limits: tuple[int, ...]) -> list[Any]:
+    """find_unused_parameters=True: the Reducer's buckets by size from the start (compute_bucket_size_limits, the
+    buckets handed over reversed, allocated in that order), then its int32 map of the parameters used
+    (initialize_local_used_map: local_used_map_dev_)."""
+    out = [run.alloc(sum(sizes[i] for i in idx)) for idx in reversed(bucket_assignment(sizes, list(limits)))]
+    out.append(run.alloc(4 * len(sizes)))
+    return out
+
+
+def rebuilt_buckets(run: Run, first: list[tuple[Any, int]], limits: tuple[int, ...]) -> list[Any]:
+    """Reducer::rebuild_buckets: one buffer per bucket of the order the first hooked backward's gradients were ready
+    (``first``: (key, bytes) in the order made; replay.ready_order)."""
+    ready = [size for _, size in ready_order(first, run.late)]
+    return [run.alloc(sum(ready[i] for i in idx)) for idx in bucket_assignment(ready, list(limits))]
 
 
 def _end_step(run: Run, job: ReplayJob, n: int, states: list[Any], grads: list[tuple[Any, int]], before: int,

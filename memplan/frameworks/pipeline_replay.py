@@ -451,13 +451,11 @@ class _DdpStage:
 
     def __init__(self, run: Run, trainable: list[int], limits: tuple[int, ...], view: bool, release: str,
                  unused: bool) -> None:
-        from memplan.replay import bucket_assignment
+        from memplan.frameworks.ddp_replay import unused_buckets
 
         self.run, self.limits, self.view, self.release = run, limits, view, release
         if unused:
-            self.buckets = [run.alloc(sum(trainable[i] for i in idx))
-                            for idx in reversed(bucket_assignment(trainable, list(limits)))]
-            self.buckets.append(run.alloc(4 * len(trainable)))  # local_used_map_dev_
+            self.buckets = unused_buckets(run, trainable, limits)
         else:
             self.buckets = [run.alloc(sum(trainable))]
         self.rebuilt = unused  #: find_unused_parameters: never rebuilt (reducer.h should_rebuild_buckets)
@@ -479,7 +477,7 @@ class _DdpStage:
         pass
 
     def begin_forward(self) -> None:
-        from memplan.replay import bucket_assignment, ready_order
+        from memplan.frameworks.ddp_replay import rebuilt_buckets
 
         if self.first is None or self.rebuilt:
             return
@@ -489,9 +487,7 @@ class _DdpStage:
             for k in self.old:
                 self.run.free(k)
             self.old = []
-        ready = [size for _, size in ready_order(self.first, self.run.late)]
-        self.buckets = [self.run.alloc(sum(ready[i] for i in idx))
-                        for idx in bucket_assignment(ready, list(self.limits))]
+        self.buckets = rebuilt_buckets(self.run, self.first, self.limits)
 
     def begin_backward(self) -> None:
         self.making = []

@@ -507,19 +507,22 @@ class Layout:
                     + most * inner.terms(s.recompute, 1).block
             stages: tuple[Any, ...] = ()
             actions = None
-            if p.pp > 1 and self.name == par.TORCHTITAN:
-                # what the rank's replay walks (frameworks/pipeline_replay.py): each stage's traced step, the output
-                # fwd_cache keeps and what a split backward's input step keeps for W; the receive buffers, one per
-                # micro-batch for each stage's input (after the first) and output gradient (before the last)
+            if p.pp > 1:
+                # what the rank's replay walks (frameworks/pipeline_replay.py, pipe_engine_replay.py): each stage's
+                # traced step, the output fwd_cache (DeepSpeed: the output slot) keeps and what a split backward's
+                # input step keeps for W; torch's receive buffers, one per micro-batch for each stage's input
+                # (after the first) and output gradient (before the last), DeepSpeed's one of each
                 stages = tuple(schedules.StagePart(
                     profs[k] if v > 1 else inner, len(c.layers), c.first, c.last,
                     s.seq_len * par.stage_output(inv.dims, p, self.name, c.last, rc),
                     par.zero_bubble_grads(share.inventory.dims, len(c.layers), s.seq_len, rc.compute_bytes))
                     for k, c in enumerate(share.chunks))
+                per_micro_batch = s.grad_accum if self.name == par.TORCHTITAN else 1
                 actions = schedules.RankSchedule(
                     p.schedule, p.pp, s.grad_accum, p.virtual if p.multi_stage else 1, share.rank,
                     par.sp_tokens(s.seq_len, p) * h * rc.residual_bytes,
-                    s.grad_accum * sum((not c.first) + (not c.last) for c in share.chunks), p.sp and p.tp > 1)
+                    per_micro_batch * sum((not c.first) + (not c.last) for c in share.chunks), p.sp and p.tp > 1,
+                    self.name, p.tp)
             prof = act.HeldProfile(inner, share.in_flight, less, loss, output, others, fewer, shared,
                                    recompute=s.recompute, ring_forward=ring_f,
                                    ring_backward=ring_b, stages=stages, actions=actions)

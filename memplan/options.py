@@ -445,12 +445,13 @@ def _with_z3_leaves(s: Settings, inv: ParamInventory, config: dict[str, Any] | N
     return replace(s, z3_leaves=leaves)
 
 
-def _deepspeed_wrapper(strat: Any, recipe: Any, ds: DeepSpeedKnobs, notes: list[str]) -> None:
+def _deepspeed_wrapper(strat: Any, recipe: Any, ds: DeepSpeedKnobs, notes: list[str], piped: bool = False) -> None:
     """DeepSpeed 0.19.8 picks its optimizer wrapper from the parameters' dtype and data_types.grad_accum_dtype
     (engine.py _do_optimizer_sanity_check, the accumulation dtype defaulting to the parameters'). Under ZeRO, bf16
     parameters with fp32 accumulation at stage 1 run BF16_Optimizer (fp32 gradients of the whole model) instead
     of the ZeRO optimizer: not modelled, refused. Without ZeRO (stage 0) the two dtypes must be equal (else its
-    NotImplementedError): 16-bit parameters take FP16_Optimizer, fp32 ones the torch optimizer itself. Under ZeRO
+    NotImplementedError): 16-bit parameters take FP16_Optimizer, fp32 ones the torch optimizer itself, bf16 ones
+    under the PipelineEngine (``piped``) BF16_Optimizer (refused). Under ZeRO
     stages 2 and 3 another accumulation dtype than the parameters' keeps a per-parameter accumulator in it: not
     modelled, refused."""
     acc = ds.grad_accum_dtype
@@ -475,6 +476,10 @@ def _deepspeed_wrapper(strat: Any, recipe: Any, ds: DeepSpeedKnobs, notes: list[
     if strat.zero_stage == 0 and acc != model:
         raise SettingsError(f"stage 0 with {model} parameters and {acc} gradient accumulation: DeepSpeed 0.19.8 "
                             "refuses the mix (engine.py _do_optimizer_sanity_check: NotImplementedError)")
+    if strat.zero_stage == 0 and model == "bf16" and piped:
+        raise SettingsError("stage 0 with bf16 under --pp: DeepSpeed 0.19.8's PipelineEngine runs BF16_Optimizer "
+                            "there (engine.py _do_optimizer_sanity_check), which memplan does not model; use "
+                            "ZeRO stage 1")
     comm = ds.communication_data_type
     if comm is not None and comm not in ("fp32", "bf16", "fp16"):
         raise SettingsError(f"communication_data_type must be fp32, bf16 or fp16, got {quote(comm)}")
@@ -1134,7 +1139,7 @@ def resolve(inv: ParamInventory, request: JobRequest, *, config: dict[str, Any] 
     ds = _ds_knobs(pick, strat)
     notes.extend(_zeropp_notes(ds, strat, gpus, _per_node(gpus, gpus_per_node)))
     notes.extend(_reduce_path_notes(ds, strat))
-    _deepspeed_wrapper(strat, recipe, ds, notes)
+    _deepspeed_wrapper(strat, recipe, ds, notes, parallel is not None and parallel.pp > 1)
     if isinstance(torch_overrides.get("fsdp_wrap"), _Fsdp2ClassWrap):  # Accelerate FSDP2 with named classes
         classes = torch_overrides["fsdp_wrap"].classes
         if set(_class_paths(inv, config, classes)) == {b.name for b in inv.layer_blocks}:

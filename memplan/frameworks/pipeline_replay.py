@@ -72,7 +72,12 @@ def why_not(s: Any) -> str | None:
     """Why this pipeline rank's step cannot be replayed (None: it can)."""
     prof = s.activation_profile
     if not getattr(prof, "actions", None):
-        return "pipeline parallelism in the megatron-deepspeed layout (DeepSpeed's PipelineEngine) is not replayed yet"
+        return "the rank's schedule was not laid out"
+    if prof.actions.layout != "torchtitan":
+        from memplan.frameworks import pipe_engine_replay
+
+        why = pipe_engine_replay.why_not(s)
+        return why if why is not None else _stages_traced(prof)
     if s.strategy.framework != "fsdp2" and s.strategy.name != "ddp":
         return f"pipeline parallelism under {s.strategy.name}: only FSDP2's and DDP's pipeline ranks are replayed"
     if s.torch.cpu_offload:
@@ -83,6 +88,11 @@ def why_not(s: Any) -> str | None:
         return "LoRA under pipelining is not replayed"
     if s.torch.reshard_after_forward not in (None, True, False):
         return "reshard_after_forward as a group size under pipelining is not replayed yet"
+    return _stages_traced(prof)
+
+
+def _stages_traced(prof: Any) -> str | None:
+    """Why a stage's traced step cannot be replayed (None: each can)."""
     for part in prof.stages:
         layers = part.layers
         d = getattr(part.profile, "data", None)
@@ -285,6 +295,10 @@ def _split(step: list[Event]) -> tuple[list[Event], list[Event]]:
 
 def replay(inv: Any, s: Any, config: AllocatorConfig) -> tuple[str, dict[str, Allocator]]:
     prof = s.activation_profile
+    if prof.actions.layout != "torchtitan":
+        from memplan.frameworks import pipe_engine_replay
+
+        return pipe_engine_replay.replay(inv, s, config)
     name = (" under " + schedules.TORCH_NAMES[prof.actions.schedule]
             + (", the TP share's step without SP's split" if prof.actions.sequence_parallel else ""))
     # under sequence parallelism the stage's traced step is its TP share over the whole sequence (the engine takes

@@ -45,10 +45,10 @@ def replay_zero12(job: ReplayJob, stage: int, partition: int, flat: int, bucket:
     (single_grad_partition), Adam makes its states at the first step, and the fp32 gradient goes.
 
     ZeRO-Offload (``offload``): see Offload; the optimizer and its states live on the host."""
-    run = _setup(job, partition, flat, half, config, offload, trainable)
+    run = setup_zero12(job, partition, flat, half, config, offload, trainable)
     for n in range(MAX_STEPS):
         before = run.a.peak_reserved
-        grads_flat = None
+        red = Reducer(run, partition, half, bucket, offload)
         #: ZeRO-1's gradients as autograd keeps them across the micro-steps (param.grad, the later micro-steps'
         #: added in place: theirs die at once), reduced at the boundary only
         acc: list[tuple[Any, int]] = []
@@ -58,54 +58,15 @@ def replay_zero12(job: ReplayJob, stage: int, partition: int, flat: int, bucket:
         for m in range(job.grad_accum):
             boundary = m == job.grad_accum - 1
             ids = run.alloc(job.input_bytes)
-            in_bucket = [0]
             # process_gradients: every hook sets up the bucket buffer(s); ZeRO-2 (partition_gradients) reduces in
             # the hooks, and overlap_comm does at the boundary (reduce_ready_partitions_and_remove_grads); ZeRO-1
             # without it keeps the gradients until reduce_gradients takes them one by one at the end of the
             # boundary's backward (stage_1_and_2.py process_gradients)
             in_hooks = stage == 2 or (buffers > 1 and boundary)
             seen = [0]
-
-            #: the bucket's gradients: (elements, the key of one kept apart, larger than the bucket, else None)
-            pending: list[tuple[int, Any]] = []
             if offload is not None:
                 offload.seen = 0
                 offload.module_order = not in_hooks
-
-            def flush() -> None:
-                """reduce_ipg_grads: the first reduce makes grads_in_partition (copy_grads_in_partition); with
-                ZeRO-Offload each gradient in the rank's partition is copied to the host instead (Offload). A
-                gradient kept apart (extra_large_param_to_reduce) is freed once copied: into grads_in_partition
-                (``grad_reduc.data = new_grad_tensor``), or to the host (clear_grad_attribute)."""
-                nonlocal grads_flat
-                if offload is None and grads_flat is None:
-                    grads_flat = run.alloc(partition * half)
-                for numel, apart in pending:
-                    if offload is not None:
-                        offload.copy_to_host(run, numel)
-                    if apart is not None:
-                        run.free(apart)
-                pending.clear()
-                in_bucket[0] = 0
-
-            def reduce(nbytes: int, key: Any) -> bool:
-                """reduce_independent_p_g_buckets_and_remove_grads: a gradient that would overflow the bucket
-                reduces it first; one larger than the bucket stays apart until its reduce (cloned first under
-                ZeRO-Offload: ``grad_reduc.data = grad_reduc.detach().clone()``), the others are copied into it
-                (their storage freed). Returns whether the gradient's storage is kept apart."""
-                numel = nbytes // half
-                if in_bucket[0] + numel > bucket:
-                    flush()
-                in_bucket[0] += numel
-                if numel > bucket:
-                    if offload is not None:
-                        clone = run.alloc(nbytes)
-                        run.free(key)
-                        key = clone
-                    pending.append((numel, key))
-                    return True
-                pending.append((numel, None))
-                return False
 
             def on_grad(nbytes: int, key: Any, *_: Any, in_hooks: bool = in_hooks, seen: list[int] = seen) -> bool:
                 if not ipg:
@@ -115,19 +76,17 @@ def replay_zero12(job: ReplayJob, stage: int, partition: int, flat: int, bucket:
                 if in_hooks and stage == 1 and acc:
                     # the hook reduces param.grad, into which this micro-step's gradient was just added
                     k, size = acc[i]
-                    if not reduce(size, k):
+                    if not red.reduce(size, k):
                         run.free(k)
                     return False
-                return in_hooks and reduce(nbytes, key)
+                return in_hooks and red.reduce(nbytes, key)
             kept = micro_step(run, job, keep_grads=not in_hooks and not acc, on_grad=on_grad)
             if stage == 1 and not acc:
                 acc = kept
             if boundary and not in_hooks:
-                for key, nbytes in reversed(acc):  # reduce_gradients, in the group's (module) order
-                    if not reduce(nbytes, key):
-                        run.free(key)  # copied into the bucket: the gradient is a view of it now
-            if pending or (grads_flat is None and offload is None and (boundary or stage == 2)):
-                flush()  # the epilogue's reduce
+                red.reduce_all(acc)
+            if red.pending or (red.grads_flat is None and offload is None and (boundary or stage == 2)):
+                red.flush()  # the epilogue's reduce
             if stage == 2 or boundary:
                 for k in ipg:
                     run.free(k)
@@ -137,21 +96,76 @@ def replay_zero12(job: ReplayJob, stage: int, partition: int, flat: int, bucket:
                 # (all_grad_tensors' views) and drops its own reference: the next reduce makes a new one, added into
                 # these at the next epilogue and freed
                 if m == 0:
-                    acc = [(grads_flat, 0)]
+                    acc = [(red.grads_flat, 0)]
                 else:
-                    run.free(grads_flat)
-                grads_flat = None
+                    run.free(red.grads_flat)
+                red.grads_flat = None
             run.free(ids)
         if stage == 2 and acc and offload is None:
-            if grads_flat is not None:
-                run.free(grads_flat)
-            grads_flat = acc[0][0]
+            if red.grads_flat is not None:
+                run.free(red.grads_flat)
+            red.grads_flat = acc[0][0]
         if offload is None:
-            _optimizer_step(run, job, norms, partition, half, grads_flat, first=n == 0)
+            optimizer_step_zero12(run, job, norms, partition, half, red.grads_flat, first=n == 0)
         run.end_step()
         if n >= 1 and run.a.peak_reserved == before:
             break
     return run.a
+
+
+class Reducer:
+    """One boundary's reduce of ZeRO-1/2 (stage_1_and_2.py): the gradients taken into the ipg bucket one by one,
+    the bucket reduced when the next would overflow it and at the end. ``grads_flat``: grads_in_partition, made
+    at the first reduce (the rank's partition of the reduced gradients, bit16)."""
+
+    def __init__(self, run: Run, partition: int, half: int, bucket: int, offload: Offload | None) -> None:
+        self.run, self.partition, self.half, self.bucket, self.offload = run, partition, half, bucket, offload
+        self.grads_flat: Any = None
+        #: the bucket's gradients: (elements, the key of one kept apart, larger than the bucket, else None)
+        self.pending: list[tuple[int, Any]] = []
+        self.in_bucket = 0
+
+    def flush(self) -> None:
+        """reduce_ipg_grads: the first reduce makes grads_in_partition (copy_grads_in_partition); with
+        ZeRO-Offload each gradient in the rank's partition is copied to the host instead (Offload). A
+        gradient kept apart (extra_large_param_to_reduce) is freed once copied: into grads_in_partition
+        (``grad_reduc.data = new_grad_tensor``), or to the host (clear_grad_attribute)."""
+        run, offload = self.run, self.offload
+        if offload is None and self.grads_flat is None:
+            self.grads_flat = run.alloc(self.partition * self.half)
+        for numel, apart in self.pending:
+            if offload is not None:
+                offload.copy_to_host(run, numel)
+            if apart is not None:
+                run.free(apart)
+        self.pending.clear()
+        self.in_bucket = 0
+
+    def reduce(self, nbytes: int, key: Any) -> bool:
+        """reduce_independent_p_g_buckets_and_remove_grads: a gradient that would overflow the bucket
+        reduces it first; one larger than the bucket stays apart until its reduce (cloned first under
+        ZeRO-Offload: ``grad_reduc.data = grad_reduc.detach().clone()``), the others are copied into it
+        (their storage freed). Returns whether the gradient's storage is kept apart."""
+        numel = nbytes // self.half
+        if self.in_bucket + numel > self.bucket:
+            self.flush()
+        self.in_bucket += numel
+        if numel > self.bucket:
+            if self.offload is not None:
+                clone = self.run.alloc(nbytes)
+                self.run.free(key)
+                key = clone
+            self.pending.append((numel, key))
+            return True
+        self.pending.append((numel, None))
+        return False
+
+    def reduce_all(self, grads: list[tuple[Any, int]]) -> None:
+        """reduce_gradients without overlap_comm: every gradient kept on its parameter, in the group's (module)
+        order (``grads`` in the order backward made them)."""
+        for key, nbytes in reversed(grads):
+            if not self.reduce(nbytes, key):
+                self.run.free(key)  # copied into the bucket: the gradient is a view of it now
 
 
 class Offload:
@@ -197,7 +211,7 @@ class Offload:
                 run.free(run.alloc(inside * 4))  # the fp32 copy sent to the host
 
 
-def _setup(job: ReplayJob, partition: int, flat: int, half: int, config: AllocatorConfig | None,
+def setup_zero12(job: ReplayJob, partition: int, flat: int, half: int, config: AllocatorConfig | None,
            offload: Offload | None = None, trainable: tuple[bool, ...] | None = None) -> Run:
     """The model built and converted, the cache emptied, the flat bit16 group (the parameters become views of it),
     the fp32 master partition (a clone made fp32) and initialize_optimizer_states' zero gradient; with
@@ -222,7 +236,7 @@ def _setup(job: ReplayJob, partition: int, flat: int, half: int, config: Allocat
     return run
 
 
-def _optimizer_step(run: Run, job: ReplayJob, norms: tuple[int, ...], partition: int, half: int, grads_flat: Any,
+def optimizer_step_zero12(run: Run, job: ReplayJob, norms: tuple[int, ...], partition: int, half: int, grads_flat: Any,
                     first: bool) -> None:
     """get_grad_norm_direct (each gradient .to(float64), one after another), then the partition's gradients
     flattened (bit16) and made fp32, grads_in_partition freed, Adam's states at the first step, the step."""
@@ -272,11 +286,27 @@ def replay_zero0(job: ReplayJob, wrapper: str | None, grad_numels: tuple[int, ..
       the 16-bit gradients set to None in order, FusedAdam steps, the flat gradient goes.
 
     ``grad_numels``: the elements of each trainable parameter, module order (what the chunks take)."""
-    from memplan.frameworks.zero12 import ALLREDUCE_CHUNK
+    run, states = setup_zero0(job, wrapper, grad_numels, grad_bytes, config, trainable)
+    for n in range(MAX_STEPS):
+        before = run.a.peak_reserved
+        grads: list[tuple[Any, int]] = []
+        for m in range(job.grad_accum):
+            ids = run.alloc(job.input_bytes)
+            grads += micro_step(run, job, keep_grads=m == 0)
+            run.free(ids)
+        reduce_and_step_zero0(run, job, wrapper, grad_numels, grad_bytes, comm_bytes, grads, states, n == 0)
+        run.end_step()
+        if n >= 1 and run.a.peak_reserved == before:
+            break
+    return run.a
 
+
+def setup_zero0(job: ReplayJob, wrapper: str | None, grad_numels: tuple[int, ...], half: int,
+                config: AllocatorConfig | None, trainable: tuple[bool, ...] | None) -> tuple[Run, list[Any]]:
+    """Stage 0's setup (replay_zero0): the model built, then the wrapper's groups; (the run, the optimizer's
+    states)."""
     run = Run(config or AllocatorConfig(), job.buffers)
     keys = build_model(run, job)
-    half = grad_bytes
     states: list[Any] = []
     if wrapper == "unfused":
         for n in grad_numels:
@@ -302,48 +332,48 @@ def replay_zero0(job: ReplayJob, wrapper: str | None, grad_numels: tuple[int, ..
         zero = run.alloc(psi * 4)
         optimizer_step(run, job, True, states)
         run.free(zero)
-    for n in range(MAX_STEPS):
-        before = run.a.peak_reserved
-        grads: list[tuple[Any, int]] = []
-        for m in range(job.grad_accum):
-            ids = run.alloc(job.input_bytes)
-            grads += micro_step(run, job, keep_grads=m == 0)
-            run.free(ids)
-        chunk = 0
-        for i, numel in enumerate(grad_numels):  # allreduce_no_retain
-            chunk += numel
-            if chunk > ALLREDUCE_CHUNK or i == len(grad_numels) - 1:
-                flat = run.alloc(chunk * grad_bytes)
-                if comm_bytes != grad_bytes:
-                    run.free(run.alloc(chunk * comm_bytes))
-                run.free(flat)
-                chunk = 0
-        if wrapper == "unfused":
-            if half != 4:
-                for numel in grad_numels:  # get_weight_norm: p.data.float().norm()
-                    run.free(run.alloc(numel * 4))
-            fp32 = [run.alloc(numel * 4) for numel in grad_numels]
-            optimizer_step(run, job, False, states)
-            for k in fp32:
-                run.free(k)
-        elif wrapper == "fused":
-            casts = [run.alloc(numel * 4) for numel in grad_numels]
-            flat = run.alloc(sum(grad_numels) * 4)
-            for k in reversed(casts):
-                run.free(k)
-            for k, _ in reversed(grads):
-                run.free(k)
-            grads = []
-            optimizer_step(run, job, False, states)
+    return run, states
+
+
+def reduce_and_step_zero0(run: Run, job: ReplayJob, wrapper: str | None, grad_numels: tuple[int, ...],
+                          grad_bytes: int, comm_bytes: int, grads: list[tuple[Any, int]], states: list[Any],
+                          first: bool) -> None:
+    """Stage 0 after the boundary's backward (replay_zero0): allreduce_no_retain's chunks, the wrapper's step,
+    zero_grad; ``grads``: the gradients kept on the parameters, in the order backward made them."""
+    from memplan.frameworks.zero12 import ALLREDUCE_CHUNK
+
+    half = grad_bytes
+    chunk = 0
+    for i, numel in enumerate(grad_numels):  # allreduce_no_retain
+        chunk += numel
+        if chunk > ALLREDUCE_CHUNK or i == len(grad_numels) - 1:
+            flat = run.alloc(chunk * grad_bytes)
+            if comm_bytes != grad_bytes:
+                run.free(run.alloc(chunk * comm_bytes))
             run.free(flat)
-        else:
-            optimizer_step(run, job, n == 0, states)
-        for k, _ in reversed(grads):  # zero_grad(set_to_none=True)
+            chunk = 0
+    if wrapper == "unfused":
+        if half != 4:
+            for numel in grad_numels:  # get_weight_norm: p.data.float().norm()
+                run.free(run.alloc(numel * 4))
+        fp32 = [run.alloc(numel * 4) for numel in grad_numels]
+        optimizer_step(run, job, False, states)
+        for k in fp32:
             run.free(k)
-        run.end_step()
-        if n >= 1 and run.a.peak_reserved == before:
-            break
-    return run.a
+    elif wrapper == "fused":
+        casts = [run.alloc(numel * 4) for numel in grad_numels]
+        flat = run.alloc(sum(grad_numels) * 4)
+        for k in reversed(casts):
+            run.free(k)
+        for k, _ in reversed(grads):
+            run.free(k)
+        grads = []
+        optimizer_step(run, job, False, states)
+        run.free(flat)
+    else:
+        optimizer_step(run, job, first, states)
+    for k, _ in reversed(grads):  # zero_grad(set_to_none=True)
+        run.free(k)
 
 
 def why_not(s: Any) -> str | None:

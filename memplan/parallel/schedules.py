@@ -71,6 +71,10 @@ class RankSchedule:
     recv_bytes: int  #: one receive buffer per micro-batch of 1 (parallel.recv_buffers)
     recv_count: int  #: receive buffers the rank makes at its first step
     sequence_parallel: bool  #: its stages' traced steps are the TP share's over the whole sequence
+    #: who runs the schedule: torchtitan (torch.distributed.pipelining) or megatron-deepspeed (DeepSpeed's
+    #: PipelineEngine, frameworks/pipe_engine_replay.py)
+    layout: str = "torchtitan"
+    tp: int = 1  #: tensor-parallel ranks of the stage
 
 
 def canonical(name: str) -> str | None:
@@ -135,7 +139,7 @@ def rank_actions(schedule: str, pp: int, micro_batches: int, per_rank: int, rank
 def _one_f_one_b(pp: int, m: int, rank: int) -> list[Action]:
     """Schedule1F1B._get_pipeline_order (the order its _step_microbatches runs)."""
     ops = []
-    warm = pp - 1 - rank
+    warm = min(pp - 1 - rank, m)  # torch refuses fewer micro-batches than stages; DeepSpeed's TrainSchedule not
     for i in range(warm):
         ops.append((rank, F, i))
     f, b = warm, 0

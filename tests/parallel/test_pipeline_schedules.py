@@ -63,3 +63,17 @@ def test_held_moments_one_f_one_b():
     held = [h[0][0] for h in schedules.held_moments("1f1b", 4, 8, 1, 0)]
     assert held == [4, 4, 4, 4, 4, 3, 2, 1]
     assert [h[0][0] for h in schedules.held_moments("gpipe", 4, 8, 1, 3)] == [8, 7, 6, 5, 4, 3, 2, 1]
+
+
+def test_deepspeeds_train_schedule_runs_the_same_1f1b():
+    # DeepSpeed's PipelineEngine (deepspeed/runtime/pipe/schedule.py TrainSchedule, read off its steps(): the
+    # ForwardPass and BackwardPass commands of each stage) runs 1F1B's order, and runs fewer micro-batches than
+    # stages too, which torch's Schedule1F1B refuses: each stage's warm-up capped at the micro-batches
+    def order(pp, m, r):
+        return "".join(k for _, k, _ in schedules.rank_actions("1f1b", pp, m, 1, r))
+
+    assert [order(4, 2, r) for r in range(4)] == ["FFBB", "FFBB", "FFBB", "FBFB"]
+    assert [order(3, 5, r) for r in range(3)] == ["FFFBFBFBBB", "FFBFBFBFBB", "FBFBFBFBFB"]
+    assert [order(4, 8, r) for r in range(4)] == ["FFFFBFBFBFBFBBBB", "FFFBFBFBFBFBFBBB", "FFBFBFBFBFBFBFBB",
+                                                  "FBFBFBFBFBFBFBFB"]
+    assert schedules.rank_actions("1f1b", 4, 2, 1, 0) == ((0, "F", 0), (0, "F", 1), (0, "B", 0), (0, "B", 1))

@@ -79,7 +79,7 @@ def predict(case: dict, config_dirs: list[Path]) -> dict:
     r = plan.reserved
     return {"peak_bytes": plan.peak_bytes, "phase": plan.peak.name,
             "reserved_peak_bytes": plan.reserved_peak_bytes,
-            "reserved_method": "replayed" if r is not None else "flat",
+            "reserved_method": "replayed" if r is not None else "bound",
             "reserved_variants": dict(r.variants) if r is not None else {},
             "replay_allocated_bytes": r.allocated_bytes if r is not None else None,
             "fits": plan.fits, "required_bytes": plan.required_bytes,
@@ -259,7 +259,7 @@ def reserved_summary(rows: list) -> str:
                 f"(there the rebuild's figure is down to {100 * under:+.2f}%) and in {alike} the two orders reserve "
                 f"the same; the later order's figure is up to {100 * over:+.2f}% over the runs that released")
     if fe:
-        out += (f"; flat {len(fe)} cases (offload: allocated + 40%): min {100 * min(fe):+.2f}%, "
+        out += (f"; bounded {len(fe)} cases (not replayed: the allocated peak): min {100 * min(fe):+.2f}%, "
                 f"max {100 * max(fe):+.2f}%")
     fits = sum(1 for _, p, _, _ in rows if p["fits"])
     return out + f"; verdict FITS for {fits} of {len(rows)} measured runs"
@@ -319,9 +319,8 @@ def write_doc(rows: list, summary: str, vrows: list, rsum: str = "", oom: list |
         "`predicted reserved (verdict)` is `per_gpu.reserved_peak_bytes`: the caching allocator (memplan/allocator.py, "
         "every recorded event stream replayed to the byte by bench/allocator_replay.py) replayed over the run's "
         "allocations as memplan/reserved.py writes them down (DDP, FSDP2, ZeRO-1/2/3, ZeRO-Offload of the optimizer "
-        "and, with it, of the parameters); where a setup is not written down the allocated peak + a flat percentage "
-        "(`how`: flat: accounting.FALLBACK_FRAGMENTATION, the largest ratio of that kind plus 5 points; no measured "
-        "case takes it now). DDP's first buckets come back either at the Reducer's rebuild or, "
+        "and, with it, of the parameters); where a setup is not written down only the allocated peak, a bound from "
+        "below (reserved.method bound: no verdict unless even it is over the card; no measured case takes it). DDP's first buckets come back either at the Reducer's rebuild or, "
         "held by NCCL until its watchdog sees the last all-reduce done, in step 2's backward: the same "
         "configuration (gpt2, micro-batch 16) did each in one of two runs, so the verdict takes the later release "
         "and `as the run released` is the replay of the order the run took (its step 2 allocated peak shows it).",

@@ -23,8 +23,8 @@ from memplan.frameworks.common import FrameworkModel, Grads, Job, OffloadedGrads
 from memplan.model.inventory import ParamInventory
 from memplan.precision import step_temporaries
 from memplan.settings import (  # noqa: F401  (re-exported: the library's names for the settings types)
-    BLAS_HANDLES, FALLBACK_FRAGMENTATION, FALLBACK_FRAGMENTATION_PERCENT, Cluster, DeepSpeedKnobs, Overheads,
-    RankState, Settings, TorchKnobs, default_blas_workspace, fallback_fragmentation, optimizer_impl, shard_group_size, with_gpus)
+    BLAS_HANDLES, Cluster, DeepSpeedKnobs, Overheads,
+    RankState, Settings, TorchKnobs, default_blas_workspace, optimizer_impl, shard_group_size, with_gpus)
 from memplan.moments import Fixed, moments_at, phases
 from memplan.plan import PHASE_NAMES, EvaluatedMoment, Phase, PhaseBytes, Plan, StepTimeline  # noqa: F401  (the API)
 from memplan.timeline import CATEGORY_KEYS, BufferTimeline, Moment, StepMoment
@@ -252,22 +252,17 @@ def evaluate_moments(inv: ParamInventory, s: Settings) -> list[EvaluatedMoment]:
 def _overheads(s: Settings, f: Fixed, peak: int, reserved: Any) -> dict[str, int]:
     """What the fit verdict adds to the allocated peak: the CUDA context, NCCL's buffers, and the caching
     allocator's segments beyond the allocated bytes (the replayed reserved peak less the allocated one), or the
-    flat fragmentation percentage where it is given or the replay cannot run."""
+    user's flat --fragmentation-percent. Where neither is there, nothing: the figure is a bound from below
+    (Plan.reserved_bound)."""
     if s.cluster.device != "cuda":
         return {}
     o = s.overheads
     out = {"cuda_context_bytes": o.cuda_context_bytes, "nccl_bytes": f.comms * o.nccl_bytes_per_communicator}
-    if o.fragmentation_percent is None and reserved is not None:
+    if o.fragmentation_percent is not None:
+        out["fragmentation_bytes"] = peak * o.fragmentation_percent // 100
+    elif reserved is not None:
         out["allocator_bytes"] = max(reserved.peak_bytes - peak, 0)
-    else:
-        out["fragmentation_bytes"] = peak * _flat_percent(s) // 100
     return out
-
-
-def _flat_percent(s: Settings) -> int:
-    """The flat allocator term where the reserved peak is not replayed: --fragmentation-percent, or the fallback."""
-    pct = s.overheads.fragmentation_percent
-    return fallback_fragmentation(s) if pct is None else pct
 
 
 def _reserved(inv: ParamInventory, s: Settings, limit: int | None = None) -> tuple[Any, str | None]:
@@ -304,15 +299,15 @@ def estimate(inv: ParamInventory, s: Settings, reserved_limit: int | None = None
         res = res.moved_to(peak.total_bytes)  # a tensor-parallel rank: its share's replay (reserved.py)
         shift = res.allocated_bytes - before
     detail = _overheads(s, f, peak.total_bytes, res)
-    flat = None if s.cluster.device != "cuda" or (s.overheads.fragmentation_percent is None and res is not None) \
-        else _flat_percent(s)
+    flat = s.overheads.fragmentation_percent if s.cluster.device == "cuda" else None
     capped, verdict = _verdict(inv, s, res, peak.total_bytes, detail, reserved_limit, shift)
     plan = Plan(settings=s, inventory=inv, phases=rows, peak=peak, overhead_bytes=sum(detail.values()),
                 overhead_detail=detail, host_bytes_per_node=f.host_per_node, host_detail=f.host_detail,
                 shard_group=f.shard_group,
                 between_steps_bytes=f.between, assumptions=dict(f.assumptions), reserved=res, reserved_why=why,
                 capped=capped, verdict_required_bytes=verdict, communication=communication(inv, s),
-                fragmentation_percent=flat)
+                fragmentation_percent=flat,
+                bounded=why if s.cluster.device == "cuda" and res is None and flat is None else None)
     return replace(plan, host=host_report(plan))
 
 
@@ -345,6 +340,19 @@ def _verdict(inv: ParamInventory, s: Settings, res: Any, allocated: int, detail:
     return capped, peak + device_limit + outside - capped.limit_bytes
 
 
+def allocator_modelled(inv: ParamInventory, s: Settings) -> bool:
+    """Whether required_bytes' allocator term is modelled (the caching allocator replayed, or the user's flat
+    --fragmentation-percent) for every rank of the job; False where the figure is only a bound from below."""
+    if s.cluster.device != "cuda" or s.overheads.fragmentation_percent is not None:
+        return True
+    from memplan.reserved import why_not
+
+    if _parallel(s):
+        lay = layout(inv, s)
+        return all(why_not(v, r_inv) is None for i, (_, r_inv, _) in enumerate(lay.ranks) for v in lay.at(i))
+    return why_not(s, frameworks.with_unreached(inv, s)) is None
+
+
 def required_bytes(inv: ParamInventory, s: Settings, micro_batches: Any,
                    lower_bound: bool = False, budget: int | None = None) -> list[tuple[int, int]]:
     """(peak_bytes, required_bytes) for each micro-batch, the other settings fixed: the batched evaluator.
@@ -369,11 +377,7 @@ def required_bytes(inv: ParamInventory, s: Settings, micro_batches: Any,
     if s.cluster.device == "cuda":
         if o.fragmentation_percent is not None:
             frag = o.fragmentation_percent
-        elif lower_bound:
-            from memplan.reserved import why_not
-
-            frag = 0 if why_not(s, inv) is None else fallback_fragmentation(s)
-        else:
+        elif not lower_bound:
             from memplan.reserved import why_not
 
             if why_not(s, inv) is None:  # the replay, one micro-batch at a time
@@ -381,7 +385,7 @@ def required_bytes(inv: ParamInventory, s: Settings, micro_batches: Any,
                 return [(p, r) for p, r in ((e.peak_bytes, e.required_bytes) for e in
                                             (estimate(inv, replace(s, micro_batch=b), limit)
                                              for b in micro_batches))]
-            frag = fallback_fragmentation(s)
+            # not replayed: the allocated peak bounds the reserved one from below (replayable says which)
     # the same phases as estimate's (_phases), their total only
     states = f.weights + f.master + f.states
     out = []
@@ -651,7 +655,7 @@ class Layout:
                            "blocks": list(share.blocks), "params": r_inv.num_params,
                            "micro_batches_in_flight": share.in_flight,
                            "peak_bytes": plan.peak_bytes, "peak_phase": plan.peak.name,
-                           "required_bytes": plan.required_bytes,
+                           "required_bytes": plan.required_bytes, "required_exact": plan.bounded is None,
                            **{k: getattr(plan.peak, k) for k in CATEGORY_KEYS}}
                           for (share, r_inv, _), plan in zip(self.ranks, self.plans)]}
 
@@ -686,7 +690,10 @@ def _estimate_layout(inv: ParamInventory, s: Settings, reserved_limit: int | Non
     for k in Layout.__slots__:
         setattr(view, k, getattr(lay, k))
     view.plans, view.worst = plans, worst
-    return replace(plans[worst], layout=view,
+    # a rank whose figure is only a bound from below leaves the job's a bound too (the worst may be that rank)
+    bounded = next((f"pipeline rank {i}: {p.bounded}" if len(plans) > 1 else p.bounded
+                    for i, p in enumerate(plans) if p.bounded), None)
+    return replace(plans[worst], layout=view, bounded=bounded,
                    communication=with_model_parallel(plans[worst].communication, view, worst))
 
 

@@ -113,9 +113,12 @@ def by_topic(rep: dict[str, Any]) -> list[tuple[str, list[str]]]:
             conf = res.get("allocator_conf") or "PyTorch defaults"
             overheads.append(_item("allocator", f"caching allocator replayed ({conf})",
                                    src.get("allocator_conf", "default")))
-        elif res:
+        elif res.get("method") == "flat":
             overheads.append(_item("allocator", f"allocated + {res.get('fragmentation_percent')}% "
                                    f"({res.get('why')})", None))
+        elif res:
+            overheads.append(_item("allocator", f"not replayed ({res.get('why')}): the reserved and required "
+                                   "figures are bounds from below", None))
     else:
         overheads.append("none (device cpu)")
     return list(zip(TOPICS, (framework, precision, kernels, overheads)))

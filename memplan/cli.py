@@ -104,7 +104,8 @@ def check(
     as_json: O.Json = False,
     **options: Any,
 ) -> None:
-    """A CI gate: one line, exit 0 when the job fits the GPU (within --max-fraction), 1 when it does not.
+    """A CI gate: one line, exit 0 when the job fits the GPU (within --max-fraction), 1 when it does not or when
+    that is unknown (UNKNOWN: the caching allocator is not replayed for this job and its bound is within).
 
     Example: memplan check llama-3-8b --training-args train.json --accelerate-config accelerate.yaml --gpu
     h100-80g --max-fraction 0.9
@@ -136,7 +137,7 @@ PLAN_FIELDS = ("task", "builder", "activations", "freeze", "gpu", "gpu_memory", 
                "images", "image_size",
                "grad_accum",
                "precision", "optimizer", "attention", "compile", "float8", "float8_keep", "float8_all_gather", "allocator_conf",
-               "host_memory")
+               "host_memory", "fragmentation_percent")
 
 
 @app.command()

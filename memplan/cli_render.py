@@ -60,7 +60,8 @@ def _render_layout(c: Any, par: dict) -> None:
                 ("peak", "right"), ("phase", "left"), ("required", "right")]
         rows = [[("▶ " if r["pipeline_rank"] == par["worst_pipeline_rank"] else "") + str(r["pipeline_rank"]),
                  r["holds"], f"{r['params']:,}", str(r["micro_batches_in_flight"]), fmt_bytes(r["peak_bytes"]),
-                 r["peak_phase"], fmt_bytes(r["required_bytes"])] for r in par["ranks"]]
+                 r["peak_phase"], ("" if r.get("required_exact", True) else "≥ ") + fmt_bytes(r["required_bytes"])]
+                for r in par["ranks"]]
         c.print(table("Per pipeline rank (▶ the most loaded; the table below is its)", cols, rows))
 
 
@@ -120,16 +121,20 @@ def render_plan(rep: dict, summary: str | None = None, explained: dict | None = 
         ratio = pg["reserved_peak_bytes"] / pg["peak_bytes"] if pg["peak_bytes"] else 0
         seq = res.get("framework_sequence") or ""
         how = (("allocator segments, replayed" + (f" ({seq.split(', ', 1)[1]})" if ", " in seq else ""))
-               if res["method"] == "replayed" else f"allocated + {res['fragmentation_percent']}%: {res['why']}")
+               if res["method"] == "replayed" else f"allocated + {res['fragmentation_percent']}%: {res['why']}"
+               if res["method"] == "flat" else
+               f"at least the allocated peak: the caching allocator is not replayed here ({res['why']})")
         if res["method"] == "replayed" and res["peak_bytes"] < pg["peak_bytes"]:
             # the replay's own allocations (framework sequence x traced step) peak below the engine's allocated peak:
             # reserved is never below allocated, so the allocated peak stands for it
             how = (f"the allocated peak: the replayed allocator reserves {fmt_bytes(res['peak_bytes'])}, below it "
                    "(the replay's allocation sequence misses some of what the engine counts)")
-        c.print(f"peak reserved: [bold]{fmt_bytes(pg['reserved_peak_bytes'])}[/bold] ({how}; {ratio:.2f}x allocated)"
+        at_least = "≥ " if res["method"] == "bound" else ""
+        c.print(f"peak reserved: [bold]{at_least}{fmt_bytes(pg['reserved_peak_bytes'])}[/bold] ({how}"
+                + ("" if at_least else f"; {ratio:.2f}x allocated") + ")"
                 + release_orders(res.get("variants") or {}, res.get("peak_bytes") or pg["reserved_peak_bytes"]),
                 soft_wrap=True)
-    c.print("required per GPU: " + required_line(pg), soft_wrap=True)
+    c.print("required per GPU: " + required_line(pg, (res or {}).get("method") == "bound"), soft_wrap=True)
     comm = rep.get("communication")
     if comm and comm["collectives"]:
         big = max(comm["collectives"], key=lambda x: x["bytes_per_gpu"])
@@ -151,14 +156,20 @@ def render_plan(rep: dict, summary: str | None = None, explained: dict | None = 
                      f"{fmt_bytes(h['headroom_bytes'])}") if h["fits"] else
                     (f"host [red]DOES NOT FIT[/red] in {fmt_bytes(h['host_memory_bytes'])}: short by "
                      f"{fmt_bytes(-h['headroom_bytes'])}"))
-    if rep["fits"] is None:
+    bound = (res or {}).get("method") == "bound"
+    if rep["fits"] is None and bound and cl["gpu_memory_bytes"]:
+        c.print(f"[yellow]MAY FIT[/yellow] on {fmt_bytes(cl['gpu_memory_bytes'])}: headroom at most "
+                f"{fmt_bytes(rep['headroom_bytes'])}, what the caching allocator's segments beyond the allocated "
+                "bytes must stay within (not replayed for this job; --fragmentation-percent N judges it with your "
+                "own allocator overhead)", soft_wrap=True)
+    elif rep["fits"] is None:
         c.print("fit: no GPU given (use --gpu NAME or --gpu-memory SIZE)")
     elif rep["fits"]:
         c.print(f"[green]FITS[/green] on {fmt_bytes(cl['gpu_memory_bytes'])}: headroom "
                 f"{fmt_bytes(rep['headroom_bytes'])}")
     else:
         c.print(f"[red]DOES NOT FIT[/red] on {fmt_bytes(cl['gpu_memory_bytes'])}: short by "
-                f"{fmt_bytes(-rep['headroom_bytes'])}")
+                + ("at least " if bound else "") + f"{fmt_bytes(-rep['headroom_bytes'])}")
     render_suggestions(c, rep.get("suggestions"))
     from memplan.assumptions import by_topic
 
@@ -169,12 +180,14 @@ def render_plan(rep: dict, summary: str | None = None, explained: dict | None = 
         c.print(f"note: {n}", soft_wrap=True, markup=False)
 
 
-def required_line(pg: dict[str, Any]) -> str:
+def required_line(pg: dict[str, Any], bound: bool = False) -> str:
     """What the verdict compares with the card, and how: the reserved peak with the CUDA context and NCCL, or, where
     the card's limits are reached, the replay under them (cache flushes, an out-of-memory error, a
-    per_process_memory_fraction's cap)."""
+    per_process_memory_fraction's cap); ``bound``: the reserved peak is only bounded from below."""
     cap = pg.get("capped")
-    head = f"[bold]{fmt_bytes(pg['required_bytes'])}[/bold]"
+    head = f"[bold]{'≥ ' if bound else ''}{fmt_bytes(pg['required_bytes'])}[/bold]"
+    if bound:
+        return head + " (the allocated peak + CUDA context + NCCL: a bound from below)"
     if not cap or (cap["flushes"] == 0 and cap["fits"] and cap["fraction_limit_bytes"] is None):
         return head + " (reserved + CUDA context + NCCL)"
     frac = cap["fraction_limit_bytes"]
@@ -269,17 +282,33 @@ def render_search(rep: dict) -> None:
     if rec is None:
         c.print(f"[red]NOTHING FITS[/red] within {se['max_gpus']} GPUs"
                 + (f" leaving {fmt_bytes(margin)} free" if margin else "") + ": " + _untried(rep), soft_wrap=True)
+    elif not rec.get("exact", True):
+        c.print(f"[yellow]PLAN (MAY FIT)[/yellow]: [bold]{rec['strategy']}[/bold]"
+                f"{' (' + rec['label'] + ')' if rec['label'] != rec['strategy'] else ''} on "
+                f"[bold]{rec['gpus']} GPU(s)[/bold] ({rec['nodes']} node(s)), micro-batch {rec['micro_batch']}, "
+                f"recompute {rec['recompute']}, {rec['precision']}: peak {fmt_bytes(rec['peak_bytes'])}, required "
+                f"≥ {fmt_bytes(rec['required_bytes'])}, headroom ≤ {fmt_bytes(rec['headroom_bytes'])}")
+        c.print("bounds: no candidate's caching allocator could be replayed (its estimate says why), so its reserved "
+                "peak is only bounded by the allocated one; --fragmentation-percent N judges with your own allocator "
+                "overhead", soft_wrap=True)
+        c.print(f"details: {rec['command']}", soft_wrap=True)
     else:
         c.print(f"[green]PLAN[/green]: [bold]{rec['strategy']}[/bold]{' (' + rec['label'] + ')' if rec['label'] != rec['strategy'] else ''} on "
                 f"[bold]{rec['gpus']} GPU(s)[/bold] ({rec['nodes']} node(s)), micro-batch {rec['micro_batch']}, "
                 f"recompute {rec['recompute']}, {rec['precision']}: peak {fmt_bytes(rec['peak_bytes'])}, required "
                 f"{fmt_bytes(rec['required_bytes'])}, headroom {fmt_bytes(rec['headroom_bytes'])}")
-        c.print(f"headroom: the GPU's {fmt_bytes(se['gpu_memory_bytes'])} less the required bytes (the caching "
-                "allocator's reserved peak, replayed, plus CUDA context and NCCL); the replay was within 3% of the measured "
-                f"reserved peak on {GPU_RESERVED['within_3']} of {GPU_RESERVED['cases']} H100 and H200 runs, and the figure the "
-                f"verdict uses {-GPU_RESERVED['verdict_min_percent']:.2f}% under at worst (docs/accuracy-gpu.md)"
-                + (f"; every candidate was asked to leave {fmt_bytes(margin)} free (--min-headroom)" if margin else
-                   "; --min-headroom SIZE|FRACTION keeps a margin"), soft_wrap=True)
+        flat = ((rep.get("estimate") or {}).get("reserved") or {}).get("method") == "flat"
+        if flat:
+            c.print(f"headroom: the GPU's {fmt_bytes(se['gpu_memory_bytes'])} less the required bytes (the allocated "
+                    "peak and your --fragmentation-percent, plus CUDA context and NCCL)", soft_wrap=True)
+        else:
+            c.print(f"headroom: the GPU's {fmt_bytes(se['gpu_memory_bytes'])} less the required bytes (the caching "
+                    "allocator's reserved peak, replayed, plus CUDA context and NCCL); the replay was within 3% of the "
+                    f"measured reserved peak on {GPU_RESERVED['within_3']} of {GPU_RESERVED['cases']} H100 and H200 "
+                    f"runs, and the figure the verdict uses {-GPU_RESERVED['verdict_min_percent']:.2f}% under at "
+                    "worst (docs/accuracy-gpu.md)"
+                    + (f"; every candidate was asked to leave {fmt_bytes(margin)} free (--min-headroom)" if margin
+                       else "; --min-headroom SIZE|FRACTION keeps a margin"), soft_wrap=True)
         c.print(f"details: {rec['command']}", soft_wrap=True)
     c.print(f"ranking: {se['ranking']}; {se['evaluations']:,} configurations evaluated", soft_wrap=True)
     for note in rep["notes"]:

@@ -15,7 +15,9 @@ def verdict(est: Any, max_fraction: float) -> dict[str, Any]:
     limit = int(cap * max_fraction)
     need = plan.required_bytes
     host_ok = plan.host_fits is not False
-    ok = need <= limit and host_ok
+    # a bound from below (the caching allocator not replayed for this job): under the limit it proves nothing
+    unknown = plan.bounded is not None and need <= limit
+    ok = need <= limit and host_ok and not unknown
     st = rep["strategy"]
     layout = ""
     if plan.layout is not None:  # the most loaded rank's plan: the job's GPUs and layout
@@ -30,9 +32,15 @@ def verdict(est: Any, max_fraction: float) -> dict[str, Any]:
     if ok:
         line = (f"PASS {rep['model']['name']}: needs {fmt_bytes(need)} per GPU, {share} of {fmt_bytes(cap)} "
                 f"({lim}); {what}{files}")
+    elif unknown and host_ok:
+        line = (f"UNKNOWN {rep['model']['name']}: needs at least {fmt_bytes(need)} per GPU, {share} of "
+                f"{fmt_bytes(cap)} ({lim}), plus the caching allocator's segments, not replayed for this job "
+                f"({plan.bounded}); --fragmentation-percent N judges it with your own allocator overhead; "
+                f"{what}{files}")
     else:
-        why = (f"needs {fmt_bytes(need)} per GPU, {share} of {fmt_bytes(cap)} ({lim})" if need > limit else
-               "the host RAM does not hold the offloaded states")
+        at_least = "at least " if plan.bounded is not None else ""
+        why = (f"needs {at_least}{fmt_bytes(need)} per GPU, {share} of {fmt_bytes(cap)} ({lim})" if need > limit
+               else "the host RAM does not hold the offloaded states")
         fix = ""
         sug = (rep.get("suggestions") or {}).get("changes") or []
         fitting = [c for c in sug if c["required_bytes"] <= limit]
@@ -40,5 +48,6 @@ def verdict(est: Any, max_fraction: float) -> dict[str, Any]:
             c = fitting[0]
             fix = f"; cheapest change that fits: {' '.join(c['flags'])} ({fmt_bytes(c['required_bytes'])}, {c['cost']})"
         line = f"FAIL {rep['model']['name']}: {why}; {what}{files}{fix}"
-    return {"pass": ok, "required_bytes": need, "limit_bytes": limit, "gpu_memory_bytes": cap,
+    return {"pass": ok, "verdict": "pass" if ok else "unknown" if unknown and host_ok else "fail",
+            "required_exact": plan.bounded is None, "required_bytes": need, "limit_bytes": limit, "gpu_memory_bytes": cap,
             "max_fraction": max_fraction, "host_fits": plan.host_fits, "files": est.files, "line": line}

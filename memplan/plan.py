@@ -81,13 +81,17 @@ class Plan:
     communication: dict[str, Any] = field(default_factory=dict)
     #: the node's host memory for offloaded states (host.host_report), None where nothing is offloaded
     host: dict[str, Any] | None = None
-    #: the flat allocator percentage the reserved peak takes where the caching allocator is not replayed
-    #: (--fragmentation-percent, or settings.fallback_fragmentation); None where it is replayed or off CUDA
+    #: the user's flat allocator percentage (--fragmentation-percent), which the reserved peak then takes; None
+    #: where it is not given or off CUDA
     fragmentation_percent: int | None = None
+    #: why the reserved and required figures are only bounds from below (the allocated peak, the caching
+    #: allocator not replayed for this job or one of its pipeline ranks, no percentage given); None: they are not
+    bounded: str | None = None
 
     @property
     def reserved_peak_bytes(self) -> int | None:
-        """Predicted torch.cuda.max_memory_reserved: replayed, or with the flat fragmentation term."""
+        """Predicted torch.cuda.max_memory_reserved: replayed, or with the user's flat fragmentation term, or (where
+        ``bounded``) the allocated peak, a bound from below."""
         if self.settings.cluster.device != "cuda":
             return None
         return self.peak_bytes + self.overhead_detail.get("allocator_bytes",
@@ -99,7 +103,8 @@ class Plan:
 
     @property
     def uncapped_required_bytes(self) -> int:
-        """The reserved peak of the uncapped replay (or the allocated peak and a flat share) + CUDA context + NCCL."""
+        """The reserved peak of the uncapped replay (or the allocated peak and the user's flat share, or the allocated
+        peak alone where ``bounded``) + CUDA context + NCCL."""
         return self.peak_bytes + self.overhead_bytes
 
     @property
@@ -113,8 +118,14 @@ class Plan:
 
     @property
     def fits(self) -> bool | None:
+        """Whether the job fits the card; None without a card, or where the figure is only a bound from below
+        (``bounded``) that the card holds: then it may or may not fit."""
         mem = self.settings.cluster.gpu_memory_bytes
-        return None if mem is None else self.required_bytes <= mem
+        if mem is None:
+            return None
+        if self.required_bytes > mem:
+            return False
+        return None if self.bounded else True
 
     @property
     def headroom_bytes(self) -> int | None:

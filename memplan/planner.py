@@ -401,6 +401,7 @@ def _at_count(inv: ParamInventory, with_min: list[Candidate], gpus: int, mbs: tu
                             exact=False, comm=(volume["inter_node_bytes"], volume["total_bytes"])))
         bounds[id(done[-1])] = (s, bound, hi)
     best: Candidate | None = None
+    bound_best: Candidate | None = None  #: the best whose figure is only a bound (the allocator not replayed)
     for c in sorted((c for c in done if c.micro_batch is not None), key=_rank):
         if best is not None and _rank(c) >= _rank(best):
             break
@@ -411,12 +412,18 @@ def _at_count(inv: ParamInventory, with_min: list[Candidate], gpus: int, mbs: tu
             new = replace(c, micro_batch=None, peak_bytes=None, required_bytes=None, headroom_bytes=None, exact=False)
         else:
             (peak, req), = accounting.required_bytes(inv, s, (mbs[i],))
+            # where the caching allocator is not replayed (and no --fragmentation-percent), the figure stays a
+            # bound from below, and so does the micro-batch
             new = replace(c, micro_batch=mbs[i], peak_bytes=peak, required_bytes=req, headroom_bytes=budget - req,
-                          exact=True)
-            if best is None or _rank(new) < _rank(best):
+                          exact=accounting.allocator_modelled(inv, s))
+            # an exact candidate before any bound; a bound is recommended only where no candidate is exact (its
+            # estimate then says it may fit)
+            if new.exact and (best is None or _rank(new) < _rank(best)):
                 best = new
+            elif not new.exact and (bound_best is None or _rank(new) < _rank(bound_best)):
+                bound_best = new
         done[next(j for j, x in enumerate(done) if x is c)] = new
-    return done, best, evaluations
+    return done, best or bound_best, evaluations
 
 
 def search(inv: ParamInventory, base: JobRequest, space: SearchSpace = SearchSpace(),

@@ -154,20 +154,22 @@ def capped_report(plan: Any) -> dict[str, Any] | None:
 
 
 def reserved_report(plan: Any) -> dict[str, Any] | None:
-    """How the reserved peak was found: the caching allocator replayed (memplan/reserved.py), or the flat
-    fragmentation percentage, and why."""
+    """How the reserved peak was found: the caching allocator replayed (memplan/reserved.py), the user's flat
+    fragmentation percentage, or not at all (a bound from below: the allocated peak), and why. ``exact``: false
+    where the figure, and the required bytes and verdict built on it, are only a bound (``bound``: then ``fits``
+    is null unless even the bound is over the card)."""
     s = plan.settings
     if s.cluster.device != "cuda":
         return None
     r = plan.reserved
-    if r is not None:
-        return {"method": "replayed", "peak_bytes": r.peak_bytes, "framework_sequence": r.model,
+    if r is not None and plan.bounded is None:
+        return {"method": "replayed", "exact": True, "peak_bytes": r.peak_bytes, "framework_sequence": r.model,
                 "replay_allocated_peak_bytes": r.allocated_bytes, "allocator_conf": r.config,
                 "variants": dict(sorted(r.variants.items()))}
-    given = s.overheads.fragmentation_percent is not None
-    return {"method": "flat", "peak_bytes": plan.reserved_peak_bytes,
-            "fragmentation_percent": plan.fragmentation_percent,
-            "why": "--fragmentation-percent given" if given else plan.reserved_why}
+    if plan.fragmentation_percent is not None:
+        return {"method": "flat", "exact": False, "peak_bytes": plan.reserved_peak_bytes,
+                "fragmentation_percent": plan.fragmentation_percent, "why": "--fragmentation-percent given"}
+    return {"method": "bound", "exact": False, "peak_bytes": plan.reserved_peak_bytes, "why": plan.bounded}
 
 
 def search_report(found: Any, inv: ParamInventory, best_plan: Any, command: Any,
@@ -199,12 +201,13 @@ def search_report(found: Any, inv: ParamInventory, best_plan: Any, command: Any,
                    "max_gpus": found.max_gpus, "micro_batches": [min(found.micro_batches), max(found.micro_batches)],
                    "min_headroom_bytes": found.min_headroom_bytes,
                    "ranking": RANKING, "evaluations": found.evaluations},
-        "fits": b is not None,
+        # null: the best is only a bound (no candidate's caching allocator could be replayed): it may fit
+        "fits": (b is not None) if b is None or b.exact else None,
         "recommendation": None if b is None else {
             "strategy": b.strategy, "label": b.label, "gpus": found.gpus, "nodes": -(-found.gpus // found.gpus_per_node),
             "micro_batch": b.micro_batch, "recompute": b.recompute, "precision": b.settings.recipe.name,
             "peak_bytes": b.peak_bytes, "required_bytes": b.required_bytes, "headroom_bytes": b.headroom_bytes,
-            "command": command(b)},
+            "exact": b.exact, "command": command(None)},
         "candidates": [cand(c) for c in found.candidates],
         "estimate": None if best_plan is None else plan_report(best_plan, sources),
         "notes": list(found.notes),

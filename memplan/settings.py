@@ -109,28 +109,11 @@ class Overheads:
     cuda_context_bytes: int = 512 * MiB
     #: NCCL buffers per communicator: 0.5-1.6 GB observed on A100/H100 (NCCL issues #864, #964).
     nccl_bytes_per_communicator: int = 1 * GiB
-    #: Caching-allocator overhead (reserved - allocated) as a flat fraction of the allocated peak: an explicit
-    #: override. None: the reserved peak is replayed (memplan/reserved.py), or, where it cannot be, the
-    #: FALLBACK_FRAGMENTATION below.
+    #: Caching-allocator overhead (reserved - allocated) as a flat fraction of the allocated peak: the user's own
+    #: figure. None: the reserved peak is replayed (memplan/reserved.py), or, where it cannot be, only bounded
+    #: from below by the allocated peak (Plan.reserved_bound: no figure is guessed).
     fragmentation_percent: int | None = None
 
-
-#: reserved - allocated, in % of the allocated peak, where the reserved peak cannot be replayed (memplan/
-#: reserved.py why_not): the largest ratio the H100 runs of that kind showed, plus 5 points (docs/accuracy-gpu.md):
-#: ZeRO-3 1.168 (8 runs), ZeRO-3 with the optimizer offloaded 1.349 (one run); anything else takes the largest
-#: dense-model ratio of all 71 runs, the offloaded one.
-FALLBACK_FRAGMENTATION = {"zero3": 22, "offload": 40, "other": 40}
-FALLBACK_FRAGMENTATION_PERCENT = FALLBACK_FRAGMENTATION["other"]
-
-
-def fallback_fragmentation(s: Settings) -> int:
-    """The flat allocator term (percent) for settings whose reserved peak is not replayed."""
-    deepspeed = s.strategy.zero_stage is not None  # the DeepSpeed rows carry their ZeRO stage
-    if (deepspeed and (s.ds.offload_optimizer or s.ds.offload_param)) or s.torch.cpu_offload:
-        return FALLBACK_FRAGMENTATION["offload"]
-    if s.strategy.zero_stage == 3:
-        return FALLBACK_FRAGMENTATION["zero3"]
-    return FALLBACK_FRAGMENTATION["other"]
 
 #: threads that run GEMMs in a training step, each with its own cuBLAS handle and workspace (Cluster)
 BLAS_HANDLES = 2

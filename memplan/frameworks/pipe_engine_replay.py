@@ -68,8 +68,9 @@ def why_not(s: Any) -> str | None:
     return None
 
 
-def replay(inv: Any, s: Any, config: AllocatorConfig) -> tuple[str, dict[str, Allocator]]:
-    from memplan.frameworks import pipeline_replay
+def replay(inv: Any, s: Any, config: AllocatorConfig, x: Any) -> tuple[str, dict[str, Allocator]]:
+    """The rank's replay; ``x``: its stage as pipeline_replay._parts makes it (the traced step split, what the
+    stage runs of it)."""
     from memplan.frameworks import zero12_replay as z
     from memplan.replay import replay_job
     from memplan.settings import shard_group_size
@@ -77,7 +78,6 @@ def replay(inv: Any, s: Any, config: AllocatorConfig) -> tuple[str, dict[str, Al
 
     prof = s.activation_profile
     part = prof.stages[0]
-    x = pipeline_replay._parts(inv, s)[0]
     one = replace(s, activation_profile=part.profile, grad_accum=1)
     st, rc = s.strategy, s.recipe
     trained = [t for t in inv.tensors if t.trainable]

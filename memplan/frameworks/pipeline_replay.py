@@ -298,7 +298,7 @@ def replay(inv: Any, s: Any, config: AllocatorConfig) -> tuple[str, dict[str, Al
     if prof.actions.layout != "torchtitan":
         from memplan.frameworks import pipe_engine_replay
 
-        return pipe_engine_replay.replay(inv, s, config)
+        return pipe_engine_replay.replay(inv, s, config, _parts(inv, s)[0])
     name = (" under " + schedules.TORCH_NAMES[prof.actions.schedule]
             + (", the TP share's step without SP's split" if prof.actions.sequence_parallel else ""))
     # under sequence parallelism the stage's traced step is its TP share over the whole sequence (the engine takes

@@ -113,3 +113,34 @@ def test_the_same_fsdp_units_give_the_same_figures():
     assert figures("class:LlamaDecoderLayer") == figures("block")
     _, peak, reserved, _, _ = figures("class:LlamaMLP")  # attention with the root, each MLP gathered with its block
     assert reserved > peak > figures("block")[1]
+
+
+def test_what_is_not_replayed_is_a_bound_not_a_flat_percentage():
+    # issue 42: no "allocated + 40%" where the caching allocator cannot be replayed (here FSDP2's CPU offload under
+    # pipelining): the reserved peak is the allocated one, a bound from below (exact false), the required bytes
+    # too; a card that holds the bound gives no verdict (fits null, MAY FIT), one that does not is DOES NOT FIT,
+    # and check does not pass what it cannot confirm (UNKNOWN, exit 1); the user's own percentage decides
+    job = ["llama-7b", "--gpus", "8", "--pp", "2", "--strategy", "fsdp-full", "--cpu-offload", "--grad-accum", "4"]
+    code, out, err = run_cli(["estimate", *job, "--gpu", "h100-80g", "--json"])
+    assert code == 0, err
+    rep = json.loads(out)
+    res, pg = rep["reserved"], rep["per_gpu"]
+    assert (res["method"], res["exact"]) == ("bound", False) and "CPU offload under pipelining" in res["why"]
+    assert pg["reserved_peak_bytes"] == pg["peak_bytes"] and rep["fits"] is None
+    assert pg["required_bytes"] == pg["peak_bytes"] + pg["overhead_bytes"]
+    assert "allocator_bytes" not in rep["overhead_detail"] and "fragmentation_bytes" not in rep["overhead_detail"]
+    code, out, _ = run_cli(["estimate", *job, "--gpu", "h100-80g"])
+    assert code == 0 and "MAY FIT on" in out and "peak reserved: ≥ " in out and "required per GPU: ≥ " in out
+    code, out, _ = run_cli(["check", *job, "--gpu", "h100-80g", "--json"])
+    chk = json.loads(out)["check"]
+    assert code == 1 and chk["verdict"] == "unknown" and not chk["pass"] and chk["line"].startswith("UNKNOWN ")
+    assert chk["required_exact"] is False
+    small = ["--gpu-memory", f"{pg['required_bytes'] - 1}B"]
+    code, out, _ = run_cli(["estimate", *job, *small, "--json"])
+    assert code == 1 and json.loads(out)["fits"] is False
+    code, out, _ = run_cli(["check", *job, *small])
+    assert code == 1 and out.startswith("FAIL ") and "needs at least " in out
+    code, out, _ = run_cli(["estimate", *job, "--gpu", "h100-80g", "--fragmentation-percent", "10", "--json"])
+    given = json.loads(out)
+    assert code == 0 and given["fits"] is True and given["reserved"]["method"] == "flat"
+    assert given["per_gpu"]["reserved_peak_bytes"] == pg["peak_bytes"] + pg["peak_bytes"] * 10 // 100

@@ -28,8 +28,9 @@ def test_tensor_parallel_ranks_are_replayed() -> None:
 
 def test_pipeline_ranks_are_replayed_action_by_action() -> None:
     # an FSDP2 or DDP pipeline rank walks its schedule's action list (frameworks/pipeline_replay.py); the
-    # allocator's overhead stands on the rank's allocated peak as a TP rank's does. What is not replayed says why
-    # and keeps the flat term: FSDP2's CPU offload, other wraps, a reshard group size, DeepSpeed's PipelineEngine
+    # allocator's overhead stands on the rank's allocated peak as a TP rank's does; DeepSpeed's PipelineEngine
+    # walks TrainSchedule. What is not replayed says why and is only a bound from below: FSDP2's CPU offload,
+    # other wraps, a reshard group size, the PipelineEngine with TP
     from memplan.parallel import Parallel
 
     src = resolve("llama-3-8b")
@@ -67,7 +68,10 @@ def test_pipeline_ranks_are_replayed_action_by_action() -> None:
         plan = plan_of(p, **kw)
         assert plan.reserved is None and plan.reserved_why.startswith("pipeline parallelism") and why in \
             plan.reserved_why, plan.reserved_why
-        assert plan.reserved_peak_bytes == plan.peak_bytes + plan.peak_bytes * 40 // 100
+        # issue 42: no flat percentage: the reserved peak is bounded by the allocated one, the verdict open
+        assert plan.reserved_peak_bytes == plan.peak_bytes and plan.bounded.endswith(plan.reserved_why)
+        assert plan.required_bytes == plan.peak_bytes + plan.overhead_bytes and "allocator_bytes" not in \
+            plan.overhead_detail and plan.fits is None
 
 
 def test_ddp_pipeline_replay_walks_the_harness_s_allocations() -> None:

@@ -37,6 +37,15 @@ first hook makes the bucket, reduce_gradients the second, both freed together.
 
 Stage 0 (16-bit FP16 wrappers or none): zero12_replay.setup_zero0 and reduce_and_step_zero0.
 
+Under tensor parallelism (is_pipe_partitioned and is_grad_partitioned, DeepSpeed's defaults with a model-parallel
+grid; deepspeed/runtime/utils.py PartitionedTensor): a stage's output is kept as its TP rank's part (a clone of
+partition_uniform's share) and a LongTensor of meta, the output's own storage swapped for ``zeros(1)``; the next
+stage receives the part and the meta (its receive buffers, and meta_buffer, made once), clones them, gathers the
+whole activation (full(): a flat buffer all-gathered, then cloned), which replaces them in the slot and is the
+stage's input; RecvGrad keeps a part-sized grad_layer, and the backward restores the output whole and gathers
+the gradient whole (two more full()); SendGrad partitions the input's gradient. From the source only: the CPU
+harness runs no Megatron tensor-parallel layers.
+
 Pure Python, no torch."""
 
 from __future__ import annotations
@@ -50,7 +59,7 @@ from memplan.replay import MAX_STEPS, Run, micro_step
 
 
 def why_not(s: Any) -> str | None:
-    """Why this rank's PipelineEngine step cannot be replayed (None: it can)."""
+    """Why this rank's PipelineEngine step cannot be replayed (None: it can): what is not written down yet."""
     st = s.strategy
     if st.zero_stage not in (0, 1):
         return f"ZeRO stage {st.zero_stage} under DeepSpeed's PipelineEngine"
@@ -62,9 +71,6 @@ def why_not(s: Any) -> str | None:
         return "overlap_comm with ZeRO-1 under DeepSpeed's PipelineEngine is not replayed yet"
     if s.lora is not None:
         return "LoRA under DeepSpeed's PipelineEngine is not replayed yet"
-    if s.activation_profile.actions.tp > 1:
-        return ("tensor parallelism under DeepSpeed's PipelineEngine (its pipe-partitioned activations) is not "
-                "replayed yet")
     return None
 
 
@@ -129,12 +135,28 @@ def _walk(run: Run, s: Any, x: Any, job: Any, reduce_and_step: Any, zero1: bool)
     first, last = part.first, part.last
     each = rs.recv_bytes * s.micro_batch  # the activation between stages, and its gradient
     out_bytes = part.output_bytes * s.micro_batch
+    # under TP (is_pipe_partitioned, is_grad_partitioned: DeepSpeed's defaults) what crosses stages is each TP
+    # rank's part of the activation and of its gradient (PartitionedTensor: partition_uniform's largest part, a
+    # clone) with a LongTensor of its meta ([ndims, 3 sizes, parts, rank, tp + 1 offsets]); a stage gathers it
+    # whole (PartitionedTensor.full: a flat buffer all-gathered, then its clone)
+    parted = rs.tp > 1
+    elt = s.recipe.residual_bytes
+    part_bytes = -(-(each // elt) // rs.tp) * elt
+    meta = 8 * (1 + 3 + 2 + rs.tp + 1)
+
+    def full() -> Any:
+        flat = run.alloc(each)
+        whole = run.alloc(each)
+        run.free(flat)
+        return whole
+
     actions = schedules.rank_actions("1f1b", pp, m, 1, rank)
     slots = max(2, min(pp - rank, m))  # TrainSchedule.num_pipe_buffers
     inputs: list[Any] = [None] * slots
     labels: list[Any] = [None] * slots
-    outputs: list[Any] = [None] * slots
-    recv = grad = None
+    outputs: list[list[Any]] = [[] for _ in range(slots)]
+    recv: list[Any] = []
+    grad: list[Any] = []
     held: dict[int, list[Any]] = {}  #: per slot, what the last stage's output slot keeps alive with it
     bucket = s.ds.reduce_bucket_size * s.recipe.param_bytes
     buffers = 2 if s.ds.overlap_comm else 1
@@ -162,10 +184,22 @@ def _walk(run: Run, s: Any, x: Any, job: Any, reduce_and_step: Any, zero1: bool)
                     if inputs[slot] is not None:
                         run.free(inputs[slot])
                     inputs[slot] = ids
-                else:  # RecvActivation
-                    if recv is None:
-                        recv = run.alloc(each)
-                    inputs[slot] = run.alloc(each)  # pipe_recv_buf.clone()
+                elif not parted:  # RecvActivation: the buffer made once, its .clone() into the slot
+                    if not recv:
+                        recv.append(run.alloc(each))
+                    inputs[slot] = run.alloc(each)
+                else:
+                    if not recv:  # the meta and the part's buffers, and meta_buffer
+                        recv.extend((run.alloc(meta), run.alloc(part_bytes), run.alloc(meta)))
+                    got = (run.alloc(meta), run.alloc(part_bytes))
+                    # _exec_forward_pass: the slot's tensors cloned, the part gathered whole, which replaces them
+                    # in the slot and is the stage's input (the traced step's embedding output then counts it
+                    # twice until its first block returns: an over-estimate by one activation there)
+                    tmp = (run.alloc(meta), run.alloc(part_bytes))
+                    whole = full()
+                    for k in (*tmp, *got):
+                        run.free(k)
+                    inputs[slot] = whole
                 if last:  # LoadMicroBatch: batch[1].to(device)
                     lab = run.alloc(job.input_bytes)
                     if labels[slot] is not None:
@@ -176,23 +210,36 @@ def _walk(run: Run, s: Any, x: Any, job: Any, reduce_and_step: Any, zero1: bool)
                 offsets[mb] = off = run.offset()
                 micro_step(run, job, keep_grads=False, events=x.first, off=off)
                 if out_bytes:  # pipe_buffers['outputs'][buffer_id] = outputs
-                    out = run.alloc(out_bytes)
-                    if outputs[slot] is not None:
-                        run.free(outputs[slot])
-                    for k in held.pop(slot, []):
+                    # partitioned: the output's part and meta, the output's storage swapped for zeros(1)
+                    out = [run.alloc(part_bytes), run.alloc(meta), run.alloc(4)] if parted and not last else \
+                        [run.alloc(out_bytes)]
+                    for k in outputs[slot] + held.pop(slot, []):
                         run.free(k)
                     outputs[slot] = out
             else:
-                if not last and grad is None:  # RecvGrad: grad_layer, made once
-                    grad = run.alloc(each)
+                if not last and not grad:  # RecvGrad: grad_layer, made once
+                    grad.extend((run.alloc(meta), run.alloc(part_bytes)) if parted else (run.alloc(each),))
+                whole_grad = None
+                if parted and not last:
+                    # the output restored whole (output_tensors' .data = part_output.full(), its zeros(1) freed)
+                    # and the received gradient gathered whole
+                    restored = full()
+                    run.free(outputs[slot].pop())
+                    outputs[slot].append(restored)
+                    whole_grad = full()
                 micro_step(run, job, keep_grads=False, on_grad=on_grad, events=x.bwd, off=offsets.pop(mb))
                 grads_kept = grads_kept or bool(grads)
                 if mb in clones:
                     run.free(clones.pop(mb))
-                if not last and outputs[slot] is not None:
-                    run.free(outputs[slot])
-                    outputs[slot] = None
+                if not last:
+                    for k in outputs[slot]:
+                        run.free(k)
+                    outputs[slot] = []
+                if whole_grad is not None:
+                    run.free(whole_grad)
                 if not first:  # SendGrad: the slot's input (and the gradient on it) let go
+                    if parted:  # the input's gradient partitioned to send (a part and its meta)
+                        run.free(run.alloc(part_bytes))
                     if last:
                         # ... but the last stage's output stays in its slot, and with it its autograd graph's
                         # nodes (their saved tensors freed): the input's AccumulateGrad node holds the input, which

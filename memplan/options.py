@@ -476,6 +476,10 @@ def _deepspeed_wrapper(strat: Any, recipe: Any, ds: DeepSpeedKnobs, notes: list[
     if strat.zero_stage == 0 and acc != model:
         raise SettingsError(f"stage 0 with {model} parameters and {acc} gradient accumulation: DeepSpeed 0.19.8 "
                             "refuses the mix (engine.py _do_optimizer_sanity_check: NotImplementedError)")
+    if strat.zero_stage in (1, 2) and ds.overlap_comm and piped:
+        notes.append("overlap_comm under --pp: DeepSpeed turns it off for a PipelineModule (engine.py "
+                     "_configure_zero_optimizer: \"Pipeline parallelism does not support overlapped communication, "
+                     "will be disabled\"): memplan runs it off")
     if strat.zero_stage == 0 and model == "bf16" and piped:
         raise SettingsError("stage 0 with bf16 under --pp: DeepSpeed 0.19.8's PipelineEngine runs BF16_Optimizer "
                             "there (engine.py _do_optimizer_sanity_check), which memplan does not model; use "
@@ -1139,7 +1143,10 @@ def resolve(inv: ParamInventory, request: JobRequest, *, config: dict[str, Any] 
     ds = _ds_knobs(pick, strat)
     notes.extend(_zeropp_notes(ds, strat, gpus, _per_node(gpus, gpus_per_node)))
     notes.extend(_reduce_path_notes(ds, strat))
-    _deepspeed_wrapper(strat, recipe, ds, notes, parallel is not None and parallel.pp > 1)
+    piped = parallel is not None and parallel.pp > 1
+    _deepspeed_wrapper(strat, recipe, ds, notes, piped)
+    if piped and strat.zero_stage in (1, 2) and ds.overlap_comm:
+        ds = replace(ds, overlap_comm=False)  # as DeepSpeed runs it (the note _deepspeed_wrapper adds)
     if isinstance(torch_overrides.get("fsdp_wrap"), _Fsdp2ClassWrap):  # Accelerate FSDP2 with named classes
         classes = torch_overrides["fsdp_wrap"].classes
         if set(_class_paths(inv, config, classes)) == {b.name for b in inv.layer_blocks}:

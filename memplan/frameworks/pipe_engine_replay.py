@@ -30,7 +30,8 @@ ZeRO-1 (deepspeed/runtime/zero/stage_1_and_2.py): the gradient hooks run (contig
 boundary they only set up the ipg bucket (setup_buckets, at the step's first hook: reduce_bucket_size elements,
 two with overlap_comm); the gradients stay on the parameters, the later micro-batches' added into them;
 reduce_gradients(pipeline_parallel=True) appends one more bucket ("with PP we must create ipg buffer, since
-backward is handled outside zero"), takes every gradient into them in module order (zero12_replay.Reducer),
+backward is handled outside zero"); overlap_comm is off whatever the config says (engine.py
+_configure_zero_optimizer disables it for a PipelineModule), takes every gradient into them in module order (zero12_replay.Reducer),
 and its epilogue frees the buckets; the step is zero12_replay.optimizer_step_zero12. Measured on CPU (the
 harness's PipelineModule of the decoder's own layers, memplan/harness/model_parallel.py): the first backward's
 first hook makes the bucket, reduce_gradients the second, both freed together.
@@ -65,10 +66,6 @@ def why_not(s: Any) -> str | None:
         return f"ZeRO stage {st.zero_stage} under DeepSpeed's PipelineEngine"
     if s.ds.offload_optimizer or s.ds.offload_param:
         return "ZeRO-Offload under DeepSpeed's PipelineEngine is not replayed yet"
-    if s.ds.overlap_comm and st.zero_stage == 1:
-        # off the boundary the hooks reduce nothing, and reduce_gradients skips its loop under overlap_comm:
-        # which gradients the epilogue then holds is not written down yet
-        return "overlap_comm with ZeRO-1 under DeepSpeed's PipelineEngine is not replayed yet"
     if s.lora is not None:
         return "LoRA under DeepSpeed's PipelineEngine is not replayed yet"
     return None
@@ -159,6 +156,9 @@ def _walk(run: Run, s: Any, x: Any, job: Any, reduce_and_step: Any, zero1: bool)
     grad: list[Any] = []
     held: dict[int, list[Any]] = {}  #: per slot, what the last stage's output slot keeps alive with it
     bucket = s.ds.reduce_bucket_size * s.recipe.param_bytes
+    # overlap_comm is off for a PipelineModule (engine.py _configure_zero_optimizer: "Pipeline parallelism does not
+    # support overlapped communication, will be disabled"; options.py turns it off; measured on CPU with it asked:
+    # one bucket at the first hook)
     buffers = 2 if s.ds.overlap_comm else 1
     for step in range(MAX_STEPS):
         before = run.a.peak_reserved

@@ -30,7 +30,7 @@ def test_pipeline_ranks_are_replayed_action_by_action() -> None:
     # an FSDP2 or DDP pipeline rank walks its schedule's action list (frameworks/pipeline_replay.py); the
     # allocator's overhead stands on the rank's allocated peak as a TP rank's does; DeepSpeed's PipelineEngine
     # walks TrainSchedule. What is not replayed says why and is only a bound from below: FSDP2's CPU offload,
-    # other wraps, a reshard group size, the PipelineEngine with overlap_comm
+    # other wraps, a reshard group size, the PipelineEngine with ZeRO-Offload
     from memplan.parallel import Parallel
 
     src = resolve("llama-3-8b")
@@ -66,7 +66,7 @@ def test_pipeline_ranks_are_replayed_action_by_action() -> None:
         assert plan.reserved_peak_bytes > plan.peak_bytes == plan.reserved.allocated_bytes
     for p, kw, why in ((Parallel(pp=2), {"cpu_offload": True}, "CPU offload under pipelining"),
                        (Parallel(pp=2), {"fsdp_wrap": "size:100000000"}, "under pipelining is not replayed"),
-                       (Parallel(pp=2), {"strategy": "zero1", "overlap_comm": True}, "overlap_comm with ZeRO-1")):
+                       (Parallel(pp=2), {"strategy": "zero1", "offload_optimizer": True}, "ZeRO-Offload under")):
         plan = plan_of(p, **kw)
         assert plan.reserved is None and plan.reserved_why.startswith("pipeline parallelism") and why in \
             plan.reserved_why, plan.reserved_why

@@ -64,8 +64,8 @@ def why_not(s: Any) -> str | None:
     st = s.strategy
     if st.zero_stage not in (0, 1):
         return f"ZeRO stage {st.zero_stage} under DeepSpeed's PipelineEngine"
-    if s.ds.offload_optimizer or s.ds.offload_param:
-        return "ZeRO-Offload under DeepSpeed's PipelineEngine is not replayed yet"
+    if s.ds.offload_param or (s.ds.offload_optimizer and st.zero_stage == 0):
+        return "ZeRO-Offload of the parameters under DeepSpeed's PipelineEngine is not replayed yet"
     if s.lora is not None:
         return "LoRA under DeepSpeed's PipelineEngine is not replayed yet"
     return None
@@ -97,31 +97,45 @@ def replay(inv: Any, s: Any, config: AllocatorConfig, x: Any) -> tuple[str, dict
 
         def reduce_and_step(grads: list[tuple[Any, int]], ipg: list[Any], first: bool) -> None:
             z.reduce_and_step_zero0(run, job, wrapper, numels, rc.grad_bytes, comm_bytes(s), grads, states, first)
-        name = f"DeepSpeed stage 0 ({names[wrapper]})"
-    else:
-        n = shard_group_size(s)
-        psi = sum(t.numel for t in trained)
-        flat = ceil_div(psi, 2 * n) * 2 * n  # flatten_dense_tensors_aligned(..., 2 * dp_size)
-        partition = flat // n
-        job = replay_job(inv, one, [partition])
-        half, bucket = rc.param_bytes, s.ds.reduce_bucket_size
-        run = z.setup_zero12(job, partition, flat, half, config, None, trainable)
-        norms = z._partition_params(inv, n)
+        _walk(run, s, x, job, reduce_and_step, False)
+        return f"DeepSpeed stage 0 ({names[wrapper]}) under DeepSpeed's PipelineEngine (1F1B)", {"": run.a}
+    n = shard_group_size(s)
+    psi = sum(t.numel for t in trained)
+    flat = ceil_div(psi, 2 * n) * 2 * n  # flatten_dense_tensors_aligned(..., 2 * dp_size)
+    partition = flat // n
+    job = replay_job(inv, one, [partition])
+    half, bucket = rc.param_bytes, s.ds.reduce_bucket_size
+    norms = z._partition_params(inv, n)
+
+    def zero1(offload: Any) -> Allocator:
+        run = z.setup_zero12(job, partition, flat, half, config, offload, trainable)
 
         def reduce_and_step(grads: list[tuple[Any, int]], ipg: list[Any], first: bool) -> None:
             # reduce_gradients(pipeline_parallel=True): one more bucket, every gradient in module order, then
-            # the epilogue's reduce and _release_ipg_buffers
+            # the epilogue's reduce and _release_ipg_buffers; ZeRO-Offload copies each reduced gradient of the
+            # rank's partition to the host and steps there (zero12_replay.Offload)
             ipg.append(run.alloc(bucket * half))
-            red = z.Reducer(run, partition, half, bucket, None)
+            if offload is not None:
+                offload.seen, offload.module_order = 0, True
+            red = z.Reducer(run, partition, half, bucket, offload)
             red.reduce_all(grads)
             red.flush()
             for k in ipg:
                 run.free(k)
             ipg.clear()
-            z.optimizer_step_zero12(run, job, norms, partition, half, red.grads_flat, first=first)
-        name = "ZeRO-1"
-    _walk(run, s, x, job, reduce_and_step, st.zero_stage == 1)
-    return name + " under DeepSpeed's PipelineEngine (1F1B)", {"": run.a}
+            if offload is None:
+                z.optimizer_step_zero12(run, job, norms, partition, half, red.grads_flat, first=first)
+        _walk(run, s, x, job, reduce_and_step, True)
+        return run.a
+
+    name = "ZeRO-1 under DeepSpeed's PipelineEngine (1F1B)"
+    if not s.ds.offload_optimizer:
+        return name, {"": zero1(None)}
+    # ZeRO-Offload: what each reduce copies to the host through the device depends on the rank's part of the
+    # flat group: the first part's and the last part's ranks (zero12_replay.replay does the same)
+    largest = max((t.numel for t in trained), default=0)
+    return "ZeRO-1 Offload under DeepSpeed's PipelineEngine (1F1B)", {
+        f"rank {r}": zero1(z.Offload(largest, psi, partition, half, last_rank=r > 0)) for r in (0, n - 1)}
 
 
 def _walk(run: Run, s: Any, x: Any, job: Any, reduce_and_step: Any, zero1: bool) -> None:

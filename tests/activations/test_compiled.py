@@ -6,6 +6,8 @@ events (memplan/harness/measure.py); the harness rows are in docs/accuracy.md.""
 
 from __future__ import annotations
 
+import pytest
+
 from memplan.activations.kernels import Target
 from memplan.activations.tracing_keys import COMPILE_KEY
 
@@ -93,6 +95,7 @@ def test_a_compiled_job_is_replayed_and_says_so():
     assert "torch.compile blocks" in rep["assumptions"]["activations"]
 
 
+@pytest.mark.slow  # a planner search over compiled traces (the quick suite's 15-minute budget on 2 cores)
 def test_plan_keeps_the_compile_and_leaves_out_what_it_does_not_model():
     # `memplan plan --compile blocks` searches the strategies memplan models compiled (one GPU, DDP, FSDP2) and
     # says why DeepSpeed's are not considered; the command it recommends compiles too and, run, gives the bytes

@@ -34,8 +34,9 @@ CASES = [
     "estimate llama-3-8b --gpus 16 --cp 4 --seq-len 32768 --strategy fsdp-full --activations analytic --json",
     "estimate gpt2 --gpus 2 --strategy ddp --compile blocks --seq-len 256 --gpu h100-80g --json",
     "estimate llama-3-8b --gpus 8 --strategy fsdp-full --precision fp8-rowwise --seq-len 1024 --gpu h100-80g --json",
-    # a vision-language model (its task, images and image size in the JSON)
-    "estimate qwen2.5-vl-7b --image-size 448x644 --images 2 --seq-len 4096 --gpus 8 --stage 3 --json",
+    # a vision-language model (its task, images and image size in the JSON; with -m slow: the quick suite's budget)
+    pytest.param("estimate qwen2.5-vl-7b --image-size 448x644 --images 2 --seq-len 4096 --gpus 8 --stage 3 --json",
+                 marks=pytest.mark.slow),
 ]
 
 

@@ -142,10 +142,12 @@ def test_validate_a_bert_classifier_on_its_own_loss():
     # tokens in, 64 out, the config's use_cache on): T5 fp32 -0.00%, under ZeRO-3 -0.00%; BART fp32 -0.01% (its peak
     # is the shared embedding's decoder contribution with the encoder's activations saved: a moment of the whole
     # backward, tracing/step.py backward_grads; -0.34% before), torch-amp -0.01%
-    ("flan-t5-base.json", ["--gpus", "1", "--precision", "fp32"], 0.001),
+    # (one run in the quick suite, the others with -m slow: its 15-minute budget on 2 cores)
+    pytest.param("flan-t5-base.json", ["--gpus", "1", "--precision", "fp32"], 0.001, marks=pytest.mark.slow),
     ("bart-large.json", ["--gpus", "1", "--precision", "fp32"], 0.001),
     # QLoRA on T5: every nn.Linear 4-bit but the "wo" its class keeps in fp32 (measured -0.01%)
-    ("flan-t5-base.json", ["--gpus", "1", "--lora-rank", "8", "--quantize-base", "nf4"], 0.001),
+    pytest.param("flan-t5-base.json", ["--gpus", "1", "--lora-rank", "8", "--quantize-base", "nf4"], 0.001,
+                 marks=pytest.mark.slow),
 ])
 def test_validate_an_encoder_decoder(config, args, tolerance):
     # the harness trains T5ForConditionalGeneration / BartForConditionalGeneration on --target-len labels, as the
@@ -195,16 +197,19 @@ def test_validate_a_vit_on_its_images():
     # vision layer, which vision_feature_layer -2 leaves unread, gets no gradient and no optimizer state, and its
     # saved tensors are freed with its outputs); Gemma 3 under DDP with the vision tower frozen: -0.02%
     ("llava-tiny.json", ["--gpus", "1", "--precision", "fp32"], 0.001),
-    ("gemma3-vl-tiny.json", ["--gpus", "2", "--strategy", "ddp", "--freeze", "vision"], 0.002),
+    # (LLaVA in the quick suite, the others with -m slow: its 15-minute budget on 2 cores)
+    pytest.param("gemma3-vl-tiny.json", ["--gpus", "2", "--strategy", "ddp", "--freeze", "vision"], 0.002,
+                 marks=pytest.mark.slow),
     # measured (2026-11-29, as above): Qwen2.5-VL, images of 168 x 224 px (48 tokens between its vision start and
     # end, 112 px windows of unequal sizes) in 128 tokens, torch-amp: -0.01%; under FSDP2's bf16 mixed precision
     # (pixels fed in fp32, each vision block's fp32 rotary cos and sin cast to bf16 by FSDP2): -0.01%; Qwen3-VL-MoE
     # fp32 at 128 x 192 px: -0.03%
-    ("qwen2.5-vl-tiny.json", ["--gpus", "1", "--seq-len", "128", "--image-size", "168x224"], 0.001),
-    ("qwen2.5-vl-tiny.json", ["--gpus", "2", "--strategy", "fsdp-full", "--seq-len", "128", "--image-size",
-                              "168x224"], 0.001),
-    ("qwen3-vl-moe-tiny.json", ["--gpus", "1", "--precision", "fp32", "--seq-len", "128", "--image-size",
-                                "128x192"], 0.001),
+    pytest.param("qwen2.5-vl-tiny.json", ["--gpus", "1", "--seq-len", "128", "--image-size", "168x224"], 0.001,
+                 marks=pytest.mark.slow),
+    pytest.param("qwen2.5-vl-tiny.json", ["--gpus", "2", "--strategy", "fsdp-full", "--seq-len", "128",
+                                          "--image-size", "168x224"], 0.001, marks=pytest.mark.slow),
+    pytest.param("qwen3-vl-moe-tiny.json", ["--gpus", "1", "--precision", "fp32", "--seq-len", "128",
+                                            "--image-size", "128x192"], 0.001, marks=pytest.mark.slow),
 ])
 def test_validate_a_vision_language_model(config, args, tolerance):
     # the harness trains LlavaForConditionalGeneration / Gemma3ForConditionalGeneration on token ids with each
@@ -546,6 +551,7 @@ def test_validate_lion_and_schedule_free(argv, package):
     _validate(argv, 0.001)
 
 
+@pytest.mark.slow  # (the quick suite's 15-minute budget: tests/activations/test_compiled.py keeps compile there)
 def test_validate_compiled_blocks_under_ddp():
     # --compile blocks: the harness compiles each block with inductor (its C++ kernels), inside DDP's forward,
     # where dynamo splits each block's graph at DDP's buckets (DDPOptimizer); the trace compiles the same splits
@@ -561,11 +567,13 @@ def test_validate_float8_under_full_recompute():
     _validate(["--gpus", "1", "--strategy", "single", "--precision", "fp8-tensorwise", "--recompute", "full"], 0.001)
 
 
+@pytest.mark.slow  # (float8 under full recompute stays in the quick suite)
 def test_validate_float8_rowwise_under_fsdp2():
     # FSDP2 with MixedPrecisionPolicy(bf16, fp32) and rowwise scaling: -0.01% (docs/accuracy.md)
     _validate(["--gpus", "2", "--strategy", "fsdp-full", "--precision", "fp8-rowwise"], 0.001)
 
 
+@pytest.mark.slow  # (float8 under full recompute stays in the quick suite)
 def test_validate_float8_all_gather_under_fsdp2():
     # --float8-all-gather: torchao's enable_fsdp_float8_all_gather in the harness (its WeightWithDynamicFloat8CastTensor
     # shards); the float8 weights gathered as bytes, one an element: -0.01% (docs/accuracy.md)

@@ -82,9 +82,16 @@ def task_of(row: dict) -> str:
     return row.get("task", CAUSAL)  # rows of the first runs, all causal LMs, name no task
 
 
+def _transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
+
+
 def run_one(model_type: str, cls: str, setting: str, isa: str | None, timeout: int, task: str = CAUSAL) -> dict:
     cfg = default_config(model_type, cls)
-    row = {"model_type": model_type, "class": cls, "setting": setting, **({"task": task} if task != CAUSAL else {})}
+    row = {"model_type": model_type, "class": cls, "setting": setting, **({"task": task} if task != CAUSAL else {}),
+           **({"cpu_isa": isa} if isa else {}), "transformers": _transformers_version()}
     if cfg is None:
         return {**row, "outcome": "config", "why": "AutoConfig.for_model fails on its defaults"}
     opts, ranks = SETTINGS[setting]
@@ -156,7 +163,6 @@ def main() -> None:
     args = ap.parse_args()
 
     import torch
-    import transformers
     from transformers.models.auto import modeling_auto
 
     mapping = getattr(modeling_auto, MAPPINGS[args.task])
@@ -179,10 +185,21 @@ def main() -> None:
             DATA.write_text("".join(json.dumps(r) + "\n" for r in rows))
     ran = [k for k in SETTINGS if any(r["setting"] == k for r in rows)]
     tasks = [t for t in MAPPINGS if any(task_of(r) == t for r in rows)]
+    # the ISA each row ran with (rows before session 45 did not record theirs: avx512_bf16, an AMD EPYC)
+    from collections import Counter
+
+    # (and the transformers each ran with: rows before session 45 ran 5.24.0)
+    def how(r: dict) -> tuple[str, str]:
+        return r.get("cpu_isa", "avx512_bf16"), r.get("transformers", "5.24.0")
+
+    base = Counter(how(r) for r in rows).most_common(1)[0][0]
+    again = sorted({f"{r['model_type']} ({task_of(r)}, {how(r)[0]}, transformers {how(r)[1]})"
+                    for r in rows if how(r) != base})
     header = (f"Produced by `python bench/architectures.py --task TASK --setting {' '.join(ran)}"
-              + (f" --cpu-isa {args.cpu_isa}" if args.cpu_isa else "") + f"` for each task ({', '.join(tasks)}) "
+              f" --cpu-isa {base[0]}` for each task ({', '.join(tasks)})"
+              + (f" (re-run on another machine: {', '.join(again)})" if again else "") + " "
               f"on x86_64 (2 cores), CPU only: torch "
-              f"{torch.__version__}, transformers {transformers.__version__}. Each model type of the task's transformers "
+              f"{torch.__version__}, transformers {base[1]}. Each model type of the task's transformers "
               "auto mapping (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES for causal-lm) is built from its config class's defaults "
               "with the task's class, "
               "scaled to 2 blocks, hidden 256, vocabulary 2048, and trained by `memplan validate` (micro-batch 2, "

@@ -180,7 +180,9 @@ def _write(args, tables, seconds: float) -> None:
              "profiles are a rank's share without the step's allocation events; pipeline schedules with a split "
              "backward, or stages of fewer blocks than the traced step), or the CPU profile kept no allocation "
              "events (the run prints which). A pipeline job's row is its worst rank's replay (each rank walks its "
-             "schedule's action list: memplan/frameworks/pipeline_replay.py); an expert-parallel job's is its rank's "
+             "schedule's action list: memplan/frameworks/pipeline_replay.py; DeepSpeed's PipelineEngine its "
+             "TrainSchedule: pipe_engine_replay.py, whose small-bucket row peaks at the CPU optimizer step below); "
+             "an expert-parallel job's is its rank's "
              "own traced step with each experts module its own FSDP2 unit (frameworks/fsdp2_replay.py). Traced "
              "afresh (MEMPLAN_CACHE_DIR empty), as these were.",
              "",

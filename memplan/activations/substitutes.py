@@ -17,7 +17,9 @@ ZeRO-3's own linear (``deepspeed_zero3_linear``) is substituted for both.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 from memplan.activations import kernels as K
@@ -104,7 +106,10 @@ class CudaAutocast:
     def _probe(self, op: Any, args: Any, kwargs: Any) -> tuple[dict[int, Any], Any]:
         """Run the AutocastCUDA kernel on fake CUDA copies: ({leaf index: dtype}, dtype it forced or None)."""
         from torch._subclasses.fake_tensor import FakeTensorMode
-        from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+        from torch.utils._python_dispatch import (
+            TorchDispatchMode,
+            _disable_current_modes,
+        )
         from torch.utils._pytree import tree_flatten, tree_unflatten
 
         torch = self.torch
@@ -243,6 +248,47 @@ def grouped_mm():  # noqa: ANN201
         return GroupedMm.apply(input.to(weight.dtype), weight, offs)
 
     return run
+
+
+@contextlib.contextmanager
+def balanced_topk_gating(config: dict[str, Any]) -> Iterator[None]:
+    """JetMoE's router (transformers 5.25 models/jetmoe/modeling_jetmoe.py JetMoeTopKGating, for its MoE and its
+    mixture-of-attention experts) reads each expert's token count back (``expert_size.tolist()``), which a fake
+    tensor does not have (DataDependentOutputException), and each expert's linear then takes that many rows
+    (``inputs.split(expert_size)``). In the trace the counts are balanced: the tokens x top_k rows spread evenly
+    over the experts (the first ones one more where they do not divide), the load a balanced router gives; every
+    tensor the router makes is made as it makes it, and the experts' inputs and outputs hold the same rows in
+    all. Nothing for other configs."""
+    if config.get("model_type") != "jetmoe":
+        yield
+        return
+    import torch
+    from transformers.models.jetmoe import modeling_jetmoe as jm
+
+    real = jm.JetMoeTopKGating.forward
+
+    def forward(self: Any, hidden_states: Any) -> Any:
+        logits = self.layer(hidden_states).float()
+        top_k_logits, top_k_indices = logits.topk(self.top_k, dim=1)
+        top_k_gates = torch.softmax(top_k_logits, dim=1).type_as(hidden_states)
+        zeros = torch.zeros([top_k_gates.size(0), self.num_experts], dtype=top_k_gates.dtype,
+                            device=top_k_gates.device)
+        gates = zeros.scatter(1, top_k_indices, 1)
+        gates.long().sum(0)  # the counts, made and dropped as the router makes them
+        rows, experts = top_k_gates.size(0) * self.top_k, self.num_experts
+        expert_size = [rows // experts + (i < rows % experts) for i in range(experts)]
+        top_k_experts = top_k_indices.flatten()
+        _, index_sorted_experts = top_k_experts.sort(0)
+        batch_index = index_sorted_experts.div(self.top_k, rounding_mode="trunc")
+        top_k_gates = top_k_gates.flatten()
+        batch_gates = top_k_gates[index_sorted_experts]
+        return index_sorted_experts, batch_index, batch_gates, expert_size, logits
+
+    jm.JetMoeTopKGating.forward = forward
+    try:
+        yield
+    finally:
+        jm.JetMoeTopKGating.forward = real
 
 
 def cuda_dropout(compiled: bool = False):  # noqa: ANN201

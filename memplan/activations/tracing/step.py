@@ -85,7 +85,8 @@ def _substitutions(config: dict[str, Any], dtype: str, attention: str, target: T
                 setattr(mu, k, (lambda real: lambda padding_mask, *a, **kw: real(None, *a, **kw))(real))
         from memplan.activations.tracing.grids import constant_inputs
 
-        with constant_inputs(config):  # a Qwen-VL step reads its inputs' values (tracing/grids.py)
+        with constant_inputs(config), sub.balanced_topk_gating(config):
+            # a Qwen-VL step reads its inputs' values (tracing/grids.py); JetMoE's router its expert counts
             yield
     finally:
         if real_check is None:

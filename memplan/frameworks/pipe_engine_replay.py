@@ -66,8 +66,6 @@ def why_not(s: Any) -> str | None:
         return f"ZeRO stage {st.zero_stage} under DeepSpeed's PipelineEngine"
     if s.ds.offload_param or (s.ds.offload_optimizer and st.zero_stage == 0):
         return "ZeRO-Offload of the parameters under DeepSpeed's PipelineEngine is not replayed yet"
-    if s.lora is not None:
-        return "LoRA under DeepSpeed's PipelineEngine is not replayed yet"
     return None
 
 

@@ -37,9 +37,10 @@ Under sequence parallelism the stage's traced step is its TP share over the whol
 SP's split, which the engine takes off its own figures), as a TP rank's replay without pipelining is; the replay's
 name says so. Each stage's traced step is a whole model's (the last stage's with the loss, the others' with a
 vocabulary of parallel.BARE_VOCAB rows): _parts keeps what the stage runs (_own_root_grads, _without_births) and
-shares autocast's weight casts over the schedule step (_weight_casts). Not replayed (reserved.why_not says so, and
-the verdict keeps the flat allocator term for them): DeepSpeed's PipelineEngine, FSDP2's CPU offload, LoRA, other
-FSDP wraps. Also not modelled: torch
+shares autocast's weight casts over the schedule step (_weight_casts). DeepSpeed's PipelineEngine walks its own
+TrainSchedule (pipe_engine_replay.py, dispatched from here). Not replayed (reserved.why_not says so, and the figures
+are then bounds from below): FSDP2's CPU offload, other FSDP wraps, a reshard group size (LoRA with --pp is refused
+at input). Also not modelled: torch
 2.13's metadata inference at the first step (a real forward and backward of one micro-batch before the schedule
 runs, its unsharded parameters and gradients freed after), and _add_unshard_reshard's limit of three unsharded
 stages (it reshards only on ranks with more than three stages).
@@ -84,8 +85,6 @@ def why_not(s: Any) -> str | None:
         return "FSDP2 CPU offload under pipelining is not replayed yet"
     if s.torch.fsdp_wrap not in ("block", None, ""):
         return f"--fsdp-wrap {s.torch.fsdp_wrap} under pipelining is not replayed yet"
-    if s.lora is not None:
-        return "LoRA under pipelining is not replayed"
     if s.torch.reshard_after_forward not in (None, True, False):
         return "reshard_after_forward as a group size under pipelining is not replayed yet"
     return _stages_traced(prof)

@@ -26,7 +26,8 @@ def _estimate(args: str) -> dict:
     return json.loads(out)
 
 
-@pytest.mark.parametrize("factory", ["tiny_gpt:make", "tiny_cnn:make", "tiny_moe:make"])
+@pytest.mark.parametrize("factory", ["tiny_gpt:make", pytest.param("tiny_cnn:make", marks=pytest.mark.slow),
+                                     pytest.param("tiny_moe:make", marks=pytest.mark.slow)])  # (with -m slow: the quick suite's 15-minute budget on 2 cores)
 def test_every_strategy_estimates_a_user_module_from_its_trace(factory):
     for strategy in ("ddp", "zero2", "zero3", "fsdp-full"):
         rep = _estimate(f"estimate {factory} --gpus 2 --strategy {strategy} --seq-len 64 --micro-batch 4 --explain")

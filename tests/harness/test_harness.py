@@ -155,6 +155,7 @@ def test_validate_an_encoder_decoder(config, args, tolerance):
     _validate(["--model", str(ROOT / "tests" / "data" / "configs" / config), "--target-len", "64", *args], tolerance)
 
 
+@pytest.mark.slow  # (with -m slow: the quick suite's 15-minute budget on 2 cores)
 def test_validate_a_decoder_whose_cross_attention_reads_nothing():
     # BartForCausalLM (--task causal-lm on bart-large): its decoder's cross-attention has no encoder, so no loss reads
     # it; DDP runs with find_unused_parameters (as the job must), buckets it and leaves its grad None, so AdamW makes it
@@ -180,6 +181,7 @@ def test_validate_lora_adapters_no_loss_reads():
     assert states["predicted"] == states["measured"] == 131_072
 
 
+@pytest.mark.slow  # (with -m slow: the quick suite's 15-minute budget on 2 cores)
 def test_validate_a_vit_on_its_images():
     # ViTForImageClassification (64 px in 8 px patches: 65 tokens, 10 classes): the images are made inside the
     # traced step, so their bytes count (-0.64% before). Measured: 30,915,208 B, predicted 30,912,936 (-0.007%)
@@ -559,6 +561,7 @@ def test_validate_compiled_blocks_under_ddp():
     _validate(["--gpus", "2", "--strategy", "ddp", "--compile", "blocks"], 0.001)
 
 
+@pytest.mark.slow  # (with -m slow: the quick suite's 15-minute budget on 2 cores); tests/activations/test_float8.py stays quick
 def test_validate_float8_under_full_recompute():
     # --precision fp8-tensorwise: torchao's Float8Linear in the harness (torch._scaled_mm's CPU emulation) and in
     # the trace; with full recompute the peak is inside a recomputed block's float8 GEMMs, where the CPU kernel's

@@ -23,7 +23,7 @@ def _differences(got: dict, want: dict) -> list[str]:
     return [k for k in want if k in got and got[k] != want[k]]
 
 
-@pytest.mark.parametrize("preset", ["gpt2", "mixtral-8x7b"])
+@pytest.mark.parametrize("preset", ["gpt2", pytest.param("mixtral-8x7b", marks=pytest.mark.slow)])  # (with -m slow: the quick suite's 15-minute budget on 2 cores)
 def test_golden_plans_quick(preset):
     want = {k: v for k, v in golden_plans.load().items() if k.startswith(preset + "|")}
     got = golden_plans.compute([preset])

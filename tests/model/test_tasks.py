@@ -267,7 +267,8 @@ def test_an_encoder_decoder_trains_as_seq2seq():
                        "encoder": {}, "decoder": {}})
 
 
-@pytest.mark.parametrize("path,params", [(T5, 222_903_552), (BART, 406_291_456)])
+@pytest.mark.parametrize("path,params", [pytest.param(T5, 222_903_552, marks=pytest.mark.slow),  # (with -m slow: the quick suite's 15-minute budget on 2 cores)
+                                         (BART, 406_291_456)])
 def test_seq2seq_inventory_and_trace(path, params):
     """flan-t5-base and bart-large: parameters exact against transformers' own count (transformers 5 ties T5's head
     to its shared embedding whatever the config says: configuration_t5.py), both stacks' blocks, encoder first,

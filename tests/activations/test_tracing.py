@@ -697,18 +697,13 @@ def test_jetmoe_traces_with_balanced_expert_counts(tmp_path, monkeypatch):
     import json
     from pathlib import Path
 
-    from memplan.cli import main
+    from clirun import run_cli
 
     monkeypatch.setenv("MEMPLAN_CACHE_DIR", str(tmp_path))
     config = Path(__file__).resolve().parents[1] / "data" / "configs" / "jetmoe-tiny.json"
-    import contextlib
-    import io
-
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as done:
-        main(["estimate", str(config), "--device", "cpu", "--cpu-isa", "avx512", "--seq-len", "512", "--micro-batch",
-              "4", "--precision", "torch-amp", "--gpus", "1", "--json"])
-    assert done.value.code in (0, None)
-    rep = json.loads(out.getvalue())
+    code, out, err = run_cli(["estimate", str(config), "--device", "cpu", "--cpu-isa", "avx512", "--seq-len", "512",
+                              "--micro-batch", "4", "--precision", "torch-amp", "--gpus", "1", "--json"])
+    assert code == 0, err
+    rep = json.loads(out)
     assert rep["assumptions"]["activations"].startswith("traced")
     assert rep["per_gpu"]["peak_bytes"] == 300_469_384

@@ -7,14 +7,13 @@ Runs in process (memplan.cli.main), so the ~100 cases take a few seconds.
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import os
 import struct
 from pathlib import Path
 
 import pytest
+from clirun import run_cli  # noqa: F401  (the other CLI tests import it from here)
 
 LLAMA = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
          "vocab_size": 100, "intermediate_size": 128}
@@ -350,20 +349,6 @@ def bad_dir(tmp_path_factory):
         p.write_bytes(content if isinstance(content, bytes) else content.encode())
     os.mkfifo(d / "fifo.json")
     return d
-
-
-def run_cli(argv: list[str]) -> tuple[int, str, str]:
-    """memplan's entry point in this process: (exit code, stdout, stderr)."""
-    from memplan.cli import main
-
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            main(argv)
-            code = 0
-        except SystemExit as exc:
-            code = exc.code if isinstance(exc.code, int) else 1
-    return code, out.getvalue(), err.getvalue()
 
 
 def test_the_table_is_large_enough():

@@ -79,6 +79,8 @@ def test_a_vision_language_model_s_bad_input_is_one_line(tmp_path):
     import subprocess
     import sys
 
+    from clirun import run_cli
+
     bad = tmp_path / "llava-bad.json"
     cfg = json.loads(LLAVA.read_text())
     bad.write_text(json.dumps(dict(cfg, vision_config=dict(cfg["vision_config"], image_size=30))))
@@ -100,7 +102,7 @@ def test_a_vision_language_model_s_bad_input_is_one_line(tmp_path):
                          (["llava-1.5-7b", "--image-size", "336"], "takes images of its config's image_size (336 px)"),
                          (["llama-3-8b", "--image-size", "448"], "only a vision-language model"),
                          ([str(QWEN35), "--image-size", "50x64"], "multiples of 32 px")):
-        code, out, err = _in_process(["estimate", *argv])
+        code, out, err = run_cli(["estimate", *argv])
         assert code == 2 and out == "" and len(err.strip().splitlines()) == 1, (argv, err)
         assert needle in err, (argv, err)
     # and one through a fresh interpreter, as a user runs it
@@ -108,22 +110,6 @@ def test_a_vision_language_model_s_bad_input_is_one_line(tmp_path):
                        capture_output=True, text=True)
     assert r.returncode == 2 and r.stdout == "" and len(r.stderr.strip().splitlines()) == 1, r.stderr
 
-
-def _in_process(argv: list[str]) -> tuple[int, str, str]:
-    """memplan's entry point in this process: (exit code, stdout, stderr)."""
-    import contextlib
-    import io
-
-    from memplan.cli import main
-
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            main(argv)
-            code = 0
-        except SystemExit as exc:
-            code = exc.code if isinstance(exc.code, int) else 1
-    return code, out.getvalue(), err.getvalue()
 
 
 def test_task_flag_sets_the_head_from_transformers_auto_mapping():

@@ -257,7 +257,7 @@ def _overheads(s: Settings, f: Fixed, peak: int, reserved: Any) -> dict[str, int
     if s.cluster.device != "cuda":
         return {}
     o = s.overheads
-    out = {"cuda_context_bytes": o.cuda_context_bytes, "nccl_bytes": f.comms * o.nccl_bytes_per_communicator}
+    out = {"cuda_context_bytes": o.cuda_context_bytes, "nccl_bytes": _nccl(s, f)}
     if o.fragmentation_percent is not None:
         out["fragmentation_bytes"] = peak * o.fragmentation_percent // 100
     elif reserved is not None:
@@ -265,9 +265,15 @@ def _overheads(s: Settings, f: Fixed, peak: int, reserved: Any) -> dict[str, int
     return out
 
 
-def _reserved(inv: ParamInventory, s: Settings, limit: int | None = None) -> tuple[Any, str | None]:
+def _nccl(s: Settings, f: Fixed) -> int:
+    """NCCL's buffers: one allowance per communicator the job makes."""
+    return f.comms * s.overheads.nccl_bytes_per_communicator
+
+
+def _reserved(inv: ParamInventory, s: Settings, f: Fixed, limit: int | None = None) -> tuple[Any, str | None]:
     """The caching allocator's replay for these settings, or (None, why not); ``limit``: stop once the reserved
-    bytes pass it (a search only asks whether they do)."""
+    bytes pass it (a search only asks whether they do). Where ``limit`` is the card's limit on the allocator (the
+    card less the CUDA context and NCCL, as _verdict takes it), the one replay serves the verdict too."""
     if s.cluster.device != "cuda":
         return None, None
     from memplan import reserved
@@ -275,7 +281,9 @@ def _reserved(inv: ParamInventory, s: Settings, limit: int | None = None) -> tup
     why = reserved.why_not(s, inv)
     if why is not None:
         return None, why
-    return reserved.predict(inv, s, limit=limit), None
+    mem = s.cluster.gpu_memory_bytes
+    card = None if mem is None else mem - s.overheads.cuda_context_bytes - _nccl(s, f)
+    return reserved.predict(inv, s, limit=limit, card=card), None
 
 
 def estimate(inv: ParamInventory, s: Settings, reserved_limit: int | None = None) -> Plan:
@@ -291,7 +299,7 @@ def estimate(inv: ParamInventory, s: Settings, reserved_limit: int | None = None
                  for name, (g, x, b) in zip(PHASE_NAMES, phases(f, s.recompute, s.micro_batch)))
     totals = [p.total_bytes for p in rows]
     peak = rows[totals.index(max(totals))]
-    res, why = (_reserved(inv, s, reserved_limit) if s.overheads.fragmentation_percent is None
+    res, why = (_reserved(inv, s, f, reserved_limit) if s.overheads.fragmentation_percent is None
                 else (None, "fragmentation given"))
     shift = 0
     if res is not None and getattr(s.activation_profile, "inner", None) is not None:
@@ -372,7 +380,7 @@ def required_bytes(inv: ParamInventory, s: Settings, micro_batches: Any,
         return [max(rows, key=lambda r: r[1]) for rows in zip(*per_rank)]
     f = _fixed(inv, s)
     rec, o = s.recompute, s.overheads
-    fixed_over = (o.cuda_context_bytes + f.comms * o.nccl_bytes_per_communicator) if s.cluster.device == "cuda" else 0
+    fixed_over = (o.cuda_context_bytes + _nccl(s, f)) if s.cluster.device == "cuda" else 0
     frag = 0
     if s.cluster.device == "cuda":
         if o.fragmentation_percent is not None:

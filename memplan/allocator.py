@@ -142,6 +142,10 @@ def _expandable_size(b: _Block) -> int:
     return b.size + nb.size if nb is not None and not nb.mapped else b.size
 
 
+#: orders Allocator.over across the allocators of one replay (the first refused is the one a limit stops at)
+_OVER_COUNT = itertools.count()
+
+
 class _Block:
     """A block of a segment: handed out (allocated), cached in its pool (cached), or neither (being split)."""
 
@@ -180,6 +184,9 @@ class Allocator:
     retries: int = 0
     #: the retries of each step (Run.end_step)
     step_retries: list[int] = field(default_factory=list)
+    #: the first reservation the limits refused, as (when: a count across allocators, the reserved peak and the
+    #: allocated peak a replay without limits would have had once it made that reservation); None: none refused
+    over: tuple[int, int, int] | None = None
 
     def __post_init__(self) -> None:
         #: (small, stream) -> the pool's cached blocks as (size, ptr, block), sorted: best fit is the first entry
@@ -526,6 +533,8 @@ class Allocator:
         if self._gc:
             self._garbage_collect()
         b = self._alloc_block(size, small, stream)
+        if b is None and self.over is None:
+            self._note_over(size, small, stream)
         if b is None and self._release_available(size, small, stream):
             b = self._alloc_block(size, small, stream)
         if b is None:
@@ -535,6 +544,15 @@ class Allocator:
         if b is None:
             raise OutOfMemory(self, size)
         return b
+
+    def _note_over(self, size: int, small: bool, stream: int) -> None:
+        """``over``: the segment a replay without limits makes here (alloc_block's cudaMalloc), the block it hands
+        out of it (split as malloc splits it), and the peaks they give."""
+        alloc = allocation_size(size)
+        whole = _Block(0, alloc, stream, small, -1)
+        held = size if self._should_split(whole, size) else alloc
+        self.over = (next(_OVER_COUNT), max(self.peak_reserved, self.reserved + alloc),
+                     max(self.peak_allocated, self.allocated + held))
 
     def _release_available(self, size: int, small: bool, stream: int) -> bool:
         """release_available_cached_blocks: only with max_split_size set; the smallest free whole segment of the

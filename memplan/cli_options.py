@@ -4,6 +4,7 @@ help), and the few options that are a command's own. Imported by memplan/cli.py 
 
 from __future__ import annotations
 
+import functools
 import inspect
 import types
 import typing
@@ -30,10 +31,16 @@ def _optional(kind: Any) -> Any:
     return kind
 
 
+@functools.lru_cache(maxsize=None)
+def _hints(part: type) -> dict[str, Any]:
+    """A request part's field types, resolved once per class (typing.get_type_hints walks the whole class)."""
+    return typing.get_type_hints(part)
+
+
 def _option(part: type, name: str, key: rq.Key) -> Any:
     """A request field as a typer option: its flag, help and type (the command line's, where the field parses
     text)."""
-    kind = key.cli_type if key.cli_type is not None else typing.get_type_hints(part)[name]
+    kind = key.cli_type if key.cli_type is not None else _hints(part)[name]
     if key.cli_type is not None:
         kind = Optional[kind]
     return Annotated[_optional(kind), typer.Option(key.flag, help=key.help)]

@@ -17,7 +17,7 @@ GPU_RESERVED = {"cases": 111, "within_3": 109, "verdict_min_percent": -29.58}
 def console(stderr: bool = False):
     from rich.console import Console
 
-    console = Console(stderr=stderr, highlight=False, soft_wrap=False)
+    console = Console(stderr=stderr, highlight=False, soft_wrap=False, emoji=False)
     if not console.is_terminal:
         console.width = max(console.width, 110)  # pipes and CI logs: do not squeeze the tables to 80 columns
     return console

@@ -361,6 +361,8 @@ class Run:
         """``resident``: bytes of each block the job holds from before the model is built to its end (the
         model's buffers, ReplayJob.buffers), allocated first."""
         self.a = Allocator(config, device_limit=Run.device_limit, fraction_limit=Run.fraction_limit)
+        if Run.made is not None:
+            Run.made.append(self.a)
         self.live: dict[Any, Any] = {}
         self.n = 0
         self.anon = 0  #: keys of what the frameworks allocate (positive; a step's are negative)
@@ -378,6 +380,8 @@ class Run:
     #: fraction_limit), flushing the cache and retrying as PyTorch does, until it fits or runs out of memory
     device_limit: int | None = None
     fraction_limit: int | None = None
+    #: set by reserved.predict at the card's limit: every allocator the replay makes, in order
+    made: list[Any] | None = None
 
     def alloc(self, size: int, key: Any = None, stream: int = 0) -> Any:
         if key is None:

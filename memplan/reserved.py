@@ -101,9 +101,12 @@ _CACHE: dict[tuple[Any, ...], Reserved] = {}
 _PARTIAL: dict[tuple[Any, ...], Reserved] = {}
 
 
-def predict(inv: Any, s: Any, config: AllocatorConfig | None = None, limit: int | None = None) -> Reserved | None:
+def predict(inv: Any, s: Any, config: AllocatorConfig | None = None, limit: int | None = None,
+            card: int | None = None) -> Reserved | None:
     """The reserved peak of one configuration, or None where why_not(s) says why not. ``limit``: stop once the
-    reserved bytes pass it; the answer's peak is then only a bound from below (``complete`` False)."""
+    reserved bytes pass it; the answer's peak is then only a bound from below (``complete`` False). ``card``: the
+    card's limit on the allocator (capped's device_limit); where ``limit`` is it, one replay under the card
+    (_at_card) answers both this and capped()."""
     if why_not(s, inv) is not None:
         return None
     prof = _replayed_profile(s)
@@ -120,6 +123,10 @@ def predict(inv: Any, s: Any, config: AllocatorConfig | None = None, limit: int 
     if len(_CACHE) > 256:
         _CACHE.clear()
         _PARTIAL.clear()
+    if limit is not None and limit == card and config is None:
+        at_card = _at_card(inv, s, key, limit)
+        if at_card is not None:
+            return at_card
     Run.limit = limit
     try:
         hit = _CACHE[key] = _predict(inv, s, config)
@@ -135,10 +142,45 @@ def predict(inv: Any, s: Any, config: AllocatorConfig | None = None, limit: int 
 def _predict(inv: Any, s: Any, config: AllocatorConfig | None) -> Reserved:
     config = config or AllocatorConfig.parse(s.allocator_conf)
     model, variants = _replayer(s).replay(inv, s, config)
+    return _reserved_of(model, variants, config)
+
+
+def _reserved_of(model: str, variants: dict[str, Any], config: AllocatorConfig) -> Reserved:
     best = max(variants.values(), key=lambda a: (a.peak_reserved, a.steps[-1][0] if a.steps else 0))
     return Reserved(peak_bytes=best.peak_reserved, allocated_bytes=best.steps[-1][0], model=model,
                     variants={k: a.peak_reserved for k, a in variants.items()}, config=config.text,
                     steps=tuple(best.steps))
+
+
+def _at_card(inv: Any, s: Any, key: tuple[Any, ...], limit: int) -> Reserved | None:
+    """A search's question (does the job pass ``limit``, the card's limit on the allocator?) answered by the one
+    replay capped() makes under the card, instead of one stopped at the limit and then capped()'s own. Up to the
+    first reservation the card refuses (Allocator.over) the two replays make the same decisions: none refused,
+    this is the replay without limits, run through; else the one without limits would stop there, with the
+    peaks ``over`` records, and the replay goes on under the card for capped(), which finds it in _CAPPED.
+    None (the two-replay road) where the two differ before that: expandable segments (pages mapped as they are
+    asked for), a memory fraction (garbage collection, a second limit), a tensor-parallel rank's share (capped
+    shifts the limit)."""
+    config = AllocatorConfig.parse(s.allocator_conf)
+    if (config.expandable_segments or config.per_process_memory_fraction < 1.0 or limit <= 0
+            or getattr(s.activation_profile, "inner", None) is not None):
+        return None
+    made: list[Any] = []
+    Run.made = made
+    try:
+        model, variants, hit = _replay_capped(inv, s, config, limit, None, limit, None, 0)
+    finally:
+        Run.made = None
+    overs = [a.over for a in made if a.over is not None]
+    if not overs:
+        assert variants is not None  # nothing refused: no out-of-memory error
+        res = _CACHE[key] = _reserved_of(model, variants, config)
+        return res
+    _CAPPED[key[:3] + (repr(config), limit, None)] = hit
+    _, peak, allocated = min(overs)
+    bound = _PARTIAL[key] = Reserved(peak_bytes=peak, allocated_bytes=allocated, model="", variants={}, config="",
+                                     complete=False)
+    return bound
 
 
 @dataclass(frozen=True)
@@ -186,20 +228,27 @@ def capped(inv: Any, s: Any, device_limit: int, fraction_limit: int | None, unca
     key = (id(inv), _profile_id(prof), _settings_key(s), repr(config), dev, frac)
     hit = _CAPPED.get(key)
     if hit is None:
-        if len(_CAPPED) > 256:
-            _CAPPED.clear()
-        Run.limit, Run.device_limit, Run.fraction_limit = None, max(dev, 0), None if frac is None else max(frac, 0)
-        try:
-            _, variants = _replayer(s).replay(inv, s, config)
-            worst = max(variants.values(), key=lambda a: (a.retries, a.peak_reserved))
-            steady = worst.step_retries[-1] - (worst.step_retries[-2] if len(worst.step_retries) > 1 else 0)
-            hit = Capped(True, max(a.peak_reserved for a in variants.values()) + shift, steady, worst.retries, limit,
-                         device_limit, fraction_limit)
-        except OutOfMemory as oom:
-            a = oom.allocator
-            hit = Capped(False, a.peak_reserved + shift, 0, a.retries, limit, device_limit, fraction_limit,
-                         failed_request_bytes=oom.size)
-        finally:
-            Run.device_limit = Run.fraction_limit = None
-        _CAPPED[key] = hit
+        hit = _CAPPED[key] = _replay_capped(inv, s, config, dev, frac, device_limit, fraction_limit, shift)[2]
     return hit
+
+
+def _replay_capped(inv: Any, s: Any, config: AllocatorConfig, dev: int, frac: int | None, device_limit: int,
+                   fraction_limit: int | None, shift: int) -> tuple[str, dict[str, Any] | None, Capped]:
+    """The replay under the allocator's limits ``dev`` and ``frac``: (the framework sequence, the variants'
+    allocators (None on out of memory), the Capped answer, its figures ``shift`` up)."""
+    limit = device_limit if fraction_limit is None else min(device_limit, fraction_limit)
+    if len(_CAPPED) > 256:
+        _CAPPED.clear()
+    Run.limit, Run.device_limit, Run.fraction_limit = None, max(dev, 0), None if frac is None else max(frac, 0)
+    try:
+        model, variants = _replayer(s).replay(inv, s, config)
+        worst = max(variants.values(), key=lambda a: (a.retries, a.peak_reserved))
+        steady = worst.step_retries[-1] - (worst.step_retries[-2] if len(worst.step_retries) > 1 else 0)
+        return model, variants, Capped(True, max(a.peak_reserved for a in variants.values()) + shift, steady,
+                                       worst.retries, limit, device_limit, fraction_limit)
+    except OutOfMemory as oom:
+        a = oom.allocator
+        return "", None, Capped(False, a.peak_reserved + shift, 0, a.retries, limit, device_limit, fraction_limit,
+                                failed_request_bytes=oom.size)
+    finally:
+        Run.device_limit = Run.fraction_limit = None

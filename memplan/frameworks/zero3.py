@@ -39,15 +39,33 @@ def zero3_schedule(inv: ParamInventory, n: int, prefetch: int, max_live: int, ma
 
 
 def quant_groups(numel: int) -> int:
-    """CUDAQuantizer.quantize's group count for a tensor of ``numel`` elements (partition_parameters.py,
-    target_group_size 8000): one fp32 scale per group."""
-    groups = ceil_div(numel, 8000)
-    while groups < numel:
-        if numel % (8 * groups) == 0:
-            break
-        groups += 1
+    """CUDAQuantizer.quantize's group count for a tensor of ``numel`` elements (DeepSpeed 0.19.8
+    runtime/zero/partition_parameters.py, target_group_size 8000): one fp32 scale per group. Its loop counts up
+    from ceil(numel / 8000) to the first count g with numel % (8 g) == 0, then doubles g while numel % (16 g) == 0
+    and numel / g > 8000; the first count is the smallest divisor of numel / 8 at least ceil(numel / 8000), found
+    here from the divisors (DeepSpeed's loop, run as written, takes minutes on a large partition that is not a
+    multiple of 8). DeepSpeed then asserts numel % (8 g) == 0, numel / g < 16000 and numel > g: a partition that
+    fails them is refused (SettingsError), as the run would stop there."""
+    start = ceil_div(numel, 8000)
+    groups = None
+    if numel % 8 == 0:
+        m = numel // 8
+        i = 1
+        while i * i <= m:
+            if m % i == 0:
+                for d in (i, m // i):
+                    if d >= start and (groups is None or d < groups):
+                        groups = d
+            i += 1
+    if groups is None:
+        groups = max(start, numel)  # the loop ran to numel (or never ran)
     while numel % (8 * groups * 2) == 0 and numel / groups > 8000:
         groups *= 2
+    if numel % (8 * groups) or numel / groups >= 16000 or numel <= groups:
+        raise SettingsError(f"ZeRO++ qwZ: a gathered partition of {numel:,} elements cannot be quantized "
+                            "(DeepSpeed's CUDAQuantizer asserts it is a multiple of 8 split into groups under 16k "
+                            "elements); choose a GPU count that divides the model's sizes, or drop "
+                            "--zero-quantized-weights")
     return groups
 
 
@@ -71,15 +89,22 @@ def _zero3_schedule(inv: ParamInventory, n: int, prefetch: int, max_live: int, m
     - stage3.py step() releases everything (partition_all_parameters), and reset_step() zeroes the available
       count at the next forward.
     """
-    c = _Coordinator(inv, n, prefetch, max_live, max_reuse, threshold, qw, leaves)
-    for k in range(len(c.trace)):
-        c.run_module(k)
-    nf, block_of, at = c.nf, c.block_of, c.at_step
+    if qw is None:
+        # the coordinator's decisions count unpadded elements, so they are the same at every n: its run is kept
+        # per inventory and knobs (a search asks at every GPU count), and each n prices the flat buffers it held
+        c = layouts.cached(inv, ("zero3 run", prefetch, max_live, max_reuse, threshold, leaves),
+                           lambda: _Coordinator(inv, 1, prefetch, max_live, max_reuse, threshold, None, leaves,
+                                                record=True).run())
+        at, settled, after_release = c.priced(n)
+    else:
+        c = _Coordinator(inv, n, prefetch, max_live, max_reuse, threshold, qw, leaves).run()
+        at, settled, after_release = c.at_step, c.settled, c.after_release
+    nf, block_of = c.nf, c.block_of
     # the backward phase the engine names "backward" runs until the last block's modules are done
     last_block = next((b for b in reversed(block_of) if b != ROOT_BLOCK), ROOT_BLOCK)
     cut = max((k for k in range(nf, 2 * nf) if block_of[2 * nf - 1 - k] == last_block), default=2 * nf - 1)
-    return Zero3Schedule(forward=max(at[:nf], default=0), forward_end=c.settled[nf - 1] if nf else 0,
-                         loss=max(c.after_release[nf - 1], at[nf]) if nf else 0,
+    return Zero3Schedule(forward=max(at[:nf], default=0), forward_end=settled[nf - 1] if nf else 0,
+                         loss=max(after_release[nf - 1], at[nf]) if nf else 0,
                          backward=max((at[k] for k in range(nf, cut + 1)), default=0),
                          end=max((at[k] for k in range(cut + 1, 2 * nf)), default=0),
                          blocks=max((at[k] for k in range(nf, 2 * nf) if block_of[2 * nf - 1 - k] != ROOT_BLOCK),
@@ -92,7 +117,10 @@ class _Coordinator:
     module (at_step: the most while it ran; settled: after its waits and prefetch; after_release)."""
 
     def __init__(self, inv: ParamInventory, n: int, prefetch: int, max_live: int, max_reuse: int,
-                 threshold: int, qw: tuple[int, bool] | None = None, leaves: tuple[str, ...] = ()) -> None:
+                 threshold: int, qw: tuple[int, bool] | None = None, leaves: tuple[str, ...] = (),
+                 record: bool = False) -> None:
+        """``record`` (without qwZ): keep, at each of a module's three points, the unsharded copies' elements and
+        the coalesced groups whose flat buffers live (priced: the figures at any n)."""
         from collections import deque
 
         # ZeRO++ qwZ: count bytes (pb per unsharded element) instead of elements; fp16 parameters skip the casts
@@ -141,12 +169,30 @@ class _Coordinator:
         self.n_avail = 0
         self.copies = 0  # elements of unsharded parameter tensors
         self.flats: dict[int, int] = {}  # coalesced group -> elements of its flat all-gather buffer
+        self.held = 0  # the flat buffers' and the dequantized copies' sum (total() less the copies)
         self.members: dict[int, set[int]] = {}  # coalesced group -> params still in the in-flight registry
         self.group_of: dict[int, int] = {}
         self.waited: set[int] = set()
         self.at_step: list[int] = []
         self.settled: list[int] = []  # after the waits' flat buffers are freed and the prefetch is issued
         self.after_release: list[int] = []
+        self.points: list[tuple[int, tuple[int, ...]]] | None = [] if record else None
+        self.params_of: dict[int, list[int]] = {}  # coalesced group -> its parameters (recorded runs)
+
+    def run(self) -> _Coordinator:
+        """The whole trace: every module's fetch, wait, prefetch and release."""
+        for k in range(len(self.trace)):
+            self.run_module(k)
+        return self
+
+    def priced(self, n: int) -> tuple[list[int], list[int], list[int]]:
+        """A recorded run's at_step, settled and after_release at a partition group of n: each flat buffer
+        holds its parameters' partitions padded to n ranks (gather)."""
+        assert self.points is not None
+        flat = {g: sum(ceil_div(self.numel[p], n) for p in ps) * n for g, ps in self.params_of.items()}
+        sizes = [copies + sum(flat[g] for g in groups) for copies, groups in self.points]
+        peak, settled, after = sizes[0::3], sizes[1::3], sizes[2::3]
+        return [max(a, b) for a, b in zip(peak, settled)], settled, after
 
     def gather(self, ps: list[int], gid: int) -> None:
         """One all_gather_coalesced call: a single parameter is gathered straight into its own (padded) buffer;
@@ -160,7 +206,10 @@ class _Coordinator:
             self.copied.add(ps[0])
             self.copies += self.numel[ps[0]]
             return
-        self.flats[gid] = sum(ceil_div(self.numel[p], self.n) for p in ps) * self.n
+        self.flats[gid] = flat = sum(ceil_div(self.numel[p], self.n) for p in ps) * self.n
+        self.held += flat
+        if self.points is not None:
+            self.params_of[gid] = ps
         self.members[gid] = set(ps)
         for p in ps:
             self.group_of[p] = gid
@@ -178,12 +227,13 @@ class _Coordinator:
         held = part * self.n + 4 * groups * self.n + part + 4 * groups
         self.transient = max(self.transient, self.total() + cat + half + held)
         self.flats[gid] = held
+        self.held += held
         self.members[gid] = set(ps)
         for p in ps:
             self.group_of[p] = gid
 
     def total(self) -> int:
-        return self.copies + sum(self.flats.values()) + sum(self.deq.values())
+        return self.copies + self.held
 
     def wait(self, params: list[int]) -> None:
         """The first wait on a group copies every member out of its flat buffer."""
@@ -208,6 +258,7 @@ class _Coordinator:
         is dequantized straight into an fp16 tensor and cast."""
         flat = sum(ceil_div(self.numel[p], self.n) for p in members) * self.n
         if len(members) > 1:
+            self.held += 2 * flat - self.deq.get(gid, 0)
             self.deq[gid] = 2 * flat
         base = self.total()
         for q in members:
@@ -263,14 +314,21 @@ class _Coordinator:
             self.gather(to_fetch, 2 * k)
         self.wait(params)
         peak = self.total()
+        points = self.points
+        if points is not None:
+            points.append((self.copies, tuple(self.flats)))
         for gid in [g for g, m in self.members.items() if not m]:
-            del self.members[gid], self.flats[gid]
-            self.deq.pop(gid, None)
+            self.held -= self.flats.pop(gid) + self.deq.pop(gid, 0)
+            del self.members[gid]
         self.prefetch_after(k, params)
+        if points is not None:
+            points.append((self.copies, tuple(self.flats)))
         self.settled.append(self.total())
         self.at_step.append(max(peak, self.settled[-1], self.transient))
         self.release_after(k, params)
         self.after_release.append(self.total())
+        if points is not None:
+            points.append((self.copies, tuple(self.flats)))
 
 
 def weights(job: Job) -> int:

@@ -123,6 +123,8 @@ FILES = {
 
 #: (arguments with {dir} for the files' directory, what the one line must name)
 CASES = [
+    # ZeRO++ qwZ: a partition DeepSpeed's quantizer asserts on (43,690,667 elements: the embedding over 3 ranks)
+    ("estimate llama-7b --gpus 3 --gpus-per-node 3 --stage 3 --zero-quantized-weights", "cannot be quantized"),
     # --compile (memplan/activations/tracing/compiled.py): what it does not model
     ("estimate llama-7b --compile model", "unknown --compile"),
     ("estimate llama-7b --compile blocks --activations analytic", "needs the traced activations"),

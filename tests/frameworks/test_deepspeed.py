@@ -253,6 +253,35 @@ def test_zero3_persistent_params_cost_nothing_extra_at_one_rank():
     assert two.weights == 2 * (lay.shard_numel + 8 * 1024)
 
 
+def test_quant_groups_is_deepspeeds_loop():
+    # CUDAQuantizer.quantize (DeepSpeed 0.19.8 partition_parameters.py), its loop as written, and its asserts:
+    # memplan finds the same count from the divisors, and refuses what DeepSpeed asserts on
+    import math
+
+    from memplan.errors import SettingsError
+    from memplan.frameworks.zero3 import quant_groups
+
+    def loop(numel):
+        groups = math.ceil(numel / 8000)
+        while groups < numel:
+            if numel % (8 * groups) == 0:
+                break
+            groups += 1
+        while numel % (8 * groups * 2) == 0 and numel / groups > 8000:
+            groups *= 2
+        ok = numel % (8 * groups) == 0 and numel / groups < 16000 and numel > groups
+        return groups if ok else None
+
+    for numel in [*range(1, 400), 8000, 16000, 16008, 24000, 96_008, 4096 * 11008 // 8 * 8, 8 * 104_729]:
+        try:
+            got = quant_groups(numel)
+        except SettingsError:
+            got = None
+        assert got == loop(numel), numel
+    with pytest.raises(SettingsError, match="43,690,667 elements cannot be quantized"):
+        quant_groups(43_690_667)  # llama-7b's embedding over 3 ranks: DeepSpeed's loop would run 43M times
+
+
 def test_zero3_quantized_weights_gather_in_bytes():
     # ZeRO++ qwZ (partition_parameters.py, DeepSpeed 0.19.8; derived from the source): one module of two
     # 10,000-element bf16 parameters, 2 ranks, no prefetch. The gather: the partitions concatenated (2 x 10,000

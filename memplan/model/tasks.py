@@ -123,7 +123,23 @@ def task_of(config: Mapping[str, Any]) -> str:
         if arch.endswith(suffix):
             raise ConfigError(f"architectures {quote(arch)}: memplan models these heads: {', '.join(TASKS)}; a "
                               f"{suffix[3:]} head's inputs are not token ids alone and are not modelled yet")
+    if not arch:
+        _no_causal_lm(config)
     return CAUSAL_LM
+
+
+def _no_causal_lm(config: Mapping[str, Any]) -> None:
+    """A config that names no architectures trains as a causal LM, unless its model_type has no causal LM class in
+    transformers (AutoModelForCausalLM refuses it): then ConfigError naming the --task its Auto classes do build
+    (a LlavaConfig saved by hand, without the class it was trained as)."""
+    mt = config.get("model_type")
+    if not isinstance(mt, str) or mt in auto_class_mapping(AUTO_MAPPINGS[CAUSAL_LM]):
+        return
+    tasks = [t for t in (IMAGE_TEXT, SEQ2SEQ, IMAGE, "masked-lm", "sequence-classification")
+             if mt in auto_class_mapping(AUTO_MAPPINGS[t])]
+    if tasks:
+        raise ConfigError(f"model_type {quote(mt)}: the config names no architectures and transformers has no causal "
+                          f"LM class for it; --task {tasks[0]} (or the config's architectures) says which head trains")
 
 
 #: transformers' seq2seq LM mapping (model_type -> class); its speech and audio members take features, not ids

@@ -67,6 +67,9 @@ FILES = {
     "ds_auto_unknown": ("ds_auto_unknown.json", '{"zero_optimization": {"stage": 3, "sub_group_size": "auto"}}'),
     "m_100_3": ("m_100_3/config.json", _config(hidden_size=100, num_attention_heads=3)),
     "m_neg": ("m_neg/config.json", _config(num_hidden_layers=-1)),
+    # a LlavaConfig saved without the class it trains as (no architectures): not a causal LM
+    "m_llava": ("m_llava/config.json", '{"model_type": "llava", "vision_config": {"model_type": "clip_vision_model"}, '
+                '"text_config": {"model_type": "llama"}}'),
     "m_zero": ("m_zero/config.json", _config(hidden_size=0)),
     "m_float": ("m_float/config.json", _config(hidden_size=64.5)),
     "m_vocab_str": ("m_vocab_str/config.json", _config(vocab_size="100")),
@@ -123,6 +126,7 @@ FILES = {
 
 #: (arguments with {dir} for the files' directory, what the one line must name)
 CASES = [
+    ("estimate {dir}/m_llava", "--task image-text-to-text"),
     # ZeRO++ qwZ: a partition DeepSpeed's quantizer asserts on (43,690,667 elements: the embedding over 3 ranks)
     ("estimate llama-7b --gpus 3 --gpus-per-node 3 --stage 3 --zero-quantized-weights", "cannot be quantized"),
     # --compile (memplan/activations/tracing/compiled.py): what it does not model

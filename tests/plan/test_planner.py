@@ -135,32 +135,29 @@ def test_plan_weighs_one_gpu_without_ddp_at_one_gpu_only():
 
 @pytest.mark.parametrize("gpus", [32, 16, 8])  # never reaches the card, fits only after flushes, out of memory
 def test_a_search_at_the_card_replays_once_and_answers_as_two_replays_do(gpus, monkeypatch):
-    # reserved._at_card: a search whose budget is the card asks the replay stopped at the allocator's limit and then
-    # the verdict's replay under the card; one replay under the card answers both, with the figures of the two
-    from memplan import reserved
+    # a search whose budget is the card asks the replay stopped at the allocator's limit, then the verdict's replay
+    # under the card; one replay under the card answers both (memplan/reserved.py), with the figures of the two
+    # (replays are kept per inventory object: each road gets its own)
+    from memplan import frameworks, reserved
+    from memplan.frameworks import zero3_replay
 
     src = sources.resolve("llama-70b")
-    inv = sources.build_inventory(src)
-    s = options.resolve(inv, JobRequest.of(gpus=gpus, strategy="zero3", recompute="full", gpu="h100-80g"),
-                        config=src.config).settings
+    s = options.resolve(sources.build_inventory(src), JobRequest.of(gpus=gpus, strategy="zero3", recompute="full",
+                                                                    gpu="h100-80g"), config=src.config).settings
     budget = s.cluster.gpu_memory_bytes
-
-    def answer() -> tuple:
-        for cache in (reserved._CACHE, reserved._PARTIAL, reserved._CAPPED):
-            cache.clear()
-        (peak, req), = A.required_bytes(inv, s, (1,), budget=budget)
-        p = A.estimate(inv, s, budget - A._fixed(inv, s).comms * s.overheads.nccl_bytes_per_communicator
-                       - s.overheads.cuda_context_bytes)
-        return peak, req, p.reserved, p.capped, p.required_bytes
-
+    detail = A.estimate(sources.build_inventory(src), s).overhead_detail
+    limit = budget - detail["cuda_context_bytes"] - detail["nccl_bytes"]  # the allocator's share of the card
     replays = []
-    made = reserved._replayer(s).replay
-    monkeypatch.setattr(reserved._replayer(s), "replay", lambda *a: replays.append(1) or made(*a))
-    one = answer()
-    assert len(replays) == 1
-    monkeypatch.setattr(reserved, "_at_card", lambda *a: None)
-    two = answer()
-    assert one == two
-    res, cap = one[2], one[3]
-    assert (res.complete, cap.fits, cap.flushes > 0) == {32: (True, True, False), 16: (False, True, True),
-                                                         8: (False, False, True)}[gpus]
+    made = zero3_replay.replay
+    monkeypatch.setattr(zero3_replay, "replay", lambda *a: replays.append(1) or made(*a))
+    one = sources.build_inventory(src)
+    (peak, req), = A.required_bytes(one, s, (1,), budget=budget)
+    p = A.estimate(one, s, limit)
+    assert len(replays) == 1 and (peak, req) == (p.peak_bytes, p.required_bytes)
+    two = frameworks.with_unreached(sources.build_inventory(src), s)
+    stopped = reserved.predict(two, s, limit=limit)  # stopped at the limit, then the replay under the card
+    assert len(replays) == 2
+    assert (stopped, reserved.capped(two, s, limit, None, stopped)) == (p.reserved, p.capped)
+    assert (p.reserved.complete, p.capped.fits, p.capped.flushes > 0) == {32: (True, True, False),
+                                                                         16: (False, True, True),
+                                                                         8: (False, False, True)}[gpus]

@@ -23,6 +23,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "cli"))
+sys.path.insert(0, str(ROOT / "tests"))  # tests/clirun.py, which test_bad_inputs imports
 
 import hostile  # noqa: E402
 import test_bad_inputs as bad  # noqa: E402

@@ -67,6 +67,9 @@ MIXTRAL4 = ("mixtral-8x7b", dict(layers=4, hidden=256, vocab=2048))
 LLAMA_CP = ("llama-7b", dict(layers=2, hidden=256, vocab=512))  # a small vocabulary: attention, not the loss
 QWEN2_MOE = ("bench/configs/qwen2-moe-tiny/config.json", dict(layers=2))  # 8 experts top-2 and a shared expert
 QWEN3_MOE = ("bench/configs/qwen3-moe-tiny/config.json", dict(layers=2))  # 16 experts, top-4, normalised
+MIXTRAL6 = ("mixtral-8x7b", dict(layers=6, hidden=256, vocab=2048))  # two stages per rank over pp 2
+QWEN2_MOE4 = ("bench/configs/qwen2-moe-tiny/config.json", dict(layers=4))
+QWEN3_MOE4 = ("bench/configs/qwen3-moe-tiny/config.json", dict(layers=4))
 #: transformers' own defaults for these MoE families, scaled to hidden 256, 2 blocks, 8 experts top-2
 OTHER_MOE = [(f"bench/configs/{n}-tiny/config.json", dict(layers=2)) for n in ("olmoe", "phimoe", "granitemoe",
                                                                                "glm4-moe")]
@@ -418,6 +421,22 @@ CASES = [
     ("fsdp-full ep 2", QWEN2_MOE, dict(strategy="fsdp-full", parallel=Parallel(ep=2)), {}, {}, "none"),
     ("fsdp-full ep 2", QWEN3_MOE, dict(strategy="fsdp-full", parallel=Parallel(ep=2)), {}, {}, "none"),
     *[("fsdp-full ep 2", m, dict(strategy="fsdp-full", parallel=Parallel(ep=2)), {}, {}, "none") for m in OTHER_MOE],
+    # session 47: EP x PP as torchtitan runs it (each stage's experts over ep of its dp x tp ranks, FSDP2 over
+    # efsdp, the experts units kept unsharded after forward as the blocks are under pipelining)
+    ("fsdp-full ep 2 x pp 2 1f1b, 4 micro-batches", MIXTRAL4,
+     dict(strategy="fsdp-full", gpus=4, grad_accum=4, parallel=Parallel(ep=2, pp=2)), {}, {}, "none"),
+    ("fsdp-full ep 2 x pp 2 gpipe, 4 micro-batches", MIXTRAL4,
+     dict(strategy="fsdp-full", gpus=4, grad_accum=4, parallel=Parallel(ep=2, pp=2, schedule="gpipe")), {}, {},
+     "none"),
+    ("fsdp-full ep 2 x efsdp 2 x pp 2 1f1b, 8 ranks", MIXTRAL4,
+     dict(strategy="fsdp-full", gpus=8, grad_accum=4, parallel=Parallel(ep=2, pp=2)), {}, {}, "none"),
+    ("fsdp-full ep 2 x pp 2 interleaved, 4 micro-batches", MIXTRAL6,
+     dict(strategy="fsdp-full", gpus=4, grad_accum=4, parallel=Parallel(ep=2, pp=2, schedule="interleaved")), {},
+     {}, "none"),
+    ("fsdp-full ep 2 x pp 2 1f1b, 4 micro-batches", QWEN2_MOE4,
+     dict(strategy="fsdp-full", gpus=4, grad_accum=4, parallel=Parallel(ep=2, pp=2)), {}, {}, "none"),
+    ("fsdp-full tp 2 x ep 2 x pp 2 1f1b, 4 micro-batches", QWEN3_MOE4,
+     dict(strategy="fsdp-full", gpus=4, grad_accum=4, parallel=Parallel(tp=2, ep=2, pp=2)), {}, {}, "none"),
     # EP with TP on the attention (and the shared expert): ep a multiple of tp, experts over efsdp = dp x tp / ep
     ("fsdp-full tp 2 x ep 2", QWEN3_MOE, dict(strategy="fsdp-full", parallel=Parallel(tp=2, ep=2)), {}, {}, "none"),
     ("fsdp-full tp 2 x ep 2, 4 ranks", QWEN3_MOE, dict(strategy="fsdp-full", gpus=4, parallel=Parallel(tp=2, ep=2)),

@@ -43,9 +43,19 @@ def why_not(s: Any, inv: Any = None) -> str | None:
         return "device cpu (no caching allocator)"
     prof = _replayed_profile(s)
     if inv is not None and any(t.shard_split > 1 for t in inv.tensors):
-        ev = (getattr(prof, "data", None) or {}).get("alloc_events") or {}
-        if "xfs" not in ev:  # the experts units act where the traced step marks their module (replay.py)
-            return "expert parallelism: the traced step does not mark where the experts modules run"
+        # the experts units act where the traced step marks their module (replay.py): a pipeline rank's every
+        # stage's step
+        if getattr(prof, "actions", None):
+            from memplan.frameworks.pipeline_replay import stage_tensors
+
+            steps = [x.profile for x, ts in zip(prof.stages, stage_tensors(inv, prof.stages))
+                     if any(t.shard_split > 1 for t in ts)]
+        else:
+            steps = [prof]
+        for step in steps:
+            ev = (getattr(step, "data", None) or {}).get("alloc_events") or {}
+            if "xfs" not in ev:
+                return "expert parallelism: the traced step does not mark where the experts modules run"
     if s.rank.pipeline_stage:
         from memplan.frameworks import pipeline_replay
 

@@ -137,7 +137,16 @@ def buffers(job: Job, grads: Grads) -> BufferTimeline:
     g, raf = gathers(job), reshard_after_forward(job)
     u = _units(job)
     if g.expert_world:
-        return _nested_experts(job, grads, u, raf)
+        if not job.s.rank.pipeline_stage:
+            return _nested_experts(job, grads, u, raf)
+        # a pipeline rank: torchtitan's apply_fsdp gives the experts units their block's reshard_after_forward,
+        # False under pipelining ("reshard_after_forward = not pp_enabled"), so every unit, the experts' among
+        # them, stays unsharded from its first forward to REDUCE_GRAD, as the blocks do in _kept (the last
+        # block's forward copy-out then counts its experts' all-gather output with the block's: an upper bound)
+        if raf is not False or u.be:
+            raise SettingsError("--ep with --pp: modelled with the blocks and experts kept unsharded after forward "
+                                "(torchtitan's default under pipelining, reshard_after_forward False) and "
+                                "--fsdp-wrap block")
     h = _kept(u) if raf is False else _resharded(u, raf, g.block_numels)
     end, inside_first = _end(u, job, grads.end)
     moments = [LOSS, *_forward_moments(u, h, raf), *_backward_moments(u, h, raf, job.n), inside_first,
@@ -176,9 +185,9 @@ def _nested_experts(job: Job, grads: Grads, u: _Units, raf: bool | int) -> Buffe
     last, the one before it, the second, the first: profile.block_moments adds that block's activations and
     gradients at their worst, an upper bound for each of its moments). Measured: harness, mixtral 2 blocks, ep 2
     (docs/accuracy.md)."""
-    if raf is not True or u.be or job.s.rank.pipeline_stage:
-        raise SettingsError("--ep: modelled with the blocks resharded after forward (fsdp-full's default), "
-                            "--fsdp-wrap block and no pipeline stages")
+    if raf is not True or u.be:
+        raise SettingsError("--ep: modelled with the blocks resharded after forward (fsdp-full's default) and "
+                            "--fsdp-wrap block")
     g, n, cb, gb, rb = job.gathers, job.n, u.cb, u.gb, u.rb
     e = g.expert_world
     flat, flatx = n > 1, e > 1

@@ -426,15 +426,19 @@ class _MicroStep:
         all-gathering anew. Non-reentrant checkpointing recomputes a block when its backward first unpacks a saved
         tensor, which can come after the experts' pre-backward (their state PRE_BACKWARD then: _pre_forward only
         makes sure they are unsharded, _post_forward leaves them), and stops once the saved tensors are back (a
-        module it stops inside never runs its _post_forward: no "XRE")."""
+        module it stops inside never runs its _post_forward: no "XRE"). With reshard_after_forward False (the
+        block's, as torchtitan's apply_fsdp gives the experts under pipelining) the unit stays unsharded from its
+        first forward on."""
         x = XOFF + blk
         if x not in self.units:
             return
         if kind == "XF":
-            self.unshard(x, hold=True)
+            if x not in self.unsharded:  # kept from an earlier micro-batch (reshard_after_forward False)
+                self.unshard(x, hold=True)
         elif kind == "XFE" or (kind == "XRE" and self.in_experts != blk):
-            for k in self.unsharded.pop(x, []):
-                self.run.free(k)
+            if self.reshard_after_forward:  # False (torchtitan under pipelining): kept to the reduce
+                for k in self.unsharded.pop(x, []):
+                    self.run.free(k)
         elif kind == "XR":
             if x not in self.unsharded:
                 self.unshard(x, hold=False)

@@ -60,8 +60,10 @@ from memplan.parallel import schedules
 Event = tuple[Any, ...]
 from memplan.allocator import Allocator, AllocatorConfig
 from memplan.frameworks.fsdp2_replay import (
+    EXPERT_KINDS,
     ROOT,
     RS_STREAM,
+    XOFF,
     FsdpGroup,
     _MicroStep,
     fsdp_group,
@@ -107,7 +109,7 @@ def _stages_traced(prof: Any) -> str | None:
     return None
 
 
-def _stage_tensors(inv: Any, stages: tuple[Any, ...]) -> list[list[Any]]:
+def stage_tensors(inv: Any, stages: tuple[Any, ...]) -> list[list[Any]]:
     """Each local stage's tensors, module order: its blocks (the rank's blocks in order, the stages' in turn), the
     embedding with the stage that is the model's first, the final norm and head (a tied head's weight too) with the
     last."""
@@ -137,13 +139,18 @@ class _Stage(_MicroStep):
     and kept, each micro-batch's gradients accumulated unsharded, reduced once at REDUCE_GRAD."""
 
     def __init__(self, run: Run, job: ReplayJob, blocks: tuple[FsdpGroup, ...], root: FsdpGroup, world: int,
-                 reduce_bytes: int, grad_bytes: int, sharded_grads: list[Any], reshard_after_forward: bool) -> None:
+                 reduce_bytes: int, grad_bytes: int, sharded_grads: list[Any], reshard_after_forward: bool,
+                 experts: dict[int, FsdpGroup], experts_world: int) -> None:
         super().__init__(run, job, blocks, root, world, reshard_after_forward, sharded_grads, first=False,
                          keep=True)
+        for i, g in experts.items():  # expert parallelism: each block's experts module, a unit of its own
+            self.units[XOFF + i] = g
+            self.worlds[XOFF + i] = experts_world
         self.reduce_bytes, self.grad_bytes = reduce_bytes, grad_bytes
         self.acc: dict[int, list[Any]] = {}  #: each unit's unsharded accumulators, in its gradients' order
         self.sizes: dict[Any, int] = {}
         self.started = False  #: the step's first forward has run (the root unsharded)
+        self.cpu_cast = False  #: the CPU harness's device (its promoting temporaries; see post_backward)
 
     def begin_forward(self) -> None:
         self.kind, self.forward, self.returned, self.bwd = "", None, False, None
@@ -183,7 +190,9 @@ class _Stage(_MicroStep):
         for k in self.held:
             run.free(k)
         self.held.clear()
-        grads = self.grads_of.pop(i, [])
+        # both loops go over FSDPParamGroup.fsdp_params, in module order; autograd made the unit's gradients in
+        # about the reverse of it (the last module's first)
+        grads = self.grads_of.pop(i, [])[::-1]
         acc = self.acc.get(i)
         if acc is None:
             keep = []
@@ -196,6 +205,11 @@ class _Stage(_MicroStep):
             self.acc[i] = keep
         else:
             for k in grads:
+                if self.cpu_cast and self.reduce_bytes != self.grad_bytes:
+                    # accumulate_unsharded_grad_if_needed's ``acc += grad`` across dtypes: on the CPU,
+                    # TensorIterator's compute_types promotes the input through a temporary of the common dtype
+                    # (CUDA's kernels cast as they load: none there); one gradient's, made and freed before it goes
+                    run.free(run.alloc(self.sizes[k] // self.grad_bytes * self.reduce_bytes))
                 run.free(k)
 
     def end_backward(self) -> None:
@@ -205,9 +219,10 @@ class _Stage(_MicroStep):
         self.post_backward(ROOT)
 
     def reduce(self) -> None:
-        """REDUCE_GRAD: every group's post_backward with the sync on, the root's first."""
+        """REDUCE_GRAD: every group's post_backward with the sync on, in _state_ctx.all_states order (the part's
+        named_modules: the root, then each block followed by its experts module)."""
         run = self.run
-        for i in [ROOT, *range(len(self.blocks))]:
+        for i in [ROOT, *(u for b in range(len(self.blocks)) for u in (b, XOFF + b) if u in self.units)]:
             g = self.units[i]
             for k in self.unsharded.pop(i, []):  # reshard
                 run.free(k)
@@ -329,7 +344,7 @@ def _parts(inv: Any, s: Any) -> list[_Part]:
 
     prof = s.activation_profile
     out = []
-    for part, ts in zip(prof.stages, _stage_tensors(inv, prof.stages)):
+    for part, ts in zip(prof.stages, stage_tensors(inv, prof.stages)):
         job = replay_job(inv, replace(s, activation_profile=part.profile, grad_accum=1), [])
         fwd, bwd = _split(job.step)
         bwd = _own_root_grads(bwd, part, ts)
@@ -360,7 +375,7 @@ def _without_births(events: list[Event], region: str) -> list[Event]:
     out: list[Event] = []
     at = ""
     for e in events:
-        if e[0] == "m" and e[1] != "ws":
+        if e[0] == "m" and e[1] != "ws" and e[1] not in EXPERT_KINDS:
             at = e[1]
         if not (e[0] == "a" and at == region):
             out.append(e)
@@ -382,7 +397,7 @@ def _weight_casts(fwd: list[Event], s: Any, part: Any, ts: list[Any]) -> set[Any
     out: set[Any] = set()
     region = ""
     for e in fwd:
-        if e[0] == "m" and e[1] != "ws":
+        if e[0] == "m" and e[1] != "ws" and e[1] not in EXPERT_KINDS:  # an experts module's marks: inside a block
             region = e[1]
         elif e[0] == "a" and region in ("F", "mid") and e[3] is None and e[5] is None and not e[2][1]:
             if left[e[2][0]] > 0:
@@ -394,6 +409,7 @@ def _weight_casts(fwd: list[Event], s: Any, part: Any, ts: list[Any]) -> set[Any
 def _replay_fsdp2(inv: Any, s: Any, config: AllocatorConfig) -> Allocator:
     from memplan.frameworks.common import Job
     from memplan.frameworks.fsdp2 import MODEL, reshard_after_forward, unshard_bytes
+    from memplan.layouts import tensor_group
     from memplan.model.inventory import ROOT_BLOCK
     from memplan.replay import replay_job
     from memplan.settings import shard_group_size
@@ -408,32 +424,48 @@ def _replay_fsdp2(inv: Any, s: Any, config: AllocatorConfig) -> Allocator:
     def group(ts: list[Any]) -> FsdpGroup:
         return fsdp_group(ts, position, n, r, cb)
 
-    groups = []  # per local stage: its block groups, its root group
+    # per local stage: its block groups, its root group, its blocks' experts groups (expert parallelism: each
+    # MoE block's routed experts fully_shard-ed over the expert-FSDP ranks before the block, with the block's
+    # reshard_after_forward: torchtitan's apply_fsdp; fsdp2_replay.replay's units)
+    groups: list[tuple[tuple[FsdpGroup, ...], FsdpGroup, dict[int, FsdpGroup]]] = []
     numels: list[tuple[int, int]] = []
-    for ts in _stage_tensors(inv, prof.stages):
+    ew = 0
+    for ts in stage_tensors(inv, prof.stages):
         blocks: dict[str, list[Any]] = {}
         root: list[Any] = []
         for t in ts:
             (root if t.block == ROOT_BLOCK else blocks.setdefault(t.block, [])).append(t)
+        experts: dict[int, FsdpGroup] = {}
+        for i, b in enumerate(list(blocks.values())):
+            xs = [t for t in b if t.shard_split > 1]
+            if xs:
+                ew = tensor_group(xs[0], n)  # the expert-FSDP group (layouts: the engine's own)
+                experts[i] = g = fsdp_group(xs, position, ew, r, cb)
+                numels.extend((k, p // ew) for k, p in zip(g.params, g.padded))
+                b[:] = [t for t in b if t.shard_split == 1]
         block_groups = tuple(group(b) for b in blocks.values())
         root_group = group(root)
         for g in (*block_groups, root_group):
             numels.extend((i, p // n) for i, p in zip(g.params, g.padded))
-        groups.append((block_groups, root_group))
+        groups.append((block_groups, root_group, experts))
     numels.sort()
     opt_job = replay_job(inv, replace(s, activation_profile=prof.stages[0].profile, grad_accum=1), [k for _, k in numels])
     parts = _parts(inv, s)
 
     run = Run(config or AllocatorConfig(), opt_job.buffers)
-    for bg, rg in groups:  # to_empty: the shards in module order
-        for i in sorted(i for g in (*bg, rg) for i in g.params):
-            for g in (*bg, rg):
+    for bg, rg, xg in groups:  # to_empty: the shards in module order
+        units = (*bg, rg, *xg.values())
+        for i in sorted(i for g in units for i in g.params):
+            for g in units:
                 if i in g.params:
                     run.alloc(g.shard[g.params.index(i)])
 
     def stages(grads: list[Any]) -> list[Any]:
-        return [_Stage(run, x.job, bg, rg, n, r.reduced_grad_bytes, r.grad_bytes, grads, raf)
-                for x, (bg, rg) in zip(parts, groups)]
+        out = [_Stage(run, x.job, bg, rg, n, r.reduced_grad_bytes, r.grad_bytes, grads, raf, xg, ew)
+               for x, (bg, rg, xg) in zip(parts, groups)]
+        for st in out:
+            st.cpu_cast = s.cluster.device == "cpu"
+        return out
     _walk(run, s, parts, opt_job, stages)
     return run.a
 
@@ -549,7 +581,7 @@ def _replay_ddp(inv: Any, s: Any, config: AllocatorConfig, release: str) -> Allo
     rc = s.recipe
     limits = bucket_limits(s.torch.bucket_cap_mb, s.torch.bucket_cap_default)
     ddp = []
-    for ts in _stage_tensors(inv, prof.stages):  # DDP(part) per stage: its states broadcast, its Reducer
+    for ts in stage_tensors(inv, prof.stages):  # DDP(part) per stage: its states broadcast, its Reducer
         _broadcast_coalesced(run, [t.numel * rc.param_bytes for t in ts], DDP_BROADCAST_BUCKET)
         ddp.append(_DdpStage(run, [t.numel * rc.grad_bytes for t in ts if t.trainable or t.unused], limits,
                              s.torch.gradient_as_bucket_view, release, bool(inv.unused_params)))

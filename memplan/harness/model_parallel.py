@@ -168,7 +168,10 @@ def setup(spec: dict[str, Any], device: Any, build: Any, optimizer: Any, materia
             # apply_fsdp with ep: transformer_block.moe.experts on dp_mod_ep), resharded after forward
             for m in experts:
                 if any(m is x for x in part.modules()):
-                    fully_shard(m, mesh=emesh["efsdp"], mp_policy=mp, reshard_after_forward=True)
+                    # under pipelining torchtitan gives the experts their block's reshard_after_forward (False
+                    # by default: llama4/infra/parallelize.py apply_fsdp, "reshard_after_forward = not pp_enabled")
+                    fully_shard(m, mesh=emesh["efsdp"], mp_policy=mp,
+                                reshard_after_forward=spec["reshard_after_forward"] if pp > 1 else True)
             for blk in blocks:
                 fully_shard(blk, mesh=mesh["dp"], mp_policy=mp, reshard_after_forward=spec["reshard_after_forward"])
             fully_shard(part, mesh=mesh["dp"], mp_policy=mp)

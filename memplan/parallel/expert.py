@@ -28,9 +28,6 @@ def _check_ep(p: Parallel, inv: ParamInventory, strategy: Any, dp: int, layout: 
                             "fsdp-full, as torchtitan and transformers' DistributedConfig(ep_size) run it; "
                             "DeepSpeed's needs its own MoE layer (deepspeed.moe), which transformers' models do not "
                             "use")
-    if p.pp > 1:
-        raise SettingsError(f"--ep {p.ep} with --pp {p.pp}: expert parallelism is modelled without pipeline "
-                            "parallelism for now")
     if p.ep % p.tp:
         raise SettingsError(f"--ep {p.ep} with --tp {p.tp}: ep must be a multiple of tp (transformers' "
                             "DistributedConfig: each EP group holds whole TP groups, which share their batch)")

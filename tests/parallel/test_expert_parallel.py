@@ -124,7 +124,6 @@ def test_model_states_equal_the_data_parallel_ones(tmp_path):
     (dict(gpus=2, p=par.Parallel(ep=4)), "does not divide the data-parallel ranks dp x tp = 2"),
     (dict(gpus=4, p=par.Parallel(ep=2), stage=3, strategy=None), "--ep with --strategy zero3"),
     (dict(gpus=4, p=par.Parallel(ep=2), strategy="ddp"), "--ep with --strategy ddp"),
-    (dict(gpus=4, p=par.Parallel(ep=2, pp=2)), "--ep 2 with --pp 2"),
     (dict(gpus=4, p=par.Parallel(ep=0)), "--ep must be at least 1"),
 ])
 def test_bad_expert_layouts(tmp_path, kw, msg):
@@ -213,3 +212,25 @@ def test_the_traced_step_marks_each_experts_module(recompute):
             assert ev["xre"][i] == -1 or ev["xrs"][i] < ev["xre"][i] <= ev["be"][i]
         else:
             assert ev["xrs"][i] == ev["xre"][i] == -1
+
+
+def test_expert_parallel_under_pipelining(tmp_path):
+    """EP x PP as torchtitan lays it out: each pipeline rank holds its own blocks' experts, E / ep of them, FSDP2-
+    sharded over efsdp = dp x tp / ep of the stage's ranks (ParamTensor.shard_split); the experts units keep their
+    block's reshard_after_forward, False under pipelining (llama4/infra/parallelize.py apply_fsdp); asked to
+    reshard after forward, the job is refused with the reason."""
+    inv = _inv(tmp_path, num_hidden_layers=4)
+    s = _settings(inv, par.Parallel(ep=2, pp=2), gpus=8, grad_accum=4)
+    lay = accounting.layout(inv, s)
+    assert len(lay.ranks) == 2
+    for share, r_inv, _ in lay.ranks:
+        experts = [t for t in r_inv.tensors if t.category == "experts"]
+        assert {t.shape[0] for t in experts} == {4} and {t.shard_split for t in experts} == {2}
+        names = {b.name for b in r_inv.layer_blocks}
+        assert {t.block for t in experts} <= names and len({t.block for t in experts}) == len(share.blocks)
+    plan = accounting.estimate(inv, s)
+    assert plan.layout is not None and plan.layout.report()["efsdp"] == 2
+    assert all(isinstance(v, int) and v > 0 for v in (plan.peak_bytes, plan.required_bytes))
+    with pytest.raises(SettingsError, match=re.escape("--ep with --pp: modelled with the blocks and experts kept")):
+        accounting.estimate(inv, _settings(inv, par.Parallel(ep=2, pp=2), gpus=8, grad_accum=4,
+                                           reshard_after_forward=True))

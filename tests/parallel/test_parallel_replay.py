@@ -164,10 +164,12 @@ def test_expert_parallel_ranks_are_replayed() -> None:
 
     src = resolve("mixtral-8x7b")
     inv = build_inventory(src)
-    for gpus, ep, rc in ((16, 8, "none"), (16, 2, "full"), (64, 8, "none")):
+    for gpus, ep, pp, rc in ((16, 8, 1, "none"), (16, 2, 1, "full"), (64, 8, 1, "none"), (32, 8, 2, "full")):
+        # with pp 2: each pipeline rank's action list, its stages' experts units kept unsharded to REDUCE_GRAD
         s = options.resolve(inv, JobRequest.of(gpus=gpus, gpus_per_node=8, gpu="h100-80g", device="cuda",
                                                strategy="fsdp-full", micro_batch=1, seq_len=2048, recompute=rc,
-                                               parallel=Parallel(ep=ep)), config=src.config).settings
+                                               grad_accum=4 if pp > 1 else 1, parallel=Parallel(ep=ep, pp=pp)),
+                            config=src.config).settings
         plan = accounting.estimate(inv, s)
         r = plan.reserved
         assert r is not None and plan.reserved_why is None, plan.reserved_why

@@ -128,8 +128,10 @@ def _heterogeneous(config: dict[str, Any], layers: int, recompute: str = "none")
     varied = varied or bool(layer_index_keys(config)) or bool(varied_index_keys(config, layers)) or (
         config.get("moe_layers") is None and isinstance(config.get("interleave_moe_layer_step"), int)
         and config["interleave_moe_layer_step"] > 1)
-    return layers < 2 or bool(config.get("factory")) or lora_layers or _two_stacks(config) or varied or \
-        any(config.get(k) for k in _HETEROGENEOUS_KEYS)
+    # decoder_sparse_step 1: every block sparse ((layer_idx + 1) % 1 == 0 in Qwen2-MoE, Qwen3-MoE, Qwen3-VL-MoE
+    # and their kin; Switch's ``sparse_step == 1``), the blocks alike unless mlp_only_layers names some
+    keys = [k for k in _HETEROGENEOUS_KEYS if config.get(k) and not (k == "decoder_sparse_step" and config[k] == 1)]
+    return layers < 2 or bool(config.get("factory")) or lora_layers or _two_stacks(config) or varied or bool(keys)
 
 
 def traced_steps(config: dict[str, Any], recompute: str = "none") -> int:

@@ -165,8 +165,8 @@ def _layout_candidates(inv: ParamInventory, config: dict | None, strategies: tup
     # context parallelism for long sequences (LAYOUT_CP_FROM tokens on): within a node with the TP ranks, each CP
     # rank at least 4,096 tokens, torchtitan's layouts only (its ring attention)
     cps = [1] + [c for c in (2, 4, 8) if seq >= LAYOUT_CP_FROM and seq % (2 * c) == 0 and seq // c >= 4096]
-    # expert parallelism for MoE models, FSDP2 without pipelining: ep dividing the routed experts, within a node
-    # (its all-to-alls), a multiple of tp
+    # expert parallelism for MoE models under FSDP2, with or without pipeline stages: ep dividing the routed
+    # experts, within a node (its all-to-alls), a multiple of tp
     from memplan.parallel import routed_experts
 
     experts = routed_experts(inv)
@@ -177,14 +177,18 @@ def _layout_candidates(inv: ParamInventory, config: dict | None, strategies: tup
             for ep in eps:
                 if ep % tp:
                     continue
-                for rec in recomputes:
-                    try:
-                        r = options.resolve(inv, base.changed(gpus=ep, strategy=name, recompute=rec, tp=tp, ep=ep),
-                                            config=config)
-                    except SettingsError:
-                        continue
-                    out.append(Candidate(label=f"{name} tp{tp} ep{ep}", strategy=name, recompute=rec,
-                                         settings=r.settings, offload=False, tp=tp, ep=ep))
+                for pp in (1, *(q for q in pps if q > 1)):
+                    for rec in recomputes:
+                        job = base.changed(gpus=ep * pp, strategy=name, recompute=rec, tp=tp, ep=ep, pp=pp)
+                        if pp > 1:
+                            job = job.changed(grad_accum=base.batch.grad_accum or pp)
+                        try:
+                            r = options.resolve(inv, job, config=config)
+                        except SettingsError:
+                            continue
+                        out.append(Candidate(label=f"{name} tp{tp}" + (f" pp{pp}" if pp > 1 else "") + f" ep{ep}",
+                                             strategy=name, recompute=rec, settings=r.settings, offload=False,
+                                             tp=tp, pp=pp, ep=ep))
     for name in (n for n in strategies if n in LAYOUT_STRATEGIES):
         for tp in tps:
             for pp in pps:
@@ -239,6 +243,18 @@ def _candidates(inv: ParamInventory, config: dict | None, base: JobRequest, spac
     for label, exc in refused.items():
         notes.append(f"plan: {label} not considered: {exc}")
     return out
+
+
+def _fits_state(inv: ParamInventory, s: Settings, gpus: int, mb: int, budget: int) -> bool | None:
+    """_fits_at, with None where the job refuses ``gpus`` (SettingsError)."""
+    try:
+        s2 = with_gpus(s, gpus)
+        (_, req), = accounting.required_bytes(inv, s2, (mb,), lower_bound=True)
+        if req <= budget and accounting.host_fits(inv, s2) is False:  # --host-memory: offload must fit too
+            return False
+    except SettingsError:  # e.g. an expert's dim 1 that efsdp does not divide, an HSDP shard size
+        return None
+    return req <= budget
 
 
 def _fits_at(inv: ParamInventory, s: Settings, gpus: int, mb: int, budget: int,
@@ -314,35 +330,60 @@ def _check_bounds(gpus_per_node: int, max_gpus: int, micro_batch: int | None, ma
 def _fewest_gpus(inv: ParamInventory, c: Candidate, counts: GpuCounts, gpus_per_node: int, mb: int,
                  budget: int) -> tuple[int | None, int]:
     """(the fewest GPUs the candidate fits at micro-batch ``mb`` by the bound from below, evaluations): bisection
-    over the counts (memory never grows with GPUs), then a look below (padding can make it non-monotone)."""
+    over the counts (memory never grows with GPUs), the counts the job refuses skipped, then a look below (padding
+    can make it non-monotone)."""
     from math import gcd
 
     # HSDP within one node is FSDP full shard
     st = c.settings.strategy
     multiple = c.tp * c.pp * c.cp  # whole data-parallel groups of the layout
-    if c.ep > 1:  # ep divides dp x tp
-        multiple = multiple * c.ep // gcd(multiple, c.ep)
+    if c.ep > 1:  # ep divides each stage's dp x tp ranks
+        per_stage = c.tp * c.cp
+        multiple = c.pp * (per_stage * c.ep // gcd(per_stage, c.ep))
     if st.one_gpu:
         usable: Any = [1]
     else:
         usable = GpuCounts(gpus_per_node, counts.max_gpus, multiple,
                            above_node=st.shard_within_node)
     evaluations = 0
+    state: dict[int, bool | None] = {}
+
+    def accepted(i: int) -> bool | None:
+        """Whether the candidate fits at usable[i]; None where the job refuses that count (an expert's dim 1 that
+        efsdp does not divide, an HSDP shard size, ...)."""
+        nonlocal evaluations
+        if i not in state:
+            evaluations += 1
+            state[i] = _fits_state(inv, c.settings, usable[i], mb, budget)
+        return state[i]
+
+    def probe(i: int) -> tuple[int, bool]:
+        """(the first count from index i the job accepts, whether it fits there): monotone in i where the fits
+        of the accepted counts are, whatever counts between them are refused."""
+        while i < len(usable):
+            fits = accepted(i)
+            if fits is not None:
+                return i, fits
+            i += 1
+        return i, False
+
     lo, hi = 0, len(usable)
     while lo < hi:
         mid = (lo + hi) // 2
-        evaluations += 1
-        if _fits_at(inv, c.settings, usable[mid], mb, budget):
+        if probe(mid)[1]:
             hi = mid
         else:
             lo = mid + 1
-    found = usable[lo] if lo < len(usable) else None
-    while found is not None and lo > 0:
-        evaluations += 1
-        if not _fits_at(inv, c.settings, usable[lo - 1], mb, budget):
+    lo, ok = probe(lo)
+    found = usable[lo] if ok else None
+    k = lo - 1
+    while found is not None and k >= 0:
+        fits = accepted(k)
+        if fits is False:
             break
-        lo -= 1
-        found = usable[lo]
+        if fits:
+            lo, found = k, usable[k]
+        k -= 1
     return found, evaluations
 
 
@@ -443,7 +484,7 @@ def search(inv: ParamInventory, base: JobRequest, space: SearchSpace = SearchSpa
         notes.append(f"--min-headroom {space.min_headroom}: every candidate leaves {margin:,} B free")
     if space.layouts:
         notes.append("layouts: tensor parallelism within a node, pipeline stages across nodes (context parallelism "
-                     f"within a node too from --seq-len {LAYOUT_CP_FROM} on; expert parallelism for MoE models), with "
+                     f"within a node too from --seq-len {LAYOUT_CP_FROM} on; expert parallelism for MoE models, with or without stages), with "
                      + ", ".join(n for n in space.strategies if n in LAYOUT_STRATEGIES)
                      + "; under PP the micro-batches per step are --grad-accum, else as many as stages")
     found = _search(inv, capacity - margin, config, base, space, notes)

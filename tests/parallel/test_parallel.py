@@ -387,9 +387,17 @@ def test_plan_adds_expert_parallelism_for_moe(inventories):
                                                max_micro_batch=2, layouts=True))
     eps = {(c.tp, c.ep) for c in found.candidates if c.ep > 1}
     assert {(1, 2), (1, 8), (2, 2), (4, 8), (8, 8)} <= eps and all(ep % tp == 0 for tp, ep in eps)
-    assert all(c.min_gpus is None or c.min_gpus % c.ep == 0 for c in found.candidates)
-    ep = next(c for c in found.candidates if c.ep == 8 and c.tp == 1)
+    assert all(c.min_gpus is None or c.min_gpus % (c.ep * c.pp) == 0 for c in found.candidates)
+    ep = next(c for c in found.candidates if c.ep == 8 and c.tp == 1 and c.pp == 1)
     assert "--ep 8" in planner.command_line("mixtral-8x7b", replace(found, best=ep, gpus=ep.min_gpus or 8), [])
+    # the counts the job refuses (24 GPUs: efsdp 3 does not divide an expert's dim 1) are skipped, not taken for
+    # "does not fit": the bisection once went past every refused count to the largest
+    assert ep.min_gpus == 16
+    # with pipeline stages too (EP x PP): each stage's dp x tp ranks a multiple of ep
+    both = next(c for c in found.candidates if c.ep == 8 and c.pp == 2 and c.tp == 1)
+    assert both.min_gpus is not None and both.min_gpus % 16 == 0
+    line = planner.command_line("mixtral-8x7b", replace(found, best=both, gpus=both.min_gpus), [])
+    assert "--ep 8" in line and "--pp 2" in line
     dense = planner.search(inventories("llama-3-8b"), JobRequest.of(gpu_memory="80GiB", activations="analytic"),
                            SearchSpace(strategies=("fsdp-full",), recomputes=("full",), max_gpus=16,
                                                max_micro_batch=1, layouts=True))

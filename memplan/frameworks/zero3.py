@@ -505,7 +505,8 @@ def sub_groups(parts: list[int], size: int) -> list[int]:
 
 def pinned_host(inv: ParamInventory, s: Settings, n: int) -> list[int]:
     """ZeRO-Offload with pin_memory: per sub-group the fp32 partition and its fp32 gradient, and the flat gradient
-    buffer (offload_optimizer); each non-persistent parameter's partition (offload_param)."""
+    buffer (offload_optimizer); each non-persistent parameter's partition (offload_param), and its hpZ secondary
+    partition."""
     rc, parts = s.recipe, [ceil_div(t.numel, n) for t in inv.trainable_inventory.tensors]
     out: list[int] = []
     if s.ds.offload_optimizer and s.ds.offload_pin_memory:
@@ -514,6 +515,11 @@ def pinned_host(inv: ParamInventory, s: Settings, n: int) -> list[int]:
     if s.ds.offload_param and s.ds.offload_pin_memory:
         threshold = s.ds.param_persistence_threshold
         out += [rc.param_bytes * ceil_div(t.numel, n) for t in inv.tensors if t.numel > threshold]
+        hpz = s.ds.hpz_partition_size
+        if hpz > 1 and n > 1:
+            # ZeRO++ hpZ: each secondary partition pinned on the host too (_partition_param_sec: torch.empty on
+            # remote_device, then pin_memory)
+            out += [rc.param_bytes * ceil_div(t.numel, hpz) for t in inv.tensors if t.numel > threshold]
     return out
 
 

@@ -67,6 +67,7 @@ def replay_zero3(job: ReplayJob, world: int, partitions: tuple[int, ...], sub_gr
             _optimizer_step(run, job, trained, sub_groups, half, n == 0)
         if host_params is not None:
             host_params.regather_persistent(run)
+            host_params.invalidate_secondary(run)
         run.end_step()
         if n >= 1 and run.a.peak_reserved == before:
             break
@@ -233,7 +234,10 @@ class HostParams:
         self.params = [t.numel for t in inv.tensors]
         #: ZeRO++ hpZ (zero_hpz_partition_size > 1): each parameter's secondary partition over that many ranks,
         #: made when the parameter is first partitioned again after a forward gather (partition_parameters.py
-        #: _partition -> _partition_param_sec: ds_secondary_tensor) and kept; backward gathers from it
+        #: _partition -> _partition_param_sec: ds_secondary_tensor, on remote_device: the host under
+        #: offload_param, where it has no device bytes) and kept to the step's end (stage3.py _post_step:
+        #: invalidate_secondary_tensor); every later gather of it reads the secondary, over the hpZ group
+        #: (all_gather_coalesced: ``use_secondary_tensor``), its host copy brought to the device first
         self.hpz = ds.hpz_partition_size if world > 1 else 1
         self.secondary: dict[int, Any] = {}
         self.nf = nf
@@ -249,6 +253,14 @@ class HostParams:
             if key is not None:
                 run.free(key)
                 self.kept[p] = None
+
+    def invalidate_secondary(self, run: Run) -> None:
+        """stage3.py _post_step, after the persistent parameters' gather: invalidate_secondary_tensor drops every
+        secondary partition (made again by the next forward's releases)."""
+        for key in self.secondary.values():
+            if key is not None:
+                run.free(key)
+        self.secondary.clear()
 
     def regather_persistent(self, run: Run) -> None:
         """stage3.py _post_step: ``persistent_parameters[0].all_gather(persistent_parameters)`` after every step
@@ -324,8 +336,11 @@ class _Fetching:
         parts = [-(-hp.numel[p] // w) for p in ps]
         flat = run.alloc(sum(parts) * w * h, stream=FETCH_STREAM)
         # each partition copied to the device first where it lives on the host (``p.ds_tensor.to(device)`` is
-        # the partition itself on the device)
-        copies = [run.alloc(n * h, stream=FETCH_STREAM) for n in parts] if hp.on_host else []
+        # the partition itself on the device); with hpZ's secondary partitions (the group's first parameter has
+        # one: the gather runs over the hpZ group into a flat buffer of the same size), the secondary's copy
+        sec = hp.hpz > 1 and min(ps) in hp.secondary
+        sizes = [-(-hp.numel[p] // hp.hpz) for p in ps] if sec else parts
+        copies = [run.alloc(n * h, stream=FETCH_STREAM) for n in sizes] if hp.on_host else []
         for k in copies:
             run.free(k)
         if len(ps) == 1:
@@ -376,10 +391,10 @@ class _Fetching:
 
     def release(self, k: int) -> None:
         hp = self.hp
-        if hp.hpz > 1 and k < hp.nf:  # hpZ: a forward release makes each new secondary partition
+        if hp.hpz > 1:  # hpZ: a release makes each missing secondary partition (_partition -> _partition_param_sec)
             for p in dict.fromkeys(hp.trace[k]):
                 if p not in hp.secondary and not hp.persist[p]:
-                    hp.secondary[p] = self.run.alloc(-(-hp.numel[p] // hp.hpz) * hp.half)
+                    hp.secondary[p] = None if hp.on_host else self.run.alloc(-(-hp.numel[p] // hp.hpz) * hp.half)
         c = self.c
         if c is None:
             for p in dict.fromkeys(self.hp.trace[k]):
@@ -566,7 +581,5 @@ def replay(inv: Any, s: Any, config: AllocatorConfig) -> tuple[str, dict[str, Al
 
 
 def why_not(s: Any) -> str | None:
-    """DeepSpeed setups not written down yet: the parameters offloaded with ZeRO++ hpZ."""
-    if s.ds.hpz_partition_size > 1 and s.ds.offload_param:
-        return "DeepSpeed ZeRO++ hpZ with offload_param not replayed yet"
+    """Every ZeRO-3 setup memplan accepts is replayed."""
     return None

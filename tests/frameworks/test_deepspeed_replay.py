@@ -95,8 +95,12 @@ def test_zero_offload_reduce_copies_each_gradient_through_fp64(tmp_path: Path) -
 
 def test_zero3_hpz_is_replayed() -> None:
     # ZeRO++ hpZ: each parameter's secondary partition over zero_hpz_partition_size ranks, made at its first
-    # release after a forward gather and kept (partition_parameters.py _partition_param_sec); the parameters'
-    # fetches follow the coordinator as without it. The replay's allocated peak is the engine's.
+    # release (partition_parameters.py _partition -> _partition_param_sec) and dropped at the step's end
+    # (stage3.py _post_step: invalidate_secondary_tensor); the parameters' fetches follow the coordinator as
+    # without it. The engine holds every secondary partition through the whole step, an upper bound: from the
+    # second step on, what the coordinator keeps from forward into backward (the head, within
+    # stage3_max_reuse_distance) has none at backward's start, so the replay's allocated peak is below it by up
+    # to the head's secondary (llama-3-8b over 8: 131 MB, 0.44%)
     src = resolve("llama-3-8b")
     inv = build_inventory(src)
     peaks = {}
@@ -105,9 +109,24 @@ def test_zero3_hpz_is_replayed() -> None:
         plan = accounting.estimate(inv, s)
         r = plan.reserved
         assert r is not None and plan.reserved_why is None
-        assert abs(r.allocated_bytes - plan.peak_bytes) <= plan.peak_bytes // 1000
+        assert -plan.peak_bytes // 1000 <= plan.peak_bytes - r.allocated_bytes <= plan.peak_bytes * (5 if hpz > 1 else 1) // 1000
         peaks[hpz] = r.allocated_bytes
     assert peaks[8] > peaks[1]  # the secondary partitions
+    # with offload_param the secondary partitions live on the host (_partition_param_sec: remote_device); each
+    # gather that reads one copies it to the device first, numel / hpz elements where the primary's copy is
+    # numel / n: the same allocated peak, a larger transient in the fetch stream's pool
+    reserved = {}
+    for hpz in (1, 8):
+        s = options.resolve(inv, JobRequest.of(gpus=16, gpus_per_node=8, gpu="h100-80g", stage=3, hpz_partition_size=hpz,
+                                               offload_param=True, allocator_conf=""), config=src.config).settings
+        plan = accounting.estimate(inv, s)
+        r = plan.reserved
+        assert r is not None and plan.reserved_why is None, plan.reserved_why
+        assert abs(r.allocated_bytes - plan.peak_bytes) <= plan.peak_bytes // 1000
+        reserved[hpz] = (r.allocated_bytes, r.peak_bytes, plan.host_bytes_per_node)
+    assert reserved[8][0] == reserved[1][0] and reserved[8][1] > reserved[1][1]
+    # on the host: a secondary partition of every parameter per rank, 8 ranks a node
+    assert reserved[8][2] - reserved[1][2] == 8 * 2 * sum(-(-t.numel // 8) for t in inv.tensors)
 
 
 def test_zero3_replay_holds_persistent_parameters_whole() -> None:

@@ -558,6 +558,9 @@ CASES: list[Case] = [
         ("--sp", "--sp needs --tp"), ("--tp 2 --pp 2 --cp 2 --ep 2", "")]),
     Case("estimate llama-3-8b --gpus 8 --stage 2 --optimizer lion", "DeepSpeed refuses an untested optimizer",
          "parallel"),
+    Case("estimate mixtral-8x7b --gpus 16 --ep 2 --pp 2 --grad-accum 2 --strategy fsdp-full "
+         "--reshard-after-forward true", "--ep with --pp: modelled with the blocks and experts kept unsharded",
+         "parallel"),
     Case("estimate gpt2 --optimizer apollo-adamw", "No target modules found", "parallel"),
     Case("estimate gpt2 --task summarisation", "--task 'summarisation': one of causal-lm", "parallel"),
     Case("estimate mixtral-8x7b --task masked-lm", "no masked-lm head for model_type 'mixtral'", "parallel"),

@@ -141,13 +141,21 @@ def buffers(job: Job, grads: Grads) -> BufferTimeline:
             return _nested_experts(job, grads, u, raf)
         # a pipeline rank: torchtitan's apply_fsdp gives the experts units their block's reshard_after_forward,
         # False under pipelining ("reshard_after_forward = not pp_enabled"), so every unit, the experts' among
-        # them, stays unsharded from its first forward to REDUCE_GRAD, as the blocks do in _kept (the last
-        # block's forward copy-out then counts its experts' all-gather output with the block's: an upper bound)
+        # them, stays unsharded from its first forward to REDUCE_GRAD, as the blocks do in _kept
         if raf is not False or u.be:
             raise SettingsError("--ep with --pp: modelled with the blocks and experts kept unsharded after forward "
                                 "(torchtitan's default under pipelining, reshard_after_forward False) and "
                                 "--fsdp-wrap block")
     h = _kept(u) if raf is False else _resharded(u, raf, g.block_numels)
+    if g.expert_world and u.flat and len(g.block_numels) >= 2:
+        # the first forward's copy-outs with the experts their own units (B_i then X_i): at B_last's, the previous
+        # unit's all-gather output (X_(last-1)'s; B_(last-1)'s where the experts' group is one rank, which
+        # gathers nothing) beside B_last's; at X_last's, B_last's beside its own
+        xs, last = g.block_experts, len(g.block_numels) - 1
+        bs = tuple(t - x for t, x in zip(g.block_numels, xs))
+        flatx = g.expert_world > 1
+        before = xs[last - 1] if flatx else bs[last - 1]
+        h = replace(h, fwd_last=u.root + h.kept + u.cb * (bs[last] + max(before, xs[last] if flatx else 0)))
     end, inside_first = _end(u, job, grads.end)
     moments = [LOSS, *_forward_moments(u, h, raf), *_backward_moments(u, h, raf, job.n), inside_first,
                *_embedding_prefetch(u, grads.end, grads.end - inside_first.grads)]

@@ -1366,6 +1366,16 @@ def _with_parallel(s: Settings, inv: ParamInventory, config: dict[str, Any] | No
     if s.lora is not None:
         raise SettingsError("--tp/--pp with LoRA: not modelled")
     layout = par.check(p, inv, s.strategy, s.cluster.gpus, s.grad_accum)
+    if p.ep > 1 and p.pp > 1:
+        # torchtitan's apply_fsdp gives the experts units their block's reshard_after_forward, False under
+        # pipelining unless given (accounting.Layout; frameworks/fsdp2.py timeline, pipeline_replay.py): what
+        # memplan models; a group size of 1 keeps whole parameters too
+        raf = s.torch.reshard_after_forward
+        if raf is True or (raf is not None and raf is not False and raf != 1) or \
+                s.torch.fsdp_wrap not in ("block", None, ""):
+            raise SettingsError("--ep with --pp: modelled with the blocks and experts kept unsharded after forward "
+                                "(torchtitan's default under pipelining, reshard_after_forward False) and "
+                                "--fsdp-wrap block")
     if p.cp > 1:
         if s.seq_len % (2 * p.cp):
             raise SettingsError(f"--cp {p.cp} does not divide the sequence: --seq-len {s.seq_len} must be a multiple of "

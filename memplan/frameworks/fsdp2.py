@@ -141,11 +141,8 @@ def buffers(job: Job, grads: Grads) -> BufferTimeline:
             return _nested_experts(job, grads, u, raf)
         # a pipeline rank: torchtitan's apply_fsdp gives the experts units their block's reshard_after_forward,
         # False under pipelining ("reshard_after_forward = not pp_enabled"), so every unit, the experts' among
-        # them, stays unsharded from its first forward to REDUCE_GRAD, as the blocks do in _kept
-        if raf is not False or u.be:
-            raise SettingsError("--ep with --pp: modelled with the blocks and experts kept unsharded after forward "
-                                "(torchtitan's default under pipelining, reshard_after_forward False) and "
-                                "--fsdp-wrap block")
+        # them, stays unsharded from its first forward to REDUCE_GRAD, as the blocks do in _kept (options.py
+        # _with_parallel refuses the rest)
     h = _kept(u) if raf is False else _resharded(u, raf, g.block_numels)
     if g.expert_world and u.flat and len(g.block_numels) >= 2:
         # the first forward's copy-outs with the experts their own units (B_i then X_i): at B_last's, the previous

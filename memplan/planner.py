@@ -171,7 +171,22 @@ def _layout_candidates(inv: ParamInventory, config: dict | None, strategies: tup
 
     experts = routed_experts(inv)
     eps = [e for e in (2, 4, 8) if experts and experts % e == 0 and e <= gpus_per_node]
-    out = []
+    out: list[Candidate] = []
+
+    def add(label: str, name: str, rec: str, gpus: int, tp: int, pp: int, cp: int = 1, ep: int = 1) -> None:
+        """The layout's candidate at its fewest GPUs, or nothing where the model refuses it (tp not dividing
+        its heads, ...). Under PP the micro-batches per step are --grad-accum, else as many as stages."""
+        degrees = {k: v for k, v in (("cp", cp), ("ep", ep)) if v > 1}  # the others as the base has them
+        job = base.changed(gpus=gpus, strategy=name, recompute=rec, tp=tp, pp=pp, **degrees)
+        if pp > 1:
+            job = job.changed(grad_accum=base.batch.grad_accum or pp)
+        try:
+            r = options.resolve(inv, job, config=config)
+        except SettingsError:
+            return
+        out.append(Candidate(label=label, strategy=name, recompute=rec, settings=r.settings, offload=False,
+                             tp=tp, pp=pp, cp=cp, ep=ep))
+
     for name in ("fsdp-full",) if "fsdp-full" in strategies else ():
         for tp in tps:
             for ep in eps:
@@ -179,16 +194,8 @@ def _layout_candidates(inv: ParamInventory, config: dict | None, strategies: tup
                     continue
                 for pp in (1, *(q for q in pps if q > 1)):
                     for rec in recomputes:
-                        job = base.changed(gpus=ep * pp, strategy=name, recompute=rec, tp=tp, ep=ep, pp=pp)
-                        if pp > 1:
-                            job = job.changed(grad_accum=base.batch.grad_accum or pp)
-                        try:
-                            r = options.resolve(inv, job, config=config)
-                        except SettingsError:
-                            continue
-                        out.append(Candidate(label=f"{name} tp{tp}" + (f" pp{pp}" if pp > 1 else "") + f" ep{ep}",
-                                             strategy=name, recompute=rec, settings=r.settings, offload=False,
-                                             tp=tp, pp=pp, ep=ep))
+                        add(f"{name} tp{tp}" + (f" pp{pp}" if pp > 1 else "") + f" ep{ep}", name, rec, ep * pp,
+                            tp, pp, ep=ep)
     for name in (n for n in strategies if n in LAYOUT_STRATEGIES):
         for tp in tps:
             for pp in pps:
@@ -196,16 +203,8 @@ def _layout_candidates(inv: ParamInventory, config: dict | None, strategies: tup
                     if tp * pp * cp == 1 or tp * cp > gpus_per_node or (cp > 1 and name == "zero1"):
                         continue
                     for rec in recomputes:
-                        job = base.changed(gpus=tp * pp * cp, strategy=name, recompute=rec, tp=tp, pp=pp, cp=cp)
-                        if pp > 1:
-                            job = job.changed(grad_accum=base.batch.grad_accum or pp)
-                        try:
-                            r = options.resolve(inv, job, config=config)
-                        except SettingsError:
-                            continue
-                        out.append(Candidate(label=f"{name} tp{tp} pp{pp}" + (f" cp{cp}" if cp > 1 else ""),
-                                             strategy=name, recompute=rec, settings=r.settings, offload=False,
-                                             tp=tp, pp=pp, cp=cp))
+                        add(f"{name} tp{tp} pp{pp}" + (f" cp{cp}" if cp > 1 else ""), name, rec, tp * pp * cp,
+                            tp, pp, cp=cp)
     return out
 
 

@@ -1371,8 +1371,7 @@ def _with_parallel(s: Settings, inv: ParamInventory, config: dict[str, Any] | No
         # pipelining unless given (accounting.Layout; frameworks/fsdp2.py timeline, pipeline_replay.py): what
         # memplan models; a group size of 1 keeps whole parameters too
         raf = s.torch.reshard_after_forward
-        if raf is True or (raf is not None and raf is not False and raf != 1) or \
-                s.torch.fsdp_wrap not in ("block", None, ""):
+        if raf is True or raf not in (None, False, 1) or s.torch.fsdp_wrap not in ("block", None, ""):
             raise SettingsError("--ep with --pp: modelled with the blocks and experts kept unsharded after forward "
                                 "(torchtitan's default under pipelining, reshard_after_forward False) and "
                                 "--fsdp-wrap block")

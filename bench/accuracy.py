@@ -36,6 +36,10 @@ VIT = ("tests/data/configs/vit-small.json", dict(layers=2, hidden=256, vocab=Non
 # encoder-decoders (model/tasks.py SEQ2SEQ): 2 encoder and 2 decoder blocks, 128 tokens in, 64 labels out
 T5 = ("tests/data/configs/flan-t5-base.json", dict(layers=2, hidden=256, vocab=2048))
 BART = ("tests/data/configs/bart-large.json", dict(layers=2, hidden=256, vocab=2048))
+# sliding-window attention (window 512, global tokens): reads its attention mask's values (model/tasks.py
+# MASK_VALUE_MODELS)
+LONGFORMER = ("tests/data/configs/longformer-base-4096.json", dict(layers=2, hidden=256, vocab=2048))
+LED = ("tests/data/configs/led-base-16384.json", dict(layers=2, hidden=256, vocab=2048))
 # M2M100 (m2m100_418M's sizes): sinusoidal position tables as non-persistent buffers, a thrice-used shared embedding
 M2M100 = ("tests/data/configs/m2m100.json", dict(layers=2, hidden=256, vocab=2048))
 # vision-language models (model/tasks.py IMAGE_TEXT), run at their own tiny sizes: LLaVA (CLIP 32 px in 8 px
@@ -560,6 +564,21 @@ CASES = [
     ("zero3 small buckets, grad-accum 2", LLAMA, dict(stage=3, grad_accum=2), SMALL_DS, {}, "full"),
     ("zero3 + offload optimizer, small buckets, grad-accum 2", LLAMA, dict(stage=3, grad_accum=2, offload_optimizer=True),
      SMALL_DS, {}, "none"),
+    # session 48: Longformer and LED (sliding-window attention over chunks of the window; a sequence classifier's
+    # CLS attends globally), sequences of two windows
+    ("longformer masked-lm, 1 rank, fp32, seq 1024", LONGFORMER, dict(gpus=1, precision="fp32", seq_len=1024), {},
+     {}, "none"),
+    ("longformer masked-lm, 1 rank, seq 1024", LONGFORMER, dict(gpus=1, seq_len=1024), {}, {}, "none"),
+    ("longformer masked-lm, 1 rank, fp32, seq 1024", LONGFORMER, dict(gpus=1, precision="fp32", seq_len=1024), {},
+     {}, "full"),
+    ("longformer masked-lm, 1 rank, fp32, seq 300 (padded to the window)", LONGFORMER,
+     dict(gpus=1, precision="fp32", seq_len=300), {}, {}, "none"),
+    ("longformer seq-cls (global CLS), 1 rank, fp32, seq 1024", LONGFORMER,
+     dict(gpus=1, precision="fp32", seq_len=1024, task="sequence-classification"), {}, {}, "none"),
+    ("longformer masked-lm ddp, seq 1024", LONGFORMER, dict(strategy="ddp", seq_len=1024), {}, {}, "none"),
+    ("led seq2seq, 1 rank, fp32, seq 1024, target 64", LED, dict(gpus=1, precision="fp32", seq_len=1024,
+                                                                 target_len=64), {}, {}, "none"),
+    ("led seq2seq, 1 rank, seq 1024, target 64", LED, dict(gpus=1, seq_len=1024, target_len=64), {}, {}, "none"),
 ]
 QUICK = [CASES[5], CASES[11]]
 

@@ -22,12 +22,18 @@ _SECOND_LAYER_KEYS = ("num_decoder_layers", "encoder_layers", "decoder_layers")
 _SECOND_HEAD_KEYS = ("decoder_attention_heads",)
 
 
+#: per-layer lists whose key does not name layers: Longformer's and LED's attention_window (a window per layer,
+#: checked against num_hidden_layers / encoder_layers by LongformerConfig and LEDConfig)
+PER_LAYER_NAMES = ("attention_window",)
+
+
 def per_layer_keys(config: dict[str, Any], layers: int) -> list[str]:
     """The config's lists with one entry per layer: keys naming layers (layer_types, mlp_layer_types,
-    num_attention_heads_per_layer, ...) whose list is ``layers`` long (not a list of layer indices)."""
+    num_attention_heads_per_layer, ...) or PER_LAYER_NAMES, whose list is ``layers`` long (not a list of layer
+    indices)."""
     index = set(index_list_keys(config, layers))
-    return [k for k, v in config.items() if "layer" in k and isinstance(v, list) and len(v) == layers and layers > 1
-            and k not in index]
+    return [k for k, v in config.items() if ("layer" in k or k in PER_LAYER_NAMES) and isinstance(v, list)
+            and len(v) == layers and layers > 1 and k not in index]
 
 
 def index_list_keys(config: dict[str, Any], layers: int) -> list[str]:
@@ -78,13 +84,14 @@ def scale_config(config: dict[str, Any], *, layers: int | None = None, hidden: i
             raise SettingsError("this config has no layer count to scale")
         if layers < 1:
             raise SettingsError(f"--layers must be at least 1, got {layers}")
+        old = cfg[key] if key else layers  # the depth the per-layer lists follow (LED's encoder's windows)
         for k in _SECOND_LAYER_KEYS:  # an encoder-decoder's stacks each get ``layers`` blocks
             if isinstance(cfg.get(k), int) and cfg[k] != layers:
                 changes.append(f"{k} {cfg[k]} -> {layers}")
                 cfg[k] = layers
-        if key and layers != cfg[key]:
-            old = cfg[key]
-            changes.append(f"{key} {old} -> {layers}")
+        if key and layers != old:
+            if key not in _SECOND_LAYER_KEYS:
+                changes.append(f"{key} {old} -> {layers}")
             cfg[key] = layers
             for k in ("first_k_dense_replace",):
                 if k in cfg:

@@ -77,6 +77,12 @@ IMAGE_TEXT = "image-text-to-text"
 TASKS = (CAUSAL_LM, "masked-lm", "sequence-classification", "token-classification", "question-answering",
          IMAGE, SEQ2SEQ, IMAGE_TEXT)
 #: the vision-language models of any image resolution (Qwen-VL: the image's patch grid, image_grid_thw, is an input)
+#: models whose step reads its attention mask's values: Longformer's and LED's sliding-window attention asks whether
+#: any token attends globally (modeling_longformer.py LongformerEncoder.forward, modeling_led.py LEDEncoder.forward:
+#: ``is_index_global_attn.flatten().any().item()``) and gathers the global tokens' indices (_get_global_attn_indices:
+#: ``nonzero``), so the step is fed the mask a tokenizer gives an unpadded batch (ones), made with torch.tensor so
+#: that a traced step keeps its values (activations/tracing/grids.py)
+MASK_VALUE_MODELS = ("longformer", "led")
 PATCH_GRID_MODELS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
 #: the vision-language model types memplan traces (their image tokens: image_text_tokens)
 IMAGE_TEXT_MODELS = ("llava", "gemma3", "paligemma", "mllama") + PATCH_GRID_MODELS
@@ -533,7 +539,18 @@ def sdpa_supported(config: Mapping[str, Any]) -> bool:
 def step_inputs(task: str, config: Mapping[str, Any], ids: Any, dtype: Any = None) -> dict[str, Any]:
     """The keyword arguments of one training step's forward for ``ids`` [batch, seq] (token ids): the inputs and
     the labels the task's loss takes (zeros: the bytes do not depend on their values). ``dtype``: the parameters'
-    (an image's pixels are fed in it, as a Trainer's collator and model.dtype have them)."""
+    (an image's pixels are fed in it, as a Trainer's collator and model.dtype have them). A model that reads its
+    attention mask's values (MASK_VALUE_MODELS) gets the tokenizer's mask of an unpadded batch, all ones."""
+    out = _step_inputs(task, config, ids, dtype)
+    if config.get("model_type") in MASK_VALUE_MODELS and "input_ids" in out:
+        import torch
+
+        batch, seq = out["input_ids"].shape
+        out["attention_mask"] = torch.tensor([[1] * seq] * batch, dtype=torch.long, device=out["input_ids"].device)
+    return out
+
+
+def _step_inputs(task: str, config: Mapping[str, Any], ids: Any, dtype: Any = None) -> dict[str, Any]:
     import torch
 
     batch = ids.shape[0]

@@ -707,3 +707,55 @@ def test_jetmoe_traces_with_balanced_expert_counts(tmp_path, monkeypatch):
     rep = json.loads(out)
     assert rep["assumptions"]["activations"].startswith("traced")
     assert rep["per_gpu"]["peak_bytes"] == 300_469_384
+
+
+def test_softmax_of_a_non_contiguous_input_copies_it_first():
+    """PyTorch's softmax kernels (SoftMax.cpp softmax_cpu_out, cuda/SoftMax.cu host_softmax) run on
+    ``input.contiguous()``: a transposed input is copied whole beside the output, freed on return
+    (live.CONTIGUOUS_INPUTS); a contiguous one is not."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from memplan.activations.tracing.live import LiveBytes, dispatch_mode
+
+    def peak(transposed: bool) -> int:
+        live = LiveBytes(1)
+        with FakeTensorMode():
+            x = torch.empty(64, 32)
+            x = x.t() if transposed else x
+            with dispatch_mode(live):
+                y = torch.softmax(x, dim=-1)
+            assert y.is_contiguous()
+        return max(live.timeline)
+
+    assert peak(False) == 64 * 32 * 4
+    assert peak(True) == 2 * 64 * 32 * 4
+
+
+def test_a_view_of_a_value_carrying_tensor_holds_no_bytes():
+    """A fake tensor given a value by hand (tracing/grids.py _on_values: a mask computed on the inputs' values) is
+    viewed through the fake mode's constant path, which wraps each view on a storage of its own: the trace counts
+    it as a view (no bytes), keeping its base alive as the model's view does (live._view_base)."""
+    import sys
+
+    import torch
+    import torch._subclasses.fake_tensor as ft
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from memplan.activations.tracing.live import LiveBytes, dispatch_mode
+
+    live = LiveBytes(1)
+    limit = ft.CONSTANT_NUMEL_LIMIT
+    ft.CONSTANT_NUMEL_LIMIT = sys.maxsize
+    value = torch.zeros(2, 1, 16, 16)
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True), dispatch_mode(live):
+            mask = torch.empty_strided((2, 1, 16, 16), (256, 256, 16, 1))
+            mask.constant = value
+            view = mask[:, 0, 0, :]
+            del mask
+            one = torch.empty(1)  # a point of the timeline after the base's name is gone
+            assert view.shape == (2, 16) and one.numel() == 1
+            assert live.live == 2 * 256 * 4 + 4  # the base, alive through its view; the one float
+    finally:
+        ft.CONSTANT_NUMEL_LIMIT = limit

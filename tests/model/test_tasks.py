@@ -841,3 +841,37 @@ def test_a_span_head_named_simple_is_question_answering_not_a_causal_lm():
     (FlauBERT, 2 blocks, hidden 256): -0.01%."""
     cfg = {"architectures": ["FlaubertForQuestionAnsweringSimple"], "model_type": "flaubert"}
     assert tasks.task_of(cfg) == "question-answering"
+
+
+LONGFORMER = Path(__file__).resolve().parents[1] / "data" / "configs" / "longformer-base-4096.json"
+LED = Path(__file__).resolve().parents[1] / "data" / "configs" / "led-base-16384.json"
+
+
+def test_longformer_and_led_read_their_attention_mask_and_trace():
+    """Longformer's and LED's encoders ask whether any token attends globally (``.any().item()`` of the mask) and
+    gather the global tokens' indices (nonzero): the step is fed a tokenizer's mask of ones, kept as values
+    (tracing/grids.py reads_mask). A sequence classifier puts its CLS token in global attention (its global path
+    traced too); the per-layer attention_window lists follow --layers (scaling.per_layer_keys)."""
+    pytest.importorskip("transformers")
+    import torch
+
+    from memplan.activations.kernels import Target
+    from memplan.activations.tracing.step import one_step
+    from memplan.model.scaling import scale_config
+
+    base = json.loads(LONGFORMER.read_text())
+    got = tasks.step_inputs("masked-lm", base, torch.zeros(2, 8, dtype=torch.long))
+    assert got["attention_mask"].tolist() == [[1] * 8] * 2
+    assert "attention_mask" not in tasks.step_inputs("masked-lm", {"model_type": "bert"},
+                                                      torch.zeros(2, 8, dtype=torch.long))
+    small, changes = scale_config(base, layers=2, hidden=128, vocab=512)
+    assert small["attention_window"] == [512, 512] and "num_hidden_layers 12 -> 2" in changes
+    for cfg in (small, {**small, "architectures": ["LongformerForSequenceClassification"]}):
+        out = one_step(cfg, 2, 1024, "fp32", "sdpa", "none", Target(device="cpu"))
+        assert max(out["forward"]) > 0
+    led, changes = scale_config(json.loads(LED.read_text()), layers=2, hidden=128, vocab=512)
+    assert led["attention_window"] == [1024, 1024] and changes[:2] == ["encoder_layers 6 -> 2", "decoder_layers 6 -> 2"]
+    from memplan.model.hf import TARGET_KEY
+
+    out = one_step({**led, TARGET_KEY: 16}, 2, 1024, "torch-amp", "sdpa", "none", Target(device="cuda", arch="sm90"))
+    assert max(out["forward"]) > 0

@@ -66,11 +66,42 @@ def reads_ids(config: dict[str, Any]) -> bool:
                                      "question-answering")
 
 
+def reads_mask(config: dict[str, Any]) -> bool:
+    """Whether the config's step reads its attention mask's values (model/tasks.py MASK_VALUE_MODELS: Longformer's
+    and LED's global tokens). The mask is fed as a constant; transformers' create_bidirectional_mask (masking_utils:
+    the mask function vmapped over index tensors made by torch.arange, which carry no values) and the attention's
+    _get_global_attn_indices (a ``nonzero`` of the global tokens) run on the values (_on_values), the model's own
+    operations between them (``attention_mask < 0``, ``> 0``, the clamp, the inverted 4-D mask) on constants."""
+    return config.get("model_type") in tasks.MASK_VALUE_MODELS
+
+
 @contextlib.contextmanager
 def constant_inputs(config: dict[str, Any]) -> Iterator[None]:
     """Keep the step's input values through the trace (see the module's docstring); nothing for other configs."""
     import torch._subclasses.fake_tensor as ft
 
+    if reads_mask(config):
+        mt = str(config["model_type"])
+        module = importlib.import_module(f"transformers.models.{mt}.modeling_{mt}")
+        patched: list[tuple[Any, str, Any, Any]] = []
+        if hasattr(module, "create_bidirectional_mask"):  # reads only the shapes of the embeddings it is given
+            real = module.create_bidirectional_mask
+            patched.append((module, "create_bidirectional_mask", real, _on_values(real, shapes_only=True)))
+        for c in vars(module).values():
+            fn = vars(c).get("_get_global_attn_indices") if isinstance(c, type) else None
+            if isinstance(fn, staticmethod):
+                patched.append((c, "_get_global_attn_indices", fn, staticmethod(_on_values(fn.__func__))))
+        limit = ft.CONSTANT_NUMEL_LIMIT
+        try:
+            ft.CONSTANT_NUMEL_LIMIT = sys.maxsize
+            for owner, name, _, new in patched:
+                setattr(owner, name, new)
+            yield
+        finally:
+            ft.CONSTANT_NUMEL_LIMIT = limit
+            for owner, name, old, _ in patched:
+                setattr(owner, name, old)
+        return
     if reads_ids(config):
         limit = ft.CONSTANT_NUMEL_LIMIT
         try:
@@ -113,9 +144,10 @@ def constant_inputs(config: dict[str, Any]) -> Iterator[None]:
             setattr(owner, name, fn)
 
 
-def _on_values(fn: Any) -> Any:
+def _on_values(fn: Any, shapes_only: bool = False) -> Any:
     """``fn`` run on its arguments' values, modes off; its tensors handed back as births under the modes, each
-    carrying its value."""
+    carrying its value. ``shapes_only``: a tensor argument without a value is given as an uninitialised one of its
+    shape and dtype (for a function that reads only those of it)."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensor
     from torch.utils._python_dispatch import _disable_current_modes
@@ -123,6 +155,8 @@ def _on_values(fn: Any) -> Any:
 
     def value(x: Any) -> Any:
         if isinstance(x, FakeTensor):
+            if x.constant is None and shapes_only:
+                return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype)
             if x.constant is None:
                 raise ValueError(f"{fn.__qualname__} reads the values of a tensor the trace has none for")
             return x.constant
@@ -137,8 +171,8 @@ def _on_values(fn: Any) -> Any:
 
     @functools.wraps(fn)
     def run(*args: Any, **kwargs: Any) -> Any:
-        args, kwargs = tree_map(value, args), tree_map(value, kwargs)
         with _disable_current_modes():
+            args, kwargs = tree_map(value, args), tree_map(value, kwargs)
             out = fn(*args, **kwargs)
         return tree_map(born, out)
 

@@ -171,7 +171,9 @@ def _fixed(inv: ParamInventory, s: Settings) -> Fixed:
         amp_copies = rc.compute_bytes * lay.matmul_numel
     f = _assemble(s, tl, g, (weights, master, states), (buf_persist, buf_bwd, amp_copies),
                   (step_grads, step_buffers), prof, a, host_by, host)
-    f.between += s.rank.pipeline_buffer_bytes * s.micro_batch - s.rank.pipeline_accumulator_bytes
+    # the accumulators are freed at the reduce (a negative figure: the reduced shards the step keeps exceed the
+    # accumulators it holds at the moment, accounting.Layout._at_rank; they stay)
+    f.between += s.rank.pipeline_buffer_bytes * s.micro_batch - max(s.rank.pipeline_accumulator_bytes, 0)
     f.per_sample = s.rank.pipeline_buffer_bytes
     return f
 
@@ -419,7 +421,7 @@ class Layout:
     its data-parallel group runs (memplan/parallel/)."""
 
     __slots__ = ("inventory", "settings", "name", "dp", "dp_per_node", "ranks", "plans", "worst", "unsharded",
-                 "dominated", "_at")
+                 "dominated", "_at", "accumulating")
 
     def __init__(self, inv: ParamInventory, s: Settings) -> None:
         from math import gcd
@@ -438,6 +440,7 @@ class Layout:
         loss_prof, bare_prof = p.profiles or (None, None)
         rc = s.recipe
         out = []
+        accumulating: list[int | None] = []
         for share in par.shares(inv, p, self.name, s.grad_accum):
             r_inv = share.inventory
 
@@ -456,13 +459,22 @@ class Layout:
                 return prof if layers else act.at_layers(prof, 0)
 
             v = len(share.chunks)
+            #: a rank of several stages: the backwards that can peak, each as (its counts, its stage, its kind,
+            #: the trainable parameters accumulated before it, whether the embedding's are among them)
+            candidates: list[tuple[Any, ...]] = []
             if v > 1:  # interleaved: each stage's micro-batches in flight with that stage's own profile, at the
                 # backward where they hold the most (at a micro-batch of 1)
                 profs = [chunk_profile(len(c.layers), c.last) for c in share.chunks]
                 kept: list[act.Terms] = [pr.terms(s.recompute, 1) for pr in profs]
+                # each held micro-batch keeps its own stage's output in fwd_cache: the last stage's logits, another
+                # stage's hidden state (measured against the replay of the rank holding the last stage, llama-3-8b,
+                # pp 4, seq 4096: interleaved +16%, looped-BFS +17% when each kept the logits)
+                outs = [s.seq_len * (par.stage_output(inv.dims, p, self.name, c.last, rc)
+                                     + par.stage_input(inv.dims, p, self.name, c.first, rc)) for c in share.chunks]
+                params = [sum(t.numel for t in ts if t.trainable) for ts in _chunk_tensors(r_inv, share.chunks)]
 
-                def load(moment: tuple[tuple[int, ...], int, str]) -> int:
-                    counts, cur, kind = moment
+                def load(moment: tuple[Any, ...]) -> int:
+                    counts, cur, kind = moment[:3]
                     graph = 0
                     if kind == schedules.I:  # the input-gradient step keeps its graph (below)
                         n = len(share.chunks[cur].layers)
@@ -470,19 +482,34 @@ class Layout:
                             + n * kept[cur].block
                     others = sum((n - (c == cur)) * (kept[c].saved_less_block + kept[c].block)
                                  for c, n in enumerate(counts))
-                    return kept[cur].backward_start + graph + others
+                    return kept[cur].backward_start + graph + others + sum(n * outs[c] for c, n in enumerate(counts))
 
-                at_most, cur, kind = max(par.held_moments(p, share.rank, s.grad_accum), key=load)
+                def accumulated(moment: tuple[Any, ...]) -> int:
+                    return sum(n for n, done in zip(params, moment[3]) if done)
+
+                # FSDP2 keeps each stage's unsharded accumulators from that stage's first backward on: the
+                # backward holding the most activations, and the one holding the most with the accumulators
+                # (a looped-BFS rank's first stage accumulates after every micro-batch of its second; an
+                # interleaved rank's steady state holds both)
+                every = par.backward_moments(p, share.rank, s.grad_accum)
+                rb = rc.reduced_grad_bytes
+                first_m = max(every, key=load)
+                most_m = max(every, key=lambda m: load(m) + rb * accumulated(m))
+                candidates = [(*m[:3], accumulated(m), any(done and c.first for done, c in zip(m[3], share.chunks)),
+                               m[3][m[1]]) for m in ([first_m] if most_m is first_m else [first_m, most_m])]
+                at_most, cur, kind = first_m[:3]
                 counts = list(at_most)
                 # the current micro-batch's profile at all the rank's blocks (what its buffers' timeline walks,
-                # one model of the rank's blocks): it runs through one stage's, so this counts the other stages'
-                # blocks once more (an upper bound by those blocks' activations of one micro-batch)
+                # one model of the rank's blocks): it runs through one stage's, so the other stages' blocks'
+                # saved activations are taken off again (fewer_layers)
                 inner = chunk_profile(len(share.blocks), share.chunks[cur].last)
-                fewer = 0
+                fewer = len(share.blocks) - len(share.chunks[cur].layers)
                 counts[cur] -= 1
-                others = tuple((pr, n) for pr, n in zip(profs, counts) if n)
+                others = tuple((pr, n, o) for pr, n, o in zip(profs, counts, outs) if n)
+                own_output: int | None = outs[cur]
             else:
                 inner, others, fewer, kind = chunk_profile(share.layers, share.last), (), 0, schedules.B
+                own_output = None
             per_block = par.sp_saving(inv.dims, p, self.name, rc.residual_bytes, rc.compute_bytes)
             k = act.checkpointed_blocks(s.recompute, share.layers)
             h = inv.dims.get("hidden_size", 0)
@@ -497,7 +524,8 @@ class Layout:
                 if not share.last:  # the bare trace's final norm, which this stage does not run
                     less += s.seq_len * par.norm_saved(h, rc.residual_bytes)
                 output = s.seq_len * (par.stage_output(inv.dims, p, self.name, share.last, rc)
-                                      + par.stage_input(inv.dims, p, self.name, share.first, rc))
+                                      + par.stage_input(inv.dims, p, self.name, share.first, rc)) \
+                    if own_output is None else own_output
             shared = 0
             if rc.autocast_weight_copies and inner.includes_autocast_copies and share.in_flight > 1:
                 # torch.autocast caches each weight's cast for the region it is entered for (autocast_mode.cpp
@@ -509,14 +537,17 @@ class Layout:
             # one adds its bound
             ring_f, ring_b = (0, 0) if loss_prof is not None else par.ring_attention(share.inventory.dims, p,
                                                                                       s.seq_len, rc.compute_bytes)
-            if kind == schedules.I and p.pp > 1:
+            graph = 0
+            if p.pp > 1:
                 # the input-gradient step keeps its linears' output gradients for the weight-gradient step, while
                 # the stage's largest chunk runs its backward (per micro-batch of 1)
                 # ... and frees none of the micro-batch's activations until then (the graph retained): the
                 # chunk's blocks' saved activations stay through the whole input-gradient step
                 most = max(len(c.layers) for c in share.chunks)
-                ring_b += par.zero_bubble_grads(share.inventory.dims, most, s.seq_len, rc.compute_bytes) \
+                graph = par.zero_bubble_grads(share.inventory.dims, most, s.seq_len, rc.compute_bytes) \
                     + most * inner.terms(s.recompute, 1).block
+            if kind == schedules.I:
+                ring_b += graph
             stages: tuple[Any, ...] = ()
             actions = None
             if p.pp > 1:
@@ -553,7 +584,27 @@ class Layout:
                              model_parallel_groups=(p.tp > 1) + (p.pp > 1) + (p.cp > 1) + (p.ep > 1))
             out.append((share, r_inv, replace(s, parallel=None, cluster=cluster, activation_profile=prof,
                                                torch=knobs, rank=rank)))
+            moments = []
+            for counts2, cur2, kind2, acc2, emb2, again in candidates:
+                if (counts2, cur2, kind2) == (at_most, cur, kind):
+                    pv = prof
+                else:
+                    left = list(counts2)
+                    left[cur2] -= 1
+                    pv = replace(prof, inner=chunk_profile(len(share.blocks), share.chunks[cur2].last),
+                                 held=sum(counts2), output=outs[cur2],
+                                 fewer_layers=len(share.blocks) - len(share.chunks[cur2].layers),
+                                 others=tuple((pr, n, o) for pr, n, o in zip(profs, left, outs) if n),
+                                 ring_backward=ring_b + graph * ((kind2 == schedules.I) - (kind == schedules.I)),
+                                 _memo={})
+                # an input-gradient step (I) makes no weight gradient (its W does, later): as a later backward
+                moments.append((pv, acc2, emb2, again or kind2 == schedules.I))
+            accumulating.append(tuple(moments) or None)
         self.ranks = tuple(out)
+        #: per pipeline rank of several stages, its backwards that can peak: (its activation profile, the
+        #: trainable parameters whose gradients are accumulated before it, the embedding's among them, whether it
+        #: makes none of its own: its stage's are among them, or it is an input-gradient step); None: one stage
+        self.accumulating = tuple(accumulating)
         #: ranks another one bounds (parallel.dominated): a search skips them
         self.dominated = par.dominated(tuple(share for share, _, _ in out))
         self._at: dict[int, list[Settings]] = {}
@@ -646,6 +697,26 @@ class Layout:
         unsharded = self.unsharded[i]
         later = replace(acc, rank=replace(acc.rank, pipeline_accumulator_bytes=accumulators + unsharded),
                         activation_profile=prof.fewer())
+        moments = self.accumulating[i]
+        if moments is not None and r_s.strategy.framework == "fsdp2" and r_s.rank.pipeline_stage:
+            # a rank of several stages: each backward that can peak, with the accumulators of the stages that ran
+            # a backward before it (each FSDPParamGroup accumulates its own parameters' gradients from its first
+            # post-backward; measured on the harness, looped-BFS pp 2: +15% when every stage's were counted from
+            # the second backward on). A stage's first backward makes its accumulators as the first backward of a
+            # step makes its gradients (grad_accum 1), beside the other stages' accumulators; a later one adds
+            # into them (the step with gradients accumulated: its reduced shards, then the rest of the
+            # accumulators of the stages that have them, fewer than the shards where those are not all)
+            shards = _fixed(r_inv, r_s).grads[Phase.FORWARD]
+            rb = r_s.recipe.reduced_grad_bytes
+            whole = self._embedding_whole(r_inv)
+            out = []
+            for pv, params, emb, again in moments:
+                held = rb * (params + whole * emb) + (unsharded if params else 0)
+                out.append(replace(one, activation_profile=pv,
+                                   rank=replace(one.rank, pipeline_accumulator_bytes=held - shards)) if again else
+                           replace(one, grad_accum=1, activation_profile=pv,
+                                   rank=replace(one.rank, pipeline_accumulator_bytes=held)))
+            return out
         if prof.held < m:
             return [acc, later] if prof.held > 1 and unsharded else [acc]
         return [replace(one, grad_accum=1), later]
@@ -666,6 +737,18 @@ class Layout:
                            "required_bytes": plan.required_bytes, "required_exact": plan.bounded is None,
                            **{k: getattr(plan.peak, k) for k in CATEGORY_KEYS}}
                           for (share, r_inv, _), plan in zip(self.ranks, self.plans)]}
+
+
+def _chunk_tensors(r_inv: ParamInventory, chunks: tuple[Any, ...]) -> list[list[Any]]:
+    """Each of a pipeline rank's stages' tensors: its blocks (the rank's blocks in order, the stages' in turn), the
+    embedding with the model's first stage, the final norm and head with its last (frameworks/pipeline_replay.py
+    stage_tensors, which the rank's replay walks)."""
+    from types import SimpleNamespace
+
+    from memplan.frameworks.pipeline_replay import stage_tensors
+
+    return stage_tensors(r_inv, tuple(SimpleNamespace(layers=len(c.layers), first=c.first, last=c.last)
+                                      for c in chunks))
 
 
 _LAYOUTS: dict[tuple[int, int, int], Layout] = {}

@@ -135,6 +135,12 @@ def held_moments(p: Parallel, rank: int, micro_batches: int) -> list[tuple[tuple
     return schedules.held_moments(p.schedule, p.pp, micro_batches, p.virtual, rank)
 
 
+def backward_moments(p: Parallel, rank: int, micro_batches: int
+                     ) -> list[tuple[tuple[int, ...], int, str, tuple[bool, ...]]]:
+    """held_moments with the local stages accumulated before each (memplan/parallel/schedules.py)."""
+    return schedules.backward_moments(p.schedule, p.pp, micro_batches, p.virtual, rank)
+
+
 def stage_inventory(inv: ParamInventory, chunks: list[Chunk]) -> ParamInventory:
     """The tensors a pipeline rank holds: its chunks' blocks, the embedding where it runs the first stage, the
     final norm and the head where it runs the last (a tied embedding on both: Megatron and DeepSpeed's

@@ -311,17 +311,28 @@ def held_moments(schedule: str, pp: int, micro_batches: int, per_rank: int, rank
     about to run its backward included; the local stage it runs on; its kind). A micro-batch is held from its
     forward until its full backward, or until its weight-gradient step (W) where the backward is split: the input
     step keeps the graph for it (torch/distributed/pipelining/_backward.py stage_backward_input)."""
+    return [m[:3] for m in backward_moments(schedule, pp, micro_batches, per_rank, rank)]
+
+
+def backward_moments(schedule: str, pp: int, micro_batches: int, per_rank: int, rank: int
+                     ) -> list[tuple[tuple[int, ...], int, str, tuple[bool, ...]]]:
+    """held_moments, each with the local stages whose weight gradients are accumulated before it: those that ran a
+    full backward (B) or a weight-gradient step (W) already (FSDP2 under pipelining keeps each group's unsharded
+    accumulators from its first post-backward to REDUCE_GRAD)."""
     local = {s: k for k, s in enumerate(rank_stages(schedule, pp, per_rank)[rank])}
     held = [0] * len(local)
+    done = [False] * len(local)
     out = []
     for stage, kind, _ in rank_actions(schedule, pp, micro_batches, per_rank, rank):
         c = local[stage]
         if kind == F:
             held[c] += 1
         elif kind in (B, I):
-            out.append((tuple(held), c, kind))
+            out.append((tuple(held), c, kind, tuple(done)))
             if kind == B:
                 held[c] -= 1
+                done[c] = True
         else:
             held[c] -= 1
+            done[c] = True
     return out

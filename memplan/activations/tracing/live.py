@@ -207,16 +207,23 @@ CONTIGUOUS_INPUTS = {"_softmax.default": (0,), "_log_softmax.default": (0,),
                      "_softmax_backward_data.default": (0, 1), "_log_softmax_backward_data.default": (0, 1)}
 
 
+#: operators whose schema says their output may alias the input but which copy when they must (contiguous of a
+#: strided tensor): never taken for views here
+MAY_COPY = frozenset({"contiguous", "reshape", "to"})
+
+
 def _view_base(func: Any, args: tuple, outs: list[Any]) -> Any:
-    """The input a view operator's outputs alias where they do not share its storage (a fake mode's constant
-    fast path), else None."""
+    """The input a view operator's outputs alias where they do not share its storage, else None: a fake mode's
+    constant fast path computes an operator of value-carrying fake tensors on their values and wraps the result
+    afresh, views included (FakeTensor.constant)."""
     import torch
 
     returns = func._schema.returns
     if not outs or not returns or not all(r.alias_info is not None and not r.alias_info.is_write for r in returns):
         return None
     base = next((a for a in args if isinstance(a, torch.Tensor)), None)
-    if base is None or hasattr(type(base), "__tensor_flatten__"):
+    if base is None or hasattr(type(base), "__tensor_flatten__") or getattr(base, "constant", None) is None \
+            or func.__name__.split(".")[0] in MAY_COPY:
         return None
     st = base.untyped_storage()._cdata
     if any(t.untyped_storage()._cdata == st for t in outs):

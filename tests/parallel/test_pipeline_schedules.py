@@ -65,6 +65,18 @@ def test_held_moments_one_f_one_b():
     assert [h[0][0] for h in schedules.held_moments("gpipe", 4, 8, 1, 3)] == [8, 7, 6, 5, 4, 3, 2, 1]
 
 
+def test_backward_moments_know_the_stages_accumulated():
+    # looped BFS, 2 ranks of 2 stages, 4 micro-batches: rank 0 runs every forward of stage 0, then of stage 2,
+    # then the backwards of stage 2 (its accumulators from the first on), then those of stage 0
+    got = schedules.backward_moments("looped-bfs", 2, 4, 2, 0)
+    assert [m[:3] for m in got] == schedules.held_moments("looped-bfs", 2, 4, 2, 0)
+    assert [(m[1], m[3]) for m in got] == [(1, (False, False))] + [(1, (False, True))] * 3 + \
+        [(0, (False, True))] + [(0, (True, True))] * 3
+    # a split backward accumulates at its weight step (W), not at the input step (I)
+    zb = schedules.backward_moments("zbv", 2, 4, 2, 1)
+    assert zb[0] == ((2, 2), 1, "I", (False, False)) and all(m[2] == "I" for m in zb)
+
+
 def test_deepspeeds_train_schedule_runs_the_same_1f1b():
     # DeepSpeed's PipelineEngine (deepspeed/runtime/pipe/schedule.py TrainSchedule, read off its steps(): the
     # ForwardPass and BackwardPass commands of each stage) runs 1F1B's order, and runs fewer micro-batches than

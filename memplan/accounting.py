@@ -440,7 +440,7 @@ class Layout:
         loss_prof, bare_prof = p.profiles or (None, None)
         rc = s.recipe
         out = []
-        accumulating: list[int | None] = []
+        accumulating: list[tuple[tuple[Any, int, bool, bool], ...] | None] = []
         for share in par.shares(inv, p, self.name, s.grad_accum):
             r_inv = share.inventory
 
@@ -665,7 +665,7 @@ class Layout:
         where every micro-batch's forward runs before the first backward (GPipe; 1F1B with no more micro-batches
         than the rank holds in flight), the two moments that can peak: the first backward, with every
         micro-batch in flight and no gradient accumulated yet, and the second, one micro-batch fewer and the
-        gradients accumulated."""
+        gradients accumulated; a rank of several stages, its backwards that can peak (Layout.accumulating)."""
         from memplan import parallel as par
 
         share, r_inv, r_s = self.ranks[i]
@@ -681,6 +681,27 @@ class Layout:
         prof = r_s.activation_profile
         if m == 1:
             return [one]
+        moments = self.accumulating[i]
+        if moments is not None and r_s.strategy.framework == "fsdp2" and r_s.rank.pipeline_stage:
+            # a rank of several stages: each backward that can peak, with the accumulators of the stages that ran
+            # a backward before it (each FSDPParamGroup accumulates its own parameters' gradients from its first
+            # post-backward; measured on the harness, looped-BFS pp 2: +15% when every stage's were counted from
+            # the second backward on). A stage's first backward makes its accumulators as the first backward of a
+            # step makes its gradients (grad_accum 1), beside the other stages' accumulators; a later one adds
+            # into them (the step with gradients accumulated: its reduced shards, then the rest of the
+            # accumulators of the stages that have them, fewer than the shards where those are not all)
+            shards = _fixed(r_inv, r_s).grads[Phase.FORWARD]
+            unsharded = self.unsharded[i]
+            rb = r_s.recipe.reduced_grad_bytes
+            whole = self._embedding_whole(r_inv)
+            out = []
+            for pv, params, emb, again in moments:
+                held = rb * (params + whole * emb) + (unsharded if params else 0)
+                out.append(replace(one, activation_profile=pv,
+                                   rank=replace(one.rank, pipeline_accumulator_bytes=held - shards)) if again else
+                           replace(one, grad_accum=1, activation_profile=pv,
+                                   rank=replace(one.rank, pipeline_accumulator_bytes=held)))
+            return out
         # FSDP2 under pipelining accumulates each micro-batch's gradients unsharded and reduces them once, after
         # the last: PipelineStage.backward_maybe_with_nosync sets set_requires_gradient_sync(False) and
         # set_reshard_after_backward(False) on every backward but the last (torch/distributed/pipelining/
@@ -697,26 +718,6 @@ class Layout:
         unsharded = self.unsharded[i]
         later = replace(acc, rank=replace(acc.rank, pipeline_accumulator_bytes=accumulators + unsharded),
                         activation_profile=prof.fewer())
-        moments = self.accumulating[i]
-        if moments is not None and r_s.strategy.framework == "fsdp2" and r_s.rank.pipeline_stage:
-            # a rank of several stages: each backward that can peak, with the accumulators of the stages that ran
-            # a backward before it (each FSDPParamGroup accumulates its own parameters' gradients from its first
-            # post-backward; measured on the harness, looped-BFS pp 2: +15% when every stage's were counted from
-            # the second backward on). A stage's first backward makes its accumulators as the first backward of a
-            # step makes its gradients (grad_accum 1), beside the other stages' accumulators; a later one adds
-            # into them (the step with gradients accumulated: its reduced shards, then the rest of the
-            # accumulators of the stages that have them, fewer than the shards where those are not all)
-            shards = _fixed(r_inv, r_s).grads[Phase.FORWARD]
-            rb = r_s.recipe.reduced_grad_bytes
-            whole = self._embedding_whole(r_inv)
-            out = []
-            for pv, params, emb, again in moments:
-                held = rb * (params + whole * emb) + (unsharded if params else 0)
-                out.append(replace(one, activation_profile=pv,
-                                   rank=replace(one.rank, pipeline_accumulator_bytes=held - shards)) if again else
-                           replace(one, grad_accum=1, activation_profile=pv,
-                                   rank=replace(one.rank, pipeline_accumulator_bytes=held)))
-            return out
         if prof.held < m:
             return [acc, later] if prof.held > 1 and unsharded else [acc]
         return [replace(one, grad_accum=1), later]

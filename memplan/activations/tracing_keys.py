@@ -27,7 +27,7 @@ PROFILE_VERSION = 20
 #: bump when a change to the tracing can change a profile that is not shipped (a model type no preset has): the
 #: disk cache's profiles and failure records of another revision are traced again (profile_cache._stored_on_disk),
 #: while the shipped ones, whose presets tools/golden_plans.py checks, keep their keys
-TRACE_REVISION = 6  # 6: Longformer and LED traced (their attention mask fed and read as values: tracing/grids.py reads_mask), their failure records retried; 5: decoder_sparse_step 1 traced as alike blocks (fit._heterogeneous); 2: an expert-parallel rank marks its experts modules (tracing/step.py); 3: PEFT 0.22 (ParamWrapper scales its folded delta in place); 4: JetMoE traced (substitutes.balanced_topk_gating), its failure records retried
+TRACE_REVISION = 7  # 7: softmax's contiguous copy of a non-contiguous input, views of value-carrying tensors (tracing/live.py); 6: Longformer and LED traced (their attention mask fed and read as values: tracing/grids.py reads_mask), their failure records retried; 5: decoder_sparse_step 1 traced as alike blocks (fit._heterogeneous); 2: an expert-parallel rank marks its experts modules (tracing/step.py); 3: PEFT 0.22 (ParamWrapper scales its folded delta in place); 4: JetMoE traced (substitutes.balanced_topk_gating), its failure records retried
 
 #: recipe -> the recipe whose trace it shares: the bf16 recipes compute and keep the residual stream in bf16
 #: alike (FSDP's MixedPrecisionPolicy casts the unsharded params and the inputs; DeepSpeed and pure bf16 hold bf16)

@@ -482,7 +482,8 @@ class Layout:
                             + n * kept[cur].block
                     others = sum((n - (c == cur)) * (kept[c].saved_less_block + kept[c].block)
                                  for c, n in enumerate(counts))
-                    return kept[cur].backward_start + graph + others + sum(n * outs[c] for c, n in enumerate(counts))
+                    held_outputs: int = sum(n * outs[c] for c, n in enumerate(counts))
+                    return int(kept[cur].backward_start + graph + others + held_outputs)
 
                 def accumulated(moment: tuple[Any, ...]) -> int:
                     return sum(n for n, done in zip(params, moment[3]) if done)

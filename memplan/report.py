@@ -71,7 +71,11 @@ def plan_report(plan: Any, sources: dict[str, str] | None = None, notes: tuple[s
     strategy: dict[str, Any] = {"name": st.name, "framework": st.framework, "description": st.description,
                                 "zero_stage": st.zero_stage, "shard_group": plan.shard_group,
                                 "precision": s.recipe.name, "optimizer": s.optimizer.name,
-                                "micro_batch": s.micro_batch, "seq_len": s.seq_len, "grad_accum": s.grad_accum,
+                                "micro_batch": s.micro_batch, "seq_len": s.seq_len,
+                                # the job's micro-batches per step (a pipeline rank's worst moment is evaluated as a
+                                # step of its own: accounting.Layout._at_rank)
+                                "grad_accum": plan.layout.settings.grad_accum if plan.layout is not None
+                                else s.grad_accum,
                                 "recompute": s.recompute, "attention": s.attention}
     if s.compile != "none":
         strategy["compile"] = s.compile

@@ -421,7 +421,7 @@ class Layout:
     its data-parallel group runs (memplan/parallel/)."""
 
     __slots__ = ("inventory", "settings", "name", "dp", "dp_per_node", "ranks", "plans", "worst", "unsharded",
-                 "dominated", "_at", "accumulating")
+                 "dominated", "_at", "peak_moments")
 
     def __init__(self, inv: ParamInventory, s: Settings) -> None:
         from math import gcd
@@ -440,7 +440,7 @@ class Layout:
         loss_prof, bare_prof = p.profiles or (None, None)
         rc = s.recipe
         out = []
-        accumulating: list[tuple[tuple[Any, int, bool, bool], ...] | None] = []
+        peak_moments: list[tuple[tuple[Any, int, bool, bool], ...] | None] = []
         for share in par.shares(inv, p, self.name, s.grad_accum):
             r_inv = share.inventory
 
@@ -460,7 +460,8 @@ class Layout:
 
             v = len(share.chunks)
             #: a rank of several stages: the backwards that can peak, each as (its counts, its stage, its kind,
-            #: the trainable parameters accumulated before it, whether the embedding's are among them)
+            #: the trainable parameters accumulated before it, whether the embedding's are among them, whether its
+            #: own stage's are)
             candidates: list[tuple[Any, ...]] = []
             if v > 1:  # interleaved: each stage's micro-batches in flight with that stage's own profile, at the
                 # backward where they hold the most (at a micro-batch of 1)
@@ -604,12 +605,12 @@ class Layout:
                                  _memo={})
                 # an input-gradient step (I) makes no weight gradient (its W does, later): as a later backward
                 moments.append((pv, acc2, emb2, again or kind2 == schedules.I))
-            accumulating.append(tuple(moments) or None)
+            peak_moments.append(tuple(moments) or None)
         self.ranks = tuple(out)
         #: per pipeline rank of several stages, its backwards that can peak: (its activation profile, the
         #: trainable parameters whose gradients are accumulated before it, the embedding's among them, whether it
         #: makes none of its own: its stage's are among them, or it is an input-gradient step); None: one stage
-        self.accumulating = tuple(accumulating)
+        self.peak_moments = tuple(peak_moments)
         #: ranks another one bounds (parallel.dominated): a search skips them
         self.dominated = par.dominated(tuple(share for share, _, _ in out))
         self._at: dict[int, list[Settings]] = {}
@@ -670,7 +671,7 @@ class Layout:
         where every micro-batch's forward runs before the first backward (GPipe; 1F1B with no more micro-batches
         than the rank holds in flight), the two moments that can peak: the first backward, with every
         micro-batch in flight and no gradient accumulated yet, and the second, one micro-batch fewer and the
-        gradients accumulated; a rank of several stages, its backwards that can peak (Layout.accumulating)."""
+        gradients accumulated; a rank of several stages, its backwards that can peak (Layout.peak_moments)."""
         from memplan import parallel as par
 
         share, r_inv, r_s = self.ranks[i]
@@ -686,7 +687,7 @@ class Layout:
         prof = r_s.activation_profile
         if m == 1:
             return [one]
-        moments = self.accumulating[i]
+        moments = self.peak_moments[i]
         if moments is not None and r_s.strategy.framework == "fsdp2" and r_s.rank.pipeline_stage:
             # a rank of several stages: each backward that can peak, with the accumulators of the stages that ran
             # a backward before it (each FSDPParamGroup accumulates its own parameters' gradients from its first

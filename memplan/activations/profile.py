@@ -479,10 +479,10 @@ class HeldProfile:
     #: micro-batch's forward to its backward (PipelineStage.fwd_cache): on every micro-batch in flight, the one in
     #: its forward excepted
     output: int = 0
-    #: the micro-batches held besides the current one, as (profile, count) by the stage they ran through (an
-    #: interleaved rank's stages differ), or (profile, count, output): each of them keeps its own stage's output,
-    #: bytes per micro-batch of 1, in place of ``output`` (the last stage's logits on its micro-batches alone);
-    #: empty: ``held - 1`` of the inner profile's
+    #: the micro-batches held besides the current one, as (profile, count, output) by the stage they ran through
+    #: (an interleaved rank's stages differ), each keeping its own stage's output, bytes per micro-batch of 1 (the
+    #: last stage's logits on its micro-batches alone); empty: ``held - 1`` of the inner profile's, each keeping
+    #: ``output``
     others: tuple = ()
     #: blocks the inner profile counts beyond the current micro-batch's own (an interleaved rank's inner profile
     #: has all its blocks, as its buffers' timeline does; the micro-batch runs through one stage's)
@@ -507,11 +507,10 @@ class HeldProfile:
         key = ("extra", recompute, micro_batch)
         if key not in self._memo:
             held = outputs = 0
-            for entry in self.others or ((self.inner, self.held - 1),):
-                prof, count = entry[0], entry[1]
+            for prof, count, output in self.others or ((self.inner, self.held - 1, self.output),):
                 t = prof.terms(recompute, micro_batch)
                 held += count * (t.saved_less_block + t.block)
-                outputs += count * (entry[2] if len(entry) > 2 else self.output)
+                outputs += count * output
             block = self.inner.terms(recompute, micro_batch).block
             self._memo[key] = (held - self.held * self.saved_less * micro_batch
                                + (outputs + self.output) * micro_batch - self.fewer_layers * block
@@ -523,7 +522,8 @@ class HeldProfile:
         others = self.others
         if others:
             i = max(range(len(others)), key=lambda k: others[k][1])
-            others = others[:i] + ((others[i][0], others[i][1] - 1, *others[i][2:]),) + others[i + 1:]
+            prof, count, output = others[i]
+            others = others[:i] + ((prof, count - 1, output),) + others[i + 1:]
         return replace(self, held=self.held - 1, others=others, _memo={})
 
     def terms(self, recompute: str, micro_batch: int) -> Terms:

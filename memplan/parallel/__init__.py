@@ -45,8 +45,8 @@ from memplan.parallel.degrees import (CP_KEY, EP_KEY, LAYOUT_SCHEDULES, MEGATRON
 from memplan.parallel.expert import routed_experts
 from memplan.parallel.layout import check, layout_of
 from memplan.parallel.pipeline import (Chunk, RankShare, backward_moments, dominated, held_moments, in_flight,
-                                       partition_balanced, rank_chunks, recv_buffers, shares, stage_input, stage_inventory, stage_output,
-                                       torchtitan_stages, zero_bubble_grads)
+                                       partition_balanced, rank_chunks, recv_buffers, shares, stage_input,
+                                       stage_inventory, stage_output, torchtitan_stages, zero_bubble_grads)
 from memplan.parallel.sequence import norm_saved, sp_saving, sp_tokens
 from memplan.parallel.tensor import (BARE_VOCAB, COLUMN, KV, MEGATRON_VOCAB_MULTIPLE, ROW, loss_parallel_extra,
                                      padded_vocab, rank_config, rank_dims, tp_inventory)
@@ -54,7 +54,6 @@ from memplan.parallel.tensor import (BARE_VOCAB, COLUMN, KV, MEGATRON_VOCAB_MULT
 __all__ = ["BARE_VOCAB", "COLUMN", "CP_KEY", "EP_KEY", "KV", "LAYOUT_SCHEDULES", "MEGATRON_DEEPSPEED",
            "MEGATRON_VOCAB_MULTIPLE", "ROW", "SCHEDULES", "TORCHTITAN", "Chunk", "Parallel", "RankShare", "check",
            "backward_moments", "dominated", "held_moments", "in_flight", "layout_of", "loss_parallel_extra",
-           "norm_saved",
-           "padded_vocab", "partition_balanced", "rank_chunks", "rank_config", "rank_dims", "recv_buffers",
+           "norm_saved", "padded_vocab", "partition_balanced", "rank_chunks", "rank_config", "rank_dims", "recv_buffers",
            "ring_attention", "routed_experts", "shares", "sp_saving", "sp_tokens", "stage_input", "stage_inventory",
            "stage_output", "torchtitan_stages", "tp_inventory", "zero_bubble_grads"]

@@ -76,13 +76,13 @@ IMAGE = "image-classification"
 IMAGE_TEXT = "image-text-to-text"
 TASKS = (CAUSAL_LM, "masked-lm", "sequence-classification", "token-classification", "question-answering",
          IMAGE, SEQ2SEQ, IMAGE_TEXT)
-#: the vision-language models of any image resolution (Qwen-VL: the image's patch grid, image_grid_thw, is an input)
 #: models whose step reads its attention mask's values: Longformer's and LED's sliding-window attention asks whether
 #: any token attends globally (modeling_longformer.py LongformerEncoder.forward, modeling_led.py LEDEncoder.forward:
 #: ``is_index_global_attn.flatten().any().item()``) and gathers the global tokens' indices (_get_global_attn_indices:
 #: ``nonzero``), so the step is fed the mask a tokenizer gives an unpadded batch (ones), made with torch.tensor so
 #: that a traced step keeps its values (activations/tracing/grids.py)
 MASK_VALUE_MODELS = ("longformer", "led")
+#: the vision-language models of any image resolution (Qwen-VL: the image's patch grid, image_grid_thw, is an input)
 PATCH_GRID_MODELS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
 #: the vision-language model types memplan traces (their image tokens: image_text_tokens)
 IMAGE_TEXT_MODELS = ("llava", "gemma3", "paligemma", "mllama") + PATCH_GRID_MODELS

@@ -54,6 +54,6 @@ from memplan.parallel.tensor import (BARE_VOCAB, COLUMN, KV, MEGATRON_VOCAB_MULT
 __all__ = ["BARE_VOCAB", "COLUMN", "CP_KEY", "EP_KEY", "KV", "LAYOUT_SCHEDULES", "MEGATRON_DEEPSPEED",
            "MEGATRON_VOCAB_MULTIPLE", "ROW", "SCHEDULES", "TORCHTITAN", "Chunk", "Parallel", "RankShare", "check",
            "backward_moments", "dominated", "held_moments", "in_flight", "layout_of", "loss_parallel_extra",
-           "norm_saved", "padded_vocab", "partition_balanced", "rank_chunks", "rank_config", "rank_dims", "recv_buffers",
-           "ring_attention", "routed_experts", "shares", "sp_saving", "sp_tokens", "stage_input", "stage_inventory",
-           "stage_output", "torchtitan_stages", "tp_inventory", "zero_bubble_grads"]
+           "norm_saved", "padded_vocab", "partition_balanced", "rank_chunks", "rank_config", "rank_dims",
+           "recv_buffers", "ring_attention", "routed_experts", "shares", "sp_saving", "sp_tokens", "stage_input",
+           "stage_inventory", "stage_output", "torchtitan_stages", "tp_inventory", "zero_bubble_grads"]

@@ -80,39 +80,28 @@ def constant_inputs(config: dict[str, Any]) -> Iterator[None]:
     """Keep the step's input values through the trace (see the module's docstring); nothing for other configs."""
     import torch._subclasses.fake_tensor as ft
 
-    if reads_mask(config):
-        mt = str(config["model_type"])
-        module = importlib.import_module(f"transformers.models.{mt}.modeling_{mt}")
-        patched: list[tuple[Any, str, Any, Any]] = []
-        if hasattr(module, "create_bidirectional_mask"):  # reads only the shapes of the embeddings it is given
-            real = module.create_bidirectional_mask
-            patched.append((module, "create_bidirectional_mask", real, _on_values(real, shapes_only=True)))
-        for c in vars(module).values():
-            fn = vars(c).get("_get_global_attn_indices") if isinstance(c, type) else None
-            if isinstance(fn, staticmethod):
-                patched.append((c, "_get_global_attn_indices", fn, staticmethod(_on_values(fn.__func__))))
-        limit = ft.CONSTANT_NUMEL_LIMIT
-        try:
-            ft.CONSTANT_NUMEL_LIMIT = sys.maxsize
-            for owner, name, _, new in patched:
-                setattr(owner, name, new)
-            yield
-        finally:
-            ft.CONSTANT_NUMEL_LIMIT = limit
-            for owner, name, old, _ in patched:
-                setattr(owner, name, old)
-        return
-    if reads_ids(config):
-        limit = ft.CONSTANT_NUMEL_LIMIT
-        try:
-            ft.CONSTANT_NUMEL_LIMIT = sys.maxsize
-            yield
-        finally:
-            ft.CONSTANT_NUMEL_LIMIT = limit
-        return
-    if not reads_values(config):
+    if not (reads_mask(config) or reads_ids(config) or reads_values(config)):
         yield
         return
+    # (owner, name, the replacement) for the step: what runs on the values, and for a patch-grid model the vision
+    # attention run by segment slot
+    patched = _value_patches(config) if reads_mask(config) or reads_values(config) else []
+    real = [(owner, name, vars(owner)[name]) for owner, name, _ in patched]
+    limit = ft.CONSTANT_NUMEL_LIMIT
+    try:
+        ft.CONSTANT_NUMEL_LIMIT = sys.maxsize
+        for owner, name, new in patched:
+            setattr(owner, name, new)
+        yield
+    finally:
+        ft.CONSTANT_NUMEL_LIMIT = limit
+        for owner, name, old in real:
+            setattr(owner, name, old)
+
+
+def _value_patches(config: dict[str, Any]) -> list[tuple[Any, str, Any]]:
+    """The functions of the config's modeling module that a trace runs on its inputs' values (reads_mask,
+    reads_values), each as (owner, name, replacement)."""
     import inspect
 
     import torch.nn as nn
@@ -120,28 +109,26 @@ def constant_inputs(config: dict[str, Any]) -> Iterator[None]:
     mt = str(config["model_type"])
     module = importlib.import_module(f"transformers.models.{mt}.modeling_{mt}")
     classes = [c for c in vars(module).values() if isinstance(c, type)]
+    if reads_mask(config):
+        out: list[tuple[Any, str, Any]] = []
+        if hasattr(module, "create_bidirectional_mask"):  # reads only the shapes of the embeddings it is given
+            out.append((module, "create_bidirectional_mask",
+                        _on_values(module.create_bidirectional_mask, shapes_only=True)))
+        out += [(c, "_get_global_attn_indices", staticmethod(_on_values(vars(c)["_get_global_attn_indices"].__func__)))
+                for c in classes if isinstance(vars(c).get("_get_global_attn_indices"), staticmethod)]
+        return out
     # run on the values: the vision_utils helpers the module calls (standalone functions of the grid and config
     # scalars: positions, segments, windows) and each model's get_rope_index
-    on_values = [(module, n, f) for n, f in vars(module).items()
-                 if n.startswith("get_vision_") and getattr(f, "__module__", "") == "transformers.vision_utils"]
-    on_values += [(c, "get_rope_index", vars(c)["get_rope_index"]) for c in classes if "get_rope_index" in vars(c)]
+    out = [(module, n, _on_values(f)) for n, f in vars(module).items()
+           if n.startswith("get_vision_") and getattr(f, "__module__", "") == "transformers.vision_utils"]
+    out += [(c, "get_rope_index", _on_values(vars(c)["get_rope_index"])) for c in classes
+            if "get_rope_index" in vars(c)]
     # by segment slot: the vision tower's attention, a module whose forward takes cu_seqlens (not the blocks that
     # pass it on)
-    by_slot = [(c, "forward", vars(c)["forward"]) for c in classes
-               if issubclass(c, nn.Module) and "Attention" in c.__name__ and "forward" in vars(c)
-               and "cu_seqlens" in inspect.signature(c.forward).parameters]
-    limit = ft.CONSTANT_NUMEL_LIMIT
-    try:
-        ft.CONSTANT_NUMEL_LIMIT = sys.maxsize
-        for owner, name, fn in on_values:
-            setattr(owner, name, _on_values(fn))
-        for owner, name, fn in by_slot:
-            setattr(owner, name, _by_segment_slot(fn))
-        yield
-    finally:
-        ft.CONSTANT_NUMEL_LIMIT = limit
-        for owner, name, fn in on_values + by_slot:
-            setattr(owner, name, fn)
+    out += [(c, "forward", _by_segment_slot(vars(c)["forward"])) for c in classes
+            if issubclass(c, nn.Module) and "Attention" in c.__name__ and "forward" in vars(c)
+            and "cu_seqlens" in inspect.signature(c.forward).parameters]
+    return out
 
 
 def _on_values(fn: Any, shapes_only: bool = False) -> Any:
